@@ -1,0 +1,125 @@
+"""The admin HTTP API: health, readiness, status and Prometheus metrics.
+
+`/healthz` and `/readyz` are open (kubelet probes); everything else needs the
+bearer token, or, when no token is configured, a loopback client.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from twinmq.broker import metrics
+from twinmq.broker.api import BrokerStatus, ErrorBody, JournalStatus, QueueStatus
+
+if TYPE_CHECKING:
+    from twinmq.broker.server import Broker
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+def error(status: int, message: str, detail: str = "") -> web.Response:
+    """A JSON error response."""
+    body = ErrorBody(error=message, detail=detail).model_dump_json()
+    return web.Response(status=status, text=body, content_type="application/json")
+
+
+def _loopback(request: web.Request) -> bool:
+    try:
+        return ipaddress.ip_address(request.remote or "").is_loopback
+    except ValueError:
+        return False
+
+
+def build_status(broker: Broker) -> BrokerStatus:
+    """Snapshot the broker for `GET /status`."""
+    vhost = broker.vhost
+    queues = []
+    for q in vhost.queues.values():
+        queues.append(
+            QueueStatus(
+                name=q.name, durable=q.durable, exclusive=q.definition.exclusive,
+                messages=q.message_count, unacked=q.unacked, consumers=len(q.consumers),
+                bytes=q.bytes,
+            )
+        )
+        metrics.QUEUE_MESSAGES.labels(q.name).set(q.message_count)
+        metrics.QUEUE_UNACKED.labels(q.name).set(q.unacked)
+    stats = broker.journal.stats
+    return BrokerStatus(
+        name=broker.settings.name,
+        version=broker.product_version,
+        role=broker.role,  # type: ignore[arg-type]
+        epoch=broker.epoch,
+        ready=broker.refusal() is None,
+        uptime_seconds=round(time.time() - broker.started, 3),
+        connections=len(broker.protocols),
+        channels=sum(len(p.conn.channels) for p in broker.protocols if p.conn is not None),
+        alarms=[broker.monitor.reason] if broker.monitor.reason else [],
+        queues=queues,
+        journal=JournalStatus(
+            segments=stats.segments, bytes=stats.disk_bytes, live_messages=stats.live_messages,
+            durable_batch=broker.committer.durable_batch,
+        ),
+    )
+
+
+def make_app(broker: Broker) -> web.Application:
+    """The admin application."""
+    token = broker.settings.admin_token
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        if token is None:
+            if not _loopback(request):
+                return error(401, "unauthorized", "no admin token configured: loopback only")
+            return await handler(request)
+        given = request.headers.get("Authorization", "")
+        expected = "Bearer " + token.get_secret_value()
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            return error(401, "unauthorized", "missing or wrong bearer token")
+        return await handler(request)
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        reason = broker.refusal()
+        if reason is not None:
+            return web.json_response({"ready": False, "reason": reason}, status=503)
+        return web.json_response({"ready": True})
+
+    async def status(request: web.Request) -> web.Response:
+        return web.Response(
+            text=build_status(broker).model_dump_json(), content_type="application/json"
+        )
+
+    async def prometheus(request: web.Request) -> web.Response:
+        build_status(broker)  # refreshes the per-queue gauges
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application(middlewares=[auth])
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/status", status)
+    app.router.add_get("/metrics", prometheus)
+    return app
+
+
+async def start_admin(broker: Broker) -> object:
+    """Start the admin listener; returns the asyncio server (for its bound port)."""
+    runner = web.AppRunner(make_app(broker), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, broker.settings.host, broker.settings.admin_port,
+                       reuse_address=True)
+    await site.start()
+    return site._server

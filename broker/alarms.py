@@ -1,0 +1,89 @@
+"""Resource alarms: free disk and memory, checked once a second.
+
+Like RabbitMQ, an alarm blocks publishing connections (`connection.blocked`)
+instead of letting the broker fail: a full disk must never corrupt the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from twinmq.broker import metrics
+from twinmq.broker.commit import GroupCommitter
+
+log = logging.getLogger(__name__)
+
+
+def process_rss_bytes() -> int:
+    """Resident memory of this process."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # pragma: no cover - not Linux
+        return 0
+
+
+def total_memory_bytes() -> int:
+    """Physical memory of the machine (or the cgroup limit when lower)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+class ResourceMonitor:
+    """Raises and clears the disk and memory alarms."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        disk_free_limit: int,
+        memory_high_watermark: float,
+        committer: GroupCommitter,
+        on_change: Callable[[str | None], None],
+    ) -> None:
+        self.data_dir = data_dir
+        self.disk_free_limit = disk_free_limit
+        self.memory_limit = int(total_memory_bytes() * memory_high_watermark)
+        self.committer = committer
+        self.on_change = on_change
+        self.reason: str | None = None
+
+    def check(self) -> str | None:
+        """The current alarm reason, or None."""
+        free = shutil.disk_usage(self.data_dir).free
+        if self.committer.failure is not None:
+            # A write failed: stay blocked until there is room again, then retry.
+            if free > self.disk_free_limit:
+                self.committer.failure = None
+            else:
+                return "disk"
+        if free < self.disk_free_limit:
+            return "disk"
+        if process_rss_bytes() > self.memory_limit:
+            return "memory"
+        return None
+
+    def update(self) -> None:
+        """Check once and notify on change."""
+        reason = self.check()
+        if reason != self.reason:
+            for resource in ("disk", "memory"):
+                metrics.ALARM.labels(resource).set(1 if reason == resource else 0)
+            self.reason = reason
+            self.on_change(reason)
+
+    async def run(self, interval: float = 1.0) -> None:
+        """Check every `interval` seconds until cancelled."""
+        while True:
+            self.update()
+            await asyncio.sleep(interval)

@@ -1,0 +1,132 @@
+"""Group commit: journal operations gathered per event-loop turn, made durable together.
+
+Every publish and ack handled in one turn of the loop goes into the same batch,
+appended to the journal as one atomic record group. One syncing task waits for
+the journal's fsync of the newest batch and then tells the channels waiting on
+it, so confirms go out in bulk while the next batch is already being filled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Protocol
+
+from twinmq.broker import metrics
+from twinmq.broker.definitions import Definitions
+from twinmq.broker.journal import DiskFullError, Journal, JournalError, JournalOp
+
+log = logging.getLogger(__name__)
+
+
+class Waiter(Protocol):
+    """Something that waits for batches to become durable (a channel)."""
+
+    def durable(self, batch: int, failed: bool = False) -> bool:
+        """Batches up to `batch` are done; return whether it still waits for more."""
+        ...
+
+
+class GroupCommitter:
+    """Implements the virtual host's `Committer` over a `Journal` on the running loop."""
+
+    def __init__(self, journal: Journal, loop: asyncio.AbstractEventLoop) -> None:
+        self.journal = journal
+        self.loop = loop
+        self.durable_batch = 0  # every batch up to this one is on disk
+        self._open: list[JournalOp] = []
+        self._open_batch = 1  # the number of the batch being filled
+        self._appended: list[tuple[int, int]] = []  # (batch, lsn) appended, not yet durable
+        self._flush_scheduled = False
+        self._waiters: set[Waiter] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.failure: JournalError | None = None
+
+    # -- Committer protocol ----------------------------------------------------------------
+
+    def add(self, ops: Iterable[JournalOp]) -> int:
+        """Queue ops for the batch being filled and return its number."""
+        self._open.extend(ops)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+        return self._open_batch
+
+    def confirm_point(self) -> int:
+        """0 if nothing is outstanding, else the batch that covers everything before now."""
+        if self._open:
+            return self._open_batch
+        if self._appended:
+            return self._appended[-1][0]
+        return 0
+
+    def save_definitions(self, definitions: Definitions) -> None:
+        """Durably replace the topology file (rare: declares and deletes)."""
+        self.journal.save_definitions(definitions)
+
+    def drop_queue(self, qid: int) -> None:
+        """Tell the journal a queue's messages are garbage."""
+        self.journal.drop_queue(qid)
+
+    # -- waiting -------------------------------------------------------------------------
+
+    def await_durable(self, waiter: Waiter) -> None:
+        """Register a waiter; it is called as batches become durable."""
+        self._waiters.add(waiter)
+
+    def start(self) -> None:
+        """Start the syncing task."""
+        self._task = self.loop.create_task(self._sync_loop(), name="twinmq-group-commit")
+
+    async def stop(self) -> None:
+        """Flush, sync what is pending, stop the task."""
+        self._flush()
+        if self._appended:
+            await self._sync_once()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._open:
+            return
+        ops, self._open = self._open, []
+        batch = self._open_batch
+        self._open_batch += 1
+        metrics.COMMIT_BATCH.observe(len(ops))
+        lsn = self.journal.append(ops)
+        self._appended.append((batch, lsn))
+        self._wake.set()
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._appended:
+                await self._sync_once()
+
+    async def _sync_once(self) -> None:
+        batch, lsn = self._appended[-1]
+        failed = False
+        try:
+            await self.journal.sync(lsn)
+        except DiskFullError as exc:
+            log.error("journal write failed, disk full: nacking batches up to %d", batch)
+            self.failure = exc
+            failed = True
+        except JournalError as exc:
+            log.error("journal write failed (%s): nacking batches up to %d", exc, batch)
+            self.failure = exc
+            failed = True
+        # Batches appended while we synced stay for the next round.
+        self._appended = [(b, n) for b, n in self._appended if b > batch]
+        self.durable_batch = batch
+        for waiter in list(self._waiters):
+            if not waiter.durable(batch, failed):
+                self._waiters.discard(waiter)

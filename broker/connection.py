@@ -1,0 +1,494 @@
+"""One AMQP 0-9-1 connection as a state machine: bytes in, bytes out, no sockets.
+
+The asyncio transport (`server.py`) feeds received bytes to `receive_data`,
+writes what `data_to_send` returns, and looks at `closed`, `wants_read` and
+`writable`; everything AMQP happens here and in `channel.py`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pamqp import commands
+from pamqp.base import Frame as MethodFrame
+
+from twinmq.broker import metrics
+from twinmq.broker.auth import Authenticator, LoginError
+from twinmq.broker.channel import Channel
+from twinmq.broker.codec import (
+    FRAME_BODY,
+    FRAME_HEADER,
+    FRAME_HEARTBEAT,
+    FRAME_METHOD,
+    HEARTBEAT_FRAME,
+    PROTOCOL_HEADER,
+    Ack,
+    FrameReader,
+    Publish,
+    decode_method,
+    encode_method,
+)
+from twinmq.broker.errors import AMQPError, ReplyCode
+from twinmq.broker.vhost import VirtualHost
+
+log = logging.getLogger(__name__)
+
+PRE_TUNE_FRAME_MAX = 131072
+MIN_FRAME_MAX = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the server offers in `connection.tune`, and other per-connection limits."""
+
+    frame_max: int = 131072
+    channel_max: int = 2047
+    heartbeat: int = 60
+    max_message_size: int = 128 * 1024 * 1024
+
+
+class ConnectionContext(Protocol):
+    """What a connection needs from the broker around it."""
+
+    vhost: VirtualHost
+    authenticator: Authenticator
+    limits: Limits
+    product_version: str
+
+    def await_durable(self, channel: Channel) -> None:
+        """Call `channel.durable(batch)` as batches become durable."""
+        ...
+
+    def alarm(self) -> str | None:
+        """The reason publishers are blocked, or None."""
+        ...
+
+    def refusal(self) -> str | None:
+        """Why clients are refused right now (a passive broker), or None."""
+        ...
+
+
+class State(enum.Enum):
+    """Connection states, in the order a connection passes through them."""
+
+    AWAIT_HEADER = "await-protocol-header"
+    AWAIT_START_OK = "await-start-ok"
+    AWAIT_TUNE_OK = "await-tune-ok"
+    AWAIT_OPEN = "await-open"
+    OPEN = "open"
+    CLOSING = "closing"  # we sent connection.close and wait for close-ok
+    CLOSED = "closed"
+
+
+SERVER_CAPABILITIES = {
+    "publisher_confirms": True,
+    "exchange_exchange_bindings": False,
+    "basic.nack": True,
+    "consumer_cancel_notify": True,
+    "connection.blocked": True,
+    "authentication_failure_close": True,
+    "per_consumer_qos": True,
+    "direct_reply_to": False,
+}
+
+
+class Connection:
+    """An AMQP connection from `peer`; `loopback` tells whether `guest` may log in."""
+
+    def __init__(
+        self, ctx: ConnectionContext, peer: str, *, loopback: bool, wake: Callable[[], None]
+    ) -> None:
+        self.ctx = ctx
+        self.vhost = ctx.vhost
+        self.peer = peer
+        self.loopback = loopback
+        self.state = State.AWAIT_HEADER
+        self.user: str | None = None
+        self.client_properties: dict[str, Any] = {}
+        self.capabilities: dict[str, Any] = {}
+        self.channels: dict[int, Channel] = {}
+        self.frame_max = PRE_TUNE_FRAME_MAX
+        self.channel_max = ctx.limits.channel_max
+        self.heartbeat = 0
+        self.max_message_size = ctx.limits.max_message_size
+        self.writable = True
+        self.blocked = False  # an alarm holds this connection's reads
+        self.close_reason: str | None = None
+        self.last_received = 0.0
+        self.last_sent = 0.0
+        self._reader = FrameReader(PRE_TUNE_FRAME_MAX)
+        self._header_buf = b""
+        self._out: list[bytes] = []
+        self._wake = wake
+
+    # -- transport interface -------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """The transport should close the socket once it has written the output."""
+        return self.state is State.CLOSED
+
+    @property
+    def wants_read(self) -> bool:
+        """False while a resource alarm blocks this (publishing) connection."""
+        return not self.blocked
+
+    def send(self, data: bytes) -> None:
+        """Queue bytes for the client and wake the transport if it was idle."""
+        if not self._out:
+            self._out.append(data)
+            self._wake()
+        else:
+            self._out.append(data)
+
+    def await_durable(self, channel: Channel) -> None:
+        """A channel waits for a journal batch (confirms, tx.commit-ok)."""
+        self.ctx.await_durable(channel)
+
+    def data_to_send(self) -> bytes:
+        """Everything queued for the client since the last call."""
+        if not self._out:
+            return b""
+        data = b"".join(self._out)
+        self._out.clear()
+        return data
+
+    def receive_data(self, data: bytes, now: float = 0.0) -> None:
+        """Process bytes from the client."""
+        if self.state is State.CLOSED:
+            return
+        self.last_received = now
+        if self.state is State.AWAIT_HEADER:
+            self._header_buf += data
+            if len(self._header_buf) < 8:
+                if not PROTOCOL_HEADER.startswith(self._header_buf[:8]):
+                    self._refuse_header()
+                return
+            header, data = self._header_buf[:8], self._header_buf[8:]
+            self._header_buf = b""
+            if header != PROTOCOL_HEADER:
+                self._refuse_header()
+                return
+            self._start()
+            if not data:
+                return
+        try:
+            frames = self._reader.feed(data)
+        except AMQPError as exc:
+            # Frames before the malformed one are still valid; the stream is not.
+            self._connection_error(exc)
+            return
+        for ftype, channel, payload in frames:
+            if self.state is State.CLOSED:
+                return
+            try:
+                self._frame(ftype, channel, payload)
+            except AMQPError as exc:
+                self._error(channel, exc)
+            except Exception:
+                log.exception("internal error on connection from %s", self.peer)
+                self._connection_error(
+                    AMQPError(ReplyCode.INTERNAL_ERROR, "internal error, see the broker log")
+                )
+
+    def heartbeat_due(self, now: float) -> bool:
+        """Send a heartbeat if idle; return False when the peer missed two heartbeats."""
+        if not self.heartbeat or self.state is not State.OPEN:
+            return True
+        if now - self.last_received > 2 * self.heartbeat:
+            log.warning("missed heartbeats from %s, closing", self.peer)
+            self.close_reason = "missed heartbeats"
+            return False
+        if now - self.last_sent >= self.heartbeat / 2:
+            self.send(HEARTBEAT_FRAME)
+        return True
+
+    def connection_lost(self) -> None:
+        """The socket is gone: release channels, delete exclusive queues."""
+        for channel in self.channels.values():
+            if not channel.closing:
+                channel.release()
+        self.channels.clear()
+        if self.state is not State.CLOSED:
+            self.state = State.CLOSED
+        self.vhost.connection_closed(self)
+
+    def set_alarm(self, reason: str | None) -> None:
+        """A resource alarm was raised (reason) or cleared (None)."""
+        if self.state is not State.OPEN:
+            return
+        if self.capabilities.get("connection.blocked"):
+            if reason is not None:
+                self.send(encode_method(0, commands.Connection.Blocked(reason=reason)))
+            else:
+                self.send(encode_method(0, commands.Connection.Unblocked()))
+        if reason is None and self.blocked:
+            self.blocked = False
+            self._wake()
+
+    def force_close(self, code: ReplyCode, text: str) -> None:
+        """Close the connection from the broker's side (shutdown, demotion)."""
+        if self.state in (State.OPEN, State.AWAIT_OPEN, State.AWAIT_TUNE_OK):
+            self._connection_error(AMQPError(code, text))
+
+    # -- negotiation ---------------------------------------------------------------------
+
+    def _refuse_header(self) -> None:
+        # The spec's answer to a protocol header we do not speak: ours, then close.
+        self.send(PROTOCOL_HEADER)
+        self.close_reason = "unsupported protocol header"
+        self.state = State.CLOSED
+        self._wake()
+
+    def _start(self) -> None:
+        self.send(
+            encode_method(
+                0,
+                commands.Connection.Start(
+                    version_major=0,
+                    version_minor=9,
+                    server_properties={
+                        "product": "TwinMQ",
+                        "version": self.ctx.product_version,
+                        "platform": "Python",
+                        "copyright": "TwinMQ authors",
+                        "information": "https://twinmq.io",
+                        "capabilities": SERVER_CAPABILITIES,
+                    },
+                    mechanisms="PLAIN AMQPLAIN",
+                    locales="en_US",
+                ),
+            )
+        )
+        self.state = State.AWAIT_START_OK
+
+    def _start_ok(self, m: commands.Connection.StartOk) -> None:
+        self.client_properties = dict(m.client_properties or {})
+        self.capabilities = dict(self.client_properties.get("capabilities") or {})
+        try:
+            self.user = self.ctx.authenticator.login(m.mechanism, m.response, self.loopback)
+        except LoginError as exc:
+            metrics.AUTH_FAILURES.inc()
+            log.warning("login refused for %s: %s", self.peer, exc)
+            self._connection_error(AMQPError(ReplyCode.ACCESS_REFUSED, str(exc), 10, 11))
+            return
+        limits = self.ctx.limits
+        self.send(
+            encode_method(
+                0,
+                commands.Connection.Tune(
+                    channel_max=limits.channel_max,
+                    frame_max=limits.frame_max,
+                    heartbeat=limits.heartbeat,
+                ),
+            )
+        )
+        self.state = State.AWAIT_TUNE_OK
+
+    def _tune_ok(self, m: commands.Connection.TuneOk) -> None:
+        limits = self.ctx.limits
+        frame_max = m.frame_max or limits.frame_max
+        if frame_max < MIN_FRAME_MAX or frame_max > limits.frame_max:
+            raise AMQPError(
+                ReplyCode.NOT_ALLOWED,
+                f"negotiated frame_max = {frame_max} is outside {MIN_FRAME_MAX}..{limits.frame_max}",
+                10, 31,
+            )
+        channel_max = m.channel_max or limits.channel_max
+        if channel_max > limits.channel_max:
+            raise AMQPError(
+                ReplyCode.NOT_ALLOWED,
+                f"negotiated channel_max = {channel_max} is higher than {limits.channel_max}",
+                10, 31,
+            )
+        self.frame_max = frame_max
+        self._reader.frame_max = frame_max
+        self.channel_max = channel_max
+        self.heartbeat = m.heartbeat
+        self.state = State.AWAIT_OPEN
+
+    def _open(self, m: commands.Connection.Open) -> None:
+        if m.virtual_host != "/":
+            raise AMQPError(
+                ReplyCode.NOT_ALLOWED, f"vhost '{m.virtual_host}' not found", 10, 40
+            )
+        refusal = self.ctx.refusal()
+        if refusal is not None:
+            raise AMQPError(ReplyCode.CONNECTION_FORCED, refusal, 10, 40)
+        self.send(encode_method(0, commands.Connection.OpenOk()))
+        self.state = State.OPEN
+        alarm = self.ctx.alarm()
+        if alarm is not None and self.capabilities.get("connection.blocked"):
+            self.send(encode_method(0, commands.Connection.Blocked(reason=alarm)))
+
+    # -- frames --------------------------------------------------------------------------
+
+    def _frame(self, ftype: int, number: int, payload: bytes) -> None:
+        if ftype == FRAME_HEARTBEAT:
+            if number != 0:
+                raise AMQPError(ReplyCode.FRAME_ERROR, "heartbeat frame on a non-zero channel")
+            return
+        if number == 0:
+            if ftype != FRAME_METHOD:
+                raise AMQPError(ReplyCode.UNEXPECTED_FRAME, "content frame on channel 0")
+            self._channel0(decode_method(payload))
+            return
+        if self.state is State.CLOSING:
+            return
+        if self.state is not State.OPEN:
+            raise AMQPError(ReplyCode.CHANNEL_ERROR, "channel frame before connection.open-ok")
+        channel = self.channels.get(number)
+        if ftype == FRAME_METHOD:
+            method = decode_method(payload)
+            if channel is None:
+                self._unopened_channel(number, method)
+                return
+            if channel.closing:
+                if isinstance(method, commands.Channel.Close | commands.Channel.CloseOk):
+                    self._closed_channel(number, method)
+                return
+            if channel.expecting_content:
+                raise AMQPError(
+                    ReplyCode.UNEXPECTED_FRAME,
+                    f"expected content header for class 60, got a method frame on channel "
+                    f"{number}",
+                )
+            if isinstance(method, Publish):
+                alarm = self.ctx.alarm()
+                if alarm is not None:
+                    # RabbitMQ's rule: stop reading from a connection that publishes
+                    # while an alarm is on; this publish itself is still taken.
+                    self.blocked = True
+                channel.on_publish(method)
+            elif isinstance(method, Ack):
+                channel.on_ack(method)
+            elif isinstance(method, commands.Channel.Close):
+                channel.release()
+                del self.channels[number]
+                self.send(encode_method(number, commands.Channel.CloseOk()))
+            elif isinstance(method, commands.Channel.CloseOk):
+                raise AMQPError(ReplyCode.CHANNEL_ERROR, "unexpected channel.close-ok")
+            elif isinstance(method, commands.Channel.Open):
+                raise AMQPError(
+                    ReplyCode.CHANNEL_ERROR, f"second 'channel.open' seen on channel {number}",
+                    20, 10,
+                )
+            else:
+                channel.handle(method)
+            return
+        if channel is None:
+            raise AMQPError(ReplyCode.CHANNEL_ERROR, f"expected 'channel.open' on channel {number}")
+        if channel.closing:
+            return
+        if ftype == FRAME_HEADER:
+            channel.on_header(payload)
+        elif ftype == FRAME_BODY:
+            channel.on_body(payload)
+
+    def _unopened_channel(self, number: int, method: Any) -> None:
+        if not isinstance(method, commands.Channel.Open):
+            raise AMQPError(
+                ReplyCode.CHANNEL_ERROR, f"expected 'channel.open' on channel {number}"
+            )
+        if number > self.channel_max:
+            raise AMQPError(
+                ReplyCode.NOT_ALLOWED,
+                f"channel {number} is above the negotiated channel_max {self.channel_max}",
+                20, 10,
+            )
+        self.channels[number] = Channel(self, number)
+        self.send(encode_method(number, commands.Channel.OpenOk()))
+
+    def _closed_channel(self, number: int, method: MethodFrame) -> None:
+        # Both sides closing at once, or the client's close-ok to our channel.close.
+        del self.channels[number]
+        if isinstance(method, commands.Channel.Close):
+            self.send(encode_method(number, commands.Channel.CloseOk()))
+
+    def _channel0(self, method: Any) -> None:
+        state = self.state
+        if isinstance(method, commands.Connection.Close):
+            self.send(encode_method(0, commands.Connection.CloseOk()))
+            self._closed("client closed the connection")
+        elif isinstance(method, commands.Connection.CloseOk):
+            self._closed(self.close_reason or "closed")
+        elif state is State.CLOSING:
+            return
+        elif state is State.AWAIT_START_OK and isinstance(method, commands.Connection.StartOk):
+            self._start_ok(method)
+        elif state is State.AWAIT_TUNE_OK and isinstance(method, commands.Connection.TuneOk):
+            self._tune_ok(method)
+        elif state is State.AWAIT_OPEN and isinstance(method, commands.Connection.Open):
+            self._open(method)
+        elif state is State.OPEN and isinstance(method, commands.Connection.UpdateSecret):
+            self.send(encode_method(0, commands.Connection.UpdateSecretOk()))
+        else:
+            raise AMQPError(
+                ReplyCode.COMMAND_INVALID,
+                f"unexpected {method.name} on channel 0 in state {state.value}",
+            )
+
+    # -- errors and closing --------------------------------------------------------------
+
+    def _error(self, number: int, exc: AMQPError) -> None:
+        metrics.PROTOCOL_ERRORS.labels(str(int(exc.code))).inc()
+        channel = self.channels.get(number)
+        if exc.connection_level or channel is None or number == 0:
+            self._connection_error(exc)
+            return
+        log.info("closing channel %d of %s: %s", number, self.peer, exc.reply_text)
+        channel.release()
+        self.send(
+            encode_method(
+                number,
+                commands.Channel.Close(
+                    reply_code=int(exc.code),
+                    reply_text=exc.reply_text,
+                    class_id=exc.class_id,
+                    method_id=exc.method_id,
+                ),
+            )
+        )
+
+    def _connection_error(self, exc: AMQPError) -> None:
+        if self.state in (State.CLOSING, State.CLOSED):
+            return
+        if exc.code != ReplyCode.ACCESS_REFUSED:
+            metrics.PROTOCOL_ERRORS.labels(str(int(exc.code))).inc()
+        log.info("closing connection from %s: %s", self.peer, exc.reply_text)
+        self.close_reason = exc.reply_text
+        if self.state is State.AWAIT_HEADER:
+            self._closed(exc.reply_text)
+            return
+        self.send(
+            encode_method(
+                0,
+                commands.Connection.Close(
+                    reply_code=int(exc.code),
+                    reply_text=exc.reply_text,
+                    class_id=exc.class_id,
+                    method_id=exc.method_id,
+                ),
+            )
+        )
+        for channel in self.channels.values():
+            if not channel.closing:
+                channel.release()
+        self.state = State.CLOSING
+        if exc.code == ReplyCode.ACCESS_REFUSED and self.user is None:
+            # RabbitMQ closes the socket right after refusing a login.
+            self.state = State.CLOSED
+            self._wake()
+
+    def _closed(self, reason: str) -> None:
+        for channel in self.channels.values():
+            if not channel.closing:
+                channel.release()
+        self.channels.clear()
+        self.close_reason = reason
+        self.state = State.CLOSED
+        self._wake()

@@ -1,0 +1,44 @@
+"""`twinmq-broker`: run a broker until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import uvloop
+
+from twinmq.broker.settings import BrokerSettings, parse_args
+
+
+async def serve(settings: BrokerSettings) -> None:
+    """Start a broker and run it until a termination signal."""
+    from twinmq.broker.server import Broker
+
+    broker = Broker(settings)
+    await broker.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # A line on stdout that tests and scripts can wait for.
+    print(f"twinmq-broker ready amqp={broker.amqp_port} admin={broker.admin_port}", flush=True)
+    await stop.wait()
+    logging.getLogger(__name__).info("termination signal: shutting down")
+    await broker.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    settings = parse_args(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [{settings.name}] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    uvloop.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Prometheus metrics of the broker (one registry per process, the default one)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+CONNECTIONS = Gauge("twinmq_connections", "Open client connections")
+CHANNELS = Gauge("twinmq_channels", "Open channels")
+QUEUES = Gauge("twinmq_queues", "Declared queues")
+QUEUE_MESSAGES = Gauge("twinmq_queue_messages_ready", "Ready messages per queue", ["queue"])
+QUEUE_UNACKED = Gauge(
+    "twinmq_queue_messages_unacknowledged", "Delivered, unacknowledged messages per queue", ["queue"]
+)
+PUBLISHED = Counter("twinmq_messages_published", "Messages routed to at least one queue or dropped")
+UNROUTABLE = Counter("twinmq_messages_unroutable", "Published messages no queue took")
+DELIVERED = Counter("twinmq_messages_delivered", "Deliveries to consumers and basic.get")
+ACKED = Counter("twinmq_messages_acknowledged", "Deliveries acknowledged by consumers")
+REDELIVERED = Counter("twinmq_messages_requeued", "Deliveries returned to their queue")
+EXPIRED = Counter("twinmq_messages_expired", "Messages dropped by TTL")
+DEAD_LETTERED = Counter("twinmq_messages_dead_lettered", "Messages sent to a dead-letter exchange")
+CONFIRMS = Counter("twinmq_confirms", "Publisher confirms sent", ["outcome"])
+CONFIRM_LATENCY = Histogram(
+    "twinmq_confirm_latency_seconds",
+    "From the end of a publish to its confirm (one observation per confirm frame)",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+FSYNC_LATENCY = Histogram(
+    "twinmq_journal_fsync_seconds",
+    "Journal write+fdatasync latency per group commit",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
+)
+COMMIT_BATCH = Histogram(
+    "twinmq_journal_batch_ops",
+    "Journal operations per group commit",
+    buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000),
+)
+ALARM = Gauge("twinmq_alarm", "1 while a resource alarm blocks publishers", ["resource"])
+PROTOCOL_ERRORS = Counter("twinmq_protocol_errors", "Channels or connections closed by errors",
+                          ["code"])
+AUTH_FAILURES = Counter("twinmq_auth_failures", "Refused logins")

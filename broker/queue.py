@@ -1,0 +1,221 @@
+"""Queues: ordered entries, consumers served round-robin, TTL and length limits.
+
+No I/O here: a queue hands entries to consumers and reports the entries it
+drops (expired, over length) through `on_drop`, so the virtual host can settle
+them in the journal and dead-letter them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
+
+from twinmq.broker.definitions import QueueDef
+from twinmq.broker.errors import ReplyCode, channel_error
+from twinmq.broker.message import Entry
+
+DropReason = Literal["expired", "maxlen", "rejected", "delete"]
+Overflow = Literal["drop-head", "reject-publish", "reject-publish-dlx"]
+
+
+class Consumer(Protocol):
+    """What a queue needs from a consumer (a channel's subscription)."""
+
+    tag: str
+    exclusive: bool
+
+    def ready(self) -> bool:
+        """Whether the consumer may take one more message now (prefetch, flow, socket)."""
+        ...
+
+    def deliver(self, queue: Queue, entry: Entry) -> None:
+        """Take the entry (the queue has already removed it)."""
+        ...
+
+
+class QueueArgs:
+    """The `x-*` arguments a queue understands, validated as RabbitMQ validates them."""
+
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        def non_negative(key: str) -> int | None:
+            value = arguments.get(key)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise channel_error(
+                    ReplyCode.PRECONDITION_FAILED,
+                    f"invalid arg '{key}' for queue: {value!r} is not a non-negative integer",
+                    (50, 10),
+                )
+            return value
+
+        self.message_ttl = non_negative("x-message-ttl")
+        self.expires = non_negative("x-expires")
+        if self.expires == 0:
+            raise channel_error(
+                ReplyCode.PRECONDITION_FAILED, "invalid arg 'x-expires': must be positive", (50, 10)
+            )
+        self.max_length = non_negative("x-max-length")
+        self.max_length_bytes = non_negative("x-max-length-bytes")
+        overflow = arguments.get("x-overflow", "drop-head")
+        if overflow not in ("drop-head", "reject-publish", "reject-publish-dlx"):
+            raise channel_error(
+                ReplyCode.PRECONDITION_FAILED, f"invalid arg 'x-overflow': {overflow!r}", (50, 10)
+            )
+        self.overflow: Overflow = overflow
+        dlx = arguments.get("x-dead-letter-exchange")
+        dlrk = arguments.get("x-dead-letter-routing-key")
+        for key, value in (("x-dead-letter-exchange", dlx), ("x-dead-letter-routing-key", dlrk)):
+            if value is not None and not isinstance(value, str):
+                raise channel_error(
+                    ReplyCode.PRECONDITION_FAILED, f"invalid arg '{key}': not a string", (50, 10)
+                )
+        self.dead_letter_exchange: str | None = dlx
+        self.dead_letter_routing_key: str | None = dlrk
+        qtype = arguments.get("x-queue-type", "classic")
+        # Quorum and stream declarations are accepted as durable classic queues: TwinMQ's
+        # replication gives every durable queue the pair's guarantees.
+        if qtype not in ("classic", "quorum"):
+            raise channel_error(
+                ReplyCode.PRECONDITION_FAILED, f"invalid arg 'x-queue-type': {qtype!r}", (50, 10)
+            )
+
+
+class Queue:
+    """A message queue."""
+
+    def __init__(
+        self,
+        definition: QueueDef,
+        owner: object | None,
+        on_drop: Callable[[Queue, Entry, DropReason], None],
+    ) -> None:
+        self.definition = definition
+        self.args = QueueArgs(definition.arguments)
+        self.owner = owner  # the connection of an exclusive queue
+        self.entries: deque[Entry] = deque()
+        self.bytes = 0
+        self.consumers: list[Consumer] = []
+        self.unacked = 0
+        self.had_consumers = False
+        self.deleted = False
+        self._next_consumer = 0
+        self._on_drop = on_drop
+
+    @property
+    def name(self) -> str:
+        """The queue's name."""
+        return self.definition.name
+
+    @property
+    def durable(self) -> bool:
+        """Whether the queue survives a restart."""
+        return self.definition.durable
+
+    @property
+    def message_count(self) -> int:
+        """Ready messages (not counting those delivered and unacknowledged)."""
+        return len(self.entries)
+
+    def is_full_for(self, size: int) -> bool:
+        """Whether one more message of `size` bytes exceeds a length limit."""
+        a = self.args
+        return (a.max_length is not None and len(self.entries) + 1 > a.max_length) or (
+            a.max_length_bytes is not None and self.bytes + size > a.max_length_bytes
+        )
+
+    def push(self, entry: Entry) -> None:
+        """Append an entry at the tail, enforcing drop-head length limits."""
+        self.entries.append(entry)
+        self.bytes += entry.size
+        a = self.args
+        if a.max_length is not None or a.max_length_bytes is not None:
+            while self.entries and (
+                (a.max_length is not None and len(self.entries) > a.max_length)
+                or (a.max_length_bytes is not None and self.bytes > a.max_length_bytes)
+            ):
+                self._drop(self.entries.popleft(), "maxlen")
+
+    def requeue(self, entries: list[Entry]) -> None:
+        """Put delivered entries back at the head, oldest first, marked redelivered."""
+        for entry in sorted(entries, key=lambda e: e.message.mid, reverse=True):
+            entry.redelivered = True
+            self.entries.appendleft(entry)
+            self.bytes += entry.size
+
+    def pop(self, now: float) -> Entry | None:
+        """Remove and return the head entry, dropping expired ones first."""
+        self.expire(now)
+        if not self.entries:
+            return None
+        entry = self.entries.popleft()
+        self.bytes -= entry.size
+        return entry
+
+    def expire(self, now: float) -> None:
+        """Drop expired entries at the head (RabbitMQ expires from the head only)."""
+        entries = self.entries
+        while entries:
+            head = entries[0]
+            if head.expires_at is None or head.expires_at > now:
+                return
+            entries.popleft()
+            self.bytes -= head.size
+            self._on_drop(self, head, "expired")
+
+    def next_expiry(self) -> float | None:
+        """When the head entry expires, if it does."""
+        return self.entries[0].expires_at if self.entries else None
+
+    def purge(self) -> list[Entry]:
+        """Remove every ready entry and return them."""
+        gone = list(self.entries)
+        self.entries.clear()
+        self.bytes = 0
+        return gone
+
+    def _drop(self, entry: Entry, reason: DropReason) -> None:
+        self.bytes -= entry.size
+        self._on_drop(self, entry, reason)
+
+    def add_consumer(self, consumer: Consumer) -> None:
+        """Subscribe a consumer; exclusivity is checked here."""
+        if any(c.exclusive for c in self.consumers):
+            raise channel_error(
+                ReplyCode.ACCESS_REFUSED,
+                f"queue '{self.name}' in vhost '/' has an exclusive consumer",
+                (60, 20),
+            )
+        if consumer.exclusive and self.consumers:
+            raise channel_error(
+                ReplyCode.ACCESS_REFUSED,
+                f"cannot obtain exclusive access to queue '{self.name}' in vhost '/'",
+                (60, 20),
+            )
+        self.consumers.append(consumer)
+        self.had_consumers = True
+
+    def remove_consumer(self, consumer: Consumer) -> None:
+        """Unsubscribe a consumer (no-op if it is not subscribed)."""
+        if consumer in self.consumers:
+            self.consumers.remove(consumer)
+
+    def dispatch(self, now: float) -> None:
+        """Hand ready entries to ready consumers, round-robin."""
+        consumers = self.consumers
+        entries = self.entries
+        while entries and consumers:
+            n = len(consumers)
+            start = self._next_consumer % n
+            for i in range(n):
+                consumer = consumers[(start + i) % n]
+                if consumer.ready():
+                    break
+            else:
+                return
+            entry = self.pop(now)
+            if entry is None:
+                return
+            self._next_consumer = (start + i + 1) % n
+            consumer.deliver(self, entry)

@@ -1,0 +1,266 @@
+"""The broker process: the thin asyncio transport around the protocol core.
+
+`Broker` wires the journal, the virtual host, group commit, resource alarms and
+the admin API together; `AMQPProtocol` only moves bytes between a socket and a
+`Connection` state machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+from importlib import metadata
+
+from twinmq.broker import metrics
+from twinmq.broker.alarms import ResourceMonitor
+from twinmq.broker.auth import Authenticator
+from twinmq.broker.channel import Channel
+from twinmq.broker.commit import GroupCommitter
+from twinmq.broker.connection import Connection, Limits
+from twinmq.broker.errors import ReplyCode
+from twinmq.broker.journal import Journal
+from twinmq.broker.settings import BrokerSettings
+from twinmq.broker.vhost import VirtualHost
+
+log = logging.getLogger(__name__)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("twinmq")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "0.0.0"
+
+
+class AMQPProtocol(asyncio.Protocol):
+    """Feeds a socket's bytes to a `Connection` and writes back what it produces."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.loop = broker.loop
+        self.transport: asyncio.Transport | None = None
+        self.conn: Connection | None = None
+        self._scheduled = False
+        self._receiving = False
+        self._reading = True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        host = peer[0] if isinstance(peer, tuple) else "local"
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "local"
+        self.conn = Connection(self.broker, f"{host}:{peer[1] if isinstance(peer, tuple) else 0}",
+                               loopback=loopback, wake=self._wake)
+        self.broker.protocols.add(self)
+        # Bound the write buffer so a slow consumer pauses deliveries, not the broker.
+        transport.set_write_buffer_limits(high=4 * 1024 * 1024)
+
+    def data_received(self, data: bytes) -> None:
+        conn = self.conn
+        assert conn is not None
+        self._receiving = True
+        try:
+            conn.receive_data(data, self.loop.time())
+        finally:
+            self._receiving = False
+        self._flush()
+
+    def _wake(self) -> None:
+        if not self._receiving and not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        conn, transport = self.conn, self.transport
+        if conn is None or transport is None or transport.is_closing():
+            return
+        data = conn.data_to_send()
+        if data:
+            transport.write(data)
+            conn.last_sent = self.loop.time()
+        if conn.closed:
+            transport.close()
+            return
+        wants = conn.wants_read
+        if wants != self._reading:
+            self._reading = wants
+            if wants:
+                transport.resume_reading()
+            else:
+                transport.pause_reading()
+
+    def pause_writing(self) -> None:
+        if self.conn is not None:
+            self.conn.writable = False
+
+    def resume_writing(self) -> None:
+        conn = self.conn
+        if conn is None:
+            return
+        conn.writable = True
+        now = self.broker.vhost.clock.time()
+        for channel in conn.channels.values():
+            for consumer in list(channel.consumers.values()):
+                consumer.queue.dispatch(now)
+        self._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.broker.protocols.discard(self)
+        if self.conn is not None:
+            self.conn.connection_lost()
+            log.debug("connection from %s closed: %s", self.conn.peer,
+                      self.conn.close_reason or exc or "socket closed")
+
+    def heartbeat(self, now: float) -> None:
+        """Heartbeat timer tick."""
+        if self.conn is None or self.transport is None:
+            return
+        if not self.conn.heartbeat_due(now):
+            self.transport.abort()
+            return
+        self._flush()
+
+
+class WallClock:
+    """The virtual host's clock: wall time, loop timers."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def time(self) -> float:
+        """Seconds since the epoch."""
+        return time.time()
+
+    def call_later(self, delay: float, callback: object) -> asyncio.TimerHandle:
+        """Schedule a callback."""
+        return self.loop.call_later(delay, callback)  # type: ignore[arg-type]
+
+
+class Broker:
+    """A running broker: listeners, journal, virtual host, alarms, admin API."""
+
+    def __init__(self, settings: BrokerSettings) -> None:
+        self.settings = settings
+        self.loop = asyncio.get_running_loop()
+        self.product_version = _version()
+        self.limits = Limits(
+            frame_max=settings.frame_max,
+            channel_max=settings.channel_max,
+            heartbeat=settings.heartbeat,
+            max_message_size=settings.max_message_size,
+        )
+        self.authenticator = Authenticator.from_file(settings.users_file)
+        self.protocols: set[AMQPProtocol] = set()
+        self.started = time.time()
+        self.role = "active"
+        self.epoch = 0
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(
+            settings.data_dir / "journal",
+            segment_bytes=settings.segment_bytes,
+            fsync=settings.fsync,
+            on_fsync=metrics.FSYNC_LATENCY.observe,
+        )
+        started = time.perf_counter()
+        recovered = self.journal.open()
+        log.info(
+            "journal recovered: %d segments, %d records, %d live messages in %d queues, "
+            "%d torn bytes truncated, %.2fs",
+            recovered.segments, recovered.records,
+            sum(len(m) for m in recovered.messages.values()), len(recovered.definitions.queues),
+            recovered.torn_bytes, time.perf_counter() - started,
+        )
+        self.committer = GroupCommitter(self.journal, self.loop)
+        self.vhost = VirtualHost(self.committer, WallClock(self.loop), recovered)
+        self.monitor = ResourceMonitor(
+            settings.data_dir, settings.disk_free_limit, settings.memory_high_watermark,
+            self.committer, self._alarm_changed,
+        )
+        self._servers: list[asyncio.base_events.Server] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        metrics.CONNECTIONS.set_function(lambda: len(self.protocols))
+        metrics.CHANNELS.set_function(
+            lambda: sum(len(p.conn.channels) for p in self.protocols if p.conn is not None)
+        )
+
+    # -- ConnectionContext ---------------------------------------------------------------
+
+    def await_durable(self, channel: Channel) -> None:
+        """Route durability notifications to a channel."""
+        self.committer.await_durable(channel)
+
+    def alarm(self) -> str | None:
+        """The active resource alarm, if any."""
+        return self.monitor.reason
+
+    def refusal(self) -> str | None:
+        """Why clients are refused now; None while active."""
+        return None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the listeners and background tasks."""
+        from twinmq.broker.admin import start_admin
+
+        self.committer.start()
+        server = await self.loop.create_server(
+            lambda: AMQPProtocol(self), self.settings.host, self.settings.port,
+            reuse_address=True, backlog=1024,
+        )
+        self._servers.append(server)
+        self._servers.append(await start_admin(self))
+        self._tasks.append(self.loop.create_task(self._heartbeats()))
+        self._tasks.append(self.loop.create_task(self.monitor.run()))
+        log.info(
+            "broker %s %s listening: amqp %s:%d, admin %s:%d, data %s",
+            self.settings.name, self.product_version, self.settings.host, self.amqp_port,
+            self.settings.host, self.admin_port, self.settings.data_dir,
+        )
+
+    @property
+    def amqp_port(self) -> int:
+        """The bound AMQP port (useful with --port 0)."""
+        return int(self._servers[0].sockets[0].getsockname()[1])
+
+    @property
+    def admin_port(self) -> int:
+        """The bound admin port."""
+        return int(self._servers[1].sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        """Close clients with 320, flush the journal, stop everything."""
+        for server in self._servers:
+            server.close()
+        for proto in list(self.protocols):
+            if proto.conn is not None:
+                proto.conn.force_close(ReplyCode.CONNECTION_FORCED, "broker shutdown")
+                proto._flush()
+        for task in self._tasks:
+            task.cancel()
+        await self.committer.stop()
+        await self.journal.close()
+        log.info("broker %s stopped", self.settings.name)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = self.loop.time()
+            for proto in list(self.protocols):
+                proto.heartbeat(now)
+
+    def _alarm_changed(self, reason: str | None) -> None:
+        if reason is None:
+            log.warning("resource alarm cleared: publishers unblocked")
+        else:
+            log.warning("resource alarm: %s: blocking publishers", reason)
+        for proto in list(self.protocols):
+            if proto.conn is not None:
+                proto.conn.set_alarm(reason)
+                proto._flush()

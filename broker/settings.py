@@ -1,0 +1,90 @@
+"""Broker settings: command-line flags, `TWINMQ_*` environment variables, or a settings file.
+
+Precedence: flags, then environment, then the file named by `--config` /
+`TWINMQ_CONFIG` (JSON), then defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class BrokerSettings(BaseSettings):
+    """Everything a broker process can be configured with."""
+
+    model_config = SettingsConfigDict(env_prefix="TWINMQ_", extra="forbid")
+
+    name: str = Field("twinmq", description="Broker name (shown in status, logs, metrics)")
+    host: str = Field("0.0.0.0", description="Address the AMQP and admin listeners bind")
+    port: int = Field(5672, ge=0, le=65535, description="AMQP port")
+    admin_port: int = Field(15672, ge=0, le=65535, description="Admin HTTP port")
+    data_dir: Path = Field(Path("./twinmq-data"), description="Journal and state directory")
+    admin_token: SecretStr | None = Field(
+        None, description="Bearer token for the admin API (required for all but healthz/readyz)"
+    )
+    users_file: Path | None = Field(
+        None, description="JSON users file; without it only guest/guest over loopback"
+    )
+    frame_max: int = Field(131072, ge=4096, description="Largest frame offered in tune")
+    channel_max: int = Field(2047, ge=1, le=65535, description="Most channels per connection")
+    heartbeat: int = Field(60, ge=0, description="Heartbeat interval offered in tune (s)")
+    max_message_size: int = Field(
+        128 * 1024 * 1024, ge=1, description="Largest message body accepted (bytes)"
+    )
+    segment_bytes: int = Field(
+        64 * 1024 * 1024, ge=4096, description="Journal segment size before rolling over"
+    )
+    fsync: bool = Field(True, description="fdatasync the journal before confirming (never off in production)")
+    disk_free_limit: int = Field(
+        50 * 1024 * 1024, ge=0, description="Block publishers when free disk drops below (bytes)"
+    )
+    memory_high_watermark: float = Field(
+        0.4, gt=0, le=1, description="Block publishers above this fraction of system memory"
+    )
+    log_level: str = Field("INFO", description="Python logging level")
+
+
+FLAGS: dict[str, str] = {
+    "--name": "name",
+    "--host": "host",
+    "--port": "port",
+    "--admin-port": "admin_port",
+    "--data-dir": "data_dir",
+    "--admin-token": "admin_token",
+    "--users-file": "users_file",
+    "--frame-max": "frame_max",
+    "--heartbeat": "heartbeat",
+    "--segment-bytes": "segment_bytes",
+    "--disk-free-limit": "disk_free_limit",
+    "--log-level": "log_level",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> BrokerSettings:
+    """Build settings from flags over environment over the settings file over defaults."""
+    parser = argparse.ArgumentParser(
+        prog="twinmq-broker", description="TwinMQ AMQP 0-9-1 broker"
+    )
+    parser.add_argument("--config", help="JSON settings file (also TWINMQ_CONFIG)")
+    for flag, field in FLAGS.items():
+        info = BrokerSettings.model_fields[field]
+        parser.add_argument(flag, dest=field, default=None, help=info.description)
+    parser.add_argument("--no-fsync", dest="fsync", action="store_const", const=False,
+                        default=None, help="do not fdatasync (benchmarks of the CPU path only)")
+    args = parser.parse_args(argv)
+    file_values: dict[str, Any] = {}
+    config = args.config or os.environ.get("TWINMQ_CONFIG")
+    if config:
+        file_values = json.loads(Path(config).read_text())
+    flags = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    env = BrokerSettings()  # environment over defaults
+    env_set = env.model_fields_set
+    merged = {**file_values, **{k: getattr(env, k) for k in env_set}, **flags}
+    return BrokerSettings.model_validate(merged)

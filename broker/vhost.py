@@ -1,0 +1,667 @@
+"""The virtual host: exchanges, queues and bindings, and what happens to a message in them.
+
+Pure broker logic with no I/O of its own: durability goes through a `Committer`
+(journal group commit, later replication too) and time through a `Clock`, both
+passed in, so tests and the asyncio server drive the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from twinmq.broker import metrics
+from twinmq.broker.codec import (
+    ContentHeaderInfo,
+    decode_content_header,
+    decode_properties,
+    encode_header_payload,
+)
+from twinmq.broker.definitions import (
+    BindingDef,
+    Definitions,
+    ExchangeDef,
+    ExchangeType,
+    QueueDef,
+)
+from twinmq.broker.errors import ReplyCode, channel_error
+from twinmq.broker.journal import JournalOp, Recovered, Settle, StoredMessage
+from twinmq.broker.message import Entry, Message
+from twinmq.broker.queue import DropReason, Queue
+from twinmq.broker.routing import EXCHANGE_TYPES, Exchange, make_exchange
+
+log = logging.getLogger(__name__)
+
+BUILTIN_EXCHANGES: tuple[tuple[str, ExchangeType], ...] = (
+    ("", "direct"),
+    ("amq.direct", "direct"),
+    ("amq.fanout", "fanout"),
+    ("amq.topic", "topic"),
+    ("amq.headers", "headers"),
+    ("amq.match", "headers"),
+)
+
+# (class id, method id) of the methods whose failures name them in channel.close.
+EXCHANGE_DECLARE = (40, 10)
+EXCHANGE_DELETE = (40, 20)
+QUEUE_DECLARE = (50, 10)
+QUEUE_BIND = (50, 20)
+QUEUE_PURGE = (50, 30)
+QUEUE_DELETE = (50, 40)
+QUEUE_UNBIND = (50, 50)
+BASIC_PUBLISH = (60, 40)
+
+
+class Cancellable(Protocol):
+    """A scheduled callback that can be cancelled."""
+
+    def cancel(self) -> None:
+        """Cancel the callback."""
+
+
+class Clock(Protocol):
+    """Time and timers, supplied by the event loop."""
+
+    def time(self) -> float:
+        """Wall-clock time in seconds (TTL deadlines survive restarts, so not monotonic)."""
+        ...
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Cancellable:
+        """Run `callback` after `delay` seconds."""
+        ...
+
+
+class Committer(Protocol):
+    """Makes journal operations durable in batches (group commit)."""
+
+    def add(self, ops: Iterable[JournalOp]) -> int:
+        """Queue ops for the next batch and return that batch's number."""
+        ...
+
+    def confirm_point(self) -> int:
+        """The batch a confirm issued now must wait for; 0 when nothing is outstanding."""
+        ...
+
+    def save_definitions(self, definitions: Definitions) -> None:
+        """Durably replace the stored topology."""
+        ...
+
+    def drop_queue(self, qid: int) -> None:
+        """A durable queue was deleted: its journaled messages are garbage."""
+        ...
+
+
+@dataclass(slots=True)
+class PublishResult:
+    """Where a publish went: the number of queues, whether a limit refused it, its batch."""
+
+    routed: int
+    rejected: bool
+    batch: int
+
+
+class VirtualHost:
+    """The broker's single virtual host ("/")."""
+
+    def __init__(self, committer: Committer, clock: Clock, recovered: Recovered | None) -> None:
+        self.committer = committer
+        self.clock = clock
+        self.exchanges: dict[str, Exchange] = {}
+        self.queues: dict[str, Queue] = {}
+        self.next_mid = 1
+        self.next_qid = 1
+        self._timers: dict[str, Cancellable] = {}
+        self._expiry_timers: dict[str, Cancellable] = {}
+        for name, etype in BUILTIN_EXCHANGES:
+            self.exchanges[name] = make_exchange(ExchangeDef(name=name, type=etype))
+        if recovered is not None:
+            self._recover(recovered)
+
+    # -- recovery and persistence ---------------------------------------------------------
+
+    def _recover(self, recovered: Recovered) -> None:
+        defs = recovered.definitions
+        self.next_qid = max(defs.next_qid, 1)
+        self.next_mid = max(recovered.next_mid, 1)
+        for edef in defs.exchanges:
+            if edef.name not in self.exchanges:
+                self.exchanges[edef.name] = make_exchange(edef)
+        now = self.clock.time()
+        for qdef in defs.queues:
+            queue = Queue(qdef, None, self._dropped)
+            self.queues[qdef.name] = queue
+            for stored in recovered.messages.get(qdef.qid, ()):
+                # The expiration is already folded into `expires_at`.
+                message = Message(
+                    stored.mid,
+                    stored.exchange,
+                    stored.routing_key,
+                    stored.header,
+                    stored.body,
+                    True,
+                    None,
+                    decode_content_header(stored.header).message_id,
+                )
+                # A message recovered from disk may have been delivered before the crash.
+                queue.push(Entry(message, stored.expires_at, True, redelivered=True))
+            queue.expire(now)
+            self._schedule_expiry(queue)
+            self._touch(queue)
+        for bdef in defs.bindings:
+            exchange = self.exchanges.get(bdef.exchange)
+            if exchange is not None and bdef.queue in self.queues:
+                exchange.bind(bdef)
+
+    def definitions(self) -> Definitions:
+        """The durable topology as it stands."""
+        builtin = {name for name, _ in BUILTIN_EXCHANGES}
+        return Definitions(
+            exchanges=[
+                e.definition
+                for e in self.exchanges.values()
+                if e.definition.durable and e.name not in builtin
+            ],
+            queues=[q.definition for q in self.queues.values() if q.durable],
+            bindings=[
+                b
+                for e in self.exchanges.values()
+                if e.definition.durable and e.name != ""
+                for b in e.bindings.values()
+                if self.queues[b.queue].durable
+            ],
+            next_qid=self.next_qid,
+        )
+
+    def _save(self) -> None:
+        self.committer.save_definitions(self.definitions())
+
+    # -- exchanges --------------------------------------------------------------------------
+
+    def declare_exchange(
+        self,
+        name: str,
+        etype: str,
+        *,
+        passive: bool,
+        durable: bool,
+        auto_delete: bool,
+        internal: bool,
+        arguments: dict[str, Any],
+    ) -> None:
+        """`exchange.declare`, with RabbitMQ's checks and reply codes."""
+        existing = self.exchanges.get(name)
+        if passive:
+            if existing is None:
+                raise channel_error(
+                    ReplyCode.NOT_FOUND, f"no exchange '{name}' in vhost '/'", EXCHANGE_DECLARE
+                )
+            return
+        if name.startswith("amq.") and existing is None:
+            raise channel_error(
+                ReplyCode.ACCESS_REFUSED,
+                f"exchange name '{name}' contains reserved prefix 'amq.*'",
+                EXCHANGE_DECLARE,
+            )
+        if etype not in EXCHANGE_TYPES:
+            raise channel_error(
+                ReplyCode.COMMAND_INVALID,
+                f"unknown exchange type '{etype}'",
+                EXCHANGE_DECLARE,
+            )
+        if existing is not None:
+            d = existing.definition
+            if (d.type, d.durable, d.auto_delete, d.internal) != (
+                etype,
+                durable,
+                auto_delete,
+                internal,
+            ):
+                raise channel_error(
+                    ReplyCode.PRECONDITION_FAILED,
+                    f"inequivalent arg 'type' or flags for exchange '{name}' in vhost '/': "
+                    f"received '{etype}' durable={durable} but current is '{d.type}' "
+                    f"durable={d.durable}",
+                    EXCHANGE_DECLARE,
+                )
+            return
+        definition = ExchangeDef(
+            name=name,
+            type=etype,  # type: ignore[arg-type]
+            durable=durable,
+            auto_delete=auto_delete,
+            internal=internal,
+            arguments=arguments,
+        )
+        self.exchanges[name] = make_exchange(definition)
+        if durable:
+            self._save()
+
+    def delete_exchange(self, name: str, *, if_unused: bool) -> None:
+        """`exchange.delete`; deleting a missing exchange succeeds, as in RabbitMQ."""
+        if name == "" or name.startswith("amq."):
+            raise channel_error(
+                ReplyCode.ACCESS_REFUSED,
+                f"operation not permitted on the default or amq.* exchange '{name}'",
+                EXCHANGE_DELETE,
+            )
+        exchange = self.exchanges.get(name)
+        if exchange is None:
+            return
+        if if_unused and exchange.bindings:
+            raise channel_error(
+                ReplyCode.PRECONDITION_FAILED, f"exchange '{name}' in vhost '/' in use",
+                EXCHANGE_DELETE,
+            )
+        del self.exchanges[name]
+        if exchange.definition.durable:
+            self._save()
+
+    def exchange_for_publish(self, name: str) -> Exchange:
+        """The exchange a publish names (404 when missing, 403 when internal)."""
+        exchange = self.exchanges.get(name)
+        if exchange is None:
+            raise channel_error(
+                ReplyCode.NOT_FOUND, f"no exchange '{name}' in vhost '/'", BASIC_PUBLISH
+            )
+        if exchange.definition.internal:
+            raise channel_error(
+                ReplyCode.ACCESS_REFUSED,
+                f"cannot publish to internal exchange '{name}' in vhost '/'",
+                BASIC_PUBLISH,
+            )
+        return exchange
+
+    # -- queues -----------------------------------------------------------------------------
+
+    def queue(self, name: str, owner: object, method: tuple[int, int]) -> Queue:
+        """Look up a queue for `owner`'s connection (404 missing, 405 exclusive elsewhere)."""
+        queue = self.queues.get(name)
+        if queue is None:
+            raise channel_error(ReplyCode.NOT_FOUND, f"no queue '{name}' in vhost '/'", method)
+        if queue.owner is not None and queue.owner is not owner:
+            raise channel_error(
+                ReplyCode.RESOURCE_LOCKED,
+                f"cannot obtain exclusive access to locked queue '{name}' in vhost '/'",
+                method,
+            )
+        return queue
+
+    def declare_queue(
+        self,
+        name: str,
+        *,
+        passive: bool,
+        durable: bool,
+        exclusive: bool,
+        auto_delete: bool,
+        arguments: dict[str, Any],
+        owner: object,
+    ) -> Queue:
+        """`queue.declare`, with RabbitMQ's equivalence checks; "" gets a server name."""
+        if passive:
+            queue = self.queue(name, owner, QUEUE_DECLARE)
+            self._touch(queue)
+            return queue
+        if not name:
+            name = "amq.gen-" + secrets.token_urlsafe(16)
+        elif name.startswith("amq."):
+            raise channel_error(
+                ReplyCode.ACCESS_REFUSED,
+                f"queue name '{name}' contains reserved prefix 'amq.*'",
+                QUEUE_DECLARE,
+            )
+        existing = self.queues.get(name)
+        if existing is not None:
+            queue = self.queue(name, owner, QUEUE_DECLARE)
+            d = existing.definition
+            for flag, have, want in (
+                ("durable", d.durable, durable),
+                ("exclusive", d.exclusive, exclusive),
+                ("auto_delete", d.auto_delete, auto_delete),
+            ):
+                if have != want:
+                    raise channel_error(
+                        ReplyCode.PRECONDITION_FAILED,
+                        f"inequivalent arg '{flag}' for queue '{name}' in vhost '/': "
+                        f"received '{str(want).lower()}' but current is '{str(have).lower()}'",
+                        QUEUE_DECLARE,
+                    )
+            for key in set(d.arguments) | set(arguments):
+                if key.startswith("x-") and d.arguments.get(key) != arguments.get(key):
+                    raise channel_error(
+                        ReplyCode.PRECONDITION_FAILED,
+                        f"inequivalent arg '{key}' for queue '{name}' in vhost '/': "
+                        f"received {arguments.get(key)!r} but current is {d.arguments.get(key)!r}",
+                        QUEUE_DECLARE,
+                    )
+            self._touch(queue)
+            return queue
+        definition = QueueDef(
+            name=name,
+            qid=self.next_qid,
+            durable=durable,
+            exclusive=exclusive,
+            auto_delete=auto_delete,
+            arguments=arguments,
+        )
+        queue = Queue(definition, owner if exclusive else None, self._dropped)
+        self.next_qid += 1
+        self.queues[name] = queue
+        # Every queue is bound to the default exchange under its own name.
+        self.exchanges[""].bind(BindingDef(exchange="", queue=name, routing_key=name))
+        if durable:
+            self._save()
+        self._touch(queue)
+        metrics.QUEUES.set(len(self.queues))
+        return queue
+
+    def delete_queue(
+        self, name: str, *, if_unused: bool, if_empty: bool, owner: object
+    ) -> int:
+        """`queue.delete`; returns the number of ready messages deleted with it."""
+        if name not in self.queues:
+            return 0
+        queue = self.queue(name, owner, QUEUE_DELETE)
+        if if_unused and queue.consumers:
+            raise channel_error(
+                ReplyCode.PRECONDITION_FAILED, f"queue '{name}' in vhost '/' in use", QUEUE_DELETE
+            )
+        if if_empty and queue.message_count:
+            raise channel_error(
+                ReplyCode.PRECONDITION_FAILED, f"queue '{name}' in vhost '/' is not empty",
+                QUEUE_DELETE,
+            )
+        return self.remove_queue(queue)
+
+    def remove_queue(self, queue: Queue) -> int:
+        """Delete a queue: cancel its consumers, unbind it, drop its messages."""
+        count = queue.message_count
+        queue.deleted = True
+        del self.queues[queue.name]
+        for timer in (self._timers.pop(queue.name, None), self._expiry_timers.pop(queue.name, None)):
+            if timer is not None:
+                timer.cancel()
+        for consumer in list(queue.consumers):
+            cancel = getattr(consumer, "cancelled_by_server", None)
+            if cancel is not None:
+                cancel()
+        queue.consumers.clear()
+        auto_deleted = []
+        for exchange in list(self.exchanges.values()):
+            if exchange.unbind_queue(queue.name) and (
+                exchange.definition.auto_delete and not exchange.bindings
+            ):
+                auto_deleted.append(exchange.name)
+        for name in auto_deleted:
+            del self.exchanges[name]
+        queue.purge()
+        if queue.durable:
+            self._save()
+            self.committer.drop_queue(queue.definition.qid)
+        metrics.QUEUES.set(len(self.queues))
+        return count
+
+    def purge_queue(self, name: str, owner: object) -> int:
+        """`queue.purge`: drop the ready messages (not the unacknowledged ones)."""
+        queue = self.queue(name, owner, QUEUE_PURGE)
+        gone = queue.purge()
+        self._settle_entries(queue, gone)
+        return len(gone)
+
+    def bind(
+        self,
+        queue_name: str,
+        exchange_name: str,
+        routing_key: str,
+        arguments: dict[str, Any],
+        owner: object,
+        *,
+        unbind: bool = False,
+    ) -> None:
+        """`queue.bind` / `queue.unbind`."""
+        method = QUEUE_UNBIND if unbind else QUEUE_BIND
+        queue = self.queue(queue_name, owner, method)
+        exchange = self.exchanges.get(exchange_name)
+        if exchange is None:
+            raise channel_error(
+                ReplyCode.NOT_FOUND, f"no exchange '{exchange_name}' in vhost '/'", method
+            )
+        if exchange_name == "":
+            raise channel_error(
+                ReplyCode.ACCESS_REFUSED,
+                "operation not permitted on the default exchange",
+                method,
+            )
+        binding = BindingDef(
+            exchange=exchange_name, queue=queue.name, routing_key=routing_key, arguments=arguments
+        )
+        changed = exchange.unbind(binding) if unbind else exchange.bind(binding)
+        if unbind and changed and exchange.definition.auto_delete and not exchange.bindings:
+            del self.exchanges[exchange_name]
+        if changed and queue.durable and exchange.definition.durable:
+            self._save()
+
+    def connection_closed(self, owner: object) -> None:
+        """Delete the exclusive queues of a closed connection."""
+        for queue in [q for q in self.queues.values() if q.owner is owner]:
+            self.remove_queue(queue)
+
+    def consumer_removed(self, queue: Queue) -> None:
+        """An auto-delete queue goes when its last consumer does."""
+        if queue.deleted:
+            return
+        if queue.definition.auto_delete and queue.had_consumers and not queue.consumers:
+            self.remove_queue(queue)
+            return
+        self._touch(queue)
+
+    def _touch(self, queue: Queue) -> None:
+        """Restart the `x-expires` countdown of an unused queue."""
+        expires = queue.args.expires
+        if expires is None:
+            return
+        timer = self._expiry_timers.pop(queue.name, None)
+        if timer is not None:
+            timer.cancel()
+
+        def fire() -> None:
+            self._expiry_timers.pop(queue.name, None)
+            if not queue.deleted and not queue.consumers:
+                log.info("queue %r expired after %d ms unused", queue.name, expires)
+                self.remove_queue(queue)
+
+        self._expiry_timers[queue.name] = self.clock.call_later(expires / 1000, fire)
+
+    def touch(self, queue: Queue) -> None:
+        """Note a use of the queue (basic.get, consume) for `x-expires`."""
+        self._touch(queue)
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def publish(
+        self,
+        exchange: Exchange,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        ops: list[JournalOp] | None = None,
+    ) -> PublishResult:
+        """Route a message into its queues; persistent copies in durable queues are journaled.
+
+        With `ops` given (a transaction), journal operations are collected there
+        instead of being committed.
+        """
+        if isinstance(exchange, EXCHANGE_TYPES["headers"]):
+            headers = decode_properties(header).headers
+        else:
+            headers = None
+        names = exchange.route(routing_key, headers)
+        queues = self.queues
+        targets = [queues[n] for n in names if n in queues]
+        if not targets:
+            metrics.UNROUTABLE.inc()
+            return PublishResult(0, False, 0)
+        return self._enqueue(targets, exchange.name, routing_key, header, body, info, ops)
+
+    def _enqueue(
+        self,
+        targets: list[Queue],
+        exchange: str,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        ops: list[JournalOp] | None,
+    ) -> PublishResult:
+        now = self.clock.time()
+        mid = self.next_mid
+        self.next_mid += 1
+        message = Message(
+            mid, exchange, routing_key, header, body, info.persistent, info.expiration_ms,
+            info.message_id,
+        )
+        own_ops: list[JournalOp] = [] if ops is None else ops
+        rejected = False
+        routed = 0
+        delivered: list[Queue] = []
+        for queue in targets:
+            args = queue.args
+            if args.overflow != "drop-head" and queue.is_full_for(len(body)):
+                rejected = True
+                continue
+            ttl = info.expiration_ms
+            if args.message_ttl is not None:
+                ttl = args.message_ttl if ttl is None else min(ttl, args.message_ttl)
+            expires_at = None if ttl is None else now + ttl / 1000
+            journaled = info.persistent and queue.durable
+            entry = Entry(message, expires_at, journaled)
+            if journaled:
+                own_ops.append(
+                    StoredMessage(
+                        mid, queue.definition.qid, exchange, routing_key, header, body, expires_at
+                    )
+                )
+            queue.push(entry)
+            routed += 1
+            if ttl is not None:
+                self._schedule_expiry(queue)
+            delivered.append(queue)
+        batch = 0
+        if ops is None:
+            batch = self.committer.add(own_ops) if own_ops else self.committer.confirm_point()
+        for queue in delivered:
+            queue.dispatch(now)
+        metrics.PUBLISHED.inc()
+        return PublishResult(routed, rejected, batch)
+
+    def settle(self, queue: Queue, entries: list[Entry], ops: list[JournalOp] | None = None) -> None:
+        """Entries were acknowledged: forget them (and journal that for persistent ones)."""
+        queue.unacked -= len(entries)
+        self._settle_entries(queue, entries, ops)
+
+    def _settle_entries(
+        self, queue: Queue, entries: Iterable[Entry], ops: list[JournalOp] | None = None
+    ) -> None:
+        qid = queue.definition.qid
+        settles: list[JournalOp] = [Settle(qid, e.message.mid) for e in entries if e.journaled]
+        if not settles or queue.deleted:
+            return
+        if ops is None:
+            self.committer.add(settles)
+        else:
+            ops.extend(settles)
+
+    def requeue(self, queue: Queue, entries: list[Entry]) -> None:
+        """Delivered entries go back to the head of their queue."""
+        queue.unacked -= len(entries)
+        if queue.deleted:
+            return
+        queue.requeue(entries)
+        self._schedule_expiry(queue)
+        queue.dispatch(self.clock.time())
+
+    def reject(self, queue: Queue, entries: list[Entry]) -> None:
+        """Rejected without requeue: dead-letter (if configured) and settle."""
+        queue.unacked -= len(entries)
+        for entry in entries:
+            self._dropped(queue, entry, "rejected")
+
+    def _dropped(self, queue: Queue, entry: Entry, reason: DropReason) -> None:
+        """A queue let go of an entry: dead-letter it if configured, settle it."""
+        dlx = queue.args.dead_letter_exchange
+        if dlx is not None and reason != "delete":
+            self._dead_letter(queue, entry, reason, dlx)
+        self._settle_entries(queue, (entry,))
+        if reason == "expired":
+            metrics.EXPIRED.inc()
+
+    def _dead_letter(self, queue: Queue, entry: Entry, reason: DropReason, dlx_name: str) -> None:
+        exchange = self.exchanges.get(dlx_name)
+        if exchange is None:
+            log.warning("dead-letter exchange %r of queue %r is missing", dlx_name, queue.name)
+            return
+        message = entry.message
+        props = decode_properties(message.header)
+        amqp_reason = {"expired": "expired", "maxlen": "maxlen", "rejected": "rejected"}[reason]
+        headers = dict(props.headers or {})
+        deaths: list[Any] = list(headers.get("x-death") or [])
+        routing_keys = [message.routing_key]
+        for death in deaths:
+            if (
+                isinstance(death, dict)
+                and death.get("queue") == queue.name
+                and death.get("reason") == amqp_reason
+            ):
+                if reason == "expired" and amqp_reason == "expired":
+                    # A message expiring round a dead-letter cycle would loop forever.
+                    log.info("dropping dead-letter cycle for queue %r", queue.name)
+                    return
+                death["count"] = int(death.get("count", 1)) + 1
+                break
+        else:
+            deaths.insert(
+                0,
+                {
+                    "count": 1,
+                    "reason": amqp_reason,
+                    "queue": queue.name,
+                    "time": int(self.clock.time()),
+                    "exchange": message.exchange,
+                    "routing-keys": routing_keys,
+                },
+            )
+        headers["x-death"] = deaths
+        headers.setdefault("x-first-death-queue", queue.name)
+        headers.setdefault("x-first-death-reason", amqp_reason)
+        headers.setdefault("x-first-death-exchange", message.exchange)
+        props.headers = headers
+        props.expiration = None
+        header = encode_header_payload(props, len(message.body))
+        routing_key = queue.args.dead_letter_routing_key or message.routing_key
+        info = ContentHeaderInfo(60, len(message.body), message.persistent, None,
+                                 message.message_id)
+        names = exchange.route(routing_key, headers)
+        targets = [self.queues[n] for n in names if n in self.queues]
+        if targets:
+            self._enqueue(targets, exchange.name, routing_key, header, message.body, info, None)
+        metrics.DEAD_LETTERED.inc()
+
+    def _schedule_expiry(self, queue: Queue) -> None:
+        """Keep one timer per queue for its head's expiry."""
+        at = queue.next_expiry()
+        if at is None or queue.name in self._timers:
+            return
+
+        def fire() -> None:
+            self._timers.pop(queue.name, None)
+            if queue.deleted:
+                return
+            queue.expire(self.clock.time())
+            self._schedule_expiry(queue)
+
+        self._timers[queue.name] = self.clock.call_later(max(0.0, at - self.clock.time()), fire)
+
