@@ -1,0 +1,86 @@
+"""Pinned versions of every binary the local cluster builds from the Go module proxy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KUBERNETES_VERSION = "v1.36.3"
+"""The `k8s.io/kubernetes` release; its staging modules are pinned to the matching v0.X.Y."""
+
+ETCD_VERSION = "v3.6.16"
+COREDNS_VERSION = "v1.14.7"
+HELM_VERSION = "v3.22.0"
+
+
+def staging_version(kubernetes_version: str = KUBERNETES_VERSION) -> str:
+    """Return the staging-module version matching a Kubernetes release (v1.36.3 -> v0.36.3)."""
+    major, minor, patch = kubernetes_version.lstrip("v").split(".", 2)
+    if major != "1":
+        raise ValueError(f"unexpected Kubernetes version {kubernetes_version!r}")
+    return f"v0.{minor}.{patch}"
+
+
+@dataclass(frozen=True)
+class Binary:
+    """One executable to build: which Go module and package, and how to stamp its version."""
+
+    name: str
+    module: str
+    version: str
+    package: str
+    ldflags: tuple[str, ...] = ()
+    kubernetes_staging: bool = False
+
+    @property
+    def cache_key(self) -> str:
+        """The folder (under the cache's `k8s/`) that holds this binary."""
+        if self.kubernetes_staging:
+            return self.version
+        return f"{self.name}-{self.version}"
+
+
+def _kube(name: str) -> Binary:
+    version = KUBERNETES_VERSION
+    stamp = "k8s.io/component-base/version"
+    return Binary(
+        name=name,
+        module="k8s.io/kubernetes",
+        version=version,
+        package=f"k8s.io/kubernetes/cmd/{name}",
+        ldflags=(
+            f"-X {stamp}.gitVersion={version}",
+            f"-X {stamp}.gitMajor=1",
+            f"-X {stamp}.gitMinor={version.split('.')[1]}",
+            f"-X {stamp}.gitTreeState=clean",
+            "-X k8s.io/client-go/pkg/version.gitVersion=" + version,
+        ),
+        kubernetes_staging=True,
+    )
+
+
+BINARIES: tuple[Binary, ...] = (
+    Binary(
+        name="etcd",
+        module="go.etcd.io/etcd/server/v3",
+        version=ETCD_VERSION,
+        package="go.etcd.io/etcd/server/v3",
+    ),
+    _kube("kube-apiserver"),
+    _kube("kube-controller-manager"),
+    _kube("kube-scheduler"),
+    _kube("kube-proxy"),
+    Binary(
+        name="coredns",
+        module="github.com/coredns/coredns",
+        version=COREDNS_VERSION,
+        package="github.com/coredns/coredns",
+    ),
+    Binary(
+        name="helm",
+        module="helm.sh/helm/v3",
+        version=HELM_VERSION,
+        package="helm.sh/helm/v3/cmd/helm",
+        ldflags=(f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",),
+    ),
+)
+"""Build order: the small ones first so a cluster can start as early as possible."""
