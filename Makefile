@@ -1,0 +1,63 @@
+# TwinMQ: `make demo` runs the main job on an embedded default; `make test` runs every test.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.twinmq-installed
+TYPECHECK_VIEW := .cache/typecheck
+
+# Component make files (the local cluster, ...) add targets and TEST_EXTRA_TARGETS.
+TEST_EXTRA_TARGETS ?=
+.PHONY: help venv system-deps lint typecheck unit test test-fast demo bench clean
+
+help:
+	@echo "make demo       run the demo on an embedded default (throw-away broker, real client)"
+	@echo "make test       install everything needed and run lint, mypy and every test"
+	@echo "make test-fast  lint, mypy and the fast unit tests only"
+	@echo "make bench      TwinMQ vs RabbitMQ with PerfTest (see docs/benchmarks.md)"
+
+# The virtual environment is rebuilt when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+venv: $(STAMP)
+
+# Debian packages the tests use, installed only when missing (idempotent).
+SYSTEM_PACKAGES ?=
+system-deps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# The component folders are `twinmq.*` packages only once installed; mypy reads a
+# view of symlinks laid out as the import names, generated from pyproject.toml.
+typecheck: $(STAMP)
+	@rm -rf $(TYPECHECK_VIEW) && mkdir -p $(TYPECHECK_VIEW)/twinmq
+	@$(PY) -c 'import tomllib,os; m=tomllib.load(open("pyproject.toml","rb"))["tool"]["setuptools"]["package-dir"]; [os.symlink(os.path.abspath(d), "$(TYPECHECK_VIEW)/"+n.replace(".","/")) for n,d in m.items()]'
+	MYPYPATH=$(TYPECHECK_VIEW) $(VENV)/bin/mypy -p twinmq
+
+unit: $(STAMP) system-deps
+	$(VENV)/bin/pytest -m "not slow" -q
+
+test-fast: lint typecheck unit
+
+test: lint typecheck system-deps
+	$(VENV)/bin/pytest -q tests
+	@for t in $(TEST_EXTRA_TARGETS); do $(MAKE) --no-print-directory $$t || exit 1; done
+
+demo: $(STAMP)
+	$(VENV)/bin/twinmq-demo
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info
