@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
+
 from twinmq.broker.definitions import Definitions
 
 __all__ = [
@@ -474,10 +475,10 @@ class Journal:
                     per_queue = messages.setdefault(qid, {})
                     per_queue.pop(mid, None)  # a re-enqueue moves to the back
                     per_queue[mid] = stored
-                    if mid >= self._next_mid:
-                        self._next_mid = mid + 1
                 elif self._settle(qid, mid, seq, target):
                     del messages[qid][mid]
+                if mid >= self._next_mid:
+                    self._next_mid = mid + 1
             rec.records += 1
             pos = end
         view.release()
@@ -611,6 +612,8 @@ class Journal:
                         next_mid = op.mid + 1
                 elif type(op) is Settle:
                     buf += _SETTLE.pack(_TAG_SETTLE, op.qid, op.mid)
+                    if op.mid >= next_mid:
+                        next_mid = op.mid + 1
                 else:
                     raise TypeError(f"not a journal op: {op!r}")
         except struct.error as exc:
