@@ -1,0 +1,419 @@
+"""`make cluster` / `make cluster-down`: the local control plane, its node agent and its network.
+
+Run ``python -m twinmq.localcluster.cluster up|down|status``. `up` is
+idempotent: components already running are left alone. `down` stops what
+`up` started (by pid file), removes the pods' processes and network
+namespaces, kube-proxy's rules, the host network guard, and the cluster's
+etcd data; certificates and logs stay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from twinmq.localcluster import binaries, daemons, hostnet
+from twinmq.localcluster.layout import (
+    APISERVER_PORT,
+    CLUSTER_DOMAIN,
+    CONTROLLER_MANAGER_PORT,
+    COREDNS_READY_PORT,
+    DNS_SERVICE_IP,
+    ETCD_CLIENT_PORT,
+    ETCD_PEER_PORT,
+    GATEWAY_IP,
+    KUBE_PROXY_HEALTHZ_PORT,
+    KUBE_PROXY_METRICS_PORT,
+    NODE_AGENT_HEALTH_PORT,
+    NODE_NAME,
+    OWNER_FILE,
+    POD_CIDR,
+    SCHEDULER_PORT,
+    SERVICE_CIDR,
+    STORAGE_CLASS,
+    VOLUME_PROVISIONER,
+    Layout,
+)
+from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki
+
+COMPONENTS = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "node-agent",
+    "kube-proxy",
+    "coredns",
+)
+"""Start order; `down` stops them in reverse."""
+
+
+def _say(message: str) -> None:
+    print(f"[cluster] {message}", flush=True)
+
+
+def api_url() -> str:
+    """Return the API server's address as seen from the host and from pods."""
+    return f"https://{GATEWAY_IP}:{APISERVER_PORT}"
+
+
+def kubeconfig_text(layout: Layout) -> str:
+    """Return the admin kubeconfig (static bearer token, cluster CA embedded)."""
+    import base64
+
+    ca = base64.b64encode((layout.pki / "ca.crt").read_bytes()).decode()
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "twinmq-local", "cluster": {"server": api_url(),
+                                                  "certificate-authority-data": ca}}
+        ],
+        "users": [{"name": ADMIN_USER, "user": {"token": admin_token(layout)}}],
+        "contexts": [
+            {"name": "twinmq-local", "context": {"cluster": "twinmq-local", "user": ADMIN_USER}}
+        ],
+        "current-context": "twinmq-local",
+    }
+    return json.dumps(config, indent=2) + "\n"
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float, layout: Layout,
+             component: str | None = None) -> None:
+    """Poll `check` until it is true; on timeout raise with the component's log tail."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if component is not None and daemons.read_pid(layout, component) is None:
+            break
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+    tail = ""
+    if component is not None:
+        log = layout.logs / f"{component}.log"
+        if log.exists():
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+    raise RuntimeError(f"timed out waiting for {what}\n{tail}")
+
+
+def _http_ok(url: str, token: str | None = None, ca: Path | None = None) -> bool:
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    context = ssl.create_default_context(cafile=str(ca)) if ca else None
+    if url.startswith("https") and ca is None:
+        context = ssl._create_unverified_context()  # noqa: S323 - local health probes only
+    try:
+        with urllib.request.urlopen(request, timeout=2, context=context) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _venv_python() -> str:
+    return sys.executable
+
+
+def _argv(layout: Layout, component: str) -> list[str]:
+    pki = layout.pki
+    kubeconfig = str(layout.kubeconfig)
+    if component == "etcd":
+        return [
+            str(binaries.find("etcd")),
+            "--name=twinmq-local",
+            f"--data-dir={layout.etcd_data}",
+            f"--listen-client-urls=http://127.0.0.1:{ETCD_CLIENT_PORT}",
+            f"--advertise-client-urls=http://127.0.0.1:{ETCD_CLIENT_PORT}",
+            f"--listen-peer-urls=http://127.0.0.1:{ETCD_PEER_PORT}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{ETCD_PEER_PORT}",
+            f"--initial-cluster=twinmq-local=http://127.0.0.1:{ETCD_PEER_PORT}",
+            "--listen-metrics-urls=",
+            "--unsafe-no-fsync",
+            "--quota-backend-bytes=2147483648",
+        ]
+    if component == "kube-apiserver":
+        return [
+            str(binaries.find("kube-apiserver")),
+            f"--etcd-servers=http://127.0.0.1:{ETCD_CLIENT_PORT}",
+            f"--bind-address={GATEWAY_IP}",
+            f"--advertise-address={GATEWAY_IP}",
+            f"--secure-port={APISERVER_PORT}",
+            f"--cert-dir={pki}",
+            f"--tls-cert-file={pki / 'apiserver.crt'}",
+            f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--client-ca-file={pki / 'ca.crt'}",
+            f"--token-auth-file={pki / 'tokens.csv'}",
+            "--authorization-mode=RBAC",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--service-account-issuer=https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            "--allow-privileged=true",
+            "--profiling=false",
+            "--event-ttl=30m",
+        ]
+    if component == "kube-controller-manager":
+        return [
+            str(binaries.find("kube-controller-manager")),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={CONTROLLER_MANAGER_PORT}",
+            f"--service-account-private-key-file={pki / 'sa.key'}",
+            f"--root-ca-file={pki / 'ca.crt'}",
+            "--use-service-account-credentials=true",
+            f"--cluster-cidr={POD_CIDR}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--leader-elect=false",
+            "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller",
+            "--concurrent-gc-syncs=5",
+            "--profiling=false",
+        ]
+    if component == "kube-scheduler":
+        return [
+            str(binaries.find("kube-scheduler")),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={SCHEDULER_PORT}",
+            "--leader-elect=false",
+            "--profiling=false",
+        ]
+    if component == "kube-proxy":
+        return [
+            str(binaries.find("kube-proxy")),
+            f"--kubeconfig={kubeconfig}",
+            f"--hostname-override={NODE_NAME}",
+            f"--cluster-cidr={POD_CIDR}",
+            "--proxy-mode=iptables",
+            f"--bind-address={GATEWAY_IP}",
+            f"--metrics-bind-address=127.0.0.1:{KUBE_PROXY_METRICS_PORT}",
+            f"--healthz-bind-address=127.0.0.1:{KUBE_PROXY_HEALTHZ_PORT}",
+            f"--nodeport-addresses={GATEWAY_IP}/32",
+            "--conntrack-max-per-core=0",
+            "--iptables-sync-period=5s",
+            "--iptables-min-sync-period=0s",
+            "--profiling=false",
+        ]
+    if component == "coredns":
+        return [str(binaries.find("coredns")), "-conf", str(layout.etc / "Corefile")]
+    if component == "node-agent":
+        return [
+            _venv_python(), "-m", "twinmq.localcluster.nodeagent",
+            f"--kubeconfig={kubeconfig}", f"--state-dir={layout.root}",
+        ]  # fmt: skip
+    raise KeyError(component)
+
+
+COREFILE = """\
+.:53 {{
+    bind {gateway}
+    errors
+    ready 127.0.0.1:{ready}
+    kubernetes {domain} in-addr.arpa ip6.arpa {{
+        kubeconfig {kubeconfig} twinmq-local
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 5
+    }}
+    cache 5
+    loop
+}}
+"""
+"""No `forward`: names outside the cluster are never resolved, so nothing leaves the host."""
+
+
+def bootstrap_objects() -> list[dict[str, object]]:
+    """Return the objects `up` applies: DNS Service and endpoints, default StorageClass."""
+    return [
+        {
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "kube-dns", "namespace": "kube-system",
+                         "labels": {"k8s-app": "kube-dns"}},
+            "spec": {"clusterIP": DNS_SERVICE_IP, "ports": [
+                {"name": "dns", "port": 53, "protocol": "UDP"},
+                {"name": "dns-tcp", "port": 53, "protocol": "TCP"}]},
+        },
+        {
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "kube-dns-host", "namespace": "kube-system", "labels": {
+                "kubernetes.io/service-name": "kube-dns",
+                "endpointslice.kubernetes.io/managed-by": "twinmq-localcluster"}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [GATEWAY_IP], "conditions": {"ready": True}}],
+            "ports": [{"name": "dns", "port": 53, "protocol": "UDP"},
+                      {"name": "dns-tcp", "port": 53, "protocol": "TCP"}],
+        },
+        {
+            "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+            "metadata": {"name": STORAGE_CLASS, "annotations": {
+                "storageclass.kubernetes.io/is-default-class": "true"}},
+            "provisioner": VOLUME_PROVISIONER,
+            "reclaimPolicy": "Delete",
+            "volumeBindingMode": "Immediate",
+        },
+    ]  # fmt: skip
+
+
+def _apply_bootstrap(layout: Layout) -> None:
+    from kubernetes import client, config, utils
+    from kubernetes.client.exceptions import ApiException
+
+    api = config.new_client_from_config(str(layout.kubeconfig))
+    for obj in bootstrap_objects():
+        try:
+            utils.create_from_dict(api, obj)
+        except utils.FailToCreateError as error:
+            if not all(
+                isinstance(e, ApiException) and e.status == 409 for e in error.api_exceptions
+            ):
+                raise
+    del client
+
+
+def _claim_owner(layout: Layout) -> None:
+    if OWNER_FILE.exists():
+        owner = OWNER_FILE.read_text().strip()
+        if owner != str(layout.root) and Path(owner).exists() and any(
+            daemons.read_pid(Layout(Path(owner)), c) is not None for c in COMPONENTS
+        ):
+            raise SystemExit(
+                f"another local cluster ({owner}) owns this machine's cluster network; "
+                f"stop it first with `make cluster-down` there"
+            )
+    OWNER_FILE.write_text(f"{layout.root}\n")
+
+
+def preflight() -> list[str]:
+    """Return what is missing on this machine to run the local cluster (empty when ready)."""
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("must run as root (network namespaces, bridge, iptables)")
+    for tool in ("ip", "iptables", "openssl"):
+        if shutil.which(tool) is None:
+            problems.append(f"`{tool}` not found (apt-get install iproute2 iptables openssl)")
+    for plugin in ("bridge", "host-local", "loopback"):
+        if not (Path("/usr/lib/cni") / plugin).exists():
+            problems.append(
+                f"CNI plugin {plugin} missing (apt-get install containernetworking-plugins)"
+            )
+    return problems
+
+
+def up(layout: Layout) -> None:
+    """Start every component that is not running yet; write the kubeconfig."""
+    started = time.monotonic()
+    problems = preflight()
+    if problems:
+        raise SystemExit("cannot start the local cluster:\n  " + "\n  ".join(problems))
+    for component in ("etcd", "kube-apiserver", "kube-controller-manager",
+                      "kube-scheduler", "kube-proxy", "coredns"):  # fmt: skip
+        binaries.find(component)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    _claim_owner(layout)
+    for folder in (layout.logs, layout.etc, layout.node, layout.volumes, layout.cni):
+        folder.mkdir(parents=True, exist_ok=True)
+    ensure_pki(layout)
+    layout.kubeconfig.write_text(kubeconfig_text(layout))
+    layout.kubeconfig.chmod(0o600)
+    (layout.etc / "Corefile").write_text(
+        COREFILE.format(gateway=GATEWAY_IP, ready=COREDNS_READY_PORT, domain=CLUSTER_DOMAIN,
+                        kubeconfig=layout.kubeconfig)
+    )
+    hostnet.setup(layout)
+    token = admin_token(layout)
+    ca = layout.pki / "ca.crt"
+
+    checks: dict[str, Callable[[], bool]] = {
+        "etcd": lambda: _http_ok(f"http://127.0.0.1:{ETCD_CLIENT_PORT}/health"),
+        "kube-apiserver": lambda: _http_ok(f"{api_url()}/readyz", token, ca),
+        "kube-controller-manager": lambda: _http_ok(
+            f"https://127.0.0.1:{CONTROLLER_MANAGER_PORT}/healthz"),
+        "kube-scheduler": lambda: _http_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/healthz"),
+        "node-agent": lambda: _http_ok(f"http://127.0.0.1:{NODE_AGENT_HEALTH_PORT}/readyz"),
+        "kube-proxy": lambda: _http_ok(f"http://127.0.0.1:{KUBE_PROXY_HEALTHZ_PORT}/healthz"),
+        "coredns": lambda: _http_ok(f"http://127.0.0.1:{COREDNS_READY_PORT}/ready"),
+    }  # fmt: skip
+    for component in COMPONENTS:
+        if component == "node-agent":
+            _apply_bootstrap(layout)
+        t0 = time.monotonic()
+        was_running = daemons.read_pid(layout, component) is not None
+        daemons.start(layout, component, _argv(layout, component))
+        wait_for(component, checks[component], 120, layout, component)
+        verb = "already running" if was_running else f"ready in {time.monotonic() - t0:.1f}s"
+        _say(f"{component}: {verb}")
+    _say(f"cluster up in {time.monotonic() - started:.1f}s; "
+         f"export KUBECONFIG={layout.kubeconfig}")  # fmt: skip
+
+
+def down(layout: Layout) -> None:
+    """Stop everything `up` started, remove pods' processes/netns and the host network set-up."""
+    if not layout.root.exists():
+        _say("nothing to stop")
+        return
+    for component in reversed(COMPONENTS):
+        if daemons.stop(layout, component, timeout=10):
+            _say(f"{component}: stopped")
+    # The pods outlive the node agent by design; remove them now.
+    from twinmq.localcluster.nodeagent.runtime import Runtime
+
+    removed = Runtime(layout).remove_all()
+    if removed:
+        _say(f"removed {removed} pod sandbox(es)")
+    try:
+        kube_proxy = binaries.find("kube-proxy")
+    except FileNotFoundError:
+        kube_proxy = None
+    if kube_proxy is not None:
+        subprocess.run([str(kube_proxy), "--cleanup", "--proxy-mode=iptables"],
+                       capture_output=True, check=False)  # fmt: skip
+    hostnet.teardown(layout)
+    for folder in (layout.etcd_data, layout.node, layout.cni, layout.volumes, layout.pids):
+        shutil.rmtree(folder, ignore_errors=True)
+    if OWNER_FILE.exists() and OWNER_FILE.read_text().strip() == str(layout.root):
+        OWNER_FILE.unlink()
+    _say("cluster down")
+
+
+def status(layout: Layout) -> int:
+    """Print each component's state; return 0 when all are running."""
+    missing = 0
+    for component in COMPONENTS:
+        pid = daemons.read_pid(layout, component)
+        missing += pid is None
+        _say(f"{component:24} {'pid ' + str(pid) if pid else 'stopped'}")
+    return 1 if missing else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: `up`, `down` or `status`."""
+    parser = argparse.ArgumentParser(description="TwinMQ's local Kubernetes")
+    parser.add_argument("command", choices=["up", "down", "status"])
+    args = parser.parse_args(argv)
+    layout = Layout.default()
+    if args.command == "up":
+        up(layout)
+        return 0
+    if args.command == "down":
+        down(layout)
+        return 0
+    return status(layout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

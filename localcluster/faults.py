@@ -1,0 +1,161 @@
+"""Fault tools for tests on the local cluster: kill, pause, cut the network, stop components.
+
+They act on the host (processes, veths, pid files), never through the API, so
+they still work while the API server is down. Usable from Python (e2e tests)
+and from the shell: ``python -m twinmq.localcluster.faults kill NAMESPACE/POD``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+from twinmq.localcluster import cluster, daemons
+from twinmq.localcluster.layout import Layout
+from twinmq.localcluster.nodeagent.runtime import Runtime
+from twinmq.localcluster.pki import admin_token
+
+
+class PodNotFound(LookupError):
+    """No sandbox for that pod on the process-backed node."""
+
+
+def pod_uid(layout: Layout, namespace: str, name: str) -> str:
+    """Return the uid of the pod's live sandbox (newest if several)."""
+    runtime = Runtime(layout)
+    found = []
+    for uid in runtime.sandboxes():
+        path = runtime.pod_dir(uid) / "sandbox.json"
+        if not path.exists():
+            continue
+        record = json.loads(path.read_text())
+        if record.get("namespace") == namespace and record.get("name") == name:
+            found.append((path.stat().st_mtime, uid))
+    if not found:
+        raise PodNotFound(f"no sandbox for pod {namespace}/{name} on the process node")
+    return max(found)[1]
+
+
+def signal_pod(
+    layout: Layout, namespace: str, name: str, sig: signal.Signals, container: str | None = None
+) -> list[int]:
+    """Send `sig` to the process groups of a pod's containers; return the pids signalled."""
+    runtime = Runtime(layout)
+    uid = pod_uid(layout, namespace, name)
+    pids = []
+    for c in runtime.container_names(uid):
+        if container is not None and c != container:
+            continue
+        pid = runtime.pid(uid, c)
+        if pid is not None and runtime.signal(uid, c, sig):
+            pids.append(pid)
+    return pids
+
+
+def kill_pod(layout: Layout, namespace: str, name: str, container: str | None = None) -> list[int]:
+    """`kill -9` a pod's container processes (the node agent then applies restartPolicy)."""
+    return signal_pod(layout, namespace, name, signal.SIGKILL, container)
+
+
+def pause_pod(layout: Layout, namespace: str, name: str) -> list[int]:
+    """SIGSTOP a pod's processes."""
+    return signal_pod(layout, namespace, name, signal.SIGSTOP)
+
+
+def resume_pod(layout: Layout, namespace: str, name: str) -> list[int]:
+    """SIGCONT a pod's processes."""
+    return signal_pod(layout, namespace, name, signal.SIGCONT)
+
+
+def _set_link(layout: Layout, namespace: str, name: str, state: str) -> str:
+    runtime = Runtime(layout)
+    veth = runtime.host_veth(pod_uid(layout, namespace, name))
+    subprocess.run(["ip", "link", "set", veth, state], check=True, capture_output=True)
+    return veth
+
+
+def cut_network(layout: Layout, namespace: str, name: str) -> str:
+    """Cut a pod off the network (its veth's host side down); loopback keeps working."""
+    return _set_link(layout, namespace, name, "down")
+
+
+def heal_network(layout: Layout, namespace: str, name: str) -> str:
+    """Reconnect a pod cut by `cut_network`."""
+    return _set_link(layout, namespace, name, "up")
+
+
+def stop_component(layout: Layout, component: str) -> None:
+    """Stop one daemon of the local cluster (e.g. `node-agent`, `kube-apiserver`)."""
+    if not daemons.stop(layout, component):
+        raise RuntimeError(f"{component} was not running")
+
+
+def start_component(layout: Layout, component: str, timeout: float = 60) -> None:
+    """Start one daemon again and wait until it is healthy."""
+    daemons.start(layout, component, cluster._argv(layout, component))
+    if component == "kube-apiserver":
+        token, ca = admin_token(layout), layout.pki / "ca.crt"
+        cluster.wait_for(
+            "kube-apiserver", lambda: cluster._http_ok(f"{cluster.api_url()}/readyz", token, ca),
+            timeout, layout, component,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def api_server_down(layout: Layout) -> Iterator[None]:
+    """Keep the API server stopped for the duration of the `with` block."""
+    stop_component(layout, "kube-apiserver")
+    try:
+        yield
+    finally:
+        start_component(layout, "kube-apiserver")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: kill|pause|resume|cut|heal NS/POD, stop|start COMPONENT, api-outage SECONDS."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="verb", required=True)
+    for verb in ("kill", "pause", "resume", "cut", "heal"):
+        p = sub.add_parser(verb)
+        p.add_argument("pod", help="NAMESPACE/NAME")
+        p.add_argument("--container")
+    for verb in ("stop", "start"):
+        p = sub.add_parser(verb)
+        p.add_argument("component", choices=cluster.COMPONENTS)
+    p = sub.add_parser("api-outage")
+    p.add_argument("seconds", type=float)
+    args = parser.parse_args(argv)
+    layout = Layout.default()
+    if args.verb in ("stop", "start"):
+        (stop_component if args.verb == "stop" else start_component)(layout, args.component)
+        print(f"{args.component}: {args.verb}ped" if args.verb == "stop" else "started")
+        return 0
+    if args.verb == "api-outage":
+        with api_server_down(layout):
+            time.sleep(args.seconds)
+        print("kube-apiserver back")
+        return 0
+    namespace, _, name = args.pod.rpartition("/")
+    namespace = namespace or "default"
+    if args.verb in ("cut", "heal"):
+        veth = (cut_network if args.verb == "cut" else heal_network)(layout, namespace, name)
+        print(f"{namespace}/{name}: {veth} {'down' if args.verb == 'cut' else 'up'}")
+        return 0
+    if args.verb == "kill":
+        pids = kill_pod(layout, namespace, name, args.container)
+    elif args.verb == "pause":
+        pids = pause_pod(layout, namespace, name)
+    else:
+        pids = resume_pod(layout, namespace, name)
+    print(f"{namespace}/{name}: {args.verb} {pids}")
+    return 0 if pids else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The host side of the local cluster's network, and the guard that keeps it on the host.
+
+- a bridge (`twinmq0`, 10.244.0.1/24) that every pod's veth joins (CNI `bridge`);
+- a **blackhole route** for the whole pod range 10.244.0.0/16: only the node's
+  /24 on the bridge is more specific, so no pod address can be routed anywhere else;
+- the service range 10.96.0.0/16 is routed onto the bridge, never via a gateway.
+  (A blackhole route there would refuse host-originated connects *before*
+  kube-proxy's OUTPUT DNAT runs: measured EINVAL on this machine.) Any packet
+  still addressed to a service IP after kube-proxy's DNAT is rejected;
+- an iptables chain `TWINMQ-GUARD` in FORWARD and OUTPUT that drops anything
+  from a pod or service address that would leave through another interface.
+
+Everything is removed by `teardown`, which leaves `net.ipv4.ip_forward` as it found it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from twinmq.localcluster.layout import (
+    BRIDGE,
+    GATEWAY_IP,
+    GUARD_CHAIN,
+    NODE_POD_CIDR,
+    POD_CIDR,
+    SERVICE_CIDR,
+    Layout,
+)
+
+_IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+
+
+def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(cmd), check=check, capture_output=True, text=True)
+
+
+def _ok(cmd: Sequence[str]) -> bool:
+    return _run(cmd, check=False).returncode == 0
+
+
+def guard_rules() -> list[tuple[str, list[str]]]:
+    """Return (chain, rule) pairs of the guard, in order; pure, for tests and `teardown`."""
+    return [
+        # The host talking to its own addresses (the API server on the bridge IP) stays local.
+        (GUARD_CHAIN, ["-o", "lo", "-j", "RETURN"]),
+        # Post-DNAT, a service address means no endpoint: refuse it locally.
+        (GUARD_CHAIN, ["-d", SERVICE_CIDR, "-j", "REJECT"]),
+        # Pod and service traffic stays on the bridge (or the host's loopback).
+        (GUARD_CHAIN, ["-s", POD_CIDR, "!", "-o", BRIDGE, "-j", "DROP"]),
+        (GUARD_CHAIN, ["-d", POD_CIDR, "!", "-o", BRIDGE, "-j", "DROP"]),
+        (GUARD_CHAIN, ["-i", BRIDGE, "!", "-o", BRIDGE, "-j", "DROP"]),
+    ]
+
+
+def setup(layout: Layout) -> None:
+    """Create the bridge, the routes and the guard (idempotent)."""
+    state = layout.root / "hostnet.json"
+    if not state.exists():
+        state.parent.mkdir(parents=True, exist_ok=True)
+        state.write_text(json.dumps({"ip_forward": _IP_FORWARD.read_text().strip()}))
+    if not _ok(["ip", "link", "show", BRIDGE]):
+        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+    prefix = NODE_POD_CIDR.split("/")[1]
+    if GATEWAY_IP not in _run(["ip", "-4", "addr", "show", "dev", BRIDGE]).stdout:
+        _run(["ip", "addr", "add", f"{GATEWAY_IP}/{prefix}", "dev", BRIDGE])
+    _run(["ip", "link", "set", BRIDGE, "up"])
+    _run(["ip", "route", "replace", "blackhole", POD_CIDR])
+    _run(["ip", "route", "replace", SERVICE_CIDR, "dev", BRIDGE, "src", GATEWAY_IP])
+    # Guard chain first, then forwarding on.
+    if not _ok(["iptables", "-w", "-L", GUARD_CHAIN, "-n"]):
+        _run(["iptables", "-w", "-N", GUARD_CHAIN])
+    _run(["iptables", "-w", "-F", GUARD_CHAIN])
+    for chain, rule in guard_rules():
+        _run(["iptables", "-w", "-A", chain, *rule])
+    for parent in ("FORWARD", "OUTPUT"):
+        if not _ok(["iptables", "-w", "-C", parent, "-j", GUARD_CHAIN]):
+            _run(["iptables", "-w", "-I", parent, "1", "-j", GUARD_CHAIN])
+    # Let pods and the host reach each other's service traffic through the bridge.
+    _IP_FORWARD.write_text("1\n")
+    nf = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
+    if nf.exists():
+        nf.write_text("1\n")
+
+
+def teardown(layout: Layout) -> None:
+    """Remove the guard, the routes and the bridge; restore ip_forward."""
+    state = layout.root / "hostnet.json"
+    for parent in ("FORWARD", "OUTPUT"):
+        while _ok(["iptables", "-w", "-D", parent, "-j", GUARD_CHAIN]):
+            pass
+    if _ok(["iptables", "-w", "-L", GUARD_CHAIN, "-n"]):
+        _run(["iptables", "-w", "-F", GUARD_CHAIN])
+        _run(["iptables", "-w", "-X", GUARD_CHAIN])
+    _run(["ip", "route", "del", SERVICE_CIDR, "dev", BRIDGE], check=False)
+    _run(["ip", "link", "del", BRIDGE], check=False)
+    _run(["ip", "route", "del", "blackhole", POD_CIDR], check=False)
+    if state.exists():
+        saved = json.loads(state.read_text())
+        _IP_FORWARD.write_text(saved.get("ip_forward", "0") + "\n")
+        state.unlink()

@@ -1,0 +1,62 @@
+"""Certificates and keys for the local control plane, made with the `openssl` command."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+from pathlib import Path
+
+from twinmq.localcluster.layout import GATEWAY_IP, KUBERNETES_SERVICE_IP, Layout
+
+ADMIN_USER = "twinmq-admin"
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def ensure_pki(layout: Layout) -> None:
+    """Create the CA, the API server's serving certificate, SA keys and admin token if missing."""
+    pki = layout.pki
+    pki.mkdir(parents=True, exist_ok=True)
+    if not (pki / "ca.crt").exists():
+        _openssl("genrsa", "-out", "ca.key", "2048", cwd=pki)
+        _openssl(
+            "req", "-x509", "-new", "-nodes", "-key", "ca.key", "-sha256", "-days", "3650",
+            "-subj", "/CN=twinmq-local-ca", "-out", "ca.crt", cwd=pki,
+        )  # fmt: skip
+    if not (pki / "apiserver.crt").exists():
+        sans = ",".join(
+            [
+                "DNS:kubernetes", "DNS:kubernetes.default", "DNS:kubernetes.default.svc",
+                "DNS:kubernetes.default.svc.cluster.local", "DNS:localhost",
+                "IP:127.0.0.1", f"IP:{GATEWAY_IP}", f"IP:{KUBERNETES_SERVICE_IP}",
+            ]
+        )  # fmt: skip
+        (pki / "apiserver.ext").write_text(
+            f"subjectAltName={sans}\nkeyUsage=digitalSignature,keyEncipherment\n"
+            "extendedKeyUsage=serverAuth\n"
+        )
+        _openssl("genrsa", "-out", "apiserver.key", "2048", cwd=pki)
+        _openssl(
+            "req", "-new", "-key", "apiserver.key", "-subj", "/CN=kube-apiserver",
+            "-out", "apiserver.csr", cwd=pki,
+        )  # fmt: skip
+        _openssl(
+            "x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "3650", "-sha256", "-extfile", "apiserver.ext",
+            "-out", "apiserver.crt", cwd=pki,
+        )  # fmt: skip
+    if not (pki / "sa.key").exists():
+        _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
+        _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+    token_file = pki / "tokens.csv"
+    if not token_file.exists():
+        token = secrets.token_hex(24)
+        token_file.write_text(f'{token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+        token_file.chmod(0o600)
+
+
+def admin_token(layout: Layout) -> str:
+    """Return the static admin bearer token (in group system:masters)."""
+    return (layout.pki / "tokens.csv").read_text().split(",", 1)[0]

@@ -1,0 +1,20 @@
+"""The host network guard: no pod or service packet may leave through another interface."""
+
+from __future__ import annotations
+
+from twinmq.localcluster.hostnet import guard_rules
+from twinmq.localcluster.layout import BRIDGE, POD_CIDR, SERVICE_CIDR
+
+
+def test_guard_drops_pod_traffic_leaving_the_bridge() -> None:
+    rules = [" ".join(rule) for _, rule in guard_rules()]
+    assert f"-s {POD_CIDR} ! -o {BRIDGE} -j DROP" in rules
+    assert f"-d {POD_CIDR} ! -o {BRIDGE} -j DROP" in rules
+    assert f"-i {BRIDGE} ! -o {BRIDGE} -j DROP" in rules
+
+
+def test_guard_rejects_service_addresses_left_untranslated() -> None:
+    rules = [" ".join(rule) for _, rule in guard_rules()]
+    assert f"-d {SERVICE_CIDR} -j REJECT" in rules
+    # Loopback is exempt first, so the host reaches its own API server on the bridge IP.
+    assert rules[0] == "-o lo -j RETURN"
