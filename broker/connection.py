@@ -179,8 +179,10 @@ class Connection:
         try:
             frames = self._reader.feed(data)
         except AMQPError as exc:
-            # Frames before the malformed one are still valid; the stream is not.
+            # Nothing past a framing error can be parsed, not even the client's
+            # close-ok: send connection.close, then hang up.
             self._connection_error(exc)
+            self._closed(self.close_reason or exc.reply_text)
             return
         for ftype, channel, payload in frames:
             if self.state is State.CLOSED:
