@@ -258,7 +258,6 @@ class _Segment:
 class _Plan:
     delete: list[int]  # ascending: targets before the segments that settle them
     carry: dict[int, list[tuple[int, int]]]  # target segment -> (qid, mid) settles
-    carry_bytes: bytes
 
 
 class _Fatal(JournalError):
@@ -929,9 +928,18 @@ class Journal:
             self._head_fd = fd
         return secs
 
-    def _io_compact(self, carry: bytes, delete: list[int]) -> tuple[float | None, list[int]]:
-        """Append the carried settles, make them durable, then delete segments in order."""
+    def _io_compact(self, plan: _Plan) -> tuple[float | None, int, list[int]]:
+        """Append the carried settles, make them durable, then delete segments in order.
+
+        Returns the fsync time, the bytes appended to the head and the segments deleted.
+        """
         secs = None
+        # Encoded here, not on the loop: a long-lived segment can have many settles.
+        payload = bytearray()
+        for target, pairs in plan.carry.items():
+            for qid, mid in pairs:
+                payload += _CARRIED.pack(_TAG_CARRIED, qid, mid, target)
+        carry = _frame(bytes(payload)) if payload else b""
         if carry:
             assert self._head is not None
             offset = self._head.size
@@ -945,7 +953,7 @@ class Journal:
                     raise _Fatal(f"cannot roll back a failed write ({exc}): {exc2}") from exc2
                 raise self._io_error("carrying settles", exc) from exc
         deleted: list[int] = []
-        for seq in delete:
+        for seq in plan.delete:
             try:
                 (self._dir / _segment_name(seq)).unlink()
                 # One at a time, durably: a later deletion relies on this one.
@@ -954,7 +962,7 @@ class Journal:
                 log.error("journal: cannot delete segment %d: %s", seq, exc)
                 break
             deleted.append(seq)
-        return secs, deleted
+        return secs, len(carry), deleted
 
     @staticmethod
     def _write_all(fd: int, data: bytes | bytearray, offset: int) -> None:
@@ -1017,11 +1025,7 @@ class Journal:
                     carry.setdefault(target, []).extend(keep)
             delete.append(seq)
             gone.add(seq)
-        payload = bytearray()
-        for target, pairs in carry.items():
-            for qid, mid in pairs:
-                payload += _CARRIED.pack(_TAG_CARRIED, qid, mid, target)
-        return _Plan(delete, carry, _frame(bytes(payload)) if payload else b"")
+        return _Plan(delete, carry)
 
     async def _compact(self) -> None:
         self._compact_due = False
@@ -1030,9 +1034,7 @@ class Journal:
             return
         loop = asyncio.get_running_loop()
         try:
-            secs, deleted = await loop.run_in_executor(
-                self._executor, self._io_compact, plan.carry_bytes, plan.delete
-            )
+            result = await loop.run_in_executor(self._executor, self._io_compact, plan)
         except DiskFullError as exc:
             # Deleting is how space comes back: do what needs no carrying.
             log.warning("journal: cannot carry settles (%s); compacting what needs none", exc)
@@ -1040,27 +1042,26 @@ class Journal:
             plan = self._plan(allow_carry=False)
             if not plan.delete:
                 return
-            secs, deleted = await loop.run_in_executor(
-                self._executor, self._io_compact, b"", plan.delete
-            )
+            result = await loop.run_in_executor(self._executor, self._io_compact, plan)
         except JournalError as exc:
             self._broken = exc
             self._fail_all(exc)
             return
-        self._finish_compaction(plan, secs, deleted)
+        self._finish_compaction(plan, *result)
 
     def _compact_sync(self) -> None:
         plan = self._plan(allow_carry=True)
         if plan.delete:
-            secs, deleted = self._io_compact(plan.carry_bytes, plan.delete)
-            self._finish_compaction(plan, secs, deleted)
+            self._finish_compaction(plan, *self._io_compact(plan))
         self._compact_due = False
 
-    def _finish_compaction(self, plan: _Plan, secs: float | None, deleted: list[int]) -> None:
+    def _finish_compaction(
+        self, plan: _Plan, secs: float | None, carried: int, deleted: list[int]
+    ) -> None:
         head = self._head
         assert head is not None
-        if plan.carry_bytes:
-            head.size += len(plan.carry_bytes)
+        if carried:
+            head.size += carried
             for target, pairs in plan.carry.items():
                 if pairs:
                     head.refs.setdefault(target, []).extend(pairs)
@@ -1078,8 +1079,8 @@ class Journal:
                     other.refs.pop(seq, None)
         if deleted:
             log.info("journal: compacted %d segments", len(deleted))
-        if len(deleted) < len(plan.delete):
-            self._compact_due = True
+        # A segment that could not be unlinked is retried at the next trigger, not
+        # in a loop here.
 
     # --- closing ------------------------------------------------------------------
 
