@@ -49,6 +49,8 @@ class Limits:
     channel_max: int = 2047
     heartbeat: int = 60
     max_message_size: int = 128 * 1024 * 1024
+    handshake_timeout: float = 10.0  # seconds from the first byte to connection.open (RabbitMQ's)
+    close_timeout: float = 30.0  # seconds our connection.close waits for close-ok
 
 
 class ConnectionContext(Protocol):
@@ -82,6 +84,16 @@ class State(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"  # we sent connection.close and wait for close-ok
     CLOSED = "closed"
+
+
+# States a connection must not linger in: the handshake, and waiting for close-ok.
+_TIMED_PHASES: dict[State, str] = {
+    State.AWAIT_HEADER: "handshake",
+    State.AWAIT_START_OK: "handshake",
+    State.AWAIT_TUNE_OK: "handshake",
+    State.AWAIT_OPEN: "handshake",
+    State.CLOSING: "closing",
+}
 
 
 SERVER_CAPABILITIES = {
@@ -120,6 +132,7 @@ class Connection:
         self.close_reason: str | None = None
         self.last_received = 0.0
         self.last_sent = 0.0
+        self._deadline: tuple[str, float] | None = None  # (phase, when) of a timed phase
         self._reader = FrameReader(PRE_TUNE_FRAME_MAX)
         self._header_buf = b""
         self._out: list[bytes] = []
@@ -198,7 +211,23 @@ class Connection:
                 )
 
     def heartbeat_due(self, now: float) -> bool:
-        """Send a heartbeat if idle; return False when the peer missed two heartbeats."""
+        """Send a heartbeat if idle; return False when the transport should drop the peer.
+
+        That is: two missed heartbeats, a handshake not finished within
+        `handshake_timeout`, or our connection.close unanswered for `close_timeout`
+        (each timed from the first call that sees the phase).
+        """
+        phase = _TIMED_PHASES.get(self.state)
+        if phase is not None:
+            if self._deadline is None or self._deadline[0] != phase:
+                limits = self.ctx.limits
+                timeout = limits.close_timeout if phase == "closing" else limits.handshake_timeout
+                self._deadline = (phase, now + timeout)
+            elif now > self._deadline[1]:
+                log.warning("%s timeout for %s, dropping it", phase, self.peer)
+                self.close_reason = f"{phase} timeout"
+                return False
+            return True
         if not self.heartbeat or self.state is not State.OPEN:
             return True
         if now - self.last_received > 2 * self.heartbeat:

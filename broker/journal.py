@@ -46,7 +46,10 @@ Rules this module keeps (the reasons are at the code that keeps them):
   framed) and goes on with the later segments, whose records are intact and were
   confirmed. Stopping there would throw away every later confirmed message to
   protect against duplicates, the wrong trade for an at-least-once broker.
-  The corrupt file is left as it is for inspection until compaction removes it.
+  The corrupt file is left as it is for inspection until compaction removes it
+  (a segment whose header is bad is never removed; every open logs it again).
+* Known limit: a segment stays while any message in it is live (sparse segments
+  are not rewritten), so one long-lived message pins its whole segment.
 """
 
 from __future__ import annotations
