@@ -197,6 +197,18 @@ def test_client_that_disconnects_mid_handshake_leaves_no_connection_behind(
     pika_round_trip(broker.url)
 
 
+@pytest.mark.slow
+def test_client_that_never_finishes_the_handshake_is_dropped(broker: BrokerProcess) -> None:
+    baseline = connections(broker)
+    with RawClient(broker.host, broker.port) as client:
+        client.send(PROTOCOL_HEADER)
+        client.expect(commands.Connection.Start, 0)
+        # ... and never a start-ok: dropped after the 10 s handshake timeout (1 s ticks).
+        client.wait_closed(timeout=15)
+    wait_for(lambda: connections(broker) == baseline)
+    pika_round_trip(broker.url)
+
+
 # -- login and negotiation -----------------------------------------------------------------
 
 

@@ -1,0 +1,169 @@
+"""The broker's protocol core without sockets: bytes in, bytes out.
+
+`Harness` wires `Connection` objects to a real `VirtualHost` over a real
+`Journal` and `GroupCommitter` (on a private, normally idle event loop), with a
+clock the test moves by hand. `Peer` is one client connection: feed it bytes,
+read back exactly what the broker answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rawamqp import decode_frames, handshake_frames
+
+from twinmq.broker.auth import Authenticator, User
+from twinmq.broker.channel import Channel
+from twinmq.broker.commit import GroupCommitter
+from twinmq.broker.connection import Connection, Limits
+from twinmq.broker.journal import Journal
+from twinmq.broker.vhost import VirtualHost
+
+PRODUCT_VERSION = "0.0.0-test"
+
+
+@dataclass(order=True)
+class _Timer:
+    at: float
+    seq: int
+    callback: Callable[[], None] = field(compare=False)
+    cancelled: bool = field(default=False, compare=False)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ManualClock:
+    """The virtual host's `Clock`: time stands still until `advance`."""
+
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+        self._timers: list[_Timer] = []
+        self._seq = itertools.count()
+
+    def time(self) -> float:
+        """The current (fake) wall-clock time."""
+        return self.now
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> _Timer:
+        """Schedule `callback`; it runs from `advance`."""
+        timer = _Timer(self.now + delay, next(self._seq), callback)
+        heapq.heappush(self._timers, timer)
+        return timer
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward, running the timers that fall due, in order."""
+        target = self.now + seconds
+        while self._timers and self._timers[0].at <= target:
+            timer = heapq.heappop(self._timers)
+            self.now = max(self.now, timer.at)
+            if not timer.cancelled:
+                timer.callback()
+        self.now = target
+
+
+class Context:
+    """A `ConnectionContext`: what the asyncio `Broker` gives its connections."""
+
+    def __init__(
+        self,
+        vhost: VirtualHost,
+        committer: GroupCommitter,
+        authenticator: Authenticator,
+        limits: Limits,
+    ) -> None:
+        self.vhost = vhost
+        self.committer = committer
+        self.authenticator = authenticator
+        self.limits = limits
+        self.product_version = PRODUCT_VERSION
+        self.alarm_reason: str | None = None
+        self.refusal_reason: str | None = None
+
+    def await_durable(self, channel: Channel) -> None:
+        """Channels wait on the group committer, as in the broker."""
+        self.committer.await_durable(channel)
+
+    def alarm(self) -> str | None:
+        """The resource alarm the test has raised, if any."""
+        return self.alarm_reason
+
+    def refusal(self) -> str | None:
+        """Why clients are refused (a passive broker), if the test says so."""
+        return self.refusal_reason
+
+
+class Peer:
+    """One client connection to the core; `feed` returns what the broker answered."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.wakes = 0
+
+    def wake(self) -> None:
+        """The transport's wake-up callback (counted, nothing to schedule)."""
+        self.wakes += 1
+
+    def feed(self, data: bytes, now: float = 0.0) -> bytes:
+        """Give the broker bytes from the client; return every byte it wants to send."""
+        self.conn.receive_data(data, now)
+        return self.conn.data_to_send()
+
+    def handshake(self, **kwargs: object) -> bytes:
+        """Run the opening handshake (guest/PLAIN unless told otherwise); return all output."""
+        return b"".join(self.feed(step) for step in handshake_frames(**kwargs))  # type: ignore[arg-type]
+
+    def exchange(self, data: bytes) -> list[tuple[int, object]]:
+        """Feed bytes and decode the answer into (channel, frame) pairs."""
+        return decode_frames(self.feed(data))  # type: ignore[return-value]
+
+
+class Harness:
+    """A virtual host and the connections on it; `close` releases the journal."""
+
+    USERS = (User(name="guest", password="guest"), User(name="alice", password="wonderland"))
+
+    def __init__(self, directory: Path, limits: Limits | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.journal = Journal(directory / "journal", fsync=False)
+        recovered = self.journal.open()
+        self.committer = GroupCommitter(self.journal, self.loop)
+        self.committer.start()
+        self.clock = ManualClock()
+        self.vhost = VirtualHost(self.committer, self.clock, recovered)
+        self.ctx = Context(
+            self.vhost, self.committer, Authenticator(list(self.USERS)), limits or Limits()
+        )
+        self.peers: list[Peer] = []
+
+    def connect(self, *, loopback: bool = True, peer: str = "127.0.0.1:40000") -> Peer:
+        """A new connection on the shared virtual host (nothing sent yet)."""
+        holder: list[Peer] = []
+        conn = Connection(self.ctx, peer, loopback=loopback, wake=lambda: holder[0].wake())
+        client = Peer(conn)
+        holder.append(client)
+        self.peers.append(client)
+        return client
+
+    def commit(self, timeout: float = 5.0) -> None:
+        """Run the event loop until group commit has made everything durable."""
+
+        async def drained() -> None:
+            # The committer has no "idle" event to wait on; poll it on the private loop.
+            while self.committer.confirm_point():  # noqa: ASYNC110
+                await asyncio.sleep(0.001)
+
+        self.loop.run_until_complete(asyncio.wait_for(drained(), timeout))
+
+    def close(self) -> None:
+        """Drop the connections, stop group commit, close the journal and the loop."""
+        for client in self.peers:
+            client.conn.connection_lost()  # as the transport does when the socket goes
+        self.loop.run_until_complete(self.committer.stop())
+        self.loop.run_until_complete(self.journal.close())
+        self.loop.close()
