@@ -103,9 +103,7 @@ def build(binary: Binary, *, force: bool = False) -> Path:
     started = time.monotonic()
     _log(f"{binary.name} {binary.version}: building (log {log})")
     done = threading.Event()
-    ticker = threading.Thread(
-        target=_progress, args=(binary.name, log, started, done), daemon=True
-    )
+    ticker = threading.Thread(target=_progress, args=(binary.name, log, started, done), daemon=True)
     ticker.start()
     try:
         _run(["go", "mod", "init", "twinmq.local/build"], workdir, env, log)

@@ -21,8 +21,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from twinmq.localcluster import binaries, daemons, hostnet
+from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import (
     APISERVER_PORT,
     CLUSTER_DOMAIN,
@@ -76,8 +78,10 @@ def kubeconfig_text(layout: Layout) -> str:
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [
-            {"name": "twinmq-local", "cluster": {"server": api_url(),
-                                                  "certificate-authority-data": ca}}
+            {
+                "name": "twinmq-local",
+                "cluster": {"server": api_url(), "certificate-authority-data": ca},
+            }
         ],
         "users": [{"name": ADMIN_USER, "user": {"token": admin_token(layout)}}],
         "contexts": [
@@ -88,8 +92,13 @@ def kubeconfig_text(layout: Layout) -> str:
     return json.dumps(config, indent=2) + "\n"
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout: float, layout: Layout,
-             component: str | None = None) -> None:
+def wait_for(
+    what: str,
+    check: Callable[[], bool],
+    timeout: float,
+    layout: Layout,
+    component: str | None = None,
+) -> None:
     """Poll `check` until it is true; on timeout raise with the component's log tail."""
     deadline = time.monotonic() + timeout
     delay = 0.05
@@ -114,7 +123,7 @@ def _http_ok(url: str, token: str | None = None, ca: Path | None = None) -> bool
         request.add_header("Authorization", f"Bearer {token}")
     context = ssl.create_default_context(cafile=str(ca)) if ca else None
     if url.startswith("https") and ca is None:
-        context = ssl._create_unverified_context()  # noqa: S323 - local health probes only
+        context = ssl._create_unverified_context()
     try:
         with urllib.request.urlopen(request, timeout=2, context=context) as response:
             return bool(response.status == 200)
@@ -155,6 +164,11 @@ def _argv(layout: Layout, component: str) -> list[str]:
             f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",
             f"--token-auth-file={pki / 'tokens.csv'}",
+            f"--requestheader-client-ca-file={pki / 'ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             "--authorization-mode=RBAC",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             f"--service-account-issuer=https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
@@ -213,9 +227,12 @@ def _argv(layout: Layout, component: str) -> list[str]:
         return [str(binaries.find("coredns")), "-conf", str(layout.etc / "Corefile")]
     if component == "node-agent":
         return [
-            _venv_python(), "-m", "twinmq.localcluster.nodeagent",
-            f"--kubeconfig={kubeconfig}", f"--state-dir={layout.root}",
-        ]  # fmt: skip
+            _venv_python(),
+            "-m",
+            "twinmq.localcluster.nodeagent",
+            f"--kubeconfig={kubeconfig}",
+            f"--state-dir={layout.root}",
+        ]
     raise KeyError(component)
 
 
@@ -231,65 +248,91 @@ COREFILE = """\
         ttl 5
     }}
     cache 5
-    loop
 }}
 """
 """No `forward`: names outside the cluster are never resolved, so nothing leaves the host."""
 
 
-def bootstrap_objects() -> list[dict[str, object]]:
+def bootstrap_objects() -> list[dict[str, Any]]:
     """Return the objects `up` applies: DNS Service and endpoints, default StorageClass."""
     return [
         {
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": "kube-dns", "namespace": "kube-system",
-                         "labels": {"k8s-app": "kube-dns"}},
-            "spec": {"clusterIP": DNS_SERVICE_IP, "ports": [
-                {"name": "dns", "port": 53, "protocol": "UDP"},
-                {"name": "dns-tcp", "port": 53, "protocol": "TCP"}]},
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": "kube-dns",
+                "namespace": "kube-system",
+                "labels": {"k8s-app": "kube-dns"},
+            },
+            "spec": {
+                "clusterIP": DNS_SERVICE_IP,
+                "ports": [
+                    {"name": "dns", "port": 53, "protocol": "UDP"},
+                    {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
+                ],
+            },
         },
         {
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": "kube-dns-host", "namespace": "kube-system", "labels": {
-                "kubernetes.io/service-name": "kube-dns",
-                "endpointslice.kubernetes.io/managed-by": "twinmq-localcluster"}},
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": "kube-dns-host",
+                "namespace": "kube-system",
+                "labels": {
+                    "kubernetes.io/service-name": "kube-dns",
+                    "endpointslice.kubernetes.io/managed-by": "twinmq-localcluster",
+                },
+            },
             "addressType": "IPv4",
             "endpoints": [{"addresses": [GATEWAY_IP], "conditions": {"ready": True}}],
-            "ports": [{"name": "dns", "port": 53, "protocol": "UDP"},
-                      {"name": "dns-tcp", "port": 53, "protocol": "TCP"}],
+            "ports": [
+                {"name": "dns", "port": 53, "protocol": "UDP"},
+                {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
+            ],
         },
         {
-            "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
-            "metadata": {"name": STORAGE_CLASS, "annotations": {
-                "storageclass.kubernetes.io/is-default-class": "true"}},
+            "apiVersion": "storage.k8s.io/v1",
+            "kind": "StorageClass",
+            "metadata": {
+                "name": STORAGE_CLASS,
+                "annotations": {"storageclass.kubernetes.io/is-default-class": "true"},
+            },
             "provisioner": VOLUME_PROVISIONER,
             "reclaimPolicy": "Delete",
             "volumeBindingMode": "Immediate",
         },
-    ]  # fmt: skip
+    ]
+
+
+def object_path(obj: dict[str, Any]) -> str:
+    """Return the API path of a namespaced or cluster-scoped object (pure)."""
+    group_version = str(obj["apiVersion"])
+    base = f"/api/{group_version}" if "/" not in group_version else f"/apis/{group_version}"
+    meta = obj["metadata"]
+    plural = {
+        "Service": "services",
+        "EndpointSlice": "endpointslices",
+        "StorageClass": "storageclasses",
+    }[str(obj["kind"])]
+    if meta.get("namespace"):
+        return f"{base}/namespaces/{meta['namespace']}/{plural}/{meta['name']}"
+    return f"{base}/{plural}/{meta['name']}"
 
 
 def _apply_bootstrap(layout: Layout) -> None:
-    from kubernetes import client, config, utils
-    from kubernetes.client.exceptions import ApiException
-
-    api = config.new_client_from_config(str(layout.kubeconfig))
+    """Server-side apply the bootstrap objects (idempotent)."""
+    kube = KubeApi(str(layout.kubeconfig))
     for obj in bootstrap_objects():
-        try:
-            utils.create_from_dict(api, obj)
-        except utils.FailToCreateError as error:
-            if not all(
-                isinstance(e, ApiException) and e.status == 409 for e in error.api_exceptions
-            ):
-                raise
-    del client
+        kube.apply(object_path(obj), obj, manager="twinmq-localcluster")
 
 
 def _claim_owner(layout: Layout) -> None:
     if OWNER_FILE.exists():
         owner = OWNER_FILE.read_text().strip()
-        if owner != str(layout.root) and Path(owner).exists() and any(
-            daemons.read_pid(Layout(Path(owner)), c) is not None for c in COMPONENTS
+        if (
+            owner != str(layout.root)
+            and Path(owner).exists()
+            and any(daemons.read_pid(Layout(Path(owner)), c) is not None for c in COMPONENTS)
         ):
             raise SystemExit(
                 f"another local cluster ({owner}) owns this machine's cluster network; "
@@ -320,8 +363,14 @@ def up(layout: Layout) -> None:
     problems = preflight()
     if problems:
         raise SystemExit("cannot start the local cluster:\n  " + "\n  ".join(problems))
-    for component in ("etcd", "kube-apiserver", "kube-controller-manager",
-                      "kube-scheduler", "kube-proxy", "coredns"):  # fmt: skip
+    for component in (
+        "etcd",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+        "kube-proxy",
+        "coredns",
+    ):
         binaries.find(component)
     layout.root.mkdir(parents=True, exist_ok=True)
     _claim_owner(layout)
@@ -331,8 +380,12 @@ def up(layout: Layout) -> None:
     layout.kubeconfig.write_text(kubeconfig_text(layout))
     layout.kubeconfig.chmod(0o600)
     (layout.etc / "Corefile").write_text(
-        COREFILE.format(gateway=GATEWAY_IP, ready=COREDNS_READY_PORT, domain=CLUSTER_DOMAIN,
-                        kubeconfig=layout.kubeconfig)
+        COREFILE.format(
+            gateway=GATEWAY_IP,
+            ready=COREDNS_READY_PORT,
+            domain=CLUSTER_DOMAIN,
+            kubeconfig=layout.kubeconfig,
+        )
     )
     hostnet.setup(layout)
     token = admin_token(layout)
@@ -342,12 +395,13 @@ def up(layout: Layout) -> None:
         "etcd": lambda: _http_ok(f"http://127.0.0.1:{ETCD_CLIENT_PORT}/health"),
         "kube-apiserver": lambda: _http_ok(f"{api_url()}/readyz", token, ca),
         "kube-controller-manager": lambda: _http_ok(
-            f"https://127.0.0.1:{CONTROLLER_MANAGER_PORT}/healthz"),
+            f"https://127.0.0.1:{CONTROLLER_MANAGER_PORT}/healthz"
+        ),
         "kube-scheduler": lambda: _http_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/healthz"),
         "node-agent": lambda: _http_ok(f"http://127.0.0.1:{NODE_AGENT_HEALTH_PORT}/readyz"),
         "kube-proxy": lambda: _http_ok(f"http://127.0.0.1:{KUBE_PROXY_HEALTHZ_PORT}/healthz"),
         "coredns": lambda: _http_ok(f"http://127.0.0.1:{COREDNS_READY_PORT}/ready"),
-    }  # fmt: skip
+    }
     for component in COMPONENTS:
         if component == "node-agent":
             _apply_bootstrap(layout)
@@ -357,8 +411,7 @@ def up(layout: Layout) -> None:
         wait_for(component, checks[component], 120, layout, component)
         verb = "already running" if was_running else f"ready in {time.monotonic() - t0:.1f}s"
         _say(f"{component}: {verb}")
-    _say(f"cluster up in {time.monotonic() - started:.1f}s; "
-         f"export KUBECONFIG={layout.kubeconfig}")  # fmt: skip
+    _say(f"cluster up in {time.monotonic() - started:.1f}s; export KUBECONFIG={layout.kubeconfig}")
 
 
 def down(layout: Layout) -> None:
@@ -380,8 +433,11 @@ def down(layout: Layout) -> None:
     except FileNotFoundError:
         kube_proxy = None
     if kube_proxy is not None:
-        subprocess.run([str(kube_proxy), "--cleanup", "--proxy-mode=iptables"],
-                       capture_output=True, check=False)  # fmt: skip
+        subprocess.run(
+            [str(kube_proxy), "--cleanup", "--proxy-mode=iptables"],
+            capture_output=True,
+            check=False,
+        )
     hostnet.teardown(layout)
     for folder in (layout.etcd_data, layout.node, layout.cni, layout.volumes, layout.pids):
         shutil.rmtree(folder, ignore_errors=True)

@@ -102,9 +102,12 @@ def start_component(layout: Layout, component: str, timeout: float = 60) -> None
     if component == "kube-apiserver":
         token, ca = admin_token(layout), layout.pki / "ca.crt"
         cluster.wait_for(
-            "kube-apiserver", lambda: cluster._http_ok(f"{cluster.api_url()}/readyz", token, ca),
-            timeout, layout, component,
-        )  # fmt: skip
+            "kube-apiserver",
+            lambda: cluster._http_ok(f"{cluster.api_url()}/readyz", token, ca),
+            timeout,
+            layout,
+            component,
+        )
 
 
 @contextlib.contextmanager

@@ -22,31 +22,69 @@ def ensure_pki(layout: Layout) -> None:
     if not (pki / "ca.crt").exists():
         _openssl("genrsa", "-out", "ca.key", "2048", cwd=pki)
         _openssl(
-            "req", "-x509", "-new", "-nodes", "-key", "ca.key", "-sha256", "-days", "3650",
-            "-subj", "/CN=twinmq-local-ca", "-out", "ca.crt", cwd=pki,
-        )  # fmt: skip
+            "req",
+            "-x509",
+            "-new",
+            "-nodes",
+            "-key",
+            "ca.key",
+            "-sha256",
+            "-days",
+            "3650",
+            "-subj",
+            "/CN=twinmq-local-ca",
+            "-out",
+            "ca.crt",
+            cwd=pki,
+        )
     if not (pki / "apiserver.crt").exists():
         sans = ",".join(
             [
-                "DNS:kubernetes", "DNS:kubernetes.default", "DNS:kubernetes.default.svc",
-                "DNS:kubernetes.default.svc.cluster.local", "DNS:localhost",
-                "IP:127.0.0.1", f"IP:{GATEWAY_IP}", f"IP:{KUBERNETES_SERVICE_IP}",
+                "DNS:kubernetes",
+                "DNS:kubernetes.default",
+                "DNS:kubernetes.default.svc",
+                "DNS:kubernetes.default.svc.cluster.local",
+                "DNS:localhost",
+                "IP:127.0.0.1",
+                f"IP:{GATEWAY_IP}",
+                f"IP:{KUBERNETES_SERVICE_IP}",
             ]
-        )  # fmt: skip
+        )
         (pki / "apiserver.ext").write_text(
             f"subjectAltName={sans}\nkeyUsage=digitalSignature,keyEncipherment\n"
             "extendedKeyUsage=serverAuth\n"
         )
         _openssl("genrsa", "-out", "apiserver.key", "2048", cwd=pki)
         _openssl(
-            "req", "-new", "-key", "apiserver.key", "-subj", "/CN=kube-apiserver",
-            "-out", "apiserver.csr", cwd=pki,
-        )  # fmt: skip
+            "req",
+            "-new",
+            "-key",
+            "apiserver.key",
+            "-subj",
+            "/CN=kube-apiserver",
+            "-out",
+            "apiserver.csr",
+            cwd=pki,
+        )
         _openssl(
-            "x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "3650", "-sha256", "-extfile", "apiserver.ext",
-            "-out", "apiserver.crt", cwd=pki,
-        )  # fmt: skip
+            "x509",
+            "-req",
+            "-in",
+            "apiserver.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "3650",
+            "-sha256",
+            "-extfile",
+            "apiserver.ext",
+            "-out",
+            "apiserver.crt",
+            cwd=pki,
+        )
     if not (pki / "sa.key").exists():
         _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
         _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)

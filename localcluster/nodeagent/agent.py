@@ -14,14 +14,11 @@ import shutil
 import signal
 import sys
 import threading
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client, config, watch
-from kubernetes.client.exceptions import ApiException
-
+from twinmq.localcluster.kubeapi import ApiError, KubeApi
 from twinmq.localcluster.layout import (
     GATEWAY_IP,
     NODE_AGENT_HEALTH_PORT,
@@ -81,8 +78,10 @@ def node_object(name: str) -> dict[str, Any]:
                 "kubeletVersion": KUBERNETES_VERSION,
                 "kubeProxyVersion": KUBERNETES_VERSION,
                 "containerRuntimeVersion": "twinmq-process://0.1",
-                "machineID": "", "systemUUID": "", "bootID": "",
-            },  # fmt: skip
+                "machineID": "",
+                "systemUUID": "",
+                "bootID": "",
+            },
         },
     }
 
@@ -97,10 +96,16 @@ def node_conditions() -> list[dict[str, str]]:
         ("PIDPressure", "False", "KubeletHasSufficientPID", "ok"),
     ]
     return [
-        {"type": t, "status": s, "reason": r, "message": m,
-         "lastHeartbeatTime": now, "lastTransitionTime": now}
+        {
+            "type": t,
+            "status": s,
+            "reason": r,
+            "message": m,
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        }
         for t, s, r, m in rows
-    ]  # fmt: skip
+    ]
 
 
 class Agent:
@@ -109,9 +114,7 @@ class Agent:
     def __init__(self, layout: Layout, kubeconfig: str, node_name: str = NODE_NAME) -> None:
         self.layout = layout
         self.node_name = node_name
-        self.api_client = config.new_client_from_config(kubeconfig)
-        self.core = client.CoreV1Api(self.api_client)
-        self.coordination = client.CoordinationV1Api(self.api_client)
+        self.kube = KubeApi(kubeconfig)
         self.runtime = Runtime(layout)
         self.commands = CommandMap.for_current_venv()
         self.bin_path = f"{self.commands.bin_dir}:/usr/local/bin:/usr/bin:/bin"
@@ -123,79 +126,79 @@ class Agent:
 
     # -- Cluster protocol for the workers ---------------------------------------------------
 
+    def _must_get(self, path: str, what: str) -> dict[str, Any]:
+        obj = self.kube.get(path)
+        if obj is None:
+            raise KeyError(f"{what} not found")
+        return obj
+
     def secret(self, namespace: str, name: str) -> dict[str, bytes]:
         """Return a Secret's decoded data; KeyError when it does not exist."""
-        try:
-            obj = self.core.read_namespaced_secret(name, namespace)
-        except ApiException as error:
-            if error.status == 404:
-                raise KeyError(f"secret {namespace}/{name} not found") from None
-            raise
-        data = {k: base64.b64decode(v) for k, v in (obj.data or {}).items()}
-        data.update({k: v.encode() for k, v in (obj.string_data or {}).items()})
+        obj = self._must_get(
+            f"/api/v1/namespaces/{namespace}/secrets/{name}", f"secret {namespace}/{name}"
+        )
+        data = {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+        data.update({k: str(v).encode() for k, v in (obj.get("stringData") or {}).items()})
         return data
 
     def config_map(self, namespace: str, name: str) -> dict[str, bytes]:
         """Return a ConfigMap's data as bytes; KeyError when it does not exist."""
-        try:
-            obj = self.core.read_namespaced_config_map(name, namespace)
-        except ApiException as error:
-            if error.status == 404:
-                raise KeyError(f"configmap {namespace}/{name} not found") from None
-            raise
-        data = {k: v.encode() for k, v in (obj.data or {}).items()}
-        data.update({k: base64.b64decode(v) for k, v in (obj.binary_data or {}).items()})
+        obj = self._must_get(
+            f"/api/v1/namespaces/{namespace}/configmaps/{name}", f"configmap {namespace}/{name}"
+        )
+        data = {k: str(v).encode() for k, v in (obj.get("data") or {}).items()}
+        data.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
         return data
 
     def token(self, namespace: str, account: str, expiry: int, audience: str | None) -> str:
         """Return a token for a service account (TokenRequest API)."""
-        body = client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(
-                audiences=[audience] if audience else [], expiration_seconds=expiry
-            )
-        )
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"audiences": [audience] if audience else [], "expirationSeconds": expiry},
+        }
+        path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token"
         try:
-            result = self.core.create_namespaced_service_account_token(account, namespace, body)
-        except ApiException as error:
+            result = self.kube.create(path, body)
+        except ApiError as error:
             if error.status == 404:
                 raise KeyError(f"serviceaccount {namespace}/{account} not found") from None
             raise
-        return str(result.status.token)
+        return str(result["status"]["token"])
 
     def claim_path(self, namespace: str, claim: str) -> Path:
         """Return the folder of the PersistentVolume bound to `claim`; KeyError if unbound."""
-        try:
-            pvc = self.core.read_namespaced_persistent_volume_claim(claim, namespace)
-        except ApiException as error:
-            if error.status == 404:
-                raise KeyError(f"persistentvolumeclaim {namespace}/{claim} not found") from None
-            raise
-        if not pvc.spec.volume_name:
+        pvc = self._must_get(
+            f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}",
+            f"persistentvolumeclaim {namespace}/{claim}",
+        )
+        volume = pvc["spec"].get("volumeName")
+        if not volume:
             raise KeyError(f"persistentvolumeclaim {namespace}/{claim} is not bound")
-        pv = self.core.read_persistent_volume(pvc.spec.volume_name)
-        if pv.spec.host_path is None:
-            raise ValueError(f"volume {pv.metadata.name} is not a local folder")
-        path = Path(pv.spec.host_path.path)
+        pv = self._must_get(f"/api/v1/persistentvolumes/{volume}", f"volume {volume}")
+        host_path = (pv["spec"].get("hostPath") or {}).get("path")
+        if not host_path:
+            raise ValueError(f"volume {volume} is not a local folder")
+        path = Path(host_path)
         path.mkdir(parents=True, exist_ok=True)
         return path
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Patch the pod's status (strategic merge: conditions merge by type)."""
+        path = f"/api/v1/namespaces/{namespace}/pods/{name}/status"
         try:
-            self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
-        except ApiException as error:
+            self.kube.patch(path, {"status": status}, kind="strategic")
+        except ApiError as error:
             if error.status != 404:
                 raise
 
     def finish_delete(self, namespace: str, name: str, uid: str) -> None:
         """Delete the pod object with grace 0 once its processes are gone."""
-        body = client.V1DeleteOptions(
-            grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)
-        )
+        body = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
         try:
-            self.core.delete_namespaced_pod(name, namespace, body=body)
-        except ApiException as error:
-            if error.status not in (404, 409):
+            self.kube.delete(f"/api/v1/namespaces/{namespace}/pods/{name}", body)
+        except ApiError as error:
+            if error.status != 409:
                 raise
 
     # -- node --------------------------------------------------------------------------------
@@ -205,32 +208,28 @@ class Agent:
         node = node_object(self.node_name)
         node["status"]["conditions"] = node_conditions()
         try:
-            self.core.create_node(node)
+            self.kube.create("/api/v1/nodes", node)
             log.info("registered node %s", self.node_name)
-        except ApiException as error:
+        except ApiError as error:
             if error.status != 409:
                 raise
-        self.core.patch_node_status(self.node_name, {"status": node["status"]})
+        self.kube.patch(
+            f"/api/v1/nodes/{self.node_name}/status", {"status": node["status"]}, kind="strategic"
+        )
 
     def _renew_lease(self) -> None:
-        lease_body = {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {"name": self.node_name, "namespace": "kube-node-lease"},
-            "spec": {
-                "holderIdentity": self.node_name,
-                "leaseDurationSeconds": LEASE_SECONDS,
-                "renewTime": _now().strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-            },
+        spec = {
+            "holderIdentity": self.node_name,
+            "leaseDurationSeconds": LEASE_SECONDS,
+            "renewTime": _now().strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         }
+        path = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
         try:
-            self.coordination.patch_namespaced_lease(
-                self.node_name, "kube-node-lease", {"spec": lease_body["spec"]}
-            )
-        except ApiException as error:
+            self.kube.patch(f"{path}/{self.node_name}", {"spec": spec})
+        except ApiError as error:
             if error.status != 404:
                 raise
-            self.coordination.create_namespaced_lease("kube-node-lease", lease_body)
+            self.kube.create(path, {"metadata": {"name": self.node_name}, "spec": spec})
 
     def _heartbeat_loop(self) -> None:
         beats = 0
@@ -238,12 +237,14 @@ class Agent:
             try:
                 self._renew_lease()
                 if beats % 3 == 0:
-                    self.core.patch_node_status(
-                        self.node_name, {"status": {"conditions": node_conditions()}}
+                    self.kube.patch(
+                        f"/api/v1/nodes/{self.node_name}/status",
+                        {"status": {"conditions": node_conditions()}},
+                        kind="strategic",
                     )
                 beats += 1
-            except Exception:
-                log.exception("heartbeat failed")
+            except Exception as error:
+                log.warning("heartbeat failed: %s", error)
             self.stop.wait(HEARTBEAT_SECONDS)
 
     # -- pods --------------------------------------------------------------------------------
@@ -251,42 +252,41 @@ class Agent:
     def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
         uid = pod["metadata"]["uid"]
         with self.workers_lock:
+            self.workers = {u: w for u, w in self.workers.items() if w.thread.is_alive()}
             worker = self.workers.get(uid)
             if kind == "DELETED":
-                if worker is not None and worker.thread.is_alive():
+                if worker is not None:
                     worker.deleted()
                 elif self.runtime.pod_dir(uid).exists():
                     self.runtime.remove_sandbox(uid)
                 return
-            if worker is None:
-                if pod.get("status", {}).get("phase") in ("Succeeded", "Failed") and not (
-                    self.runtime.pod_dir(uid).exists()
-                ):
-                    return
-                worker = PodWorker(pod, self.runtime, self, self.commands,
-                                   self.layout.logs / "pods", self.bin_path)  # fmt: skip
-                self.workers[uid] = worker
-                worker.start()
-            else:
+            if worker is not None:
                 worker.update(pod)
-            self.workers = {u: w for u, w in self.workers.items()
-                            if w.thread.is_alive() or u == uid}  # fmt: skip
+                return
+            if pod.get("status", {}).get("phase") in ("Succeeded", "Failed") and not (
+                pod["metadata"].get("deletionTimestamp")
+            ):
+                return
+            worker = PodWorker(
+                pod, self.runtime, self, self.commands, self.layout.logs / "pods", self.bin_path
+            )
+            self.workers[uid] = worker
+            worker.start()
 
     def _sync(self) -> str:
         """List the node's pods, adopt or start them, clean up orphans; return resourceVersion."""
-        selector = f"spec.nodeName={self.node_name}"
-        result = self.api_client.sanitize_for_serialization(
-            self.core.list_pod_for_all_namespaces(field_selector=selector)
+        listing = self.kube.request(
+            "GET", "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={self.node_name}"}
         )
         seen = set()
-        for pod in result.get("items") or []:
+        for pod in listing.get("items") or []:
             seen.add(pod["metadata"]["uid"])
             self._on_pod("MODIFIED", pod)
         for uid in self.runtime.sandboxes():
             if uid not in seen and uid not in self.workers:
                 log.info("removing orphan sandbox %s", uid)
                 self.runtime.remove_sandbox(uid)
-        return str(result["metadata"]["resourceVersion"])
+        return str(listing["metadata"]["resourceVersion"])
 
     def _watch_loop(self) -> None:
         resource_version = ""
@@ -295,28 +295,20 @@ class Agent:
                 if not resource_version:
                     resource_version = self._sync()
                     self.ready.set()
-                stream = watch.Watch()
-                for event in stream.stream(
-                    self.core.list_pod_for_all_namespaces,
-                    field_selector=f"spec.nodeName={self.node_name}",
-                    resource_version=resource_version,
-                    timeout_seconds=60,
-                    _preload_content=False,
+                for event in self.kube.watch(
+                    "/api/v1/pods",
+                    resource_version,
+                    fieldSelector=f"spec.nodeName={self.node_name}",
                 ):
                     if self.stop.is_set():
                         return
-                    obj = event["raw_object"]
+                    obj = event["object"]
                     if event["type"] == "ERROR":
                         resource_version = ""
                         break
                     resource_version = obj["metadata"]["resourceVersion"]
-                    self._on_pod(event["type"], obj)
-            except ApiException as error:
-                if error.status == 410:
-                    resource_version = ""
-                else:
-                    log.warning("pod watch failed: %s", error.reason)
-                    self.stop.wait(1)
+                    if event["type"] != "BOOKMARK":
+                        self._on_pod(event["type"], obj)
             except Exception as error:
                 log.warning("pod watch failed: %s", error)
                 resource_version = ""
@@ -328,47 +320,55 @@ class Agent:
         while not self.stop.is_set():
             try:
                 self._provision_once()
-            except Exception:
-                log.exception("provisioner failed")
+            except Exception as error:
+                log.warning("provisioner failed: %s", error)
             self.stop.wait(1)
 
     def _provision_once(self) -> None:
-        pvs = {pv.metadata.name: pv for pv in self.core.list_persistent_volume().items}
-        for pvc in self.core.list_persistent_volume_claim_for_all_namespaces().items:
-            if pvc.spec.storage_class_name != STORAGE_CLASS or pvc.spec.volume_name:
+        pvs = {pv["metadata"]["name"]: pv for pv in self.kube.list("/api/v1/persistentvolumes")}
+        for pvc in self.kube.list("/api/v1/persistentvolumeclaims"):
+            meta, spec = pvc["metadata"], pvc["spec"]
+            if spec.get("storageClassName") != STORAGE_CLASS or spec.get("volumeName"):
                 continue
-            name = f"pvc-{pvc.metadata.uid}"
-            if name in pvs or pvc.metadata.deletion_timestamp:
+            name = f"pvc-{meta['uid']}"
+            if name in pvs or meta.get("deletionTimestamp"):
                 continue
             path = self.layout.volumes / name
             path.mkdir(parents=True, exist_ok=True)
-            storage = (pvc.spec.resources.requests or {}).get("storage", "1Gi")
-            self.core.create_persistent_volume({
-                "apiVersion": "v1", "kind": "PersistentVolume",
-                "metadata": {"name": name, "annotations": {
-                    "pv.kubernetes.io/provisioned-by": VOLUME_PROVISIONER}},
-                "spec": {
-                    "capacity": {"storage": storage},
-                    "accessModes": pvc.spec.access_modes or ["ReadWriteOnce"],
-                    "persistentVolumeReclaimPolicy": "Delete",
-                    "storageClassName": STORAGE_CLASS,
-                    "hostPath": {"path": str(path), "type": "DirectoryOrCreate"},
-                    "claimRef": {"namespace": pvc.metadata.namespace, "name": pvc.metadata.name,
-                                 "uid": pvc.metadata.uid},
+            storage = ((spec.get("resources") or {}).get("requests") or {}).get("storage", "1Gi")
+            self.kube.create(
+                "/api/v1/persistentvolumes",
+                {
+                    "apiVersion": "v1",
+                    "kind": "PersistentVolume",
+                    "metadata": {
+                        "name": name,
+                        "annotations": {"pv.kubernetes.io/provisioned-by": VOLUME_PROVISIONER},
+                    },
+                    "spec": {
+                        "capacity": {"storage": storage},
+                        "accessModes": spec.get("accessModes") or ["ReadWriteOnce"],
+                        "persistentVolumeReclaimPolicy": "Delete",
+                        "storageClassName": STORAGE_CLASS,
+                        "hostPath": {"path": str(path), "type": "DirectoryOrCreate"},
+                        "claimRef": {
+                            "namespace": meta["namespace"],
+                            "name": meta["name"],
+                            "uid": meta["uid"],
+                        },
+                    },
                 },
-            })  # fmt: skip
-            log.info("provisioned %s for %s/%s", name, pvc.metadata.namespace, pvc.metadata.name)
-        for pv in pvs.values():
-            annotations = pv.metadata.annotations or {}
+            )
+            log.info("provisioned %s for %s/%s", name, meta["namespace"], meta["name"])
+        for name, pv in pvs.items():
+            annotations = pv["metadata"].get("annotations") or {}
             if annotations.get("pv.kubernetes.io/provisioned-by") != VOLUME_PROVISIONER:
                 continue
-            if pv.status.phase == "Released" and pv.spec.persistent_volume_reclaim_policy == "Delete":
-                shutil.rmtree(self.layout.volumes / pv.metadata.name, ignore_errors=True)
-                try:
-                    self.core.delete_persistent_volume(pv.metadata.name)
-                except ApiException as error:
-                    if error.status != 404:
-                        raise
+            released = (pv.get("status") or {}).get("phase") == "Released"
+            if released and pv["spec"].get("persistentVolumeReclaimPolicy") == "Delete":
+                shutil.rmtree(self.layout.volumes / name, ignore_errors=True)
+                self.kube.delete(f"/api/v1/persistentvolumes/{name}")
+                log.info("deleted released volume %s", name)
 
     # -- main --------------------------------------------------------------------------------
 
@@ -376,13 +376,13 @@ class Agent:
         agent = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server API
+            def do_GET(self) -> None:
                 ok = self.path == "/healthz" or (self.path == "/readyz" and agent.ready.is_set())
                 self.send_response(200 if ok else 503)
                 self.end_headers()
                 self.wfile.write(b"ok\n" if ok else b"not ready\n")
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: Any) -> None:
                 return
 
         server = http.server.ThreadingHTTPServer(("127.0.0.1", NODE_AGENT_HEALTH_PORT), Handler)
@@ -423,8 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", required=True, type=Path)
     parser.add_argument("--node-name", default=NODE_NAME)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                        stream=sys.stdout)  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout
+    )
     agent = Agent(Layout(args.state_dir.resolve()), args.kubeconfig, args.node_name)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
     signal.signal(signal.SIGINT, lambda *_: agent.stop.set())

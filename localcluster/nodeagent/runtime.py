@@ -7,6 +7,7 @@ the agent needs to adopt running pods after a restart.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -116,8 +117,11 @@ class Runtime:
         pod_dir.mkdir(parents=True, exist_ok=True)
         if not (NETNS_DIR / netns).exists():
             subprocess.run(["ip", "netns", "add", netns], check=True, capture_output=True)
-        subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "lo", "up"],
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["ip", "netns", "exec", netns, "ip", "link", "set", "lo", "up"],
+            check=True,
+            capture_output=True,
+        )
         result = self._cni("ADD", uid, netns)
         ip = result["ips"][0]["address"].split("/")[0]
         etc = Path("/etc/netns") / netns
@@ -158,8 +162,10 @@ class Runtime:
         netns = netns_name(uid)
         out = subprocess.run(
             ["ip", "netns", "exec", netns, "cat", "/sys/class/net/eth0/iflink"],
-            check=True, capture_output=True, text=True,
-        ).stdout.strip()  # fmt: skip
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         for iface in Path("/sys/class/net").iterdir():
             if (iface / "ifindex").read_text().strip() == out:
                 return iface.name
@@ -171,10 +177,8 @@ class Runtime:
             self.kill(uid, container, grace=0)
         netns = netns_name(uid)
         if (NETNS_DIR / netns).exists():
-            try:
+            with contextlib.suppress(RuntimeError):
                 self._cni("DEL", uid, netns)
-            except RuntimeError:
-                pass
             subprocess.run(["ip", "netns", "del", netns], capture_output=True, check=False)
         shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
         self._release_ip(uid)
@@ -237,10 +241,24 @@ class Runtime:
             (state / stale).unlink(missing_ok=True)
         (state / "started").write_text(str(time.time()))
         shim = [
-            "ip", "netns", "exec", netns_name(uid), "unshare", "--uts",
-            sys.executable, "-m", "twinmq.localcluster.nodeagent.shim",
-            "--state", str(state), "--log", str(log), "--cwd", cwd, "--hostname", hostname,
-        ]  # fmt: skip
+            "ip",
+            "netns",
+            "exec",
+            netns_name(uid),
+            "unshare",
+            "--uts",
+            sys.executable,
+            "-m",
+            "twinmq.localcluster.nodeagent.shim",
+            "--state",
+            str(state),
+            "--log",
+            str(log),
+            "--cwd",
+            cwd,
+            "--hostname",
+            hostname,
+        ]
         for mount in mounts:
             shim += ["--mount", mount]
         log.parent.mkdir(parents=True, exist_ok=True)

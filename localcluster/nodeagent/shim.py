@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -73,9 +72,15 @@ def main() -> int:
         except OSError as error:
             _write_atomic(
                 exit_file,
-                json.dumps({"code": 128, "reason": "StartError", "message": str(error),
-                            "finished": time.time()}),
-            )  # fmt: skip
+                json.dumps(
+                    {
+                        "code": 128,
+                        "reason": "StartError",
+                        "message": str(error),
+                        "finished": time.time(),
+                    }
+                ),
+            )
             return 0
         _write_atomic(args.state / "pid", f"{child.pid} {_stat_start(child.pid)}\n")
         code = child.wait()

@@ -70,7 +70,9 @@ class VolumeBuilder:
         for volume in pod["spec"].get("volumes") or []:
             name = volume["name"]
             if "persistentVolumeClaim" in volume:
-                paths[name] = self.claim_path(namespace, volume["persistentVolumeClaim"]["claimName"])
+                paths[name] = self.claim_path(
+                    namespace, volume["persistentVolumeClaim"]["claimName"]
+                )
                 continue
             folder = self.pod_dir / "volumes" / name
             if "emptyDir" in volume or "hostPath" in volume:
@@ -105,9 +107,12 @@ class VolumeBuilder:
                 if "serviceAccountToken" in source:
                     sat = source["serviceAccountToken"]
                     account = pod["spec"].get("serviceAccountName") or "default"
-                    token = self.token(namespace, account,
-                                       int(sat.get("expirationSeconds", 3600)),
-                                       sat.get("audience"))  # fmt: skip
+                    token = self.token(
+                        namespace,
+                        account,
+                        int(sat.get("expirationSeconds", 3600)),
+                        sat.get("audience"),
+                    )
                     (folder / sat["path"]).write_text(token)
                 elif "configMap" in source:
                     src = source["configMap"]

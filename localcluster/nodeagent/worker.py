@@ -262,14 +262,18 @@ class PodWorker:
         if state.pid:
             self._probe(pod, c, record)
 
-    def _start_container(self, pod: dict[str, Any], c: dict[str, Any], record: ContainerRecord) -> None:
+    def _start_container(
+        self, pod: dict[str, Any], c: dict[str, Any], record: ContainerRecord
+    ) -> None:
         try:
             env = container_env(
-                pod, c, host_ip=GATEWAY_IP,
+                pod,
+                c,
+                host_ip=GATEWAY_IP,
                 secrets=lambda ns, n: _text(self.cluster.secret(ns, n)),
                 config_maps=lambda ns, n: _text(self.cluster.config_map(ns, n)),
                 base={**BASE_ENV, "PATH": self.bin_path},
-            )  # fmt: skip
+            )
             command = [expand(x, env) for x in c.get("command") or []]
             args = [expand(x, env) for x in c.get("args") or []]
             argv = self.commands.resolve(command, args)
@@ -296,10 +300,15 @@ class PodWorker:
         self.runtime.reset(self.uid, c["name"])
         log_file = self.logs / f"{self.namespace}_{self.name}_{c['name']}.log"
         self.runtime.start(
-            self.uid, c["name"], argv, env,
-            cwd=c.get("workingDir") or "/", mounts=mounts, log=log_file,
+            self.uid,
+            c["name"],
+            argv,
+            env,
+            cwd=c.get("workingDir") or "/",
+            mounts=mounts,
+            log=log_file,
             hostname=(pod["spec"].get("hostname") or self.name)[:63],
-        )  # fmt: skip
+        )
         record.probes.clear()
         record.run_started = time.time()
         log.info("pod %s/%s: started %s: %s", self.namespace, self.name, c["name"], argv)
@@ -334,17 +343,26 @@ class PodWorker:
                 if state.failures >= probe.get("failureThreshold", 3):
                     state.passed = False
                     if kind != "readinessProbe":
-                        log.info("pod %s/%s: %s %s failed; killing", self.namespace,
-                                 self.name, c["name"], kind)  # fmt: skip
+                        log.info(
+                            "pod %s/%s: %s %s failed; killing",
+                            self.namespace,
+                            self.name,
+                            c["name"],
+                            kind,
+                        )
                         grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
                         self.runtime.kill(self.uid, c["name"], float(grace))
                         return
 
-    def _ready(self, c: dict[str, Any], record: ContainerRecord, running: bool) -> tuple[bool, bool]:
+    def _ready(
+        self, c: dict[str, Any], record: ContainerRecord, running: bool
+    ) -> tuple[bool, bool]:
         """Return (started, ready) of a running container."""
         if not running:
             return False, False
-        started = not c.get("startupProbe") or record.probes.get("startupProbe", ProbeState()).passed
+        started = (
+            not c.get("startupProbe") or record.probes.get("startupProbe", ProbeState()).passed
+        )
         if not started:
             return False, False
         if not c.get("readinessProbe"):
@@ -360,9 +378,11 @@ class PodWorker:
         state = self.runtime.state(self.uid, c["name"]) if self.pod_ip else None
         image = c.get("image", "")
         status: dict[str, Any] = {
-            "name": c["name"], "image": image, "imageID": f"twinmq-process://{image}",
+            "name": c["name"],
+            "image": image,
+            "imageID": f"twinmq-process://{image}",
             "restartCount": record.restarts,
-        }  # fmt: skip
+        }
         is_running = isinstance(state, Running)
         started, ready = self._ready(c, record, is_running)
         status["ready"] = ready
@@ -384,14 +404,16 @@ class PodWorker:
             else:
                 exit_code = state.code
                 status["state"] = podstatus.terminated(
-                    state.code, state.reason, state.started, state.finished, state.message)
+                    state.code, state.reason, state.started, state.finished, state.message
+                )
         else:
             will_restart = True
             status["state"] = podstatus.waiting(record.waiting_reason, record.waiting_message)
         last = record.last
         if last is not None and (record.restarts > 0 or not isinstance(state, Exited)):
             status["lastState"] = podstatus.terminated(
-                last.code, last.reason, last.started, last.finished, last.message)
+                last.code, last.reason, last.started, last.finished, last.message
+            )
         else:
             status["lastState"] = {}
         view = podstatus.ContainerView(is_running, exit_code, will_restart)
@@ -405,15 +427,18 @@ class PodWorker:
             statuses.append(s)
             views.append(v)
             readies.append(r)
-        init_statuses = [self._container_status(c, "Never")[0]
-                         for c in pod["spec"].get("initContainers") or []]  # fmt: skip
+        init_statuses = [
+            self._container_status(c, "Never")[0] for c in pod["spec"].get("initContainers") or []
+        ]
         phase = podstatus.pod_phase(views, self.init_done and self.error is None)
         containers_ready = all(readies) and phase == "Running"
         gates_ok = all(
-            any(cond.get("type") == gate["conditionType"] and cond.get("status") == "True"
-                for cond in (pod.get("status") or {}).get("conditions") or [])
+            any(
+                cond.get("type") == gate["conditionType"] and cond.get("status") == "True"
+                for cond in (pod.get("status") or {}).get("conditions") or []
+            )
             for gate in pod["spec"].get("readinessGates") or []
-        )  # fmt: skip
+        )
         conditions = {
             "PodReadyToStartContainers": bool(self.pod_ip),
             "Initialized": self.init_done,
@@ -446,8 +471,11 @@ class PodWorker:
         previous = self.transitions.get(kind)
         if previous is None or previous[0] != text:
             self.transitions[kind] = (text, time.time())
-        return {"type": kind, "status": text,
-                "lastTransitionTime": podstatus.rfc3339(self.transitions[kind][1])}  # fmt: skip
+        return {
+            "type": kind,
+            "status": text,
+            "lastTransitionTime": podstatus.rfc3339(self.transitions[kind][1]),
+        }
 
     # -- deletion ----------------------------------------------------------------------------
 
@@ -476,8 +504,12 @@ def _text(data: Mapping[str, bytes]) -> dict[str, str]:
 def _strip_times(status: dict[str, Any]) -> dict[str, Any]:
     out = dict(status)
     out["containerStatuses"] = [
-        {**s, "state": {k: {**v, "startedAt": None} if k == "running" else v
-                        for k, v in s["state"].items()}}
+        {
+            **s,
+            "state": {
+                k: {**v, "startedAt": None} if k == "running" else v for k, v in s["state"].items()
+            },
+        }
         for s in status["containerStatuses"]
-    ]  # fmt: skip
+    ]
     return out

@@ -23,9 +23,13 @@ from twinmq.localcluster.versions import staging_version
 
 @pytest.mark.parametrize(
     "image",
-    ["twinmq/twinmq", "twinmq/twinmq:dev", "docker.io/twinmq/twinmq:1.0",
-     "twinmq/twinmq@sha256:abc"],
-)  # fmt: skip
+    [
+        "twinmq/twinmq",
+        "twinmq/twinmq:dev",
+        "docker.io/twinmq/twinmq:1.0",
+        "twinmq/twinmq@sha256:abc",
+    ],
+)
 def test_project_image_is_accepted_with_any_tag(image: str) -> None:
     check_image(image)
     assert image_repository(image) == "twinmq/twinmq"
@@ -39,7 +43,10 @@ def test_other_images_fail_like_an_unpullable_image(image: str) -> None:
 
 def test_console_scripts_map_to_the_agents_venv() -> None:
     commands = CommandMap(Path("/venv/bin"), exists=lambda p: str(p).startswith("/venv/bin/"))
-    assert commands.resolve(["twinmq-broker"], ["--port=1"]) == ["/venv/bin/twinmq-broker", "--port=1"]
+    assert commands.resolve(["twinmq-broker"], ["--port=1"]) == [
+        "/venv/bin/twinmq-broker",
+        "--port=1",
+    ]
     assert commands.resolve(["python", "-c", "x"], []) == ["/venv/bin/python", "-c", "x"]
 
 
@@ -71,10 +78,13 @@ def test_env_has_downward_api_fields_secrets_and_expansion() -> None:
         "envFrom": [{"configMapRef": {"name": "cm"}, "prefix": "CM_"}],
     }
     env = container_env(
-        _pod(), container, host_ip="10.244.0.1",
-        secrets=lambda ns, n: {"t": "secret"}, config_maps=lambda ns, n: {"a": "1"},
+        _pod(),
+        container,
+        host_ip="10.244.0.1",
+        secrets=lambda ns, n: {"t": "secret"},
+        config_maps=lambda ns, n: {"a": "1"},
         base={"PATH": "/bin"},
-    )  # fmt: skip
+    )
     assert env["POD_NAME"] == "b-0"
     assert env["POD_IP"] == "10.244.0.7"
     assert env["ROLE"] == "active"
@@ -88,11 +98,23 @@ def test_env_has_downward_api_fields_secrets_and_expansion() -> None:
 def test_missing_secret_key_fails_unless_optional() -> None:
     container = {"env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}
     with pytest.raises(KeyError):
-        container_env(_pod(), container, host_ip="h", secrets=lambda ns, n: {},
-                      config_maps=lambda ns, n: {}, base={})  # fmt: skip
+        container_env(
+            _pod(),
+            container,
+            host_ip="h",
+            secrets=lambda ns, n: {},
+            config_maps=lambda ns, n: {},
+            base={},
+        )
     container["env"][0]["valueFrom"]["secretKeyRef"]["optional"] = True  # type: ignore[index]
-    env = container_env(_pod(), container, host_ip="h", secrets=lambda ns, n: {},
-                        config_maps=lambda ns, n: {}, base={})  # fmt: skip
+    env = container_env(
+        _pod(),
+        container,
+        host_ip="h",
+        secrets=lambda ns, n: {},
+        config_maps=lambda ns, n: {},
+        base={},
+    )
     assert "X" not in env
 
 

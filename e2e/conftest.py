@@ -1,0 +1,66 @@
+"""e2e fixtures: a Kubernetes API (whatever KUBECONFIG names, else the local cluster)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from twinmq.localcluster.kubeapi import KubeApi
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Cluster:
+    """The cluster under test: its kubeconfig and whether it is this machine's local cluster."""
+
+    def __init__(self, kubeconfig: str, local: bool) -> None:
+        self.kubeconfig = kubeconfig
+        self.local = local
+        self.kube = KubeApi(kubeconfig)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """Use $KUBECONFIG if set; otherwise start the local cluster (and stop it if we started it)."""
+    explicit = os.environ.get("KUBECONFIG")
+    if explicit:
+        local = "TWINMQ_E2E_LOCAL" in os.environ or explicit.endswith(".cluster/kubeconfig")
+        yield Cluster(explicit, local)
+        return
+    from twinmq.localcluster import daemons
+    from twinmq.localcluster.cluster import COMPONENTS
+    from twinmq.localcluster.layout import Layout
+
+    layout = Layout.default()
+    running = all(daemons.read_pid(layout, c) is not None for c in COMPONENTS)
+    cmd = [sys.executable, "-m", "twinmq.localcluster.cluster"]
+    if not running:
+        subprocess.run([*cmd, "up"], check=True)
+    try:
+        yield Cluster(str(layout.kubeconfig), local=True)
+    finally:
+        if not running and not os.environ.get("TWINMQ_E2E_KEEP_CLUSTER"):
+            subprocess.run([*cmd, "down"], check=False)
+
+
+@pytest.fixture
+def namespace(cluster: Cluster) -> Iterator[str]:
+    """A fresh namespace per test, deleted afterwards (without waiting)."""
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    cluster.kube.create("/api/v1/namespaces", {"metadata": {"name": name}})
+    _wait_default_service_account(cluster, name)
+    yield name
+    cluster.kube.delete(f"/api/v1/namespaces/{name}")
+
+
+def _wait_default_service_account(cluster: Cluster, namespace: str) -> None:
+    from support import wait_until
+
+    path = f"/api/v1/namespaces/{namespace}/serviceaccounts/default"
+    wait_until(f"serviceaccount default in {namespace}", lambda: cluster.kube.get(path), 30)
