@@ -96,7 +96,7 @@ _TIMED_PHASES: dict[State, str] = {
 }
 
 
-SERVER_CAPABILITIES = {
+SERVER_CAPABILITIES: dict[str, Any] = {
     "publisher_confirms": True,
     "exchange_exchange_bindings": False,
     "basic.nack": True,
@@ -129,6 +129,7 @@ class Connection:
         self.max_message_size = ctx.limits.max_message_size
         self.writable = True
         self.blocked = False  # an alarm holds this connection's reads
+        self._told_blocked = False  # connection.blocked sent for the current alarm
         self.close_reason: str | None = None
         self.last_received = 0.0
         self.last_sent = 0.0
@@ -198,7 +199,7 @@ class Connection:
             self._closed(self.close_reason or exc.reply_text)
             return
         for ftype, channel, payload in frames:
-            if self.state is State.CLOSED:
+            if self.closed:
                 return
             try:
                 self._frame(ftype, channel, payload)
@@ -230,7 +231,10 @@ class Connection:
             return True
         if not self.heartbeat or self.state is not State.OPEN:
             return True
-        if now - self.last_received > 2 * self.heartbeat:
+        if self.blocked:
+            # We are not reading, so the client's heartbeats are unseen (RabbitMQ's rule too).
+            self.last_received = now
+        elif now - self.last_received > 2 * self.heartbeat:
             log.warning("missed heartbeats from %s, closing", self.peer)
             self.close_reason = "missed heartbeats"
             return False
@@ -252,14 +256,19 @@ class Connection:
         """A resource alarm was raised (reason) or cleared (None)."""
         if self.state is not State.OPEN:
             return
-        if self.capabilities.get("connection.blocked"):
-            if reason is not None:
-                self.send(encode_method(0, commands.Connection.Blocked(reason=reason)))
-            else:
-                self.send(encode_method(0, commands.Connection.Unblocked()))
+        if reason is not None:
+            self._tell_blocked(reason)
+        elif self._told_blocked:
+            self._told_blocked = False
+            self.send(encode_method(0, commands.Connection.Unblocked()))
         if reason is None and self.blocked:
             self.blocked = False
             self._wake()
+
+    def _tell_blocked(self, reason: str) -> None:
+        if self.capabilities.get("connection.blocked") and not self._told_blocked:
+            self._told_blocked = True
+            self.send(encode_method(0, commands.Connection.Blocked(reason=reason)))
 
     def force_close(self, code: ReplyCode, text: str) -> None:
         """Close the connection from the broker's side (shutdown, demotion)."""
@@ -326,15 +335,18 @@ class Connection:
         if frame_max < MIN_FRAME_MAX or frame_max > limits.frame_max:
             raise AMQPError(
                 ReplyCode.NOT_ALLOWED,
-                f"negotiated frame_max = {frame_max} is outside {MIN_FRAME_MAX}..{limits.frame_max}",
-                10, 31,
+                f"negotiated frame_max = {frame_max} is outside "
+                f"{MIN_FRAME_MAX}..{limits.frame_max}",
+                10,
+                31,
             )
         channel_max = m.channel_max or limits.channel_max
         if channel_max > limits.channel_max:
             raise AMQPError(
                 ReplyCode.NOT_ALLOWED,
                 f"negotiated channel_max = {channel_max} is higher than {limits.channel_max}",
-                10, 31,
+                10,
+                31,
             )
         self.frame_max = frame_max
         self._reader.frame_max = frame_max
@@ -344,17 +356,12 @@ class Connection:
 
     def _open(self, m: commands.Connection.Open) -> None:
         if m.virtual_host != "/":
-            raise AMQPError(
-                ReplyCode.NOT_ALLOWED, f"vhost '{m.virtual_host}' not found", 10, 40
-            )
+            raise AMQPError(ReplyCode.NOT_ALLOWED, f"vhost '{m.virtual_host}' not found", 10, 40)
         refusal = self.ctx.refusal()
         if refusal is not None:
             raise AMQPError(ReplyCode.CONNECTION_FORCED, refusal, 10, 40)
         self.send(encode_method(0, commands.Connection.OpenOk()))
         self.state = State.OPEN
-        alarm = self.ctx.alarm()
-        if alarm is not None and self.capabilities.get("connection.blocked"):
-            self.send(encode_method(0, commands.Connection.Blocked(reason=alarm)))
 
     # -- frames --------------------------------------------------------------------------
 
@@ -385,8 +392,7 @@ class Connection:
             if channel.expecting_content:
                 raise AMQPError(
                     ReplyCode.UNEXPECTED_FRAME,
-                    f"expected content header for class 60, got a method frame on channel "
-                    f"{number}",
+                    f"expected content header for class 60, got a method frame on channel {number}",
                 )
             if isinstance(method, Publish):
                 alarm = self.ctx.alarm()
@@ -394,6 +400,7 @@ class Connection:
                     # RabbitMQ's rule: stop reading from a connection that publishes
                     # while an alarm is on; this publish itself is still taken.
                     self.blocked = True
+                    self._tell_blocked(alarm)
                 channel.on_publish(method)
             elif isinstance(method, Ack):
                 channel.on_ack(method)
@@ -405,8 +412,10 @@ class Connection:
                 raise AMQPError(ReplyCode.CHANNEL_ERROR, "unexpected channel.close-ok")
             elif isinstance(method, commands.Channel.Open):
                 raise AMQPError(
-                    ReplyCode.CHANNEL_ERROR, f"second 'channel.open' seen on channel {number}",
-                    20, 10,
+                    ReplyCode.CHANNEL_ERROR,
+                    f"second 'channel.open' seen on channel {number}",
+                    20,
+                    10,
                 )
             else:
                 channel.handle(method)
@@ -422,14 +431,13 @@ class Connection:
 
     def _unopened_channel(self, number: int, method: Any) -> None:
         if not isinstance(method, commands.Channel.Open):
-            raise AMQPError(
-                ReplyCode.CHANNEL_ERROR, f"expected 'channel.open' on channel {number}"
-            )
+            raise AMQPError(ReplyCode.CHANNEL_ERROR, f"expected 'channel.open' on channel {number}")
         if number > self.channel_max:
             raise AMQPError(
                 ReplyCode.NOT_ALLOWED,
                 f"channel {number} is above the negotiated channel_max {self.channel_max}",
-                20, 10,
+                20,
+                10,
             )
         self.channels[number] = Channel(self, number)
         self.send(encode_method(number, commands.Channel.OpenOk()))

@@ -229,7 +229,7 @@ class VirtualHost:
             return
         definition = ExchangeDef(
             name=name,
-            type=etype,  # type: ignore[arg-type]
+            type=etype,
             durable=durable,
             auto_delete=auto_delete,
             internal=internal,
@@ -252,7 +252,8 @@ class VirtualHost:
             return
         if if_unused and exchange.bindings:
             raise channel_error(
-                ReplyCode.PRECONDITION_FAILED, f"exchange '{name}' in vhost '/' in use",
+                ReplyCode.PRECONDITION_FAILED,
+                f"exchange '{name}' in vhost '/' in use",
                 EXCHANGE_DELETE,
             )
         del self.exchanges[name]
@@ -302,9 +303,8 @@ class VirtualHost:
     ) -> Queue:
         """`queue.declare`, with RabbitMQ's equivalence checks; "" gets a server name."""
         if passive:
-            queue = self.queue(name, owner, QUEUE_DECLARE)
-            self._touch(queue)
-            return queue
+            # An inspection, not a use: it does not restart the x-expires countdown.
+            return self.queue(name, owner, QUEUE_DECLARE)
         if not name:
             name = "amq.gen-" + secrets.token_urlsafe(16)
         elif name.startswith("amq."):
@@ -358,9 +358,7 @@ class VirtualHost:
         metrics.QUEUES.set(len(self.queues))
         return queue
 
-    def delete_queue(
-        self, name: str, *, if_unused: bool, if_empty: bool, owner: object
-    ) -> int:
+    def delete_queue(self, name: str, *, if_unused: bool, if_empty: bool, owner: object) -> int:
         """`queue.delete`; returns the number of ready messages deleted with it."""
         if name not in self.queues:
             return 0
@@ -371,7 +369,8 @@ class VirtualHost:
             )
         if if_empty and queue.message_count:
             raise channel_error(
-                ReplyCode.PRECONDITION_FAILED, f"queue '{name}' in vhost '/' is not empty",
+                ReplyCode.PRECONDITION_FAILED,
+                f"queue '{name}' in vhost '/' is not empty",
                 QUEUE_DELETE,
             )
         return self.remove_queue(queue)
@@ -381,7 +380,10 @@ class VirtualHost:
         count = queue.message_count
         queue.deleted = True
         del self.queues[queue.name]
-        for timer in (self._timers.pop(queue.name, None), self._expiry_timers.pop(queue.name, None)):
+        for timer in (
+            self._timers.pop(queue.name, None),
+            self._expiry_timers.pop(queue.name, None),
+        ):
             if timer is not None:
                 timer.cancel()
         for consumer in list(queue.consumers):
@@ -521,7 +523,13 @@ class VirtualHost:
         mid = self.next_mid
         self.next_mid += 1
         message = Message(
-            mid, exchange, routing_key, header, body, info.persistent, info.expiration_ms,
+            mid,
+            exchange,
+            routing_key,
+            header,
+            body,
+            info.persistent,
+            info.expiration_ms,
             info.message_id,
         )
         own_ops: list[JournalOp] = [] if ops is None else ops
@@ -558,7 +566,9 @@ class VirtualHost:
         metrics.PUBLISHED.inc()
         return PublishResult(routed, rejected, batch)
 
-    def settle(self, queue: Queue, entries: list[Entry], ops: list[JournalOp] | None = None) -> None:
+    def settle(
+        self, queue: Queue, entries: list[Entry], ops: list[JournalOp] | None = None
+    ) -> None:
         """Entries were acknowledged: forget them (and journal that for persistent ones)."""
         queue.unacked -= len(entries)
         self._settle_entries(queue, entries, ops)
@@ -608,7 +618,8 @@ class VirtualHost:
         props = decode_properties(message.header)
         amqp_reason = {"expired": "expired", "maxlen": "maxlen", "rejected": "rejected"}[reason]
         headers = dict(props.headers or {})
-        deaths: list[Any] = list(headers.get("x-death") or [])
+        previous = headers.get("x-death")
+        deaths: list[Any] = list(previous) if isinstance(previous, list) else []
         routing_keys = [message.routing_key]
         for death in deaths:
             if (
@@ -642,8 +653,9 @@ class VirtualHost:
         props.expiration = None
         header = encode_header_payload(props, len(message.body))
         routing_key = queue.args.dead_letter_routing_key or message.routing_key
-        info = ContentHeaderInfo(60, len(message.body), message.persistent, None,
-                                 message.message_id)
+        info = ContentHeaderInfo(
+            60, len(message.body), message.persistent, None, message.message_id
+        )
         names = exchange.route(routing_key, headers)
         targets = [self.queues[n] for n in names if n in self.queues]
         if targets:
@@ -664,4 +676,3 @@ class VirtualHost:
             self._schedule_expiry(queue)
 
         self._timers[queue.name] = self.clock.call_later(max(0.0, at - self.clock.time()), fire)
-

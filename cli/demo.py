@@ -93,8 +93,9 @@ def main() -> None:
         data = Path(tmp) / "data"
         broker = BrokerProcess(data, name="demo-broker")
         broker.start()
-        say(f"broker started: amqp://127.0.0.1:{broker.port}, admin {broker.admin_url}, "
-            f"data {data}")
+        say(
+            f"broker started: amqp://127.0.0.1:{broker.port}, admin {broker.admin_url}, data {data}"
+        )
         try:
             publish(broker)
             first = consume(broker, CONSUME_BEFORE_CRASH)
@@ -103,8 +104,9 @@ def main() -> None:
             say(f"queue depth before the crash: {depth}")
             broker.kill()
             say("broker killed with SIGKILL (no shutdown, no flush)")
-            broker = BrokerProcess(data, name="demo-broker", port=broker.port,
-                                   admin_port=broker.admin_port)
+            broker = BrokerProcess(
+                data, name="demo-broker", port=broker.port, admin_port=broker.admin_port
+            )
             broker.start()
             after = queue_depth(broker, QUEUE)
             say(f"broker restarted from its journal: queue depth {after}")
@@ -114,8 +116,7 @@ def main() -> None:
             duplicates = len(received) - len(set(received))
             say(f"consumed the remaining {len(rest)} messages")
             status = admin_status(broker)
-            say(f"status: name={status['name']} role={status['role']} "
-                f"journal={status['journal']}")
+            say(f"status: name={status['name']} role={status['role']} journal={status['journal']}")
             verdict = "PASS" if not lost and depth == after else "FAIL"
             print()
             print("TwinMQ demo report")
