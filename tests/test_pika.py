@@ -336,7 +336,7 @@ def test_per_queue_ttl_expires_and_dead_letters(ch: BlockingChannel) -> None:
     )
     ch.basic_publish("", q, b"expiring")
     wait_for(lambda: ch.queue_declare(dead, passive=True).method.message_count == 1)
-    method, props, body = ch.basic_get(dead, auto_ack=True)
+    _method, props, body = ch.basic_get(dead, auto_ack=True)
     assert body == b"expiring"
     death = props.headers["x-death"][0]
     assert death["reason"] == "expired" and death["queue"] == q
