@@ -6,11 +6,12 @@ bearer token, or, when no token is configured, a loopback client.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -45,8 +46,12 @@ def build_status(broker: Broker) -> BrokerStatus:
     for q in vhost.queues.values():
         queues.append(
             QueueStatus(
-                name=q.name, durable=q.durable, exclusive=q.definition.exclusive,
-                messages=q.message_count, unacked=q.unacked, consumers=len(q.consumers),
+                name=q.name,
+                durable=q.durable,
+                exclusive=q.definition.exclusive,
+                messages=q.message_count,
+                unacked=q.unacked,
+                consumers=len(q.consumers),
                 bytes=q.bytes,
             )
         )
@@ -56,7 +61,7 @@ def build_status(broker: Broker) -> BrokerStatus:
     return BrokerStatus(
         name=broker.settings.name,
         version=broker.product_version,
-        role=broker.role,  # type: ignore[arg-type]
+        role=broker.role,
         epoch=broker.epoch,
         ready=broker.refusal() is None,
         uptime_seconds=round(time.time() - broker.started, 3),
@@ -65,7 +70,9 @@ def build_status(broker: Broker) -> BrokerStatus:
         alarms=[broker.monitor.reason] if broker.monitor.reason else [],
         queues=queues,
         journal=JournalStatus(
-            segments=stats.segments, bytes=stats.disk_bytes, live_messages=stats.live_messages,
+            segments=stats.segments,
+            bytes=stats.disk_bytes,
+            live_messages=stats.live_messages,
             durable_batch=broker.committer.durable_batch,
         ),
     )
@@ -115,11 +122,10 @@ def make_app(broker: Broker) -> web.Application:
     return app
 
 
-async def start_admin(broker: Broker) -> object:
+async def start_admin(broker: Broker) -> asyncio.AbstractServer:
     """Start the admin listener; returns the asyncio server (for its bound port)."""
     runner = web.AppRunner(make_app(broker), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, broker.settings.host, broker.settings.admin_port,
-                       reuse_address=True)
+    site = web.TCPSite(runner, broker.settings.host, broker.settings.admin_port, reuse_address=True)
     await site.start()
-    return site._server
+    return cast(asyncio.AbstractServer, site._server)

@@ -82,8 +82,9 @@ class Authenticator:
             parts = raw.split(b"\x00")
             if len(parts) != 3:
                 raise LoginError("malformed PLAIN response")
-            username, password = parts[1].decode(errors="replace"), parts[2].decode(
-                errors="replace"
+            username, password = (
+                parts[1].decode(errors="replace"),
+                parts[2].decode(errors="replace"),
             )
         elif mechanism == "AMQPLAIN":
             try:

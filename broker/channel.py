@@ -9,8 +9,9 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pamqp import commands
 from pamqp.base import Frame as MethodFrame
@@ -44,11 +45,24 @@ BASIC_NACK = (60, 120)
 class ChannelConsumer:
     """A `basic.consume` subscription of a channel."""
 
-    __slots__ = ("channel", "exclusive", "no_ack", "prefetch", "queue", "tag", "tag_bytes",
-                 "unacked")
+    __slots__ = (
+        "channel",
+        "exclusive",
+        "no_ack",
+        "prefetch",
+        "queue",
+        "tag",
+        "tag_bytes",
+        "unacked",
+    )
 
     def __init__(
-        self, channel: Channel, queue: Queue, tag: str, no_ack: bool, exclusive: bool,
+        self,
+        channel: Channel,
+        queue: Queue,
+        tag: str,
+        no_ack: bool,
+        exclusive: bool,
         prefetch: int,
     ) -> None:
         self.channel = channel
@@ -202,8 +216,9 @@ class Channel:
         exchange = self.vhost.exchange_for_publish(publish.exchange)
         if self.tx_mode:
             self.tx_publishes.append(
-                TxPublish(exchange.name, publish.routing_key, publish.mandatory, self._header,
-                          body, info)
+                TxPublish(
+                    exchange.name, publish.routing_key, publish.mandatory, self._header, body, info
+                )
             )
             return
         result = self.vhost.publish(exchange, publish.routing_key, self._header, body, info)
@@ -211,13 +226,17 @@ class Channel:
             self._return(exchange.name, publish.routing_key, self._header, body)
         if self.confirm_mode:
             self.publish_seq += 1
-            kind: Literal["ack", "nack"] = "nack" if result.rejected and not result.routed else "ack"
+            kind: Literal["ack", "nack"] = (
+                "nack" if result.rejected and not result.routed else "ack"
+            )
             self._add_pending(self.publish_seq, result.batch, kind)
 
     def _return(self, exchange: str, routing_key: str, header: bytes, body: bytes) -> None:
         self.send_method(
             commands.Basic.Return(
-                reply_code=ReplyCode.NO_ROUTE, reply_text="NO_ROUTE", exchange=exchange,
+                reply_code=ReplyCode.NO_ROUTE,
+                reply_text="NO_ROUTE",
+                exchange=exchange,
                 routing_key=routing_key,
             )
         )
@@ -288,8 +307,12 @@ class Channel:
         conn = self.connection
         conn.send(
             encode_deliver(
-                self.number, consumer.tag_bytes, tag, entry.redelivered,
-                message.exchange.encode(), message.routing_key.encode(),
+                self.number,
+                consumer.tag_bytes,
+                tag,
+                entry.redelivered,
+                message.exchange.encode(),
+                message.routing_key.encode(),
             )
             + encode_content(self.number, message.header, message.body, conn.frame_max)
         )
@@ -320,7 +343,9 @@ class Channel:
         return [item]
 
     def _settle(
-        self, action: Literal["ack", "requeue", "reject"], items: list[Unacked],
+        self,
+        action: Literal["ack", "requeue", "reject"],
+        items: list[Unacked],
         ops: list[JournalOp] | None = None,
     ) -> None:
         by_queue: dict[Queue, list[Entry]] = {}
@@ -390,7 +415,7 @@ class Channel:
 
     def handle(self, method: MethodFrame) -> None:
         """Handle any other method on this channel."""
-        handler = _HANDLERS.get(type(method))
+        handler: Callable[[Channel, Any], None] | None = _HANDLERS.get(type(method))
         if handler is None:
             raise AMQPError(
                 ReplyCode.COMMAND_INVALID, f"unexpected method {method.name} on a channel"
@@ -399,8 +424,13 @@ class Channel:
 
     def _exchange_declare(self, m: commands.Exchange.Declare) -> None:
         self.vhost.declare_exchange(
-            m.exchange, m.exchange_type, passive=m.passive, durable=m.durable,
-            auto_delete=m.auto_delete, internal=m.internal, arguments=dict(m.arguments or {}),
+            m.exchange,
+            m.exchange_type,
+            passive=m.passive,
+            durable=m.durable,
+            auto_delete=m.auto_delete,
+            internal=m.internal,
+            arguments=dict(m.arguments or {}),
         )
         if not m.nowait:
             self.send_method(commands.Exchange.DeclareOk())
@@ -417,26 +447,39 @@ class Channel:
 
     def _queue_declare(self, m: commands.Queue.Declare) -> None:
         queue = self.vhost.declare_queue(
-            m.queue, passive=m.passive, durable=m.durable, exclusive=m.exclusive,
-            auto_delete=m.auto_delete, arguments=dict(m.arguments or {}), owner=self.connection,
+            m.queue,
+            passive=m.passive,
+            durable=m.durable,
+            exclusive=m.exclusive,
+            auto_delete=m.auto_delete,
+            arguments=dict(m.arguments or {}),
+            owner=self.connection,
         )
         if not m.nowait:
             self.send_method(
                 commands.Queue.DeclareOk(
-                    queue=queue.name, message_count=queue.message_count,
+                    queue=queue.name,
+                    message_count=queue.message_count,
                     consumer_count=len(queue.consumers),
                 )
             )
 
     def _queue_bind(self, m: commands.Queue.Bind) -> None:
-        self.vhost.bind(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}),
-                        self.connection)
+        self.vhost.bind(
+            m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self.connection
+        )
         if not m.nowait:
             self.send_method(commands.Queue.BindOk())
 
     def _queue_unbind(self, m: commands.Queue.Unbind) -> None:
-        self.vhost.bind(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}),
-                        self.connection, unbind=True)
+        self.vhost.bind(
+            m.queue,
+            m.exchange,
+            m.routing_key,
+            dict(m.arguments or {}),
+            self.connection,
+            unbind=True,
+        )
         self.send_method(commands.Queue.UnbindOk())
 
     def _queue_purge(self, m: commands.Queue.Purge) -> None:
@@ -465,11 +508,8 @@ class Channel:
         queue = self.vhost.queue(m.queue, self.connection, (60, 20))
         tag = m.consumer_tag or "amq.ctag-" + secrets.token_urlsafe(16)
         if tag in self.consumers:
-            raise AMQPError(
-                ReplyCode.NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'", 60, 20
-            )
-        consumer = ChannelConsumer(self, queue, tag, m.no_ack, m.exclusive,
-                                   self.consumer_prefetch)
+            raise AMQPError(ReplyCode.NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'", 60, 20)
+        consumer = ChannelConsumer(self, queue, tag, m.no_ack, m.exclusive, self.consumer_prefetch)
         queue.add_consumer(consumer)
         self.consumers[tag] = consumer
         self.vhost.touch(queue)
@@ -478,7 +518,7 @@ class Channel:
         queue.dispatch(self.vhost.clock.time())
 
     def _basic_cancel(self, m: commands.Basic.Cancel) -> None:
-        consumer = self.consumers.pop(m.consumer_tag, None)
+        consumer = self.consumers.pop(m.consumer_tag or "", None)
         if consumer is not None:
             consumer.queue.remove_consumer(consumer)
             self.vhost.consumer_removed(consumer.queue)
@@ -497,8 +537,14 @@ class Channel:
         message = entry.message
         conn = self.connection
         conn.send(
-            encode_get_ok(self.number, tag, entry.redelivered, message.exchange,
-                          message.routing_key, queue.message_count)
+            encode_get_ok(
+                self.number,
+                tag,
+                entry.redelivered,
+                message.exchange,
+                message.routing_key,
+                queue.message_count,
+            )
             + encode_content(self.number, message.header, message.body, conn.frame_max)
         )
         metrics.DELIVERED.inc()
@@ -509,7 +555,7 @@ class Channel:
             self.unacked[tag] = Unacked(queue, entry, None)
 
     def _basic_reject(self, m: commands.Basic.Reject) -> None:
-        self.on_reject(m.delivery_tag, False, m.requeue, BASIC_REJECT)
+        self.on_reject(m.delivery_tag or 0, False, m.requeue, BASIC_REJECT)
 
     def _basic_nack(self, m: commands.Basic.Nack) -> None:
         self.on_reject(m.delivery_tag, m.multiple, m.requeue, BASIC_NACK)
@@ -573,13 +619,13 @@ class Channel:
         self.send_method(commands.Tx.RollbackOk())
 
     def _channel_flow(self, m: commands.Channel.Flow) -> None:
-        self.flow_active = m.active
+        self.flow_active = bool(m.active)
         self.send_method(commands.Channel.FlowOk(active=m.active))
         if m.active:
             self._redispatch()
 
 
-_HANDLERS = {
+_HANDLERS: dict[type[MethodFrame], Callable[[Channel, Any], None]] = {
     commands.Exchange.Declare: Channel._exchange_declare,
     commands.Exchange.Delete: Channel._exchange_delete,
     commands.Exchange.Bind: Channel._exchange_bind,

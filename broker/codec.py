@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Final
+from typing import ClassVar, Final
 
 from pamqp import commands, header
 from pamqp import frame as pamqp_frame
@@ -47,6 +47,7 @@ BASIC_ACK: Final = (60 << 16) | 80
 class Publish:
     """A decoded `basic.publish` (fast path; the immediate flag is refused by the channel)."""
 
+    name: ClassVar[str] = "Basic.Publish"  # as pamqp names its methods, for error texts
     exchange: str
     routing_key: str
     mandatory: bool
@@ -57,6 +58,7 @@ class Publish:
 class Ack:
     """A decoded client `basic.ack` (fast path)."""
 
+    name: ClassVar[str] = "Basic.Ack"
     delivery_tag: int
     multiple: bool
 
@@ -215,9 +217,7 @@ def decode_content_header(payload: bytes) -> ContentHeaderInfo:
 def parse_expiration(text: str) -> int:
     """Parse the `expiration` property (milliseconds as a decimal string), as RabbitMQ does."""
     if not text.isdigit():
-        raise AMQPError(
-            ReplyCode.PRECONDITION_FAILED, f"invalid expiration '{text}'", 60, 40
-        )
+        raise AMQPError(ReplyCode.PRECONDITION_FAILED, f"invalid expiration '{text}'", 60, 40)
     return int(text)
 
 
@@ -248,7 +248,9 @@ def encode_deliver(
             routing_key,
         )
     )
-    return b"".join((_FRAME_HEADER.pack(FRAME_METHOD, channel, len(payload)), payload, FRAME_END_BYTE))
+    return b"".join(
+        (_FRAME_HEADER.pack(FRAME_METHOD, channel, len(payload)), payload, FRAME_END_BYTE)
+    )
 
 
 def encode_get_ok(
@@ -288,8 +290,11 @@ def encode_basic_nack(channel: int, delivery_tag: int, multiple: bool) -> bytes:
 
 def encode_content(channel: int, header_payload: bytes, body: bytes, frame_max: int) -> bytes:
     """Encode a content header frame (from its raw payload) and the body frames."""
-    parts = [_FRAME_HEADER.pack(FRAME_HEADER, channel, len(header_payload)), header_payload,
-             FRAME_END_BYTE]
+    parts: list[bytes | memoryview] = [
+        _FRAME_HEADER.pack(FRAME_HEADER, channel, len(header_payload)),
+        header_payload,
+        FRAME_END_BYTE,
+    ]
     chunk = frame_max - FRAME_OVERHEAD
     size = len(body)
     if size <= chunk:

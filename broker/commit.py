@@ -9,6 +9,7 @@ it, so confirms go out in bulk while the next batch is already being filled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable
 from typing import Protocol
@@ -87,10 +88,8 @@ class GroupCommitter:
             await self._sync_once()
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
 
     def _flush(self) -> None:
         self._flush_scheduled = False

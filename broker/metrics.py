@@ -9,7 +9,9 @@ CHANNELS = Gauge("twinmq_channels", "Open channels")
 QUEUES = Gauge("twinmq_queues", "Declared queues")
 QUEUE_MESSAGES = Gauge("twinmq_queue_messages_ready", "Ready messages per queue", ["queue"])
 QUEUE_UNACKED = Gauge(
-    "twinmq_queue_messages_unacknowledged", "Delivered, unacknowledged messages per queue", ["queue"]
+    "twinmq_queue_messages_unacknowledged",
+    "Delivered, unacknowledged messages per queue",
+    ["queue"],
 )
 PUBLISHED = Counter("twinmq_messages_published", "Messages routed to at least one queue or dropped")
 UNROUTABLE = Counter("twinmq_messages_unroutable", "Published messages no queue took")
@@ -35,6 +37,7 @@ COMMIT_BATCH = Histogram(
     buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000),
 )
 ALARM = Gauge("twinmq_alarm", "1 while a resource alarm blocks publishers", ["resource"])
-PROTOCOL_ERRORS = Counter("twinmq_protocol_errors", "Channels or connections closed by errors",
-                          ["code"])
+PROTOCOL_ERRORS = Counter(
+    "twinmq_protocol_errors", "Channels or connections closed by errors", ["code"]
+)
 AUTH_FAILURES = Counter("twinmq_auth_failures", "Refused logins")

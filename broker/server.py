@@ -12,9 +12,11 @@ import ipaddress
 import logging
 import time
 from importlib import metadata
+from typing import cast
 
 from twinmq.broker import metrics
 from twinmq.broker.alarms import ResourceMonitor
+from twinmq.broker.api import Role
 from twinmq.broker.auth import Authenticator
 from twinmq.broker.channel import Channel
 from twinmq.broker.commit import GroupCommitter
@@ -47,18 +49,23 @@ class AMQPProtocol(asyncio.Protocol):
         self._reading = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # uvloop's transports do not subclass asyncio.Transport, so no isinstance check.
+        self.transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         host = peer[0] if isinstance(peer, tuple) else "local"
         try:
             loopback = ipaddress.ip_address(host).is_loopback
         except ValueError:
             loopback = host == "local"
-        self.conn = Connection(self.broker, f"{host}:{peer[1] if isinstance(peer, tuple) else 0}",
-                               loopback=loopback, wake=self._wake)
+        self.conn = Connection(
+            self.broker,
+            f"{host}:{peer[1] if isinstance(peer, tuple) else 0}",
+            loopback=loopback,
+            wake=self._wake,
+        )
         self.broker.protocols.add(self)
         # Bound the write buffer so a slow consumer pauses deliveries, not the broker.
-        transport.set_write_buffer_limits(high=4 * 1024 * 1024)
+        self.transport.set_write_buffer_limits(high=4 * 1024 * 1024)
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
@@ -114,8 +121,11 @@ class AMQPProtocol(asyncio.Protocol):
         self.broker.protocols.discard(self)
         if self.conn is not None:
             self.conn.connection_lost()
-            log.debug("connection from %s closed: %s", self.conn.peer,
-                      self.conn.close_reason or exc or "socket closed")
+            log.debug(
+                "connection from %s closed: %s",
+                self.conn.peer,
+                self.conn.close_reason or exc or "socket closed",
+            )
 
     def heartbeat(self, now: float) -> None:
         """Heartbeat timer tick."""
@@ -158,7 +168,7 @@ class Broker:
         self.authenticator = Authenticator.from_file(settings.users_file)
         self.protocols: set[AMQPProtocol] = set()
         self.started = time.time()
-        self.role = "active"
+        self.role: Role = "active"
         self.epoch = 0
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(
@@ -172,17 +182,23 @@ class Broker:
         log.info(
             "journal recovered: %d segments, %d records, %d live messages in %d queues, "
             "%d torn bytes truncated, %.2fs",
-            recovered.segments, recovered.records,
-            sum(len(m) for m in recovered.messages.values()), len(recovered.definitions.queues),
-            recovered.torn_bytes, time.perf_counter() - started,
+            recovered.segments,
+            recovered.records,
+            sum(len(m) for m in recovered.messages.values()),
+            len(recovered.definitions.queues),
+            recovered.torn_bytes,
+            time.perf_counter() - started,
         )
         self.committer = GroupCommitter(self.journal, self.loop)
         self.vhost = VirtualHost(self.committer, WallClock(self.loop), recovered)
         self.monitor = ResourceMonitor(
-            settings.data_dir, settings.disk_free_limit, settings.memory_high_watermark,
-            self.committer, self._alarm_changed,
+            settings.data_dir,
+            settings.disk_free_limit,
+            settings.memory_high_watermark,
+            self.committer,
+            self._alarm_changed,
         )
-        self._servers: list[asyncio.base_events.Server] = []
+        self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[None]] = []
         metrics.CONNECTIONS.set_function(lambda: len(self.protocols))
         metrics.CHANNELS.set_function(
@@ -211,8 +227,11 @@ class Broker:
 
         self.committer.start()
         server = await self.loop.create_server(
-            lambda: AMQPProtocol(self), self.settings.host, self.settings.port,
-            reuse_address=True, backlog=1024,
+            lambda: AMQPProtocol(self),
+            self.settings.host,
+            self.settings.port,
+            reuse_address=True,
+            backlog=1024,
         )
         self._servers.append(server)
         self._servers.append(await start_admin(self))
@@ -220,19 +239,24 @@ class Broker:
         self._tasks.append(self.loop.create_task(self.monitor.run()))
         log.info(
             "broker %s %s listening: amqp %s:%d, admin %s:%d, data %s",
-            self.settings.name, self.product_version, self.settings.host, self.amqp_port,
-            self.settings.host, self.admin_port, self.settings.data_dir,
+            self.settings.name,
+            self.product_version,
+            self.settings.host,
+            self.amqp_port,
+            self.settings.host,
+            self.admin_port,
+            self.settings.data_dir,
         )
 
     @property
     def amqp_port(self) -> int:
         """The bound AMQP port (useful with --port 0)."""
-        return int(self._servers[0].sockets[0].getsockname()[1])
+        return int(self._servers[0].sockets[0].getsockname()[1])  # type: ignore[attr-defined]
 
     @property
     def admin_port(self) -> int:
         """The bound admin port."""
-        return int(self._servers[1].sockets[0].getsockname()[1])
+        return int(self._servers[1].sockets[0].getsockname()[1])  # type: ignore[attr-defined]
 
     async def stop(self) -> None:
         """Close clients with 320, flush the journal, stop everything."""

@@ -41,7 +41,9 @@ class BrokerSettings(BaseSettings):
     segment_bytes: int = Field(
         64 * 1024 * 1024, ge=4096, description="Journal segment size before rolling over"
     )
-    fsync: bool = Field(True, description="fdatasync the journal before confirming (never off in production)")
+    fsync: bool = Field(
+        True, description="fdatasync the journal before confirming (never off in production)"
+    )
     disk_free_limit: int = Field(
         50 * 1024 * 1024, ge=0, description="Block publishers when free disk drops below (bytes)"
     )
@@ -69,15 +71,19 @@ FLAGS: dict[str, str] = {
 
 def parse_args(argv: list[str] | None = None) -> BrokerSettings:
     """Build settings from flags over environment over the settings file over defaults."""
-    parser = argparse.ArgumentParser(
-        prog="twinmq-broker", description="TwinMQ AMQP 0-9-1 broker"
-    )
+    parser = argparse.ArgumentParser(prog="twinmq-broker", description="TwinMQ AMQP 0-9-1 broker")
     parser.add_argument("--config", help="JSON settings file (also TWINMQ_CONFIG)")
     for flag, field in FLAGS.items():
         info = BrokerSettings.model_fields[field]
         parser.add_argument(flag, dest=field, default=None, help=info.description)
-    parser.add_argument("--no-fsync", dest="fsync", action="store_const", const=False,
-                        default=None, help="do not fdatasync (benchmarks of the CPU path only)")
+    parser.add_argument(
+        "--no-fsync",
+        dest="fsync",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not fdatasync (benchmarks of the CPU path only)",
+    )
     args = parser.parse_args(argv)
     file_values: dict[str, Any] = {}
     config = args.config or os.environ.get("TWINMQ_CONFIG")
