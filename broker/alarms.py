@@ -18,6 +18,10 @@ from twinmq.broker.commit import GroupCommitter
 
 log = logging.getLogger(__name__)
 
+# After a failed write, free space must exceed the limit by this much before publishers
+# are let go again, so the alarm does not flap on the last few kilobytes.
+DISK_FULL_MARGIN = 4 * 1024 * 1024
+
 
 def process_rss_bytes() -> int:
     """Resident memory of this process."""
@@ -62,8 +66,8 @@ class ResourceMonitor:
         """The current alarm reason, or None."""
         free = shutil.disk_usage(self.data_dir).free
         if self.committer.failure is not None:
-            # A write failed: stay blocked until there is room again, then retry.
-            if free > self.disk_free_limit:
+            # A write failed: stay blocked until there is clearly room again.
+            if free > self.disk_free_limit + DISK_FULL_MARGIN:
                 self.committer.failure = None
             else:
                 return "disk"

@@ -53,37 +53,26 @@ class BrokerSettings(BaseSettings):
     log_level: str = Field("INFO", description="Python logging level")
 
 
-FLAGS: dict[str, str] = {
-    "--name": "name",
-    "--host": "host",
-    "--port": "port",
-    "--admin-port": "admin_port",
-    "--data-dir": "data_dir",
-    "--admin-token": "admin_token",
-    "--users-file": "users_file",
-    "--frame-max": "frame_max",
-    "--heartbeat": "heartbeat",
-    "--segment-bytes": "segment_bytes",
-    "--disk-free-limit": "disk_free_limit",
-    "--log-level": "log_level",
-}
+def flag(field: str) -> str:
+    """The command-line flag of a settings field (`data_dir` -> `--data-dir`)."""
+    return "--" + field.replace("_", "-")
 
 
 def parse_args(argv: list[str] | None = None) -> BrokerSettings:
     """Build settings from flags over environment over the settings file over defaults."""
     parser = argparse.ArgumentParser(prog="twinmq-broker", description="TwinMQ AMQP 0-9-1 broker")
     parser.add_argument("--config", help="JSON settings file (also TWINMQ_CONFIG)")
-    for flag, field in FLAGS.items():
-        info = BrokerSettings.model_fields[field]
-        parser.add_argument(flag, dest=field, default=None, help=info.description)
-    parser.add_argument(
-        "--no-fsync",
-        dest="fsync",
-        action="store_const",
-        const=False,
-        default=None,
-        help="do not fdatasync (benchmarks of the CPU path only)",
-    )
+    for field, info in BrokerSettings.model_fields.items():
+        if info.annotation is bool:
+            parser.add_argument(
+                flag(field),
+                dest=field,
+                default=None,
+                action=argparse.BooleanOptionalAction,
+                help=info.description,
+            )
+        else:
+            parser.add_argument(flag(field), dest=field, default=None, help=info.description)
     args = parser.parse_args(argv)
     file_values: dict[str, Any] = {}
     config = args.config or os.environ.get("TWINMQ_CONFIG")
