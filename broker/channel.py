@@ -25,9 +25,11 @@ from twinmq.broker.codec import (
     encode_basic_ack,
     encode_basic_nack,
     encode_content,
+    encode_declare_ok,
     encode_deliver,
     encode_get_ok,
     encode_method,
+    encode_return,
 )
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
 from twinmq.broker.journal import JournalOp
@@ -232,13 +234,8 @@ class Channel:
             self._add_pending(self.publish_seq, result.batch, kind)
 
     def _return(self, exchange: str, routing_key: str, header: bytes, body: bytes) -> None:
-        self.send_method(
-            commands.Basic.Return(
-                reply_code=ReplyCode.NO_ROUTE,
-                reply_text="NO_ROUTE",
-                exchange=exchange,
-                routing_key=routing_key,
-            )
+        self.connection.send(
+            encode_return(self.number, ReplyCode.NO_ROUTE, "NO_ROUTE", exchange, routing_key)
         )
         self.connection.send(encode_content(self.number, header, body, self.connection.frame_max))
 
@@ -456,11 +453,9 @@ class Channel:
             owner=self.connection,
         )
         if not m.nowait:
-            self.send_method(
-                commands.Queue.DeclareOk(
-                    queue=queue.name,
-                    message_count=queue.message_count,
-                    consumer_count=len(queue.consumers),
+            self.connection.send(
+                encode_declare_ok(
+                    self.number, queue.name, queue.message_count, len(queue.consumers)
                 )
             )
 

@@ -34,6 +34,7 @@ HEARTBEAT_FRAME: Final = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 _FRAME_HEADER = struct.Struct(">BHI")
 _METHOD_ID = struct.Struct(">HH")
 _U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _HEADER_PREFIX = struct.Struct(">HHQH")  # class, weight, body size, first flags word
 _ACK = struct.Struct(">HHQB")
@@ -253,6 +254,25 @@ def encode_deliver(
     )
 
 
+# The methods below carry queue and exchange names back to the client. They are encoded
+# by hand because pamqp's constructors check names against the spec's old pattern
+# (ASCII letters and a few signs, exchanges up to 127 characters), while RabbitMQ, and so
+# TwinMQ, takes any UTF-8 name up to 255 bytes.
+
+
+def _method_frame(channel: int, payload: bytes) -> bytes:
+    return b"".join(
+        (_FRAME_HEADER.pack(FRAME_METHOD, channel, len(payload)), payload, FRAME_END_BYTE)
+    )
+
+
+def _shortstr(text: str) -> bytes:
+    data = text.encode()
+    if len(data) > 255:
+        raise ValueError(f"short string of {len(data)} bytes")
+    return bytes((len(data),)) + data
+
+
 def encode_get_ok(
     channel: int,
     delivery_tag: int,
@@ -262,15 +282,39 @@ def encode_get_ok(
     message_count: int,
 ) -> bytes:
     """Encode `basic.get-ok`."""
-    return encode_method(
+    return _method_frame(
         channel,
-        commands.Basic.GetOk(
-            delivery_tag=delivery_tag,
-            redelivered=redelivered,
-            exchange=exchange,
-            routing_key=routing_key,
-            message_count=message_count,
-        ),
+        b"\x00\x3c\x00\x47"
+        + _U64.pack(delivery_tag)
+        + (b"\x01" if redelivered else b"\x00")
+        + _shortstr(exchange)
+        + _shortstr(routing_key)
+        + _U32.pack(message_count),
+    )
+
+
+def encode_declare_ok(channel: int, queue: str, message_count: int, consumer_count: int) -> bytes:
+    """Encode `queue.declare-ok`."""
+    return _method_frame(
+        channel,
+        b"\x00\x32\x00\x0b"
+        + _shortstr(queue)
+        + _U32.pack(message_count)
+        + _U32.pack(consumer_count),
+    )
+
+
+def encode_return(
+    channel: int, reply_code: int, reply_text: str, exchange: str, routing_key: str
+) -> bytes:
+    """Encode `basic.return`."""
+    return _method_frame(
+        channel,
+        b"\x00\x3c\x00\x32"
+        + _U16.pack(reply_code)
+        + _shortstr(reply_text)
+        + _shortstr(exchange)
+        + _shortstr(routing_key),
     )
 
 

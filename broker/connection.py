@@ -453,7 +453,7 @@ class Connection:
         if isinstance(method, commands.Connection.Close):
             self.send(encode_method(0, commands.Connection.CloseOk()))
             self._closed("client closed the connection")
-        elif isinstance(method, commands.Connection.CloseOk):
+        elif isinstance(method, commands.Connection.CloseOk) and state is State.CLOSING:
             self._closed(self.close_reason or "closed")
         elif state is State.CLOSING:
             return

@@ -254,3 +254,22 @@ def pika_round_trip(url: str, queue: str = "rawamqp.round-trip") -> None:
         channel.queue_delete(queue)
     finally:
         connection.close()
+
+
+def split_frames(data: bytes) -> list[tuple[int, int, bytes]]:
+    """Split a byte stream into (type, channel, payload), checking sizes and frame-ends.
+
+    Independent of the broker's reader, for checking what the broker writes.
+    """
+    frames: list[tuple[int, int, bytes]] = []
+    pos = 0
+    while pos < len(data):
+        assert len(data) - pos >= 8, f"torn frame header at {pos}: {data[pos:]!r}"
+        ftype, channel, size = struct.unpack_from(">BHI", data, pos)
+        end = pos + 7 + size
+        assert end < len(data), f"torn frame at {pos}"
+        assert data[end : end + 1] == FRAME_END, f"bad frame-end at {end}"
+        assert ftype in (1, 2, 3, 8), f"frame type {ftype} at {pos}"
+        frames.append((ftype, channel, data[pos + 7 : end]))
+        pos = end + 1
+    return frames

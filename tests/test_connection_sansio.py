@@ -275,6 +275,27 @@ def test_connection_error_waits_for_close_ok_then_ends(opened: Peer) -> None:
     assert opened.conn.closed
 
 
+def test_close_ok_nobody_asked_for_is_a_connection_error(opened: Peer) -> None:
+    answer = opened.feed(CLOSE_OK)
+    assert answer == connection_close(
+        503, "COMMAND_INVALID - unexpected Connection.CloseOk on channel 0 in state open"
+    )
+    assert opened.conn.state is State.CLOSING
+
+
+def test_basic_publish_on_channel_zero_is_a_connection_error(opened: Peer) -> None:
+    answer = opened.feed(encode(0, commands.Basic.Publish(routing_key="q")))
+    assert answer == connection_close(
+        503, "COMMAND_INVALID - unexpected Basic.Publish on channel 0 in state open"
+    )
+
+
+def test_unicode_queue_name_is_declared_and_echoed(opened: Peer) -> None:
+    # ticket, queue, flags (none), empty arguments table
+    declare = method(1, 50, 10, b"\x00\x00" + shortstr("очередь") + b"\x00" + b"\x00" * 4)
+    assert opened.feed(declare) == method(1, 50, 11, shortstr("очередь") + struct.pack(">II", 0, 0))
+
+
 def test_framing_error_hangs_up_without_waiting_for_close_ok(opened: Peer) -> None:
     bad = encode(1, commands.Basic.Qos(prefetch_count=1))[:-1] + b"\x00"
     assert opened.feed(bad) == connection_close(501, "FRAME_ERROR - frame-end octet missing")

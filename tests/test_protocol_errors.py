@@ -464,3 +464,27 @@ def test_channel_error_leaves_other_channels_of_the_connection_working(
         doomed.queue_declare("errors.missing", passive=True)
     _, _, body = survivor.basic_get(name, auto_ack=True)
     assert body == b"kept"
+
+
+def test_names_rabbitmq_accepts_work_beyond_the_spec_pattern(
+    pika_connection: pika.BlockingConnection,
+) -> None:
+    # RabbitMQ takes any UTF-8 name up to 255 bytes, not just the spec's old pattern.
+    exchange, queue = "échange|" + "x" * 150, "очередь (1)"
+    channel = pika_connection.channel()
+    channel.exchange_declare(exchange, "direct", auto_delete=True)
+    assert channel.queue_declare(queue, exclusive=True).method.queue == queue
+    channel.queue_bind(queue, exchange, routing_key="ключ")
+    channel.basic_publish(exchange, "ключ", b"named")
+    method, _, body = channel.basic_get(queue, auto_ack=True)
+    assert method is not None and body == b"named"
+    assert (method.exchange, method.routing_key) == (exchange, "ключ")
+    returned: list[tuple[str, str]] = []
+    channel.add_on_return_callback(
+        lambda _ch, m, _p, _b: returned.append((m.exchange, m.routing_key))
+    )
+    channel.basic_publish(exchange, "nobody", b"back", mandatory=True)
+    pika_connection.process_data_events(time_limit=0)
+    wait_for(lambda: pika_connection.process_data_events(time_limit=0.05) or returned)
+    assert returned == [(exchange, "nobody")]
+    assert_connection_lives(pika_connection)
