@@ -438,6 +438,7 @@ def down(layout: Layout) -> None:
             capture_output=True,
             check=False,
         )
+    hostnet.remove_kube_chains()
     hostnet.teardown(layout)
     for folder in (layout.etcd_data, layout.node, layout.cni, layout.volumes, layout.pids):
         shutil.rmtree(folder, ignore_errors=True)

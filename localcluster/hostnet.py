@@ -16,6 +16,7 @@ Everything is removed by `teardown`, which leaves `net.ipv4.ip_forward` as it fo
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -83,6 +84,32 @@ def setup(layout: Layout) -> None:
     nf = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
     if nf.exists():
         nf.write_text("1\n")
+
+
+def remove_kube_chains() -> None:
+    """Remove every `KUBE-*` chain (and the jumps to them) that kube-proxy left behind.
+
+    `kube-proxy --cleanup` leaves KUBE-FIREWALL and a few others in place; no
+    other Kubernetes runs on a machine that runs this local cluster.
+    """
+    for tool in ("iptables", "ip6tables"):
+        if shutil.which(tool) is None:
+            continue
+        for table in ("filter", "nat", "mangle"):
+            listing = _run([tool, "-w", "-t", table, "-S"], check=False).stdout.splitlines()
+            for line in listing:
+                words = line.split()
+                if (
+                    words[:1] == ["-A"]
+                    and not words[1].startswith("KUBE-")
+                    and any(w.startswith("KUBE-") for w in words[2:])
+                ):
+                    _run([tool, "-w", "-t", table, "-D", *words[1:]], check=False)
+            chains = [line.split()[1] for line in listing if line.startswith("-N KUBE-")]
+            for chain in chains:
+                _run([tool, "-w", "-t", table, "-F", chain], check=False)
+            for chain in chains:
+                _run([tool, "-w", "-t", table, "-X", chain], check=False)
 
 
 def teardown(layout: Layout) -> None:

@@ -32,10 +32,13 @@ class KubeApi:
 
     def __init__(self, kubeconfig: str) -> None:
         cfg = client.Configuration()
-        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig, client_configuration=cfg
+        )
         self.host = str(cfg.host).rstrip("/")
         self.headers = {"Accept": "application/json"}
-        for setting in cfg.auth_settings().values():
+        settings = cast(dict[str, dict[str, Any]], cfg.auth_settings())
+        for setting in settings.values():
             if setting.get("in") == "header" and setting.get("value"):
                 self.headers[str(setting["key"]).title()] = str(setting["value"])
         self.pool = urllib3.PoolManager(

@@ -23,4 +23,4 @@ cluster-status:
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.cluster status
 
 e2e: $(if $(KUBECONFIG),,cluster-binaries)
-	$(CLUSTER_PYTHON) -m pytest e2e -m e2e -p no:cacheprovider $(E2E_ARGS)
+	$(CLUSTER_PYTHON) -m pytest localcluster/tests e2e -p no:cacheprovider $(E2E_ARGS)

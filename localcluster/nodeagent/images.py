@@ -49,7 +49,7 @@ class CommandMap:
     """Maps a container command to an executable in the venv that runs the node agent."""
 
     bin_dir: Path
-    exists: Callable[[Path], bool] = os.path.exists  # type: ignore[assignment]
+    exists: Callable[[Path], bool] = os.path.exists
 
     @classmethod
     def for_current_venv(cls) -> CommandMap:

@@ -199,6 +199,20 @@ class Runtime:
         """Return the uids of all pods with state on disk."""
         return sorted(p.name for p in self.pods.iterdir()) if self.pods.exists() else []
 
+    def remove_mount_points(self) -> None:
+        """Remove the host folders the shims made as mount points, if they are still empty."""
+        record = self.layout.root / "mountpoints.txt"
+        if not record.exists():
+            return
+        for line in sorted(set(record.read_text().split()), key=len, reverse=True):
+            top = Path(line)
+            if not top.is_dir():
+                continue
+            for folder, _, _ in sorted(os.walk(top), key=lambda w: len(w[0]), reverse=True):
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)  # only ever removes empty folders
+        record.unlink()
+
     def remove_all(self) -> int:
         """Remove every pod sandbox and stray twinmq network namespace; return how many."""
         uids = self.sandboxes()
@@ -209,6 +223,7 @@ class Runtime:
                 if ns.name.startswith(NETNS_PREFIX):
                     subprocess.run(["ip", "netns", "del", ns.name], capture_output=True)
                     shutil.rmtree(Path("/etc/netns") / ns.name, ignore_errors=True)
+        self.remove_mount_points()
         return len(uids)
 
     # -- containers ------------------------------------------------------------------------
@@ -258,6 +273,8 @@ class Runtime:
             cwd,
             "--hostname",
             hostname,
+            "--record-created",
+            str(self.layout.root / "mountpoints.txt"),
         ]
         for mount in mounts:
             shim += ["--mount", mount]

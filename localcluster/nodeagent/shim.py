@@ -38,6 +38,9 @@ def main() -> int:
     parser.add_argument("--log", required=True, type=Path)
     parser.add_argument("--cwd", default="/")
     parser.add_argument("--hostname", default="")
+    parser.add_argument(
+        "--record-created", type=Path, help="file listing host folders made as mount points"
+    )
     parser.add_argument("--mount", action="append", default=[], help="SRC:DST[:ro]")
     parser.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args()
@@ -49,6 +52,7 @@ def main() -> int:
         socket.sethostname(args.hostname)  # in the UTS namespace `unshare --uts` gave us
     for spec in args.mount:
         src, dst, *mode = spec.split(":")
+        _record_created(Path(dst), args.record_created)
         if Path(src).is_dir():
             Path(dst).mkdir(parents=True, exist_ok=True)
         else:
@@ -91,6 +95,22 @@ def main() -> int:
     result["finished"] = time.time()
     _write_atomic(exit_file, json.dumps(result))
     return 0
+
+
+def _record_created(target: Path, record: Path | None) -> None:
+    """Note the top-most folder that making `target` will create, so cluster-down removes it."""
+    if record is None:
+        return
+    top = None
+    for folder in (target.parent, *target.parent.parents):
+        if folder.exists():
+            break
+        top = folder
+    if not target.exists() and top is None:
+        top = target
+    if top is not None:
+        with record.open("a") as out:
+            out.write(f"{top}\n")
 
 
 def _default_signals() -> None:

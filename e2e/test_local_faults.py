@@ -1,0 +1,129 @@
+"""The local cluster's fault tools do what tests need: kill, pause, cut, agent and API outages.
+
+Only on the process-backed local cluster (the tools act on its processes and veths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import urllib3
+from conftest import Cluster
+from support import IMAGE, Obj, container_status, is_ready, pod_path, read_pod, wait_until
+
+from twinmq.localcluster import faults
+from twinmq.localcluster.layout import Layout
+
+pytestmark = pytest.mark.e2e
+
+
+def _server_pod(name: str) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 5,
+            "containers": [
+                {
+                    "name": "web",
+                    "image": IMAGE,
+                    "command": ["python", "-m", "http.server", "8080"],
+                    "readinessProbe": {
+                        "httpGet": {"port": 8080, "path": "/"},
+                        "periodSeconds": 1,
+                        "failureThreshold": 1,
+                        "timeoutSeconds": 1,
+                    },
+                }
+            ],
+        },
+    }
+
+
+@pytest.fixture
+def layout(cluster: Cluster) -> Layout:
+    """The local cluster's layout (skips the test on any other cluster)."""
+    if not cluster.local:
+        pytest.skip("fault tools act on the local process-backed cluster")
+    return Layout.default()
+
+
+@pytest.fixture
+def web(cluster: Cluster, layout: Layout, namespace: str) -> Iterator[tuple[str, str]]:
+    """A ready pod with an HTTP readiness probe: (namespace, name)."""
+    cluster.kube.create(pod_path(namespace), _server_pod("web"))
+    wait_until("web ready", lambda: is_ready(read_pod(cluster.kube, namespace, "web")), 60)
+    yield namespace, "web"
+
+
+def _ready(cluster: Cluster, namespace: str, name: str) -> bool:
+    return is_ready(read_pod(cluster.kube, namespace, name))
+
+
+def test_cut_network_makes_the_pod_unready_until_healed(
+    cluster: Cluster, layout: Layout, web: tuple[str, str]
+) -> None:
+    namespace, name = web
+    faults.cut_network(layout, namespace, name)
+    try:
+        wait_until("unready while cut", lambda: not _ready(cluster, namespace, name), 30)
+    finally:
+        faults.heal_network(layout, namespace, name)
+    wait_until("ready after heal", lambda: _ready(cluster, namespace, name), 30)
+
+
+def test_paused_pod_is_unready_until_resumed(
+    cluster: Cluster, layout: Layout, web: tuple[str, str]
+) -> None:
+    namespace, name = web
+    assert faults.pause_pod(layout, namespace, name)
+    try:
+        wait_until("unready while paused", lambda: not _ready(cluster, namespace, name), 30)
+    finally:
+        faults.resume_pod(layout, namespace, name)
+    wait_until("ready after resume", lambda: _ready(cluster, namespace, name), 30)
+
+
+def test_pods_keep_running_across_a_node_agent_restart(
+    cluster: Cluster, layout: Layout, web: tuple[str, str]
+) -> None:
+    namespace, name = web
+    uid = faults.pod_uid(layout, namespace, name)
+    from twinmq.localcluster.nodeagent.runtime import Runtime
+
+    pid = Runtime(layout).pid(uid, "web")
+    faults.stop_component(layout, "node-agent")
+    try:
+        assert Runtime(layout).pid(uid, "web") == pid  # still running without its agent
+    finally:
+        faults.start_component(layout, "node-agent")
+    # Adopted, not restarted: same process, no restart counted, still ready; and managed again.
+    wait_until("ready after agent restart", lambda: _ready(cluster, namespace, name), 30)
+    assert Runtime(layout).pid(uid, "web") == pid
+    assert container_status(read_pod(cluster.kube, namespace, name))["restartCount"] == 0
+    faults.kill_pod(layout, namespace, name)
+    wait_until(
+        "restart by the new agent",
+        lambda: container_status(read_pod(cluster.kube, namespace, name)).get("restartCount"),
+        30,
+    )
+
+
+def test_pods_keep_running_while_the_api_server_is_down(
+    cluster: Cluster, layout: Layout, web: tuple[str, str]
+) -> None:
+    namespace, name = web
+    uid = faults.pod_uid(layout, namespace, name)
+    from twinmq.localcluster.nodeagent.runtime import Runtime
+
+    pid = Runtime(layout).pid(uid, "web")
+    with faults.api_server_down(layout):
+        with pytest.raises(urllib3.exceptions.HTTPError):
+            cluster.kube.request("GET", "/version", timeout=2)
+        assert Runtime(layout).pid(uid, "web") == pid
+    wait_until("API back and pod ready", lambda: _ready(cluster, namespace, name), 60)
+    node = cluster.kube.get("/api/v1/nodes/twinmq-node")
+    assert node is not None
