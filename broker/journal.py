@@ -76,6 +76,8 @@ from twinmq.broker.definitions import Definitions
 
 __all__ = [
     "DiskFullError",
+    "decode_ops",
+    "encode_ops",
     "Journal",
     "JournalError",
     "JournalOp",
@@ -235,6 +237,64 @@ def _decode_group(data: bytes, start: int, end: int) -> list[_Decoded]:
     if pos != end:
         raise _CorruptRecord("op runs past its record")
     return out
+
+
+def encode_ops(ops: Sequence[JournalOp], buf: bytearray) -> int:
+    """Append the binary form of `ops` to `buf`; return 1 + the highest mid they name.
+
+    The same bytes are a journal record's payload and a replication batch's body.
+    Raises ValueError (nothing useful appended: callers truncate) for an op that
+    does not fit the format, TypeError for something that is not an op.
+    """
+    next_mid = 0
+    try:
+        for op in ops:
+            if type(op) is StoredMessage:
+                ex = op.exchange.encode()
+                rk = op.routing_key.encode()
+                header = op.header
+                body = op.body
+                exp = op.expires_at
+                buf += _MSG.pack(
+                    _TAG_MSG,
+                    op.mid,
+                    op.qid,
+                    _NAN if exp is None else exp,
+                    len(ex),
+                    len(rk),
+                    len(header),
+                    len(body),
+                )
+                buf += ex
+                buf += rk
+                buf += header
+                buf += body
+            elif type(op) is Settle:
+                buf += _SETTLE.pack(_TAG_SETTLE, op.qid, op.mid)
+            else:
+                raise TypeError(f"not a journal op: {op!r}")
+            if op.mid >= next_mid:
+                next_mid = op.mid + 1
+    except struct.error as exc:
+        raise ValueError(f"cannot encode journal op: {exc}") from exc
+    return next_mid
+
+
+def decode_ops(data: bytes) -> list[JournalOp]:
+    """Decode what `encode_ops` wrote (messages and settles only); ValueError if malformed."""
+    try:
+        decoded = _decode_group(data, 0, len(data))
+    except _CorruptRecord as exc:
+        raise ValueError(f"malformed ops: {exc}") from exc
+    ops: list[JournalOp] = []
+    for tag, qid, mid, msg, _target in decoded:
+        if tag == _TAG_MSG and msg is not None:
+            ops.append(msg)
+        elif tag == _TAG_SETTLE:
+            ops.append(Settle(qid, mid))
+        else:
+            raise ValueError(f"op tag {tag} cannot travel outside a journal")
+    return ops
 
 
 # --- bookkeeping ----------------------------------------------------------------------
@@ -587,40 +647,8 @@ class Journal:
         buf = self._buf
         start = len(buf)
         buf += _PLACEHOLDER
-        next_mid = self._next_mid
         try:
-            for op in ops:
-                if type(op) is StoredMessage:
-                    ex = op.exchange.encode()
-                    rk = op.routing_key.encode()
-                    header = op.header
-                    body = op.body
-                    exp = op.expires_at
-                    buf += _MSG.pack(
-                        _TAG_MSG,
-                        op.mid,
-                        op.qid,
-                        _NAN if exp is None else exp,
-                        len(ex),
-                        len(rk),
-                        len(header),
-                        len(body),
-                    )
-                    buf += ex
-                    buf += rk
-                    buf += header
-                    buf += body
-                    if op.mid >= next_mid:
-                        next_mid = op.mid + 1
-                elif type(op) is Settle:
-                    buf += _SETTLE.pack(_TAG_SETTLE, op.qid, op.mid)
-                    if op.mid >= next_mid:
-                        next_mid = op.mid + 1
-                else:
-                    raise TypeError(f"not a journal op: {op!r}")
-        except struct.error as exc:
-            del buf[start:]
-            raise ValueError(f"cannot encode journal op: {exc}") from exc
+            next_mid = max(self._next_mid, encode_ops(ops, buf))
         except BaseException:
             del buf[start:]
             raise
