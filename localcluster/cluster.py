@@ -357,6 +357,23 @@ def preflight() -> list[str]:
     return problems
 
 
+def _write_env(layout: Layout) -> None:
+    """Link the cached kubectl and helm into `.cluster/bin` and write `.cluster/env` to source."""
+    bin_dir = layout.root / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("kubectl", "helm"):
+        link = bin_dir / name
+        try:
+            target = binaries.find(name)
+        except FileNotFoundError:
+            continue
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+    (layout.root / "env").write_text(
+        f"export KUBECONFIG={layout.kubeconfig}\nexport PATH={bin_dir}:$PATH\n"
+    )
+
+
 def up(layout: Layout) -> None:
     """Start every component that is not running yet; write the kubeconfig."""
     started = time.monotonic()
@@ -388,6 +405,7 @@ def up(layout: Layout) -> None:
         )
     )
     hostnet.setup(layout)
+    _write_env(layout)
     token = admin_token(layout)
     ca = layout.pki / "ca.crt"
 

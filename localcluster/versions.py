@@ -69,6 +69,7 @@ BINARIES: tuple[Binary, ...] = (
     _kube("kube-controller-manager"),
     _kube("kube-scheduler"),
     _kube("kube-proxy"),
+    _kube("kubectl"),
     Binary(
         name="coredns",
         module="github.com/coredns/coredns",
