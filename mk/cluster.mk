@@ -24,3 +24,9 @@ cluster-status:
 
 e2e: $(if $(KUBECONFIG),,cluster-binaries)
 	$(CLUSTER_PYTHON) -m pytest localcluster/tests e2e -p no:cacheprovider $(E2E_ARGS)
+
+# The story so far on this machine (build, cluster, chart, confirmed traffic, kill -9, report).
+# Leaves the cluster running; `make cluster-down` when done.
+.PHONY: demo
+demo:
+	$(CLUSTER_PYTHON) -m twinmq.localcluster.demo
