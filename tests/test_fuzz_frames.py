@@ -41,6 +41,9 @@ from twinmq.broker.connection import State
 from twinmq.broker.errors import AMQPError, ReplyCode
 from twinmq.broker.launcher import BrokerProcess
 
+# Fuzzed frames decode to basic.recover-async now and then, which pamqp warns about.
+pytestmark = pytest.mark.filterwarnings("ignore:This command is deprecated:DeprecationWarning")
+
 HEARTBEAT = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 # TWINMQ_FUZZ_EXAMPLES=5000 for a long hunt; the default keeps the file well under 30 s.
 FUZZ_EXAMPLES = int(os.environ.get("TWINMQ_FUZZ_EXAMPLES", "150"))
