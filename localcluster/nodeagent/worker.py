@@ -141,12 +141,17 @@ class PodWorker:
         return [*(spec.get("initContainers") or []), *spec["containers"]]
 
     def _loop(self) -> None:
+        quiet_until = 0.0
         while not self.stop.is_set():
             try:
                 if self._tick():
                     return
-            except Exception:
-                log.exception("pod %s/%s: tick failed", self.namespace, self.name)
+            except Exception as error:
+                # e.g. the API server is down: keep the pod running, retry, log sparingly.
+                self.last_status = None
+                if time.monotonic() >= quiet_until:
+                    log.warning("pod %s/%s: %s (retrying)", self.namespace, self.name, error)
+                    quiet_until = time.monotonic() + 10
             self.stop.wait(0.25)
 
     # -- one pass ----------------------------------------------------------------------------
@@ -249,7 +254,9 @@ class PodWorker:
             if not podstatus.should_restart(policy, state.code):
                 return
             if record.backoff_until == 0.0:
-                record.backoff_until = time.time() + podstatus.restart_delay(record.restarts)
+                ran_long = state.finished - state.started >= 2 * podstatus.BACKOFF_MAX
+                delay = 0.0 if ran_long else podstatus.restart_delay(record.restarts)
+                record.backoff_until = time.time() + delay
             if time.time() < record.backoff_until:
                 record.waiting_reason = "CrashLoopBackOff"
                 record.waiting_message = (
@@ -311,6 +318,7 @@ class PodWorker:
         )
         record.probes.clear()
         record.run_started = time.time()
+        record.waiting_reason, record.waiting_message = "ContainerCreating", ""
         log.info("pod %s/%s: started %s: %s", self.namespace, self.name, c["name"], argv)
 
     # -- probes ------------------------------------------------------------------------------
