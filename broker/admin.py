@@ -15,9 +15,18 @@ from typing import TYPE_CHECKING, cast
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from twinmq.broker import metrics
-from twinmq.broker.api import BrokerStatus, ErrorBody, JournalStatus, QueueStatus
+from twinmq.broker.api import (
+    BrokerStatus,
+    ErrorBody,
+    JournalStatus,
+    QueueStatus,
+    ReplicationStatus,
+    RoleRequest,
+)
+from twinmq.broker.errors import StaleEpoch
 
 if TYPE_CHECKING:
     from twinmq.broker.server import Broker
@@ -39,9 +48,43 @@ def _loopback(request: web.Request) -> bool:
         return False
 
 
+def replication_status(broker: Broker) -> ReplicationStatus:
+    """The replication section of the status."""
+    if broker.role == "passive":
+        replica = broker.replica
+        if replica is None:
+            return ReplicationStatus(
+                peer=None,
+                link_connected=False,
+                ready=False,
+                degraded=False,
+                lag_messages=0,
+                lag_seconds=0.0,
+            )
+        return ReplicationStatus(
+            peer=replica.address, link_connected=replica.connected, ready=replica.caught_up,
+            degraded=False, lag_messages=replica.pending_ops,
+            lag_seconds=round(replica.lag_seconds, 3), lost_at=replica.lost_at,
+        )  # fmt: skip
+    link = broker.source.link
+    in_sync = link is not None and link.ready and broker.committer.guarded
+    return ReplicationStatus(
+        peer=None if link is None else f"{link.name} ({link.peer})",
+        link_connected=link is not None and not link.closed,
+        ready=in_sync,
+        degraded=not in_sync,
+        lag_messages=0 if link is None else link.lag_messages,
+        lag_seconds=0.0 if link is None else round(link.lag_seconds, 3),
+    )
+
+
 def build_status(broker: Broker) -> BrokerStatus:
     """Snapshot the broker for `GET /status`."""
     vhost = broker.vhost
+    replication = replication_status(broker)
+    metrics.REPLICATION_LAG.set(replication.lag_messages)
+    metrics.REPLICATION_LAG_SECONDS.set(replication.lag_seconds)
+    queue_state = "ready" if replication.ready else "catching-up"
     queues = []
     for q in vhost.queues.values():
         queues.append(
@@ -53,6 +96,7 @@ def build_status(broker: Broker) -> BrokerStatus:
                 unacked=q.unacked,
                 consumers=len(q.consumers),
                 bytes=q.bytes,
+                replication=queue_state if q.durable else "unreplicated",
             )
         )
         metrics.QUEUE_MESSAGES.labels(q.name).set(q.message_count)
@@ -63,12 +107,13 @@ def build_status(broker: Broker) -> BrokerStatus:
         version=broker.product_version,
         role=broker.role,
         epoch=broker.epoch,
-        ready=broker.refusal() is None,
+        ready=broker.refusal() is None if broker.role == "active" else replication.ready,
         uptime_seconds=round(time.time() - broker.started, 3),
         connections=len(broker.protocols),
         channels=sum(len(p.conn.channels) for p in broker.protocols if p.conn is not None),
         alarms=[broker.monitor.reason] if broker.monitor.reason else [],
         queues=queues,
+        replication=replication,
         journal=JournalStatus(
             segments=stats.segments,
             bytes=stats.disk_bytes,
@@ -110,6 +155,19 @@ def make_app(broker: Broker) -> web.Application:
             text=build_status(broker).model_dump_json(), content_type="application/json"
         )
 
+    async def set_role(request: web.Request) -> web.Response:
+        try:
+            wanted = RoleRequest.model_validate_json(await request.read())
+        except ValidationError as exc:
+            return error(400, "invalid role request", str(exc))
+        try:
+            await broker.set_role(wanted.role, wanted.epoch, wanted.replicate_from)
+        except StaleEpoch as exc:
+            return error(409, "stale epoch", str(exc))
+        return web.Response(
+            text=build_status(broker).model_dump_json(), content_type="application/json"
+        )
+
     async def prometheus(request: web.Request) -> web.Response:
         build_status(broker)  # refreshes the per-queue gauges
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -119,6 +177,7 @@ def make_app(broker: Broker) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", prometheus)
+    app.router.add_post("/role", set_role)
     return app
 
 

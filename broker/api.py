@@ -19,6 +19,9 @@ class QueueStatus(BaseModel):
     unacked: int = Field(description="Delivered, not yet acknowledged")
     consumers: int
     bytes: int = Field(description="Bytes of ready message bodies")
+    replication: Literal["catching-up", "ready", "unreplicated"] = Field(
+        description="Whether the passive holds this queue's messages (durable queues only)"
+    )
 
 
 class JournalStatus(BaseModel):
@@ -28,6 +31,32 @@ class JournalStatus(BaseModel):
     bytes: int
     live_messages: int
     durable_batch: int = Field(description="Newest group-commit batch known durable")
+
+
+class ReplicationStatus(BaseModel):
+    """The replication link as this broker sees it."""
+
+    peer: str | None = Field(description="Passive: the active's address; active: the passive")
+    link_connected: bool
+    ready: bool = Field(
+        description="Passive: caught up (promotable without loss); active: a passive in sync"
+    )
+    degraded: bool = Field(description="Active confirming without a passive in sync")
+    lag_messages: int = Field(description="Replicated ops not yet on the passive's disk")
+    lag_seconds: float = Field(description="Age of the oldest of those")
+    lost_at: float | None = Field(None, description="Passive: when the link was last lost")
+
+
+class RoleRequest(BaseModel):
+    """`POST /role`: become active or passive at an epoch."""
+
+    role: Role
+    epoch: int = Field(ge=0)
+    replicate_from: str | None = Field(
+        None,
+        description="host:port of the active's replication listener (passive only)",
+        pattern=r"^[^:\s]+:\d{1,5}$",
+    )
 
 
 class BrokerStatus(BaseModel):
@@ -44,6 +73,7 @@ class BrokerStatus(BaseModel):
     alarms: list[str]
     queues: list[QueueStatus]
     journal: JournalStatus
+    replication: ReplicationStatus
 
 
 class ErrorBody(BaseModel):

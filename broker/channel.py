@@ -316,9 +316,8 @@ class Channel:
         metrics.DELIVERED.inc()
         if consumer.no_ack:
             self.vhost.settle(queue, [entry])
-            queue.unacked += 1  # settle() counts it down again
             return
-        queue.unacked += 1
+        queue.delivered[message.mid] = entry
         consumer.unacked += 1
         self.unacked[tag] = Unacked(queue, entry, consumer)
 
@@ -543,10 +542,10 @@ class Channel:
             + encode_content(self.number, message.header, message.body, conn.frame_max)
         )
         metrics.DELIVERED.inc()
-        queue.unacked += 1
         if m.no_ack:
             self.vhost.settle(queue, [entry])
         else:
+            queue.delivered[message.mid] = entry
             self.unacked[tag] = Unacked(queue, entry, None)
 
     def _basic_reject(self, m: commands.Basic.Reject) -> None:

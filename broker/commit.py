@@ -4,6 +4,10 @@ Every publish and ack handled in one turn of the loop goes into the same batch,
 appended to the journal as one atomic record group. One syncing task waits for
 the journal's fsync of the newest batch and then tells the channels waiting on
 it, so confirms go out in bulk while the next batch is already being filled.
+
+With a passive broker attached (the replication guard on), a batch is complete
+only once it is durable here *and* acknowledged by the passive (Qpid's delayed
+completion): confirms wait for both disks.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from twinmq.broker import metrics
@@ -36,6 +40,12 @@ class GroupCommitter:
         self.journal = journal
         self.loop = loop
         self.durable_batch = 0  # every batch up to this one is on disk
+        self.complete_batch = 0  # ... and, while guarded, on the passive's disk too
+        self.replica_batch = 0  # the newest batch the passive acknowledged
+        self.guarded = False
+        self.last_appended = 0
+        # Called with every batch appended (the replication source streams them).
+        self.on_batch: Callable[[int, list[JournalOp]], None] | None = None
         self._open: list[JournalOp] = []
         self._open_batch = 1  # the number of the batch being filled
         self._appended: list[tuple[int, int]] = []  # (batch, lsn) appended, not yet durable
@@ -59,8 +69,8 @@ class GroupCommitter:
         """0 if nothing is outstanding, else the batch that covers everything before now."""
         if self._open:
             return self._open_batch
-        if self._appended:
-            return self._appended[-1][0]
+        if self.last_appended > self.complete_batch:
+            return self.last_appended
         return 0
 
     def save_definitions(self, definitions: Definitions) -> None:
@@ -101,7 +111,41 @@ class GroupCommitter:
         metrics.COMMIT_BATCH.observe(len(ops))
         lsn = self.journal.append(ops)
         self._appended.append((batch, lsn))
+        self.last_appended = batch
         self._wake.set()
+        if self.on_batch is not None:
+            self.on_batch(batch, ops)
+
+    def flush_now(self) -> int:
+        """Close the open batch at once (before a catch-up snapshot); return the last batch."""
+        self._flush()
+        return self.last_appended
+
+    # -- the replication guard -----------------------------------------------------------
+
+    def guard(self, on: bool) -> None:
+        """Start (a passive attached) or stop (it timed out) waiting for the passive."""
+        if on and not self.guarded:
+            self.replica_batch = self.complete_batch
+        self.guarded = on
+        self._advance(False)
+
+    def replica_acked(self, batch: int) -> None:
+        """The passive has every batch up to `batch` on its disk."""
+        if batch > self.replica_batch:
+            self.replica_batch = batch
+            self._advance(False)
+
+    def _advance(self, failed: bool) -> None:
+        complete = self.durable_batch
+        if self.guarded and not failed:
+            complete = min(complete, self.replica_batch)
+        if complete <= self.complete_batch and not failed:
+            return
+        self.complete_batch = max(self.complete_batch, complete)
+        for waiter in list(self._waiters):
+            if not waiter.durable(complete, failed):
+                self._waiters.discard(waiter)
 
     async def _sync_loop(self) -> None:
         while True:
@@ -126,6 +170,4 @@ class GroupCommitter:
         # Batches appended while we synced stay for the next round.
         self._appended = [(b, n) for b, n in self._appended if b > batch]
         self.durable_batch = batch
-        for waiter in list(self._waiters):
-            if not waiter.durable(batch, failed):
-                self._waiters.discard(waiter)
+        self._advance(failed)

@@ -79,3 +79,7 @@ class AMQPError(Exception):
 def channel_error(code: ReplyCode, text: str, method: tuple[int, int] = (0, 0)) -> AMQPError:
     """A channel-level error for the method `method` = (class id, method id)."""
     return AMQPError(code, text, method[0], method[1], connection=False)
+
+
+class StaleEpoch(Exception):
+    """A role change carried an epoch older than one this broker has seen."""

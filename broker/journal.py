@@ -76,8 +76,6 @@ from twinmq.broker.definitions import Definitions
 
 __all__ = [
     "DiskFullError",
-    "decode_ops",
-    "encode_ops",
     "Journal",
     "JournalError",
     "JournalOp",
@@ -85,6 +83,8 @@ __all__ = [
     "Recovered",
     "Settle",
     "StoredMessage",
+    "decode_ops",
+    "encode_ops",
 ]
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,7 @@ class BrokerProcess:
     host: str = "127.0.0.1"
     port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
+    replication_port: int = field(default_factory=free_port)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
@@ -42,6 +43,7 @@ class BrokerProcess:
             sys.executable, "-m", "twinmq.broker.main",
             "--name", self.name, "--host", self.host,
             "--port", str(self.port), "--admin-port", str(self.admin_port),
+            "--replication-port", str(self.replication_port),
             "--data-dir", str(self.data_dir), *self.extra_args,
         ]  # fmt: skip
         log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
@@ -72,6 +74,11 @@ class BrokerProcess:
     def url(self) -> str:
         """AMQP URL for guest on loopback."""
         return f"amqp://guest:guest@{self.host}:{self.port}/%2F"
+
+    @property
+    def replication_address(self) -> str:
+        """host:port of the replication listener (what a passive's --replicate-from names)."""
+        return f"{self.host}:{self.replication_port}"
 
     @property
     def admin_url(self) -> str:

@@ -23,7 +23,11 @@ async def serve(settings: BrokerSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # A line on stdout that tests and scripts can wait for.
-    print(f"twinmq-broker ready amqp={broker.amqp_port} admin={broker.admin_port}", flush=True)
+    print(
+        f"twinmq-broker ready amqp={broker.amqp_port} admin={broker.admin_port} "
+        f"replication={broker.replication_port}",
+        flush=True,
+    )
     await stop.wait()
     logging.getLogger(__name__).info("termination signal: shutting down")
     await broker.stop()

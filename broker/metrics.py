@@ -41,3 +41,16 @@ PROTOCOL_ERRORS = Counter(
     "twinmq_protocol_errors", "Channels or connections closed by errors", ["code"]
 )
 AUTH_FAILURES = Counter("twinmq_auth_failures", "Refused logins")
+EPOCH = Gauge("twinmq_epoch", "Highest epoch this broker has seen")
+ROLE = Gauge("twinmq_role_active", "1 while this broker is active, 0 while passive")
+REPLICATION_CONNECTED = Gauge("twinmq_replication_link_up", "1 while the replication link is up")
+REPLICATION_READY = Gauge(
+    "twinmq_replication_ready", "Passive: 1 once caught up (promotable without loss)"
+)
+REPLICATION_DEGRADED = Gauge(
+    "twinmq_replication_degraded", "Active: 1 while confirming without a passive in sync"
+)
+REPLICATION_LAG = Gauge("twinmq_replication_lag_messages", "Ops sent but not yet acknowledged")
+REPLICATION_LAG_SECONDS = Gauge(
+    "twinmq_replication_lag_seconds", "Age of the oldest unacknowledged replicated batch"
+)

@@ -97,7 +97,7 @@ class Queue:
         self.entries: deque[Entry] = deque()
         self.bytes = 0
         self.consumers: list[Consumer] = []
-        self.unacked = 0
+        self.delivered: dict[int, Entry] = {}  # delivered, not yet settled, by mid
         self.had_consumers = False
         self.deleted = False
         self._next_consumer = 0
@@ -112,6 +112,31 @@ class Queue:
     def durable(self) -> bool:
         """Whether the queue survives a restart."""
         return self.definition.durable
+
+    @property
+    def unacked(self) -> int:
+        """Delivered messages not yet acknowledged."""
+        return len(self.delivered)
+
+    def remove_mid(self, mid: int) -> Entry | None:
+        """Remove a ready entry by replication ID (the passive applying a dequeue)."""
+        entries = self.entries
+        # Dequeues arrive nearly in queue order: the head is the usual hit.
+        if entries and entries[0].message.mid == mid:
+            entry = entries.popleft()
+        else:
+            for entry in entries:
+                if entry.message.mid == mid:
+                    entries.remove(entry)
+                    break
+            else:
+                return None
+        self.bytes -= entry.size
+        return entry
+
+    def sort_by_mid(self) -> None:
+        """Restore publish order (replication IDs grow with it) after a catch-up."""
+        self.entries = deque(sorted(self.entries, key=lambda e: e.message.mid))
 
     @property
     def message_count(self) -> int:

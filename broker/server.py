@@ -21,8 +21,11 @@ from twinmq.broker.auth import Authenticator
 from twinmq.broker.channel import Channel
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import Connection, Limits
-from twinmq.broker.errors import ReplyCode
+from twinmq.broker.epoch import EpochStore, first_mid
+from twinmq.broker.errors import ReplyCode, StaleEpoch
 from twinmq.broker.journal import Journal
+from twinmq.broker.replication.replica import ReplicaClient
+from twinmq.broker.replication.source import ReplicationSource
 from twinmq.broker.settings import BrokerSettings
 from twinmq.broker.vhost import VirtualHost
 
@@ -168,9 +171,11 @@ class Broker:
         self.authenticator = Authenticator.from_file(settings.users_file)
         self.protocols: set[AMQPProtocol] = set()
         self.started = time.time()
-        self.role: Role = "active"
-        self.epoch = 0
         settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.epochs = EpochStore(settings.data_dir / "epoch.json")
+        self.epochs.raise_to(settings.epoch)
+        self.role: Role = settings.role
+        self.replicate_from = settings.replicate_from
         self.journal = Journal(
             settings.data_dir / "journal",
             segment_bytes=settings.segment_bytes,
@@ -190,7 +195,13 @@ class Broker:
             time.perf_counter() - started,
         )
         self.committer = GroupCommitter(self.journal, self.loop)
-        self.vhost = VirtualHost(self.committer, WallClock(self.loop), recovered)
+        self.vhost = VirtualHost(
+            self.committer, WallClock(self.loop), recovered, replica=self.role == "passive"
+        )
+        if self.role == "active":
+            self.vhost.next_mid = max(self.vhost.next_mid, first_mid(self.epoch))
+        self.source = ReplicationSource(self)
+        self.replica: ReplicaClient | None = None
         self.monitor = ResourceMonitor(
             settings.data_dir,
             settings.disk_free_limit,
@@ -217,7 +228,81 @@ class Broker:
 
     def refusal(self) -> str | None:
         """Why clients are refused now; None while active."""
-        return None
+        if self.role == "active":
+            return None
+        where = self.replicate_from or "unknown"
+        if self.replica is not None and self.replica.active_name:
+            where = f"{self.replica.active_name} ({self.replicate_from})"
+        return (
+            f"{self.settings.name} is the passive broker (epoch {self.epoch}); "
+            f"connect to the active broker: {where}"
+        )
+
+    # -- roles and epochs ----------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The highest epoch this broker has seen (persisted)."""
+        return self.epochs.epoch
+
+    def replication_token(self) -> str | None:
+        """The replication link's shared secret."""
+        token = self.settings.replication_token or self.settings.admin_token
+        return None if token is None else token.get_secret_value()
+
+    def learn_epoch(self, epoch: int, source: str) -> None:
+        """A peer knows a higher epoch: persist it; an active broker steps down at once."""
+        if not self.epochs.raise_to(epoch):
+            return
+        metrics.EPOCH.set(epoch)
+        log.warning("learned epoch %d from %s", epoch, source)
+        if self.role == "active":
+            log.warning("a newer epoch exists: stepping down to passive")
+            self.loop.create_task(self.set_role("passive", epoch, None))
+
+    async def set_role(self, role: Role, epoch: int, replicate_from: str | None) -> None:
+        """Change role at `epoch` (POST /role). Raises StaleEpoch for an old epoch."""
+        current = self.epoch
+        if epoch < current or (epoch == current and role == "active" and self.role != "active"):
+            raise StaleEpoch(
+                f"epoch {epoch} is stale: this broker has seen epoch {current}"
+                + (" (activation needs a new epoch)" if epoch == current else "")
+            )
+        self.epochs.raise_to(epoch)
+        metrics.EPOCH.set(self.epoch)
+        previous = self.role
+        self.role = role
+        metrics.ROLE.set(1 if role == "active" else 0)
+        if role == "active":
+            if self.replica is not None:
+                await self.replica.stop()
+                self.replica = None
+            self.replicate_from = None
+            self.vhost.next_mid = max(self.vhost.next_mid, first_mid(self.epoch))
+            if previous != "active":
+                self.vhost.set_replica(False)
+                self.committer.guard(False)
+                log.warning("promoted to active in epoch %d", self.epoch)
+            return
+        if previous == "active":
+            log.warning("demoted to passive in epoch %d: closing client connections", self.epoch)
+            self.source.detach("demoted")
+            for proto in list(self.protocols):
+                if proto.conn is not None:
+                    proto.conn.force_close(
+                        ReplyCode.CONNECTION_FORCED,
+                        f"{self.settings.name} is now passive (epoch {self.epoch})",
+                    )
+                    proto._flush()
+            self.vhost.set_replica(True)
+        if replicate_from != self.replicate_from or self.replica is None:
+            if self.replica is not None:
+                await self.replica.stop()
+                self.replica = None
+            self.replicate_from = replicate_from
+            if replicate_from:
+                self.replica = ReplicaClient(self, replicate_from)
+                self.replica.start()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -226,6 +311,8 @@ class Broker:
         from twinmq.broker.admin import start_admin
 
         self.committer.start()
+        metrics.EPOCH.set(self.epoch)
+        metrics.ROLE.set(1 if self.role == "active" else 0)
         server = await self.loop.create_server(
             lambda: AMQPProtocol(self),
             self.settings.host,
@@ -235,18 +322,22 @@ class Broker:
         )
         self._servers.append(server)
         self._servers.append(await start_admin(self))
+        self._servers.append(
+            await self.source.start(self.settings.host, self.settings.replication_port)
+        )
+        self._tasks.append(self.loop.create_task(self.source.ping_loop()))
+        if self.role == "passive" and self.replicate_from:
+            self.replica = ReplicaClient(self, self.replicate_from)
+            self.replica.start()
         self._tasks.append(self.loop.create_task(self._heartbeats()))
         self._tasks.append(self.loop.create_task(self.monitor.run()))
         log.info(
-            "broker %s %s listening: amqp %s:%d, admin %s:%d, data %s",
-            self.settings.name,
-            self.product_version,
-            self.settings.host,
-            self.amqp_port,
-            self.settings.host,
-            self.admin_port,
-            self.settings.data_dir,
-        )
+            "broker %s %s listening: amqp %s:%d, admin %s:%d, replication %s:%d, data %s; "
+            "%s in epoch %d",
+            self.settings.name, self.product_version, self.settings.host, self.amqp_port,
+            self.settings.host, self.admin_port, self.settings.host, self.replication_port,
+            self.settings.data_dir, self.role, self.epoch,
+        )  # fmt: skip
 
     @property
     def amqp_port(self) -> int:
@@ -258,10 +349,18 @@ class Broker:
         """The bound admin port."""
         return int(self._servers[1].sockets[0].getsockname()[1])  # type: ignore[attr-defined]
 
+    @property
+    def replication_port(self) -> int:
+        """The bound replication port."""
+        return int(self._servers[2].sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+
     async def stop(self) -> None:
         """Close clients with 320, flush the journal, stop everything."""
         for server in self._servers:
             server.close()
+        if self.replica is not None:
+            await self.replica.stop()
+        await self.source.close()
         for proto in list(self.protocols):
             if proto.conn is not None:
                 proto.conn.force_close(ReplyCode.CONNECTION_FORCED, "broker shutdown")

@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -51,6 +51,25 @@ class BrokerSettings(BaseSettings):
         0.4, gt=0, le=1, description="Block publishers above this fraction of system memory"
     )
     log_level: str = Field("INFO", description="Python logging level")
+    role: Literal["active", "passive"] = Field(
+        "active", description="Start as the active broker or as a passive replica"
+    )
+    replicate_from: str | None = Field(
+        None, description="HOST:PORT of the active's replication listener (passive role)"
+    )
+    epoch: int = Field(0, ge=0, description="Start-up epoch (the persisted one wins if higher)")
+    replication_port: int = Field(
+        5673, ge=0, le=65535, description="Replication listener port (passives connect here)"
+    )
+    replication_token: SecretStr | None = Field(
+        None, description="Shared secret of the replication link (default: the admin token)"
+    )
+    replication_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds a silent passive may hold up confirms before the "
+        "active goes on alone (degraded)",
+    )
 
 
 def flag(field: str) -> str:

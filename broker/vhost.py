@@ -106,9 +106,20 @@ class PublishResult:
 class VirtualHost:
     """The broker's single virtual host ("/")."""
 
-    def __init__(self, committer: Committer, clock: Clock, recovered: Recovered | None) -> None:
+    def __init__(
+        self,
+        committer: Committer,
+        clock: Clock,
+        recovered: Recovered | None,
+        *,
+        replica: bool = False,
+    ) -> None:
         self.committer = committer
         self.clock = clock
+        # A passive broker's state changes only by replication: no timers of its own.
+        self.replica = replica
+        self.on_topology_change: Callable[[Definitions], None] | None = None
+        self._by_qid: dict[int, Queue] | None = None
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         self.next_mid = 1
@@ -124,6 +135,7 @@ class VirtualHost:
 
     def _recover(self, recovered: Recovered) -> None:
         defs = recovered.definitions
+        replica_mode = self.replica
         self.next_qid = max(defs.next_qid, 1)
         self.next_mid = max(recovered.next_mid, 1)
         for edef in defs.exchanges:
@@ -146,10 +158,12 @@ class VirtualHost:
                     decode_content_header(stored.header).message_id,
                 )
                 # A message recovered from disk may have been delivered before the crash.
-                queue.push(Entry(message, stored.expires_at, True, redelivered=True))
-            queue.expire(now)
-            self._schedule_expiry(queue)
-            self._touch(queue)
+                queue.entries.append(Entry(message, stored.expires_at, True, redelivered=True))
+                queue.bytes += len(stored.body)
+            if not replica_mode:
+                queue.expire(now)
+                self._schedule_expiry(queue)
+                self._touch(queue)
         for bdef in defs.bindings:
             exchange = self.exchanges.get(bdef.exchange)
             if exchange is not None and bdef.queue in self.queues:
@@ -176,7 +190,11 @@ class VirtualHost:
         )
 
     def _save(self) -> None:
-        self.committer.save_definitions(self.definitions())
+        self._by_qid = None
+        definitions = self.definitions()
+        self.committer.save_definitions(definitions)
+        if self.on_topology_change is not None:
+            self.on_topology_change(definitions)
 
     # -- exchanges --------------------------------------------------------------------------
 
@@ -463,7 +481,7 @@ class VirtualHost:
     def _touch(self, queue: Queue) -> None:
         """Restart the `x-expires` countdown of an unused queue."""
         expires = queue.args.expires
-        if expires is None:
+        if expires is None or self.replica:
             return
         timer = self._expiry_timers.pop(queue.name, None)
         if timer is not None:
@@ -570,7 +588,8 @@ class VirtualHost:
         self, queue: Queue, entries: list[Entry], ops: list[JournalOp] | None = None
     ) -> None:
         """Entries were acknowledged: forget them (and journal that for persistent ones)."""
-        queue.unacked -= len(entries)
+        for entry in entries:
+            queue.delivered.pop(entry.message.mid, None)
         self._settle_entries(queue, entries, ops)
 
     def _settle_entries(
@@ -587,7 +606,8 @@ class VirtualHost:
 
     def requeue(self, queue: Queue, entries: list[Entry]) -> None:
         """Delivered entries go back to the head of their queue."""
-        queue.unacked -= len(entries)
+        for entry in entries:
+            queue.delivered.pop(entry.message.mid, None)
         if queue.deleted:
             return
         queue.requeue(entries)
@@ -596,7 +616,8 @@ class VirtualHost:
 
     def reject(self, queue: Queue, entries: list[Entry]) -> None:
         """Rejected without requeue: dead-letter (if configured) and settle."""
-        queue.unacked -= len(entries)
+        for entry in entries:
+            queue.delivered.pop(entry.message.mid, None)
         for entry in entries:
             self._dropped(queue, entry, "rejected")
 
@@ -665,7 +686,7 @@ class VirtualHost:
     def _schedule_expiry(self, queue: Queue) -> None:
         """Keep one timer per queue for its head's expiry."""
         at = queue.next_expiry()
-        if at is None or queue.name in self._timers:
+        if at is None or queue.name in self._timers or self.replica:
             return
 
         def fire() -> None:
@@ -676,3 +697,118 @@ class VirtualHost:
             self._schedule_expiry(queue)
 
         self._timers[queue.name] = self.clock.call_later(max(0.0, at - self.clock.time()), fire)
+
+    # -- replication ----------------------------------------------------------------------
+
+    def queue_by_qid(self, qid: int) -> Queue | None:
+        """The queue of an incarnation id, if it exists."""
+        if self._by_qid is None:
+            self._by_qid = {q.definition.qid: q for q in self.queues.values()}
+        return self._by_qid.get(qid)
+
+    def replication_snapshot(self) -> dict[int, list[int]]:
+        """The replication IDs this broker holds per durable queue (journaled messages)."""
+        return {
+            q.definition.qid: [e.message.mid for e in q.entries if e.journaled]
+            + [mid for mid, e in q.delivered.items() if e.journaled]
+            for q in self.queues.values()
+            if q.durable
+        }
+
+    def live_messages(self) -> dict[int, list[StoredMessage]]:
+        """Every journaled message per durable queue, ready or delivered, in queue order."""
+        out: dict[int, list[StoredMessage]] = {}
+        for q in self.queues.values():
+            if not q.durable:
+                continue
+            qid = q.definition.qid
+            entries = sorted(
+                [e for e in q.entries if e.journaled]
+                + [e for e in q.delivered.values() if e.journaled],
+                key=lambda e: e.message.mid,
+            )
+            out[qid] = [_stored(qid, e) for e in entries]
+        return out
+
+    def apply_definitions(self, defs: Definitions) -> None:
+        """Make the topology equal to the active's (a passive receiving its definitions)."""
+        wanted = {q.name: q for q in defs.queues}
+        for queue in list(self.queues.values()):
+            target = wanted.get(queue.name)
+            if target is None or target.qid != queue.definition.qid:
+                self.remove_queue(queue)
+        for qdef in defs.queues:
+            if qdef.name not in self.queues:
+                self.queues[qdef.name] = Queue(qdef, None, self._dropped)
+                self.exchanges[""].bind(
+                    BindingDef(exchange="", queue=qdef.name, routing_key=qdef.name)
+                )
+        builtin = {name for name, _ in BUILTIN_EXCHANGES}
+        for name in [n for n in self.exchanges if n not in builtin]:
+            del self.exchanges[name]
+        for exchange in self.exchanges.values():
+            if exchange.name != "":
+                for binding in list(exchange.bindings.values()):
+                    exchange.unbind(binding)
+        for edef in defs.exchanges:
+            self.exchanges[edef.name] = make_exchange(edef)
+        for bdef in defs.bindings:
+            bound = self.exchanges.get(bdef.exchange)
+            if bound is not None and bdef.queue in self.queues:
+                bound.bind(bdef)
+        self.next_qid = max(self.next_qid, defs.next_qid)
+        self._by_qid = None
+        self.committer.save_definitions(self.definitions())
+        metrics.QUEUES.set(len(self.queues))
+
+    def apply_ops(self, ops: list[JournalOp]) -> None:
+        """Apply a replicated batch to the queues (the caller journals it)."""
+        touched: set[Queue] = set()
+        for op in ops:
+            queue = self.queue_by_qid(op.qid)
+            if queue is None:
+                continue  # a queue deleted since: the topology says so
+            if isinstance(op, StoredMessage):
+                message = Message(
+                    op.mid,
+                    op.exchange,
+                    op.routing_key,
+                    op.header,
+                    op.body,
+                    True,
+                    None,
+                    decode_content_header(op.header).message_id,
+                )
+                queue.entries.append(Entry(message, op.expires_at, True))
+                queue.bytes += len(op.body)
+                touched.add(queue)
+                if op.mid >= self.next_mid:
+                    self.next_mid = op.mid + 1
+            else:
+                queue.remove_mid(op.mid)
+        for queue in touched:
+            if (
+                len(queue.entries) > 1
+                and queue.entries[-1].message.mid < queue.entries[-2].message.mid
+            ):
+                queue.sort_by_mid()
+
+    def set_replica(self, replica: bool) -> None:
+        """Become a passive (no timers, state from replication) or an active broker."""
+        self.replica = replica
+        if replica:
+            for timer in [*self._timers.values(), *self._expiry_timers.values()]:
+                timer.cancel()
+            self._timers.clear()
+            self._expiry_timers.clear()
+            return
+        now = self.clock.time()
+        for queue in list(self.queues.values()):
+            queue.expire(now)
+            self._schedule_expiry(queue)
+            self._touch(queue)
+
+
+def _stored(qid: int, entry: Entry) -> StoredMessage:
+    m = entry.message
+    return StoredMessage(m.mid, qid, m.exchange, m.routing_key, m.header, m.body, entry.expires_at)

@@ -1,0 +1,49 @@
+"""The highest epoch a broker has seen, persisted so a restart cannot forget it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+# A replication ID is (epoch << EPOCH_SHIFT) | sequence: IDs assigned in different
+# epochs never collide, even when an old active assigned some that never replicated.
+EPOCH_SHIFT = 40
+
+
+def first_mid(epoch: int) -> int:
+    """The first replication ID of an epoch."""
+    return (epoch << EPOCH_SHIFT) + 1
+
+
+def epoch_of(mid: int) -> int:
+    """The epoch a replication ID was assigned in."""
+    return mid >> EPOCH_SHIFT
+
+
+class EpochStore:
+    """`<data-dir>/epoch.json`: replaced atomically, only ever raised."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.epoch = 0
+        if path.exists():
+            self.epoch = int(json.loads(path.read_text())["epoch"])
+
+    def raise_to(self, epoch: int) -> bool:
+        """Persist `epoch` if it is higher than any seen; return whether it was."""
+        if epoch <= self.epoch:
+            return False
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"epoch": epoch}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self.epoch = epoch
+        return True

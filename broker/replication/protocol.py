@@ -1,0 +1,136 @@
+"""The replication link's wire format: length-prefixed frames, sans-I/O.
+
+    frame = u32 length (of what follows) | u8 type | payload
+
+Control frames carry JSON of the pydantic models below; `BATCH` carries a
+batch number, a flag and the journal's own op encoding, so the passive writes
+exactly the record groups the active wrote; `ACK` a batch number.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+from typing import Final
+
+from pydantic import BaseModel, Field
+
+MAX_FRAME: Final = 512 * 1024 * 1024
+_HEAD = struct.Struct(">IB")
+_BATCH = struct.Struct(">QB")
+_U64 = struct.Struct(">Q")
+
+
+class FrameType(enum.IntEnum):
+    """Frame types of the replication link."""
+
+    CHALLENGE = 1  # active -> passive: Challenge
+    HELLO = 2  # passive -> active: Hello
+    REFUSE = 3  # either way: Refuse, then the link closes
+    SNAPSHOT = 4  # passive -> active: Snapshot
+    DEFINITIONS = 5  # active -> passive: Definitions (topology)
+    BATCH = 6  # active -> passive: batch number, flags, ops
+    CAUGHT_UP = 7  # active -> passive: u64 batch that completes the catch-up
+    ACK = 8  # passive -> active: u64 batch durable on the passive
+    PING = 9  # either way, keeps the link's liveness visible
+
+
+BATCH_CATCHUP: Final = 1
+
+
+class Challenge(BaseModel):
+    """Sent by the active on accept."""
+
+    name: str
+    epoch: int
+    nonce: str
+
+
+class Hello(BaseModel):
+    """The passive's answer: who it is, its epoch, and proof it knows the shared token."""
+
+    name: str
+    epoch: int
+    proof: str
+
+
+class Refuse(BaseModel):
+    """Why a link is refused (a stale epoch, a bad proof, not active)."""
+
+    reason: str
+    epoch: int
+
+
+class Snapshot(BaseModel):
+    """The passive's replication IDs per queue incarnation (qid)."""
+
+    queues: dict[int, list[int]] = Field(default_factory=dict)
+
+
+def proof(token: str, nonce: str) -> str:
+    """HMAC-SHA256 of the challenge nonce under the shared replication token."""
+    return hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def encode(ftype: FrameType, payload: bytes | BaseModel = b"") -> bytes:
+    """One frame."""
+    data = payload.model_dump_json().encode() if isinstance(payload, BaseModel) else payload
+    return _HEAD.pack(len(data) + 1, ftype) + data
+
+
+def encode_batch(batch: int, flags: int, ops: bytes | bytearray) -> bytes:
+    """A BATCH frame around already-encoded ops."""
+    return _HEAD.pack(len(ops) + 1 + _BATCH.size, FrameType.BATCH) + _BATCH.pack(batch, flags) + ops
+
+
+def encode_u64(ftype: FrameType, value: int) -> bytes:
+    """An ACK or CAUGHT_UP frame."""
+    return encode(ftype, _U64.pack(value))
+
+
+def decode_batch(payload: bytes) -> tuple[int, int, bytes]:
+    """(batch, flags, ops bytes) of a BATCH payload."""
+    batch, flags = _BATCH.unpack_from(payload)
+    return batch, flags, payload[_BATCH.size :]
+
+
+def decode_u64(payload: bytes) -> int:
+    """The value of an ACK or CAUGHT_UP payload."""
+    (value,) = _U64.unpack(payload)
+    return int(value)
+
+
+class ProtocolError(Exception):
+    """The peer broke the replication protocol; the link is closed."""
+
+
+class FrameDecoder:
+    """Bytes in, (type, payload) frames out."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[FrameType, bytes]]:
+        """Add received bytes; return the frames they complete."""
+        buf = self._buf
+        buf += data
+        frames: list[tuple[FrameType, bytes]] = []
+        pos = 0
+        while len(buf) - pos >= _HEAD.size:
+            length, ftype = _HEAD.unpack_from(buf, pos)
+            if length < 1 or length > MAX_FRAME:
+                raise ProtocolError(f"frame length {length} out of range")
+            end = pos + 4 + length
+            if end > len(buf):
+                break
+            try:
+                kind = FrameType(ftype)
+            except ValueError as exc:
+                raise ProtocolError(f"unknown frame type {ftype}") from exc
+            frames.append((kind, bytes(buf[pos + _HEAD.size : end])))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return frames

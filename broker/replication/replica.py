@@ -1,0 +1,240 @@
+"""The passive broker's end of the replication link.
+
+Connects to the active (reconnecting every second while it cannot), answers
+the challenge, sends its snapshot, then applies what arrives: the topology,
+the catch-up batch, and every live batch, each journaled as one record group
+and acknowledged only once it is on this broker's disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from twinmq.broker import metrics
+from twinmq.broker.definitions import Definitions
+from twinmq.broker.journal import decode_ops
+from twinmq.broker.replication.protocol import (
+    Challenge,
+    FrameDecoder,
+    FrameType,
+    Hello,
+    ProtocolError,
+    Refuse,
+    Snapshot,
+    decode_batch,
+    decode_u64,
+    encode,
+    encode_u64,
+    proof,
+)
+
+if TYPE_CHECKING:
+    from twinmq.broker.server import Broker
+
+log = logging.getLogger(__name__)
+
+RETRY_INTERVAL = 1.0
+
+
+class _Session:
+    """One connected stretch of the link: maps local journal batches to the active's."""
+
+    def __init__(self, client: ReplicaClient, writer: asyncio.StreamWriter) -> None:
+        self.client = client
+        self.writer = writer
+        self.pending: deque[tuple[int, int]] = deque()  # (local batch, remote batch)
+        self.alive = True
+
+    def durable(self, batch: int, failed: bool = False) -> bool:
+        """Local batches up to `batch` are on disk: acknowledge the active's batches."""
+        if not self.alive:
+            return False
+        acked = 0
+        while self.pending and self.pending[0][0] <= batch:
+            acked = self.pending.popleft()[1]
+        if acked and not failed:
+            self.writer.write(encode_u64(FrameType.ACK, acked))
+            self.client.on_acked(acked)
+        elif failed:
+            log.error("could not journal replicated batches up to %d: dropping the link", acked)
+            self.writer.transport.abort()
+        return bool(self.pending)
+
+
+class ReplicaClient:
+    """Replicates from the active at `address` (host:port of its replication listener)."""
+
+    def __init__(self, broker: Broker, address: str) -> None:
+        self.broker = broker
+        self.address = address
+        self.connected = False
+        self.caught_up = False
+        self.catchup_batch: int | None = None
+        self.remote_batch = 0
+        self.acked_batch = 0
+        self.active_name: str | None = None
+        self.connected_since: float | None = None
+        self.lost_at: float | None = None
+        self.last_received = 0.0
+        self.pending_ops = 0
+        self._oldest_pending: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the connect/replicate loop."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="twinmq-replica")
+
+    async def stop(self) -> None:
+        """Stop replicating (promotion, shutdown, a new active)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._set_connected(False)
+
+    @property
+    def lag_seconds(self) -> float:
+        """Age of the oldest batch received but not yet durable here."""
+        return 0.0 if self._oldest_pending is None else time.time() - self._oldest_pending
+
+    def on_acked(self, batch: int) -> None:
+        """A batch was acknowledged to the active."""
+        self.acked_batch = batch
+        self.pending_ops = 0 if batch >= self.remote_batch else self.pending_ops
+        self._oldest_pending = None if batch >= self.remote_batch else self._oldest_pending
+        if not self.caught_up and self.catchup_batch is not None and batch >= self.catchup_batch:
+            self.caught_up = True
+            log.info("caught up with %s at batch %d: ready", self.active_name, batch)
+            metrics.REPLICATION_READY.set(1)
+
+    def _set_connected(self, connected: bool) -> None:
+        if connected == self.connected:
+            return
+        self.connected = connected
+        metrics.REPLICATION_CONNECTED.set(1 if connected else 0)
+        if connected:
+            self.connected_since = time.time()
+        else:
+            self.lost_at = time.time()
+
+    async def _run(self) -> None:
+        host, _, port = self.address.rpartition(":")
+        while True:
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, int(port)), RETRY_INTERVAL * 3
+                )
+            except (TimeoutError, OSError) as exc:
+                log.debug("cannot reach the active at %s: %s", self.address, exc)
+                await asyncio.sleep(RETRY_INTERVAL)
+                continue
+            session = _Session(self, writer)
+            try:
+                await self._replicate(reader, writer, session)
+            except (TimeoutError, ConnectionError, ProtocolError, ValueError) as exc:
+                log.warning(
+                    "replication link to %s lost: %s", self.address, exc or type(exc).__name__
+                )
+            finally:
+                session.alive = False
+                self._set_connected(False)
+                with contextlib.suppress(Exception):
+                    writer.close()
+            await asyncio.sleep(RETRY_INTERVAL)
+
+    async def _replicate(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: _Session
+    ) -> None:
+        broker = self.broker
+        decoder = FrameDecoder()
+        frames: deque[tuple[FrameType, bytes]] = deque()
+        # The active pings every half second; silence for the timeout means it is gone.
+        silence = max(broker.settings.replication_timeout, 2.0)
+
+        async def next_frame() -> tuple[FrameType, bytes]:
+            while not frames:
+                data = await asyncio.wait_for(reader.read(1 << 20), silence)
+                if not data:
+                    raise ConnectionError("the active closed the link")
+                self.last_received = time.time()
+                frames.extend(decoder.feed(data))
+            return frames.popleft()
+
+        ftype, payload = await next_frame()
+        if ftype is not FrameType.CHALLENGE:
+            raise ProtocolError(f"expected CHALLENGE, got {ftype.name}")
+        challenge = Challenge.model_validate_json(payload)
+        if challenge.epoch < broker.epoch:
+            # A stale active: tell it the epoch it missed, so that it steps down.
+            log.warning(
+                "%s at %s is active in stale epoch %d (ours %d): refusing it",
+                challenge.name,
+                self.address,
+                challenge.epoch,
+                broker.epoch,
+            )
+            writer.write(encode(FrameType.REFUSE, Refuse(reason="stale epoch", epoch=broker.epoch)))
+            await writer.drain()
+            return
+        broker.learn_epoch(challenge.epoch, f"active {challenge.name}")
+        token = broker.replication_token() or ""
+        writer.write(
+            encode(
+                FrameType.HELLO,
+                Hello(
+                    name=broker.settings.name,
+                    epoch=broker.epoch,
+                    proof=proof(token, challenge.nonce),
+                ),
+            )
+        )
+        writer.write(
+            encode(FrameType.SNAPSHOT, Snapshot(queues=broker.vhost.replication_snapshot()))
+        )
+        self.active_name = challenge.name
+        self.caught_up = False
+        self.catchup_batch = None
+        self.acked_batch = 0  # batch numbers are per active: start over
+        metrics.REPLICATION_READY.set(0)
+        self._set_connected(True)
+        log.info(
+            "replicating from %s at %s (epoch %d)", challenge.name, self.address, challenge.epoch
+        )
+        committer = broker.committer
+        committer.await_durable(session)
+        while True:
+            ftype, payload = await next_frame()
+            if ftype is FrameType.BATCH:
+                remote, _flags, raw = decode_batch(payload)
+                ops = decode_ops(raw)
+                broker.vhost.apply_ops(ops)
+                local = committer.add(ops) if ops else committer.confirm_point()
+                self.remote_batch = remote
+                self.pending_ops += len(ops)
+                if self._oldest_pending is None:
+                    self._oldest_pending = time.time()
+                if local == 0:
+                    session.pending.append((0, remote))
+                    session.durable(0)
+                else:
+                    session.pending.append((local, remote))
+                    committer.await_durable(session)
+            elif ftype is FrameType.DEFINITIONS:
+                broker.vhost.apply_definitions(Definitions.model_validate_json(payload))
+            elif ftype is FrameType.CAUGHT_UP:
+                self.catchup_batch = decode_u64(payload)
+                if self.acked_batch >= self.catchup_batch and not session.pending:
+                    self.on_acked(self.acked_batch)
+            elif ftype is FrameType.REFUSE:
+                refuse = Refuse.model_validate_json(payload)
+                log.warning("the active refused replication: %s", refuse.reason)
+                broker.learn_epoch(refuse.epoch, f"active at {self.address}")
+                return
+            elif ftype is not FrameType.PING:
+                raise ProtocolError(f"unexpected {ftype.name} from the active")

@@ -1,0 +1,318 @@
+"""The active broker's end of the replication link.
+
+A passive connects, proves it knows the shared token, sends its snapshot; in
+one step of the event loop (no await in between) the active closes its open
+batch, plans the catch-up from its live messages, and from then on streams
+every batch it journals. The passive's acknowledgements complete batches
+(delayed completion); a passive that stops acknowledging for
+`replication_timeout` seconds is dropped and the active goes on alone, degraded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING
+
+from twinmq.broker import metrics
+from twinmq.broker.definitions import Definitions
+from twinmq.broker.journal import JournalOp, encode_ops
+from twinmq.broker.replication.catchup import plan_catchup
+from twinmq.broker.replication.protocol import (
+    BATCH_CATCHUP,
+    Challenge,
+    FrameDecoder,
+    FrameType,
+    Hello,
+    ProtocolError,
+    Refuse,
+    Snapshot,
+    decode_u64,
+    encode,
+    encode_batch,
+    encode_u64,
+    proof,
+)
+
+if TYPE_CHECKING:
+    from twinmq.broker.server import Broker
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+PING_INTERVAL = 1.0
+
+
+class SourceLink:
+    """One attached passive."""
+
+    def __init__(self, peer: str, name: str, writer: asyncio.StreamWriter, catchup: int) -> None:
+        self.peer = peer
+        self.name = name
+        self.writer = writer
+        self.catchup_batch = catchup
+        self.acked = 0
+        self.ready = False
+        self.closed = False
+        self.attached_at = time.time()
+        self.last_progress = time.monotonic()
+        self.sent_batches: list[tuple[int, int, float]] = []  # (batch, ops, sent at)
+
+    def send_batch(self, batch: int, ops: list[JournalOp]) -> None:
+        """Stream one journaled batch."""
+        if self.closed:
+            return
+        if self.acked >= self.sent_last():
+            self.last_progress = time.monotonic()  # the clock for a stall starts now
+        buf = bytearray()
+        encode_ops(ops, buf)
+        self.writer.write(encode_batch(batch, 0, buf))
+        self.sent_batches.append((batch, len(ops), time.time()))
+
+    def sent_last(self) -> int:
+        """The newest batch sent."""
+        return self.sent_batches[-1][0] if self.sent_batches else self.catchup_batch
+
+    def send_definitions(self, definitions: Definitions) -> None:
+        """Stream a topology change."""
+        if not self.closed:
+            self.writer.write(encode(FrameType.DEFINITIONS, definitions))
+
+    def on_ack(self, batch: int) -> None:
+        """The passive has everything up to `batch` on disk."""
+        self.acked = max(self.acked, batch)
+        self.last_progress = time.monotonic()
+        while self.sent_batches and self.sent_batches[0][0] <= batch:
+            self.sent_batches.pop(0)
+        if not self.ready and batch >= self.catchup_batch:
+            self.ready = True
+            log.info(
+                "passive %s (%s) caught up at batch %d in %.2fs: replication guarded",
+                self.name, self.peer, batch, time.time() - self.attached_at,
+            )  # fmt: skip
+
+    @property
+    def lag_messages(self) -> int:
+        """Ops sent but not yet acknowledged."""
+        return sum(n for _, n, _ in self.sent_batches)
+
+    @property
+    def lag_seconds(self) -> float:
+        """Age of the oldest unacknowledged batch."""
+        return time.time() - self.sent_batches[0][2] if self.sent_batches else 0.0
+
+    def close(self) -> None:
+        """Drop the connection."""
+        if not self.closed:
+            self.closed = True
+            self.writer.transport.abort()
+
+
+class ReplicationSource:
+    """Accepts passives on the replication port while this broker is active."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.link: SourceLink | None = None
+        self.degraded_since: float | None = None
+        self._degrade_timer: asyncio.TimerHandle | None = None
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self, host: str, port: int) -> asyncio.AbstractServer:
+        """Listen for passives."""
+        self._server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        return self._server
+
+    def detach(self, reason: str) -> None:
+        """Drop the passive (this broker steps down, or shuts down)."""
+        if self.link is not None:
+            log.info("dropping passive %s: %s", self.link.name, reason)
+            self._unhook(self.link)
+            self.link.close()
+            self.link = None
+        self.broker.committer.guard(False)
+        self._cancel_degrade()
+
+    def check_stall(self) -> None:
+        """Drop a passive that has not acknowledged for `replication_timeout` seconds."""
+        link = self.link
+        if link is None or link.closed:
+            return
+        if link.acked >= link.sent_last():
+            return
+        stalled = time.monotonic() - link.last_progress
+        if stalled > self.broker.settings.replication_timeout:
+            log.warning(
+                "passive %s stalled for %.1fs with %d ops unacknowledged: continuing alone",
+                link.name, stalled, link.lag_messages,
+            )  # fmt: skip
+            self._lost(link, degrade_now=True)
+
+    def _unhook(self, link: SourceLink) -> None:
+        committer = self.broker.committer
+        if committer.on_batch == link.send_batch:
+            committer.on_batch = None
+        vhost = self.broker.vhost
+        if vhost.on_topology_change == link.send_definitions:
+            vhost.on_topology_change = None
+
+    def _lost(self, link: SourceLink, *, degrade_now: bool) -> None:
+        """The link is gone: keep guarding for the timeout (it may come back), then degrade."""
+        self._unhook(link)
+        link.close()
+        if self.link is not link:
+            return
+        self.link = None
+        metrics.REPLICATION_CONNECTED.set(0)
+        if degrade_now:
+            self._degrade()
+            return
+        timeout = self.broker.settings.replication_timeout
+        log.warning(
+            "replication link to %s lost: waiting %.1fs for it to return", link.name, timeout
+        )
+        self._cancel_degrade()
+        self._degrade_timer = asyncio.get_running_loop().call_later(timeout, self._degrade)
+
+    def _degrade(self) -> None:
+        self._degrade_timer = None
+        if self.link is not None and self.link.ready:
+            return
+        if self.broker.committer.guarded:
+            log.warning("no passive in sync: confirms now wait for the local disk only (degraded)")
+        self.broker.committer.guard(False)
+        self.degraded_since = time.time()
+        metrics.REPLICATION_DEGRADED.set(1)
+
+    def _cancel_degrade(self) -> None:
+        if self._degrade_timer is not None:
+            self._degrade_timer.cancel()
+            self._degrade_timer = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        decoder = FrameDecoder()
+        pending: list[tuple[FrameType, bytes]] = []
+
+        async def next_frame(limit: float | None) -> tuple[FrameType, bytes]:
+            while not pending:
+                data = await asyncio.wait_for(reader.read(1 << 16), limit)
+                if not data:
+                    raise ConnectionError("passive closed the link")
+                pending.extend(decoder.feed(data))
+            return pending.pop(0)
+
+        link: SourceLink | None = None
+        try:
+            link = await self._handshake(peer_text, writer, next_frame)
+            if link is None:
+                return
+            while True:
+                ftype, payload = await next_frame(None)
+                if ftype is FrameType.ACK:
+                    batch = decode_u64(payload)
+                    link.on_ack(batch)
+                    self.broker.committer.replica_acked(batch)
+                    if link.ready:
+                        self._cancel_degrade()
+                        self.degraded_since = None
+                        metrics.REPLICATION_DEGRADED.set(0)
+                elif ftype is FrameType.REFUSE:
+                    refuse = Refuse.model_validate_json(payload)
+                    log.warning("passive %s refused the link: %s", peer_text, refuse.reason)
+                    self.broker.learn_epoch(refuse.epoch, f"passive {peer_text}")
+                    return
+                elif ftype is not FrameType.PING:
+                    raise ProtocolError(f"unexpected {ftype.name} from a passive")
+        except (TimeoutError, ConnectionError, ProtocolError, ValueError) as exc:
+            log.info("replication link from %s closed: %s", peer_text, exc or type(exc).__name__)
+        finally:
+            if link is not None:
+                self._lost(link, degrade_now=False)
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    async def _handshake(
+        self, peer: str, writer: asyncio.StreamWriter, next_frame: object
+    ) -> SourceLink | None:
+        broker = self.broker
+        nonce = secrets.token_hex(16)
+        writer.write(
+            encode(
+                FrameType.CHALLENGE,
+                Challenge(name=broker.settings.name, epoch=broker.epoch, nonce=nonce),
+            )
+        )
+        ftype, payload = await next_frame(HANDSHAKE_TIMEOUT)  # type: ignore[operator]
+        if ftype is FrameType.REFUSE:
+            refuse = Refuse.model_validate_json(payload)
+            log.warning("passive %s refused us: %s", peer, refuse.reason)
+            broker.learn_epoch(refuse.epoch, f"passive {peer}")
+            return None
+        if ftype is not FrameType.HELLO:
+            raise ProtocolError(f"expected HELLO, got {ftype.name}")
+        hello = Hello.model_validate_json(payload)
+        token = broker.replication_token()
+        if token is None or not secrets.compare_digest(hello.proof, proof(token, nonce)):
+            log.warning("replication link from %s (%s): authentication failed", peer, hello.name)
+            writer.write(
+                encode(FrameType.REFUSE, Refuse(reason="authentication failed", epoch=broker.epoch))
+            )
+            return None
+        if hello.epoch > broker.epoch:
+            broker.learn_epoch(hello.epoch, f"passive {hello.name}")
+        if broker.role != "active":
+            writer.write(encode(FrameType.REFUSE, Refuse(
+                reason=f"{broker.settings.name} is not active (epoch {broker.epoch})",
+                epoch=broker.epoch)))  # fmt: skip
+            return None
+        ftype, payload = await next_frame(HANDSHAKE_TIMEOUT)  # type: ignore[operator]
+        if ftype is not FrameType.SNAPSHOT:
+            raise ProtocolError(f"expected SNAPSHOT, got {ftype.name}")
+        snapshot = Snapshot.model_validate_json(payload)
+        # From here to the end of the function nothing awaits: the snapshot, the plan
+        # and the hook for live batches see one and the same state.
+        if broker.role != "active":
+            return None
+        committer, vhost = broker.committer, broker.vhost
+        last = committer.flush_now()
+        plan = plan_catchup(vhost.live_messages(), snapshot.queues)
+        if self.link is not None:
+            self.detach(f"replaced by a new link from {hello.name}")
+        link = SourceLink(peer, hello.name, writer, last)
+        writer.write(encode(FrameType.DEFINITIONS, vhost.definitions()))
+        buf = bytearray()
+        encode_ops(plan.ops, buf)
+        writer.write(encode_batch(last, BATCH_CATCHUP, buf))
+        writer.write(encode_u64(FrameType.CAUGHT_UP, last))
+        self.link = link
+        committer.on_batch = link.send_batch
+        vhost.on_topology_change = link.send_definitions
+        committer.guard(True)
+        self._cancel_degrade()
+        metrics.REPLICATION_CONNECTED.set(1)
+        log.info(
+            "passive %s (%s, epoch %d) attached: catch-up to batch %d sends %d messages, "
+            "discards %d, keeps %d",
+            hello.name, peer, hello.epoch, last, len(plan.send), len(plan.discard), plan.kept,
+        )  # fmt: skip
+        return link
+
+    async def ping_loop(self) -> None:
+        """Keep the link's liveness visible to the passive; drop stalled passives."""
+        while True:
+            await asyncio.sleep(PING_INTERVAL / 2)
+            link = self.link
+            if link is not None and not link.closed:
+                link.writer.write(encode(FrameType.PING))
+            self.check_stall()
+
+    async def close(self) -> None:
+        """Stop listening and drop the passive."""
+        self.detach("shutdown")
+        if self._server is not None:
+            self._server.close()
