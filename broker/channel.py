@@ -190,6 +190,13 @@ class Channel:
                 f"{self.connection.max_message_size}",
                 (60, 40),
             )
+        if info.user_id is not None and info.user_id != self.connection.user:
+            raise channel_error(
+                ReplyCode.PRECONDITION_FAILED,
+                f"user_id property set to '{info.user_id}' but authenticated user was "
+                f"'{self.connection.user}'",
+                (60, 40),
+            )
         self._header = payload
         self._info = info
         self._remaining = info.body_size

@@ -4,7 +4,7 @@
 (`basic.publish`, `basic.ack` from clients; `basic.deliver` and `basic.ack` to
 them) and content headers have hand-written codecs: decoding a content header
 into a property object per message costs more than routing it, and the broker
-only needs four of its properties.
+only needs five of its properties.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class ContentHeaderInfo:
     persistent: bool
     expiration_ms: int | None
     message_id: str | None
+    user_id: str | None = None  # checked against the login, as RabbitMQ does
 
 
 class FrameReader:
@@ -185,6 +186,7 @@ def decode_content_header(payload: bytes) -> ContentHeaderInfo:
         persistent = False
         expiration: int | None = None
         message_id: str | None = None
+        user_id: str | None = None
         if flags & 0x8000:  # content-type
             pos = _skip_short_str(payload, pos)
         if flags & 0x4000:  # content-encoding
@@ -206,13 +208,19 @@ def decode_content_header(payload: bytes) -> ContentHeaderInfo:
             expiration = parse_expiration(text)
         if flags & 0x0080:  # message-id
             message_id, pos = _short_str(payload, pos)
+        if flags & 0x0040:  # timestamp
+            pos += 8
+        if flags & 0x0020:  # type
+            pos = _skip_short_str(payload, pos)
+        if flags & 0x0010:  # user-id
+            user_id, pos = _short_str(payload, pos)
         if pos > len(payload):
             raise ValueError("properties overrun the frame")
     except AMQPError:
         raise
     except (IndexError, ValueError, struct.error) as exc:
         raise AMQPError(ReplyCode.FRAME_ERROR, f"malformed content header: {exc}") from exc
-    return ContentHeaderInfo(class_id, body_size, persistent, expiration, message_id)
+    return ContentHeaderInfo(class_id, body_size, persistent, expiration, message_id, user_id)
 
 
 def parse_expiration(text: str) -> int:

@@ -54,3 +54,6 @@ REPLICATION_LAG = Gauge("twinmq_replication_lag_messages", "Ops sent but not yet
 REPLICATION_LAG_SECONDS = Gauge(
     "twinmq_replication_lag_seconds", "Age of the oldest unacknowledged replicated batch"
 )
+DUPLICATES = Counter(
+    "twinmq_messages_deduplicated", "Re-sent messages dropped because their message id was seen"
+)

@@ -21,6 +21,7 @@ from twinmq.broker.auth import Authenticator
 from twinmq.broker.channel import Channel
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import Connection, Limits
+from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.epoch import EpochStore, first_mid
 from twinmq.broker.errors import ReplyCode, StaleEpoch
 from twinmq.broker.journal import Journal
@@ -196,7 +197,11 @@ class Broker:
         )
         self.committer = GroupCommitter(self.journal, self.loop)
         self.vhost = VirtualHost(
-            self.committer, WallClock(self.loop), recovered, replica=self.role == "passive"
+            self.committer,
+            WallClock(self.loop),
+            recovered,
+            replica=self.role == "passive",
+            dedup=DedupWindow(settings.dedup_window, settings.data_dir / "dedup.json"),
         )
         if self.role == "active":
             self.vhost.next_mid = max(self.vhost.next_mid, first_mid(self.epoch))
@@ -330,6 +335,7 @@ class Broker:
             self.replica = ReplicaClient(self, self.replicate_from)
             self.replica.start()
         self._tasks.append(self.loop.create_task(self._heartbeats()))
+        self._tasks.append(self.loop.create_task(self._save_dedup_periodically()))
         self._tasks.append(self.loop.create_task(self.monitor.run()))
         log.info(
             "broker %s %s listening: amqp %s:%d, admin %s:%d, replication %s:%d, data %s; "
@@ -367,9 +373,20 @@ class Broker:
                 proto._flush()
         for task in self._tasks:
             task.cancel()
+        await self._save_dedup()
         await self.committer.stop()
         await self.journal.close()
         log.info("broker %s stopped", self.settings.name)
+
+    async def _save_dedup_periodically(self, interval: float = 5.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self._save_dedup()
+
+    async def _save_dedup(self) -> None:
+        dedup = self.vhost.dedup
+        if dedup.dirty:
+            await self.loop.run_in_executor(None, dedup.write, dedup.snapshot())
 
     async def _heartbeats(self) -> None:
         while True:

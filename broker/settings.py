@@ -64,6 +64,9 @@ class BrokerSettings(BaseSettings):
     replication_token: SecretStr | None = Field(
         None, description="Shared secret of the replication link (default: the admin token)"
     )
+    dedup_window: int = Field(
+        100_000, ge=0, description="Message ids remembered for duplicate detection (0: off)"
+    )
     replication_timeout: float = Field(
         5.0,
         gt=0,

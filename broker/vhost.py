@@ -20,6 +20,7 @@ from twinmq.broker.codec import (
     decode_properties,
     encode_header_payload,
 )
+from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.definitions import (
     BindingDef,
     Definitions,
@@ -113,6 +114,7 @@ class VirtualHost:
         recovered: Recovered | None,
         *,
         replica: bool = False,
+        dedup: DedupWindow | None = None,
     ) -> None:
         self.committer = committer
         self.clock = clock
@@ -120,6 +122,7 @@ class VirtualHost:
         self.replica = replica
         self.on_topology_change: Callable[[Definitions], None] | None = None
         self._by_qid: dict[int, Queue] | None = None
+        self.dedup = dedup if dedup is not None else DedupWindow(0)
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         self.next_mid = 1
@@ -157,6 +160,8 @@ class VirtualHost:
                     None,
                     decode_content_header(stored.header).message_id,
                 )
+                if message.message_id is not None:
+                    self.dedup.add(message.message_id)
                 # A message recovered from disk may have been delivered before the crash.
                 queue.entries.append(Entry(message, stored.expires_at, True, redelivered=True))
                 queue.bytes += len(stored.body)
@@ -515,6 +520,15 @@ class VirtualHost:
         With `ops` given (a transaction), journal operations are collected there
         instead of being committed.
         """
+        message_id = info.message_id
+        if message_id is not None and self.dedup.size:
+            if message_id in self.dedup:
+                # A re-send of a message we have: confirm it, do not enqueue it again.
+                metrics.DUPLICATES.inc()
+                return PublishResult(
+                    1, False, 0 if ops is not None else self.committer.confirm_point()
+                )
+            self.dedup.add(message_id)
         if isinstance(exchange, EXCHANGE_TYPES["headers"]):
             headers = decode_properties(header).headers
         else:
@@ -779,6 +793,8 @@ class VirtualHost:
                     None,
                     decode_content_header(op.header).message_id,
                 )
+                if message.message_id is not None:
+                    self.dedup.add(message.message_id)
                 queue.entries.append(Entry(message, op.expires_at, True))
                 queue.bytes += len(op.body)
                 touched.add(queue)

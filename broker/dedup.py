@@ -1,0 +1,64 @@
+"""Duplicate detection by message id (as Artemis does with its duplicate-id cache).
+
+A publisher that sets `message_id` and re-sends after a failover or a lost
+confirm does not create a second copy while the id is in the window: the
+re-send is confirmed and dropped. The window holds the newest `size` ids; the
+passive builds the same window from the replication stream, and a snapshot
+file (rewritten every few seconds, and at shutdown) carries it over restarts
+together with the ids of the messages recovered from the journal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+
+class DedupWindow:
+    """The newest `size` message ids (0 disables deduplication)."""
+
+    def __init__(self, size: int, path: Path | None = None) -> None:
+        self.size = size
+        self.path = path
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self.dirty = False
+        if path is not None and path.exists() and size:
+            for message_id in json.loads(path.read_text())[-size:]:
+                self._ids[message_id] = None
+
+    def __contains__(self, message_id: str) -> bool:
+        return message_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, message_id: str) -> None:
+        """Remember an id, forgetting the oldest beyond the window."""
+        if not self.size:
+            return
+        ids = self._ids
+        if message_id in ids:
+            ids.move_to_end(message_id)
+        else:
+            ids[message_id] = None
+            if len(ids) > self.size:
+                ids.popitem(last=False)
+        self.dirty = True
+
+    def snapshot(self) -> list[str]:
+        """The ids, oldest first (taken on the loop; written off it)."""
+        self.dirty = False
+        return list(self._ids)
+
+    def write(self, ids: list[str]) -> None:
+        """Atomically replace the snapshot file (runs in a worker thread)."""
+        if self.path is None:
+            return
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump(ids, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)

@@ -1,0 +1,138 @@
+"""Duplicate detection by message id, and the reliable publisher across a failover."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+
+import pika
+import pytest
+
+from twinmq.broker.dedup import DedupWindow
+from twinmq.broker.launcher import BrokerProcess
+from twinmq.client import ReliablePublisher
+
+
+def test_window_forgets_the_oldest_ids_beyond_its_size(tmp_path: Path) -> None:
+    window = DedupWindow(3, tmp_path / "dedup.json")
+    for message_id in "abcd":
+        window.add(message_id)
+    assert "a" not in window and all(m in window for m in "bcd")
+    window.write(window.snapshot())
+    reloaded = DedupWindow(2, tmp_path / "dedup.json")
+    assert list(reloaded.snapshot()) == ["c", "d"]
+
+
+def test_disabled_window_remembers_nothing() -> None:
+    window = DedupWindow(0)
+    window.add("a")
+    assert "a" not in window
+
+
+def _drain(broker: BrokerProcess, queue: str) -> list[bytes]:
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+    ch = conn.channel()
+    out = []
+    while True:
+        method, _p, body = ch.basic_get(queue, auto_ack=True)
+        if method is None:
+            break
+        out.append(body)
+    conn.close()
+    return out
+
+
+def test_resent_message_id_is_confirmed_but_not_enqueued_twice(fresh_broker: BrokerProcess) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(fresh_broker.url))
+    ch = conn.channel()
+    ch.queue_declare("dedup.q", durable=True)
+    ch.confirm_delivery()
+    props = pika.BasicProperties(delivery_mode=2, message_id="order-42")
+    ch.basic_publish("", "dedup.q", b"first", props)
+    ch.basic_publish("", "dedup.q", b"re-sent", props)  # confirmed, not an error
+    ch.basic_publish("", "dedup.q", b"other", pika.BasicProperties(message_id="order-43"))
+    conn.close()
+    assert _drain(fresh_broker, "dedup.q") == [b"first", b"other"]
+
+
+def test_dedup_window_survives_a_restart(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with BrokerProcess(data, name="dd") as broker:
+        conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+        ch = conn.channel()
+        ch.queue_declare("dd.q", durable=True)
+        ch.confirm_delivery()
+        ch.basic_publish("", "dd.q", b"x", pika.BasicProperties(delivery_mode=2, message_id="m1"))
+        assert _drain(broker, "dd.q") == [b"x"]  # consumed: only the window remembers it
+        conn.close()
+        port = broker.port
+    with BrokerProcess(data, name="dd", port=port) as broker:
+        conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.basic_publish("", "dd.q", b"x", pika.BasicProperties(delivery_mode=2, message_id="m1"))
+        conn.close()
+        assert _drain(broker, "dd.q") == []
+
+
+def _promote(broker: BrokerProcess, epoch: int) -> None:
+    request = urllib.request.Request(
+        broker.admin_url + "/role",
+        data=json.dumps({"role": "active", "epoch": epoch}).encode(),
+        method="POST",
+    )
+    urllib.request.urlopen(request, timeout=10).close()
+
+
+def _ready(broker: BrokerProcess) -> bool:
+    with urllib.request.urlopen(broker.admin_url + "/status", timeout=5) as resp:
+        return bool(json.load(resp)["replication"]["ready"])
+
+
+@pytest.mark.timeout(120)
+def test_reliable_publisher_enqueues_each_message_once_across_a_failover(tmp_path: Path) -> None:
+    env = {"TWINMQ_REPLICATION_TOKEN": "pair-secret"}
+    active = BrokerProcess(tmp_path / "a", name="a", env=env, extra_args=["--epoch", "1"]).start()
+    passive = BrokerProcess(
+        tmp_path / "b", name="b", env=env,
+        extra_args=["--role", "passive", "--replicate-from", active.replication_address,
+                    "--epoch", "1"],
+    ).start()  # fmt: skip
+    try:
+        setup = pika.BlockingConnection(pika.URLParameters(active.url))
+        setup.channel().queue_declare("orders", durable=True)
+        setup.close()
+
+        async def run() -> tuple[list[str], ReliablePublisher]:
+            publisher = ReliablePublisher([active.url, passive.url], reconnect_delay=0.1)
+            sent: list[str] = []
+
+            async def one(i: int) -> None:
+                sent.append(
+                    await publisher.publish(str(i).encode(), "orders", message_id=f"order-{i}")
+                )
+
+            first = [asyncio.create_task(one(i)) for i in range(300)]
+            await asyncio.sleep(0.3)
+            # Fail over in the middle of the stream: kill -9, promote the ready passive.
+            deadline = asyncio.get_running_loop().time() + 20
+            while not _ready(passive):
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.05)
+            active.kill()
+            _promote(passive, 2)
+            await asyncio.gather(*first)
+            await asyncio.gather(*(one(i) for i in range(300, 400)))
+            await publisher.close()
+            return sent, publisher
+
+        sent, publisher = asyncio.run(run())
+        bodies = [int(b) for b in _drain(passive, "orders")]
+        assert sorted(bodies) == list(range(400)), "lost or duplicated messages"
+        assert len(sent) == 400
+        assert publisher.reconnects >= 1, "the failover did not happen under the publisher"
+    finally:
+        active.kill()
+        passive.stop()
