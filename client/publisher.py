@@ -73,7 +73,7 @@ class ReliablePublisher:
                     log.info("broker %s unavailable (%s); trying the next", url, exc)
                     await asyncio.sleep(self.reconnect_delay)
                     continue
-                if self._conn is not None:
+                if self._generation:
                     self.reconnects += 1
                 self._conn, self._channel = conn, channel
                 self._generation += 1

@@ -105,33 +105,45 @@ def test_reliable_publisher_enqueues_each_message_once_across_a_failover(tmp_pat
         setup.channel().queue_declare("orders", durable=True)
         setup.close()
 
+        total = 1500
+
         async def run() -> tuple[list[str], ReliablePublisher]:
             publisher = ReliablePublisher([active.url, passive.url], reconnect_delay=0.1)
             sent: list[str] = []
+            window = asyncio.Semaphore(50)
 
             async def one(i: int) -> None:
-                sent.append(
-                    await publisher.publish(str(i).encode(), "orders", message_id=f"order-{i}")
-                )
+                try:
+                    sent.append(
+                        await publisher.publish(str(i).encode(), "orders", message_id=f"o-{i}")
+                    )
+                finally:
+                    window.release()
 
-            first = [asyncio.create_task(one(i)) for i in range(300)]
-            await asyncio.sleep(0.3)
+            async def produce() -> None:
+                tasks = []
+                for i in range(total):
+                    await window.acquire()
+                    tasks.append(asyncio.create_task(one(i)))
+                await asyncio.gather(*tasks)
+
+            producer = asyncio.create_task(produce())
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
             # Fail over in the middle of the stream: kill -9, promote the ready passive.
-            deadline = asyncio.get_running_loop().time() + 20
-            while not _ready(passive):
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.05)
+            while len(sent) < 200 or not _ready(passive):
+                assert loop.time() < deadline, "the pair never got going"
+                await asyncio.sleep(0.01)
             active.kill()
             _promote(passive, 2)
-            await asyncio.gather(*first)
-            await asyncio.gather(*(one(i) for i in range(300, 400)))
+            await producer
             await publisher.close()
             return sent, publisher
 
         sent, publisher = asyncio.run(run())
         bodies = [int(b) for b in _drain(passive, "orders")]
-        assert sorted(bodies) == list(range(400)), "lost or duplicated messages"
-        assert len(sent) == 400
+        assert sorted(bodies) == list(range(total)), "lost or duplicated messages"
+        assert len(sent) == total
         assert publisher.reconnects >= 1, "the failover did not happen under the publisher"
     finally:
         active.kill()
