@@ -70,6 +70,12 @@ def phase(pod: Obj | None) -> str:
     return str(((pod or {}).get("status") or {}).get("phase") or "")
 
 
+def finished_phase(kube: KubeApi, namespace: str, name: str) -> str | None:
+    """Return the pod's phase once it is Succeeded or Failed, else None (for `wait_until`)."""
+    current = phase(read_pod(kube, namespace, name))
+    return current if current in ("Succeeded", "Failed") else None
+
+
 def helm_binary() -> str:
     """Return the helm executable: the local cluster's cached build, else `helm` on PATH."""
     from twinmq.localcluster.binaries import find

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import Cluster
-from support import Obj, client_pod, phase, pod_path, read_pod, wait_until
+from support import Obj, client_pod, finished_phase, pod_path, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -49,12 +49,7 @@ def _run_to_completion(cluster: Cluster, namespace: str, pod: Obj) -> str:
     name = str(pod["metadata"]["name"])
     cluster.kube.create(pod_path(namespace), pod)
     return wait_until(
-        f"{name} to finish",
-        lambda: (
-            phase(read_pod(cluster.kube, namespace, name)) in ("Succeeded", "Failed")
-            and phase(read_pod(cluster.kube, namespace, name))
-        ),
-        timeout=60,
+        f"{name} to finish", lambda: finished_phase(cluster.kube, namespace, name), timeout=60
     )
 
 

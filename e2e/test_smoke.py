@@ -18,6 +18,7 @@ from support import (
     Obj,
     client_pod,
     container_status,
+    finished_phase,
     helm,
     is_ready,
     phase,
@@ -26,6 +27,8 @@ from support import (
     ready_pod,
     wait_until,
 )
+
+from twinmq.localcluster.kubeapi import ApiError
 
 pytestmark = pytest.mark.e2e
 
@@ -92,13 +95,12 @@ def test_client_pod_reaches_broker_by_cluster_ip_and_pod_dns_name(
     cluster.kube.create(pod_path(release.namespace), pod)
     final = wait_until(
         "client pod to finish",
-        lambda: (
-            phase(read_pod(cluster.kube, release.namespace, name)) in ("Succeeded", "Failed")
-            and phase(read_pod(cluster.kube, release.namespace, name))
-        ),
+        lambda: finished_phase(cluster.kube, release.namespace, name),
         timeout=60,
     )
     assert final == "Succeeded", _describe(cluster, release.namespace, name)
+    logs = cluster.kube.text(f"{pod_path(release.namespace, name)}/log")  # via the node's API
+    assert logs.count("reached") == 2, logs
 
 
 def test_killed_broker_process_is_restarted_and_ready_again(
@@ -190,14 +192,8 @@ def _kill_broker(cluster: Cluster, release: Release) -> None:
 
 def _describe(cluster: Cluster, namespace: str, name: str) -> str:
     pod = read_pod(cluster.kube, namespace, name)
-    if cluster.local:  # the process node has no kubelet API: read its log files
-        from twinmq.localcluster.layout import Layout
-
-        files = sorted((Layout.default().logs / "pods").glob(f"{namespace}_{name}_*.log"))
-        logs = "\n".join(f.read_text(errors="replace")[-4000:] for f in files)
-    else:
-        logs = subprocess.run(
-            ["kubectl", "logs", "-n", namespace, name], capture_output=True, text=True,
-            check=False, env=dict(os.environ, KUBECONFIG=cluster.kubeconfig),
-        ).stdout  # fmt: skip
+    try:
+        logs = cluster.kube.text(f"{pod_path(namespace, name)}/log")
+    except ApiError as error:
+        logs = f"(no logs: {error})"
     return f"{(pod or {}).get('status')}\n{logs}"

@@ -174,6 +174,10 @@ def _argv(layout: Layout, component: str) -> list[str]:
             f"--service-account-issuer=https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
+            f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+            f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+            "--kubelet-preferred-address-types=InternalIP",
             "--allow-privileged=true",
             "--profiling=false",
             "--event-ttl=30m",
@@ -429,6 +433,17 @@ def up(layout: Layout) -> None:
         wait_for(component, checks[component], 120, layout, component)
         verb = "already running" if was_running else f"ready in {time.monotonic() - t0:.1f}s"
         _say(f"{component}: {verb}")
+    kube = KubeApi(str(layout.kubeconfig))
+    wait_for(
+        "the default namespace's service account and root CA (controller-manager)",
+        lambda: (
+            kube.get("/api/v1/namespaces/default/serviceaccounts/default") is not None
+            and kube.get("/api/v1/namespaces/default/configmaps/kube-root-ca.crt") is not None
+        ),
+        60,
+        layout,
+        "kube-controller-manager",
+    )
     _say(f"cluster up in {time.monotonic() - started:.1f}s; export KUBECONFIG={layout.kubeconfig}")
 
 

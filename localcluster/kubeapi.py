@@ -84,6 +84,16 @@ class KubeApi:
             raise ApiError(response.status, response.data.decode(errors="replace"))
         return cast(JSON, json.loads(response.data)) if response.data else {}
 
+    def text(self, path: str, **query: Any) -> str:
+        """GET a plain-text resource (e.g. `.../pods/<name>/log`)."""
+        response = self.pool.request(
+            "GET", self._url(path, query), headers=self.headers, timeout=30, retries=False
+        )
+        body = response.data.decode(errors="replace")
+        if response.status >= 300:
+            raise ApiError(response.status, body)
+        return str(body)
+
     def get(self, path: str, **query: Any) -> JSON | None:
         """Return the object at `path`, or None if it does not exist."""
         try:

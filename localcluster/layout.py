@@ -37,6 +37,8 @@ KUBE_PROXY_METRICS_PORT = 10249
 KUBE_PROXY_HEALTHZ_PORT = 10256
 COREDNS_READY_PORT = 18181
 NODE_AGENT_HEALTH_PORT = 10248
+NODE_AGENT_API_PORT = 10250
+"""The node agent's kubelet-style HTTPS endpoint on the bridge address (container logs)."""
 
 OWNER_FILE = Path("/run/twinmq-localcluster.owner")
 """Machine-global marker naming the state directory of the cluster that owns the network set-up."""

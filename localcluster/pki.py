@@ -37,6 +37,8 @@ def ensure_pki(layout: Layout) -> None:
             "ca.crt",
             cwd=pki,
         )
+    _signed(pki, "kubelet", "/CN=twinmq-node", f"subjectAltName=IP:{GATEWAY_IP}", "serverAuth")
+    _signed(pki, "apiserver-kubelet-client", "/CN=kube-apiserver-kubelet-client", "", "clientAuth")
     if not (pki / "apiserver.crt").exists():
         sans = ",".join(
             [
@@ -93,6 +95,23 @@ def ensure_pki(layout: Layout) -> None:
         token = secrets.token_hex(24)
         token_file.write_text(f'{token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
         token_file.chmod(0o600)
+
+
+def _signed(pki: Path, name: str, subject: str, extension: str, usage: str) -> None:
+    """Make `<name>.key` and `<name>.crt` signed by the cluster CA, unless they exist."""
+    if (pki / f"{name}.crt").exists():
+        return
+    ext = f"{extension}\n" if extension else ""
+    (pki / f"{name}.ext").write_text(
+        f"{ext}keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage={usage}\n"
+    )
+    _openssl("genrsa", "-out", f"{name}.key", "2048", cwd=pki)
+    _openssl("req", "-new", "-key", f"{name}.key", "-subj", subject, "-out", f"{name}.csr", cwd=pki)
+    _openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "3650", "-sha256", "-extfile", f"{name}.ext",
+        "-out", f"{name}.crt", cwd=pki,
+    )  # fmt: skip
 
 
 def admin_token(layout: Layout) -> str:

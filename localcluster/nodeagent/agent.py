@@ -21,6 +21,7 @@ from typing import Any
 from twinmq.localcluster.kubeapi import ApiError, KubeApi
 from twinmq.localcluster.layout import (
     GATEWAY_IP,
+    NODE_AGENT_API_PORT,
     NODE_AGENT_HEALTH_PORT,
     NODE_NAME,
     NODE_POD_CIDR,
@@ -29,6 +30,7 @@ from twinmq.localcluster.layout import (
     Layout,
 )
 from twinmq.localcluster.nodeagent.images import CommandMap
+from twinmq.localcluster.nodeagent.logserver import serve_logs
 from twinmq.localcluster.nodeagent.runtime import Runtime
 from twinmq.localcluster.nodeagent.worker import PodWorker
 from twinmq.localcluster.versions import KUBERNETES_VERSION
@@ -69,7 +71,7 @@ def node_object(name: str) -> dict[str, Any]:
                 {"type": "InternalIP", "address": GATEWAY_IP},
                 {"type": "Hostname", "address": name},
             ],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": NODE_AGENT_API_PORT}},
             "nodeInfo": {
                 "architecture": "amd64",
                 "operatingSystem": "linux",
@@ -392,6 +394,15 @@ class Agent:
     def run(self) -> None:
         """Run until SIGTERM/SIGINT; pods keep running when the agent stops."""
         server = self._serve_health()
+        log_server = serve_logs(
+            (GATEWAY_IP, NODE_AGENT_API_PORT),
+            self.layout.logs / "pods",
+            self.layout.pki,
+            lambda ns, pod: any(
+                w.namespace == ns and w.name == pod and w.thread.is_alive()
+                for w in list(self.workers.values())
+            ),
+        )
         while not self.stop.is_set():
             try:
                 self.register()
@@ -408,6 +419,7 @@ class Agent:
             thread.start()
         self.stop.wait()
         server.shutdown()
+        log_server.shutdown()
         with self.workers_lock:
             for worker in self.workers.values():
                 worker.stop.set()

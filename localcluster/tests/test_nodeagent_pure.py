@@ -148,3 +148,11 @@ def test_pod_dns_searches_its_namespace_first() -> None:
 
 def test_staging_modules_use_the_matching_v0_version() -> None:
     assert staging_version("v1.36.3") == "v0.36.3"
+
+
+def test_log_tail_returns_the_last_lines() -> None:
+    from twinmq.localcluster.nodeagent.logserver import tail
+
+    assert tail(b"a\nb\nc\n", 2) == b"b\nc\n"
+    assert tail(b"a\nb\n", None) == b"a\nb\n"
+    assert tail(b"a\n", 0) == b""
