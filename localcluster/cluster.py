@@ -350,7 +350,7 @@ def preflight() -> list[str]:
     problems = []
     if os.geteuid() != 0:
         problems.append("must run as root (network namespaces, bridge, iptables)")
-    for tool in ("ip", "iptables", "openssl"):
+    for tool in ("ip", "iptables", "openssl", "conntrack", "unshare", "setsid"):
         if shutil.which(tool) is None:
             problems.append(f"`{tool}` not found (apt-get install iproute2 iptables openssl)")
     for plugin in ("bridge", "host-local", "loopback"):
@@ -378,9 +378,26 @@ def _write_env(layout: Layout) -> None:
     )
 
 
+HOST_PACKAGES = ("containernetworking-plugins", "iproute2", "iptables", "conntrack", "openssl")
+"""Debian packages the local cluster needs on the host."""
+
+
+def ensure_host_packages() -> None:
+    """Install the Debian packages the cluster needs when any tool is missing (as root)."""
+    if not preflight() or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return
+    _say(f"installing {' '.join(HOST_PACKAGES)} from Debian's packages")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *HOST_PACKAGES]
+    if subprocess.run(install, env=env, capture_output=True, check=False).returncode != 0:
+        subprocess.run(["apt-get", "update", "-qq"], env=env, check=False)
+        subprocess.run(install, env=env, check=False)
+
+
 def up(layout: Layout) -> None:
     """Start every component that is not running yet; write the kubeconfig."""
     started = time.monotonic()
+    ensure_host_packages()
     problems = preflight()
     if problems:
         raise SystemExit("cannot start the local cluster:\n  " + "\n  ".join(problems))
