@@ -144,7 +144,7 @@ class PodWorker:
         quiet_until = 0.0
         while not self.stop.is_set():
             try:
-                if self._tick():
+                if self.reconcile_once():
                     return
             except Exception as error:
                 # e.g. the API server is down: keep the pod running, retry, log sparingly.
@@ -156,7 +156,7 @@ class PodWorker:
 
     # -- one pass ----------------------------------------------------------------------------
 
-    def _tick(self) -> bool:
+    def reconcile_once(self) -> bool:
         """Reconcile once; return True when the pod is finished with (deleted)."""
         with self.lock:
             pod = self.pod
