@@ -1,4 +1,4 @@
-"""`make demo`: the TwinMQ story on a fresh machine, showing what exists so far.
+"""`make cluster-demo`: the TwinMQ story on a fresh machine, showing what exists so far.
 
 Build what is missing, start the local cluster, install the chart, send
 confirmed persistent messages through the broker's Service (its cluster IP),

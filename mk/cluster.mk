@@ -1,32 +1,41 @@
-# Local Kubernetes for tests and the demo (issue 3). Included by the top-level Makefile.
+# Local Kubernetes for tests and the demo (issue 3). Included by the top-level Makefile;
+# also usable alone: `make -f mk/cluster.mk cluster`. See docs/local-cluster.md.
 #   make cluster-binaries  build missing binaries into $${TWINMQ_CACHE_DIR:-~/.cache/twinmq}/k8s
 #   make cluster           start (idempotently) etcd, the control plane, the node agent,
 #                          kube-proxy and CoreDNS; kubeconfig in .cluster/kubeconfig
 #   make cluster-down      stop all of it and remove the pods, routes and rules it made
-#   make e2e               the e2e smoke suite against $$KUBECONFIG (default: the local
-#                          cluster, started if needed and stopped again if it started it)
+#   make cluster-status    one line per component
+#   make e2e               unit tests of this tooling, then the e2e suite against $$KUBECONFIG
+#                          (default: the local cluster, started if needed and stopped again
+#                          if the suite started it)
+#   make cluster-demo      chart + confirmed traffic through a Service + kill -9 + report
 
-CLUSTER_PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
+# Inside the top-level Makefile, use its venv (and its install stamp); alone, .venv or python3.
+CLUSTER_PYTHON ?= $(or $(PY),$(if $(wildcard .venv/bin/python),.venv/bin/python,python3))
+CLUSTER_DEPS ?= $(STAMP)
 
-.PHONY: cluster-binaries cluster cluster-down cluster-status e2e
+# Debian packages the local cluster needs (installed by the top-level `system-deps`).
+SYSTEM_PACKAGES += containernetworking-plugins iproute2 iptables conntrack openssl
+# `make test` runs the e2e suite after the unit tests.
+TEST_EXTRA_TARGETS += e2e
 
-cluster-binaries:
+.PHONY: cluster-binaries cluster cluster-down cluster-status e2e cluster-demo
+
+cluster-binaries: $(CLUSTER_DEPS)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.binaries
 
 cluster: cluster-binaries
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.cluster up
 
-cluster-down:
+cluster-down: $(CLUSTER_DEPS)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.cluster down
 
-cluster-status:
+cluster-status: $(CLUSTER_DEPS)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.cluster status
 
-e2e: $(if $(KUBECONFIG),,cluster-binaries)
+e2e: $(CLUSTER_DEPS) $(if $(KUBECONFIG),,cluster-binaries)
 	$(CLUSTER_PYTHON) -m pytest localcluster/tests e2e -p no:cacheprovider $(E2E_ARGS)
 
-# The story so far on this machine (build, cluster, chart, confirmed traffic, kill -9, report).
 # Leaves the cluster running; `make cluster-down` when done.
-.PHONY: demo
-demo:
+cluster-demo: cluster-binaries
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.demo
