@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from twinmq.broker import metrics
+from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.definitions import Definitions
 from twinmq.broker.journal import DiskFullError, Journal, JournalError, JournalOp
 
@@ -46,6 +48,8 @@ class GroupCommitter:
         self.last_appended = 0
         # Called with every batch appended (the replication source streams them).
         self.on_batch: Callable[[int, list[JournalOp]], None] | None = None
+        self.audit: AuditLog | None = None
+        self._audit_batches: deque[tuple[int, list[JournalOp]]] = deque()
         self._open: list[JournalOp] = []
         self._open_batch = 1  # the number of the batch being filled
         self._appended: list[tuple[int, int]] = []  # (batch, lsn) appended, not yet durable
@@ -112,6 +116,8 @@ class GroupCommitter:
         lsn = self.journal.append(ops)
         self._appended.append((batch, lsn))
         self.last_appended = batch
+        if self.audit is not None:
+            self._audit_batches.append((batch, ops))
         self._wake.set()
         if self.on_batch is not None:
             self.on_batch(batch, ops)
@@ -143,6 +149,11 @@ class GroupCommitter:
         if complete <= self.complete_batch and not failed:
             return
         self.complete_batch = max(self.complete_batch, complete)
+        audited = self._audit_batches
+        while audited and audited[0][0] <= complete:
+            _, ops = audited.popleft()
+            if self.audit is not None and not failed:
+                self.audit.batch_complete(ops, self.guarded)
         for waiter in list(self._waiters):
             if not waiter.durable(complete, failed):
                 self._waiters.discard(waiter)

@@ -17,6 +17,7 @@ from typing import cast
 from twinmq.broker import metrics
 from twinmq.broker.alarms import ResourceMonitor
 from twinmq.broker.api import Role
+from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.auth import Authenticator
 from twinmq.broker.channel import Channel
 from twinmq.broker.commit import GroupCommitter
@@ -205,6 +206,15 @@ class Broker:
         )
         if self.role == "active":
             self.vhost.next_mid = max(self.vhost.next_mid, first_mid(self.epoch))
+        if settings.audit:
+            self.committer.audit = AuditLog(
+                settings.data_dir / "audit",
+                settings.name,
+                lambda: self.epoch,
+                self._queue_name,
+                lambda: self.role == "passive",
+                segment_seconds=settings.audit_segment_seconds,
+            )
         self.source = ReplicationSource(self)
         self.replica: ReplicaClient | None = None
         self.monitor = ResourceMonitor(
@@ -242,6 +252,10 @@ class Broker:
             f"{self.settings.name} is the passive broker (epoch {self.epoch}); "
             f"connect to the active broker: {where}"
         )
+
+    def _queue_name(self, qid: int) -> str:
+        queue = self.vhost.queue_by_qid(qid)
+        return queue.name if queue is not None else f"qid:{qid}"
 
     # -- roles and epochs ----------------------------------------------------------------
 
@@ -376,6 +390,8 @@ class Broker:
         await self._save_dedup()
         await self.committer.stop()
         await self.journal.close()
+        if self.committer.audit is not None:
+            self.committer.audit.close()
         log.info("broker %s stopped", self.settings.name)
 
     async def _save_dedup_periodically(self, interval: float = 5.0) -> None:
@@ -394,6 +410,8 @@ class Broker:
             now = self.loop.time()
             for proto in list(self.protocols):
                 proto.heartbeat(now)
+            if self.committer.audit is not None:
+                self.committer.audit.tick()
 
     def _alarm_changed(self, reason: str | None) -> None:
         if reason is None:

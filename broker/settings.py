@@ -67,6 +67,10 @@ class BrokerSettings(BaseSettings):
     dedup_window: int = Field(
         100_000, ge=0, description="Message ids remembered for duplicate detection (0: off)"
     )
+    audit: bool = Field(True, description="Write the audit log of replication events")
+    audit_segment_seconds: float = Field(
+        60.0, gt=0, description="Close an audit segment after this many seconds"
+    )
     replication_timeout: float = Field(
         5.0,
         gt=0,

@@ -1,0 +1,1 @@
+"""Replication audits: the audit record schema brokers write and the Spark job reads."""

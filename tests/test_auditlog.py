@@ -1,0 +1,79 @@
+"""The broker's audit log: records follow the shared schema, segments rotate and close."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from twinmq.audit.records import AuditEvent, AuditRecord
+from twinmq.broker.auditlog import AuditLog, body_digest
+from twinmq.broker.journal import Settle, StoredMessage
+
+
+def _log(tmp_path: Path, epoch: list[int], replica: bool = False) -> AuditLog:
+    return AuditLog(
+        tmp_path, "b1", lambda: epoch[0], lambda qid: f"q{qid}", lambda: replica,
+        segment_seconds=3600,
+    )  # fmt: skip
+
+
+def _records(directory: Path) -> list[AuditRecord]:
+    return [
+        AuditRecord.model_validate_json(line)
+        for path in sorted(directory.glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+def _message(mid: int, body: bytes) -> StoredMessage:
+    header = bytes.fromhex("003c0000") + len(body).to_bytes(8, "big") + b"\x00\x80" + b"\x03m-1"
+    return StoredMessage(mid, 7, "", "q7", header, body, None)
+
+
+def test_records_parse_as_the_shared_model_with_the_right_events(tmp_path: Path) -> None:
+    epoch = [3]
+    log = _log(tmp_path, epoch)
+    log.batch_complete([_message(11, b"hello"), Settle(7, 11)], guarded=True)
+    log.batch_complete([_message(12, b"alone")], guarded=False)
+    log.close()
+    records = _records(tmp_path)
+    assert [(r.replication_id, r.event) for r in records] == [
+        (11, AuditEvent.CONFIRMED), (11, AuditEvent.DEQUEUED), (12, AuditEvent.CONFIRMED_ALONE),
+    ]  # fmt: skip
+    first = records[0]
+    assert (first.broker, first.epoch, first.queue, first.message_id) == ("b1", 3, "q7", "m-1")
+    assert first.digest == body_digest(b"hello")
+
+
+def test_a_passive_records_replicated(tmp_path: Path) -> None:
+    log = _log(tmp_path, [1], replica=True)
+    log.batch_complete([_message(5, b"x")], guarded=False)
+    log.close()
+    assert [r.event for r in _records(tmp_path)] == [AuditEvent.REPLICATED]
+
+
+def test_each_epoch_gets_its_own_segment_and_open_ones_are_hidden(tmp_path: Path) -> None:
+    epoch = [1]
+    log = _log(tmp_path, epoch)
+    log.batch_complete([_message(1, b"a")], guarded=True)
+    log.flush()
+    assert not list(tmp_path.glob("*.jsonl"))  # still open: not yet visible to shippers
+    epoch[0] = 2
+    log.batch_complete([_message(2, b"b")], guarded=True)
+    log.close()
+    names = sorted(p.name for p in tmp_path.glob("*.jsonl"))
+    assert names == ["b1-e000001-00000001.jsonl", "b1-e000002-00000002.jsonl"]
+    assert [r.epoch for r in _records(tmp_path)] == [1, 2]
+
+
+def test_a_segment_left_open_by_a_crash_is_closed_at_its_last_full_line(tmp_path: Path) -> None:
+    log = _log(tmp_path, [1])
+    log.batch_complete([_message(1, b"a")], guarded=True)
+    log.flush()
+    open_path = next(tmp_path.glob("*.open"))
+    with open(open_path, "a") as f:
+        f.write('{"broker":"b1","ep')  # torn by the crash
+    restarted = _log(tmp_path, [1])
+    assert [r.replication_id for r in _records(tmp_path)] == [1]
+    restarted.batch_complete([_message(2, b"b")], guarded=True)
+    restarted.close()
+    assert [r.replication_id for r in _records(tmp_path)] == [1, 2]
