@@ -462,3 +462,39 @@ def test_max_length_drops_the_oldest_to_the_dead_letter_exchange(conn: kombu.Con
     [dropped] = collect(conn, dead, 1)
     assert dropped.payload == "1" and death(dropped)["reason"] == "maxlen"
     assert get_bodies(channel, source) == ["2", "3"]
+
+
+# -- content and consumers ---------------------------------------------------------------------
+
+
+def test_large_message_spans_many_frames_intact(conn: kombu.Connection) -> None:
+    body = bytes(range(256)) * 4096  # 1 MiB: eight frames at the default frame_max
+    channel = conn.channel()
+    queue = Queue(name("large"), exclusive=True, channel=channel)
+    queue.declare()
+    producer = Producer(channel)
+    producer.publish(body, routing_key=queue.name, content_type="application/octet-stream")
+    producer.publish(body, routing_key=queue.name, content_type="application/octet-stream")
+    message = queue(channel).get(no_ack=True, accept=["application/octet-stream"])
+    assert message.body == body
+    consumer = Consumer(channel, queues=[queue], accept=["application/octet-stream"])
+    got: list[bytes] = []
+    consumer.register_callback(lambda b, m: got.append(m.body))
+    with consumer:
+        conn.drain_events(timeout=5)
+    assert got == [body]
+
+
+def test_deleting_a_consumed_queue_cancels_its_consumer(conn: kombu.Connection) -> None:
+    channel = conn.channel()
+    queue = Queue(name("cancelled"), exclusive=True, channel=channel)
+    queue.declare()
+    consumer = Consumer(channel, queues=[queue], callbacks=[])
+    consumer.consume()
+    [tag] = consumer._active_tags.values()
+    # py-amqp turns the broker's basic.cancel into ConsumerCancelled for a consumer
+    # without an on_cancel callback; it arrives while waiting for the delete-ok.
+    with pytest.raises(amqp.exceptions.ConsumerCancelled):
+        conn.channel().queue_delete(queue.name)
+        conn.drain_events(timeout=5)
+    assert tag not in channel.callbacks
