@@ -2,10 +2,14 @@
 
 A publisher that sets `message_id` and re-sends after a failover or a lost
 confirm does not create a second copy while the id is in the window: the
-re-send is confirmed and dropped. The window holds the newest `size` ids; the
-passive builds the same window from the replication stream, and a snapshot
-file (rewritten every few seconds, and at shutdown) carries it over restarts
-together with the ids of the messages recovered from the journal.
+re-send is confirmed and dropped. The key is the publish itself (exchange,
+routing key and message id), so a worker that forwards a consumed message,
+properties and all, to another destination is not mistaken for a re-send.
+The window holds the newest `size` keys; the passive builds the same window
+from the replication stream, and a snapshot file (rewritten every few
+seconds, and at shutdown) carries it over restarts together with the keys of
+the messages recovered from the journal. The known gap: keys added in the
+last few seconds before a crash whose messages were also consumed since.
 """
 
 from __future__ import annotations
@@ -14,6 +18,11 @@ import json
 import os
 from collections import OrderedDict
 from pathlib import Path
+
+
+def dedup_key(exchange: str, routing_key: str, message_id: str) -> str:
+    """What identifies a publish for duplicate detection."""
+    return f"{exchange}\x00{routing_key}\x00{message_id}"
 
 
 class DedupWindow:

@@ -20,7 +20,7 @@ from twinmq.broker.codec import (
     decode_properties,
     encode_header_payload,
 )
-from twinmq.broker.dedup import DedupWindow
+from twinmq.broker.dedup import DedupWindow, dedup_key
 from twinmq.broker.definitions import (
     BindingDef,
     Definitions,
@@ -161,7 +161,9 @@ class VirtualHost:
                     decode_content_header(stored.header).message_id,
                 )
                 if message.message_id is not None:
-                    self.dedup.add(message.message_id)
+                    self.dedup.add(
+                        dedup_key(stored.exchange, stored.routing_key, message.message_id)
+                    )
                 # A message recovered from disk may have been delivered before the crash.
                 queue.entries.append(Entry(message, stored.expires_at, True, redelivered=True))
                 queue.bytes += len(stored.body)
@@ -522,13 +524,14 @@ class VirtualHost:
         """
         message_id = info.message_id
         if message_id is not None and self.dedup.size:
-            if message_id in self.dedup:
+            key = dedup_key(exchange.name, routing_key, message_id)
+            if key in self.dedup:
                 # A re-send of a message we have: confirm it, do not enqueue it again.
                 metrics.DUPLICATES.inc()
                 return PublishResult(
                     1, False, 0 if ops is not None else self.committer.confirm_point()
                 )
-            self.dedup.add(message_id)
+            self.dedup.add(key)
         if isinstance(exchange, EXCHANGE_TYPES["headers"]):
             headers = decode_properties(header).headers
         else:
@@ -794,7 +797,7 @@ class VirtualHost:
                     decode_content_header(op.header).message_id,
                 )
                 if message.message_id is not None:
-                    self.dedup.add(message.message_id)
+                    self.dedup.add(dedup_key(op.exchange, op.routing_key, message.message_id))
                 queue.entries.append(Entry(message, op.expires_at, True))
                 queue.bytes += len(op.body)
                 touched.add(queue)

@@ -614,11 +614,6 @@ async def test_exclusive_consumer_shuts_out_other_consumers(url: str) -> None:
                 await other_queue.consume(ignore)
 
 
-@pytest.mark.xfail(
-    reason="the in-progress duplicate detection (broker/dedup.py, on by default) drops any "
-    "publish whose message_id was seen before, vhost-wide; RabbitMQ delivers it",
-    strict=False,
-)
 @aio
 async def test_consumed_message_republished_with_its_message_id_is_delivered(url: str) -> None:
     # A common pattern: a worker forwards what it consumed, properties and all.
