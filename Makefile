@@ -10,6 +10,8 @@ TYPECHECK_VIEW := .cache/typecheck
 
 # Component make files (the local cluster, ...) add targets and TEST_EXTRA_TARGETS.
 TEST_EXTRA_TARGETS ?=
+SYSTEM_PACKAGES ?=
+-include mk/*.mk
 .PHONY: help venv system-deps lint typecheck unit test test-fast demo bench clean
 
 help:
@@ -27,8 +29,7 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# Debian packages the tests use, installed only when missing (idempotent).
-SYSTEM_PACKAGES ?=
+# Debian packages the tests use (listed by mk/*.mk), installed only when missing.
 system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

@@ -1,0 +1,81 @@
+"""The BrokerCluster CRD on a real API server: defaults applied, invalid specs refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import Cluster
+from support import wait_until
+
+from twinmq.localcluster.kubeapi import ApiError
+from twinmq.operator.models import BrokerClusterSpec
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parent.parent
+CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+@pytest.fixture(scope="module")
+def crd_installed(cluster: Cluster) -> Iterator[None]:
+    """The CRD applied server-side, and established."""
+    crd = yaml.safe_load((REPO / "crds" / "brokercluster.yaml").read_text())
+    name = crd["metadata"]["name"]
+    cluster.kube.apply(f"{CRD_PATH}/{name}", crd, "e2e")
+
+    def established() -> bool | None:
+        conditions = (cluster.kube.get(f"{CRD_PATH}/{name}") or {}).get("status", {})
+        return (
+            any(
+                c["type"] == "Established" and c["status"] == "True"
+                for c in conditions.get("conditions", [])
+            )
+            or None
+        )
+
+    wait_until("the BrokerCluster CRD is established", established, timeout=30)
+    yield
+
+
+def _create(cluster: Cluster, namespace: str, spec: dict[str, Any], name: str) -> Any:
+    return cluster.kube.create(
+        f"/apis/twinmq.io/v1alpha1/namespaces/{namespace}/brokerclusters",
+        {"apiVersion": "twinmq.io/v1alpha1", "kind": "BrokerCluster",
+         "metadata": {"name": name}, "spec": spec},
+    )  # fmt: skip
+
+
+def test_example_is_accepted_and_defaults_match_the_model(
+    cluster: Cluster, crd_installed: None, namespace: str
+) -> None:
+    example = yaml.safe_load((REPO / "examples" / "brokercluster.yaml").read_text())
+    created = _create(cluster, namespace, example["spec"], "orders")
+    spec = BrokerClusterSpec.model_validate(created["spec"])
+    assert spec == BrokerClusterSpec.model_validate(example["spec"])
+    empty = _create(cluster, namespace, {}, "defaults")
+    assert BrokerClusterSpec.model_validate(empty["spec"]) == BrokerClusterSpec()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {"failover": {"probeIntervalSeconds": 10, "leaseDurationSeconds": 5}},
+            "leaseDurationSeconds must be longer than probeIntervalSeconds",
+        ),
+        ({"storage": {"size": "lots"}}, "spec.storage.size"),
+        ({"requests": {"promote": {"id": "a", "broker": "tertiary"}}}, "supported values"),
+        ({"audit": {"schedule": "every day"}}, "five-field cron"),
+        ({"failover": {"failureThreshold": 0}}, "spec.failover.failureThreshold"),
+    ],
+)
+def test_invalid_specs_are_refused_with_a_clear_message(
+    cluster: Cluster, crd_installed: None, namespace: str, spec: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ApiError) as err:
+        _create(cluster, namespace, spec, "bad")
+    assert err.value.status == 422
+    assert message in str(err.value)

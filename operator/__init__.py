@@ -1,0 +1,1 @@
+"""The TwinMQ operator: BrokerCluster resources, failover, the virtual-IP Service."""

@@ -1,0 +1,252 @@
+"""The BrokerCluster API (`twinmq.io/v1alpha1`): spec and status as pydantic models.
+
+These models are the one definition of the resource: the CRD's schema in
+`crds/` is generated from them (`python -m twinmq.operator.crd`), CEL rules
+included, and a test keeps the committed YAML equal to the generated one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "twinmq.io"
+VERSION = "v1alpha1"
+KIND = "BrokerCluster"
+PLURAL = "brokerclusters"
+
+BrokerName = Literal["primary", "backup"]
+DEFAULT_IMAGE = "twinmq/twinmq:0.1.0"
+
+
+def cel(rule: str, message: str) -> dict[str, Any]:
+    """A CEL validation rule for the schema (`x-kubernetes-validations`)."""
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
+
+
+class ApiModel(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields refused."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Storage(ApiModel):
+    """Each broker's PersistentVolumeClaim."""
+
+    size: str = Field(
+        "1Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$",
+        description="Requested volume size (a Kubernetes quantity)",
+    )  # fmt: skip
+    storage_class_name: str | None = Field(None, description="StorageClass; the default if unset")
+
+
+class Resources(ApiModel):
+    """Container resources of each broker (Kubernetes ResourceRequirements)."""
+
+    requests: dict[str, str] = Field(
+        default_factory=lambda: {"cpu": "250m", "memory": "256Mi"}, description="Requests"
+    )
+    limits: dict[str, str] = Field(default_factory=dict, description="Limits")
+
+
+class Auth(ApiModel):
+    """Credentials of the brokers' users, admin API and replication link."""
+
+    secret_name: str | None = Field(
+        None,
+        description="Secret with keys `users.json`, `admin-token`, `replication-token`; "
+        "generated (named <cluster>-auth) when unset",
+    )
+
+
+class Failover(ApiModel):
+    """How the operator decides an automatic failover."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "self.leaseDurationSeconds > self.probeIntervalSeconds",
+            "leaseDurationSeconds must be longer than probeIntervalSeconds",
+        )
+    )
+
+    probe_interval_seconds: int = Field(2, ge=1, le=60, description="Broker probe period")
+    failure_threshold: int = Field(
+        2, ge=1, le=20, description="Consecutive failed probes before a broker is unreachable"
+    )
+    lease_duration_seconds: int = Field(
+        6, ge=2, le=300, description="Active role Lease; the active stops serving if it cannot "
+        "renew within it",
+    )  # fmt: skip
+    allow_data_loss: bool = Field(
+        False, description="Promote a backup that is not ready (may lose confirmed messages)"
+    )
+
+
+class Replication(ApiModel):
+    """Broker replication settings."""
+
+    timeout_seconds: float = Field(
+        5.0, gt=0, le=300, description="A silent passive holds up confirms at most this long"
+    )
+    dedup_window: int = Field(100_000, ge=0, description="Message ids kept for deduplication")
+
+
+class Audit(ApiModel):
+    """Replication audits (Spark)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "!has(self.schedule) || self.schedule.split(' ').size() == 5",
+            "schedule must be a five-field cron expression",
+        )
+    )
+
+    schedule: str | None = Field(None, description="Cron schedule of periodic audits")
+    after_failover: bool = Field(True, description="Run an audit after every failover")
+    launcher: Literal["sparkApplication", "job"] = Field(
+        "job", description="SparkApplication (Spark Operator) or a Job running Spark locally"
+    )
+    image: str | None = Field(None, description="Spark image (defaults to the broker image)")
+    store_url: str | None = Field(None, description="Audit store URL (file path or s3://)")
+    store_secret_name: str | None = Field(None, description="Secret with the store credentials")
+    history_limit: int = Field(3, ge=1, le=50, description="Finished audit runs kept")
+
+
+class PromoteRequest(ApiModel):
+    """Switch the active role to `broker` (a switchover)."""
+
+    id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
+    broker: BrokerName
+    force: bool = Field(False, description="Promote even if the target is not ready")
+
+
+class RecoverRequest(ApiModel):
+    """Fail back to the primary: demote the backup, wait for it to report passive, activate."""
+
+    id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
+
+
+class FenceRequest(ApiModel):
+    """Fence (stop serving) or unfence a broker."""
+
+    id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
+    broker: BrokerName
+    fenced: bool = True
+
+
+class AuditRequest(ApiModel):
+    """Run an audit now."""
+
+    id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
+
+
+class Requests(ApiModel):
+    """Manual operations, declared: each carries an id, and an id is handled only once."""
+
+    promote: PromoteRequest | None = None
+    recover: RecoverRequest | None = None
+    fence: FenceRequest | None = None
+    audit: AuditRequest | None = None
+
+
+class BrokerClusterSpec(ApiModel):
+    """The desired state of a broker pair. The operator never writes it."""
+
+    image: str = Field(DEFAULT_IMAGE, min_length=1, description="Broker container image")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    resources: Resources = Field(default_factory=Resources)
+    storage: Storage = Field(default_factory=Storage)
+    auth: Auth = Field(default_factory=Auth)
+    failover: Failover = Field(default_factory=Failover)
+    replication: Replication = Field(default_factory=Replication)
+    audit: Audit = Field(default_factory=Audit)
+    requests: Requests = Field(default_factory=Requests)
+
+
+Phase = Literal["Pending", "Creating", "Ready", "Degraded", "FailingOver", "Recovering", "Failed"]
+ConditionType = Literal["Ready", "Replicating", "FailingOver", "Degraded", "AuditPassed"]
+
+
+class Condition(ApiModel):
+    """A Kubernetes-style condition."""
+
+    type: ConditionType
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class BrokerStatus(ApiModel):
+    """One broker as the operator last saw it."""
+
+    name: BrokerName
+    pod: str | None = None
+    role: Literal["active", "passive", "unknown"] = "unknown"
+    reachable: bool = False
+    ready: bool = False
+    epoch: int = 0
+    link_connected: bool = False
+    lag_messages: int = 0
+    lag_seconds: float = 0.0
+    fenced: bool = False
+
+
+class FailoverRecord(ApiModel):
+    """The last failover or switchover."""
+
+    time: str
+    from_broker: BrokerName = Field(alias="from")
+    to_broker: BrokerName = Field(alias="to")
+    reason: str
+    epoch: int
+    duration_seconds: float | None = None
+
+
+class AuditResult(ApiModel):
+    """The last audit's outcome."""
+
+    time: str
+    verdict: Literal["PASS", "FAIL", "ERROR", "RUNNING"]
+    run: str = ""
+    lost: int = 0
+    duplicates: int = 0
+    message: str = ""
+
+
+class HandledRequests(ApiModel):
+    """The ids of the manual requests already handled (never replayed)."""
+
+    promote: str | None = None
+    recover: str | None = None
+    fence: str | None = None
+    audit: str | None = None
+
+
+class RecoveryProgress(ApiModel):
+    """A failback in progress: the step reached, so an operator restart resumes it."""
+
+    request_id: str
+    step: Literal["demoting-backup", "activating-primary"]
+    epoch: int
+
+
+class BrokerClusterStatus(ApiModel):
+    """What the operator observed and decided."""
+
+    model_config = ConfigDict(extra="allow")  # kopf keeps its own bookkeeping here
+
+    phase: Phase = "Pending"
+    active_broker: BrokerName | None = None
+    epoch: int = 0
+    brokers: list[BrokerStatus] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list)
+    last_failover: FailoverRecord | None = None
+    last_audit: AuditResult | None = None
+    handled_requests: HandledRequests = Field(default_factory=HandledRequests)
+    recovery: RecoveryProgress | None = None
+    unreachable_since: str | None = None
+    observed_generation: int | None = None
