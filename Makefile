@@ -15,7 +15,7 @@ SYSTEM_PACKAGES ?=
 .PHONY: help venv system-deps lint typecheck unit test test-fast demo bench clean
 
 help:
-	@echo "make demo       run the demo on an embedded default (throw-away broker, real client)"
+	@echo "make demo       the demo on an embedded default: a broker, a pair failover, the local cluster"
 	@echo "make test       install everything needed and run lint, mypy and every test"
 	@echo "make test-fast  lint, mypy and the fast unit tests only"
 	@echo "make bench      TwinMQ vs RabbitMQ with PerfTest (see docs/benchmarks.md)"
@@ -57,8 +57,10 @@ test: lint typecheck system-deps
 	$(VENV)/bin/pytest -q tests
 	@for t in $(TEST_EXTRA_TARGETS); do $(MAKE) --no-print-directory $$t || exit 1; done
 
+# The broker and pair story on loopback, then the Kubernetes story (mk/cluster.mk).
 demo: $(STAMP)
 	$(VENV)/bin/twinmq-demo
+	$(MAKE) --no-print-directory cluster-demo
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info
