@@ -359,6 +359,19 @@ def test_frame_reader_yields_the_same_frames_however_the_stream_is_split(
     assert reader.buffered == 0
 
 
+@settings(max_examples=50, deadline=None)
+@given(frames=frames_strategy)
+def test_frame_reader_yields_the_same_frames_fed_one_byte_at_a_time(
+    frames: list[tuple[int, int, bytes]],
+) -> None:
+    stream = b"".join(raw_frame(t, c, p) for t, c, p in frames)
+    reader = FrameReader(frame_max=4096)
+    got: list[tuple[int, int, bytes]] = []
+    for i in range(len(stream)):
+        got += reader.feed(stream[i : i + 1])
+    assert got == frames
+
+
 @settings(max_examples=300, deadline=None)
 @given(frames=frames_strategy.filter(bool), bad=st.data())
 def test_frame_reader_stops_at_a_corrupt_frame_end_however_the_stream_is_split(
