@@ -148,6 +148,8 @@ class VirtualHost:
         for qdef in defs.queues:
             queue = Queue(qdef, None, self._dropped)
             self.queues[qdef.name] = queue
+            # The default exchange's bindings are implicit (not in the definitions file).
+            self.exchanges[""].bind(BindingDef(exchange="", queue=qdef.name, routing_key=qdef.name))
             for stored in recovered.messages.get(qdef.qid, ()):
                 # The expiration is already folded into `expires_at`.
                 message = Message(
