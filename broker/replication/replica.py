@@ -54,14 +54,14 @@ class _Session:
         """Local batches up to `batch` are on disk: acknowledge the active's batches."""
         if not self.alive:
             return False
-        acked = 0
+        acked: int | None = None  # batch 0 (an empty catch-up) is acknowledged too
         while self.pending and self.pending[0][0] <= batch:
             acked = self.pending.popleft()[1]
-        if acked and not failed:
+        if acked is not None and not failed:
             self.writer.write(encode_u64(FrameType.ACK, acked))
             self.client.on_acked(acked)
         elif failed:
-            log.error("could not journal replicated batches up to %d: dropping the link", acked)
+            log.error("could not journal replicated batches up to %s: dropping the link", acked)
             self.writer.transport.abort()
         return bool(self.pending)
 
