@@ -1,0 +1,312 @@
+"""The failover algorithm: observations in, decisions out, no Kubernetes and no clock.
+
+The OpenAMQ rules, Kubernetes style (docs/operator.md):
+
+1. At creation the primary becomes active in epoch 1; the backup passive.
+2. Automatic failover when the active is unreachable, its Lease has expired and
+   the backup has lost its replication link too; only a ready backup is
+   promoted unless the spec allows data loss. The old broker leaves the virtual
+   IP before the new one joins.
+3. (The active renews its Lease and fences itself when it cannot: broker side.)
+4. A returning broker comes back passive and re-syncs.
+5. Recovery (failback) is manual: demote the active backup, wait until it
+   *reports* passive, only then activate the primary.
+6. A manual promote (switchover) needs a ready target unless forced.
+
+Every role change to active carries a new epoch. `decide` returns the actions
+in the order they must be applied; the adapter applies them and records the
+new state, so a restarted operator resumes from what the status says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from twinmq.operator.models import BrokerName
+
+Role = Literal["active", "passive", "unknown"]
+OTHER: dict[BrokerName, BrokerName] = {"primary": "backup", "backup": "primary"}
+
+
+@dataclass(frozen=True)
+class BrokerView:
+    """One broker as probed just now."""
+
+    name: BrokerName
+    reachable: bool  # the admin API answered within the failure threshold
+    role: Role = "unknown"
+    epoch: int = 0
+    ready: bool = False  # passive: caught up, promotable without loss
+    link_connected: bool = False  # passive: replicating right now
+    replicating_from_active: bool = False  # passive: its link points at the active
+
+
+@dataclass(frozen=True)
+class Switchover:
+    """A move of the active role in progress (manual promote or recovery)."""
+
+    request_id: str
+    kind: Literal["promote", "recover"]
+    target: BrokerName
+    epoch: int  # the epoch the target is activated in
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything `decide` may look at."""
+
+    brokers: dict[BrokerName, BrokerView]
+    active: BrokerName | None  # who the status says is active
+    epoch: int  # the status's epoch (0: never initialised)
+    lease_holder: BrokerName | None
+    lease_expired: bool
+    allow_data_loss: bool = False
+    switchover: Switchover | None = None  # in progress, from the status
+    promote_request: tuple[str, BrokerName, bool] | None = None  # (id, target, force), unhandled
+    recover_request: str | None = None  # id, unhandled
+    fenced: frozenset[BrokerName] = frozenset()
+
+
+@dataclass(frozen=True)
+class SetRole:
+    """POST /role to a broker."""
+
+    broker: BrokerName
+    role: Literal["active", "passive"]
+    epoch: int
+    replicate_from: BrokerName | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """Point the virtual IP at a broker (None: at nobody)."""
+
+    broker: BrokerName | None
+
+
+@dataclass(frozen=True)
+class Record:
+    """New status facts."""
+
+    active: BrokerName | None
+    epoch: int
+    switchover: Switchover | None = None
+    failover_from: BrokerName | None = None  # set: a failover/switchover happened now
+    reason: str = ""
+    handled_promote: str | None = None
+    handled_recover: str | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event: why, from, to."""
+
+    reason: str
+    message: str
+    warning: bool = False
+
+
+Action = SetRole | Route | Record | Event
+
+
+@dataclass
+class Decision:
+    """The ordered actions, and the condition they leave the cluster in."""
+
+    actions: list[Action] = field(default_factory=list)
+    degraded: str | None = None  # reason the pair is not fully protected
+    failing_over: bool = False
+
+    def add(self, *actions: Action) -> Decision:
+        """Append actions; returns self."""
+        self.actions.extend(actions)
+        return self
+
+
+def _serving(view: BrokerView, epoch: int) -> bool:
+    return view.reachable and view.role == "active" and view.epoch >= epoch
+
+
+def decide(obs: Observation) -> Decision:
+    """What to do now."""
+    if obs.epoch == 0:
+        return _initialise(obs)
+    if obs.switchover is not None:
+        return _continue_switchover(obs, obs.switchover)
+    if obs.recover_request is not None:
+        return _start_recovery(obs, obs.recover_request)
+    if obs.promote_request is not None:
+        return _start_promote(obs, *obs.promote_request)
+    return _steady(obs)
+
+
+def _initialise(obs: Observation) -> Decision:
+    primary = obs.brokers["primary"]
+    if not primary.reachable:
+        return Decision(degraded="waiting for the primary broker to start")
+    return Decision().add(
+        SetRole("primary", "active", 1),
+        Route("primary"),
+        Record("primary", 1, reason="created"),
+        Event("Initialised", "primary is active in epoch 1; backup follows as passive"),
+    )
+
+
+def _steady(obs: Observation) -> Decision:
+    decision = Decision()
+    active = obs.active
+    if active is None:
+        return _no_active(obs)
+    other = OTHER[active]
+    a, b = obs.brokers[active], obs.brokers[other]
+    if _serving(a, obs.epoch):
+        # Rule 4: whoever is not the active comes back passive, replicating from it.
+        if (
+            b.reachable
+            and other not in obs.fenced
+            and (b.role != "passive" or not b.replicating_from_active or b.epoch < obs.epoch)
+        ):
+            decision.add(SetRole(other, "passive", obs.epoch, active))
+        if not (b.reachable and b.ready and b.link_connected):
+            decision.degraded = f"{other} is not in sync with the active {active}"
+        return decision
+    return _failover(obs, active, other)
+
+
+def _failover(obs: Observation, active: BrokerName, other: BrokerName) -> Decision:
+    """Rule 2: the active is not serving. Promote the other broker when that is safe."""
+    decision = Decision(failing_over=True)
+    b = obs.brokers[other]
+    if not obs.lease_expired and obs.lease_holder == active:
+        decision.degraded = f"{active} is unreachable; waiting for its Lease to expire"
+        return decision
+    if not b.reachable:
+        decision.degraded = f"neither broker is serving: {active} down, {other} unreachable"
+        return decision
+    if b.link_connected:
+        # The backup still hears the active: the operator's view is what is cut, not the
+        # active. Promoting now would make two actives.
+        decision.degraded = f"{active} is unreachable from the operator but not from {other}"
+        return decision
+    if other in obs.fenced:
+        decision.degraded = f"{active} is down and {other} is fenced"
+        return decision
+    if not b.ready and not obs.allow_data_loss:
+        decision.degraded = f"{active} is down and {other} is not ready: not promoting it"
+        decision.add(
+            Event(
+                "FailoverBlocked",
+                f"{active} is unreachable but {other} had not caught up; promoting it would "
+                "lose confirmed messages (spec.failover.allowDataLoss is false)",
+                warning=True,
+            )
+        )
+        return decision
+    epoch = obs.epoch + 1
+    reason = "active unreachable and its Lease expired" + (
+        "" if b.ready else "; backup NOT ready (allowDataLoss)"
+    )
+    return decision.add(
+        Route(None),
+        SetRole(other, "active", epoch),
+        Route(other),
+        Record(other, epoch, failover_from=active, reason=reason),
+        Event("FailedOver", f"{other} promoted in epoch {epoch}: {active} {reason}", True),
+    )
+
+
+def _no_active(obs: Observation) -> Decision:
+    """No active recorded (fenced, or a failed switchover): activate a ready broker."""
+    names: tuple[BrokerName, ...] = ("primary", "backup")
+    for name in names:
+        view = obs.brokers[name]
+        if name not in obs.fenced and view.reachable and (view.ready or view.role == "active"):
+            epoch = obs.epoch + 1
+            return Decision().add(
+                SetRole(name, "active", epoch),
+                Route(name),
+                Record(name, epoch, reason="no active broker"),
+                Event("Activated", f"{name} activated in epoch {epoch}: there was no active"),
+            )
+    return Decision(degraded="no broker can be activated without loss")
+
+
+def _start_promote(obs: Observation, request_id: str, target: BrokerName, force: bool) -> Decision:
+    """Rule 6: switchover to `target`; it must be ready unless forced."""
+    if obs.active == target:
+        return Decision().add(
+            Record(obs.active, obs.epoch, handled_promote=request_id),
+            Event("PromoteIgnored", f"{target} is already active (request {request_id})"),
+        )
+    view = obs.brokers[target]
+    if not view.reachable or (not view.ready and not force):
+        return Decision().add(
+            Record(obs.active, obs.epoch, handled_promote=request_id),
+            Event(
+                "PromoteRefused",
+                f"{target} is {'unreachable' if not view.reachable else 'not ready'}; "
+                f"use force to promote anyway (request {request_id})",
+                warning=True,
+            ),
+        )
+    switchover = Switchover(request_id, "promote", target, obs.epoch + 1, force)
+    return _continue_switchover(obs, switchover, starting=True)
+
+
+def _start_recovery(obs: Observation, request_id: str) -> Decision:
+    """Rule 5: fail back to the primary, once it has caught up."""
+    if obs.active == "primary":
+        return Decision().add(
+            Record(obs.active, obs.epoch, handled_recover=request_id),
+            Event("RecoverIgnored", f"the primary is already active (request {request_id})"),
+        )
+    primary = obs.brokers["primary"]
+    if not (primary.reachable and primary.ready):
+        # Not handled yet: the request waits until the primary has caught up.
+        return Decision(degraded="recovery requested: waiting for the primary to catch up")
+    switchover = Switchover(request_id, "recover", "primary", obs.epoch + 1)
+    return _continue_switchover(obs, switchover, starting=True)
+
+
+def _continue_switchover(obs: Observation, sw: Switchover, starting: bool = False) -> Decision:
+    """Demote the current active, wait until it reports passive, then activate the target."""
+    decision = Decision(failing_over=True)
+    source = OTHER[sw.target]
+    view = obs.brokers[source]
+    if starting:
+        decision.add(
+            Route(None),
+            SetRole(source, "passive", sw.epoch),
+            Record(None, sw.epoch, switchover=sw, reason=f"{sw.kind} to {sw.target}"),
+            Event("SwitchoverStarted", f"demoting {source} before activating {sw.target}"),
+        )
+        return decision
+    if view.reachable and not (view.role == "passive" and view.epoch >= sw.epoch):
+        # The demotion did not take (lost request, restarted broker): ask again.
+        return decision.add(SetRole(source, "passive", sw.epoch))
+    if not view.reachable and obs.lease_holder == source and not obs.lease_expired:
+        # Unreachable is not stopped: it may still serve until its Lease lapses and it
+        # fences itself. Found by the property test (two actives otherwise).
+        decision.degraded = f"{source} is unreachable; waiting for its Lease to expire"
+        return decision
+    target = obs.brokers[sw.target]
+    if not target.reachable:
+        decision.degraded = f"waiting for {sw.target} to become reachable to activate it"
+        return decision
+    record = Record(
+        sw.target,
+        sw.epoch,
+        failover_from=source,
+        reason=sw.kind,
+        handled_promote=sw.request_id if sw.kind == "promote" else None,
+        handled_recover=sw.request_id if sw.kind == "recover" else None,
+    )
+    return decision.add(
+        SetRole(sw.target, "active", sw.epoch),
+        Route(sw.target),
+        SetRole(source, "passive", sw.epoch, sw.target),
+        record,
+        Event("SwitchedOver", f"{sw.target} active in epoch {sw.epoch} ({sw.kind})"),
+    )

@@ -1,0 +1,318 @@
+"""The failover algorithm against random event sequences (hypothesis), and worked cases.
+
+A small simulated pair stands in for the brokers: it follows the brokers' own
+rules for `POST /role` (stale epochs refused, activation needs a new epoch) and
+knows the ground truth `decide` cannot see: which broker holds every confirmed
+message. After every step the invariants are checked:
+
+- never two active brokers in one epoch (nor two live actives at all here);
+- never a promotion that loses confirmed messages unless the spec allows it
+  (or a forced promote asked for it);
+- during recovery, the primary is activated only once the backup reports passive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twinmq.operator.failover import (
+    OTHER,
+    BrokerView,
+    Decision,
+    Event,
+    Observation,
+    Record,
+    Route,
+    SetRole,
+    Switchover,
+    decide,
+)
+from twinmq.operator.models import BrokerName
+
+NAMES: tuple[BrokerName, ...] = ("primary", "backup")
+
+
+@dataclass
+class SimBroker:
+    """A broker process as the simulation knows it."""
+
+    name: BrokerName
+    alive: bool = True
+    isolated: bool = False  # alive, but the operator cannot reach it
+    role: str = "passive"
+    epoch: int = 0
+    linked: bool = False  # replicating from the active right now
+    has_all: bool = True  # holds every confirmed message (ground truth)
+
+
+@dataclass
+class World:
+    """Two brokers, the operator's status, the Lease, pending requests."""
+
+    brokers: dict[BrokerName, SimBroker] = field(
+        default_factory=lambda: {n: SimBroker(n) for n in NAMES}
+    )
+    active: BrokerName | None = None
+    epoch: int = 0
+    switchover: Switchover | None = None
+    lease_holder: BrokerName | None = None  # the broker that renews the active Lease
+    lease_expired: bool = False
+    allow_data_loss: bool = False
+    promote: tuple[str, BrokerName, bool] | None = None
+    recover: str | None = None
+    vip: BrokerName | None = None
+    next_id: int = 0
+    lost_requests: set[BrokerName] = field(default_factory=set)
+    violations: list[str] = field(default_factory=list)
+
+    # -- what the operator sees ------------------------------------------------------------
+
+    def observe(self) -> Observation:
+        views = {}
+        for name, b in self.brokers.items():
+            seen = b.alive and not b.isolated
+            views[name] = BrokerView(
+                name, seen, b.role if seen else "unknown", b.epoch,  # type: ignore[arg-type]
+                ready=b.alive and b.role == "passive" and b.has_all,
+                link_connected=b.alive and b.linked,
+                replicating_from_active=b.linked,
+            )  # fmt: skip
+        return Observation(
+            brokers=views, active=self.active, epoch=self.epoch,
+            lease_holder=self.lease_holder, lease_expired=self.lease_expired,
+            allow_data_loss=self.allow_data_loss, switchover=self.switchover,
+            promote_request=self.promote, recover_request=self.recover,
+        )  # fmt: skip
+
+    def serving_active(self) -> SimBroker | None:
+        live = [b for b in self.brokers.values() if b.alive and b.role == "active"]
+        return live[0] if live else None
+
+    # -- applying decisions, as the adapter and the brokers would -------------------------------
+
+    def apply(self, decision: Decision) -> None:
+        for action in decision.actions:
+            if isinstance(action, SetRole):
+                self._set_role(action)
+            elif isinstance(action, Route):
+                self.vip = action.broker
+            elif isinstance(action, Record):
+                self.active, self.epoch = action.active, action.epoch
+                self.switchover = action.switchover
+                if action.handled_promote is not None:
+                    self.promote = None
+                if action.handled_recover is not None:
+                    self.recover = None
+            else:
+                assert isinstance(action, Event)
+
+    def _set_role(self, action: SetRole) -> None:
+        b = self.brokers[action.broker]
+        if not b.alive or b.isolated:
+            return  # the request fails; the next reconcile sees it
+        if action.broker in self.lost_requests:
+            self.lost_requests.discard(action.broker)
+            return  # timed out on the way: the broker never saw it
+        if action.epoch < b.epoch or (
+            action.epoch == b.epoch and action.role == "active" and b.role != "active"
+        ):
+            return  # 409 stale epoch
+        if action.role == "active":
+            other = self.brokers[OTHER[action.broker]]
+            if not b.has_all:
+                forced = self.promote is not None and self.promote[2]
+                if not (self.allow_data_loss or forced):
+                    self.violations.append(f"{b.name} promoted without every confirmed message")
+            if other.alive and other.role == "active":
+                self.violations.append(f"{b.name} activated while {other.name} is active")
+            sw = self.switchover
+            if sw is not None and sw.kind == "recover" and other.alive and other.role != "passive":
+                self.violations.append("primary activated before the backup reported passive")
+            b.role, b.epoch, b.linked, b.has_all = "active", action.epoch, False, True
+            self.lease_holder, self.lease_expired = b.name, False
+            # From now on only the new active holds what it confirms.
+            other.linked = False
+            other.has_all = False if other.role == "passive" else other.has_all
+            return
+        b.role, b.epoch = "passive", max(b.epoch, action.epoch)
+        active = self.serving_active()
+        b.linked = False
+        if action.replicate_from is not None and active is not None:
+            b.linked = active.name == action.replicate_from and active.epoch <= b.epoch
+
+    # -- the world's events --------------------------------------------------------------------
+
+    def step(self, event: tuple[str, BrokerName, bool]) -> None:
+        kind, name, flag = event
+        b = self.brokers[name]
+        if kind == "crash":
+            b.alive, b.linked = False, False
+            if b.role == "active":
+                self.brokers[OTHER[name]].linked = False  # its passive loses the link
+        elif kind == "isolate":
+            b.isolated = flag  # a partition between the operator and this broker, or healed
+        elif kind == "restart" and not b.alive:
+            # Rule 4: a broker always starts passive (its journal keeps what it had).
+            b.alive, b.role, b.linked = True, "passive", False
+        elif kind == "catch_up" and b.alive and b.role == "passive" and b.linked:
+            b.has_all = True
+        elif kind == "cut_link":
+            b.linked = False
+        elif kind == "publish":
+            # Confirms wait for a linked passive; an active alone (degraded) goes on.
+            active = self.serving_active()
+            if active is not None:
+                for other in self.brokers.values():
+                    if other is not active and not (other.linked and other.has_all):
+                        other.has_all = False
+        elif kind == "lease_expires":
+            # The active renews its Lease while it lives (an isolated one still reaches the
+            # API server here); only a dead or demoted active lets it lapse.
+            holder = self.brokers[self.lease_holder] if self.lease_holder else None
+            if holder is None or not (holder.alive and holder.role == "active"):
+                self.lease_expired = True
+        elif kind == "promote":
+            self.next_id += 1
+            self.promote = (f"p{self.next_id}", name, flag)
+        elif kind == "recover":
+            self.next_id += 1
+            self.recover = f"r{self.next_id}"
+        elif kind == "lose_request":
+            self.lost_requests.add(name)
+        elif kind == "reconcile":
+            self.apply(decide(self.observe()))
+        self.check()
+
+    def check(self) -> None:
+        actives = [b for b in self.brokers.values() if b.alive and b.role == "active"]
+        if len(actives) > 1:
+            self.violations.append(f"two live actives: {[(b.name, b.epoch) for b in actives]}")
+        epochs = [b.epoch for b in actives]
+        if len(epochs) != len(set(epochs)):
+            self.violations.append("two actives in one epoch")
+
+
+EVENTS = st.tuples(
+    st.sampled_from(
+        ["crash", "restart", "catch_up", "cut_link", "publish", "lease_expires", "promote",
+         "recover", "lose_request", "isolate"]
+    ),
+    st.sampled_from(NAMES),
+    st.booleans(),
+)  # fmt: skip
+
+
+def _started(allow_data_loss: bool = False) -> World:
+    world = World(allow_data_loss=allow_data_loss)
+    world.step(("reconcile", "primary", False))
+    world.step(("reconcile", "primary", False))
+    world.step(("catch_up", "backup", False))
+    return world
+
+
+def _run(world: World, events: list[tuple[str, BrokerName, bool]]) -> World:
+    # The operator reconciles after every change it is told of (and on a timer).
+    for event in events:
+        world.step(event)
+        world.step(("reconcile", "primary", False))
+    return world
+
+
+@settings(max_examples=1000, deadline=None, database=None)
+@given(st.lists(EVENTS, min_size=3, max_size=60), st.booleans())
+def test_random_event_sequences_keep_every_invariant(
+    events: list[tuple[str, BrokerName, bool]], allow_data_loss: bool
+) -> None:
+    world = _run(_started(allow_data_loss), events)
+    assert not world.violations, world.violations
+
+
+REQUEST_EVENTS = st.tuples(
+    st.sampled_from(["promote", "recover", "lose_request", "catch_up", "crash", "restart",
+                     "isolate", "lease_expires"]),
+    st.sampled_from(NAMES),
+    st.booleans(),
+)  # fmt: skip
+
+
+@settings(max_examples=500, deadline=None, database=None)
+@given(st.lists(REQUEST_EVENTS, min_size=3, max_size=40))
+def test_switchovers_under_lost_requests_keep_every_invariant(
+    events: list[tuple[str, BrokerName, bool]],
+) -> None:
+    world = _run(_started(), events)
+    assert not world.violations, world.violations
+
+
+def test_creation_makes_the_primary_active_in_epoch_1_and_the_backup_passive() -> None:
+    world = _started()
+    assert (world.active, world.epoch, world.vip) == ("primary", 1, "primary")
+    backup = world.brokers["backup"]
+    assert (backup.role, backup.linked, backup.epoch) == ("passive", True, 1)
+
+
+def test_ready_backup_is_promoted_once_the_lease_expired_and_the_vip_moves_first() -> None:
+    world = _started()
+    world.step(("crash", "primary", False))
+    world.step(("cut_link", "backup", False))
+    assert not any(isinstance(a, SetRole) for a in decide(world.observe()).actions)
+    world.step(("lease_expires", "primary", False))
+    actions = decide(world.observe()).actions
+    routes = [a for a in actions if isinstance(a, Route)]
+    assert routes[0] == Route(None) and routes[-1] == Route("backup")
+    assert actions.index(routes[0]) < actions.index(SetRole("backup", "active", 2))
+    world.apply(decide(world.observe()))
+    assert (world.active, world.epoch) == ("backup", 2)
+
+
+def test_unready_backup_is_not_promoted_without_allow_data_loss() -> None:
+    world = _started()
+    world.step(("cut_link", "backup", False))
+    world.step(("publish", "primary", False))  # the active went on alone
+    world.step(("crash", "primary", False))
+    world.step(("lease_expires", "primary", False))
+    decision = decide(world.observe())
+    assert not any(isinstance(a, SetRole) for a in decision.actions)
+    assert any(isinstance(a, Event) and a.reason == "FailoverBlocked" for a in decision.actions)
+
+
+def test_backup_that_still_hears_the_active_is_not_promoted() -> None:
+    world = _started()
+    obs = world.observe()
+    cut_off = Observation(
+        brokers={**obs.brokers, "primary": BrokerView("primary", reachable=False)},
+        active="primary", epoch=1, lease_holder="primary", lease_expired=True,
+    )  # fmt: skip
+    decision = decide(cut_off)
+    assert not any(isinstance(a, SetRole) and a.role == "active" for a in decision.actions)
+
+
+def test_recovery_demotes_the_backup_then_activates_the_primary() -> None:
+    world = _started()
+    for event in ("crash", "lease_expires"):
+        world.step((event, "primary", False))
+    world.step(("cut_link", "backup", False))
+    world.step(("reconcile", "primary", False))
+    world.step(("restart", "primary", False))
+    world.step(("reconcile", "primary", False))  # the primary rejoins as passive
+    world.step(("catch_up", "primary", False))
+    world.step(("recover", "primary", False))
+    first = decide(world.observe())
+    assert [a for a in first.actions if isinstance(a, SetRole)] == [SetRole("backup", "passive", 3)]
+    world.apply(first)
+    world.step(("reconcile", "primary", False))
+    assert (world.active, world.epoch, world.recover) == ("primary", 3, None)
+    assert world.brokers["backup"].role == "passive" and not world.violations
+
+
+def test_a_handled_request_is_not_replayed() -> None:
+    world = _started()
+    world.step(("promote", "backup", False))
+    world.step(("reconcile", "primary", False))
+    world.step(("reconcile", "primary", False))
+    assert world.active == "backup" and world.promote is None
+    world.step(("reconcile", "primary", False))
+    assert world.active == "backup"
