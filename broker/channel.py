@@ -230,7 +230,10 @@ class Channel:
                 )
             )
             return
-        result = self.vhost.publish(exchange, publish.routing_key, self._header, body, info)
+        result = self.vhost.publish(
+            exchange, publish.routing_key, self._header, body, info,
+            deduplicate=self.connection.deduplicate,
+        )  # fmt: skip
         if not result.routed and publish.mandatory and not result.rejected:
             self._return(exchange.name, publish.routing_key, self._header, body)
         if self.confirm_mode:
@@ -598,7 +601,10 @@ class Channel:
         vhost = self.vhost
         for p in self.tx_publishes:
             exchange = vhost.exchange_for_publish(p.exchange)
-            result = vhost.publish(exchange, p.routing_key, p.header, p.body, p.info, ops)
+            result = vhost.publish(
+                exchange, p.routing_key, p.header, p.body, p.info, ops,
+                deduplicate=self.connection.deduplicate,
+            )  # fmt: skip
             if not result.routed and p.mandatory:
                 self._return(p.exchange, p.routing_key, p.header, p.body)
         for action, tag, multiple in self.tx_settles:

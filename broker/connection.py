@@ -38,6 +38,8 @@ from twinmq.broker.vhost import VirtualHost
 log = logging.getLogger(__name__)
 
 PRE_TUNE_FRAME_MAX = 131072
+# A client property by which a publisher opts in to duplicate detection (twinmq.client does).
+DEDUP_CLIENT_PROPERTY = "x-twinmq-deduplicate"
 MIN_FRAME_MAX = 4096
 
 
@@ -49,6 +51,7 @@ class Limits:
     channel_max: int = 2047
     heartbeat: int = 60
     max_message_size: int = 128 * 1024 * 1024
+    deduplicate_all: bool = False  # drop re-sent message ids for every client, not only opted-in
     handshake_timeout: float = 10.0  # seconds from the first byte to connection.open (RabbitMQ's)
     close_timeout: float = 30.0  # seconds our connection.close waits for close-ok
 
@@ -128,6 +131,7 @@ class Connection:
         self.heartbeat = 0
         self.max_message_size = ctx.limits.max_message_size
         self.writable = True
+        self.deduplicate = False  # drop re-sends by message id (the client opted in)
         self.blocked = False  # an alarm holds this connection's reads
         self._told_blocked = False  # connection.blocked sent for the current alarm
         self.close_reason: str | None = None
@@ -309,6 +313,9 @@ class Connection:
     def _start_ok(self, m: commands.Connection.StartOk) -> None:
         self.client_properties = dict(m.client_properties or {})
         self.capabilities = dict(self.client_properties.get("capabilities") or {})
+        self.deduplicate = self.ctx.limits.deduplicate_all or bool(
+            self.client_properties.get(DEDUP_CLIENT_PROPERTY)
+        )
         try:
             self.user = self.ctx.authenticator.login(m.mechanism, m.response, self.loopback)
         except LoginError as exc:

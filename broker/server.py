@@ -169,6 +169,7 @@ class Broker:
             channel_max=settings.channel_max,
             heartbeat=settings.heartbeat,
             max_message_size=settings.max_message_size,
+            deduplicate_all=settings.dedup_scope == "all",
         )
         self.authenticator = Authenticator.from_file(settings.users_file)
         self.protocols: set[AMQPProtocol] = set()

@@ -71,6 +71,11 @@ class BrokerSettings(BaseSettings):
     audit_segment_seconds: float = Field(
         60.0, gt=0, description="Close an audit segment after this many seconds"
     )
+    dedup_scope: Literal["opt-in", "all"] = Field(
+        "opt-in",
+        description="Drop re-sent message ids for clients that opt in (client property "
+        "x-twinmq-deduplicate), or for all clients",
+    )
     replication_timeout: float = Field(
         5.0,
         gt=0,

@@ -518,16 +518,20 @@ class VirtualHost:
         body: bytes,
         info: ContentHeaderInfo,
         ops: list[JournalOp] | None = None,
+        *,
+        deduplicate: bool = False,
     ) -> PublishResult:
         """Route a message into its queues; persistent copies in durable queues are journaled.
 
         With `ops` given (a transaction), journal operations are collected there
-        instead of being committed.
+        instead of being committed. Every publish with a message id is remembered in
+        the dedup window; only a `deduplicate` publisher (one that opted in) has its
+        re-sends dropped, so plain clients see RabbitMQ's behaviour.
         """
         message_id = info.message_id
         if message_id is not None and self.dedup.size:
             key = dedup_key(exchange.name, routing_key, message_id)
-            if key in self.dedup:
+            if deduplicate and key in self.dedup:
                 # A re-send of a message we have: confirm it, do not enqueue it again.
                 metrics.DUPLICATES.inc()
                 return PublishResult(

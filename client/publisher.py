@@ -20,6 +20,9 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.exceptions import AMQPError, DeliveryError
 
+# Opts this connection in to the broker's duplicate detection by message id.
+DEDUP_CLIENT_PROPERTY = "x-twinmq-deduplicate"
+
 log = logging.getLogger(__name__)
 
 RETRYABLE = (AMQPError, ConnectionError, OSError, asyncio.TimeoutError, RuntimeError)
@@ -65,7 +68,10 @@ class ReliablePublisher:
                 url = self.urls[self._next_url % len(self.urls)]
                 self._next_url += 1
                 try:
-                    conn = await asyncio.wait_for(aio_pika.connect(url), 10)
+                    conn = await asyncio.wait_for(
+                        aio_pika.connect(url, client_properties={DEDUP_CLIENT_PROPERTY: True}),
+                        10,
+                    )
                     channel = await conn.channel(publisher_confirms=True)
                 except RETRYABLE as exc:
                     if loop.time() > deadline:

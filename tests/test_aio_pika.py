@@ -630,11 +630,6 @@ async def test_consumed_message_republished_with_its_message_id_is_delivered(url
         assert await get_bodies(outbox) == [b"forward me"]
 
 
-@pytest.mark.xfail(
-    reason="duplicate detection (broker/dedup.py, on by default) drops a publish whose "
-    "(exchange, routing key, message_id) was seen before; RabbitMQ delivers it",
-    strict=False,
-)
 @aio
 async def test_message_republished_to_its_own_queue_for_a_retry_is_delivered(url: str) -> None:
     # "Retry later" by moving a message to the tail: republish it as it is, then ack it.

@@ -10,6 +10,7 @@ from pathlib import Path
 import pika
 import pytest
 
+from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.launcher import BrokerProcess
 from twinmq.client import ReliablePublisher
@@ -31,6 +32,13 @@ def test_disabled_window_remembers_nothing() -> None:
     assert "a" not in window
 
 
+def _opted_in(broker: BrokerProcess) -> pika.BlockingConnection:
+    """A pika connection that opts in to duplicate detection, as twinmq.client does."""
+    params = pika.URLParameters(broker.url)
+    params.client_properties = {DEDUP_CLIENT_PROPERTY: True}
+    return pika.BlockingConnection(params)
+
+
 def _drain(broker: BrokerProcess, queue: str) -> list[bytes]:
     conn = pika.BlockingConnection(pika.URLParameters(broker.url))
     ch = conn.channel()
@@ -45,7 +53,7 @@ def _drain(broker: BrokerProcess, queue: str) -> list[bytes]:
 
 
 def test_resent_message_id_is_confirmed_but_not_enqueued_twice(fresh_broker: BrokerProcess) -> None:
-    conn = pika.BlockingConnection(pika.URLParameters(fresh_broker.url))
+    conn = _opted_in(fresh_broker)
     ch = conn.channel()
     ch.queue_declare("dedup.q", durable=True)
     ch.confirm_delivery()
@@ -55,6 +63,35 @@ def test_resent_message_id_is_confirmed_but_not_enqueued_twice(fresh_broker: Bro
     ch.basic_publish("", "dedup.q", b"other", pika.BasicProperties(message_id="order-43"))
     conn.close()
     assert _drain(fresh_broker, "dedup.q") == [b"first", b"other"]
+
+
+def test_a_plain_client_that_republishes_the_same_message_gets_both(
+    fresh_broker: BrokerProcess,
+) -> None:
+    # RabbitMQ's behaviour for clients that did not opt in: a retry is a new message.
+    conn = pika.BlockingConnection(pika.URLParameters(fresh_broker.url))
+    ch = conn.channel()
+    ch.queue_declare("retry.q", durable=True)
+    ch.confirm_delivery()
+    props = pika.BasicProperties(delivery_mode=2, message_id="job-7")
+    ch.basic_publish("", "retry.q", b"attempt", props)
+    ch.basic_publish("", "retry.q", b"attempt", props)
+    conn.close()
+    assert _drain(fresh_broker, "retry.q") == [b"attempt", b"attempt"]
+
+
+def test_dedup_scope_all_applies_to_every_client(tmp_path: Path) -> None:
+    args = ["--dedup-scope", "all"]
+    with BrokerProcess(tmp_path / "data", name="all", extra_args=args) as broker:
+        conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+        ch = conn.channel()
+        ch.queue_declare("all.q", durable=True)
+        ch.confirm_delivery()
+        props = pika.BasicProperties(delivery_mode=2, message_id="m")
+        ch.basic_publish("", "all.q", b"x", props)
+        ch.basic_publish("", "all.q", b"x", props)
+        conn.close()
+        assert _drain(broker, "all.q") == [b"x"]
 
 
 def test_dedup_window_survives_a_restart(tmp_path: Path) -> None:
@@ -69,7 +106,7 @@ def test_dedup_window_survives_a_restart(tmp_path: Path) -> None:
         conn.close()
         port = broker.port
     with BrokerProcess(data, name="dd", port=port) as broker:
-        conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+        conn = _opted_in(broker)
         ch = conn.channel()
         ch.confirm_delivery()
         ch.basic_publish("", "dd.q", b"x", pika.BasicProperties(delivery_mode=2, message_id="m1"))
