@@ -306,7 +306,8 @@ class Broker:
             return
         if previous == "active":
             log.warning("demoted to passive in epoch %d: closing client connections", self.epoch)
-            self.source.detach("demoted")
+            # Clients first: detaching drops the replication guard, and a publish still
+            # waiting for the passive must not be confirmed on the way out.
             for proto in list(self.protocols):
                 if proto.conn is not None:
                     proto.conn.force_close(
@@ -314,6 +315,7 @@ class Broker:
                         f"{self.settings.name} is now passive (epoch {self.epoch})",
                     )
                     proto._flush()
+            self.source.detach("demoted")
             self.vhost.set_replica(True)
         if replicate_from != self.replicate_from or self.replica is None:
             if self.replica is not None:
@@ -381,11 +383,12 @@ class Broker:
             server.close()
         if self.replica is not None:
             await self.replica.stop()
-        await self.source.close()
+        # Clients before the passive: see set_role.
         for proto in list(self.protocols):
             if proto.conn is not None:
                 proto.conn.force_close(ReplyCode.CONNECTION_FORCED, "broker shutdown")
                 proto._flush()
+        await self.source.close()
         for task in self._tasks:
             task.cancel()
         await self._save_dedup()
