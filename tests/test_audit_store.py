@@ -1,0 +1,227 @@
+"""The audit store and the shipper: a filesystem store, and S3 against a real moto server."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from twinmq.audit.records import AuditRecord  # noqa: E402
+from twinmq.audit.schema import arrow_schema  # noqa: E402
+from twinmq.audit.store import SegmentName, ShipError, Store, ship  # noqa: E402
+
+
+def _line(broker: str, epoch: int, rid: int, event: str = "confirmed", t: float = 1.0) -> str:
+    record = AuditRecord(
+        broker=broker, epoch=epoch, queue="q", replication_id=(epoch << 40) | rid,
+        message_id=None if rid % 2 else f"p:{rid}", digest="" if event == "dequeued" else "ab",
+        event=event, time=t,
+    )  # fmt: skip
+    return record.model_dump_json() + "\n"
+
+
+def _write_segment(audit_dir: Path, broker: str, epoch: int, seq: int, rids: range) -> Path:
+    audit_dir.mkdir(parents=True, exist_ok=True)
+    path = audit_dir / f"{broker}-e{epoch:06d}-{seq:08d}.jsonl"
+    path.write_text("".join(_line(broker, epoch, r) for r in rids))
+    return path
+
+
+def _read(store: Store, name: SegmentName) -> Any:
+    with store.fs.open(store.path(name.key), "rb") as f:
+        return pq.read_table(f)
+
+
+# -- a filesystem store ---------------------------------------------------------------------
+
+
+def test_segments_are_shipped_once_as_parquet_with_provenance(tmp_path: Path) -> None:
+    audit = tmp_path / "a" / "audit"
+    _write_segment(audit, "a", 1, 1, range(1, 4))
+    _write_segment(audit, "a", 2, 2, range(1, 3))
+    (audit / "a-e000002-00000003.jsonl.open").write_text(_line("a", 2, 9))
+    store = Store(str(tmp_path / "store"))
+
+    report = ship(audit, store)
+    assert report.shipped == ["a-e000001-00000001", "a-e000002-00000002"]
+    assert [s.key for s in store.segments()] == [
+        "segments/a/a-e000001-00000001.parquet", "segments/a/a-e000002-00000002.parquet",
+    ]  # fmt: skip
+    table = _read(store, store.segments()[0])
+    assert table.schema.equals(arrow_schema(), check_metadata=False)
+    assert table.column("replication_id").to_pylist() == [(1 << 40) | r for r in (1, 2, 3)]
+    assert table.column("message_id").to_pylist() == [None, "p:2", None]
+    assert table.column("segment_seq").to_pylist() == [1, 1, 1]
+    assert table.column("line").to_pylist() == [0, 1, 2]
+
+    again = ship(audit, store)  # idempotent: nothing new
+    assert again.shipped == [] and len(again.already) == 2
+
+
+def test_two_brokers_and_epochs_never_collide(tmp_path: Path) -> None:
+    store = Store("file://" + str(tmp_path / "store"))
+    for broker in ("a", "b"):
+        for epoch, seq in ((1, 1), (2, 2), (2, 3)):
+            _write_segment(tmp_path / broker, broker, epoch, seq, range(seq, seq + 2))
+        ship(tmp_path / broker, store)
+    assert len({s.key for s in store.segments()}) == 6
+
+
+def test_a_lost_ledger_is_rebuilt_by_digest_and_reused_names_are_refused(tmp_path: Path) -> None:
+    audit = tmp_path / "audit"
+    _write_segment(audit, "a", 1, 1, range(1, 4))
+    store = Store(str(tmp_path / "store"))
+    ship(audit, store)
+    (audit / ".shipped").unlink()  # crash between the upload and the ledger
+    assert ship(audit, store).already == ["a-e000001-00000001"]
+
+    # A wiped data directory starts its sequence again: same name, other content.
+    (audit / ".shipped").unlink()
+    _write_segment(audit, "a", 1, 1, range(7, 9))
+    with pytest.raises(ShipError, match="other content"):
+        ship(audit, store)
+    assert _read(store, store.segments()[0]).num_rows == 3  # never replaced
+
+
+def test_a_crash_mid_write_leaves_nothing_visible(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    audit = tmp_path / "audit"
+    _write_segment(audit, "a", 1, 1, range(1, 4))
+    store = Store(str(tmp_path / "store"))
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError("power cut")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="power cut"):
+        ship(audit, store)
+    monkeypatch.undo()
+    assert store.segments() == []
+    assert not list((tmp_path / "store").rglob("*.parquet"))
+    assert ship(audit, store).shipped == ["a-e000001-00000001"]  # shipped on the next pass
+
+
+def test_a_malformed_segment_is_refused(tmp_path: Path) -> None:
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    (audit / "a-e000001-00000001.jsonl").write_text('{"broker": "a", "nonsense": 1}\n')
+    with pytest.raises(ShipError):
+        ship(audit, Store(str(tmp_path / "store")))
+
+
+def test_manifest_json_is_replaced_atomically(tmp_path: Path) -> None:
+    store = Store(str(tmp_path))
+    store.write_json("audit/manifest.json", {"run": 1})
+    store.write_json("audit/manifest.json", {"run": 2})
+    assert store.read_json("audit/manifest.json") == {"run": 2}
+    assert store.read_json("audit/missing.json") is None
+    assert [p.name for p in (tmp_path / "audit").iterdir()] == ["manifest.json"]
+
+
+# -- S3 through a real S3-compatible server (moto in server mode) ----------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`moto_server` as a child process on loopback; yields its endpoint URL."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        raise TimeoutError("moto server did not start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def s3_options(endpoint: str) -> dict[str, Any]:
+    """s3fs options for the local moto server (its fixed test credentials)."""
+    return {
+        "key": "testing", "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }  # fmt: skip
+
+
+@pytest.fixture
+def s3_store(s3_server: str, request: pytest.FixtureRequest) -> Store:
+    """A fresh bucket on the moto server, as a store with a prefix."""
+    bucket = "audit-" + request.node.name.replace("_", "-")[:40].lower()
+    _s3_client(s3_server).create_bucket(Bucket=bucket)
+    return Store(f"s3://{bucket}/pair-1", s3_options(s3_server))
+
+
+def _s3_client(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client(
+        "s3", aws_access_key_id="testing", aws_secret_access_key="testing",
+        endpoint_url=endpoint, region_name="us-east-1",
+    )  # fmt: skip
+
+
+def test_s3_store_ships_lists_and_is_idempotent(tmp_path: Path, s3_store: Store) -> None:
+    for broker in ("a", "b"):
+        _write_segment(tmp_path / broker, broker, 1, 1, range(1, 5))
+        _write_segment(tmp_path / broker, broker, 2, 2, range(1, 3))
+        assert len(ship(tmp_path / broker, s3_store).shipped) == 2
+    names = s3_store.segments()
+    assert [n.stem for n in names] == [
+        "a-e000001-00000001", "a-e000002-00000002", "b-e000001-00000001", "b-e000002-00000002",
+    ]  # fmt: skip
+    assert _read(s3_store, names[0]).num_rows == 4
+    (tmp_path / "a" / ".shipped").unlink()
+    assert ship(tmp_path / "a", s3_store).already == [n.stem for n in names[:2]]
+    s3_store.write_json("audit/manifest.json", {"run": "x"})
+    assert s3_store.read_json("audit/manifest.json") == {"run": "x"}
+    assert json.loads(s3_store.read_bytes("audit/manifest.json")) == {"run": "x"}
+
+
+def test_s3_an_interrupted_multipart_upload_is_never_visible(s3_store: Store) -> None:
+    """What a crash mid-upload leaves on S3: an incomplete multipart upload, not an object."""
+    name = SegmentName("a", 1, 1)
+    bucket, prefix = s3_store.root.split("/", 1)
+    client = _s3_client(s3_store.storage_options["client_kwargs"]["endpoint_url"])
+    key = f"{prefix}/{name.key}"
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)
+    client.upload_part(
+        Bucket=bucket, Key=key, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 1024
+    )
+    # The shipper crashed here: the upload is never completed.
+    assert s3_store.segments() == []
+    assert not s3_store.exists(name.key)
+    assert client.list_multipart_uploads(Bucket=bucket)["Uploads"]
