@@ -62,7 +62,7 @@ def replication_status(broker: Broker) -> ReplicationStatus:
                 lag_seconds=0.0,
             )
         return ReplicationStatus(
-            peer=replica.address, link_connected=replica.connected, ready=replica.caught_up,
+            peer=replica.address, link_connected=replica.connected, ready=replica.ready,
             degraded=False, lag_messages=replica.pending_ops,
             lag_seconds=round(replica.lag_seconds, 3), lost_at=replica.lost_at,
         )  # fmt: skip

@@ -81,6 +81,7 @@ class ReplicaClient:
         self.connected_since: float | None = None
         self.lost_at: float | None = None
         self.last_received = 0.0
+        self._last_contact = 0.0  # time.monotonic() of the last frame from the active
         self.pending_ops = 0
         self._oldest_pending: float | None = None
         self._task: asyncio.Task[None] | None = None
@@ -97,6 +98,19 @@ class ReplicaClient:
                 await self._task
             self._task = None
         self._set_connected(False)
+
+    @property
+    def ready(self) -> bool:
+        """Promotable without loss: caught up, and heard from the active recently.
+
+        The active goes on alone once its passive has been silent or gone for
+        `replication_timeout` seconds: from then on it may confirm messages this
+        broker never gets. So a passive that has not heard from the active for
+        that long (a cut link, a dead or paused active) no longer claims to be
+        ready; within that time it still does (the active cannot have left it behind).
+        """
+        timeout = self.broker.settings.replication_timeout
+        return self.caught_up and time.monotonic() - self._last_contact < timeout
 
     @property
     def lag_seconds(self) -> float:
@@ -163,6 +177,7 @@ class ReplicaClient:
                 if not data:
                     raise ConnectionError("the active closed the link")
                 self.last_received = time.time()
+                self._last_contact = time.monotonic()
                 frames.extend(decoder.feed(data))
             return frames.popleft()
 
@@ -234,6 +249,9 @@ class ReplicaClient:
             elif ftype is FrameType.REFUSE:
                 refuse = Refuse.model_validate_json(payload)
                 log.warning("the active refused replication: %s", refuse.reason)
+                # Dropped (stalled, or a stale epoch): it may go on without us.
+                self.caught_up = False
+                metrics.REPLICATION_READY.set(0)
                 broker.learn_epoch(refuse.epoch, f"active at {self.address}")
                 return
             elif ftype is not FrameType.PING:

@@ -104,11 +104,15 @@ class SourceLink:
         """Age of the oldest unacknowledged batch."""
         return time.time() - self.sent_batches[0][2] if self.sent_batches else 0.0
 
-    def close(self) -> None:
-        """Drop the connection."""
+    def close(self, refuse: Refuse | None = None) -> None:
+        """Drop the connection; with `refuse`, tell the passive why (after what is queued)."""
         if not self.closed:
             self.closed = True
-            self.writer.transport.abort()
+            if refuse is None:
+                self.writer.transport.abort()
+            else:
+                self.writer.write(encode(FrameType.REFUSE, refuse))
+                self.writer.close()
 
 
 class ReplicationSource:
@@ -149,6 +153,8 @@ class ReplicationSource:
                 "passive %s stalled for %.1fs with %d ops unacknowledged: continuing alone",
                 link.name, stalled, link.lag_messages,
             )  # fmt: skip
+            # Told so, a paused passive that runs again knows it is no longer ready.
+            link.close(Refuse(reason="stalled: the active goes on alone", epoch=self.broker.epoch))
             self._lost(link, degrade_now=True)
 
     def _unhook(self, link: SourceLink) -> None:
@@ -304,9 +310,15 @@ class ReplicationSource:
 
     async def ping_loop(self) -> None:
         """Keep the link's liveness visible to the passive; drop stalled passives."""
+        loop = asyncio.get_running_loop()
         while True:
+            slept = loop.time()
             await asyncio.sleep(PING_INTERVAL / 2)
             link = self.link
+            if link is not None and loop.time() - slept > PING_INTERVAL:
+                # This broker itself did not run (SIGSTOP, a frozen host): the passive's
+                # silence meanwhile is not its stall. Give it a full timeout from now.
+                link.last_progress = time.monotonic()
             if link is not None and not link.closed:
                 link.writer.write(encode(FrameType.PING))
             self.check_stall()
