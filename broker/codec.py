@@ -44,9 +44,12 @@ BASIC_PUBLISH: Final = (60 << 16) | 40
 BASIC_ACK: Final = (60 << 16) | 80
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Publish:
-    """A decoded `basic.publish` (fast path; the immediate flag is refused by the channel)."""
+    """A decoded `basic.publish` (fast path; the immediate flag is refused by the channel).
+
+    Immutable: `decode_method` hands out the same object for identical method frames.
+    """
 
     name: ClassVar[str] = "Basic.Publish"  # as pamqp names its methods, for error texts
     exchange: str
@@ -98,14 +101,33 @@ class FrameReader:
     def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
         """Add received bytes and return every frame they complete."""
         buf = self._buf
-        buf += data
-        frames: list[tuple[int, int, bytes]] = []
-        pos = 0
-        n = len(buf)
         frame_max = self.frame_max
+        if buf:
+            # A frame began in an earlier read: collect until at least one completes
+            # (a large frame arriving in small reads is appended, never re-copied).
+            buf += data
+            if len(buf) < 7:
+                return []
+            size = _FRAME_HEADER.unpack_from(buf)[2]
+            if size + FRAME_OVERHEAD > frame_max:
+                raise AMQPError(
+                    ReplyCode.FRAME_ERROR,
+                    f"frame of {size + FRAME_OVERHEAD} bytes exceeds frame_max {frame_max}",
+                )
+            if 7 + size >= len(buf):
+                return []
+            data = bytes(buf)
+            buf.clear()
+        elif type(data) is not bytes:
+            data = bytes(data)
+        # Payloads are sliced straight from the read's bytes: one copy per frame.
+        frames: list[tuple[int, int, bytes]] = []
+        append = frames.append
+        pos = 0
+        n = len(data)
         unpack = _FRAME_HEADER.unpack_from
         while n - pos >= 7:
-            ftype, channel, size = unpack(buf, pos)
+            ftype, channel, size = unpack(data, pos)
             if size + FRAME_OVERHEAD > frame_max:
                 raise AMQPError(
                     ReplyCode.FRAME_ERROR,
@@ -114,15 +136,19 @@ class FrameReader:
             end = pos + 7 + size
             if end >= n:
                 break
-            if buf[end] != FRAME_END:
+            if data[end] != FRAME_END:
                 raise AMQPError(ReplyCode.FRAME_ERROR, "frame-end octet missing")
             if ftype not in (FRAME_METHOD, FRAME_HEADER, FRAME_BODY, FRAME_HEARTBEAT):
                 raise AMQPError(ReplyCode.FRAME_ERROR, f"unknown frame type {ftype}")
-            frames.append((ftype, channel, bytes(buf[pos + 7 : end])))
+            append((ftype, channel, data[pos + 7 : end]))
             pos = end + 1
-        if pos:
-            del buf[:pos]
+        if pos < n:
+            buf += memoryview(data)[pos:]
         return frames
+
+
+_PUBLISH_CACHE: dict[bytes, Publish] = {}
+_PUBLISH_CACHE_MAX = 1024
 
 
 def _short_str(data: bytes, pos: int) -> tuple[str, int]:
@@ -137,6 +163,9 @@ def decode_method(payload: bytes) -> Method:
     """Decode a method frame's payload; `AMQPError` for an unknown or malformed method."""
     if len(payload) < 4:
         raise AMQPError(ReplyCode.FRAME_ERROR, "method frame too short")
+    cached = _PUBLISH_CACHE.get(payload)
+    if cached is not None:
+        return cached
     class_id, method_id = _METHOD_ID.unpack_from(payload)
     index = (class_id << 16) | method_id
     try:
@@ -144,7 +173,13 @@ def decode_method(payload: bytes) -> Method:
             exchange, pos = _short_str(payload, 6)
             routing_key, pos = _short_str(payload, pos)
             bits = payload[pos]
-            return Publish(exchange, routing_key, bool(bits & 1), bool(bits & 2))
+            publish = Publish(exchange, routing_key, bool(bits & 1), bool(bits & 2))
+            # Publishers repeat the same exchange and routing key: remember the decoded
+            # method by its exact bytes (a bounded cache; Publish is immutable).
+            if len(_PUBLISH_CACHE) >= _PUBLISH_CACHE_MAX:
+                _PUBLISH_CACHE.clear()
+            _PUBLISH_CACHE[payload] = publish
+            return publish
         if index == BASIC_ACK:
             _, _, tag, bits = _ACK.unpack_from(payload)
             return Ack(tag, bool(bits & 1))
@@ -243,23 +278,38 @@ def encode_deliver(
     exchange: bytes,
     routing_key: bytes,
 ) -> bytes:
-    """Encode `basic.deliver` as a complete frame; the string arguments are UTF-8 already."""
-    payload = b"".join(
-        (
-            b"\x00\x3c\x00\x3c",
-            bytes((len(consumer_tag),)),
-            consumer_tag,
-            _U64.pack(delivery_tag),
-            b"\x01" if redelivered else b"\x00",
-            bytes((len(exchange),)),
-            exchange,
-            bytes((len(routing_key),)),
-            routing_key,
+    """Encode `basic.deliver` as a complete frame; the string arguments are UTF-8 already.
+
+    Everything but the delivery tag and the redelivered flag is the same for every
+    delivery of a consumer from one exchange and routing key: those two byte runs
+    are built once and kept in a bounded cache.
+    """
+    key = (channel, consumer_tag, exchange, routing_key)
+    parts = _DELIVER_CACHE.get(key)
+    if parts is None:
+        size = 16 + len(consumer_tag) + len(exchange) + len(routing_key)
+        head = b"".join(
+            (
+                _FRAME_HEADER.pack(FRAME_METHOD, channel, size),
+                b"\x00\x3c\x00\x3c",
+                bytes((len(consumer_tag),)),
+                consumer_tag,
+            )
         )
-    )
+        tail = b"".join(
+            (bytes((len(exchange),)), exchange, bytes((len(routing_key),)), routing_key)
+        )
+        parts = (head, tail + FRAME_END_BYTE)
+        if len(_DELIVER_CACHE) >= _DELIVER_CACHE_MAX:
+            _DELIVER_CACHE.clear()
+        _DELIVER_CACHE[key] = parts
     return b"".join(
-        (_FRAME_HEADER.pack(FRAME_METHOD, channel, len(payload)), payload, FRAME_END_BYTE)
+        (parts[0], _U64.pack(delivery_tag), b"\x01" if redelivered else b"\x00", parts[1])
     )
+
+
+_DELIVER_CACHE: dict[tuple[int, bytes, bytes, bytes], tuple[bytes, bytes]] = {}
+_DELIVER_CACHE_MAX = 4096
 
 
 # The methods below carry queue and exchange names back to the client. They are encoded
