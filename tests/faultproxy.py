@@ -1,0 +1,206 @@
+"""A TCP proxy on loopback that a test controls: cut, partition, delay, heal.
+
+The proxy runs its own event loop on a daemon thread, so a synchronous test
+(or an asyncio one, on another loop) can drive it with plain method calls:
+
+- `cut()`: reset every connection and refuse new ones (accepted, then reset at
+  once), as when a peer's host goes away;
+- `partition()`: keep the sockets open but stop moving bytes either way, as a
+  network partition that drops packets does: nobody sees a reset, the peers
+  see silence;
+- `delay(seconds)`: hold every chunk that long before passing it on;
+- `throttle(bytes_per_second)`: a thin pipe (a catch-up that takes a while);
+- `heal()`: back to a plain pipe (bytes held by a partition flow again);
+- `retarget(address)`: new connections go to another upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """`host:port` -> (host, port)."""
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+class FaultProxy:
+    """Forwards `host:port` (loopback, a free port by default) to `upstream`."""
+
+    def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.upstream = upstream
+        self.host = host
+        self.port = port
+        self.mode = "open"  # open | cut | partition
+        self.latency = 0.0
+        self.rate: float | None = None  # bytes per second, per direction and connection
+        self.accepted = 0  # connections accepted (including refused ones)
+        self.refused = 0
+        self.bytes_forwarded = 0
+        self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self._flowing: asyncio.Event | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    # -- control (any thread) ------------------------------------------------------------
+
+    def start(self) -> FaultProxy:
+        """Start listening; returns self."""
+        self._thread.start()
+        self._call(self._start())
+        return self
+
+    @property
+    def address(self) -> str:
+        """`host:port` clients connect to."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def connections(self) -> int:
+        """Connections being forwarded now."""
+        return len(self._pairs)
+
+    def cut(self) -> None:
+        """Reset every connection; reset new ones as soon as they are accepted."""
+        self._call(self._set_mode("cut"))
+
+    def partition(self) -> None:
+        """Stop moving bytes (both ways) without closing anything."""
+        self._call(self._set_mode("partition"))
+
+    def heal(self) -> None:
+        """Forward again (held bytes flow on), accept new connections, no delay."""
+        self.latency = 0.0
+        self.rate = None
+        self._call(self._set_mode("open"))
+
+    def delay(self, seconds: float) -> None:
+        """Hold every chunk `seconds` before passing it on."""
+        self.latency = seconds
+
+    def throttle(self, bytes_per_second: float | None) -> None:
+        """Limit every connection to `bytes_per_second` each way (None: no limit)."""
+        self.rate = bytes_per_second
+
+    def retarget(self, upstream: str, *, drop: bool = True) -> None:
+        """Send new connections to `upstream`; reset the current ones unless `drop` is False."""
+        self.upstream = upstream
+        if drop:
+            self._call(self._drop_all())
+
+    def close(self) -> None:
+        """Stop listening, reset everything, stop the thread."""
+        if not self._thread.is_alive():
+            return
+        self._call(self._close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    # -- the proxy's own loop ------------------------------------------------------------
+
+    async def _start(self) -> None:
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._server = await asyncio.start_server(
+            self._accept, self.host, self.port, reuse_address=True
+        )
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def _set_mode(self, mode: str) -> None:
+        assert self._flowing is not None
+        self.mode = mode
+        if mode == "open":
+            self._flowing.set()
+            return
+        self._flowing.clear()
+        if mode == "cut":
+            await self._drop_all()
+
+    async def _drop_all(self) -> None:
+        for client, upstream in list(self._pairs):
+            _abort(client)
+            _abort(upstream)
+        self._pairs.clear()
+
+    async def _close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        await self._drop_all()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        if self.mode == "cut":
+            self.refused += 1
+            _abort(writer)
+            return
+        host, port = split_address(self.upstream)
+        try:
+            up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+        except (OSError, TimeoutError):
+            _abort(writer)
+            return
+        if self.mode == "cut":  # cut while we were connecting
+            _abort(writer)
+            _abort(up_writer)
+            return
+        pair = (writer, up_writer)
+        self._pairs.add(pair)
+        pumps = [
+            asyncio.ensure_future(self._pump(reader, up_writer)),
+            asyncio.ensure_future(self._pump(up_reader, writer)),
+        ]
+        try:
+            # Either side closing (or failing) ends the pair: AMQP and the replication
+            # link never half-close.
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            self._pairs.discard(pair)
+            for end in pair:
+                with contextlib.suppress(Exception):
+                    end.close()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        flowing = self._flowing
+        assert flowing is not None
+        with contextlib.suppress(OSError, ConnectionError):
+            while True:
+                data = await reader.read(8192 if self.rate else 1 << 16)
+                if not data and self.mode != "partition":
+                    return
+                await flowing.wait()  # a partition holds a FIN as it holds bytes
+                if not data or writer.is_closing():
+                    return
+                if self.latency:
+                    await asyncio.sleep(self.latency)
+                    await flowing.wait()
+                writer.write(data)
+                self.bytes_forwarded += len(data)
+                await writer.drain()
+                if self.rate:
+                    await asyncio.sleep(len(data) / self.rate)
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """Reset a connection (RST, not a FIN), ignoring one already gone."""
+    with contextlib.suppress(Exception):
+        writer.transport.abort()
