@@ -203,9 +203,22 @@ class Store:
             self.fs.rm(path, recursive=True)
 
     def get_dir(self, key: str, local: Path) -> None:
-        """Copy an object or a directory of objects to a local path."""
-        local.parent.mkdir(parents=True, exist_ok=True)
-        self.fs.get(self.path(key), str(local), recursive=True)
+        """Copy an object, or a directory of objects, to a local path."""
+        base = self.path(key).rstrip("/")
+        for remote in self.fs.find(base):
+            remote = str(remote).split("://", 1)[-1]
+            rel = remote[len(base) :].lstrip("/")
+            target = local / rel if rel else local
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(remote, str(target))
+
+    def children(self, prefix: str) -> list[str]:
+        """Names directly under a prefix (folders and objects)."""
+        try:
+            entries = self.fs.ls(self.path(prefix), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def put_dir(self, local: Path, key: str) -> None:
         """Copy a local directory's visible files under a key (each object atomically)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,3 +24,25 @@ def fresh_broker(tmp_path: Path) -> Iterator[BrokerProcess]:
     """A broker of the test's own (for tests that restart, kill or configure it)."""
     with BrokerProcess(tmp_path / "data", name="fresh-broker") as proc:
         yield proc
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local SparkSession for every Spark test (PySpark from the `audit` extra).
+
+    local[1], one shuffle partition and no UI keep it quick on a small machine.
+    """
+    pytest.importorskip("pyspark")
+    from twinmq.audit.job import build_session
+
+    session = build_session(
+        "local[1]",
+        "twinmq-audit-tests",
+        {
+            "spark.sql.shuffle.partitions": "1",
+            "spark.ui.enabled": "false",
+            "spark.default.parallelism": "1",
+        },
+    )
+    yield session
+    session.stop()

@@ -1,0 +1,444 @@
+"""The audit's transforms: DataFrame -> DataFrame, parameters passed in, no I/O.
+
+The pipeline (docs/audit.md has the definitions):
+
+    events --partial_aggregates--> one row per event --merge_aggregates--> one row per
+    replication id (counts, first times and log positions per broker: mergeable, so a
+    run can fold new events into the stored state) --classify_messages--> origin,
+    copies, lag --> local_findings, lag_histogram, queue_counts (per message), and the
+    cross-message checks find_resends (by message id) and find_reorders (by stream).
+
+Brokers are given as a list of (at most) two names; a broker's *slot* is its
+index in that list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+from pyspark.sql.types import (
+    BooleanType,
+    DoubleType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
+
+from twinmq.audit.records import AuditEvent
+from twinmq.audit.summary import LAG_GROWTH, LAG_RESOLUTION, FindingKind
+
+SLOTS = 2
+EPOCH_SHIFT = 40
+"""A replication id is `epoch << 40 | n` (broker/epoch.py)."""
+DEFAULT_STREAM_PATTERN = r"^(.+)[:#/](\d{1,18})$"
+"""A message id `<publisher>:<n>` (or `#`, `/`) puts the message in publisher stream `<publisher>`
+at sequence number n."""
+
+CONFIRMED = AuditEvent.CONFIRMED.value
+CONFIRMED_ALONE = AuditEvent.CONFIRMED_ALONE.value
+REPLICATED = AuditEvent.REPLICATED.value
+DEQUEUED = AuditEvent.DEQUEUED.value
+
+AGGREGATE_SCHEMA = StructType(
+    [
+        StructField("replication_id", LongType(), False),
+        StructField("queue", StringType()),
+        StructField("message_id", StringType()),
+        StructField("digest_min", StringType()),
+        StructField("digest_max", StringType()),
+    ]
+    + [
+        StructField(f"{name}{i}", kind)
+        for i in range(SLOTS)
+        for name, kind in (
+            ("s", LongType()),
+            ("c", LongType()),
+            ("a", LongType()),
+            ("d", LongType()),
+            ("t", DoubleType()),
+            ("p", LongType()),
+        )
+    ]
+)
+"""Per replication id and broker slot i: s = stored records (confirmed, confirmed-alone or
+replicated), c = confirmed, a = confirmed-alone, d = dequeued, t = time of the first stored
+record, p = its position in the broker's log (segment_seq << 32 | line)."""
+
+FINDINGS_SCHEMA = StructType(
+    [
+        StructField("kind", StringType(), False),
+        StructField("queue", StringType()),
+        StructField("broker", StringType()),
+        StructField("replication_id", LongType()),
+        StructField("message_id", StringType()),
+        StructField("epoch", LongType()),
+        StructField("time", DoubleType()),
+        StructField("event", StringType()),
+        StructField("settled", BooleanType()),
+        StructField("copies", LongType()),
+        StructField("first_replication_id", LongType()),
+        StructField("stream", StringType()),
+        StructField("seq", LongType()),
+        StructField("after_seq", LongType()),
+    ]
+)
+"""One row per finding; columns a kind does not use are null (docs/audit.md)."""
+
+STREAM_STATE_SCHEMA = StructType(
+    [
+        StructField("slot", LongType(), False),
+        StructField("queue", StringType()),
+        StructField("stream", StringType()),
+        StructField("last_pos", LongType()),
+        StructField("max_seq", LongType()),
+    ]
+)
+"""Per broker slot and publisher stream: the last log position and highest sequence seen."""
+
+
+def _pick(values: Sequence[Column], slot: Column) -> Column:
+    """values[slot] for a slot column."""
+    return F.element_at(F.array(*values), (slot + 1).cast("int"))
+
+
+def broker_name(brokers: Sequence[str], slot: Column) -> Column:
+    """The broker name of a slot column."""
+    return _pick([F.lit(b) for b in brokers], slot)
+
+
+def _fill_findings(df: DataFrame) -> DataFrame:
+    """Add the findings columns a frame lacks (null) and order them as FINDINGS_SCHEMA."""
+    return df.select(
+        *[
+            (F.col(f.name) if f.name in df.columns else F.lit(None)).cast(f.dataType).alias(f.name)
+            for f in FINDINGS_SCHEMA.fields
+        ]
+    )
+
+
+def rid_epoch(rid: Column) -> Column:
+    """The epoch a replication id was assigned in."""
+    return F.shiftright(rid, EPOCH_SHIFT)
+
+
+def block_of(rid: Column, block_bits: int) -> Column:
+    """The state block of a replication id (its epoch and the high bits of its number)."""
+    return F.shiftright(rid, block_bits)
+
+
+# -- per replication id: mergeable aggregates --------------------------------------------------
+
+
+def partial_aggregates(events: DataFrame, brokers: Sequence[str]) -> DataFrame:
+    """One row of AGGREGATE_SCHEMA per event (merge_aggregates folds them together)."""
+    slot = F.lit(None).cast("long")
+    for i, name in enumerate(brokers):
+        slot = F.when(F.col("broker") == name, F.lit(i)).otherwise(slot)
+    stored = F.col("event") != DEQUEUED
+    pos = F.shiftleft(F.col("segment_seq"), 32).bitwiseOR(F.col("line"))
+    cols: list[Column] = [
+        F.col("replication_id"),
+        F.col("queue"),
+        F.col("message_id"),
+        F.when(stored, F.col("digest")).alias("digest_min"),
+        F.when(stored, F.col("digest")).alias("digest_max"),
+    ]
+    for i in range(SLOTS):
+        here = slot == i
+        cols += [
+            (here & stored).cast("long").alias(f"s{i}"),
+            (here & (F.col("event") == CONFIRMED)).cast("long").alias(f"c{i}"),
+            (here & (F.col("event") == CONFIRMED_ALONE)).cast("long").alias(f"a{i}"),
+            (here & ~stored).cast("long").alias(f"d{i}"),
+            F.when(here & stored, F.col("time")).alias(f"t{i}"),
+            F.when(here & stored, pos).alias(f"p{i}"),
+        ]
+    return events.select(*cols)
+
+
+def merge_aggregates(parts: DataFrame) -> DataFrame:
+    """Fold rows of AGGREGATE_SCHEMA by replication id (sums, minima, maxima: associative)."""
+    aggs = [
+        F.max("queue").alias("queue"),
+        F.max("message_id").alias("message_id"),
+        F.min("digest_min").alias("digest_min"),
+        F.max("digest_max").alias("digest_max"),
+    ]
+    for i in range(SLOTS):
+        aggs += [F.sum(f"{k}{i}").alias(f"{k}{i}") for k in "scad"]
+        aggs += [F.min(f"t{i}").alias(f"t{i}"), F.min(f"p{i}").alias(f"p{i}")]
+    return parts.groupBy("replication_id").agg(*aggs)
+
+
+def message_aggregates(events: DataFrame, brokers: Sequence[str]) -> DataFrame:
+    """AGGREGATE_SCHEMA rows of a set of events."""
+    return merge_aggregates(partial_aggregates(events, brokers))
+
+
+# -- per message: origin, copies, lag -----------------------------------------------------------
+
+
+def classify_messages(aggregates: DataFrame) -> DataFrame:
+    """Per replication id: its origin broker slot, event, confirm time, copies and lag.
+
+    The origin is the broker with a confirmed or confirmed-alone record (the
+    earlier one if, impossibly, both have one); the other slot is the peer.
+    """
+    active = [F.col(f"c{i}") + F.col(f"a{i}") > 0 for i in range(SLOTS)]
+    origin = F.when(active[0] & (~active[1] | (F.col("t0") <= F.col("t1"))), F.lit(0)).when(
+        active[1], F.lit(1)
+    )
+    o = F.col("origin")
+    peer = 1 - o
+
+    def at(name: str, slot: Column) -> Column:
+        return _pick([F.col(f"{name}{i}") for i in range(SLOTS)], slot)
+
+    return (
+        aggregates.withColumn("origin", origin.cast("long"))
+        .withColumn("epoch", rid_epoch(F.col("replication_id")))
+        .withColumn(
+            "origin_event",
+            F.when(o.isNull(), F.lit(None))
+            .when(at("c", o) > 0, CONFIRMED)
+            .otherwise(CONFIRMED_ALONE),
+        )
+        .withColumn("t_confirm", at("t", o))
+        .withColumn("replicated", at("s", peer) > 0)
+        .withColumn("present_elsewhere", at("s", peer) + at("d", peer) > 0)
+        .withColumn("lag", F.when(at("s", peer) > 0, at("t", peer) - at("t", o)))
+        .withColumn("settled", at("d", o) > 0)
+        .withColumn("digest_mismatch", F.col("digest_min") != F.col("digest_max"))
+    )
+
+
+def local_findings(messages: DataFrame, brokers: Sequence[str]) -> DataFrame:
+    """Findings about single messages: unreplicated (lost or not is decided later with the
+    epochs: `classify_unreplicated`), replicated twice, digest mismatch."""
+    unreplicated = messages.where(F.col("origin").isNotNull() & ~F.col("present_elsewhere")).select(
+        F.lit(FindingKind.UNREPLICATED.value).alias("kind"),
+        "queue",
+        broker_name(brokers, F.col("origin")).alias("broker"),
+        "replication_id",
+        "message_id",
+        "epoch",
+        F.col("t_confirm").alias("time"),
+        F.col("origin_event").alias("event"),
+        "settled",
+    )
+    twice = [
+        messages.where(F.col(f"s{i}") > 1).select(
+            F.lit(FindingKind.REPLICATED_TWICE.value).alias("kind"),
+            "queue",
+            F.lit(name).alias("broker"),
+            "replication_id",
+            "message_id",
+            "epoch",
+            F.col(f"t{i}").alias("time"),
+            (F.col(f"s{i}") - 1).alias("copies"),
+        )
+        for i, name in enumerate(brokers)
+    ]
+    mismatch = messages.where(F.col("digest_mismatch")).select(
+        F.lit(FindingKind.DIGEST_MISMATCH.value).alias("kind"),
+        "queue",
+        "replication_id",
+        "message_id",
+        "epoch",
+        F.col("t_confirm").alias("time"),
+    )
+    out = _fill_findings(unreplicated)
+    for frame in [*twice, mismatch]:
+        out = out.unionByName(_fill_findings(frame))
+    return out
+
+
+def classify_unreplicated(findings: DataFrame, peer_last_epoch: dict[str, int]) -> DataFrame:
+    """Unreplicated findings become `lost` where the loss rule holds (docs/audit.md).
+
+    A message confirmed on both disks by broker X in epoch E, of which the
+    other broker has no record at all, is lost once the other broker's log
+    goes past epoch E (a failover happened, and its records of epoch E are
+    all in). `peer_last_epoch` maps each broker to the last epoch of the
+    *other* broker's log.
+    """
+    last = F.lit(None).cast("long")
+    for broker, epoch in peer_last_epoch.items():
+        last = F.when(F.col("broker") == broker, F.lit(epoch)).otherwise(last)
+    lost = (
+        (F.col("kind") == FindingKind.UNREPLICATED.value)
+        & (F.col("event") == CONFIRMED)
+        & (last > F.col("epoch"))
+    )
+    return findings.withColumn(
+        "kind", F.when(lost, F.lit(FindingKind.LOST.value)).otherwise(F.col("kind"))
+    )
+
+
+def lag_histogram(messages: DataFrame, bucket_seconds: float, by: Sequence[str] = ()) -> DataFrame:
+    """Replicated messages' lag as histogram rows (*by, queue, bucket, bin, n, lo, hi).
+
+    Bins grow by LAG_GROWTH from LAG_RESOLUTION (summary.lag_bin); counts add
+    up across blocks and runs, so percentiles come out the same however the
+    messages were split. `bucket` is the start of the confirm's time bucket.
+    """
+    lag = F.col("lag")
+    magnitude = F.abs(lag)
+    index = 1 + F.floor(F.log(magnitude / LAG_RESOLUTION) / F.log(F.lit(LAG_GROWTH)))
+    bin_ = F.when(magnitude < LAG_RESOLUTION, F.lit(0)).otherwise(F.signum(lag) * index)
+    bucket = F.floor(F.col("t_confirm") / bucket_seconds) * bucket_seconds
+    return (
+        messages.where(F.col("origin").isNotNull() & lag.isNotNull())
+        .groupBy(
+            *by, "queue", bucket.cast("double").alias("bucket"), bin_.cast("long").alias("bin")
+        )
+        .agg(F.count("*").alias("n"), F.min(lag).alias("lo"), F.max(lag).alias("hi"))
+    )
+
+
+LAG_SCHEMA = StructType(
+    [
+        StructField("queue", StringType()),
+        StructField("bucket", DoubleType()),
+        StructField("bin", LongType()),
+        StructField("n", LongType()),
+        StructField("lo", DoubleType()),
+        StructField("hi", DoubleType()),
+    ]
+)
+
+
+def queue_counts(messages: DataFrame, by: Sequence[str] = ()) -> DataFrame:
+    """Per queue: messages with an origin record, by event, and how many were replicated."""
+    return (
+        messages.where(F.col("origin").isNotNull())
+        .groupBy(*by, "queue")
+        .agg(
+            F.count("*").alias("messages"),
+            F.sum((F.col("origin_event") == CONFIRMED).cast("long")).alias("confirmed"),
+            F.sum((F.col("origin_event") == CONFIRMED_ALONE).cast("long")).alias("confirmed_alone"),
+            F.sum(F.col("replicated").cast("long")).alias("replicated"),
+        )
+    )
+
+
+COUNTS_SCHEMA = StructType(
+    [
+        StructField("queue", StringType()),
+        StructField("messages", LongType()),
+        StructField("confirmed", LongType()),
+        StructField("confirmed_alone", LongType()),
+        StructField("replicated", LongType()),
+    ]
+)
+
+
+def epoch_stats(events: DataFrame) -> DataFrame:
+    """Per (epoch, broker): records, first and last record, first and last confirm."""
+    confirm = F.col("event").isin(CONFIRMED, CONFIRMED_ALONE)
+    return events.groupBy("epoch", "broker").agg(
+        F.count("*").alias("records"),
+        F.min("time").alias("first_time"),
+        F.max("time").alias("last_time"),
+        F.min(F.when(confirm, F.col("time"))).alias("first_confirm"),
+        F.max(F.when(confirm, F.col("time"))).alias("last_confirm"),
+        F.sum(confirm.cast("long")).alias("confirms"),
+    )
+
+
+# -- across messages: client re-sends and reordering -----------------------------------------
+
+
+def find_resends(messages: DataFrame, brokers: Sequence[str]) -> DataFrame:
+    """Messages whose (queue, message id) was published again under another replication id.
+
+    One finding per extra copy: every replication id of the group but the first.
+    """
+    group = Window.partitionBy("queue", "message_id")
+    return _fill_findings(
+        messages.where(F.col("origin").isNotNull() & F.col("message_id").isNotNull())
+        .withColumn("first_replication_id", F.min("replication_id").over(group))
+        .withColumn("group_size", F.count("*").over(group))
+        .where(F.col("replication_id") != F.col("first_replication_id"))
+        .select(
+            F.lit(FindingKind.RESENT.value).alias("kind"),
+            "queue",
+            broker_name(brokers, F.col("origin")).alias("broker"),
+            "replication_id",
+            "message_id",
+            "epoch",
+            F.col("t_confirm").alias("time"),
+            F.col("origin_event").alias("event"),
+            (F.col("group_size") - 1).alias("copies"),
+            "first_replication_id",
+        )
+    )
+
+
+def stream_copies(aggregates: DataFrame, pattern: str) -> DataFrame:
+    """Every stored copy (broker slot, replication id) with its publisher stream and sequence.
+
+    A message id matching `pattern` (groups: stream, sequence number) puts the
+    copy in that publisher's stream; any other message is in its queue's
+    unnamed stream "" with its replication id as the sequence.
+    """
+    stream = F.regexp_extract(F.col("message_id"), pattern, 1)
+    numbered = F.col("message_id").isNotNull() & (stream != "")
+    seq = F.when(numbered, F.regexp_extract(F.col("message_id"), pattern, 2).cast("long"))
+    copies = [
+        aggregates.where(F.col(f"s{i}") > 0).select(
+            F.lit(i).cast("long").alias("slot"),
+            "queue",
+            F.when(numbered, stream).otherwise(F.lit("")).alias("stream"),
+            F.coalesce(seq, F.col("replication_id")).alias("seq"),
+            F.col(f"p{i}").alias("pos"),
+            "replication_id",
+            "message_id",
+            F.col(f"t{i}").alias("time"),
+        )
+        for i in range(SLOTS)
+    ]
+    return copies[0].unionByName(copies[1])
+
+
+def find_reorders(
+    copies: DataFrame, state: DataFrame, brokers: Sequence[str]
+) -> tuple[DataFrame, DataFrame]:
+    """Copies stored after a higher sequence number of their stream on the same broker.
+
+    `copies` are the copies first seen in this run; `state` (STREAM_STATE_SCHEMA)
+    summarizes the copies of earlier runs, which all come earlier in each
+    broker's log. Returns the findings and the new state.
+    """
+    keys = ["slot", "queue", "stream"]
+    before = Window.partitionBy(*keys).orderBy("pos").rowsBetween(Window.unboundedPreceding, -1)
+    checked = (
+        copies.withColumn("prev_max", F.max("seq").over(before))
+        .join(state.select(*keys, F.col("max_seq").alias("state_max")), keys, "left")
+        .withColumn("after_seq", F.greatest("prev_max", "state_max"))
+    )
+    findings = _fill_findings(
+        checked.where(F.col("seq") < F.col("after_seq")).select(
+            F.lit(FindingKind.REORDERED.value).alias("kind"),
+            "queue",
+            broker_name(brokers, F.col("slot")).alias("broker"),
+            "replication_id",
+            "message_id",
+            rid_epoch(F.col("replication_id")).alias("epoch"),
+            "time",
+            "stream",
+            "seq",
+            "after_seq",
+        )
+    )
+    new_state = (
+        state.unionByName(
+            copies.groupBy(*keys).agg(F.max("pos").alias("last_pos"), F.max("seq").alias("max_seq"))
+        )
+        .groupBy(*keys)
+        .agg(F.max("last_pos").alias("last_pos"), F.max("max_seq").alias("max_seq"))
+    )
+    return findings, new_state
