@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from twinmq.broker import metrics
@@ -32,6 +33,7 @@ from twinmq.broker.replication.protocol import (
     encode_u64,
     proof,
 )
+from twinmq.broker.replication.source import PING_INTERVAL
 
 if TYPE_CHECKING:
     from twinmq.broker.server import Broker
@@ -81,7 +83,10 @@ class ReplicaClient:
         self.connected_since: float | None = None
         self.lost_at: float | None = None
         self.last_received = 0.0
-        self._last_contact = 0.0  # time.monotonic() of the last frame from the active
+        # time.monotonic() at which we sent the newest ping the active has echoed
+        self._last_contact = 0.0
+        self._ping_seq = 0
+        self._pings: dict[int, float] = {}  # ping number -> time.monotonic() sent
         self.pending_ops = 0
         self._oldest_pending: float | None = None
         self._task: asyncio.Task[None] | None = None
@@ -101,13 +106,16 @@ class ReplicaClient:
 
     @property
     def ready(self) -> bool:
-        """Promotable without loss: caught up, and heard from the active recently.
+        """Promotable without loss: caught up, and in touch with the active (a lease).
 
-        The active goes on alone once its passive has been silent or gone for
-        `replication_timeout` seconds: from then on it may confirm messages this
-        broker never gets. So a passive that has not heard from the active for
-        that long (a cut link, a dead or paused active) no longer claims to be
-        ready; within that time it still does (the active cannot have left it behind).
+        The active goes on alone once its passive has been silent, stalled or
+        gone for `replication_timeout` seconds: from then on it may confirm
+        messages this broker never gets. The active echoes our pings only while
+        it counts on us, and never goes on alone sooner than `replication_timeout`
+        after its last echo; so we are ready until `replication_timeout` after
+        sending the newest ping it echoed. Measured from our own sending, not
+        from receiving: a slow link or a pause of ours cannot make stale news
+        look fresh.
         """
         timeout = self.broker.settings.replication_timeout
         return self.caught_up and time.monotonic() - self._last_contact < timeout
@@ -177,7 +185,6 @@ class ReplicaClient:
                 if not data:
                     raise ConnectionError("the active closed the link")
                 self.last_received = time.time()
-                self._last_contact = time.monotonic()
                 frames.extend(decoder.feed(data))
             return frames.popleft()
 
@@ -223,6 +230,26 @@ class ReplicaClient:
         )
         committer = broker.committer
         committer.await_durable(session)
+        pinger = asyncio.get_running_loop().create_task(self._ping(writer))
+        try:
+            await self._apply(next_frame, session)
+        finally:
+            pinger.cancel()
+
+    async def _ping(self, writer: asyncio.StreamWriter) -> None:
+        """Ping the active every PING_INTERVAL / 2; its echoes renew our readiness."""
+        while True:
+            self._ping_seq += 1
+            self._pings[self._ping_seq] = time.monotonic()
+            self._pings.pop(self._ping_seq - 64, None)
+            writer.write(encode_u64(FrameType.PING, self._ping_seq))
+            await asyncio.sleep(PING_INTERVAL / 2)
+
+    async def _apply(
+        self, next_frame: Callable[[], Awaitable[tuple[FrameType, bytes]]], session: _Session
+    ) -> None:
+        broker = self.broker
+        committer = broker.committer
         while True:
             ftype, payload = await next_frame()
             if ftype is FrameType.BATCH:
@@ -254,5 +281,10 @@ class ReplicaClient:
                 metrics.REPLICATION_READY.set(0)
                 broker.learn_epoch(refuse.epoch, f"active at {self.address}")
                 return
-            elif ftype is not FrameType.PING:
+            elif ftype is FrameType.PING:
+                if payload:  # the echo of one of our pings
+                    sent = self._pings.get(decode_u64(payload))
+                    if sent is not None:
+                        self._last_contact = max(self._last_contact, sent)
+            else:
                 raise ProtocolError(f"unexpected {ftype.name} from the active")

@@ -59,6 +59,7 @@ class SourceLink:
         self.closed = False
         self.attached_at = time.time()
         self.last_progress = time.monotonic()
+        self.last_echo = 0.0  # time.monotonic() of the last ping echoed to the passive
         self.sent_batches: list[tuple[int, int, float]] = []  # (batch, ops, sent at)
 
     def send_batch(self, batch: int, ops: list[JournalOp]) -> None:
@@ -75,6 +76,20 @@ class SourceLink:
     def sent_last(self) -> int:
         """The newest batch sent."""
         return self.sent_batches[-1][0] if self.sent_batches else self.catchup_batch
+
+    def echo(self, payload: bytes, timeout: float) -> None:
+        """Answer the passive's ping: it renews the passive's readiness (its lease).
+
+        Not while the passive lags half a timeout behind: its lease must run
+        out before we may go on alone (check_stall waits `timeout` after the
+        last echo too).
+        """
+        now = time.monotonic()
+        lagging = self.acked < self.sent_last() and now - self.last_progress > timeout / 2
+        if self.closed or lagging:
+            return
+        self.last_echo = now
+        self.writer.write(encode(FrameType.PING, payload))
 
     def send_definitions(self, definitions: Definitions) -> None:
         """Stream a topology change."""
@@ -147,7 +162,7 @@ class ReplicationSource:
             return
         if link.acked >= link.sent_last():
             return
-        stalled = time.monotonic() - link.last_progress
+        stalled = time.monotonic() - max(link.last_progress, link.last_echo)
         if stalled > self.broker.settings.replication_timeout:
             log.warning(
                 "passive %s stalled for %.1fs with %d ops unacknowledged: continuing alone",
@@ -232,7 +247,10 @@ class ReplicationSource:
                     log.warning("passive %s refused the link: %s", peer_text, refuse.reason)
                     self.broker.learn_epoch(refuse.epoch, f"passive {peer_text}")
                     return
-                elif ftype is not FrameType.PING:
+                elif ftype is FrameType.PING:
+                    if payload:
+                        link.echo(payload, self.broker.settings.replication_timeout)
+                else:
                     raise ProtocolError(f"unexpected {ftype.name} from a passive")
         except (TimeoutError, ConnectionError, ProtocolError, ValueError) as exc:
             log.info("replication link from %s closed: %s", peer_text, exc or type(exc).__name__)
