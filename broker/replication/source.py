@@ -306,7 +306,11 @@ class ReplicationSource:
         last = committer.flush_now()
         plan = plan_catchup(vhost.live_messages(), snapshot.queues)
         if self.link is not None:
-            self.detach(f"replaced by a new link from {hello.name}")
+            # Not detach(): that drops the guard, confirming what no passive has yet.
+            log.info("dropping passive %s: replaced by a new link", self.link.name)
+            self._unhook(self.link)
+            self.link.close()
+            self.link = None
         link = SourceLink(peer, hello.name, writer, last)
         writer.write(encode(FrameType.DEFINITIONS, vhost.definitions()))
         buf = bytearray()
