@@ -161,14 +161,14 @@ def post_role(
         return exc.code, json.loads(exc.read() or b"{}")
 
 
-def queue_counts(data: dict[str, Any] | None, queue: str) -> tuple[int, int] | None:
-    """(ready, unacked) of `queue` in a status, None if absent."""
+def queue_counts(data: dict[str, Any] | None, *queues: str) -> tuple[int, int] | None:
+    """(ready, unacked) over `queues` in a status, None if one is absent."""
     if data is None:
         return None
-    for q in data["queues"]:
-        if q["name"] == queue:
-            return int(q["messages"]), int(q["unacked"])
-    return None
+    found = {q["name"]: (int(q["messages"]), int(q["unacked"])) for q in data["queues"]}
+    if any(name not in found for name in queues):
+        return None
+    return sum(found[n][0] for n in queues), sum(found[n][1] for n in queues)
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
@@ -389,12 +389,12 @@ class Producer:
     """Publishes numbered persistent messages with confirms, `window` unconfirmed at most."""
 
     def __init__(
-        self, name: str, addresses: list[str], queue: str, *, window: int, interval: float,
-        padding: int,
+        self, name: str, addresses: list[str], queues: list[str], *, window: int,
+        interval: float, padding: int,
     ) -> None:  # fmt: skip
         self.log = ProducerLog(name)
         self.addresses = addresses
-        self.queue = queue
+        self.queues = queues
         self.window = window
         self.interval = interval
         self.padding = padding
@@ -426,7 +426,8 @@ class Producer:
             self._room.set()
             try:
                 client.on_confirm = self._on_confirm
-                await client.queue_declare(self.queue)
+                for queue in self.queues:
+                    await client.queue_declare(queue)
                 await client.confirm_select()
                 await self._publish(client)
                 # Stopping: give the last publishes a chance to be confirmed.
@@ -452,7 +453,8 @@ class Producer:
             number = self._next
             self._next += 1
             self.log.sent.add(number)
-            tag = client.publish(self.queue, encode_body(self.log.name, number, self.padding))
+            queue = self.queues[number % len(self.queues)]
+            tag = client.publish(queue, encode_body(self.log.name, number, self.padding))
             self._outstanding[tag] = number
             await client.drain()
             if self.interval:
@@ -473,10 +475,10 @@ class Producer:
 class Consumer:
     """Consumes with acks; records every body it is delivered."""
 
-    def __init__(self, name: str, addresses: list[str], queue: str, prefetch: int) -> None:
+    def __init__(self, name: str, addresses: list[str], queues: list[str], prefetch: int) -> None:
         self.name = name
         self.addresses = addresses
-        self.queue = queue
+        self.queues = queues
         self.prefetch = prefetch
         self.received: list[bytes] = []
         self.stopping = False
@@ -495,9 +497,10 @@ class Consumer:
                 continue
             self.connections += 1
             try:
-                await client.queue_declare(self.queue)
                 await client.qos(self.prefetch)
-                await client.consume(self.queue)
+                for queue in self.queues:
+                    await client.queue_declare(queue)
+                    await client.consume(queue)
                 await self._consume(client)
                 await client.close()
             except ClientError:
@@ -524,7 +527,7 @@ class Workload:
     def __init__(
         self,
         addresses: list[str],
-        queue: str = "jepsen",
+        queues: int = 2,
         *,
         producers: int = 3,
         consumers: int = 2,
@@ -533,13 +536,18 @@ class Workload:
         padding: int = 100,
         prefetch: int = 50,
     ) -> None:
-        self.queue = queue
+        self.queues = [f"jepsen-{i}" for i in range(queues)]
         self.producers = [
-            Producer(f"p{i}", addresses, queue, window=window, interval=interval, padding=padding)
+            Producer(
+                f"p{i}", addresses, self.queues, window=window, interval=interval, padding=padding
+            )
             for i in range(producers)
         ]
-        self.consumers = [Consumer(f"c{i}", addresses, queue, prefetch) for i in range(consumers)]
+        self.consumers = [
+            Consumer(f"c{i}", addresses, self.queues, prefetch) for i in range(consumers)
+        ]
         self._tasks: list[asyncio.Task[None]] = []
+        self.passive_left: tuple[int, int] | None = None  # (ready, unacked) at the end
 
     def start(self) -> None:
         """Start every client task (on the running loop)."""
@@ -565,7 +573,7 @@ class Workload:
         await asyncio.wait_for(asyncio.gather(*self._tasks[: len(self.producers)]), within)
 
         def drained() -> bool:
-            counts = queue_counts(status(pair.active), self.queue)
+            counts = queue_counts(status(pair.active), *self.queues)
             idle = min(time.monotonic() - c.last_delivery for c in self.consumers)
             return counts == (0, 0) and idle > 1.0
 
@@ -573,6 +581,14 @@ class Workload:
         for consumer in self.consumers:
             consumer.stopping = True
         await asyncio.wait_for(asyncio.gather(*self._tasks), within)
+
+        # The passive must have followed every dequeue: its queues end empty too.
+        def passive_left() -> tuple[int, int] | None:
+            self.passive_left = queue_counts(status(pair.passive), *self.queues)
+            return None if self.passive_left != (0, 0) else self.passive_left
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.to_thread(wait_for, passive_left, 15, "passive drained", 0.2)
 
     def verdict(self) -> Verdict:
         """Run the checker over what the clients saw."""
@@ -594,6 +610,8 @@ FAULTS = (
     "restart-passive-mid-catchup",
     "failover-link-down",
     "replace-paused-active",
+    "slow-link",
+    "failover-slow-link",
 )
 
 
@@ -654,6 +672,30 @@ class Nemesis:
         pair.link.cut() if self.rng.random() < 0.5 else pair.link.partition()
         held = self._hold(0.1, pair.replication_timeout * 3)
         pair.note(f"replication link down for {held:.2f}s")
+        if not pair.failover(ready_timeout=2 * pair.replication_timeout):
+            self.log.promotions_refused += 1
+        pair.link.heal()
+        self.workload.pause_consumers(False)
+
+    def slow_link(self) -> None:
+        """Delay everything on the replication link for a while (below and above the timeout)."""
+        self._traffic()
+        pair = self.pair
+        latency = self.rng.uniform(0.05, 2.0) * pair.replication_timeout
+        pair.link.delay(latency)
+        held = self._hold(pair.replication_timeout, 3 * pair.replication_timeout)
+        pair.link.heal()
+        pair.note(f"replication link delayed {latency:.2f}s for {held:.2f}s")
+
+    def failover_slow_link(self) -> None:
+        """A link slower than the timeout: the active goes on alone, then dies."""
+        self._traffic()
+        pair = self.pair
+        self.workload.pause_consumers(True)
+        latency = self.rng.uniform(1.5, 3.0) * pair.replication_timeout
+        pair.link.delay(latency)
+        held = self._hold(1.5 * pair.replication_timeout, 3 * pair.replication_timeout)
+        pair.note(f"replication link delayed {latency:.2f}s for {held:.2f}s")
         if not pair.failover(ready_timeout=2 * pair.replication_timeout):
             self.log.promotions_refused += 1
         pair.link.heal()
@@ -725,10 +767,10 @@ class Nemesis:
         workload.pause_consumers(True)
         passive = pair.passive
         passive.kill()
-        start = queue_counts(status(pair.active), workload.queue) or (0, 0)
+        start = queue_counts(status(pair.active), *workload.queues) or (0, 0)
         wait_for(
             lambda: (
-                (c := queue_counts(status(pair.active), workload.queue)) is not None
+                (c := queue_counts(status(pair.active), *workload.queues)) is not None
                 and c[0] >= start[0] + backlog
             ),
             60,
@@ -771,6 +813,7 @@ class Report:
     epoch: int
     producer_connections: int
     consumer_connections: int
+    passive_left: tuple[int, int] | None  # messages left on the passive after the drain
 
     def text(self) -> str:
         """A printable report."""
@@ -784,6 +827,7 @@ class Report:
             f"client connections: producers {self.producer_connections}, "
             f"consumers {self.consumer_connections}",
             self.verdict.summary(),
+            f"left on the passive after the drain (ready, unacked): {self.passive_left}",
         ]
         if self.verdict.lost:
             lines.append(f"LOST: {self.verdict.lost[:50]}")
@@ -831,4 +875,5 @@ async def run_suite(pair: Pair, faults: list[str], seed: int, **workload: Any) -
         epoch=pair.epoch,
         producer_connections=sum(p.log.connections for p in load.producers),
         consumer_connections=sum(c.connections for c in load.consumers),
+        passive_left=load.passive_left,
     )

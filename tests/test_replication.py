@@ -24,6 +24,17 @@ from pika.adapters.blocking_connection import BlockingChannel
 from rawamqp import RawClient, handshake_frames
 
 from twinmq.broker.launcher import BrokerProcess
+from twinmq.broker.replication.protocol import (
+    Challenge,
+    FrameDecoder,
+    FrameType,
+    Hello,
+    Snapshot,
+    decode_u64,
+    encode,
+    encode_u64,
+    proof,
+)
 
 QUEUE = "replicated"
 TOKEN = Pair.TOKEN
@@ -353,3 +364,81 @@ def test_restarted_broker_routes_to_its_recovered_queues(tmp_path: Path) -> None
     with broker.start():
         publish(broker, [b"after"])
         assert drain(broker) == [b"before", b"after"]
+
+
+@pytest.mark.parametrize("pair", [30.0], indirect=True)
+def test_a_passive_replacing_its_old_link_does_not_release_confirms(pair: Pair) -> None:
+    """A passive that reconnects before the active saw its old link die replaces it;
+    what waited for the old link must then wait for the new one, not be confirmed."""
+    active, passive = pair.active, pair.passive
+
+    async def scenario() -> None:
+        client = await AMQPClient.connect(f"{active.host}:{active.port}", heartbeat=0)
+        confirms: list[int] = []
+        confirmed = asyncio.Event()
+
+        def on_confirm(tag: int, multiple: bool, ack: bool) -> None:
+            confirms.append(tag)
+            confirmed.set()
+
+        client.on_confirm = on_confirm
+        await client.queue_declare(QUEUE)
+        await client.confirm_select()
+        client.publish(QUEUE, b"first")
+        await asyncio.wait_for(confirmed.wait(), 5)
+        passive.signal(signal.SIGSTOP)  # its link stays up but never acknowledges again
+        durable = _durable_batch(active)
+        client.publish(QUEUE, b"pending")
+        await asyncio.to_thread(
+            wait_for, lambda: _durable_batch(active) > durable, 5, "pending on the active's disk"
+        )
+        # A second passive (the same one, reconnecting, as far as the active knows).
+        reader, writer = await asyncio.open_connection(active.host, active.replication_port)
+        frames = _ReplicationFrames(reader)
+        challenge = Challenge.model_validate_json(await frames.expect(FrameType.CHALLENGE))
+        hello = Hello(name="b", epoch=1, proof=proof(TOKEN, challenge.nonce))
+        writer.write(encode(FrameType.HELLO, hello))
+        writer.write(encode(FrameType.SNAPSHOT, Snapshot()))
+        caught_up = decode_u64(await frames.expect(FrameType.CAUGHT_UP))
+        await client.qos(10)  # a confirm released by the replacement would precede qos-ok
+        assert confirms == [1], "a publish was confirmed with no passive holding it"
+        writer.write(encode_u64(FrameType.ACK, caught_up))
+        await asyncio.wait_for(_wait_for_confirm(confirms, 2), 5)
+        writer.close()
+        await client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        passive.signal(signal.SIGCONT)
+
+
+def _durable_batch(broker: BrokerProcess) -> int:
+    data = status(broker)
+    assert data is not None
+    return int(data["journal"]["durable_batch"])
+
+
+class _ReplicationFrames:
+    """The frames a (fake) passive reads from the active."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self.decoder = FrameDecoder()
+        self.frames: list[tuple[FrameType, bytes]] = []
+
+    async def expect(self, wanted: FrameType) -> bytes:
+        """The payload of the next `wanted` frame (other frames are skipped)."""
+        while True:
+            while not self.frames:
+                data = await asyncio.wait_for(self.reader.read(65536), 5)
+                assert data, "the active closed the replication link"
+                self.frames.extend(self.decoder.feed(data))
+            ftype, payload = self.frames.pop(0)
+            if ftype is wanted:
+                return payload
+
+
+async def _wait_for_confirm(confirms: list[int], tag: int) -> None:
+    while tag not in confirms:  # noqa: ASYNC110 - the confirm callback sets no event here
+        await asyncio.sleep(0.01)

@@ -83,6 +83,7 @@ def _assert_sound(report: Report) -> None:
     assert not verdict.lost, f"confirmed messages lost: {verdict.lost[:50]}"
     assert not verdict.unexpected, f"unexpected messages: {verdict.unexpected[:20]}"
     assert verdict.confirmed > 0
+    assert report.passive_left == (0, 0), "the passive did not follow every dequeue"
 
 
 @pytest.mark.timeout(180)
