@@ -1,0 +1,154 @@
+"""`twinmq audit` runs the replication audit; `twinmq audit-ship` ships a broker's segments.
+
+    twinmq audit --store URL [--master local[*]] [--full] [--json]
+    twinmq audit-ship --store URL --audit-dir DATA_DIR/audit [--every SECONDS]
+
+Exit codes of `audit`: 0 PASS, 1 FAIL, 2 error. The same entry point serves
+`spark-apps/replication_audit.py` under `spark-submit` (where spark-submit
+chooses the master). Configuration is read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+
+log = logging.getLogger("twinmq.audit")
+
+
+def _audit_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from twinmq.audit.transforms import DEFAULT_STREAM_PATTERN
+
+    parser.add_argument("--store", required=True, help="audit store URL: a path, file:// or s3://")
+    parser.add_argument(
+        "--master",
+        default=None,
+        help="Spark master (default: spark-submit's, else local[*])",
+    )
+    parser.add_argument(
+        "--full", action="store_true", help="ignore the watermark: audit every segment again"
+    )
+    parser.add_argument("--block-bits", type=int, default=16, help="state block size (2^bits ids)")
+    parser.add_argument(
+        "--bucket-seconds", type=float, default=60.0, help="time bucket of lag over time"
+    )
+    parser.add_argument(
+        "--stream-pattern",
+        default=DEFAULT_STREAM_PATTERN,
+        help="regex on message ids: group 1 the publisher stream, group 2 its sequence number",
+    )
+    parser.add_argument(
+        "--conf", action="append", default=[], metavar="KEY=VALUE", help="Spark configuration"
+    )
+    parser.add_argument("--work-dir", type=Path, help="local copies for an S3 store without s3a")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return parser
+
+
+def _ship_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--store", required=True, help="audit store URL: a path, file:// or s3://")
+    parser.add_argument(
+        "--audit-dir", required=True, type=Path, help="the broker's <data-dir>/audit"
+    )
+    parser.add_argument("--broker", help="ship only this broker's segments")
+    parser.add_argument("--every", type=float, default=0.0, help="repeat every N seconds (0: once)")
+    return parser
+
+
+def audit_main(argv: Sequence[str] | None = None) -> int:
+    """`twinmq audit`: one audit run; the exit code is the verdict."""
+    args = _audit_parser(argparse.ArgumentParser(prog="twinmq audit")).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        from twinmq.audit.job import AuditParams, build_session, run_audit, summary_json
+        from twinmq.audit.store import Store
+        from twinmq.audit.summary import Verdict
+
+        conf = dict(kv.split("=", 1) for kv in args.conf)
+        master = args.master
+        if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
+            master = "local[*]"  # not under spark-submit: the embedded default
+        if master and master.startswith("local"):
+            conf.setdefault("spark.driver.memory", "3g")
+            conf.setdefault("spark.ui.enabled", "false")
+            conf.setdefault("spark.sql.shuffle.partitions", str(2 * (os.cpu_count() or 1)))
+        spark = build_session(master, conf=conf)
+        params = AuditParams(
+            block_bits=args.block_bits,
+            bucket_seconds=args.bucket_seconds,
+            stream_pattern=args.stream_pattern,
+        )
+        store = Store(args.store)
+        summary = run_audit(spark, store, params, full=args.full, work_dir=args.work_dir)
+    except Exception:
+        log.exception("audit failed")
+        return EXIT_ERROR
+    if args.json:
+        print(summary_json(summary))
+    else:
+        t = summary.totals
+        print(
+            f"{summary.verdict.value}: {t.messages} messages, lost {t.lost}, "
+            f"resent {t.resent}, replicated twice {t.replicated_twice}, "
+            f"reordered {t.reordered}, digest mismatches {t.digest_mismatch}, "
+            f"unreplicated at end {t.unreplicated_at_end} "
+            f"(by design {t.unreplicated_by_design})"
+        )
+        if summary.lag is not None:
+            lag = summary.lag
+            print(
+                f"lag p50 {lag.p50:.6f}s p95 {lag.p95:.6f}s p99 {lag.p99:.6f}s "
+                f"max {lag.max:.6f}s over {lag.count} messages"
+            )
+        for f in summary.failovers:
+            print(f"failover e{f.from_epoch}->e{f.to_epoch} {f.from_active}->{f.to_active}, "
+                  f"gap {f.gap_seconds}s")  # fmt: skip
+        for reason in summary.failures:
+            print(f"FAIL: {reason}")
+        print(f"{summary.mode} run {summary.run_id}: {summary.segments_read} segments, "
+              f"{summary.events_read} events in {summary.seconds:.1f}s; "
+              f"findings: {summary.findings_path}")  # fmt: skip
+    return EXIT_PASS if summary.verdict == Verdict.PASS else EXIT_FAIL
+
+
+def ship_main(argv: Sequence[str] | None = None) -> int:
+    """`twinmq audit-ship`: ship closed segments (once, or every N seconds)."""
+    args = _ship_parser(argparse.ArgumentParser(prog="twinmq audit-ship")).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from twinmq.audit.store import Store, ship
+
+    store = Store(args.store)
+    while True:
+        try:
+            report = ship(args.audit_dir, store, broker=args.broker)
+            log.info("shipped %d segments (%d already)", len(report.shipped), len(report.already))
+        except Exception:
+            log.exception("shipping failed")
+            if not args.every:
+                return EXIT_ERROR
+        if not args.every:
+            return EXIT_PASS
+        time.sleep(args.every)
+
+
+COMMANDS = {"audit": audit_main, "audit-ship": ship_main}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`twinmq <command> ...`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: twinmq {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+        return EXIT_ERROR
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
