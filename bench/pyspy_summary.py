@@ -19,6 +19,9 @@ _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 # (file suffix, function or "*") -> stage; the leaf-most match of a stack wins.
 STAGES: list[tuple[str, str, str]] = [
     ("prometheus_client/", "*", "metrics (prometheus-client)"),
+    ("broker/auditlog.py", "*", "audit log (JSON record per op, body digest)"),
+    ("broker/dedup.py", "*", "dedup window (message ids)"),
+    ("broker/replication/", "*", "replication source"),
     ("broker/metrics.py", "*", "metrics (prometheus-client)"),
     ("broker/server.py", "data_received", "frame in"),
     ("broker/connection.py", "receive_data", "frame in"),

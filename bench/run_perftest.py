@@ -806,16 +806,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated: persistent, transient, fanout (all)",
     )
     p.add_argument("--brokers", default="twinmq,rabbitmq", help="twinmq,rabbitmq (both)")
-    p.add_argument("--producers", type=int, default=2, help="producers, persistent/transient (2)")
-    p.add_argument("--consumers", type=int, default=2, help="consumers, persistent/transient (2)")
+    p.add_argument("--producers", type=int, default=1, help="producers, persistent/transient (1)")
+    p.add_argument("--consumers", type=int, default=1, help="consumers, persistent/transient (1)")
     p.add_argument("--confirm", type=int, default=2000, help="confirm window (2000)")
     p.add_argument("--size", type=int, default=1000, help="message body bytes (1000)")
     p.add_argument("--qos", type=int, default=0, help="consumer prefetch (0: PerfTest default)")
     p.add_argument("--fanout-queues", type=int, default=4, help="queues/consumers in fan-out (4)")
     p.add_argument(
         "--sweep",
-        default="",
-        help="extra persistent runs, e.g. 1x1,4x4 (producers x consumers)",
+        default="2x2,4x4,8x8",
+        help="extra persistent runs, producers x consumers ('' for none; 2x2,4x4,8x8)",
     )
     p.add_argument("--repeat", type=int, default=1, help="runs per case, order alternated (1)")
     p.add_argument("--idle-connections", type=int, default=1000, help="0 skips (1000)")
