@@ -280,10 +280,12 @@ def _run(
     spark: SparkSession, io: SparkIO, params: AuditParams, force_full: bool, started: float
 ) -> AuditSummary:
     store = io.store
-    old = None if force_full else Manifest.load(store)
+    stored = Manifest.load(store)
+    old = None if force_full else stored
     segments = store.segments()
     full, new_segments = plan_segments(segments, old, params)
     manifest = Manifest(params=params.fingerprint()) if full or old is None else old
+    manifest.runs = stored.runs if stored is not None else []  # the history of results stays
     for name in sorted({s.broker for s in segments}):
         if name not in manifest.brokers:
             manifest.brokers.append(name)

@@ -60,7 +60,7 @@ def bin_value(index: int) -> float:
     """A bin's representative lag: the geometric middle of its bounds (0 for bin 0)."""
     if index == 0:
         return 0.0
-    magnitude = LAG_RESOLUTION * LAG_GROWTH ** (abs(index) - 0.5)
+    magnitude = LAG_RESOLUTION * math.pow(LAG_GROWTH, abs(index) - 0.5)
     return magnitude if index > 0 else -magnitude
 
 
