@@ -54,6 +54,10 @@ class _Session:
 
     def durable(self, batch: int, failed: bool = False) -> bool:
         """Local batches up to `batch` are on disk: acknowledge the active's batches."""
+        if self.alive and self.writer.transport.is_closing():
+            # Reset by the active before our reader noticed: writing would raise (uvloop)
+            # inside group commit's sync task and end it (no more acks, ever).
+            self.alive = False
         if not self.alive:
             return False
         acked: int | None = None  # batch 0 (an empty catch-up) is acknowledged too
@@ -159,7 +163,8 @@ class ReplicaClient:
             session = _Session(self, writer)
             try:
                 await self._replicate(reader, writer, session)
-            except (TimeoutError, ConnectionError, ProtocolError, ValueError) as exc:
+            except (TimeoutError, ConnectionError, ProtocolError, ValueError, RuntimeError) as exc:
+                # RuntimeError: uvloop refuses a write to a transport the active just reset.
                 log.warning(
                     "replication link to %s lost: %s", self.address, exc or type(exc).__name__
                 )
@@ -238,7 +243,7 @@ class ReplicaClient:
 
     async def _ping(self, writer: asyncio.StreamWriter) -> None:
         """Ping the active every PING_INTERVAL / 2; its echoes renew our readiness."""
-        while True:
+        while not writer.transport.is_closing():
             self._ping_seq += 1
             self._pings[self._ping_seq] = time.monotonic()
             self._pings.pop(self._ping_seq - 64, None)

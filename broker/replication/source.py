@@ -62,15 +62,27 @@ class SourceLink:
         self.last_echo = 0.0  # time.monotonic() of the last ping echoed to the passive
         self.sent_batches: list[tuple[int, int, float]] = []  # (batch, ops, sent at)
 
+    def write(self, data: bytes) -> bool:
+        """Send to the passive; False once the link is gone.
+
+        The peer may have reset the connection before our reader noticed: a
+        closed transport raises on write (uvloop), and that must not escape
+        into group commit, a topology change or the ping loop.
+        """
+        if self.closed or self.writer.transport.is_closing():
+            return False
+        self.writer.write(data)
+        return True
+
     def send_batch(self, batch: int, ops: list[JournalOp]) -> None:
         """Stream one journaled batch."""
-        if self.closed:
+        if self.closed or self.writer.transport.is_closing():
             return
         if self.acked >= self.sent_last():
             self.last_progress = time.monotonic()  # the clock for a stall starts now
         buf = bytearray()
         encode_ops(ops, buf)
-        self.writer.write(encode_batch(batch, 0, buf))
+        self.write(encode_batch(batch, 0, buf))
         self.sent_batches.append((batch, len(ops), time.time()))
 
     def sent_last(self) -> int:
@@ -89,12 +101,11 @@ class SourceLink:
         if self.closed or lagging:
             return
         self.last_echo = now
-        self.writer.write(encode(FrameType.PING, payload))
+        self.write(encode(FrameType.PING, payload))
 
     def send_definitions(self, definitions: Definitions) -> None:
         """Stream a topology change."""
-        if not self.closed:
-            self.writer.write(encode(FrameType.DEFINITIONS, definitions))
+        self.write(encode(FrameType.DEFINITIONS, definitions))
 
     def on_ack(self, batch: int) -> None:
         """The passive has everything up to `batch` on disk."""
@@ -122,12 +133,11 @@ class SourceLink:
     def close(self, refuse: Refuse | None = None) -> None:
         """Drop the connection; with `refuse`, tell the passive why (after what is queued)."""
         if not self.closed:
-            self.closed = True
-            if refuse is None:
+            if refuse is None or not self.write(encode(FrameType.REFUSE, refuse)):
                 self.writer.transport.abort()
             else:
-                self.writer.write(encode(FrameType.REFUSE, refuse))
                 self.writer.close()
+            self.closed = True
 
 
 class ReplicationSource:
@@ -252,7 +262,8 @@ class ReplicationSource:
                         link.echo(payload, self.broker.settings.replication_timeout)
                 else:
                     raise ProtocolError(f"unexpected {ftype.name} from a passive")
-        except (TimeoutError, ConnectionError, ProtocolError, ValueError) as exc:
+        except (TimeoutError, ConnectionError, ProtocolError, ValueError, RuntimeError) as exc:
+            # RuntimeError: uvloop refuses a write to a transport the passive just reset.
             log.info("replication link from %s closed: %s", peer_text, exc or type(exc).__name__)
         finally:
             if link is not None:
@@ -341,8 +352,8 @@ class ReplicationSource:
                 # This broker itself did not run (SIGSTOP, a frozen host): the passive's
                 # silence meanwhile is not its stall. Give it a full timeout from now.
                 link.last_progress = time.monotonic()
-            if link is not None and not link.closed:
-                link.writer.write(encode(FrameType.PING))
+            if link is not None:
+                link.write(encode(FrameType.PING))
             self.check_stall()
 
     async def close(self) -> None:
