@@ -155,7 +155,13 @@ class GroupCommitter:
             if self.audit is not None and not failed:
                 self.audit.batch_complete(ops, self.guarded)
         for waiter in list(self._waiters):
-            if not waiter.durable(complete, failed):
+            try:
+                waiting = waiter.durable(complete, failed)
+            except Exception:
+                # One broken waiter must not end the sync task: every confirm would hang.
+                log.exception("durability waiter %r failed: dropping it", waiter)
+                waiting = False
+            if not waiting:
                 self._waiters.discard(waiter)
 
     async def _sync_loop(self) -> None:
