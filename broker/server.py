@@ -26,6 +26,7 @@ from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.epoch import EpochStore, first_mid
 from twinmq.broker.errors import ReplyCode, StaleEpoch
 from twinmq.broker.journal import Journal
+from twinmq.broker.lease import LeaseKeeper
 from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.replication.source import ReplicationSource
 from twinmq.broker.settings import BrokerSettings
@@ -217,6 +218,7 @@ class Broker:
                 segment_seconds=settings.audit_segment_seconds,
             )
         self.source = ReplicationSource(self)
+        self.lease = LeaseKeeper.from_environment(self)
         self.replica: ReplicaClient | None = None
         self.monitor = ResourceMonitor(
             settings.data_dir,
@@ -300,6 +302,8 @@ class Broker:
             self.replicate_from = None
             self.vhost.next_mid = max(self.vhost.next_mid, first_mid(self.epoch))
             if previous != "active":
+                if self.lease is not None:
+                    self.lease.activated()
                 self.vhost.set_replica(False)
                 self.committer.guard(False)
                 log.warning("promoted to active in epoch %d", self.epoch)
@@ -352,6 +356,8 @@ class Broker:
             self.replica = ReplicaClient(self, self.replicate_from)
             self.replica.start()
         self._tasks.append(self.loop.create_task(self._heartbeats()))
+        if self.lease is not None:
+            self._tasks.append(self.loop.create_task(self.lease.run()))
         self._tasks.append(self.loop.create_task(self._save_dedup_periodically()))
         self._tasks.append(self.loop.create_task(self.monitor.run()))
         log.info(

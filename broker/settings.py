@@ -76,6 +76,17 @@ class BrokerSettings(BaseSettings):
         description="Drop re-sent message ids for clients that opt in (client property "
         "x-twinmq-deduplicate), or for all clients",
     )
+    lease_name: str | None = Field(
+        None, description="Kubernetes Lease the active broker renews (in a pod; else unused)"
+    )
+    lease_namespace: str | None = Field(
+        None, description="Namespace of the Lease (default: the pod's own)"
+    )
+    lease_seconds: float = Field(
+        6.0,
+        gt=1,
+        description="Lease duration; an active that cannot renew for this long fences itself",
+    )
     replication_timeout: float = Field(
         5.0,
         gt=0,

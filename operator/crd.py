@@ -138,7 +138,7 @@ def crd() -> dict[str, Any]:
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},
                                 "metadata": {"type": "object"},
-                                "spec": {**spec, "default": {}},
+                                "spec": {**spec, "default": defaults},
                                 "status": status,
                             },
                         }

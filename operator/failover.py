@@ -182,19 +182,33 @@ def _failover(obs: Observation, active: BrokerName, other: BrokerName) -> Decisi
     if not obs.lease_expired and obs.lease_holder == active:
         decision.degraded = f"{active} is unreachable; waiting for its Lease to expire"
         return decision
-    if not b.reachable:
-        decision.degraded = f"neither broker is serving: {active} down, {other} unreachable"
-        return decision
-    if b.link_connected:
-        # The backup still hears the active: the operator's view is what is cut, not the
-        # active. Promoting now would make two actives.
-        decision.degraded = f"{active} is unreachable from the operator but not from {other}"
-        return decision
-    if other in obs.fenced:
-        decision.degraded = f"{active} is down and {other} is fenced"
-        return decision
-    if not b.ready and not obs.allow_data_loss:
-        decision.degraded = f"{active} is down and {other} is not ready: not promoting it"
+    blocked = _promotion_blocked(obs, active, other)
+    if blocked is None:
+        epoch = obs.epoch + 1
+        reason = "active unreachable and its Lease expired" + (
+            "" if b.ready else "; backup NOT ready (allowDataLoss)"
+        )
+        return decision.add(
+            Route(None),
+            SetRole(other, "active", epoch),
+            Route(other),
+            Record(other, epoch, failover_from=active, reason=reason),
+            Event("FailedOver", f"{other} promoted in epoch {epoch}: {active} {reason}", True),
+        )
+    a = obs.brokers[active]
+    if a.reachable and a.role == "passive" and a.epoch >= obs.epoch and active not in obs.fenced:
+        # The old active restarted in place and came back passive (rule 4) while the
+        # other broker cannot take over without loss: it holds everything it confirmed,
+        # so it is re-activated, in a new epoch.
+        epoch = obs.epoch + 1
+        return decision.add(
+            SetRole(active, "active", epoch),
+            Route(active),
+            Record(active, epoch, reason=f"restarted active re-activated ({blocked})"),
+            Event("Reactivated", f"{active} re-activated in epoch {epoch}: {blocked}", True),
+        )
+    decision.degraded = blocked
+    if not b.ready and b.reachable and not b.link_connected and other not in obs.fenced:
         decision.add(
             Event(
                 "FailoverBlocked",
@@ -203,18 +217,23 @@ def _failover(obs: Observation, active: BrokerName, other: BrokerName) -> Decisi
                 warning=True,
             )
         )
-        return decision
-    epoch = obs.epoch + 1
-    reason = "active unreachable and its Lease expired" + (
-        "" if b.ready else "; backup NOT ready (allowDataLoss)"
-    )
-    return decision.add(
-        Route(None),
-        SetRole(other, "active", epoch),
-        Route(other),
-        Record(other, epoch, failover_from=active, reason=reason),
-        Event("FailedOver", f"{other} promoted in epoch {epoch}: {active} {reason}", True),
-    )
+    return decision
+
+
+def _promotion_blocked(obs: Observation, active: BrokerName, other: BrokerName) -> str | None:
+    """Why the other broker cannot be promoted now (None: it can)."""
+    b = obs.brokers[other]
+    if not b.reachable:
+        return f"neither broker is serving: {active} down, {other} unreachable"
+    if b.link_connected:
+        # The other still hears the active: the operator's view is what is cut, not the
+        # active. Promoting now would make two actives.
+        return f"{active} is unreachable from the operator but not from {other}"
+    if other in obs.fenced:
+        return f"{active} is down and {other} is fenced"
+    if not b.ready and not obs.allow_data_loss:
+        return f"{active} is down and {other} is not ready: not promoting it"
+    return None
 
 
 def _no_active(obs: Observation) -> Decision:

@@ -71,12 +71,12 @@ class Failover(ApiModel):
         )
     )
 
-    probe_interval_seconds: int = Field(2, ge=1, le=60, description="Broker probe period")
+    probe_interval_seconds: int = Field(1, ge=1, le=60, description="Broker probe period")
     failure_threshold: int = Field(
         2, ge=1, le=20, description="Consecutive failed probes before a broker is unreachable"
     )
     lease_duration_seconds: int = Field(
-        6, ge=2, le=300, description="Active role Lease; the active stops serving if it cannot "
+        4, ge=2, le=300, description="Active role Lease; the active stops serving if it cannot "
         "renew within it",
     )  # fmt: skip
     allow_data_loss: bool = Field(
@@ -88,7 +88,11 @@ class Replication(ApiModel):
     """Broker replication settings."""
 
     timeout_seconds: float = Field(
-        5.0, gt=0, le=300, description="A silent passive holds up confirms at most this long"
+        8.0,
+        gt=0,
+        le=300,
+        description="A silent passive holds up confirms at most this long; a passive stays "
+        "promotable that long after losing the active",
     )
     dedup_window: int = Field(100_000, ge=0, description="Message ids kept for deduplication")
 
@@ -153,6 +157,18 @@ class Requests(ApiModel):
 
 class BrokerClusterSpec(ApiModel):
     """The desired state of a broker pair. The operator never writes it."""
+
+    # A passive stays promotable for replication.timeoutSeconds after it lost the
+    # active; a dead active's Lease lapses within leaseDurationSeconds, seen within a
+    # probe: the first must outlast the other two or automatic failover never happens.
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "self.replication.timeoutSeconds > "
+            "double(self.failover.leaseDurationSeconds + self.failover.probeIntervalSeconds)",
+            "replication.timeoutSeconds must exceed failover.leaseDurationSeconds + "
+            "failover.probeIntervalSeconds, or a ready backup could never be promoted",
+        )
+    )
 
     image: str = Field(DEFAULT_IMAGE, min_length=1, description="Broker container image")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
@@ -226,12 +242,16 @@ class HandledRequests(ApiModel):
     audit: str | None = None
 
 
-class RecoveryProgress(ApiModel):
-    """A failback in progress: the step reached, so an operator restart resumes it."""
+class SwitchoverProgress(ApiModel):
+    """A move of the active role in progress (promote or recover), so a restarted
+    operator resumes it: the source was told to be passive in `epoch`; the target is
+    activated in `epoch` once the source reports passive."""
 
     request_id: str
-    step: Literal["demoting-backup", "activating-primary"]
+    kind: Literal["promote", "recover"]
+    target: BrokerName
     epoch: int
+    force: bool = False
 
 
 class BrokerClusterStatus(ApiModel):
@@ -247,6 +267,6 @@ class BrokerClusterStatus(ApiModel):
     last_failover: FailoverRecord | None = None
     last_audit: AuditResult | None = None
     handled_requests: HandledRequests = Field(default_factory=HandledRequests)
-    recovery: RecoveryProgress | None = None
+    switchover: SwitchoverProgress | None = None
     unreachable_since: str | None = None
     observed_generation: int | None = None

@@ -1,0 +1,286 @@
+"""Pure builders: a BrokerCluster in, the Kubernetes objects it owns out.
+
+No API calls and no global configuration: the reconciler passes everything in
+and applies the results (server-side apply), as CloudNativePG's `pkg/specs` do.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from twinmq.broker.auth import hash_password
+from twinmq.operator.models import BrokerClusterSpec, BrokerName
+
+Obj = dict[str, Any]
+
+AMQP_PORT = 5672
+ADMIN_PORT = 15672
+REPLICATION_PORT = 5673
+DATA_DIR = "/var/lib/twinmq"
+SECRET_DIR = "/etc/twinmq/auth"
+APP_USER = "twinmq"
+
+LABEL_CLUSTER = "twinmq.io/cluster"
+LABEL_BROKER = "twinmq.io/broker"
+LABEL_ROLE = "twinmq.io/role"
+
+
+@dataclass(frozen=True)
+class ClusterRef:
+    """The BrokerCluster an object belongs to (for names, labels, owner references)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def labels(cluster: ClusterRef, broker: BrokerName | None = None) -> dict[str, str]:
+    """The labels of every object of the cluster (the one label helper)."""
+    out = {
+        "app.kubernetes.io/name": "twinmq",
+        "app.kubernetes.io/instance": cluster.name,
+        "app.kubernetes.io/managed-by": "twinmq-operator",
+        LABEL_CLUSTER: cluster.name,
+    }
+    if broker is not None:
+        out[LABEL_BROKER] = broker
+    return out
+
+
+def _meta(cluster: ClusterRef, name: str, broker: BrokerName | None = None) -> Obj:
+    return {
+        "name": name,
+        "namespace": cluster.namespace,
+        "labels": labels(cluster, broker),
+        "ownerReferences": [
+            {
+                "apiVersion": "twinmq.io/v1alpha1",
+                "kind": "BrokerCluster",
+                "name": cluster.name,
+                "uid": cluster.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
+
+
+def pod_name(cluster: ClusterRef, broker: BrokerName) -> str:
+    """`<cluster>-primary` / `<cluster>-backup`."""
+    return f"{cluster.name}-{broker}"
+
+
+def secret_name(cluster: ClusterRef, spec: BrokerClusterSpec) -> str:
+    """The credentials Secret (given in the spec, or the generated one)."""
+    return spec.auth.secret_name or f"{cluster.name}-auth"
+
+
+def lease_name(cluster: ClusterRef) -> str:
+    """The Lease of the active role."""
+    return f"{cluster.name}-active"
+
+
+def vip_name(cluster: ClusterRef) -> str:
+    """The virtual-IP Service clients use."""
+    return cluster.name
+
+
+def build_secret(cluster: ClusterRef) -> Obj:
+    """Generated credentials: the app user, the admin token, the replication token."""
+    password = secrets.token_urlsafe(24)
+    users = {"users": [{"name": APP_USER, "password_hash": hash_password(password)}]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(cluster, f"{cluster.name}-auth"),
+        "type": "Opaque",
+        "stringData": {
+            "username": APP_USER,
+            "password": password,
+            "users.json": json.dumps(users),
+            "admin-token": secrets.token_urlsafe(32),
+            "replication-token": secrets.token_urlsafe(32),
+        },
+    }
+
+
+def build_pvc(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) -> Obj:
+    """The broker's data volume (outlives its pod)."""
+    pvc: Obj = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(cluster, pod_name(cluster, broker), broker),
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": spec.storage.size}},
+        },
+    }
+    if spec.storage.storage_class_name:
+        pvc["spec"]["storageClassName"] = spec.storage.storage_class_name
+    return pvc
+
+
+def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) -> Obj:
+    """A broker pod. It always starts passive: only the operator activates a broker."""
+    secret = secret_name(cluster, spec)
+
+    def from_secret(key: str) -> Obj:
+        return {"valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+    meta = _meta(cluster, pod_name(cluster, broker), broker)
+    meta["labels"][LABEL_ROLE] = "passive"
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {
+            "serviceAccountName": f"{cluster.name}-broker",
+            "hostname": pod_name(cluster, broker),
+            "subdomain": f"{cluster.name}-brokers",
+            "terminationGracePeriodSeconds": 15,
+            "restartPolicy": "Always",
+            "containers": [
+                {
+                    "name": "broker",
+                    "image": spec.image,
+                    "imagePullPolicy": spec.image_pull_policy,
+                    "command": ["twinmq-broker"],
+                    "args": [
+                        "--name=$(POD_NAME)",
+                        f"--data-dir={DATA_DIR}/data",
+                        f"--users-file={SECRET_DIR}/users.json",
+                        "--role=passive",
+                        f"--replication-timeout={spec.replication.timeout_seconds}",
+                        f"--dedup-window={spec.replication.dedup_window}",
+                    ],
+                    "env": [
+                        {
+                            "name": "POD_NAME",
+                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                        },
+                        {
+                            "name": "POD_NAMESPACE",
+                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+                        },
+                        {"name": "TWINMQ_ADMIN_TOKEN", **from_secret("admin-token")},
+                        {"name": "TWINMQ_REPLICATION_TOKEN", **from_secret("replication-token")},
+                        {"name": "TWINMQ_LEASE_NAME", "value": lease_name(cluster)},
+                        {
+                            "name": "TWINMQ_LEASE_SECONDS",
+                            "value": str(spec.failover.lease_duration_seconds),
+                        },
+                    ],
+                    "ports": [
+                        {"name": "amqp", "containerPort": AMQP_PORT},
+                        {"name": "admin", "containerPort": ADMIN_PORT},
+                        {"name": "replication", "containerPort": REPLICATION_PORT},
+                    ],
+                    "readinessProbe": {
+                        "httpGet": {"path": "/healthz", "port": "admin"},
+                        "periodSeconds": 2,
+                        "failureThreshold": 2,
+                    },
+                    "livenessProbe": {
+                        "httpGet": {"path": "/healthz", "port": "admin"},
+                        "periodSeconds": 5,
+                        "failureThreshold": 6,
+                    },
+                    "resources": spec.resources.model_dump(),
+                    "volumeMounts": [
+                        {"name": "data", "mountPath": DATA_DIR},
+                        {"name": "auth", "mountPath": SECRET_DIR, "readOnly": True},
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "data", "persistentVolumeClaim": {"claimName": pod_name(cluster, broker)}},
+                {
+                    "name": "auth",
+                    "secret": {
+                        "secretName": secret,
+                        "items": [{"key": "users.json", "path": "users.json"}],
+                    },
+                },
+            ],
+        },
+    }
+
+
+def build_vip_service(cluster: ClusterRef) -> Obj:
+    """The virtual IP: it selects the pod labelled active, and only that one."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(cluster, vip_name(cluster)),
+        "spec": {
+            "selector": {LABEL_CLUSTER: cluster.name, LABEL_ROLE: "active"},
+            "ports": [{"name": "amqp", "port": AMQP_PORT, "targetPort": "amqp"}],
+        },
+    }
+
+
+def build_headless_service(cluster: ClusterRef) -> Obj:
+    """Stable DNS names for both brokers (the passive replicates through it)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(cluster, f"{cluster.name}-brokers"),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_CLUSTER: cluster.name},
+            "ports": [
+                {"name": "amqp", "port": AMQP_PORT},
+                {"name": "admin", "port": ADMIN_PORT},
+                {"name": "replication", "port": REPLICATION_PORT},
+            ],
+        },
+    }
+
+
+def build_broker_rbac(cluster: ClusterRef) -> list[Obj]:
+    """The brokers' ServiceAccount, allowed to read and renew their own Lease only."""
+    account = f"{cluster.name}-broker"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(cluster, account)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(cluster, account),
+            "rules": [
+                {
+                    "apiGroups": ["coordination.k8s.io"],
+                    "resources": ["leases"],
+                    "resourceNames": [lease_name(cluster)],
+                    "verbs": ["get", "update", "patch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(cluster, account),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+            "subjects": [
+                {"kind": "ServiceAccount", "name": account, "namespace": cluster.namespace}
+            ],
+        },
+    ]
+
+
+def build_lease(cluster: ClusterRef, holder: str, duration: int, renew_time: str) -> Obj:
+    """The active role's Lease, held by the active broker's pod."""
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": _meta(cluster, lease_name(cluster)),
+        "spec": {
+            "holderIdentity": holder,
+            "leaseDurationSeconds": duration,
+            "acquireTime": renew_time,
+            "renewTime": renew_time,
+        },
+    }

@@ -1,0 +1,93 @@
+"""The operator's only Kubernetes I/O: create-if-absent, get, patch, events.
+
+Everything else in the operator is pure (builders, `decide`); handlers call
+this module and nothing else that talks to the API server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic import DynamicClient
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+
+
+class Kube:
+    """A thin wrapper over the dynamic client (in-cluster config, or $KUBECONFIG)."""
+
+    def __init__(self) -> None:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        self.api = client.ApiClient()
+        self.dynamic = DynamicClient(self.api)
+        self.core = client.CoreV1Api(self.api)
+        self.coordination = client.CoordinationV1Api(self.api)
+
+    def _resource(self, obj: Obj) -> Any:
+        return self.dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+
+    def ensure(self, obj: Obj) -> bool:
+        """Create the object unless it exists; returns whether it was created."""
+        try:
+            self._resource(obj).create(body=obj, namespace=obj["metadata"].get("namespace"))
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        log.info("created %s %s", obj["kind"], obj["metadata"]["name"])
+        return True
+
+    def get_pod(self, namespace: str, name: str) -> Obj | None:
+        """A pod as a dict, or None."""
+        try:
+            pod = self.core.read_namespaced_pod(name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        result: Obj = self.api.sanitize_for_serialization(pod)
+        return result
+
+    def get_secret_data(self, namespace: str, name: str) -> dict[str, str]:
+        """A Secret's data, decoded."""
+        import base64
+
+        secret = self.core.read_namespaced_secret(name, namespace)
+        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+
+    def label_pod(self, namespace: str, name: str, labels: dict[str, str]) -> None:
+        """Merge labels into a pod (the Service selectors follow at once)."""
+        self.core.patch_namespaced_pod(name, namespace, {"metadata": {"labels": labels}})
+
+    def get_lease(self, namespace: str, name: str) -> Obj | None:
+        """A Lease as a dict, or None."""
+        try:
+            lease = self.coordination.read_namespaced_lease(name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        result: Obj = self.api.sanitize_for_serialization(lease)
+        return result
+
+    def put_lease(self, lease: Obj) -> None:
+        """Create or replace the Lease (the operator hands it to the broker it activates)."""
+        namespace, name = lease["metadata"]["namespace"], lease["metadata"]["name"]
+        current = self.get_lease(namespace, name)
+        if current is None:
+            self.coordination.create_namespaced_lease(namespace, lease)
+            return
+        current["spec"] = lease["spec"]
+        self.coordination.replace_namespaced_lease(name, namespace, current)
+
+    def dumps(self, obj: Any) -> str:
+        """JSON of an API object (for logs)."""
+        return json.dumps(self.api.sanitize_for_serialization(obj))

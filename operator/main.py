@@ -1,0 +1,387 @@
+"""`twinmq-operator`: the kopf handlers. Observe, `decide`, apply; nothing else.
+
+Every second (throttled to the spec's probe interval) each BrokerCluster is
+reconciled: its children are ensured, both brokers are probed on their admin
+API, the Lease is read, `failover.decide` picks the actions, and they are
+applied in order (role changes over the admin API, pod labels for the virtual
+IP, the Lease, status, Events). The state that matters lives in the status and
+the Lease; what is kept in memory (consecutive probe failures) only delays a
+failover after an operator restart, it never causes one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from twinmq.operator import builders
+from twinmq.operator.builders import ClusterRef, pod_name
+from twinmq.operator.failover import (
+    BrokerView,
+    Decision,
+    Event,
+    Observation,
+    Record,
+    Route,
+    SetRole,
+    Switchover,
+    decide,
+)
+from twinmq.operator.kube import Kube
+from twinmq.operator.models import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    BrokerClusterSpec,
+    BrokerClusterStatus,
+    BrokerName,
+    BrokerStatus,
+    Condition,
+    FailoverRecord,
+    SwitchoverProgress,
+)
+
+log = logging.getLogger(__name__)
+NAMES: tuple[BrokerName, ...] = ("primary", "backup")
+PROBE_TIMEOUT = 1.0
+
+
+def now_iso() -> str:
+    """Status timestamps."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Memory:
+    """What one operator process remembers of a cluster between reconciles."""
+
+    failures: dict[str, int] = field(default_factory=lambda: {n: 0 for n in NAMES})
+    last_view: dict[str, BrokerView] = field(default_factory=dict)
+    last_probe: float = 0.0
+    trouble_since: float | None = None
+
+
+MEMORY: dict[str, Memory] = {}
+KUBE: Kube | None = None
+
+
+def kube() -> Kube:
+    """The process's API client."""
+    global KUBE
+    if KUBE is None:
+        KUBE = Kube()
+    return KUBE
+
+
+# -- the admin API of the brokers ---------------------------------------------------------
+
+
+def admin_call(ip: str, token: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    """GET or POST a broker's admin API."""
+    request = urllib.request.Request(
+        f"http://{ip}:{builders.ADMIN_PORT}{path}",
+        data=None if body is None else json.dumps(body).encode(),
+        method="GET" if body is None else "POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=PROBE_TIMEOUT * 5) as resp:
+        return json.load(resp)
+
+
+def probe(
+    pod: dict[str, Any] | None, token: str, name: BrokerName, active_ip: str | None
+) -> BrokerView | None:
+    """The broker's view of itself, or None when it does not answer."""
+    ip = (pod or {}).get("status", {}).get("podIP")
+    if not ip or (pod or {}).get("metadata", {}).get("deletionTimestamp"):
+        return None
+    try:
+        status = admin_call(ip, token, "/status")
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+    replication = status.get("replication", {})
+    peer = replication.get("peer") or ""
+    return BrokerView(
+        name=name,
+        reachable=True,
+        role=status.get("role", "unknown"),
+        epoch=int(status.get("epoch", 0)),
+        ready=bool(replication.get("ready")) and status.get("role") == "passive",
+        link_connected=bool(replication.get("link_connected")),
+        replicating_from_active=active_ip is not None
+        and peer == f"{active_ip}:{builders.REPLICATION_PORT}"
+        and bool(replication.get("link_connected")),
+    )
+
+
+# -- reconcile -------------------------------------------------------------------------------
+
+
+def ensure_children(cluster: ClusterRef, spec: BrokerClusterSpec) -> None:
+    """Create what is missing (and recreate what was deleted); never mutate pods."""
+    k = kube()
+    if spec.auth.secret_name is None:
+        k.ensure(builders.build_secret(cluster))
+    for obj in builders.build_broker_rbac(cluster):
+        k.ensure(obj)
+    k.ensure(builders.build_headless_service(cluster))
+    k.ensure(builders.build_vip_service(cluster))
+    for name in NAMES:
+        k.ensure(builders.build_pvc(cluster, spec, name))
+        k.ensure(builders.build_pod(cluster, spec, name))
+
+
+def lease_state(cluster: ClusterRef) -> tuple[BrokerName | None, bool]:
+    """(holder broker, expired) of the active role's Lease."""
+    lease = kube().get_lease(cluster.namespace, builders.lease_name(cluster))
+    if lease is None:
+        return None, True
+    lspec = lease.get("spec", {})
+    holder = lspec.get("holderIdentity")
+    renew = lspec.get("renewTime")
+    duration = float(lspec.get("leaseDurationSeconds") or 0)
+    expired = True
+    if renew:
+        renewed = datetime.fromisoformat(renew.replace("Z", "+00:00")).timestamp()
+        expired = time.time() > renewed + duration
+    broker = next((n for n in NAMES if pod_name(cluster, n) == holder), None)
+    return broker, expired
+
+
+def apply(
+    decision: Decision,
+    cluster: ClusterRef,
+    spec: BrokerClusterSpec,
+    status: BrokerClusterStatus,
+    pods: dict[BrokerName, dict[str, Any] | None],
+    token: str,
+    body: Any,
+    memory: Memory,
+) -> BrokerClusterStatus:
+    """Apply the actions in order; return the new status."""
+    k = kube()
+    new = status.model_copy(deep=True)
+
+    def ip(name: BrokerName) -> str | None:
+        return (pods.get(name) or {}).get("status", {}).get("podIP")
+
+    for action in decision.actions:
+        if isinstance(action, SetRole):
+            target_ip = ip(action.broker)
+            peer_ip = ip(action.replicate_from) if action.replicate_from else None
+            request: dict[str, Any] = {"role": action.role, "epoch": action.epoch}
+            if peer_ip:
+                request["replicate_from"] = f"{peer_ip}:{builders.REPLICATION_PORT}"
+            if target_ip is None:
+                continue
+            try:
+                admin_call(target_ip, token, "/role", request)
+                log.info(
+                    "%s/%s: %s is now %s in epoch %d",
+                    cluster.namespace,
+                    cluster.name,
+                    action.broker,
+                    action.role,
+                    action.epoch,
+                )
+            except (OSError, urllib.error.URLError, ValueError) as exc:
+                log.warning(
+                    "POST /role to %s failed: %s (retried next reconcile)", action.broker, exc
+                )
+        elif isinstance(action, Route):
+            for name in NAMES:
+                if pods.get(name) is not None:
+                    role = "active" if name == action.broker else "passive"
+                    k.label_pod(
+                        cluster.namespace, pod_name(cluster, name), {builders.LABEL_ROLE: role}
+                    )
+            if action.broker is not None:
+                k.put_lease(builders.build_lease(
+                    cluster, pod_name(cluster, action.broker),
+                    spec.failover.lease_duration_seconds,
+                    datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                ))  # fmt: skip
+        elif isinstance(action, Record):
+            new.active_broker, new.epoch = action.active, action.epoch
+            sw = action.switchover
+            new.switchover = None if sw is None else SwitchoverProgress(
+                request_id=sw.request_id, kind=sw.kind, target=sw.target, epoch=sw.epoch,
+                force=sw.force,
+            )  # fmt: skip
+            if action.handled_promote is not None:
+                new.handled_requests.promote = action.handled_promote
+            if action.handled_recover is not None:
+                new.handled_requests.recover = action.handled_recover
+            if action.failover_from is not None and action.active is not None:
+                since = memory.trouble_since
+                new.last_failover = FailoverRecord.model_validate({
+                    "time": now_iso(), "from": action.failover_from, "to": action.active,
+                    "reason": action.reason, "epoch": action.epoch,
+                    "durationSeconds": None if since is None else round(time.time() - since, 3),
+                })  # fmt: skip
+                memory.trouble_since = None
+        elif isinstance(action, Event):
+            kopf.event(
+                body,
+                type="Warning" if action.warning else "Normal",
+                reason=action.reason,
+                message=action.message,
+            )
+    return new
+
+
+def conditions(
+    decision: Decision,
+    status: BrokerClusterStatus,
+    views: dict[str, BrokerView | None],
+    generation: int,
+) -> list[Condition]:
+    """Ready / Replicating / FailingOver / Degraded, keeping transition times stable."""
+    active = status.active_broker
+    serving = active is not None and (v := views.get(active)) is not None and v.role == "active"
+    passive = views.get("backup" if active == "primary" else "primary") if active else None
+    replicating = passive is not None and passive.ready and passive.link_connected
+    wanted = [
+        ("Ready", serving, "ActiveServing" if serving else "NoActive",
+         f"{active} is active in epoch {status.epoch}" if serving else "no broker is serving"),
+        ("Replicating", replicating, "PassiveInSync" if replicating else "PassiveNotInSync",
+         "the passive holds every confirmed message" if replicating
+         else "the passive is not caught up or not connected"),
+        ("FailingOver", decision.failing_over, "FailingOver" if decision.failing_over else "Stable",
+         "the active role is moving" if decision.failing_over else ""),
+        ("Degraded", decision.degraded is not None,
+         "Degraded" if decision.degraded else "Protected", decision.degraded or ""),
+    ]  # fmt: skip
+    previous = {c.type: c for c in status.conditions}
+    out = []
+    for ctype, value, reason, message in wanted:
+        text = "True" if value else "False"
+        old = previous.get(ctype)  # type: ignore[call-overload]
+        since = old.last_transition_time if old is not None and old.status == text else now_iso()
+        out.append(
+            Condition(
+                type=ctype,
+                status=text,
+                reason=reason,
+                message=message,  # type: ignore[arg-type]
+                last_transition_time=since,
+                observed_generation=generation,
+            )
+        )
+    audit = previous.get("AuditPassed")
+    if audit is not None:
+        out.append(audit)
+    return out
+
+
+def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str, Any] | None:
+    """One reconcile of one cluster; returns the status patch (None: nothing changed)."""
+    cluster = ClusterRef(meta["name"], meta["namespace"], meta["uid"])
+    spec = BrokerClusterSpec.model_validate(dict(spec_raw or {}))
+    status = BrokerClusterStatus.model_validate(
+        {k: v for k, v in dict(status_raw or {}).items() if k != "kopf"}
+    )
+    memory = MEMORY.setdefault(cluster.uid, Memory())
+    now = time.monotonic()
+    if now - memory.last_probe < spec.failover.probe_interval_seconds - 0.05:
+        return None
+    memory.last_probe = now
+    ensure_children(cluster, spec)
+    k = kube()
+    token = k.get_secret_data(cluster.namespace, builders.secret_name(cluster, spec))["admin-token"]
+    pods = {n: k.get_pod(cluster.namespace, pod_name(cluster, n)) for n in NAMES}
+    active_ip = (pods.get(status.active_broker) or {}).get("status", {}).get("podIP") if (
+        status.active_broker) else None  # fmt: skip
+    views: dict[str, BrokerView | None] = {}
+    for name in NAMES:
+        view = probe(pods[name], token, name, active_ip)
+        if view is not None:
+            memory.failures[name] = 0
+            memory.last_view[name] = view
+        else:
+            memory.failures[name] += 1
+            last = memory.last_view.get(name)
+            still = memory.failures[name] < spec.failover.failure_threshold and last is not None
+            view = last if still else BrokerView(name, reachable=False)
+        views[name] = view
+    holder, expired = lease_state(cluster)
+    handled = status.handled_requests
+    requests = spec.requests
+    promote = requests.promote
+    sw = status.switchover
+    observation = Observation(
+        brokers={n: v or BrokerView(n, reachable=False) for n, v in views.items()},  # type: ignore[misc]
+        active=status.active_broker,
+        epoch=status.epoch,
+        lease_holder=holder,
+        lease_expired=expired,
+        allow_data_loss=spec.failover.allow_data_loss,
+        switchover=None if sw is None else Switchover(sw.request_id, sw.kind, sw.target,
+                                                      sw.epoch, sw.force),
+        promote_request=(promote.id, promote.broker, promote.force)
+        if promote is not None and promote.id != handled.promote else None,
+        recover_request=requests.recover.id
+        if requests.recover is not None and requests.recover.id != handled.recover else None,
+    )  # fmt: skip
+    decision = decide(observation)
+    if not decision.failing_over:
+        memory.trouble_since = None
+    elif memory.trouble_since is None:
+        memory.trouble_since = time.time()
+    new = apply(decision, cluster, spec, status, pods, token, body, memory)
+    new.brokers = [
+        BrokerStatus(
+            name=n, pod=pod_name(cluster, n),
+            role=(v.role if v is not None and v.reachable else "unknown"),
+            reachable=v is not None and v.reachable, ready=v is not None and v.ready,
+            epoch=v.epoch if v is not None else 0,
+            link_connected=v is not None and v.link_connected,
+        )
+        for n, v in views.items()
+    ]  # type: ignore[arg-type]  # fmt: skip
+    generation = int(meta.get("generation") or 0)
+    new.conditions = conditions(decision, new, views, generation)
+    new.observed_generation = generation
+    new.phase = (
+        "FailingOver" if decision.failing_over else "Pending" if new.epoch == 0
+        else "Degraded" if decision.degraded else "Ready"
+    )  # fmt: skip
+    patch = new.model_dump(by_alias=True, mode="json", exclude_none=False)
+    before = status.model_dump(by_alias=True, mode="json", exclude_none=False)
+    return None if patch == before else patch
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Events and progress as a production operator wants them."""
+    settings.posting.level = logging.INFO
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="twinmq.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="twinmq.io")
+    settings.watching.server_timeout = 60
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=1.0, sharp=True)
+def tick(body: Any, spec: Any, status: Any, meta: Any, patch: Any, **_: Any) -> None:
+    """The reconcile loop."""
+    new = reconcile(body, spec, status, meta)
+    if new is not None:
+        for key, value in new.items():
+            patch.status[key] = value
+
+
+def main() -> None:
+    """Run the operator (all namespaces; liveness on :8080/healthz)."""
+    kopf.configure(verbose=False)
+    kopf.run(clusterwide=True, standalone=True, liveness_endpoint="http://0.0.0.0:8080/healthz")
+
+
+if __name__ == "__main__":
+    main()
