@@ -93,7 +93,7 @@ def ensure_perftest(version: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     subprocess.run(
         [
-            "mvn", "-q", "-B", "-f", str(home / "pom.xml"),
+            "mvn", "-q", "-B", "-Dstyle.color=never", "-f", str(home / "pom.xml"),
             "dependency:copy-dependencies", f"-DoutputDirectory={tmp}", "-DincludeScope=runtime",
         ],
         check=True,
