@@ -67,6 +67,7 @@ class Memory:
     last_view: dict[str, BrokerView] = field(default_factory=dict)
     last_probe: float = 0.0
     trouble_since: float | None = None
+    last_degraded: str | None = None
 
 
 MEMORY: dict[str, Memory] = {}
@@ -332,6 +333,14 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
         if requests.recover is not None and requests.recover.id != handled.recover else None,
     )  # fmt: skip
     decision = decide(observation)
+    if decision.degraded != memory.last_degraded:
+        log.info(
+            "%s/%s: %s",
+            cluster.namespace,
+            cluster.name,
+            decision.degraded or "protected: the passive is in sync",
+        )
+        memory.last_degraded = decision.degraded
     if not decision.failing_over:
         memory.trouble_since = None
     elif memory.trouble_since is None:
@@ -377,10 +386,42 @@ def tick(body: Any, spec: Any, status: Any, meta: Any, patch: Any, **_: Any) -> 
             patch.status[key] = value
 
 
-def main() -> None:
-    """Run the operator (all namespaces; liveness on :8080/healthz)."""
+NAMESPACES_ENV = "TWINMQ_OPERATOR_NAMESPACES"
+
+
+def watched_namespaces(argv: list[str] | None = None) -> list[str]:
+    """The namespaces to watch: `--namespace NS` (repeatable), else $TWINMQ_OPERATOR_NAMESPACES
+    (comma-separated); empty means every namespace."""
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(prog="twinmq-operator", description="The TwinMQ operator.")
+    parser.add_argument(
+        "-n", "--namespace", action="append", default=[], dest="namespaces",
+        help=f"watch only this namespace (repeatable; default: ${NAMESPACES_ENV}, else all)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    names = args.namespaces or os.environ.get(NAMESPACES_ENV, "").split(",")
+    return [n.strip() for n in names if n.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the operator (all namespaces, or only those given; liveness on :8080/healthz).
+
+    Watching given namespaces needs only namespaced RBAC (a Role): kopf then runs with
+    resource scanning disabled, so it neither lists namespaces nor watches CRDs.
+    """
+    namespaces = watched_namespaces(argv)
     kopf.configure(verbose=False)
-    kopf.run(clusterwide=True, standalone=True, liveness_endpoint="http://0.0.0.0:8080/healthz")
+    settings = kopf.OperatorSettings()
+    settings.scanning.disabled = bool(namespaces)
+    kopf.run(
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        settings=settings,
+        standalone=True,
+        liveness_endpoint="http://0.0.0.0:8080/healthz",
+    )
 
 
 if __name__ == "__main__":

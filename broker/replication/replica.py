@@ -229,10 +229,9 @@ class ReplicaClient:
         self.catchup_batch = None
         self.acked_batch = 0  # batch numbers are per active: start over
         metrics.REPLICATION_READY.set(0)
-        self._set_connected(True)
-        log.info(
-            "replicating from %s at %s (epoch %d)", challenge.name, self.address, challenge.epoch
-        )
+        # Connected only once the active accepts us (its topology comes first): a broker
+        # that is not active answers the hello with a refusal, and a link it refuses must
+        # never look up, or the operator would think the active still alive.
         committer = broker.committer
         committer.await_durable(session)
         pinger = asyncio.get_running_loop().create_task(self._ping(writer))
@@ -273,6 +272,14 @@ class ReplicaClient:
                     session.pending.append((local, remote))
                     committer.await_durable(session)
             elif ftype is FrameType.DEFINITIONS:
+                if not self.connected:
+                    self._set_connected(True)
+                    log.info(
+                        "replicating from %s at %s (epoch %d)",
+                        self.active_name,
+                        self.address,
+                        self.broker.epoch,
+                    )
                 broker.vhost.apply_definitions(Definitions.model_validate_json(payload))
             elif ftype is FrameType.CAUGHT_UP:
                 self.catchup_batch = decode_u64(payload)
