@@ -29,7 +29,9 @@ import io as io_
 import itertools
 import json
 import logging
+import os
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -94,8 +96,9 @@ def build_session(
     defaults = {
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.session.timeZone": "UTC",
-        "spark.sql.parquet.compression.codec": "zstd",
     }
+    # Python workers (the reorder check) run this interpreter unless told otherwise.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     for key, value in {**defaults, **(conf or {})}.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
@@ -270,6 +273,20 @@ def run_audit(
         io.close()
 
 
+class _Clock:
+    """Logs how long each phase of a run took (debug level)."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.phases: dict[str, float] = {}
+
+    def __call__(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases[phase] = round(now - self.last, 3)
+        self.last = now
+        log.debug("audit phase %s: %.2fs", phase, now - self.last)
+
+
 def _write_by_block(frame: DataFrame, io: SparkIO, key: str, bits: int | None = None) -> None:
     if bits is not None:
         frame = frame.withColumn("block", T.block_of(F.col("replication_id"), bits))
@@ -294,6 +311,7 @@ def _run(
         raise AuditError(f"a store holds the logs of one pair; found brokers {brokers}")
     run = _new_run_id()
     bits = params.block_bits
+    clock = _Clock()
     previous_globals = manifest.globals_run
 
     # Extract: the segments not audited yet.
@@ -305,6 +323,7 @@ def _run(
         str(r[0])
         for r in partial.select(T.block_of(F.col("replication_id"), bits)).distinct().collect()
     )
+    clock("aggregate")
     previous = _read(
         spark, _block_paths(io, manifest.blocks, "messages", touched), T.AGGREGATE_SCHEMA
     )
@@ -312,11 +331,14 @@ def _run(
     if touched:
         _write_by_block(merged, io, _state(run, "messages"), bits)
         io.flush()
+    clock("messages")
     current = _read(
         spark, [io.read(_state(run, "messages", b)) for b in touched], T.AGGREGATE_SCHEMA
     )
-    classified = T.classify_messages(current).withColumn(
-        "block", T.block_of(F.col("replication_id"), bits)
+    classified = (
+        T.classify_messages(current)
+        .withColumn("block", T.block_of(F.col("replication_id"), bits))
+        .persist()
     )
     if touched:
         _write_by_block(T.local_findings(classified, brokers), io, _state(run, "findings"), bits)
@@ -327,6 +349,8 @@ def _run(
         )
         _write_by_block(T.queue_counts(classified, by=["block"]), io, _state(run, "counts"))
         io.flush()
+    clock("block tables")
+    classified.unpersist()
     previous_blocks = dict(manifest.blocks)
     manifest.blocks.update({b: run for b in touched})
 
@@ -368,14 +392,18 @@ def _run(
     reorders = earlier.unionByName(found)
     for table, frame in (("resends", resends), ("reorders", reorders), ("streams", streams)):
         frame.write.parquet(io.write(_state(run, table)))
+        clock(table)
     io.flush()
     manifest.globals_run = run
-    manifest.epochs = _merge_epochs(manifest.epochs, T.epoch_stats(events))
-    events_read = sum(e["records"] for e in _epoch_rows(T.epoch_stats(events)))
+    run_epochs = _epoch_rows(T.epoch_stats(events))
+    manifest.epochs = _merge_epochs(manifest.epochs, run_epochs)
+    events_read = sum(e["records"] for e in run_epochs)
     partial.unpersist()
 
     # Results, then the commit: the manifest names the new state; then the latest summary.
+    clock("epochs")
     summary = _summarize(spark, io, manifest, run, brokers, params, full)
+    clock("summary")
     summary = summary.model_copy(
         update={
             "segments_read": len(new_segments),
@@ -392,6 +420,8 @@ def _run(
     store.write_json(MANIFEST, manifest.dump())
     store.write_bytes(LATEST, summary.model_dump_json(indent=1).encode())
     _collect_garbage(store, manifest)
+    clock("commit")
+    log.info("audit run %s phases: %s", run, clock.phases)
     return summary
 
 
@@ -403,10 +433,10 @@ def _epoch_rows(stats: DataFrame) -> list[dict[str, Any]]:
     return [r.asDict() for r in stats.collect()]
 
 
-def _merge_epochs(old: list[dict[str, Any]], stats: DataFrame) -> list[dict[str, Any]]:
+def _merge_epochs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Fold this run's epoch statistics into the stored ones (in Python: a few rows)."""
     merged = {(e["epoch"], e["broker"]): dict(e) for e in old}
-    for row in _epoch_rows(stats):
+    for row in new:
         key = (row["epoch"], row["broker"])
         if key not in merged:
             merged[key] = row

@@ -14,9 +14,10 @@ index in that list.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
-from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     BooleanType,
@@ -29,6 +30,9 @@ from pyspark.sql.types import (
 
 from twinmq.audit.records import AuditEvent
 from twinmq.audit.summary import LAG_GROWTH, LAG_RESOLUTION, FindingKind
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 SLOTS = 2
 EPOCH_SHIFT = 40
@@ -47,8 +51,8 @@ AGGREGATE_SCHEMA = StructType(
         StructField("replication_id", LongType(), False),
         StructField("queue", StringType()),
         StructField("message_id", StringType()),
-        StructField("digest_min", StringType()),
-        StructField("digest_max", StringType()),
+        StructField("digest_min", LongType()),
+        StructField("digest_max", LongType()),
     ]
     + [
         StructField(f"{name}{i}", kind)
@@ -65,7 +69,8 @@ AGGREGATE_SCHEMA = StructType(
 )
 """Per replication id and broker slot i: s = stored records (confirmed, confirmed-alone or
 replicated), c = confirmed, a = confirmed-alone, d = dequeued, t = time of the first stored
-record, p = its position in the broker's log (segment_seq << 32 | line)."""
+record, p = its position in the broker's log (segment_seq << 32 | line). digest_min/max are
+the least and greatest 64-bit hash of the digests of stored records (equal: same body)."""
 
 FINDINGS_SCHEMA = StructType(
     [
@@ -132,19 +137,25 @@ def block_of(rid: Column, block_bits: int) -> Column:
 # -- per replication id: mergeable aggregates --------------------------------------------------
 
 
-def partial_aggregates(events: DataFrame, brokers: Sequence[str]) -> DataFrame:
-    """One row of AGGREGATE_SCHEMA per event (merge_aggregates folds them together)."""
+def _slot(brokers: Sequence[str]) -> Column:
     slot = F.lit(None).cast("long")
     for i, name in enumerate(brokers):
         slot = F.when(F.col("broker") == name, F.lit(i)).otherwise(slot)
+    return slot
+
+
+def partial_aggregates(events: DataFrame, brokers: Sequence[str]) -> DataFrame:
+    """One row of AGGREGATE_SCHEMA per event (merge_aggregates folds them together)."""
+    slot = _slot(brokers)
     stored = F.col("event") != DEQUEUED
     pos = F.shiftleft(F.col("segment_seq"), 32).bitwiseOR(F.col("line"))
+    digest = F.when(stored, F.xxhash64("digest"))
     cols: list[Column] = [
         F.col("replication_id"),
         F.col("queue"),
         F.col("message_id"),
-        F.when(stored, F.col("digest")).alias("digest_min"),
-        F.when(stored, F.col("digest")).alias("digest_max"),
+        digest.alias("digest_min"),
+        digest.alias("digest_max"),
     ]
     for i in range(SLOTS):
         here = slot == i
@@ -174,8 +185,40 @@ def merge_aggregates(parts: DataFrame) -> DataFrame:
 
 
 def message_aggregates(events: DataFrame, brokers: Sequence[str]) -> DataFrame:
-    """AGGREGATE_SCHEMA rows of a set of events."""
-    return merge_aggregates(partial_aggregates(events, brokers))
+    """AGGREGATE_SCHEMA rows of a set of events: merge_aggregates(partial_aggregates(events)).
+
+    Computed in two narrower aggregations, stored records and dequeues (half
+    the records, which only count), joined on the replication id: the same
+    result with much less data shuffled.
+    """
+    is_dequeue = F.col("event") == DEQUEUED
+    stored = merge_aggregates(partial_aggregates(events.where(~is_dequeue), brokers))
+    slot = _slot(brokers)
+    dequeues = (
+        events.where(is_dequeue)
+        .groupBy("replication_id")
+        .agg(
+            F.max("queue").alias("dq"),
+            *[F.sum((slot == i).cast("long")).alias(f"dd{i}") for i in range(SLOTS)],
+        )
+    )
+    joined = stored.join(dequeues, "replication_id", "full")
+    cols: list[Column] = []
+    for field in AGGREGATE_SCHEMA.fields:
+        name = field.name
+        if name == "queue":
+            cols.append(F.coalesce("queue", "dq").alias(name))
+        elif name.startswith("d") and name[1:].isdigit():
+            cols.append(
+                F.coalesce(F.col(f"d{name[1:]}"), F.lit(0)) + F.coalesce(f"d{name}", F.lit(0))
+            )
+        elif name[0] in "sca" and name[1:].isdigit():
+            cols.append(F.coalesce(F.col(name), F.lit(0)).alias(name))
+        else:
+            cols.append(F.col(name))
+    return joined.select(
+        *[c.alias(f.name) for c, f in zip(cols, AGGREGATE_SCHEMA.fields, strict=True)]
+    )
 
 
 # -- per message: origin, copies, lag -----------------------------------------------------------
@@ -357,11 +400,17 @@ def find_resends(messages: DataFrame, brokers: Sequence[str]) -> DataFrame:
 
     One finding per extra copy: every replication id of the group but the first.
     """
-    group = Window.partitionBy("queue", "message_id")
+    base = messages.where(F.col("origin").isNotNull() & F.col("message_id").isNotNull())
+    groups = (
+        base.groupBy("queue", "message_id")
+        .agg(
+            F.count("*").alias("group_size"),
+            F.min("replication_id").alias("first_replication_id"),
+        )
+        .where(F.col("group_size") > 1)
+    )
     return _fill_findings(
-        messages.where(F.col("origin").isNotNull() & F.col("message_id").isNotNull())
-        .withColumn("first_replication_id", F.min("replication_id").over(group))
-        .withColumn("group_size", F.count("*").over(group))
+        base.join(groups, ["queue", "message_id"])
         .where(F.col("replication_id") != F.col("first_replication_id"))
         .select(
             F.lit(FindingKind.RESENT.value).alias("kind"),
@@ -404,6 +453,105 @@ def stream_copies(aggregates: DataFrame, pattern: str) -> DataFrame:
     return copies[0].unionByName(copies[1])
 
 
+CHECKED_SCHEMA = StructType(
+    [
+        StructField("is_state", BooleanType(), False),
+        StructField("slot", LongType()),
+        StructField("queue", StringType()),
+        StructField("stream", StringType()),
+        StructField("replication_id", LongType()),
+        StructField("message_id", StringType()),
+        StructField("time", DoubleType()),
+        StructField("seq", LongType()),
+        StructField("after_seq", LongType()),
+        StructField("last_pos", LongType()),
+        StructField("max_seq", LongType()),
+    ]
+)
+_NONE = -(2**63)
+
+
+def _running_max(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """mapInArrow: within one partition (whole streams), each copy's highest earlier sequence.
+
+    Emits the reordered copies and one state row per stream (CHECKED_SCHEMA).
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = pa.Table.from_batches(list(batches))
+    if table.num_rows == 0:
+        return
+    key = pc.binary_join_element_wise(
+        pc.cast(table["slot"], pa.string()), table["queue"], table["stream"], "\x00"
+    )
+    group = pc.dictionary_encode(key).combine_chunks().indices.to_numpy()
+    pos = table["pos"].to_numpy()
+    order = np.lexsort((pos, group))
+    group, pos = group[order], pos[order]
+    seq = table["seq"].to_numpy()[order]
+    prior = table["state_max"].fill_null(_NONE).to_numpy()[order]
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    ends = np.r_[starts[1:], len(group)]
+    before = np.empty_like(seq)
+    for start, end in zip(starts, ends, strict=True):
+        running = np.maximum.accumulate(seq[start:end])
+        before[start] = prior[start]
+        before[start + 1 : end] = np.maximum(running[:-1], prior[start])
+    hit = seq < before
+    picked = table.take(pa.array(order[hit]))
+    n = int(hit.sum())
+    if n:
+        yield from pa.Table.from_pydict(
+            {
+                "is_state": pa.array([False] * n),
+                "slot": picked["slot"],
+                "queue": picked["queue"],
+                "stream": picked["stream"],
+                "replication_id": picked["replication_id"],
+                "message_id": picked["message_id"],
+                "time": picked["time"],
+                "seq": picked["seq"],
+                "after_seq": pa.array(before[hit]),
+                "last_pos": pa.nulls(n, pa.int64()),
+                "max_seq": pa.nulls(n, pa.int64()),
+            },
+            schema=checked_arrow_schema(),
+        ).to_batches()
+    last = ends - 1
+    firsts = table.take(pa.array(order[starts]))
+    tops = np.maximum(np.maximum.reduceat(seq, starts), prior[starts])
+    m = len(starts)
+    yield from pa.Table.from_pydict(
+        {
+            "is_state": pa.array([True] * m),
+            "slot": firsts["slot"],
+            "queue": firsts["queue"],
+            "stream": firsts["stream"],
+            "replication_id": pa.nulls(m, pa.int64()),
+            "message_id": pa.nulls(m, pa.string()),
+            "time": pa.nulls(m, pa.float64()),
+            "seq": pa.nulls(m, pa.int64()),
+            "after_seq": pa.nulls(m, pa.int64()),
+            "last_pos": pa.array(pos[last]),
+            "max_seq": pa.array(tops),
+        },
+        schema=checked_arrow_schema(),
+    ).to_batches()
+
+
+def checked_arrow_schema() -> pa.Schema:
+    """CHECKED_SCHEMA as Arrow."""
+    import pyarrow as pa
+
+    types = {"boolean": pa.bool_(), "bigint": pa.int64(), "string": pa.string(),
+             "double": pa.float64()}  # fmt: skip
+    return pa.schema(
+        [pa.field(f.name, types[f.dataType.simpleString()], f.nullable) for f in CHECKED_SCHEMA]
+    )
+
+
 def find_reorders(
     copies: DataFrame, state: DataFrame, brokers: Sequence[str]
 ) -> tuple[DataFrame, DataFrame]:
@@ -411,17 +559,19 @@ def find_reorders(
 
     `copies` are the copies first seen in this run; `state` (STREAM_STATE_SCHEMA)
     summarizes the copies of earlier runs, which all come earlier in each
-    broker's log. Returns the findings and the new state.
+    broker's log. Returns the findings and the new state. Each stream is
+    checked whole in one task (numpy: sort by log position, running maximum).
     """
     keys = ["slot", "queue", "stream"]
-    before = Window.partitionBy(*keys).orderBy("pos").rowsBetween(Window.unboundedPreceding, -1)
+    prior = state.select(*keys, F.col("max_seq").alias("state_max"))
     checked = (
-        copies.withColumn("prev_max", F.max("seq").over(before))
-        .join(state.select(*keys, F.col("max_seq").alias("state_max")), keys, "left")
-        .withColumn("after_seq", F.greatest("prev_max", "state_max"))
+        copies.join(F.broadcast(prior), keys, "left")
+        .repartition(*keys)
+        .mapInArrow(_running_max, CHECKED_SCHEMA)
+        .persist()
     )
     findings = _fill_findings(
-        checked.where(F.col("seq") < F.col("after_seq")).select(
+        checked.where(~F.col("is_state")).select(
             F.lit(FindingKind.REORDERED.value).alias("kind"),
             "queue",
             broker_name(brokers, F.col("slot")).alias("broker"),
@@ -434,10 +584,9 @@ def find_reorders(
             "after_seq",
         )
     )
+    fresh = checked.where(F.col("is_state")).select(*keys, "last_pos", "max_seq")
     new_state = (
-        state.unionByName(
-            copies.groupBy(*keys).agg(F.max("pos").alias("last_pos"), F.max("seq").alias("max_seq"))
-        )
+        state.unionByName(fresh)
         .groupBy(*keys)
         .agg(F.max("last_pos").alias("last_pos"), F.max("max_seq").alias("max_seq"))
     )
