@@ -341,6 +341,8 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
             decision.degraded or "protected: the passive is in sync",
         )
         memory.last_degraded = decision.degraded
+    if any(isinstance(a, SetRole) and a.role == "active" for a in decision.actions):
+        log.info("%s/%s: activating on %s", cluster.namespace, cluster.name, observation)
     if not decision.failing_over:
         memory.trouble_since = None
     elif memory.trouble_since is None:

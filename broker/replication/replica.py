@@ -225,13 +225,10 @@ class ReplicaClient:
             encode(FrameType.SNAPSHOT, Snapshot(queues=broker.vhost.replication_snapshot()))
         )
         self.active_name = challenge.name
-        self.caught_up = False
-        self.catchup_batch = None
-        self.acked_batch = 0  # batch numbers are per active: start over
-        metrics.REPLICATION_READY.set(0)
         # Connected only once the active accepts us (its topology comes first): a broker
-        # that is not active answers the hello with a refusal, and a link it refuses must
-        # never look up, or the operator would think the active still alive.
+        # that is not active answers the hello with a refusal, and a refused link must
+        # neither look up (the operator would think the active alive) nor reset what
+        # this passive knows (it stays promotable while it may be the only complete copy).
         committer = broker.committer
         committer.await_durable(session)
         pinger = asyncio.get_running_loop().create_task(self._ping(writer))
@@ -273,6 +270,10 @@ class ReplicaClient:
                     committer.await_durable(session)
             elif ftype is FrameType.DEFINITIONS:
                 if not self.connected:
+                    self.caught_up = False
+                    self.catchup_batch = None
+                    self.acked_batch = 0  # batch numbers are per active: start over
+                    metrics.REPLICATION_READY.set(0)
                     self._set_connected(True)
                     log.info(
                         "replicating from %s at %s (epoch %d)",
@@ -287,11 +288,17 @@ class ReplicaClient:
                     self.on_acked(self.acked_batch)
             elif ftype is FrameType.REFUSE:
                 refuse = Refuse.model_validate_json(payload)
-                log.warning("the active refused replication: %s", refuse.reason)
+                broker.learn_epoch(refuse.epoch, f"broker at {self.address}")
+                if not self.connected:
+                    # Refused at the hello: that broker is not (or no longer) the active,
+                    # e.g. a restarted one that came back passive. It says nothing about
+                    # what this passive holds, which may be the only complete copy.
+                    log.info("%s refused replication: %s", self.address, refuse.reason)
+                    return
+                log.warning("the active dropped this passive: %s", refuse.reason)
                 # Dropped (stalled, or a stale epoch): it may go on without us.
                 self.caught_up = False
                 metrics.REPLICATION_READY.set(0)
-                broker.learn_epoch(refuse.epoch, f"active at {self.address}")
                 return
             elif ftype is FrameType.PING:
                 if payload:  # the echo of one of our pings
