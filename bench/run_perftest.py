@@ -230,6 +230,29 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def busy_cores(seconds: float = 3.0) -> float:
+    """How many cores the whole machine kept busy over the next `seconds`."""
+    b0, t0 = system_busy_ticks(), time.monotonic()
+    time.sleep(seconds)
+    return (system_busy_ticks() - b0) / CLK_TCK / (time.monotonic() - t0)
+
+
+def wait_for_quiet(limit: float | None, max_wait: float) -> None:
+    """Wait (up to `max_wait` s) until other processes use fewer than `limit` cores."""
+    if limit is None:
+        return
+    deadline = time.monotonic() + max_wait
+    while True:
+        busy = busy_cores()
+        if busy < limit:
+            return
+        if time.monotonic() > deadline:
+            print(f"    machine still busy ({busy:.2f} cores), running anyway", flush=True)
+            return
+        print(f"    machine busy ({busy:.2f} cores > {limit}), waiting ...", flush=True)
+        time.sleep(10)
+
+
 def loadavg() -> str:
     """The 1/5/15-minute load averages."""
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -818,6 +841,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="extra persistent runs, producers x consumers ('' for none; 2x2,4x4,8x8)",
     )
     p.add_argument("--repeat", type=int, default=1, help="runs per case, order alternated (1)")
+    p.add_argument(
+        "--quiet-below",
+        type=float,
+        metavar="CORES",
+        help="before each case wait until the machine's other load is below CORES",
+    )
+    p.add_argument("--quiet-max-wait", type=float, default=300, help="seconds (300)")
     p.add_argument("--idle-connections", type=int, default=1000, help="0 skips (1000)")
     p.add_argument(
         "--queued-messages", type=int, default=250_000, help="transient msgs queued; 0 skips"
@@ -870,6 +900,8 @@ def main(argv: list[str] | None = None) -> int:
                 for n in range(opts.repeat):
                     for key, case in cases.items():
                         order = brokers if n % 2 == 0 else list(reversed(brokers))
+                        # Once per case, so both brokers then run back to back.
+                        wait_for_quiet(opts.quiet_below, opts.quiet_max_wait)
                         for broker in order:
                             sfx = f"{os.urandom(3).hex()}-{n}"
                             print(
