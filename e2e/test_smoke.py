@@ -56,7 +56,8 @@ def release(cluster: Cluster) -> Iterator[Release]:
     helm(
         cluster.kubeconfig, "install", name, str(CHART), "--namespace", namespace,
         "--create-namespace", "--set", f"image.repository={repository}",
-        "--set", f"image.tag={tag}", "--wait", "--timeout", "120s",
+        "--set", f"image.tag={tag}", "--set", "broker.enabled=true",
+        "--set", "operator.enabled=false", "--wait", "--timeout", "120s",
     )  # fmt: skip
     try:
         yield Release(name, namespace, f"{name}-twinmq")

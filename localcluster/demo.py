@@ -126,6 +126,7 @@ def run(messages: int) -> Report:
     subprocess.run(
         [str(binaries.find("helm")), "upgrade", "--install", RELEASE,
          str(repo_root() / "helm" / "twinmq"), "--namespace", NAMESPACE, "--create-namespace",
+         "--set", "broker.enabled=true", "--set", "operator.enabled=false",
          "--wait", "--timeout", "180s"],
         check=True, env=dict(os.environ, KUBECONFIG=str(layout.kubeconfig)),
     )  # fmt: skip

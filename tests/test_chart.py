@@ -1,0 +1,257 @@
+"""The Helm chart (helm/twinmq): lint, rendered manifests validated against the Kubernetes
+schemas (kubernetes-validate), the operator's RBAC pinned to what the code calls, the
+hardened Deployment, and the CRD in the chart's crds/ equal to the generated one.
+
+Fast (helm renders locally, no cluster). Skipped when no helm binary is found: the local
+cluster's cached build (`make cluster-binaries`) or `helm` on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "helm" / "twinmq"
+KUBERNETES_VERSION = "1.36"  # the local cluster's (localcluster/versions.py)
+
+Obj = dict[str, Any]
+Rule = tuple[str, str, tuple[str, ...]]
+
+# What the operator calls, per (apiGroup, resource): operator/kube.py, operator/main.py
+# and kopf itself. docs/helm-chart.md explains each line; change both together.
+OPERATOR_RULES: set[Rule] = {
+    ("twinmq.io", "brokerclusters", ("get", "list", "patch", "watch")),
+    ("twinmq.io", "brokerclusters/status", ("patch",)),
+    ("twinmq.io", "brokerclusters/finalizers", ("update",)),
+    ("", "pods", ("create", "get", "patch")),
+    ("", "secrets", ("create", "get")),
+    ("", "persistentvolumeclaims", ("create",)),
+    ("", "services", ("create",)),
+    ("", "serviceaccounts", ("create",)),
+    ("", "events", ("create",)),
+    ("coordination.k8s.io", "leases", ("create", "get", "patch", "update")),
+    ("rbac.authorization.k8s.io", "roles", ("create",)),
+    ("rbac.authorization.k8s.io", "rolebindings", ("create",)),
+}
+# kopf's CRD watch: cluster-wide mode only (namespace mode disables kopf's scanning).
+CLUSTER_ONLY_RULES: set[Rule] = {
+    ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),
+}
+
+
+def _find_helm() -> str | None:
+    try:
+        from twinmq.localcluster.binaries import find
+
+        return str(find("helm"))
+    except (FileNotFoundError, KeyError, ImportError):
+        return shutil.which("helm")
+
+
+HELM = _find_helm()
+pytestmark = pytest.mark.skipif(
+    HELM is None,
+    reason="no helm binary: run `make cluster-binaries` (builds it into the TwinMQ cache) "
+    "or put helm on PATH",
+)
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """Run helm with private cache/config folders; return stdout (fail with stderr)."""
+    home = tmp_path_factory.mktemp("helm-home")
+    env = dict(
+        os.environ,
+        HELM_CACHE_HOME=str(home / "cache"),
+        HELM_CONFIG_HOME=str(home / "config"),
+        HELM_DATA_HOME=str(home / "data"),
+    )
+    env.pop("KUBECONFIG", None)
+
+    def run(*args: str, check: bool = True) -> str:
+        assert HELM is not None
+        proc = subprocess.run(
+            [HELM, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}")
+        return proc.stdout + proc.stderr
+
+    return run
+
+
+def render(helm: Callable[..., str], *sets: str, namespace: str = "tmq") -> list[Obj]:
+    """The chart's manifests (CRDs included) for the given `--set` values."""
+    args = ["template", "rel", str(CHART), "--namespace", namespace, "--include-crds"]
+    for value in sets:
+        args += ["--set", value]
+    return [doc for doc in yaml.safe_load_all(helm(*args)) if doc]
+
+
+def kinds(docs: list[Obj]) -> list[str]:
+    """The kinds of the rendered objects."""
+    return sorted(doc["kind"] for doc in docs)
+
+
+def one(docs: list[Obj], kind: str) -> Obj:
+    """The only rendered object of `kind`."""
+    found = [doc for doc in docs if doc["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} objects of kind {kind}: {kinds(docs)}"
+    return found[0]
+
+
+def rules(role: Obj) -> set[Rule]:
+    """A Role's rules as (apiGroup, resource, sorted verbs), one per resource."""
+    out: set[Rule] = set()
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out.add((group, resource, tuple(sorted(rule["verbs"]))))
+    return out
+
+
+SCOPES = {
+    "cluster-scope": ("operator.rbac.scope=cluster",),
+    "namespace-scope": ("operator.rbac.scope=namespace",),
+    "standalone-broker": ("broker.enabled=true", "operator.enabled=false"),
+    "everything": ("broker.enabled=true", "operator.rbac.scope=namespace"),
+}
+
+
+def test_chart_crd_is_the_generated_one() -> None:
+    chart_crd = CHART / "crds" / "brokercluster.yaml"
+    generated = REPO / "crds" / "brokercluster.yaml"
+    assert chart_crd.read_text() == generated.read_text(), (
+        "helm/twinmq/crds/brokercluster.yaml differs from crds/brokercluster.yaml "
+        "(generated by `python -m twinmq.operator.crd`): "
+        "cp crds/brokercluster.yaml helm/twinmq/crds/"
+    )
+
+
+@pytest.mark.parametrize("values", SCOPES.values(), ids=SCOPES.keys())
+def test_helm_lint(helm: Callable[..., str], values: tuple[str, ...]) -> None:
+    args = ["lint", "--strict", str(CHART)]
+    for value in values:
+        args += ["--set", value]
+    assert "0 chart(s) failed" in helm(*args)
+
+
+@pytest.mark.parametrize("values", SCOPES.values(), ids=SCOPES.keys())
+def test_rendered_manifests_are_valid(helm: Callable[..., str], values: tuple[str, ...]) -> None:
+    import kubernetes_validate
+
+    docs = render(helm, *values)
+    assert docs
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            name = doc.get("metadata", {}).get("name")
+            pytest.fail(f"{doc['kind']} {name}: {error.message} at {list(error.path)}")
+
+
+def test_defaults_install_the_operator_cluster_wide_and_no_standalone_broker(
+    helm: Callable[..., str],
+) -> None:
+    docs = render(helm)
+    assert kinds(docs) == [
+        "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
+        "ServiceAccount",
+    ]  # fmt: skip
+    role = one(docs, "ClusterRole")
+    assert rules(role) == OPERATOR_RULES | CLUSTER_ONLY_RULES
+    assert not any(resource == "namespaces" for _, resource, _ in rules(role))
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }  # fmt: skip
+    account = one(docs, "ServiceAccount")["metadata"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["name"], "namespace": "tmq"}
+    ]
+    container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"] for e in container["env"]}
+    assert "TWINMQ_OPERATOR_NAMESPACES" not in env  # all namespaces
+
+
+def test_namespace_scope_grants_nothing_cluster_wide_and_watches_its_namespace(
+    helm: Callable[..., str],
+) -> None:
+    docs = render(helm, "operator.rbac.scope=namespace", namespace="team-a")
+    assert kinds(docs) == [
+        "CustomResourceDefinition", "Deployment", "Role", "RoleBinding", "ServiceAccount",
+    ]  # fmt: skip
+    role = one(docs, "Role")
+    assert role["metadata"]["namespace"] == "team-a"
+    assert rules(role) == OPERATOR_RULES
+    binding = one(docs, "RoleBinding")
+    assert binding["roleRef"]["kind"] == "Role"
+    assert binding["metadata"]["namespace"] == "team-a"
+    container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    watch = next(e for e in container["env"] if e["name"] == "TWINMQ_OPERATOR_NAMESPACES")
+    assert watch["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+
+
+def test_operator_deployment_is_hardened(helm: Callable[..., str]) -> None:
+    deployment = one(render(helm, "image.tag=1.2.3"), "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] > 0
+    (container,) = pod["containers"]
+    assert container["image"] == "twinmq/twinmq:1.2.3"
+    assert container["command"] == ["twinmq-operator"]
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["runAsUser"] > 0
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["ports"] == [{"name": "health", "containerPort": 8080}]
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+
+
+def test_image_tag_defaults_to_the_app_version(helm: Callable[..., str]) -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    deployment = one(render(helm), "Deployment")
+    image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == f"twinmq/twinmq:{chart['appVersion']}"
+
+
+def test_standalone_broker_is_opt_in(helm: Callable[..., str]) -> None:
+    assert "StatefulSet" not in kinds(render(helm))
+    docs = render(helm, "broker.enabled=true", "operator.enabled=false")
+    assert kinds(docs) == [
+        "CustomResourceDefinition", "Secret", "Secret", "Service", "Service", "StatefulSet",
+    ]  # fmt: skip
+
+
+def test_an_unknown_rbac_scope_is_refused(helm: Callable[..., str]) -> None:
+    out = helm(
+        "template", "rel", str(CHART), "--set", "operator.rbac.scope=everywhere", check=False
+    )
+    assert 'operator.rbac.scope must be "cluster" or "namespace"' in out
+
+
+def test_operator_watches_the_namespaces_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    from twinmq.operator.main import NAMESPACES_ENV, watched_namespaces
+
+    monkeypatch.delenv(NAMESPACES_ENV, raising=False)
+    assert watched_namespaces([]) == []
+    assert watched_namespaces(["--namespace", "a", "-n", "b"]) == ["a", "b"]
+    monkeypatch.setenv(NAMESPACES_ENV, "team-a, team-b,")
+    assert watched_namespaces([]) == ["team-a", "team-b"]
+    assert watched_namespaces(["-n", "c"]) == ["c"]  # the option wins
