@@ -1,1 +1,1 @@
-"""Command-line tools: the demo, and (later) the kubectl plugin and the audit runner."""
+"""Command-line tools: the demo, the audit runner and the kubectl plugin (`kubectl twinmq`)."""

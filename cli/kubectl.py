@@ -1,0 +1,609 @@
+"""`kubectl twinmq`: the BrokerClusters' status, and manual operations as declared requests.
+
+    kubectl twinmq status [CLUSTER] [-n NS | -A] [-o table|json]
+    kubectl twinmq promote CLUSTER BROKER [--force] [--wait [--timeout S]]
+    kubectl twinmq recover CLUSTER [--wait]
+    kubectl twinmq fence CLUSTER BROKER [--wait]
+    kubectl twinmq unfence CLUSTER BROKER [--wait]
+    kubectl twinmq audit CLUSTER [--wait]
+
+Every operation is a JSON merge patch of `spec.requests.<op>` carrying a fresh id
+(`<op>-<UTC time>-<4 hex>`): the same mechanism a GitOps pipeline uses, handled once by the
+operator, which records the id in `status.handledRequests.<op>`. `--wait` polls the
+cluster until that happens and prints the outcome. docs/kubectl-plugin.md lists the RBAC
+each command needs.
+
+Exit codes: 0 done; 1 error or the operator refused the request; 2 usage;
+3 `--wait` timed out (the request stays declared and is handled once the operator gets
+to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, NoReturn
+
+from twinmq.operator.models import GROUP, PLURAL, VERSION
+
+Obj = dict[str, Any]
+BROKERS = ("primary", "backup")
+OPERATIONS = ("promote", "recover", "fence", "unfence", "audit")
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
+DEFAULT_TIMEOUT = {"promote": 120.0, "recover": 300.0, "fence": 120.0, "audit": 1800.0}
+RESOURCE = f"{PLURAL}.{GROUP}"
+
+
+class PluginError(Exception):
+    """A failure to report in one line (exit code 1); `status` is the API's HTTP status."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# -- arguments ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one sub-command per operation, each with its own `--help`."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-n", "--namespace", help="the namespace (default: the kubeconfig context's, else default)"
+    )
+    common.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube)")
+    common.add_argument("--context", help="kubeconfig context (default: the current one)")
+
+    waiting = argparse.ArgumentParser(add_help=False)
+    waiting.add_argument(
+        "--wait", action="store_true", help="wait until the operator has handled the request"
+    )
+    waiting.add_argument(
+        "--timeout", type=float, metavar="SECONDS", help="how long --wait waits (default: per op)"
+    )
+
+    parser = argparse.ArgumentParser(
+        prog="kubectl twinmq",
+        description="Status of TwinMQ BrokerClusters and manual operations on them. Each "
+        "operation declares a request with a fresh id in spec.requests; the operator handles "
+        "each id once.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    status = sub.add_parser(
+        "status", parents=[common], help="show the brokers of one or all clusters",
+        description="A table of each broker: role, epoch, ready, reachable, lag, the "
+        "cluster's phase, last failover and last audit.",
+    )  # fmt: skip
+    status.add_argument("cluster", nargs="?", metavar="CLUSTER", help="one cluster (default: all)")
+    status.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="clusters in every namespace"
+    )
+    status.add_argument(
+        "-o", "--output", choices=("table", "json"), default="table", help="output format"
+    )
+
+    def cluster_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("cluster", metavar="CLUSTER", help="the BrokerCluster's name")
+
+    def broker_arg(p: argparse.ArgumentParser, what: str) -> None:
+        p.add_argument("broker", metavar="BROKER", choices=BROKERS, help=f"{what}: primary|backup")
+
+    promote = sub.add_parser(
+        "promote", parents=[common, waiting], help="switch the active role to a broker",
+        description="Switchover: the active broker is demoted, and BROKER is activated once "
+        "the old one reports passive. The operator refuses a target that is not in sync "
+        "unless --force (which may lose confirmed messages).",
+    )  # fmt: skip
+    cluster_arg(promote)
+    broker_arg(promote, "the broker to activate")
+    promote.add_argument(
+        "--force", action="store_true", help="promote even if BROKER is not in sync (data loss)"
+    )
+
+    recover = sub.add_parser(
+        "recover", parents=[common, waiting], help="fail back to the primary",
+        description="Recovery: demote the active backup, wait until it reports passive, then "
+        "activate the primary. The operator waits until the primary has caught up.",
+    )  # fmt: skip
+    cluster_arg(recover)
+
+    fence = sub.add_parser(
+        "fence", parents=[common, waiting], help="stop a broker from serving",
+        description="Fence BROKER: it stops serving clients until unfenced.",
+    )  # fmt: skip
+    cluster_arg(fence)
+    broker_arg(fence, "the broker to fence")
+
+    unfence = sub.add_parser(
+        "unfence", parents=[common, waiting], help="let a fenced broker serve again",
+        description="Unfence BROKER.",
+    )  # fmt: skip
+    cluster_arg(unfence)
+    broker_arg(unfence, "the broker to unfence")
+
+    audit = sub.add_parser(
+        "audit", parents=[common, waiting], help="run a replication audit now",
+        description="Request a replication audit now; with --wait, print its verdict.",
+    )  # fmt: skip
+    cluster_arg(audit)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line (exits 2 with a usage message on errors)."""
+    args = build_parser().parse_args(argv)
+    if args.command == "status" and args.all_namespaces and args.namespace:
+        build_parser().error("status: use either --namespace or --all-namespaces")
+    if getattr(args, "timeout", None) is not None and args.timeout <= 0:
+        build_parser().error("--timeout must be positive")
+    return args
+
+
+# -- requests (pure) ---------------------------------------------------------------------
+
+
+def request_field(command: str) -> str:
+    """The `spec.requests` field a command writes (unfence is a fence request)."""
+    return "fence" if command == "unfence" else command
+
+
+def new_request_id(command: str, now: datetime | None = None, suffix: str | None = None) -> str:
+    """A fresh request id: `<op>-<UTC yyyymmddThhmmssZ>-<4 hex>` (at most 63 characters)."""
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%SZ")
+    return f"{request_field(command)}-{stamp}-{suffix or secrets.token_hex(2)}"
+
+
+def request_patch(
+    command: str, request_id: str, broker: str | None = None, force: bool = False
+) -> Obj:
+    """The merge patch declaring the request. Every field of the request is written, so a
+    field of an older request (a `force: true`) never survives into the new one."""
+    request: Obj = {"id": request_id}
+    if command == "promote":
+        request |= {"broker": broker, "force": force}
+    elif command in ("fence", "unfence"):
+        request |= {"broker": broker, "fenced": command == "fence"}
+    elif command not in ("recover", "audit"):
+        raise ValueError(f"not a request: {command}")
+    return {"spec": {"requests": {request_field(command): request}}}
+
+
+def pending_request(cluster: Mapping[str, Any], command: str) -> str | None:
+    """The id of a declared request of this kind the operator has not handled yet."""
+    field = request_field(command)
+    declared = ((cluster.get("spec") or {}).get("requests") or {}).get(field) or {}
+    handled = ((cluster.get("status") or {}).get("handledRequests") or {}).get(field)
+    declared_id = declared.get("id")
+    return str(declared_id) if declared_id and declared_id != handled else None
+
+
+def handled(cluster: Mapping[str, Any], command: str, request_id: str) -> bool:
+    """Whether the operator has handled the request `request_id`."""
+    done = ((cluster.get("status") or {}).get("handledRequests") or {}).get(request_field(command))
+    return bool(done == request_id)
+
+
+def broker_status(cluster: Mapping[str, Any], broker: str) -> Obj:
+    """The status entry of one broker ({} when not reported)."""
+    for entry in (cluster.get("status") or {}).get("brokers") or []:
+        if entry.get("name") == broker:
+            return dict(entry)
+    return {}
+
+
+def outcome(
+    cluster: Mapping[str, Any],
+    command: str,
+    broker: str | None,
+    request_id: str,
+    events: Sequence[Mapping[str, Any]] = (),
+) -> tuple[bool, str]:
+    """(succeeded, message) once the request is handled: the state it aimed at, else the
+    operator's Event about the request (it names the request id)."""
+    status = cluster.get("status") or {}
+    active, epoch = status.get("activeBroker"), status.get("epoch")
+    said = next(
+        (str(e.get("message")) for e in reversed(events) if request_id in str(e.get("message"))),
+        None,
+    )
+    if command in ("promote", "recover"):
+        target = broker if command == "promote" else "primary"
+        if active == target:
+            return True, f"{target} is active in epoch {epoch}" + (f" ({said})" if said else "")
+        return False, f"{target} was not activated: {said or f'{active} is active'}"
+    if command in ("fence", "unfence"):
+        fenced = bool(broker_status(cluster, broker or "").get("fenced"))
+        if fenced == (command == "fence"):
+            return True, f"{broker} is {'fenced' if fenced else 'not fenced'}"
+        return False, f"{broker} is {'fenced' if fenced else 'not fenced'}" + (
+            f": {said}" if said else ""
+        )
+    last = status.get("lastAudit") or {}
+    verdict = last.get("verdict", "unknown")
+    detail = f"audit {verdict}" + (f" (run {last['run']})" if last.get("run") else "")
+    if last.get("message"):
+        detail += f": {last['message']}"
+    return verdict in ("PASS", "RUNNING"), detail
+
+
+# -- the status table (pure) --------------------------------------------------------------
+
+COLUMNS = (
+    "CLUSTER", "BROKER", "ROLE", "EPOCH", "READY", "REACHABLE", "LAG", "PHASE",
+    "LAST-FAILOVER", "LAST-AUDIT",
+)  # fmt: skip
+
+
+def parse_time(value: str | None) -> datetime | None:
+    """An RFC 3339 timestamp from the status, or None."""
+    if not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def age(value: str | None, now: datetime) -> str:
+    """kubectl-style age of a timestamp: 45s, 3m10s, 2h5m, 4d3h ('?' when unparseable)."""
+    then = parse_time(value)
+    if then is None:
+        return "?"
+    seconds = max(0, int((now - then).total_seconds()))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600}h"
+
+
+def last_failover_text(status: Mapping[str, Any], now: datetime) -> str:
+    """`primary->backup 3m10s ago`, or `-`."""
+    last = status.get("lastFailover")
+    if not last:
+        return "-"
+    return f"{last.get('from')}->{last.get('to')} {age(last.get('time'), now)} ago"
+
+
+def last_audit_text(status: Mapping[str, Any], now: datetime) -> str:
+    """`PASS 5m0s ago`, or `-`."""
+    last = status.get("lastAudit")
+    if not last:
+        return "-"
+    return f"{last.get('verdict')} {age(last.get('time'), now)} ago"
+
+
+def lag_text(broker: Mapping[str, Any]) -> str:
+    """A passive's lag: messages, and seconds when known."""
+    messages = int(broker.get("lagMessages") or 0)
+    seconds = float(broker.get("lagSeconds") or 0.0)
+    return f"{messages} ({seconds:.1f}s)" if seconds else str(messages)
+
+
+def status_rows(
+    clusters: Sequence[Mapping[str, Any]], now: datetime, with_namespace: bool = False
+) -> list[tuple[str, ...]]:
+    """One row per broker of each cluster (one row for a cluster with no broker status yet),
+    in the order of `COLUMNS`, prefixed with the namespace when `with_namespace`.
+
+    ROLE is what the broker reports; READY is a passive's readiness to be promoted (it holds
+    every confirmed message), `-` for the active; LAG is a passive's backlog."""
+    rows: list[tuple[str, ...]] = []
+    for cluster in clusters:
+        meta = cluster.get("metadata") or {}
+        first = (str(meta.get("namespace", "")),) if with_namespace else ()
+        name = str(meta.get("name", "?"))
+        status = cluster.get("status") or {}
+        common = (
+            str(status.get("phase") or "Pending"),
+            last_failover_text(status, now),
+            last_audit_text(status, now),
+        )
+        brokers = status.get("brokers") or []
+        if not brokers:
+            rows.append((*first, name, "-", "-", "-", "-", "-", "-", *common))
+            continue
+        order = {b: i for i, b in enumerate(BROKERS)}
+        for broker in sorted(brokers, key=lambda b: order.get(str(b.get("name")), 9)):
+            role = str(broker.get("role") or "unknown")
+            if broker.get("fenced"):
+                role += " (fenced)"
+            rows.append((
+                *first, name, str(broker.get("name")), role, str(broker.get("epoch", 0)),
+                "-" if broker.get("role") == "active" else "yes" if broker.get("ready") else "no",
+                "yes" if broker.get("reachable") else "no",
+                lag_text(broker), *common,
+            ))  # fmt: skip
+    return rows
+
+
+def render_table(rows: Sequence[Sequence[str]], with_namespace: bool = False) -> str:
+    """Left-aligned columns separated by three spaces, as kubectl prints them."""
+    header = ("NAMESPACE", *COLUMNS) if with_namespace else COLUMNS
+    table = [tuple(header), *(tuple(row) for row in rows)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in table]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+# -- the Kubernetes side -----------------------------------------------------------------
+
+
+def describe_api_error(exc: Exception, verb: str, namespace: str | None, name: str | None) -> str:
+    """A one-line explanation of an API error, naming the verb and resource on 403."""
+    status = getattr(exc, "status", None)
+    where = f' in namespace "{namespace}"' if namespace else " in any namespace"
+    if status == 404:
+        body = str(getattr(exc, "body", None) or "")
+        if name and "could not find the requested resource" not in body:
+            return f'{RESOURCE} "{name}" not found{where}'
+        return f"the {RESOURCE} CRD is not installed (the Helm chart installs it)"
+    if status == 403:
+        body = getattr(exc, "body", None) or ""
+        try:
+            detail = json.loads(body).get("message", "")
+        except (ValueError, AttributeError):
+            detail = ""
+        return (
+            f"permission denied: you cannot {verb} {RESOURCE}{where} "
+            f"(RBAC: grant verb {verb!r} on resource {PLURAL!r} in API group {GROUP!r}; "
+            "see docs/kubectl-plugin.md)" + (f"; the API server said: {detail}" if detail else "")
+        )
+    if status == 401:
+        return "unauthorized: the kubeconfig's credentials were refused"
+    if status == 422:
+        return f"the API server refused the request: {getattr(exc, 'body', exc)}"
+    return f"{verb} {RESOURCE} failed: {exc}"
+
+
+@dataclass
+class Kube:
+    """The few API calls the plugin makes (BrokerClusters get/list/patch, Events list)."""
+
+    api: Any
+    custom: Any
+    core: Any
+    default_namespace: str
+
+    @classmethod
+    def connect(cls, kubeconfig: str | None, context: str | None) -> Kube:
+        """Load the kubeconfig (else, inside a pod, the service account) and make the clients."""
+        from kubernetes import client, config
+
+        try:
+            namespace = _load_kubeconfig(kubeconfig, context)
+        except (config.ConfigException, OSError) as exc:
+            if kubeconfig or context or "KUBERNETES_SERVICE_HOST" not in os.environ:
+                raise PluginError(f"cannot load the kubeconfig: {exc}") from exc
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+            namespace = _in_cluster_namespace()
+        api = client.ApiClient()
+        return cls(api, client.CustomObjectsApi(api), client.CoreV1Api(api), namespace)
+
+    def _call(
+        self, verb: str, namespace: str | None, name: str | None, fn: Callable[[], Any]
+    ) -> Any:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            return fn()
+        except ApiException as exc:
+            message = describe_api_error(exc, verb, namespace, name)
+            raise PluginError(message, exc.status) from exc
+        except HTTPError as exc:
+            host = self.api.configuration.host
+            raise PluginError(f"cannot reach the API server at {host}: {exc}") from exc
+
+    def get(self, namespace: str, name: str) -> Obj:
+        """One BrokerCluster."""
+        custom = self.custom
+        return dict(
+            self._call(
+                "get", namespace, name,
+                lambda: custom.get_namespaced_custom_object(
+                    GROUP, VERSION, namespace, PLURAL, name, _request_timeout=30
+                ),
+            )
+        )  # fmt: skip
+
+    def list_clusters(self, namespace: str | None) -> list[Obj]:
+        """The BrokerClusters of a namespace (None: of every namespace), sorted."""
+        custom = self.custom
+        if namespace is None:
+            result = self._call(
+                "list", None, None,
+                lambda: custom.list_cluster_custom_object(
+                    GROUP, VERSION, PLURAL, _request_timeout=30
+                ),
+            )  # fmt: skip
+        else:
+            result = self._call(
+                "list", namespace, None,
+                lambda: custom.list_namespaced_custom_object(
+                    GROUP, VERSION, namespace, PLURAL, _request_timeout=30
+                ),
+            )  # fmt: skip
+        items = [dict(i) for i in result.get("items", [])]
+        return sorted(
+            items, key=lambda i: (i["metadata"].get("namespace", ""), i["metadata"]["name"])
+        )
+
+    def patch(self, namespace: str, name: str, body: Obj) -> Obj:
+        """A JSON merge patch of a BrokerCluster."""
+        custom = self.custom
+        return dict(
+            self._call(
+                "patch", namespace, name,
+                lambda: custom.patch_namespaced_custom_object(
+                    GROUP, VERSION, namespace, PLURAL, name, body,
+                    _content_type="application/merge-patch+json", _request_timeout=30,
+                ),
+            )
+        )  # fmt: skip
+
+    def events(self, namespace: str, name: str) -> list[Obj]:
+        """The cluster's Events, oldest first ([] when not permitted: they are optional)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            result = self.core.list_namespaced_event(
+                namespace,
+                field_selector=f"involvedObject.kind=BrokerCluster,involvedObject.name={name}",
+                _request_timeout=30,
+            )
+        except ApiException:
+            return []
+        items = [self.api.sanitize_for_serialization(e) for e in result.items or []]
+        return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+
+
+def _load_kubeconfig(kubeconfig: str | None, context: str | None) -> str:
+    """Load the kubeconfig; return the chosen context's namespace (default: `default`)."""
+    from kubernetes import config
+
+    config.load_kube_config(config_file=kubeconfig, context=context)  # type: ignore[no-untyped-call]
+    contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+    chosen = next((c for c in contexts if c["name"] == context), None) if context else active
+    return str(((chosen or {}).get("context") or {}).get("namespace") or "default")
+
+
+def _in_cluster_namespace() -> str:
+    """The pod's namespace when running inside the cluster."""
+    path = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+    try:
+        with open(path) as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
+
+
+# -- commands ----------------------------------------------------------------------------
+
+
+def find_cluster(kube: Kube, namespace: str, name: str) -> Obj:
+    """The BrokerCluster; when it does not exist, the error names those that do."""
+    try:
+        return kube.get(namespace, name)
+    except PluginError as exc:
+        if exc.status != 404 or "CRD" in str(exc):
+            raise
+        try:
+            names = [c["metadata"]["name"] for c in kube.list_clusters(namespace)]
+        except PluginError:
+            raise exc from None
+        there = f"; clusters there: {', '.join(names)}" if names else "; there are none there"
+        raise PluginError(f"{exc}{there}", 404) from None
+
+
+def cmd_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
+    """`status`: the table (or the clusters' status as JSON)."""
+    namespace = None if args.all_namespaces else (args.namespace or kube.default_namespace)
+    if args.cluster:
+        if namespace is None:
+            raise PluginError("status: name a cluster together with --namespace, not -A")
+        clusters = [find_cluster(kube, namespace, args.cluster)]
+    else:
+        clusters = kube.list_clusters(namespace)
+    if args.output == "json":
+        doc = [{"namespace": c["metadata"].get("namespace"), "name": c["metadata"]["name"],
+                "status": c.get("status") or {}} for c in clusters]  # fmt: skip
+        out.write(json.dumps(doc, indent=2) + "\n")
+        return EXIT_OK
+    if not clusters:
+        where = "any namespace" if namespace is None else f'namespace "{namespace}"'
+        out.write(f"No BrokerClusters in {where}.\n")
+        return EXIT_OK
+    wide = namespace is None
+    out.write(render_table(status_rows(clusters, datetime.now(UTC), wide), wide))
+    return EXIT_OK
+
+
+def cmd_request(
+    kube: Kube, args: argparse.Namespace, out: Any, err: Any,
+    sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+) -> int:  # fmt: skip
+    """promote, recover, fence, unfence, audit: declare the request; with --wait, await it."""
+    command = args.command
+    namespace = args.namespace or kube.default_namespace
+    broker = getattr(args, "broker", None)
+    cluster = find_cluster(kube, namespace, args.cluster)
+    status = cluster.get("status") or {}
+    if command == "promote" and status.get("activeBroker") == broker:
+        out.write(f"{broker} is already active in epoch {status.get('epoch')}: nothing to do\n")
+        return EXIT_OK
+    if (
+        command == "promote"
+        and not args.force
+        and not broker_status(cluster, broker or "").get("ready")
+    ):
+        err.write(
+            f"warning: {broker} is not ready (not in sync with the active); the operator "
+            "refuses to promote it unless --force\n"
+        )
+    replaced = pending_request(cluster, command)
+    if replaced:
+        err.write(f"warning: replacing the {request_field(command)} request {replaced}, "
+                  "not handled yet\n")  # fmt: skip
+    request_id = new_request_id(command)
+    force = bool(getattr(args, "force", False))
+    kube.patch(namespace, args.cluster, request_patch(command, request_id, broker, force))
+    out.write(f"{RESOURCE}/{args.cluster}: {request_field(command)} request {request_id} "
+              "declared\n")  # fmt: skip
+    if not args.wait:
+        return EXIT_OK
+    timeout = args.timeout or DEFAULT_TIMEOUT[request_field(command)]
+    deadline = clock() + timeout
+    while True:
+        cluster = kube.get(namespace, args.cluster)
+        if handled(cluster, command, request_id):
+            break
+        if clock() >= deadline:
+            err.write(
+                f"timed out after {timeout:g}s waiting for the operator to handle {request_id} "
+                "(is the operator running and watching this namespace? the request stays "
+                "declared and will be handled once)\n"
+            )
+            return EXIT_TIMEOUT
+        sleep(0.5)  # polling interval of a deadline-bound wait
+    succeeded, message = outcome(
+        cluster, command, broker, request_id, kube.events(namespace, args.cluster)
+    )
+    (out if succeeded else err).write(f"{'done' if succeeded else 'refused'}: {message}\n")
+    return EXIT_OK if succeeded else EXIT_ERROR
+
+
+def run(argv: Sequence[str] | None = None, out: Any = None, err: Any = None) -> int:
+    """The plugin: parse, connect, run the command; errors as one line on stderr."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    args = parse_args(argv)
+    try:
+        kube = Kube.connect(args.kubeconfig, args.context)
+        if args.command == "status":
+            return cmd_status(kube, args, out)
+        return cmd_request(kube, args, out, err)
+    except PluginError as exc:
+        err.write(f"error: {exc}\n")
+        return EXIT_ERROR
+
+
+def main() -> NoReturn:
+    """Console script `kubectl-twinmq` (found by kubectl as `kubectl twinmq`)."""
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""`kubectl twinmq` without a cluster: argument parsing, request ids and patches, outcomes,
+the status table, API error messages, and the request/wait flow against a fake API."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from twinmq.cli import kubectl
+from twinmq.cli.kubectl import (
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_TIMEOUT,
+    PluginError,
+    describe_api_error,
+    new_request_id,
+    outcome,
+    parse_args,
+    pending_request,
+    render_table,
+    request_patch,
+    status_rows,
+)
+from twinmq.operator.models import BrokerClusterSpec
+
+NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
+Obj = dict[str, Any]
+
+
+def cluster_obj(name: str = "orders", namespace: str = "prod", **status: Any) -> Obj:
+    """A BrokerCluster as the API returns it."""
+    return {
+        "apiVersion": "twinmq.io/v1alpha1",
+        "kind": "BrokerCluster",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {},
+        "status": status,
+    }
+
+
+def pair(active: str = "primary", epoch: int = 1, backup_ready: bool = True) -> list[Obj]:
+    """Status entries of a healthy pair."""
+    passive = "backup" if active == "primary" else "primary"
+    return [
+        {"name": active, "role": "active", "reachable": True, "ready": False, "epoch": epoch},
+        {"name": passive, "role": "passive", "reachable": True, "ready": backup_ready,
+         "epoch": epoch, "lagMessages": 3, "lagSeconds": 0.25},
+    ]  # fmt: skip
+
+
+# -- parsing ----------------------------------------------------------------------------
+
+
+def test_parse_each_command() -> None:
+    args = parse_args(["promote", "orders", "backup", "--force", "-n", "prod", "--wait"])
+    assert (args.command, args.cluster, args.broker, args.force, args.namespace, args.wait) == (
+        "promote", "orders", "backup", True, "prod", True,
+    )  # fmt: skip
+    assert parse_args(["recover", "orders", "--timeout", "5", "--wait"]).timeout == 5.0
+    assert parse_args(["fence", "orders", "primary"]).broker == "primary"
+    assert parse_args(["unfence", "orders", "primary"]).command == "unfence"
+    assert parse_args(["audit", "orders"]).wait is False
+    status = parse_args(["status"])
+    assert (status.cluster, status.all_namespaces, status.output) == (None, False, "table")
+    assert parse_args(["status", "orders", "-o", "json"]).output == "json"
+    assert parse_args(["status", "-A"]).all_namespaces
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["promote", "orders", "tertiary"], "invalid choice: 'tertiary'"),
+        (["promote", "orders"], "the following arguments are required: BROKER"),
+        (["fence", "orders"], "the following arguments are required: BROKER"),
+        (["recover"], "the following arguments are required: CLUSTER"),
+        (["failover", "orders"], "invalid choice: 'failover'"),
+        ([], "the following arguments are required: COMMAND"),
+        (["status", "-A", "-n", "prod"], "either --namespace or --all-namespaces"),
+        (["recover", "orders", "--timeout", "0"], "--timeout must be positive"),
+        (["recover", "orders", "--force"], "unrecognized arguments: --force"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_clear_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["status", *kubectl.OPERATIONS])
+def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: kubectl twinmq {command}" in capsys.readouterr().out
+
+
+# -- requests ---------------------------------------------------------------------------
+
+
+def test_request_ids_are_fresh_and_fit_the_api() -> None:
+    assert new_request_id("promote", NOW, "ab12") == "promote-20261122T120000Z-ab12"
+    assert new_request_id("unfence", NOW, "0000").startswith("fence-")
+    ids = {new_request_id("recover", NOW) for _ in range(50)}
+    assert len(ids) > 40  # 4 random hex digits
+    for request_id in ids:
+        assert re.fullmatch(r"recover-20261122T120000Z-[0-9a-f]{4}", request_id)
+        assert len(request_id) <= 63
+
+
+@pytest.mark.parametrize(
+    ("command", "broker", "force", "expected"),
+    [
+        ("promote", "backup", True, {"promote": {"id": "x", "broker": "backup", "force": True}}),
+        ("promote", "backup", False, {"promote": {"id": "x", "broker": "backup", "force": False}}),
+        ("recover", None, False, {"recover": {"id": "x"}}),
+        ("fence", "primary", False, {"fence": {"id": "x", "broker": "primary", "fenced": True}}),
+        ("unfence", "primary", False, {"fence": {"id": "x", "broker": "primary", "fenced": False}}),
+        ("audit", None, False, {"audit": {"id": "x"}}),
+    ],
+)
+def test_request_patches_are_valid_spec_requests(
+    command: str, broker: str | None, force: bool, expected: Obj
+) -> None:
+    patch = request_patch(command, "x", broker, force)
+    assert patch == {"spec": {"requests": expected}}
+    BrokerClusterSpec.model_validate(patch["spec"])  # the operator's model accepts it
+
+
+def test_pending_request_is_a_declared_id_not_yet_handled() -> None:
+    obj = cluster_obj(handledRequests={"promote": "p-1"})
+    obj["spec"] = {"requests": {"promote": {"id": "p-2", "broker": "backup"}}}
+    assert pending_request(obj, "promote") == "p-2"
+    obj["status"]["handledRequests"]["promote"] = "p-2"
+    assert pending_request(obj, "promote") is None
+    assert pending_request(obj, "recover") is None
+
+
+def test_outcomes() -> None:
+    done = cluster_obj(activeBroker="backup", epoch=2, handledRequests={"promote": "p-1"})
+    assert outcome(done, "promote", "backup", "p-1") == (True, "backup is active in epoch 2")
+    refused_event = {"message": "backup is not ready: use force to promote anyway (request p-2)"}
+    still = cluster_obj(activeBroker="primary", epoch=1)
+    ok, message = outcome(still, "promote", "backup", "p-2", [refused_event])
+    assert not ok
+    assert "backup was not activated: backup is not ready" in message
+    assert outcome(cluster_obj(activeBroker="primary", epoch=3), "recover", None, "r")[0]
+    fenced = cluster_obj(brokers=[{"name": "primary", "fenced": True}])
+    assert outcome(fenced, "fence", "primary", "f") == (True, "primary is fenced")
+    assert outcome(fenced, "unfence", "primary", "f")[0] is False
+    audited = cluster_obj(lastAudit={"verdict": "FAIL", "run": "r1", "message": "2 lost"})
+    assert outcome(audited, "audit", None, "a") == (False, "audit FAIL (run r1): 2 lost")
+
+
+# -- the table ---------------------------------------------------------------------------
+
+
+def test_status_rows_one_per_broker() -> None:
+    obj = cluster_obj(
+        phase="Ready", activeBroker="primary", epoch=4, brokers=list(reversed(pair(epoch=4))),
+        lastFailover={"time": "2026-11-22T11:56:50Z", "from": "backup", "to": "primary",
+                      "reason": "recover", "epoch": 4},
+        lastAudit={"time": "2026-11-22T10:00:00Z", "verdict": "PASS"},
+    )  # fmt: skip
+    rows = status_rows([obj], NOW)
+    tail = ("Ready", "backup->primary 3m10s ago", "PASS 2h0m ago")
+    assert rows == [
+        ("orders", "primary", "active", "4", "-", "yes", "0", *tail),
+        ("orders", "backup", "passive", "4", "yes", "yes", "3 (0.2s)", *tail),
+    ]
+
+
+def test_status_rows_of_a_new_cluster_and_of_a_fenced_unreachable_broker() -> None:
+    assert status_rows([cluster_obj()], NOW) == [
+        ("orders", "-", "-", "-", "-", "-", "-", "Pending", "-", "-")
+    ]
+    gone = {"name": "primary", "role": "unknown", "reachable": False, "fenced": True}
+    (row,) = status_rows([cluster_obj(phase="Degraded", brokers=[gone])], NOW, True)
+    assert row[:8] == ("prod", "orders", "primary", "unknown (fenced)", "0", "no", "no", "0")
+
+
+def test_render_table_aligns_columns_like_kubectl() -> None:
+    rows = status_rows([cluster_obj(phase="Ready", brokers=pair())], NOW)
+    lines = render_table(rows).splitlines()
+    assert lines[0].split() == list(kubectl.COLUMNS)
+    assert len(lines) == 3
+    starts = [m.start() for m in re.finditer(r"\S+", lines[0])]
+    for line in lines[1:]:
+        assert [m.start() for m in re.finditer(r"\S+", line)][:7] == starts[:7]
+    wide = render_table(status_rows([cluster_obj(brokers=pair())], NOW, True), True)
+    assert wide.splitlines()[0].split()[:2] == ["NAMESPACE", "CLUSTER"]
+    assert wide.splitlines()[1].startswith("prod ")
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+class FakeApiError(Exception):
+    """Shaped like kubernetes.client.exceptions.ApiException."""
+
+    def __init__(self, status: int, body: Obj | str = "") -> None:
+        super().__init__(f"({status})")
+        self.status = status
+        self.body = body if isinstance(body, str) else json.dumps(body)
+
+
+def test_api_errors_say_what_is_wrong() -> None:
+    forbidden = FakeApiError(403, {"message": 'User "alice" cannot patch resource'})
+    message = describe_api_error(forbidden, "patch", "prod", "orders")
+    assert "permission denied: you cannot patch brokerclusters.twinmq.io" in message
+    assert "grant verb 'patch' on resource 'brokerclusters' in API group 'twinmq.io'" in message
+    assert 'User "alice" cannot patch resource' in message
+    missing = describe_api_error(FakeApiError(404, {"message": "x"}), "get", "prod", "orders")
+    assert missing == 'brokerclusters.twinmq.io "orders" not found in namespace "prod"'
+    no_crd = FakeApiError(404, "the server could not find the requested resource")
+    assert "CRD is not installed" in describe_api_error(no_crd, "get", "prod", "orders")
+    assert "unauthorized" in describe_api_error(FakeApiError(401), "list", None, None)
+
+
+# -- the request flow against a fake API -------------------------------------------------
+
+
+class FakeKube(kubectl.Kube):
+    """The plugin's API calls, answered from memory; `operator` runs on every get."""
+
+    def __init__(self, obj: Obj | None, operator: Any = None) -> None:
+        super().__init__(None, None, None, "prod")
+        self.obj = obj
+        self.operator = operator
+        self.patches: list[Obj] = []
+
+    def get(self, namespace: str, name: str) -> Obj:
+        if self.obj is None or self.obj["metadata"]["name"] != name:
+            raise PluginError(f'brokerclusters.twinmq.io "{name}" not found', 404)
+        if self.operator is not None:
+            self.operator(self.obj)
+        return json.loads(json.dumps(self.obj))
+
+    def list_clusters(self, namespace: str | None) -> list[Obj]:
+        return [] if self.obj is None else [self.obj]
+
+    def patch(self, namespace: str, name: str, body: Obj) -> Obj:
+        self.patches.append(body)
+        assert self.obj is not None
+        self.obj.setdefault("spec", {}).setdefault("requests", {}).update(body["spec"]["requests"])
+        return self.obj
+
+    def events(self, namespace: str, name: str) -> list[Obj]:
+        return []
+
+
+def run(kube: FakeKube, argv: list[str]) -> tuple[int, str, str]:
+    """Run a request command against `kube` (no sleeping, a fake clock)."""
+    out, err = io.StringIO(), io.StringIO()
+    ticks = iter(range(10_000))
+    args = parse_args(argv)
+    try:
+        if args.command == "status":
+            code = kubectl.cmd_status(kube, args, out)
+        else:
+            code = kubectl.cmd_request(
+                kube, args, out, err, sleep=lambda _: None, clock=lambda: float(next(ticks))
+            )
+    except PluginError as exc:
+        err.write(f"error: {exc}\n")
+        code = EXIT_ERROR
+    return code, out.getvalue(), err.getvalue()
+
+
+def switch_over(obj: Obj) -> None:
+    """A fake operator: handles a pending promote by switching the active."""
+    request = obj.get("spec", {}).get("requests", {}).get("promote")
+    status = obj["status"]
+    if request and status.get("handledRequests", {}).get("promote") != request["id"]:
+        status["activeBroker"], status["epoch"] = request["broker"], status["epoch"] + 1
+        status.setdefault("handledRequests", {})["promote"] = request["id"]
+
+
+def test_promote_and_wait_reports_the_new_active() -> None:
+    kube = FakeKube(cluster_obj(activeBroker="primary", epoch=1, brokers=pair()), switch_over)
+    code, out, err = run(kube, ["promote", "orders", "backup", "--wait"])
+    assert (code, err) == (EXIT_OK, "")
+    (patch,) = kube.patches
+    request = patch["spec"]["requests"]["promote"]
+    assert request["broker"] == "backup" and request["force"] is False
+    assert f"promote request {request['id']} declared" in out
+    assert "done: backup is active in epoch 2" in out
+
+
+def test_wait_times_out_when_no_operator_handles_the_request() -> None:
+    kube = FakeKube(cluster_obj(activeBroker="primary", epoch=1, brokers=pair()))
+    code, _, err = run(kube, ["recover", "orders", "--wait", "--timeout", "5"])
+    assert code == EXIT_TIMEOUT
+    assert "timed out after 5s waiting for the operator" in err
+
+
+def test_promote_warns_about_an_unready_target_and_a_replaced_request() -> None:
+    obj = cluster_obj(activeBroker="primary", epoch=1, brokers=pair(backup_ready=False))
+    obj["spec"] = {"requests": {"promote": {"id": "old", "broker": "backup"}}}
+    code, _, err = run(FakeKube(obj), ["promote", "orders", "backup"])
+    assert code == EXIT_OK
+    assert "backup is not ready" in err
+    assert "replacing the promote request old" in err
+
+
+def test_promote_of_the_active_broker_changes_nothing() -> None:
+    kube = FakeKube(cluster_obj(activeBroker="backup", epoch=2, brokers=pair("backup", 2)))
+    code, out, _ = run(kube, ["promote", "orders", "backup"])
+    assert code == EXIT_OK and "already active" in out and kube.patches == []
+
+
+def test_an_unknown_cluster_is_named_with_those_that_exist() -> None:
+    code, _, err = run(FakeKube(cluster_obj()), ["fence", "nope", "primary"])
+    assert code == EXIT_ERROR
+    assert 'error: brokerclusters.twinmq.io "nope" not found' in err
+    assert "clusters there: orders" in err
+
+
+def test_status_prints_the_table_or_json() -> None:
+    kube = FakeKube(cluster_obj(phase="Ready", activeBroker="primary", brokers=pair()))
+    code, out, _ = run(kube, ["status"])
+    assert code == EXIT_OK and out.splitlines()[0].startswith("CLUSTER")
+    code, out, _ = run(kube, ["status", "orders", "-o", "json"])
+    assert json.loads(out)[0]["status"]["activeBroker"] == "primary"
+    code, out, _ = run(FakeKube(None), ["status"])
+    assert out == 'No BrokerClusters in namespace "prod".\n'
