@@ -94,6 +94,7 @@ class ReplicaClient:
         self.pending_ops = 0
         self._oldest_pending: float | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def start(self) -> None:
         """Start the connect/replicate loop."""
@@ -101,10 +102,16 @@ class ReplicaClient:
 
     async def stop(self) -> None:
         """Stop replicating (promotion, shutdown, a new active)."""
+        self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # On Python 3.11 asyncio.wait_for can swallow a cancellation that races with
+            # the operation it waits for: cancel again until the task is really done
+            # (else a promotion waits here as long as the active stays unreachable).
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=0.1)
+            if not self._task.cancelled() and self._task.exception() is not None:
+                log.error("replication from %s ended: %r", self.address, self._task.exception())
             self._task = None
         self._set_connected(False)
 
@@ -151,7 +158,7 @@ class ReplicaClient:
 
     async def _run(self) -> None:
         host, _, port = self.address.rpartition(":")
-        while True:
+        while not self._stopping:
             try:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection(host, int(port)), RETRY_INTERVAL * 3
