@@ -1,0 +1,70 @@
+"""The chart end to end: its operator (namespace-scoped RBAC) comes up, answers its liveness
+endpoint, makes a BrokerCluster Ready with the primary active, and `helm uninstall` removes
+the operator and its RBAC. Runs on the local cluster and on kind."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from chart_release import (
+    OperatorRelease,
+    create_ready_cluster,
+    liveness,
+    operator_reconciles,
+    operator_release,
+)
+from conftest import Cluster
+from support import wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def release(cluster: Cluster) -> Iterator[OperatorRelease]:
+    """The chart installed with operator.rbac.scope=namespace in a fresh namespace."""
+    with operator_release(cluster, "e2e-chart-op") as release:
+        yield release
+
+
+def test_operator_pod_becomes_ready_and_answers_its_liveness_endpoint(
+    cluster: Cluster, release: OperatorRelease
+) -> None:
+    pod = wait_until("the operator pod Ready", release.ready_operator_pod, timeout=90)
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["twinmq-operator"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    if cluster.local:  # pod IPs are routed to this host only on the local cluster
+        assert liveness(pod) == 200
+    print(f"\n[timing] helm install --wait (operator Ready): {release.install_seconds:.1f}s")
+
+
+def test_brokercluster_becomes_ready_with_the_primary_active(
+    cluster: Cluster, release: OperatorRelease
+) -> None:
+    state = create_ready_cluster(release)
+    assert state["activeBroker"] == "primary"
+    assert state["epoch"] >= 1
+    roles = {b["name"]: b["role"] for b in state["brokers"]}
+    assert roles == {"primary": "active", "backup": "passive"}
+    operator_reconciles(release)
+    print(f"\n[timing] BrokerCluster Ready and replicating: {release.timings['orders Ready']:.1f}s")
+
+
+def test_uninstall_removes_the_operator_and_its_rbac(
+    cluster: Cluster, release: OperatorRelease
+) -> None:
+    ns = release.namespace
+    name = release.deployment
+    paths = [
+        f"/apis/apps/v1/namespaces/{ns}/deployments/{name}",
+        f"/api/v1/namespaces/{ns}/serviceaccounts/{name}",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles/{name}",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings/{name}",
+    ]
+    assert all(cluster.kube.get(path) is not None for path in paths)
+    release.uninstall()
+    assert [path for path in paths if cluster.kube.get(path) is not None] == []
+    wait_until("the operator pod gone", lambda: release.operator_pods() == [], timeout=60)
+    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/brokerclusters.twinmq.io"
+    assert cluster.kube.get(crd) is not None  # Helm never deletes crds/ (other clusters use it)
