@@ -2,8 +2,9 @@
 schemas (kubernetes-validate), the operator's RBAC pinned to what the code calls, the
 hardened Deployment, and the CRD in the chart's crds/ equal to the generated one.
 
-Fast (helm renders locally, no cluster). Skipped when no helm binary is found: the local
-cluster's cached build (`make cluster-binaries`) or `helm` on PATH.
+Fast (helm renders locally, no cluster). The tests that run helm are skipped when no helm
+binary is found: the local cluster's cached build (`make cluster-binaries`) or `helm` on
+PATH.
 """
 
 from __future__ import annotations
@@ -57,16 +58,17 @@ def _find_helm() -> str | None:
 
 
 HELM = _find_helm()
-pytestmark = pytest.mark.skipif(
-    HELM is None,
-    reason="no helm binary: run `make cluster-binaries` (builds it into the TwinMQ cache) "
-    "or put helm on PATH",
+NO_HELM = (
+    "no helm binary: run `make cluster-binaries` (builds it into the TwinMQ cache) "
+    "or put helm on PATH"
 )
 
 
 @pytest.fixture(scope="module")
 def helm(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     """Run helm with private cache/config folders; return stdout (fail with stderr)."""
+    if HELM is None:
+        pytest.skip(NO_HELM)
     home = tmp_path_factory.mktemp("helm-home")
     env = dict(
         os.environ,
