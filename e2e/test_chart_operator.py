@@ -4,6 +4,7 @@ the operator and its RBAC. Runs on the local cluster and on kind."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +16,7 @@ from chart_release import (
     operator_release,
 )
 from conftest import Cluster
-from support import wait_until
+from support import CHART, helm, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -68,3 +69,49 @@ def test_uninstall_removes_the_operator_and_its_rbac(
     wait_until("the operator pod gone", lambda: release.operator_pods() == [], timeout=60)
     crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/brokerclusters.twinmq.io"
     assert cluster.kube.get(crd) is not None  # Helm never deletes crds/ (other clusters use it)
+
+
+def test_cluster_scope_grants_a_cluster_wide_operator_what_it_calls(cluster: Cluster) -> None:
+    """Installed with replicas=0 (a second cluster-wide operator would reconcile other
+    tests' clusters): the API server's own authorizer answers for the ServiceAccount."""
+    namespace = f"e2e-chart-rbac-{uuid.uuid4().hex[:6]}"
+    helm(
+        cluster.kubeconfig, "install", "tmq", str(CHART), "--namespace", namespace,
+        "--create-namespace", "--set", "operator.replicas=0", "--wait", "--timeout", "60s",
+    )  # fmt: skip
+    user = f"system:serviceaccount:{namespace}:tmq-twinmq-operator"
+
+    def allowed(verb: str, group: str, resource: str, ns: str | None = None) -> bool:
+        attributes = {"verb": verb, "group": group, "resource": resource.split("/")[0]}
+        if "/" in resource:
+            attributes["subresource"] = resource.split("/")[1]
+        if ns is not None:
+            attributes["namespace"] = ns
+        review = cluster.kube.create(
+            "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+            {"spec": {"user": user, "groups": ["system:serviceaccounts"],
+                      "resourceAttributes": attributes}},
+        )  # fmt: skip
+        return bool(review["status"].get("allowed"))
+
+    try:
+        elsewhere = "some-other-namespace"
+        for verb in ("list", "watch"):  # kopf, across namespaces
+            assert allowed(verb, "twinmq.io", "brokerclusters")
+            assert allowed(verb, "apiextensions.k8s.io", "customresourcedefinitions")
+        assert allowed("patch", "twinmq.io", "brokerclusters/status", elsewhere)
+        for verb, group, resource in [
+            ("create", "", "pods"), ("patch", "", "pods"), ("get", "", "secrets"),
+            ("create", "", "persistentvolumeclaims"), ("create", "", "events"),
+            ("update", "coordination.k8s.io", "leases"),
+            ("create", "rbac.authorization.k8s.io", "roles"),
+        ]:  # fmt: skip
+            assert allowed(verb, group, resource, elsewhere), (verb, group, resource)
+        # Least privilege: nothing the operator does not call.
+        assert not allowed("delete", "", "pods", elsewhere)
+        assert not allowed("list", "", "secrets", elsewhere)
+        assert not allowed("list", "", "namespaces")
+        assert not allowed("create", "rbac.authorization.k8s.io", "clusterroles")
+    finally:
+        helm(cluster.kubeconfig, "uninstall", "tmq", "--namespace", namespace, "--wait")
+        cluster.kube.delete(f"/api/v1/namespaces/{namespace}")
