@@ -106,6 +106,11 @@ class Counts(BaseModel):
     confirmed: int = Field(0, description="... confirmed on both disks")
     confirmed_alone: int = Field(0, description="... confirmed by a degraded active alone")
     replicated: int = Field(0, description="... of which the other broker stored a copy")
+    replica_only: int = Field(
+        0,
+        description="Stored as replicated, with no confirm record anywhere (the active died "
+        "before confirming, or before writing its last records)",
+    )
     lost: int = 0
     unreplicated_at_end: int = Field(
         0, description="On one broker only and not settled there by the end of the window"

@@ -355,16 +355,16 @@ LAG_SCHEMA = StructType(
 
 
 def queue_counts(messages: DataFrame, by: Sequence[str] = ()) -> DataFrame:
-    """Per queue: messages with an origin record, by event, and how many were replicated."""
-    return (
-        messages.where(F.col("origin").isNotNull())
-        .groupBy(*by, "queue")
-        .agg(
-            F.count("*").alias("messages"),
-            F.sum((F.col("origin_event") == CONFIRMED).cast("long")).alias("confirmed"),
-            F.sum((F.col("origin_event") == CONFIRMED_ALONE).cast("long")).alias("confirmed_alone"),
-            F.sum(F.col("replicated").cast("long")).alias("replicated"),
-        )
+    """Per queue: messages with an origin record, by event, how many were replicated, and
+    copies without any origin record (`replica_only`)."""
+    has_origin = F.col("origin").isNotNull()
+    stored = sum((F.col(f"s{i}") for i in range(SLOTS)), F.lit(0)) > 0
+    return messages.groupBy(*by, "queue").agg(
+        F.sum(has_origin.cast("long")).alias("messages"),
+        F.sum((F.col("origin_event") == CONFIRMED).cast("long")).alias("confirmed"),
+        F.sum((F.col("origin_event") == CONFIRMED_ALONE).cast("long")).alias("confirmed_alone"),
+        F.sum((has_origin & F.col("replicated")).cast("long")).alias("replicated"),
+        F.sum((~has_origin & stored).cast("long")).alias("replica_only"),
     )
 
 
@@ -375,6 +375,7 @@ COUNTS_SCHEMA = StructType(
         StructField("confirmed", LongType()),
         StructField("confirmed_alone", LongType()),
         StructField("replicated", LongType()),
+        StructField("replica_only", LongType()),
     ]
 )
 

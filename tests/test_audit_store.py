@@ -225,3 +225,32 @@ def test_s3_an_interrupted_multipart_upload_is_never_visible(s3_store: Store) ->
     assert s3_store.segments() == []
     assert not s3_store.exists(name.key)
     assert client.list_multipart_uploads(Bucket=bucket)["Uploads"]
+
+
+@pytest.mark.spark
+def test_the_audit_job_reads_and_writes_an_s3_store(
+    tmp_path: Path, s3_store: Store, spark: Any
+) -> None:
+    """The whole audit against the S3 store: segments in, state and results out."""
+    from audit_scenario import build
+
+    from twinmq.audit.job import MANIFEST, AuditParams, run_audit
+    from twinmq.audit.summary import AuditSummary
+
+    scenario = build()
+    for directory in scenario.log.write(tmp_path / "brokers", upto={"a": 1, "b": 1}).values():
+        ship(directory, s3_store)
+    params = AuditParams(block_bits=4, bucket_seconds=2.0)
+    first = run_audit(spark, s3_store, params, work_dir=tmp_path / "work1")
+    for directory in scenario.log.write(tmp_path / "brokers").values():
+        ship(directory, s3_store)
+    summary = run_audit(spark, s3_store, params, work_dir=tmp_path / "work2")
+    assert (first.mode, summary.mode) == ("full", "incremental")
+    t = summary.totals
+    assert (t.lost, t.resent, t.replicated_twice, t.reordered, t.digest_mismatch) == (2, 1, 1, 2, 1)
+    assert AuditSummary.model_validate_json(s3_store.read_bytes("audit/latest.json")) == summary
+    assert s3_store.read_json(MANIFEST)["globals_run"] == summary.run_id
+    findings = s3_store.keys(summary.findings_path)
+    assert any(k.endswith(".parquet") for k in findings)
+    with s3_store.fs.open(s3_store.path(summary.lag_path), "rb") as f:
+        assert pq.read_table(f).num_rows > 0
