@@ -16,6 +16,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -71,6 +72,7 @@ class Memory:
 
 
 MEMORY: dict[str, Memory] = {}
+PROBES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="twinmq-probe")
 KUBE: Kube | None = None
 
 
@@ -85,7 +87,9 @@ def kube() -> Kube:
 # -- the admin API of the brokers ---------------------------------------------------------
 
 
-def admin_call(ip: str, token: str, path: str, body: dict[str, Any] | None = None) -> Any:
+def admin_call(
+    ip: str, token: str, path: str, body: dict[str, Any] | None = None, timeout: float = 5.0
+) -> Any:
     """GET or POST a broker's admin API."""
     request = urllib.request.Request(
         f"http://{ip}:{builders.ADMIN_PORT}{path}",
@@ -93,7 +97,7 @@ def admin_call(ip: str, token: str, path: str, body: dict[str, Any] | None = Non
         method="GET" if body is None else "POST",
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=PROBE_TIMEOUT * 5) as resp:
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
         return json.load(resp)
 
 
@@ -105,7 +109,9 @@ def probe(
     if not ip or (pod or {}).get("metadata", {}).get("deletionTimestamp"):
         return None
     try:
-        status = admin_call(ip, token, "/status")
+        # A short timeout: a cut-off broker must not stall the reconcile, whose timing
+        # decides whether the backup is still promotable when the Lease lapses.
+        status = admin_call(ip, token, "/status", timeout=PROBE_TIMEOUT)
     except (OSError, urllib.error.URLError, ValueError):
         return None
     replication = status.get("replication", {})
@@ -285,6 +291,8 @@ def conditions(
 
 def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str, Any] | None:
     """One reconcile of one cluster; returns the status patch (None: nothing changed)."""
+    if meta.get("deletionTimestamp"):
+        return None  # going away: garbage collection removes what it owns
     cluster = ClusterRef(meta["name"], meta["namespace"], meta["uid"])
     spec = BrokerClusterSpec.model_validate(dict(spec_raw or {}))
     status = BrokerClusterStatus.model_validate(
@@ -302,8 +310,10 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
     active_ip = (pods.get(status.active_broker) or {}).get("status", {}).get("podIP") if (
         status.active_broker) else None  # fmt: skip
     views: dict[str, BrokerView | None] = {}
+    probed = dict(zip(NAMES, PROBES.map(
+        lambda n: probe(pods[n], token, n, active_ip), NAMES), strict=True))  # fmt: skip
     for name in NAMES:
-        view = probe(pods[name], token, name, active_ip)
+        view = probed[name]
         if view is not None:
             memory.failures[name] = 0
             memory.last_view[name] = view

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RETRY_INTERVAL = 1.0
+LINK_SILENCE = 3.0  # seconds without a frame (the active pings every 0.5 s): link lost
 
 
 class _Session:
@@ -188,8 +189,10 @@ class ReplicaClient:
         broker = self.broker
         decoder = FrameDecoder()
         frames: deque[tuple[FrameType, bytes]] = deque()
-        # The active pings every half second; silence for the timeout means it is gone.
-        silence = max(broker.settings.replication_timeout, 2.0)
+        # The active pings every half second: a few missed pings mean the link is gone.
+        # This must be well inside replication_timeout, the time this passive stays
+        # promotable after losing the active: a failover needs both at once.
+        silence = min(LINK_SILENCE, broker.settings.replication_timeout / 2)
 
         async def next_frame() -> tuple[FrameType, bytes]:
             while not frames:
