@@ -83,10 +83,11 @@ class Kube:
         namespace, name = lease["metadata"]["namespace"], lease["metadata"]["name"]
         current = self.get_lease(namespace, name)
         if current is None:
-            self.coordination.create_namespaced_lease(namespace, lease)
+            self.coordination.create_namespaced_lease(namespace, lease)  # type: ignore[arg-type]
             return
         current["spec"] = lease["spec"]
-        self.coordination.replace_namespaced_lease(name, namespace, current)
+        # The client takes plain dicts as bodies; its signatures name the model classes.
+        self.coordination.replace_namespaced_lease(name, namespace, current)  # type: ignore[arg-type]
 
     def dumps(self, obj: Any) -> str:
         """JSON of an API object (for logs)."""

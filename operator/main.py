@@ -26,6 +26,7 @@ import kopf
 from twinmq.operator import builders
 from twinmq.operator.builders import ClusterRef, pod_name
 from twinmq.operator.failover import (
+    OTHER,
     BrokerView,
     Decision,
     Event,
@@ -178,7 +179,8 @@ def apply(
     new = status.model_copy(deep=True)
 
     def ip(name: BrokerName) -> str | None:
-        return (pods.get(name) or {}).get("status", {}).get("podIP")
+        value = (pods.get(name) or {}).get("status", {}).get("podIP")
+        return None if value is None else str(value)
 
     for action in decision.actions:
         if isinstance(action, SetRole):
@@ -248,13 +250,13 @@ def apply(
 def conditions(
     decision: Decision,
     status: BrokerClusterStatus,
-    views: dict[str, BrokerView | None],
+    views: dict[BrokerName, BrokerView],
     generation: int,
 ) -> list[Condition]:
     """Ready / Replicating / FailingOver / Degraded, keeping transition times stable."""
     active = status.active_broker
-    serving = active is not None and (v := views.get(active)) is not None and v.role == "active"
-    passive = views.get("backup" if active == "primary" else "primary") if active else None
+    serving = active is not None and views[active].reachable and views[active].role == "active"
+    passive = views[OTHER[active]] if active else None
     replicating = passive is not None and passive.ready and passive.link_connected
     wanted = [
         ("Ready", serving, "ActiveServing" if serving else "NoActive",
@@ -278,7 +280,7 @@ def conditions(
                 type=ctype,
                 status=text,
                 reason=reason,
-                message=message,  # type: ignore[arg-type]
+                message=message,
                 last_transition_time=since,
                 observed_generation=generation,
             )
@@ -309,7 +311,7 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
     pods = {n: k.get_pod(cluster.namespace, pod_name(cluster, n)) for n in NAMES}
     active_ip = (pods.get(status.active_broker) or {}).get("status", {}).get("podIP") if (
         status.active_broker) else None  # fmt: skip
-    views: dict[str, BrokerView | None] = {}
+    views: dict[BrokerName, BrokerView] = {}
     probed = dict(zip(NAMES, PROBES.map(
         lambda n: probe(pods[n], token, n, active_ip), NAMES), strict=True))  # fmt: skip
     for name in NAMES:
@@ -320,8 +322,8 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
         else:
             memory.failures[name] += 1
             last = memory.last_view.get(name)
-            still = memory.failures[name] < spec.failover.failure_threshold and last is not None
-            view = last if still else BrokerView(name, reachable=False)
+            still = memory.failures[name] < spec.failover.failure_threshold
+            view = last if still and last is not None else BrokerView(name, reachable=False)
         views[name] = view
     holder, expired = lease_state(cluster)
     handled = status.handled_requests
@@ -329,7 +331,7 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
     promote = requests.promote
     sw = status.switchover
     observation = Observation(
-        brokers={n: v or BrokerView(n, reachable=False) for n, v in views.items()},  # type: ignore[misc]
+        brokers=views,
         active=status.active_broker,
         epoch=status.epoch,
         lease_holder=holder,
@@ -360,14 +362,12 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
     new = apply(decision, cluster, spec, status, pods, token, body, memory)
     new.brokers = [
         BrokerStatus(
-            name=n, pod=pod_name(cluster, n),
-            role=(v.role if v is not None and v.reachable else "unknown"),
-            reachable=v is not None and v.reachable, ready=v is not None and v.ready,
-            epoch=v.epoch if v is not None else 0,
-            link_connected=v is not None and v.link_connected,
+            name=n, pod=pod_name(cluster, n), role=v.role if v.reachable else "unknown",
+            reachable=v.reachable, ready=v.ready, epoch=v.epoch,
+            link_connected=v.link_connected,
         )
         for n, v in views.items()
-    ]  # type: ignore[arg-type]  # fmt: skip
+    ]  # fmt: skip
     generation = int(meta.get("generation") or 0)
     new.conditions = conditions(decision, new, views, generation)
     new.observed_generation = generation
