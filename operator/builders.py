@@ -155,6 +155,7 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
                         "--role=passive",
                         f"--replication-timeout={spec.replication.timeout_seconds}",
                         f"--dedup-window={spec.replication.dedup_window}",
+                        f"--audit-segment-seconds={spec.audit.segment_seconds}",
                     ],
                     "env": [
                         {

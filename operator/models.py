@@ -116,6 +116,12 @@ class Audit(ApiModel):
     store_url: str | None = Field(None, description="Audit store URL (file path or s3://)")
     store_secret_name: str | None = Field(None, description="Secret with the store credentials")
     history_limit: int = Field(3, ge=1, le=50, description="Finished audit runs kept")
+    segment_seconds: int = Field(
+        60,
+        ge=1,
+        le=3600,
+        description="Brokers close (and make shippable) audit segments this often",
+    )
 
 
 class PromoteRequest(ApiModel):
