@@ -481,7 +481,10 @@ def _running_max(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    table = pa.Table.from_batches(list(batches))
+    received = list(batches)
+    if not received:
+        return
+    table = pa.Table.from_batches(received)
     if table.num_rows == 0:
         return
     key = pc.binary_join_element_wise(
