@@ -350,6 +350,7 @@ class Pair:
         if code != 200 or body.get("role") != "active":
             raise AssertionError(f"promotion of {new.name} failed: {code} {body}")
         self.note(f"promoted {new.name} to active in epoch {self.epoch}")
+        new.extra_args = self.args("active")  # what it would restart with
         self.link.retarget(new.replication_address)
         self.active_name, self.passive_name = self.passive_name, self.active_name
 
@@ -723,6 +724,7 @@ class Nemesis:
         pair.promote_passive()
         old.signal(signal.SIGCONT)
         code, body = post_role(old, "passive", pair.epoch, pair.link.address)
+        old.extra_args = pair.args("passive")  # what it would restart with
         pair.note(f"SIGCONT {old.name}, demoted: {code} {body.get('role')}")
         assert code == 200 and body["role"] == "passive", (code, body)
 
@@ -778,6 +780,7 @@ class Nemesis:
             interval=0.1,
         )
         pair.link.throttle(self.rng.choice([100_000, 200_000, 400_000]))
+        passive.extra_args = pair.args("passive")
         passive.start()
 
         def catching_up() -> bool:
@@ -798,6 +801,7 @@ class Nemesis:
         self.log.interrupted_catchups += int(mid)
         pair.note(f"passive {passive.name} killed {'mid-' if mid else 'after '}catch-up")
         pair.link.heal()
+        passive.extra_args = pair.args("passive")
         passive.start()
         workload.pause_consumers(False)
 
