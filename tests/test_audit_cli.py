@@ -14,7 +14,7 @@ from pyspark.sql import SparkSession
 
 from twinmq.cli.audit import main
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.slow]  # a JVM: minutes on 2 cores
 
 
 def _ship(scenario: Scenario, root: Path) -> str:

@@ -17,7 +17,7 @@ from twinmq.audit.job import MANIFEST, AuditParams, run_audit
 from twinmq.audit.store import Store, ship
 from twinmq.audit.summary import AuditSummary
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.slow]  # a JVM: minutes on 2 cores
 
 PARAMS = AuditParams(block_bits=4, bucket_seconds=2.0)
 RUN_FIELDS = {"run_id", "mode", "segments_read", "events_read", "seconds", "findings_path",

@@ -19,7 +19,7 @@ from twinmq.audit.job import AuditParams, run_audit
 from twinmq.audit.store import Store, ship
 from twinmq.audit.summary import AuditSummary, LagStats, Verdict
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.slow]  # a JVM: minutes on 2 cores
 
 PARAMS = AuditParams(block_bits=4, bucket_seconds=2.0)
 

@@ -30,7 +30,7 @@ from twinmq.audit.store import Store, ship
 from twinmq.audit.summary import Verdict
 from twinmq.broker.launcher import BrokerProcess
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.slow]  # a JVM: minutes on 2 cores
 
 TOKEN = "audit-test-replication-token"
 QUEUE = "audit.real"

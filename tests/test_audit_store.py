@@ -228,6 +228,7 @@ def test_s3_an_interrupted_multipart_upload_is_never_visible(s3_store: Store) ->
 
 
 @pytest.mark.spark
+@pytest.mark.slow
 def test_the_audit_job_reads_and_writes_an_s3_store(
     tmp_path: Path, s3_store: Store, spark: Any
 ) -> None:
