@@ -49,7 +49,7 @@ class Switchover:
     request_id: str
     kind: Literal["promote", "recover"]
     target: BrokerName
-    epoch: int  # the epoch the target is activated in
+    epoch: int  # the source is demoted in this epoch; the target activated in the next
     force: bool = False
 
 
@@ -67,6 +67,7 @@ class Observation:
     promote_request: tuple[str, BrokerName, bool] | None = None  # (id, target, force), unhandled
     recover_request: str | None = None  # id, unhandled
     fenced: frozenset[BrokerName] = frozenset()
+    routed: BrokerName | None = None  # the broker the virtual IP selects right now
 
 
 @dataclass(frozen=True)
@@ -135,11 +136,20 @@ def decide(obs: Observation) -> Decision:
         return _initialise(obs)
     if obs.switchover is not None:
         return _continue_switchover(obs, obs.switchover)
+    request = Decision()
     if obs.recover_request is not None:
-        return _start_recovery(obs, obs.recover_request)
-    if obs.promote_request is not None:
-        return _start_promote(obs, *obs.promote_request)
-    return _steady(obs)
+        request = _start_recovery(obs, obs.recover_request)
+    elif obs.promote_request is not None:
+        request = _start_promote(obs, *obs.promote_request)
+    if any(isinstance(a, SetRole | Route) for a in request.actions):
+        return request
+    # A request that was only acknowledged (ignored, refused) or cannot start yet must
+    # not hold up anything else: a crash of the active meanwhile is still a failover.
+    # Found by the property test.
+    steady = _steady(obs)
+    steady.actions[:0] = request.actions
+    steady.degraded = steady.degraded or request.degraded
+    return steady
 
 
 def _initialise(obs: Observation) -> Decision:
@@ -178,6 +188,10 @@ def _steady(obs: Observation) -> Decision:
 def _failover(obs: Observation, active: BrokerName, other: BrokerName) -> Decision:
     """Rule 2: the active is not serving. Promote the other broker when that is safe."""
     decision = Decision(failing_over=True)
+    if obs.routed is not None:
+        # A broker that does not serve leaves the virtual IP at once: clients retry
+        # against no endpoint rather than reach a broker that refuses them.
+        decision.add(Route(None))
     b = obs.brokers[other]
     if not obs.lease_expired and obs.lease_holder == active:
         decision.degraded = f"{active} is unreachable; waiting for its Lease to expire"
@@ -314,18 +328,22 @@ def _continue_switchover(obs: Observation, sw: Switchover, starting: bool = Fals
     if not target.reachable:
         decision.degraded = f"waiting for {sw.target} to become reachable to activate it"
         return decision
+    # Activated in a newer epoch than the demotion's: the target may have learned the
+    # demotion epoch through its replication link, and activation needs a new epoch.
+    epoch = sw.epoch + 1
     record = Record(
         sw.target,
-        sw.epoch,
+        epoch,
         failover_from=source,
         reason=sw.kind,
         handled_promote=sw.request_id if sw.kind == "promote" else None,
         handled_recover=sw.request_id if sw.kind == "recover" else None,
     )
+    # The source is pointed at the new active by the steady state (rule 4) next time;
+    # a request to it here could fail (it may be down) and must not hold up the record.
     return decision.add(
-        SetRole(sw.target, "active", sw.epoch),
+        SetRole(sw.target, "active", epoch),
         Route(sw.target),
-        SetRole(source, "passive", sw.epoch, sw.target),
         record,
-        Event("SwitchedOver", f"{sw.target} active in epoch {sw.epoch} ({sw.kind})"),
+        Event("SwitchedOver", f"{sw.target} active in epoch {epoch} ({sw.kind})"),
     )

@@ -190,7 +190,7 @@ def apply(
             if peer_ip:
                 request["replicate_from"] = f"{peer_ip}:{builders.REPLICATION_PORT}"
             if target_ip is None:
-                continue
+                break
             try:
                 admin_call(target_ip, token, "/role", request)
                 log.info(
@@ -202,9 +202,13 @@ def apply(
                     action.epoch,
                 )
             except (OSError, urllib.error.URLError, ValueError) as exc:
+                # The rest depends on this role change (the virtual IP must not move to a
+                # broker that did not become active): stop here, decide again next time.
                 log.warning(
-                    "POST /role to %s failed: %s (retried next reconcile)", action.broker, exc
-                )
+                    "POST /role to %s failed: %s; the next reconcile decides again",
+                    action.broker, exc,
+                )  # fmt: skip
+                break
         elif isinstance(action, Route):
             for name in NAMES:
                 if pods.get(name) is not None:
@@ -341,6 +345,8 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
                                                       sw.epoch, sw.force),
         promote_request=(promote.id, promote.broker, promote.force)
         if promote is not None and promote.id != handled.promote else None,
+        routed=next((n for n in NAMES if ((pods[n] or {}).get("metadata", {}).get("labels")
+                     or {}).get(builders.LABEL_ROLE) == "active"), None),
         recover_request=requests.recover.id
         if requests.recover is not None and requests.recover.id != handled.recover else None,
     )  # fmt: skip

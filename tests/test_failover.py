@@ -84,7 +84,7 @@ class World:
             brokers=views, active=self.active, epoch=self.epoch,
             lease_holder=self.lease_holder, lease_expired=self.lease_expired,
             allow_data_loss=self.allow_data_loss, switchover=self.switchover,
-            promote_request=self.promote, recover_request=self.recover,
+            promote_request=self.promote, recover_request=self.recover, routed=self.vip,
         )  # fmt: skip
 
     def serving_active(self) -> SimBroker | None:
@@ -96,34 +96,41 @@ class World:
     def apply(self, decision: Decision) -> None:
         for action in decision.actions:
             if isinstance(action, SetRole):
-                self._set_role(action)
+                if not self._set_role(action):
+                    break  # as the adapter does: the rest depended on it
             elif isinstance(action, Route):
                 self.vip = action.broker
             elif isinstance(action, Record):
                 self.active, self.epoch = action.active, action.epoch
                 self.switchover = action.switchover
-                if action.handled_promote is not None:
+                # The spec may hold a newer request than the one handled: only an equal
+                # id counts as handled (as status.handledRequests does).
+                if self.promote is not None and action.handled_promote == self.promote[0]:
                     self.promote = None
-                if action.handled_recover is not None:
+                if action.handled_recover is not None and action.handled_recover == self.recover:
                     self.recover = None
             else:
                 assert isinstance(action, Event)
 
-    def _set_role(self, action: SetRole) -> None:
+    def _set_role(self, action: SetRole) -> bool:
         b = self.brokers[action.broker]
         if not b.alive or b.isolated:
-            return  # the request fails; the next reconcile sees it
+            return False  # the request fails; the next reconcile sees it
         if action.broker in self.lost_requests:
             self.lost_requests.discard(action.broker)
-            return  # timed out on the way: the broker never saw it
+            return False  # timed out on the way: the broker never saw it
         if action.epoch < b.epoch or (
             action.epoch == b.epoch and action.role == "active" and b.role != "active"
         ):
-            return  # 409 stale epoch
+            return False  # 409 stale epoch
         if action.role == "active":
             other = self.brokers[OTHER[action.broker]]
             if not b.has_all:
-                forced = self.promote is not None and self.promote[2]
+                # A switchover in progress carries the force of the request that began it.
+                sw = self.switchover
+                forced = (
+                    sw.force if sw is not None else (self.promote is not None and self.promote[2])
+                )
                 if not (self.allow_data_loss or forced):
                     self.violations.append(f"{b.name} promoted without every confirmed message")
             if other.alive and other.role == "active":
@@ -136,12 +143,17 @@ class World:
             # From now on only the new active holds what it confirms.
             other.linked = False
             other.has_all = False if other.role == "passive" else other.has_all
-            return
+            return True
+        other = self.brokers[OTHER[action.broker]]
+        if b.role == "active" and other.alive and other.linked:
+            # Its passive reconnects and learns the new epoch over the link's handshake.
+            other.epoch = max(other.epoch, action.epoch)
         b.role, b.epoch = "passive", max(b.epoch, action.epoch)
         active = self.serving_active()
         b.linked = False
         if action.replicate_from is not None and active is not None:
             b.linked = active.name == action.replicate_from and active.epoch <= b.epoch
+        return True
 
     # -- the world's events --------------------------------------------------------------------
 
@@ -187,6 +199,10 @@ class World:
         self.check()
 
     def check(self) -> None:
+        if self.vip is not None:
+            routed = self.brokers[self.vip]
+            if routed.alive and not routed.isolated and routed.role != "active":
+                self.violations.append(f"virtual IP on {self.vip}, which is not active")
         actives = [b for b in self.brokers.values() if b.alive and b.role == "active"]
         if len(actives) > 1:
             self.violations.append(f"two live actives: {[(b.name, b.epoch) for b in actives]}")
@@ -304,7 +320,7 @@ def test_recovery_demotes_the_backup_then_activates_the_primary() -> None:
     assert [a for a in first.actions if isinstance(a, SetRole)] == [SetRole("backup", "passive", 3)]
     world.apply(first)
     world.step(("reconcile", "primary", False))
-    assert (world.active, world.epoch, world.recover) == ("primary", 3, None)
+    assert (world.active, world.epoch, world.recover) == ("primary", 4, None)  # after 3
     assert world.brokers["backup"].role == "passive" and not world.violations
 
 
@@ -316,3 +332,26 @@ def test_a_handled_request_is_not_replayed() -> None:
     assert world.active == "backup" and world.promote is None
     world.step(("reconcile", "primary", False))
     assert world.active == "backup"
+
+
+def _in_switchover(source: BrokerView, lease_expired: bool) -> Observation:
+    target = BrokerView("backup", True, "passive", 2, ready=True)
+    return Observation(
+        brokers={"primary": source, "backup": target}, active=None, epoch=2,
+        lease_holder="primary", lease_expired=lease_expired,
+        switchover=Switchover("p1", "promote", "backup", 2),
+    )  # fmt: skip
+
+
+def test_a_switchover_asks_again_when_the_source_still_reports_active() -> None:
+    still_active = BrokerView("primary", True, "active", 1)
+    actions = decide(_in_switchover(still_active, lease_expired=False)).actions
+    assert [a for a in actions if isinstance(a, SetRole)] == [SetRole("primary", "passive", 2)]
+
+
+def test_a_switchover_waits_for_the_lease_of_an_unreachable_source() -> None:
+    unreachable = BrokerView("primary", reachable=False)
+    waiting = decide(_in_switchover(unreachable, lease_expired=False))
+    assert not any(isinstance(a, SetRole) for a in waiting.actions)
+    lapsed = decide(_in_switchover(unreachable, lease_expired=True))
+    assert SetRole("backup", "active", 3) in lapsed.actions
