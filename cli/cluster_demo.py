@@ -164,8 +164,12 @@ class Demo:
                             str(audit_dir)], check=True, capture_output=True)  # fmt: skip
         result = subprocess.run(["twinmq", "audit", "--store", str(store)],
                                 capture_output=True, text=True)  # fmt: skip
-        lines = [line for line in result.stdout.splitlines() if line.strip()]
-        return lines[-1] if lines else f"audit failed: {result.stderr[-300:]}"
+        lines = result.stdout.splitlines()
+        verdict = next((x for x in lines if x.startswith(("PASS", "FAIL"))), None)
+        lag = next((x for x in lines if x.startswith("lag ")), "")
+        if verdict is None:
+            return f"ERROR (exit {result.returncode}): {result.stderr[-300:]}"
+        return f"{verdict}\n{'':39}{lag}"
 
 
 def main() -> None:
