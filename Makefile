@@ -12,7 +12,7 @@ TYPECHECK_VIEW := .cache/typecheck
 TEST_EXTRA_TARGETS ?=
 SYSTEM_PACKAGES ?=
 -include mk/*.mk
-.PHONY: help venv system-deps lint typecheck unit test test-fast demo bench clean
+.PHONY: help venv system-deps lint typecheck unit test test-fast soak demo bench clean
 
 help:
 	@echo "make demo       the demo on an embedded default: a broker, a pair failover, the local cluster"
@@ -49,14 +49,19 @@ typecheck: $(STAMP)
 	MYPYPATH=$(TYPECHECK_VIEW) $(VENV)/bin/mypy -p twinmq
 
 unit: $(STAMP) system-deps
-	$(VENV)/bin/pytest -m "not slow" -q
+	$(VENV)/bin/pytest -m "not slow" -q tests
 
 test-fast: lint typecheck unit
 
+# The long fault run of the replication engine (120 cycles by default; TWINMQ_FAULT_CYCLES).
+soak: $(STAMP)
+	$(VENV)/bin/pytest -q -s -m soak tests
+
 # The local cluster's binaries (helm among them) are built first: the chart tests need helm.
+# Every test but the soak runs (see `make soak`), then the e2e suite (mk/cluster.mk).
 test: lint typecheck system-deps
 	@if $(MAKE) -n cluster-binaries >/dev/null 2>&1; then $(MAKE) --no-print-directory cluster-binaries; fi
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -m "not soak" tests
 	@for t in $(TEST_EXTRA_TARGETS); do $(MAKE) --no-print-directory $$t || exit 1; done
 
 # The broker and pair story on loopback, then the Kubernetes story: the local cluster

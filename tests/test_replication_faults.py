@@ -95,6 +95,7 @@ def test_every_fault_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(7200)
 def test_long_run_random_faults(tmp_path: Path) -> None:
     """At least 100 fault cycles, drawn at random (seed from TWINMQ_FAULT_SEED or random)."""
