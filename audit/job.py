@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "audit/manifest.json"
 LATEST = "audit/latest.json"
-FORMAT = 1
+FORMAT = 2
 
 
 class AuditError(RuntimeError):
@@ -192,7 +192,8 @@ class Manifest:
         if data is None:
             return None
         if data.get("format") != FORMAT:
-            raise AuditError(f"manifest format {data.get('format')} is not {FORMAT}")
+            log.warning("manifest format %s is not %s: full run", data.get("format"), FORMAT)
+            return None
         data.pop("format")
         return cls(**data)
 

@@ -94,14 +94,13 @@ FINDINGS_SCHEMA = StructType(
 
 STREAM_STATE_SCHEMA = StructType(
     [
-        StructField("slot", LongType(), False),
-        StructField("queue", StringType()),
-        StructField("stream", StringType()),
+        StructField("key", LongType(), False),
         StructField("last_pos", LongType()),
         StructField("max_seq", LongType()),
     ]
 )
-"""Per broker slot and publisher stream: the last log position and highest sequence seen."""
+"""Per stream (key: 64-bit hash of broker slot, queue and stream name): the last log position
+and the highest sequence seen."""
 
 
 def _pick(values: Sequence[Column], slot: Column) -> Column:
@@ -418,10 +417,15 @@ def find_resends(messages: DataFrame, brokers: Sequence[str]) -> DataFrame:
     """Messages whose (queue, message id) was published again under another replication id.
 
     One finding per extra copy: every replication id of the group but the first.
+    Candidates are found by a 64-bit hash of (queue, message id) (a narrow
+    shuffle); the groups are then formed exactly, on the candidates only.
     """
     base = messages.where(F.col("origin").isNotNull() & F.col("message_id").isNotNull())
+    base = base.withColumn("key", F.xxhash64("queue", "message_id"))
+    candidates = base.groupBy("key").count().where(F.col("count") > 1).select("key")
+    suspects = base.join(candidates, "key", "left_semi")
     groups = (
-        base.groupBy("queue", "message_id")
+        suspects.groupBy("queue", "message_id")
         .agg(
             F.count("*").alias("group_size"),
             F.min("replication_id").alias("first_replication_id"),
@@ -429,7 +433,7 @@ def find_resends(messages: DataFrame, brokers: Sequence[str]) -> DataFrame:
         .where(F.col("group_size") > 1)
     )
     return _fill_findings(
-        base.join(groups, ["queue", "message_id"])
+        suspects.join(groups, ["queue", "message_id"])
         .where(F.col("replication_id") != F.col("first_replication_id"))
         .select(
             F.lit(FindingKind.RESENT.value).alias("kind"),
@@ -484,13 +488,8 @@ def stream_copies(aggregates: DataFrame, pattern: str) -> DataFrame:
 CHECKED_SCHEMA = StructType(
     [
         StructField("is_state", BooleanType(), False),
-        StructField("slot", LongType()),
-        StructField("queue", StringType()),
-        StructField("stream", StringType()),
+        StructField("key", LongType()),
         StructField("replication_id", LongType()),
-        StructField("message_id", StringType()),
-        StructField("time", DoubleType()),
-        StructField("seq", LongType()),
         StructField("after_seq", LongType()),
         StructField("last_pos", LongType()),
         StructField("max_seq", LongType()),
@@ -502,11 +501,11 @@ _NONE = -(2**63)
 def _running_max(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """mapInArrow: within one partition (whole streams), each copy's highest earlier sequence.
 
-    Emits the reordered copies and one state row per stream (CHECKED_SCHEMA).
+    Input columns: key, pos, seq, replication_id, state_max. Emits the
+    reordered copies and one state row per stream (CHECKED_SCHEMA).
     """
     import numpy as np
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     received = list(batches)
     if not received:
@@ -514,61 +513,47 @@ def _running_max(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     table = pa.Table.from_batches(received)
     if table.num_rows == 0:
         return
-    key = pc.binary_join_element_wise(
-        pc.cast(table["slot"], pa.string()), table["queue"], table["stream"], "\x00"
-    )
-    group = pc.dictionary_encode(key).combine_chunks().indices.to_numpy()
+    key = table["key"].to_numpy()
     pos = table["pos"].to_numpy()
-    order = np.lexsort((pos, group))
-    group, pos = group[order], pos[order]
+    order = np.lexsort((pos, key))
+    key, pos = key[order], pos[order]
     seq = table["seq"].to_numpy()[order]
+    rid = table["replication_id"].to_numpy()[order]
     prior = table["state_max"].fill_null(_NONE).to_numpy()[order]
-    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
-    ends = np.r_[starts[1:], len(group)]
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    ends = np.r_[starts[1:], len(key)]
     before = np.empty_like(seq)
     for start, end in zip(starts, ends, strict=True):
         running = np.maximum.accumulate(seq[start:end])
         before[start] = prior[start]
         before[start + 1 : end] = np.maximum(running[:-1], prior[start])
     hit = seq < before
-    picked = table.take(pa.array(order[hit]))
-    n = int(hit.sum())
+    n, m = int(hit.sum()), len(starts)
+    schema = checked_arrow_schema()
+    none = pa.nulls
     if n:
         yield from pa.Table.from_pydict(
             {
-                "is_state": pa.array([False] * n),
-                "slot": picked["slot"],
-                "queue": picked["queue"],
-                "stream": picked["stream"],
-                "replication_id": picked["replication_id"],
-                "message_id": picked["message_id"],
-                "time": picked["time"],
-                "seq": picked["seq"],
+                "is_state": pa.array(np.zeros(n, dtype=bool)),
+                "key": pa.array(key[hit]),
+                "replication_id": pa.array(rid[hit]),
                 "after_seq": pa.array(before[hit]),
-                "last_pos": pa.nulls(n, pa.int64()),
-                "max_seq": pa.nulls(n, pa.int64()),
+                "last_pos": none(n, pa.int64()),
+                "max_seq": none(n, pa.int64()),
             },
-            schema=checked_arrow_schema(),
+            schema=schema,
         ).to_batches()
-    last = ends - 1
-    firsts = table.take(pa.array(order[starts]))
     tops = np.maximum(np.maximum.reduceat(seq, starts), prior[starts])
-    m = len(starts)
     yield from pa.Table.from_pydict(
         {
-            "is_state": pa.array([True] * m),
-            "slot": firsts["slot"],
-            "queue": firsts["queue"],
-            "stream": firsts["stream"],
-            "replication_id": pa.nulls(m, pa.int64()),
-            "message_id": pa.nulls(m, pa.string()),
-            "time": pa.nulls(m, pa.float64()),
-            "seq": pa.nulls(m, pa.int64()),
-            "after_seq": pa.nulls(m, pa.int64()),
-            "last_pos": pa.array(pos[last]),
+            "is_state": pa.array(np.ones(m, dtype=bool)),
+            "key": pa.array(key[starts]),
+            "replication_id": none(m, pa.int64()),
+            "after_seq": none(m, pa.int64()),
+            "last_pos": pa.array(pos[ends - 1]),
             "max_seq": pa.array(tops),
         },
-        schema=checked_arrow_schema(),
+        schema=schema,
     ).to_batches()
 
 
@@ -576,11 +561,15 @@ def checked_arrow_schema() -> pa.Schema:
     """CHECKED_SCHEMA as Arrow."""
     import pyarrow as pa
 
-    types = {"boolean": pa.bool_(), "bigint": pa.int64(), "string": pa.string(),
-             "double": pa.float64()}  # fmt: skip
+    types = {"boolean": pa.bool_(), "bigint": pa.int64()}
     return pa.schema(
         [pa.field(f.name, types[f.dataType.simpleString()], f.nullable) for f in CHECKED_SCHEMA]
     )
+
+
+def stream_key() -> Column:
+    """The key of a copy's stream: a 64-bit hash of broker slot, queue and stream name."""
+    return F.xxhash64("slot", "queue", "stream")
 
 
 def find_reorders(
@@ -588,21 +577,24 @@ def find_reorders(
 ) -> tuple[DataFrame, DataFrame]:
     """Copies stored after a higher sequence number of their stream on the same broker.
 
-    `copies` are the copies first seen in this run; `state` (STREAM_STATE_SCHEMA)
-    summarizes the copies of earlier runs, which all come earlier in each
-    broker's log. Returns the findings and the new state. Each stream is
-    checked whole in one task (numpy: sort by log position, running maximum).
+    `copies` (stream_copies) are the copies first seen in this run; `state`
+    (STREAM_STATE_SCHEMA) summarizes the copies of earlier runs, which all come
+    earlier in each broker's log. Returns the findings and the new state. Each
+    stream is checked whole in one task (numpy: sort by log position, running
+    maximum); only numbers go through Python.
     """
-    keys = ["slot", "queue", "stream"]
-    prior = state.select(*keys, F.col("max_seq").alias("state_max"))
+    keyed = copies.withColumn("key", stream_key())
+    prior = state.select("key", F.col("max_seq").alias("state_max"))
     checked = (
-        copies.join(F.broadcast(prior), keys, "left")
-        .repartition(*keys)
+        keyed.select("key", "pos", "seq", "replication_id")
+        .join(F.broadcast(prior), "key", "left")
+        .repartition("key")
         .mapInArrow(_running_max, CHECKED_SCHEMA)
         .persist()
     )
+    hits = checked.where(~F.col("is_state")).select("key", "replication_id", "after_seq")
     findings = _fill_findings(
-        checked.where(~F.col("is_state")).select(
+        keyed.join(hits, ["key", "replication_id"]).select(
             F.lit(FindingKind.REORDERED.value).alias("kind"),
             "queue",
             broker_name(brokers, F.col("slot")).alias("broker"),
@@ -615,10 +607,10 @@ def find_reorders(
             "after_seq",
         )
     )
-    fresh = checked.where(F.col("is_state")).select(*keys, "last_pos", "max_seq")
+    fresh = checked.where(F.col("is_state")).select("key", "last_pos", "max_seq")
     new_state = (
         state.unionByName(fresh)
-        .groupBy(*keys)
+        .groupBy("key")
         .agg(F.max("last_pos").alias("last_pos"), F.max("max_seq").alias("max_seq"))
     )
     return findings, new_state
