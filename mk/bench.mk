@@ -10,3 +10,13 @@ BENCH_ARGS ?=
 
 bench: $(STAMP)
 	$(PY) bench/run_perftest.py $(BENCH_ARGS)
+
+# Issue 4: the replicated pair vs a 3-node RabbitMQ cluster (quorum queues), same PerfTest
+# parameters, one run, plus kill -9 failover time of the pair; appends/rewrites its own
+# section of docs/benchmarks.md. Waits (up to 10 min) until no other benchmark runs.
+#   make bench-pair BENCH_PAIR_ARGS='--duration 10 --failover-runs 3 --no-doc'
+BENCH_PAIR_ARGS ?=
+
+.PHONY: bench-pair
+bench-pair: $(STAMP)
+	$(PY) bench/pair_perftest.py $(BENCH_PAIR_ARGS)
