@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-from pamqp import commands, header
+from pamqp import commands, decode, header
 from pamqp import frame as pamqp_frame
 from pamqp.base import Frame as MethodFrame
 from pamqp.exceptions import UnmarshalingException
@@ -204,6 +204,28 @@ def decode_method(payload: bytes) -> Method:
         ) from exc
 
 
+_VALID_TABLES: dict[bytes, None] = {}
+
+
+def _check_table(table: bytes) -> None:
+    """Refuse a malformed headers table here, before it can poison a consumer.
+
+    Decoding costs tens of microseconds per table, so tables already seen (one
+    publisher tends to send the same headers) are remembered, boundedly.
+    """
+    if table in _VALID_TABLES:
+        return
+    try:
+        used, _ = decode.field_table(table)
+    except (ValueError, UnicodeDecodeError, IndexError, struct.error, KeyError) as exc:
+        raise AMQPError(ReplyCode.FRAME_ERROR, f"malformed headers table: {exc}") from exc
+    if used != len(table):
+        raise AMQPError(ReplyCode.FRAME_ERROR, "malformed headers table: length mismatch")
+    if len(_VALID_TABLES) >= 4096:
+        _VALID_TABLES.clear()
+    _VALID_TABLES[table] = None
+
+
 def _skip_short_str(data: bytes, pos: int) -> int:
     return pos + 1 + data[pos]
 
@@ -228,6 +250,7 @@ def decode_content_header(payload: bytes) -> ContentHeaderInfo:
             pos = _skip_short_str(payload, pos)
         if flags & 0x2000:  # headers
             (table_len,) = struct.unpack_from(">I", payload, pos)
+            _check_table(payload[pos : pos + 4 + table_len])
             pos += 4 + table_len
         if flags & 0x1000:  # delivery-mode
             persistent = payload[pos] == 2

@@ -491,12 +491,6 @@ def test_names_rabbitmq_accepts_work_beyond_the_spec_pattern(
     assert_connection_lives(pika_connection)
 
 
-@pytest.mark.xfail(
-    reason="the publish fast path skips over the headers table without decoding it, so a "
-    "malformed table reaches consumers (pika drops its connection on it); RabbitMQ decodes "
-    "the properties of every publish. Validating costs ~30 us per Celery-sized table.",
-    strict=False,
-)
 def test_publish_with_a_malformed_headers_table_never_reaches_consumers(
     broker: BrokerProcess, opened: RawClient
 ) -> None:
