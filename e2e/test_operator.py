@@ -43,7 +43,7 @@ def operator(cluster: Cluster) -> Iterator[None]:
     log = open(REPO / ".cluster" / "logs" / "e2e-operator.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "twinmq.operator.main"],
-        env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
+        env={**os.environ, "KUBECONFIG": cluster.kubeconfig, "TWINMQ_OPERATOR_METRICS_PORT": "0"},
         stdout=log, stderr=log,
     )  # fmt: skip
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import urllib.error
 import urllib.request
@@ -22,8 +23,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
+from prometheus_client import start_http_server
 
-from twinmq.operator import builders
+from twinmq.operator import builders, metrics
 from twinmq.operator.builders import ClusterRef, pod_name
 from twinmq.operator.failover import (
     OTHER,
@@ -73,6 +75,7 @@ class Memory:
 
 
 MEMORY: dict[str, Memory] = {}
+DEGRADED_CLUSTERS: set[str] = set()
 PROBES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="twinmq-probe")
 KUBE: Kube | None = None
 
@@ -235,6 +238,9 @@ def apply(
                 new.handled_requests.recover = action.handled_recover
             if action.failover_from is not None and action.active is not None:
                 since = memory.trouble_since
+                metrics.FAILOVERS.labels(action.reason.split(";")[0][:60]).inc()
+                if since is not None:
+                    metrics.FAILOVER_SECONDS.observe(time.time() - since)
                 new.last_failover = FailoverRecord.model_validate({
                     "time": now_iso(), "from": action.failover_from, "to": action.active,
                     "reason": action.reason, "epoch": action.epoch,
@@ -320,6 +326,8 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
         lambda n: probe(pods[n], token, n, active_ip), NAMES), strict=True))  # fmt: skip
     for name in NAMES:
         view = probed[name]
+        if view is None and pods[name] is not None:
+            metrics.PROBE_FAILURES.labels(name).inc()
         if view is not None:
             memory.failures[name] = 0
             memory.last_view[name] = view
@@ -351,6 +359,7 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
         if requests.recover is not None and requests.recover.id != handled.recover else None,
     )  # fmt: skip
     decision = decide(observation)
+    metrics.RECONCILIATIONS.labels("failing-over" if decision.failing_over else "ok").inc()
     if decision.degraded != memory.last_degraded:
         log.info(
             "%s/%s: %s",
@@ -359,6 +368,10 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
             decision.degraded or "protected: the passive is in sync",
         )
         memory.last_degraded = decision.degraded
+        DEGRADED_CLUSTERS.discard(cluster.uid)
+        if decision.degraded is not None:
+            DEGRADED_CLUSTERS.add(cluster.uid)
+        metrics.DEGRADED.set(len(DEGRADED_CLUSTERS))
     if any(isinstance(a, SetRole) and a.role == "active" for a in decision.actions):
         log.info("%s/%s: activating on %s", cluster.namespace, cluster.name, observation)
     if not decision.failing_over:
@@ -430,6 +443,11 @@ def main(argv: list[str] | None = None) -> None:
     resource scanning disabled, so it neither lists namespaces nor watches CRDs.
     """
     namespaces = watched_namespaces(argv)
+    port = int(os.environ.get("TWINMQ_OPERATOR_METRICS_PORT", "8081"))
+    try:
+        start_http_server(port)
+    except OSError as exc:  # metrics are not worth refusing to run the operator
+        log.warning("cannot serve metrics on :%d: %s", port, exc)
     kopf.configure(verbose=False)
     settings = kopf.OperatorSettings()
     settings.scanning.disabled = bool(namespaces)

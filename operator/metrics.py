@@ -1,0 +1,19 @@
+"""Prometheus metrics of the operator (served on :8081/metrics, `TWINMQ_OPERATOR_METRICS_PORT`)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+RECONCILIATIONS = Counter("twinmq_operator_reconciliations", "Reconciles run", ["outcome"])
+PROBE_FAILURES = Counter(
+    "twinmq_operator_probe_failures", "Broker admin probes that did not answer", ["broker"]
+)
+FAILOVERS = Counter(
+    "twinmq_operator_failovers", "Active role moves (failover, switchover, recovery)", ["reason"]
+)
+FAILOVER_SECONDS = Histogram(
+    "twinmq_operator_failover_seconds",
+    "From the first sign of trouble to the new active's activation",
+    buckets=(0.5, 1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 60),
+)
+DEGRADED = Gauge("twinmq_operator_degraded_clusters", "BrokerClusters not fully protected")
