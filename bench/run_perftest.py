@@ -296,6 +296,7 @@ class Result:
     seconds: float = 0.0
     error: str | None = None
     command: str = ""
+    round: int = 0
 
 
 _RUN_SUFFIX = re.compile(r"-[0-9a-f]{6}-\d+")
@@ -681,6 +682,15 @@ def render(
             f"| {case.title} | {_rate(tr) if t else '-'} | {_rate(rr) if r else '-'} | "
             f"**{_ratio(tr, rr)}** | {_lat(t)} | {_lat(r)} |"
         )
+    if meta.get("rounds"):
+        w("")
+        w(
+            f"With --repeat {opts.repeat} (order alternated per round) the table shows each "
+            "broker's median run; the ratio of each round, with the other load TwinMQ/RabbitMQ "
+            "ran under (cores):"
+        )
+        w("")
+        w(meta["rounds"])
     w("")
     w("Details (cores = CPU seconds per second of the run; 'other' = everything on the machine")
     w("but the broker and PerfTest, i.e. the background load the case ran under):")
@@ -910,6 +920,7 @@ def main(argv: list[str] | None = None) -> int:
                                 flush=True,
                             )
                             r = run_perftest(lib, broker, case, sfx, workdir, opts.duration)
+                            r.round = n
                             results.append(r)
                             print(
                                 f"    sent {r.sent:,.0f}  received {r.received:,.0f} msg/s  "
@@ -917,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
                                 + (f"  ERROR {r.error[:200]}" if r.error else ""),
                                 flush=True,
                             )
+            meta["rounds"] = round_ratios(results)
             results = merge_repeats(results)
             for broker in brokers:
                 if opts.idle_connections or opts.queued_messages:
@@ -969,6 +981,24 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     return 0
+
+
+def round_ratios(results: list[Result]) -> str:
+    """With --repeat: the TwinMQ/RabbitMQ ratio of each round, per case (markdown lines)."""
+    pairs: dict[str, dict[int, dict[str, Result]]] = {}
+    for r in results:
+        pairs.setdefault(r.case, {}).setdefault(r.round, {})[r.broker] = r
+    lines = []
+    for case, rounds in pairs.items():
+        ratios = [
+            f"{b['TwinMQ'].received / b['RabbitMQ'].received:.2f}x "
+            f"(other load {b['TwinMQ'].other_cores:.2f}/{b['RabbitMQ'].other_cores:.2f})"
+            for _, b in sorted(rounds.items())
+            if "TwinMQ" in b and "RabbitMQ" in b and b["RabbitMQ"].received
+        ]
+        if len(ratios) > 1:
+            lines.append(f"- {case}: " + ", ".join(ratios))
+    return "\n".join(lines)
 
 
 def merge_repeats(results: list[Result]) -> list[Result]:
