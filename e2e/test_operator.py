@@ -252,3 +252,29 @@ def test_deleting_the_brokercluster_removes_everything(
         return not pods and not services
 
     wait_until("pods and services garbage-collected", gone, timeout=60)
+
+
+def test_fencing_the_active_moves_the_virtual_ip_and_unfencing_brings_it_back_passive(
+    cluster: Cluster, operator: None, namespace: str
+) -> None:
+    name = _create(cluster, namespace)
+    path = _path(namespace, name)
+    cluster.kube.patch(path, {"spec": {"requests": {"fence": {"id": "f-1", "broker": "primary"}}}})
+
+    def fenced_and_moved() -> bool:
+        s = _status(cluster, namespace, name)
+        return s.get("activeBroker") == "backup" and s.get("fencedBrokers") == ["primary"]
+
+    wait_until("the backup active with the primary fenced", fenced_and_moved, timeout=60)
+    primary = next(b for b in _status(cluster, namespace, name)["brokers"]
+                   if b["name"] == "primary")  # fmt: skip
+    assert primary["fenced"] and primary["role"] == "passive" and not primary["linkConnected"]
+    cluster.kube.patch(path, {"spec": {"requests": {"fence": {
+        "id": "f-2", "broker": "primary", "fenced": False}}}})  # fmt: skip
+
+    def back_in_sync() -> bool:
+        s = _status(cluster, namespace, name)
+        p = next(b for b in s.get("brokers", []) if b["name"] == "primary")
+        return not s.get("fencedBrokers") and p["role"] == "passive" and p["ready"]
+
+    wait_until("the unfenced primary back as a ready passive", back_in_sync, timeout=60)

@@ -66,6 +66,7 @@ class Observation:
     switchover: Switchover | None = None  # in progress, from the status
     promote_request: tuple[str, BrokerName, bool] | None = None  # (id, target, force), unhandled
     recover_request: str | None = None  # id, unhandled
+    fence_request: tuple[str, BrokerName, bool] | None = None  # (id, broker, fenced), unhandled
     fenced: frozenset[BrokerName] = frozenset()
     routed: BrokerName | None = None  # the broker the virtual IP selects right now
 
@@ -98,6 +99,8 @@ class Record:
     reason: str = ""
     handled_promote: str | None = None
     handled_recover: str | None = None
+    handled_fence: str | None = None
+    fenced: frozenset[BrokerName] | None = None  # the new fenced set, when it changes
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,9 @@ def decide(obs: Observation) -> Decision:
     if obs.switchover is not None:
         return _continue_switchover(obs, obs.switchover)
     request = Decision()
-    if obs.recover_request is not None:
+    if obs.fence_request is not None:
+        request = _fence(obs, *obs.fence_request)
+    elif obs.recover_request is not None:
         request = _start_recovery(obs, obs.recover_request)
     elif obs.promote_request is not None:
         request = _start_promote(obs, *obs.promote_request)
@@ -266,6 +271,44 @@ def _no_active(obs: Observation) -> Decision:
     return Decision(degraded="no broker can be activated without loss")
 
 
+def _fence(obs: Observation, request_id: str, broker: BrokerName, fence: bool) -> Decision:
+    """Fence (stop serving and replicating) or unfence a broker.
+
+    A fenced active is demoted (the virtual IP leaves it first); the other broker is
+    then activated by the steady state if it is ready, in a newer epoch. A fenced
+    broker is never promoted and not told to replicate; unfencing lets rule 4 bring
+    it back as a passive.
+    """
+    fenced = obs.fenced | {broker} if fence else obs.fenced - {broker}
+    if not fence:
+        return Decision().add(
+            Record(obs.active, obs.epoch, handled_fence=request_id, fenced=fenced),
+            Event("Unfenced", f"{broker} unfenced (request {request_id})"),
+        )
+    if obs.active == broker:
+        epoch = obs.epoch + 1
+        return Decision(failing_over=True).add(
+            Route(None),
+            SetRole(broker, "passive", epoch),
+            Record(None, epoch, handled_fence=request_id, fenced=fenced, reason=f"{broker} fenced"),
+            Event(
+                "Fenced",
+                f"{broker} fenced: demoted in epoch {epoch} (request {request_id})",
+                warning=True,
+            ),
+        )
+    actions: list[Action] = []
+    if obs.brokers[broker].reachable:
+        actions.append(SetRole(broker, "passive", obs.epoch))  # stops its replication
+    return Decision().add(
+        *actions,
+        Record(obs.active, obs.epoch, handled_fence=request_id, fenced=fenced),
+        Event(
+            "Fenced", f"{broker} fenced: no longer replicating (request {request_id})", warning=True
+        ),
+    )
+
+
 def _start_promote(obs: Observation, request_id: str, target: BrokerName, force: bool) -> Decision:
     """Rule 6: switchover to `target`; it must be ready unless forced."""
     if obs.active == target:
@@ -274,6 +317,11 @@ def _start_promote(obs: Observation, request_id: str, target: BrokerName, force:
             Event("PromoteIgnored", f"{target} is already active (request {request_id})"),
         )
     view = obs.brokers[target]
+    if target in obs.fenced:
+        return Decision().add(
+            Record(obs.active, obs.epoch, handled_promote=request_id),
+            Event("PromoteRefused", f"{target} is fenced (request {request_id})", warning=True),
+        )
     if not view.reachable or (not view.ready and not force):
         return Decision().add(
             Record(obs.active, obs.epoch, handled_promote=request_id),
@@ -296,6 +344,11 @@ def _start_recovery(obs: Observation, request_id: str) -> Decision:
             Event("RecoverIgnored", f"the primary is already active (request {request_id})"),
         )
     primary = obs.brokers["primary"]
+    if "primary" in obs.fenced:
+        return Decision().add(
+            Record(obs.active, obs.epoch, handled_recover=request_id),
+            Event("RecoverRefused", f"the primary is fenced (request {request_id})", True),
+        )
     if not (primary.reachable and primary.ready):
         # Not handled yet: the request waits until the primary has caught up.
         return Decision(degraded="recovery requested: waiting for the primary to catch up")
@@ -308,6 +361,14 @@ def _continue_switchover(obs: Observation, sw: Switchover, starting: bool = Fals
     decision = Decision(failing_over=True)
     source = OTHER[sw.target]
     view = obs.brokers[source]
+    if sw.target in obs.fenced and not starting:
+        # Fenced half-way: the switchover stops; the steady state activates whoever can.
+        return decision.add(
+            Record(None, sw.epoch, reason=f"{sw.kind} aborted: {sw.target} fenced",
+                   handled_promote=sw.request_id if sw.kind == "promote" else None,
+                   handled_recover=sw.request_id if sw.kind == "recover" else None),
+            Event("SwitchoverAborted", f"{sw.target} was fenced during the {sw.kind}", True),
+        )  # fmt: skip
     if starting:
         decision.add(
             Route(None),

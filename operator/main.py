@@ -236,6 +236,10 @@ def apply(
                 new.handled_requests.promote = action.handled_promote
             if action.handled_recover is not None:
                 new.handled_requests.recover = action.handled_recover
+            if action.handled_fence is not None:
+                new.handled_requests.fence = action.handled_fence
+            if action.fenced is not None:
+                new.fenced_brokers = sorted(action.fenced)
             if action.failover_from is not None and action.active is not None:
                 since = memory.trouble_since
                 metrics.FAILOVERS.labels(action.reason.split(";")[0][:60]).inc()
@@ -355,6 +359,10 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
         if promote is not None and promote.id != handled.promote else None,
         routed=next((n for n in NAMES if ((pods[n] or {}).get("metadata", {}).get("labels")
                      or {}).get(builders.LABEL_ROLE) == "active"), None),
+        fenced=frozenset(status.fenced_brokers),
+        fence_request=(requests.fence.id, requests.fence.broker, requests.fence.fenced)
+        if requests.fence is not None and requests.fence.id != handled.fence
+        else None,
         recover_request=requests.recover.id
         if requests.recover is not None and requests.recover.id != handled.recover else None,
     )  # fmt: skip
@@ -383,7 +391,7 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
         BrokerStatus(
             name=n, pod=pod_name(cluster, n), role=v.role if v.reachable else "unknown",
             reachable=v.reachable, ready=v.ready, epoch=v.epoch,
-            link_connected=v.link_connected,
+            link_connected=v.link_connected, fenced=n in new.fenced_brokers,
         )
         for n, v in views.items()
     ]  # fmt: skip

@@ -274,5 +274,8 @@ class BrokerClusterStatus(ApiModel):
     last_audit: AuditResult | None = None
     handled_requests: HandledRequests = Field(default_factory=HandledRequests)
     switchover: SwitchoverProgress | None = None
+    fenced_brokers: list[BrokerName] = Field(
+        default_factory=list, description="Brokers fenced by request: never promoted"
+    )
     unreachable_since: str | None = None
     observed_generation: int | None = None

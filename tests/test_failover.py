@@ -66,6 +66,8 @@ class World:
     vip: BrokerName | None = None
     next_id: int = 0
     lost_requests: set[BrokerName] = field(default_factory=set)
+    fence: tuple[str, BrokerName, bool] | None = None
+    fenced: frozenset[BrokerName] = frozenset()
     violations: list[str] = field(default_factory=list)
 
     # -- what the operator sees ------------------------------------------------------------
@@ -85,6 +87,7 @@ class World:
             lease_holder=self.lease_holder, lease_expired=self.lease_expired,
             allow_data_loss=self.allow_data_loss, switchover=self.switchover,
             promote_request=self.promote, recover_request=self.recover, routed=self.vip,
+            fence_request=self.fence, fenced=self.fenced,
         )  # fmt: skip
 
     def serving_active(self) -> SimBroker | None:
@@ -109,6 +112,10 @@ class World:
                     self.promote = None
                 if action.handled_recover is not None and action.handled_recover == self.recover:
                     self.recover = None
+                if self.fence is not None and action.handled_fence == self.fence[0]:
+                    self.fence = None
+                if action.fenced is not None:
+                    self.fenced = action.fenced
             else:
                 assert isinstance(action, Event)
 
@@ -124,6 +131,8 @@ class World:
         ):
             return False  # 409 stale epoch
         if action.role == "active":
+            if b.name in self.fenced:
+                self.violations.append(f"fenced {b.name} promoted")
             other = self.brokers[OTHER[action.broker]]
             if not b.has_all:
                 # A switchover in progress carries the force of the request that began it.
@@ -192,6 +201,9 @@ class World:
         elif kind == "recover":
             self.next_id += 1
             self.recover = f"r{self.next_id}"
+        elif kind == "fence":
+            self.next_id += 1
+            self.fence = (f"f{self.next_id}", name, flag)
         elif kind == "lose_request":
             self.lost_requests.add(name)
         elif kind == "reconcile":
@@ -214,7 +226,7 @@ class World:
 EVENTS = st.tuples(
     st.sampled_from(
         ["crash", "restart", "catch_up", "cut_link", "publish", "lease_expires", "promote",
-         "recover", "lose_request", "isolate"]
+         "recover", "lose_request", "isolate", "fence"]
     ),
     st.sampled_from(NAMES),
     st.booleans(),
@@ -248,7 +260,7 @@ def test_random_event_sequences_keep_every_invariant(
 
 REQUEST_EVENTS = st.tuples(
     st.sampled_from(["promote", "recover", "lose_request", "catch_up", "crash", "restart",
-                     "isolate", "lease_expires"]),
+                     "isolate", "lease_expires", "fence"]),
     st.sampled_from(NAMES),
     st.booleans(),
 )  # fmt: skip
@@ -355,3 +367,26 @@ def test_a_switchover_waits_for_the_lease_of_an_unreachable_source() -> None:
     assert not any(isinstance(a, SetRole) for a in waiting.actions)
     lapsed = decide(_in_switchover(unreachable, lease_expired=True))
     assert SetRole("backup", "active", 3) in lapsed.actions
+
+
+def test_fencing_the_active_demotes_it_and_the_ready_backup_takes_over() -> None:
+    world = _started()
+    world.step(("fence", "primary", True))
+    world.step(("reconcile", "primary", False))
+    assert world.brokers["primary"].role == "passive" and world.fenced == {"primary"}
+    world.step(("reconcile", "primary", False))
+    assert (world.active, world.vip) == ("backup", "backup")
+    # A fenced broker is left alone: not told to replicate, never promoted.
+    world.step(("reconcile", "primary", False))
+    assert not world.brokers["primary"].linked and not world.violations
+
+
+def test_unfencing_brings_the_broker_back_as_a_passive() -> None:
+    world = _started()
+    world.step(("fence", "backup", True))
+    world.step(("reconcile", "primary", False))
+    assert not world.brokers["backup"].linked and world.fenced == {"backup"}
+    world.step(("fence", "backup", False))
+    world.step(("reconcile", "primary", False))
+    world.step(("reconcile", "primary", False))
+    assert world.fenced == frozenset() and world.brokers["backup"].linked
