@@ -33,28 +33,51 @@ API = "/apis/twinmq.io/v1alpha1"
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
+class OperatorProcess:
+    """`twinmq-operator` as a local process against the test cluster; killable, restartable."""
+
+    def __init__(self, kubeconfig: str) -> None:
+        self.kubeconfig = kubeconfig
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start it (again)."""
+        log = open(REPO / ".cluster" / "logs" / "e2e-operator.log", "ab")  # noqa: SIM115
+        env = {**os.environ, "KUBECONFIG": self.kubeconfig, "TWINMQ_OPERATOR_METRICS_PORT": "0"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "twinmq.operator.main"], env=env, stdout=log, stderr=log
+        )
+        log.close()
+
+    def kill(self) -> None:
+        """kill -9."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM, then kill -9 after 15 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
 @pytest.fixture(scope="module")
-def operator(cluster: Cluster) -> Iterator[None]:
+def operator(cluster: Cluster) -> Iterator[OperatorProcess]:
     """The CRD installed and `twinmq-operator` running for this module."""
     if not cluster.local:
         pytest.skip("needs the local cluster's fault tools and pod network from the host")
     crd = yaml.safe_load((REPO / "crds" / "brokercluster.yaml").read_text())
     cluster.kube.apply(f"{CRD_PATH}/{crd['metadata']['name']}", crd, "e2e")
-    log = open(REPO / ".cluster" / "logs" / "e2e-operator.log", "ab")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "twinmq.operator.main"],
-        env={**os.environ, "KUBECONFIG": cluster.kubeconfig, "TWINMQ_OPERATOR_METRICS_PORT": "0"},
-        stdout=log, stderr=log,
-    )  # fmt: skip
+    proc = OperatorProcess(cluster.kubeconfig)
+    proc.start()
     try:
-        yield
+        yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        proc.stop()
 
 
 def _path(namespace: str, name: str = "") -> str:
@@ -109,7 +132,7 @@ def _drain(url: str, queue: str) -> list[int]:
 
 
 def test_brokercluster_comes_up_with_the_virtual_ip_at_the_primary(
-    cluster: Cluster, operator: None, namespace: str
+    cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
     name = _create(cluster, namespace)
     status = _status(cluster, namespace, name)
@@ -124,7 +147,7 @@ def test_brokercluster_comes_up_with_the_virtual_ip_at_the_primary(
 
 
 def test_kill_9_of_the_active_fails_over_through_the_virtual_ip_losing_nothing(
-    cluster: Cluster, operator: None, namespace: str
+    cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
     name = _create(cluster, namespace)
     url = _amqp_url(cluster, namespace, name)
@@ -168,7 +191,7 @@ def test_kill_9_of_the_active_fails_over_through_the_virtual_ip_losing_nothing(
 
 
 def test_recover_request_demotes_the_backup_before_activating_the_primary(
-    cluster: Cluster, operator: None, namespace: str
+    cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
     name = _create(cluster, namespace)
     cluster.kube.patch(
@@ -209,7 +232,7 @@ def test_recover_request_demotes_the_backup_before_activating_the_primary(
 
 
 def test_a_primary_cut_off_the_network_fences_itself_and_one_active_remains(
-    cluster: Cluster, operator: None, namespace: str
+    cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
     name = _create(cluster, namespace)
     layout = Layout.default()
@@ -237,7 +260,7 @@ def test_a_primary_cut_off_the_network_fences_itself_and_one_active_remains(
 
 
 def test_deleting_the_brokercluster_removes_everything(
-    cluster: Cluster, operator: None, namespace: str
+    cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
     name = _create(cluster, namespace)
     cluster.kube.delete(_path(namespace, name))
@@ -255,7 +278,7 @@ def test_deleting_the_brokercluster_removes_everything(
 
 
 def test_fencing_the_active_moves_the_virtual_ip_and_unfencing_brings_it_back_passive(
-    cluster: Cluster, operator: None, namespace: str
+    cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
     name = _create(cluster, namespace)
     path = _path(namespace, name)
@@ -278,3 +301,26 @@ def test_fencing_the_active_moves_the_virtual_ip_and_unfencing_brings_it_back_pa
         return not s.get("fencedBrokers") and p["role"] == "passive" and p["ready"]
 
     wait_until("the unfenced primary back as a ready passive", back_in_sync, timeout=60)
+
+
+def test_an_operator_killed_mid_failover_finishes_it_after_a_restart(
+    cluster: Cluster, operator: OperatorProcess, namespace: str
+) -> None:
+    name = _create(cluster, namespace)
+    faults.kill_pod(Layout.default(), namespace, f"{name}-primary")
+
+    def failing_over() -> bool:
+        return _status(cluster, namespace, name).get("phase") == "FailingOver"
+
+    wait_until("the operator to start the failover", failing_over, timeout=30)
+    operator.kill()  # kill -9, mid-failover: the Lease has not lapsed yet
+    time.sleep(2)  # the operator is down while the Lease lapses: the condition under test
+    operator.start()
+
+    def finished() -> bool:
+        s = _status(cluster, namespace, name)
+        return s.get("activeBroker") == "backup" and s.get("phase") in ("Ready", "Degraded")
+
+    wait_until("the restarted operator to finish the failover", finished, timeout=60)
+    status = _status(cluster, namespace, name)
+    assert status["epoch"] == 2 and status["lastFailover"]["to"] == "backup"
