@@ -96,6 +96,8 @@ def build_session(
     defaults = {
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.session.timeZone": "UTC",
+        # State is written partitioned by block: concurrent writers instead of a sort.
+        "spark.sql.maxConcurrentOutputFileWriters": "64",
     }
     # Python workers (the reorder check) run this interpreter unless told otherwise.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -365,8 +367,9 @@ def _run(
         keys = (
             partial.where(F.col("message_id").isNotNull()).select("queue", "message_id").distinct()
         )
+        # The keys come from this run's new messages: few, so sent to every task.
         fresh = T.find_resends(
-            all_messages.join(keys, ["queue", "message_id"], "left_semi"), brokers
+            all_messages.join(F.broadcast(keys), ["queue", "message_id"], "left_semi"), brokers
         )
         kept = _read(spark, _global_path(io, previous_globals, "resends"), T.FINDINGS_SCHEMA)
         resends = kept.join(keys, ["queue", "message_id"], "left_anti").unionByName(fresh)
