@@ -221,6 +221,7 @@ class RabbitCluster(rp.Broker):
         self.workdir = workdir
         self.size = size
         self.nodes: list[ClusterNode] = []
+        self._pids: list[int] = []
 
     def start(self) -> None:
         home = Path(tempfile.mkdtemp(prefix="rabbit-home-", dir=self.workdir))
@@ -243,6 +244,8 @@ class RabbitCluster(rp.Broker):
                 node.ctl("start_app")
             for node in self.nodes:
                 node.ctl("await_startup")
+            # Remember the beam.smp pids now (CPU accounting must not depend on pid files).
+            self._pids = [p for p in (n.beam_pid() for n in self.nodes) if p]
         except BaseException:
             self.stop()
             raise
@@ -271,9 +274,7 @@ class RabbitCluster(rp.Broker):
 
     @property
     def pid(self) -> int:
-        pid = self.nodes[0].beam_pid()
-        assert pid is not None
-        return pid
+        return self._pids[0]
 
     @property
     def port(self) -> int:
@@ -281,7 +282,11 @@ class RabbitCluster(rp.Broker):
 
     @property
     def all_pids(self) -> list[int]:
-        return [p for p in (n.beam_pid() for n in self.nodes) if p]
+        return list(self._pids)
+
+    def alive(self) -> list[bool]:
+        """Whether each node's beam.smp still runs."""
+        return [rabbitmq_node._alive(p) for p in self._pids]
 
 
 # --- one PerfTest case with lag sampling ---------------------------------------------------
@@ -799,7 +804,11 @@ def main(argv: list[str] | None = None) -> int:
                     rabbit[key] = cr
                     r = cr.result
                     err = f"  ERROR {r['error'][:200]}" if r["error"] else ""
-                    print(f"    received {r['received']:,.0f} msg/s{err}", flush=True)
+                    print(
+                        f"    received {r['received']:,.0f} msg/s; nodes alive "
+                        f"{cluster.alive()}{err}",
+                        flush=True,
+                    )
                 members = cluster.queue_members()
             finally:
                 cluster.stop()
