@@ -1,1 +1,0 @@
-"""The TwinMQ operator: BrokerCluster resources, failover, the virtual-IP Service."""
