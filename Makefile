@@ -20,8 +20,8 @@ help:
 	@echo "make test-fast  lint, mypy and the fast unit tests only"
 	@echo "make bench      TwinMQ vs RabbitMQ with PerfTest (see docs/benchmarks.md)"
 
-# The virtual environment is rebuilt when pyproject.toml changes.
-$(STAMP): pyproject.toml
+# The virtual environment is reinstalled when pyproject.toml or the package layout changes.
+$(STAMP): pyproject.toml $(wildcard */__init__.py */py.typed)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[test]'
