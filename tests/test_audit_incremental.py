@@ -78,3 +78,41 @@ def test_a_segment_shipped_late_makes_the_next_run_full(
     assert (first.mode, second.mode) == ("full", "full")
     assert second.events_read == scenario.log.count()
     assert second.totals.lost == 2
+
+
+def test_a_run_that_dies_before_its_commit_changes_nothing(
+    tmp_path: Path, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """State written by a run that never wrote its manifest is never read."""
+    scenario = build()
+    store = Store(str(tmp_path / "store"))
+    for directory in scenario.log.write(tmp_path / "brokers", upto={"a": 1, "b": 1}).values():
+        ship(directory, store)
+    first = run_audit(spark, store, PARAMS)
+    for directory in scenario.log.write(tmp_path / "brokers").values():
+        ship(directory, store)
+
+    real = Store.write_json
+
+    def crash(self: Store, key: str, value: Any) -> None:
+        if key == MANIFEST:
+            raise OSError("killed before the commit")
+        real(self, key, value)
+
+    monkeypatch.setattr(Store, "write_json", crash)
+    with pytest.raises(OSError, match="before the commit"):
+        run_audit(spark, store, PARAMS)
+    monkeypatch.undo()
+    assert store.read_json(MANIFEST)["globals_run"] == first.run_id  # the watermark held
+
+    after = run_audit(spark, store, PARAMS)
+    assert after.mode == "incremental" and after.events_read == scenario.log.count() - (
+        first.events_read
+    )
+    findings, summary = _results(spark, store, after)
+    full = run_audit(spark, store, PARAMS, full=True)
+    full_findings, full_summary = _results(spark, store, full)
+    assertDataFrameEqual(findings, full_findings)
+    assert summary == full_summary
+    live = {store.read_json(MANIFEST)["globals_run"], *store.read_json(MANIFEST)["blocks"].values()}
+    assert set(store.children("audit/state")) == live  # the dead run's state was collected
