@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "audit/manifest.json"
 LATEST = "audit/latest.json"
-FORMAT = 2
+FORMAT = 3
 
 
 class AuditError(RuntimeError):
@@ -332,7 +332,8 @@ def _run(
     )
     merged = partial if full else T.merge_aggregates(previous.unionByName(partial))
     if touched:
-        _write_by_block(merged, io, _state(run, "messages"), bits)
+        indexed = merged.withColumn("id_key", T.id_key())
+        _write_by_block(indexed, io, _state(run, "messages"), bits)
         io.flush()
     clock("messages")
     current = _read(
@@ -358,18 +359,31 @@ def _run(
     manifest.blocks.update({b: run for b in touched})
 
     # Across messages: client re-sends (by message id) and reordering (by stream).
-    all_messages = T.classify_messages(
-        _read(spark, _block_paths(io, manifest.blocks, "messages"), T.AGGREGATE_SCHEMA)
-    )
     if full:
+        all_messages = T.classify_messages(
+            _read(spark, _block_paths(io, manifest.blocks, "messages"), T.AGGREGATE_SCHEMA)
+        )
         resends = T.find_resends(all_messages, brokers)
     else:
         keys = (
             partial.where(F.col("message_id").isNotNull()).select("queue", "message_id").distinct()
         )
-        # The keys come from this run's new messages: few, so sent to every task.
+        # The keys come from this run's new messages: few, so sent to every task. The
+        # blocks holding any of them are found from the id_key column alone.
+        new_keys = keys.select(T.id_key().alias("id_key")).distinct()
+        index = _read(spark, _block_paths(io, manifest.blocks, "messages"), T.ID_INDEX_SCHEMA)
+        holding = sorted(
+            str(r[0])
+            for r in index.join(F.broadcast(new_keys), "id_key", "left_semi")
+            .select(T.block_of(F.col("replication_id"), bits))
+            .distinct()
+            .collect()
+        )
+        candidates = T.classify_messages(
+            _read(spark, _block_paths(io, manifest.blocks, "messages", holding), T.AGGREGATE_SCHEMA)
+        )
         fresh = T.find_resends(
-            all_messages.join(F.broadcast(keys), ["queue", "message_id"], "left_semi"), brokers
+            candidates.join(F.broadcast(keys), ["queue", "message_id"], "left_semi"), brokers
         )
         kept = _read(spark, _global_path(io, previous_globals, "resends"), T.FINDINGS_SCHEMA)
         resends = kept.join(keys, ["queue", "message_id"], "left_anti").unionByName(fresh)

@@ -103,6 +103,17 @@ STREAM_STATE_SCHEMA = StructType(
 and the highest sequence seen."""
 
 
+ID_INDEX_SCHEMA = StructType(
+    [StructField("replication_id", LongType(), False), StructField("id_key", LongType())]
+)
+"""The stored state's per-message columns the re-send check scans: id_key (see id_key())."""
+
+
+def id_key() -> Column:
+    """A 64-bit hash of (queue, message id); null without a message id."""
+    return F.when(F.col("message_id").isNotNull(), F.xxhash64("queue", "message_id"))
+
+
 def _pick(values: Sequence[Column], slot: Column) -> Column:
     """values[slot] for a slot column."""
     return F.element_at(F.array(*values), (slot + 1).cast("int"))
