@@ -32,7 +32,11 @@ def test_chart_lints() -> None:
 
 
 def test_broker_runs_the_project_image_with_probes_and_a_claim() -> None:
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in _render("image.tag=1.2.3")}
+    # The standalone broker is opt-in since the chart deploys the operator by default.
+    docs = {
+        (d["kind"], d["metadata"]["name"]): d
+        for d in _render("image.tag=1.2.3", "broker.enabled=true")
+    }
     sts = docs[("StatefulSet", "t-twinmq-broker")]
     container = sts["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "twinmq/twinmq:1.2.3"
@@ -45,6 +49,9 @@ def test_broker_runs_the_project_image_with_probes_and_a_claim() -> None:
 
 
 def test_users_secret_holds_a_users_file_for_the_configured_user() -> None:
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in _render("auth.password=pw")}
+    docs = {
+        (d["kind"], d["metadata"]["name"]): d
+        for d in _render("auth.password=pw", "broker.enabled=true")
+    }
     users = docs[("Secret", "t-twinmq-users")]["stringData"]
     assert yaml.safe_load(users["users.json"]) == {"users": [{"name": "twinmq", "password": "pw"}]}
