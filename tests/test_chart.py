@@ -223,7 +223,8 @@ def test_operator_deployment_is_hardened(helm: Callable[..., str]) -> None:
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert container["ports"] == [{"name": "health", "containerPort": 8080}]
-    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    assert {"name": "tmp", "mountPath": "/var/run/twinmq-tmp"} in container["volumeMounts"]
+    assert {"name": "TMPDIR", "value": "/var/run/twinmq-tmp"} in container["env"]
 
 
 def test_image_tag_defaults_to_the_app_version(helm: Callable[..., str]) -> None:
