@@ -86,7 +86,8 @@ def test_promote_switches_the_active_to_the_backup(
     )  # fmt: skip
     seconds = time.monotonic() - started
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    epoch = before["epoch"] + 1
+    # A switchover demotes in epoch E+1 and activates the target in E+2 (docs/operator.md).
+    epoch = before["epoch"] + 2
     assert f"done: backup is active in epoch {epoch}" in result.stdout, result.stdout
     print(f"\n[timing] kubectl twinmq promote --wait: {seconds:.1f}s")
 

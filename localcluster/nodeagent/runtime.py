@@ -167,7 +167,11 @@ class Runtime:
             text=True,
         ).stdout.strip()
         for iface in Path("/sys/class/net").iterdir():
-            if (iface / "ifindex").read_text().strip() == out:
+            try:
+                index = (iface / "ifindex").read_text().strip()
+            except OSError:
+                continue  # another pod's veth vanishing while we look (EINVAL, ENOENT)
+            if index == out:
                 return iface.name
         raise RuntimeError(f"host side of {netns}'s eth0 not found")
 
