@@ -11,6 +11,7 @@ import aio_pika
 import pika
 import pytest
 from aio_pika.abc import AbstractChannel
+from queues import drain as _drain
 
 from twinmq.broker.launcher import BrokerProcess
 
@@ -57,19 +58,6 @@ async def _publish_until_killed(
     with contextlib.suppress(Exception):
         await asyncio.wait_for(conn.close(), 2)
     return confirmed, sent
-
-
-def _drain(broker: BrokerProcess, queue: str) -> list[bytes]:
-    conn = pika.BlockingConnection(pika.URLParameters(broker.url))
-    ch = conn.channel()
-    out = []
-    while True:
-        method, _props, body = ch.basic_get(queue, auto_ack=True)
-        if method is None:
-            break
-        out.append(body)
-    conn.close()
-    return out
 
 
 def _crash_cycle(data: Path, kill_after: int) -> tuple[set[int], list[int], int]:

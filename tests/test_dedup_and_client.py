@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pika
 import pytest
+from queues import drain as _drain
 
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.broker.dedup import DedupWindow
@@ -37,19 +38,6 @@ def _opted_in(broker: BrokerProcess) -> pika.BlockingConnection:
     params = pika.URLParameters(broker.url)
     params.client_properties = {DEDUP_CLIENT_PROPERTY: True}
     return pika.BlockingConnection(params)
-
-
-def _drain(broker: BrokerProcess, queue: str) -> list[bytes]:
-    conn = pika.BlockingConnection(pika.URLParameters(broker.url))
-    ch = conn.channel()
-    out = []
-    while True:
-        method, _p, body = ch.basic_get(queue, auto_ack=True)
-        if method is None:
-            break
-        out.append(body)
-    conn.close()
-    return out
 
 
 def test_resent_message_id_is_confirmed_but_not_enqueued_twice(fresh_broker: BrokerProcess) -> None:
