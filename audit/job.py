@@ -99,6 +99,10 @@ def build_session(
         # State is written partitioned by block: concurrent writers instead of a sort.
         "spark.sql.maxConcurrentOutputFileWriters": "64",
     }
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:  # an S3-compatible store read through s3a (when on the classpath)
+        defaults["spark.hadoop.fs.s3a.endpoint"] = endpoint
+        defaults["spark.hadoop.fs.s3a.path.style.access"] = "true"
     # Python workers (the reorder check) run this interpreter unless told otherwise.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     for key, value in {**defaults, **(conf or {})}.items():
@@ -265,13 +269,15 @@ def run_audit(
     *,
     full: bool = False,
     work_dir: Path | None = None,
+    run_id: str | None = None,
 ) -> AuditSummary:
-    """One audit run; returns the summary it wrote to the store."""
+    """One audit run; returns the summary it wrote to the store (`audit/runs/<run_id>/`,
+    a fresh id unless given: the operator names runs after their Job)."""
     params = params or AuditParams()
     started = time.monotonic()
     io = SparkIO(spark, store, work_dir)
     try:
-        return _run(spark, io, params, full, started)
+        return _run(spark, io, params, full, started, run_id or _new_run_id())
     finally:
         io.close()
 
@@ -297,7 +303,12 @@ def _write_by_block(frame: DataFrame, io: SparkIO, key: str, bits: int | None = 
 
 
 def _run(
-    spark: SparkSession, io: SparkIO, params: AuditParams, force_full: bool, started: float
+    spark: SparkSession,
+    io: SparkIO,
+    params: AuditParams,
+    force_full: bool,
+    started: float,
+    run: str,
 ) -> AuditSummary:
     store = io.store
     stored = Manifest.load(store)
@@ -312,7 +323,6 @@ def _run(
     brokers = list(manifest.brokers)
     if len(brokers) > T.SLOTS:
         raise AuditError(f"a store holds the logs of one pair; found brokers {brokers}")
-    run = _new_run_id()
     bits = params.block_bits
     clock = _Clock()
     previous_globals = manifest.globals_run

@@ -1,6 +1,6 @@
 """`twinmq audit` runs the replication audit; `twinmq audit-ship` ships a broker's segments.
 
-    twinmq audit --store URL [--master local[*]] [--full] [--json]
+    twinmq audit --store URL [--master local[*]] [--full] [--run-id ID] [--json]
     twinmq audit-ship --store URL --audit-dir DATA_DIR/audit [--every SECONDS]
 
 Exit codes of `audit`: 0 PASS, 1 FAIL, 2 error. The same entry point serves
@@ -59,6 +59,7 @@ def _audit_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--conf", action="append", default=[], metavar="KEY=VALUE", help="Spark configuration"
     )
     parser.add_argument("--work-dir", type=Path, help="local copies for an S3 store without s3a")
+    parser.add_argument("--run-id", help="name of this run (default: time and a random suffix)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser
 
@@ -97,7 +98,9 @@ def audit_main(argv: Sequence[str] | None = None) -> int:
             stream_pattern=args.stream_pattern,
         )
         store = Store(args.store)
-        summary = run_audit(spark, store, params, full=args.full, work_dir=args.work_dir)
+        summary = run_audit(
+            spark, store, params, full=args.full, work_dir=args.work_dir, run_id=args.run_id
+        )
     except Exception:
         log.exception("audit failed")
         return EXIT_ERROR

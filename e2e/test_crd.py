@@ -69,6 +69,9 @@ def test_example_is_accepted_and_defaults_match_the_model(
         ({"storage": {"size": "lots"}}, "spec.storage.size"),
         ({"requests": {"promote": {"id": "a", "broker": "tertiary"}}}, "supported values"),
         ({"audit": {"schedule": "every day"}}, "five-field cron"),
+        ({"audit": {"enabled": True}}, "audits need a storeUrl"),
+        ({"audit": {"storeUrl": "/var/lib/twinmq-audit"}}, "storeUrl must start with s3://"),
+        ({"audit": {"resources": {"driverMemory": "lots"}}}, "spec.audit.resources.driverMemory"),
         ({"failover": {"failureThreshold": 0}}, "spec.failover.failureThreshold"),
     ],
 )

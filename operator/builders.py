@@ -50,7 +50,8 @@ def labels(cluster: ClusterRef, broker: BrokerName | None = None) -> dict[str, s
     return out
 
 
-def _meta(cluster: ClusterRef, name: str, broker: BrokerName | None = None) -> Obj:
+def owned_meta(cluster: ClusterRef, name: str, broker: BrokerName | None = None) -> Obj:
+    """Metadata of an object the BrokerCluster owns (garbage-collected with it)."""
     return {
         "name": name,
         "namespace": cluster.namespace,
@@ -95,7 +96,7 @@ def build_secret(cluster: ClusterRef) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(cluster, f"{cluster.name}-auth"),
+        "metadata": owned_meta(cluster, f"{cluster.name}-auth"),
         "type": "Opaque",
         "stringData": {
             "username": APP_USER,
@@ -112,7 +113,7 @@ def build_pvc(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
     pvc: Obj = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": _meta(cluster, pod_name(cluster, broker), broker),
+        "metadata": owned_meta(cluster, pod_name(cluster, broker), broker),
         "spec": {
             "accessModes": ["ReadWriteOnce"],
             "resources": {"requests": {"storage": spec.storage.size}},
@@ -130,8 +131,9 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
     def from_secret(key: str) -> Obj:
         return {"valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
-    meta = _meta(cluster, pod_name(cluster, broker), broker)
+    meta = owned_meta(cluster, pod_name(cluster, broker), broker)
     meta["labels"][LABEL_ROLE] = "passive"
+    sidecars = [build_shipper(spec)] if spec.audit.enabled and spec.audit.store_url else []
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -194,7 +196,8 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
                         {"name": "data", "mountPath": DATA_DIR},
                         {"name": "auth", "mountPath": SECRET_DIR, "readOnly": True},
                     ],
-                }
+                },
+                *sidecars,
             ],
             "volumes": [
                 {"name": "data", "persistentVolumeClaim": {"claimName": pod_name(cluster, broker)}},
@@ -210,12 +213,35 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
     }
 
 
+def build_shipper(spec: BrokerClusterSpec) -> Obj:
+    """The sidecar shipping the broker's closed audit segments to the store, as often as the
+    broker closes them (a segment is written once, atomically; shipping is idempotent)."""
+    assert spec.audit.store_url is not None
+    container: Obj = {
+        "name": "audit-ship",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["twinmq-audit-ship"],
+        "args": [
+            f"--store={spec.audit.store_url}",
+            f"--audit-dir={DATA_DIR}/data/audit",
+            f"--every={spec.audit.segment_seconds}",
+        ],
+        "resources": {"requests": {"cpu": "20m", "memory": "96Mi"}},
+        # Read-write: the shipper keeps its ledger of shipped segments beside them.
+        "volumeMounts": [{"name": "data", "mountPath": DATA_DIR}],
+    }
+    if spec.audit.store_secret_name:
+        container["envFrom"] = [{"secretRef": {"name": spec.audit.store_secret_name}}]
+    return container
+
+
 def build_vip_service(cluster: ClusterRef) -> Obj:
     """The virtual IP: it selects the pod labelled active, and only that one."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(cluster, vip_name(cluster)),
+        "metadata": owned_meta(cluster, vip_name(cluster)),
         "spec": {
             "selector": {LABEL_CLUSTER: cluster.name, LABEL_ROLE: "active"},
             "ports": [{"name": "amqp", "port": AMQP_PORT, "targetPort": "amqp"}],
@@ -228,7 +254,7 @@ def build_headless_service(cluster: ClusterRef) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(cluster, f"{cluster.name}-brokers"),
+        "metadata": owned_meta(cluster, f"{cluster.name}-brokers"),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -246,11 +272,11 @@ def build_broker_rbac(cluster: ClusterRef) -> list[Obj]:
     """The brokers' ServiceAccount, allowed to read and renew their own Lease only."""
     account = f"{cluster.name}-broker"
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(cluster, account)},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": owned_meta(cluster, account)},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
-            "metadata": _meta(cluster, account),
+            "metadata": owned_meta(cluster, account),
             "rules": [
                 {
                     "apiGroups": ["coordination.k8s.io"],
@@ -263,7 +289,7 @@ def build_broker_rbac(cluster: ClusterRef) -> list[Obj]:
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
-            "metadata": _meta(cluster, account),
+            "metadata": owned_meta(cluster, account),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
             "subjects": [
                 {"kind": "ServiceAccount", "name": account, "namespace": cluster.namespace}
@@ -277,7 +303,7 @@ def build_lease(cluster: ClusterRef, holder: str, duration: int, renew_time: str
     return {
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
-        "metadata": _meta(cluster, lease_name(cluster)),
+        "metadata": owned_meta(cluster, lease_name(cluster)),
         "spec": {
             "holderIdentity": holder,
             "leaseDurationSeconds": duration,

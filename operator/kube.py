@@ -45,6 +45,35 @@ class Kube:
         log.info("created %s %s", obj["kind"], obj["metadata"]["name"])
         return True
 
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
+        """Any namespaced object as a dict, or None."""
+        resource = self.dynamic.resources.get(api_version=api_version, kind=kind)
+        try:
+            found: Obj = resource.get(name=name, namespace=namespace).to_dict()
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return found
+
+    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[Obj]:
+        """The namespaced objects of a kind matching a label selector."""
+        resource = self.dynamic.resources.get(api_version=api_version, kind=kind)
+        items: list[Obj] = resource.get(namespace=namespace, label_selector=selector).to_dict()[
+            "items"
+        ]
+        return items
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        """Delete an object and, in the background, what it owns (a Job's pods)."""
+        resource = self.dynamic.resources.get(api_version=api_version, kind=kind)
+        try:
+            resource.delete(name=name, namespace=namespace, propagation_policy="Background")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        log.info("deleted %s %s/%s", kind, namespace, name)
+
     def get_pod(self, namespace: str, name: str) -> Obj | None:
         """A pod as a dict, or None."""
         try:

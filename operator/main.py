@@ -26,6 +26,8 @@ import kopf
 from prometheus_client import start_http_server
 
 from twinmq.operator import builders, metrics
+from twinmq.operator.audit_plan import parse_iso
+from twinmq.operator.audit_runner import AuditRunner
 from twinmq.operator.builders import ClusterRef, pod_name
 from twinmq.operator.failover import (
     OTHER,
@@ -398,6 +400,8 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
     generation = int(meta.get("generation") or 0)
     new.conditions = conditions(decision, new, views, generation)
     new.observed_generation = generation
+    created = parse_iso(meta.get("creationTimestamp") or now_iso())
+    AuditRunner(k, cluster, spec, new, body, generation).reconcile(created, datetime.now(UTC))
     new.phase = (
         "FailingOver" if decision.failing_over else "Pending" if new.epoch == 0
         else "Degraded" if decision.degraded else "Ready"

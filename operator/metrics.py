@@ -17,3 +17,5 @@ FAILOVER_SECONDS = Histogram(
     buckets=(0.5, 1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 60),
 )
 DEGRADED = Gauge("twinmq_operator_degraded_clusters", "BrokerClusters not fully protected")
+AUDITS_STARTED = Counter("twinmq_operator_audits_started", "Audit runs launched")
+AUDITS = Counter("twinmq_operator_audits", "Audit runs finished, by verdict", ["verdict"])

@@ -97,24 +97,77 @@ class Replication(ApiModel):
     dedup_window: int = Field(100_000, ge=0, description="Message ids kept for deduplication")
 
 
+SPARK_MEMORY = r"^[0-9]+[kmgt]$"
+"""A Spark memory amount (`512m`, `2g`)."""
+
+
+class SparkResources(ApiModel):
+    """Resources of an audit run: the driver (the whole run for the `job` launcher) and,
+    on the Spark Operator, the executors."""
+
+    driver_cores: int = Field(1, ge=1, le=64, description="Driver cores (local[N] for `job`)")
+    driver_memory: str = Field("1g", pattern=SPARK_MEMORY, description="Driver heap (`2g`)")
+    executor_instances: int = Field(1, ge=1, le=1000, description="Executors (SparkApplication)")
+    executor_cores: int = Field(1, ge=1, le=64, description="Cores per executor")
+    executor_memory: str = Field("1g", pattern=SPARK_MEMORY, description="Heap per executor")
+
+
 class Audit(ApiModel):
-    """Replication audits (Spark)."""
+    """Replication audits on Spark: when they run, where, and on which store."""
 
     model_config = ConfigDict(
-        json_schema_extra=cel(
-            "!has(self.schedule) || self.schedule.split(' ').size() == 5",
-            "schedule must be a five-field cron expression",
-        )
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.schedule) || self.schedule.split(' ').size() == 5",
+                    "message": "schedule must be a five-field cron expression",
+                },
+                {
+                    "rule": "!self.enabled || has(self.storeUrl)",
+                    "message": "audits need a storeUrl (s3://bucket/prefix)",
+                },
+                {
+                    # Brokers (shipping), audit runs and the operator (reading the summary)
+                    # all reach an object store wherever they run; a path would be a
+                    # different directory in each pod.
+                    "rule": "!has(self.storeUrl) || self.storeUrl.startsWith('s3://')",
+                    "message": "in Kubernetes the audit store is an S3-compatible object store: "
+                    "storeUrl must start with s3://",
+                },
+            ]
+        }
     )
 
-    schedule: str | None = Field(None, description="Cron schedule of periodic audits")
-    after_failover: bool = Field(True, description="Run an audit after every failover")
+    enabled: bool = Field(False, description="Ship audit segments and run audits")
+    schedule: str | None = Field(
+        None, max_length=128, description="Cron schedule of periodic audits (UTC)"
+    )
+    after_failover: bool = Field(
+        True,
+        description="Run an audit after every failover, once both brokers are in sync again",
+    )
     launcher: Literal["sparkApplication", "job"] = Field(
         "job", description="SparkApplication (Spark Operator) or a Job running Spark locally"
     )
     image: str | None = Field(None, description="Spark image (defaults to the broker image)")
-    store_url: str | None = Field(None, description="Audit store URL (file path or s3://)")
-    store_secret_name: str | None = Field(None, description="Secret with the store credentials")
+    store_url: str | None = Field(
+        None, max_length=1024, description="Audit store of this pair alone: s3://bucket/prefix"
+    )
+    store_secret_name: str | None = Field(
+        None,
+        description="Secret with the store credentials as environment variables "
+        "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, optional AWS_ENDPOINT_URL, AWS_REGION)",
+    )
+    resources: SparkResources = Field(default_factory=SparkResources)
+    service_account_name: str = Field(
+        "spark-operator-spark",
+        min_length=1,
+        description="The Spark driver's ServiceAccount (SparkApplication), allowed to run "
+        "executor pods: the default is the one the Spark Operator's chart creates",
+    )
+    timeout_seconds: int = Field(
+        3600, ge=60, le=86400, description="A run still going after this long is stopped (ERROR)"
+    )
     history_limit: int = Field(3, ge=1, le=50, description="Finished audit runs kept")
     segment_seconds: int = Field(
         60,
@@ -228,15 +281,31 @@ class FailoverRecord(ApiModel):
     duration_seconds: float | None = None
 
 
-class AuditResult(ApiModel):
-    """The last audit's outcome."""
+AuditVerdict = Literal["PASS", "FAIL", "ERROR", "RUNNING"]
 
-    time: str
-    verdict: Literal["PASS", "FAIL", "ERROR", "RUNNING"]
-    run: str = ""
+
+class AuditResult(ApiModel):
+    """The last audit run: RUNNING while it runs, then its verdict."""
+
+    time: str = Field(description="When the run started")
+    verdict: AuditVerdict
+    run: str = Field("", description="The run (its Job or SparkApplication, and store folder)")
+    launcher: Literal["sparkApplication", "job"] = "job"
+    reason: str = Field("", description="Why it ran: schedule, failover, request")
+    finished: str | None = None
+    messages: int = 0
     lost: int = 0
     duplicates: int = 0
+    reordered: int = 0
     message: str = ""
+
+
+class AuditProgress(ApiModel):
+    """The operator's bookkeeping of audits (so a restarted operator neither repeats nor
+    forgets a run)."""
+
+    last_scheduled: str | None = Field(None, description="The last cron time a run started for")
+    audited_epoch: int = Field(0, description="The failover epoch last audited")
 
 
 class HandledRequests(ApiModel):
@@ -272,6 +341,7 @@ class BrokerClusterStatus(ApiModel):
     conditions: list[Condition] = Field(default_factory=list)
     last_failover: FailoverRecord | None = None
     last_audit: AuditResult | None = None
+    audit: AuditProgress = Field(default_factory=AuditProgress)
     handled_requests: HandledRequests = Field(default_factory=HandledRequests)
     switchover: SwitchoverProgress | None = None
     fenced_brokers: list[BrokerName] = Field(

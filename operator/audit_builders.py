@@ -1,0 +1,143 @@
+"""Pure builders of audit runs: a Job running Spark locally, or a SparkApplication.
+
+Both run the same program (`twinmq-audit`, which `spark-apps/replication_audit.py`
+wraps) on the cluster's store, named after the run so the operator finds its
+summary at `audit/runs/<run>/summary.json`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from twinmq.operator.builders import ClusterRef, Obj, labels, owned_meta
+from twinmq.operator.models import BrokerClusterSpec
+
+LABEL_RUN = "twinmq.io/audit-run"
+ANNOTATION_REASON = "twinmq.io/audit-reason"
+SPARK_APP_FILE = "local:///opt/twinmq/spark-apps/replication_audit.py"
+"""Where the project's image carries the Spark application."""
+SPARK_VERSION = "4.0.1"
+"""The Spark of the project's image (PySpark's version)."""
+SCRATCH = "/var/run/twinmq-tmp"
+"""Scratch space of a local-mode run (Spark's local dirs, copies of S3 objects)."""
+SPARK_API = "sparkoperator.k8s.io/v1beta2"
+
+
+def run_name(cluster: ClusterRef, now: datetime) -> str:
+    """`<cluster>-audit-<UTC time>`, short enough for the Job's pod labels and the Spark
+    driver's pod name (`<run>-driver`, at most 63 characters)."""
+    return f"{cluster.name[:35]}-audit-{now:%Y%m%d%H%M%S}"
+
+
+def memory_quantity(spark_memory: str, overhead_mib: int = 0) -> str:
+    """A Spark memory amount (`2g`) as a Kubernetes quantity in MiB, plus an overhead."""
+    value, unit = int(spark_memory[:-1]), spark_memory[-1]
+    mib = {"k": value / 1024, "m": value, "g": value * 1024, "t": value * 1024 * 1024}[unit]
+    return f"{int(mib) + overhead_mib}Mi"
+
+
+def _run_meta(cluster: ClusterRef, name: str, reason: str) -> Obj:
+    meta = owned_meta(cluster, name)
+    meta["labels"][LABEL_RUN] = name
+    meta["annotations"] = {ANNOTATION_REASON: reason}
+    return meta
+
+
+def _store_env(spec: BrokerClusterSpec) -> list[Obj]:
+    secret = spec.audit.store_secret_name
+    return [{"secretRef": {"name": secret}}] if secret else []
+
+
+def audit_args(spec: BrokerClusterSpec, name: str) -> list[str]:
+    """The program's arguments common to both launchers."""
+    assert spec.audit.store_url is not None  # the CRD requires it when audits are enabled
+    return ["--store", spec.audit.store_url, "--run-id", name]
+
+
+def build_audit_job(cluster: ClusterRef, spec: BrokerClusterSpec, name: str, reason: str) -> Obj:
+    """A Job running the audit with Spark in local mode (no Spark Operator needed)."""
+    res = spec.audit.resources
+    run_labels = {**labels(cluster), LABEL_RUN: name}
+    # The JVM heap plus Python, Arrow and the JVM's own overhead.
+    memory = memory_quantity(res.driver_memory, overhead_mib=768)
+    container: Obj = {
+        "name": "audit",
+        "image": spec.audit.image or spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["twinmq-audit"],
+        "args": [
+            *audit_args(spec, name),
+            f"--master=local[{res.driver_cores}]",
+            f"--conf=spark.driver.memory={res.driver_memory}",
+            f"--conf=spark.local.dir={SCRATCH}/spark",
+            f"--work-dir={SCRATCH}/store",
+        ],
+        "env": [{"name": "TMPDIR", "value": SCRATCH}],
+        "resources": {
+            "requests": {"cpu": str(res.driver_cores), "memory": memory},
+            "limits": {"memory": memory},
+        },
+        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH}],
+    }
+    if env_from := _store_env(spec):
+        container["envFrom"] = env_from
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _run_meta(cluster, name, reason),
+        "spec": {
+            # The verdict is the exit code (1: FAIL): a failed audit is never retried.
+            "backoffLimit": 0,
+            "template": {
+                "metadata": {"labels": run_labels},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    "containers": [container],
+                    "volumes": [{"name": "scratch", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+
+
+def build_spark_application(
+    cluster: ClusterRef, spec: BrokerClusterSpec, name: str, reason: str
+) -> Obj:
+    """A SparkApplication for the Kubeflow Spark Operator (cluster mode, never restarted)."""
+    res = spec.audit.resources
+    pod_labels = {**labels(cluster), LABEL_RUN: name}
+    env_from = _store_env(spec)
+    driver: Obj = {
+        "cores": res.driver_cores,
+        "memory": res.driver_memory,
+        "serviceAccount": spec.audit.service_account_name,
+        "labels": pod_labels,
+    }
+    executor: Obj = {
+        "instances": res.executor_instances,
+        "cores": res.executor_cores,
+        "memory": res.executor_memory,
+        "labels": pod_labels,
+    }
+    if env_from:
+        driver["envFrom"] = executor["envFrom"] = env_from
+    return {
+        "apiVersion": SPARK_API,
+        "kind": "SparkApplication",
+        "metadata": _run_meta(cluster, name, reason),
+        "spec": {
+            "type": "Python",
+            "pythonVersion": "3",
+            "mode": "cluster",
+            "image": spec.audit.image or spec.image,
+            "imagePullPolicy": spec.image_pull_policy,
+            "mainApplicationFile": SPARK_APP_FILE,
+            "arguments": audit_args(spec, name),
+            "sparkVersion": SPARK_VERSION,
+            "restartPolicy": {"type": "Never"},
+            "sparkConf": {"spark.sql.session.timeZone": "UTC"},
+            "driver": driver,
+            "executor": executor,
+        },
+    }

@@ -1,0 +1,284 @@
+"""The operator's audits without a cluster: when runs start, what a run's end means, and
+the Job / SparkApplication / shipper objects it creates (validated against Kubernetes'
+schemas; the SparkApplication against the Spark Operator's CRD in e2e/test_audit_operator)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from twinmq.audit.summary import AuditSummary, Counts, Verdict
+from twinmq.operator.audit_builders import (
+    LABEL_RUN,
+    build_audit_job,
+    build_spark_application,
+    memory_quantity,
+    run_name,
+)
+from twinmq.operator.audit_plan import (
+    AuditObservation,
+    audit_condition,
+    failover_settle_seconds,
+    iso,
+    job_phase,
+    plan_audit,
+    result_error,
+    result_of_summary,
+    spark_phase,
+)
+from twinmq.operator.audit_runner import store_options
+from twinmq.operator.builders import ClusterRef, build_pod
+from twinmq.operator.models import (
+    Audit,
+    AuditProgress,
+    AuditResult,
+    BrokerClusterSpec,
+    FailoverRecord,
+)
+
+T0 = datetime(2026, 11, 22, 10, 0, 30, tzinfo=UTC)
+CLUSTER = ClusterRef("orders", "shop", "uid-1")
+STORE = "s3://audits/orders"
+
+
+def enabled(**fields: Any) -> Audit:
+    return Audit.model_validate({"enabled": True, "storeUrl": STORE, **fields})
+
+
+def observe(audit: Audit, now: datetime = T0, **fields: Any) -> AuditObservation:
+    base = AuditObservation(
+        audit=audit, now=now, created=T0, progress=AuditProgress(), last=None,
+        run_phase=None, last_failover=None, in_sync_since=None, request=None,
+    )  # fmt: skip
+    return replace(base, **fields)
+
+
+def running(started: datetime = T0) -> AuditResult:
+    return AuditResult(time=iso(started), verdict="RUNNING", run="orders-audit-1", reason="x")
+
+
+def failover(epoch: int, at: datetime) -> FailoverRecord:
+    return FailoverRecord.model_validate(
+        {"time": iso(at), "from": "primary", "to": "backup", "reason": "lease lapsed",
+         "epoch": epoch}
+    )  # fmt: skip
+
+
+# -- when runs start -------------------------------------------------------------------------
+
+
+def test_a_request_on_a_cluster_without_audits_is_refused_once() -> None:
+    plan = plan_audit(observe(Audit(), request="r1"))
+    assert plan.refused_request and plan.handled_request == "r1" and plan.launch is None
+
+
+def test_a_request_starts_a_run_and_is_handled_once() -> None:
+    plan = plan_audit(observe(enabled(), request="r1"))
+    assert plan.launch == "requested" and plan.handled_request == "r1"
+    assert plan_audit(observe(enabled())).launch is None
+
+
+def test_a_failover_is_audited_once_both_brokers_are_in_sync_and_settled() -> None:
+    audit = enabled(segmentSeconds=5)
+    record = failover(3, T0)
+    settle = timedelta(seconds=failover_settle_seconds(audit))
+    synced = T0 + timedelta(seconds=20)
+    not_yet = [
+        observe(audit, T0 + timedelta(seconds=30), last_failover=record),  # never in sync
+        observe(audit, synced + settle / 2, last_failover=record, in_sync_since=synced),
+        # in sync since before the failover: the old pair, not the new one
+        observe(audit, T0 + settle * 3, last_failover=record, in_sync_since=T0 - settle),
+    ]
+    for obs in not_yet:
+        assert plan_audit(obs).launch is None
+    plan = plan_audit(observe(audit, synced + settle, last_failover=record, in_sync_since=synced))
+    assert plan.launch == "failover to backup in epoch 3"
+    assert plan.progress.audited_epoch == 3
+    again = observe(
+        audit, synced + settle * 2, last_failover=record, in_sync_since=synced,
+        progress=plan.progress,
+    )  # fmt: skip
+    assert plan_audit(again).launch is None
+
+
+def test_no_failover_audit_when_after_failover_is_off() -> None:
+    obs = observe(
+        enabled(afterFailover=False), T0 + timedelta(hours=1), last_failover=failover(2, T0),
+        in_sync_since=T0 + timedelta(seconds=1),
+    )  # fmt: skip
+    assert plan_audit(obs).launch is None
+
+
+def test_a_trigger_during_a_run_waits_for_it_to_end() -> None:
+    obs = observe(enabled(), last=running(), run_phase="running", request="r2")
+    plan = plan_audit(obs)
+    assert plan.launch is None and plan.handled_request is None and plan.finish is None
+
+
+def test_the_schedule_starts_one_run_per_due_time_and_one_for_many_missed() -> None:
+    audit = enabled(schedule="*/5 * * * *")
+    assert plan_audit(observe(audit, T0 + timedelta(minutes=4))).launch is None
+    plan = plan_audit(observe(audit, T0 + timedelta(minutes=4, seconds=40)))
+    assert plan.launch == "schedule" and plan.progress.last_scheduled == "2026-11-22T10:05:00Z"
+    later = observe(audit, T0 + timedelta(minutes=7), progress=plan.progress)
+    assert plan_audit(later).launch is None
+    # The operator was away for a day: one run, and the next one at the next time.
+    away = plan_audit(observe(audit, T0 + timedelta(days=1, seconds=10), progress=plan.progress))
+    assert away.launch == "schedule"
+    assert away.progress.last_scheduled == "2026-11-23T10:00:00Z"
+
+
+def test_reasons_combine_into_one_run() -> None:
+    obs = observe(
+        enabled(schedule="0 * * * *"), T0 + timedelta(hours=1), request="r3",
+        last_failover=failover(4, T0), in_sync_since=T0 + timedelta(seconds=5),
+    )  # fmt: skip
+    assert plan_audit(obs).launch == "requested, failover to backup in epoch 4, schedule"
+
+
+# -- a run's end -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", ["succeeded", "failed", "missing"])
+def test_an_ended_run_is_finished(phase: str) -> None:
+    plan = plan_audit(observe(enabled(), last=running(), run_phase=phase))
+    assert plan.finish == phase and plan.launch is None
+
+
+def test_a_run_past_its_timeout_is_stopped() -> None:
+    audit = enabled(timeoutSeconds=600)
+    late = observe(audit, T0 + timedelta(seconds=601), last=running(), run_phase="running")
+    assert plan_audit(late).timed_out
+    on_time = observe(audit, T0 + timedelta(seconds=599), last=running(), run_phase="running")
+    assert not plan_audit(on_time).timed_out
+
+
+def test_job_and_spark_application_phases() -> None:
+    def job(ctype: str) -> dict[str, Any]:
+        return {"status": {"conditions": [{"type": ctype, "status": "True"}]}}
+
+    assert job_phase(None) == "missing"
+    assert job_phase({"status": {"active": 1}}) == "running"
+    assert job_phase(job("Complete")) == "succeeded"
+    assert job_phase(job("Failed")) == "failed"
+
+    def app(state: str) -> dict[str, Any]:
+        return {"status": {"applicationState": {"state": state}}}
+
+    assert spark_phase({}) == "running"  # not picked up by the Spark Operator yet
+    for state in ("", "SUBMITTED", "RUNNING", "SUCCEEDING", "FAILING", "PENDING_RERUN",
+                  "INVALIDATING", "UNKNOWN"):  # fmt: skip
+        assert spark_phase(app(state)) == "running", state
+    assert spark_phase(app("COMPLETED")) == "succeeded"
+    assert spark_phase(app("FAILED")) == "failed"
+    assert spark_phase(app("SUBMISSION_FAILED")) == "failed"
+    assert spark_phase(None) == "missing"
+
+
+def summary(verdict: Verdict, failures: list[str], **counts: int) -> AuditSummary:
+    return AuditSummary(
+        run_id="orders-audit-1", verdict=verdict, failures=failures, mode="full", store=STORE,
+        brokers=["orders-primary", "orders-backup"], segments_read=4, segments_total=4,
+        events_read=100, totals=Counts(**counts), queues=[], bucket_seconds=60.0,
+        findings_path="f", lag_path="l",
+    )  # fmt: skip
+
+
+def test_a_summary_becomes_the_result_and_the_condition() -> None:
+    end = T0 + timedelta(minutes=1)
+    passed = result_of_summary(running(), summary(Verdict.PASS, [], messages=50, resent=2), end)
+    assert (passed.verdict, passed.messages, passed.duplicates) == ("PASS", 50, 2)
+    ok = audit_condition(passed, None, 1)
+    assert (ok.status, ok.reason, ok.last_transition_time) == ("True", "AuditPassed", iso(end))
+    failed = result_of_summary(
+        running(), summary(Verdict.FAIL, ["3 confirmed messages lost"], messages=50, lost=3),
+        end + timedelta(minutes=5),
+    )  # fmt: skip
+    assert (failed.verdict, failed.lost, failed.message) == ("FAIL", 3, "3 confirmed messages lost")
+    bad = audit_condition(failed, ok, 1)
+    assert (bad.status, bad.reason) == ("False", "AuditFailed")
+    assert bad.last_transition_time == iso(end + timedelta(minutes=5))
+    # A second failure keeps the time of the transition.
+    assert audit_condition(failed, bad, 2).last_transition_time == bad.last_transition_time
+    error = result_error(running(), "no summary", end)
+    assert audit_condition(error, bad, 2).status == "Unknown"
+
+
+# -- the objects -----------------------------------------------------------------------------
+
+
+def spec_with(**audit: Any) -> BrokerClusterSpec:
+    return BrokerClusterSpec.model_validate(
+        {"audit": {"enabled": True, "storeUrl": STORE, "storeSecretName": "s3", **audit}}
+    )
+
+
+def validate(obj: dict[str, Any]) -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(obj, "1.36", strict=True)
+
+
+def test_run_names_fit_the_pod_names_they_lead_to() -> None:
+    long = ClusterRef("x" * 55, "ns", "u")
+    assert len(run_name(long, T0) + "-driver") <= 63
+    assert run_name(CLUSTER, T0) == "orders-audit-20261122100030"
+
+
+def test_the_job_runs_the_audit_once_in_local_mode_on_the_store() -> None:
+    spec = spec_with(resources={"driverCores": 2, "driverMemory": "3g"})
+    job = build_audit_job(CLUSTER, spec, "orders-audit-1", "requested")
+    validate(job)
+    assert job["spec"]["backoffLimit"] == 0
+    assert job["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert job["metadata"]["labels"][LABEL_RUN] == "orders-audit-1"
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["automountServiceAccountToken"] is False
+    container = pod["containers"][0]
+    assert container["command"] == ["twinmq-audit"]
+    assert container["args"][:4] == ["--store", STORE, "--run-id", "orders-audit-1"]
+    assert "--master=local[2]" in container["args"]
+    assert "--conf=spark.driver.memory=3g" in container["args"]
+    assert container["envFrom"] == [{"secretRef": {"name": "s3"}}]
+    assert container["resources"]["limits"]["memory"] == memory_quantity("3g", 768) == "3840Mi"
+
+
+def test_the_spark_application_carries_the_same_program_and_resources() -> None:
+    spec = spec_with(launcher="sparkApplication", image="spark/twinmq:1",
+                     resources={"executorInstances": 3, "executorMemory": "2g"})  # fmt: skip
+    app = build_spark_application(CLUSTER, spec, "orders-audit-1", "schedule")
+    body = app["spec"]
+    assert app["apiVersion"] == "sparkoperator.k8s.io/v1beta2"
+    assert (body["type"], body["mode"], body["image"]) == ("Python", "cluster", "spark/twinmq:1")
+    assert body["arguments"] == ["--store", STORE, "--run-id", "orders-audit-1"]
+    assert body["restartPolicy"] == {"type": "Never"}
+    assert body["executor"]["instances"] == 3 and body["executor"]["memory"] == "2g"
+    assert body["driver"]["serviceAccount"] == "spark-operator-spark"
+    assert body["driver"]["envFrom"] == body["executor"]["envFrom"]
+
+
+def test_brokers_ship_their_segments_only_when_audits_are_enabled() -> None:
+    plain = build_pod(CLUSTER, BrokerClusterSpec(), "primary")
+    assert [c["name"] for c in plain["spec"]["containers"]] == ["broker"]
+    pod = build_pod(CLUSTER, spec_with(segmentSeconds=7), "primary")
+    validate(pod)
+    shipper = pod["spec"]["containers"][1]
+    assert shipper["command"] == ["twinmq-audit-ship"]
+    assert f"--store={STORE}" in shipper["args"] and "--every=7" in shipper["args"]
+    assert "--audit-dir=/var/lib/twinmq/data/audit" in shipper["args"]
+    assert shipper["envFrom"] == [{"secretRef": {"name": "s3"}}]
+
+
+def test_store_credentials_become_s3fs_options() -> None:
+    options = store_options({
+        "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_ENDPOINT_URL": "http://10.96.0.20:5000", "AWS_REGION": "eu-west-1",
+    })  # fmt: skip
+    assert options == {
+        "key": "k", "secret": "s",
+        "client_kwargs": {"endpoint_url": "http://10.96.0.20:5000", "region_name": "eu-west-1"},
+    }  # fmt: skip
+    assert store_options({}) == {}
