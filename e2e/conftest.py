@@ -8,6 +8,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +65,11 @@ def _wait_default_service_account(cluster: Cluster, namespace: str) -> None:
 
     path = f"/api/v1/namespaces/{namespace}/serviceaccounts/default"
     wait_until(f"serviceaccount default in {namespace}", lambda: cluster.kube.get(path), 30)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> Iterator[Any]:
+    """The BrokerCluster CRD installed and `twinmq-operator` running for this module."""
+    from brokerclusters import operator_fixture
+
+    yield from operator_fixture(cluster)

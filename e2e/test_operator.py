@@ -9,17 +9,21 @@ so these tests run on the local cluster only.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pika
 import pytest
-import yaml
+from brokerclusters import (
+    OperatorProcess,
+    amqp_url,
+    cluster_path,
+    cluster_status,
+    condition,
+    create_cluster,
+)
 from conftest import Cluster
 from support import wait_until
 
@@ -31,91 +35,6 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-
-
-class OperatorProcess:
-    """`twinmq-operator` as a local process against the test cluster; killable, restartable."""
-
-    def __init__(self, kubeconfig: str) -> None:
-        self.kubeconfig = kubeconfig
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        """Start it (again)."""
-        log = open(REPO / ".cluster" / "logs" / "e2e-operator.log", "ab")  # noqa: SIM115
-        env = {**os.environ, "KUBECONFIG": self.kubeconfig, "TWINMQ_OPERATOR_METRICS_PORT": "0"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "twinmq.operator.main"], env=env, stdout=log, stderr=log
-        )
-        log.close()
-
-    def kill(self) -> None:
-        """kill -9."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> None:
-        """SIGTERM, then kill -9 after 15 s."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: Cluster) -> Iterator[OperatorProcess]:
-    """The CRD installed and `twinmq-operator` running for this module."""
-    if not cluster.local:
-        pytest.skip("needs the local cluster's fault tools and pod network from the host")
-    crd = yaml.safe_load((REPO / "crds" / "brokercluster.yaml").read_text())
-    cluster.kube.apply(f"{CRD_PATH}/{crd['metadata']['name']}", crd, "e2e")
-    proc = OperatorProcess(cluster.kubeconfig)
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-def _path(namespace: str, name: str = "") -> str:
-    return f"{API}/namespaces/{namespace}/brokerclusters" + (f"/{name}" if name else "")
-
-
-def _status(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
-    obj = cluster.kube.get(_path(namespace, name)) or {}
-    return dict(obj.get("status") or {})
-
-
-def _condition(status: dict[str, Any], ctype: str) -> str:
-    return next((c["status"] for c in status.get("conditions", []) if c["type"] == ctype), "")
-
-
-def _create(cluster: Cluster, namespace: str) -> str:
-    example = yaml.safe_load((REPO / "examples" / "brokercluster.yaml").read_text())
-    cluster.kube.create(_path(namespace), example)
-    name = str(example["metadata"]["name"])
-
-    def in_sync() -> dict[str, Any] | None:
-        status = _status(cluster, namespace, name)
-        return status if (
-            status.get("phase") == "Ready" and _condition(status, "Replicating") == "True"
-        ) else None  # fmt: skip
-
-    wait_until("the BrokerCluster is Ready and replicating", in_sync, timeout=90)
-    return name
-
-
-def _amqp_url(cluster: Cluster, namespace: str, name: str) -> str:
-    import base64
-
-    secret = cluster.kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-auth") or {}
-    data = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
-    service = cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {}
-    ip = service["spec"]["clusterIP"]
-    return f"amqp://{data['username']}:{data['password']}@{ip}:5672/%2F"
 
 
 def _drain(url: str, queue: str) -> list[int]:
@@ -134,8 +53,8 @@ def _drain(url: str, queue: str) -> list[int]:
 def test_brokercluster_comes_up_with_the_virtual_ip_at_the_primary(
     cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
-    name = _create(cluster, namespace)
-    status = _status(cluster, namespace, name)
+    name = create_cluster(cluster, namespace)
+    status = cluster_status(cluster, namespace, name)
     assert (status["activeBroker"], status["epoch"]) == ("primary", 1)
     slices = cluster.kube.list(
         f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
@@ -149,8 +68,8 @@ def test_brokercluster_comes_up_with_the_virtual_ip_at_the_primary(
 def test_kill_9_of_the_active_fails_over_through_the_virtual_ip_losing_nothing(
     cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
-    name = _create(cluster, namespace)
-    url = _amqp_url(cluster, namespace, name)
+    name = create_cluster(cluster, namespace)
+    url = amqp_url(cluster, namespace, name)
     conn = pika.BlockingConnection(pika.URLParameters(url))
     conn.channel().queue_declare("orders", durable=True)
     conn.close()
@@ -172,7 +91,7 @@ def test_kill_9_of_the_active_fails_over_through_the_virtual_ip_losing_nothing(
         return sent
 
     assert asyncio.run(traffic()) == total
-    status = _status(cluster, namespace, name)
+    status = cluster_status(cluster, namespace, name)
     assert status["activeBroker"] == "backup" and status["epoch"] == 2
     assert status["lastFailover"]["from"] == "primary"
     received = _drain(url, "orders")
@@ -183,7 +102,7 @@ def test_kill_9_of_the_active_fails_over_through_the_virtual_ip_losing_nothing(
     )
 
     def primary_back_in_sync() -> bool:
-        s = _status(cluster, namespace, name)
+        s = cluster_status(cluster, namespace, name)
         primary = next(b for b in s.get("brokers", []) if b["name"] == "primary")
         return primary["role"] == "passive" and primary["ready"]
 
@@ -193,25 +112,27 @@ def test_kill_9_of_the_active_fails_over_through_the_virtual_ip_losing_nothing(
 def test_recover_request_demotes_the_backup_before_activating_the_primary(
     cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
-    name = _create(cluster, namespace)
+    name = create_cluster(cluster, namespace)
     cluster.kube.patch(
-        _path(namespace, name),
+        cluster_path(namespace, name),
         {"spec": {"requests": {"promote": {"id": "sw-1", "broker": "backup"}}}},
     )
 
     def promoted() -> bool:
-        s = _status(cluster, namespace, name)
+        s = cluster_status(cluster, namespace, name)
         return (
             s.get("activeBroker") == "backup"
             and s.get("handledRequests", {}).get("promote") == "sw-1"
-            and _condition(s, "Replicating") == "True"
+            and condition(s, "Replicating") == "True"
         )
 
     wait_until("the switchover to the backup", promoted, timeout=60)
-    cluster.kube.patch(_path(namespace, name), {"spec": {"requests": {"recover": {"id": "r-1"}}}})
+    cluster.kube.patch(
+        cluster_path(namespace, name), {"spec": {"requests": {"recover": {"id": "r-1"}}}}
+    )
 
     def recovered() -> bool:
-        s = _status(cluster, namespace, name)
+        s = cluster_status(cluster, namespace, name)
         return (
             s.get("activeBroker") == "primary"
             and s.get("handledRequests", {}).get("recover") == "r-1"
@@ -224,23 +145,23 @@ def test_recover_request_demotes_the_backup_before_activating_the_primary(
     assert "SwitchoverStarted" in reasons and "SwitchedOver" in reasons
     # A reverted or re-applied manifest with the same id is not replayed.
     cluster.kube.patch(
-        _path(namespace, name),
+        cluster_path(namespace, name),
         {"spec": {"requests": {"promote": {"id": "sw-1", "broker": "backup"}}}},
     )
     time.sleep(3)  # the condition under test is that nothing happens
-    assert _status(cluster, namespace, name)["activeBroker"] == "primary"
+    assert cluster_status(cluster, namespace, name)["activeBroker"] == "primary"
 
 
 def test_a_primary_cut_off_the_network_fences_itself_and_one_active_remains(
     cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
-    name = _create(cluster, namespace)
+    name = create_cluster(cluster, namespace)
     layout = Layout.default()
     faults.cut_network(layout, namespace, f"{name}-primary")
     try:
 
         def backup_active() -> bool:
-            return _status(cluster, namespace, name).get("activeBroker") == "backup"
+            return cluster_status(cluster, namespace, name).get("activeBroker") == "backup"
 
         wait_until("failover to the backup", backup_active, timeout=60)
         log = subprocess.run(
@@ -252,7 +173,7 @@ def test_a_primary_cut_off_the_network_fences_itself_and_one_active_remains(
         faults.heal_network(layout, namespace, f"{name}-primary")
 
     def single_active() -> bool:
-        s = _status(cluster, namespace, name)
+        s = cluster_status(cluster, namespace, name)
         roles = {b["name"]: b["role"] for b in s.get("brokers", [])}
         return roles == {"primary": "passive", "backup": "active"}
 
@@ -262,8 +183,8 @@ def test_a_primary_cut_off_the_network_fences_itself_and_one_active_remains(
 def test_deleting_the_brokercluster_removes_everything(
     cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
-    name = _create(cluster, namespace)
-    cluster.kube.delete(_path(namespace, name))
+    name = create_cluster(cluster, namespace)
+    cluster.kube.delete(cluster_path(namespace, name))
 
     def gone() -> bool:
         pods = cluster.kube.list(
@@ -280,23 +201,23 @@ def test_deleting_the_brokercluster_removes_everything(
 def test_fencing_the_active_moves_the_virtual_ip_and_unfencing_brings_it_back_passive(
     cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
-    name = _create(cluster, namespace)
-    path = _path(namespace, name)
+    name = create_cluster(cluster, namespace)
+    path = cluster_path(namespace, name)
     cluster.kube.patch(path, {"spec": {"requests": {"fence": {"id": "f-1", "broker": "primary"}}}})
 
     def fenced_and_moved() -> bool:
-        s = _status(cluster, namespace, name)
+        s = cluster_status(cluster, namespace, name)
         return s.get("activeBroker") == "backup" and s.get("fencedBrokers") == ["primary"]
 
     wait_until("the backup active with the primary fenced", fenced_and_moved, timeout=60)
-    primary = next(b for b in _status(cluster, namespace, name)["brokers"]
+    primary = next(b for b in cluster_status(cluster, namespace, name)["brokers"]
                    if b["name"] == "primary")  # fmt: skip
     assert primary["fenced"] and primary["role"] == "passive" and not primary["linkConnected"]
     cluster.kube.patch(path, {"spec": {"requests": {"fence": {
         "id": "f-2", "broker": "primary", "fenced": False}}}})  # fmt: skip
 
     def back_in_sync() -> bool:
-        s = _status(cluster, namespace, name)
+        s = cluster_status(cluster, namespace, name)
         p = next(b for b in s.get("brokers", []) if b["name"] == "primary")
         return not s.get("fencedBrokers") and p["role"] == "passive" and p["ready"]
 
@@ -306,11 +227,11 @@ def test_fencing_the_active_moves_the_virtual_ip_and_unfencing_brings_it_back_pa
 def test_an_operator_killed_mid_failover_finishes_it_after_a_restart(
     cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
-    name = _create(cluster, namespace)
+    name = create_cluster(cluster, namespace)
     faults.kill_pod(Layout.default(), namespace, f"{name}-primary")
 
     def failing_over() -> bool:
-        return _status(cluster, namespace, name).get("phase") == "FailingOver"
+        return cluster_status(cluster, namespace, name).get("phase") == "FailingOver"
 
     wait_until("the operator to start the failover", failing_over, timeout=30)
     operator.kill()  # kill -9, mid-failover: the Lease has not lapsed yet
@@ -318,9 +239,9 @@ def test_an_operator_killed_mid_failover_finishes_it_after_a_restart(
     operator.start()
 
     def finished() -> bool:
-        s = _status(cluster, namespace, name)
+        s = cluster_status(cluster, namespace, name)
         return s.get("activeBroker") == "backup" and s.get("phase") in ("Ready", "Degraded")
 
     wait_until("the restarted operator to finish the failover", finished, timeout=60)
-    status = _status(cluster, namespace, name)
+    status = cluster_status(cluster, namespace, name)
     assert status["epoch"] == 2 and status["lastFailover"]["to"] == "backup"

@@ -1,0 +1,111 @@
+"""BrokerClusters in e2e tests: the operator as a local process, creating a cluster from the
+example, reading its status, reaching it through the virtual IP."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import Cluster
+from support import wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+API = "/apis/twinmq.io/v1alpha1"
+CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+class OperatorProcess:
+    """`twinmq-operator` as a local process against the test cluster; killable, restartable."""
+
+    def __init__(self, kubeconfig: str) -> None:
+        self.kubeconfig = kubeconfig
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start it (again)."""
+        log = open(REPO / ".cluster" / "logs" / "e2e-operator.log", "ab")  # noqa: SIM115
+        env = {**os.environ, "KUBECONFIG": self.kubeconfig, "TWINMQ_OPERATOR_METRICS_PORT": "0"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "twinmq.operator.main"], env=env, stdout=log, stderr=log
+        )
+        log.close()
+
+    def kill(self) -> None:
+        """kill -9."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM, then kill -9 after 15 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def operator_fixture(cluster: Cluster) -> Iterator[OperatorProcess]:
+    """The CRD installed and `twinmq-operator` running (conftest's module fixture)."""
+    if not cluster.local:
+        pytest.skip("needs the local cluster's fault tools and pod network from the host")
+    crd = yaml.safe_load((REPO / "crds" / "brokercluster.yaml").read_text())
+    cluster.kube.apply(f"{CRD_PATH}/{crd['metadata']['name']}", crd, "e2e")
+    proc = OperatorProcess(cluster.kubeconfig)
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def cluster_path(namespace: str, name: str = "") -> str:
+    """The API path of the namespace's BrokerClusters, or of one."""
+    return f"{API}/namespaces/{namespace}/brokerclusters" + (f"/{name}" if name else "")
+
+
+def cluster_status(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    """A BrokerCluster's status ({} before the operator wrote one)."""
+    obj = cluster.kube.get(cluster_path(namespace, name)) or {}
+    return dict(obj.get("status") or {})
+
+
+def condition(status: dict[str, Any], ctype: str) -> str:
+    """A condition's status ("" when absent)."""
+    return next((c["status"] for c in status.get("conditions", []) if c["type"] == ctype), "")
+
+
+def create_cluster(cluster: Cluster, namespace: str, audit: dict[str, Any] | None = None) -> str:
+    """The example BrokerCluster (with `audit` as its spec.audit when given), once it is
+    Ready with the passive in sync; returns its name."""
+    example = yaml.safe_load((REPO / "examples" / "brokercluster.yaml").read_text())
+    if audit is not None:
+        example["spec"]["audit"] = audit
+    cluster.kube.create(cluster_path(namespace), example)
+    name = str(example["metadata"]["name"])
+
+    def in_sync() -> dict[str, Any] | None:
+        status = cluster_status(cluster, namespace, name)
+        return status if (
+            status.get("phase") == "Ready" and condition(status, "Replicating") == "True"
+        ) else None  # fmt: skip
+
+    wait_until("the BrokerCluster is Ready and replicating", in_sync, timeout=90)
+    return name
+
+
+def amqp_url(cluster: Cluster, namespace: str, name: str) -> str:
+    """The app user's URL through the virtual IP (the Service's cluster IP)."""
+    secret = cluster.kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-auth") or {}
+    data = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
+    service = cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {}
+    ip = service["spec"]["clusterIP"]
+    return f"amqp://{data['username']}:{data['password']}@{ip}:5672/%2F"

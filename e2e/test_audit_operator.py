@@ -1,0 +1,288 @@
+"""Audits launched by the operator, end to end.
+
+The store is an S3-compatible server (moto in server mode, the stand-in for S3 or
+MinIO) running as a pod behind a Service; the brokers' shipper sidecars, the
+audit runs and the operator (a local process) all reach it at the Service's
+cluster IP. The `job` launcher runs the real Spark audit in a pod after a kill -9
+failover. The `sparkApplication` launcher's objects are validated by the API
+server against the Spark Operator's own CRD (from its Go module); no Spark
+Operator runs here, so this test plays its part: it moves the application's
+status through its states and, for the completed run, does the driver's work by
+running the same audit program on the same store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+import yaml
+from brokerclusters import (
+    CRD_PATH,
+    OperatorProcess,
+    amqp_url,
+    cluster_path,
+    cluster_status,
+    condition,
+    create_cluster,
+)
+from conftest import Cluster
+from support import IMAGE, pod_path, ready_pod, wait_until
+
+from twinmq.audit.store import Store
+from twinmq.audit.summary import AuditSummary
+from twinmq.client import ReliablePublisher
+from twinmq.localcluster import faults
+from twinmq.localcluster.layout import Layout
+from twinmq.operator.audit_runner import store_options
+
+pytestmark = pytest.mark.e2e
+SPARK_OPERATOR_MODULE = "github.com/kubeflow/spark-operator/v2@v2.3.0"
+SPARK_CRD = "config/crd/bases/sparkoperator.k8s.io_sparkapplications.yaml"
+SPARK_API = "/apis/sparkoperator.k8s.io/v1beta2"
+BUCKET = "audits"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "twinmq", "AWS_SECRET_ACCESS_KEY": "twinmq-e2e",
+               "AWS_REGION": "us-east-1"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(cluster: Cluster, operator: OperatorProcess) -> Iterator[str]:
+    """An S3-compatible server as a pod and a Service (in its own namespace); its URL."""
+    import boto3
+
+    namespace = f"e2e-s3-{uuid.uuid4().hex[:6]}"
+    kube = cluster.kube
+    kube.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
+    wait_until("the default service account", lambda: kube.get(
+        f"/api/v1/namespaces/{namespace}/serviceaccounts/default"), 30)  # fmt: skip
+    labels = {"app.kubernetes.io/name": "s3"}
+    kube.create(pod_path(namespace), {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "s3", "labels": labels},
+        "spec": {"automountServiceAccountToken": False, "containers": [{
+            "name": "s3", "image": IMAGE,
+            "command": ["python", "-m", "moto.server", "-H", "0.0.0.0", "-p", "5000"],
+            "ports": [{"name": "s3", "containerPort": 5000}],
+            "readinessProbe": {"tcpSocket": {"port": 5000}, "periodSeconds": 1},
+        }]},
+    })  # fmt: skip
+    service = kube.create(f"/api/v1/namespaces/{namespace}/services", {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "s3"},
+        "spec": {"selector": labels, "ports": [{"name": "s3", "port": 5000, "targetPort": "s3"}]},
+    })  # fmt: skip
+    wait_until("the S3 server is ready", lambda: ready_pod(kube, namespace, "s3"), 60)
+    endpoint = f"http://{service['spec']['clusterIP']}:5000"
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1",
+        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+    )  # fmt: skip
+    wait_until("the S3 API answers through the Service",
+               lambda: _try(lambda: client.create_bucket(Bucket=BUCKET)), 30)  # fmt: skip
+    yield endpoint
+    kube.delete(f"/api/v1/namespaces/{namespace}")
+
+
+def _try(call: Any) -> bool:
+    try:
+        call()
+    except Exception:  # the Service may need a moment to route
+        return False
+    return True
+
+
+def _store_secret(cluster: Cluster, namespace: str, endpoint: str) -> None:
+    cluster.kube.create(f"/api/v1/namespaces/{namespace}/secrets", {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "audit-store"},
+        "stringData": {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint},
+    })  # fmt: skip
+
+
+def _audit_spec(namespace: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "enabled": True, "storeUrl": f"s3://{BUCKET}/{namespace}",
+        "storeSecretName": "audit-store", "segmentSeconds": 2, "historyLimit": 1,
+        "resources": {"driverMemory": "1g"}, **fields,
+    }  # fmt: skip
+
+
+def _last_audit(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    return dict(cluster_status(cluster, namespace, name).get("lastAudit") or {})
+
+
+def _request_audit(cluster: Cluster, namespace: str, name: str, request: str) -> str:
+    """Request an audit; return the run it started."""
+    cluster.kube.patch(
+        cluster_path(namespace, name), {"spec": {"requests": {"audit": {"id": request}}}}
+    )
+
+    def started() -> str | None:
+        status = cluster_status(cluster, namespace, name)
+        last = status.get("lastAudit") or {}
+        handled = (status.get("handledRequests") or {}).get("audit") == request
+        return str(last["run"]) if handled and "requested" in last.get("reason", "") else None
+
+    return wait_until(f"audit request {request} starts a run", started, timeout=30)
+
+
+def _finished(cluster: Cluster, namespace: str, name: str, run: str, timeout: float) -> Any:
+    def done() -> dict[str, Any] | None:
+        last = _last_audit(cluster, namespace, name)
+        return last if last.get("run") == run and last.get("verdict") != "RUNNING" else None
+
+    return wait_until(f"audit run {run} finishes", done, timeout=timeout)
+
+
+def _summary(namespace: str, run: str, endpoint: str) -> AuditSummary:
+    """A run's summary, read from the store as the operator reads it."""
+    store = Store(f"s3://{BUCKET}/{namespace}", store_options({**CREDENTIALS,
+                  "AWS_ENDPOINT_URL": endpoint}))  # fmt: skip
+    return AuditSummary.model_validate(store.read_json(f"audit/runs/{run}/summary.json"))
+
+
+def _events(cluster: Cluster, namespace: str, name: str) -> list[str]:
+    items = cluster.kube.list(f"/api/v1/namespaces/{namespace}/events") or []
+    return [e["reason"] for e in items if e.get("involvedObject", {}).get("name") == name]
+
+
+def test_the_job_launcher_audits_a_failover_and_reports_pass(
+    cluster: Cluster, operator: OperatorProcess, namespace: str, s3_endpoint: str
+) -> None:
+    _store_secret(cluster, namespace, s3_endpoint)
+    name = create_cluster(cluster, namespace, audit=_audit_spec(namespace))
+    pod = cluster.kube.get(pod_path(namespace, f"{name}-primary")) or {}
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["broker", "audit-ship"]
+    url = amqp_url(cluster, namespace, name)
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    conn.channel().queue_declare("orders", durable=True)
+    conn.close()
+    total = 300
+
+    async def traffic() -> None:
+        publisher = ReliablePublisher([url], reconnect_delay=0.2, give_up_after=90)
+        for i in range(total):
+            await publisher.publish(str(i).encode(), "orders", message_id=f"o-{i}")
+            if i == total // 2:
+                faults.kill_pod(Layout.default(), namespace, f"{name}-primary", "broker")
+        await publisher.close()
+
+    asyncio.run(traffic())
+    status = cluster_status(cluster, namespace, name)
+    assert status["activeBroker"] == "backup", status
+    epoch = status["lastFailover"]["epoch"]
+
+    # The old primary rejoins as passive; once both are in sync (and their segments
+    # around the failover are shipped) the operator audits the failover on its own.
+    def failover_audit() -> str | None:
+        last = _last_audit(cluster, namespace, name)
+        return last.get("run") if f"epoch {epoch}" in last.get("reason", "") else None
+
+    run = wait_until("the after-failover audit starts", failover_audit, timeout=120)
+    job = cluster.kube.get(f"/apis/batch/v1/namespaces/{namespace}/jobs/{run}")
+    assert job is not None and job["metadata"]["ownerReferences"][0]["name"] == name
+    result = _finished(cluster, namespace, name, run, timeout=300)
+    assert result["verdict"] == "PASS", result
+    # Every message is accounted for: confirmed records, or replicated copies whose confirm
+    # record the killed broker had not written out yet (its last second of audit log).
+    totals = _summary(namespace, run, s3_endpoint).totals
+    assert result["lost"] == 0 and totals.messages + totals.replica_only >= total, totals
+    assert condition(cluster_status(cluster, namespace, name), "AuditPassed") == "True"
+    assert {"AuditStarted", "AuditPassed"} <= set(_events(cluster, namespace, name))
+
+    # A requested run: incremental on the same store; historyLimit 1 keeps only its Job.
+    second = _request_audit(cluster, namespace, name, "now-1")
+    assert _finished(cluster, namespace, name, second, timeout=300)["verdict"] == "PASS"
+    jobs = cluster.kube.list(
+        f"/apis/batch/v1/namespaces/{namespace}/jobs", labelSelector="twinmq.io/audit-run"
+    )
+    assert [j["metadata"]["name"] for j in jobs] == [second]
+
+
+@pytest.fixture(scope="module")
+def spark_operator_crd(cluster: Cluster) -> Iterator[None]:
+    """The Spark Operator's SparkApplication CRD, as its Go module publishes it."""
+    found = subprocess.run(
+        ["go", "mod", "download", "-json", SPARK_OPERATOR_MODULE],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "GOFLAGS": "-mod=mod"},
+    )  # fmt: skip
+    if found.returncode != 0:
+        pytest.fail(f"go mod download {SPARK_OPERATOR_MODULE}: {found.stdout}{found.stderr}")
+    crd = yaml.safe_load((Path(json.loads(found.stdout)["Dir"]) / SPARK_CRD).read_text())
+    path = f"{CRD_PATH}/{crd['metadata']['name']}"
+    cluster.kube.apply(path, crd, "e2e")
+
+    def established() -> bool:
+        conds = ((cluster.kube.get(path) or {}).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
+
+    wait_until("the SparkApplication CRD is established", established, timeout=60)
+    yield
+
+
+def _spark_state(cluster: Cluster, namespace: str, run: str, state: str, error: str = "") -> None:
+    """What the Spark Operator writes as the application progresses."""
+    app_state: dict[str, str] = {"state": state}
+    if error:
+        app_state["errorMessage"] = error
+    cluster.kube.patch(
+        f"{SPARK_API}/namespaces/{namespace}/sparkapplications/{run}/status",
+        {"status": {"applicationState": app_state,
+                    "driverInfo": {"podName": f"{run}-driver"}}},
+    )  # fmt: skip
+
+
+def test_the_spark_application_launcher_follows_the_spark_operator_states(
+    cluster: Cluster,
+    operator: OperatorProcess,
+    namespace: str,
+    s3_endpoint: str,
+    spark_operator_crd: None,
+) -> None:
+    _store_secret(cluster, namespace, s3_endpoint)
+    audit = _audit_spec(namespace, launcher="sparkApplication", afterFailover=False,
+                        resources={"executorInstances": 2})  # fmt: skip
+    name = create_cluster(cluster, namespace, audit=audit)
+    apps = f"{SPARK_API}/namespaces/{namespace}/sparkapplications"
+
+    # 1. A run whose driver fails: ERROR, with the Spark Operator's message.
+    run = _request_audit(cluster, namespace, name, "spark-1")
+    app = cluster.kube.get(f"{apps}/{run}")  # accepted by the Spark Operator's schema
+    assert app is not None
+    assert app["spec"]["arguments"] == ["--store", audit["storeUrl"], "--run-id", run]
+    assert app["spec"]["executor"]["instances"] == 2
+    for state in ("SUBMITTED", "RUNNING", "FAILING"):
+        _spark_state(cluster, namespace, run, state)
+        assert _last_audit(cluster, namespace, name)["verdict"] == "RUNNING"
+    _spark_state(cluster, namespace, run, "FAILED", error="driver container exited with 137")
+    result = _finished(cluster, namespace, name, run, timeout=30)
+    assert result["verdict"] == "ERROR" and "exited with 137" in result["message"], result
+    assert condition(cluster_status(cluster, namespace, name), "AuditPassed") == "Unknown"
+
+    # 2. A run that completes: the driver's work (the same program, on the same store), then
+    # COMPLETED; the operator reads the verdict from the store.
+    run = _request_audit(cluster, namespace, name, "spark-2")
+    _spark_state(cluster, namespace, run, "RUNNING")
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": s3_endpoint}
+    driver = subprocess.run(
+        [sys.executable, "-m", "twinmq.cli.audit", "audit", *app["spec"]["arguments"][:2],
+         "--run-id", run, "--master", "local[1]", "--conf", "spark.driver.memory=1g"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert driver.returncode == 0, driver.stdout + driver.stderr
+    assert _last_audit(cluster, namespace, name)["verdict"] == "RUNNING"
+    _spark_state(cluster, namespace, run, "COMPLETED")
+    result = _finished(cluster, namespace, name, run, timeout=30)
+    assert result["verdict"] == "PASS", result
+    assert condition(cluster_status(cluster, namespace, name), "AuditPassed") == "True"
+    # historyLimit 1: the failed application is gone.
+    names = [a["metadata"]["name"] for a in cluster.kube.list(apps)]
+    assert names == [run]
