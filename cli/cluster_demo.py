@@ -4,8 +4,9 @@ Installs the chart (the operator, least-privilege RBAC, the CRD), applies
 `examples/brokercluster.yaml`, sends confirmed traffic through the virtual-IP
 Service, kills the active broker with `kill -9`, shows the automatic failover
 (who is active, the epoch, nothing lost), recovers to the primary with a
-declarative request, runs the replication audit on what both brokers recorded,
-and prints a short report. The cluster is left running for `kubectl twinmq status`.
+declarative request, lets the operator audit the failover (a Job running the
+Spark audit on what both brokers shipped to the S3 store) and prints a short
+report. The cluster is left running for `kubectl twinmq status`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import asyncio
 import base64
 import logging
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import pika
 import yaml
 
 from twinmq.client import ReliablePublisher
-from twinmq.localcluster import faults
+from twinmq.localcluster import faults, s3server
 from twinmq.localcluster.binaries import find
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import Layout
@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 NAMESPACE = "twinmq-demo"
 API = "/apis/twinmq.io/v1alpha1"
 MESSAGES = 1500
+BUCKET = "twinmq-audits"
+IMAGE = "twinmq/twinmq:0.1.0"
 
 
 def say(text: str) -> None:
@@ -57,7 +59,11 @@ class Demo:
         self.layout = Layout.default()
         self.kube = KubeApi(str(self.layout.kubeconfig))
         example = yaml.safe_load((REPO / "examples" / "brokercluster.yaml").read_text())
-        example["spec"].setdefault("audit", {})["segmentSeconds"] = 5
+        example["spec"]["audit"] = {
+            "enabled": True, "storeUrl": f"s3://{BUCKET}/{example['metadata']['name']}",
+            "storeSecretName": "audit-store", "segmentSeconds": 5, "afterFailover": True,
+            "launcher": "job",
+        }  # fmt: skip
         self.example = example
         self.name = str(example["metadata"]["name"])
         self.path = f"{API}/namespaces/{NAMESPACE}/brokerclusters/{self.name}"
@@ -86,6 +92,15 @@ class Demo:
                   "--create-namespace", "--set", "operator.rbac.scope=namespace",
                   "--wait", "--timeout", "120s")  # fmt: skip
         say(f"chart installed in namespace {NAMESPACE}: the operator is running")
+        pod, service = s3server.manifests(IMAGE)
+        self.kube.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
+        url = s3server.endpoint(
+            self.kube.create(f"/api/v1/namespaces/{NAMESPACE}/services", service)
+        )
+        self.kube.create(f"/api/v1/namespaces/{NAMESPACE}/secrets",
+                         s3server.store_secret("audit-store", url))  # fmt: skip
+        wait("the S3 store", lambda: s3server.try_create_bucket(url, BUCKET), timeout=60)
+        say(f"audit store: s3://{BUCKET} on an S3-compatible server at {url}")
 
     def create(self) -> None:
         self.kube.create(f"{API}/namespaces/{NAMESPACE}/brokerclusters", self.example)
@@ -150,26 +165,22 @@ class Demo:
              and self.status().get("activeBroker") == "primary")  # fmt: skip
         return time.monotonic() - started
 
-    def audit(self) -> str:
-        """Ship both brokers' closed audit segments and run the Spark audit on them."""
-        store = Path(tempfile.mkdtemp(prefix="twinmq-demo-audit-"))
-        for broker in ("primary", "backup"):
-            pvc = self.kube.get(
-                f"/api/v1/namespaces/{NAMESPACE}/persistentvolumeclaims/{self.name}-{broker}"
-            ) or {}  # fmt: skip
-            audit_dir = self.layout.volumes / pvc["spec"]["volumeName"] / "data" / "audit"
-            wait(f"{broker}'s audit segments",
-                 lambda d=audit_dir: any(d.glob("*.jsonl")), timeout=30)  # fmt: skip
-            subprocess.run(["twinmq-audit-ship", "--store", str(store), "--audit-dir",
-                            str(audit_dir)], check=True, capture_output=True)  # fmt: skip
-        result = subprocess.run(["twinmq", "audit", "--store", str(store)],
-                                capture_output=True, text=True)  # fmt: skip
-        lines = result.stdout.splitlines()
-        verdict = next((x for x in lines if x.startswith(("PASS", "FAIL"))), None)
-        lag = next((x for x in lines if x.startswith("lag ")), "")
-        if verdict is None:
-            return f"ERROR (exit {result.returncode}): {result.stderr[-300:]}"
-        return f"{verdict}\n{'':39}{lag}"
+    def audit(self, epoch: int) -> str:
+        """Wait for the operator's audit of the failovers up to `epoch`; its verdict line."""
+        say("waiting for the operator to audit the failover (once both brokers are in sync)")
+
+        def done() -> dict[str, Any] | None:
+            s = self.status()
+            last = s.get("lastAudit") or {}
+            audited = (s.get("audit") or {}).get("auditedEpoch", 0) >= epoch
+            return last if audited and last.get("verdict") not in (None, "RUNNING") else None
+
+        last = wait("the audit of the failover", done, timeout=300)
+        say(f"audit run {last['run']} ({last['reason']}): {last['verdict']}")
+        return (
+            f"{last['verdict']}: {last['messages']} messages, lost {last['lost']}, "
+            f"duplicates {last['duplicates']}, reordered {last['reordered']}"
+        )
 
 
 def main() -> None:
@@ -203,8 +214,7 @@ def main() -> None:
     received = demo.drain(url)
     lost = len(set(range(MESSAGES)) - set(received))
     duplicates = len(received) - len(set(received))
-    time.sleep(6)  # the brokers close their audit segments every 5 s (segmentSeconds)
-    verdict = demo.audit()
+    verdict = demo.audit(final["epoch"])
     print()
     print("TwinMQ on Kubernetes: report")
     print(f"  messages confirmed through the VIP   {MESSAGES}")

@@ -41,7 +41,7 @@ from support import IMAGE, pod_path, ready_pod, wait_until
 from twinmq.audit.store import Store
 from twinmq.audit.summary import AuditSummary
 from twinmq.client import ReliablePublisher
-from twinmq.localcluster import faults
+from twinmq.localcluster import faults, s3server
 from twinmq.localcluster.layout import Layout
 from twinmq.operator.audit_runner import store_options
 
@@ -50,60 +50,29 @@ SPARK_OPERATOR_MODULE = "github.com/kubeflow/spark-operator/v2@v2.3.0"
 SPARK_CRD = "config/crd/bases/sparkoperator.k8s.io_sparkapplications.yaml"
 SPARK_API = "/apis/sparkoperator.k8s.io/v1beta2"
 BUCKET = "audits"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "twinmq", "AWS_SECRET_ACCESS_KEY": "twinmq-e2e",
-               "AWS_REGION": "us-east-1"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def s3_endpoint(cluster: Cluster, operator: OperatorProcess) -> Iterator[str]:
     """An S3-compatible server as a pod and a Service (in its own namespace); its URL."""
-    import boto3
-
     namespace = f"e2e-s3-{uuid.uuid4().hex[:6]}"
     kube = cluster.kube
     kube.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
     wait_until("the default service account", lambda: kube.get(
         f"/api/v1/namespaces/{namespace}/serviceaccounts/default"), 30)  # fmt: skip
-    labels = {"app.kubernetes.io/name": "s3"}
-    kube.create(pod_path(namespace), {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "s3", "labels": labels},
-        "spec": {"automountServiceAccountToken": False, "containers": [{
-            "name": "s3", "image": IMAGE,
-            "command": ["python", "-m", "moto.server", "-H", "0.0.0.0", "-p", "5000"],
-            "ports": [{"name": "s3", "containerPort": 5000}],
-            "readinessProbe": {"tcpSocket": {"port": 5000}, "periodSeconds": 1},
-        }]},
-    })  # fmt: skip
-    service = kube.create(f"/api/v1/namespaces/{namespace}/services", {
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "s3"},
-        "spec": {"selector": labels, "ports": [{"name": "s3", "port": 5000, "targetPort": "s3"}]},
-    })  # fmt: skip
+    pod, service = s3server.manifests(IMAGE)
+    kube.create(pod_path(namespace), pod)
+    url = s3server.endpoint(kube.create(f"/api/v1/namespaces/{namespace}/services", service))
     wait_until("the S3 server is ready", lambda: ready_pod(kube, namespace, "s3"), 60)
-    endpoint = f"http://{service['spec']['clusterIP']}:5000"
-    client = boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1",
-        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-    )  # fmt: skip
     wait_until("the S3 API answers through the Service",
-               lambda: _try(lambda: client.create_bucket(Bucket=BUCKET)), 30)  # fmt: skip
-    yield endpoint
+               lambda: s3server.try_create_bucket(url, BUCKET), 30)  # fmt: skip
+    yield url
     kube.delete(f"/api/v1/namespaces/{namespace}")
 
 
-def _try(call: Any) -> bool:
-    try:
-        call()
-    except Exception:  # the Service may need a moment to route
-        return False
-    return True
-
-
-def _store_secret(cluster: Cluster, namespace: str, endpoint: str) -> None:
-    cluster.kube.create(f"/api/v1/namespaces/{namespace}/secrets", {
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "audit-store"},
-        "stringData": {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint},
-    })  # fmt: skip
+def _store_secret(cluster: Cluster, namespace: str, url: str) -> None:
+    secret = s3server.store_secret("audit-store", url)
+    cluster.kube.create(f"/api/v1/namespaces/{namespace}/secrets", secret)
 
 
 def _audit_spec(namespace: str, **fields: Any) -> dict[str, Any]:
@@ -143,7 +112,7 @@ def _finished(cluster: Cluster, namespace: str, name: str, run: str, timeout: fl
 
 def _summary(namespace: str, run: str, endpoint: str) -> AuditSummary:
     """A run's summary, read from the store as the operator reads it."""
-    store = Store(f"s3://{BUCKET}/{namespace}", store_options({**CREDENTIALS,
+    store = Store(f"s3://{BUCKET}/{namespace}", store_options({**s3server.CREDENTIALS,
                   "AWS_ENDPOINT_URL": endpoint}))  # fmt: skip
     return AuditSummary.model_validate(store.read_json(f"audit/runs/{run}/summary.json"))
 
@@ -271,7 +240,7 @@ def test_the_spark_application_launcher_follows_the_spark_operator_states(
     # COMPLETED; the operator reads the verdict from the store.
     run = _request_audit(cluster, namespace, name, "spark-2")
     _spark_state(cluster, namespace, run, "RUNNING")
-    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": s3_endpoint}
+    env = {**os.environ, **s3server.CREDENTIALS, "AWS_ENDPOINT_URL": s3_endpoint}
     driver = subprocess.run(
         [sys.executable, "-m", "twinmq.cli.audit", "audit", *app["spec"]["arguments"][:2],
          "--run-id", run, "--master", "local[1]", "--conf", "spark.driver.memory=1g"],

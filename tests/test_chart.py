@@ -41,6 +41,8 @@ OPERATOR_RULES: set[Rule] = {
     ("coordination.k8s.io", "leases", ("create", "get", "patch", "update")),
     ("rbac.authorization.k8s.io", "roles", ("create",)),
     ("rbac.authorization.k8s.io", "rolebindings", ("create",)),
+    ("batch", "jobs", ("create", "delete", "get", "list")),
+    ("sparkoperator.k8s.io", "sparkapplications", ("create", "delete", "get", "list")),
 }
 # kopf's CRD watch: cluster-wide mode only (namespace mode disables kopf's scanning).
 CLUSTER_ONLY_RULES: set[Rule] = {
