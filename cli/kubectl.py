@@ -226,12 +226,20 @@ def outcome(
         return False, f"{broker} is {'fenced' if fenced else 'not fenced'}" + (
             f": {said}" if said else ""
         )
+    if said:  # the operator refused the request (audits not enabled)
+        return False, said
     last = status.get("lastAudit") or {}
     verdict = last.get("verdict", "unknown")
     detail = f"audit {verdict}" + (f" (run {last['run']})" if last.get("run") else "")
     if last.get("message"):
         detail += f": {last['message']}"
-    return verdict in ("PASS", "RUNNING"), detail
+    return verdict == "PASS", detail
+
+
+def audit_running(cluster: Mapping[str, Any]) -> bool:
+    """Whether the last audit run is still going (a requested run is waited for)."""
+    last = (cluster.get("status") or {}).get("lastAudit") or {}
+    return bool(last.get("verdict") == "RUNNING")
 
 
 # -- the status table (pure) --------------------------------------------------------------
@@ -568,11 +576,20 @@ def cmd_request(
     deadline = clock() + timeout
     while True:
         cluster = kube.get(namespace, args.cluster)
-        if handled(cluster, command, request_id):
+        # An audit request is handled when its run starts; its verdict comes when it ends.
+        if handled(cluster, command, request_id) and not (
+            command == "audit" and audit_running(cluster)
+        ):
             break
         if clock() >= deadline:
             err.write(
-                f"timed out after {timeout:g}s waiting for the operator to handle {request_id} "
+                f"timed out after {timeout:g}s waiting for the operator to handle {request_id}"
+                + (
+                    " (the audit run is still going)"
+                    if handled(cluster, command, request_id)
+                    else ""
+                )
+                + " "
                 "(is the operator running and watching this namespace? the request stays "
                 "declared and will be handled once)\n"
             )

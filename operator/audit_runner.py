@@ -158,8 +158,8 @@ class AuditRunner:
         if plan.handled_request is not None:
             new.handled_requests.audit = plan.handled_request
         if plan.refused_request:
-            self._event("AuditNotEnabled", "an audit was requested but spec.audit.enabled is "
-                        "false: nothing ran", warning=True)  # fmt: skip
+            self._event("AuditNotEnabled", f"audit request {plan.handled_request}: "
+                        "spec.audit.enabled is false, nothing ran", warning=True)  # fmt: skip
         if last is not None and (plan.finish is not None or plan.timed_out):
             self._finish(last, plan.finish, run_obj, now)
         if plan.launch is not None:

@@ -157,6 +157,11 @@ def test_outcomes() -> None:
     assert outcome(fenced, "unfence", "primary", "f")[0] is False
     audited = cluster_obj(lastAudit={"verdict": "FAIL", "run": "r1", "message": "2 lost"})
     assert outcome(audited, "audit", None, "a") == (False, "audit FAIL (run r1): 2 lost")
+    passed = cluster_obj(lastAudit={"verdict": "PASS", "run": "r2"})
+    assert outcome(passed, "audit", None, "a") == (True, "audit PASS (run r2)")
+    refused = {"reason": "AuditNotEnabled", "message": "audit request a: spec.audit.enabled is "
+               "false, nothing ran"}  # fmt: skip
+    assert outcome(passed, "audit", None, "a", [refused])[0] is False
 
 
 # -- the table ---------------------------------------------------------------------------
@@ -299,6 +304,33 @@ def test_wait_times_out_when_no_operator_handles_the_request() -> None:
     code, _, err = run(kube, ["recover", "orders", "--wait", "--timeout", "5"])
     assert code == EXIT_TIMEOUT
     assert "timed out after 5s waiting for the operator" in err
+
+
+class AuditingOperator:
+    """A fake operator: starts a requested run, and ends it (PASS) three reads later."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __call__(self, obj: Obj) -> None:
+        request = obj.get("spec", {}).get("requests", {}).get("audit")
+        status = obj["status"]
+        if request and status.get("handledRequests", {}).get("audit") != request["id"]:
+            status.setdefault("handledRequests", {})["audit"] = request["id"]
+            status["lastAudit"] = {"verdict": "RUNNING", "run": "orders-audit-1"}
+        elif status.get("lastAudit", {}).get("verdict") == "RUNNING":
+            self.reads += 1
+            if self.reads == 3:
+                status["lastAudit"] = {"verdict": "PASS", "run": "orders-audit-1",
+                                       "message": "300 messages audited"}  # fmt: skip
+
+
+def test_audit_and_wait_waits_for_the_run_to_end_and_prints_the_verdict() -> None:
+    operator = AuditingOperator()
+    code, out, err = run(FakeKube(cluster_obj(), operator), ["audit", "orders", "--wait"])
+    assert (code, err) == (EXIT_OK, "")
+    assert operator.reads == 3
+    assert "done: audit PASS (run orders-audit-1): 300 messages audited" in out
 
 
 def test_promote_warns_about_an_unready_target_and_a_replaced_request() -> None:
