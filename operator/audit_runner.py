@@ -176,9 +176,33 @@ class AuditRunner:
         except ResourceNotFoundError:  # the SparkApplication CRD went away
             return None
 
+    def _runs(self, launcher: Launcher) -> list[Obj]:
+        """This cluster's runs of one launcher, newest first ([] without its API)."""
+        selector = f"{LABEL_CLUSTER}={self.cluster.name},{audit_builders.LABEL_RUN}"
+        try:
+            runs = self.kube.list(
+                launcher.api_version, launcher.kind, self.cluster.namespace, selector
+            )
+        except ResourceNotFoundError:
+            return []
+        return sorted(runs, key=lambda r: str(r["metadata"]["name"]), reverse=True)  # by time
+
     def _launch(self, reason: str, now: datetime) -> None:
         spec, cluster = self.spec, self.cluster
         launcher = LAUNCHERS[spec.audit.launcher]
+        # A run created by an operator that died before recording it is adopted, never
+        # doubled: two runs must not write one store at once.
+        orphan = next((r for r in self._runs(launcher) if launcher.phase(r) == "running"), None)
+        if orphan is not None:
+            meta = orphan["metadata"]
+            self.new.last_audit = AuditResult(
+                time=meta.get("creationTimestamp") or iso(now), verdict="RUNNING",
+                run=meta["name"], launcher=spec.audit.launcher,
+                reason=(meta.get("annotations") or {}).get(audit_builders.ANNOTATION_REASON, ""),
+            )  # fmt: skip
+            log.info("%s/%s: following the unrecorded run %s", cluster.namespace,
+                     cluster.name, meta["name"])  # fmt: skip
+            return
         name = audit_builders.run_name(cluster, now)
         running = AuditResult(
             time=iso(now), verdict="RUNNING", run=name, reason=reason,
@@ -236,17 +260,10 @@ class AuditRunner:
     def _clean_up(self, keep: str) -> None:
         """Delete finished runs beyond the history limit (oldest first)."""
         launcher = LAUNCHERS[self.spec.audit.launcher]
-        selector = f"{LABEL_CLUSTER}={self.cluster.name},{audit_builders.LABEL_RUN}"
-        try:
-            runs = self.kube.list(
-                launcher.api_version, launcher.kind, self.cluster.namespace, selector
-            )
-        except ResourceNotFoundError:
-            return
         finished = [
-            r for r in runs if r["metadata"]["name"] == keep or launcher.phase(r) != "running"
-        ]
-        finished.sort(key=lambda r: r["metadata"]["name"], reverse=True)  # names sort by time
+            r for r in self._runs(launcher)
+            if r["metadata"]["name"] == keep or launcher.phase(r) != "running"
+        ]  # fmt: skip
         for old in finished[self.spec.audit.history_limit :]:
             self.kube.delete(
                 launcher.api_version, launcher.kind, self.cluster.namespace,

@@ -34,9 +34,12 @@ from twinmq.operator.builders import ClusterRef, build_pod
 from twinmq.operator.models import (
     Audit,
     AuditProgress,
+    AuditRequest,
     AuditResult,
     BrokerClusterSpec,
+    BrokerClusterStatus,
     FailoverRecord,
+    Requests,
 )
 
 T0 = datetime(2026, 11, 22, 10, 0, 30, tzinfo=UTC)
@@ -282,3 +285,96 @@ def test_store_credentials_become_s3fs_options() -> None:
         "client_kwargs": {"endpoint_url": "http://10.96.0.20:5000", "region_name": "eu-west-1"},
     }  # fmt: skip
     assert store_options({}) == {}
+
+
+# -- the runner against an in-memory API (the real one: e2e/test_audit_operator.py) ----------
+
+
+class MemoryKube:
+    """The calls `AuditRunner` makes, answered from a dict of objects."""
+
+    def __init__(self, spark_api: bool = True) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.deleted: list[str] = []
+        self.spark_api = spark_api
+
+    def _check(self, kind: str) -> None:
+        from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+        if kind == "SparkApplication" and not self.spark_api:
+            raise ResourceNotFoundError("no sparkoperator.k8s.io/v1beta2")
+
+    def ensure(self, obj: dict[str, Any]) -> bool:
+        self._check(obj["kind"])
+        self.objects[(obj["kind"], obj["metadata"]["name"])] = obj
+        return True
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
+        self._check(kind)
+        return self.objects.get((kind, name))
+
+    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[Any]:
+        self._check(kind)
+        return [o for (k, _), o in self.objects.items() if k == kind]
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self.objects.pop((kind, name), None)
+        self.deleted.append(name)
+
+
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """kopf's Events, recorded instead of posted."""
+    posted: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        "twinmq.operator.audit_runner.kopf.event",
+        lambda body, type, reason, message: posted.append((reason, message)),
+    )
+    return posted
+
+
+def runner(kube: MemoryKube, spec: BrokerClusterSpec, status: Any) -> Any:
+    from twinmq.operator.audit_runner import AuditRunner
+
+    return AuditRunner(kube, CLUSTER, spec, status, body={}, generation=1)  # type: ignore[arg-type]
+
+
+def requested(spec: BrokerClusterSpec, request: str) -> BrokerClusterSpec:
+    return spec.model_copy(update={"requests": Requests(audit=AuditRequest(id=request))})
+
+
+def test_an_unrecorded_running_run_is_adopted_not_doubled(events: list[Any]) -> None:
+    kube = MemoryKube()
+    spec = requested(spec_with(), "r1")
+    orphan = build_audit_job(CLUSTER, spec, "orders-audit-20261122095959", "schedule")
+    orphan["metadata"]["creationTimestamp"] = "2026-11-22T09:59:59Z"
+    kube.ensure(orphan)
+    status = BrokerClusterStatus()
+    runner(kube, spec, status).reconcile(T0, T0)
+    assert len(kube.objects) == 1
+    assert status.last_audit is not None and status.last_audit.run == orphan["metadata"]["name"]
+    assert status.last_audit.verdict == "RUNNING" and status.last_audit.reason == "schedule"
+
+
+def test_a_run_past_its_timeout_is_deleted_and_recorded_as_error(events: list[Any]) -> None:
+    kube = MemoryKube()
+    spec = requested(spec_with(timeoutSeconds=60), "r1")
+    status = BrokerClusterStatus()
+    runner(kube, spec, status).reconcile(T0, T0)
+    assert status.last_audit is not None
+    run = status.last_audit.run
+    assert ("Job", run) in kube.objects and events[-1][0] == "AuditStarted"
+    runner(kube, spec, status).reconcile(T0, T0 + timedelta(seconds=61))
+    assert kube.deleted == [run]
+    assert status.last_audit.verdict == "ERROR" and "timeoutSeconds" in status.last_audit.message
+    assert [c.status for c in status.conditions if c.type == "AuditPassed"] == ["Unknown"]
+    assert events[-1][0] == "AuditError"
+
+
+def test_without_the_spark_operator_a_run_ends_at_once_saying_so(events: list[Any]) -> None:
+    spec = requested(spec_with(launcher="sparkApplication"), "r1")
+    status = BrokerClusterStatus()
+    runner(MemoryKube(spark_api=False), spec, status).reconcile(T0, T0)
+    assert status.last_audit is not None and status.last_audit.verdict == "ERROR"
+    assert "install the Kubeflow Spark Operator" in status.last_audit.message
+    assert status.handled_requests.audit == "r1"
