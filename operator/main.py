@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -178,8 +178,11 @@ def apply(
     token: str,
     body: Any,
     memory: Memory,
+    views: dict[BrokerName, BrokerView],
 ) -> BrokerClusterStatus:
-    """Apply the actions in order; return the new status."""
+    """Apply the actions in order; return the new status. A role change a broker
+    acknowledged is written into `views` too, so the status reports the brokers as they
+    are now, consistent with the active broker and epoch it records."""
     k = kube()
     new = status.model_copy(deep=True)
 
@@ -198,6 +201,10 @@ def apply(
                 break
             try:
                 admin_call(target_ip, token, "/role", request)
+                views[action.broker] = memory.last_view[action.broker] = replace(
+                    views[action.broker], role=action.role, epoch=action.epoch,
+                    ready=views[action.broker].ready and action.role == "passive",
+                )  # fmt: skip
                 log.info(
                     "%s/%s: %s is now %s in epoch %d",
                     cluster.namespace,
@@ -388,7 +395,7 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
         memory.trouble_since = None
     elif memory.trouble_since is None:
         memory.trouble_since = time.time()
-    new = apply(decision, cluster, spec, status, pods, token, body, memory)
+    new = apply(decision, cluster, spec, status, pods, token, body, memory, views)
     new.brokers = [
         BrokerStatus(
             name=n, pod=pod_name(cluster, n), role=v.role if v.reachable else "unknown",
