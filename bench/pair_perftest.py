@@ -532,27 +532,8 @@ def render(
     failovers: list[Failover],
     members: str,
 ) -> str:
-    out: list[str] = []
+    out: list[str] = rp.report_header(meta)
     w = out.append
-    w(f"Run on {meta['date']}; machine: {meta['machine']}.")
-    w("")
-    w("Command:")
-    w("")
-    w("```")
-    w(meta["command"])
-    w("```")
-    w("")
-    w(
-        f"Versions: TwinMQ {meta['twinmq']}, git {meta['git']}; RabbitMQ {meta['rabbitmq']}, "
-        f"Debian package {meta['rabbitmq_deb']}; PerfTest {meta['perftest']}; {meta['java']}; "
-        f"Python {meta['python']}."
-    )
-    w("")
-    w(
-        f"Machine load (/proc/loadavg 1/5/15-min) at the start: {meta['load_start']}; "
-        f"at the end: {meta['load_end']}."
-    )
-    w("")
     w("### Throughput, confirm latency, replication lag")
     w("")
     w(

@@ -631,6 +631,20 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
+def report_header(meta: dict[str, str]) -> list[str]:
+    """The lines every generated benchmark section starts with: when, the command, the
+    versions, the machine's load."""
+    return [
+        f"Run on {meta['date']}; machine: {meta['machine']}.", "",
+        "Command:", "", "```", meta["command"], "```", "",
+        f"Versions: TwinMQ {meta['twinmq']}, git {meta['git']}; RabbitMQ {meta['rabbitmq']}, "
+        f"Debian package {meta['rabbitmq_deb']}; "
+        f"PerfTest {meta['perftest']}; {meta['java']}; Python {meta['python']}.", "",
+        f"Machine load (/proc/loadavg 1/5/15-min) at the start: {meta['load_start']}; "
+        f"at the end: {meta['load_end']}.", "",
+    ]  # fmt: skip
+
+
 def render(
     results: list[Result],
     memory: list[Memory],
@@ -639,25 +653,8 @@ def render(
     opts: argparse.Namespace,
 ) -> str:
     """The generated section of docs/benchmarks.md (also printed)."""
-    out: list[str] = []
+    out: list[str] = report_header(meta)
     w = out.append
-    w(f"Run on {meta['date']}; machine: {meta['machine']}.")
-    w("")
-    w("Command:")
-    w("")
-    w("```")
-    w(meta["command"])
-    w("```")
-    w("")
-    w(
-        f"Versions: TwinMQ {meta['twinmq']}, git {meta['git']}; RabbitMQ {meta['rabbitmq']}, "
-        f"Debian package {meta['rabbitmq_deb']}; "
-        f"PerfTest {meta['perftest']}; {meta['java']}; Python {meta['python']}."
-    )
-    w("")
-    w(f"Machine load (1/5/15-min) at the start: {meta['load_start']}; at the end: "
-      f"{meta['load_end']}.")  # fmt: skip
-    w("")
     by = {(r.case, r.broker): r for r in results}
     w("### Throughput and latency")
     w("")
