@@ -3,8 +3,11 @@
 Written as batches complete (the group committer calls `batch_complete`), so
 a `confirmed` record means what the publisher was told. Segments are named
 `<broker>-e<epoch>-<seq>.jsonl`; the one being written ends in `.open` and is
-renamed when closed, so a shipper only ever picks up complete segments. Not
-fsynced: a crash may lose the last second of records, never invent one.
+renamed when closed, so a shipper only ever picks up complete segments. The
+group committer flushes the records of completed batches to the OS before their
+confirms go out, so a broker killed with kill -9 keeps the record of everything
+it confirmed. Not fsynced: a power loss may lose the last records (the journal's
+fdatasync does not cover them), never invent one.
 """
 
 from __future__ import annotations

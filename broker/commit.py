@@ -150,10 +150,16 @@ class GroupCommitter:
             return
         self.complete_batch = max(self.complete_batch, complete)
         audited = self._audit_batches
+        recorded = False
         while audited and audited[0][0] <= complete:
             _, ops = audited.popleft()
             if self.audit is not None and not failed:
                 self.audit.batch_complete(ops, self.guarded)
+                recorded = True
+        if recorded and self.audit is not None:
+            # The confirm records reach the OS before the confirms go out: a broker killed
+            # right after confirming still shows the audit what it confirmed.
+            self.audit.flush()
         for waiter in list(self._waiters):
             try:
                 waiting = waiter.durable(complete, failed)

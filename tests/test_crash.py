@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from aio_pika.abc import AbstractChannel
 from queues import drain as _drain
 
+from twinmq.broker.auditlog import body_digest
 from twinmq.broker.launcher import BrokerProcess
 
 QUEUE = "crash.q"
@@ -78,6 +80,22 @@ def test_confirmed_messages_survive_kill_9(tmp_path: Path) -> None:
     assert not lost, f"{len(lost)} confirmed messages lost"
     assert len(received) == len(set(received)), "a message was recovered twice"
     assert set(received) <= set(range(sent)), "recovered a message nobody sent"
+
+
+def test_the_audit_log_holds_every_confirm_sent_before_a_kill_9(tmp_path: Path) -> None:
+    """The audit's proof needs the confirm records of what a killed broker confirmed: they
+    reach the OS before the confirms go out (page cache survives kill -9)."""
+    data = tmp_path / "data"
+    broker = BrokerProcess(data, name="crash").start()
+    confirmed, _ = asyncio.run(_publish_until_killed(broker, kill_after=300))
+    recorded = set()
+    for path in (data / "audit").glob("crash-e*.jsonl*"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record["event"] in ("confirmed", "confirmed-alone"):
+                recorded.add(record["digest"])
+    missing = sorted(n for n in confirmed if body_digest(str(n).encode()) not in recorded)
+    assert not missing, f"{len(missing)} of {len(confirmed)} confirms have no audit record"
 
 
 @pytest.mark.slow
