@@ -121,6 +121,25 @@ class AuditRunner:
         self.kube, self.cluster, self.spec, self.new = kube, cluster, spec, new
         self.body, self.generation = body, generation
 
+    def reconcile_guarded(
+        self, created: datetime, now: datetime, last_error: str | None
+    ) -> str | None:
+        """`reconcile`, but an audit problem (a missing Secret, a store that refuses the
+        credentials, an API the operator may not use) never holds up the failover work
+        of the same reconcile: it is logged and posted as a Warning when it first appears
+        (not every second), and returned, so the caller can tell when it changes."""
+        try:
+            self.reconcile(created, now)
+        except Exception as exc:  # any failure here must stay here
+            error = f"{type(exc).__name__}: {exc}"[:500]
+            if error != last_error:
+                log.exception("%s/%s: audit work failed", self.cluster.namespace,
+                              self.cluster.name)  # fmt: skip
+                self._event("AuditProblem", f"audit work failed (retried every reconcile): "
+                            f"{error}", warning=True)  # fmt: skip
+            return error
+        return None
+
     def reconcile(self, created: datetime, now: datetime) -> None:
         """Observe, plan, apply."""
         new, spec = self.new, self.spec

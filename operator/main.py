@@ -74,6 +74,7 @@ class Memory:
     last_probe: float = 0.0
     trouble_since: float | None = None
     last_degraded: str | None = None
+    audit_error: str | None = None
 
 
 MEMORY: dict[str, Memory] = {}
@@ -408,7 +409,9 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
     new.conditions = conditions(decision, new, views, generation)
     new.observed_generation = generation
     created = parse_iso(meta.get("creationTimestamp") or now_iso())
-    AuditRunner(k, cluster, spec, new, body, generation).reconcile(created, datetime.now(UTC))
+    memory.audit_error = AuditRunner(k, cluster, spec, new, body, generation).reconcile_guarded(
+        created, datetime.now(UTC), memory.audit_error
+    )
     new.phase = (
         "FailingOver" if decision.failing_over else "Pending" if new.epoch == 0
         else "Degraded" if decision.degraded else "Ready"

@@ -378,3 +378,22 @@ def test_without_the_spark_operator_a_run_ends_at_once_saying_so(events: list[An
     assert status.last_audit is not None and status.last_audit.verdict == "ERROR"
     assert "install the Kubeflow Spark Operator" in status.last_audit.message
     assert status.handled_requests.audit == "r1"
+
+
+def test_an_audit_problem_never_escapes_and_is_posted_once(events: list[Any]) -> None:
+    class NoSecret(MemoryKube):
+        def get_secret_data(self, namespace: str, name: str) -> dict[str, str]:
+            raise RuntimeError(f'secrets "{name}" not found')
+
+    kube = NoSecret()
+    spec = requested(spec_with(), "r1")
+    status = BrokerClusterStatus()
+    runner(kube, spec, status).reconcile(T0, T0)
+    job = kube.objects[("Job", status.last_audit.run if status.last_audit else "")]
+    job["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    first = runner(kube, spec, status).reconcile_guarded(T0, T0, None)
+    assert first is not None and 'secrets "s3" not found' in first
+    again = runner(kube, spec, status).reconcile_guarded(T0, T0, first)
+    assert again == first
+    assert [reason for reason, _ in events].count("AuditProblem") == 1
+    assert status.last_audit is not None and status.last_audit.verdict == "RUNNING"  # retried
