@@ -136,7 +136,6 @@ def build_spark_application(
             "arguments": audit_args(spec, name),
             "sparkVersion": SPARK_VERSION,
             "restartPolicy": {"type": "Never"},
-            "sparkConf": {"spark.sql.session.timeZone": "UTC"},
             "driver": driver,
             "executor": executor,
         },
