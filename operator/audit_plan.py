@@ -23,6 +23,8 @@ from twinmq.operator.models import (
     AuditVerdict,
     Condition,
     FailoverRecord,
+    iso,
+    parse_iso,
 )
 
 RunPhase = Literal["running", "succeeded", "failed", "missing"]
@@ -36,16 +38,6 @@ TERMINAL_SPARK_STATES = {
 }
 """SparkApplication `status.applicationState.state` values after which the operator
 (Spark Operator) never runs the application again (restartPolicy Never)."""
-
-
-def iso(moment: datetime) -> str:
-    """Status timestamps (UTC, seconds)."""
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_iso(value: str) -> datetime:
-    """A status timestamp back to an aware datetime."""
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
 @dataclass(frozen=True)

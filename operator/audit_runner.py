@@ -25,9 +25,7 @@ from twinmq.operator.audit_plan import (
     AuditObservation,
     RunPhase,
     audit_condition,
-    iso,
     job_phase,
-    parse_iso,
     plan_audit,
     result_error,
     result_of_summary,
@@ -35,7 +33,13 @@ from twinmq.operator.audit_plan import (
 )
 from twinmq.operator.builders import LABEL_CLUSTER, ClusterRef, Obj
 from twinmq.operator.kube import Kube
-from twinmq.operator.models import AuditResult, BrokerClusterSpec, BrokerClusterStatus
+from twinmq.operator.models import (
+    AuditResult,
+    BrokerClusterSpec,
+    BrokerClusterStatus,
+    iso,
+    parse_iso,
+)
 
 log = logging.getLogger(__name__)
 

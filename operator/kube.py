@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -16,6 +17,17 @@ from kubernetes.dynamic import DynamicClient
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
+T = TypeVar("T")
+
+
+def absent_as_none(call: Callable[[], T]) -> T | None:
+    """The result of an API read, or None when the object does not exist (404)."""
+    try:
+        return call()
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 class Kube:
@@ -48,13 +60,8 @@ class Kube:
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
         """Any namespaced object as a dict, or None."""
         resource = self.dynamic.resources.get(api_version=api_version, kind=kind)
-        try:
-            found: Obj = resource.get(name=name, namespace=namespace).to_dict()
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return found
+        found = absent_as_none(lambda: resource.get(name=name, namespace=namespace))
+        return None if found is None else dict(found.to_dict())
 
     def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[Obj]:
         """The namespaced objects of a kind matching a label selector."""
@@ -67,23 +74,15 @@ class Kube:
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         """Delete an object and, in the background, what it owns (a Job's pods)."""
         resource = self.dynamic.resources.get(api_version=api_version, kind=kind)
-        try:
-            resource.delete(name=name, namespace=namespace, propagation_policy="Background")
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+        absent_as_none(
+            lambda: resource.delete(name=name, namespace=namespace, propagation_policy="Background")
+        )
         log.info("deleted %s %s/%s", kind, namespace, name)
 
     def get_pod(self, namespace: str, name: str) -> Obj | None:
         """A pod as a dict, or None."""
-        try:
-            pod = self.core.read_namespaced_pod(name, namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        result: Obj = self.api.sanitize_for_serialization(pod)
-        return result
+        pod = absent_as_none(lambda: self.core.read_namespaced_pod(name, namespace))
+        return None if pod is None else dict(self.api.sanitize_for_serialization(pod))
 
     def get_secret_data(self, namespace: str, name: str) -> dict[str, str]:
         """A Secret's data, decoded."""
@@ -98,14 +97,8 @@ class Kube:
 
     def get_lease(self, namespace: str, name: str) -> Obj | None:
         """A Lease as a dict, or None."""
-        try:
-            lease = self.coordination.read_namespaced_lease(name, namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        result: Obj = self.api.sanitize_for_serialization(lease)
-        return result
+        lease = absent_as_none(lambda: self.coordination.read_namespaced_lease(name, namespace))
+        return None if lease is None else dict(self.api.sanitize_for_serialization(lease))
 
     def put_lease(self, lease: Obj) -> None:
         """Create or replace the Lease (the operator hands it to the broker it activates)."""

@@ -26,7 +26,6 @@ import kopf
 from prometheus_client import start_http_server
 
 from twinmq.operator import builders, metrics
-from twinmq.operator.audit_plan import parse_iso
 from twinmq.operator.audit_runner import AuditRunner
 from twinmq.operator.builders import ClusterRef, pod_name
 from twinmq.operator.failover import (
@@ -53,6 +52,8 @@ from twinmq.operator.models import (
     Condition,
     FailoverRecord,
     SwitchoverProgress,
+    iso,
+    parse_iso,
 )
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ PROBE_TIMEOUT = 1.0
 
 def now_iso() -> str:
     """Status timestamps."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return iso(datetime.now(UTC))
 
 
 @dataclass
@@ -164,7 +165,7 @@ def lease_state(cluster: ClusterRef) -> tuple[BrokerName | None, bool]:
     duration = float(lspec.get("leaseDurationSeconds") or 0)
     expired = True
     if renew:
-        renewed = datetime.fromisoformat(renew.replace("Z", "+00:00")).timestamp()
+        renewed = parse_iso(renew).timestamp()
         expired = time.time() > renewed + duration
     broker = next((n for n in NAMES if pod_name(cluster, n) == holder), None)
     return broker, expired

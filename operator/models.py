@@ -7,6 +7,7 @@ included, and a test keeps the committed YAML equal to the generated one.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,6 +20,16 @@ PLURAL = "brokerclusters"
 
 BrokerName = Literal["primary", "backup"]
 DEFAULT_IMAGE = "twinmq/twinmq:0.1.0"
+
+
+def iso(moment: datetime) -> str:
+    """A status timestamp (RFC 3339, UTC, seconds) of an aware datetime."""
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_iso(value: str) -> datetime:
+    """A Kubernetes timestamp (status, metadata, Lease) as an aware datetime."""
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
 def cel(rule: str, message: str) -> dict[str, Any]:

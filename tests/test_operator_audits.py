@@ -22,7 +22,6 @@ from twinmq.operator.audit_plan import (
     AuditObservation,
     audit_condition,
     failover_settle_seconds,
-    iso,
     job_phase,
     plan_audit,
     result_error,
@@ -40,6 +39,7 @@ from twinmq.operator.models import (
     BrokerClusterStatus,
     FailoverRecord,
     Requests,
+    iso,
 )
 
 T0 = datetime(2026, 11, 22, 10, 0, 30, tzinfo=UTC)
