@@ -22,6 +22,7 @@ that order; "A returned before B began" is `A.exit < B.entry`.
 from __future__ import annotations
 
 import bisect
+import posixpath
 import re
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -36,13 +37,15 @@ WRITES = frozenset(
 )
 READS = frozenset({"read", "readv", "pread64", "preadv", "recv", "recvfrom", "recvmsg"})
 SYNCS = frozenset({"fdatasync", "fsync"})
+# Positional writes: which argument is the file offset.
+_POSITIONAL = {"pwrite64": -1, "pwritev": -1, "pwritev2": -2}
 # Calls whose data is a list of iovecs (`iov_base="..."`), not one buffer argument.
 _IOV_CALLS = frozenset({"writev", "pwritev", "pwritev2", "sendmsg", "readv", "preadv", "recvmsg"})
 
 _LINE = re.compile(r"(?P<tid>\d+)\s+(?:(?P<time>\d\d:\d\d:\d\d(?:\.\d+)?)\s+)?(?P<rest>.*)")
 _CALL = re.compile(r"(?P<name>\w+)\((?P<rest>.*)")
 _RESUMED = re.compile(r"<\.\.\. (?P<name>\w+) resumed>(?P<rest>.*)")
-_UNFINISHED = "<unfinished ...>"
+_UNFINISHED = ("<unfinished ...>", "<detached ...>")  # a call's entry, its exit not yet seen
 _FD = re.compile(r"\s*(?P<fd>-?\d+)(?:<(?P<target>(?:->|\\.|[^>\\])*)>)?")
 _TCP = re.compile(r"TCP6?:\[(?P<local>.+):(?P<lport>\d+)->(?P<remote>.+):(?P<rport>\d+)\]")
 _ESCAPES = {"n": 10, "t": 9, "r": 13, "v": 11, "f": 12, "a": 7, "b": 8, "e": 27}
@@ -64,6 +67,7 @@ class Syscall:
     data: bytes  # the buffer(s): offered (writes) or received (reads); iovecs joined
     truncated: bool  # strace printed only the first -s bytes of `data`
     result: int | None  # None: no exit seen (the trace ended, or `= ?`)
+    offset: int | None  # where a positional write (pwrite64, pwritev) wrote
     entry: int
     exit: int | None
     line: int  # 1-based line of the entry, for messages
@@ -156,6 +160,28 @@ def _split_result(text: str) -> tuple[str, int | None]:
     raise TraceError(f"unbalanced argument list {text[:80]!r}")
 
 
+def _top_level(args: str) -> list[str]:
+    """An argument list split at its top-level commas (not inside strings or brackets)."""
+    parts: list[str] = []
+    depth, start, i, n = 0, 0, 0, len(args)
+    while i < n:
+        c = args[i]
+        if c == '"':
+            i += 1
+            while i < n and args[i] != '"':
+                i += 2 if args[i] == "\\" else 1
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(args[start:i].strip())
+            start = i + 1
+        i += 1
+    parts.append(args[start:].strip())
+    return parts
+
+
 def _call(tid: int, time: str, text: str, entry: int, exit: int | None, line: int) -> Syscall:
     m = _CALL.fullmatch(text)
     if m is None:
@@ -179,7 +205,11 @@ def _call(tid: int, time: str, text: str, entry: int, exit: int | None, line: in
             strings = strings[:1]
         data = b"".join(s[1] for s in strings)
         truncated = any(s[2] for s in strings)
-    return Syscall(tid, time, name, fd, target, data, truncated, result, entry, exit, line)
+    offset = None
+    if name in _POSITIONAL and exit is not None:
+        parts = _top_level(args)
+        offset = int(parts[_POSITIONAL[name]], 0)
+    return Syscall(tid, time, name, fd, target, data, truncated, result, offset, entry, exit, line)
 
 
 def parse(lines: Iterable[str]) -> list[Syscall]:
@@ -208,7 +238,7 @@ def parse(lines: Iterable[str]) -> list[Syscall]:
             calls.append(_call(tid, t0, head + resumed["rest"], entry, pos, line))
             pos += 1
         elif rest.endswith(_UNFINISHED):
-            pending[tid] = (time, rest[: -len(_UNFINISHED)].rstrip(), pos, number)
+            pending[tid] = (time, rest[: rest.rindex("<")].rstrip(), pos, number)
             pos += 1
         else:
             calls.append(_call(tid, time, rest, pos, pos + 1, number))
@@ -353,14 +383,6 @@ def ack_fields(frame: Frame) -> tuple[int, bool]:
 # -- durability ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Durable:
-    """A journal write and the completed sync of its file that made it durable."""
-
-    write: Syscall
-    sync: Syscall
-
-
 def is_journal_write(call: Syscall) -> bool:
     """A successful write to a journal segment (`*.seg`)."""
     return (
@@ -371,29 +393,51 @@ def is_journal_write(call: Syscall) -> bool:
     )
 
 
-def durable_before(calls: Sequence[Syscall], needle: bytes, before: int) -> Durable | None:
-    """A journal write holding `needle` whose fdatasync/fsync returned 0 before event `before`.
+def _synced(calls: Sequence[Syscall], write: Syscall, path: str, before: int) -> Syscall | None:
+    """A sync of `path` (0 returned) that began after `write` returned and returned before
+    `before`; for the written file itself, through the same fd."""
+    assert write.exit is not None
+    for sync in calls:
+        if (
+            sync.name in SYNCS
+            and sync.target == path
+            and (path != write.target or sync.fd == write.fd)
+            and sync.entry > write.exit
+            and sync.exit is not None
+            and sync.exit < before
+            and sync.result == 0
+        ):
+            return sync
+    return None
 
-    The sync must be of the same file (fd and path), begin after the write
-    returned and return before `before` (a position in the trace).
+
+def durability_problem(calls: Sequence[Syscall], needle: bytes, before: int) -> str | None:
+    """Why `needle` was not durable in the journal at event `before` (None: it was).
+
+    Durable means: a journal segment write holding `needle` returned, then an
+    fdatasync or fsync of that file began and returned 0, all before `before`
+    (a position in the trace); and when that write began a segment (offset 0:
+    the file is new), an fsync of the journal directory also began after it
+    and returned 0 before `before`, so the file's name survives a power loss.
     """
+    directory_problem = None
     for write in calls:
         if write.exit is None or write.exit >= before or not is_journal_write(write):
             continue
-        if needle not in write.transferred:
+        if needle not in write.transferred or _synced(calls, write, write.target, before) is None:
             continue
-        for sync in calls:
-            if (
-                sync.name in SYNCS
-                and sync.fd == write.fd
-                and sync.target == write.target
-                and sync.entry > write.exit
-                and sync.exit is not None
-                and sync.exit < before
-                and sync.result == 0
-            ):
-                return Durable(write, sync)
-    return None
+        if write.offset != 0:
+            return None
+        directory = posixpath.dirname(write.target)
+        if _synced(calls, write, directory, before) is not None:
+            return None
+        directory_problem = (
+            f"its write began {posixpath.basename(write.target)} and no fsync of "
+            f"{directory} had returned before it"
+        )
+    return directory_problem or (
+        "no journal write holding it was made durable by a completed fdatasync before it"
+    )
 
 
 # -- the checks: each returns what is wrong (empty: the order holds) -----------------------------
@@ -441,11 +485,8 @@ def _check_completion(
     problems: list[str] = []
     before = completion.first.entry
     for body in bodies:
-        if durable_before(calls, body, before) is None:
-            problems.append(
-                f"{what} ({completion.first}) for {body!r}: no journal write holding it "
-                "was made durable by a completed fdatasync before it"
-            )
+        if why := durability_problem(calls, body, before):
+            problems.append(f"{what} ({completion.first}) for {body!r}: {why}")
         if link is not None and (why := _acked_by_passive(calls, link, body, before)):
             problems.append(f"{what} ({completion.first}) for {body!r}: {why}")
     return problems
@@ -549,11 +590,8 @@ def check_passive_acks(
             continue
         ack = covering[0]
         for body in carried:
-            if durable_before(calls, body, ack.first.entry) is None:
-                problems.append(
-                    f"ACK of batch {batch} ({ack.first}) for {body!r}: no journal write "
-                    "holding it was made durable by a completed fdatasync before it"
-                )
+            if why := durability_problem(calls, body, ack.first.entry):
+                problems.append(f"ACK of batch {batch} ({ack.first}) for {body!r}: {why}")
     missing = [b for b in bodies if b not in seen]
     if missing:
         problems.append(f"{len(missing)} messages never reached the passive: {missing[:3]}")

@@ -36,6 +36,7 @@ from syscalls import (
     check_commits,
     check_confirms,
     check_passive_acks,
+    is_journal_write,
     parse,
 )
 
@@ -174,6 +175,24 @@ def test_each_tx_commit_ok_follows_a_completed_fdatasync_of_its_transaction(
     with Strace(fresh_broker.proc.pid, tmp_path / "broker.trace") as trace:
         publish_transactions(fresh_broker, "fsync-order-tx", txs)
     problems = check_commits(trace.calls(), amqp_port=fresh_broker.port, transactions=txs)
+    assert not problems, verdict(problems)
+
+
+def test_a_confirm_whose_write_began_a_segment_follows_the_directory_fsync(
+    tmp_path: Path,
+) -> None:
+    # 4 KiB segments and 1 KiB messages: a new segment every few messages; its
+    # name must be durable (the journal directory fsynced) before the confirm.
+    sent = [body + b"." * 1024 for body in bodies("roll", MESSAGES)]
+    args = ["--segment-bytes", "4096"]
+    with BrokerProcess(tmp_path / "data", name="small-segments", extra_args=args) as broker:
+        assert broker.proc is not None
+        with Strace(broker.proc.pid, tmp_path / "broker.trace") as trace:
+            publish_confirmed(broker, "fsync-order-roll", sent)
+    calls = trace.calls()
+    began = [c for c in calls if is_journal_write(c) and c.offset == 0]
+    assert len(began) >= 3, "the messages did not roll the journal over"
+    problems = check_confirms(calls, amqp_port=broker.port, bodies=sent)
     assert not problems, verdict(problems)
 
 

@@ -78,6 +78,7 @@ def test_buffers_are_decoded_with_the_bytes_the_call_really_moved() -> None:
     calls = parse(ACTIVE)
     (pwrite,) = [c for c in calls if c.name == "pwrite64"]
     assert BODY in pwrite.transferred and pwrite.result == len(pwrite.data)
+    assert pwrite.offset == 32  # after the segment header: not a new segment
     confirm = calls[-1]
     assert confirm.ports == (AMQP_PORT, 36684)
     assert confirm.data == bytes.fromhex("0100010000000d003c0050000000000000000100ce")
@@ -208,16 +209,22 @@ def test_a_batch_the_passive_never_acknowledged_is_reported() -> None:
 # -- tx.commit-ok, nacks, multiple acks (written traces) --------------------------------------
 
 SEG = "3</d/journal/00000000000000000001.seg>"
+JOURNAL_DIR = "4</d/journal>"
 CLIENT = "7<TCP:[127.0.0.1:5672->127.0.0.1:40000]>"
 
 
-def pwrite(*bodies: bytes) -> str:
+def pwrite(*bodies: bytes, offset: int = 4096) -> str:
     data = b"".join(b"\x3b\x00\x00\x00record" + b for b in bodies)
-    return f'9  10:00:00.000001 pwrite64({SEG}, "{hexs(data)}", {len(data)}, 0) = {len(data)}'
+    n = len(data)
+    return f'9  10:00:00.000001 pwrite64({SEG}, "{hexs(data)}", {n}, {offset}) = {n}'
 
 
 def fdatasync() -> str:
     return f"9  10:00:00.000002 fdatasync({SEG}) = 0"
+
+
+def fsync_dir() -> str:
+    return f"9  10:00:00.000002 fsync({JOURNAL_DIR}) = 0"
 
 
 def method(class_id: int, method_id: int, args: bytes = b"") -> str:
@@ -267,3 +274,15 @@ def test_a_nack_and_a_missing_confirm_are_reported() -> None:
     nacked, unconfirmed = problems
     assert nacked.startswith("delivery tags [2] nacked at line 4 ")
     assert unconfirmed == "only 2 of 3 messages confirmed in the trace"
+
+
+def test_a_write_that_began_a_segment_also_needs_the_directory_fsync() -> None:
+    # Without it a power loss can take the new file's name, and the record with it.
+    bodies = [b"m-1"]
+    new = pwrite(b"m-1", offset=0)
+    good = [new, fdatasync(), fsync_dir(), ack(1)]
+    assert check_confirms(parse(good), amqp_port=5672, bodies=bodies) == []
+    (problem,) = check_confirms(
+        parse([new, fdatasync(), ack(1), fsync_dir()]), amqp_port=5672, bodies=bodies
+    )
+    assert "began 00000000000000000001.seg and no fsync of /d/journal" in problem
