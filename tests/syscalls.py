@@ -7,7 +7,9 @@ The fsync-order tests (`test_fsync_order.py`) trace real broker processes with
 and ask of the trace what no kill -9 test can show: that the bytes of every
 confirmed message were written to a journal segment and that write was made
 durable by an fdatasync (or fsync) that *returned* before the confirm began to
-leave the process. This module is pure (no strace, no broker): a parser for
+leave the process (and, when that write began a new segment, that an fsync
+of the journal directory had returned too, so the file's name survives a
+power loss). This module is pure (no strace, no broker): a parser for
 that output, a reassembler of the AMQP and replication frames the sockets
 carried, and the checks.
 

@@ -11,6 +11,7 @@ completion began to be written:
 
 - each basic.ack of a publisher confirm, on a single broker;
 - each tx.commit-ok;
+- a write that began a new segment also waits for the journal directory's fsync;
 - in a pair, each confirm and tx.commit-ok of the active also only after it
   read the passive's ACK of the batch carrying the message, and each ACK the
   passive sent only after its own fdatasync of that batch.
