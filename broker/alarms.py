@@ -15,6 +15,7 @@ from pathlib import Path
 
 from twinmq.broker import metrics
 from twinmq.broker.commit import GroupCommitter
+from twinmq.broker.journal import DiskFullError
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,13 @@ class ResourceMonitor:
     def check(self) -> str | None:
         """The current alarm reason, or None."""
         free = shutil.disk_usage(self.data_dir).free
-        if self.committer.failure is not None:
-            # A write failed: stay blocked until there is clearly room again.
+        failure = self.committer.failure
+        if failure is not None:
+            if not isinstance(failure, DiskFullError):
+                # An I/O error leaves the journal refusing every write (as PostgreSQL
+                # after a failed fsync): publishers stay blocked until a restart.
+                return "disk"
+            # A write failed for lack of space: stay blocked until there is clearly room.
             if free > self.disk_free_limit + DISK_FULL_MARGIN:
                 self.committer.failure = None
             else:

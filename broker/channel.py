@@ -102,7 +102,7 @@ class PendingConfirm:
 
     seq: int
     batch: int
-    kind: Literal["ack", "nack", "commit"]
+    kind: Literal["ack", "nack", "commit", "commit-failed"]
     started: float
 
 
@@ -271,6 +271,8 @@ class Channel:
             item = pending.popleft()
             if failed and item.kind == "ack":
                 item.kind = "nack"
+            elif failed and item.kind == "commit":
+                item.kind = "commit-failed"
             done.append(item)
         if done:
             self._emit(done)
@@ -298,8 +300,22 @@ class Channel:
             if item.kind == "nack":
                 send(encode_basic_nack(self.number, item.seq, False))
                 metrics.CONFIRMS.labels("nack").inc()
-            else:
+            elif item.kind == "commit":
                 self.send_method(commands.Tx.CommitOk())
+            else:
+                # Never tx.commit-ok for a transaction that is not on disk: the client
+                # must see that the commit failed (and re-send, perhaps twice).
+                metrics.CONFIRMS.labels("commit-failed").inc()
+                self.connection.channel_error(
+                    self.number,
+                    channel_error(
+                        ReplyCode.INTERNAL_ERROR,
+                        "tx.commit failed: the journal write failed (see the broker log); "
+                        "the transaction is not durable, publish it again",
+                        (90, 20),
+                    ),
+                )
+                return
         if run_len:
             send(encode_basic_ack(self.number, run_end, run_len > 1))
             metrics.CONFIRMS.labels("ack").inc(run_len)
@@ -598,6 +614,7 @@ class Channel:
                 ReplyCode.PRECONDITION_FAILED, "channel is not transactional", (90, 20)
             )
         ops: list[JournalOp] = []
+        keys: list[str] = []
         vhost = self.vhost
         for p in self.tx_publishes:
             exchange = vhost.exchange_for_publish(p.exchange)
@@ -605,6 +622,8 @@ class Channel:
                 exchange, p.routing_key, p.header, p.body, p.info, ops,
                 deduplicate=self.connection.deduplicate,
             )  # fmt: skip
+            if result.dedup_key is not None:
+                keys.append(result.dedup_key)
             if not result.routed and p.mandatory:
                 self._return(p.exchange, p.routing_key, p.header, p.body)
         for action, tag, multiple in self.tx_settles:
@@ -614,6 +633,8 @@ class Channel:
         self.tx_settles.clear()
         # One journal record for the whole transaction: recovered entirely or not at all.
         batch = vhost.committer.add(ops) if ops else vhost.committer.confirm_point()
+        if keys:
+            vhost.remember_when_durable(keys, batch)
         self._add_pending(0, batch, "commit")
 
     def _tx_rollback(self, m: commands.Tx.Rollback) -> None:

@@ -8,6 +8,15 @@ it, so confirms go out in bulk while the next batch is already being filled.
 With a passive broker attached (the replication guard on), a batch is complete
 only once it is durable here *and* acknowledged by the passive (Qpid's delayed
 completion): confirms wait for both disks.
+
+A batch whose write failed (a full disk, an I/O error, a journal that refused the
+append) is *failed*, never complete: its waiters hear `durable(batch, failed=True)`
+and answer with a nack or a channel error. Every batch's own outcome is checked,
+not only the newest one synced: after a full disk, a later, smaller write can
+succeed while an earlier one was rolled back, and that earlier batch must not be
+acknowledged on the strength of the later one. A failed batch needs nothing from
+the passive (it is not confirmed), so it completes as soon as the batches before
+it have.
 """
 
 from __future__ import annotations
@@ -52,7 +61,10 @@ class GroupCommitter:
         self._audit_batches: deque[tuple[int, list[JournalOp]]] = deque()
         self._open: list[JournalOp] = []
         self._open_batch = 1  # the number of the batch being filled
-        self._appended: list[tuple[int, int]] = []  # (batch, lsn) appended, not yet durable
+        # (batch, lsn) appended, not yet known durable; lsn None: the append itself failed
+        self._appended: list[tuple[int, int | None]] = []
+        self._failed_batches: deque[int] = deque()  # failed, not yet told to the waiters
+        self._unaudited: set[int] = set()  # failed batches the audit must not record
         self._flush_scheduled = False
         self._waiters: set[Waiter] = set()
         self._wake = asyncio.Event()
@@ -113,12 +125,21 @@ class GroupCommitter:
         batch = self._open_batch
         self._open_batch += 1
         metrics.COMMIT_BATCH.observe(len(ops))
-        lsn = self.journal.append(ops)
-        self._appended.append((batch, lsn))
         self.last_appended = batch
+        try:
+            lsn: int | None = self.journal.append(ops)
+        except (JournalError, ValueError) as exc:
+            # Never streamed, never written: the batch fails, its waiters hear it.
+            log.error("journal refused batch %d (%s): failing it", batch, exc)
+            if isinstance(exc, JournalError):
+                self.failure = exc
+            lsn = None
+        self._appended.append((batch, lsn))
+        self._wake.set()
+        if lsn is None:
+            return
         if self.audit is not None:
             self._audit_batches.append((batch, ops))
-        self._wake.set()
         if self.on_batch is not None:
             self.on_batch(batch, ops)
 
@@ -134,35 +155,61 @@ class GroupCommitter:
         if on and not self.guarded:
             self.replica_batch = self.complete_batch
         self.guarded = on
-        self._advance(False)
+        self._advance()
 
     def replica_acked(self, batch: int) -> None:
         """The passive has every batch up to `batch` on its disk."""
         if batch > self.replica_batch:
             self.replica_batch = batch
-            self._advance(False)
+            self._advance()
 
-    def _advance(self, failed: bool) -> None:
+    def _advance(self) -> None:
         complete = self.durable_batch
-        if self.guarded and not failed:
+        if self.guarded:
             complete = min(complete, self.replica_batch)
-        if complete <= self.complete_batch and not failed:
+        failed = self._failed_batches
+        # Failed batches wait for no passive: take those right after the frontier.
+        for batch in failed:
+            if batch == complete + 1 and batch <= self.durable_batch:
+                complete = batch
+            elif batch > complete:
+                break
+        if complete <= self.complete_batch:
             return
-        self.complete_batch = max(self.complete_batch, complete)
+        self.complete_batch = complete
+        # The waiters hear the outcomes in batch order: runs of good batches, each
+        # failed batch on its own.
+        outcomes: list[tuple[int, bool]] = []
+        while failed and failed[0] <= complete:
+            batch = failed.popleft()
+            if not outcomes or outcomes[-1][0] < batch - 1:
+                outcomes.append((batch - 1, False))
+            outcomes.append((batch, True))
+        if not outcomes or outcomes[-1][0] < complete:
+            outcomes.append((complete, False))
+        self._record_audit(complete)
+        for upto, batch_failed in outcomes:
+            self._notify(upto, batch_failed)
+
+    def _record_audit(self, complete: int) -> None:
         audited = self._audit_batches
         recorded = False
         while audited and audited[0][0] <= complete:
-            _, ops = audited.popleft()
-            if self.audit is not None and not failed:
+            batch, ops = audited.popleft()
+            if batch in self._unaudited:
+                self._unaudited.discard(batch)  # not confirmed: nothing to record
+            elif self.audit is not None:
                 self.audit.batch_complete(ops, self.guarded)
                 recorded = True
         if recorded and self.audit is not None:
             # The confirm records reach the OS before the confirms go out: a broker killed
             # right after confirming still shows the audit what it confirmed.
             self.audit.flush()
+
+    def _notify(self, batch: int, failed: bool) -> None:
         for waiter in list(self._waiters):
             try:
-                waiting = waiter.durable(complete, failed)
+                waiting = waiter.durable(batch, failed)
             except Exception:
                 # One broken waiter must not end the sync task: every confirm would hang.
                 log.exception("durability waiter %r failed: dropping it", waiter)
@@ -178,19 +225,32 @@ class GroupCommitter:
                 await self._sync_once()
 
     async def _sync_once(self) -> None:
-        batch, lsn = self._appended[-1]
-        failed = False
+        round_ = list(self._appended)  # a copy: _flush appends to the list meanwhile
+        batch, lsn = round_[-1]
+        if lsn is not None:
+            with contextlib.suppress(JournalError):
+                await self.journal.sync(lsn)  # the outcomes are read one by one below
+        # Batches appended while we synced stay for the next round.
+        self._appended = self._appended[len(round_) :]
+        for each, each_lsn in round_:
+            error = await self._outcome(each_lsn)
+            if error is not None:
+                self._failed_batches.append(each)
+                self._unaudited.add(each)
+                self.failure = error
+                if isinstance(error, DiskFullError):
+                    log.error("journal write failed, disk full: batch %d fails", each)
+                else:
+                    log.error("journal write failed (%s): batch %d fails", error, each)
+        self.durable_batch = batch
+        self._advance()
+
+    async def _outcome(self, lsn: int | None) -> JournalError | None:
+        """What became of one appended group (its write is done: this does not wait)."""
+        if lsn is None:
+            return self.failure or JournalError("the journal refused the batch")
         try:
             await self.journal.sync(lsn)
-        except DiskFullError as exc:
-            log.error("journal write failed, disk full: nacking batches up to %d", batch)
-            self.failure = exc
-            failed = True
         except JournalError as exc:
-            log.error("journal write failed (%s): nacking batches up to %d", exc, batch)
-            self.failure = exc
-            failed = True
-        # Batches appended while we synced stay for the next round.
-        self._appended = [(b, n) for b, n in self._appended if b > batch]
-        self.durable_batch = batch
-        self._advance(failed)
+            return exc
+        return None

@@ -480,6 +480,14 @@ class Connection:
 
     # -- errors and closing --------------------------------------------------------------
 
+    def channel_error(self, number: int, exc: AMQPError) -> None:
+        """Close channel `number` (or the connection, for a connection-level error) with `exc`.
+
+        For errors found outside a method handler, e.g. a transaction whose journal
+        write failed after tx.commit was handled.
+        """
+        self._error(number, exc)
+
     def _error(self, number: int, exc: AMQPError) -> None:
         metrics.PROTOCOL_ERRORS.labels(str(int(exc.code))).inc()
         channel = self.channels.get(number)

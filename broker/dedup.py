@@ -10,13 +10,20 @@ from the replication stream, and a snapshot file (rewritten every few
 seconds, and at shutdown) carries it over restarts together with the keys of
 the messages recovered from the journal. The known gap: keys added in the
 last few seconds before a crash whose messages were also consumed since.
+
+A key enters the window only once its message is enqueued *and* durable (its
+group-commit batch complete): a publish that was returned (unroutable), nacked
+(a full queue, a failed write), rolled back or whose transaction failed leaves
+no key, so its re-send is a new message, enqueued and confirmed. A re-send that
+races its original's batch is not dropped either (the original may still fail):
+it is enqueued, a duplicate the audit counts, never a loss.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 
 
@@ -32,6 +39,7 @@ class DedupWindow:
         self.size = size
         self.path = path
         self._ids: OrderedDict[str, None] = OrderedDict()
+        self._pending: deque[tuple[int, str]] = deque()  # (batch, key), batches ascending
         self.dirty = False
         if path is not None and path.exists() and size:
             for message_id in json.loads(path.read_text())[-size:]:
@@ -56,6 +64,30 @@ class DedupWindow:
                 ids.popitem(last=False)
         self.dirty = True
 
+    def add_when_durable(self, key: str, batch: int) -> None:
+        """Remember `key` once batch `batch` is durable (now if 0); never if it fails.
+
+        The caller registers the window as a waiter of group commit (`durable`).
+        """
+        if not self.size:
+            return
+        if batch == 0:
+            self.add(key)
+        else:
+            self._pending.append((batch, key))
+
+    def durable(self, batch: int, failed: bool = False) -> bool:
+        """Batches up to `batch` are complete (or failed): keep or forget their keys.
+
+        Returns whether keys of later batches still wait (group commit's waiter protocol).
+        """
+        pending = self._pending
+        while pending and pending[0][0] <= batch:
+            _, key = pending.popleft()
+            if not failed:
+                self.add(key)
+        return bool(pending)
+
     def snapshot(self) -> list[str]:
         """The ids, oldest first (taken on the loop; written off it)."""
         self.dirty = False
@@ -66,8 +98,12 @@ class DedupWindow:
         if self.path is None:
             return
         tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump(ids, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(ids, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk: do not leave half a file taking space
+            raise

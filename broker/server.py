@@ -412,7 +412,13 @@ class Broker:
     async def _save_dedup(self) -> None:
         dedup = self.vhost.dedup
         if dedup.dirty:
-            await self.loop.run_in_executor(None, dedup.write, dedup.snapshot())
+            try:
+                await self.loop.run_in_executor(None, dedup.write, dedup.snapshot())
+            except OSError as exc:
+                # The old snapshot stays in place; the next round tries again. A lost
+                # snapshot can only let a re-send through (a duplicate), never drop one.
+                dedup.dirty = True
+                log.error("cannot save the dedup window (%s): keeping the previous one", exc)
 
     async def _heartbeats(self) -> None:
         while True:

@@ -11,7 +11,7 @@ import logging
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twinmq.broker import metrics
 from twinmq.broker.codec import (
@@ -33,6 +33,9 @@ from twinmq.broker.journal import JournalOp, Recovered, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.queue import DropReason, Queue
 from twinmq.broker.routing import EXCHANGE_TYPES, Exchange, make_exchange
+
+if TYPE_CHECKING:
+    from twinmq.broker.commit import Waiter
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +97,10 @@ class Committer(Protocol):
         """A durable queue was deleted: its journaled messages are garbage."""
         ...
 
+    def await_durable(self, waiter: Waiter) -> None:
+        """Tell `waiter` as batches complete or fail."""
+        ...
+
 
 @dataclass(slots=True)
 class PublishResult:
@@ -102,6 +109,8 @@ class PublishResult:
     routed: int
     rejected: bool
     batch: int
+    # In a transaction: the dedup key to remember once the commit is durable.
+    dedup_key: str | None = None
 
 
 class VirtualHost:
@@ -524,20 +533,46 @@ class VirtualHost:
         """Route a message into its queues; persistent copies in durable queues are journaled.
 
         With `ops` given (a transaction), journal operations are collected there
-        instead of being committed. Every publish with a message id is remembered in
-        the dedup window; only a `deduplicate` publisher (one that opted in) has its
-        re-sends dropped, so plain clients see RabbitMQ's behaviour.
+        instead of being committed, and the result's `dedup_key` is for the caller to
+        pass to `remember_when_durable` with the commit's batch. Every routed publish
+        with a message id is remembered in the dedup window once durable; only a
+        `deduplicate` publisher (one that opted in) has its re-sends dropped, so plain
+        clients see RabbitMQ's behaviour.
         """
         message_id = info.message_id
+        key = None
         if message_id is not None and self.dedup.size:
             key = dedup_key(exchange.name, routing_key, message_id)
             if deduplicate and key in self.dedup:
-                # A re-send of a message we have: confirm it, do not enqueue it again.
+                # A re-send of a message we have, durably: confirm it, do not enqueue it.
                 metrics.DUPLICATES.inc()
                 return PublishResult(
                     1, False, 0 if ops is not None else self.committer.confirm_point()
                 )
-            self.dedup.add(key)
+        result = self._route(exchange, routing_key, header, body, info, ops)
+        if key is not None and result.routed:
+            if ops is None:
+                self.remember_when_durable([key], result.batch)
+            else:
+                result.dedup_key = key
+        return result
+
+    def remember_when_durable(self, keys: list[str], batch: int) -> None:
+        """Add dedup keys to the window once `batch` is durable; forget them if it fails."""
+        for key in keys:
+            self.dedup.add_when_durable(key, batch)
+        if batch:
+            self.committer.await_durable(self.dedup)
+
+    def _route(
+        self,
+        exchange: Exchange,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        ops: list[JournalOp] | None,
+    ) -> PublishResult:
         if isinstance(exchange, EXCHANGE_TYPES["headers"]):
             headers = decode_properties(header).headers
         else:

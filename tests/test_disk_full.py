@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import subprocess
 import time
 import urllib.request
@@ -11,8 +13,12 @@ from pathlib import Path
 import pika
 import pika.exceptions
 import pytest
+from queues import drain
 
 from twinmq.broker.api import BrokerStatus
+from twinmq.broker.commit import GroupCommitter
+from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
+from twinmq.broker.journal import Journal, JournalError, StoredMessage
 from twinmq.broker.launcher import BrokerProcess
 
 
@@ -111,3 +117,138 @@ def test_full_disk_nacks_blocks_and_recovers_without_losing_confirms(small_disk:
     assert {str(i) for i in confirmed} <= seen, "a confirmed message was lost"
     assert "after" in seen
     assert "disk full" in (small_disk.parent / "b.log").read_text()
+
+
+def _restart_and_drain(
+    broker: BrokerProcess, data: Path, args: list[str], queue: str
+) -> list[bytes]:
+    broker.kill()
+    restarted = BrokerProcess(data, name=broker.name, extra_args=args, port=broker.port).start()
+    try:
+        return drain(restarted, queue)
+    finally:
+        restarted.stop()
+
+
+def test_full_disk_fails_tx_commit_and_never_sends_commit_ok(small_disk: Path) -> None:
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (11 * 1024 * 1024))
+    data = small_disk / "data"
+    args = ["--disk-free-limit", "0", "--segment-bytes", str(1024 * 1024)]
+    broker = BrokerProcess(data, name="txfull", extra_args=args).start()
+    conn = pika.BlockingConnection(
+        pika.ConnectionParameters(port=broker.port, blocked_connection_timeout=3)
+    )
+    ch = conn.channel()
+    ch.queue_declare("tx.q", durable=True)
+    ch.tx_select()
+    committed: list[int] = []
+    failed: pika.exceptions.ChannelClosedByBroker | None = None
+    body = b"t" * 4096
+    for txn in range(1000):
+        for i in range(10):
+            ch.basic_publish(
+                "", "tx.q", body + f"{txn}.{i}".encode(), pika.BasicProperties(delivery_mode=2)
+            )
+        try:
+            ch.tx_commit()
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            failed = exc
+            break
+        committed.append(txn)
+    assert failed is not None, "the disk never filled under a commit"
+    assert failed.reply_code == 541 and "tx.commit failed" in failed.reply_text
+    assert committed, "nothing was committed before the disk filled"
+    with contextlib.suppress(pika.exceptions.AMQPError):
+        conn.close()
+    filler.unlink()
+    seen = {b[len(body) :].decode() for b in _restart_and_drain(broker, data, args, "tx.q")}
+    wanted = {f"{txn}.{i}" for txn in committed for i in range(10)}
+    assert wanted <= seen, f"{len(wanted - seen)} messages of committed transactions were lost"
+
+
+def test_a_resend_after_a_disk_full_nack_is_enqueued_once_space_returns(small_disk: Path) -> None:
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (11 * 1024 * 1024))
+    data = small_disk / "data"
+    args = ["--disk-free-limit", "0", "--segment-bytes", str(1024 * 1024)]
+    broker = BrokerProcess(data, name="dedupfull", extra_args=args).start()
+    params = pika.ConnectionParameters(
+        port=broker.port,
+        blocked_connection_timeout=3,
+        client_properties={DEDUP_CLIENT_PROPERTY: True},
+    )
+    conn = pika.BlockingConnection(params)
+    ch = conn.channel()
+    ch.queue_declare("dd.q", durable=True)
+    ch.confirm_delivery()
+    body = b"d" * 4096
+    nacked = None
+    for i in range(5000):
+        try:
+            ch.basic_publish(
+                "", "dd.q", body, pika.BasicProperties(delivery_mode=2, message_id=f"m{i}")
+            )
+        except pika.exceptions.NackError:
+            nacked = i
+            break
+    assert nacked is not None, "the disk never filled"
+    with contextlib.suppress(pika.exceptions.AMQPError):
+        conn.close()
+    filler.unlink()
+    wait_for_alarms(broker, [])
+    conn = pika.BlockingConnection(params)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish(
+        "", "dd.q", b"resent", pika.BasicProperties(delivery_mode=2, message_id=f"m{nacked}")
+    )
+    conn.close()
+    bodies = _restart_and_drain(broker, data, args, "dd.q")
+    assert b"resent" in bodies, "the re-send of a nacked message was swallowed as a duplicate"
+    assert len([b for b in bodies if b == body]) >= nacked
+
+
+class _Outcomes:
+    """A group-commit waiter that records what it is told."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[int, bool]] = []
+
+    def durable(self, batch: int, failed: bool = False) -> bool:
+        self.told.append((batch, failed))
+        return True
+
+
+def test_a_failed_batch_is_never_acknowledged_by_a_later_write_that_succeeded(
+    small_disk: Path,
+) -> None:
+    """After a full disk a later, smaller write can succeed: the earlier batch still fails."""
+    (small_disk / "filler").write_bytes(b"\0" * (15 * 1024 * 1024))
+
+    async def run() -> list[tuple[int, bool]]:
+        journal = Journal(small_disk / "j", segment_bytes=64 * 1024 * 1024)
+        journal.open()
+        committer = GroupCommitter(journal, asyncio.get_running_loop())
+        outcomes = _Outcomes()
+        committer.await_durable(outcomes)
+        big = StoredMessage(1, 1, "", "q", b"", b"x" * (4 * 1024 * 1024), None)
+        small = StoredMessage(2, 1, "", "q", b"", b"y" * 1024, None)
+        # Two separate journal writes, both finished before the commit round looks at
+        # them: the first fails for lack of space, the second fits.
+        committer.add([big])
+        first = committer.flush_now()
+        with contextlib.suppress(JournalError):
+            await journal.sync(journal.stats.appended_lsn)
+        committer.add([small])
+        second = committer.flush_now()
+        await journal.sync(journal.stats.appended_lsn)
+        assert (first, second) == (1, 2)
+        await committer._sync_once()  # one round over both batches
+        await journal.close()
+        return outcomes.told
+
+    told = asyncio.run(run())
+    assert (1, True) in told, f"batch 1's write failed but its waiters heard {told}"
+    assert told[-1] == (2, False)
+    assert (1, False) not in told

@@ -1,0 +1,163 @@
+"""Duplicate detection never swallows a message: only a durable, enqueued message's id counts.
+
+A publish that was returned (unroutable), nacked (a full queue), rolled back or
+whose transaction failed leaves no id in the window, so its re-send is a new
+message: enqueued, confirmed and consumable, on one broker and across a failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pika
+import pika.exceptions
+import pytest
+from aio_pika.exceptions import DeliveryError
+from queues import drain
+
+from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
+from twinmq.broker.launcher import BrokerProcess
+from twinmq.client import ReliablePublisher
+
+PERSISTENT = 2
+
+
+def _opted_in(broker: BrokerProcess) -> pika.BlockingConnection:
+    """A pika connection that opts in to duplicate detection, as twinmq.client does."""
+    params = pika.URLParameters(broker.url)
+    params.client_properties = {DEDUP_CLIENT_PROPERTY: True}
+    return pika.BlockingConnection(params)
+
+
+def _props(message_id: str) -> pika.BasicProperties:
+    return pika.BasicProperties(delivery_mode=PERSISTENT, message_id=message_id)
+
+
+def _full_queue(ch: pika.adapters.blocking_connection.BlockingChannel, name: str) -> None:
+    """A durable queue that holds one message and nacks publishes beyond it."""
+    ch.queue_declare(
+        name, durable=True, arguments={"x-max-length": 1, "x-overflow": "reject-publish"}
+    )
+
+
+def test_a_resend_after_basic_return_is_enqueued(fresh_broker: BrokerProcess) -> None:
+    conn = _opted_in(fresh_broker)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    with pytest.raises(pika.exceptions.UnroutableError):
+        ch.basic_publish("", "later.q", b"first try", _props("r-1"), mandatory=True)
+    ch.queue_declare("later.q", durable=True)
+    ch.basic_publish("", "later.q", b"re-sent", _props("r-1"), mandatory=True)
+    conn.close()
+    assert drain(fresh_broker, "later.q") == [b"re-sent"]
+
+
+def test_a_resend_after_a_reject_publish_nack_is_enqueued(fresh_broker: BrokerProcess) -> None:
+    conn = _opted_in(fresh_broker)
+    ch = conn.channel()
+    _full_queue(ch, "tight.q")
+    ch.confirm_delivery()
+    ch.basic_publish("", "tight.q", b"a", _props("n-a"))
+    with pytest.raises(pika.exceptions.NackError):
+        ch.basic_publish("", "tight.q", b"b", _props("n-b"))
+    assert drain(fresh_broker, "tight.q") == [b"a"]  # room again
+    ch.basic_publish("", "tight.q", b"b", _props("n-b"))
+    conn.close()
+    assert drain(fresh_broker, "tight.q") == [b"b"]
+
+
+def test_a_resend_after_a_rollback_is_enqueued(fresh_broker: BrokerProcess) -> None:
+    conn = _opted_in(fresh_broker)
+    ch = conn.channel()
+    ch.queue_declare("tx.q", durable=True)
+    ch.tx_select()
+    ch.basic_publish("", "tx.q", b"rolled back", _props("t-1"))
+    ch.tx_rollback()
+    ch.basic_publish("", "tx.q", b"committed", _props("t-1"))
+    ch.tx_commit()
+    # and the committed one is what a later re-send is measured against
+    ch.basic_publish("", "tx.q", b"duplicate", _props("t-1"))
+    ch.tx_commit()
+    conn.close()
+    assert drain(fresh_broker, "tx.q") == [b"committed"]
+
+
+def test_reliable_publisher_resend_after_a_nack_is_enqueued(fresh_broker: BrokerProcess) -> None:
+    setup = pika.BlockingConnection(pika.URLParameters(fresh_broker.url))
+    _full_queue(setup.channel(), "client.q")
+    setup.close()
+
+    async def run() -> None:
+        publisher = ReliablePublisher([fresh_broker.url])
+        try:
+            await publisher.publish(b"a", "client.q", message_id="c-a")
+            with pytest.raises(DeliveryError):
+                await publisher.publish(b"b", "client.q", message_id="c-b")
+            assert await asyncio.to_thread(drain, fresh_broker, "client.q") == [b"a"]
+            await publisher.publish(b"b", "client.q", message_id="c-b")
+        finally:
+            await publisher.close()
+
+    asyncio.run(run())
+    assert drain(fresh_broker, "client.q") == [b"b"]
+
+
+def _post_role(broker: BrokerProcess, role: str, epoch: int) -> None:
+    request = urllib.request.Request(
+        broker.admin_url + "/role",
+        data=json.dumps({"role": role, "epoch": epoch}).encode(),
+        method="POST",
+    )
+    urllib.request.urlopen(request, timeout=10).close()
+
+
+def _ready(broker: BrokerProcess) -> bool:
+    with urllib.request.urlopen(broker.admin_url + "/status", timeout=5) as resp:
+        return bool(json.load(resp)["replication"]["ready"])
+
+
+@pytest.mark.timeout(90)
+def test_a_resend_after_a_nack_is_enqueued_on_the_promoted_passive(tmp_path: Path) -> None:
+    env = {"TWINMQ_REPLICATION_TOKEN": "pair-secret"}
+    active = BrokerProcess(tmp_path / "a", name="a", env=env, extra_args=["--epoch", "1"]).start()
+    passive = BrokerProcess(
+        tmp_path / "b", name="b", env=env,
+        extra_args=["--role", "passive", "--replicate-from", active.replication_address,
+                    "--epoch", "1"],
+    ).start()  # fmt: skip
+    try:
+        conn = _opted_in(active)
+        ch = conn.channel()
+        _full_queue(ch, "pair.q")
+        ch.queue_declare("other.q", durable=True)
+        ch.confirm_delivery()
+        ch.basic_publish("", "pair.q", b"a", _props("p-a"))
+        with pytest.raises(pika.exceptions.NackError):
+            ch.basic_publish("", "pair.q", b"b", _props("p-b"))
+        # The returned one too: unroutable on the active, re-sent to the promoted passive.
+        with pytest.raises(pika.exceptions.UnroutableError):
+            ch.basic_publish("", "late.q", b"c", _props("p-c"), mandatory=True)
+        conn.close()
+        deadline = time.monotonic() + 30
+        while not _ready(passive):
+            assert time.monotonic() < deadline, "the passive never caught up"
+            time.sleep(0.1)
+        active.kill()
+        _post_role(passive, "active", 2)
+        assert drain(passive, "pair.q") == [b"a"]
+        conn = _opted_in(passive)
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare("late.q", durable=True)
+        ch.basic_publish("", "pair.q", b"b", _props("p-b"))
+        ch.basic_publish("", "late.q", b"c", _props("p-c"), mandatory=True)
+        conn.close()
+        assert drain(passive, "pair.q") == [b"b"]
+        assert drain(passive, "late.q") == [b"c"]
+    finally:
+        active.kill()
+        passive.stop()
