@@ -61,7 +61,6 @@ from twinmq.broker.journal.recovery import (
     Recovered,
     read_definitions,
     replay,
-    scan_directory,
 )
 from twinmq.broker.journal.segment import PLACEHOLDER, encode_header, seal_record, segment_name
 from twinmq.broker.journal.writer import SegmentFiles
@@ -178,7 +177,7 @@ class Journal:
         self._def_qids = {q.qid for q in definitions.queues}
 
         index = self._index
-        out = replay(scan_directory(self._dir), index, self._dir, definitions)
+        out = replay(self._dir, index, definitions)
         recovered, messages = out.recovered, out.messages
         if out.segnos:
             self._next_segno = out.segnos[-1] + 1

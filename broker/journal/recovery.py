@@ -35,13 +35,15 @@ from twinmq.broker.journal.segment import Damage, SegmentScan, scan, segment_nam
 __all__ = [
     "DEFINITIONS",
     "MID_MARGIN",
+    "CheckReport",
     "Corruption",
     "Recovered",
     "Replay",
+    "SegmentReport",
     "check",
     "read_definitions",
     "replay",
-    "scan_directory",
+    "segment_numbers",
 ]
 
 log = logging.getLogger("twinmq.broker.journal")
@@ -89,6 +91,18 @@ class Recovered:
     reappended: int = 0  # live messages re-appended out of damaged segments
 
 
+@dataclass(frozen=True, slots=True)
+class SegmentReport:
+    """One segment as `check` saw it."""
+
+    name: str
+    size: int
+    records: int
+    header_ok: bool
+    torn: Damage | None
+    corruption: list[Damage]
+
+
 @dataclass
 class Replay:
     """The outcome of replaying a directory's segments, before anything is acted on."""
@@ -99,6 +113,7 @@ class Replay:
     torn_segment: int | None = None  # last segment to remove (no header, no record)
     torn_tail: tuple[int, int] | None = None  # (segno, offset) to truncate at
     damaged: list[int] = field(default_factory=list)
+    reports: list[SegmentReport] = field(default_factory=list)
 
 
 def read_definitions(directory: Path) -> tuple[Definitions, bool]:
@@ -113,25 +128,33 @@ def read_definitions(directory: Path) -> tuple[Definitions, bool]:
         raise JournalError(f"cannot read {path}: {exc}") from exc
 
 
-def scan_directory(directory: Path) -> list[SegmentScan]:
-    """Scan every segment file of `directory`, oldest first."""
-    segnos = sorted(
+def segment_numbers(directory: Path) -> list[int]:
+    """The segment files of `directory`, oldest first."""
+    return sorted(
         n for p in directory.iterdir() if p.is_file() and (n := segment_number(p.name)) is not None
     )
-    return [scan((directory / segment_name(n)).read_bytes(), n) for n in segnos]
 
 
-def replay(
-    scans: list[SegmentScan], index: LiveIndex, directory: Path, definitions: Definitions
-) -> Replay:
-    """Replay `scans` into `index`; classify torn tails and corruption (log them)."""
+def replay(directory: Path, index: LiveIndex, definitions: Definitions) -> Replay:
+    """Scan and replay the segments of `directory` into `index`, one file at a time.
+
+    Classifies torn tails and corruption (and logs the corruption); changes nothing.
+    """
     rec = Recovered(definitions, {}, 0, 0, 0, 0)
-    out = Replay(rec, {}, [s.segno for s in scans])
+    segnos = segment_numbers(directory)
+    out = Replay(rec, {}, segnos)
     messages = out.messages
     next_mid = 0
-    for i, sc in enumerate(scans):
-        last = i == len(scans) - 1
-        torn, corrupt = sc.classify(last)
+    bounded = True  # an intact header after the newest damage bounds its mids
+    for i, segno in enumerate(segnos):
+        # One segment in memory at a time: only live messages are kept.
+        sc = scan((directory / segment_name(segno)).read_bytes(), segno)
+        torn, corrupt = sc.classify(i == len(segnos) - 1)
+        out.reports.append(
+            SegmentReport(sc.name, sc.size, len(sc.records), sc.header_ok, torn, corrupt)
+        )
+        if sc.header_ok:
+            bounded = True
         if torn is not None and torn.offset == 0:
             # A crash while creating the segment: nothing in it was confirmed (the
             # first batch and the directory entry are synced together).
@@ -161,9 +184,10 @@ def replay(
                 seg.size = torn.offset
         if corrupt:
             out.damaged.append(sc.segno)
+            bounded = False
             for damage in corrupt:
                 _report(rec, sc, damage)
-    if out.damaged and not any(s.header_ok for s in scans if s.segno > out.damaged[-1]):
+    if not bounded:
         # No later header bounds the mids that were in the damaged bytes.
         next_mid += MID_MARGIN
     rec.next_mid = next_mid
@@ -177,18 +201,6 @@ def _report(rec: Recovered, sc: SegmentScan, damage: Damage) -> None:
     text = found.describe()
     rec.errors.append(text)
     log.error("journal corruption: %s", text)
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentReport:
-    """One segment as `check` saw it."""
-
-    name: str
-    size: int
-    records: int
-    header_ok: bool
-    torn: Damage | None
-    corruption: list[Damage]
 
 
 @dataclass
@@ -218,25 +230,17 @@ def check(directory: Path) -> CheckReport:
     if not directory.is_dir():
         raise JournalError(f"{directory} is not a directory")
     definitions, _missing = read_definitions(directory)
-    scans = scan_directory(directory)
-    index = LiveIndex()
     logger = log.disabled
     log.disabled = True  # the report says it all; no error lines from a read-only check
     try:
-        out = replay(scans, index, directory, definitions)
+        out = replay(directory, LiveIndex(), definitions)
     finally:
         log.disabled = logger
     qids = {q.qid for q in definitions.queues}
-    reports = []
-    for i, sc in enumerate(scans):
-        torn, corrupt = sc.classify(i == len(scans) - 1)
-        reports.append(
-            SegmentReport(sc.name, sc.size, len(sc.records), sc.header_ok, torn, corrupt)
-        )
     live = sum(len(ms) for qid, ms in out.messages.items() if qid in qids)
     return CheckReport(
         directory=directory,
-        segments=reports,
+        segments=out.reports,
         records=out.recovered.records,
         live_messages=live,
         queues=len(qids),
