@@ -43,27 +43,42 @@ def _bodies(prefix: str, n: int) -> list[bytes]:
     return [f"{prefix}-{i:03d}".encode() + b"." * 200 for i in range(n)]
 
 
-def _corrupt_a_record(journal: Path) -> tuple[Path, bytes, set[bytes]]:
-    """Flip a bit in a message record of the oldest segment that has valid records after it.
-
-    Returns the segment, its damaged bytes and the bodies in the damaged record.
-    """
-    victim = sorted(journal.glob("*.seg"))[0]
-    data = bytearray(victim.read_bytes())
+def _records(data: bytes) -> list[tuple[int, set[bytes]]]:
+    """(offset, message bodies) of every intact record behind the header, up to a torn tail."""
     pos, records = HEADER.size, []
     while pos + REC.size <= len(data):
         length, _ = REC.unpack_from(data, pos)
         end = pos + REC.size + length
         if end > len(data):
             break  # a torn tail
-        ops = decode_group(bytes(data), pos + REC.size, end)
+        ops = decode_group(data, pos + REC.size, end)
         records.append((pos, {op[3].body for op in ops if op[0] == TAG_MSG and op[3]}))
         pos = end
+    return records
+
+
+def _corrupt(
+    journal: Path, where: str = "record", which: str = "oldest"
+) -> tuple[Path, bytes, set[bytes]]:
+    """Flip a bit in the header or in a record with valid records after it, of the oldest
+    or the newest segment. Returns the segment, its damaged bytes and the bodies lost."""
+    segments = sorted(journal.glob("*.seg"))
+    victim = segments[0] if which == "oldest" else segments[-1]
+    data = bytearray(victim.read_bytes())
+    records = _records(bytes(data))
     assert len(records) >= 3, "want a record with valid records after it"
-    start, lost = records[len(records) // 2]
-    data[start + REC.size + 40] ^= 0x04
+    if where == "header":
+        data[12] ^= 0x01  # the segment number
+        lost: set[bytes] = set()
+    else:
+        start, lost = records[len(records) // 2]
+        data[start + REC.size + 40] ^= 0x04
     victim.write_bytes(bytes(data))
     return victim, bytes(data), lost
+
+
+def _corrupt_a_record(journal: Path) -> tuple[Path, bytes, set[bytes]]:
+    return _corrupt(journal, "record", "oldest")
 
 
 def _metrics(broker: BrokerProcess) -> dict[str, float]:
@@ -87,18 +102,28 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _damaged_data_dir(tmp_path: Path) -> tuple[BrokerProcess, list[bytes], Path, bytes, set[bytes]]:
-    """A broker's data dir with 60 confirmed messages and one corrupt record (broker stopped)."""
-    broker = BrokerProcess(tmp_path / "data", name="damaged")
+def _damaged_data_dir(
+    tmp_path: Path, where: str = "record", which: str = "oldest"
+) -> tuple[BrokerProcess, list[bytes], Path, bytes, set[bytes]]:
+    """A broker's data dir with 60 confirmed messages in four segments, one of them damaged
+    (the broker stopped)."""
+    broker = BrokerProcess(
+        tmp_path / "data", name="damaged", extra_args=["--segment-bytes", "4096"]
+    )
     sent = _bodies("m", 60)
     with broker:
         _publish(broker, sent)
-    victim, damaged, lost = _corrupt_a_record(broker.data_dir / "journal")
+    victim, damaged, lost = _corrupt(broker.data_dir / "journal", where, which)
     return broker, sent, victim, damaged, lost
 
 
-def test_a_broker_restarted_over_a_corrupt_journal_serves_and_reports_it(tmp_path: Path) -> None:
-    broker, sent, victim, damaged, lost = _damaged_data_dir(tmp_path)
+@pytest.mark.parametrize("which", ["oldest", "last"])
+@pytest.mark.parametrize("where", ["header", "record"])
+def test_a_broker_restarted_over_a_corrupt_journal_serves_and_reports_it(
+    tmp_path: Path, where: str, which: str
+) -> None:
+    broker, sent, victim, damaged, lost = _damaged_data_dir(tmp_path, where, which)
+    assert len(list((broker.data_dir / "journal").glob("*.seg"))) >= 3
     with broker.start():
         journal = (status(broker) or {})["journal"]
         assert journal["damaged"] is True
@@ -121,6 +146,25 @@ def test_a_broker_restarted_over_a_corrupt_journal_serves_and_reports_it(tmp_pat
     with broker.start():
         journal = (status(broker) or {})["journal"]
         assert journal["damaged"] is True and len(journal["corruption"]) == 1
+
+
+def test_a_torn_tail_is_a_warning_and_does_not_damage_the_broker(tmp_path: Path) -> None:
+    broker = BrokerProcess(tmp_path / "data", name="torn")
+    sent = _bodies("m", 20)
+    with broker:
+        _publish(broker, sent)
+    last = sorted((broker.data_dir / "journal").glob("*.seg"))[-1]
+    with last.open("ab") as f:
+        f.write(b"\x10\x00\x00\x00partial")  # a crash in the middle of a group commit
+    with broker.start():
+        journal = (status(broker) or {})["journal"]
+        assert journal["damaged"] is False and journal["corruption"] == []
+        assert _metrics(broker)["twinmq_broker_damaged"] == 0
+        assert drain(broker, QUEUE) == sent
+    assert broker.log_path is not None
+    log = broker.log_path.read_text()
+    assert " WARNING " in log and "torn tail" in log and " ERROR " not in log
+    assert not (broker.data_dir / "quarantine").exists()
 
 
 def test_a_damaged_broker_refuses_activation_without_force(tmp_path: Path) -> None:
