@@ -117,8 +117,17 @@ def _damaged_data_dir(
     return broker, sent, victim, damaged, lost
 
 
-@pytest.mark.parametrize("which", ["oldest", "last"])
-@pytest.mark.parametrize("where", ["header", "record"])
+# Every position is covered fast at the journal level (test_journal_corruption.py); here
+# one runs by default and the rest with the slow tests.
+@pytest.mark.parametrize(
+    ("where", "which"),
+    [
+        ("record", "oldest"),
+        pytest.param("record", "last", marks=pytest.mark.slow),
+        pytest.param("header", "oldest", marks=pytest.mark.slow),
+        pytest.param("header", "last", marks=pytest.mark.slow),
+    ],
+)
 def test_a_broker_restarted_over_a_corrupt_journal_serves_and_reports_it(
     tmp_path: Path, where: str, which: str
 ) -> None:
