@@ -221,9 +221,14 @@ class Journal:
             # where they are until then.
             log.warning("disk full: cannot create a new journal segment yet")
         if self._index.head is not None:
-            if out.damaged:
-                recovered.reappended = self._rescue_damaged(out.damaged, messages)
-            self._compact_sync()
+            try:
+                if out.damaged:
+                    recovered.reappended = self._rescue_damaged(out.damaged, messages)
+                self._compact_sync()
+            except DiskFullError as exc:
+                # Rolled back; the damaged segments stay where they are (still read at
+                # every start) until a later start has the room to move them aside.
+                log.warning("disk full: compaction and quarantine wait for space: %s", exc)
             recovered.quarantined = list(self._files.quarantined)
         log.info(
             "journal opened: %d segments, %d records, %d live messages, next mid %d",

@@ -27,6 +27,7 @@ confirmed) from corruption (damage to bytes that were once durable):
 
 from __future__ import annotations
 
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ REC = struct.Struct("<II")  # length, crc
 _LEN = struct.Struct("<I")
 PLACEHOLDER = bytes(REC.size)
 SUFFIX = ".seg"
-_TAGS = frozenset({TAG_MSG, TAG_SETTLE, TAG_CARRIED})
+_TAG_BYTE = re.compile(bytes([ord("["), TAG_MSG, TAG_SETTLE, TAG_CARRIED, ord("]")]))
 
 
 def segment_name(segno: int) -> str:
@@ -196,9 +197,11 @@ def _resync(data: bytes, view: memoryview, pos: int, size: int) -> int:
         guess = pos + REC.size + int(REC.unpack_from(data, pos)[0])
         if pos < guess < size and _decodable(data, view, guess, size):
             return guess
-    last = size - REC.size - 1  # a record holds at least one op byte
-    for p in range(pos + 1, last + 1):
-        if data[p + REC.size] in _TAGS and _decodable(data, view, p, size):
+    # Candidates are the offsets whose first payload byte is an op tag: found by the
+    # regex engine, so long stretches of other bytes cost no Python loop.
+    for match in _TAG_BYTE.finditer(data, pos + 1 + REC.size):
+        p = match.start() - REC.size
+        if _decodable(data, view, p, size):
             return p
     return size
 
