@@ -3,8 +3,8 @@
 Modules by concern: `ops` (op types and their codec, shared with channel, vhost,
 audit and replication), `segment` (the file format and scanning), `recovery`
 (replay; torn tail vs corruption; the read-only check), `index` (which segment
-holds each live message), `compaction`, `writer` (the writer thread's file I/O)
-and `facade` (`Journal`, the group commit).
+holds each live message), `compaction`, `writer` (the writer thread's file I/O),
+`completion` (which lsns are done or failed, and who waits) and `facade` (`Journal`).
 """
 
 from twinmq.broker.journal.errors import DiskFullError, JournalError

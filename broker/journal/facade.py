@@ -13,8 +13,9 @@ Durable queues' persistent messages live here, so that a broker killed with
 
 The package, by concern: `ops` (op types and codec), `segment` (file format and
 scanning), `recovery` (replay, torn tail vs corruption), `index` (live
-bookkeeping), `compaction`, `writer` (the writer thread's file I/O), and this
-facade, which owns the group commit.
+bookkeeping), `compaction`, `writer` (the writer thread's file I/O), `completion`
+(which lsns are done or failed, and the futures waiting for them) and this facade,
+which runs the group commit.
 
 Sequence numbers, one name each:
 
@@ -43,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import heapq
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -53,6 +53,7 @@ from pathlib import Path
 
 from twinmq.broker.definitions import Definitions
 from twinmq.broker.journal import compaction
+from twinmq.broker.journal.completion import Completions
 from twinmq.broker.journal.errors import DiskFullError, JournalError, io_error
 from twinmq.broker.journal.index import LiveIndex, SegmentInfo
 from twinmq.broker.journal.ops import JournalOp, StoredMessage, encode_ops
@@ -124,14 +125,9 @@ class Journal:
         # Appending: one bytearray per group commit, swapped by the writer.
         self._buf = bytearray()
         self._buf_groups: list[tuple[JournalOp, ...]] = []
-        self._lsn = 0  # last appended group
-        self._done_lsn = 0  # last group whose write finished (either way)
+        self._lsns = Completions()
         self._inflight_bytes = 0
         self._next_mid = 0  # one past the highest mid journaled or appended
-        self._failed: list[tuple[int, int, JournalError]] = []  # merged lsn ranges
-        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._waiter_seq = 0
-        self._idle_waiters: list[asyncio.Future[None]] = []
 
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
@@ -327,7 +323,7 @@ class Journal:
         if not self._opened or self._closing:
             raise JournalError("journal is not open")
         if not ops:
-            return self._lsn
+            return self._lsns.appended
         buf = self._buf
         start = len(buf)
         buf += PLACEHOLDER
@@ -339,9 +335,9 @@ class Journal:
         seal_record(buf, start)
         self._next_mid = next_mid
         self._buf_groups.append(tuple(ops))
-        self._lsn += 1
+        lsn = self._lsns.next()
         self._kick_writer()
-        return self._lsn
+        return lsn
 
     async def sync(self, lsn: int) -> None:
         """Return once group `lsn` (and every earlier one that did not fail) is on disk.
@@ -349,37 +345,27 @@ class Journal:
         Raises DiskFullError or JournalError if the write holding `lsn` failed;
         that group was rolled back and will never be recovered.
         """
-        if lsn > self._lsn:
-            raise ValueError(f"lsn {lsn} was never appended (last is {self._lsn})")
-        if lsn <= self._done_lsn:
-            self._raise_if_failed(lsn)
+        lsns = self._lsns
+        if lsn > lsns.appended:
+            raise ValueError(f"lsn {lsn} was never appended (last is {lsns.appended})")
+        if lsn <= lsns.done:
+            lsns.raise_if_failed(lsn)
             return
         if self._broken is not None:
             raise JournalError(f"journal failed: {self._broken}") from self._broken
         self._ensure_writer()
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiter_seq += 1
-        heapq.heappush(self._waiters, (lsn, self._waiter_seq, fut))
-        await fut
+        await lsns.wait(lsn)
 
     async def flush(self) -> None:
         """Write and fsync everything appended so far and finish pending compaction."""
         self._require_open()
-        await self.sync(self._lsn)
+        await self.sync(self._lsns.appended)
         self._index.compact_due = True
         self._ensure_writer()
         assert self._kick is not None
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._idle_waiters.append(fut)
+        idle = self._lsns.idle_future()
         self._kick.set()
-        await fut
-
-    def _raise_if_failed(self, lsn: int) -> None:
-        for lo, hi, exc in reversed(self._failed):
-            if lo <= lsn <= hi:
-                raise type(exc)(str(exc)) from exc
-            if hi < lsn:
-                return
+        await idle
 
     def _kick_writer(self) -> None:
         kick = self._kick
@@ -404,8 +390,8 @@ class Journal:
             last_fsync_seconds=self._last_fsync,
             pending_bytes=len(self._buf) + self._inflight_bytes,
             fsyncs=self._fsyncs,
-            appended_lsn=self._lsn,
-            durable_lsn=self._done_lsn,
+            appended_lsn=self._lsns.appended,
+            durable_lsn=self._lsns.done,
             disk_full=self._disk_full,
             damaged_segments=sum(1 for s in segments if s.damaged),
         )
@@ -435,10 +421,7 @@ class Journal:
                 ):
                     await self._compact()
                     continue
-                for fut in self._idle_waiters:
-                    if not fut.done():
-                        fut.set_result(None)
-                self._idle_waiters.clear()
+                self._lsns.idle()
                 if self._closing:
                     return
                 kick.clear()
@@ -448,13 +431,13 @@ class Journal:
             if not isinstance(exc, asyncio.CancelledError):
                 log.exception("journal writer crashed")
             self._broken = self._broken or err
-            self._fail_all(err)
+            self._lsns.fail_all(err)
             raise
 
     async def _write_buffer(self) -> None:
         buf, self._buf = self._buf, bytearray()
         groups, self._buf_groups = self._buf_groups, []
-        lo, hi = self._done_lsn + 1, self._lsn
+        lo, hi = self._lsns.done + 1, self._lsns.appended
         self._inflight_bytes = len(buf)
         head = self._index.head
         if head is None or head.size >= self._segment_bytes:
@@ -487,9 +470,8 @@ class Journal:
             assert head is not None
             head.size += len(buf)
         self._index.apply(groups, segno)
-        self._done_lsn = hi
         self._note_fsync(secs)
-        self._wake_waiters()
+        self._lsns.succeeded(hi)
 
     def _write_failed(self, lo: int, hi: int, exc: JournalError) -> None:
         if isinstance(exc, DiskFullError):
@@ -501,14 +483,9 @@ class Journal:
             # After an I/O error (not a full disk) the file's contents are unknown;
             # like PostgreSQL after a failed fsync, stop rather than confirm more.
             self._broken = exc
-        if self._failed and self._failed[-1][1] == lo - 1:
-            self._failed[-1] = (self._failed[-1][0], hi, exc)
-        else:
-            self._failed.append((lo, hi, exc))
-        self._done_lsn = hi
-        self._wake_waiters()
+        self._lsns.failed(lo, hi, exc)
         if self._broken is not None:
-            self._fail_all(self._broken)
+            self._lsns.fail_all(self._broken)
 
     def _install_head(self, segno: int, size: int) -> None:
         self._index.install_head(SegmentInfo(segno, self._dir / segment_name(segno), size))
@@ -524,30 +501,6 @@ class Journal:
                 self._on_fsync(secs)
             except Exception:
                 log.exception("journal on_fsync callback failed")
-
-    def _wake_waiters(self) -> None:
-        waiters = self._waiters
-        done = self._done_lsn
-        while waiters and waiters[0][0] <= done:
-            lsn, _, fut = heapq.heappop(waiters)
-            if fut.done():
-                continue  # the caller was cancelled; the write went ahead anyway
-            try:
-                self._raise_if_failed(lsn)
-            except JournalError as exc:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(None)
-
-    def _fail_all(self, exc: JournalError) -> None:
-        for _, _, fut in self._waiters:
-            if not fut.done():
-                fut.set_exception(JournalError(str(exc)))
-        self._waiters.clear()
-        for fut in self._idle_waiters:
-            if not fut.done():
-                fut.set_exception(JournalError(str(exc)))
-        self._idle_waiters.clear()
 
     def _roll_head_sync(self) -> None:
         segno = self._next_segno
@@ -582,7 +535,7 @@ class Journal:
             )
         except JournalError as exc:
             self._broken = exc
-            self._fail_all(exc)
+            self._lsns.fail_all(exc)
             return
         secs, carried, removed = result
         self._note_fsync(secs)
