@@ -54,7 +54,7 @@ STAGES: list[tuple[str, str, str]] = [
     ("broker/vhost.py", "_settle_entries", "ack in + settle"),
     ("broker/commit.py", "add", "journal"),
     ("broker/commit.py", "_flush", "journal"),
-    ("broker/journal.py", "*", "journal"),
+    ("broker/journal/", "*", "journal"),
     ("concurrent/futures/", "*", "journal"),
     ("broker/alarms.py", "*", "alarms (once a second)"),
     ("broker/server.py", "heartbeat", "heartbeats (once a second)"),

@@ -26,7 +26,7 @@ from twinmq.broker.api import (
     ReplicationStatus,
     RoleRequest,
 )
-from twinmq.broker.errors import StaleEpoch
+from twinmq.broker.errors import DamagedBroker, StaleEpoch
 
 if TYPE_CHECKING:
     from twinmq.broker.server import Broker
@@ -102,6 +102,7 @@ def build_status(broker: Broker) -> BrokerStatus:
         metrics.QUEUE_MESSAGES.labels(q.name).set(q.message_count)
         metrics.QUEUE_UNACKED.labels(q.name).set(q.unacked)
     stats = broker.journal.stats
+    damage = broker.damage
     return BrokerStatus(
         name=broker.settings.name,
         version=broker.product_version,
@@ -119,6 +120,11 @@ def build_status(broker: Broker) -> BrokerStatus:
             bytes=stats.disk_bytes,
             live_messages=stats.live_messages,
             durable_batch=broker.committer.durable_batch,
+            damaged=broker.damaged,
+            damaged_since=None if damage is None else damage.since,
+            healed_by=None if damage is None else damage.healed_by,
+            corruption=[] if damage is None else damage.corruption,
+            quarantined_files=broker.quarantined_files(),
         ),
     )
 
@@ -161,9 +167,13 @@ def make_app(broker: Broker) -> web.Application:
         except ValidationError as exc:
             return error(400, "invalid role request", str(exc))
         try:
-            await broker.set_role(wanted.role, wanted.epoch, wanted.replicate_from)
+            await broker.set_role(
+                wanted.role, wanted.epoch, wanted.replicate_from, force=wanted.force
+            )
         except StaleEpoch as exc:
             return error(409, "stale epoch", str(exc))
+        except DamagedBroker as exc:
+            return error(409, "broker damaged", str(exc))
         return web.Response(
             text=build_status(broker).model_dump_json(), content_type="application/json"
         )

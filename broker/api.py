@@ -24,6 +24,19 @@ class QueueStatus(BaseModel):
     )
 
 
+class CorruptionReport(BaseModel):
+    """One unreadable stretch of a journal segment found at start-up (not a torn tail)."""
+
+    segment: str = Field(description="The segment file's name")
+    offset: int = Field(description="Byte offset of the unreadable stretch")
+    length: int = Field(description="Bytes unreadable (messages in them are lost)")
+    reason: str
+    detected_at: float = Field(description="Unix time of the start-up that found it")
+    quarantined_as: str | None = Field(
+        None, description="Where the damaged file was moved (under <data-dir>/quarantine)"
+    )
+
+
 class JournalStatus(BaseModel):
     """The journal's state."""
 
@@ -31,6 +44,19 @@ class JournalStatus(BaseModel):
     bytes: int
     live_messages: int
     durable_batch: int = Field(description="Newest group-commit batch known durable")
+    damaged: bool = Field(
+        False,
+        description="Recovered with corruption and not repaired: may know less than it "
+        "confirmed; refuses activation without force, never makes its passive discard",
+    )
+    damaged_since: float | None = Field(None, description="When the damage was first found")
+    healed_by: str | None = Field(
+        None, description="The active whose catch-up made this broker whole again"
+    )
+    corruption: list[CorruptionReport] = Field(
+        default_factory=list, description="What was found, until `journal repair` clears it"
+    )
+    quarantined_files: int = Field(0, description="Files in <data-dir>/quarantine")
 
 
 class ReplicationStatus(BaseModel):
@@ -56,6 +82,11 @@ class RoleRequest(BaseModel):
         None,
         description="host:port of the active's replication listener (passive only)",
         pattern=r"^[^:\s]+:\d{1,5}$",
+    )
+    force: bool = Field(
+        False,
+        description="Activate a damaged broker (journal corruption) anyway; it then never "
+        "tells its passive to discard messages it lacks",
     )
 
 

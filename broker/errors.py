@@ -83,3 +83,7 @@ def channel_error(code: ReplyCode, text: str, method: tuple[int, int] = (0, 0)) 
 
 class StaleEpoch(Exception):
     """A role change carried an epoch older than one this broker has seen."""
+
+
+class DamagedBroker(Exception):
+    """A broker whose journal was corrupt was asked to become active without force."""

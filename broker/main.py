@@ -1,4 +1,5 @@
-"""`twinmq-broker`: run a broker until SIGTERM/SIGINT."""
+"""`twinmq-broker`: run a broker until SIGTERM/SIGINT (`twinmq-broker journal ...`: the
+journal tools, `journal_command.py`)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,13 @@ async def serve(settings: BrokerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
-    settings = parse_args(argv)
+    """Console-script entry point: the broker, or `twinmq-broker journal check|repair`."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["journal"]:
+        from twinmq.broker.journal_command import main as journal_main
+
+        sys.exit(journal_main(args[1:]))
+    settings = parse_args(args)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [{settings.name}] %(name)s: %(message)s",

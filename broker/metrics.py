@@ -57,3 +57,14 @@ REPLICATION_LAG_SECONDS = Gauge(
 DUPLICATES = Counter(
     "twinmq_messages_deduplicated", "Re-sent messages dropped because their message id was seen"
 )
+JOURNAL_CORRUPTION = Counter(
+    "twinmq_journal_corruption_events",
+    "Unreadable stretches of journal segments found at start-up (corruption, not torn tails)",
+)
+JOURNAL_QUARANTINED = Gauge(
+    "twinmq_journal_quarantined_files", "Damaged journal files kept in <data-dir>/quarantine"
+)
+BROKER_DAMAGED = Gauge(
+    "twinmq_broker_damaged",
+    "1 while this broker recovered with journal corruption and was not repaired",
+)

@@ -14,7 +14,7 @@ import time
 from importlib import metadata
 from typing import cast
 
-from twinmq.broker import metrics
+from twinmq.broker import damage, metrics
 from twinmq.broker.alarms import ResourceMonitor
 from twinmq.broker.api import Role
 from twinmq.broker.auditlog import AuditLog
@@ -24,7 +24,7 @@ from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import Connection, Limits
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.epoch import EpochStore, first_mid
-from twinmq.broker.errors import ReplyCode, StaleEpoch
+from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
 from twinmq.broker.journal import Journal
 from twinmq.broker.lease import LeaseKeeper
 from twinmq.broker.replication.replica import ReplicaClient
@@ -185,6 +185,7 @@ class Broker:
             segment_bytes=settings.segment_bytes,
             fsync=settings.fsync,
             on_fsync=metrics.FSYNC_LATENCY.observe,
+            quarantine=damage.quarantine_dir(settings.data_dir),
         )
         started = time.perf_counter()
         recovered = self.journal.open()
@@ -198,6 +199,25 @@ class Broker:
             recovered.torn_bytes,
             time.perf_counter() - started,
         )
+        self.damage = damage.load(settings.data_dir)
+        if recovered.corruption:
+            metrics.JOURNAL_CORRUPTION.inc(len(recovered.corruption))
+            self.damage = damage.record(settings.data_dir, recovered, time.time())
+            log.error(
+                "journal corruption: %d unreadable stretches (%d bytes), %d live messages "
+                "re-appended, %d damaged files quarantined; this broker is DAMAGED (it may "
+                "have lost messages it confirmed): it refuses activation without force and "
+                "never tells a passive to discard; see `twinmq-broker journal check %s`",
+                len(recovered.corruption), recovered.corrupt_bytes, recovered.reappended,
+                len(recovered.quarantined), settings.data_dir,
+            )  # fmt: skip
+        elif self.damage is not None:
+            log.error(
+                "this broker is DAMAGED since %s (%s): run `twinmq-broker journal repair %s` "
+                "once the loss is dealt with",
+                time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self.damage.since)),
+                settings.data_dir / damage.MARKER, settings.data_dir,
+            )  # fmt: skip
         self.committer = GroupCommitter(self.journal, self.loop)
         self.vhost = VirtualHost(
             self.committer,
@@ -230,6 +250,8 @@ class Broker:
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[None]] = []
         metrics.CONNECTIONS.set_function(lambda: len(self.protocols))
+        metrics.BROKER_DAMAGED.set_function(lambda: 1 if self.damaged else 0)
+        metrics.JOURNAL_QUARANTINED.set_function(self.quarantined_files)
         metrics.CHANNELS.set_function(
             lambda: sum(len(p.conn.channels) for p in self.protocols if p.conn is not None)
         )
@@ -260,6 +282,52 @@ class Broker:
         queue = self.vhost.queue_by_qid(qid)
         return queue.name if queue is not None else f"qid:{qid}"
 
+    # -- damage (journal corruption) ------------------------------------------------------
+
+    @property
+    def damaged(self) -> bool:
+        """Recovered with corruption, not repaired, not made whole by a catch-up since.
+
+        A damaged broker may lack messages it confirmed: it must not become active
+        unless forced, and as an active it never tells its passive to discard.
+        """
+        if self.damage is None or self.damage.healed_by is not None:
+            return False
+        return not (self.role == "passive" and self.replica is not None and self.replica.caught_up)
+
+    def quarantined_files(self) -> int:
+        """Files in the quarantine folder."""
+        try:
+            return sum(1 for _ in damage.quarantine_dir(self.settings.data_dir).iterdir())
+        except OSError:
+            return 0
+
+    def _check_activation(self, force: bool) -> None:
+        """Raise DamagedBroker if a damaged broker may not become active."""
+        if self.damage is None or self.damage.healed_by is not None:
+            return
+        replica = self.replica
+        if self.role == "passive" and replica is not None and replica.caught_up:
+            # Everything the active had reached this journal since the damage.
+            self.damage.healed_by = replica.active_name or self.replicate_from or "the active"
+            damage.save(self.settings.data_dir, self.damage)
+            log.warning(
+                "damaged journal healed by a complete catch-up from %s", self.damage.healed_by
+            )
+            return
+        if not force:
+            raise DamagedBroker(
+                f"{self.settings.name} recovered with journal corruption "
+                f"({len(self.damage.corruption)} unreadable stretches) and has not caught up "
+                "from an active since: it may lack messages it confirmed. Promote the peer, "
+                "or force it (POST /role with force=true: it will then never tell its passive "
+                "to discard anything), or run `twinmq-broker journal repair` once dealt with"
+            )
+        log.error(
+            "forced activation of a damaged broker: its passive keeps every message this "
+            "broker lacks (catch-up discards nothing)"
+        )
+
     # -- roles and epochs ----------------------------------------------------------------
 
     @property
@@ -282,14 +350,22 @@ class Broker:
             log.warning("a newer epoch exists: stepping down to passive")
             self.loop.create_task(self.set_role("passive", epoch, None))
 
-    async def set_role(self, role: Role, epoch: int, replicate_from: str | None) -> None:
-        """Change role at `epoch` (POST /role). Raises StaleEpoch for an old epoch."""
+    async def set_role(
+        self, role: Role, epoch: int, replicate_from: str | None, *, force: bool = False
+    ) -> None:
+        """Change role at `epoch` (POST /role).
+
+        Raises StaleEpoch for an old epoch, DamagedBroker to activate a damaged
+        broker without `force`.
+        """
         current = self.epoch
         if epoch < current or (epoch == current and role == "active" and self.role != "active"):
             raise StaleEpoch(
                 f"epoch {epoch} is stale: this broker has seen epoch {current}"
                 + (" (activation needs a new epoch)" if epoch == current else "")
             )
+        if role == "active" and self.role != "active":
+            self._check_activation(force)
         self.epochs.raise_to(epoch)
         metrics.EPOCH.set(self.epoch)
         previous = self.role

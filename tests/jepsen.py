@@ -143,9 +143,13 @@ def post_role(
     epoch: int,
     replicate_from: str | None = None,
     timeout: float = 10.0,
+    *,
+    force: bool = False,
 ) -> tuple[int, dict[str, Any]]:
     """`POST /role`: (HTTP status, JSON body)."""
     body: dict[str, Any] = {"role": role, "epoch": epoch}
+    if force:
+        body["force"] = True
     if replicate_from is not None:
         body["replicate_from"] = replicate_from
     request = urllib.request.Request(

@@ -19,16 +19,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from twinmq.broker import journal as jmod
 from twinmq.broker.definitions import Definitions, QueueDef
 from twinmq.broker.journal import (
     DiskFullError,
     Journal,
     JournalError,
+    JournalOp,
     Recovered,
     Settle,
     StoredMessage,
+    compaction,
+    ops,
+    segment,
 )
+from twinmq.broker.journal.index import LiveIndex
 
 # --- helpers ------------------------------------------------------------------------
 
@@ -57,15 +61,15 @@ def segment_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.seg"))
 
 
-def records(path: Path) -> list[tuple[int, int, list[jmod._Decoded]]]:
+def records(path: Path) -> list[tuple[int, int, list[ops.DecodedOp]]]:
     """(start, end, ops) of every record in a well-formed segment file."""
     data = path.read_bytes()
-    pos = jmod._HEADER.size
+    pos = segment.HEADER.size
     out = []
     while pos < len(data):
-        length, _ = jmod._REC.unpack_from(data, pos)
-        end = pos + jmod._REC.size + length
-        out.append((pos, end, jmod._decode_group(data, pos + jmod._REC.size, end)))
+        length, _ = segment.REC.unpack_from(data, pos)
+        end = pos + segment.REC.size + length
+        out.append((pos, end, ops.decode_group(data, pos + segment.REC.size, end)))
         pos = end
     return out
 
@@ -86,7 +90,7 @@ def mids(rec: Recovered) -> dict[int, list[int]]:
     return {qid: [m.mid for m in ms] for qid, ms in rec.messages.items()}
 
 
-async def publish(j: Journal, *ops: jmod.JournalOp) -> int:
+async def publish(j: Journal, *ops: JournalOp) -> int:
     lsn = j.append(list(ops))
     await j.sync(lsn)
     return lsn
@@ -251,10 +255,10 @@ def test_torn_segment_header_is_removed(tmp_path: Path) -> None:
 
     asyncio.run(go())
     # A crash while creating the next segment leaves part of a header behind.
-    (tmp_path / jmod._segment_name(99)).write_bytes(jmod._encode_header(99, 5)[:10])
+    (tmp_path / segment.segment_name(99)).write_bytes(segment.encode_header(99, 5)[:10])
     rec = reopen(tmp_path)
     assert mids(rec) == {1: [1]} and rec.torn_bytes == 10
-    assert not (tmp_path / jmod._segment_name(99)).exists()
+    assert not (tmp_path / segment.segment_name(99)).exists()
 
 
 def _build_segments(directory: Path, count: int) -> None:
@@ -271,59 +275,14 @@ def _build_segments(directory: Path, count: int) -> None:
     asyncio.run(go())
 
 
-def test_corrupt_record_in_an_earlier_segment_skips_only_that_segment(tmp_path: Path) -> None:
-    _build_segments(tmp_path, 20)
-    segs = segment_files(tmp_path)
-    assert len(segs) >= 4
-    victim = segs[1]
-    recs = records(victim)
-    assert len(recs) >= 3
-    start, _, _ = recs[1]
-    lost = {op[2] for _, _, ops in recs[1:] for op in ops}
-    data = bytearray(victim.read_bytes())
-    data[start + 20] ^= 0xFF  # bit rot inside the second record's payload
-    victim.write_bytes(bytes(data))
-
-    rec = reopen(tmp_path)
-    assert mids(rec) == {1: [m for m in range(1, 21) if m not in lost]}
-    assert rec.corrupt_bytes == len(data) - start
-    assert len(rec.errors) == 1 and victim.name in rec.errors[0]
-    assert victim.read_bytes() == bytes(data)  # kept as it is for inspection
-
-
-def test_corrupt_header_of_an_earlier_segment_is_skipped_and_kept(tmp_path: Path) -> None:
-    _build_segments(tmp_path, 20)
-    victim = segment_files(tmp_path)[0]
-    lost = {op[2] for _, _, ops in records(victim) for op in ops}
-    data = bytearray(victim.read_bytes())
-    data[12] ^= 0x01
-    victim.write_bytes(bytes(data))
-    rec = reopen(tmp_path)
-    assert mids(rec) == {1: [m for m in range(1, 21) if m not in lost]}
-    assert rec.corrupt_bytes == len(data) and rec.errors
-    assert victim.exists()
-
-
-def test_bad_record_in_the_middle_of_the_last_segment_truncates_there(tmp_path: Path) -> None:
-    """Documented: in the last segment a bad record cannot be told from a torn write."""
-    _build_segments(tmp_path, 6)
-    last = segment_files(tmp_path)[-1]
-    recs = records(last)
-    assert len(recs) >= 2
-    data = bytearray(last.read_bytes())
-    data[recs[0][0] + 9] ^= 0xFF
-    last.write_bytes(bytes(data))
-    rec = reopen(tmp_path)
-    lost = {op[2] for _, _, ops in recs for op in ops}
-    assert mids(rec) == {1: [m for m in range(1, 7) if m not in lost]}
-    assert rec.torn_bytes == len(data) - recs[0][0]
+# Corruption (a bad header or record that is not a torn tail): tests/test_journal_corruption.py.
 
 
 def test_undecodable_record_with_a_good_checksum_refuses_to_open(tmp_path: Path) -> None:
     _build_segments(tmp_path, 1)
     last = segment_files(tmp_path)[-1]
     with last.open("ab") as f:
-        f.write(jmod._frame(b"\x09unknown op"))
+        f.write(segment.frame(b"\x09unknown op"))
     size = last.stat().st_size
     with pytest.raises(JournalError, match="undecodable"):
         reopen(tmp_path)
@@ -377,7 +336,7 @@ def test_compaction_carries_settles_so_nothing_resurrects(tmp_path: Path) -> Non
         assert a.exists() and not b.exists()
         await j.close()
         head = segment_files(tmp_path)[-1]
-        carried = [op for _, _, ops in records(head) for op in ops if op[0] == jmod._TAG_CARRIED]
+        carried = [op for _, _, group in records(head) for op in group if op[0] == ops.TAG_CARRIED]
         assert sorted((op[1], op[2], op[4]) for op in carried) == [
             (1, 2, 1),
             (1, 3, 1),
@@ -486,7 +445,7 @@ async def _walk(directory: Path, actions: list[tuple[str, int, int]], sizes: lis
     j.open()
     j.save_definitions(definitions())
     for action, a, b in actions:
-        ops: list[jmod.JournalOp] = []
+        ops: list[JournalOp] = []
         if action == "pub":
             ops = [new(queues[a]) for _ in range(b)]
         elif action in ("settle", "txn") and live():
@@ -541,19 +500,19 @@ def test_walks_reach_the_hard_cases(monkeypatch: pytest.MonkeyPatch) -> None:
     import random
 
     seen = {"carried": 0, "superseded": 0}
-    finish, enqueue = Journal._finish_compaction, Journal._enqueue
+    finish, enqueue = compaction.finish, LiveIndex.enqueue
 
-    def counting_finish(self: Journal, plan: jmod._Plan, *args: object) -> None:
+    def counting_finish(index: LiveIndex, plan: compaction.CompactionPlan, *args: int) -> None:
         seen["carried"] += sum(len(v) for v in plan.carry.values())
-        finish(self, plan, *args)  # type: ignore[arg-type]
+        finish(index, plan, *args)  # type: ignore[arg-type]
 
-    def counting_enqueue(self: Journal, qid: int, mid: int, seq: int) -> None:
+    def counting_enqueue(self: LiveIndex, qid: int, mid: int, segno: int) -> None:
         # On replay, a re-enqueue whose earlier settle was carried past it.
-        seen["superseded"] += mid in self._where.get(qid, {})
-        enqueue(self, qid, mid, seq)
+        seen["superseded"] += mid in self.where.get(qid, {})
+        enqueue(self, qid, mid, segno)
 
-    monkeypatch.setattr(Journal, "_finish_compaction", counting_finish)
-    monkeypatch.setattr(Journal, "_enqueue", counting_enqueue)
+    monkeypatch.setattr(compaction, "finish", counting_finish)
+    monkeypatch.setattr(LiveIndex, "enqueue", counting_enqueue)
     kinds = ["pub", "pub", "settle", "settle", "txn", "reenqueue", "drop", "reopen", "crash"]
     rnd = random.Random(7)
     for _ in range(12):

@@ -30,12 +30,17 @@ class CatchupPlan:
 
 
 def plan_catchup(
-    active: Mapping[int, Iterable[StoredMessage]], passive: Mapping[int, Iterable[int]]
+    active: Mapping[int, Iterable[StoredMessage]],
+    passive: Mapping[int, Iterable[int]],
+    *,
+    discard: bool = True,
 ) -> CatchupPlan:
     """Compare the active's live messages per qid with the passive's IDs per qid.
 
     Queues the active does not have are dropped on the passive by the topology
-    it receives, so their IDs need no discard.
+    it receives, so their IDs need no discard. With `discard=False` (a damaged
+    active: journal corruption may have cost it messages) nothing is discarded:
+    the passive keeps what the active lacks, so catch-up never spreads a loss.
     """
     plan = CatchupPlan()
     for qid, messages in active.items():
@@ -47,5 +52,6 @@ def plan_catchup(
                 plan.kept += 1
             else:
                 plan.send.append(message)
-        plan.discard.extend(Settle(qid, mid) for mid in sorted(have - live))
+        if discard:
+            plan.discard.extend(Settle(qid, mid) for mid in sorted(have - live))
     return plan

@@ -315,7 +315,8 @@ class ReplicationSource:
             return None
         committer, vhost = broker.committer, broker.vhost
         last = committer.flush_now()
-        plan = plan_catchup(vhost.live_messages(), snapshot.queues)
+        # A damaged active (journal corruption) may lack what it confirmed: no discards.
+        plan = plan_catchup(vhost.live_messages(), snapshot.queues, discard=not broker.damaged)
         if self.link is not None:
             # Not detach(): that drops the guard, confirming what no passive has yet.
             log.info("dropping passive %s: replaced by a new link", self.link.name)
