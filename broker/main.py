@@ -1,4 +1,4 @@
-"""`twinmq-broker`: run a broker until SIGTERM/SIGINT."""
+"""`twinmq-broker`: run a broker until SIGTERM/SIGINT; `twinmq-broker epoch ...`: its epoch."""
 
 from __future__ import annotations
 
@@ -34,8 +34,13 @@ async def serve(settings: BrokerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
-    settings = parse_args(argv)
+    """Console-script entry point: a subcommand, or (without one) the broker."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["epoch"]:
+        from twinmq.broker.epochcli import main as epoch_main
+
+        sys.exit(epoch_main(args[1:]))
+    settings = parse_args(args)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [{settings.name}] %(name)s: %(message)s",
