@@ -164,8 +164,12 @@ class FrameDecoder:
             kind = FrameType(ftype)
         except ValueError as exc:
             raise ProtocolError(f"unknown frame type {ftype}") from exc
+        frame = kind, bytes(buf[pos + _HEAD.size : end])
+        if end == len(buf):  # all consumed: let a big frame's bytes go now
+            buf.clear()
+            end = 0
         self._pos = end
-        return kind, bytes(buf[pos + _HEAD.size : end])
+        return frame
 
     def feed(self, data: bytes) -> list[tuple[FrameType, bytes]]:
         """Add received bytes; return the frames they complete."""
