@@ -237,8 +237,8 @@ class ReplicationSource:
         now = time.monotonic()
         if now - self._over_cap_logged >= REFUSAL_LOG_INTERVAL:
             log.warning(
-                "replication connection from %s closed: %d connections open, the cap "
-                "(replication_max_connections); %d closed so since the last such line",
+                "replication connection from %s closed at once: %d connections open, the cap "
+                "(replication_max_connections); %d closed over the cap since the last such line",
                 peer, self._connections, self._over_cap,
             )  # fmt: skip
             self._over_cap = 0
@@ -384,7 +384,7 @@ class ReplicationSource:
         hello = await self._authenticate(peer, frames, writer)
         if hello is None:
             return None
-        # Authenticated both ways from here on.
+        # The passive is proven; it proves us from the WELCOME before it sends more.
         if broker.role != "active":
             writer.write(encode(FrameType.REFUSE, Refuse(
                 reason=f"{broker.settings.name} is not active (epoch {broker.epoch})",
