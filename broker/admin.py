@@ -82,6 +82,7 @@ def build_status(broker: Broker) -> BrokerStatus:
     """Snapshot the broker for `GET /status`."""
     vhost = broker.vhost
     replication = replication_status(broker)
+    replication.epoch_refused = broker.epoch_refusal
     metrics.REPLICATION_LAG.set(replication.lag_messages)
     metrics.REPLICATION_LAG_SECONDS.set(replication.lag_seconds)
     queue_state = "ready" if replication.ready else "catching-up"

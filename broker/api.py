@@ -71,6 +71,9 @@ class ReplicationStatus(BaseModel):
     lag_messages: int = Field(description="Replicated ops not yet on the passive's disk")
     lag_seconds: float = Field(description="Age of the oldest of those")
     lost_at: float | None = Field(None, description="Passive: when the link was last lost")
+    epoch_refused: str | None = Field(
+        None, description="The last epoch a peer offered that was refused (max_epoch_jump)"
+    )
 
 
 class RoleRequest(BaseModel):

@@ -21,8 +21,24 @@ def epoch_of(mid: int) -> int:
     return mid >> EPOCH_SHIFT
 
 
+def epoch_jump_refusal(current: int, offered: int, max_jump: int) -> str | None:
+    """Why a peer's `offered` epoch is not believed (None: it is plausible).
+
+    Every failover raises the epoch by one; a peer, even an authenticated one,
+    that claims far more is broken or forged, and believing it would fence
+    this broker out of every later role change (409) until someone edits
+    `epoch.json` by hand.
+    """
+    if offered - current > max_jump:
+        return (
+            f"epoch {offered} is {offered - current} ahead of this broker's {current} "
+            f"(more than max_epoch_jump {max_jump})"
+        )
+    return None
+
+
 class EpochStore:
-    """`<data-dir>/epoch.json`: replaced atomically, only ever raised."""
+    """`<data-dir>/epoch.json`: replaced atomically, only ever raised (but by `epoch set`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -34,6 +50,11 @@ class EpochStore:
         """Persist `epoch` if it is higher than any seen; return whether it was."""
         if epoch <= self.epoch:
             return False
+        self.write(epoch)
+        return True
+
+    def write(self, epoch: int) -> None:
+        """Persist `epoch`, lower or not: only the operator's recovery (`epoch set`) lowers one."""
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "w") as f:
             json.dump({"epoch": epoch}, f)
@@ -46,4 +67,3 @@ class EpochStore:
         finally:
             os.close(dir_fd)
         self.epoch = epoch
-        return True

@@ -17,12 +17,13 @@ import ssl
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
 if TYPE_CHECKING:
-    from twinmq.broker.server import Broker
+    from twinmq.broker.api import Role
+    from twinmq.broker.settings import BrokerSettings
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,33 @@ def now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+class LeaseContext(Protocol):
+    """What the Lease keeper needs of the broker: who it is, its role, and stepping down."""
+
+    @property
+    def settings(self) -> BrokerSettings:
+        """Its name and the Lease's settings."""
+        ...
+
+    @property
+    def role(self) -> Role:
+        """This broker's role now."""
+        ...
+
+    @property
+    def epoch(self) -> int:
+        """The highest epoch this broker has seen."""
+        ...
+
+    async def set_role(self, role: Role, epoch: int, replicate_from: str | None) -> None:
+        """Change role (here: step down to passive, fencing)."""
+        ...
+
+
 class LeaseKeeper:
     """Renews `<namespace>/<name>` while this broker is active; fences on failure."""
 
-    def __init__(self, broker: Broker, name: str, namespace: str, duration: float) -> None:
+    def __init__(self, broker: LeaseContext, name: str, namespace: str, duration: float) -> None:
         self.broker = broker
         self.name = name
         self.namespace = namespace
@@ -53,7 +77,7 @@ class LeaseKeeper:
         )
 
     @classmethod
-    def from_environment(cls, broker: Broker) -> LeaseKeeper | None:
+    def from_environment(cls, broker: LeaseContext) -> LeaseKeeper | None:
         """A keeper when running in a pod with a Lease configured, else None."""
         settings = broker.settings
         if settings.lease_name is None or not (SERVICE_ACCOUNT / "token").exists():

@@ -1,5 +1,8 @@
-"""`twinmq-broker`: run a broker until SIGTERM/SIGINT (`twinmq-broker journal ...`: the
-journal tools, `journal_command.py`)."""
+"""`twinmq-broker`: run a broker until SIGTERM/SIGINT.
+
+`twinmq-broker journal check|repair` are the journal tools (`journal_command.py`),
+`twinmq-broker epoch show|set` the epoch's (`epochcli.py`).
+"""
 
 from __future__ import annotations
 
@@ -35,12 +38,16 @@ async def serve(settings: BrokerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: the broker, or `twinmq-broker journal check|repair`."""
+    """Console-script entry point: a subcommand (`journal`, `epoch`), or the broker."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["journal"]:
         from twinmq.broker.journal_command import main as journal_main
 
         sys.exit(journal_main(args[1:]))
+    if args[:1] == ["epoch"]:
+        from twinmq.broker.epochcli import main as epoch_main
+
+        sys.exit(epoch_main(args[1:]))
     settings = parse_args(args)
     logging.basicConfig(
         level=settings.log_level.upper(),

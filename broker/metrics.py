@@ -50,6 +50,16 @@ REPLICATION_READY = Gauge(
 REPLICATION_DEGRADED = Gauge(
     "twinmq_replication_degraded", "Active: 1 while confirming without a passive in sync"
 )
+REPLICATION_REFUSED = Counter(
+    "twinmq_replication_refused",
+    "Replication connections closed before or at authentication, by reason (over-cap, "
+    "handshake-timeout, protocol-error, bad-proof, unauthenticated-refuse)",
+    ["reason"],
+)
+EPOCH_REFUSED = Counter(
+    "twinmq_epoch_refused",
+    "Epochs from authenticated peers refused as a jump of more than max_epoch_jump",
+)
 REPLICATION_LAG = Gauge("twinmq_replication_lag_messages", "Ops sent but not yet acknowledged")
 REPLICATION_LAG_SECONDS = Gauge(
     "twinmq_replication_lag_seconds", "Age of the oldest unacknowledged replicated batch"

@@ -23,7 +23,7 @@ from twinmq.broker.channel import Channel
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import Connection, Limits
 from twinmq.broker.dedup import DedupWindow
-from twinmq.broker.epoch import EpochStore, first_mid
+from twinmq.broker.epoch import EpochStore, epoch_jump_refusal, first_mid
 from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
 from twinmq.broker.journal import Journal
 from twinmq.broker.lease import LeaseKeeper
@@ -178,6 +178,7 @@ class Broker:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.epochs = EpochStore(settings.data_dir / "epoch.json")
         self.epochs.raise_to(settings.epoch)
+        self.epoch_refusal: str | None = None  # the last peer epoch refused, for /status
         self.role: Role = settings.role
         self.replicate_from = settings.replicate_from
         self.journal = Journal(
@@ -340,15 +341,29 @@ class Broker:
         token = self.settings.replication_token or self.settings.admin_token
         return None if token is None else token.get_secret_value()
 
-    def learn_epoch(self, epoch: int, source: str) -> None:
-        """A peer knows a higher epoch: persist it; an active broker steps down at once."""
+    def learn_epoch(self, epoch: int, source: str) -> bool:
+        """An authenticated peer knows `epoch`: persist it if higher; an active steps down.
+
+        An implausible jump (`max_epoch_jump`) is refused, logged, counted and
+        shown in `/status`; returns False then (the caller closes the link).
+        """
+        refusal = epoch_jump_refusal(self.epoch, epoch, self.settings.max_epoch_jump)
+        if refusal is not None:
+            self.epoch_refusal = f"{source}: {refusal}"
+            metrics.EPOCH_REFUSED.inc()
+            log.error(
+                "refusing the epoch of %s: %s; if this broker's own epoch is the wrong one, "
+                "see `twinmq-broker epoch show|set` (docs/replication.md)", source, refusal,
+            )  # fmt: skip
+            return False
         if not self.epochs.raise_to(epoch):
-            return
+            return True
         metrics.EPOCH.set(epoch)
         log.warning("learned epoch %d from %s", epoch, source)
         if self.role == "active":
             log.warning("a newer epoch exists: stepping down to passive")
             self.loop.create_task(self.set_role("passive", epoch, None))
+        return True
 
     async def set_role(
         self, role: Role, epoch: int, replicate_from: str | None, *, force: bool = False

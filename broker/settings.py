@@ -93,6 +93,24 @@ class BrokerSettings(BaseSettings):
         description="Seconds a silent passive may hold up confirms before the "
         "active goes on alone (degraded)",
     )
+    replication_handshake_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a replication peer has to complete the whole authentication "
+        "handshake before the connection is closed",
+    )
+    replication_max_connections: int = Field(
+        4,
+        ge=1,
+        description="Most replication connections at once, authenticated or not (more are "
+        "closed at once)",
+    )
+    max_epoch_jump: int = Field(
+        1000,
+        ge=1,
+        description="Largest epoch increase believed from an authenticated peer (a bigger "
+        "jump is refused and reported)",
+    )
 
 
 def flag(field: str) -> str:

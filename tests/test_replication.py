@@ -22,18 +22,17 @@ from jepsen import Pair, post_role, queue_counts, stable_port, status, wait_for
 from pamqp import commands
 from pika.adapters.blocking_connection import BlockingChannel
 from rawamqp import RawClient, handshake_frames
+from replpeer import hello_for
 
 from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.replication.protocol import (
     Challenge,
     FrameDecoder,
     FrameType,
-    Hello,
     Snapshot,
     decode_u64,
     encode,
     encode_u64,
-    proof,
 )
 
 QUEUE = "replicated"
@@ -396,8 +395,8 @@ def test_a_passive_replacing_its_old_link_does_not_release_confirms(pair: Pair) 
         reader, writer = await asyncio.open_connection(active.host, active.replication_port)
         frames = _ReplicationFrames(reader)
         challenge = Challenge.model_validate_json(await frames.expect(FrameType.CHALLENGE))
-        hello = Hello(name="b", epoch=1, proof=proof(TOKEN, challenge.nonce))
-        writer.write(encode(FrameType.HELLO, hello))
+        writer.write(encode(FrameType.HELLO, hello_for(TOKEN, challenge, "b", 1)))
+        await frames.expect(FrameType.WELCOME)
         writer.write(encode(FrameType.SNAPSHOT, Snapshot()))
         caught_up = decode_u64(await frames.expect(FrameType.CAUGHT_UP))
         await client.qos(10)  # a confirm released by the replacement would precede qos-ok

@@ -5,19 +5,23 @@
 Control frames carry JSON of the pydantic models below; `BATCH` carries a
 batch number, a flag and the journal's own op encoding, so the passive writes
 exactly the record groups the active wrote; `ACK` a batch number.
+
+Until both ends are authenticated (`handshake.py`) a frame may be at most
+`MAX_HANDSHAKE_FRAME` bytes; after that, `MAX_FRAME`.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import struct
-from typing import Final
+from typing import Final, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 MAX_FRAME: Final = 512 * 1024 * 1024
+# The handshake's frames are a few short JSON fields: anything bigger is not a peer.
+MAX_HANDSHAKE_FRAME: Final = 4096
+PROTOCOL_VERSION: Final = 2  # 2: mutual authentication (WELCOME)
 _HEAD = struct.Struct(">IB")
 _BATCH = struct.Struct(">QB")
 _U64 = struct.Struct(">Q")
@@ -26,34 +30,43 @@ _U64 = struct.Struct(">Q")
 class FrameType(enum.IntEnum):
     """Frame types of the replication link."""
 
-    CHALLENGE = 1  # active -> passive: Challenge
-    HELLO = 2  # passive -> active: Hello
-    REFUSE = 3  # either way: Refuse, then the link closes
+    CHALLENGE = 1  # active -> passive: Challenge (unauthenticated)
+    HELLO = 2  # passive -> active: Hello, the passive's proof
+    REFUSE = 3  # either way: Refuse, then the link closes (ignored before authentication)
     SNAPSHOT = 4  # passive -> active: Snapshot
     DEFINITIONS = 5  # active -> passive: Definitions (topology)
     BATCH = 6  # active -> passive: batch number, flags, ops
     CAUGHT_UP = 7  # active -> passive: u64 batch that completes the catch-up
     ACK = 8  # passive -> active: u64 batch durable on the passive
     PING = 9  # either way, keeps the link's liveness visible
+    WELCOME = 10  # active -> passive: Welcome, the active's proof
 
 
 BATCH_CATCHUP: Final = 1
 
 
 class Challenge(BaseModel):
-    """Sent by the active on accept."""
+    """Sent by the listening broker on accept: its name and a fresh nonce, nothing to act on."""
 
-    name: str
-    epoch: int
-    nonce: str
+    version: int = 1  # absent in version 1's challenge; every newer one names its own
+    name: str = Field(max_length=253)
+    nonce: str = Field(min_length=32, max_length=64)
 
 
 class Hello(BaseModel):
-    """The passive's answer: who it is, its epoch, and proof it knows the shared token."""
+    """The passive's answer: who it is, its epoch, its own nonce, and its proof over both."""
 
-    name: str
-    epoch: int
-    proof: str
+    name: str = Field(max_length=253)
+    epoch: int = Field(ge=0)
+    nonce: str = Field(min_length=32, max_length=64)
+    proof: str = Field(max_length=64)
+
+
+class Welcome(BaseModel):
+    """The active's answer to a valid hello: its epoch and its proof over both nonces."""
+
+    epoch: int = Field(ge=0)
+    proof: str = Field(max_length=64)
 
 
 class Refuse(BaseModel):
@@ -67,11 +80,6 @@ class Snapshot(BaseModel):
     """The passive's replication IDs per queue incarnation (qid)."""
 
     queues: dict[int, list[int]] = Field(default_factory=dict)
-
-
-def proof(token: str, nonce: str) -> str:
-    """HMAC-SHA256 of the challenge nonce under the shared replication token."""
-    return hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
 
 
 def encode(ftype: FrameType, payload: bytes | BaseModel = b"") -> bytes:
@@ -106,31 +114,67 @@ class ProtocolError(Exception):
     """The peer broke the replication protocol; the link is closed."""
 
 
-class FrameDecoder:
-    """Bytes in, (type, payload) frames out."""
+M = TypeVar("M", bound=BaseModel)
 
-    def __init__(self) -> None:
+
+def decode_model(model: type[M], payload: bytes) -> M:
+    """A control frame's model; a malformed one is the peer's protocol error."""
+    try:
+        return model.model_validate_json(payload)
+    except ValidationError as exc:
+        raise ProtocolError(f"malformed {model.__name__} ({exc.error_count()} errors)") from None
+
+
+class FrameDecoder:
+    """Bytes in, (type, payload) frames out, none longer than `max_frame`.
+
+    Frames are cut one at a time (`next`), so a limit raised after the
+    handshake applies to the frames that follow it, even when their bytes
+    arrived in the same read.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self.max_frame = max_frame
         self._buf = bytearray()
+        self._pos = 0
+
+    def push(self, data: bytes) -> None:
+        """Add received bytes."""
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += data
+
+    def next(self) -> tuple[FrameType, bytes] | None:
+        """The next complete frame, or None until more bytes arrive.
+
+        Raises ProtocolError as soon as a frame's header announces more than
+        `max_frame` bytes: its payload is never waited for nor buffered.
+        """
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos < _HEAD.size:
+            return None
+        length, ftype = _HEAD.unpack_from(buf, pos)
+        if length < 1 or length > self.max_frame:
+            raise ProtocolError(f"frame length {length} out of range (limit {self.max_frame})")
+        end = pos + 4 + length
+        if end > len(buf):
+            return None
+        try:
+            kind = FrameType(ftype)
+        except ValueError as exc:
+            raise ProtocolError(f"unknown frame type {ftype}") from exc
+        frame = kind, bytes(buf[pos + _HEAD.size : end])
+        if end == len(buf):  # all consumed: let a big frame's bytes go now
+            buf.clear()
+            end = 0
+        self._pos = end
+        return frame
 
     def feed(self, data: bytes) -> list[tuple[FrameType, bytes]]:
         """Add received bytes; return the frames they complete."""
-        buf = self._buf
-        buf += data
+        self.push(data)
         frames: list[tuple[FrameType, bytes]] = []
-        pos = 0
-        while len(buf) - pos >= _HEAD.size:
-            length, ftype = _HEAD.unpack_from(buf, pos)
-            if length < 1 or length > MAX_FRAME:
-                raise ProtocolError(f"frame length {length} out of range")
-            end = pos + 4 + length
-            if end > len(buf):
-                break
-            try:
-                kind = FrameType(ftype)
-            except ValueError as exc:
-                raise ProtocolError(f"unknown frame type {ftype}") from exc
-            frames.append((kind, bytes(buf[pos + _HEAD.size : end])))
-            pos = end
-        if pos:
-            del buf[:pos]
+        while (frame := self.next()) is not None:
+            frames.append(frame)
         return frames

@@ -1,7 +1,9 @@
 """The passive broker's end of the replication link.
 
-Connects to the active (reconnecting every second while it cannot), answers
-the challenge, sends its snapshot, then applies what arrives: the topology,
+Connects to the active (reconnecting every second while it cannot); both
+prove they know the shared token (`handshake.py`), within one deadline and
+with small frames only, before anything the active says is acted upon. Then
+it sends its snapshot and applies what arrives: the topology,
 the catch-up batch, and every live batch, each journaled as one record group
 and acknowledged only once it is on this broker's disk.
 """
@@ -14,29 +16,29 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from twinmq.broker import metrics
 from twinmq.broker.definitions import Definitions
 from twinmq.broker.journal import decode_ops
+from twinmq.broker.replication.context import ReplicationContext
+from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
+from twinmq.broker.replication.link import FrameReader
 from twinmq.broker.replication.protocol import (
+    PROTOCOL_VERSION,
     Challenge,
-    FrameDecoder,
     FrameType,
     Hello,
     ProtocolError,
     Refuse,
     Snapshot,
+    Welcome,
     decode_batch,
+    decode_model,
     decode_u64,
     encode,
     encode_u64,
-    proof,
 )
 from twinmq.broker.replication.source import PING_INTERVAL
-
-if TYPE_CHECKING:
-    from twinmq.broker.server import Broker
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class _Session:
 class ReplicaClient:
     """Replicates from the active at `address` (host:port of its replication listener)."""
 
-    def __init__(self, broker: Broker, address: str) -> None:
+    def __init__(self, broker: ReplicationContext, address: str) -> None:
         self.broker = broker
         self.address = address
         self.connected = False
@@ -87,7 +89,6 @@ class ReplicaClient:
         self.active_name: str | None = None
         self.connected_since: float | None = None
         self.lost_at: float | None = None
-        self.last_received = 0.0
         # time.monotonic() at which we sent the newest ping the active has echoed
         self._last_contact = 0.0
         self._ping_seq = 0
@@ -183,58 +184,116 @@ class ReplicaClient:
                     writer.close()
             await asyncio.sleep(RETRY_INTERVAL)
 
+    async def _authenticate(
+        self, frames: FrameReader, writer: asyncio.StreamWriter
+    ) -> tuple[Challenge, Welcome] | None:
+        """CHALLENGE, HELLO, WELCOME within one deadline: the proven active, or None (closed).
+
+        Nothing the peer says changes anything here before its proof is
+        verified: a forged active gets a log line and a closed link.
+        """
+        broker = self.broker
+        settings = broker.settings
+        token = broker.replication_token()
+        if token is None:
+            raise ProtocolError("no replication token configured: cannot authenticate")
+        try:
+            async with asyncio.timeout(settings.replication_handshake_timeout):
+                ftype, payload = await frames.next()
+                if ftype is not FrameType.CHALLENGE:
+                    raise ProtocolError(f"expected CHALLENGE, got {ftype.name}")
+                challenge = decode_model(Challenge, payload)
+                if challenge.version != PROTOCOL_VERSION:
+                    raise ProtocolError(
+                        f"protocol version {challenge.version}, this broker speaks "
+                        f"{PROTOCOL_VERSION}: upgrade both brokers of the pair"
+                    )
+                if challenge.name == settings.name:
+                    # Our own listener's challenge, relayed: a proof would authenticate us
+                    # to ourselves, with the relay in the middle.
+                    raise ProtocolError(
+                        f"challenged in this broker's own name {settings.name!r} (a reflection)"
+                    )
+                nonce, epoch = new_nonce(), broker.epoch
+                writer.write(encode(FrameType.HELLO, Hello(
+                    name=settings.name, epoch=epoch, nonce=nonce,
+                    proof=transcript_proof(
+                        token, "passive", active=challenge.name, passive=settings.name,
+                        active_nonce=challenge.nonce, passive_nonce=nonce, epoch=epoch,
+                    ),
+                )))  # fmt: skip
+                ftype, payload = await frames.next()
+                if ftype is FrameType.REFUSE:
+                    refuse = decode_model(Refuse, payload)
+                    # Unproven: its epoch and reason are news of nothing.
+                    log.warning(
+                        "%s at %s refused the link before proving itself (ignored): %.200s",
+                        challenge.name, self.address, refuse.reason,
+                    )  # fmt: skip
+                    return None
+                if ftype is not FrameType.WELCOME:
+                    raise ProtocolError(f"expected WELCOME, got {ftype.name}")
+                welcome = decode_model(Welcome, payload)
+        except TimeoutError:
+            metrics.REPLICATION_REFUSED.labels("handshake-timeout").inc()
+            log.warning(
+                "the active at %s did not authenticate within %.1fs "
+                "(replication_handshake_timeout): closed",
+                self.address, settings.replication_handshake_timeout,
+            )  # fmt: skip
+            return None
+        why = verify(
+            token, welcome.proof, "active", active=challenge.name, passive=settings.name,
+            active_nonce=challenge.nonce, passive_nonce=nonce, epoch=welcome.epoch,
+        )  # fmt: skip
+        if why is not None:
+            metrics.REPLICATION_REFUSED.labels("bad-proof").inc()
+            log.warning(
+                "the active at %s (claims to be %r) failed authentication: %s: closed",
+                self.address, challenge.name, why,
+            )  # fmt: skip
+            return None
+        frames.authenticated()
+        return challenge, welcome
+
     async def _replicate(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: _Session
     ) -> None:
         broker = self.broker
-        decoder = FrameDecoder()
-        frames: deque[tuple[FrameType, bytes]] = deque()
+        frames = FrameReader(reader, "the active", chunk=1 << 20)
+        proven = await self._authenticate(frames, writer)
+        if proven is None:
+            return
+        challenge, welcome = proven
+        # Authenticated both ways from here on.
+        if welcome.epoch < broker.epoch:
+            # A stale active: tell it the epoch it missed, so that it steps down.
+            log.warning(
+                "%s at %s is active in stale epoch %d (ours %d): refusing it",
+                challenge.name, self.address, welcome.epoch, broker.epoch,
+            )  # fmt: skip
+            writer.write(encode(FrameType.REFUSE, Refuse(reason="stale epoch", epoch=broker.epoch)))
+            await writer.drain()
+            return
+        if not broker.learn_epoch(welcome.epoch, f"active {challenge.name} at {self.address}"):
+            writer.write(encode(FrameType.REFUSE, Refuse(
+                reason=f"epoch {welcome.epoch} refused by {broker.settings.name} (epoch "
+                f"{broker.epoch}): a jump of more than max_epoch_jump",
+                epoch=broker.epoch)))  # fmt: skip
+            await writer.drain()
+            return
+        writer.write(
+            encode(FrameType.SNAPSHOT, Snapshot(queues=broker.vhost.replication_snapshot()))
+        )
+        self.active_name = challenge.name
         # The active pings every half second: a few missed pings mean the link is gone.
         # This must be well inside replication_timeout, the time this passive stays
         # promotable after losing the active: a failover needs both at once.
         silence = min(LINK_SILENCE, broker.settings.replication_timeout / 2)
 
         async def next_frame() -> tuple[FrameType, bytes]:
-            while not frames:
-                data = await asyncio.wait_for(reader.read(1 << 20), silence)
-                if not data:
-                    raise ConnectionError("the active closed the link")
-                self.last_received = time.time()
-                frames.extend(decoder.feed(data))
-            return frames.popleft()
+            return await frames.next(silence)
 
-        ftype, payload = await next_frame()
-        if ftype is not FrameType.CHALLENGE:
-            raise ProtocolError(f"expected CHALLENGE, got {ftype.name}")
-        challenge = Challenge.model_validate_json(payload)
-        if challenge.epoch < broker.epoch:
-            # A stale active: tell it the epoch it missed, so that it steps down.
-            log.warning(
-                "%s at %s is active in stale epoch %d (ours %d): refusing it",
-                challenge.name,
-                self.address,
-                challenge.epoch,
-                broker.epoch,
-            )
-            writer.write(encode(FrameType.REFUSE, Refuse(reason="stale epoch", epoch=broker.epoch)))
-            await writer.drain()
-            return
-        broker.learn_epoch(challenge.epoch, f"active {challenge.name}")
-        token = broker.replication_token() or ""
-        writer.write(
-            encode(
-                FrameType.HELLO,
-                Hello(
-                    name=broker.settings.name,
-                    epoch=broker.epoch,
-                    proof=proof(token, challenge.nonce),
-                ),
-            )
-        )
-        writer.write(
-            encode(FrameType.SNAPSHOT, Snapshot(queues=broker.vhost.replication_snapshot()))
-        )
-        self.active_name = challenge.name
         # Connected only once the active accepts us (its topology comes first): a broker
         # that is not active answers the hello with a refusal, and a refused link must
         # neither look up (the operator would think the active alive) nor reset what
@@ -298,7 +357,7 @@ class ReplicaClient:
                     self.on_acked(self.acked_batch)
             elif ftype is FrameType.REFUSE:
                 refuse = Refuse.model_validate_json(payload)
-                broker.learn_epoch(refuse.epoch, f"broker at {self.address}")
+                broker.learn_epoch(refuse.epoch, f"{self.active_name} at {self.address}")
                 if not self.connected:
                     # Refused at the hello: that broker is not (or no longer) the active,
                     # e.g. a restarted one that came back passive. It says nothing about

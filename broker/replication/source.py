@@ -1,6 +1,9 @@
 """The active broker's end of the replication link.
 
-A passive connects, proves it knows the shared token, sends its snapshot; in
+A passive connects; both prove they know the shared token (`handshake.py`),
+within one deadline and with small frames only, before anything either says
+is acted upon; at most `replication_max_connections` connections are served
+at once. The passive sends its snapshot; in
 one step of the event loop (no await in between) the active closes its open
 batch, plans the catch-up from its live messages, and from then on streams
 every batch it journals. The passive's acknowledgements complete batches
@@ -13,37 +16,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
-from typing import TYPE_CHECKING
 
 from twinmq.broker import metrics
 from twinmq.broker.definitions import Definitions
 from twinmq.broker.journal import JournalOp, encode_ops
 from twinmq.broker.replication.catchup import plan_catchup
+from twinmq.broker.replication.context import ReplicationContext
+from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
+from twinmq.broker.replication.link import FrameReader
 from twinmq.broker.replication.protocol import (
     BATCH_CATCHUP,
+    PROTOCOL_VERSION,
     Challenge,
-    FrameDecoder,
     FrameType,
     Hello,
     ProtocolError,
     Refuse,
     Snapshot,
+    Welcome,
+    decode_model,
     decode_u64,
     encode,
     encode_batch,
     encode_u64,
-    proof,
 )
-
-if TYPE_CHECKING:
-    from twinmq.broker.server import Broker
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 10.0  # per frame, once the passive is authenticated (its snapshot)
 PING_INTERVAL = 1.0
+REFUSAL_LOG_INTERVAL = 5.0  # seconds between log lines about connections over the cap
 
 
 class SourceLink:
@@ -143,12 +146,15 @@ class SourceLink:
 class ReplicationSource:
     """Accepts passives on the replication port while this broker is active."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: ReplicationContext) -> None:
         self.broker = broker
         self.link: SourceLink | None = None
         self.degraded_since: float | None = None
         self._degrade_timer: asyncio.TimerHandle | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._connections = 0  # open replication connections, authenticated or not
+        self._over_cap = 0  # connections closed over the cap since the last log line
+        self._over_cap_logged = 0.0  # time.monotonic() of that line
 
     async def start(self, host: str, port: int) -> asyncio.AbstractServer:
         """Listen for passives."""
@@ -223,27 +229,36 @@ class ReplicationSource:
             self._degrade_timer.cancel()
             self._degrade_timer = None
 
+    def _refuse_over_cap(self, peer: str, writer: asyncio.StreamWriter) -> None:
+        """Close a connection over the cap at once; one log line per interval, with a count."""
+        writer.transport.abort()
+        metrics.REPLICATION_REFUSED.labels("over-cap").inc()
+        self._over_cap += 1
+        now = time.monotonic()
+        if now - self._over_cap_logged >= REFUSAL_LOG_INTERVAL:
+            log.warning(
+                "replication connection from %s closed at once: %d connections open, the cap "
+                "(replication_max_connections); %d closed over the cap since the last such line",
+                peer, self._connections, self._over_cap,
+            )  # fmt: skip
+            self._over_cap = 0
+            self._over_cap_logged = now
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        decoder = FrameDecoder()
-        pending: list[tuple[FrameType, bytes]] = []
-
-        async def next_frame(limit: float | None) -> tuple[FrameType, bytes]:
-            while not pending:
-                data = await asyncio.wait_for(reader.read(1 << 16), limit)
-                if not data:
-                    raise ConnectionError("passive closed the link")
-                pending.extend(decoder.feed(data))
-            return pending.pop(0)
-
+        if self._connections >= self.broker.settings.replication_max_connections:
+            self._refuse_over_cap(peer_text, writer)
+            return
+        self._connections += 1
+        frames = FrameReader(reader, f"passive {peer_text}")
         link: SourceLink | None = None
         try:
-            link = await self._handshake(peer_text, writer, next_frame)
+            link = await self._handshake(peer_text, frames, writer)
             if link is None:
                 return
             while True:
-                ftype, payload = await next_frame(None)
+                ftype, payload = await frames.next()
                 if ftype is FrameType.ACK:
                     batch = decode_u64(payload)
                     link.on_ack(batch)
@@ -255,7 +270,7 @@ class ReplicationSource:
                 elif ftype is FrameType.REFUSE:
                     refuse = Refuse.model_validate_json(payload)
                     log.warning("passive %s refused the link: %s", peer_text, refuse.reason)
-                    self.broker.learn_epoch(refuse.epoch, f"passive {peer_text}")
+                    self.broker.learn_epoch(refuse.epoch, f"passive {link.name} ({peer_text})")
                     return
                 elif ftype is FrameType.PING:
                     if payload:
@@ -266,52 +281,130 @@ class ReplicationSource:
             # RuntimeError: uvloop refuses a write to a transport the passive just reset.
             log.info("replication link from %s closed: %s", peer_text, exc or type(exc).__name__)
         finally:
+            self._connections -= 1
             if link is not None:
                 self._lost(link, degrade_now=False)
             with contextlib.suppress(Exception):
                 writer.close()
 
-    async def _handshake(
-        self, peer: str, writer: asyncio.StreamWriter, next_frame: object
-    ) -> SourceLink | None:
+    async def _authenticate(
+        self, peer: str, frames: FrameReader, writer: asyncio.StreamWriter
+    ) -> Hello | None:
+        """CHALLENGE, HELLO, WELCOME within one deadline; the proven hello, or None (closed).
+
+        Nothing the peer says changes anything here before its proof is
+        verified; an unproven peer only ever gets a log line and a closed link.
+        """
+        settings = self.broker.settings
+        nonce = new_nonce()
+        challenge = Challenge(version=PROTOCOL_VERSION, name=settings.name, nonce=nonce)
+        writer.write(encode(FrameType.CHALLENGE, challenge))
+        try:
+            async with asyncio.timeout(settings.replication_handshake_timeout):
+                ftype, payload = await frames.next()
+                hello = self._verify_hello(peer, nonce, ftype, payload)
+                if hello is None:
+                    writer.write(
+                        encode(FrameType.REFUSE, Refuse(reason="authentication failed", epoch=0))
+                    )
+                    return None
+        except TimeoutError:
+            metrics.REPLICATION_REFUSED.labels("handshake-timeout").inc()
+            log.warning(
+                "replication peer %s did not authenticate within %.1fs "
+                "(replication_handshake_timeout): closed",
+                peer, settings.replication_handshake_timeout,
+            )  # fmt: skip
+            return None
+        except ProtocolError as exc:
+            metrics.REPLICATION_REFUSED.labels("protocol-error").inc()
+            log.warning("replication peer %s broke the handshake: %s: closed", peer, exc)
+            return None
+        frames.authenticated()
+        return self._welcome(peer, nonce, hello, writer)
+
+    def _verify_hello(
+        self, peer: str, nonce: str, ftype: FrameType, payload: bytes
+    ) -> Hello | None:
+        """The first frame of a connection: a HELLO whose proof holds, or None (logged)."""
         broker = self.broker
-        nonce = secrets.token_hex(16)
-        writer.write(
-            encode(
-                FrameType.CHALLENGE,
-                Challenge(name=broker.settings.name, epoch=broker.epoch, nonce=nonce),
-            )
-        )
-        ftype, payload = await next_frame(HANDSHAKE_TIMEOUT)  # type: ignore[operator]
         if ftype is FrameType.REFUSE:
-            refuse = Refuse.model_validate_json(payload)
-            log.warning("passive %s refused us: %s", peer, refuse.reason)
-            broker.learn_epoch(refuse.epoch, f"passive {peer}")
+            metrics.REPLICATION_REFUSED.labels("unauthenticated-refuse").inc()
+            log.warning(
+                "unauthenticated refusal from %s ignored (no epoch or role is taken from a "
+                "peer before it proves itself): %.200r", peer, payload,
+            )  # fmt: skip
             return None
         if ftype is not FrameType.HELLO:
             raise ProtocolError(f"expected HELLO, got {ftype.name}")
-        hello = Hello.model_validate_json(payload)
-        token = broker.replication_token()
-        if token is None or not secrets.compare_digest(hello.proof, proof(token, nonce)):
-            log.warning("replication link from %s (%s): authentication failed", peer, hello.name)
-            writer.write(
-                encode(FrameType.REFUSE, Refuse(reason="authentication failed", epoch=broker.epoch))
-            )
+        hello = decode_model(Hello, payload)
+        why = verify(
+            broker.replication_token(), hello.proof, "passive",
+            active=broker.settings.name, passive=hello.name,
+            active_nonce=nonce, passive_nonce=hello.nonce, epoch=hello.epoch,
+        )  # fmt: skip
+        if why is not None:
+            metrics.REPLICATION_REFUSED.labels("bad-proof").inc()
+            log.warning(
+                "replication link from %s (claims to be %r): authentication failed: %s",
+                peer, hello.name, why,
+            )  # fmt: skip
             return None
-        if hello.epoch > broker.epoch:
-            broker.learn_epoch(hello.epoch, f"passive {hello.name}")
+        return hello
+
+    def _welcome(
+        self, peer: str, nonce: str, hello: Hello, writer: asyncio.StreamWriter
+    ) -> Hello | None:
+        """The passive is proven: take its epoch (if plausible) and prove ourselves to it."""
+        broker = self.broker
+        settings = broker.settings
+        token = broker.replication_token()
+        assert token is not None  # verify() proves nobody without one
+        if not broker.learn_epoch(hello.epoch, f"passive {hello.name} ({peer})"):
+            writer.write(encode(FrameType.REFUSE, Refuse(
+                reason=f"epoch {hello.epoch} refused by {settings.name} (epoch "
+                f"{broker.epoch}): a jump of more than max_epoch_jump",
+                epoch=broker.epoch)))  # fmt: skip
+            return None
+        welcome = Welcome(
+            epoch=broker.epoch,
+            proof=transcript_proof(
+                token, "active", active=settings.name, passive=hello.name,
+                active_nonce=nonce, passive_nonce=hello.nonce, epoch=broker.epoch,
+            ),
+        )  # fmt: skip
+        writer.write(encode(FrameType.WELCOME, welcome))
+        return hello
+
+    async def _handshake(
+        self, peer: str, frames: FrameReader, writer: asyncio.StreamWriter
+    ) -> SourceLink | None:
+        """Authenticate, take the snapshot, attach the passive (None: the link closes)."""
+        broker = self.broker
+        hello = await self._authenticate(peer, frames, writer)
+        if hello is None:
+            return None
+        # The passive is proven; it proves us from the WELCOME before it sends more.
         if broker.role != "active":
             writer.write(encode(FrameType.REFUSE, Refuse(
                 reason=f"{broker.settings.name} is not active (epoch {broker.epoch})",
                 epoch=broker.epoch)))  # fmt: skip
             return None
-        ftype, payload = await next_frame(HANDSHAKE_TIMEOUT)  # type: ignore[operator]
+        ftype, payload = await frames.next(HANDSHAKE_TIMEOUT)
+        if ftype is FrameType.REFUSE:
+            refuse = Refuse.model_validate_json(payload)
+            log.warning("passive %s (%s) refused us: %s", hello.name, peer, refuse.reason)
+            broker.learn_epoch(refuse.epoch, f"passive {hello.name} ({peer})")
+            return None
         if ftype is not FrameType.SNAPSHOT:
             raise ProtocolError(f"expected SNAPSHOT, got {ftype.name}")
         snapshot = Snapshot.model_validate_json(payload)
         # From here to the end of the function nothing awaits: the snapshot, the plan
         # and the hook for live batches see one and the same state.
         if broker.role != "active":
+            writer.write(encode(FrameType.REFUSE, Refuse(
+                reason=f"{broker.settings.name} stepped down (epoch {broker.epoch})",
+                epoch=broker.epoch)))  # fmt: skip
             return None
         committer, vhost = broker.committer, broker.vhost
         last = committer.flush_now()

@@ -1,0 +1,127 @@
+"""What the replication source and replica need from the broker around them.
+
+As `ConnectionContext` does for client connections: replication depends on
+these Protocols, not on the whole `Broker`. The broker satisfies them as it
+is (its `committer` and `vhost` attributes are the real objects); a test or
+another host can satisfy them with anything of the same shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from twinmq.broker.api import Role
+    from twinmq.broker.commit import Waiter
+    from twinmq.broker.definitions import Definitions
+    from twinmq.broker.journal import JournalOp, StoredMessage
+    from twinmq.broker.settings import BrokerSettings
+
+
+class ReplicatedLog(Protocol):
+    """The group committer as replication sees it: batches out (active), batches in (passive)."""
+
+    on_batch: Callable[[int, list[JournalOp]], None] | None
+
+    @property
+    def guarded(self) -> bool:
+        """Whether completion waits for the passive's acknowledgement."""
+        ...
+
+    def guard(self, on: bool) -> None:
+        """Make completion wait for the passive (on) or for the local disk only (off)."""
+        ...
+
+    def flush_now(self) -> int:
+        """Close the open batch now; its number."""
+        ...
+
+    def replica_acked(self, batch: int) -> None:
+        """The passive has everything up to `batch` on its disk."""
+        ...
+
+    def add(self, ops: Iterable[JournalOp]) -> int:
+        """Journal ops in the open batch; its number."""
+        ...
+
+    def confirm_point(self) -> int:
+        """The batch whose durability covers everything added so far."""
+        ...
+
+    def await_durable(self, waiter: Waiter) -> None:
+        """Call `waiter.durable(batch)` as batches become durable."""
+        ...
+
+
+class ReplicatedState(Protocol):
+    """The virtual host as replication sees it: its messages and topology."""
+
+    on_topology_change: Callable[[Definitions], None] | None
+
+    def definitions(self) -> Definitions:
+        """The durable topology."""
+        ...
+
+    def live_messages(self) -> dict[int, list[StoredMessage]]:
+        """Every journaled message per durable queue (the active's side of a catch-up)."""
+        ...
+
+    def replication_snapshot(self) -> dict[int, list[int]]:
+        """The replication IDs held per durable queue (the passive's side)."""
+        ...
+
+    def apply_ops(self, ops: list[JournalOp]) -> None:
+        """Apply replicated ops to the queues (passive)."""
+        ...
+
+    def apply_definitions(self, defs: Definitions) -> None:
+        """Make the topology equal to the active's (passive)."""
+        ...
+
+
+class ReplicationContext(Protocol):
+    """What the replication source and replica use of the broker."""
+
+    @property
+    def settings(self) -> BrokerSettings:
+        """Name, replication timeouts and limits."""
+        ...
+
+    @property
+    def role(self) -> Role:
+        """This broker's role now."""
+        ...
+
+    @property
+    def epoch(self) -> int:
+        """The highest epoch this broker has seen (persisted)."""
+        ...
+
+    @property
+    def committer(self) -> ReplicatedLog:
+        """The journal's group committer."""
+        ...
+
+    @property
+    def vhost(self) -> ReplicatedState:
+        """The virtual host."""
+        ...
+
+    @property
+    def damaged(self) -> bool:
+        """Its journal lost data to corruption (then, as active, it never makes its passive
+        discard: catch-up must not spread the loss)."""
+        ...
+
+    def replication_token(self) -> str | None:
+        """The link's shared secret (None: none configured, nobody is authenticated)."""
+        ...
+
+    def learn_epoch(self, epoch: int, source: str) -> bool:
+        """An authenticated peer knows `epoch`: persist it if higher (an active steps down).
+
+        Returns False if it was refused as an implausible jump (logged and
+        reported by the broker); the caller then closes the link.
+        """
+        ...
