@@ -16,8 +16,8 @@ import uvloop
 from twinmq.broker.settings import BrokerSettings, parse_args
 
 
-async def serve(settings: BrokerSettings) -> None:
-    """Start a broker and run it until a termination signal."""
+async def serve(settings: BrokerSettings) -> int:
+    """Start a broker and run it until a termination signal; return the exit status."""
     from twinmq.broker.server import Broker
 
     broker = Broker(settings)
@@ -32,9 +32,17 @@ async def serve(settings: BrokerSettings) -> None:
         f"replication={broker.replication_port}",
         flush=True,
     )
-    await stop.wait()
-    logging.getLogger(__name__).info("termination signal: shutting down")
+    signalled = asyncio.ensure_future(stop.wait())
+    requested = asyncio.ensure_future(broker.exit_requested.wait())
+    await asyncio.wait({signalled, requested}, return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    requested.cancel()
+    if broker.exit_requested.is_set():
+        logging.getLogger(__name__).error("stopping by itself (exit %d)", broker.exit_code)
+    else:
+        logging.getLogger(__name__).info("termination signal: shutting down")
     await broker.stop()
+    return broker.exit_code
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s %(levelname)s [{settings.name}] %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    uvloop.run(serve(settings))
+    sys.exit(uvloop.run(serve(settings)))
 
 
 if __name__ == "__main__":

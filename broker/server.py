@@ -158,6 +158,10 @@ class WallClock:
         return self.loop.call_later(delay, callback)  # type: ignore[arg-type]
 
 
+# The process's exit status when a passive stops after a failed journal write.
+EXIT_JOURNAL_FAILED = 75  # EX_TEMPFAIL: a restart is the remedy
+
+
 class Broker:
     """A running broker: listeners, journal, virtual host, alarms, admin API."""
 
@@ -175,6 +179,9 @@ class Broker:
         self.authenticator = Authenticator.from_file(settings.users_file)
         self.protocols: set[AMQPProtocol] = set()
         self.started = time.time()
+        # Set when the broker must stop by itself (`serve` exits with `exit_code`).
+        self.exit_requested = asyncio.Event()
+        self.exit_code = 0
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.epochs = EpochStore(settings.data_dir / "epoch.json")
         self.epochs.raise_to(settings.epoch)
@@ -428,6 +435,7 @@ class Broker:
         from twinmq.broker.admin import start_admin
 
         self.committer.start()
+        self.committer.await_durable(self)
         metrics.EPOCH.set(self.epoch)
         metrics.ROLE.set(1 if self.role == "active" else 0)
         server = await self.loop.create_server(
@@ -473,6 +481,26 @@ class Broker:
     def replication_port(self) -> int:
         """The bound replication port."""
         return int(self._servers[2].sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+
+    def durable(self, batch: int, failed: bool = False) -> bool:
+        """Group commit's outcome of every batch: a passive stops if one failed.
+
+        A passive applies a replicated batch to its queues before writing it, so
+        after a failed write its memory holds messages its disk does not. Its next
+        catch-up snapshot (taken from memory) would tell the active it has them, and
+        a confirmed message would then live on one disk only. The disk is the truth:
+        the passive exits, and its restart recovers from the journal and catches up
+        (the active meanwhile confirms alone, degraded). An active just nacks.
+        """
+        if failed and self.role == "passive" and not self.exit_requested.is_set():
+            log.critical(
+                "passive: a replicated batch could not be journaled (%s); exiting so "
+                "that a restart recovers from the journal (memory and disk disagree)",
+                self.committer.failure,
+            )
+            self.exit_code = EXIT_JOURNAL_FAILED
+            self.exit_requested.set()
+        return True
 
     async def stop(self) -> None:
         """Close clients with 320, flush the journal, stop everything."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import time
 import urllib.request
@@ -20,6 +21,7 @@ from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.broker.journal import Journal, JournalError, StoredMessage
 from twinmq.broker.launcher import BrokerProcess
+from twinmq.broker.server import EXIT_JOURNAL_FAILED
 
 
 @pytest.fixture
@@ -252,3 +254,69 @@ def test_a_failed_batch_is_never_acknowledged_by_a_later_write_that_succeeded(
     assert (1, True) in told, f"batch 1's write failed but its waiters heard {told}"
     assert told[-1] == (2, False)
     assert (1, False) not in told
+
+
+def _ready(broker: BrokerProcess) -> bool:
+    with urllib.request.urlopen(broker.admin_url + "/status", timeout=5) as resp:
+        return BrokerStatus.model_validate_json(resp.read()).replication.ready
+
+
+@pytest.mark.timeout(180)
+def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """The passive never acknowledges a batch it could not write; it exits (its memory
+    holds what its disk does not), the active goes on alone, and after a restart the
+    passive catches up: a failover then finds every confirmed message."""
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (11 * 1024 * 1024))
+    env = {"TWINMQ_REPLICATION_TOKEN": "disk-full-pair"}
+    common = ["--epoch", "1", "--replication-timeout", "2", "--disk-free-limit", "0"]
+    active = BrokerProcess(tmp_path / "a", name="a", env=env, extra_args=common).start()
+    passive_args = [*common, "--role", "passive", "--replicate-from", active.replication_address]
+    passive = BrokerProcess(
+        small_disk / "b", name="b", env=env, extra_args=passive_args,
+        log_path=tmp_path / "b.log",
+    ).start()  # fmt: skip
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(active.url))
+        ch = conn.channel()
+        ch.queue_declare("pair.q", durable=True)
+        ch.confirm_delivery()
+        deadline = time.monotonic() + 30
+        while not _ready(passive):
+            assert time.monotonic() < deadline, "the passive never caught up"
+            time.sleep(0.1)
+        body = b"p" * 4096
+        total = 2000
+        for i in range(total):
+            ch.basic_publish(
+                "", "pair.q", body + str(i).encode(), pika.BasicProperties(delivery_mode=2)
+            )
+        conn.close()
+        assert passive.proc is not None
+        assert passive.proc.wait(timeout=30) == EXIT_JOURNAL_FAILED
+        assert "could not be journaled" in (tmp_path / "b.log").read_text()
+
+        filler.unlink()
+        restarted = BrokerProcess(
+            small_disk / "b", name="b", env=env, extra_args=passive_args, port=passive.port,
+            log_path=tmp_path / "b.log",
+        ).start()  # fmt: skip
+        passive = restarted
+        deadline = time.monotonic() + 60
+        while not _ready(passive):
+            assert time.monotonic() < deadline, "the restarted passive never caught up"
+            time.sleep(0.2)
+        active.kill()
+        request = urllib.request.Request(
+            passive.admin_url + "/role",
+            data=json.dumps({"role": "active", "epoch": 2}).encode(),
+            method="POST",
+        )
+        urllib.request.urlopen(request, timeout=10).close()
+        seen = {b[len(body) :].decode() for b in drain(passive, "pair.q")}
+        assert seen == {str(i) for i in range(total)}, "a confirmed message was lost"
+    finally:
+        active.kill()
+        passive.stop()
