@@ -173,3 +173,29 @@ def test_transient_messages_do_not_survive_restart(tmp_path: Path) -> None:
         port = broker.port
     with BrokerProcess(data, name="transient", port=port) as broker:
         assert _drain(broker, "mixed.q") == [b"persistent"]
+
+
+def test_a_restarted_active_never_reuses_replication_ids_of_its_previous_run(
+    tmp_path: Path,
+) -> None:
+    """Batches reach the passive before this disk: ids handed out by a killed run may live
+    on the passive only, so a restart in the same epoch starts past them."""
+    from twinmq.broker.journal import Journal
+    from twinmq.broker.server import RESTART_MID_GAP
+
+    data = tmp_path / "data"
+    for body in (b"first run", b"second run"):
+        with BrokerProcess(data, name="ids") as broker:
+            conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+            ch = conn.channel()
+            ch.queue_declare("ids.q", durable=True)
+            ch.confirm_delivery()
+            ch.basic_publish("", "ids.q", body, pika.BasicProperties(delivery_mode=2))
+            conn.close()
+            broker.kill()
+    journal = Journal(data / "journal")
+    recovered = journal.open()
+    asyncio.run(journal.close())
+    (messages,) = recovered.messages.values()
+    first, second = (m.mid for m in messages)
+    assert second - first >= RESTART_MID_GAP
