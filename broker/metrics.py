@@ -57,3 +57,12 @@ REPLICATION_LAG_SECONDS = Gauge(
 DUPLICATES = Counter(
     "twinmq_messages_deduplicated", "Re-sent messages dropped because their message id was seen"
 )
+QUARANTINED = Counter(
+    "twinmq_messages_quarantined",
+    "Messages whose handling failed and was contained to them (by stage); none was dropped",
+    ["stage"],
+)
+HELD_ASIDE = Gauge(
+    "twinmq_messages_held_aside",
+    "Quarantined messages set aside in their queue (kept in the journal, retried on restart)",
+)
