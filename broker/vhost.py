@@ -190,14 +190,17 @@ class VirtualHost:
                     len(opaque),
                     opaque[0],
                 )
-            if not replica_mode:
-                queue.expire(now)
-                self._schedule_expiry(queue)
-                self._touch(queue)
         for bdef in defs.bindings:
             exchange = self.exchanges.get(bdef.exchange)
             if exchange is not None and bdef.queue in self.queues:
                 exchange.bind(bdef)
+        if not replica_mode:
+            # Only now that every queue and binding is back: a message that expired while
+            # the broker was down is dead-lettered, not lost to a half-built topology.
+            for queue in list(self.queues.values()):
+                queue.expire(now)
+                self._schedule_expiry(queue)
+                self._touch(queue)
 
     def definitions(self) -> Definitions:
         """The durable topology as it stands."""
