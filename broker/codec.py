@@ -281,7 +281,6 @@ PROPERTY_FLAGS: Final[tuple[tuple[int, str, str], ...]] = (
     (0x0008, "app-id", "shortstr"),
     (0x0004, "cluster-id", "shortstr"),
 )
-_KNOWN_FLAGS: Final = 0xFFFC
 
 
 def decode_content_header(payload: bytes) -> ContentHeaderInfo:
@@ -300,9 +299,9 @@ def decode_content_header(payload: bytes) -> ContentHeaderInfo:
     try:
         class_id, _weight, body_size, flags = _HEADER_PREFIX.unpack_from(payload)
         pos = 14
-        if flags & 1:
-            raise AMQPError(ReplyCode.FRAME_ERROR, "continued property flags are not supported")
-        if flags & ~_KNOWN_FLAGS & 0xFFFF:
+        if flags & 3:
+            if flags & 1:
+                raise AMQPError(ReplyCode.FRAME_ERROR, "continued property flags are not supported")
             raise AMQPError(
                 ReplyCode.SYNTAX_ERROR, f"unknown content header property flags {flags:#06x}"
             )
@@ -336,13 +335,14 @@ def decode_content_header(payload: bytes) -> ContentHeaderInfo:
             pos = _skip_short_str(payload, pos)
         if flags & 0x0010:  # user-id
             user_id, pos = _short_str(payload, pos)
-        if flags & 0x0008:  # app-id
-            pos = _skip_short_str(payload, pos)
-        if flags & 0x0004:  # cluster-id (deprecated; carried as sent)
-            pos = _skip_short_str(payload, pos)
-        if pos > len(payload):
-            raise ValueError("properties overrun the frame")
-        if pos < len(payload):
+        if flags & 0x000C:
+            if flags & 0x0008:  # app-id
+                pos = _skip_short_str(payload, pos)
+            if flags & 0x0004:  # cluster-id (deprecated; carried as sent)
+                pos = _skip_short_str(payload, pos)
+        if pos != len(payload):
+            if pos > len(payload):
+                raise ValueError("properties overrun the frame")
             raise ValueError(f"{len(payload) - pos} bytes after the last property")
     except AMQPError:
         raise
