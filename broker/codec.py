@@ -180,6 +180,10 @@ def _short_str(data: bytes, pos: int) -> tuple[str, int]:
     return data[pos + 1 : end].decode("utf-8"), end
 
 
+# Method fields that carry field tables (queue/exchange arguments, client properties).
+_TABLE_ARGUMENTS: Final = ("arguments", "client_properties")
+
+
 def decode_method(payload: bytes) -> Method:
     """Decode a method frame's payload; `AMQPError` for an unknown or malformed method."""
     if len(payload) < 4:
@@ -207,7 +211,22 @@ def decode_method(payload: bytes) -> Method:
     except (IndexError, ValueError, struct.error) as exc:
         raise AMQPError(ReplyCode.FRAME_ERROR, f"malformed method frame: {exc}") from exc
     try:
-        return pamqp_frame._unmarshal_method_frame(payload)
+        method = pamqp_frame._unmarshal_method_frame(payload)
+        for name in _TABLE_ARGUMENTS:
+            table = getattr(method, name, None)
+            if table:
+                fieldtable.check_decoded(table)
+        return method
+    except fieldtable.FieldTableError as exc:
+        raise AMQPError(exc.code, f"{name} table refused: {exc}", class_id, method_id) from None
+    except RecursionError:
+        # pamqp's decoder is recursive: a table nested thousands deep ends here.
+        raise AMQPError(
+            ReplyCode.SYNTAX_ERROR,
+            f"field table nested deeper than {fieldtable.MAX_DEPTH} levels",
+            class_id,
+            method_id,
+        ) from None
     except UnmarshalingException as exc:
         if index not in commands.INDEX_MAPPING:
             raise AMQPError(
@@ -223,6 +242,14 @@ def decode_method(payload: bytes) -> Method:
         raise AMQPError(
             ReplyCode.FRAME_ERROR, f"malformed method frame {class_id}.{method_id}"
         ) from exc
+    except (OverflowError, OSError) as exc:
+        # pamqp turns table timestamps into datetimes: one past year 9999 cannot be.
+        raise AMQPError(
+            ReplyCode.SYNTAX_ERROR,
+            f"method {class_id}.{method_id} carries a value out of range: {exc}",
+            class_id,
+            method_id,
+        ) from None
 
 
 # Tables already checked, by their bytes (one publisher tends to send the same headers);

@@ -327,3 +327,30 @@ def to_python(value: Value) -> Any:
     except (ValueError, OverflowError, OSError, ArithmeticError):
         return raw
     return None  # "V": void
+
+
+def check_decoded(value: Any) -> None:
+    """Apply the bounds to a table another codec decoded (pamqp, for method arguments).
+
+    Method arguments (`queue.declare`, `queue.bind`, ...) end up in the stored
+    definitions, whose JSON reader stops at a few hundred levels: a deeper table
+    accepted here would stop the broker's next start. Raises `FieldTableError`.
+    """
+    budget = _Budget()
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise FieldTableError(
+                ReplyCode.SYNTAX_ERROR, f"field table nested deeper than {MAX_DEPTH} levels"
+            )
+        if isinstance(item, dict):
+            for child in item.values():
+                budget.take()
+                if isinstance(child, dict | list):
+                    stack.append((child, depth + 1))
+        elif isinstance(item, list):
+            for child in item:
+                budget.take()
+                if isinstance(child, dict | list):
+                    stack.append((child, depth + 1))

@@ -515,3 +515,18 @@ def test_a_stored_header_the_broker_would_refuse_is_recovered_as_opaque_bytes(
         assert "Traceback" not in log
     finally:
         restarted.stop()
+
+
+@pytest.mark.parametrize("depth", [100, 5000])
+def test_deeply_nested_queue_arguments_are_refused_and_never_stored(rig: Rig, depth: int) -> None:
+    # Stored definitions deeper than ~200 levels would not load again: the next start fails.
+    declare = struct.pack(">HHH", 50, 10, 0) + b"\x06deep.q" + b"\x02" + nested_table(depth)
+    with opened(rig.broker) as client:
+        client.send(raw_frame(1, 1, declare))
+        close = next_method(client)
+        assert isinstance(close, commands.Connection.Close) and close.reply_code == 502, close
+    with opened(rig.broker) as client:
+        client.send_frame(1, commands.Queue.Declare(queue="deep.q", passive=True))
+        missing = next_method(client)
+        assert isinstance(missing, commands.Channel.Close) and missing.reply_code == 404
+    assert "Traceback" not in rig.log()
