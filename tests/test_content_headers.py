@@ -26,6 +26,7 @@ from twinmq.broker.codec import (
     MAX_EXPIRY_MS,
     decode_content_header,
     decode_headers,
+    decode_method,
     property_spans,
     rebuild_header,
 )
@@ -356,3 +357,29 @@ def test_a_cycle_without_a_rejection_is_detected() -> None:
     )
     # A consumer took part (the rejection): a retry loop, not a cycle.
     assert not is_cycle(rejected.headers, "a")
+
+
+# -- tables in method arguments ---------------------------------------------------------------
+
+
+def _queue_declare(arguments: bytes) -> bytes:
+    return struct.pack(">HHH", 50, 10, 0) + b"\x01q" + b"\x00" + arguments
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 20_000])
+def test_method_arguments_nested_too_deep_are_a_syntax_error(depth: int) -> None:
+    with pytest.raises(AMQPError) as info:
+        decode_method(_queue_declare(nested_table(depth)))
+    assert info.value.code == ReplyCode.SYNTAX_ERROR and info.value.connection_level
+
+
+def test_method_arguments_within_the_bounds_decode() -> None:
+    method = decode_method(_queue_declare(nested_table(MAX_DEPTH)))
+    assert isinstance(method, commands.Queue.Declare) and method.arguments
+
+
+def test_a_method_argument_pamqp_cannot_represent_is_a_protocol_error() -> None:
+    stamp = b"\x01tT" + struct.pack(">Q", 2**64 - 1)
+    with pytest.raises(AMQPError) as info:
+        decode_method(_queue_declare(struct.pack(">I", len(stamp)) + stamp))
+    assert info.value.code in (ReplyCode.FRAME_ERROR, ReplyCode.SYNTAX_ERROR)
