@@ -327,4 +327,5 @@ class Queue:
             try:
                 consumer.deliver(self, entry)
             except Exception as exc:  # one message's failure never stops the queue
-                self.hold_aside(entry, "delivery", exc)
+                if entry.message.mid not in self.delivered:  # else it did go out
+                    self.hold_aside(entry, "delivery", exc)

@@ -13,7 +13,9 @@ import struct
 from pathlib import Path
 
 import pytest
+from pamqp import commands
 from poison import header_with_table, nested_table
+from rawamqp import encode
 from sansio import Harness, ManualClock
 
 from twinmq.broker.codec import decode_headers
@@ -153,5 +155,36 @@ def test_a_far_expiry_read_from_disk_arms_a_bounded_timer(tmp_path: Path) -> Non
     try:
         harness.clock.advance(2 * 86400)  # the daily re-arm fires and finds it alive
         assert [e.message.body for e in harness.vhost.queues["src"].entries] == [b"f"]
+    finally:
+        harness.close()
+
+
+def test_a_delivery_that_fails_quarantines_that_message_and_the_consumer_carries_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A peer of another version replicated a message basic.deliver cannot carry (a routing
+    # key over 255 bytes); this broker, promoted, tries to deliver it to a consumer.
+    plant(tmp_path, dead_letter_topology({}), [])
+    harness = Harness(tmp_path)
+    try:
+        plain = struct.pack(">HHQH", 60, 0, 1, 0)
+        harness.vhost.apply_ops(
+            [
+                StoredMessage(1, 1, "", "k" * 300, plain, b"x", None),
+                StoredMessage(2, 1, "", "src", plain, b"y", None),
+            ]
+        )
+        peer = harness.connect()
+        peer.handshake()
+        peer.feed(encode(1, commands.Channel.Open()))
+        with caplog.at_level(logging.ERROR):
+            frames = peer.exchange(encode(1, commands.Basic.Consume(queue="src", no_ack=True)))
+        deliveries = [f for _, f in frames if isinstance(f, commands.Basic.Deliver)]
+        assert [d.routing_key for d in deliveries] == ["src"]
+        assert not any(isinstance(f, commands.Connection.Close) for _, f in frames)
+        src = harness.vhost.queues["src"]
+        assert list(src.held_aside) == [1]
+        assert [m.mid for m in harness.vhost.live_messages()[1]] == [1]  # y was no-ack
+        assert "message 1 quarantined during delivery" in caplog.text
     finally:
         harness.close()
