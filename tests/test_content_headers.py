@@ -44,6 +44,7 @@ from twinmq.broker.fieldtable import (
     encode_table,
     to_python,
 )
+from twinmq.broker.routing import headers_match
 
 # TWINMQ_FUZZ_EXAMPLES=5000 for a long hunt; the default keeps the file a few seconds.
 EXAMPLES = int(os.environ.get("TWINMQ_FUZZ_EXAMPLES", "60"))
@@ -383,3 +384,19 @@ def test_a_method_argument_pamqp_cannot_represent_is_a_protocol_error() -> None:
     with pytest.raises(AMQPError) as info:
         decode_method(_queue_declare(struct.pack(">I", len(stamp)) + stamp))
     assert info.value.code in (ReplyCode.FRAME_ERROR, ReplyCode.SYNTAX_ERROR)
+
+
+# -- headers-exchange matching on decoded values ------------------------------------------------
+
+
+def test_headers_match_compares_text_and_bytes_by_their_bytes() -> None:
+    binding = {"x-match": "all", "k": "v"}
+    assert headers_match(binding, {"k": b"v"}) and headers_match(binding, {"k": bytearray(b"v")})
+    assert not headers_match(binding, {"k": b"\xff"})
+
+
+@FUZZ
+@given(tables, tables)
+def test_headers_match_never_raises_on_decoded_tables(headers: Table, arguments: Table) -> None:
+    for mode in ("all", "any", "all-with-x", "any-with-x"):
+        headers_match({**to_python(arguments), "x-match": mode}, to_python(headers))
