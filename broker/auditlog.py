@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from twinmq.audit.records import AUDIT_FIELDS, AuditEvent
-from twinmq.broker.codec import decode_content_header
+from twinmq.broker.codec import header_message_id
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class AuditLog:
         for op in ops:
             queue = json.dumps(self.queue_name(op.qid))
             if type(op) is StoredMessage:
-                message_id = decode_content_header(op.header).message_id
+                message_id = header_message_id(op.header)
                 buf.append(
                     f'{head}{queue},"replication_id":{op.mid},"message_id":'
                     f'{json.dumps(message_id)},"digest":"{body_digest(op.body)}",'

@@ -5,6 +5,24 @@
 them) and content headers have hand-written codecs: decoding a content header
 into a property object per message costs more than routing it, and the broker
 only needs five of its properties.
+
+Content headers: validated at publish, then opaque bytes. `decode_content_header`
+checks every property of every published message (structure, UTF-8 short
+strings, the headers table within the bounds of `fieldtable`) and refuses a bad
+one with a connection error (501 frame error when it cannot be decoded, 502
+syntax error when it holds values the broker will not carry). From then on the
+header is bytes: delivered as received, journaled and replicated as received.
+The two places that must look inside (headers-exchange routing and the
+`x-death` rewrite of dead-lettering) use the lossless `fieldtable` codec and
+`rebuild_header`, which copy every property they do not change byte for byte
+and never interpret a value (a timestamp, a decimal, a byte array), so no value
+can make them raise. Why this and not "opaque everywhere": the broker must read
+headers to route and must write `x-death`, and a header the broker cannot read
+would also break the consumers' client libraries (pika and pamqp decode every
+property); refusing it at the door is the one place where the publisher, not an
+innocent consumer, hears about it. Headers that never passed this check (stored
+by another broker version) are still handled: `header_message_id` never raises,
+and dead-lettering falls back to forwarding such a header unchanged.
 """
 
 from __future__ import annotations
@@ -13,11 +31,12 @@ import struct
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-from pamqp import commands, decode, header
+from pamqp import commands, header
 from pamqp import frame as pamqp_frame
 from pamqp.base import Frame as MethodFrame
 from pamqp.exceptions import UnmarshalingException
 
+from twinmq.broker import fieldtable
 from twinmq.broker.errors import AMQPError, ReplyCode
 
 FRAME_METHOD: Final = 1
@@ -39,6 +58,8 @@ _U64 = struct.Struct(">Q")
 _HEADER_PREFIX = struct.Struct(">HHQH")  # class, weight, body size, first flags word
 _ACK = struct.Struct(">HHQB")
 _ACK_FRAME = struct.Struct(">BHIHHQBB")
+
+MAX_EXPIRY_MS: Final = 0xFFFFFFFF  # RabbitMQ's bound on expiration and TTL arguments
 
 BASIC_PUBLISH: Final = (60 << 16) | 40
 BASIC_ACK: Final = (60 << 16) | 80
@@ -159,6 +180,10 @@ def _short_str(data: bytes, pos: int) -> tuple[str, int]:
     return data[pos + 1 : end].decode("utf-8"), end
 
 
+# Method fields that carry field tables (queue/exchange arguments, client properties).
+_TABLE_ARGUMENTS: Final = ("arguments", "client_properties")
+
+
 def decode_method(payload: bytes) -> Method:
     """Decode a method frame's payload; `AMQPError` for an unknown or malformed method."""
     if len(payload) < 4:
@@ -186,7 +211,22 @@ def decode_method(payload: bytes) -> Method:
     except (IndexError, ValueError, struct.error) as exc:
         raise AMQPError(ReplyCode.FRAME_ERROR, f"malformed method frame: {exc}") from exc
     try:
-        return pamqp_frame._unmarshal_method_frame(payload)
+        method = pamqp_frame._unmarshal_method_frame(payload)
+        for name in _TABLE_ARGUMENTS:
+            table = getattr(method, name, None)
+            if table:
+                fieldtable.check_decoded(table)
+        return method
+    except fieldtable.FieldTableError as exc:
+        raise AMQPError(exc.code, f"{name} table refused: {exc}", class_id, method_id) from None
+    except RecursionError:
+        # pamqp's decoder is recursive: a table nested thousands deep ends here.
+        raise AMQPError(
+            ReplyCode.SYNTAX_ERROR,
+            f"field table nested deeper than {fieldtable.MAX_DEPTH} levels",
+            class_id,
+            method_id,
+        ) from None
     except UnmarshalingException as exc:
         if index not in commands.INDEX_MAPPING:
             raise AMQPError(
@@ -202,44 +242,96 @@ def decode_method(payload: bytes) -> Method:
         raise AMQPError(
             ReplyCode.FRAME_ERROR, f"malformed method frame {class_id}.{method_id}"
         ) from exc
+    except (OverflowError, OSError) as exc:
+        # pamqp turns table timestamps into datetimes: one past year 9999 cannot be.
+        raise AMQPError(
+            ReplyCode.SYNTAX_ERROR,
+            f"method {class_id}.{method_id} carries a value out of range: {exc}",
+            class_id,
+            method_id,
+        ) from None
 
 
+# Tables already checked, by their bytes (one publisher tends to send the same headers);
+# only small ones, so the cache stays small however many distinct tables arrive.
 _VALID_TABLES: dict[bytes, None] = {}
+_VALID_TABLES_MAX = 4096
+_CACHED_TABLE_MAX = 2048
 
 
-def _check_table(table: bytes) -> None:
-    """Refuse a malformed headers table here, before it can poison a consumer.
-
-    Decoding costs tens of microseconds per table, so tables already seen (one
-    publisher tends to send the same headers) are remembered, boundedly.
-    """
+def _check_table(payload: bytes, pos: int) -> int:
+    """Check the headers table at `pos` (see `fieldtable`); returns the offset after it."""
+    if len(payload) - pos < 4:
+        raise AMQPError(ReplyCode.FRAME_ERROR, "headers table overruns the content header")
+    end: int = pos + 4 + _U32.unpack_from(payload, pos)[0]
+    if end > len(payload):
+        raise AMQPError(ReplyCode.FRAME_ERROR, "headers table overruns the content header")
+    table = payload[pos:end]
     if table in _VALID_TABLES:
-        return
+        return end
     try:
-        used, _ = decode.field_table(table)
-    except (ValueError, UnicodeDecodeError, IndexError, struct.error, KeyError) as exc:
-        raise AMQPError(ReplyCode.FRAME_ERROR, f"malformed headers table: {exc}") from exc
-    if used != len(table):
-        raise AMQPError(ReplyCode.FRAME_ERROR, "malformed headers table: length mismatch")
-    if len(_VALID_TABLES) >= 4096:
-        _VALID_TABLES.clear()
-    _VALID_TABLES[table] = None
+        fieldtable.decode_table(table)
+    except fieldtable.FieldTableError as exc:
+        raise AMQPError(exc.code, f"headers table refused: {exc}", 60, 40) from None
+    if len(table) <= _CACHED_TABLE_MAX:
+        if len(_VALID_TABLES) >= _VALID_TABLES_MAX:
+            _VALID_TABLES.clear()
+        _VALID_TABLES[table] = None
+    return end
 
 
 def _skip_short_str(data: bytes, pos: int) -> int:
-    return pos + 1 + data[pos]
+    """The offset after the short string at `pos`, which must be UTF-8 (AMQP 4.2.5.3)."""
+    end = pos + 1 + data[pos]
+    if end > len(data):
+        raise IndexError("short string overruns the content header")
+    raw = data[pos + 1 : end]
+    if not raw.isascii():
+        raw.decode("utf-8")  # UnicodeDecodeError: refused as a syntax error
+    return end
+
+
+# Property flags of the basic class, in wire order (bit 15 first), and their AMQP types.
+PROPERTY_FLAGS: Final[tuple[tuple[int, str, str], ...]] = (
+    (0x8000, "content-type", "shortstr"),
+    (0x4000, "content-encoding", "shortstr"),
+    (0x2000, "headers", "table"),
+    (0x1000, "delivery-mode", "octet"),
+    (0x0800, "priority", "octet"),
+    (0x0400, "correlation-id", "shortstr"),
+    (0x0200, "reply-to", "shortstr"),
+    (0x0100, "expiration", "shortstr"),
+    (0x0080, "message-id", "shortstr"),
+    (0x0040, "timestamp", "timestamp"),
+    (0x0020, "type", "shortstr"),
+    (0x0010, "user-id", "shortstr"),
+    (0x0008, "app-id", "shortstr"),
+    (0x0004, "cluster-id", "shortstr"),
+)
 
 
 def decode_content_header(payload: bytes) -> ContentHeaderInfo:
-    """Read body size, delivery mode, expiration and message-id from a content header.
+    """Validate a content header and read what the broker needs from it.
 
-    Walks the property list by its flags without building a property object.
+    Every property is checked here, at publish, so nothing downstream (headers
+    routing, dead-lettering, delivery, recovery) meets a header it cannot handle:
+    lengths within the frame and nothing after the last property (else 501
+    frame error), every short string UTF-8, no unknown property flag, the headers
+    table within the bounds of `fieldtable` (else 502 syntax error). Values are
+    otherwise carried as sent: a timestamp, a delivery mode or a priority is never
+    interpreted beyond what the broker needs. Walks the property list by its
+    flags without building a property object (tables are checked once per distinct
+    table, from a bounded cache).
     """
     try:
         class_id, _weight, body_size, flags = _HEADER_PREFIX.unpack_from(payload)
         pos = 14
-        if flags & 1:
-            raise AMQPError(ReplyCode.FRAME_ERROR, "continued property flags are not supported")
+        if flags & 3:
+            if flags & 1:
+                raise AMQPError(ReplyCode.FRAME_ERROR, "continued property flags are not supported")
+            raise AMQPError(
+                ReplyCode.SYNTAX_ERROR, f"unknown content header property flags {flags:#06x}"
+            )
         persistent = False
         expiration: int | None = None
         message_id: str | None = None
@@ -249,9 +341,7 @@ def decode_content_header(payload: bytes) -> ContentHeaderInfo:
         if flags & 0x4000:  # content-encoding
             pos = _skip_short_str(payload, pos)
         if flags & 0x2000:  # headers
-            (table_len,) = struct.unpack_from(">I", payload, pos)
-            _check_table(payload[pos : pos + 4 + table_len])
-            pos += 4 + table_len
+            pos = _check_table(payload, pos)
         if flags & 0x1000:  # delivery-mode
             persistent = payload[pos] == 2
             pos += 1
@@ -272,20 +362,128 @@ def decode_content_header(payload: bytes) -> ContentHeaderInfo:
             pos = _skip_short_str(payload, pos)
         if flags & 0x0010:  # user-id
             user_id, pos = _short_str(payload, pos)
-        if pos > len(payload):
-            raise ValueError("properties overrun the frame")
+        if flags & 0x000C:
+            if flags & 0x0008:  # app-id
+                pos = _skip_short_str(payload, pos)
+            if flags & 0x0004:  # cluster-id (deprecated; carried as sent)
+                pos = _skip_short_str(payload, pos)
+        if pos != len(payload):
+            if pos > len(payload):
+                raise ValueError("properties overrun the frame")
+            raise ValueError(f"{len(payload) - pos} bytes after the last property")
     except AMQPError:
         raise
+    except UnicodeDecodeError:
+        raise AMQPError(
+            ReplyCode.SYNTAX_ERROR, "content header property is not valid UTF-8", 60, 40
+        ) from None
     except (IndexError, ValueError, struct.error) as exc:
-        raise AMQPError(ReplyCode.FRAME_ERROR, f"malformed content header: {exc}") from exc
+        raise AMQPError(ReplyCode.FRAME_ERROR, f"malformed content header: {exc}") from None
     return ContentHeaderInfo(class_id, body_size, persistent, expiration, message_id, user_id)
+
+
+def header_message_id(payload: bytes) -> str | None:
+    """The message id of a stored or replicated header, None if it has none or is malformed.
+
+    Never raises: recovery, replication and the audit log call it on headers another
+    broker version may have accepted.
+    """
+    try:
+        return decode_content_header(payload).message_id
+    except AMQPError:
+        return None
+
+
+def property_spans(payload: bytes) -> dict[int, tuple[int, int]]:
+    """Where each present property's encoded value lies: flag -> (start, end).
+
+    Structure only (lengths, no UTF-8 or table checks); `ValueError` if the
+    properties overrun the payload or a continued flags word is set.
+    """
+    if len(payload) < 14:
+        raise ValueError("content header too short")
+    flags = _U16.unpack_from(payload, 12)[0]
+    if flags & 1:
+        raise ValueError("continued property flags")
+    spans: dict[int, tuple[int, int]] = {}
+    pos = 14
+    n = len(payload)
+    for flag, _name, kind in PROPERTY_FLAGS:
+        if not flags & flag:
+            continue
+        if pos >= n:
+            raise ValueError("properties overrun the content header")
+        if kind == "shortstr":
+            end = pos + 1 + payload[pos]
+        elif kind == "table":
+            if n - pos < 4:
+                raise ValueError("headers table overruns the content header")
+            end = pos + 4 + _U32.unpack_from(payload, pos)[0]
+        elif kind == "octet":
+            end = pos + 1
+        else:
+            end = pos + 8
+        if end > n:
+            raise ValueError("properties overrun the content header")
+        spans[flag] = (pos, end)
+        pos = end
+    return spans
+
+
+def rebuild_header(
+    payload: bytes, replace: dict[int, bytes | None], body_size: int | None = None
+) -> bytes:
+    """A content header with some properties replaced (raw encoded bytes) or removed (None).
+
+    Every other property is copied byte for byte: the broker never re-encodes what it
+    did not change. `ValueError` if the payload's properties cannot be walked.
+    """
+    spans = property_spans(payload)
+    class_id, weight, size = struct.unpack_from(">HHQ", payload)
+    flags = 0
+    parts: list[bytes] = []
+    for flag, _name, _kind in PROPERTY_FLAGS:
+        if flag in replace:
+            value = replace[flag]
+        elif flag in spans:
+            start, end = spans[flag]
+            value = payload[start:end]
+        else:
+            value = None
+        if value is not None:
+            flags |= flag
+            parts.append(value)
+    size = size if body_size is None else body_size
+    return struct.pack(">HHQH", class_id, weight, size, flags) + b"".join(parts)
+
+
+def decode_headers(payload: bytes) -> fieldtable.Table:
+    """The headers table of a content header (empty if it has none).
+
+    Raises `ValueError` (`fieldtable.FieldTableError` included) if the header or the
+    table is malformed or beyond the bounds.
+    """
+    span = property_spans(payload).get(0x2000)
+    if span is None:
+        return fieldtable.Table()
+    table, _end = fieldtable.decode_table(payload[span[0] : span[1]])
+    return table
 
 
 def parse_expiration(text: str) -> int:
     """Parse the `expiration` property (milliseconds as a decimal string), as RabbitMQ does."""
-    if not text.isdigit():
+    # ASCII digits only: str.isdigit() is true for "²", which int() refuses.
+    if not (text.isascii() and text.isdigit()):
         raise AMQPError(ReplyCode.PRECONDITION_FAILED, f"invalid expiration '{text}'", 60, 40)
-    return int(text)
+    value = int(text)
+    if value > MAX_EXPIRY_MS:
+        raise AMQPError(
+            ReplyCode.PRECONDITION_FAILED,
+            f"invalid expiration '{text}': larger than {MAX_EXPIRY_MS} ms",
+            60,
+            40,
+        )
+    return value
 
 
 def encode_method(channel: int, method: MethodFrame) -> bytes:
@@ -439,7 +637,11 @@ def encode_header_payload(properties: commands.Basic.Properties, body_size: int)
 
 
 def decode_properties(header_payload: bytes) -> commands.Basic.Properties:
-    """Fully decode a content header's properties (slow path: dead-lettering, admin)."""
+    """Fully decode a content header's properties with pamqp (tools and tests).
+
+    Lossy and may raise (`ValueError`, `OverflowError`: pamqp reads timestamps as
+    datetimes): the broker's own paths use `decode_headers` and `rebuild_header`.
+    """
     content = header.ContentHeader()
     content.unmarshal(header_payload)
     return content.properties

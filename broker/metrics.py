@@ -78,3 +78,12 @@ BROKER_DAMAGED = Gauge(
     "twinmq_broker_damaged",
     "1 while this broker recovered with journal corruption and was not repaired",
 )
+QUARANTINED = Counter(
+    "twinmq_messages_quarantined",
+    "Messages whose handling failed and was contained to them (by stage); none was dropped",
+    ["stage"],
+)
+HELD_ASIDE = Gauge(
+    "twinmq_messages_held_aside",
+    "Quarantined messages set aside in their queue (kept in the journal, retried on restart)",
+)

@@ -7,13 +7,20 @@ them in the journal and dead-letter them.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
+from twinmq.broker import metrics
+from twinmq.broker.codec import MAX_EXPIRY_MS
 from twinmq.broker.definitions import QueueDef
-from twinmq.broker.errors import ReplyCode, channel_error
+from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
 from twinmq.broker.message import Entry
+
+log = logging.getLogger(__name__)
+
+_TRACED: set[str] = set()
 
 DropReason = Literal["expired", "maxlen", "rejected", "delete"]
 Overflow = Literal["drop-head", "reject-publish", "reject-publish-dlx"]
@@ -50,8 +57,19 @@ class QueueArgs:
                 )
             return value
 
-        self.message_ttl = non_negative("x-message-ttl")
-        self.expires = non_negative("x-expires")
+        def timer(key: str) -> int | None:
+            # A timer longer than RabbitMQ's bound (2^32-1 ms, 49 days) is refused as there.
+            value = non_negative(key)
+            if value is not None and value > MAX_EXPIRY_MS:
+                raise channel_error(
+                    ReplyCode.PRECONDITION_FAILED,
+                    f"invalid arg '{key}' for queue: {value} is larger than {MAX_EXPIRY_MS}",
+                    (50, 10),
+                )
+            return value
+
+        self.message_ttl = timer("x-message-ttl")
+        self.expires = timer("x-expires")
         if self.expires == 0:
             raise channel_error(
                 ReplyCode.PRECONDITION_FAILED, "invalid arg 'x-expires': must be positive", (50, 10)
@@ -71,6 +89,13 @@ class QueueArgs:
                 raise channel_error(
                     ReplyCode.PRECONDITION_FAILED, f"invalid arg '{key}': not a string", (50, 10)
                 )
+            # Both end up in basic.deliver as short strings: 255 bytes at most.
+            if value is not None and len(value.encode("utf-8", "surrogatepass")) > 255:
+                raise channel_error(
+                    ReplyCode.PRECONDITION_FAILED,
+                    f"invalid arg '{key}': longer than 255 bytes",
+                    (50, 10),
+                )
         self.dead_letter_exchange: str | None = dlx
         self.dead_letter_routing_key: str | None = dlrk
         qtype = arguments.get("x-queue-type", "classic")
@@ -81,6 +106,28 @@ class QueueArgs:
                 ReplyCode.PRECONDITION_FAILED, f"invalid arg 'x-queue-type': {qtype!r}", (50, 10)
             )
 
+    @classmethod
+    def lenient(cls, name: str, arguments: dict[str, Any]) -> QueueArgs:
+        """The arguments of a queue that exists already (recovered or replicated).
+
+        A queue declared under other rules (an older broker, a peer of another
+        version) must still come back: an argument these rules refuse is ignored,
+        with one error line, instead of failing the broker's start.
+        """
+        try:
+            return cls(arguments)
+        except AMQPError:
+            pass
+        kept: dict[str, Any] = {}
+        for key, value in arguments.items():
+            try:
+                cls({**kept, key: value})
+            except AMQPError as exc:
+                log.error("queue %r: ignoring its argument %r: %s", name, key, exc.text)
+                continue
+            kept[key] = value
+        return cls(kept)
+
 
 class Queue:
     """A message queue."""
@@ -90,14 +137,23 @@ class Queue:
         definition: QueueDef,
         owner: object | None,
         on_drop: Callable[[Queue, Entry, DropReason], None],
+        *,
+        lenient: bool = False,
     ) -> None:
         self.definition = definition
-        self.args = QueueArgs(definition.arguments)
+        self.args = (
+            QueueArgs.lenient(definition.name, definition.arguments)
+            if lenient
+            else QueueArgs(definition.arguments)
+        )
         self.owner = owner  # the connection of an exclusive queue
         self.entries: deque[Entry] = deque()
         self.bytes = 0
         self.consumers: list[Consumer] = []
         self.delivered: dict[int, Entry] = {}  # delivered, not yet settled, by mid
+        # Entries whose handling failed (quarantined), by mid: never delivered, never
+        # settled, so they stay in the journal and come back (and are retried) on restart.
+        self.held_aside: dict[int, Entry] = {}
         self.had_consumers = False
         self.deleted = False
         self._next_consumer = 0
@@ -200,6 +256,31 @@ class Queue:
         self.bytes = 0
         return gone
 
+    def hold_aside(self, entry: Entry, stage: str, error: BaseException | str) -> None:
+        """Quarantine an entry whose handling failed: one log line, a metric, kept.
+
+        The failure stays with this message: the queue, its consumers and the
+        client whose action led here carry on.
+        """
+        mid = entry.message.mid
+        if mid in self.held_aside:
+            return
+        self.held_aside[mid] = entry
+        metrics.QUARANTINED.labels(stage).inc()
+        metrics.HELD_ASIDE.inc()
+        reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        log.error(
+            "queue %r: message %d quarantined during %s (%s); it is kept and retried on restart",
+            self.name,
+            mid,
+            stage,
+            reason,
+        )
+        if not isinstance(error, str) and stage not in _TRACED:
+            # The first failure of a stage gets its traceback, for the bug report.
+            _TRACED.add(stage)
+            log.error("traceback of the first %s failure", stage, exc_info=error)
+
     def _drop(self, entry: Entry, reason: DropReason) -> None:
         self.bytes -= entry.size
         self._on_drop(self, entry, reason)
@@ -243,4 +324,8 @@ class Queue:
             if entry is None:
                 return
             self._next_consumer = (start + i + 1) % n
-            consumer.deliver(self, entry)
+            try:
+                consumer.deliver(self, entry)
+            except Exception as exc:  # one message's failure never stops the queue
+                if entry.message.mid not in self.delivered:  # else it did go out
+                    self.hold_aside(entry, "delivery", exc)

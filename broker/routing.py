@@ -166,11 +166,27 @@ def headers_match(arguments: Mapping[str, Any], headers: Mapping[str, Any]) -> b
         if key not in headers:
             return False
         # A binding argument of void type matches on the key's presence alone.
-        return value is None or headers[key] == value
+        return value is None or _same(headers[key], value)
 
     if mode.startswith("any"):
         return any(one(k, v) for k, v in wanted.items())
     return all(one(k, v) for k, v in wanted.items())
+
+
+def _same(header: Any, argument: Any) -> bool:
+    """Value equality as RabbitMQ compares header values: text and bytes by their bytes.
+
+    (A long string that is not UTF-8, or a byte array, decodes to bytes; its UTF-8
+    twin to str.) Never raises: an odd value simply does not match.
+    """
+    try:
+        if isinstance(header, bytes | bytearray) and isinstance(argument, str):
+            return bytes(header) == argument.encode("utf-8", "surrogatepass")
+        if isinstance(argument, bytes | bytearray) and isinstance(header, str):
+            return bytes(argument) == header.encode("utf-8", "surrogatepass")
+        return bool(header == argument)
+    except Exception:
+        return False
 
 
 EXCHANGE_TYPES: dict[str, type[Exchange]] = {

@@ -17,9 +17,10 @@ from twinmq.broker import metrics
 from twinmq.broker.codec import (
     ContentHeaderInfo,
     decode_content_header,
-    decode_properties,
-    encode_header_payload,
+    decode_headers,
+    header_message_id,
 )
+from twinmq.broker.deadletter import dead_letter_header, is_cycle
 from twinmq.broker.dedup import DedupWindow, dedup_key
 from twinmq.broker.definitions import (
     BindingDef,
@@ -28,7 +29,8 @@ from twinmq.broker.definitions import (
     ExchangeType,
     QueueDef,
 )
-from twinmq.broker.errors import ReplyCode, channel_error
+from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
+from twinmq.broker.fieldtable import to_python
 from twinmq.broker.journal import JournalOp, Recovered, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.queue import DropReason, Queue
@@ -155,11 +157,16 @@ class VirtualHost:
                 self.exchanges[edef.name] = make_exchange(edef)
         now = self.clock.time()
         for qdef in defs.queues:
-            queue = Queue(qdef, None, self._dropped)
+            # Recovery always completes: arguments refused by today's rules are ignored.
+            queue = Queue(qdef, None, self._dropped, lenient=True)
             self.queues[qdef.name] = queue
             # The default exchange's bindings are implicit (not in the definitions file).
             self.exchanges[""].bind(BindingDef(exchange="", queue=qdef.name, routing_key=qdef.name))
+            opaque: list[int] = []
             for stored in recovered.messages.get(qdef.qid, ()):
+                message_id, why = _recovered_header(stored.header)
+                if why is not None:
+                    opaque.append(stored.mid)
                 # The expiration is already folded into `expires_at`.
                 message = Message(
                     stored.mid,
@@ -169,23 +176,40 @@ class VirtualHost:
                     stored.body,
                     True,
                     None,
-                    decode_content_header(stored.header).message_id,
+                    message_id,
                 )
                 if message.message_id is not None:
                     self.dedup.add(
                         dedup_key(stored.exchange, stored.routing_key, message.message_id)
                     )
                 # A message recovered from disk may have been delivered before the crash.
-                queue.entries.append(Entry(message, stored.expires_at, True, redelivered=True))
+                entry = Entry(message, stored.expires_at, True, redelivered=True)
+                if not _names_fit(message):
+                    # basic.deliver could not carry it: kept, never sent.
+                    queue.hold_aside(entry, "recovery", "exchange or routing key over 255 bytes")
+                    continue
+                queue.entries.append(entry)
                 queue.bytes += len(stored.body)
-            if not replica_mode:
-                queue.expire(now)
-                self._schedule_expiry(queue)
-                self._touch(queue)
+            if opaque:
+                metrics.QUARANTINED.labels("recovery").inc(len(opaque))
+                log.error(
+                    "queue %r: %d recovered messages have content headers this broker would "
+                    "refuse at publish (first: message %d); recovered as opaque bytes",
+                    qdef.name,
+                    len(opaque),
+                    opaque[0],
+                )
         for bdef in defs.bindings:
             exchange = self.exchanges.get(bdef.exchange)
             if exchange is not None and bdef.queue in self.queues:
                 exchange.bind(bdef)
+        if not replica_mode:
+            # Only now that every queue and binding is back: a message that expired while
+            # the broker was down is dead-lettered, not lost to a half-built topology.
+            for queue in list(self.queues.values()):
+                queue.expire(now)
+                self._schedule_expiry(queue)
+                self._touch(queue)
 
     def definitions(self) -> Definitions:
         """The durable topology as it stands."""
@@ -436,6 +460,9 @@ class VirtualHost:
         for name in auto_deleted:
             del self.exchanges[name]
         queue.purge()
+        if queue.held_aside:
+            metrics.HELD_ASIDE.dec(len(queue.held_aside))
+            queue.held_aside.clear()
         if queue.durable:
             self._save()
             self.committer.drop_queue(queue.definition.qid)
@@ -573,10 +600,15 @@ class VirtualHost:
         info: ContentHeaderInfo,
         ops: list[JournalOp] | None,
     ) -> PublishResult:
+        headers: dict[str, Any] | None = None
         if isinstance(exchange, EXCHANGE_TYPES["headers"]):
-            headers = decode_properties(header).headers
-        else:
-            headers = None
+            try:
+                headers = to_python(decode_headers(header))
+            except Exception as exc:  # checked at publish: only a bug gets here
+                # Contained to this message: refused (nacked), the channel carries on.
+                metrics.QUARANTINED.labels("publish").inc()
+                log.error("headers routing failed for a publish to %r: %r", exchange.name, exc)
+                return PublishResult(0, True, 0)
         names = exchange.route(routing_key, headers)
         queues = self.queues
         targets = [queues[n] for n in names if n in queues]
@@ -680,10 +712,19 @@ class VirtualHost:
             self._dropped(queue, entry, "rejected")
 
     def _dropped(self, queue: Queue, entry: Entry, reason: DropReason) -> None:
-        """A queue let go of an entry: dead-letter it if configured, settle it."""
+        """A queue let go of an entry: dead-letter it if configured, settle it.
+
+        Whatever goes wrong while dead-lettering stays with this message: it is
+        quarantined (kept unsettled) and the caller (an innocent publisher whose
+        publish pushed it out, a consumer's reject, an expiry timer) carries on.
+        """
         dlx = queue.args.dead_letter_exchange
         if dlx is not None and reason != "delete":
-            self._dead_letter(queue, entry, reason, dlx)
+            try:
+                self._dead_letter(queue, entry, reason, dlx)
+            except Exception as exc:
+                queue.hold_aside(entry, "dead-letter", exc)
+                return
         self._settle_entries(queue, (entry,))
         if reason == "expired":
             metrics.EXPIRED.inc()
@@ -693,50 +734,50 @@ class VirtualHost:
         if exchange is None:
             log.warning("dead-letter exchange %r of queue %r is missing", dlx_name, queue.name)
             return
+        if reason == "delete":
+            return
         message = entry.message
-        props = decode_properties(message.header)
-        amqp_reason = {"expired": "expired", "maxlen": "maxlen", "rejected": "rejected"}[reason]
-        headers = dict(props.headers or {})
-        previous = headers.get("x-death")
-        deaths: list[Any] = list(previous) if isinstance(previous, list) else []
-        routing_keys = [message.routing_key]
-        for death in deaths:
-            if (
-                isinstance(death, dict)
-                and death.get("queue") == queue.name
-                and death.get("reason") == amqp_reason
-            ):
-                if reason == "expired" and amqp_reason == "expired":
-                    # A message expiring round a dead-letter cycle would loop forever.
-                    log.info("dropping dead-letter cycle for queue %r", queue.name)
-                    return
-                death["count"] = int(death.get("count", 1)) + 1
-                break
-        else:
-            deaths.insert(
-                0,
-                {
-                    "count": 1,
-                    "reason": amqp_reason,
-                    "queue": queue.name,
-                    "time": int(self.clock.time()),
-                    "exchange": message.exchange,
-                    "routing-keys": routing_keys,
-                },
-            )
-        headers["x-death"] = deaths
-        headers.setdefault("x-first-death-queue", queue.name)
-        headers.setdefault("x-first-death-reason", amqp_reason)
-        headers.setdefault("x-first-death-exchange", message.exchange)
-        props.headers = headers
-        props.expiration = None
-        header = encode_header_payload(props, len(message.body))
         routing_key = queue.args.dead_letter_routing_key or message.routing_key
+        try:
+            dead = dead_letter_header(
+                message.header,
+                queue=queue.name,
+                reason=reason,
+                exchange=message.exchange,
+                routing_key=message.routing_key,
+                now=int(self.clock.time()),
+            )
+        except ValueError as exc:
+            # A header that never passed this broker's publish checks (stored by another
+            # version): forwarded unchanged rather than lost.
+            metrics.QUARANTINED.labels("dead-letter").inc()
+            log.error(
+                "queue %r: message %d dead-lettered with its header unchanged (undecodable: %s)",
+                queue.name,
+                message.mid,
+                exc,
+            )
+            header, headers, cycle_check = message.header, None, None
+        else:
+            header, headers, cycle_check = dead.header, to_python(dead.headers), dead.headers
+        names = exchange.route(routing_key, headers)
+        targets = []
+        for name in dict.fromkeys(names):
+            target = self.queues.get(name)
+            if target is None:
+                continue
+            if cycle_check is not None and is_cycle(cycle_check, name):
+                log.info(
+                    "dropping message %d: dead-lettering it from %r into %r closes a cycle",
+                    message.mid,
+                    queue.name,
+                    name,
+                )
+                continue
+            targets.append(target)
         info = ContentHeaderInfo(
             60, len(message.body), message.persistent, None, message.message_id
         )
-        names = exchange.route(routing_key, headers)
-        targets = [self.queues[n] for n in names if n in self.queues]
         if targets:
             self._enqueue(targets, exchange.name, routing_key, header, message.body, info, None)
         metrics.DEAD_LETTERED.inc()
@@ -754,7 +795,11 @@ class VirtualHost:
             queue.expire(self.clock.time())
             self._schedule_expiry(queue)
 
-        self._timers[queue.name] = self.clock.call_later(max(0.0, at - self.clock.time()), fire)
+        delay = at - self.clock.time()
+        # A far (or non-finite) deadline read back from disk re-arms daily instead of
+        # overflowing the event loop's timer: `fire` looks at the head again anyway.
+        delay = min(delay, _MAX_TIMER) if delay > 0 else 0.0
+        self._timers[queue.name] = self.clock.call_later(delay, fire)
 
     # -- replication ----------------------------------------------------------------------
 
@@ -769,6 +814,7 @@ class VirtualHost:
         return {
             q.definition.qid: [e.message.mid for e in q.entries if e.journaled]
             + [mid for mid, e in q.delivered.items() if e.journaled]
+            + [mid for mid, e in q.held_aside.items() if e.journaled]
             for q in self.queues.values()
             if q.durable
         }
@@ -782,7 +828,8 @@ class VirtualHost:
             qid = q.definition.qid
             entries = sorted(
                 [e for e in q.entries if e.journaled]
-                + [e for e in q.delivered.values() if e.journaled],
+                + [e for e in q.delivered.values() if e.journaled]
+                + [e for e in q.held_aside.values() if e.journaled],
                 key=lambda e: e.message.mid,
             )
             out[qid] = [_stored(qid, e) for e in entries]
@@ -797,7 +844,7 @@ class VirtualHost:
                 self.remove_queue(queue)
         for qdef in defs.queues:
             if qdef.name not in self.queues:
-                self.queues[qdef.name] = Queue(qdef, None, self._dropped)
+                self.queues[qdef.name] = Queue(qdef, None, self._dropped, lenient=True)
                 self.exchanges[""].bind(
                     BindingDef(exchange="", queue=qdef.name, routing_key=qdef.name)
                 )
@@ -835,7 +882,7 @@ class VirtualHost:
                     op.body,
                     True,
                     None,
-                    decode_content_header(op.header).message_id,
+                    header_message_id(op.header),
                 )
                 if message.message_id is not None:
                     self.dedup.add(dedup_key(op.exchange, op.routing_key, message.message_id))
@@ -867,6 +914,25 @@ class VirtualHost:
             queue.expire(now)
             self._schedule_expiry(queue)
             self._touch(queue)
+
+
+_MAX_TIMER = 86400.0
+
+
+def _recovered_header(header: bytes) -> tuple[str | None, str | None]:
+    """A stored header's message id, and why it would be refused today (None if it would not)."""
+    try:
+        return decode_content_header(header).message_id, None
+    except AMQPError as exc:
+        return None, exc.text
+
+
+def _names_fit(message: Message) -> bool:
+    """Whether the exchange and routing key fit basic.deliver's short strings."""
+    return (
+        len(message.exchange.encode("utf-8", "surrogatepass")) <= 255
+        and len(message.routing_key.encode("utf-8", "surrogatepass")) <= 255
+    )
 
 
 def _stored(qid: int, entry: Entry) -> StoredMessage:
