@@ -120,7 +120,12 @@ def flag(field: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> BrokerSettings:
     """Build settings from flags over environment over the settings file over defaults."""
-    parser = argparse.ArgumentParser(prog="twinmq-broker", description="TwinMQ AMQP 0-9-1 broker")
+    parser = argparse.ArgumentParser(
+        prog="twinmq-broker",
+        description="TwinMQ AMQP 0-9-1 broker",
+        epilog="tools: `twinmq-broker journal check|repair <data-dir>` (docs/journal.md), "
+        "`twinmq-broker epoch show|set <data-dir>` (docs/replication.md)",
+    )
     parser.add_argument("--config", help="JSON settings file (also TWINMQ_CONFIG)")
     for field, info in BrokerSettings.model_fields.items():
         if info.annotation is bool:
