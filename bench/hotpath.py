@@ -203,8 +203,11 @@ async def run(opts: argparse.Namespace) -> dict[str, float]:
         await broker.journal.sync(broker.journal.stats.appended_lsn)
         await turn()
         # Confirms also wait for their audit records' fdatasync (a tree that has it).
-        audit_written = getattr(broker.committer, "audit_written", None)
+        committer = broker.committer
+        audit_written = getattr(committer, "audit_written", None)
         if audit_written is not None:
+            while committer.complete_batch < committer.last_appended:
+                await asyncio.sleep(0)
             await audit_written()
             await turn()
 
