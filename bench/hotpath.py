@@ -112,6 +112,33 @@ def handshake() -> bytes:
     )
 
 
+class BatchDone:
+    """A durability waiter (like a channel) that resolves a future at a given batch."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def durable(self, batch: int, failed: bool = False) -> bool:
+        if batch >= self.batch:
+            if not self.done.done():
+                self.done.set_result(None)
+            return False
+        return True
+
+    @staticmethod
+    async def wait(broker: Broker) -> None:
+        """Return once the group committer told its waiters of the last batch appended."""
+        committer = broker.committer
+        if committer.last_appended == 0:
+            return
+        waiter = BatchDone(committer.last_appended)
+        committer.await_durable(waiter)
+        if committer.last_appended <= committer.complete_batch and not committer.confirm_point():
+            return  # already told (before this waiter registered)
+        await waiter.done
+
+
 class _NoMetric:
     """Stands in for a prometheus-client metric (--stub-metrics: what do metrics cost?)."""
 
@@ -202,14 +229,10 @@ async def run(opts: argparse.Namespace) -> dict[str, float]:
         await turn()
         await broker.journal.sync(broker.journal.stats.appended_lsn)
         await turn()
-        # Confirms also wait for their audit records' fdatasync (a tree that has it).
-        committer = broker.committer
-        audit_written = getattr(committer, "audit_written", None)
-        if audit_written is not None:
-            while committer.complete_batch < committer.last_appended:
-                await asyncio.sleep(0)
-            await audit_written()
-            await turn()
+        # Wait (blocked) until the waiters heard of the last batch, as a channel does:
+        # confirms may also wait for their audit records' fdatasync.
+        await BatchDone.wait(broker)
+        await turn()
 
     profiler = cProfile.Profile() if opts.profile else None
     cpu0, wall0 = time.process_time(), time.perf_counter()

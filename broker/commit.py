@@ -75,7 +75,8 @@ class GroupCommitter:
         # Outcomes (batch, failed) whose audit records are not yet durable, in order.
         self._held: list[tuple[int, bool]] = []
         self._audit_wake = asyncio.Event()
-        self._audit_idle = asyncio.Event()  # set while nothing is held
+        self._audit_idle = asyncio.Event()  # set while nothing is held or being written
+        self._audit_writing = 0  # the last batch whose audit write is under way, else 0
         self._audit_task: asyncio.Task[None] | None = None
         self._flush_scheduled = False
         self._waiters: set[Waiter] = set()
@@ -101,7 +102,7 @@ class GroupCommitter:
             return self.last_appended
         if self._held:
             return self._held[-1][0]  # complete, its audit records not yet durable
-        return 0
+        return self._audit_writing  # 0 unless a write of audit records is under way
 
     def save_definitions(self, definitions: Definitions) -> None:
         """Durably replace the topology file (rare: declares and deletes)."""
@@ -226,7 +227,7 @@ class GroupCommitter:
 
     async def audit_written(self) -> None:
         """Return once no outcome waits for its audit records (benchmarks, shutdown)."""
-        if self._held:
+        if self._held or self._audit_writing:
             await self._audit_idle.wait()
 
     def _record_audit(self, complete: int) -> bool:
@@ -266,6 +267,7 @@ class GroupCommitter:
         held, self._held = self._held, []
         batches = audit.take()
         if batches:
+            self._audit_writing = held[-1][0]
             started = self.loop.time()
             try:
                 records = await self.loop.run_in_executor(audit.executor, audit.write, batches)
@@ -274,6 +276,8 @@ class GroupCommitter:
                 audit.give_back(batches)
                 self._held[:0] = held
                 raise
+            finally:
+                self._audit_writing = 0
             metrics.AUDIT_RECORDS.inc(records)
             metrics.AUDIT_WRITES.inc()
             metrics.AUDIT_FSYNC_LATENCY.observe(self.loop.time() - started)
