@@ -27,9 +27,9 @@ from pamqp import commands, frame, header
 from pamqp.body import ContentBody
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from amqp_raw import RawConnection  # noqa: E402
+from amqp_raw import RawConnection
 
-from twinmq.broker.launcher import BrokerProcess  # noqa: E402
+from twinmq.broker.launcher import BrokerProcess
 
 QUEUE = "audit-cost"
 _HEAD = struct.Struct(">BHI")

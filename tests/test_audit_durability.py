@@ -26,7 +26,6 @@ from twinmq.broker.codec import decode_content_header
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.journal import Journal, Settle, StoredMessage
 
-
 MANY = 100  # records of the batch whose audit write meets the full disk
 
 
