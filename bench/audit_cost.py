@@ -132,9 +132,11 @@ def main() -> None:
     results: dict[str, list[tuple[float, float, float]]] = {"audit on": [], "audit off": []}
     for run in range(opts.runs):
         for name, flag in (("audit on", "--audit"), ("audit off", "--no-audit")):
-            with tempfile.TemporaryDirectory(prefix="twinmq-audit-cost-") as tmp:
-                with BrokerProcess(Path(tmp) / "data", name="audit-cost", extra_args=[flag]) as b:
-                    rate, lat = asyncio.run(publish(b.port, opts.seconds, opts.window, opts.size))
+            with (
+                tempfile.TemporaryDirectory(prefix="twinmq-audit-cost-") as tmp,
+                BrokerProcess(Path(tmp) / "data", name="audit-cost", extra_args=[flag]) as b,
+            ):
+                rate, lat = asyncio.run(publish(b.port, opts.seconds, opts.window, opts.size))
             p50, p99 = percentile(lat, 0.5) * 1e3, percentile(lat, 0.99) * 1e3
             results[name].append((rate, p50, p99))
             print(
@@ -142,7 +144,8 @@ def main() -> None:
             )
     print()
     print(
-        "| setting | confirms/s median (min-max) | p50 ms median (min-max) | p99 ms median (min-max) |"
+        "| setting | confirms/s median (min-max) | p50 ms median (min-max) "
+        "| p99 ms median (min-max) |"
     )
     print("|---|---:|---:|---:|")
     for name, rows in results.items():

@@ -144,7 +144,8 @@ def test_a_failed_audit_write_holds_the_confirm_until_a_retry_writes_it_once(
         committer.add([Settle(7, 1)])
 
         async def write_failed() -> None:
-            while metrics.AUDIT_WRITE_FAILURES.value == failures:
+            # A plain counter notifies nobody: poll it (bounded by the wait_for below).
+            while metrics.AUDIT_WRITE_FAILURES.value == failures:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
 
         await asyncio.wait_for(write_failed(), 30)
