@@ -1,28 +1,47 @@
 """The broker's audit log writer: rotated JSON-lines segments of `AuditRecord`s.
 
-Written as batches complete (the group committer calls `batch_complete`), so
-a `confirmed` record means what the publisher was told. Segments are named
-`<broker>-e<epoch>-<seq>.jsonl`; the one being written ends in `.open` and is
-renamed when closed, so a shipper only ever picks up complete segments. The
-group committer flushes the records of completed batches to the OS before their
-confirms go out, so a broker killed with kill -9 keeps the record of everything
-it confirmed. Not fsynced: a power loss may lose the last records (the journal's
-fdatasync does not cover them), never invent one.
+A record says what a broker did with a message: `confirmed` (or
+`confirmed-alone`) means the publisher was told, `replicated` that the passive
+acknowledged it to the active, `dequeued` that it was settled for good. So a
+record is durable before what it describes leaves the broker: the group
+committer (`broker/commit.py`) hands the ops of each completed batch to
+`batch_complete`, then holds the batch's confirms (on the passive, its
+replication ACK) until `write` has appended the records *and fdatasynced the
+audit file*. A power loss can then lose only records of batches never
+confirmed; a record never claims a confirm that was not about to go out.
+
+Cost. The event loop only queues `(ops, event, time, epoch)` per batch (no
+formatting); `write` runs in the audit's own writer thread (`executor`), once
+per group commit: it formats every record (blake2b of the body, the message id
+read straight from the content header, JSON by string templates), appends them
+with one `pwrite` and makes them durable with one `fdatasync`; a new segment's
+name is made durable with an fsync of the directory. The writer runs in
+parallel with the journal's writer thread, so a group commit costs one extra
+fdatasync, overlapped with the next batch's journal write.
+
+Segments are named `<broker>-e<epoch>-<seq>.jsonl`; the one being written ends
+in `.open` and is renamed when closed (by size, age or epoch), so a shipper
+only ever picks up complete segments. A segment left `.open` by a crash is cut
+at its last full line and closed at the next start: the torn line described a
+batch never confirmed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import struct
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from twinmq.audit.records import AUDIT_FIELDS, AuditEvent
-from twinmq.broker.codec import header_message_id
-from twinmq.broker.journal import JournalOp, Settle, StoredMessage
+from twinmq.broker.journal import JournalOp, StoredMessage
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +49,64 @@ assert AUDIT_FIELDS == (
     "broker", "epoch", "queue", "replication_id", "message_id", "digest", "event", "time",
 ), "the writer below must follow AuditRecord's fields"  # fmt: skip
 
+# One completed batch waiting to be written: its ops, the event of its stored messages,
+# the time (formatted) and the epoch it completed in.
+PendingBatch = tuple[Sequence[JournalOp], str, str, int]
+
+_json_str: Callable[[str], str] = json.encoder.encode_basestring_ascii
+_blake2b = hashlib.blake2b
+_U32 = struct.Struct(">I")
+_DEQUEUED = AuditEvent.DEQUEUED.value
+
 
 def body_digest(body: bytes) -> str:
     """The digest recorded for a body."""
     return hashlib.blake2b(body, digest_size=8).hexdigest()
 
 
+def message_id_json(header: bytes) -> str:
+    """The message-id property of a raw content header, as JSON (`null` if absent).
+
+    Walks the property flags up to message-id (a header without one, the common
+    case, costs one comparison). Headers were validated at publish; one that
+    cannot be read here anyway is recorded without a message id.
+    """
+    if len(header) < 14 or not header[13] & 0x80:
+        return "null"
+    try:
+        flags = header[12] << 8 | header[13]
+        pos = 14
+        if flags & 0x8000:  # content-type
+            pos += 1 + header[pos]
+        if flags & 0x4000:  # content-encoding
+            pos += 1 + header[pos]
+        if flags & 0x2000:  # headers (a table: u32 length)
+            pos += 4 + _U32.unpack_from(header, pos)[0]
+        if flags & 0x1000:  # delivery-mode
+            pos += 1
+        if flags & 0x0800:  # priority
+            pos += 1
+        if flags & 0x0400:  # correlation-id
+            pos += 1 + header[pos]
+        if flags & 0x0200:  # reply-to
+            pos += 1 + header[pos]
+        if flags & 0x0100:  # expiration
+            pos += 1 + header[pos]
+        end = pos + 1 + header[pos]
+        if end > len(header):
+            return "null"
+        return _json_str(header[pos + 1 : end].decode("utf-8"))
+    except (IndexError, struct.error, UnicodeDecodeError):
+        return "null"
+
+
 class AuditLog:
-    """Appends audit records to `<directory>/<broker>-e<epoch>-<seq>.jsonl` segments."""
+    """Appends audit records to `<directory>/<broker>-e<epoch>-<seq>.jsonl` segments.
+
+    Threading: `batch_complete`, `take` and `tick` run on the event loop; `write`
+    in `executor` (the committer awaits it); `flush` and `close` anywhere when
+    no `write` is running (tests, shutdown). File state is guarded by a lock.
+    """
 
     def __init__(
         self,
@@ -49,6 +118,7 @@ class AuditLog:
         *,
         segment_bytes: int = 16 * 1024 * 1024,
         segment_seconds: float = 60.0,
+        fsync: bool = True,
     ) -> None:
         self.directory = directory
         self.broker = broker
@@ -57,17 +127,29 @@ class AuditLog:
         self.is_replica = is_replica
         self.segment_bytes = segment_bytes
         self.segment_seconds = segment_seconds
+        self.fsync = fsync
         directory.mkdir(parents=True, exist_ok=True)
         self._seq = self._last_seq() + 1
-        self._file: object | None = None
+        self._fd = -1
         self._path: Path | None = None
         self._opened_at = 0.0
         self._epoch_of_file = -1
-        self._written = 0
-        self._buf: list[str] = []
-        self._buf_epoch = epoch()
-        self._broker_json = json.dumps(broker)
+        self._size = 0  # bytes written and kept in the open segment
+        self._pending: list[PendingBatch] = []
+        self._broker_json = _json_str(broker)
+        # qid -> the queue's name as JSON, filled on the loop, read by the writer thread;
+        # qids (queue incarnations) are never reused, so an entry is never stale.
+        self._queue_json: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
         self._close_leftovers()
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The audit's writer thread (one: writes are ordered)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
+        return self._executor
 
     def _last_seq(self) -> int:
         seqs = [
@@ -78,86 +160,181 @@ class AuditLog:
         return max(seqs, default=0)
 
     def _close_leftovers(self) -> None:
-        # A segment left open by a crash is complete up to its last full line.
+        # A segment left open by a crash is complete up to its last full line; a torn
+        # line described a batch whose confirms never went out (they wait for the sync).
         for path in self.directory.glob(f"{self.broker}-e*-*.jsonl.open"):
             data = path.read_bytes()
             keep = data[: data.rfind(b"\n") + 1]
             if keep != data:
-                path.write_bytes(keep)
+                with open(path, "r+b") as f:
+                    f.truncate(len(keep))
+                    os.fsync(f.fileno())
             os.replace(path, path.with_suffix(""))
+        self._sync_dir()
+
+    # -- event loop side --------------------------------------------------------------------
 
     def batch_complete(self, ops: Iterable[JournalOp], guarded: bool) -> None:
-        """Record the messages and settles of a batch that just completed."""
-        now = f"{time.time():.6f}"
-        epoch = self.epoch()
-        if epoch != self._buf_epoch:
-            # A segment holds one epoch's records: write out the previous epoch's first.
-            self.flush()
-            self._buf_epoch = epoch
+        """Queue the records of a batch that just completed (formatted by `write`)."""
         stored_event = (
             AuditEvent.REPLICATED if self.is_replica()
             else AuditEvent.CONFIRMED if guarded else AuditEvent.CONFIRMED_ALONE
         ).value  # fmt: skip
-        head = f'{{"broker":{self._broker_json},"epoch":{epoch},"queue":'
-        buf = self._buf
+        ops = ops if isinstance(ops, list | tuple) else list(ops)
+        names = self._queue_json
         for op in ops:
-            queue = json.dumps(self.queue_name(op.qid))
-            if type(op) is StoredMessage:
-                message_id = header_message_id(op.header)
-                buf.append(
-                    f'{head}{queue},"replication_id":{op.mid},"message_id":'
-                    f'{json.dumps(message_id)},"digest":"{body_digest(op.body)}",'
-                    f'"event":"{stored_event}","time":{now}}}\n'
-                )
-            elif type(op) is Settle:
-                buf.append(
-                    f'{head}{queue},"replication_id":{op.mid},"message_id":null,"digest":"",'
-                    f'"event":"{AuditEvent.DEQUEUED.value}","time":{now}}}\n'
-                )
-        if len(buf) > 2048:
-            self.flush()
+            if op.qid not in names:
+                # Looked up here, on the loop that owns the queues, once per queue.
+                names[op.qid] = _json_str(self.queue_name(op.qid))
+        self._pending.append((ops, stored_event, f"{time.time():.6f}", self.epoch()))
 
-    def flush(self) -> None:
-        """Write buffered records; rotate the segment by size, age or epoch."""
-        if not self._buf:
-            return
-        epoch = self._buf_epoch
+    def take(self) -> list[PendingBatch]:
+        """The batches queued so far, for one `write` (event loop)."""
+        pending, self._pending = self._pending, []
+        return pending
+
+    def give_back(self, batches: list[PendingBatch]) -> None:
+        """Queue batches again, first, after their `write` failed (event loop)."""
+        self._pending[:0] = batches
+
+    @property
+    def pending(self) -> bool:
+        """Whether batches wait to be written."""
+        return bool(self._pending)
+
+    def tick(self) -> None:
+        """Called every second on the loop: close a segment that aged out (in the thread)."""
+        if self._fd >= 0 and time.monotonic() - self._opened_at >= self.segment_seconds:
+            self.executor.submit(self._close_if_aged)
+
+    # -- the writer thread ------------------------------------------------------------------
+
+    def write(self, batches: list[PendingBatch]) -> int:
+        """Format, append and fdatasync the records of `batches`; return how many.
+
+        On an OSError the segment is put back as it was (no partial line) and the
+        error raised: nothing of `batches` counts as written.
+        """
+        count = 0
+        with self._lock:
+            start = 0
+            while start < len(batches):
+                # A segment holds one epoch's records.
+                epoch = batches[start][3]
+                end = start + 1
+                while end < len(batches) and batches[end][3] == epoch:
+                    end += 1
+                lines = self._format(batches[start:end])
+                self._append("".join(lines).encode(), epoch)
+                count += len(lines)
+                start = end
+        return count
+
+    def _format(self, batches: Sequence[PendingBatch]) -> list[str]:
+        names = self._queue_json
+        out: list[str] = []
+        add = out.append
+        for ops, stored_event, now, epoch in batches:
+            head = f'{{"broker":{self._broker_json},"epoch":{epoch},"queue":'
+            stored_tail = f'","event":"{stored_event}","time":{now}}}\n'
+            settle_tail = f',"message_id":null,"digest":"","event":"{_DEQUEUED}","time":{now}}}\n'
+            for op in ops:
+                queue = names[op.qid]
+                if type(op) is StoredMessage:
+                    add(
+                        f'{head}{queue},"replication_id":{op.mid},"message_id":'
+                        f"{message_id_json(op.header)},"
+                        f'"digest":"{_blake2b(op.body, digest_size=8).hexdigest()}{stored_tail}'
+                    )
+                else:
+                    add(f'{head}{queue},"replication_id":{op.mid}{settle_tail}')
+        return out
+
+    def _append(self, data: bytes, epoch: int) -> None:
         now = time.monotonic()
-        if self._file is not None and (
-            self._written >= self.segment_bytes
+        if self._fd >= 0 and (
+            self._size >= self.segment_bytes
             or now - self._opened_at >= self.segment_seconds
             or epoch != self._epoch_of_file
         ):
-            self.close_segment()
-        if self._file is None:
-            self._path = self.directory / f"{self.broker}-e{epoch:06d}-{self._seq:08d}.jsonl.open"
+            self._close_segment()
+        new = self._fd < 0
+        if new:
+            path = self.directory / f"{self.broker}-e{epoch:06d}-{self._seq:08d}.jsonl.open"
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             self._seq += 1
-            self._file = open(self._path, "a")  # noqa: SIM115 - kept open across flushes
+            self._path = path
             self._opened_at = now
             self._epoch_of_file = epoch
-            self._written = 0
-        data = "".join(self._buf)
-        self._buf.clear()
-        self._file.write(data)  # type: ignore[attr-defined]
-        self._file.flush()  # type: ignore[attr-defined]
-        self._written += len(data)
+            self._size = 0
+        try:
+            view = memoryview(data)
+            offset = self._size
+            while view:
+                n = os.pwrite(self._fd, view, offset)
+                view = view[n:]
+                offset += n
+            if self.fsync:
+                os.fdatasync(self._fd)
+            if new:
+                self._sync_dir()  # the new name must survive a power loss with its data
+        except OSError:
+            self._roll_back()
+            raise
+        self._size += len(data)
+
+    def _roll_back(self) -> None:
+        # Put the segment back as it was; if even that fails, leave it `.open` (cut at
+        # its last full line at the next start) and continue in a new one.
+        try:
+            os.ftruncate(self._fd, self._size)
+        except OSError as exc:
+            log.error("audit: cannot roll back a failed write of %s: %s", self._path, exc)
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+            self._path = None
+
+    def _close_if_aged(self) -> None:
+        with self._lock:
+            if self._fd >= 0 and time.monotonic() - self._opened_at >= self.segment_seconds:
+                self._close_segment()
+
+    def _close_segment(self) -> None:
+        if self._fd < 0 or self._path is None:
+            return
+        os.close(self._fd)
+        self._fd = -1
+        os.replace(self._path, self._path.with_suffix(""))
+        self._sync_dir()
+        self._path = None
+
+    def _sync_dir(self) -> None:
+        if not self.fsync:
+            return
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- anywhere, when no write runs ----------------------------------------------------------
+
+    def flush(self) -> None:
+        """Write (and fdatasync) every queued record now, in the calling thread."""
+        batches = self.take()
+        if batches:
+            self.write(batches)
 
     def close_segment(self) -> None:
         """Close the open segment and publish it (rename off `.open`)."""
-        if self._file is None or self._path is None:
-            return
-        self._file.close()  # type: ignore[attr-defined]
-        os.replace(self._path, self._path.with_suffix(""))
-        self._file = None
-        self._path = None
-
-    def tick(self) -> None:
-        """Called every second: flush, and close a segment that has aged out."""
-        self.flush()
-        if self._file is not None and time.monotonic() - self._opened_at >= self.segment_seconds:
-            self.close_segment()
+        with self._lock:
+            self._close_segment()
 
     def close(self) -> None:
-        """Flush and close (shutdown)."""
+        """Flush, close the segment and stop the writer thread (shutdown)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         self.flush()
         self.close_segment()

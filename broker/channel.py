@@ -286,26 +286,27 @@ class Channel:
         send = self.connection.send
         run_end = 0
         run_len = 0
+        run_started = 0.0  # the oldest publish of the run: one latency per confirm frame
         for item in done:
             if item.kind == "ack":
                 run_end = item.seq
+                if not run_len:
+                    run_started = item.started
                 run_len += 1
-                if item.started:
-                    metrics.CONFIRM_LATENCY.observe(now - item.started)
                 continue
             if run_len:
                 send(encode_basic_ack(self.number, run_end, run_len > 1))
-                metrics.CONFIRMS.labels("ack").inc(run_len)
+                self._count_acks(run_len, run_started, now)
                 run_len = 0
             if item.kind == "nack":
                 send(encode_basic_nack(self.number, item.seq, False))
-                metrics.CONFIRMS.labels("nack").inc()
+                metrics.CONFIRMS_NACK.inc()
             elif item.kind == "commit":
                 self.send_method(commands.Tx.CommitOk())
             else:
                 # Never tx.commit-ok for a transaction that is not on disk: the client
                 # must see that the commit failed (and re-send, perhaps twice).
-                metrics.CONFIRMS.labels("commit-failed").inc()
+                metrics.CONFIRMS_COMMIT_FAILED.inc()
                 self.connection.channel_error(
                     self.number,
                     channel_error(
@@ -318,7 +319,13 @@ class Channel:
                 return
         if run_len:
             send(encode_basic_ack(self.number, run_end, run_len > 1))
-            metrics.CONFIRMS.labels("ack").inc(run_len)
+            self._count_acks(run_len, run_started, now)
+
+    @staticmethod
+    def _count_acks(run_len: int, started: float, now: float) -> None:
+        metrics.CONFIRMS_ACK.inc(run_len)
+        if started:
+            metrics.CONFIRM_LATENCY.observe(now - started)
 
     # -- consumption ---------------------------------------------------------------------
 

@@ -17,6 +17,13 @@ succeed while an earlier one was rolled back, and that earlier batch must not be
 acknowledged on the strength of the later one. A failed batch needs nothing from
 the passive (it is not confirmed), so it completes as soon as the batches before
 it have.
+
+With the audit log on, a complete batch's records are written and fdatasynced
+by the audit's writer thread before its waiters hear of it (confirms, tx.commit-ok,
+the passive's ACK): the records survive a power loss of what they claim. The
+outcomes wait in `_held`, in batch order, while that write runs; the batches that
+complete meanwhile are written together in the next one (a group commit of the
+audit file, in parallel with the journal's next write).
 """
 
 from __future__ import annotations
@@ -65,6 +72,12 @@ class GroupCommitter:
         self._appended: list[tuple[int, int | None]] = []
         self._failed_batches: deque[int] = deque()  # failed, not yet told to the waiters
         self._unaudited: set[int] = set()  # failed batches the audit must not record
+        # Outcomes (batch, failed) whose audit records are not yet durable, in order.
+        self._held: list[tuple[int, bool]] = []
+        self._audit_wake = asyncio.Event()
+        self._audit_idle = asyncio.Event()  # set while nothing is held or being written
+        self._audit_writing = 0  # the last batch whose audit write is under way, else 0
+        self._audit_task: asyncio.Task[None] | None = None
         self._flush_scheduled = False
         self._waiters: set[Waiter] = set()
         self._wake = asyncio.Event()
@@ -87,7 +100,9 @@ class GroupCommitter:
             return self._open_batch
         if self.last_appended > self.complete_batch:
             return self.last_appended
-        return 0
+        if self._held:
+            return self._held[-1][0]  # complete, its audit records not yet durable
+        return self._audit_writing  # 0 unless a write of audit records is under way
 
     def save_definitions(self, definitions: Definitions) -> None:
         """Durably replace the topology file (rare: declares and deletes)."""
@@ -107,15 +122,27 @@ class GroupCommitter:
         """Start the syncing task."""
         self._task = self.loop.create_task(self._sync_loop(), name="twinmq-group-commit")
 
+    def _ensure_audit_task(self) -> None:
+        if self._audit_task is None or self._audit_task.done():
+            self._audit_task = self.loop.create_task(self._audit_loop(), name="twinmq-audit")
+
     async def stop(self) -> None:
-        """Flush, sync what is pending, stop the task."""
+        """Flush, sync what is pending, stop the tasks."""
         self._flush()
         if self._appended:
             await self._sync_once()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._held:
+            # Release what the audit can still record (its task may be mid-write: wait).
+            self._ensure_audit_task()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.audit_written(), 10.0)
+            if self._held:
+                log.error("audit: %d outcomes never recorded at shutdown", len(self._held))
+        for task in (self._task, self._audit_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -187,11 +214,24 @@ class GroupCommitter:
             outcomes.append((batch, True))
         if not outcomes or outcomes[-1][0] < complete:
             outcomes.append((complete, False))
-        self._record_audit(complete)
+        if self._record_audit(complete) or self._held:
+            # The waiters hear these once the audit records are durable (and after
+            # every earlier outcome still held: in batch order).
+            self._held += outcomes
+            self._audit_idle.clear()
+            self._audit_wake.set()
+            self._ensure_audit_task()
+            return
         for upto, batch_failed in outcomes:
             self._notify(upto, batch_failed)
 
-    def _record_audit(self, complete: int) -> None:
+    async def audit_written(self) -> None:
+        """Return once no outcome waits for its audit records (benchmarks, shutdown)."""
+        if self._held or self._audit_writing:
+            await self._audit_idle.wait()
+
+    def _record_audit(self, complete: int) -> bool:
+        """Queue the audit records of the batches now complete; whether any were."""
         audited = self._audit_batches
         recorded = False
         while audited and audited[0][0] <= complete:
@@ -201,10 +241,48 @@ class GroupCommitter:
             elif self.audit is not None:
                 self.audit.batch_complete(ops, self.guarded)
                 recorded = True
-        if recorded and self.audit is not None:
-            # The confirm records reach the OS before the confirms go out: a broker killed
-            # right after confirming still shows the audit what it confirmed.
-            self.audit.flush()
+        return recorded
+
+    async def _audit_loop(self) -> None:
+        while True:
+            if not self._held:
+                self._audit_idle.set()
+            await self._audit_wake.wait()
+            self._audit_wake.clear()
+            while self._held:
+                try:
+                    await self._write_audit()
+                except OSError as exc:
+                    # Never confirm what the audit does not hold: the confirms wait, the
+                    # records are written again (publishers are blocked by the disk alarm
+                    # meanwhile if the disk is full).
+                    metrics.AUDIT_WRITE_FAILURES.inc()
+                    log.error("audit write failed (%s): confirms held, retrying in 1 s", exc)
+                    await asyncio.sleep(1.0)
+
+    async def _write_audit(self) -> None:
+        """Write and fdatasync the queued audit records, then release the held outcomes."""
+        audit = self.audit
+        assert audit is not None
+        held, self._held = self._held, []
+        batches = audit.take()
+        if batches:
+            self._audit_writing = held[-1][0]
+            started = self.loop.time()
+            try:
+                records = await self.loop.run_in_executor(audit.executor, audit.write, batches)
+            except OSError:
+                # Rolled back: nothing of it counts; written again by the next round.
+                audit.give_back(batches)
+                self._held[:0] = held
+                raise
+            finally:
+                self._audit_writing = 0
+            metrics.AUDIT_RECORDS.inc(records)
+            metrics.AUDIT_WRITES.inc()
+            metrics.AUDIT_FSYNC_LATENCY.observe(self.loop.time() - started)
+        for upto, batch_failed in held:
+            self._notify(upto, batch_failed)
 
     def _notify(self, batch: int, failed: bool) -> None:
         for waiter in list(self._waiters):

@@ -1,8 +1,126 @@
-"""Prometheus metrics of the broker (one registry per process, the default one)."""
+"""Prometheus metrics of the broker (one registry per process, the default one).
+
+Two kinds. Metrics that change rarely (connections, roles, alarms, refusals) are
+prometheus-client objects. Metrics that change per message or per group commit
+(published, delivered, acked, confirms, confirm latency, fsync latency, batch
+size, audit writes) are plain integers and floats (`FastCounter`,
+`FastHistogram`) bumped by the event loop without locks or label lookups, and
+read only at scrape time by `HotPathCollector`: prometheus-client's
+lock-protected increments were 8 % of the instructions per message
+(docs/benchmarks.md). They are written on the event loop only, and the scrape
+runs on the same loop (broker/admin.py), so a scrape sees consistent values.
+Names and types on `/metrics` are unchanged.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import bisect
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import REGISTRY, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class FastCounter:
+    """A monotonic counter for the hot path: `inc` is one integer addition."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self, amount: int = 1) -> None:
+        """Add `amount` (not negative)."""
+        self.value += amount
+
+
+class FastLabelledCounter:
+    """A counter family with one label; children are created once and kept."""
+
+    def __init__(self, name: str, documentation: str, label: str) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.label = label
+        self.children: dict[str, FastCounter] = {}
+
+    def labels(self, value: str) -> FastCounter:
+        """The child for one label value (hot callers keep it, e.g. `CONFIRMS_ACK`)."""
+        child = self.children.get(value)
+        if child is None:
+            child = self.children[value] = FastCounter()
+        return child
+
+
+class FastHistogram:
+    """A histogram for the hot path: one bisect and two additions per observation."""
+
+    __slots__ = ("bounds", "counts", "documentation", "name", "sum")
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = tuple(sorted(float(b) for b in buckets))
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        """Count one observation (`le` buckets: a value equal to a bound is in it)."""
+        self.counts[bisect.bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+    def family(self) -> HistogramMetricFamily:
+        """The cumulative buckets and the sum, as Prometheus exposes a histogram."""
+        buckets: list[tuple[str, float]] = []
+        total = 0
+        for bound, count in zip(self.bounds, self.counts, strict=False):
+            total += count
+            buckets.append((repr(bound), total))
+        total += self.counts[-1]
+        buckets.append(("+Inf", total))
+        return HistogramMetricFamily(
+            self.name, self.documentation, buckets=buckets, sum_value=self.sum
+        )
+
+
+_COUNTERS: list[tuple[str, str, FastCounter]] = []
+_LABELLED: list[FastLabelledCounter] = []
+_HISTOGRAMS: list[FastHistogram] = []
+
+
+def _counter(name: str, documentation: str) -> FastCounter:
+    counter = FastCounter()
+    _COUNTERS.append((name, documentation, counter))
+    return counter
+
+
+def _labelled(name: str, documentation: str, label: str) -> FastLabelledCounter:
+    family = FastLabelledCounter(name, documentation, label)
+    _LABELLED.append(family)
+    return family
+
+
+def _histogram(name: str, documentation: str, buckets: Sequence[float]) -> FastHistogram:
+    histogram = FastHistogram(name, documentation, buckets)
+    _HISTOGRAMS.append(histogram)
+    return histogram
+
+
+class HotPathCollector(Collector):
+    """Exports the hot path's plain counters and histograms at scrape time."""
+
+    def collect(self) -> Iterator[Metric]:
+        """One family per fast metric, read now."""
+        for name, documentation, counter in _COUNTERS:
+            yield CounterMetricFamily(name, documentation, value=counter.value)
+        for family in _LABELLED:
+            metric = CounterMetricFamily(family.name, family.documentation, labels=[family.label])
+            for value, child in sorted(family.children.items()):
+                metric.add_metric([value], child.value)
+            yield metric
+        for histogram in _HISTOGRAMS:
+            yield histogram.family()
+
 
 CONNECTIONS = Gauge("twinmq_connections", "Open client connections")
 CHANNELS = Gauge("twinmq_channels", "Open channels")
@@ -13,28 +131,33 @@ QUEUE_UNACKED = Gauge(
     "Delivered, unacknowledged messages per queue",
     ["queue"],
 )
-PUBLISHED = Counter("twinmq_messages_published", "Messages routed to at least one queue or dropped")
-UNROUTABLE = Counter("twinmq_messages_unroutable", "Published messages no queue took")
-DELIVERED = Counter("twinmq_messages_delivered", "Deliveries to consumers and basic.get")
-ACKED = Counter("twinmq_messages_acknowledged", "Deliveries acknowledged by consumers")
-REDELIVERED = Counter("twinmq_messages_requeued", "Deliveries returned to their queue")
-EXPIRED = Counter("twinmq_messages_expired", "Messages dropped by TTL")
-DEAD_LETTERED = Counter("twinmq_messages_dead_lettered", "Messages sent to a dead-letter exchange")
-CONFIRMS = Counter("twinmq_confirms", "Publisher confirms sent", ["outcome"])
-CONFIRM_LATENCY = Histogram(
+PUBLISHED = _counter(
+    "twinmq_messages_published", "Messages routed to at least one queue or dropped"
+)
+UNROUTABLE = _counter("twinmq_messages_unroutable", "Published messages no queue took")
+DELIVERED = _counter("twinmq_messages_delivered", "Deliveries to consumers and basic.get")
+ACKED = _counter("twinmq_messages_acknowledged", "Deliveries acknowledged by consumers")
+REDELIVERED = _counter("twinmq_messages_requeued", "Deliveries returned to their queue")
+EXPIRED = _counter("twinmq_messages_expired", "Messages dropped by TTL")
+DEAD_LETTERED = _counter("twinmq_messages_dead_lettered", "Messages sent to a dead-letter exchange")
+CONFIRMS = _labelled("twinmq_confirms", "Publisher confirms sent", "outcome")
+CONFIRMS_ACK = CONFIRMS.labels("ack")
+CONFIRMS_NACK = CONFIRMS.labels("nack")
+CONFIRMS_COMMIT_FAILED = CONFIRMS.labels("commit-failed")
+CONFIRM_LATENCY = _histogram(
     "twinmq_confirm_latency_seconds",
     "From the end of a publish to its confirm (one observation per confirm frame)",
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+    (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
-FSYNC_LATENCY = Histogram(
+FSYNC_LATENCY = _histogram(
     "twinmq_journal_fsync_seconds",
     "Journal write+fdatasync latency per group commit",
-    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
+    (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
 )
-COMMIT_BATCH = Histogram(
+COMMIT_BATCH = _histogram(
     "twinmq_journal_batch_ops",
     "Journal operations per group commit",
-    buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000),
+    (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000),
 )
 ALARM = Gauge("twinmq_alarm", "1 while a resource alarm blocks publishers", ["resource"])
 PROTOCOL_ERRORS = Counter(
@@ -64,7 +187,7 @@ REPLICATION_LAG = Gauge("twinmq_replication_lag_messages", "Ops sent but not yet
 REPLICATION_LAG_SECONDS = Gauge(
     "twinmq_replication_lag_seconds", "Age of the oldest unacknowledged replicated batch"
 )
-DUPLICATES = Counter(
+DUPLICATES = _counter(
     "twinmq_messages_deduplicated", "Re-sent messages dropped because their message id was seen"
 )
 JOURNAL_CORRUPTION = Counter(
@@ -87,3 +210,18 @@ HELD_ASIDE = Gauge(
     "twinmq_messages_held_aside",
     "Quarantined messages set aside in their queue (kept in the journal, retried on restart)",
 )
+AUDIT_RECORDS = _counter("twinmq_audit_records", "Audit records written and fdatasynced")
+AUDIT_WRITES = _counter(
+    "twinmq_audit_writes", "Audit writes, each fdatasynced before the confirms it describes"
+)
+AUDIT_WRITE_FAILURES = _counter(
+    "twinmq_audit_write_failures",
+    "Failed audit writes (the confirms they describe wait for a retry that succeeds)",
+)
+AUDIT_FSYNC_LATENCY = _histogram(
+    "twinmq_audit_fsync_seconds",
+    "Audit write+fdatasync latency per group commit",
+    (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
+)
+
+REGISTRY.register(HotPathCollector())

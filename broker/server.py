@@ -252,6 +252,7 @@ class Broker:
                 self._queue_name,
                 lambda: self.role == "passive",
                 segment_seconds=settings.audit_segment_seconds,
+                fsync=settings.fsync,
             )
         self.source = ReplicationSource(self)
         self.lease = LeaseKeeper.from_environment(self)

@@ -9,9 +9,10 @@ confirmed message were written to a journal segment and that write was made
 durable by an fdatasync (or fsync) that *returned* before the confirm began to
 leave the process (and, when that write began a new segment, that an fsync
 of the journal directory had returned too, so the file's name survives a
-power loss). This module is pure (no strace, no broker): a parser for
-that output, a reassembler of the AMQP and replication frames the sockets
-carried, and the checks.
+power loss); and, the same way, that the message's audit record (written to
+`audit/*.jsonl.open`) was fdatasynced before it. This module is pure (no
+strace, no broker): a parser for that output, a reassembler of the AMQP and
+replication frames the sockets carried, and the checks.
 
 Order. strace stops a traced thread at every syscall entry and exit and
 writes one event at a time, so the order of events in its output is an order
@@ -24,6 +25,7 @@ that order; "A returned before B began" is `A.exit < B.entry`.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import posixpath
 import re
 import struct
@@ -395,6 +397,26 @@ def is_journal_write(call: Syscall) -> bool:
     )
 
 
+def is_audit_write(call: Syscall) -> bool:
+    """A successful write to an open audit segment (`audit/*.jsonl.open`)."""
+    return (
+        call.name in WRITES
+        and call.target.endswith(".jsonl.open")
+        and call.result is not None
+        and call.result > 0
+    )
+
+
+def audit_needle(body: bytes, event: str) -> bytes:
+    """The bytes of the audit record of `body` with `event` that identify it.
+
+    The record holds the body's BLAKE2b-64 digest, not the body; computed here
+    independently of the broker's writer.
+    """
+    digest = hashlib.blake2b(body, digest_size=8).hexdigest()
+    return f'"digest":"{digest}","event":"{event}"'.encode()
+
+
 def _synced(calls: Sequence[Syscall], write: Syscall, path: str, before: int) -> Syscall | None:
     """A sync of `path` (0 returned) that began after `write` returned and returned before
     `before`; for the written file itself, through the same fd."""
@@ -413,7 +435,14 @@ def _synced(calls: Sequence[Syscall], write: Syscall, path: str, before: int) ->
     return None
 
 
-def durability_problem(calls: Sequence[Syscall], needle: bytes, before: int) -> str | None:
+def durability_problem(
+    calls: Sequence[Syscall],
+    needle: bytes,
+    before: int,
+    *,
+    written: Callable[[Syscall], bool] = is_journal_write,
+    what: str = "journal",
+) -> str | None:
     """Why `needle` was not durable in the journal at event `before` (None: it was).
 
     Durable means: a journal segment write holding `needle` returned, then an
@@ -421,10 +450,11 @@ def durability_problem(calls: Sequence[Syscall], needle: bytes, before: int) -> 
     (a position in the trace); and when that write began a segment (offset 0:
     the file is new), an fsync of the journal directory also began after it
     and returned 0 before `before`, so the file's name survives a power loss.
+    `written` and `what` ask the same of another kind of file (the audit log's).
     """
     directory_problem = None
     for write in calls:
-        if write.exit is None or write.exit >= before or not is_journal_write(write):
+        if write.exit is None or write.exit >= before or not written(write):
             continue
         if needle not in write.transferred or _synced(calls, write, write.target, before) is None:
             continue
@@ -438,7 +468,7 @@ def durability_problem(calls: Sequence[Syscall], needle: bytes, before: int) -> 
             f"{directory} had returned before it"
         )
     return directory_problem or (
-        "no journal write holding it was made durable by a completed fdatasync before it"
+        f"no {what} write holding it was made durable by a completed fdatasync before it"
     )
 
 
@@ -477,12 +507,21 @@ def _acked_by_passive(
     return None
 
 
+def audit_problem(calls: Sequence[Syscall], body: bytes, event: str, before: int) -> str | None:
+    """Why the audit record (`event`) of `body` was not durable at `before` (None: it was)."""
+    why = durability_problem(
+        calls, audit_needle(body, event), before, written=is_audit_write, what=f"{event} audit"
+    )
+    return None if why is None else f"audit record: {why}"
+
+
 def _check_completion(
     calls: Sequence[Syscall],
     what: str,
     completion: Frame,
     bodies: Sequence[bytes],
     link: Replication | None,
+    audit_event: str | None,
 ) -> list[str]:
     problems: list[str] = []
     before = completion.first.entry
@@ -490,6 +529,8 @@ def _check_completion(
         if why := durability_problem(calls, body, before):
             problems.append(f"{what} ({completion.first}) for {body!r}: {why}")
         if link is not None and (why := _acked_by_passive(calls, link, body, before)):
+            problems.append(f"{what} ({completion.first}) for {body!r}: {why}")
+        if audit_event is not None and (why := audit_problem(calls, body, audit_event, before)):
             problems.append(f"{what} ({completion.first}) for {body!r}: {why}")
     return problems
 
@@ -500,6 +541,7 @@ def check_confirms(
     amqp_port: int,
     bodies: Sequence[bytes],
     replication: Replication | None = None,
+    audit_event: str | None = None,
 ) -> list[str]:
     """Every confirm on the broker's AMQP port came after its message was durable.
 
@@ -508,7 +550,10 @@ def check_confirms(
     covers every tag up to its own) the message's bytes must be in a journal
     write whose fdatasync returned before the ack's write began; with
     `replication`, the passive's ACK of the batch carrying it must have been
-    read before then too. A nack, or a message never confirmed, is a problem.
+    read before then too; with `audit_event` (`confirmed`, `confirmed-alone`),
+    the message's audit record with that event must have been written to an
+    audit segment and fdatasynced before then too. A nack, or a message never
+    confirmed, is a problem.
     """
     problems: list[str] = []
     confirmed = 0
@@ -526,7 +571,7 @@ def check_confirms(
                 continue
             if method == BASIC_ACK:
                 problems += _check_completion(
-                    calls, f"confirm of tag {t}", frame, [bodies[t - 1]], replication
+                    calls, f"confirm of tag {t}", frame, [bodies[t - 1]], replication, audit_event
                 )
         confirmed = max(confirmed, tag)
     if confirmed < len(bodies):
@@ -540,11 +585,13 @@ def check_commits(
     amqp_port: int,
     transactions: Sequence[Sequence[bytes]],
     replication: Replication | None = None,
+    audit_event: str | None = None,
 ) -> list[str]:
     """Every tx.commit-ok came after the messages of its transaction were durable.
 
     `transactions` are the messages of one channel's commits, in order: the
-    k-th tx.commit-ok answers the k-th commit.
+    k-th tx.commit-ok answers the k-th commit. `replication` and `audit_event`
+    as for `check_confirms`.
     """
     problems: list[str] = []
     oks = [
@@ -553,21 +600,28 @@ def check_commits(
         if method_of(f) == TX_COMMIT_OK
     ]
     for k, (frame, bodies) in enumerate(zip(oks, transactions, strict=False), 1):
-        problems += _check_completion(calls, f"tx.commit-ok {k}", frame, bodies, replication)
+        problems += _check_completion(
+            calls, f"tx.commit-ok {k}", frame, bodies, replication, audit_event
+        )
     if len(oks) != len(transactions):
         problems.append(f"{len(oks)} tx.commit-ok in the trace for {len(transactions)} commits")
     return problems
 
 
 def check_passive_acks(
-    calls: Sequence[Syscall], *, active_port: int, bodies: Sequence[bytes]
+    calls: Sequence[Syscall],
+    *,
+    active_port: int,
+    bodies: Sequence[bytes],
+    audit_event: str | None = None,
 ) -> list[str]:
     """Every ACK the passive sent came after the batches it covers were durable there.
 
     For each BATCH frame read from the link (its remote port `active_port`:
     the active's listener, or the proxy in front of it), each of `bodies` it
     carries must be in a journal write of the passive whose fdatasync returned
-    before the first ACK of that batch (or a later one) began to be written.
+    before the first ACK of that batch (or a later one) began to be written;
+    with `audit_event` (`replicated`), so must the passive's audit record of it.
     """
     problems: list[str] = []
     received = [
@@ -593,6 +647,10 @@ def check_passive_acks(
         ack = covering[0]
         for body in carried:
             if why := durability_problem(calls, body, ack.first.entry):
+                problems.append(f"ACK of batch {batch} ({ack.first}) for {body!r}: {why}")
+            if audit_event is not None and (
+                why := audit_problem(calls, body, audit_event, ack.first.entry)
+            ):
                 problems.append(f"ACK of batch {batch} ({ack.first}) for {body!r}: {why}")
     missing = [b for b in bodies if b not in seen]
     if missing:

@@ -14,9 +14,14 @@ completion began to be written:
 - a write that began a new segment also waits for the journal directory's fsync;
 - in a pair, each confirm and tx.commit-ok of the active also only after it
   read the passive's ACK of the batch carrying the message, and each ACK the
-  passive sent only after its own fdatasync of that batch.
+  passive sent only after its own fdatasync of that batch;
+- the audit log claims no more than survives a power loss: each confirm and
+  tx.commit-ok only after the message's `confirmed-alone` (single broker) or
+  `confirmed` (pair) audit record was written to the open audit segment and
+  that file fdatasynced (a new segment's directory fsynced too), and each ACK of
+  the passive only after its `replicated` record was.
 
-A broker started with `--no-fsync` must fail the same check: the check can fail.
+A broker started with `--no-fsync` must fail the same checks: the checks can fail.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ from jepsen import Pair, wait_for
 from syscalls import (
     Replication,
     Syscall,
+    audit_problem,
     check_commits,
     check_confirms,
     check_passive_acks,
+    is_audit_write,
     is_journal_write,
     parse,
 )
@@ -157,25 +164,34 @@ def verdict(problems: list[str]) -> str:
 # -- one broker -------------------------------------------------------------------------------
 
 
-def test_each_confirm_follows_a_completed_fdatasync_of_its_message(
+def test_each_confirm_follows_a_completed_fdatasync_of_its_message_and_its_audit_record(
     fresh_broker: BrokerProcess, tmp_path: Path
 ) -> None:
     assert fresh_broker.proc is not None
     sent = bodies("confirm", MESSAGES)
     with Strace(fresh_broker.proc.pid, tmp_path / "broker.trace") as trace:
         publish_confirmed(fresh_broker, "fsync-order-confirms", sent)
-    problems = check_confirms(trace.calls(), amqp_port=fresh_broker.port, bodies=sent)
+    calls = trace.calls()
+    problems = check_confirms(
+        calls, amqp_port=fresh_broker.port, bodies=sent, audit_event="confirmed-alone"
+    )
     assert not problems, verdict(problems)
+    # The check asks for the order, not only the sync: before the first audit write,
+    # no record was durable.
+    first_audit_write = min(c.entry for c in calls if is_audit_write(c))
+    assert audit_problem(calls, sent[0], "confirmed-alone", first_audit_write)
 
 
-def test_each_tx_commit_ok_follows_a_completed_fdatasync_of_its_transaction(
+def test_each_tx_commit_ok_follows_completed_fdatasyncs_of_its_transaction_and_audit_records(
     fresh_broker: BrokerProcess, tmp_path: Path
 ) -> None:
     assert fresh_broker.proc is not None
     txs = transactions("tx")
     with Strace(fresh_broker.proc.pid, tmp_path / "broker.trace") as trace:
         publish_transactions(fresh_broker, "fsync-order-tx", txs)
-    problems = check_commits(trace.calls(), amqp_port=fresh_broker.port, transactions=txs)
+    problems = check_commits(
+        trace.calls(), amqp_port=fresh_broker.port, transactions=txs, audit_event="confirmed-alone"
+    )
     assert not problems, verdict(problems)
 
 
@@ -205,9 +221,15 @@ def test_the_check_catches_a_broker_that_confirms_without_fdatasync(tmp_path: Pa
         assert broker.proc is not None
         with Strace(broker.proc.pid, tmp_path / "broker.trace") as trace:
             publish_confirmed(broker, "fsync-order-unsynced", sent)
-    problems = check_confirms(trace.calls(), amqp_port=broker.port, bodies=sent)
+    calls = trace.calls()
+    problems = check_confirms(calls, amqp_port=broker.port, bodies=sent)
     assert len(problems) == len(sent), verdict(problems)
     assert all("no journal write holding it was made durable" in p for p in problems)
+    # The audit records were written (to the OS) but never fdatasynced: caught too.
+    assert any(is_audit_write(c) for c in calls), "no audit write in the trace"
+    confirms_at = len(calls) * 2 + 1  # after everything in the trace
+    unsynced = [b for b in sent if audit_problem(calls, b, "confirmed-alone", confirms_at)]
+    assert unsynced == sent
 
 
 # -- a pair -------------------------------------------------------------------------------------
@@ -229,7 +251,7 @@ def traced_pair(pair: Pair, tmp_path: Path) -> tuple[Strace, Strace]:
     )
 
 
-def test_in_a_pair_each_confirm_follows_both_fdatasyncs_and_the_passive_ack(
+def test_in_a_pair_each_confirm_follows_both_fdatasyncs_both_audit_records_and_the_ack(
     pair: Pair, tmp_path: Path
 ) -> None:
     sent = bodies("pair-confirm", MESSAGES)
@@ -240,14 +262,20 @@ def test_in_a_pair_each_confirm_follows_both_fdatasyncs_and_the_passive_ack(
     assert pair.healthy(), "the pair fell out of sync while traced"
     link = Replication(local_port=pair.active.replication_port)
     active = check_confirms(
-        on_active.calls(), amqp_port=pair.active.port, bodies=sent, replication=link
+        on_active.calls(),
+        amqp_port=pair.active.port,
+        bodies=sent,
+        replication=link,
+        audit_event="confirmed",
     )
     assert not active, "active: " + verdict(active)
-    passive = check_passive_acks(on_passive.calls(), active_port=pair.link.port, bodies=sent)
+    passive = check_passive_acks(
+        on_passive.calls(), active_port=pair.link.port, bodies=sent, audit_event="replicated"
+    )
     assert not passive, "passive: " + verdict(passive)
 
 
-def test_in_a_pair_each_tx_commit_ok_follows_both_fdatasyncs_and_the_passive_ack(
+def test_in_a_pair_each_tx_commit_ok_follows_both_fdatasyncs_audit_records_and_the_ack(
     pair: Pair, tmp_path: Path
 ) -> None:
     txs = transactions("pair-tx")
@@ -257,9 +285,15 @@ def test_in_a_pair_each_tx_commit_ok_follows_both_fdatasyncs_and_the_passive_ack
     assert pair.healthy(), "the pair fell out of sync while traced"
     link = Replication(local_port=pair.active.replication_port)
     active = check_commits(
-        on_active.calls(), amqp_port=pair.active.port, transactions=txs, replication=link
+        on_active.calls(),
+        amqp_port=pair.active.port,
+        transactions=txs,
+        replication=link,
+        audit_event="confirmed",
     )
     assert not active, "active: " + verdict(active)
     flat = [body for tx in txs for body in tx]
-    passive = check_passive_acks(on_passive.calls(), active_port=pair.link.port, bodies=flat)
+    passive = check_passive_acks(
+        on_passive.calls(), active_port=pair.link.port, bodies=flat, audit_event="replicated"
+    )
     assert not passive, "passive: " + verdict(passive)

@@ -1,0 +1,174 @@
+"""The audit log holds what it claims: a confirm waits for its record, a failed write leaves
+nothing half-written, and the writer reads the message id as the codec does.
+
+The order against real fdatasyncs on real broker processes is checked with strace in
+tests/test_fsync_order.py; here: the group committer with a real journal and a real
+audit log on a real (tmpfs) disk that fills up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import errno
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pamqp import commands, header
+
+from twinmq.audit.records import AuditEvent, AuditRecord
+from twinmq.broker import metrics
+from twinmq.broker.auditlog import AuditLog, message_id_json
+from twinmq.broker.codec import decode_content_header
+from twinmq.broker.commit import GroupCommitter
+from twinmq.broker.journal import Journal, Settle, StoredMessage
+
+MANY = 100  # records of the batch whose audit write meets the full disk
+
+
+def _header(**properties: object) -> bytes:
+    """A content header's payload as a client sends it (pamqp), without the frame."""
+    return header.ContentHeader(0, 5, commands.Basic.Properties(**properties)).marshal()
+
+
+@pytest.mark.parametrize(
+    "properties",
+    [
+        {},
+        {"delivery_mode": 2},
+        {"message_id": "m-1"},
+        {"message_id": "orders-7:1234", "delivery_mode": 2, "priority": 3},
+        {
+            "content_type": "application/json",
+            "content_encoding": "gzip",
+            "headers": {"a": 1, "nested": {"b": [1, "two"]}},
+            "delivery_mode": 2,
+            "priority": 1,
+            "correlation_id": "c-9",
+            "reply_to": "amq.rabbitmq.reply-to",
+            "expiration": "60000",
+            "message_id": 'quote " back \\ slash ünïcödé',
+            "timestamp": datetime.datetime(2026, 11, 23, tzinfo=datetime.UTC),
+            "message_type": "t",
+        },
+        {"content_type": "text/plain", "message_type": "no-id", "app_id": "x"},
+    ],
+)
+def test_the_writer_reads_the_message_id_as_the_codec_does(properties: dict[str, object]) -> None:
+    raw = _header(**properties)
+    expected = decode_content_header(raw).message_id
+    assert AuditRecord.model_validate_json(
+        '{"broker":"b","epoch":1,"queue":"q","replication_id":1,"message_id":'
+        f'{message_id_json(raw)},"digest":"","event":"dequeued","time":1.0}}'
+    ).message_id == expected  # fmt: skip
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs of the test's own (needs root; skipped where mounting is refused)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+class _Told:
+    """A durability waiter (a channel's part): records what it was told."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[int, bool]] = []
+        self.changed = asyncio.Event()
+
+    def durable(self, batch: int, failed: bool = False) -> bool:
+        self.told.append((batch, failed))
+        self.changed.set()
+        return True
+
+
+def _records(directory: Path) -> list[AuditRecord]:
+    return [
+        AuditRecord.model_validate_json(line)
+        for path in sorted(directory.glob("*.jsonl*"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+def test_a_failed_audit_write_holds_the_confirm_until_a_retry_writes_it_once(
+    tmp_path: Path, tiny_disk: Path
+) -> None:
+    # The journal has room; the audit's disk is full. The batch is durable in the
+    # journal, but its waiters hear nothing until its audit record is on disk.
+    filler = tiny_disk / "filler"
+    audit_dir = tiny_disk / "audit"
+
+    async def run() -> tuple[list[tuple[int, bool]], int]:
+        journal = Journal(tmp_path / "journal")
+        journal.open()
+        committer = GroupCommitter(journal, asyncio.get_running_loop())
+        audit = AuditLog(audit_dir, "b1", lambda: 1, lambda qid: f"q{qid}", lambda: False)
+        committer.audit = audit
+        committer.start()
+        told = _Told()
+        committer.await_durable(told)
+        # The first batch's record fits; then the disk fills to the last page.
+        committer.add([StoredMessage(1, 7, "", "q7", _header(message_id="m-1"), b"a", None)])
+        while (1, False) not in told.told:
+            await told.changed.wait()
+            told.changed.clear()
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        failures = metrics.AUDIT_WRITE_FAILURES.value
+        # More than the page the open segment holds already: the write needs a new one.
+        committer.add(
+            [
+                StoredMessage(mid, 7, "", "q7", _header(message_id=f"m-{mid}"), b"b", None)
+                for mid in range(2, 2 + MANY)
+            ]
+        )
+        committer.add([Settle(7, 1)])
+
+        async def write_failed() -> None:
+            # A plain counter notifies nobody: poll it (bounded by the wait_for below).
+            while metrics.AUDIT_WRITE_FAILURES.value == failures:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(write_failed(), 30)
+        assert journal.stats.durable_lsn >= 2, "the journal write should have succeeded"
+        held = list(told.told)
+        filler.unlink()  # space again: the next retry succeeds
+
+        async def released() -> None:
+            while not any(batch >= 2 for batch, _ in told.told):
+                await told.changed.wait()
+                told.changed.clear()
+
+        await asyncio.wait_for(released(), 30)
+        await committer.stop()
+        await journal.close()
+        audit.close()
+        return held, len(told.told)
+
+    held, _ = asyncio.run(run())
+    assert held == [(1, False)], f"batch 2 was told before its audit record was durable: {held}"
+    records = _records(audit_dir)
+    assert [(r.replication_id, r.event) for r in records] == (
+        [(mid, AuditEvent.CONFIRMED_ALONE) for mid in range(1, 2 + MANY)]
+        + [(1, AuditEvent.DEQUEUED)]
+    ), "every record exactly once, none torn"
+    assert [r.message_id for r in records[:3]] == ["m-1", "m-2", "m-3"]
