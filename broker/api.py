@@ -33,6 +33,21 @@ class JournalStatus(BaseModel):
     durable_batch: int = Field(description="Newest group-commit batch known durable")
 
 
+class CatchupStatus(BaseModel):
+    """Active: the catch-up of the attached passive (running, or the one it finished)."""
+
+    in_progress: bool
+    candidates: int = Field(description="Messages in the active's snapshot at the start")
+    sent: int = Field(description="Messages sent so far")
+    kept: int = Field(description="Messages the passive already had (not sent)")
+    discarded: int = Field(description="Messages the passive held and the active does not")
+    skipped: int = Field(description="Settled on the active before their turn (not sent)")
+    bytes: int = Field(description="Bytes of catch-up chunks written")
+    chunks: int = Field(description="Chunks written")
+    acked_chunks: int = Field(description="Chunks durable on the passive")
+    acked_messages: int = Field(description="Messages in those chunks")
+
+
 class ReplicationStatus(BaseModel):
     """The replication link as this broker sees it."""
 
@@ -45,6 +60,7 @@ class ReplicationStatus(BaseModel):
     lag_messages: int = Field(description="Replicated ops not yet on the passive's disk")
     lag_seconds: float = Field(description="Age of the oldest of those")
     lost_at: float | None = Field(None, description="Passive: when the link was last lost")
+    catchup: CatchupStatus | None = Field(None, description="Active: the passive's catch-up")
 
 
 class RoleRequest(BaseModel):

@@ -93,6 +93,12 @@ class BrokerSettings(BaseSettings):
         description="Seconds a silent passive may hold up confirms before the "
         "active goes on alone (degraded)",
     )
+    catchup_chunk_bytes: int = Field(
+        2 * 1024 * 1024,
+        ge=1024,
+        description="Active: bytes of messages per catch-up chunk sent to a passive "
+        "(each journaled and acknowledged on its own)",
+    )
 
 
 def flag(field: str) -> str:

@@ -129,6 +129,7 @@ class VirtualHost:
         self.next_qid = 1
         self._timers: dict[str, Cancellable] = {}
         self._expiry_timers: dict[str, Cancellable] = {}
+        self._unordered: set[Queue] = set()  # replicated out of replication ID order
         for name, etype in BUILTIN_EXCHANGES:
             self.exchanges[name] = make_exchange(ExchangeDef(name=name, type=etype))
         if recovered is not None:
@@ -784,9 +785,14 @@ class VirtualHost:
         self.committer.save_definitions(self.definitions())
         metrics.QUEUES.set(len(self.queues))
 
-    def apply_ops(self, ops: list[JournalOp]) -> None:
-        """Apply a replicated batch to the queues (the caller journals it)."""
-        touched: set[Queue] = set()
+    def apply_ops(self, ops: list[JournalOp], *, defer_sort: bool = False) -> None:
+        """Apply a replicated batch to the queues (the caller journals it).
+
+        Queues keep replication ID order; with `defer_sort` (a catch-up, whose
+        chunks of older messages interleave with live batches) a queue put out of
+        order is sorted once, by `restore_order`, instead of after every batch.
+        """
+        unordered: set[Queue] = set()
         for op in ops:
             queue = self.queue_by_qid(op.qid)
             if queue is None:
@@ -804,23 +810,29 @@ class VirtualHost:
                 )
                 if message.message_id is not None:
                     self.dedup.add(dedup_key(op.exchange, op.routing_key, message.message_id))
-                queue.entries.append(Entry(message, op.expires_at, True))
+                entries = queue.entries
+                if entries and entries[-1].message.mid > op.mid:
+                    unordered.add(queue)
+                entries.append(Entry(message, op.expires_at, True))
                 queue.bytes += len(op.body)
-                touched.add(queue)
                 if op.mid >= self.next_mid:
                     self.next_mid = op.mid + 1
             else:
                 queue.remove_mid(op.mid)
-        for queue in touched:
-            if (
-                len(queue.entries) > 1
-                and queue.entries[-1].message.mid < queue.entries[-2].message.mid
-            ):
-                queue.sort_by_mid()
+        self._unordered |= unordered
+        if not defer_sort:
+            self.restore_order()
+
+    def restore_order(self) -> None:
+        """Sort the queues replicated batches put out of replication ID order."""
+        for queue in self._unordered:
+            queue.sort_by_mid()
+        self._unordered.clear()
 
     def set_replica(self, replica: bool) -> None:
         """Become a passive (no timers, state from replication) or an active broker."""
         self.replica = replica
+        self.restore_order()  # a catch-up cut short leaves its queues unsorted
         if replica:
             for timer in [*self._timers.values(), *self._expiry_timers.values()]:
                 timer.cancel()

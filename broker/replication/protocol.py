@@ -3,8 +3,9 @@
     frame = u32 length (of what follows) | u8 type | payload
 
 Control frames carry JSON of the pydantic models below; `BATCH` carries a
-batch number, a flag and the journal's own op encoding, so the passive writes
-exactly the record groups the active wrote; `ACK` a batch number.
+batch number, flags and the journal's own op encoding, so the passive writes
+exactly the record groups the active wrote (live batches), or one catch-up
+chunk (`catchup.py`); `ACK` and `CATCHUP_ACK` a batch or chunk number.
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ class FrameType(enum.IntEnum):
     CAUGHT_UP = 7  # active -> passive: u64 batch that completes the catch-up
     ACK = 8  # passive -> active: u64 batch durable on the passive
     PING = 9  # either way, keeps the link's liveness visible
+    CATCHUP_ACK = 10  # passive -> active: u64 catch-up chunk durable on the passive
 
 
+# BATCH flags. A catch-up chunk's batch number counts chunks (1, 2, ...), acknowledged
+# by CATCHUP_ACK; a live batch's is the active's commit batch, acknowledged by ACK.
 BATCH_CATCHUP: Final = 1
+BATCH_CATCHUP_LAST: Final = 2  # the catch-up's final chunk
 
 
 class Challenge(BaseModel):
@@ -86,7 +91,7 @@ def encode_batch(batch: int, flags: int, ops: bytes | bytearray) -> bytes:
 
 
 def encode_u64(ftype: FrameType, value: int) -> bytes:
-    """An ACK or CAUGHT_UP frame."""
+    """An ACK, CATCHUP_ACK or CAUGHT_UP frame."""
     return encode(ftype, _U64.pack(value))
 
 
@@ -97,7 +102,7 @@ def decode_batch(payload: bytes) -> tuple[int, int, bytes]:
 
 
 def decode_u64(payload: bytes) -> int:
-    """The value of an ACK or CAUGHT_UP payload."""
+    """The value of an ACK, CATCHUP_ACK or CAUGHT_UP payload."""
     (value,) = _U64.unpack(payload)
     return int(value)
 
