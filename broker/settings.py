@@ -94,7 +94,7 @@ class BrokerSettings(BaseSettings):
         "active goes on alone (degraded)",
     )
     catchup_chunk_bytes: int = Field(
-        2 * 1024 * 1024,
+        1024 * 1024,
         ge=1024,
         description="Active: bytes of messages per catch-up chunk sent to a passive "
         "(each journaled and acknowledged on its own)",

@@ -44,10 +44,10 @@ from twinmq.broker.replication.protocol import BATCH_CATCHUP, BATCH_CATCHUP_LAST
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES: Final = 2 * 1024 * 1024
+CHUNK_BYTES: Final = 1024 * 1024
 CHUNK_MESSAGES: Final = 4096
 PLAN_SLICE: Final = 8192  # entries planned per step (about a millisecond)
-WINDOW: Final = 4  # chunks in flight, unacknowledged
+WINDOW: Final = 8  # chunks in flight, unacknowledged
 _OP_OVERHEAD: Final = 37  # bytes of an encoded message op besides its strings and body
 _SETTLE_SIZE: Final = 17  # bytes of an encoded settle
 
