@@ -225,9 +225,9 @@ def one_run(
         prober.join()
         during = [lat for at, lat in probe.samples if attach_at <= at <= done_at]
         normal = [lat for at, lat in probe.samples if at >= normal_from]
-        passive_messages = sum(
-            q["messages"] + q["unacked"] for q in status(passive)["queues"] if q["name"] == "backlog"
-        )
+        queues = status(passive)["queues"]
+        backlog = [q["messages"] + q["unacked"] for q in queues if q["name"] == "backlog"]
+        passive_messages = sum(backlog)
         return RunResult(
             case=case,
             messages=count,
@@ -281,7 +281,7 @@ def main() -> None:
     print(f"tree {tree}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     results: list[RunResult] = []
     for case in args.cases.split(","):
-        for run in range(args.runs):
+        for _ in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="twinmq-catchup-") as tmp:
                 passive_root = None
                 if args.passive_dir:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage, encode_ops
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.replication.catchup import CatchupStream
+from twinmq.broker.replication.protocol import Snapshot
 
 BODY = 100
 
@@ -197,3 +198,13 @@ def test_a_message_settled_before_its_chunk_is_not_sent_nor_its_settle_forwarded
     while not stream.finished:
         sent += [op.mid for op in stream.step() or []]
     assert 9 not in sent and stream.progress.skipped == 1
+
+
+def test_a_packed_snapshot_decodes_any_slice_back_to_its_ids() -> None:
+    rng = random.Random(7)
+    for n in (0, 1, 2, 3, 5, 8, 100):
+        ids = [rng.randrange(1 << 62) for _ in range(n)]
+        snapshot = Snapshot.model_validate_json(Snapshot.of({3: ids}).model_dump_json())
+        packed = snapshot.ids()[3]
+        assert len(packed) == n
+        assert all(packed[a:b] == ids[a:b] for a in range(n + 1) for b in range(a, n + 2))

@@ -251,9 +251,7 @@ class ReplicaClient:
                 ),
             )
         )
-        writer.write(
-            encode(FrameType.SNAPSHOT, Snapshot(queues=broker.vhost.replication_snapshot()))
-        )
+        writer.write(encode(FrameType.SNAPSHOT, Snapshot.of(broker.vhost.replication_snapshot())))
         self.active_name = challenge.name
         # Connected only once the active accepts us (its topology comes first): a broker
         # that is not active answers the hello with a refusal, and a refused link must

@@ -371,7 +371,7 @@ class ReplicationSource:
         link = SourceLink(peer, hello.name, writer, last)
         stream = CatchupStream(
             capture(vhost.queues.values()),
-            snapshot.queues,
+            snapshot.ids(),
             vhost.next_mid,
             queue_exists=lambda qid: vhost.queue_by_qid(qid) is not None,
             chunk_bytes=broker.settings.catchup_chunk_bytes,
