@@ -14,7 +14,9 @@ to the active's clients. Throughput is the catch-up's bytes (the active's
 of both brokers is read from /proc. Nothing asserts a timing; docs/benchmarks.md
 has the results.
 
-Cases: `1m` = 1,000,000 x 1 KiB; `2g` = 32,768 x 64 KiB (2 GiB).
+Cases: `1m` = 1,000,000 x 1 KiB; `2g` = 32,768 x 64 KiB (2 GiB); `200k` and
+`smoke` (50,000) x 1 KiB for quick looks. `--passive-dir` puts the passive's
+data directory on another file system (a second disk, or tmpfs).
 """
 
 from __future__ import annotations
@@ -46,7 +48,12 @@ from pamqp import commands, frame, header  # noqa: E402
 from twinmq.broker.launcher import BrokerProcess  # noqa: E402
 
 TOKEN = "catchup-bench-token"
-CASES = {"1m": (1_000_000, 1024), "2g": (32_768, 64 * 1024), "smoke": (50_000, 1024)}
+CASES = {
+    "1m": (1_000_000, 1024),
+    "2g": (32_768, 64 * 1024),
+    "200k": (200_000, 1024),
+    "smoke": (50_000, 1024),
+}
 
 
 @dataclass

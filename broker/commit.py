@@ -56,6 +56,8 @@ class GroupCommitter:
         self._flush_scheduled = False
         self._waiters: set[Waiter] = set()
         self._wake = asyncio.Event()
+        self._settled = asyncio.Event()  # set while no batch waits for its sync
+        self._settled.set()
         self._task: asyncio.Task[None] | None = None
         self.failure: JournalError | None = None
 
@@ -115,12 +117,24 @@ class GroupCommitter:
         metrics.COMMIT_BATCH.observe(len(ops))
         lsn = self.journal.append(ops)
         self._appended.append((batch, lsn))
+        self._settled.clear()
         self.last_appended = batch
         if self.audit is not None:
             self._audit_batches.append((batch, ops))
         self._wake.set()
         if self.on_batch is not None:
             self.on_batch(batch, ops)
+
+    async def idle(self, limit: float) -> None:
+        """Wait (at most `limit` seconds) until no batch waits for its sync.
+
+        Background work (a catch-up) calls this before each step so that it runs
+        while the journal is idle and leaves the loop and the GIL to confirms.
+        """
+        if self._settled.is_set() and not self._open:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._settled.wait(), limit)
 
     def flush_now(self) -> int:
         """Close the open batch at once (before a catch-up snapshot); return the last batch."""
@@ -192,5 +206,7 @@ class GroupCommitter:
             failed = True
         # Batches appended while we synced stay for the next round.
         self._appended = [(b, n) for b, n in self._appended if b > batch]
+        if not self._appended:
+            self._settled.set()
         self.durable_batch = batch
         self._advance(failed)

@@ -170,6 +170,9 @@ class VirtualHost:
                 # A message recovered from disk may have been delivered before the crash.
                 queue.entries.append(Entry(message, stored.expires_at, True, redelivered=True))
                 queue.bytes += len(stored.body)
+            # Journal order is not publish order where a catch-up's chunks of older
+            # messages were journaled after live ones (a passive, or one promoted since).
+            queue.sort_by_mid()
             if not replica_mode:
                 queue.expire(now)
                 self._schedule_expiry(queue)

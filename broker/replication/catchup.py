@@ -48,6 +48,7 @@ CHUNK_BYTES: Final = 1024 * 1024
 CHUNK_MESSAGES: Final = 4096
 PLAN_SLICE: Final = 8192  # entries planned per step (about a millisecond)
 WINDOW: Final = 8  # chunks in flight, unacknowledged
+YIELD_LIMIT: Final = 0.005  # seconds a step waits for the journal to go idle, at most
 _OP_OVERHEAD: Final = 37  # bytes of an encoded message op besides its strings and body
 _SETTLE_SIZE: Final = 17  # bytes of an encoded settle
 
@@ -275,6 +276,14 @@ class ChunkLink(Protocol):
         ...
 
 
+class Yielding(Protocol):
+    """What `CatchupSender` needs of the group committer: confirms go first."""
+
+    def idle(self, limit: float) -> Awaitable[None]:
+        """Wait (at most `limit` seconds) until no batch waits for its sync."""
+        ...
+
+
 class CatchupSender:
     """Streams a `CatchupStream` over a link: bounded chunks, flow control, acknowledgements."""
 
@@ -285,9 +294,11 @@ class CatchupSender:
         *,
         window: int = WINDOW,
         on_done: Callable[[], None] | None = None,
+        committer: Yielding | None = None,
     ) -> None:
         self.stream = stream
         self.link = link
+        self.committer = committer
         self.window = max(1, window)
         self.on_done = on_done
         self.sent_chunk = 0  # the newest chunk written
@@ -349,6 +360,10 @@ class CatchupSender:
                     self._acked.clear()
                     await self._acked.wait()
                 await link.drain()
+                if self.committer is not None:
+                    # Confirms first: a step started while a batch syncs would hold the
+                    # loop and the GIL when the sync completes.
+                    await self.committer.idle(YIELD_LIMIT)
                 if link.closed:
                     return
                 ops = stream.step()

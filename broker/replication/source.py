@@ -376,7 +376,9 @@ class ReplicationSource:
             queue_exists=lambda qid: vhost.queue_by_qid(qid) is not None,
             chunk_bytes=broker.settings.catchup_chunk_bytes,
         )
-        link.catchup = CatchupSender(stream, link, on_done=lambda: self._in_sync(link))
+        link.catchup = CatchupSender(
+            stream, link, on_done=lambda: self._in_sync(link), committer=committer
+        )
         writer.write(encode(FrameType.DEFINITIONS, vhost.definitions()))
         self.link = link
         committer.on_batch = link.send_batch
