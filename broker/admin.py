@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from twinmq.broker import metrics
 from twinmq.broker.api import (
     BrokerStatus,
+    CatchupStatus,
     ErrorBody,
     JournalStatus,
     QueueStatus,
@@ -68,6 +69,14 @@ def replication_status(broker: Broker) -> ReplicationStatus:
         )  # fmt: skip
     link = broker.source.link
     in_sync = link is not None and link.ready and broker.committer.guarded
+    catchup: CatchupStatus | None = None
+    if link is not None and link.catchup is not None:
+        sender, p = link.catchup, link.catchup.progress
+        catchup = CatchupStatus(
+            in_progress=not sender.done, candidates=p.candidates, sent=p.sent, kept=p.kept,
+            discarded=p.discarded, skipped=p.skipped, bytes=p.bytes, chunks=p.chunks,
+            acked_chunks=sender.acked_chunk, acked_messages=sender.acked_messages,
+        )  # fmt: skip
     return ReplicationStatus(
         peer=None if link is None else f"{link.name} ({link.peer})",
         link_connected=link is not None and not link.closed,
@@ -75,6 +84,7 @@ def replication_status(broker: Broker) -> ReplicationStatus:
         degraded=not in_sync,
         lag_messages=0 if link is None else link.lag_messages,
         lag_seconds=0.0 if link is None else round(link.lag_seconds, 3),
+        catchup=catchup,
     )
 
 

@@ -59,6 +59,21 @@ class JournalStatus(BaseModel):
     quarantined_files: int = Field(0, description="Files in <data-dir>/quarantine")
 
 
+class CatchupStatus(BaseModel):
+    """Active: the catch-up of the attached passive (running, or the one it finished)."""
+
+    in_progress: bool
+    candidates: int = Field(description="Messages in the active's snapshot at the start")
+    sent: int = Field(description="Messages sent so far")
+    kept: int = Field(description="Messages the passive already had (not sent)")
+    discarded: int = Field(description="Messages the passive held and the active does not")
+    skipped: int = Field(description="Settled on the active before their turn (not sent)")
+    bytes: int = Field(description="Bytes of catch-up chunks written")
+    chunks: int = Field(description="Chunks written")
+    acked_chunks: int = Field(description="Chunks durable on the passive")
+    acked_messages: int = Field(description="Messages in those chunks")
+
+
 class ReplicationStatus(BaseModel):
     """The replication link as this broker sees it."""
 
@@ -74,6 +89,7 @@ class ReplicationStatus(BaseModel):
     epoch_refused: str | None = Field(
         None, description="The last epoch a peer offered that was refused (max_epoch_jump)"
     )
+    catchup: CatchupStatus | None = Field(None, description="Active: the passive's catch-up")
 
 
 class RoleRequest(BaseModel):

@@ -81,6 +81,8 @@ class GroupCommitter:
         self._flush_scheduled = False
         self._waiters: set[Waiter] = set()
         self._wake = asyncio.Event()
+        self._settled = asyncio.Event()  # set while no batch waits for its sync
+        self._settled.set()
         self._task: asyncio.Task[None] | None = None
         self.failure: JournalError | None = None
 
@@ -162,6 +164,7 @@ class GroupCommitter:
                 self.failure = exc
             lsn = None
         self._appended.append((batch, lsn))
+        self._settled.clear()
         self._wake.set()
         if lsn is None:
             return
@@ -169,6 +172,17 @@ class GroupCommitter:
             self._audit_batches.append((batch, ops))
         if self.on_batch is not None:
             self.on_batch(batch, ops)
+
+    async def idle(self, limit: float) -> None:
+        """Wait (at most `limit` seconds) until no batch waits for its sync.
+
+        Background work (a catch-up) calls this before each step so that it runs
+        while the journal is idle and leaves the loop and the GIL to confirms.
+        """
+        if self._settled.is_set() and not self._open:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._settled.wait(), limit)
 
     def flush_now(self) -> int:
         """Close the open batch at once (before a catch-up snapshot); return the last batch."""
@@ -310,6 +324,8 @@ class GroupCommitter:
                 await self.journal.sync(lsn)  # the outcomes are read one by one below
         # Batches appended while we synced stay for the next round.
         self._appended = self._appended[len(round_) :]
+        if not self._appended:
+            self._settled.set()
         for each, each_lsn in round_:
             error = await self._outcome(each_lsn)
             if error is not None:

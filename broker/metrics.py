@@ -187,6 +187,19 @@ REPLICATION_LAG = Gauge("twinmq_replication_lag_messages", "Ops sent but not yet
 REPLICATION_LAG_SECONDS = Gauge(
     "twinmq_replication_lag_seconds", "Age of the oldest unacknowledged replicated batch"
 )
+CATCHUP_IN_PROGRESS = Gauge(
+    "twinmq_replication_catchup_in_progress", "Active: 1 while a catch-up streams to a passive"
+)
+CATCHUP_MESSAGES = Counter(
+    "twinmq_replication_catchup_messages_sent", "Active: messages sent in catch-up chunks"
+)
+CATCHUP_BYTES = Counter(
+    "twinmq_replication_catchup_bytes_sent", "Active: bytes of catch-up chunk frames sent"
+)
+CATCHUP_RECEIVED = Counter(
+    "twinmq_replication_catchup_messages_received",
+    "Passive: messages received in catch-up chunks",
+)
 DUPLICATES = _counter(
     "twinmq_messages_deduplicated", "Re-sent messages dropped because their message id was seen"
 )

@@ -111,6 +111,12 @@ class BrokerSettings(BaseSettings):
         description="Largest epoch increase believed from an authenticated peer (a bigger "
         "jump is refused and reported)",
     )
+    catchup_chunk_bytes: int = Field(
+        1024 * 1024,
+        ge=1024,
+        description="Active: bytes of messages per catch-up chunk sent to a passive "
+        "(each journaled and acknowledged on its own)",
+    )
 
 
 def flag(field: str) -> str:

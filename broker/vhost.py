@@ -140,6 +140,7 @@ class VirtualHost:
         self.next_qid = 1
         self._timers: dict[str, Cancellable] = {}
         self._expiry_timers: dict[str, Cancellable] = {}
+        self._unordered: set[Queue] = set()  # replicated out of replication ID order
         for name, etype in BUILTIN_EXCHANGES:
             self.exchanges[name] = make_exchange(ExchangeDef(name=name, type=etype))
         if recovered is not None:
@@ -199,6 +200,9 @@ class VirtualHost:
                     len(opaque),
                     opaque[0],
                 )
+            # Journal order is not publish order where a catch-up's chunks of older
+            # messages were journaled after live ones (a passive, or one promoted since).
+            queue.sort_by_mid()
         for bdef in defs.bindings:
             exchange = self.exchanges.get(bdef.exchange)
             if exchange is not None and bdef.queue in self.queues:
@@ -819,22 +823,6 @@ class VirtualHost:
             if q.durable
         }
 
-    def live_messages(self) -> dict[int, list[StoredMessage]]:
-        """Every journaled message per durable queue, ready or delivered, in queue order."""
-        out: dict[int, list[StoredMessage]] = {}
-        for q in self.queues.values():
-            if not q.durable:
-                continue
-            qid = q.definition.qid
-            entries = sorted(
-                [e for e in q.entries if e.journaled]
-                + [e for e in q.delivered.values() if e.journaled]
-                + [e for e in q.held_aside.values() if e.journaled],
-                key=lambda e: e.message.mid,
-            )
-            out[qid] = [_stored(qid, e) for e in entries]
-        return out
-
     def apply_definitions(self, defs: Definitions) -> None:
         """Make the topology equal to the active's (a passive receiving its definitions)."""
         wanted = {q.name: q for q in defs.queues}
@@ -866,9 +854,14 @@ class VirtualHost:
         self.committer.save_definitions(self.definitions())
         metrics.QUEUES.set(len(self.queues))
 
-    def apply_ops(self, ops: list[JournalOp]) -> None:
-        """Apply a replicated batch to the queues (the caller journals it)."""
-        touched: set[Queue] = set()
+    def apply_ops(self, ops: list[JournalOp], *, defer_sort: bool = False) -> None:
+        """Apply a replicated batch to the queues (the caller journals it).
+
+        Queues keep replication ID order; with `defer_sort` (a catch-up, whose
+        chunks of older messages interleave with live batches) a queue put out of
+        order is sorted once, by `restore_order`, instead of after every batch.
+        """
+        unordered: set[Queue] = set()
         for op in ops:
             queue = self.queue_by_qid(op.qid)
             if queue is None:
@@ -886,23 +879,29 @@ class VirtualHost:
                 )
                 if message.message_id is not None:
                     self.dedup.add(dedup_key(op.exchange, op.routing_key, message.message_id))
-                queue.entries.append(Entry(message, op.expires_at, True))
+                entries = queue.entries
+                if entries and entries[-1].message.mid > op.mid:
+                    unordered.add(queue)
+                entries.append(Entry(message, op.expires_at, True))
                 queue.bytes += len(op.body)
-                touched.add(queue)
                 if op.mid >= self.next_mid:
                     self.next_mid = op.mid + 1
             else:
                 queue.remove_mid(op.mid)
-        for queue in touched:
-            if (
-                len(queue.entries) > 1
-                and queue.entries[-1].message.mid < queue.entries[-2].message.mid
-            ):
-                queue.sort_by_mid()
+        self._unordered |= unordered
+        if not defer_sort:
+            self.restore_order()
+
+    def restore_order(self) -> None:
+        """Sort the queues replicated batches put out of replication ID order."""
+        for queue in self._unordered:
+            queue.sort_by_mid()
+        self._unordered.clear()
 
     def set_replica(self, replica: bool) -> None:
         """Become a passive (no timers, state from replication) or an active broker."""
         self.replica = replica
+        self.restore_order()  # a catch-up cut short leaves its queues unsorted
         if replica:
             for timer in [*self._timers.values(), *self._expiry_timers.values()]:
                 timer.cancel()
@@ -933,8 +932,3 @@ def _names_fit(message: Message) -> bool:
         len(message.exchange.encode("utf-8", "surrogatepass")) <= 255
         and len(message.routing_key.encode("utf-8", "surrogatepass")) <= 255
     )
-
-
-def _stored(qid: int, entry: Entry) -> StoredMessage:
-    m = entry.message
-    return StoredMessage(m.mid, qid, m.exchange, m.routing_key, m.header, m.body, entry.expires_at)

@@ -19,11 +19,9 @@ import pytest
 from jepsen import Pair, post_role, queue_counts, status, wait_for
 from queues import drain
 
-from twinmq.broker.journal import Settle, StoredMessage
 from twinmq.broker.journal.ops import TAG_MSG, decode_group
 from twinmq.broker.journal.segment import HEADER, REC
 from twinmq.broker.launcher import BrokerProcess
-from twinmq.broker.replication.catchup import plan_catchup
 
 QUEUE = "damage.q"
 
@@ -307,13 +305,3 @@ def test_a_damaged_broker_back_as_passive_is_healed_by_catch_up(
         pair.promote_passive()  # no force needed: a was made whole by the catch-up
         assert sorted(drain(a, QUEUE)) == sorted(sent)
         assert (status(a) or {})["journal"]["healed_by"] == "b"
-
-
-def test_the_catch_up_plan_of_a_damaged_active_discards_nothing() -> None:
-    """The pure plan: without discards the passive keeps what the active lacks."""
-    active = {1: [StoredMessage(mid, 1, "", QUEUE, b"", b"x", None) for mid in (1, 3)]}
-    passive = {1: [1, 2, 4]}
-    normal = plan_catchup(active, passive)
-    assert normal.discard == [Settle(1, 2), Settle(1, 4)]
-    damaged = plan_catchup(active, passive, discard=False)
-    assert damaged.discard == [] and [m.mid for m in damaged.send] == [3] and damaged.kept == 1

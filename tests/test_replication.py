@@ -26,11 +26,13 @@ from replpeer import hello_for
 
 from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.replication.protocol import (
+    BATCH_CATCHUP,
+    BATCH_CATCHUP_LAST,
     Challenge,
     FrameDecoder,
     FrameType,
     Snapshot,
-    decode_u64,
+    decode_batch,
     encode,
     encode_u64,
 )
@@ -237,9 +239,12 @@ def test_catch_up_after_passive_restart_sends_only_what_is_missing(pair: Pair) -
     assert pair.active.log_path is not None
     with open(pair.active.log_path) as log:
         log.seek(log_size)
-        attached = [line for line in log if "attached: catch-up" in line]
+        lines = log.readlines()
+    attached = [line for line in lines if "attached: catch-up" in line]
     assert len(attached) == 1, attached
-    assert "sends 200 messages, discards 0, keeps 300" in attached[0], attached[0]
+    done = [line for line in lines if "caught up in" in line]
+    assert len(done) == 1, done
+    assert "catch-up sent 200 messages, discarded 0, kept 300" in done[0], done[0]
     assert not replication(pair.active)["degraded"]
 
 
@@ -283,7 +288,7 @@ def test_returning_old_active_discards_what_the_new_active_does_not_have(pair: P
     pair.wait_healthy(10)
     assert messages(old) == messages(new) == 60
     assert new.log_path is not None and old.log_path is not None
-    assert "sends 10 messages, discards 20, keeps 50" in new.log_path.read_text()
+    assert "catch-up sent 10 messages, discarded 20, kept 50" in new.log_path.read_text()
     assert log_size < old.log_path.stat().st_size
     # a, promoted in turn, holds exactly what b held.
     new.kill()
@@ -398,10 +403,12 @@ def test_a_passive_replacing_its_old_link_does_not_release_confirms(pair: Pair) 
         writer.write(encode(FrameType.HELLO, hello_for(TOKEN, challenge, "b", 1)))
         await frames.expect(FrameType.WELCOME)
         writer.write(encode(FrameType.SNAPSHOT, Snapshot()))
-        caught_up = decode_u64(await frames.expect(FrameType.CAUGHT_UP))
+        chunk, flags, _ = decode_batch(await frames.expect(FrameType.BATCH))
+        assert flags == BATCH_CATCHUP | BATCH_CATCHUP_LAST  # both messages, in one chunk
         await client.qos(10)  # a confirm released by the replacement would precede qos-ok
         assert confirms == [1], "a publish was confirmed with no passive holding it"
-        writer.write(encode_u64(FrameType.ACK, caught_up))
+        writer.write(encode_u64(FrameType.CATCHUP_ACK, chunk))
+        await frames.expect(FrameType.CAUGHT_UP)
         await asyncio.wait_for(_wait_for_confirm(confirms, 2), 5)
         writer.close()
         await client.close()

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from twinmq.broker.api import Role
     from twinmq.broker.commit import Waiter
     from twinmq.broker.definitions import Definitions
-    from twinmq.broker.journal import JournalOp, StoredMessage
+    from twinmq.broker.journal import JournalOp
+    from twinmq.broker.queue import Queue
     from twinmq.broker.settings import BrokerSettings
 
 
@@ -53,6 +54,10 @@ class ReplicatedLog(Protocol):
         """Call `waiter.durable(batch)` as batches become durable."""
         ...
 
+    async def idle(self, limit: float) -> None:
+        """Wait (at most `limit` seconds) until no batch waits for its sync."""
+        ...
+
 
 class ReplicatedState(Protocol):
     """The virtual host as replication sees it: its messages and topology."""
@@ -63,16 +68,23 @@ class ReplicatedState(Protocol):
         """The durable topology."""
         ...
 
-    def live_messages(self) -> dict[int, list[StoredMessage]]:
-        """Every journaled message per durable queue (the active's side of a catch-up)."""
+    queues: dict[str, Queue]
+    next_mid: int
+
+    def queue_by_qid(self, qid: int) -> Queue | None:
+        """The queue of an incarnation id, if it still exists."""
         ...
 
     def replication_snapshot(self) -> dict[int, list[int]]:
         """The replication IDs held per durable queue (the passive's side)."""
         ...
 
-    def apply_ops(self, ops: list[JournalOp]) -> None:
-        """Apply replicated ops to the queues (passive)."""
+    def apply_ops(self, ops: list[JournalOp], *, defer_sort: bool = False) -> None:
+        """Apply replicated ops to the queues (passive); `defer_sort` during a catch-up."""
+        ...
+
+    def restore_order(self) -> None:
+        """Sort queues the deferred batches left out of replication ID order (passive)."""
         ...
 
     def apply_definitions(self, defs: Definitions) -> None:

@@ -3,8 +3,9 @@
     frame = u32 length (of what follows) | u8 type | payload
 
 Control frames carry JSON of the pydantic models below; `BATCH` carries a
-batch number, a flag and the journal's own op encoding, so the passive writes
-exactly the record groups the active wrote; `ACK` a batch number.
+batch number, flags and the journal's own op encoding, so the passive writes
+exactly the record groups the active wrote (live batches), or one catch-up
+chunk (`catchup.py`); `ACK` and `CATCHUP_ACK` a batch or chunk number.
 
 Until both ends are authenticated (`handshake.py`) a frame may be at most
 `MAX_HANDSHAKE_FRAME` bytes; after that, `MAX_FRAME`.
@@ -12,9 +13,13 @@ Until both ends are authenticated (`handshake.py`) a frame may be at most
 
 from __future__ import annotations
 
+import array
+import binascii
 import enum
 import struct
-from typing import Final, TypeVar
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Final, TypeVar, overload
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -40,9 +45,13 @@ class FrameType(enum.IntEnum):
     ACK = 8  # passive -> active: u64 batch durable on the passive
     PING = 9  # either way, keeps the link's liveness visible
     WELCOME = 10  # active -> passive: Welcome, the active's proof
+    CATCHUP_ACK = 11  # passive -> active: u64 catch-up chunk durable on the passive
 
 
+# BATCH flags. A catch-up chunk's batch number counts chunks (1, 2, ...), acknowledged
+# by CATCHUP_ACK; a live batch's is the active's commit batch, acknowledged by ACK.
 BATCH_CATCHUP: Final = 1
+BATCH_CATCHUP_LAST: Final = 2  # the catch-up's final chunk
 
 
 class Challenge(BaseModel):
@@ -77,9 +86,72 @@ class Refuse(BaseModel):
 
 
 class Snapshot(BaseModel):
-    """The passive's replication IDs per queue incarnation (qid)."""
+    """The passive's replication IDs per queue incarnation (qid).
+
+    `packed` carries them as `pack_ids` does: a million IDs validate in a few
+    ms, where a JSON list of them holds the active's event loop for 100 ms or
+    more; the active decodes them a slice at a time (`PackedIds`). `queues`,
+    plain lists, is read too.
+    """
 
     queues: dict[int, list[int]] = Field(default_factory=dict)
+    packed: dict[int, str] = Field(
+        default_factory=dict, description="per qid: base64 of the IDs as little-endian u64"
+    )
+
+    @classmethod
+    def of(cls, ids: Mapping[int, Iterable[int]]) -> Snapshot:
+        """The snapshot of `ids` per qid, packed."""
+        return cls(packed={qid: pack_ids(mids) for qid, mids in ids.items()})
+
+    def ids(self) -> dict[int, Sequence[int]]:
+        """The IDs per qid, packed ones decoded lazily."""
+        out: dict[int, Sequence[int]] = {qid: PackedIds(text) for qid, text in self.packed.items()}
+        out.update(self.queues)
+        return out
+
+
+def pack_ids(ids: Iterable[int]) -> str:
+    """Replication IDs as base64 of little-endian u64s."""
+    packed = array.array("Q", ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return binascii.b2a_base64(packed.tobytes(), newline=False).decode()
+
+
+class PackedIds(Sequence[int]):
+    """The IDs of `pack_ids` text; a slice decodes only the base64 it covers."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        padding = text[-2:].count("=")
+        self._len = (len(text) // 4 * 3 - padding) // 8
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, int):
+            return self[index : index + 1 if index != -1 else None][0]
+        start, stop, step = index.indices(self._len)
+        if step != 1:
+            raise ValueError("PackedIds slices have step 1")
+        if stop <= start:
+            return []
+        first, end = start * 8, stop * 8  # byte range
+        group = first // 3  # base64 encodes 3 bytes as 4 characters
+        raw = binascii.a2b_base64(self._text[group * 4 : (end + 2) // 3 * 4])
+        values = array.array("Q")
+        values.frombytes(raw[first - group * 3 : first - group * 3 + end - first])
+        if sys.byteorder != "little":
+            values.byteswap()
+        return values.tolist()
 
 
 def encode(ftype: FrameType, payload: bytes | BaseModel = b"") -> bytes:
@@ -94,7 +166,7 @@ def encode_batch(batch: int, flags: int, ops: bytes | bytearray) -> bytes:
 
 
 def encode_u64(ftype: FrameType, value: int) -> bytes:
-    """An ACK or CAUGHT_UP frame."""
+    """An ACK, CATCHUP_ACK or CAUGHT_UP frame."""
     return encode(ftype, _U64.pack(value))
 
 
@@ -105,7 +177,7 @@ def decode_batch(payload: bytes) -> tuple[int, int, bytes]:
 
 
 def decode_u64(payload: bytes) -> int:
-    """The value of an ACK or CAUGHT_UP payload."""
+    """The value of an ACK, CATCHUP_ACK or CAUGHT_UP payload."""
     (value,) = _U64.unpack(payload)
     return int(value)
 

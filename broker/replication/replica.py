@@ -3,9 +3,11 @@
 Connects to the active (reconnecting every second while it cannot); both
 prove they know the shared token (`handshake.py`), within one deadline and
 with small frames only, before anything the active says is acted upon. Then
-it sends its snapshot and applies what arrives: the topology,
-the catch-up batch, and every live batch, each journaled as one record group
-and acknowledged only once it is on this broker's disk.
+it sends its snapshot and applies what arrives: the topology, the catch-up
+chunks and the live batches between them, each journaled as one record group
+and acknowledged only once it is on this broker's disk (chunks by CATCHUP_ACK,
+live batches by ACK). What a cut-short catch-up delivered is in the journal,
+hence in the next snapshot: the next catch-up resumes after it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from collections.abc import Awaitable, Callable
 
 from twinmq.broker import metrics
 from twinmq.broker.definitions import Definitions
-from twinmq.broker.journal import decode_ops
+from twinmq.broker.journal import StoredMessage, decode_ops
 from twinmq.broker.replication.context import ReplicationContext
 from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
 from twinmq.broker.replication.link import FrameReader
 from twinmq.broker.replication.protocol import (
+    BATCH_CATCHUP,
+    BATCH_CATCHUP_LAST,
     PROTOCOL_VERSION,
     Challenge,
     FrameType,
@@ -52,7 +56,8 @@ class _Session:
     def __init__(self, client: ReplicaClient, writer: asyncio.StreamWriter) -> None:
         self.client = client
         self.writer = writer
-        self.pending: deque[tuple[int, int]] = deque()  # (local batch, remote batch)
+        # (local batch, remote batch or chunk, is a catch-up chunk)
+        self.pending: deque[tuple[int, int, bool]] = deque()
         self.alive = True
 
     def durable(self, batch: int, failed: bool = False) -> bool:
@@ -63,13 +68,21 @@ class _Session:
             self.alive = False
         if not self.alive:
             return False
-        acked: int | None = None  # batch 0 (an empty catch-up) is acknowledged too
+        acked: int | None = None
+        chunk: int | None = None
         while self.pending and self.pending[0][0] <= batch:
-            acked = self.pending.popleft()[1]
-        if acked is not None and not failed:
-            self.writer.write(encode_u64(FrameType.ACK, acked))
-            self.client.on_acked(acked)
-        elif failed:
+            _, remote, is_chunk = self.pending.popleft()
+            if is_chunk:
+                chunk = remote
+            else:
+                acked = remote
+        if not failed:
+            if chunk is not None:
+                self.writer.write(encode_u64(FrameType.CATCHUP_ACK, chunk))
+            if acked is not None:
+                self.writer.write(encode_u64(FrameType.ACK, acked))
+                self.client.on_acked(acked)
+        else:
             log.error("could not journal replicated batches up to %s: dropping the link", acked)
             self.writer.transport.abort()
         return bool(self.pending)
@@ -94,6 +107,8 @@ class ReplicaClient:
         self._ping_seq = 0
         self._pings: dict[int, float] = {}  # ping number -> time.monotonic() sent
         self.pending_ops = 0
+        self.catchup_chunks = 0  # catch-up chunks received on the current link
+        self._catching_up = False
         self._oldest_pending: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -143,10 +158,15 @@ class ReplicaClient:
         self.acked_batch = batch
         self.pending_ops = 0 if batch >= self.remote_batch else self.pending_ops
         self._oldest_pending = None if batch >= self.remote_batch else self._oldest_pending
-        if not self.caught_up and self.catchup_batch is not None and batch >= self.catchup_batch:
-            self.caught_up = True
-            log.info("caught up with %s at batch %d: ready", self.active_name, batch)
-            metrics.REPLICATION_READY.set(1)
+        self._check_caught_up()
+
+    def _check_caught_up(self) -> None:
+        """Ready once CAUGHT_UP(n) came (every chunk on our disk) and live batch n is too."""
+        if self.caught_up or self.catchup_batch is None or self.acked_batch < self.catchup_batch:
+            return
+        self.caught_up = True
+        log.info("caught up with %s at batch %d: ready", self.active_name, self.acked_batch)
+        metrics.REPLICATION_READY.set(1)
 
     def _set_connected(self, connected: bool) -> None:
         if connected == self.connected:
@@ -282,9 +302,7 @@ class ReplicaClient:
                 epoch=broker.epoch)))  # fmt: skip
             await writer.drain()
             return
-        writer.write(
-            encode(FrameType.SNAPSHOT, Snapshot(queues=broker.vhost.replication_snapshot()))
-        )
+        writer.write(encode(FrameType.SNAPSHOT, Snapshot.of(broker.vhost.replication_snapshot())))
         self.active_name = challenge.name
         # The active pings every half second: a few missed pings mean the link is gone.
         # This must be well inside replication_timeout, the time this passive stays
@@ -323,24 +341,35 @@ class ReplicaClient:
         while True:
             ftype, payload = await next_frame()
             if ftype is FrameType.BATCH:
-                remote, _flags, raw = decode_batch(payload)
+                remote, flags, raw = decode_batch(payload)
                 ops = decode_ops(raw)
-                broker.vhost.apply_ops(ops)
+                chunk = bool(flags & BATCH_CATCHUP)
+                # While chunks of older messages interleave with live batches, queue order
+                # (by replication ID) is restored once, at the end, not per batch.
+                broker.vhost.apply_ops(ops, defer_sort=self._catching_up)
+                if chunk:
+                    self.catchup_chunks += 1
+                    metrics.CATCHUP_RECEIVED.inc(sum(1 for op in ops if type(op) is StoredMessage))
+                    if flags & BATCH_CATCHUP_LAST:
+                        self._catching_up = False
+                        broker.vhost.restore_order()
                 local = committer.add(ops) if ops else committer.confirm_point()
-                self.remote_batch = remote
-                self.pending_ops += len(ops)
-                if self._oldest_pending is None:
-                    self._oldest_pending = time.time()
+                if not chunk:
+                    self.remote_batch = remote
+                    self.pending_ops += len(ops)
+                    if self._oldest_pending is None:
+                        self._oldest_pending = time.time()
+                session.pending.append((local, remote, chunk))
                 if local == 0:
-                    session.pending.append((0, remote))
                     session.durable(0)
                 else:
-                    session.pending.append((local, remote))
                     committer.await_durable(session)
             elif ftype is FrameType.DEFINITIONS:
                 if not self.connected:
                     self.caught_up = False
                     self.catchup_batch = None
+                    self.catchup_chunks = 0
+                    self._catching_up = True
                     self.acked_batch = 0  # batch numbers are per active: start over
                     metrics.REPLICATION_READY.set(0)
                     self._set_connected(True)
@@ -353,8 +382,7 @@ class ReplicaClient:
                 broker.vhost.apply_definitions(Definitions.model_validate_json(payload))
             elif ftype is FrameType.CAUGHT_UP:
                 self.catchup_batch = decode_u64(payload)
-                if self.acked_batch >= self.catchup_batch and not session.pending:
-                    self.on_acked(self.acked_batch)
+                self._check_caught_up()
             elif ftype is FrameType.REFUSE:
                 refuse = Refuse.model_validate_json(payload)
                 broker.learn_epoch(refuse.epoch, f"{self.active_name} at {self.address}")

@@ -5,9 +5,11 @@ within one deadline and with small frames only, before anything either says
 is acted upon; at most `replication_max_connections` connections are served
 at once. The passive sends its snapshot; in
 one step of the event loop (no await in between) the active closes its open
-batch, plans the catch-up from its live messages, and from then on streams
-every batch it journals. The passive's acknowledgements complete batches
-(delayed completion); a passive that stops acknowledging for
+batch, captures what the catch-up must compare, and from then on streams every
+batch it journals, while the catch-up streams alongside in bounded chunks
+(`catchup.py`). A passive still catching up holds up no confirm; once it has
+every chunk on its disk it is in sync, and from then on its acknowledgements
+complete batches (delayed completion). A passive that stops acknowledging for
 `replication_timeout` seconds is dropped and the active goes on alone, degraded.
 """
 
@@ -17,16 +19,16 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 
 from twinmq.broker import metrics
 from twinmq.broker.definitions import Definitions
 from twinmq.broker.journal import JournalOp, encode_ops
-from twinmq.broker.replication.catchup import plan_catchup
+from twinmq.broker.replication.catchup import CatchupSender, CatchupStream, capture
 from twinmq.broker.replication.context import ReplicationContext
 from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
 from twinmq.broker.replication.link import FrameReader
 from twinmq.broker.replication.protocol import (
-    BATCH_CATCHUP,
     PROTOCOL_VERSION,
     Challenge,
     FrameType,
@@ -50,13 +52,20 @@ REFUSAL_LOG_INTERVAL = 5.0  # seconds between log lines about connections over t
 
 
 class SourceLink:
-    """One attached passive."""
+    """One attached passive: catching up, then in sync."""
 
-    def __init__(self, peer: str, name: str, writer: asyncio.StreamWriter, catchup: int) -> None:
+    def __init__(self, peer: str, name: str, writer: asyncio.StreamWriter, start: int) -> None:
         self.peer = peer
         self.name = name
         self.writer = writer
-        self.catchup_batch = catchup
+        self.start_batch = start  # batches up to this one reach the passive by the catch-up
+        self.catchup: CatchupSender | None = None
+        # In sync: every catch-up chunk is on the passive's disk, its acknowledgements
+        # complete batches (the guard), and it is ready once it has acknowledged the
+        # live batch named in CAUGHT_UP (what the active confirmed alone meanwhile).
+        self.in_sync = False
+        self.caught_up_batch: int | None = None
+        self.live_sent = 0  # the newest live batch sent
         self.acked = 0
         self.ready = False
         self.closed = False
@@ -77,20 +86,28 @@ class SourceLink:
         self.writer.write(data)
         return True
 
+    def drain(self) -> Awaitable[None]:
+        """Wait for the transport's write buffer to drain below its high-water mark."""
+        return self.writer.drain()
+
+    @property
+    def outstanding(self) -> bool:
+        """Live batches or catch-up chunks sent and not yet acknowledged."""
+        return bool(self.sent_batches) or (self.catchup is not None and self.catchup.unacked)
+
     def send_batch(self, batch: int, ops: list[JournalOp]) -> None:
         """Stream one journaled batch."""
         if self.closed or self.writer.transport.is_closing():
             return
-        if self.acked >= self.sent_last():
+        if not self.outstanding:
             self.last_progress = time.monotonic()  # the clock for a stall starts now
+        if self.catchup is not None and not self.catchup.done:
+            ops = self.catchup.filter_live(ops)
         buf = bytearray()
         encode_ops(ops, buf)
         self.write(encode_batch(batch, 0, buf))
+        self.live_sent = batch
         self.sent_batches.append((batch, len(ops), time.time()))
-
-    def sent_last(self) -> int:
-        """The newest batch sent."""
-        return self.sent_batches[-1][0] if self.sent_batches else self.catchup_batch
 
     def echo(self, payload: bytes, timeout: float) -> None:
         """Answer the passive's ping: it renews the passive's readiness (its lease).
@@ -100,7 +117,7 @@ class SourceLink:
         last echo too).
         """
         now = time.monotonic()
-        lagging = self.acked < self.sent_last() and now - self.last_progress > timeout / 2
+        lagging = self.outstanding and now - self.last_progress > timeout / 2
         if self.closed or lagging:
             return
         self.last_echo = now
@@ -111,17 +128,34 @@ class SourceLink:
         self.write(encode(FrameType.DEFINITIONS, definitions))
 
     def on_ack(self, batch: int) -> None:
-        """The passive has everything up to `batch` on disk."""
+        """The passive has every live batch up to `batch` on disk."""
         self.acked = max(self.acked, batch)
         self.last_progress = time.monotonic()
         while self.sent_batches and self.sent_batches[0][0] <= batch:
             self.sent_batches.pop(0)
-        if not self.ready and batch >= self.catchup_batch:
-            self.ready = True
-            log.info(
-                "passive %s (%s) caught up at batch %d in %.2fs: replication guarded",
-                self.name, self.peer, batch, time.time() - self.attached_at,
-            )  # fmt: skip
+        self._check_ready()
+
+    def on_catchup_ack(self, chunk: int) -> None:
+        """The passive has every catch-up chunk up to `chunk` on disk."""
+        self.last_progress = time.monotonic()
+        if self.catchup is not None:
+            self.catchup.on_ack(chunk)
+
+    def synced(self) -> int:
+        """The catch-up is complete: from now on this passive guards; returns CAUGHT_UP's batch."""
+        self.in_sync = True
+        self.caught_up_batch = self.live_sent
+        self._check_ready()
+        return self.caught_up_batch
+
+    def _check_ready(self) -> None:
+        if self.ready or self.caught_up_batch is None or self.acked < self.caught_up_batch:
+            return
+        self.ready = True
+        log.info(
+            "passive %s (%s) ready at batch %d, %.2fs after attaching",
+            self.name, self.peer, self.acked, time.time() - self.attached_at,
+        )  # fmt: skip
 
     @property
     def lag_messages(self) -> int:
@@ -135,6 +169,8 @@ class SourceLink:
 
     def close(self, refuse: Refuse | None = None) -> None:
         """Drop the connection; with `refuse`, tell the passive why (after what is queued)."""
+        if self.catchup is not None:
+            self.catchup.cancel()
         if not self.closed:
             if refuse is None or not self.write(encode(FrameType.REFUSE, refuse)):
                 self.writer.transport.abort()
@@ -176,17 +212,19 @@ class ReplicationSource:
         link = self.link
         if link is None or link.closed:
             return
-        if link.acked >= link.sent_last():
+        if not link.outstanding:
             return
         stalled = time.monotonic() - max(link.last_progress, link.last_echo)
         if stalled > self.broker.settings.replication_timeout:
             log.warning(
-                "passive %s stalled for %.1fs with %d ops unacknowledged: continuing alone",
-                link.name, stalled, link.lag_messages,
+                "passive %s stalled for %.1fs with %d ops unacknowledged%s: continuing alone",
+                link.name, stalled, link.lag_messages, "" if link.in_sync else " (catching up)",
             )  # fmt: skip
             # Told so, a paused passive that runs again knows it is no longer ready.
             link.close(Refuse(reason="stalled: the active goes on alone", epoch=self.broker.epoch))
-            self._lost(link, degrade_now=True)
+            # One still catching up held up nothing: a degrade timer still running for a
+            # lost in-sync link (the passive's lease) runs out on its own.
+            self._lost(link, degrade_now=link.in_sync)
 
     def _unhook(self, link: SourceLink) -> None:
         committer = self.broker.committer
@@ -207,6 +245,11 @@ class ReplicationSource:
         if degrade_now:
             self._degrade()
             return
+        if not link.in_sync:
+            # It guarded nothing: confirms go on as before (alone, or held until a timer
+            # for an earlier in-sync link runs out). A reconnect loop extends nothing.
+            log.info("replication link to %s lost during its catch-up", link.name)
+            return
         timeout = self.broker.settings.replication_timeout
         log.warning(
             "replication link to %s lost: waiting %.1fs for it to return", link.name, timeout
@@ -216,7 +259,7 @@ class ReplicationSource:
 
     def _degrade(self) -> None:
         self._degrade_timer = None
-        if self.link is not None and self.link.ready:
+        if self.link is not None and self.link.in_sync:
             return
         if self.broker.committer.guarded:
             log.warning("no passive in sync: confirms now wait for the local disk only (degraded)")
@@ -262,11 +305,16 @@ class ReplicationSource:
                 if ftype is FrameType.ACK:
                     batch = decode_u64(payload)
                     link.on_ack(batch)
-                    self.broker.committer.replica_acked(batch)
+                    if link.in_sync:
+                        # Only an in-sync passive completes batches: one catching up may
+                        # acknowledge live batches before it holds what they build on.
+                        self.broker.committer.replica_acked(batch)
                     if link.ready:
                         self._cancel_degrade()
                         self.degraded_since = None
                         metrics.REPLICATION_DEGRADED.set(0)
+                elif ftype is FrameType.CATCHUP_ACK:
+                    link.on_catchup_ack(decode_u64(payload))
                 elif ftype is FrameType.REFUSE:
                     refuse = Refuse.model_validate_json(payload)
                     log.warning("passive %s refused the link: %s", peer_text, refuse.reason)
@@ -407,33 +455,57 @@ class ReplicationSource:
                 epoch=broker.epoch)))  # fmt: skip
             return None
         committer, vhost = broker.committer, broker.vhost
-        last = committer.flush_now()
-        # A damaged active (journal corruption) may lack what it confirmed: no discards.
-        plan = plan_catchup(vhost.live_messages(), snapshot.queues, discard=not broker.damaged)
         if self.link is not None:
-            # Not detach(): that drops the guard, confirming what no passive has yet.
+            # Not detach(): that drops the guard, confirming what no passive has yet. Lost
+            # like any link: an in-sync one leaves the guard on for the timeout.
             log.info("dropping passive %s: replaced by a new link", self.link.name)
-            self._unhook(self.link)
-            self.link.close()
-            self.link = None
+            self._lost(self.link, degrade_now=False)
+        last = committer.flush_now()
         link = SourceLink(peer, hello.name, writer, last)
+        stream = CatchupStream(
+            capture(vhost.queues.values()),
+            snapshot.ids(),
+            vhost.next_mid,
+            queue_exists=lambda qid: vhost.queue_by_qid(qid) is not None,
+            chunk_bytes=broker.settings.catchup_chunk_bytes,
+            # A damaged active (journal corruption) may lack what it confirmed: no discards.
+            discard=not broker.damaged,
+        )
+        link.catchup = CatchupSender(
+            stream, link, on_done=lambda: self._in_sync(link), committer=committer
+        )
         writer.write(encode(FrameType.DEFINITIONS, vhost.definitions()))
-        buf = bytearray()
-        encode_ops(plan.ops, buf)
-        writer.write(encode_batch(last, BATCH_CATCHUP, buf))
-        writer.write(encode_u64(FrameType.CAUGHT_UP, last))
         self.link = link
         committer.on_batch = link.send_batch
         vhost.on_topology_change = link.send_definitions
-        committer.guard(True)
-        self._cancel_degrade()
         metrics.REPLICATION_CONNECTED.set(1)
         log.info(
-            "passive %s (%s, epoch %d) attached: catch-up to batch %d sends %d messages, "
-            "discards %d, keeps %d",
-            hello.name, peer, hello.epoch, last, len(plan.send), len(plan.discard), plan.kept,
+            "passive %s (%s, epoch %d) attached: catch-up from batch %d over %d messages",
+            hello.name, peer, hello.epoch, last, stream.progress.candidates,
         )  # fmt: skip
+        link.catchup.start()
         return link
+
+    def _in_sync(self, link: SourceLink) -> None:
+        """Every catch-up chunk is on the passive's disk: it guards from now on."""
+        if self.link is not link or link.closed:
+            return
+        committer = self.broker.committer
+        caught_up = link.synced()
+        committer.guard(True)
+        # Batches up to the catch-up's start reached the passive as chunks, later ones
+        # as the live batches it acknowledged.
+        committer.replica_acked(max(link.start_batch, link.acked))
+        self._cancel_degrade()
+        link.write(encode_u64(FrameType.CAUGHT_UP, caught_up))
+        assert link.catchup is not None
+        p = link.catchup.progress
+        log.info(
+            "passive %s (%s) caught up in %.2fs: catch-up sent %d messages, discarded %d, "
+            "kept %d, skipped %d (%d bytes in %d chunks); replication guarded",
+            link.name, link.peer, time.time() - link.attached_at, p.sent, p.discarded,
+            p.kept, p.skipped, p.bytes, p.chunks,
+        )  # fmt: skip
 
     async def ping_loop(self) -> None:
         """Keep the link's liveness visible to the passive; drop stalled passives."""

@@ -1,0 +1,317 @@
+"""Catch-up of a large backlog: throughput, and the active's confirm latency meanwhile.
+
+    .venv/bin/python bench/catchup_bench.py                       # both cases, 3 runs each
+    .venv/bin/python bench/catchup_bench.py --cases 1m --runs 1   # one case, once
+
+Each run starts a fresh active broker on a temporary data directory, fills one
+durable queue with persistent messages (publisher confirms, raw pamqp client),
+then starts a fresh passive that must catch all of it up over loopback. A probe
+client publishes one persistent message at a time to another queue of the
+active and times each confirm, during the catch-up and afterwards (the pair in
+sync, for as long again, 10 to 20 s): the p99 of both is the cost of a catch-up
+to the active's clients. Throughput is the catch-up's bytes (the active's
+`/status`) over its duration (the active's log: attach to caught up). Peak RSS
+of both brokers is read from /proc. Nothing asserts a timing; docs/benchmarks.md
+has the results.
+
+Cases: `1m` = 1,000,000 x 1 KiB; `2g` = 32,768 x 64 KiB (2 GiB); `200k` and
+`smoke` (50,000) x 1 KiB for quick looks. `--passive-dir` puts the passive's
+data directory on another file system (a second disk, or tmpfs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import amqp_raw  # noqa: E402
+from pamqp import body as pbody  # noqa: E402
+from pamqp import commands, frame, header  # noqa: E402
+
+from twinmq.broker.launcher import BrokerProcess  # noqa: E402
+
+TOKEN = "catchup-bench-token"
+CASES = {
+    "1m": (1_000_000, 1024),
+    "2g": (32_768, 64 * 1024),
+    "200k": (200_000, 1024),
+    "smoke": (50_000, 1024),
+}
+
+
+@dataclass
+class RunResult:
+    """One catch-up."""
+
+    case: str
+    messages: int
+    size: int
+    fill_seconds: float
+    catchup_seconds: float
+    catchup_bytes: int
+    chunks: int
+    mb_per_s: float
+    p50_during_ms: float
+    p99_during_ms: float
+    p50_normal_ms: float
+    p99_normal_ms: float
+    probes_during: int
+    probes_normal: int
+    active_peak_rss_mib: float
+    passive_peak_rss_mib: float
+    passive_messages: int
+
+
+@dataclass
+class Probe:
+    """Confirm latencies of one-at-a-time persistent publishes: (sent at, seconds)."""
+
+    samples: list[tuple[float, float]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def status(broker: BrokerProcess) -> dict[str, Any]:
+    """The broker's `/status`."""
+    with urllib.request.urlopen(broker.admin_url + "/status", timeout=5) as response:
+        data: dict[str, Any] = json.loads(response.read())
+    return data
+
+
+def peak_rss_mib(broker: BrokerProcess) -> float:
+    """VmHWM of the broker process."""
+    assert broker.proc is not None
+    text = Path(f"/proc/{broker.proc.pid}/status").read_text()
+    match = re.search(r"VmHWM:\s+(\d+) kB", text)
+    return int(match.group(1)) / 1024 if match else 0.0
+
+
+def publish_frames(queue: str, size: int, count: int) -> bytes:
+    """`count` persistent publishes of `size` bytes, marshalled once."""
+    one = b"".join(
+        (
+            frame.marshal(commands.Basic.Publish(exchange="", routing_key=queue), 1),
+            frame.marshal(
+                header.ContentHeader(0, size, commands.Basic.Properties(delivery_mode=2)), 1
+            ),
+            frame.marshal(pbody.ContentBody(b"x" * size), 1),
+        )
+    )
+    return one * count
+
+
+async def open_channel(broker: BrokerProcess, queue: str) -> amqp_raw.RawConnection:
+    """A connection with channel 1 open, `queue` declared durable, confirms on."""
+    conn = await amqp_raw.RawConnection.open(broker.host, broker.port)
+    conn.send(1, commands.Channel.Open())
+    await conn.expect(commands.Channel.OpenOk)
+    conn.send(1, commands.Queue.Declare(queue=queue, durable=True))
+    await conn.expect(commands.Queue.DeclareOk)
+    conn.send(1, commands.Confirm.Select())
+    await conn.expect(commands.Confirm.SelectOk)
+    return conn
+
+
+async def fill(broker: BrokerProcess, queue: str, count: int, size: int) -> None:
+    """Publish `count` persistent messages with confirms, a window of them in flight."""
+    conn = await open_channel(broker, queue)
+    window = max(4, min(2000, (64 << 20) // size))
+    step = max(1, min(500, window // 4))
+    batch = publish_frames(queue, size, step)
+    sent = acked = 0
+    try:
+        while acked < count:
+            while sent < count and sent - acked + step <= window:
+                n = min(step, count - sent)
+                conn.writer.write(batch if n == step else publish_frames(queue, size, n))
+                sent += n
+            await conn.writer.drain()
+            _, value = await conn.read_frame()
+            if isinstance(value, commands.Basic.Ack):
+                acked = max(acked, value.delivery_tag)
+            elif isinstance(value, commands.Basic.Nack):
+                raise RuntimeError(f"nack {value.delivery_tag}")
+    finally:
+        await conn.close()
+
+
+def run_probe(broker: BrokerProcess, probe: Probe, interval: float) -> None:
+    """Publish one persistent message at a time until `probe.stop`; time each confirm."""
+
+    async def main() -> None:
+        conn = await open_channel(broker, "probe")
+        one = publish_frames("probe", 256, 1)
+        try:
+            while not probe.stop.is_set():
+                start = time.monotonic()
+                conn.writer.write(one)
+                await conn.expect(commands.Basic.Ack)
+                probe.samples.append((start, time.monotonic() - start))
+                await asyncio.sleep(interval)
+        finally:
+            await conn.close()
+
+    asyncio.run(main())
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of `values`, nearest rank."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def wait(what: str, check: Any, timeout: float, interval: float = 0.05) -> Any:
+    """Poll until `check()` is truthy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(what)
+
+
+def one_run(
+    case: str, root: Path, probe_interval: float, passive_root: Path | None = None
+) -> RunResult:
+    """Fill an active, catch a fresh passive up, probe confirms meanwhile and after."""
+    count, size = CASES[case]
+    env = {"TWINMQ_REPLICATION_TOKEN": TOKEN}
+    active = BrokerProcess(root / "a", name="a", env=dict(env))
+    passive = BrokerProcess((passive_root or root) / "b", name="b", env=dict(env))
+    active.extra_args = ["--epoch", "1"]
+    passive.extra_args = [
+        "--epoch", "1", "--role", "passive", "--replicate-from", active.replication_address,
+    ]  # fmt: skip
+    active.start()
+    try:
+        started = time.monotonic()
+        asyncio.run(fill(active, "backlog", count, size))
+        fill_seconds = time.monotonic() - started
+        probe = Probe()
+        prober = threading.Thread(target=run_probe, args=(active, probe, probe_interval))
+        prober.start()
+        time.sleep(1.0)  # the probe settles
+        assert active.log_path is not None
+        log_offset = active.log_path.stat().st_size
+        passive.start(timeout=120)
+        attach_at = time.monotonic()  # the passive is up: it attaches at once
+
+        def caught_up() -> dict[str, Any] | None:
+            state = status(active)["replication"].get("catchup")
+            return state if state is not None and not state["in_progress"] else None
+
+        state = wait("caught up", caught_up, timeout=3600, interval=0.1)
+        done_at = time.monotonic()
+        with open(active.log_path) as log:
+            log.seek(log_offset)
+            text = log.read()
+        match = re.search(r"caught up in ([0-9.]+)s", text)
+        seconds = float(match.group(1)) if match else done_at - attach_at
+        normal_from = time.monotonic()
+        time.sleep(min(20.0, max(10.0, done_at - attach_at)))
+        probe.stop.set()
+        prober.join()
+        during = [lat for at, lat in probe.samples if attach_at <= at <= done_at]
+        normal = [lat for at, lat in probe.samples if at >= normal_from]
+        queues = status(passive)["queues"]
+        backlog = [q["messages"] + q["unacked"] for q in queues if q["name"] == "backlog"]
+        passive_messages = sum(backlog)
+        return RunResult(
+            case=case,
+            messages=count,
+            size=size,
+            fill_seconds=round(fill_seconds, 1),
+            catchup_seconds=seconds,
+            catchup_bytes=state["bytes"],
+            chunks=state["chunks"],
+            mb_per_s=round(state["bytes"] / seconds / 1e6, 1),
+            p50_during_ms=round(percentile(during, 0.5) * 1000, 2),
+            p99_during_ms=round(percentile(during, 0.99) * 1000, 2),
+            p50_normal_ms=round(percentile(normal, 0.5) * 1000, 2),
+            p99_normal_ms=round(percentile(normal, 0.99) * 1000, 2),
+            probes_during=len(during),
+            probes_normal=len(normal),
+            active_peak_rss_mib=round(peak_rss_mib(active), 0),
+            passive_peak_rss_mib=round(peak_rss_mib(passive), 0),
+            passive_messages=passive_messages,
+        )
+    finally:
+        passive.stop()
+        active.stop()
+
+
+def describe() -> str:
+    """`git describe` of the tree the brokers run from."""
+    out = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True
+    )
+    return out.stdout.strip()
+
+
+def spread(values: list[float]) -> str:
+    """median (min-max) of the runs."""
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default="1m,2g", help="comma-separated: " + ", ".join(CASES))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--probe-interval", type=float, default=0.005, help="seconds")
+    parser.add_argument("--json", type=Path, help="write every run's figures here")
+    parser.add_argument(
+        "--passive-dir",
+        type=Path,
+        help="parent of the passive's data directory (default: beside the active's, same disk)",
+    )
+    args = parser.parse_args()
+    tree = describe()
+    print(f"tree {tree}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    results: list[RunResult] = []
+    for case in args.cases.split(","):
+        for _ in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="twinmq-catchup-") as tmp:
+                passive_root = None
+                if args.passive_dir:
+                    passive_root = Path(tempfile.mkdtemp(prefix="catchup-", dir=args.passive_dir))
+                result = one_run(case, Path(tmp), args.probe_interval, passive_root)
+                if passive_root is not None:
+                    shutil.rmtree(passive_root, ignore_errors=True)
+            results.append(result)
+            print(json.dumps(asdict(result)), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    print()
+    print("| case | runs | catch-up s | MB/s | confirm p99 during (ms) | p99 normal (ms) |")
+    print("|---|---|---|---|---|---|")
+    for case in args.cases.split(","):
+        rs = [r for r in results if r.case == case]
+        count, size = CASES[case]
+        print(
+            f"| {count:,} x {size // 1024} KiB | {len(rs)} "
+            f"| {spread([r.catchup_seconds for r in rs])} | {spread([r.mb_per_s for r in rs])} "
+            f"| {spread([r.p99_during_ms for r in rs])} | {spread([r.p99_normal_ms for r in rs])} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
