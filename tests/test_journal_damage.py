@@ -274,7 +274,7 @@ def test_a_forced_damaged_active_never_makes_its_passive_discard(
         pair.wait_healthy(15)
         assert _passive_holds(pair, 60), "catch-up made the passive discard what a lost"
         assert a.log_path is not None
-        assert "discards 0" in a.log_path.read_text()
+        assert "discarded 0" in a.log_path.read_text()
         # The proof: b, promoted, still has every confirmed message.
         a.kill()
         wait_for(lambda: (s := status(b)) and s["replication"]["ready"], 5, "b ready")
