@@ -12,11 +12,11 @@ import asyncio
 import datetime
 import errno
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from disks import small_tmpfs
 from pamqp import commands, header
 
 from twinmq.audit.records import AuditEvent, AuditRecord
@@ -69,17 +69,8 @@ def test_the_writer_reads_the_message_id_as_the_codec_does(properties: dict[str,
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs of the test's own (needs root; skipped where mounting is refused)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 class _Told:

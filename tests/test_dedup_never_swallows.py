@@ -8,15 +8,13 @@ message: enqueued, confirmed and consumable, on one broker and across a failover
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-import urllib.request
 from pathlib import Path
 
 import pika
 import pika.exceptions
 import pytest
 from aio_pika.exceptions import DeliveryError
+from jepsen import post_role, status, wait_for
 from queues import drain
 
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
@@ -106,20 +104,6 @@ def test_reliable_publisher_resend_after_a_nack_is_enqueued(fresh_broker: Broker
     assert drain(fresh_broker, "client.q") == [b"b"]
 
 
-def _post_role(broker: BrokerProcess, role: str, epoch: int) -> None:
-    request = urllib.request.Request(
-        broker.admin_url + "/role",
-        data=json.dumps({"role": role, "epoch": epoch}).encode(),
-        method="POST",
-    )
-    urllib.request.urlopen(request, timeout=10).close()
-
-
-def _ready(broker: BrokerProcess) -> bool:
-    with urllib.request.urlopen(broker.admin_url + "/status", timeout=5) as resp:
-        return bool(json.load(resp)["replication"]["ready"])
-
-
 @pytest.mark.timeout(90)
 def test_a_resend_after_a_nack_is_enqueued_on_the_promoted_passive(tmp_path: Path) -> None:
     env = {"TWINMQ_REPLICATION_TOKEN": "pair-secret"}
@@ -142,12 +126,9 @@ def test_a_resend_after_a_nack_is_enqueued_on_the_promoted_passive(tmp_path: Pat
         with pytest.raises(pika.exceptions.UnroutableError):
             ch.basic_publish("", "late.q", b"c", _props("p-c"), mandatory=True)
         conn.close()
-        deadline = time.monotonic() + 30
-        while not _ready(passive):
-            assert time.monotonic() < deadline, "the passive never caught up"
-            time.sleep(0.1)
+        wait_for(lambda: (status(passive) or {})["replication"]["ready"], 30, "passive ready")
         active.kill()
-        _post_role(passive, "active", 2)
+        assert post_role(passive, "active", 2)[0] == 200
         assert drain(passive, "pair.q") == [b"a"]
         conn = _opted_in(passive)
         ch = conn.channel()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -14,6 +12,8 @@ from pathlib import Path
 import pika
 import pika.exceptions
 import pytest
+from disks import small_tmpfs
+from jepsen import post_role, status, wait_for
 from queues import drain
 
 from twinmq.broker.api import BrokerStatus
@@ -27,17 +27,8 @@ from twinmq.broker.server import EXIT_JOURNAL_FAILED
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 16 MiB tmpfs of the test's own (needs root; skipped where mounting is refused)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", "16m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def wait_for_alarms(broker: BrokerProcess, expected: list[str]) -> None:
@@ -256,11 +247,6 @@ def test_a_failed_batch_is_never_acknowledged_by_a_later_write_that_succeeded(
     assert (1, False) not in told
 
 
-def _ready(broker: BrokerProcess) -> bool:
-    with urllib.request.urlopen(broker.admin_url + "/status", timeout=5) as resp:
-        return BrokerStatus.model_validate_json(resp.read()).replication.ready
-
-
 @pytest.mark.timeout(180)
 def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
     small_disk: Path, tmp_path: Path
@@ -283,10 +269,7 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
         ch = conn.channel()
         ch.queue_declare("pair.q", durable=True)
         ch.confirm_delivery()
-        deadline = time.monotonic() + 30
-        while not _ready(passive):
-            assert time.monotonic() < deadline, "the passive never caught up"
-            time.sleep(0.1)
+        wait_for(lambda: (status(passive) or {})["replication"]["ready"], 30, "passive ready")
         body = b"p" * 4096
         total = 2000
         for i in range(total):
@@ -304,17 +287,9 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
             log_path=tmp_path / "b.log",
         ).start()  # fmt: skip
         passive = restarted
-        deadline = time.monotonic() + 60
-        while not _ready(passive):
-            assert time.monotonic() < deadline, "the restarted passive never caught up"
-            time.sleep(0.2)
+        wait_for(lambda: (status(passive) or {})["replication"]["ready"], 60, "passive back")
         active.kill()
-        request = urllib.request.Request(
-            passive.admin_url + "/role",
-            data=json.dumps({"role": "active", "epoch": 2}).encode(),
-            method="POST",
-        )
-        urllib.request.urlopen(request, timeout=10).close()
+        assert post_role(passive, "active", 2)[0] == 200
         seen = {b[len(body) :].decode() for b in drain(passive, "pair.q")}
         assert seen == {str(i) for i in range(total)}, "a confirmed message was lost"
     finally:

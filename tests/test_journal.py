@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from disks import small_tmpfs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -575,23 +576,10 @@ def test_cancelled_waiter_does_not_stop_the_write(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    try:
-        r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-            capture_output=True,
-            check=False,
-        )
-    except FileNotFoundError:
-        pytest.skip("no mount command")
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs: {r.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs of the test's own (needs root; skipped where mounting is refused)."""
+    with small_tmpfs(tmp_path / "mnt", "2m") as mount:
+        yield mount
 
 
 def _fill(path: Path) -> None:
@@ -600,8 +588,8 @@ def _fill(path: Path) -> None:
             f.write(b"\0" * 4096)
 
 
-def test_disk_full_rolls_back_and_recovers(small_tmpfs: Path) -> None:
-    directory = small_tmpfs / "journal"
+def test_disk_full_rolls_back_and_recovers(small_disk: Path) -> None:
+    directory = small_disk / "journal"
     confirmed: list[int] = []
 
     async def go() -> None:
@@ -613,7 +601,7 @@ def test_disk_full_rolls_back_and_recovers(small_tmpfs: Path) -> None:
             mid += 1
             await publish(j, msg(mid, size=1024))
             confirmed.append(mid)
-        _fill(small_tmpfs / "filler")
+        _fill(small_disk / "filler")
         failed_lsn = 0
         for _ in range(200):
             mid += 1
@@ -634,7 +622,7 @@ def test_disk_full_rolls_back_and_recovers(small_tmpfs: Path) -> None:
         results = await asyncio.gather(*(j.sync(x) for x in lsns), return_exceptions=True)
         assert all(isinstance(r, DiskFullError) for r in results)
 
-        (small_tmpfs / "filler").unlink()  # space is back
+        (small_disk / "filler").unlink()  # space is back
         for _ in range(30):
             mid += 1
             await publish(j, msg(mid, size=1024))
