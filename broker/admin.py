@@ -9,28 +9,42 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
-import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from twinmq.broker import metrics
-from twinmq.broker.api import (
-    BrokerStatus,
-    CatchupStatus,
-    ErrorBody,
-    JournalStatus,
-    QueueStatus,
-    ReplicationStatus,
-    RoleRequest,
-)
+from twinmq.broker.api import BrokerStatus, ErrorBody, Role, RoleRequest
 from twinmq.broker.errors import DamagedBroker, StaleEpoch
 
 if TYPE_CHECKING:
-    from twinmq.broker.server import Broker
+    from twinmq.broker.settings import BrokerSettings
+
+
+class AdminContext(Protocol):
+    """What the admin API needs from the broker (as `ConnectionContext` for clients)."""
+
+    @property
+    def settings(self) -> BrokerSettings:
+        """The admin token, host and port."""
+        ...
+
+    def refusal(self) -> str | None:
+        """Why clients are refused right now (not ready), or None."""
+        ...
+
+    def status(self) -> BrokerStatus:
+        """A snapshot for `GET /status` (also refreshes the per-queue gauges)."""
+        ...
+
+    async def set_role(
+        self, role: Role, epoch: int, replicate_from: str | None, *, force: bool = False
+    ) -> None:
+        """Change role; raises StaleEpoch or DamagedBroker."""
+        ...
+
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
@@ -49,98 +63,7 @@ def _loopback(request: web.Request) -> bool:
         return False
 
 
-def replication_status(broker: Broker) -> ReplicationStatus:
-    """The replication section of the status."""
-    if broker.role == "passive":
-        replica = broker.replica
-        if replica is None:
-            return ReplicationStatus(
-                peer=None,
-                link_connected=False,
-                ready=False,
-                degraded=False,
-                lag_messages=0,
-                lag_seconds=0.0,
-            )
-        return ReplicationStatus(
-            peer=replica.address, link_connected=replica.connected, ready=replica.ready,
-            degraded=False, lag_messages=replica.pending_ops,
-            lag_seconds=round(replica.lag_seconds, 3), lost_at=replica.lost_at,
-        )  # fmt: skip
-    link = broker.source.link
-    in_sync = link is not None and link.ready and broker.committer.guarded
-    catchup: CatchupStatus | None = None
-    if link is not None and link.catchup is not None:
-        sender, p = link.catchup, link.catchup.progress
-        catchup = CatchupStatus(
-            in_progress=not sender.done, candidates=p.candidates, sent=p.sent, kept=p.kept,
-            discarded=p.discarded, skipped=p.skipped, bytes=p.bytes, chunks=p.chunks,
-            acked_chunks=sender.acked_chunk, acked_messages=sender.acked_messages,
-        )  # fmt: skip
-    return ReplicationStatus(
-        peer=None if link is None else f"{link.name} ({link.peer})",
-        link_connected=link is not None and not link.closed,
-        ready=in_sync,
-        degraded=not in_sync,
-        lag_messages=0 if link is None else link.lag_messages,
-        lag_seconds=0.0 if link is None else round(link.lag_seconds, 3),
-        catchup=catchup,
-    )
-
-
-def build_status(broker: Broker) -> BrokerStatus:
-    """Snapshot the broker for `GET /status`."""
-    vhost = broker.vhost
-    replication = replication_status(broker)
-    replication.epoch_refused = broker.epoch_refusal
-    metrics.REPLICATION_LAG.set(replication.lag_messages)
-    metrics.REPLICATION_LAG_SECONDS.set(replication.lag_seconds)
-    queue_state = "ready" if replication.ready else "catching-up"
-    queues = []
-    for q in vhost.queues.values():
-        queues.append(
-            QueueStatus(
-                name=q.name,
-                durable=q.durable,
-                exclusive=q.definition.exclusive,
-                messages=q.message_count,
-                unacked=q.unacked,
-                consumers=len(q.consumers),
-                bytes=q.bytes,
-                replication=queue_state if q.durable else "unreplicated",
-            )
-        )
-        metrics.QUEUE_MESSAGES.labels(q.name).set(q.message_count)
-        metrics.QUEUE_UNACKED.labels(q.name).set(q.unacked)
-    stats = broker.journal.stats
-    damage = broker.damage
-    return BrokerStatus(
-        name=broker.settings.name,
-        version=broker.product_version,
-        role=broker.role,
-        epoch=broker.epoch,
-        ready=broker.refusal() is None if broker.role == "active" else replication.ready,
-        uptime_seconds=round(time.time() - broker.started, 3),
-        connections=len(broker.protocols),
-        channels=sum(len(p.conn.channels) for p in broker.protocols if p.conn is not None),
-        alarms=[broker.monitor.reason] if broker.monitor.reason else [],
-        queues=queues,
-        replication=replication,
-        journal=JournalStatus(
-            segments=stats.segments,
-            bytes=stats.disk_bytes,
-            live_messages=stats.live_messages,
-            durable_batch=broker.committer.durable_batch,
-            damaged=broker.damaged,
-            damaged_since=None if damage is None else damage.since,
-            healed_by=None if damage is None else damage.healed_by,
-            corruption=[] if damage is None else damage.corruption,
-            quarantined_files=broker.quarantined_files(),
-        ),
-    )
-
-
-def make_app(broker: Broker) -> web.Application:
+def make_app(broker: AdminContext) -> web.Application:
     """The admin application."""
     token = broker.settings.admin_token
 
@@ -168,9 +91,7 @@ def make_app(broker: Broker) -> web.Application:
         return web.json_response({"ready": True})
 
     async def status(request: web.Request) -> web.Response:
-        return web.Response(
-            text=build_status(broker).model_dump_json(), content_type="application/json"
-        )
+        return web.Response(text=broker.status().model_dump_json(), content_type="application/json")
 
     async def set_role(request: web.Request) -> web.Response:
         try:
@@ -185,12 +106,10 @@ def make_app(broker: Broker) -> web.Application:
             return error(409, "stale epoch", str(exc))
         except DamagedBroker as exc:
             return error(409, "broker damaged", str(exc))
-        return web.Response(
-            text=build_status(broker).model_dump_json(), content_type="application/json"
-        )
+        return web.Response(text=broker.status().model_dump_json(), content_type="application/json")
 
     async def prometheus(request: web.Request) -> web.Response:
-        build_status(broker)  # refreshes the per-queue gauges
+        broker.status()  # refreshes the per-queue gauges
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application(middlewares=[auth])
@@ -202,7 +121,7 @@ def make_app(broker: Broker) -> web.Application:
     return app
 
 
-async def start_admin(broker: Broker) -> asyncio.AbstractServer:
+async def start_admin(broker: AdminContext) -> asyncio.AbstractServer:
     """Start the admin listener; returns the asyncio server (for its bound port)."""
     runner = web.AppRunner(make_app(broker), access_log=None)
     await runner.setup()

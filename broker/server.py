@@ -16,7 +16,7 @@ from typing import cast
 
 from twinmq.broker import damage, metrics
 from twinmq.broker.alarms import ResourceMonitor
-from twinmq.broker.api import Role
+from twinmq.broker.api import BrokerStatus, Role
 from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.auth import Authenticator
 from twinmq.broker.channel import Channel
@@ -30,6 +30,7 @@ from twinmq.broker.lease import LeaseKeeper
 from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.replication.source import ReplicationSource
 from twinmq.broker.settings import BrokerSettings
+from twinmq.broker.status import build_status
 from twinmq.broker.vhost import VirtualHost
 
 log = logging.getLogger(__name__)
@@ -490,6 +491,10 @@ class Broker:
     def replication_port(self) -> int:
         """The bound replication port."""
         return int(self._servers[2].sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+
+    def status(self) -> BrokerStatus:
+        """A snapshot for the admin API (`GET /status`)."""
+        return build_status(self)
 
     def durable(self, batch: int, failed: bool = False) -> bool:
         """Group commit's outcome of every batch: a passive stops if one failed.

@@ -1,0 +1,113 @@
+"""The broker's status, as `GET /status` and `POST /role` report it.
+
+The one place that reads the whole broker for a snapshot (roles, replication,
+queues, journal, damage); the admin API serves what it builds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from twinmq.broker import metrics
+from twinmq.broker.api import (
+    BrokerStatus,
+    CatchupStatus,
+    JournalStatus,
+    QueueStatus,
+    ReplicationStatus,
+)
+
+if TYPE_CHECKING:
+    from twinmq.broker.server import Broker
+
+
+def replication_status(broker: Broker) -> ReplicationStatus:
+    """The replication section of the status."""
+    if broker.role == "passive":
+        replica = broker.replica
+        if replica is None:
+            return ReplicationStatus(
+                peer=None,
+                link_connected=False,
+                ready=False,
+                degraded=False,
+                lag_messages=0,
+                lag_seconds=0.0,
+            )
+        return ReplicationStatus(
+            peer=replica.address, link_connected=replica.connected, ready=replica.ready,
+            degraded=False, lag_messages=replica.pending_ops,
+            lag_seconds=round(replica.lag_seconds, 3), lost_at=replica.lost_at,
+        )  # fmt: skip
+    link = broker.source.link
+    in_sync = link is not None and link.ready and broker.committer.guarded
+    catchup: CatchupStatus | None = None
+    if link is not None and link.catchup is not None:
+        sender, p = link.catchup, link.catchup.progress
+        catchup = CatchupStatus(
+            in_progress=not sender.done, candidates=p.candidates, sent=p.sent, kept=p.kept,
+            discarded=p.discarded, skipped=p.skipped, bytes=p.bytes, chunks=p.chunks,
+            acked_chunks=sender.acked_chunk, acked_messages=sender.acked_messages,
+        )  # fmt: skip
+    return ReplicationStatus(
+        peer=None if link is None else f"{link.name} ({link.peer})",
+        link_connected=link is not None and not link.closed,
+        ready=in_sync,
+        degraded=not in_sync,
+        lag_messages=0 if link is None else link.lag_messages,
+        lag_seconds=0.0 if link is None else round(link.lag_seconds, 3),
+        catchup=catchup,
+    )
+
+
+def build_status(broker: Broker) -> BrokerStatus:
+    """Snapshot the broker for `GET /status`."""
+    vhost = broker.vhost
+    replication = replication_status(broker)
+    replication.epoch_refused = broker.epoch_refusal
+    metrics.REPLICATION_LAG.set(replication.lag_messages)
+    metrics.REPLICATION_LAG_SECONDS.set(replication.lag_seconds)
+    queue_state = "ready" if replication.ready else "catching-up"
+    queues = []
+    for q in vhost.queues.values():
+        queues.append(
+            QueueStatus(
+                name=q.name,
+                durable=q.durable,
+                exclusive=q.definition.exclusive,
+                messages=q.message_count,
+                unacked=q.unacked,
+                consumers=len(q.consumers),
+                bytes=q.bytes,
+                replication=queue_state if q.durable else "unreplicated",
+            )
+        )
+        metrics.QUEUE_MESSAGES.labels(q.name).set(q.message_count)
+        metrics.QUEUE_UNACKED.labels(q.name).set(q.unacked)
+    stats = broker.journal.stats
+    damage = broker.damage
+    return BrokerStatus(
+        name=broker.settings.name,
+        version=broker.product_version,
+        role=broker.role,
+        epoch=broker.epoch,
+        ready=broker.refusal() is None if broker.role == "active" else replication.ready,
+        uptime_seconds=round(time.time() - broker.started, 3),
+        connections=len(broker.protocols),
+        channels=sum(len(p.conn.channels) for p in broker.protocols if p.conn is not None),
+        alarms=[broker.monitor.reason] if broker.monitor.reason else [],
+        queues=queues,
+        replication=replication,
+        journal=JournalStatus(
+            segments=stats.segments,
+            bytes=stats.disk_bytes,
+            live_messages=stats.live_messages,
+            durable_batch=broker.committer.durable_batch,
+            damaged=broker.damaged,
+            damaged_since=None if damage is None else damage.since,
+            healed_by=None if damage is None else damage.healed_by,
+            corruption=[] if damage is None else damage.corruption,
+            quarantined_files=broker.quarantined_files(),
+        ),
+    )
