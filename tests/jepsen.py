@@ -557,6 +557,13 @@ class ProducerLog:
     connections: int = 0
     commits: int = 0  # tx.commit-ok received (transactional producers)
     failed_commits: int = 0  # tx.commit answered with channel.close 541
+    stalls: int = 0  # gave up on a connection: no confirm / commit-ok for CONFIRM_PATIENCE
+
+
+# How long a producer waits for any confirm (or a commit-ok) before it gives up on the
+# connection as a real client would: what is outstanding stays unconfirmed, and the stall
+# is counted (a broker that neither confirms nor nacks is a liveness failure, not loss).
+CONFIRM_PATIENCE = 15.0
 
 
 class Producer:
@@ -633,10 +640,16 @@ class Producer:
                 self._room.clear()
                 waiter = asyncio.ensure_future(self._room.wait())
                 closed = asyncio.ensure_future(client.closed.wait())
-                await asyncio.wait({waiter, closed}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {waiter, closed}, timeout=CONFIRM_PATIENCE,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )  # fmt: skip
                 waiter.cancel()
                 closed.cancel()
                 client.check()  # raises once the connection is gone
+                if not done:
+                    self.log.stalls += 1
+                    raise ClientError(f"no confirm in {CONFIRM_PATIENCE}s")
                 continue
             number = self._next
             self._next += 1
@@ -657,7 +670,14 @@ class Producer:
                 queue = self.queues[number % len(self.queues)]
                 client.publish(queue, encode_body(self.log.name, number, self.padding))
             await client.drain()
-            await client.tx_commit()
+            try:
+                await client.tx_commit(within=CONFIRM_PATIENCE)
+            except Refused:
+                raise
+            except ClientError:
+                if "no answer" in str(client.error):
+                    self.log.stalls += 1
+                raise
             self.log.commits += 1
             self.log.confirmed.update(numbers)
             if self.interval:
@@ -1481,6 +1501,7 @@ class ClassResult:
     commits: int
     failed_commits: int  # tx.commit answered 541
     nacked: int
+    stalls: int  # connections given up: nothing confirmed or nacked for CONFIRM_PATIENCE
     lost: int
     unexpected: int
     duplicates: int
@@ -1539,6 +1560,7 @@ def run_class(
         commits=sum(p.log.commits for p in load.producers),
         failed_commits=sum(p.log.failed_commits for p in load.producers),
         nacked=sum(len(p.log.nacked) for p in load.producers),
+        stalls=sum(p.log.stalls for p in load.producers),
         lost=len(verdict.lost),
         unexpected=len(verdict.unexpected),
         duplicates=verdict.duplicate_count,
@@ -1561,26 +1583,40 @@ async def _run_with_load(
     return report, holder[0]
 
 
-def results_markdown(results: list[ClassResult], header: str = "") -> str:
-    """The matrix as a markdown table (docs/reliability.md)."""
+def results_markdown(
+    results: list[ClassResult], header: str = "", errors: Mapping[str, str] | None = None
+) -> str:
+    """The matrix as a markdown table (docs/reliability.md); classes that could not
+    finish (the pair never came back, traffic stopped) are listed after it."""
     lines = [header] if header else []
     lines += [
         "| fault class | cycles | fault hit | confirmed | lost | duplicates | "
-        "commits ok / 541 | nacked | back to ready p50 | max |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "commits ok / 541 | nacked | confirm stalls | back to ready p50 | max |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r.name} | {r.cycles} | {r.hits}/{r.cycles} | {r.confirmed} | {r.lost} | "
-            f"{r.duplicates} | {r.commits} / {r.failed_commits} | {r.nacked} | "
+            f"{r.duplicates} | {r.commits} / {r.failed_commits} | {r.nacked} | {r.stalls} | "
             f"{r.ready_p50:.1f} s | {r.ready_max:.1f} s |"
         )
+    for name, error in (errors or {}).items():
+        lines.append(f"\n**{name}: did not finish**: {error}")
     return "\n".join(lines) + "\n"
 
 
-def write_results(results: list[ClassResult], path: Path, header: str = "") -> None:
+def write_results(
+    results: list[ClassResult],
+    path: Path,
+    header: str = "",
+    errors: Mapping[str, str] | None = None,
+) -> None:
     """`<path>.json` and `<path>.md`: every class's figures and proofs."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = [{**r.__dict__, "ok": r.ok} for r in results]
+    data: dict[str, Any] = {
+        "header": header,
+        "classes": [{**r.__dict__, "ok": r.ok} for r in results],
+        "did_not_finish": dict(errors or {}),
+    }
     path.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-    path.with_suffix(".md").write_text(results_markdown(results, header))
+    path.with_suffix(".md").write_text(results_markdown(results, header, errors))

@@ -214,6 +214,7 @@ def test_fault_matrix(tmp_path: Path) -> None:
     print(f"\nfault matrix: {header}results: {path}.json and {path}.md")
     results: list[ClassResult] = []
     skipped: list[str] = []
+    errors: dict[str, str] = {}  # classes that did not finish: the next ones still run
     for i, fault_class in enumerate(classes):
         started = time.monotonic()
         try:
@@ -221,8 +222,13 @@ def test_fault_matrix(tmp_path: Path) -> None:
         except Unavailable as exc:
             skipped.append(f"{fault_class.name}: {exc}")
             continue
+        except Exception as exc:
+            errors[fault_class.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            write_results(results, path, header, errors)
+            print(f"{fault_class.name}: DID NOT FINISH: {exc}")
+            continue
         results.append(result)
-        write_results(results, path, header)  # after each class: a partial run is kept
+        write_results(results, path, header, errors)  # after each class: a partial run is kept
         print(
             f"{fault_class.name}: {result.cycles} cycles in {time.monotonic() - started:.0f}s, "
             f"hits {result.hits}, confirmed {result.confirmed}, lost {result.lost}, "
@@ -234,5 +240,6 @@ def test_fault_matrix(tmp_path: Path) -> None:
     print(path.with_suffix(".md").read_text() if results else "no class ran")
     if skipped:
         print("skipped: " + "; ".join(skipped))
+    assert not errors, f"fault classes that did not finish: {errors}"
     for result in results:
         _assert_class_sound(result)
