@@ -187,7 +187,15 @@ class GroupCommitter:
             outcomes.append((batch, True))
         if not outcomes or outcomes[-1][0] < complete:
             outcomes.append((complete, False))
-        self._record_audit(complete)
+        try:
+            self._record_audit(complete)
+        except OSError as exc:
+            # The audit log shares the data dir's disk. A full disk costs audit records
+            # (said here), never this task: raising would end it, and with it every
+            # confirm, nack and passive acknowledgement (found by the fault matrix).
+            log.error(
+                "audit log write failed (%s): records up to batch %d may be missing", exc, complete
+            )
         for upto, batch_failed in outcomes:
             self._notify(upto, batch_failed)
 

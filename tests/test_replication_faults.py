@@ -155,20 +155,10 @@ def _assert_class_sound(result: ClassResult) -> None:
     assert result.passive_left == (0, 0), "the passive did not follow every dequeue"
 
 
-# Found by this matrix, not fixed here: a passive whose disk fills while its consumers'
-# acks are being replicated logs the rolled-back groups but never hears the failure from
-# group commit: it neither acknowledges nor exits 75 (docs/reliability.md).
-_KNOWN = {
-    "disk-full-passive": pytest.mark.xfail(
-        reason="a passive whose disk fills under acks hangs instead of exiting 75", strict=False
-    )
-}
-
-
 # Each family's faults once (corruption: the passive, and the old active after a failover).
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "fault_class", [pytest.param(c, id=c.name, marks=_KNOWN.get(c.name, ())) for c in MATRIX]
+    "fault_class", [pytest.param(c, id=c.name) for c in MATRIX]
 )  # fmt: skip
 def test_each_fault_class_hits_its_path_and_loses_no_confirmed_message(
     tmp_path: Path, fault_class: FaultClass
