@@ -520,7 +520,11 @@ class Broker:
         await self.committer.stop()
         await self.journal.close()
         if self.committer.audit is not None:
-            self.committer.audit.close()
+            try:
+                self.committer.audit.close()
+            except OSError as exc:
+                # A full disk must not turn a passive's exit 75 into a crash (exit 1).
+                log.error("audit log: last records not written at shutdown: %s", exc)
         log.info("broker %s stopped", self.settings.name)
 
     async def _save_dedup_periodically(self, interval: float = 5.0) -> None:
