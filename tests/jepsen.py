@@ -1480,7 +1480,7 @@ MATRIX = (
 # millions with the link cut mid-stream) once those parts land.
 
 MATRIX_BROKER_ARGS = ["--segment-bytes", "65536", "--disk-free-limit", "0"]
-MATRIX_DISK_BYTES = 128 * 1024 * 1024  # the journal and the audit log, many cycles
+MATRIX_DISK_BYTES = 512 * 1024 * 1024  # the journal and the audit log (kept: no retention)
 
 
 class Unavailable(Exception):
