@@ -55,7 +55,7 @@ test-fast: lint typecheck unit
 
 # The long fault run of the replication engine (120 cycles by default; TWINMQ_FAULT_CYCLES).
 soak: $(STAMP)
-	$(VENV)/bin/pytest -q -s -m soak tests
+	$(VENV)/bin/pytest -q -s -m "soak and not faults" tests
 
 # The local cluster's binaries (helm among them) are built first: the chart tests need helm.
 # Every test but the soak runs (see `make soak`), then the e2e suite (mk/cluster.mk).

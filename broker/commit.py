@@ -64,6 +64,9 @@ class GroupCommitter:
         self.last_appended = 0
         # Called with every batch appended (the replication source streams them).
         self.on_batch: Callable[[int, list[JournalOp]], None] | None = None
+        # Called at once when a batch's write fails (its waiters hear it in batch order,
+        # possibly later, behind outcomes held for the audit log).
+        self.on_failed: Callable[[int, JournalError], None] | None = None
         self.audit: AuditLog | None = None
         self._audit_batches: deque[tuple[int, list[JournalOp]]] = deque()
         self._open: list[JournalOp] = []
@@ -332,6 +335,8 @@ class GroupCommitter:
                 self._failed_batches.append(each)
                 self._unaudited.add(each)
                 self.failure = error
+                if self.on_failed is not None:
+                    self.on_failed(each, error)
                 if isinstance(error, DiskFullError):
                     log.error("journal write failed, disk full: batch %d fails", each)
                 else:

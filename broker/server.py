@@ -25,7 +25,7 @@ from twinmq.broker.connection import Connection, Limits
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.epoch import EpochStore, epoch_jump_refusal, first_mid
 from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
-from twinmq.broker.journal import Journal
+from twinmq.broker.journal import Journal, JournalError
 from twinmq.broker.lease import LeaseKeeper
 from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.replication.source import ReplicationSource
@@ -445,7 +445,7 @@ class Broker:
         from twinmq.broker.admin import start_admin
 
         self.committer.start()
-        self.committer.await_durable(self)
+        self.committer.on_failed = self._batch_failed
         metrics.EPOCH.set(self.epoch)
         metrics.ROLE.set(1 if self.role == "active" else 0)
         server = await self.loop.create_server(
@@ -496,8 +496,8 @@ class Broker:
         """A snapshot for the admin API (`GET /status`)."""
         return build_status(self)
 
-    def durable(self, batch: int, failed: bool = False) -> bool:
-        """Group commit's outcome of every batch: a passive stops if one failed.
+    def _batch_failed(self, batch: int, error: JournalError) -> None:
+        """A batch's journal write failed: a passive stops.
 
         A passive applies a replicated batch to its queues before writing it, so
         after a failed write its memory holds messages its disk does not. Its next
@@ -506,15 +506,15 @@ class Broker:
         the passive exits, and its restart recovers from the journal and catches up
         (the active meanwhile confirms alone, degraded). An active just nacks.
         """
-        if failed and self.role == "passive" and not self.exit_requested.is_set():
+        if self.role == "passive" and not self.exit_requested.is_set():
             log.critical(
-                "passive: a replicated batch could not be journaled (%s); exiting so "
+                "passive: replicated batch %d could not be journaled (%s); exiting so "
                 "that a restart recovers from the journal (memory and disk disagree)",
-                self.committer.failure,
+                batch,
+                error,
             )
             self.exit_code = EXIT_JOURNAL_FAILED
             self.exit_requested.set()
-        return True
 
     async def stop(self) -> None:
         """Close clients with 320, flush the journal, stop everything."""
@@ -534,7 +534,11 @@ class Broker:
         await self.committer.stop()
         await self.journal.close()
         if self.committer.audit is not None:
-            self.committer.audit.close()
+            try:
+                self.committer.audit.close()
+            except OSError as exc:
+                # A full disk must not turn a passive's exit 75 into a crash (exit 1).
+                log.error("audit log: last records not written at shutdown: %s", exc)
         log.info("broker %s stopped", self.settings.name)
 
     async def _save_dedup_periodically(self, interval: float = 5.0) -> None:

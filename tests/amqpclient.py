@@ -4,7 +4,7 @@ The fault suite needs clients that never hang on a paused or vanished broker
 and that report exactly what happened to each publish: confirmed (basic.ack),
 refused (basic.nack), or unknown (the connection died first). Frames are
 pamqp's; the client speaks only what the workload uses: one channel, queue
-declare, qos, publisher confirms, consume and ack.
+declare, qos, publisher confirms, transactions, consume and ack.
 """
 
 from __future__ import annotations
@@ -252,6 +252,18 @@ class AMQPClient:
     async def confirm_select(self, within: float = 5.0) -> None:
         """Publisher confirms on channel 1."""
         await self._call(commands.Confirm.Select(), commands.Confirm.SelectOk, within)
+
+    async def tx_select(self, within: float = 5.0) -> None:
+        """Transactions on channel 1: publishes take effect at `tx_commit`."""
+        await self._call(commands.Tx.Select(), commands.Tx.SelectOk, within)
+
+    async def tx_commit(self, within: float = 10.0) -> None:
+        """Commit the channel's transaction; returns on commit-ok only.
+
+        A commit the broker could not make durable closes the channel (541):
+        that arrives as `Refused` and the connection is dropped.
+        """
+        await self._call(commands.Tx.Commit(), commands.Tx.CommitOk, within)
 
     async def qos(self, prefetch: int, within: float = 5.0) -> None:
         """Prefetch limit of channel 1."""

@@ -1,22 +1,46 @@
 """Jepsen-style fault suite: confirmed messages survive kills, pauses, cut links and failovers.
 
-Producers (publisher confirms, numbered messages) and consumers (acks) run
-against a replicated pair while a nemesis kills the active with `kill -9` and
-promotes the passive through the admin API, SIGSTOPs either broker, cuts or
-partitions the replication link, and restarts the passive in the middle of a
-catch-up. After a final drain the checker must find no confirmed message lost
-and nothing unexpected; duplicates are counted and printed.
+Producers (publisher confirms, numbered messages; transactional ones in the
+fault matrix) and consumers (acks) run against a replicated pair while a
+nemesis kills the active with `kill -9` and promotes the passive through the
+admin API, SIGSTOPs either broker, cuts or partitions the replication link,
+restarts the passive in the middle of a catch-up, fills a broker's disk,
+flips a bit in a journal segment or jumps a broker's clock. After a final
+drain the checker must find no confirmed (or commit-ok'd) message lost and
+nothing unexpected; duplicates are counted and printed.
+
+The fault matrix (docs/reliability.md) runs each fault class on a pair of its
+own; every cycle must prove that its fault hit the path it targets. One or two
+cycles per class run here; `make faults` runs TWINMQ_FAULT_CYCLES per class.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
+import platform
 import random
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from jepsen import FAULTS, Pair, Report, check, decode_body, encode_body, run_suite
+from jepsen import (
+    FAULTS,
+    MATRIX,
+    ClassResult,
+    FaultClass,
+    Pair,
+    Report,
+    Unavailable,
+    check,
+    decode_body,
+    encode_body,
+    run_class,
+    run_suite,
+    write_results,
+)
 
 # -- the checker on its own ---------------------------------------------------------------
 
@@ -107,3 +131,105 @@ def test_long_run_random_faults(tmp_path: Path) -> None:
     report = _run(tmp_path, faults, seed=seed)
     _assert_sound(report)
     assert report.nemesis.cycles == len(faults)
+
+
+# -- the fault matrix ---------------------------------------------------------------------
+
+
+def _run_class(tmp_path: Path, fault_class: FaultClass, cycles: int, seed: int) -> ClassResult:
+    try:
+        result, report = run_class(tmp_path, fault_class, cycles, seed)
+    except Unavailable as exc:
+        pytest.skip(f"{fault_class.name}: {exc}")
+    print(f"\n{fault_class.name} (seed {seed}): {report.text()}")
+    print(f"proofs: {result.proofs}; back to ready p50 {result.ready_p50:.1f}s")
+    print("\n".join(report.events[-30:]))
+    return result
+
+
+def _assert_class_sound(result: ClassResult) -> None:
+    assert not result.lost, f"confirmed messages lost: {result.lost_sample}"
+    assert not result.unexpected, "messages received that were never sent"
+    assert result.confirmed > 0 and result.commits > 0, "confirms and commits must flow"
+    assert result.hits == result.cycles, f"faults that missed their path: {result.misses}"
+    assert result.passive_left == (0, 0), "the passive did not follow every dequeue"
+
+
+# Each family's faults once (corruption: the passive, and the old active after a failover).
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "fault_class", [pytest.param(c, id=c.name) for c in MATRIX]
+)  # fmt: skip
+def test_each_fault_class_hits_its_path_and_loses_no_confirmed_message(
+    tmp_path: Path, fault_class: FaultClass
+) -> None:
+    result = _run_class(tmp_path, fault_class, len(fault_class.faults), seed=11)
+    _assert_class_sound(result)
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).parent,
+        )  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+            text=True, check=True, cwd=Path(__file__).parent,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip() + (" (uncommitted changes)" if dirty else "")
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+@pytest.mark.faults
+@pytest.mark.timeout(0)
+def test_fault_matrix(tmp_path: Path) -> None:
+    """TWINMQ_FAULT_CYCLES (100) cycles per fault class; the table goes to
+    TWINMQ_FAULT_RESULTS (.cache/faults/matrix-<time>) as .json and .md.
+    TWINMQ_FAULT_CLASSES (comma-separated) runs only those classes."""
+    cycles = int(os.environ.get("TWINMQ_FAULT_CYCLES", "100"))
+    seed = int(os.environ.get("TWINMQ_FAULT_SEED", random.randrange(1 << 30)))
+    wanted = os.environ.get("TWINMQ_FAULT_CLASSES")
+    classes = [c for c in MATRIX if not wanted or c.name in wanted.split(",")]
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    default = Path(__file__).parent.parent / ".cache" / "faults" / f"matrix-{stamp}"
+    path = Path(os.environ.get("TWINMQ_FAULT_RESULTS", default))
+    header = (
+        f"{cycles} cycles per class, seed {seed}, commit {_git_commit()}, "
+        f"{stamp}, {os.cpu_count()} cores, Python {platform.python_version()}\n"
+    )
+    print(f"\nfault matrix: {header}results: {path}.json and {path}.md")
+    results: list[ClassResult] = []
+    skipped: list[str] = []
+    errors: dict[str, str] = {}  # classes that did not finish: the next ones still run
+    for i, fault_class in enumerate(classes):
+        started = time.monotonic()
+        try:
+            result, report = run_class(tmp_path / fault_class.name, fault_class, cycles, seed + i)
+        except Unavailable as exc:
+            skipped.append(f"{fault_class.name}: {exc}")
+            continue
+        except Exception as exc:
+            errors[fault_class.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            write_results(results, path, header, errors)
+            print(f"{fault_class.name}: DID NOT FINISH: {exc}")
+            continue
+        results.append(result)
+        write_results(results, path, header, errors)  # after each class: a partial run is kept
+        print(
+            f"{fault_class.name}: {result.cycles} cycles in {time.monotonic() - started:.0f}s, "
+            f"hits {result.hits}, confirmed {result.confirmed}, lost {result.lost}, "
+            f"duplicates {result.duplicates}, proofs {result.proofs}"
+        )
+        if not result.ok:
+            print(report.text())
+    print(f"\nresults: {path}.json and {path}.md")
+    print(path.with_suffix(".md").read_text() if results else "no class ran")
+    if skipped:
+        print("skipped: " + "; ".join(skipped))
+    assert not errors, f"fault classes that did not finish: {errors}"
+    for result in results:
+        _assert_class_sound(result)
