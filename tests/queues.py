@@ -1,10 +1,18 @@
-"""Test helper: read a queue empty through a real client."""
+"""Test helpers: real-client connections and reading a queue empty."""
 
 from __future__ import annotations
 
 import pika
 
+from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.broker.launcher import BrokerProcess
+
+
+def opted_in(broker: BrokerProcess) -> pika.BlockingConnection:
+    """A pika connection that opts in to duplicate detection, as twinmq.client does."""
+    params = pika.URLParameters(broker.url)
+    params.client_properties = {DEDUP_CLIENT_PROPERTY: True}
+    return pika.BlockingConnection(params)
 
 
 def drain(broker: BrokerProcess, queue: str) -> list[bytes]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pika
 import pytest
 from queues import drain as _drain
+from queues import opted_in
 
-from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.launcher import BrokerProcess
 from twinmq.client import ReliablePublisher
@@ -33,15 +33,8 @@ def test_disabled_window_remembers_nothing() -> None:
     assert "a" not in window
 
 
-def _opted_in(broker: BrokerProcess) -> pika.BlockingConnection:
-    """A pika connection that opts in to duplicate detection, as twinmq.client does."""
-    params = pika.URLParameters(broker.url)
-    params.client_properties = {DEDUP_CLIENT_PROPERTY: True}
-    return pika.BlockingConnection(params)
-
-
 def test_resent_message_id_is_confirmed_but_not_enqueued_twice(fresh_broker: BrokerProcess) -> None:
-    conn = _opted_in(fresh_broker)
+    conn = opted_in(fresh_broker)
     ch = conn.channel()
     ch.queue_declare("dedup.q", durable=True)
     ch.confirm_delivery()
@@ -94,7 +87,7 @@ def test_dedup_window_survives_a_restart(tmp_path: Path) -> None:
         conn.close()
         port = broker.port
     with BrokerProcess(data, name="dd", port=port) as broker:
-        conn = _opted_in(broker)
+        conn = opted_in(broker)
         ch = conn.channel()
         ch.confirm_delivery()
         ch.basic_publish("", "dd.q", b"x", pika.BasicProperties(delivery_mode=2, message_id="m1"))

@@ -14,21 +14,13 @@ import pika
 import pika.exceptions
 import pytest
 from aio_pika.exceptions import DeliveryError
-from jepsen import post_role, status, wait_for
-from queues import drain
+from jepsen import Pair
+from queues import drain, opted_in
 
-from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.broker.launcher import BrokerProcess
 from twinmq.client import ReliablePublisher
 
 PERSISTENT = 2
-
-
-def _opted_in(broker: BrokerProcess) -> pika.BlockingConnection:
-    """A pika connection that opts in to duplicate detection, as twinmq.client does."""
-    params = pika.URLParameters(broker.url)
-    params.client_properties = {DEDUP_CLIENT_PROPERTY: True}
-    return pika.BlockingConnection(params)
 
 
 def _props(message_id: str) -> pika.BasicProperties:
@@ -43,7 +35,7 @@ def _full_queue(ch: pika.adapters.blocking_connection.BlockingChannel, name: str
 
 
 def test_a_resend_after_basic_return_is_enqueued(fresh_broker: BrokerProcess) -> None:
-    conn = _opted_in(fresh_broker)
+    conn = opted_in(fresh_broker)
     ch = conn.channel()
     ch.confirm_delivery()
     with pytest.raises(pika.exceptions.UnroutableError):
@@ -55,7 +47,7 @@ def test_a_resend_after_basic_return_is_enqueued(fresh_broker: BrokerProcess) ->
 
 
 def test_a_resend_after_a_reject_publish_nack_is_enqueued(fresh_broker: BrokerProcess) -> None:
-    conn = _opted_in(fresh_broker)
+    conn = opted_in(fresh_broker)
     ch = conn.channel()
     _full_queue(ch, "tight.q")
     ch.confirm_delivery()
@@ -69,7 +61,7 @@ def test_a_resend_after_a_reject_publish_nack_is_enqueued(fresh_broker: BrokerPr
 
 
 def test_a_resend_after_a_rollback_is_enqueued(fresh_broker: BrokerProcess) -> None:
-    conn = _opted_in(fresh_broker)
+    conn = opted_in(fresh_broker)
     ch = conn.channel()
     ch.queue_declare("tx.q", durable=True)
     ch.tx_select()
@@ -106,18 +98,10 @@ def test_reliable_publisher_resend_after_a_nack_is_enqueued(fresh_broker: Broker
 
 @pytest.mark.timeout(90)
 def test_a_resend_after_a_nack_is_enqueued_on_the_promoted_passive(tmp_path: Path) -> None:
-    env = {"TWINMQ_REPLICATION_TOKEN": "pair-secret"}
-    active = BrokerProcess(tmp_path / "a", name="a", env=env, extra_args=["--epoch", "1"]).start()
-    passive = BrokerProcess(
-        tmp_path / "b", name="b", env=env,
-        extra_args=["--role", "passive", "--replicate-from", active.replication_address,
-                    "--epoch", "1"],
-    ).start()  # fmt: skip
-    try:
-        conn = _opted_in(active)
+    with Pair(tmp_path) as pair:
+        conn = opted_in(pair.active)
         ch = conn.channel()
         _full_queue(ch, "pair.q")
-        ch.queue_declare("other.q", durable=True)
         ch.confirm_delivery()
         ch.basic_publish("", "pair.q", b"a", _props("p-a"))
         with pytest.raises(pika.exceptions.NackError):
@@ -126,19 +110,17 @@ def test_a_resend_after_a_nack_is_enqueued_on_the_promoted_passive(tmp_path: Pat
         with pytest.raises(pika.exceptions.UnroutableError):
             ch.basic_publish("", "late.q", b"c", _props("p-c"), mandatory=True)
         conn.close()
-        wait_for(lambda: (status(passive) or {})["replication"]["ready"], 30, "passive ready")
-        active.kill()
-        assert post_role(passive, "active", 2)[0] == 200
-        assert drain(passive, "pair.q") == [b"a"]
-        conn = _opted_in(passive)
+        pair.wait_healthy()
+        pair.active.kill()
+        pair.promote_passive()
+        promoted = pair.active
+        assert drain(promoted, "pair.q") == [b"a"]
+        conn = opted_in(promoted)
         ch = conn.channel()
         ch.confirm_delivery()
         ch.queue_declare("late.q", durable=True)
         ch.basic_publish("", "pair.q", b"b", _props("p-b"))
         ch.basic_publish("", "late.q", b"c", _props("p-c"), mandatory=True)
         conn.close()
-        assert drain(passive, "pair.q") == [b"b"]
-        assert drain(passive, "late.q") == [b"c"]
-    finally:
-        active.kill()
-        passive.stop()
+        assert drain(promoted, "pair.q") == [b"b"]
+        assert drain(promoted, "late.q") == [b"c"]
