@@ -74,7 +74,6 @@ class GroupCommitter:
         # (batch, lsn) appended, not yet known durable; lsn None: the append itself failed
         self._appended: list[tuple[int, int | None]] = []
         self._failed_batches: deque[int] = deque()  # failed, not yet told to the waiters
-        self._unaudited: set[int] = set()  # failed batches the audit must not record
         # Outcomes (batch, failed) whose audit records are not yet durable, in order.
         self._held: list[tuple[int, bool]] = []
         self._audit_wake = asyncio.Event()
@@ -252,10 +251,8 @@ class GroupCommitter:
         audited = self._audit_batches
         recorded = False
         while audited and audited[0][0] <= complete:
-            batch, ops = audited.popleft()
-            if batch in self._unaudited:
-                self._unaudited.discard(batch)  # not confirmed: nothing to record
-            elif self.audit is not None:
+            _, ops = audited.popleft()
+            if self.audit is not None:
                 self.audit.batch_complete(ops, self.guarded)
                 recorded = True
         return recorded
@@ -333,7 +330,8 @@ class GroupCommitter:
             error = await self._outcome(each_lsn)
             if error is not None:
                 self._failed_batches.append(each)
-                self._unaudited.add(each)
+                # Not confirmed: the audit has nothing to record of it.
+                self._audit_batches = deque(b for b in self._audit_batches if b[0] != each)
                 self.failure = error
                 if self.on_failed is not None:
                     self.on_failed(each, error)
