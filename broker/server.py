@@ -311,7 +311,11 @@ class Broker:
         """
         if self.damage is None or self.damage.healed_by is not None:
             return False
-        return not (self.role == "passive" and self.replica is not None and self.replica.caught_up)
+        return not self._caught_up()
+
+    def _caught_up(self) -> bool:
+        """A passive whose catch-up from the active is complete."""
+        return self.role == "passive" and self.replica is not None and self.replica.caught_up
 
     def quarantined_files(self) -> int:
         """Files in the quarantine folder."""
@@ -324,10 +328,10 @@ class Broker:
         """Raise DamagedBroker if a damaged broker may not become active."""
         if self.damage is None or self.damage.healed_by is not None:
             return
-        replica = self.replica
-        if self.role == "passive" and replica is not None and replica.caught_up:
+        if self._caught_up():
             # Everything the active had reached this journal since the damage.
-            self.damage.healed_by = replica.active_name or self.replicate_from or "the active"
+            assert self.replica is not None
+            self.damage.healed_by = self.replica.active_name or self.replicate_from or "the active"
             damage.save(self.settings.data_dir, self.damage)
             log.warning(
                 "damaged journal healed by a complete catch-up from %s", self.damage.healed_by
