@@ -37,20 +37,25 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 class Consumer:
-    """A consumer on its own connection and thread that records every body it gets."""
+    """A consumer on its own connection and thread that records every body it gets.
+
+    It never acknowledges (unlimited prefetch): the journal keeps every message,
+    so the disk fills while everything committed is delivered at once.
+    """
 
     def __init__(self, broker: BrokerProcess, queue: str) -> None:
         self.bodies: list[bytes] = []
         self._conn = pika.BlockingConnection(pika.URLParameters(broker.url))
         ch = self._conn.channel()
-        ch.basic_consume(queue, lambda _c, _m, _p, body: self.bodies.append(body), auto_ack=True)
+        ch.basic_consume(queue, lambda _c, _m, _p, body: self.bodies.append(body))
         self._stop = False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop:
-            self._conn.process_data_events(time_limit=0.1)
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            while not self._stop:
+                self._conn.process_data_events(time_limit=0.1)
 
     def stop(self) -> None:
         self._stop = True
