@@ -850,7 +850,9 @@ class VirtualHost:
                 self.remove_queue(queue)
         for qdef in defs.queues:
             if qdef.name not in self.queues:
-                self.queues[qdef.name] = Queue(qdef, None, self._dropped, self.visibility, lenient=True)
+                self.queues[qdef.name] = Queue(
+                    qdef, None, self._dropped, self.visibility, lenient=True
+                )
                 self.exchanges[""].bind(
                     BindingDef(exchange="", queue=qdef.name, routing_key=qdef.name)
                 )
@@ -917,11 +919,12 @@ class VirtualHost:
                     self.next_mid = op.mid + 1
             else:
                 gone = queue.remove_mid(op.mid)
-                if catchup and gone is not None and gone.message.message_id is not None:
-                    message = gone.message
-                    self.dedup.forget(
-                        dedup_key(message.exchange, message.routing_key, message.message_id)
-                    )
+                if catchup and gone is not None:
+                    settled = gone.message
+                    if settled.message_id is not None:
+                        self.dedup.forget(
+                            dedup_key(settled.exchange, settled.routing_key, settled.message_id)
+                        )
         self._unordered |= unordered
         if not defer_sort:
             self.restore_order()
