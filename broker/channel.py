@@ -232,7 +232,7 @@ class Channel:
             return
         result = self.vhost.publish(
             exchange, publish.routing_key, self._header, body, info,
-            deduplicate=self.connection.deduplicate,
+            deduplicate=self.connection.deduplicate, hold=self.confirm_mode,
         )  # fmt: skip
         if not result.routed and publish.mandatory and not result.rejected:
             self._return(exchange.name, publish.routing_key, self._header, body)

@@ -564,6 +564,7 @@ class VirtualHost:
         ops: list[JournalOp] | None = None,
         *,
         deduplicate: bool = False,
+        hold: bool = False,
     ) -> PublishResult:
         """Route a message into its queues; persistent copies in durable queues are journaled.
 
@@ -572,7 +573,8 @@ class VirtualHost:
         pass to `remember_when_durable` with the commit's batch. Every routed publish
         with a message id is remembered in the dedup window once durable; only a
         `deduplicate` publisher (one that opted in) has its re-sends dropped, so plain
-        clients see RabbitMQ's behaviour.
+        clients see RabbitMQ's behaviour. With `hold` (a publisher in confirm mode) the
+        message is visible only once the batch its confirm waits for is complete.
         """
         message_id = info.message_id
         key = None
@@ -584,7 +586,7 @@ class VirtualHost:
                 return PublishResult(
                     1, False, 0 if ops is not None else self.committer.confirm_point()
                 )
-        result = self._route(exchange, routing_key, header, body, info, ops)
+        result = self._route(exchange, routing_key, header, body, info, ops, hold)
         if key is not None and result.routed:
             if ops is None:
                 self.remember_when_durable([key], result.batch)
@@ -607,6 +609,7 @@ class VirtualHost:
         body: bytes,
         info: ContentHeaderInfo,
         ops: list[JournalOp] | None,
+        hold: bool,
     ) -> PublishResult:
         headers: dict[str, Any] | None = None
         if isinstance(exchange, EXCHANGE_TYPES["headers"]):
@@ -623,7 +626,7 @@ class VirtualHost:
         if not targets:
             metrics.UNROUTABLE.inc()
             return PublishResult(0, False, 0)
-        return self._enqueue(targets, exchange.name, routing_key, header, body, info, ops)
+        return self._enqueue(targets, exchange.name, routing_key, header, body, info, ops, hold)
 
     def _enqueue(
         self,
@@ -634,7 +637,13 @@ class VirtualHost:
         body: bytes,
         info: ContentHeaderInfo,
         ops: list[JournalOp] | None,
+        hold: bool = False,
     ) -> PublishResult:
+        """Put a message in `targets`; journal its persistent copies in durable queues.
+
+        `hold` (a publisher waiting for a confirm) and a transaction (`ops`) keep the
+        journaled entries from consumers until their batch is complete (visibility.py).
+        """
         now = self.clock.time()
         mid = self.next_mid
         self.next_mid += 1
@@ -671,8 +680,9 @@ class VirtualHost:
                         mid, queue.definition.qid, exchange, routing_key, header, body, expires_at
                     )
                 )
-                entry.batch = UNCOMMITTED
-                held.append((queue, entry))
+                if hold or ops is not None:
+                    entry.batch = UNCOMMITTED
+                    held.append((queue, entry))
             elif ops is not None:
                 entry.batch = UNCOMMITTED
                 held.append((queue, entry))
@@ -688,7 +698,8 @@ class VirtualHost:
             return PublishResult(routed, rejected, 0, held=held)
         if own_ops:
             batch = self.committer.add(own_ops)
-            self.visibility.hold(batch, held)
+            if held:
+                self.visibility.hold(batch, held)
         else:
             batch = self.committer.confirm_point()
         for queue in delivered:

@@ -14,11 +14,14 @@ them. Artemis does the same for a transaction's messages (visible once the
 commit record is durable); for a plain publish it costs consumers one group
 commit of latency, which a confirm pays anyway.
 
-Only what the disk decides is held: persistent messages on durable queues, and
-every message of a transaction. A transient message outside a transaction is
-visible at once (nothing about it is written), even when a confirm covering it
-is nacked because an earlier batch failed (AMQP's nack: may or may not have
-been taken).
+Held: every message of a transaction, and persistent messages on durable queues
+from a publisher in confirm mode. Visible at once: transient messages outside a
+transaction (nothing about them is written, even when a confirm covering one is
+nacked because an earlier batch failed: AMQP's nack, "may or may not have been
+taken"), and publishes without confirms or a transaction, as in RabbitMQ's
+classic queues: such a publisher is told nothing either way, and publish then
+`basic.get` works at once. If the write of one of those fails, the message stays
+in memory (delivered, possibly) and is gone after a restart.
 """
 
 from __future__ import annotations
