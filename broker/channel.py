@@ -232,7 +232,7 @@ class Channel:
             return
         result = self.vhost.publish(
             exchange, publish.routing_key, self._header, body, info,
-            deduplicate=self.connection.deduplicate,
+            deduplicate=self.connection.deduplicate, hold=self.confirm_mode,
         )  # fmt: skip
         if not result.routed and publish.mandatory and not result.rejected:
             self._return(exchange.name, publish.routing_key, self._header, body)
@@ -622,6 +622,8 @@ class Channel:
             )
         ops: list[JournalOp] = []
         keys: list[str] = []
+        published: list[tuple[Queue, Entry]] = []
+        acked: list[tuple[Queue, Entry]] = []
         vhost = self.vhost
         for p in self.tx_publishes:
             exchange = vhost.exchange_for_publish(p.exchange)
@@ -631,15 +633,21 @@ class Channel:
             )  # fmt: skip
             if result.dedup_key is not None:
                 keys.append(result.dedup_key)
+            if result.held:
+                published += result.held
             if not result.routed and p.mandatory:
                 self._return(p.exchange, p.routing_key, p.header, p.body)
         for action, tag, multiple in self.tx_settles:
             items = self._take(tag, multiple, BASIC_ACK)
+            if action == "ack":
+                acked += [(item.queue, item.entry) for item in items]
             self._settle(action, items, ops if action == "ack" else None)
         self.tx_publishes.clear()
         self.tx_settles.clear()
-        # One journal record for the whole transaction: recovered entirely or not at all.
+        # One journal record for the whole transaction: recovered entirely or not at all,
+        # and seen by consumers entirely (once durable) or not at all (visibility.py).
         batch = vhost.committer.add(ops) if ops else vhost.committer.confirm_point()
+        vhost.visibility.hold_transaction(batch, published, acked)
         if keys:
             vhost.remember_when_durable(keys, batch)
         self._add_pending(0, batch, "commit")

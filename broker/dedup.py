@@ -64,6 +64,14 @@ class DedupWindow:
                 ids.popitem(last=False)
         self.dirty = True
 
+    def forget(self, key: str) -> None:
+        """Drop a key, admitted or waiting (its message was discarded: never taken)."""
+        if key in self._ids:
+            del self._ids[key]
+            self.dirty = True
+        if any(k == key for _, k in self._pending):
+            self._pending = deque(p for p in self._pending if p[1] != key)
+
     def add_when_durable(self, key: str, batch: int) -> None:
         """Remember `key` once batch `batch` is durable (now if 0); never if it fails.
 

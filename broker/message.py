@@ -26,12 +26,18 @@ class Message:
 
 @dataclass(slots=True, eq=False)
 class Entry:
-    """A message in one queue: its own expiry, redelivery flag and journal status."""
+    """A message in one queue: its own expiry, redelivery flag and journal status.
+
+    `batch` is the group-commit batch whose outcome decides whether the entry is
+    taken at all (docs/journal.md, Visibility): until that batch is complete no
+    consumer sees it, and if it fails the entry is withdrawn. 0: visible now.
+    """
 
     message: Message
     expires_at: float | None
     journaled: bool
     redelivered: bool = False
+    batch: int = 0
 
     @property
     def size(self) -> int:

@@ -41,6 +41,15 @@ class Consumer(Protocol):
         ...
 
 
+class Completion(Protocol):
+    """How far group commit has got: entries of later batches are not visible yet."""
+
+    @property
+    def complete(self) -> int:
+        """Every batch up to this one has its outcome (complete or failed)."""
+        ...
+
+
 class QueueArgs:
     """The `x-*` arguments a queue understands, validated as RabbitMQ validates them."""
 
@@ -137,6 +146,7 @@ class Queue:
         definition: QueueDef,
         owner: object | None,
         on_drop: Callable[[Queue, Entry, DropReason], None],
+        completion: Completion,
         *,
         lenient: bool = False,
     ) -> None:
@@ -158,6 +168,7 @@ class Queue:
         self.deleted = False
         self._next_consumer = 0
         self._on_drop = on_drop
+        self._completion = completion
 
     @property
     def name(self) -> str:
@@ -226,13 +237,26 @@ class Queue:
             self.bytes += entry.size
 
     def pop(self, now: float) -> Entry | None:
-        """Remove and return the head entry, dropping expired ones first."""
+        """Remove and return the head entry, dropping expired ones first.
+
+        None also while the head waits for its batch (in order: what was published
+        after it waits too); `Visibility` dispatches the queue when it completes.
+        """
         self.expire(now)
-        if not self.entries:
+        entries = self.entries
+        if not entries or entries[0].batch > self._completion.complete:
             return None
-        entry = self.entries.popleft()
+        entry = entries.popleft()
         self.bytes -= entry.size
         return entry
+
+    def withdraw(self, batch: int) -> list[Entry]:
+        """Take out the entries waiting for `batch` (it failed); return them."""
+        gone = [e for e in self.entries if e.batch == batch]
+        if gone:
+            self.entries = deque(e for e in self.entries if e.batch != batch)
+            self.bytes -= sum(e.size for e in gone)
+        return gone
 
     def expire(self, now: float) -> None:
         """Drop expired entries at the head (RabbitMQ expires from the head only)."""

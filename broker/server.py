@@ -450,6 +450,7 @@ class Broker:
 
         self.committer.start()
         self.committer.on_failed = self._batch_failed
+        self.vhost.visibility.on_failed = self._batch_withdrawn
         metrics.EPOCH.set(self.epoch)
         metrics.ROLE.set(1 if self.role == "active" else 0)
         server = await self.loop.create_server(
@@ -499,6 +500,11 @@ class Broker:
     def status(self) -> BrokerStatus:
         """A snapshot for the admin API (`GET /status`)."""
         return build_status(self)
+
+    def _batch_withdrawn(self, batch: int) -> None:
+        """An active withdrew a failed batch: its passive, streamed it already, catches up."""
+        if self.role == "active":
+            self.source.resync(f"batch {batch} failed here after it was streamed")
 
     def _batch_failed(self, batch: int, error: JournalError) -> None:
         """A batch's journal write failed: a passive stops.

@@ -35,6 +35,7 @@ from twinmq.broker.journal import JournalOp, Recovered, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.queue import DropReason, Queue
 from twinmq.broker.routing import EXCHANGE_TYPES, Exchange, make_exchange
+from twinmq.broker.visibility import UNCOMMITTED, Visibility
 
 if TYPE_CHECKING:
     from twinmq.broker.commit import Waiter
@@ -111,8 +112,10 @@ class PublishResult:
     routed: int
     rejected: bool
     batch: int
-    # In a transaction: the dedup key to remember once the commit is durable.
+    # In a transaction: the dedup key to remember once the commit is durable ...
     dedup_key: str | None = None
+    # ... and the entries it put in queues, invisible until the commit's batch completes.
+    held: list[tuple[Queue, Entry]] | None = None
 
 
 class VirtualHost:
@@ -134,6 +137,7 @@ class VirtualHost:
         self.on_topology_change: Callable[[Definitions], None] | None = None
         self._by_qid: dict[int, Queue] | None = None
         self.dedup = dedup if dedup is not None else DedupWindow(0)
+        self.visibility = Visibility(committer.await_durable, clock.time, self.requeue)
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         self.next_mid = 1
@@ -159,7 +163,7 @@ class VirtualHost:
         now = self.clock.time()
         for qdef in defs.queues:
             # Recovery always completes: arguments refused by today's rules are ignored.
-            queue = Queue(qdef, None, self._dropped, lenient=True)
+            queue = Queue(qdef, None, self._dropped, self.visibility, lenient=True)
             self.queues[qdef.name] = queue
             # The default exchange's bindings are implicit (not in the definitions file).
             self.exchanges[""].bind(BindingDef(exchange="", queue=qdef.name, routing_key=qdef.name))
@@ -411,7 +415,7 @@ class VirtualHost:
             auto_delete=auto_delete,
             arguments=arguments,
         )
-        queue = Queue(definition, owner if exclusive else None, self._dropped)
+        queue = Queue(definition, owner if exclusive else None, self._dropped, self.visibility)
         self.next_qid += 1
         self.queues[name] = queue
         # Every queue is bound to the default exchange under its own name.
@@ -560,6 +564,7 @@ class VirtualHost:
         ops: list[JournalOp] | None = None,
         *,
         deduplicate: bool = False,
+        hold: bool = False,
     ) -> PublishResult:
         """Route a message into its queues; persistent copies in durable queues are journaled.
 
@@ -568,7 +573,8 @@ class VirtualHost:
         pass to `remember_when_durable` with the commit's batch. Every routed publish
         with a message id is remembered in the dedup window once durable; only a
         `deduplicate` publisher (one that opted in) has its re-sends dropped, so plain
-        clients see RabbitMQ's behaviour.
+        clients see RabbitMQ's behaviour. With `hold` (a publisher in confirm mode) the
+        message is visible only once the batch its confirm waits for is complete.
         """
         message_id = info.message_id
         key = None
@@ -580,7 +586,7 @@ class VirtualHost:
                 return PublishResult(
                     1, False, 0 if ops is not None else self.committer.confirm_point()
                 )
-        result = self._route(exchange, routing_key, header, body, info, ops)
+        result = self._route(exchange, routing_key, header, body, info, ops, hold)
         if key is not None and result.routed:
             if ops is None:
                 self.remember_when_durable([key], result.batch)
@@ -603,6 +609,7 @@ class VirtualHost:
         body: bytes,
         info: ContentHeaderInfo,
         ops: list[JournalOp] | None,
+        hold: bool,
     ) -> PublishResult:
         headers: dict[str, Any] | None = None
         if isinstance(exchange, EXCHANGE_TYPES["headers"]):
@@ -619,7 +626,7 @@ class VirtualHost:
         if not targets:
             metrics.UNROUTABLE.inc()
             return PublishResult(0, False, 0)
-        return self._enqueue(targets, exchange.name, routing_key, header, body, info, ops)
+        return self._enqueue(targets, exchange.name, routing_key, header, body, info, ops, hold)
 
     def _enqueue(
         self,
@@ -630,7 +637,13 @@ class VirtualHost:
         body: bytes,
         info: ContentHeaderInfo,
         ops: list[JournalOp] | None,
+        hold: bool = False,
     ) -> PublishResult:
+        """Put a message in `targets`; journal its persistent copies in durable queues.
+
+        `hold` (a publisher waiting for a confirm) and a transaction (`ops`) keep the
+        journaled entries from consumers until their batch is complete (visibility.py).
+        """
         now = self.clock.time()
         mid = self.next_mid
         self.next_mid += 1
@@ -648,6 +661,8 @@ class VirtualHost:
         rejected = False
         routed = 0
         delivered: list[Queue] = []
+        # Entries whose batch decides whether they are taken (see visibility.py).
+        held: list[tuple[Queue, Entry]] = []
         for queue in targets:
             args = queue.args
             if args.overflow != "drop-head" and queue.is_full_for(len(body)):
@@ -665,14 +680,28 @@ class VirtualHost:
                         mid, queue.definition.qid, exchange, routing_key, header, body, expires_at
                     )
                 )
+                if hold or ops is not None:
+                    entry.batch = UNCOMMITTED
+                    held.append((queue, entry))
+            elif ops is not None:
+                entry.batch = UNCOMMITTED
+                held.append((queue, entry))
             queue.push(entry)
             routed += 1
             if ttl is not None:
                 self._schedule_expiry(queue)
             delivered.append(queue)
         batch = 0
-        if ops is None:
-            batch = self.committer.add(own_ops) if own_ops else self.committer.confirm_point()
+        if ops is not None:
+            # The transaction's commit holds them with its batch (`Visibility.hold_transaction`).
+            metrics.PUBLISHED.inc()
+            return PublishResult(routed, rejected, 0, held=held)
+        if own_ops:
+            batch = self.committer.add(own_ops)
+            if held:
+                self.visibility.hold(batch, held)
+        else:
+            batch = self.committer.confirm_point()
         for queue in delivered:
             queue.dispatch(now)
         metrics.PUBLISHED.inc()
@@ -832,7 +861,9 @@ class VirtualHost:
                 self.remove_queue(queue)
         for qdef in defs.queues:
             if qdef.name not in self.queues:
-                self.queues[qdef.name] = Queue(qdef, None, self._dropped, lenient=True)
+                self.queues[qdef.name] = Queue(
+                    qdef, None, self._dropped, self.visibility, lenient=True
+                )
                 self.exchanges[""].bind(
                     BindingDef(exchange="", queue=qdef.name, routing_key=qdef.name)
                 )
@@ -854,14 +885,25 @@ class VirtualHost:
         self.committer.save_definitions(self.definitions())
         metrics.QUEUES.set(len(self.queues))
 
-    def apply_ops(self, ops: list[JournalOp], *, defer_sort: bool = False) -> None:
+    def apply_ops(
+        self, ops: list[JournalOp], *, defer_sort: bool = False, catchup: bool = False
+    ) -> list[str]:
         """Apply a replicated batch to the queues (the caller journals it).
 
+        Returns the dedup keys of its messages: the caller passes them to
+        `remember_when_durable` with the local batch it journals them in, so that
+        this broker, promoted, never swallows a re-send of a message it has not
+        made durable (as the active's window admits keys only once durable).
+        A settle in a `catchup` chunk is a discard: the active does not hold the
+        message (dequeued meanwhile, or never taken: its batch failed there, or it
+        was never confirmed before a failover), so its key leaves the window too: a
+        key without its message would swallow the re-send of a message nobody has.
         Queues keep replication ID order; with `defer_sort` (a catch-up, whose
         chunks of older messages interleave with live batches) a queue put out of
         order is sorted once, by `restore_order`, instead of after every batch.
         """
         unordered: set[Queue] = set()
+        keys: list[str] = []
         for op in ops:
             queue = self.queue_by_qid(op.qid)
             if queue is None:
@@ -877,8 +919,8 @@ class VirtualHost:
                     None,
                     header_message_id(op.header),
                 )
-                if message.message_id is not None:
-                    self.dedup.add(dedup_key(op.exchange, op.routing_key, message.message_id))
+                if message.message_id is not None and self.dedup.size:
+                    keys.append(dedup_key(op.exchange, op.routing_key, message.message_id))
                 entries = queue.entries
                 if entries and entries[-1].message.mid > op.mid:
                     unordered.add(queue)
@@ -887,10 +929,17 @@ class VirtualHost:
                 if op.mid >= self.next_mid:
                     self.next_mid = op.mid + 1
             else:
-                queue.remove_mid(op.mid)
+                gone = queue.remove_mid(op.mid)
+                if catchup and gone is not None:
+                    settled = gone.message
+                    if settled.message_id is not None:
+                        self.dedup.forget(
+                            dedup_key(settled.exchange, settled.routing_key, settled.message_id)
+                        )
         self._unordered |= unordered
         if not defer_sort:
             self.restore_order()
+        return keys
 
     def restore_order(self) -> None:
         """Sort the queues replicated batches put out of replication ID order."""

@@ -79,8 +79,14 @@ class ReplicatedState(Protocol):
         """The replication IDs held per durable queue (the passive's side)."""
         ...
 
-    def apply_ops(self, ops: list[JournalOp], *, defer_sort: bool = False) -> None:
-        """Apply replicated ops to the queues (passive); `defer_sort` during a catch-up."""
+    def apply_ops(
+        self, ops: list[JournalOp], *, defer_sort: bool = False, catchup: bool = False
+    ) -> list[str]:
+        """Apply replicated ops to the queues (passive); return their messages' dedup keys."""
+        ...
+
+    def remember_when_durable(self, keys: list[str], batch: int) -> None:
+        """Admit dedup keys to the window once `batch` is durable here (never if it fails)."""
         ...
 
     def restore_order(self) -> None:

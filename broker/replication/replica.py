@@ -346,7 +346,7 @@ class ReplicaClient:
                 chunk = bool(flags & BATCH_CATCHUP)
                 # While chunks of older messages interleave with live batches, queue order
                 # (by replication ID) is restored once, at the end, not per batch.
-                broker.vhost.apply_ops(ops, defer_sort=self._catching_up)
+                keys = broker.vhost.apply_ops(ops, defer_sort=self._catching_up, catchup=chunk)
                 if chunk:
                     self.catchup_chunks += 1
                     metrics.CATCHUP_RECEIVED.inc(sum(1 for op in ops if type(op) is StoredMessage))
@@ -354,6 +354,8 @@ class ReplicaClient:
                         self._catching_up = False
                         broker.vhost.restore_order()
                 local = committer.add(ops) if ops else committer.confirm_point()
+                if keys:
+                    broker.vhost.remember_when_durable(keys, local)
                 if not chunk:
                     self.remote_batch = remote
                     self.pending_ops += len(ops)

@@ -207,6 +207,20 @@ class ReplicationSource:
         self.broker.committer.guard(False)
         self._cancel_degrade()
 
+    def resync(self, reason: str) -> None:
+        """Make the passive catch up again: what it was streamed is not what we hold.
+
+        A batch is streamed before its write; if the write fails here, the active
+        withdraws its messages and undoes its acks (visibility.py) while the
+        passive applied them. Dropping the link (guarding on, as for any lost link)
+        makes the passive reconnect; its catch-up discards what the active does not
+        hold and sends what it lacks, so nothing of the failed batch stays accepted.
+        """
+        link = self.link
+        if link is not None and not link.closed:
+            log.warning("replication link to %s reset: %s", link.name, reason)
+            self._lost(link, degrade_now=False)
+
     def check_stall(self) -> None:
         """Drop a passive that has not acknowledged for `replication_timeout` seconds."""
         link = self.link
