@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lock import SDISTS
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("TWINMQ_IMAGE_CACHE", ROOT / ".cache" / "image"))
 SUITE = "bookworm"
@@ -88,9 +90,7 @@ def digest(*parts: str | bytes) -> str:
 
 def run(*cmd: str, quiet: bool = False) -> str:
     """Run a command, fail loudly; its standard output."""
-    result = subprocess.run(
-        cmd, check=False, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    result = subprocess.run(cmd, check=False, text=True, capture_output=True)
     if result.returncode:
         sys.stderr.write(result.stdout[-4000:] + result.stderr[-4000:])
         raise SystemExit(f"image: {' '.join(cmd[:4])}... failed ({result.returncode})")
@@ -172,7 +172,8 @@ def download_wheels(target: str) -> Path:
     for lock in LOCKS[target]:
         run(
             sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-            "--require-hashes", "-d", str(wheels), "-r", str(ROOT / "image" / lock),
+            *[f"--no-binary={n}" for n in SDISTS], "--require-hashes", "-d", str(wheels),
+            "-r", str(ROOT / "image" / lock),
         )  # fmt: skip
     return wheels
 
