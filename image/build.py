@@ -27,6 +27,7 @@ import email.parser
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -64,6 +65,8 @@ LOCKS = {
     "broker": ["requirements-build.lock", "requirements.lock"],
     "audit": ["requirements-build.lock", "requirements.lock", "requirements-audit.lock"],
 }
+LOCK_LINE = re.compile(r"^(\S+==\S+) \\\n\s+--hash=sha256:([0-9a-f]+)", re.M)
+"""A pinned requirement of a lock file and its hash."""
 IGNORED_PARTS = {"__pycache__", "tests"}
 """Folders .containerignore keeps out of the context (`**/__pycache__`, `**/tests`)."""
 
@@ -229,7 +232,7 @@ def build(target: str, force: bool = False) -> dict[str, Any]:
         args = [f"--build-arg={BUILD_ARGS[b]}={ref}" for b, ref in bases.items()]
         run(
             *buildah(
-                "bud", "--isolation", "chroot", "--layers", "--pull=never",
+                "bud", "--isolation", "chroot", "--pull=never",
                 "--target", target, "--timestamp", source_date_epoch(),
                 f"--volume={wheels}:/wheels:ro", "--build-arg=WHEELS=/wheels", *args,
                 "-t", f"localhost/{name}:{tag}", "-t", reference,
@@ -240,7 +243,7 @@ def build(target: str, force: bool = False) -> dict[str, Any]:
         archive.unlink(missing_ok=True)
         run(*buildah("push", "-q", reference, f"oci-archive:{archive}:{reference}"))
         sbom.write_text(json.dumps(make_sbom(reference, name, tag), indent=1) + "\n")
-        # Intermediate layers of older builds: vfs keeps a full copy of each.
+        # The previous build's image, untagged now: vfs keeps a full copy of every layer.
         subprocess.run(buildah("rmi", "--prune"), capture_output=True)
         stamp.write_text(key + "\n")
         built = True
@@ -295,12 +298,8 @@ def python_packages(root: Path) -> list[dict[str, Any]]:
     """The image's Python distributions (their METADATA), with the locks' wheel hashes."""
     hashes = {}
     for lock in sorted((ROOT / "image").glob("requirements*.lock")):
-        for line in lock.read_text().split("\\\n"):
-            parts = line.split()
-            if len(parts) == 1 and "==" in parts[0]:
-                requirement = parts[0]
-            elif parts and parts[0].startswith("--hash=sha256:"):
-                hashes[requirement.lower()] = parts[0].removeprefix("--hash=sha256:")
+        for pin, sha in LOCK_LINE.findall(lock.read_text()):
+            hashes[pin.lower()] = sha
     components = []
     for meta in sorted(root.glob("opt/twinmq/lib/python3*/site-packages/*.dist-info/METADATA")):
         fields = email.parser.Parser().parsestr(meta.read_text(errors="replace"))
