@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def project_version() -> str:
+    """pyproject.toml's version: the release's image tag."""
     return str(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"])
 
 
@@ -25,6 +26,6 @@ def test_chart_app_version_is_the_project_version() -> None:
 
 
 def test_brokercluster_default_image_is_the_release_image() -> None:
-    assert DEFAULT_IMAGE == f"twinmq/twinmq:{project_version()}"
+    assert f"twinmq/twinmq:{project_version()}" == DEFAULT_IMAGE
     for crd in ("crds/brokercluster.yaml", "helm/twinmq/crds/brokercluster.yaml"):
         assert f"default: {DEFAULT_IMAGE}" in (ROOT / crd).read_text()
