@@ -255,7 +255,7 @@ def build(target: str, force: bool = False) -> dict[str, Any]:
         "sbom": str(sbom),
         "built": built,
         "archive_mb": round(archive.stat().st_size / 1e6, 1),
-        "rootfs_mb": json.loads(sbom.read_text())["metadata"]["properties"][0]["value"],
+        "rootfs_mb": float(json.loads(sbom.read_text())["metadata"]["properties"][0]["value"]),
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -342,7 +342,7 @@ def make_sbom(reference: str, name: str, tag: str) -> dict[str, Any]:
         "metadata": {
             "component": {"type": "container", "name": name, "version": tag},
             "properties": [
-                {"name": "twinmq:rootfs-mb", "value": size},
+                {"name": "twinmq:rootfs-mb", "value": str(size)},
                 {"name": "twinmq:debian-suite", "value": SUITE},
                 {"name": "twinmq:debian-mirror", "value": MIRROR},
             ],
