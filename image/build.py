@@ -185,17 +185,17 @@ def download_wheels(target: str) -> Path:
 
 
 def context_files() -> Iterator[Path]:
-    """The files of the build context: the `!` lines of .containerignore, less what its
-    `**/` lines exclude. (A superset of buildah's view is harmless here: it only widens the
+    """The files of the build context: the `!` lines (globs) of .containerignore, less what
+    its `**/` lines exclude. (A superset of buildah's view is harmless here: it only widens the
     cache key.)"""
     for line in (ROOT / ".containerignore").read_text().splitlines():
         if not line.startswith("!"):
             continue
-        top = ROOT / line[1:]
-        for path in [top] if top.is_file() else sorted(top.rglob("*")):
-            parts = set(path.relative_to(ROOT).parts)
-            if path.is_file() and not parts & IGNORED_PARTS and not path.name.endswith(".pyc"):
-                yield path
+        for top in sorted(ROOT.glob(line[1:])):
+            for path in [top] if top.is_file() else sorted(top.rglob("*")):
+                parts = set(path.relative_to(ROOT).parts)
+                if path.is_file() and not parts & IGNORED_PARTS and path.suffix != ".pyc":
+                    yield path
 
 
 def inputs_key(target: str, bases: dict[str, str]) -> str:
