@@ -48,7 +48,8 @@ SECURITY_MIRROR = os.environ.get(
 """Debian's mirrors. No snapshot by default (snapshot.debian.org is unreachable from the
 build machines); set both to snapshot.debian.org/archive/... URLs to pin a date."""
 
-RUNTIME_PACKAGES = ["python3", "tini", "ca-certificates"]
+# libstdc++6: pyarrow's C++ libraries (manylinux wheels do not carry it).
+RUNTIME_PACKAGES = ["python3", "tini", "ca-certificates", "libstdc++6"]
 BASES = {
     "runtime": RUNTIME_PACKAGES,
     "build": ["python3", "python3-venv"],
