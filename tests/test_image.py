@@ -221,3 +221,28 @@ def test_broker_serves_on_a_read_only_root_and_stops_cleanly_on_sigterm(
     os.kill(container.pid1(), signal.SIGTERM)
     assert container.proc.wait(timeout=60) == 0
     assert "termination signal: shutting down" in container.stderr.read_text()
+
+
+# The operator's entry point and the audit shipper's Parquet path (pyarrow's C++ libraries
+# and their system dependencies), imported and run in the image as the image's user.
+SHIPPER_AND_OPERATOR = """
+import s3fs
+import twinmq.operator.main
+from twinmq.audit.store import SegmentName, segment_to_parquet
+
+parquet = segment_to_parquet(SegmentName("broker", 1, 1), b"")
+assert parquet[:4] == b"PAR1", parquet[:4]
+print("shipper and operator ok")
+"""
+
+
+def test_operator_and_audit_shipper_load_in_the_image(
+    image: Image, run_image: Any, tmp_path: Path
+) -> None:
+    data = tmp_path / "volume"
+    data.mkdir()
+    python = [*image.process["args"][:2], "python", "-c", SHIPPER_AND_OPERATOR]
+    container = run_image(python, data)
+    assert container.proc.wait(timeout=300) == 0, container.stderr.read_text()
+    assert container.proc.stdout is not None
+    assert b"shipper and operator ok" in container.proc.stdout.read()
