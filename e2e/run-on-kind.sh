@@ -12,7 +12,10 @@ done
 if ! kind get clusters | grep -qx "$name"; then
   kind create cluster --config e2e/kind.yaml --wait 120s
 fi
-docker build -t "$image" -f "${TWINMQ_DOCKERFILE:-e2e/Dockerfile}" .
+# The product's audit image from the top-level Containerfile (the file `make image` builds),
+# then the suite's layer on it (moto's S3 server, e2e/Dockerfile).
+docker build -t "$image-product" -f Containerfile --target audit .
+docker build -t "$image" --build-arg PRODUCT="$image-product" - < e2e/Dockerfile
 kind load docker-image "$image" --name "$name"
 mkdir -p .cluster
 kind get kubeconfig --name "$name" > .cluster/kind-kubeconfig
