@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from twinmq.audit.records import AuditEvent, AuditRecord
-from twinmq.broker.auditlog import AuditLog, body_digest
+from twinmq.audit.records import AuditEvent, AuditRecord, body_digest, segment_records
+from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.journal import Settle, StoredMessage
 
 
@@ -18,9 +18,7 @@ def _log(tmp_path: Path, epoch: list[int], replica: bool = False) -> AuditLog:
 
 def _records(directory: Path) -> list[AuditRecord]:
     return [
-        AuditRecord.model_validate_json(line)
-        for path in sorted(directory.glob("*.jsonl"))
-        for line in path.read_text().splitlines()
+        r for path in sorted(directory.glob("*.jsonl")) for r in segment_records(path.read_bytes())
     ]
 
 
