@@ -455,7 +455,7 @@ def durability_problem(
     `written` and `what` ask the same of another kind of file (the audit log's);
     `needle` may be a test of the written bytes instead of bytes they hold.
     """
-    holds = needle if callable(needle) else needle.__contains__
+    holds = needle if callable(needle) else lambda data: needle in data
     directory_problem = None
     for write in calls:
         if write.exit is None or write.exit >= before or not written(write):
