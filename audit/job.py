@@ -64,7 +64,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "audit/manifest.json"
 LATEST = "audit/latest.json"
-FORMAT = 3
+# 4: digest keys tell CRC-32 and BLAKE2b digests apart (state of format 3 is recomputed).
+FORMAT = 4
 
 
 class AuditError(RuntimeError):

@@ -42,7 +42,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from twinmq.audit.records import AuditEvent
+from twinmq.audit.records import AuditEvent, SegmentFormatError, segment_columns
 from twinmq.audit.schema import arrow_schema, record_arrow_schema
 
 log = logging.getLogger(__name__)
@@ -234,22 +234,14 @@ class Store:
 def segment_to_parquet(name: SegmentName, data: bytes) -> bytes:
     """A broker's JSON-lines segment as Parquet, with provenance columns and source digest."""
     import pyarrow as pa
-    import pyarrow.json as pj
     import pyarrow.parquet as pq
 
     record_schema = record_arrow_schema()
-    if data.strip():
-        try:
-            table = pj.read_json(
-                io.BytesIO(data),
-                parse_options=pj.ParseOptions(
-                    explicit_schema=record_schema, unexpected_field_behavior="error"
-                ),
-            ).select(record_schema.names)
-        except pa.ArrowInvalid as exc:
-            raise ShipError(f"segment {name.stem} is not valid audit JSON lines: {exc}") from exc
-    else:
-        table = record_schema.empty_table()
+    try:
+        # Either line format (one record, or a batch's records), expanded in log order.
+        table = pa.Table.from_pydict(segment_columns(data), schema=record_schema)
+    except (SegmentFormatError, pa.ArrowException, TypeError) as exc:
+        raise ShipError(f"segment {name.stem} is not valid audit JSON lines: {exc}") from exc
     table = table.cast(record_schema)
     events = set(table.column("event").unique().to_pylist())
     unknown = events - {e.value for e in AuditEvent}

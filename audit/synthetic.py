@@ -8,10 +8,9 @@ writes each broker's segments as JSON lines into `<dir>/<broker>/audit/`
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from pathlib import Path
 
-from twinmq.audit.records import AuditEvent, AuditRecord
+from twinmq.audit.records import AuditEvent, AuditRecord, body_digest
 
 EPOCH_SHIFT = 40
 
@@ -19,11 +18,6 @@ EPOCH_SHIFT = 40
 def rid(epoch: int, n: int) -> int:
     """A replication id as brokers assign them."""
     return (epoch << EPOCH_SHIFT) | n
-
-
-def digest(body: str) -> str:
-    """The digest a broker records for a body."""
-    return hashlib.blake2b(body.encode(), digest_size=8).hexdigest()
 
 
 @dataclasses.dataclass
@@ -63,7 +57,9 @@ class PairLog:
                 queue=queue,
                 replication_id=replication_id,
                 message_id=message_id if stored else None,
-                digest=digest(body if body is not None else str(replication_id)) if stored else "",
+                digest=body_digest((body if body is not None else str(replication_id)).encode())
+                if stored
+                else "",
                 event=event,
                 time=time,
             )

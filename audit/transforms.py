@@ -69,8 +69,9 @@ AGGREGATE_SCHEMA = StructType(
 )
 """Per replication id and broker slot i: s = stored records (confirmed, confirmed-alone or
 replicated), c = confirmed, a = confirmed-alone, d = dequeued, t = time of the first stored
-record, p = its position in the broker's log (segment_seq << 32 | line). digest_min/max are
-the least and greatest 64-bit hash of the digests of stored records (equal: same body)."""
+record, p = its position in the broker's log (segment_seq << 32 | line, line being the record's
+index in its segment). digest_min/max are the least and greatest `digest_key` of the stored
+records (equal: same body; of two kinds of digest: not comparable)."""
 
 FINDINGS_SCHEMA = StructType(
     [
@@ -139,6 +140,30 @@ def rid_epoch(rid: Column) -> Column:
     return F.shiftright(rid, EPOCH_SHIFT)
 
 
+_SIGN = -(2**63)
+
+
+def digest_key(digest: Column) -> Column:
+    """A 64-bit key of a recorded digest, its sign telling the digest's kind apart.
+
+    CRC-32 digests (8 hex digits, format 2) get non-negative keys, BLAKE2b-64 ones
+    (16 hex digits, format 1) negative ones: a message recorded in both formats
+    (by an old and a new broker, during an upgrade) has digest_min < 0 <= digest_max,
+    which `digests_differ` does not call a mismatch. No digest ('') is no key.
+    """
+    low = F.xxhash64(digest).bitwiseAND(F.lit(~_SIGN))
+    return (
+        F.when(F.length(digest) == 0, F.lit(None).cast("long"))
+        .when(F.length(digest) == 8, low)
+        .otherwise(low.bitwiseOR(F.lit(_SIGN)))
+    )
+
+
+def digests_differ(digest_min: Column, digest_max: Column) -> Column:
+    """Two digests of one kind that differ: the brokers stored different bodies."""
+    return (digest_min != digest_max) & ((digest_min < 0) == (digest_max < 0))
+
+
 def block_of(rid: Column, block_bits: int) -> Column:
     """The state block of a replication id (its epoch and the high bits of its number)."""
     return F.shiftright(rid, block_bits)
@@ -159,7 +184,7 @@ def partial_aggregates(events: DataFrame, brokers: Sequence[str]) -> DataFrame:
     slot = _slot(brokers)
     stored = F.col("event") != DEQUEUED
     pos = F.shiftleft(F.col("segment_seq"), 32).bitwiseOR(F.col("line"))
-    digest = F.when(stored, F.xxhash64("digest"))
+    digest = F.when(stored, digest_key(F.col("digest")))
     cols: list[Column] = [
         F.col("replication_id"),
         F.col("queue"),
@@ -214,7 +239,7 @@ def message_aggregates(events: DataFrame, brokers: Sequence[str]) -> DataFrame:
         "replication_id",
         "queue",
         F.when(stored, F.col("message_id")).alias("message_id"),
-        F.when(stored, F.xxhash64("digest")).alias("dh"),
+        F.when(stored, digest_key(F.col("digest"))).alias("dh"),
         _slot(brokers).cast("int").alias("slot"),
         kind.cast("byte").alias("kind"),
         "time",
@@ -282,7 +307,7 @@ def classify_messages(aggregates: DataFrame) -> DataFrame:
         .withColumn("present_elsewhere", at("s", peer) + at("d", peer) > 0)
         .withColumn("lag", F.when(at("s", peer) > 0, at("t", peer) - at("t", o)))
         .withColumn("settled", at("d", o) > 0)
-        .withColumn("digest_mismatch", F.col("digest_min") != F.col("digest_max"))
+        .withColumn("digest_mismatch", digests_differ(F.col("digest_min"), F.col("digest_max")))
     )
 
 

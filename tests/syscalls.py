@@ -25,10 +25,10 @@ that order; "A returned before B began" is `A.exit < B.entry`.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import posixpath
 import re
 import struct
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -407,14 +407,16 @@ def is_audit_write(call: Syscall) -> bool:
     )
 
 
-def audit_needle(body: bytes, event: str) -> bytes:
-    """The bytes of the audit record of `body` with `event` that identify it.
+def audit_needle(body: bytes, event: str) -> Callable[[bytes], bool]:
+    """Whether written bytes hold the audit record of `body` with `event`.
 
-    The record holds the body's BLAKE2b-64 digest, not the body; computed here
+    The record is in a line of its batch (`"event":"<event>"`, the body's CRC-32
+    among the line's `digests`), not the body; the digest is computed here
     independently of the broker's writer.
     """
-    digest = hashlib.blake2b(body, digest_size=8).hexdigest()
-    return f'"digest":"{digest}","event":"{event}"'.encode()
+    event_bytes = f'"event":"{event}"'.encode()
+    digest = b'"%08x"' % zlib.crc32(body)
+    return lambda data: any(event_bytes in line and digest in line for line in data.split(b"\n"))
 
 
 def _synced(calls: Sequence[Syscall], write: Syscall, path: str, before: int) -> Syscall | None:
@@ -437,7 +439,7 @@ def _synced(calls: Sequence[Syscall], write: Syscall, path: str, before: int) ->
 
 def durability_problem(
     calls: Sequence[Syscall],
-    needle: bytes,
+    needle: bytes | Callable[[bytes], bool],
     before: int,
     *,
     written: Callable[[Syscall], bool] = is_journal_write,
@@ -450,13 +452,15 @@ def durability_problem(
     (a position in the trace); and when that write began a segment (offset 0:
     the file is new), an fsync of the journal directory also began after it
     and returned 0 before `before`, so the file's name survives a power loss.
-    `written` and `what` ask the same of another kind of file (the audit log's).
+    `written` and `what` ask the same of another kind of file (the audit log's);
+    `needle` may be a test of the written bytes instead of bytes they hold.
     """
+    holds = needle if callable(needle) else lambda data: needle in data
     directory_problem = None
     for write in calls:
         if write.exit is None or write.exit >= before or not written(write):
             continue
-        if needle not in write.transferred or _synced(calls, write, write.target, before) is None:
+        if not holds(write.transferred) or _synced(calls, write, write.target, before) is None:
             continue
         if write.offset != 0:
             return None

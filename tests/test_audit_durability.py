@@ -19,14 +19,14 @@ import pytest
 from disks import small_tmpfs
 from pamqp import commands, header
 
-from twinmq.audit.records import AuditEvent, AuditRecord
+from twinmq.audit.records import AuditEvent, AuditRecord, segment_records
 from twinmq.broker import metrics
 from twinmq.broker.auditlog import AuditLog, message_id_json
 from twinmq.broker.codec import decode_content_header
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.journal import Journal, Settle, StoredMessage
 
-MANY = 100  # records of the batch whose audit write meets the full disk
+MANY = 400  # records of the batch whose audit write meets the full disk (more than a page)
 
 
 def _header(**properties: object) -> bytes:
@@ -88,9 +88,7 @@ class _Told:
 
 def _records(directory: Path) -> list[AuditRecord]:
     return [
-        AuditRecord.model_validate_json(line)
-        for path in sorted(directory.glob("*.jsonl*"))
-        for line in path.read_text().splitlines()
+        r for path in sorted(directory.glob("*.jsonl*")) for r in segment_records(path.read_bytes())
     ]
 
 

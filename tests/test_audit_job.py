@@ -12,6 +12,7 @@ pytest.importorskip("pyspark")
 
 from audit_scenario import Scenario, build
 from pyspark.sql import Row, SparkSession
+from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
 from twinmq.audit import transforms as T
@@ -169,3 +170,22 @@ def test_stream_copies_and_reorders(spark: SparkSession) -> None:
         [Row(replication_id=E1 | 2, seq=1, after_seq=2)],
     )
     assertDataFrameEqual(new_state.select("max_seq"), [Row(max_seq=2), Row(max_seq=E1 | 4)])
+
+
+def test_digests_of_one_kind_are_compared_and_of_two_kinds_are_not(spark: SparkSession) -> None:
+    # CRC-32 digests (8 hex digits) since format 2, BLAKE2b-64 (16) before: a message
+    # recorded by an old and a new broker (an upgrade) has one of each, never comparable.
+    E1 = 1 << 40
+    crc, crc2, blake, blake2 = "0000000a", "0000000b", "00000000000000aa", "00000000000000bb"
+    pairs = {1: (crc, crc), 2: (crc, crc2), 3: (blake, crc), 4: (blake, blake2), 5: (crc, "")}
+    rows = []
+    for n, (on_a, on_b) in pairs.items():
+        rows.append(("a", 1, "q", E1 | n, None, on_a, "confirmed", 1.0, 1, n))
+        rows.append(("b", 1, "q", E1 | n, None, on_b, "replicated", 1.0, 1, n))
+    events = _events(spark, rows)
+    for aggregates in (
+        T.message_aggregates(events, ["a", "b"]),
+        T.merge_aggregates(T.partial_aggregates(events, ["a", "b"])),
+    ):
+        differ = aggregates.where(T.digests_differ(F.col("digest_min"), F.col("digest_max")))
+        assert sorted(r["replication_id"] for r in differ.collect()) == [E1 | 2, E1 | 4]

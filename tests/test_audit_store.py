@@ -17,7 +17,7 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from twinmq.audit.records import AuditRecord  # noqa: E402
+from twinmq.audit.records import AuditBatch, AuditEvent, AuditRecord  # noqa: E402
 from twinmq.audit.schema import arrow_schema  # noqa: E402
 from twinmq.audit.store import SegmentName, ShipError, Store, ship  # noqa: E402
 
@@ -255,3 +255,43 @@ def test_the_audit_job_reads_and_writes_an_s3_store(
     assert any(k.endswith(".parquet") for k in findings)
     with s3_store.fs.open(s3_store.path(summary.lag_path), "rb") as f:
         assert pq.read_table(f).num_rows > 0
+
+
+def test_both_line_formats_ship_as_the_same_records_in_log_order(tmp_path: Path) -> None:
+    # Format 1 (a record per line, still read) and format 2 (a batch per line), mixed.
+    audit = tmp_path / "a" / "audit"
+    audit.mkdir(parents=True)
+    batch = AuditBatch(
+        broker="a", epoch=1, queue="q", event=AuditEvent.CONFIRMED, time=1.0,
+        replication_ids=[(1 << 40) | 2, (1 << 40) | 3], message_ids=[None, "p:3"],
+        digests=["0000000b", "0000000c"],
+    )  # fmt: skip
+    dequeued = AuditBatch(
+        broker="a", epoch=1, queue="q", event=AuditEvent.DEQUEUED, time=2.0,
+        replication_ids=[(1 << 40) | 1, (1 << 40) | 2],
+    )  # fmt: skip
+    (audit / "a-e000001-00000001.jsonl").write_text(
+        _line("a", 1, 1) + batch.model_dump_json(exclude_none=True) + "\n"
+        + dequeued.model_dump_json(exclude_none=True) + "\n"
+    )  # fmt: skip
+    store = Store(str(tmp_path / "store"))
+    ship(audit, store)
+    rows = _read(store, store.segments()[0]).to_pylist()
+    assert [(r["replication_id"] & 0xFF, r["event"], r["line"]) for r in rows] == [
+        (1, "confirmed", 0), (2, "confirmed", 1), (3, "confirmed", 2),
+        (1, "dequeued", 3), (2, "dequeued", 4),
+    ]  # fmt: skip
+    assert [(r["message_id"], r["digest"]) for r in rows] == [
+        (None, "ab"), (None, "0000000b"), ("p:3", "0000000c"), (None, ""), (None, ""),
+    ]  # fmt: skip
+
+
+def test_a_batch_line_whose_lists_disagree_is_refused(tmp_path: Path) -> None:
+    audit = tmp_path / "a" / "audit"
+    audit.mkdir(parents=True)
+    (audit / "a-e000001-00000001.jsonl").write_text(
+        '{"broker":"a","epoch":1,"queue":"q","event":"confirmed","time":1.0,'
+        '"replication_ids":[1,2],"digests":["0000000b"]}\n'
+    )
+    with pytest.raises(ShipError, match="digests does not match"):
+        ship(audit, Store(str(tmp_path / "store")))

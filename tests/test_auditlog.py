@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from twinmq.audit.records import AuditEvent, AuditRecord
-from twinmq.broker.auditlog import AuditLog, body_digest
+from twinmq.audit.records import AuditEvent, AuditRecord, body_digest, segment_records
+from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.journal import Settle, StoredMessage
 
 
@@ -18,9 +18,7 @@ def _log(tmp_path: Path, epoch: list[int], replica: bool = False) -> AuditLog:
 
 def _records(directory: Path) -> list[AuditRecord]:
     return [
-        AuditRecord.model_validate_json(line)
-        for path in sorted(directory.glob("*.jsonl"))
-        for line in path.read_text().splitlines()
+        r for path in sorted(directory.glob("*.jsonl")) for r in segment_records(path.read_bytes())
     ]
 
 
@@ -77,3 +75,30 @@ def test_a_segment_left_open_by_a_crash_is_closed_at_its_last_full_line(tmp_path
     restarted.batch_complete([_message(2, b"b")], guarded=True)
     restarted.close()
     assert [r.replication_id for r in _records(tmp_path)] == [1, 2]
+
+
+def test_a_batch_is_one_line_per_queue_and_event_and_its_records_keep_their_order(
+    tmp_path: Path,
+) -> None:
+    log = _log(tmp_path, [1])
+    plain = bytes.fromhex("003c0000") + (1).to_bytes(8, "big") + b"\x00\x00"
+    ops = [
+        StoredMessage(1, 7, "", "", plain, b"a", None),
+        StoredMessage(2, 8, "", "", plain, b"b", None),
+        Settle(7, 1),
+        StoredMessage(3, 7, "", "", plain, b"c", None),
+        Settle(8, 2),
+        Settle(7, 3),
+    ]
+    log.batch_complete(ops, guarded=False)
+    log.close()
+    lines = next(tmp_path.glob("*.jsonl")).read_text().splitlines()
+    assert len(lines) == 4  # q7 and q8, stored and dequeued
+    assert '"message_ids"' not in lines[0]  # no message has one: left out
+    records = _records(tmp_path)
+    stored = [(r.queue, r.replication_id) for r in records if r.event != AuditEvent.DEQUEUED]
+    assert stored == [("q7", 1), ("q7", 3), ("q8", 2)]
+    settled = [(r.queue, r.replication_id) for r in records if r.event == AuditEvent.DEQUEUED]
+    assert settled == [("q7", 1), ("q7", 3), ("q8", 2)]
+    assert [r.digest for r in records[:2]] == [body_digest(b"a"), body_digest(b"c")]
+    assert {r.message_id for r in records} == {None}

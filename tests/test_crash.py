@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 from aio_pika.abc import AbstractChannel
 from queues import drain as _drain
 
-from twinmq.broker.auditlog import body_digest
+from twinmq.audit.records import AuditEvent, body_digest, segment_records
 from twinmq.broker.launcher import BrokerProcess
 
 QUEUE = "crash.q"
@@ -90,10 +89,9 @@ def test_the_audit_log_holds_every_confirm_sent_before_a_kill_9(tmp_path: Path) 
     confirmed, _ = asyncio.run(_publish_until_killed(broker, kill_after=300))
     recorded = set()
     for path in (data / "audit").glob("crash-e*.jsonl*"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if record["event"] in ("confirmed", "confirmed-alone"):
-                recorded.add(record["digest"])
+        for record in segment_records(path.read_bytes()):
+            if record.event in (AuditEvent.CONFIRMED, AuditEvent.CONFIRMED_ALONE):
+                recorded.add(record.digest)
     missing = sorted(n for n in confirmed if body_digest(str(n).encode()) not in recorded)
     assert not missing, f"{len(missing)} of {len(confirmed)} confirms have no audit record"
 
