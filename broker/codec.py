@@ -388,6 +388,8 @@ def header_message_id(payload: bytes) -> str | None:
     Never raises: recovery, replication and the audit log call it on headers another
     broker version may have accepted.
     """
+    if len(payload) < 14 or not payload[13] & 0x80:
+        return None  # no message-id flag (most messages): nothing to decode
     try:
         return decode_content_header(payload).message_id
     except AMQPError:

@@ -70,6 +70,7 @@ class GroupCommitter:
         self.audit: AuditLog | None = None
         self._audit_batches: deque[tuple[int, list[JournalOp]]] = deque()
         self._open: list[JournalOp] = []
+        self._open_encoded: list[bytes] | None = None  # the open batch's ops, encoded
         self._open_batch = 1  # the number of the batch being filled
         # (batch, lsn) appended, not yet known durable; lsn None: the append itself failed
         self._appended: list[tuple[int, int | None]] = []
@@ -90,8 +91,18 @@ class GroupCommitter:
 
     # -- Committer protocol ----------------------------------------------------------------
 
-    def add(self, ops: Iterable[JournalOp]) -> int:
-        """Queue ops for the batch being filled and return its number."""
+    def add(self, ops: Iterable[JournalOp], encoded: bytes | None = None) -> int:
+        """Queue ops for the batch being filled and return its number.
+
+        `encoded`: the ops already in the journal's encoding (a passive's replicated
+        batch, as received): journaled as they are if every add of the batch has them.
+        """
+        if not self._open:
+            self._open_encoded = []
+        if encoded is None:
+            self._open_encoded = None
+        elif self._open_encoded is not None:
+            self._open_encoded.append(encoded)
         self._open.extend(ops)
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -153,12 +164,13 @@ class GroupCommitter:
         if not self._open:
             return
         ops, self._open = self._open, []
+        encoded, self._open_encoded = self._open_encoded, None
         batch = self._open_batch
         self._open_batch += 1
         metrics.COMMIT_BATCH.observe(len(ops))
         self.last_appended = batch
         try:
-            lsn: int | None = self.journal.append(ops)
+            lsn: int | None = self.journal.append(ops, encoded)
         except (JournalError, ValueError) as exc:
             # Never streamed, never written: the batch fails, its waiters hear it.
             log.error("journal refused batch %d (%s): failing it", batch, exc)

@@ -838,9 +838,12 @@ class VirtualHost:
 
     def queue_by_qid(self, qid: int) -> Queue | None:
         """The queue of an incarnation id, if it exists."""
+        return self._qid_index().get(qid)
+
+    def _qid_index(self) -> dict[int, Queue]:
         if self._by_qid is None:
             self._by_qid = {q.definition.qid: q for q in self.queues.values()}
-        return self._by_qid.get(qid)
+        return self._by_qid
 
     def replication_snapshot(self) -> dict[int, list[int]]:
         """The replication IDs this broker holds per durable queue (journaled messages)."""
@@ -904,30 +907,27 @@ class VirtualHost:
         """
         unordered: set[Queue] = set()
         keys: list[str] = []
+        queue_of = self._qid_index().get
+        next_mid = self.next_mid
         for op in ops:
-            queue = self.queue_by_qid(op.qid)
+            queue = queue_of(op.qid)
             if queue is None:
                 continue  # a queue deleted since: the topology says so
-            if isinstance(op, StoredMessage):
+            if type(op) is StoredMessage:
+                mid = op.mid
+                message_id = header_message_id(op.header)
                 message = Message(
-                    op.mid,
-                    op.exchange,
-                    op.routing_key,
-                    op.header,
-                    op.body,
-                    True,
-                    None,
-                    header_message_id(op.header),
+                    mid, op.exchange, op.routing_key, op.header, op.body, True, None, message_id
                 )
-                if message.message_id is not None and self.dedup.size:
-                    keys.append(dedup_key(op.exchange, op.routing_key, message.message_id))
+                if message_id is not None and self.dedup.size:
+                    keys.append(dedup_key(op.exchange, op.routing_key, message_id))
                 entries = queue.entries
-                if entries and entries[-1].message.mid > op.mid:
+                if entries and entries[-1].message.mid > mid:
                     unordered.add(queue)
                 entries.append(Entry(message, op.expires_at, True))
                 queue.bytes += len(op.body)
-                if op.mid >= self.next_mid:
-                    self.next_mid = op.mid + 1
+                if mid >= next_mid:
+                    next_mid = mid + 1
             else:
                 gone = queue.remove_mid(op.mid)
                 if catchup and gone is not None:
@@ -936,6 +936,7 @@ class VirtualHost:
                         self.dedup.forget(
                             dedup_key(settled.exchange, settled.routing_key, settled.message_id)
                         )
+        self.next_mid = next_mid
         self._unordered |= unordered
         if not defer_sort:
             self.restore_order()

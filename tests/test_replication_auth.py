@@ -24,9 +24,12 @@ from jepsen import Pair, post_role, queue_counts, status, wait_for
 from replpeer import FakeListener, RawLink, hello_for, welcome_for
 
 from twinmq.broker.epoch import epoch_jump_refusal
+from twinmq.broker.journal import StoredMessage, encode_ops
 from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.replication.handshake import transcript_proof, verify
 from twinmq.broker.replication.protocol import (
+    BATCH_CATCHUP,
+    BATCH_CATCHUP_LAST,
     MAX_FRAME,
     MAX_HANDSHAKE_FRAME,
     Challenge,
@@ -37,6 +40,7 @@ from twinmq.broker.replication.protocol import (
     Refuse,
     Welcome,
     encode,
+    encode_batch,
 )
 
 TOKEN = Pair.TOKEN
@@ -329,6 +333,32 @@ def test_an_active_of_the_old_protocol_gets_no_hello_and_a_clear_log_line(
         link.send(FrameType.CHALLENGE, json.dumps(old).encode())
         assert link.closed_by_peer() == []
     assert "protocol version 1, this broker speaks 2" in _log(intact.passive)
+
+
+# -- an authenticated active's corrupt chunk ----------------------------------------------
+
+
+def test_a_corrupt_catch_up_chunk_is_refused_whole_and_never_acknowledged(
+    intact: Pair, fake_active: FakeListener
+) -> None:
+    """A chunk whose ops do not decode: the passive drops the link, acknowledges nothing,
+    and keeps none of it, not even the well-formed message before the bad bytes (the
+    passive journals a chunk's bytes as received, so they must all decode first)."""
+    passive = intact.passive
+    before = queue_counts(status(passive), QUEUE)
+    definitions = json.loads((passive.data_dir / "journal" / "definitions.json").read_text())
+    (qid,) = [q["qid"] for q in definitions["queues"] if q["name"] == QUEUE]
+    good = bytearray()
+    encode_ops([StoredMessage(1 << 40, qid, "", QUEUE, b"", b"never kept", None)], good)
+    link, challenge = fake_active.challenge()
+    with link:
+        hello = Hello.model_validate_json(link.expect(FrameType.HELLO))
+        link.send(FrameType.WELCOME, welcome_for(TOKEN, challenge, hello, hello.epoch))
+        link.expect(FrameType.SNAPSHOT)
+        link.send_raw(encode_batch(1, BATCH_CATCHUP | BATCH_CATCHUP_LAST, good + b"\x07"))
+        assert FrameType.CATCHUP_ACK not in link.closed_by_peer()
+    assert "malformed ops: unknown op tag 7" in _log(passive)
+    assert queue_counts(status(passive), QUEUE) == before
 
 
 # -- authenticated peers with an absurd epoch ----------------------------------------------

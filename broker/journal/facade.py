@@ -310,13 +310,18 @@ class Journal:
 
     # --- the hot path -------------------------------------------------------------
 
-    def append(self, ops: Sequence[JournalOp]) -> int:
+    def append(self, ops: Sequence[JournalOp], encoded: Sequence[bytes] | None = None) -> int:
         """Buffer one atomic group of ops and return its lsn (no syscall).
 
         All ops of a group are recovered or none. Pass the lsn to `sync` to wait
         until it is on disk. An empty group returns the last lsn appended.
         Preconditions: the ops' queues are in the saved definitions; a (qid, mid)
         is not enqueued again while it is live (a later enqueue supersedes).
+
+        `encoded`, if given, is `ops` already in the journal's encoding, in pieces
+        whose concatenation is `encode_ops(ops)` (a passive's replicated batches,
+        decoded into `ops` from these very bytes): written as they are, not
+        encoded again.
         """
         if self._broken is not None:
             raise JournalError(f"journal failed: {self._broken}") from self._broken
@@ -328,7 +333,12 @@ class Journal:
         start = len(buf)
         buf += PLACEHOLDER
         try:
-            next_mid = max(self._next_mid, encode_ops(ops, buf))
+            if encoded is None:
+                next_mid = max(self._next_mid, encode_ops(ops, buf))
+            else:
+                for piece in encoded:
+                    buf += piece
+                next_mid = max(self._next_mid, max(op.mid for op in ops) + 1)
         except BaseException:
             del buf[start:]
             raise

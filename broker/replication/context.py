@@ -42,8 +42,9 @@ class ReplicatedLog(Protocol):
         """The passive has everything up to `batch` on its disk."""
         ...
 
-    def add(self, ops: Iterable[JournalOp]) -> int:
-        """Journal ops in the open batch; its number."""
+    def add(self, ops: Iterable[JournalOp], encoded: bytes | None = None) -> int:
+        """Journal ops (`encoded`: already in the journal's encoding) in the open batch;
+        its number."""
         ...
 
     def confirm_point(self) -> int:

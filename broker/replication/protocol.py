@@ -236,7 +236,8 @@ class FrameDecoder:
             kind = FrameType(ftype)
         except ValueError as exc:
             raise ProtocolError(f"unknown frame type {ftype}") from exc
-        frame = kind, bytes(buf[pos + _HEAD.size : end])
+        with memoryview(buf) as view:  # one copy (a bytearray slice would be a second)
+            frame = kind, bytes(view[pos + _HEAD.size : end])
         if end == len(buf):  # all consumed: let a big frame's bytes go now
             buf.clear()
             end = 0

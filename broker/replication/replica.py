@@ -353,7 +353,8 @@ class ReplicaClient:
                     if flags & BATCH_CATCHUP_LAST:
                         self._catching_up = False
                         broker.vhost.restore_order()
-                local = committer.add(ops) if ops else committer.confirm_point()
+                # `raw` is what `ops` were decoded from, byte for byte: journaled as is.
+                local = committer.add(ops, raw) if ops else committer.confirm_point()
                 if keys:
                     broker.vhost.remember_when_durable(keys, local)
                 if not chunk:
