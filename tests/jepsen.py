@@ -29,8 +29,6 @@ import statistics
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,8 +38,10 @@ from typing import Any, TypeVar
 from amqpclient import AMQPClient, ClientError, Delivery, Refused
 from faultproxy import FaultProxy
 
+from twinmq.broker.admin_client import AdminError, AdminUnreachable
 from twinmq.broker.journal.segment import HEADER, REC
 from twinmq.broker.launcher import BrokerProcess
+from twinmq.broker.names import REPLICATION_TOKEN_ENV, Role
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
 
 T = TypeVar("T")
@@ -134,41 +134,31 @@ def check(
 
 
 def status(broker: BrokerProcess, timeout: float = 2.0) -> dict[str, Any] | None:
-    """`GET /status`, or None when the broker does not answer (dead, stopped)."""
+    """`GET /status` as a dict (the shape is the admin client's `BrokerStatus`), or None
+    when the broker does not answer (dead, stopped)."""
     try:
-        with urllib.request.urlopen(broker.admin_url + "/status", timeout=timeout) as response:
-            data: dict[str, Any] = json.loads(response.read())
-            return data
-    except (OSError, ValueError):
+        return broker.admin.status(timeout=timeout).model_dump(mode="json")
+    except AdminUnreachable:
         return None
 
 
 def post_role(
     broker: BrokerProcess,
-    role: str,
+    role: Role,
     epoch: int,
     replicate_from: str | None = None,
     timeout: float = 10.0,
     *,
     force: bool = False,
 ) -> tuple[int, dict[str, Any]]:
-    """`POST /role`: (HTTP status, JSON body)."""
-    body: dict[str, Any] = {"role": role, "epoch": epoch}
-    if force:
-        body["force"] = True
-    if replicate_from is not None:
-        body["replicate_from"] = replicate_from
-    request = urllib.request.Request(
-        broker.admin_url + "/role",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
+    """`POST /role`: (HTTP status, the new status or the ErrorBody as a dict)."""
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
+        done = broker.admin.set_role(role, epoch, replicate_from, force=force, timeout=timeout)
+    except AdminError as exc:
+        if exc.status is None:
+            raise
+        return exc.status, {} if exc.body is None else exc.body.model_dump()
+    return 200, done.model_dump(mode="json")
 
 
 def queue_counts(data: dict[str, Any] | None, *queues: str) -> tuple[int, int] | None:
@@ -355,7 +345,7 @@ class Pair:
         self.mounts: list[Path] = []
         self.clock_offsets = {"a": 0.0, "b": 0.0}
         self.epoch = 1
-        env = {"TWINMQ_REPLICATION_TOKEN": self.TOKEN}
+        env = {REPLICATION_TOKEN_ENV: self.TOKEN}
         self.brokers = {
             name: BrokerProcess(
                 root / name,
