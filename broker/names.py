@@ -14,7 +14,6 @@ Role = Literal["active", "passive"]
 
 ACTIVE: Final = "active"
 PASSIVE: Final = "passive"
-ROLES: Final[tuple[Role, ...]] = (ACTIVE, PASSIVE)
 
 # Default ports (the broker's settings defaults, and the ports of a pod the operator builds).
 AMQP_PORT: Final = 5672

@@ -267,8 +267,7 @@ class Condition(ApiModel):
 
 
 class BrokerSummary(ApiModel):
-    """One broker as the operator last saw it (from its admin API's `GET /status`, which is
-    `twinmq.broker.api.BrokerStatus`)."""
+    """One broker as the operator last saw it through its admin API's `GET /status`."""
 
     name: BrokerName
     pod: str | None = None
