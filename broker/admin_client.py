@@ -119,7 +119,7 @@ def refusal(response: httpx.Response) -> AdminError:
     return kind(message, response.status_code, body)
 
 
-def transport_failure(call: Call[T], url: str, exc: httpx.TransportError) -> AdminError:
+def transport_failure(call: Call[T], url: str, exc: httpx.RequestError) -> AdminError:
     """The exception for a request that got no HTTP answer."""
     what = f"{call.method} {url}{call.path}"
     if isinstance(exc, httpx.TimeoutException):
@@ -202,7 +202,7 @@ class AdminClient(_Client):
         """Make one call (within the client's timeout)."""
         try:
             response = await self.http.send(self._request(self.http, call, None))
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             raise transport_failure(call, self.url, exc) from exc
         return answer(call, response)
 
@@ -260,7 +260,7 @@ class SyncAdminClient(_Client):
         """Make one call."""
         try:
             response = self.http.send(self._request(self.http, call, timeout))
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             raise transport_failure(call, self.url, exc) from exc
         return answer(call, response)
 
