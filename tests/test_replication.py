@@ -37,7 +37,7 @@ from twinmq.broker.replication.protocol import (
     encode,
     encode_u64,
 )
-from twinmq.operator.main import passive_lag
+from twinmq.operator.probe import passive_lag
 
 QUEUE = "replicated"
 TOKEN = Pair.TOKEN
