@@ -194,12 +194,12 @@ def test_a_paused_passive_shows_its_lag_in_get_and_in_the_plugin(
         cell = column(shown.stdout, "LAG")
         return int(cell) if cell.isdigit() else -1
 
-    assert lag_in_get() == 0
+    wait_until("no lag in kubectl get tmq", lambda: lag_in_get() == 0, 30)
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url(cluster, ns, name)))
+    channel = connection.channel()
+    channel.queue_declare("lag.q", durable=True)  # declared while the passive still answers
     assert faults.pause_pod(layout, ns, f"{name}-backup")
     try:
-        connection = pika.BlockingConnection(pika.URLParameters(amqp_url(cluster, ns, name)))
-        channel = connection.channel()
-        channel.queue_declare("lag.q", durable=True)
         for i in range(held):  # no confirms: the active holds them for the paused passive
             channel.basic_publish(
                 "", "lag.q", str(i).encode(), pika.BasicProperties(delivery_mode=2)
