@@ -115,6 +115,12 @@ class Store:
         self.storage_options = options
 
     @property
+    def location(self) -> str:
+        """The store's identity in a ledger: `file:///abs/path` or `s3://bucket/prefix` (one
+        store named two ways, a relative and an absolute path, is one location)."""
+        return f"{self.scheme}://{self.root}"
+
+    @property
     def is_local(self) -> bool:
         """A filesystem store (the job's Spark can read and write it directly)."""
         return self.scheme == "file"
@@ -281,7 +287,21 @@ class ShipReport:
 
 
 LEDGER = ".shipped"
-"""File in the broker's audit directory listing the segments already shipped."""
+"""File in the broker's audit directory listing the segments already shipped: one line per
+segment and store, `<segment> <store location>`. (Lines of a bare segment name, written
+before the store was recorded, name no store: such a segment is checked in the store.)"""
+
+
+def read_ledger(path: Path, store: Store) -> set[str]:
+    """The segments the ledger says were shipped to `store`."""
+    if not path.exists():
+        return set()
+    shipped = set()
+    for line in path.read_text().splitlines():
+        stem, _, location = line.partition(" ")
+        if location == store.location:
+            shipped.add(stem)
+    return shipped
 
 
 def closed_segments(audit_dir: Path) -> Iterator[tuple[SegmentName, Path]]:
@@ -298,8 +318,9 @@ def ship(audit_dir: Path, store: Store, *, broker: str | None = None) -> ShipRep
     """Ship a broker's closed segments to the store, oldest first; safe to repeat.
 
     Each segment is converted to Parquet and written once, atomically. The
-    ledger (`<audit_dir>/.shipped`) saves looking at the store again for
-    segments already shipped. A segment that is in the store but not in the
+    ledger (`<audit_dir>/.shipped`, per store: shipping the same directory to a
+    second store ships everything there too) saves looking at the store again
+    for segments already shipped. A segment that is in the store but not in the
     ledger (a crash between upload and ledger) is checked by content digest
     and recorded. A name already taken by different content (a broker whose
     data directory was wiped, reusing sequence numbers) is an error: shipping
@@ -308,7 +329,7 @@ def ship(audit_dir: Path, store: Store, *, broker: str | None = None) -> ShipRep
     """
     report = ShipReport()
     ledger_path = audit_dir / LEDGER
-    ledger = set(ledger_path.read_text().split()) if ledger_path.exists() else set()
+    ledger = read_ledger(ledger_path, store)
     for name, path in closed_segments(audit_dir):
         if broker is not None and name.broker != broker:
             report.skipped.append(path.name)
@@ -330,6 +351,6 @@ def ship(audit_dir: Path, store: Store, *, broker: str | None = None) -> ShipRep
             report.shipped.append(name.stem)
             log.info("shipped %s", name.key)
         with open(ledger_path, "a") as f:
-            f.write(name.stem + "\n")
+            f.write(f"{name.stem} {store.location}\n")
         ledger.add(name.stem)
     return report

@@ -32,7 +32,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,9 @@ import amqp_raw  # noqa: E402
 from pamqp import body as pbody  # noqa: E402
 from pamqp import commands, frame, header  # noqa: E402
 
+from twinmq.broker.api import CatchupStatus  # noqa: E402
 from twinmq.broker.launcher import BrokerProcess  # noqa: E402
+from twinmq.broker.names import PASSIVE, REPLICATION_TOKEN_ENV  # noqa: E402
 
 TOKEN = "catchup-bench-token"
 CASES = {
@@ -85,13 +86,6 @@ class Probe:
 
     samples: list[tuple[float, float]] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
-
-
-def status(broker: BrokerProcess) -> dict[str, Any]:
-    """The broker's `/status`."""
-    with urllib.request.urlopen(broker.admin_url + "/status", timeout=5) as response:
-        data: dict[str, Any] = json.loads(response.read())
-    return data
 
 
 def peak_rss_mib(broker: BrokerProcess) -> float:
@@ -194,12 +188,12 @@ def one_run(
 ) -> RunResult:
     """Fill an active, catch a fresh passive up, probe confirms meanwhile and after."""
     count, size = CASES[case]
-    env = {"TWINMQ_REPLICATION_TOKEN": TOKEN}
+    env = {REPLICATION_TOKEN_ENV: TOKEN}
     active = BrokerProcess(root / "a", name="a", env=dict(env))
     passive = BrokerProcess((passive_root or root) / "b", name="b", env=dict(env))
     active.extra_args = ["--epoch", "1"]
     passive.extra_args = [
-        "--epoch", "1", "--role", "passive", "--replicate-from", active.replication_address,
+        "--epoch", "1", "--role", PASSIVE, "--replicate-from", active.replication_address,
     ]  # fmt: skip
     active.start()
     try:
@@ -215,9 +209,9 @@ def one_run(
         passive.start(timeout=120)
         attach_at = time.monotonic()  # the passive is up: it attaches at once
 
-        def caught_up() -> dict[str, Any] | None:
-            state = status(active)["replication"].get("catchup")
-            return state if state is not None and not state["in_progress"] else None
+        def caught_up() -> CatchupStatus | None:
+            state = active.admin.status().replication.catchup
+            return state if state is not None and not state.in_progress else None
 
         state = wait("caught up", caught_up, timeout=3600, interval=0.1)
         done_at = time.monotonic()
@@ -232,8 +226,8 @@ def one_run(
         prober.join()
         during = [lat for at, lat in probe.samples if attach_at <= at <= done_at]
         normal = [lat for at, lat in probe.samples if at >= normal_from]
-        queues = status(passive)["queues"]
-        backlog = [q["messages"] + q["unacked"] for q in queues if q["name"] == "backlog"]
+        queues = passive.admin.status().queues
+        backlog = [q.messages + q.unacked for q in queues if q.name == "backlog"]
         passive_messages = sum(backlog)
         return RunResult(
             case=case,
@@ -241,9 +235,9 @@ def one_run(
             size=size,
             fill_seconds=round(fill_seconds, 1),
             catchup_seconds=seconds,
-            catchup_bytes=state["bytes"],
-            chunks=state["chunks"],
-            mb_per_s=round(state["bytes"] / seconds / 1e6, 1),
+            catchup_bytes=state.bytes,
+            chunks=state.chunks,
+            mb_per_s=round(state.bytes / seconds / 1e6, 1),
             p50_during_ms=round(percentile(during, 0.5) * 1000, 2),
             p99_during_ms=round(percentile(during, 0.99) * 1000, 2),
             p50_normal_ms=round(percentile(normal, 0.5) * 1000, 2),

@@ -45,10 +45,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from twinmq.broker.admin_client import AdminClient, AdminError
+from twinmq.broker.names import ACTIVE, PASSIVE, REPLICATION_TOKEN_ENV
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -100,21 +102,6 @@ def wait_for_others(max_wait: float) -> bool:
         time.sleep(10)
 
 
-# --- admin API -----------------------------------------------------------------------------
-
-
-def admin(base_url: str, path: str, body: dict[str, Any] | None = None, timeout: float = 5) -> Any:
-    """GET (or POST `body` to) the TwinMQ admin API."""
-    request = urllib.request.Request(
-        base_url + path,
-        data=None if body is None else json.dumps(body).encode(),
-        method="GET" if body is None else "POST",
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        return json.load(resp)
-
-
 # --- the TwinMQ pair -----------------------------------------------------------------------
 
 
@@ -133,7 +120,7 @@ class Pair:
 
     def start(self, timeout: float = 30.0) -> Pair:
         self.root = Path(tempfile.mkdtemp(prefix="pair-", dir=self.workdir))
-        env = {"TWINMQ_REPLICATION_TOKEN": TOKEN}
+        env = {REPLICATION_TOKEN_ENV: TOKEN}
         self.active = self._cls(
             self.root / "a", name="pair-a", env=env, extra_args=[*self.extra, "--epoch", "1"],
             log_path=self.root / "a.log",
@@ -141,12 +128,12 @@ class Pair:
         self.passive = self._cls(
             self.root / "b", name="pair-b", env=env, log_path=self.root / "b.log",
             extra_args=[
-                *self.extra, "--role", "passive",
+                *self.extra, "--role", PASSIVE,
                 "--replicate-from", self.active.replication_address, "--epoch", "1",
             ],
         ).start()  # fmt: skip
         deadline = time.monotonic() + timeout
-        while not admin(self.passive.admin_url, "/status")["replication"]["ready"]:
+        while not self.passive.admin.status().replication.ready:
             if time.monotonic() > deadline:
                 raise TimeoutError("the passive did not become ready")
             time.sleep(0.05)
@@ -333,12 +320,12 @@ def run_case(
         assert isinstance(broker, PairBroker)
         while not stop.wait(0.25):
             try:
-                rep = admin(broker.pair.active.admin_url, "/status", timeout=2)["replication"]
-            except OSError:
+                rep = broker.pair.active.admin.status(timeout=2).replication
+            except AdminError:
                 continue
-            lag_msgs.append(float(rep.get("lag_messages") or 0))
-            lag_secs.append(float(rep.get("lag_seconds") or 0.0))
-            degraded[0] = degraded[0] or bool(rep.get("degraded"))
+            lag_msgs.append(float(rep.lag_messages))
+            lag_secs.append(rep.lag_seconds)
+            degraded[0] = degraded[0] or rep.degraded
 
     sampler = threading.Thread(target=sample, daemon=True)
 
@@ -471,15 +458,14 @@ async def failover_once(workdir: Path, extra: list[str], warmup: float) -> Failo
         with contextlib.suppress(Exception):
             await asyncio.wait_for(conn.close(), 1)
         # The operator's part: the passive must be ready (caught up) before promotion.
-        while True:
-            rep = (await asyncio.to_thread(admin, b.admin_url, "/status"))["replication"]
-            if rep.get("ready"):
-                break
-            await asyncio.sleep(0.01)
-        fo.ready = time.monotonic() - killed_at
-        status = await asyncio.to_thread(admin, b.admin_url, "/status")
-        epoch = int(status.get("epoch") or 1) + 1
-        await asyncio.to_thread(admin, b.admin_url, "/role", {"role": "active", "epoch": epoch})
+        async with AdminClient(b.admin_url) as passive:
+            while True:
+                status = await passive.status()
+                if status.replication.ready:
+                    break
+                await asyncio.sleep(0.01)  # polling the passive, as the operator does
+            fo.ready = time.monotonic() - killed_at
+            await passive.set_role(ACTIVE, status.epoch + 1)
         fo.promoted = time.monotonic() - killed_at
         while True:
             try:

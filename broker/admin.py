@@ -16,7 +16,17 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from twinmq.broker.api import BrokerStatus, ErrorBody, Role, RoleRequest
+from twinmq.broker.api import (
+    BROKER_DAMAGED,
+    INVALID_ROLE_REQUEST,
+    STALE_EPOCH,
+    UNAUTHORIZED,
+    BrokerStatus,
+    ErrorBody,
+    Readiness,
+    Role,
+    RoleRequest,
+)
 from twinmq.broker.errors import DamagedBroker, StaleEpoch
 
 if TYPE_CHECKING:
@@ -73,12 +83,12 @@ def make_app(broker: AdminContext) -> web.Application:
             return await handler(request)
         if token is None:
             if not _loopback(request):
-                return error(401, "unauthorized", "no admin token configured: loopback only")
+                return error(401, UNAUTHORIZED, "no admin token configured: loopback only")
             return await handler(request)
         given = request.headers.get("Authorization", "")
         expected = "Bearer " + token.get_secret_value()
         if not hmac.compare_digest(given.encode(), expected.encode()):
-            return error(401, "unauthorized", "missing or wrong bearer token")
+            return error(401, UNAUTHORIZED, "missing or wrong bearer token")
         return await handler(request)
 
     async def healthz(request: web.Request) -> web.Response:
@@ -86,9 +96,10 @@ def make_app(broker: AdminContext) -> web.Application:
 
     async def readyz(request: web.Request) -> web.Response:
         reason = broker.refusal()
-        if reason is not None:
-            return web.json_response({"ready": False, "reason": reason}, status=503)
-        return web.json_response({"ready": True})
+        body = Readiness(ready=reason is None, reason=reason).model_dump_json()
+        return web.Response(
+            status=200 if reason is None else 503, text=body, content_type="application/json"
+        )
 
     async def status(request: web.Request) -> web.Response:
         return web.Response(text=broker.status().model_dump_json(), content_type="application/json")
@@ -97,15 +108,15 @@ def make_app(broker: AdminContext) -> web.Application:
         try:
             wanted = RoleRequest.model_validate_json(await request.read())
         except ValidationError as exc:
-            return error(400, "invalid role request", str(exc))
+            return error(400, INVALID_ROLE_REQUEST, str(exc))
         try:
             await broker.set_role(
                 wanted.role, wanted.epoch, wanted.replicate_from, force=wanted.force
             )
         except StaleEpoch as exc:
-            return error(409, "stale epoch", str(exc))
+            return error(409, STALE_EPOCH, str(exc))
         except DamagedBroker as exc:
-            return error(409, "broker damaged", str(exc))
+            return error(409, BROKER_DAMAGED, str(exc))
         return web.Response(text=broker.status().model_dump_json(), content_type="application/json")
 
     async def prometheus(request: web.Request) -> web.Response:

@@ -1,12 +1,19 @@
-"""The admin API's wire shapes (shared with the operator and the kubectl plugin)."""
+"""The admin API's wire shapes: the one definition the broker serves (`broker/admin.py`)
+and every caller reads through the one client (`broker/admin_client.py`)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, Field
 
-Role = Literal["active", "passive"]
+from twinmq.broker.names import Role as Role  # re-exported: the API's roles are the broker's
+
+# The `error` of an ErrorBody the client maps to its own exception.
+UNAUTHORIZED: Final = "unauthorized"
+STALE_EPOCH: Final = "stale epoch"
+BROKER_DAMAGED: Final = "broker damaged"
+INVALID_ROLE_REQUEST: Final = "invalid role request"
 
 
 class QueueStatus(BaseModel):
@@ -124,6 +131,13 @@ class BrokerStatus(BaseModel):
     queues: list[QueueStatus]
     journal: JournalStatus
     replication: ReplicationStatus
+
+
+class Readiness(BaseModel):
+    """`GET /readyz` (HTTP 200 when ready, 503 when not)."""
+
+    ready: bool
+    reason: str | None = Field(None, description="Why clients are refused right now")
 
 
 class ErrorBody(BaseModel):

@@ -11,6 +11,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from twinmq.broker.admin_client import SyncAdminClient
+from twinmq.broker.names import ADMIN_TOKEN_ENV
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """An unused TCP port on `host` (loopback by default)."""
@@ -33,6 +36,7 @@ class BrokerProcess:
     env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
+    _admin: SyncAdminClient | None = field(default=None, repr=False)
 
     def start(self, timeout: float = 30.0) -> BrokerProcess:
         """Start the broker and wait for its ready line; raise with its log if it dies."""
@@ -85,6 +89,19 @@ class BrokerProcess:
         """Base URL of the admin API."""
         return f"http://{self.host}:{self.admin_port}"
 
+    @property
+    def admin(self) -> SyncAdminClient:
+        """The client of this broker's admin API (with its `TWINMQ_ADMIN_TOKEN`, if set;
+        loopback needs none). One pooled client per process object, closed by stop/kill."""
+        if self._admin is None:
+            self._admin = SyncAdminClient(self.admin_url, self.env.get(ADMIN_TOKEN_ENV))
+        return self._admin
+
+    def _close_admin(self) -> None:
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+
     def signal(self, sig: int) -> None:
         """Send a signal (SIGKILL, SIGSTOP, SIGCONT, ...)."""
         if self.proc is not None and self.proc.poll() is None:
@@ -92,6 +109,7 @@ class BrokerProcess:
 
     def kill(self) -> None:
         """kill -9 and reap."""
+        self._close_admin()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
@@ -99,6 +117,7 @@ class BrokerProcess:
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM, wait for a clean exit (kill -9 after `timeout`); returns the exit code."""
+        self._close_admin()
         if self.proc is None:
             return 0
         if self.proc.poll() is None:

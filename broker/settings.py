@@ -15,16 +15,26 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from twinmq.broker.names import (
+    ACTIVE,
+    ADMIN_PORT,
+    AMQP_PORT,
+    CONFIG_ENV,
+    ENV_PREFIX,
+    REPLICATION_PORT,
+    Role,
+)
+
 
 class BrokerSettings(BaseSettings):
     """Everything a broker process can be configured with."""
 
-    model_config = SettingsConfigDict(env_prefix="TWINMQ_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     name: str = Field("twinmq", description="Broker name (shown in status, logs, metrics)")
     host: str = Field("0.0.0.0", description="Address the AMQP and admin listeners bind")
-    port: int = Field(5672, ge=0, le=65535, description="AMQP port")
-    admin_port: int = Field(15672, ge=0, le=65535, description="Admin HTTP port")
+    port: int = Field(AMQP_PORT, ge=0, le=65535, description="AMQP port")
+    admin_port: int = Field(ADMIN_PORT, ge=0, le=65535, description="Admin HTTP port")
     data_dir: Path = Field(Path("./twinmq-data"), description="Journal and state directory")
     admin_token: SecretStr | None = Field(
         None, description="Bearer token for the admin API (required for all but healthz/readyz)"
@@ -51,15 +61,16 @@ class BrokerSettings(BaseSettings):
         0.4, gt=0, le=1, description="Block publishers above this fraction of system memory"
     )
     log_level: str = Field("INFO", description="Python logging level")
-    role: Literal["active", "passive"] = Field(
-        "active", description="Start as the active broker or as a passive replica"
-    )
+    role: Role = Field(ACTIVE, description="Start as the active broker or as a passive replica")
     replicate_from: str | None = Field(
         None, description="HOST:PORT of the active's replication listener (passive role)"
     )
     epoch: int = Field(0, ge=0, description="Start-up epoch (the persisted one wins if higher)")
     replication_port: int = Field(
-        5673, ge=0, le=65535, description="Replication listener port (passives connect here)"
+        REPLICATION_PORT,
+        ge=0,
+        le=65535,
+        description="Replication listener port (passives connect here)",
     )
     replication_token: SecretStr | None = Field(
         None, description="Shared secret of the replication link (default: the admin token)"
@@ -132,7 +143,7 @@ def parse_args(argv: list[str] | None = None) -> BrokerSettings:
         epilog="tools: `twinmq-broker journal check|repair <data-dir>` (docs/journal.md), "
         "`twinmq-broker epoch show|set <data-dir>` (docs/replication.md)",
     )
-    parser.add_argument("--config", help="JSON settings file (also TWINMQ_CONFIG)")
+    parser.add_argument("--config", help=f"JSON settings file (also {CONFIG_ENV})")
     for field, info in BrokerSettings.model_fields.items():
         if info.annotation is bool:
             parser.add_argument(
@@ -146,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> BrokerSettings:
             parser.add_argument(flag(field), dest=field, default=None, help=info.description)
     args = parser.parse_args(argv)
     file_values: dict[str, Any] = {}
-    config = args.config or os.environ.get("TWINMQ_CONFIG")
+    config = args.config or os.environ.get(CONFIG_ENV)
     if config:
         file_values = json.loads(Path(config).read_text())
     flags = {k: v for k, v in vars(args).items() if k != "config" and v is not None}

@@ -17,6 +17,7 @@ from twinmq.broker.api import (
     QueueStatus,
     ReplicationStatus,
 )
+from twinmq.broker.names import ACTIVE, PASSIVE
 
 if TYPE_CHECKING:
     from twinmq.broker.server import Broker
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 def replication_status(broker: Broker) -> ReplicationStatus:
     """The replication section of the status."""
-    if broker.role == "passive":
+    if broker.role == PASSIVE:
         replica = broker.replica
         if replica is None:
             return ReplicationStatus(
@@ -92,7 +93,7 @@ def build_status(broker: Broker) -> BrokerStatus:
         version=broker.product_version,
         role=broker.role,
         epoch=broker.epoch,
-        ready=broker.refusal() is None if broker.role == "active" else replication.ready,
+        ready=broker.refusal() is None if broker.role == ACTIVE else replication.ready,
         uptime_seconds=round(time.time() - broker.started, 3),
         connections=len(broker.protocols),
         channels=sum(len(p.conn.channels) for p in broker.protocols if p.conn is not None),

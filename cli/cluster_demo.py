@@ -22,6 +22,7 @@ from typing import Any
 import pika
 import yaml
 
+from twinmq.broker.names import AMQP_PORT, PASSIVE
 from twinmq.client import ReliablePublisher
 from twinmq.localcluster import faults, s3server
 from twinmq.localcluster.binaries import find
@@ -123,7 +124,7 @@ class Demo:
         data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
         service = self.kube.get(f"/api/v1/namespaces/{NAMESPACE}/services/{self.name}") or {}
         ip = service["spec"]["clusterIP"]
-        return f"amqp://{data['username']}:{data['password']}@{ip}:5672/%2F"
+        return f"amqp://{data['username']}:{data['password']}@{ip}:{AMQP_PORT}/%2F"
 
     def traffic_through_failover(self, url: str) -> dict[str, float]:
         marks: dict[str, float] = {}
@@ -202,7 +203,7 @@ def main() -> None:
         f"({after.get('lastFailover', {}).get('reason', '')})"
     )
     wait("the old primary back as a ready passive", lambda: any(
-        b["name"] == "primary" and b["role"] == "passive" and b["ready"]
+        b["name"] == "primary" and b["role"] == PASSIVE and b["ready"]
         for b in demo.status().get("brokers", [])))  # fmt: skip
     say("the primary came back passive and caught up from the backup")
     recovery = demo.recover()

@@ -14,17 +14,17 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pika
 
+from twinmq.broker.admin_client import AdminClient
 from twinmq.broker.launcher import BrokerProcess
+from twinmq.broker.names import ACTIVE, PASSIVE, REPLICATION_TOKEN_ENV
 from twinmq.client import ReliablePublisher
 
 QUEUE = "demo.orders"
@@ -39,20 +39,9 @@ def say(text: str) -> None:
     print(f"[demo] {text}", flush=True)
 
 
-def admin(broker: BrokerProcess, path: str, body: dict[str, Any] | None = None) -> Any:
-    """Call the admin API (no token: it is open to loopback clients)."""
-    request = urllib.request.Request(
-        broker.admin_url + path,
-        data=None if body is None else json.dumps(body).encode(),
-        method="GET" if body is None else "POST",
-    )
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        return json.load(resp)
-
-
 def queue_depth(broker: BrokerProcess, name: str) -> int:
-    """Ready messages in a queue, from the admin API."""
-    return next(int(q["messages"]) for q in admin(broker, "/status")["queues"] if q["name"] == name)
+    """Ready messages in a queue, from the admin API (open to loopback clients: no token)."""
+    return next(q.messages for q in broker.admin.status().queues if q.name == name)
 
 
 def drain(broker: BrokerProcess, queue: str, limit: int | None = None) -> list[bytes]:
@@ -123,18 +112,18 @@ def single_broker(root: Path) -> dict[str, Any]:
 def replicated_pair(root: Path) -> dict[str, Any]:
     """Part 2: failover of a replicated pair under a reliable publisher."""
     say("part 2: an active/passive pair, a kill -9 of the active, a promotion")
-    env = {"TWINMQ_REPLICATION_TOKEN": "demo-pair-secret"}
+    env = {REPLICATION_TOKEN_ENV: "demo-pair-secret"}
     a = BrokerProcess(root / "a", name="broker-a", env=env, extra_args=["--epoch", "1"]).start()
     b = BrokerProcess(
         root / "b", name="broker-b", env=env,
-        extra_args=["--role", "passive", "--replicate-from", a.replication_address, "--epoch", "1"],
+        extra_args=["--role", PASSIVE, "--replicate-from", a.replication_address, "--epoch", "1"],
     ).start()  # fmt: skip
     brokers = [a, b]
     try:
         conn = pika.BlockingConnection(pika.URLParameters(a.url))
         conn.channel().queue_declare(QUEUE, durable=True)
         conn.close()
-        while not admin(b, "/status")["replication"]["ready"]:
+        while not b.admin.status().replication.ready:
             time.sleep(0.05)
         say("broker-a active (epoch 1), broker-b passive and ready (caught up)")
         failover: dict[str, float] = {}
@@ -167,9 +156,10 @@ def replicated_pair(root: Path) -> dict[str, Any]:
                 failover["killed"] = time.monotonic()
                 say(f"killed broker-a (kill -9) after {confirmed} confirms, publishes in flight")
                 # What the operator will do: promote the ready passive in a new epoch.
-                status = await asyncio.to_thread(admin, b, "/status")
-                assert status["replication"]["ready"], "the passive was not ready"
-                await asyncio.to_thread(admin, b, "/role", {"role": "active", "epoch": 2})
+                async with AdminClient(b.admin_url) as passive:
+                    status = await passive.status()
+                    assert status.replication.ready, "the passive was not ready"
+                    await passive.set_role(ACTIVE, 2)
                 failover["promoted"] = time.monotonic()
                 say("promoted broker-b to active in epoch 2")
 
@@ -189,14 +179,14 @@ def replicated_pair(root: Path) -> dict[str, Any]:
         )
         a2 = BrokerProcess(
             root / "a", name="broker-a", env=env, port=a.port, admin_port=a.admin_port,
-            extra_args=["--role", "passive", "--replicate-from", b.replication_address],
+            extra_args=["--role", PASSIVE, "--replicate-from", b.replication_address],
         ).start()  # fmt: skip
         brokers.append(a2)
-        while not admin(a2, "/status")["replication"]["ready"]:
+        while not a2.admin.status().replication.ready:
             time.sleep(0.05)
-        a_status, b_status = admin(a2, "/status"), admin(b, "/status")
+        a_status, b_status = a2.admin.status(), b.admin.status()
         say(
-            f"broker-a came back passive and caught up: epoch {a_status['epoch']}, "
+            f"broker-a came back passive and caught up: epoch {a_status.epoch}, "
             f"{queue_depth(a2, QUEUE)} messages, same as broker-b's {queue_depth(b, QUEUE)}"
         )
         received = [int(x) for x in drain(b, QUEUE)]
@@ -207,8 +197,8 @@ def replicated_pair(root: Path) -> dict[str, Any]:
             "duplicates": len(received) - len(set(received)),
             "resends": publisher.resends,
             "failover_seconds": seconds,
-            "active": b_status["name"],
-            "epoch": b_status["epoch"],
+            "active": b_status.name,
+            "epoch": b_status.epoch,
         }
     finally:
         for broker in brokers:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
+from twinmq.broker.names import ACTIVE
 from twinmq.operator.models import GROUP, PLURAL, VERSION
 
 Obj = dict[str, Any]
@@ -329,7 +330,7 @@ def status_rows(
                 role += " (fenced)"
             rows.append((
                 *first, name, str(broker.get("name")), role, str(broker.get("epoch", 0)),
-                "-" if broker.get("role") == "active" else "yes" if broker.get("ready") else "no",
+                "-" if broker.get("role") == ACTIVE else "yes" if broker.get("ready") else "no",
                 "yes" if broker.get("reachable") else "no",
                 lag_text(broker), *common,
             ))  # fmt: skip

@@ -16,6 +16,8 @@ import yaml
 from conftest import Cluster
 from support import wait_until
 
+from twinmq.broker.names import AMQP_PORT, OPERATOR_METRICS_PORT_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
@@ -31,7 +33,7 @@ class OperatorProcess:
     def start(self) -> None:
         """Start it (again)."""
         log = open(REPO / ".cluster" / "logs" / "e2e-operator.log", "ab")  # noqa: SIM115
-        env = {**os.environ, "KUBECONFIG": self.kubeconfig, "TWINMQ_OPERATOR_METRICS_PORT": "0"}
+        env = {**os.environ, "KUBECONFIG": self.kubeconfig, OPERATOR_METRICS_PORT_ENV: "0"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "twinmq.operator.main"], env=env, stdout=log, stderr=log
         )
@@ -108,4 +110,4 @@ def amqp_url(cluster: Cluster, namespace: str, name: str) -> str:
     data = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
     service = cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {}
     ip = service["spec"]["clusterIP"]
-    return f"amqp://{data['username']}:{data['password']}@{ip}:5672/%2F"
+    return f"amqp://{data['username']}:{data['password']}@{ip}:{AMQP_PORT}/%2F"

@@ -125,12 +125,15 @@ def condition(state: Obj, ctype: str) -> str:
     return next((c["status"] for c in state.get("conditions", []) if c["type"] == ctype), "")
 
 
-def create_ready_cluster(release: OperatorRelease, name: str = "orders") -> Obj:
-    """Apply a BrokerCluster and wait until it is Ready with the primary active and the
-    backup in sync; returns the status. Records the time in `release.timings`."""
+def create_ready_cluster(release: OperatorRelease, name: str = "orders", **spec: Any) -> Obj:
+    """Apply a BrokerCluster (the example, with the top-level `spec` fields given replaced)
+    and wait until it is Ready with the primary active and the backup in sync; returns the
+    status. Records the time in `release.timings`."""
     cluster = release.cluster
     started = time.monotonic()
-    cluster.kube.create(f"{API}/namespaces/{release.namespace}/brokerclusters", brokercluster(name))
+    body = brokercluster(name)
+    body["spec"].update(spec)
+    cluster.kube.create(f"{API}/namespaces/{release.namespace}/brokerclusters", body)
 
     def ready() -> Obj | None:
         state = status(cluster, release.namespace, name)

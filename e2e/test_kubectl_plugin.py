@@ -3,6 +3,7 @@
 The operator is the chart's (namespace-scoped RBAC, in the module's own namespace; see
 e2e/chart_release.py). A BrokerCluster comes up with the primary active; `kubectl twinmq
 promote orders backup --wait` switches the active to the backup, and `status` shows it.
+A paused passive's lag shows in `kubectl get tmq` and in `kubectl twinmq status`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pika
 import pytest
+from brokerclusters import amqp_url
 from chart_release import OperatorRelease, create_ready_cluster, operator_release, status
 from conftest import Cluster
+from support import wait_until
+
+from twinmq.localcluster import faults
+from twinmq.localcluster.layout import Layout
 
 pytestmark = pytest.mark.e2e
 
@@ -35,8 +42,8 @@ def kubectl_binary() -> str:
         return found
 
 
-def plugin(cluster: Cluster, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """`kubectl twinmq ARGS` with this venv's console scripts first on PATH."""
+def kubectl(cluster: Cluster, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """`kubectl ARGS` with this venv's console scripts (the plugin) first on PATH."""
     scripts = Path(sys.executable).parent
     if not (scripts / "kubectl-twinmq").exists():
         pytest.skip("kubectl-twinmq is not installed: pip install -e .")
@@ -46,9 +53,14 @@ def plugin(cluster: Cluster, *args: str, timeout: float = 180) -> subprocess.Com
         PATH=f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}",
     )
     return subprocess.run(
-        [kubectl_binary(), "twinmq", *args], env=env, capture_output=True, text=True,
+        [kubectl_binary(), *args], env=env, capture_output=True, text=True,
         timeout=timeout, check=False,
     )  # fmt: skip
+
+
+def plugin(cluster: Cluster, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """`kubectl twinmq ARGS`."""
+    return kubectl(cluster, "twinmq", *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +168,51 @@ def test_a_user_without_patch_permission_is_told_which_verb_is_missing(
         in refused.stderr
     ), refused.stderr
     assert "grant verb 'patch'" in refused.stderr
+
+
+def column(output: str, header: str) -> str:
+    """One cell of a one-row kubectl table, read at its header's offset ('' when empty)."""
+    head, row = output.splitlines()[:2]
+    start = head.index(header)
+    return row[start:].split(" ", 1)[0].strip() if len(row) > start else ""
+
+
+def test_a_paused_passive_shows_its_lag_in_get_and_in_the_plugin(
+    cluster: Cluster, release: OperatorRelease
+) -> None:
+    if not cluster.local:
+        pytest.skip("pausing a pod acts on the local process-backed cluster")
+    ns, name, held = release.namespace, "lagging", 25
+    # The active holds its confirms for a silent passive this long before going on alone
+    # (and forgetting the link and its lag): the test needs the link kept.
+    create_ready_cluster(release, name, replication={"timeoutSeconds": 120})
+    layout = Layout.default()
+
+    def lag_in_get() -> int:
+        shown = kubectl(cluster, "get", "tmq", name, "-n", ns)
+        assert shown.returncode == 0, shown.stderr
+        cell = column(shown.stdout, "LAG")
+        return int(cell) if cell.isdigit() else -1
+
+    wait_until("no lag in kubectl get tmq", lambda: lag_in_get() == 0, 30)
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url(cluster, ns, name)))
+    channel = connection.channel()
+    channel.queue_declare("lag.q", durable=True)  # declared while the passive still answers
+    assert faults.pause_pod(layout, ns, f"{name}-backup")
+    try:
+        for i in range(held):  # no confirms: the active holds them for the paused passive
+            channel.basic_publish(
+                "", "lag.q", str(i).encode(), pika.BasicProperties(delivery_mode=2)
+            )
+        lag = wait_until(
+            "kubectl get tmq shows the lag", lambda: (n := lag_in_get()) >= held and n, 60
+        )
+        shown = plugin(cluster, "status", name, "-n", ns)
+        assert shown.returncode == 0, shown.stderr
+        backup = broker_rows(shown.stdout)["backup"]
+        assert int(backup[6]) >= held, shown.stdout  # LAG: "<messages> (<seconds>s)"
+        print(f"\n[lag] kubectl get tmq: {lag}; plugin: {' '.join(backup[6:8])}")
+        connection.close()
+    finally:
+        faults.resume_pod(layout, ns, f"{name}-backup")
+    wait_until("the lag to clear", lambda: lag_in_get() == 0, 60)

@@ -361,16 +361,35 @@ def preflight() -> list[str]:
     return problems
 
 
-def _write_env(layout: Layout) -> None:
-    """Link the cached kubectl and helm into `.cluster/bin` and write `.cluster/env` to source."""
+PLUGIN = "kubectl-twinmq"
+"""The project's kubectl plugin (a console script of this package)."""
+
+
+def plugin_script() -> Path | None:
+    """The `kubectl-twinmq` installed with this Python (the venv running the cluster), else
+    the one on PATH."""
+    beside = Path(sys.executable).parent / PLUGIN
+    if beside.exists():
+        return beside
+    found = shutil.which(PLUGIN)
+    return None if found is None else Path(found)
+
+
+def write_env(layout: Layout) -> None:
+    """Link the cached kubectl and helm, and the project's kubectl plugin, into `.cluster/bin`
+    and write `.cluster/env` to source (then `kubectl twinmq` works)."""
     bin_dir = layout.root / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
+    targets: dict[str, Path | None] = {PLUGIN: plugin_script()}
     for name in ("kubectl", "helm"):
-        link = bin_dir / name
         try:
-            target = binaries.find(name)
+            targets[name] = binaries.find(name)
         except FileNotFoundError:
+            targets[name] = None
+    for name, target in targets.items():
+        if target is None:
             continue
+        link = bin_dir / name
         link.unlink(missing_ok=True)
         link.symlink_to(target)
     (layout.root / "env").write_text(
@@ -426,7 +445,7 @@ def up(layout: Layout) -> None:
         )
     )
     hostnet.setup(layout)
-    _write_env(layout)
+    write_env(layout)
     token = admin_token(layout)
     ca = layout.pki / "ca.crt"
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from twinmq.broker.names import AMQP_PORT
 from twinmq.localcluster import binaries, cluster, faults
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import Layout, repo_root
@@ -73,7 +74,7 @@ def _publish(host: str, user: str, password: str, count: int) -> int:
     import pika
 
     params = pika.ConnectionParameters(
-        host=host, port=5672, credentials=pika.PlainCredentials(user, password),
+        host=host, port=AMQP_PORT, credentials=pika.PlainCredentials(user, password),
         connection_attempts=10, retry_delay=1,
     )  # fmt: skip
     connection = pika.BlockingConnection(params)
@@ -95,7 +96,7 @@ def _drain(host: str, user: str, password: str) -> list[str]:
     import pika
 
     params = pika.ConnectionParameters(
-        host=host, port=5672, credentials=pika.PlainCredentials(user, password),
+        host=host, port=AMQP_PORT, credentials=pika.PlainCredentials(user, password),
         connection_attempts=30, retry_delay=1,
     )  # fmt: skip
     connection = pika.BlockingConnection(params)
@@ -139,7 +140,7 @@ def run(messages: int) -> Report:
     password = base64.b64decode(secret["data"]["password"]).decode()
     service = kube.get(f"/api/v1/namespaces/{NAMESPACE}/services/{FULLNAME}") or {}
     cluster_ip = str(service["spec"]["clusterIP"])
-    report.facts.append(("broker Service (cluster IP)", f"{cluster_ip}:5672"))
+    report.facts.append(("broker Service (cluster IP)", f"{cluster_ip}:{AMQP_PORT}"))
 
     started = time.monotonic()
     leftovers = _drain(cluster_ip, user, password)  # earlier runs' messages, if any

@@ -12,13 +12,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from twinmq.broker.auth import hash_password
+from twinmq.broker.names import (
+    ACTIVE,
+    ADMIN_PORT,
+    ADMIN_TOKEN_ENV,
+    AMQP_PORT,
+    LEASE_NAME_ENV,
+    LEASE_SECONDS_ENV,
+    PASSIVE,
+    REPLICATION_PORT,
+    REPLICATION_TOKEN_ENV,
+)
 from twinmq.operator.models import BrokerClusterSpec, BrokerName
 
 Obj = dict[str, Any]
 
-AMQP_PORT = 5672
-ADMIN_PORT = 15672
-REPLICATION_PORT = 5673
 DATA_DIR = "/var/lib/twinmq"
 SECRET_DIR = "/etc/twinmq/auth"
 APP_USER = "twinmq"
@@ -132,7 +140,7 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
         return {"valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
     meta = owned_meta(cluster, pod_name(cluster, broker), broker)
-    meta["labels"][LABEL_ROLE] = "passive"
+    meta["labels"][LABEL_ROLE] = PASSIVE
     sidecars = [build_shipper(spec)] if spec.audit.enabled and spec.audit.store_url else []
     return {
         "apiVersion": "v1",
@@ -154,7 +162,7 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
                         "--name=$(POD_NAME)",
                         f"--data-dir={DATA_DIR}/data",
                         f"--users-file={SECRET_DIR}/users.json",
-                        "--role=passive",
+                        f"--role={PASSIVE}",
                         f"--replication-timeout={spec.replication.timeout_seconds}",
                         f"--dedup-window={spec.replication.dedup_window}",
                         f"--audit-segment-seconds={spec.audit.segment_seconds}",
@@ -168,11 +176,11 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
                             "name": "POD_NAMESPACE",
                             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
                         },
-                        {"name": "TWINMQ_ADMIN_TOKEN", **from_secret("admin-token")},
-                        {"name": "TWINMQ_REPLICATION_TOKEN", **from_secret("replication-token")},
-                        {"name": "TWINMQ_LEASE_NAME", "value": lease_name(cluster)},
+                        {"name": ADMIN_TOKEN_ENV, **from_secret("admin-token")},
+                        {"name": REPLICATION_TOKEN_ENV, **from_secret("replication-token")},
+                        {"name": LEASE_NAME_ENV, "value": lease_name(cluster)},
                         {
-                            "name": "TWINMQ_LEASE_SECONDS",
+                            "name": LEASE_SECONDS_ENV,
                             "value": str(spec.failover.lease_duration_seconds),
                         },
                     ],
@@ -243,7 +251,7 @@ def build_vip_service(cluster: ClusterRef) -> Obj:
         "kind": "Service",
         "metadata": owned_meta(cluster, vip_name(cluster)),
         "spec": {
-            "selector": {LABEL_CLUSTER: cluster.name, LABEL_ROLE: "active"},
+            "selector": {LABEL_CLUSTER: cluster.name, LABEL_ROLE: ACTIVE},
             "ports": [{"name": "amqp", "port": AMQP_PORT, "targetPort": "amqp"}],
         },
     }

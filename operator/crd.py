@@ -120,8 +120,9 @@ def crd() -> dict[str, Any]:
                         {
                             "name": "Lag",
                             "type": "integer",
-                            "description": "Messages the passive has not yet written",
-                            "jsonPath": '.status.brokers[?(@.role=="passive")].lagMessages',
+                            "description": "Messages the passive has not yet written "
+                            "(an unreachable broker's role is unknown: it is shown too)",
+                            "jsonPath": '.status.brokers[?(@.role!="active")].lagMessages',
                         },
                         {
                             "name": "Last-Failover",

@@ -11,12 +11,9 @@ failover after an operator restart, it never causes one.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -25,6 +22,15 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
+from twinmq.broker.admin_client import AdminError
+from twinmq.broker.api import BrokerStatus as BrokerReport
+from twinmq.broker.names import (
+    ACTIVE,
+    OPERATOR_METRICS_PORT_ENV,
+    OPERATOR_NAMESPACES_ENV,
+    PASSIVE,
+    REPLICATION_PORT,
+)
 from twinmq.operator import builders, metrics
 from twinmq.operator.audit_runner import AuditRunner
 from twinmq.operator.builders import ClusterRef, pod_name
@@ -48,17 +54,17 @@ from twinmq.operator.models import (
     BrokerClusterSpec,
     BrokerClusterStatus,
     BrokerName,
-    BrokerStatus,
+    BrokerSummary,
     Condition,
     FailoverRecord,
     SwitchoverProgress,
     iso,
     parse_iso,
 )
+from twinmq.operator.probe import admin, passive_lag, probe, view_of
 
 log = logging.getLogger(__name__)
 NAMES: tuple[BrokerName, ...] = ("primary", "backup")
-PROBE_TIMEOUT = 1.0
 
 
 def now_iso() -> str:
@@ -90,51 +96,6 @@ def kube() -> Kube:
     if KUBE is None:
         KUBE = Kube()
     return KUBE
-
-
-# -- the admin API of the brokers ---------------------------------------------------------
-
-
-def admin_call(
-    ip: str, token: str, path: str, body: dict[str, Any] | None = None, timeout: float = 5.0
-) -> Any:
-    """GET or POST a broker's admin API."""
-    request = urllib.request.Request(
-        f"http://{ip}:{builders.ADMIN_PORT}{path}",
-        data=None if body is None else json.dumps(body).encode(),
-        method="GET" if body is None else "POST",
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        return json.load(resp)
-
-
-def probe(
-    pod: dict[str, Any] | None, token: str, name: BrokerName, active_ip: str | None
-) -> BrokerView | None:
-    """The broker's view of itself, or None when it does not answer."""
-    ip = (pod or {}).get("status", {}).get("podIP")
-    if not ip or (pod or {}).get("metadata", {}).get("deletionTimestamp"):
-        return None
-    try:
-        # A short timeout: a cut-off broker must not stall the reconcile, whose timing
-        # decides whether the backup is still promotable when the Lease lapses.
-        status = admin_call(ip, token, "/status", timeout=PROBE_TIMEOUT)
-    except (OSError, urllib.error.URLError, ValueError):
-        return None
-    replication = status.get("replication", {})
-    peer = replication.get("peer") or ""
-    return BrokerView(
-        name=name,
-        reachable=True,
-        role=status.get("role", "unknown"),
-        epoch=int(status.get("epoch", 0)),
-        ready=bool(replication.get("ready")) and status.get("role") == "passive",
-        link_connected=bool(replication.get("link_connected")),
-        replicating_from_active=active_ip is not None
-        and peer == f"{active_ip}:{builders.REPLICATION_PORT}"
-        and bool(replication.get("link_connected")),
-    )
 
 
 # -- reconcile -------------------------------------------------------------------------------
@@ -196,16 +157,14 @@ def apply(
         if isinstance(action, SetRole):
             target_ip = ip(action.broker)
             peer_ip = ip(action.replicate_from) if action.replicate_from else None
-            request: dict[str, Any] = {"role": action.role, "epoch": action.epoch}
-            if peer_ip:
-                request["replicate_from"] = f"{peer_ip}:{builders.REPLICATION_PORT}"
+            replicate_from = f"{peer_ip}:{REPLICATION_PORT}" if peer_ip else None
             if target_ip is None:
                 break
             try:
-                admin_call(target_ip, token, "/role", request)
+                admin(target_ip, token).set_role(action.role, action.epoch, replicate_from)
                 views[action.broker] = memory.last_view[action.broker] = replace(
                     views[action.broker], role=action.role, epoch=action.epoch,
-                    ready=views[action.broker].ready and action.role == "passive",
+                    ready=views[action.broker].ready and action.role == PASSIVE,
                 )  # fmt: skip
                 log.info(
                     "%s/%s: %s is now %s in epoch %d",
@@ -215,7 +174,7 @@ def apply(
                     action.role,
                     action.epoch,
                 )
-            except (OSError, urllib.error.URLError, ValueError) as exc:
+            except AdminError as exc:
                 # The rest depends on this role change (the virtual IP must not move to a
                 # broker that did not become active): stop here, decide again next time.
                 log.warning(
@@ -226,7 +185,7 @@ def apply(
         elif isinstance(action, Route):
             for name in NAMES:
                 if pods.get(name) is not None:
-                    role = "active" if name == action.broker else "passive"
+                    role = ACTIVE if name == action.broker else PASSIVE
                     k.label_pod(
                         cluster.namespace, pod_name(cluster, name), {builders.LABEL_ROLE: role}
                     )
@@ -280,7 +239,7 @@ def conditions(
 ) -> list[Condition]:
     """Ready / Replicating / FailingOver / Degraded, keeping transition times stable."""
     active = status.active_broker
-    serving = active is not None and views[active].reachable and views[active].role == "active"
+    serving = active is not None and views[active].reachable and views[active].role == ACTIVE
     passive = views[OTHER[active]] if active else None
     replicating = passive is not None and passive.ready and passive.link_connected
     wanted = [
@@ -337,10 +296,11 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
     active_ip = (pods.get(status.active_broker) or {}).get("status", {}).get("podIP") if (
         status.active_broker) else None  # fmt: skip
     views: dict[BrokerName, BrokerView] = {}
-    probed = dict(zip(NAMES, PROBES.map(
-        lambda n: probe(pods[n], token, n, active_ip), NAMES), strict=True))  # fmt: skip
+    reports: dict[BrokerName, BrokerReport | None] = dict(zip(NAMES, PROBES.map(
+        lambda n: probe(pods[n], token), NAMES), strict=True))  # fmt: skip
     for name in NAMES:
-        view = probed[name]
+        report = reports[name]
+        view = None if report is None else view_of(report, name, active_ip)
         if view is None and pods[name] is not None:
             metrics.PROBE_FAILURES.labels(name).inc()
         if view is not None:
@@ -369,7 +329,7 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
         promote_request=(promote.id, promote.broker, promote.force)
         if promote is not None and promote.id != handled.promote else None,
         routed=next((n for n in NAMES if ((pods[n] or {}).get("metadata", {}).get("labels")
-                     or {}).get(builders.LABEL_ROLE) == "active"), None),
+                     or {}).get(builders.LABEL_ROLE) == ACTIVE), None),
         fenced=frozenset(status.fenced_brokers),
         fence_request=(requests.fence.id, requests.fence.broker, requests.fence.fenced)
         if requests.fence is not None and requests.fence.id != handled.fence
@@ -391,18 +351,20 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
         if decision.degraded is not None:
             DEGRADED_CLUSTERS.add(cluster.uid)
         metrics.DEGRADED.set(len(DEGRADED_CLUSTERS))
-    if any(isinstance(a, SetRole) and a.role == "active" for a in decision.actions):
+    if any(isinstance(a, SetRole) and a.role == ACTIVE for a in decision.actions):
         log.info("%s/%s: activating on %s", cluster.namespace, cluster.name, observation)
     if not decision.failing_over:
         memory.trouble_since = None
     elif memory.trouble_since is None:
         memory.trouble_since = time.time()
     new = apply(decision, cluster, spec, status, pods, token, body, memory, views)
+    lags = {n: passive_lag(n, new.active_broker, reports) for n in NAMES}
     new.brokers = [
-        BrokerStatus(
+        BrokerSummary(
             name=n, pod=pod_name(cluster, n), role=v.role if v.reachable else "unknown",
             reachable=v.reachable, ready=v.ready, epoch=v.epoch,
             link_connected=v.link_connected, fenced=n in new.fenced_brokers,
+            lag_messages=lags[n][0], lag_seconds=lags[n][1],
         )
         for n, v in views.items()
     ]  # fmt: skip
@@ -440,9 +402,6 @@ def tick(body: Any, spec: Any, status: Any, meta: Any, patch: Any, **_: Any) -> 
             patch.status[key] = value
 
 
-NAMESPACES_ENV = "TWINMQ_OPERATOR_NAMESPACES"
-
-
 def watched_namespaces(argv: list[str] | None = None) -> list[str]:
     """The namespaces to watch: `--namespace NS` (repeatable), else $TWINMQ_OPERATOR_NAMESPACES
     (comma-separated); empty means every namespace."""
@@ -452,10 +411,11 @@ def watched_namespaces(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(prog="twinmq-operator", description="The TwinMQ operator.")
     parser.add_argument(
         "-n", "--namespace", action="append", default=[], dest="namespaces",
-        help=f"watch only this namespace (repeatable; default: ${NAMESPACES_ENV}, else all)",
+        help=f"watch only this namespace (repeatable; default: ${OPERATOR_NAMESPACES_ENV}, "
+        "else all)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    names = args.namespaces or os.environ.get(NAMESPACES_ENV, "").split(",")
+    names = args.namespaces or os.environ.get(OPERATOR_NAMESPACES_ENV, "").split(",")
     return [n.strip() for n in names if n.strip()]
 
 
@@ -466,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     resource scanning disabled, so it neither lists namespaces nor watches CRDs.
     """
     namespaces = watched_namespaces(argv)
-    port = int(os.environ.get("TWINMQ_OPERATOR_METRICS_PORT", "8081"))
+    port = int(os.environ.get(OPERATOR_METRICS_PORT_ENV, "8081"))
     try:
         start_http_server(port)
     except OSError as exc:  # metrics are not worth refusing to run the operator

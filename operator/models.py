@@ -266,8 +266,8 @@ class Condition(ApiModel):
     observed_generation: int | None = None
 
 
-class BrokerStatus(ApiModel):
-    """One broker as the operator last saw it."""
+class BrokerSummary(ApiModel):
+    """One broker as the operator last saw it through its admin API's `GET /status`."""
 
     name: BrokerName
     pod: str | None = None
@@ -276,8 +276,12 @@ class BrokerStatus(ApiModel):
     ready: bool = False
     epoch: int = 0
     link_connected: bool = False
-    lag_messages: int = 0
-    lag_seconds: float = 0.0
+    lag_messages: int = Field(
+        0,
+        description="Replicated messages not yet durable on this broker (0 for the active): "
+        "the larger of the active's count for its link and the passive's own",
+    )
+    lag_seconds: float = Field(0.0, description="Age of the oldest of those messages")
     fenced: bool = False
 
 
@@ -348,7 +352,7 @@ class BrokerClusterStatus(ApiModel):
     phase: Phase = "Pending"
     active_broker: BrokerName | None = None
     epoch: int = 0
-    brokers: list[BrokerStatus] = Field(default_factory=list)
+    brokers: list[BrokerSummary] = Field(default_factory=list)
     conditions: list[Condition] = Field(default_factory=list)
     last_failover: FailoverRecord | None = None
     last_audit: AuditResult | None = None

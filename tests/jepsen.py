@@ -29,8 +29,6 @@ import statistics
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,8 +38,10 @@ from typing import Any, TypeVar
 from amqpclient import AMQPClient, ClientError, Delivery, Refused
 from faultproxy import FaultProxy
 
+from twinmq.broker.admin_client import AdminError, AdminUnreachable
 from twinmq.broker.journal.segment import HEADER, REC
 from twinmq.broker.launcher import BrokerProcess
+from twinmq.broker.names import ACTIVE, PASSIVE, REPLICATION_TOKEN_ENV, Role
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
 
 T = TypeVar("T")
@@ -134,41 +134,31 @@ def check(
 
 
 def status(broker: BrokerProcess, timeout: float = 2.0) -> dict[str, Any] | None:
-    """`GET /status`, or None when the broker does not answer (dead, stopped)."""
+    """`GET /status` as a dict (the shape is the admin client's `BrokerStatus`), or None
+    when the broker does not answer (dead, stopped)."""
     try:
-        with urllib.request.urlopen(broker.admin_url + "/status", timeout=timeout) as response:
-            data: dict[str, Any] = json.loads(response.read())
-            return data
-    except (OSError, ValueError):
+        return broker.admin.status(timeout=timeout).model_dump(mode="json")
+    except AdminUnreachable:
         return None
 
 
 def post_role(
     broker: BrokerProcess,
-    role: str,
+    role: Role,
     epoch: int,
     replicate_from: str | None = None,
     timeout: float = 10.0,
     *,
     force: bool = False,
 ) -> tuple[int, dict[str, Any]]:
-    """`POST /role`: (HTTP status, JSON body)."""
-    body: dict[str, Any] = {"role": role, "epoch": epoch}
-    if force:
-        body["force"] = True
-    if replicate_from is not None:
-        body["replicate_from"] = replicate_from
-    request = urllib.request.Request(
-        broker.admin_url + "/role",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
+    """`POST /role`: (HTTP status, the new status or the ErrorBody as a dict)."""
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
+        done = broker.admin.set_role(role, epoch, replicate_from, force=force, timeout=timeout)
+    except AdminError as exc:
+        if exc.status is None:
+            raise
+        return exc.status, {} if exc.body is None else exc.body.model_dump()
+    return 200, done.model_dump(mode="json")
 
 
 def queue_counts(data: dict[str, Any] | None, *queues: str) -> tuple[int, int] | None:
@@ -355,7 +345,7 @@ class Pair:
         self.mounts: list[Path] = []
         self.clock_offsets = {"a": 0.0, "b": 0.0}
         self.epoch = 1
-        env = {"TWINMQ_REPLICATION_TOKEN": self.TOKEN}
+        env = {REPLICATION_TOKEN_ENV: self.TOKEN}
         self.brokers = {
             name: BrokerProcess(
                 root / name,
@@ -432,17 +422,17 @@ class Pair:
         """Command-line flags for a broker of the pair in `role` at the current epoch."""
         args = ["--epoch", str(self.epoch), "--replication-timeout", str(self.replication_timeout)]
         args += self.broker_args
-        if role == "passive":
-            args += ["--role", "passive", "--replicate-from", self.link.address]
+        if role == PASSIVE:
+            args += ["--role", PASSIVE, "--replicate-from", self.link.address]
         return args
 
     def start(self) -> Pair:
         """Start the proxy, the active, then the passive; wait until the passive is ready."""
         self._mount_disks()
         self.link.start()
-        self.active.extra_args = self.args("active")
+        self.active.extra_args = self.args(ACTIVE)
         self.active.start()
-        self.passive.extra_args = self.args("passive")
+        self.passive.extra_args = self.args(PASSIVE)
         self.passive.start()
         self.wait_healthy()
         return self
@@ -467,8 +457,8 @@ class Pair:
         return bool(
             active is not None
             and passive is not None
-            and active["role"] == "active"
-            and passive["role"] == "passive"
+            and active["role"] == ACTIVE
+            and passive["role"] == PASSIVE
             and active["replication"]["ready"]
             and passive["replication"]["ready"]
         )
@@ -504,11 +494,11 @@ class Pair:
         except TimeoutError:
             self.note(f"passive {new.name} not ready: restarting {old.name} as active")
             self.link.heal()
-            old.extra_args = self.args("active")
+            old.extra_args = self.args(ACTIVE)
             old.start()
             return False
         self.promote_passive()
-        old.extra_args = self.args("passive")
+        old.extra_args = self.args(PASSIVE)
         old.start()
         self.note(f"{old.name} restarted as passive of {new.name} (epoch {self.epoch})")
         return True
@@ -517,11 +507,11 @@ class Pair:
         """`POST /role` active at epoch+1 on the passive; point the link at it."""
         new = self.passive
         self.epoch += 1
-        code, body = post_role(new, "active", self.epoch)
-        if code != 200 or body.get("role") != "active":
+        code, body = post_role(new, ACTIVE, self.epoch)
+        if code != 200 or body.get("role") != ACTIVE:
             raise AssertionError(f"promotion of {new.name} failed: {code} {body}")
         self.note(f"promoted {new.name} to active in epoch {self.epoch}")
-        new.extra_args = self.args("active")  # what it would restart with
+        new.extra_args = self.args(ACTIVE)  # what it would restart with
         self.link.retarget(new.replication_address)
         self.active_name, self.passive_name = self.passive_name, self.active_name
 
@@ -987,10 +977,10 @@ class Nemesis:
             return
         pair.promote_passive()
         old.signal(signal.SIGCONT)
-        code, body = post_role(old, "passive", pair.epoch, pair.link.address)
-        old.extra_args = pair.args("passive")  # what it would restart with
+        code, body = post_role(old, PASSIVE, pair.epoch, pair.link.address)
+        old.extra_args = pair.args(PASSIVE)  # what it would restart with
         pair.note(f"SIGCONT {old.name}, demoted: {code} {body.get('role')}")
-        assert code == 200 and body["role"] == "passive", (code, body)
+        assert code == 200 and body["role"] == PASSIVE, (code, body)
 
     def _seen(self, predicate: Callable[[], object], timeout: float) -> bool:
         """Whether `predicate` comes true within `timeout` (an observation, not a deadline)."""
@@ -1084,7 +1074,7 @@ class Nemesis:
         whether the catch-up was provably under way at the kill. Leaves it dead."""
         pair = self.pair
         pair.link.throttle(self.rng.choice([100_000, 200_000, 400_000]))
-        passive.extra_args = pair.args("passive")
+        passive.extra_args = pair.args(PASSIVE)
         passive.start()
 
         def catching_up() -> bool:
@@ -1114,7 +1104,7 @@ class Nemesis:
         passive.kill()
         self._backlog(backlog)
         mid = self._kill_mid_catchup(passive)
-        passive.extra_args = pair.args("passive")
+        passive.extra_args = pair.args(PASSIVE)
         passive.start()
         self._fault_over()
         workload.pause_consumers(False)
@@ -1151,7 +1141,7 @@ class Nemesis:
         noticed = self._seen(alone, 10)
         self._traffic(5)  # confirmed while the passive is down
         self._hold(0.0, pair.replication_timeout)
-        passive.extra_args = pair.args("passive")
+        passive.extra_args = pair.args(PASSIVE)
         passive.start()
         self._fault_over()
         pair.note(f"passive {passive.name} killed -9 and restarted")
@@ -1203,7 +1193,7 @@ class Nemesis:
         filler, exited = self._fill_passive(passive)
         self._hold(0.1, 1.0)  # the active goes on alone
         filler.release()
-        passive.extra_args = pair.args("passive")
+        passive.extra_args = pair.args(PASSIVE)
         passive.start()
         self._fault_over()
         return self._proof("passive exited 75 (EXIT_JOURNAL_FAILED)", exited)
@@ -1219,7 +1209,7 @@ class Nemesis:
         self._backlog(backlog)
         filler.release()
         mid = self._kill_mid_catchup(passive)
-        passive.extra_args = pair.args("passive")
+        passive.extra_args = pair.args(PASSIVE)
         passive.start()
         self._fault_over()
         workload.pause_consumers(False)
@@ -1257,11 +1247,11 @@ class Nemesis:
                 "passive ready for promotion",
             )
             pair.promote_passive()
-            pair.brokers[victim.name].extra_args = pair.args("passive")
+            pair.brokers[victim.name].extra_args = pair.args(PASSIVE)
         flipped = corrupt_journal(victim.data_dir / "journal", self.rng)
         # Cut: the damage must show before a catch-up makes the broker whole.
         pair.link.cut()
-        victim.extra_args = pair.args("passive")
+        victim.extra_args = pair.args(PASSIVE)
         victim.start()
         self._fault_over()
         journal = (status(victim) or {}).get("journal") or {}
@@ -1270,7 +1260,7 @@ class Nemesis:
             c["segment"] == segment for c in journal.get("corruption", [])
         )
         kept = (victim.data_dir / "quarantine" / segment).exists()
-        code, body = post_role(victim, "active", pair.epoch + 1)
+        code, body = post_role(victim, ACTIVE, pair.epoch + 1)
         refused = code == 409 and body.get("error") == "broker damaged"
         pair.note(
             f"{victim.name}: bit flipped in {segment} at {flipped and flipped[1]}; damaged "

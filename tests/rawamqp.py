@@ -8,11 +8,9 @@ no header) and read exactly what the broker answers. The pure helpers
 
 from __future__ import annotations
 
-import json
 import socket
 import struct
 import time
-import urllib.request
 from typing import Any
 
 from pamqp import commands, frame
@@ -20,6 +18,8 @@ from pamqp.base import Frame as MethodFrame
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader, ProtocolHeader
 from pamqp.heartbeat import Heartbeat
+
+from twinmq.broker.launcher import BrokerProcess
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 FRAME_END = b"\xce"
@@ -218,11 +218,9 @@ class RawClient:
         return close  # type: ignore[no-any-return]
 
 
-def admin_status(admin_url: str) -> dict[str, Any]:
-    """`GET /status` from the broker's admin API (loopback needs no token)."""
-    with urllib.request.urlopen(admin_url + "/status", timeout=5) as response:
-        data: dict[str, Any] = json.loads(response.read())
-    return data
+def connections(broker: BrokerProcess) -> int:
+    """The broker's count of client connections (from its admin API)."""
+    return broker.admin.status().connections
 
 
 def wait_for(predicate: Any, timeout: float = 5.0, interval: float = 0.02) -> Any:

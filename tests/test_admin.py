@@ -1,24 +1,38 @@
-"""The admin HTTP API and logins from a users file, against a real broker process."""
+"""The admin HTTP API, through the one admin client, and logins from a users file, against
+real broker processes on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import urllib.error
-import urllib.request
+import signal
+from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pika
 import pika.exceptions
 import pytest
 
-from twinmq.broker.api import BrokerStatus
+from twinmq.broker.admin_client import (
+    AdminClient,
+    AdminError,
+    AdminTimeout,
+    AdminUnreachable,
+    Call,
+    StaleEpoch,
+    SyncAdminClient,
+    Unauthorized,
+)
 from twinmq.broker.auth import hash_password
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.broker.launcher import BrokerProcess, free_port
+from twinmq.broker.names import ACTIVE, ADMIN_TOKEN_ENV, PASSIVE
 
 TOKEN = "t0ken"
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> BrokerProcess:
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     root = tmp_path_factory.mktemp("secured")
     users = root / "users.json"
     users.write_text(
@@ -33,35 +47,31 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> BrokerProcess:
     )
     broker = BrokerProcess(
         root / "data", name="secured",
-        extra_args=["--users-file", str(users)], env={"TWINMQ_ADMIN_TOKEN": TOKEN},
+        extra_args=["--users-file", str(users)], env={ADMIN_TOKEN_ENV: TOKEN},
     )  # fmt: skip
     with broker:
         yield broker
 
 
-def get(broker: BrokerProcess, path: str, token: str | None = None) -> tuple[int, bytes]:
-    request = urllib.request.Request(broker.admin_url + path)
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+def client(broker: BrokerProcess, token: str | None = None) -> SyncAdminClient:
+    return SyncAdminClient(broker.admin_url, token)
 
 
 def test_health_and_readiness_are_open(secured: BrokerProcess) -> None:
-    assert get(secured, "/healthz")[0] == 200
-    assert get(secured, "/readyz")[0] == 200
+    with client(secured) as anonymous:
+        assert anonymous.readiness().ready
+        assert anonymous.send(Call("GET", "/healthz", lambda r: r.json())) == {"status": "ok"}
 
 
 def test_status_needs_the_bearer_token(secured: BrokerProcess) -> None:
-    assert get(secured, "/status")[0] == 401
-    assert get(secured, "/status", "wrong")[0] == 401
-    code, body = get(secured, "/status", TOKEN)
-    assert code == 200
-    status = BrokerStatus.model_validate_json(body)
-    assert (status.name, status.role, status.ready) == ("secured", "active", True)
+    for token in (None, "wrong"):
+        with client(secured, token) as refused, pytest.raises(Unauthorized) as caught:
+            refused.status()
+        assert caught.value.status == 401
+        assert caught.value.body is not None and caught.value.body.error == "unauthorized"
+    # The launcher's own client carries the broker's TWINMQ_ADMIN_TOKEN.
+    status = secured.admin.status()
+    assert (status.name, status.role, status.ready) == ("secured", ACTIVE, True)
 
 
 def test_status_counts_connections_and_queue_messages(secured: BrokerProcess) -> None:
@@ -75,7 +85,7 @@ def test_status_counts_connections_and_queue_messages(secured: BrokerProcess) ->
     ch.confirm_delivery()
     for _ in range(3):
         ch.basic_publish("", "status.q", b"x", pika.BasicProperties(delivery_mode=2))
-    status = BrokerStatus.model_validate_json(get(secured, "/status", TOKEN)[1])
+    status = secured.admin.status()
     assert status.connections >= 1 and status.channels >= 1
     queue = next(q for q in status.queues if q.name == "status.q")
     assert (queue.messages, queue.durable) == (3, True)
@@ -83,10 +93,9 @@ def test_status_counts_connections_and_queue_messages(secured: BrokerProcess) ->
 
 
 def test_metrics_are_prometheus_text_with_broker_series(secured: BrokerProcess) -> None:
-    assert get(secured, "/metrics")[0] == 401
-    code, body = get(secured, "/metrics", TOKEN)
-    text = body.decode()
-    assert code == 200
+    with client(secured) as anonymous, pytest.raises(Unauthorized):
+        anonymous.metrics()
+    text = secured.admin.metrics()
     for series in (
         "twinmq_connections", "twinmq_channels", "twinmq_queue_messages_ready",
         "twinmq_messages_published_total", "twinmq_confirm_latency_seconds_bucket",
@@ -112,5 +121,69 @@ def test_users_file_login_and_wrong_password(secured: BrokerProcess) -> None:
         )
 
 
-def test_unknown_admin_path_is_404(secured: BrokerProcess) -> None:
-    assert get(secured, "/nope", TOKEN)[0] == 404
+def test_unknown_admin_path_is_an_admin_error_with_status_404(secured: BrokerProcess) -> None:
+    with pytest.raises(AdminError) as caught:
+        secured.admin.send(Call("GET", "/nope", lambda r: r.text))
+    assert caught.value.status == 404
+    assert not isinstance(caught.value, (Unauthorized, StaleEpoch, AdminUnreachable))
+
+
+# -- role changes, refusals and failures to answer ---------------------------------------
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    """An open (loopback, no token) active broker in epoch 5."""
+    with BrokerProcess(tmp_path / "data", name="b5", extra_args=["--epoch", "5"]) as b:
+        yield b
+
+
+def test_a_stale_epoch_is_refused_as_stale_epoch_and_changes_nothing(
+    broker: BrokerProcess,
+) -> None:
+    with pytest.raises(StaleEpoch) as caught:
+        broker.admin.set_role(PASSIVE, 3)
+    assert caught.value.status == 409
+    assert "epoch 3 is stale" in str(caught.value)
+    status = broker.admin.status()
+    assert (status.role, status.epoch) == (ACTIVE, 5)
+
+
+def test_a_role_change_answers_with_the_new_status(broker: BrokerProcess) -> None:
+    status = broker.admin.set_role(PASSIVE, 6)
+    assert (status.role, status.epoch) == (PASSIVE, 6)
+    readiness = broker.admin.readiness()  # 503 is an answer, not an error
+    assert not readiness.ready and readiness.reason and "passive" in readiness.reason
+
+
+def test_a_paused_broker_is_a_timeout_and_a_closed_port_is_unreachable(
+    broker: BrokerProcess,
+) -> None:
+    broker.signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(AdminTimeout):
+            broker.admin.status(timeout=0.5)
+    finally:
+        broker.signal(signal.SIGCONT)
+    assert broker.admin.status().name == "b5"  # the pool recovers from the timed-out call
+    with SyncAdminClient(f"http://127.0.0.1:{free_port()}") as nobody:
+        with pytest.raises(AdminUnreachable) as caught:
+            nobody.status()
+        assert not isinstance(caught.value, AdminTimeout)
+
+
+def test_the_async_client_shares_one_pool_between_brokers(
+    broker: BrokerProcess, secured: BrokerProcess
+) -> None:
+    async def both() -> tuple[str, str]:
+        async with httpx.AsyncClient() as pool:
+            open_ = AdminClient(broker.admin_url, http=pool)
+            guarded = AdminClient(secured.admin_url, TOKEN, http=pool)
+            a, b = await asyncio.gather(open_.status(), guarded.status())
+            with pytest.raises(StaleEpoch):
+                await open_.set_role(PASSIVE, 4)
+            await open_.aclose()  # the pool is the caller's: still usable afterwards
+            assert (await guarded.status()).name == "secured"
+            return a.name, b.name
+
+    assert asyncio.run(both()) == ("b5", "secured")

@@ -10,13 +10,10 @@ both brokers stop. Their audit segments are shipped and audited.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -28,7 +25,10 @@ from pyspark.sql import SparkSession
 from twinmq.audit.job import AuditParams, run_audit
 from twinmq.audit.store import Store, ship
 from twinmq.audit.summary import Verdict
+from twinmq.broker.admin_client import AdminUnreachable
+from twinmq.broker.api import BrokerStatus
 from twinmq.broker.launcher import BrokerProcess
+from twinmq.broker.names import ACTIVE, REPLICATION_TOKEN_ENV
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]  # a JVM: minutes on 2 cores
 
@@ -36,12 +36,10 @@ TOKEN = "audit-test-replication-token"
 QUEUE = "audit.real"
 
 
-def _status(broker: BrokerProcess) -> dict[str, Any] | None:
+def _status(broker: BrokerProcess) -> BrokerStatus | None:
     try:
-        with urllib.request.urlopen(broker.admin_url + "/status", timeout=2) as response:
-            data: dict[str, Any] = json.loads(response.read())
-            return data
-    except OSError:
+        return broker.admin.status(timeout=2)
+    except AdminUnreachable:
         return None
 
 
@@ -56,18 +54,11 @@ def _wait(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
 
 def _ready(broker: BrokerProcess, flag: str = "ready") -> bool:
     s = _status(broker)
-    return s is not None and bool(s["replication"][flag])
+    return s is not None and bool(getattr(s.replication, flag))
 
 
 def _promote(broker: BrokerProcess, epoch: int) -> None:
-    request = urllib.request.Request(
-        broker.admin_url + "/role",
-        data=json.dumps({"role": "active", "epoch": epoch}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        assert json.loads(response.read())["role"] == "active"
+    assert broker.admin.set_role(ACTIVE, epoch, timeout=10).role == ACTIVE
 
 
 def _args(epoch: int, replicate_from: str | None = None) -> list[str]:
@@ -110,7 +101,7 @@ class Publisher:
 
 def fault_run(root: Path) -> tuple[BrokerProcess, BrokerProcess]:
     """The run of the module docstring; returns the stopped brokers."""
-    env = {"TWINMQ_REPLICATION_TOKEN": TOKEN}
+    env = {REPLICATION_TOKEN_ENV: TOKEN}
     a = BrokerProcess(root / "a", name="a", env=dict(env), extra_args=_args(1)).start()
     b = BrokerProcess(root / "b", name="b", env=dict(env))
     b.extra_args = _args(1, a.replication_address)

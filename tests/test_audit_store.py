@@ -69,6 +69,30 @@ def test_segments_are_shipped_once_as_parquet_with_provenance(tmp_path: Path) ->
     assert again.shipped == [] and len(again.already) == 2
 
 
+def test_shipping_to_a_second_store_ships_everything_there_too(tmp_path: Path) -> None:
+    audit = tmp_path / "audit"
+    _write_segment(audit, "a", 1, 1, range(1, 4))
+    _write_segment(audit, "a", 1, 2, range(4, 6))
+    first, second = Store(str(tmp_path / "first")), Store(str(tmp_path / "second"))
+    assert len(ship(audit, first).shipped) == 2
+
+    report = ship(audit, second)
+    assert report.shipped == ["a-e000001-00000001", "a-e000001-00000002"]
+    assert [s.key for s in second.segments()] == [s.key for s in first.segments()]
+    # Each store is remembered on its own; one store named two ways is one store.
+    assert ship(audit, first).shipped == ship(audit, second).shipped == []
+    assert ship(audit, Store("file://" + str(tmp_path / "second"))).shipped == []
+
+
+def test_a_ledger_line_without_a_store_is_checked_in_the_store(tmp_path: Path) -> None:
+    audit = tmp_path / "audit"
+    _write_segment(audit, "a", 1, 1, range(1, 4))
+    (audit / ".shipped").write_text("a-e000001-00000001\n")  # written before stores were named
+    store = Store(str(tmp_path / "store"))
+    assert ship(audit, store).shipped == ["a-e000001-00000001"]
+    assert ship(audit, store).already == ["a-e000001-00000001"]
+
+
 def test_two_brokers_and_epochs_never_collide(tmp_path: Path) -> None:
     store = Store("file://" + str(tmp_path / "store"))
     for broker in ("a", "b"):

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from twinmq.broker.names import OPERATOR_NAMESPACES_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "twinmq"
 KUBERNETES_VERSION = "1.36"  # the local cluster's (localcluster/versions.py)
@@ -184,7 +186,7 @@ def test_defaults_install_the_operator_cluster_wide_and_no_standalone_broker(
     ]
     container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"] for e in container["env"]}
-    assert "TWINMQ_OPERATOR_NAMESPACES" not in env  # all namespaces
+    assert OPERATOR_NAMESPACES_ENV not in env  # all namespaces
 
 
 def test_namespace_scope_grants_nothing_cluster_wide_and_watches_its_namespace(
@@ -201,7 +203,7 @@ def test_namespace_scope_grants_nothing_cluster_wide_and_watches_its_namespace(
     assert binding["roleRef"]["kind"] == "Role"
     assert binding["metadata"]["namespace"] == "team-a"
     container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    watch = next(e for e in container["env"] if e["name"] == "TWINMQ_OPERATOR_NAMESPACES")
+    watch = next(e for e in container["env"] if e["name"] == OPERATOR_NAMESPACES_ENV)
     assert watch["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 
 
@@ -252,11 +254,11 @@ def test_an_unknown_rbac_scope_is_refused(helm: Callable[..., str]) -> None:
 
 
 def test_operator_watches_the_namespaces_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    from twinmq.operator.main import NAMESPACES_ENV, watched_namespaces
+    from twinmq.operator.main import watched_namespaces
 
-    monkeypatch.delenv(NAMESPACES_ENV, raising=False)
+    monkeypatch.delenv(OPERATOR_NAMESPACES_ENV, raising=False)
     assert watched_namespaces([]) == []
     assert watched_namespaces(["--namespace", "a", "-n", "b"]) == ["a", "b"]
-    monkeypatch.setenv(NAMESPACES_ENV, "team-a, team-b,")
+    monkeypatch.setenv(OPERATOR_NAMESPACES_ENV, "team-a, team-b,")
     assert watched_namespaces([]) == ["team-a", "team-b"]
     assert watched_namespaces(["-n", "c"]) == ["c"]  # the option wins

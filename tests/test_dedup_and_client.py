@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 from pathlib import Path
 
 import pika
@@ -14,6 +12,7 @@ from queues import opted_in
 
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.launcher import BrokerProcess
+from twinmq.broker.names import ACTIVE, REPLICATION_TOKEN_ENV
 from twinmq.client import ReliablePublisher
 
 
@@ -95,23 +94,13 @@ def test_dedup_window_survives_a_restart(tmp_path: Path) -> None:
         assert _drain(broker, "dd.q") == []
 
 
-def _promote(broker: BrokerProcess, epoch: int) -> None:
-    request = urllib.request.Request(
-        broker.admin_url + "/role",
-        data=json.dumps({"role": "active", "epoch": epoch}).encode(),
-        method="POST",
-    )
-    urllib.request.urlopen(request, timeout=10).close()
-
-
 def _ready(broker: BrokerProcess) -> bool:
-    with urllib.request.urlopen(broker.admin_url + "/status", timeout=5) as resp:
-        return bool(json.load(resp)["replication"]["ready"])
+    return broker.admin.status().replication.ready
 
 
 @pytest.mark.timeout(120)
 def test_reliable_publisher_enqueues_each_message_once_across_a_failover(tmp_path: Path) -> None:
-    env = {"TWINMQ_REPLICATION_TOKEN": "pair-secret"}
+    env = {REPLICATION_TOKEN_ENV: "pair-secret"}
     active = BrokerProcess(tmp_path / "a", name="a", env=env, extra_args=["--epoch", "1"]).start()
     passive = BrokerProcess(
         tmp_path / "b", name="b", env=env,
@@ -153,7 +142,7 @@ def test_reliable_publisher_enqueues_each_message_once_across_a_failover(tmp_pat
                 assert loop.time() < deadline, "the pair never got going"
                 await asyncio.sleep(0.01)
             active.kill()
-            _promote(passive, 2)
+            passive.admin.set_role(ACTIVE, 2)
             await producer
             await publisher.close()
             return sent, publisher

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,11 +15,11 @@ from disks import small_tmpfs
 from jepsen import post_role, status, wait_for
 from queues import drain
 
-from twinmq.broker.api import BrokerStatus
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.broker.journal import Journal, JournalError, StoredMessage
 from twinmq.broker.launcher import BrokerProcess
+from twinmq.broker.names import REPLICATION_TOKEN_ENV
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
 
 
@@ -35,8 +34,7 @@ def wait_for_alarms(broker: BrokerProcess, expected: list[str]) -> None:
     """Poll the admin API until the broker reports exactly `expected` alarms."""
     deadline = time.monotonic() + 10
     while True:
-        with urllib.request.urlopen(broker.admin_url + "/status", timeout=5) as resp:
-            alarms = BrokerStatus.model_validate_json(resp.read()).alarms
+        alarms = broker.admin.status().alarms
         if alarms == expected:
             return
         assert time.monotonic() < deadline, f"alarms {alarms}, expected {expected}"
@@ -256,7 +254,7 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
     passive catches up: a failover then finds every confirmed message."""
     filler = small_disk / "filler"
     filler.write_bytes(b"\0" * (11 * 1024 * 1024))
-    env = {"TWINMQ_REPLICATION_TOKEN": "disk-full-pair"}
+    env = {REPLICATION_TOKEN_ENV: "disk-full-pair"}
     common = ["--epoch", "1", "--replication-timeout", "2", "--disk-free-limit", "0"]
     active = BrokerProcess(tmp_path / "a", name="a", env=env, extra_args=common).start()
     passive_args = [*common, "--role", "passive", "--replicate-from", active.replication_address]

@@ -25,7 +25,7 @@ from pamqp.frame import _unmarshal_method_frame
 from rawamqp import (
     PROTOCOL_HEADER,
     RawClient,
-    admin_status,
+    connections,
     content,
     decode_frames,
     encode,
@@ -406,11 +406,6 @@ def test_frame_reader_refuses_an_oversize_frame_from_its_header_alone(
 
 
 # -- (c) a real broker -----------------------------------------------------------------------
-
-
-def connections(broker: BrokerProcess) -> int:
-    """The broker's count of client connections."""
-    return int(admin_status(broker.admin_url)["connections"])
 
 
 @settings(

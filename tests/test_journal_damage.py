@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pika
@@ -19,6 +18,7 @@ import pytest
 from jepsen import Pair, post_role, queue_counts, status, wait_for
 from queues import drain
 
+from twinmq.broker.admin_client import metric_samples
 from twinmq.broker.journal.ops import TAG_MSG, decode_group
 from twinmq.broker.journal.segment import HEADER, REC
 from twinmq.broker.launcher import BrokerProcess
@@ -82,14 +82,7 @@ def _corrupt_a_record(journal: Path) -> tuple[Path, bytes, set[bytes]]:
 
 
 def _metrics(broker: BrokerProcess) -> dict[str, float]:
-    with urllib.request.urlopen(broker.admin_url + "/metrics", timeout=5) as response:
-        text = response.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.split()
-            out[name] = float(value)
-    return out
+    return metric_samples(broker.admin.metrics())
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

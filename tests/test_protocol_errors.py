@@ -19,7 +19,7 @@ from pika.exceptions import ChannelClosedByBroker
 from rawamqp import (
     PROTOCOL_HEADER,
     RawClient,
-    admin_status,
+    connections,
     content,
     encode,
     handshake_frames,
@@ -45,11 +45,6 @@ def opened(raw: RawClient) -> RawClient:
     raw.handshake()
     raw.open_channel(1)
     return raw
-
-
-def connections(broker: BrokerProcess) -> int:
-    """The broker's count of client connections."""
-    return int(admin_status(broker.admin_url)["connections"])
 
 
 # -- the protocol header and the frame layer -------------------------------------------------
@@ -182,8 +177,7 @@ def test_client_that_disconnects_mid_frame_leaves_no_connection_behind(
         assert connections(broker) == baseline + 1
     wait_for(lambda: connections(broker) == baseline)
     # The connection's exclusive queue went with it.
-    status = admin_status(broker.admin_url)
-    assert "errors.half-sent" not in {q["name"] for q in status["queues"]}
+    assert "errors.half-sent" not in {q.name for q in broker.admin.status().queues}
     pika_round_trip(broker.url)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,9 @@ from pika.adapters.blocking_connection import BlockingChannel
 from rawamqp import RawClient, handshake_frames
 from replpeer import hello_for
 
+from twinmq.broker.admin_client import AdminUnreachable, metric_samples
 from twinmq.broker.launcher import BrokerProcess
+from twinmq.broker.names import REPLICATION_TOKEN_ENV
 from twinmq.broker.replication.protocol import (
     BATCH_CATCHUP,
     BATCH_CATCHUP_LAST,
@@ -36,6 +37,7 @@ from twinmq.broker.replication.protocol import (
     encode,
     encode_u64,
 )
+from twinmq.operator.probe import passive_lag
 
 QUEUE = "replicated"
 TOKEN = Pair.TOKEN
@@ -101,14 +103,9 @@ def replication(broker: BrokerProcess) -> dict[str, Any]:
 def metric(broker: BrokerProcess, name: str) -> float | None:
     """One unlabelled sample from `GET /metrics`."""
     try:
-        with urllib.request.urlopen(broker.admin_url + "/metrics", timeout=2) as response:
-            text = response.read().decode()
-    except OSError:
+        return metric_samples(broker.admin.metrics(timeout=2)).get(name)
+    except AdminUnreachable:
         return None
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
 
 
 def promote(pair: Pair) -> None:
@@ -191,7 +188,7 @@ def test_stale_epoch_is_refused_with_409_and_changes_nothing(pair: Pair) -> None
 
 
 def test_active_steps_down_when_a_passive_knows_a_higher_epoch(tmp_path: Path) -> None:
-    env = {"TWINMQ_REPLICATION_TOKEN": TOKEN}
+    env = {REPLICATION_TOKEN_ENV: TOKEN}
     old = BrokerProcess(
         tmp_path / "old", name="old", env=env, port=stable_port(), admin_port=stable_port(),
         replication_port=stable_port(), extra_args=["--epoch", "1"],
@@ -264,6 +261,33 @@ def test_stopped_passive_does_not_block_the_active_and_catches_up(pair: Pair) ->
     assert messages(pair.passive) == 150
     publish(pair.active, bodies("after", 10))
     assert messages(pair.passive) == 160
+
+
+@pytest.mark.parametrize("pair", [120.0], indirect=True)
+def test_a_paused_passive_is_lag_in_the_actives_status_and_the_operators(pair: Pair) -> None:
+    """What the operator's `status.brokers[].lagMessages` reports for a passive that cannot
+    answer: the active's count of messages sent and not yet durable on it."""
+    publish(pair.active, bodies("before", 10))
+    assert pair.active.admin.status().replication.lag_messages == 0
+    pair.passive.signal(signal.SIGSTOP)
+    connection, channel = _channel(pair.active)
+    try:
+        for body in bodies("held", 30):  # no confirms: they wait for the paused passive
+            channel.basic_publish("", QUEUE, body, pika.BasicProperties(delivery_mode=2))
+        report = wait_for(
+            lambda: (r := pair.active.admin.status()).replication.lag_messages >= 30 and r,
+            10, "the active to count the held messages",
+        )  # fmt: skip
+        lag = passive_lag("backup", "primary", {"primary": report, "backup": None})
+        assert lag[0] == report.replication.lag_messages >= 30
+        assert passive_lag("primary", "primary", {"primary": report, "backup": None}) == (0, 0.0)
+    finally:
+        pair.passive.signal(signal.SIGCONT)
+        connection.close()
+    wait_for(
+        lambda: pair.active.admin.status().replication.lag_messages == 0, 10, "the lag to clear"
+    )
+    assert messages(pair.passive) == 40
 
 
 @pytest.mark.parametrize("pair", [1.0], indirect=True)

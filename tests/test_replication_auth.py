@@ -14,7 +14,6 @@ import json
 import struct
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 from jepsen import Pair, post_role, queue_counts, status, wait_for
 from replpeer import FakeListener, RawLink, hello_for, welcome_for
 
+from twinmq.broker.admin_client import metric_samples
 from twinmq.broker.epoch import epoch_jump_refusal
 from twinmq.broker.journal import StoredMessage, encode_ops
 from twinmq.broker.launcher import BrokerProcess
@@ -98,11 +98,7 @@ def _log(broker: BrokerProcess) -> str:
 
 
 def _metric(broker: BrokerProcess, sample: str) -> float:
-    with urllib.request.urlopen(broker.admin_url + "/metrics", timeout=2) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(sample + " "):
-                return float(line.split()[1])
-    return 0.0
+    return metric_samples(broker.admin.metrics(timeout=2)).get(sample, 0.0)
 
 
 @pytest.fixture

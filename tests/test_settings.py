@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from twinmq.broker import names
 from twinmq.broker.settings import BrokerSettings, flag, parse_args
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -17,19 +18,35 @@ def test_flags_override_environment_which_overrides_the_file(
 ) -> None:
     config = tmp_path / "broker.json"
     config.write_text(json.dumps({"port": 7000, "name": "from-file", "heartbeat": 5}))
-    monkeypatch.setenv("TWINMQ_CONFIG", str(config))
-    monkeypatch.setenv("TWINMQ_PORT", "6000")
+    monkeypatch.setenv(names.CONFIG_ENV, str(config))
+    monkeypatch.setenv(names.setting_env("port"), "6000")
     settings = parse_args(["--heartbeat", "9"])
     assert (settings.port, settings.name, settings.heartbeat) == (6000, "from-file", 9)
     assert settings.fsync is True
 
 
 def test_admin_token_from_environment_is_secret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TWINMQ_ADMIN_TOKEN", "s3cret")
+    monkeypatch.setenv(names.ADMIN_TOKEN_ENV, "s3cret")
     settings = parse_args([])
     assert settings.admin_token is not None
     assert settings.admin_token.get_secret_value() == "s3cret"
     assert "s3cret" not in repr(settings)
+
+
+def test_every_shared_broker_variable_names_a_settings_field() -> None:
+    for variable in (
+        names.ADMIN_TOKEN_ENV, names.REPLICATION_TOKEN_ENV,
+        names.LEASE_NAME_ENV, names.LEASE_SECONDS_ENV,
+    ):  # fmt: skip
+        assert variable.removeprefix(names.ENV_PREFIX).lower() in BrokerSettings.model_fields
+
+
+def test_the_default_ports_and_role_are_the_shared_ones() -> None:
+    defaults = BrokerSettings()
+    assert (defaults.port, defaults.admin_port, defaults.replication_port) == (
+        names.AMQP_PORT, names.ADMIN_PORT, names.REPLICATION_PORT,
+    )  # fmt: skip
+    assert defaults.role == names.ACTIVE
 
 
 def test_invalid_values_are_refused_with_the_field_named() -> None:

@@ -1,0 +1,77 @@
+"""The brokers as the operator sees them: their admin API, through the one admin client.
+
+`probe` reads a broker's `GET /status` (None when it does not answer in time);
+`view_of` and `passive_lag` turn reports into what the failover algorithm and the
+BrokerCluster's status need, without I/O. `admin` is the client the reconcile also
+uses for `POST /role`; every broker shares one connection pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from twinmq.broker.admin_client import AdminError, SyncAdminClient
+from twinmq.broker.api import BrokerStatus as BrokerReport
+from twinmq.broker.names import ADMIN_PORT, PASSIVE, REPLICATION_PORT
+from twinmq.operator.failover import BrokerView
+from twinmq.operator.models import BrokerName
+
+PROBE_TIMEOUT = 1.0
+# One connection pool for every broker's admin API (each call names its broker and token).
+ADMIN_POOL = httpx.Client(limits=httpx.Limits(max_connections=32, max_keepalive_connections=8))
+
+
+def admin(ip: str, token: str) -> SyncAdminClient:
+    """The admin API of the broker at `ip`, on the operator's shared pool."""
+    return SyncAdminClient(f"http://{ip}:{ADMIN_PORT}", token, http=ADMIN_POOL)
+
+
+def probe(pod: dict[str, Any] | None, token: str) -> BrokerReport | None:
+    """The broker's `GET /status`, or None when it does not answer."""
+    ip = (pod or {}).get("status", {}).get("podIP")
+    if not ip or (pod or {}).get("metadata", {}).get("deletionTimestamp"):
+        return None
+    try:
+        # A short timeout: a cut-off broker must not stall the reconcile, whose timing
+        # decides whether the backup is still promotable when the Lease lapses.
+        return admin(ip, token).status(timeout=PROBE_TIMEOUT)
+    except AdminError:
+        return None
+
+
+def view_of(report: BrokerReport, name: BrokerName, active_ip: str | None) -> BrokerView:
+    """What the failover algorithm needs of a broker's status."""
+    replication = report.replication
+    return BrokerView(
+        name=name,
+        reachable=True,
+        role=report.role,
+        epoch=report.epoch,
+        ready=replication.ready and report.role == PASSIVE,
+        link_connected=replication.link_connected,
+        replicating_from_active=active_ip is not None
+        and replication.peer == f"{active_ip}:{REPLICATION_PORT}"
+        and replication.link_connected,
+    )
+
+
+def passive_lag(
+    name: BrokerName, active: BrokerName | None, reports: dict[BrokerName, BrokerReport | None]
+) -> tuple[int, float]:
+    """(messages, seconds) the broker `name` lags behind the active: 0 for the active itself.
+
+    The active counts what it sent its passive and the passive has not made durable, and
+    knows it even when the passive cannot answer (paused, cut off); the passive counts what
+    it received and has not written yet. The larger of the two is the lag."""
+    if name == active:
+        return 0, 0.0
+    known = [
+        (r.replication.lag_messages, r.replication.lag_seconds)
+        for r in (reports.get(name), reports.get(active) if active else None)
+        if r is not None
+    ]
+    if not known:
+        return 0, 0.0
+    return max(m for m, _ in known), max(s for _, s in known)
