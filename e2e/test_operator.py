@@ -8,47 +8,31 @@ so these tests run on the local cluster only.
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import threading
 import time
 from pathlib import Path
 
-import pika
 import pytest
 from brokerclusters import (
     OperatorProcess,
-    amqp_url,
     cluster_path,
     cluster_status,
     condition,
     create_cluster,
 )
 from conftest import Cluster
+from failover_scenarios import (
+    cut_off_the_api_server_fences_before_the_backup_is_promoted,
+    kill_9_of_the_active_fails_over_losing_nothing,
+)
 from support import wait_until
 
-from twinmq.client import ReliablePublisher
 from twinmq.localcluster import faults
 from twinmq.localcluster.layout import Layout
-from twinmq.operator.main import admin_call
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-
-
-def _drain(url: str, queue: str) -> list[int]:
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    ch = conn.channel()
-    out = []
-    while True:
-        method, _props, body = ch.basic_get(queue, auto_ack=True)
-        if method is None:
-            break
-        out.append(int(body))
-    conn.close()
-    return out
 
 
 def test_brokercluster_comes_up_with_the_virtual_ip_at_the_primary(
@@ -69,45 +53,9 @@ def test_brokercluster_comes_up_with_the_virtual_ip_at_the_primary(
 def test_kill_9_of_the_active_fails_over_through_the_virtual_ip_losing_nothing(
     cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
-    name = create_cluster(cluster, namespace)
-    url = amqp_url(cluster, namespace, name)
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    conn.channel().queue_declare("orders", durable=True)
-    conn.close()
-    total = 600
-    timeline: dict[str, float] = {}
-
-    async def traffic() -> int:
-        publisher = ReliablePublisher([url], reconnect_delay=0.2, give_up_after=90)
-        sent = 0
-        for i in range(total):
-            await publisher.publish(str(i).encode(), "orders", message_id=f"o-{i}")
-            sent += 1
-            if i == total // 3:
-                faults.kill_pod(Layout.default(), namespace, f"{name}-primary")
-                timeline["killed"] = time.monotonic()
-            elif "killed" in timeline and "first_after" not in timeline and publisher.reconnects:
-                timeline["first_after"] = time.monotonic()
-        await publisher.close()
-        return sent
-
-    assert asyncio.run(traffic()) == total
-    status = cluster_status(cluster, namespace, name)
-    assert status["activeBroker"] == "backup" and status["epoch"] == 2
-    assert status["lastFailover"]["from"] == "primary"
-    received = _drain(url, "orders")
-    assert sorted(received) == list(range(total)), "confirmed messages lost or duplicated"
-    print(
-        f"kill -9 to first confirm through the VIP: "
-        f"{timeline['first_after'] - timeline['killed']:.2f}s"
+    kill_9_of_the_active_fails_over_losing_nothing(
+        cluster, namespace, create_cluster(cluster, namespace)
     )
-
-    def primary_back_in_sync() -> bool:
-        s = cluster_status(cluster, namespace, name)
-        primary = next(b for b in s.get("brokers", []) if b["name"] == "primary")
-        return primary["role"] == "passive" and primary["ready"]
-
-    wait_until("the old primary is back as a ready passive", primary_back_in_sync, timeout=60)
 
 
 def test_recover_request_demotes_the_backup_before_activating_the_primary(
@@ -153,105 +101,12 @@ def test_recover_request_demotes_the_backup_before_activating_the_primary(
     assert cluster_status(cluster, namespace, name)["activeBroker"] == "primary"
 
 
-def _admin(cluster: Cluster, namespace: str, name: str) -> tuple[str, dict[str, str]]:
-    """The admin token and the pod IP of each broker."""
-    secret = cluster.kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-auth") or {}
-    token = base64.b64decode(secret["data"]["admin-token"]).decode()
-    ips = {}
-    for broker in ("primary", "backup"):
-        pod = cluster.kube.get(f"/api/v1/namespaces/{namespace}/pods/{name}-{broker}") or {}
-        ips[broker] = pod["status"]["podIP"]
-    return token, ips
-
-
-class RoleWatch:
-    """Polls both brokers' roles from the host, recording each distinct (primary, backup)."""
-
-    def __init__(self, token: str, ips: dict[str, str]) -> None:
-        self.token, self.ips = token, ips
-        self.seen: list[tuple[str, str]] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def role(self, broker: str) -> str:
-        try:
-            return str(admin_call(self.ips[broker], self.token, "/status", timeout=1.0)["role"])
-        except (OSError, ValueError):
-            return "unreachable"
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            pair = (self.role("primary"), self.role("backup"))
-            if not self.seen or self.seen[-1] != pair:
-                self.seen.append(pair)
-            self.stop.wait(0.05)
-
-    def first(self, primary: str | None = None, backup: str | None = None) -> int:
-        """Index of the first pair matching (-1: never seen)."""
-        return next((i for i, (p, b) in enumerate(self.seen)
-                     if primary in (None, p) and backup in (None, b)), -1)  # fmt: skip
-
-
 def test_a_primary_cut_off_the_api_server_fences_itself_before_the_backup_is_promoted(
     cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
-    """The Lease fences: the active cannot renew (its API requests hang) while its
-    clients still reach it; it stops confirming and steps down by itself before the
-    operator promotes the backup, and no confirmed message is lost."""
-    name = create_cluster(cluster, namespace)
-    layout = Layout.default()
-    token, ips = _admin(cluster, namespace, name)
-    direct = amqp_url(cluster, namespace, name, host=ips["primary"])  # not the VIP
-    conn = pika.BlockingConnection(pika.URLParameters(direct))
-    ch = conn.channel()
-    ch.queue_declare("orders", durable=True)
-    ch.confirm_delivery()
-    watch = RoleWatch(token, ips)
-    watch.thread.start()
-    confirmed: list[int] = []
-    faults.cut_api_server(layout, namespace, f"{name}-primary")
-    try:
-        closed_by_broker = False
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # until the primary drops its clients
-            try:
-                ch.basic_publish("", "orders", str(len(confirmed)).encode(),
-                                 pika.BasicProperties(delivery_mode=2))  # fmt: skip
-            except pika.exceptions.AMQPError:
-                closed_by_broker = True
-                break
-            confirmed.append(len(confirmed))
-        assert closed_by_broker, "the cut-off primary kept its clients for a minute"
-
-        def backup_active() -> bool:
-            return cluster_status(cluster, namespace, name).get("activeBroker") == "backup"
-
-        wait_until("failover to the backup", backup_active, timeout=60)
-        wait_until("the watch sees the backup active", lambda: watch.first(backup="active") >= 0)
-    finally:
-        faults.heal_api_server(layout, namespace, f"{name}-primary")
-        watch.stop.set()
-    watch.thread.join()
-    # Its clients reached it while it could not reach the API server; then it stopped
-    # confirming (closed them) and stepped down by itself, in its own epoch: both
-    # brokers passive before the operator promoted the backup. Never two actives.
-    assert confirmed, "no publish was confirmed while the primary was cut off the API"
-    fenced, promoted = watch.first("passive", "passive"), watch.first(backup="active")
-    assert 0 <= fenced < promoted, watch.seen
-    assert watch.first("active", "active") == -1, watch.seen
-    log = cluster.kube.text(
-        f"/api/v1/namespaces/{namespace}/pods/{name}-primary/log", container="broker"
+    cut_off_the_api_server_fences_before_the_backup_is_promoted(
+        cluster, namespace, create_cluster(cluster, namespace)
     )
-    assert "self-fencing" in log, log[-3000:]
-    received = _drain(amqp_url(cluster, namespace, name), "orders")
-    assert set(confirmed) <= set(received), "confirmed messages lost across the fencing"
-
-    def single_active() -> bool:
-        s = cluster_status(cluster, namespace, name)
-        roles = {b["name"]: b["role"] for b in s.get("brokers", [])}
-        return roles == {"primary": "passive", "backup": "active"}
-
-    wait_until("the fenced primary is back as passive", single_active, timeout=60)
 
 
 def test_a_primary_cut_off_the_network_is_replaced_and_comes_back_passive(
@@ -325,20 +180,26 @@ def test_an_operator_killed_mid_failover_finishes_it_after_a_restart(
     cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
     name = create_cluster(cluster, namespace)
-    faults.kill_pod(Layout.default(), namespace, f"{name}-primary")
+    # A hung primary (SIGSTOP): Kubernetes still reports it running, so the failover waits
+    # for its Lease (a killed one would be replaced at once, with nothing to interrupt).
+    faults.pause_pod(Layout.default(), namespace, f"{name}-primary")
+    try:
 
-    def failing_over() -> bool:
-        return cluster_status(cluster, namespace, name).get("phase") == "FailingOver"
+        def failing_over() -> bool:
+            return cluster_status(cluster, namespace, name).get("phase") == "FailingOver"
 
-    wait_until("the operator to start the failover", failing_over, timeout=30)
-    operator.kill()  # kill -9, mid-failover: the Lease has not lapsed yet
-    time.sleep(2)  # the operator is down while the Lease lapses: the condition under test
-    operator.start()
+        wait_until("the operator to start the failover", failing_over, timeout=30)
+        operator.kill()  # kill -9, mid-failover: the Lease has not lapsed yet
+        time.sleep(2)  # the operator is down while the Lease lapses: the condition under test
+        operator.start()
 
-    def finished() -> bool:
-        s = cluster_status(cluster, namespace, name)
-        return s.get("activeBroker") == "backup" and s.get("phase") in ("Ready", "Degraded")
+        def finished() -> bool:
+            s = cluster_status(cluster, namespace, name)
+            return s.get("activeBroker") == "backup" and s.get("phase") in ("Ready", "Degraded")
 
-    wait_until("the restarted operator to finish the failover", finished, timeout=60)
+        wait_until("the restarted operator to finish the failover", finished, timeout=60)
+    finally:
+        faults.resume_pod(Layout.default(), namespace, f"{name}-primary")
     status = cluster_status(cluster, namespace, name)
     assert status["epoch"] == 2 and status["lastFailover"]["to"] == "backup"
+    assert status["lastFailover"]["reason"].startswith("active unreachable and its Lease")
