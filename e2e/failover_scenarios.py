@@ -75,7 +75,7 @@ def kill_9_of_the_active_fails_over_losing_nothing(
     def primary_back_in_sync() -> bool:
         s = cluster_status(cluster, namespace, name)
         primary = next(b for b in s.get("brokers", []) if b["name"] == "primary")
-        return primary["role"] == "passive" and primary["ready"]
+        return primary["role"] == "passive" and bool(primary["ready"])
 
     wait_until("the old primary is back as a ready passive", primary_back_in_sync, timeout=60)
     return seconds

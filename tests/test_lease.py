@@ -129,6 +129,11 @@ async def until(what: str, check: Callable[[], bool]) -> None:
     raise AssertionError(f"never happened: {what}")
 
 
+def renewed(api: ApiServer, count: int) -> Callable[[], bool]:
+    """`until` check: the API server has seen `count` renewals."""
+    return lambda: len(api.renewals) == count
+
+
 def run(scenario: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
@@ -158,7 +163,7 @@ def test_renewals_keep_an_active_broker_active_past_the_first_deadline() -> None
             await until("the first renewal", lambda: len(api.renewals) == 1)
             for n in range(2, 11):  # three Lease durations and more, a renewal every period
                 await clock.advance_to(clock.now + keeper.period)
-                await until(f"renewal {n}", lambda n=n: len(api.renewals) == n)
+                await until(f"renewal {n}", renewed(api, n))
             assert clock.now > first_deadline and broker.role == "active"
             assert keeper.deadline > clock.now
 
