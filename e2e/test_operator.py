@@ -11,9 +11,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pika
 import pytest
 from brokerclusters import (
     OperatorProcess,
+    amqp_url,
     cluster_path,
     cluster_status,
     condition,
@@ -22,6 +24,7 @@ from brokerclusters import (
 from conftest import Cluster
 from failover_scenarios import (
     cut_off_the_api_server_fences_before_the_backup_is_promoted,
+    drain,
     kill_9_of_the_active_fails_over_losing_nothing,
 )
 from support import wait_until
@@ -107,6 +110,40 @@ def test_a_primary_cut_off_the_api_server_fences_itself_before_the_backup_is_pro
     cut_off_the_api_server_fences_before_the_backup_is_promoted(
         cluster, namespace, create_cluster(cluster, namespace)
     )
+
+
+def test_an_api_server_down_longer_than_the_lease_leaves_one_active_and_loses_nothing(
+    cluster: Cluster, operator: OperatorProcess, namespace: str
+) -> None:
+    """The whole control plane's API away for longer than the Lease: the active cannot
+    renew and fences itself (nobody can promote anything meanwhile); once the API is back
+    the operator makes exactly one broker active again, and every confirmed message is
+    there."""
+    name = create_cluster(cluster, namespace)
+    url = amqp_url(cluster, namespace, name)
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.queue_declare("orders", durable=True)
+    ch.confirm_delivery()
+    confirmed: list[int] = []
+    with faults.api_server_down(Layout.default()):
+        try:
+            for i in range(100_000):  # until the primary fences itself and drops us
+                ch.basic_publish("", "orders", str(i).encode(),
+                                 pika.BasicProperties(delivery_mode=2))  # fmt: skip
+                confirmed.append(i)
+        except pika.exceptions.AMQPError:
+            pass
+    assert 0 < len(confirmed) < 100_000, "the primary never fenced itself"
+
+    def one_active() -> bool:
+        s = cluster_status(cluster, namespace, name)
+        roles = sorted(b["role"] for b in s.get("brokers", []))
+        return roles == ["active", "passive"] and s.get("epoch", 0) >= 2
+
+    wait_until("exactly one active broker again, in a new epoch", one_active, timeout=120)
+    received = drain(url, "orders")
+    assert set(confirmed) <= set(received), "confirmed messages lost across the API outage"
 
 
 def test_a_primary_cut_off_the_network_is_replaced_and_comes_back_passive(
