@@ -440,7 +440,9 @@ def test_an_active_reported_killed_is_replaced_at_once_without_waiting_for_its_l
 
 def test_an_active_restarted_in_place_is_replaced_at_once() -> None:
     world = _started()
-    world.step(("crash", "primary", False))
+    world.step(("crash", "primary", False))  # not reported yet: the Lease path, VIP off
+    world.step(("reconcile", "primary", False))
+    assert (world.active, world.vip) == ("primary", None)
     world.step(("restart", "primary", True))  # restartCount + 1; it answers passive
     world.apply(decide(world.observe()))
     assert (world.active, world.epoch) == ("backup", 2)
