@@ -345,7 +345,8 @@ def reconcile(
     if not woken and now - memory.last_probe < spec.failover.probe_interval_seconds - 0.05:
         return None
     memory.last_probe = now
-    ensure_children(cluster, spec)
+    if not woken:  # a pod changed: the failover first; children at the next regular tick
+        ensure_children(cluster, spec)
     k = kube()
     token = k.get_secret_data(cluster.namespace, builders.secret_name(cluster, spec))["admin-token"]
     pods = {n: k.get_pod(cluster.namespace, pod_name(cluster, n)) for n in NAMES}
