@@ -4,9 +4,13 @@ through the virtual IP, over many runs, on the local cluster with default settin
     .venv/bin/python bench/failover_time.py --runs 20
 
 Each run uses a fresh BrokerCluster (pod restart back-off would otherwise grow),
-publishes continuously through the VIP with `twinmq.client.ReliablePublisher`,
-kills the active broker's process, and checks afterwards that every confirmed
-message is there exactly once. Prints p50/p99/max and the per-run figures.
+publishes numbered messages continuously through the VIP with
+`twinmq.client.ReliablePublisher`, kills the active broker's process (`kill -9`
+of the broker container of the pod the status names active), and checks
+afterwards the exact set of messages in the queue: every confirmed number once
+(lost and duplicated numbers are counted apart, so a duplicate cannot hide a
+loss). Prints p50/p99/max, the operator's failover reason and the machine's load
+per run.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import os
 import statistics
 import subprocess
 import sys
@@ -45,8 +50,20 @@ def wait(what: str, check: Any, timeout: float = 120) -> Any:
     raise TimeoutError(what)
 
 
-def one_run(kube: KubeApi, index: int) -> tuple[float, int, int]:
-    """(seconds from kill to first confirm after it, confirmed, received) of one run."""
+class Run:
+    """One run's figures."""
+
+    def __init__(self, seconds: float, confirmed: int, received: list[int], reason: str) -> None:
+        self.seconds = seconds
+        self.confirmed = confirmed
+        self.lost = sorted(set(range(confirmed)) - set(received))
+        self.duplicates = len(received) - len(set(received))
+        self.unexpected = sorted(set(received) - set(range(confirmed)))
+        self.reason = reason
+
+
+def one_run(kube: KubeApi, index: int) -> Run:
+    """Kill the active of a fresh BrokerCluster under load; the figures of that run."""
     namespace = f"failover-{index}-{uuid.uuid4().hex[:6]}"
     kube.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
     try:
@@ -61,6 +78,8 @@ def one_run(kube: KubeApi, index: int) -> tuple[float, int, int]:
             return status.get("phase") == "Ready" and conditions.get("Replicating") == "True"
 
         wait("cluster in sync", in_sync)
+        path = f"{API}/namespaces/{namespace}/brokerclusters/{name}"
+        active = ((kube.get(path) or {}).get("status") or {})["activeBroker"]
         secret = kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-auth") or {}
         data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
         ip = (kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {})["spec"][
@@ -81,7 +100,7 @@ def one_run(kube: KubeApi, index: int) -> tuple[float, int, int]:
                 )
                 confirmed += 1
                 if confirmed == 100:
-                    faults.kill_pod(Layout.default(), namespace, f"{name}-primary")
+                    faults.kill_pod(Layout.default(), namespace, f"{name}-{active}", "broker")
                     marks["killed"] = time.monotonic()
                     marks["kill_at"] = confirmed
                 elif "killed" in marks and "after" not in marks and publisher.reconnects:
@@ -92,11 +111,16 @@ def one_run(kube: KubeApi, index: int) -> tuple[float, int, int]:
         confirmed = asyncio.run(traffic())
         conn = pika.BlockingConnection(pika.URLParameters(url))
         ch = conn.channel()
-        received = 0
-        while ch.basic_get("bench", auto_ack=True)[0] is not None:
-            received += 1
+        received: list[int] = []
+        while True:
+            method, _props, body = ch.basic_get("bench", auto_ack=True)
+            if method is None:
+                break
+            received.append(int(body))
         conn.close()
-        return marks["after"] - marks["killed"], confirmed, received
+        status = (kube.get(path) or {}).get("status") or {}
+        reason = (status.get("lastFailover") or {}).get("reason", "?")
+        return Run(marks["after"] - marks["killed"], confirmed, received, reason)
     finally:
         kube.delete(f"/api/v1/namespaces/{namespace}")
 
@@ -124,24 +148,27 @@ def main() -> None:
         [sys.executable, "-m", "twinmq.operator.main"], stdout=log, stderr=log,
         env={"KUBECONFIG": str(layout.kubeconfig), "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
-    times: list[float] = []
-    lost = 0
+    runs: list[Run] = []
     try:
         for index in range(args.runs):
-            seconds, confirmed, received = one_run(kube, index)
-            times.append(seconds)
-            lost += max(0, confirmed - received)
+            run = one_run(kube, index)
+            runs.append(run)
             print(
-                f"run {index + 1:2d}: {seconds:5.2f}s kill -9 -> first confirm, "
-                f"{confirmed} confirmed, {received} received",
+                f"run {index + 1:2d}: {run.seconds:5.2f}s kill -9 -> first confirm, "
+                f"{run.confirmed} confirmed, {len(run.lost)} lost, {run.duplicates} duplicates, "
+                f"{len(run.unexpected)} unexpected; {run.reason}; "
+                f"load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
     finally:
         operator.terminate()
         operator.wait(15)
+    times = [r.seconds for r in runs]
     print(
         f"runs {len(times)}: p50 {statistics.median(times):.2f}s, "
-        f"p99 {percentile(times, 99):.2f}s, max {max(times):.2f}s, lost {lost}"
+        f"p99 {percentile(times, 99):.2f}s, max {max(times):.2f}s, "
+        f"lost {sum(len(r.lost) for r in runs)}, duplicates {sum(r.duplicates for r in runs)}, "
+        f"unexpected {sum(len(r.unexpected) for r in runs)}"
     )
 
 

@@ -2,10 +2,13 @@
 
 The operator gives the Lease to the broker it activates; while active, the
 broker renews it every third of its duration through the Kubernetes API (its
-pod's service account may touch that one Lease only). If it cannot renew for
-long enough that the Lease may lapse, it steps down at once, before the
-operator can see the Lease expired and promote the other broker: an isolated
-old active never serves beside the new one (CloudNativePG's self-fencing).
+pod's service account may touch that one Lease only). Two tasks run side by
+side: the renewals, each bounded by a timeout well inside the renewal period,
+and a deadline timer that does not wait for any request. The timer steps the
+broker down `FENCE_MARGIN` seconds before the Lease could lapse (its last
+successful renewal's start plus the duration), even while a renewal request
+hangs: an isolated old active stops serving before the operator can see the
+Lease expired and promote the other broker (CloudNativePG's self-fencing).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import os
 import ssl
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -59,22 +63,65 @@ class LeaseContext(Protocol):
         ...
 
 
-class LeaseKeeper:
-    """Renews `<namespace>/<name>` while this broker is active; fences on failure."""
+class Clock(Protocol):
+    """Monotonic time and sleeping on it (a fake one in tests)."""
 
-    def __init__(self, broker: LeaseContext, name: str, namespace: str, duration: float) -> None:
+    def monotonic(self) -> float:
+        """Seconds, never going back."""
+        ...
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait `seconds` of this clock."""
+        ...
+
+
+class SystemClock:
+    """The process's monotonic clock."""
+
+    def monotonic(self) -> float:
+        """`time.monotonic()`."""
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        """`asyncio.sleep`."""
+        await asyncio.sleep(seconds)
+
+
+@dataclass(frozen=True)
+class ApiAccess:
+    """How to reach the API server: TLS context and the bearer token's file (None: plain)."""
+
+    ssl: ssl.SSLContext | None = None
+    token_file: Path | None = None
+
+    def headers(self) -> dict[str, str]:
+        """The Authorization header (the token is re-read: it is rotated)."""
+        if self.token_file is None:
+            return {}
+        return {"Authorization": f"Bearer {self.token_file.read_text().strip()}"}
+
+
+class LeaseKeeper:
+    """Renews the Lease at `url` while this broker is active; fences on failure, on time."""
+
+    def __init__(
+        self,
+        broker: LeaseContext,
+        url: str,
+        duration: float,
+        access: ApiAccess | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.broker = broker
-        self.name = name
-        self.namespace = namespace
+        self.url = url
         self.duration = duration
-        self.last_renewed = time.monotonic()
-        self.fenced_at: float | None = None
-        host = os.environ["KUBERNETES_SERVICE_HOST"]
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        self.url = (
-            f"https://{host}:{port}/apis/coordination.k8s.io/v1/namespaces/"
-            f"{namespace}/leases/{name}"
-        )
+        self.access = access or ApiAccess()
+        self.clock = clock or SystemClock()
+        self.period = duration / 3
+        # Well inside the period: a hung request leaves time for another attempt.
+        self.request_timeout = self.period / 2
+        self.deadline = self.clock.monotonic() + duration - FENCE_MARGIN
+        self.fenced_at: float | None = None  # the keeper's clock
 
     @classmethod
     def from_environment(cls, broker: LeaseContext) -> LeaseKeeper | None:
@@ -84,38 +131,70 @@ class LeaseKeeper:
             return None
         if "KUBERNETES_SERVICE_HOST" not in os.environ:
             return None
-        namespace = settings.lease_namespace or (SERVICE_ACCOUNT / "namespace").read_text()
-        return cls(broker, settings.lease_name, namespace.strip(), settings.lease_seconds)
+        namespace = (
+            settings.lease_namespace or (SERVICE_ACCOUNT / "namespace").read_text()
+        ).strip()
+        host = os.environ["KUBERNETES_SERVICE_HOST"]
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        url = (
+            f"https://{host}:{port}/apis/coordination.k8s.io/v1/namespaces/"
+            f"{namespace}/leases/{settings.lease_name}"
+        )
+        access = ApiAccess(
+            ssl.create_default_context(cafile=str(SERVICE_ACCOUNT / "ca.crt")),
+            SERVICE_ACCOUNT / "token",
+        )
+        return cls(broker, url, settings.lease_seconds, access)
 
     def activated(self) -> None:
-        """The operator just gave us the Lease with the activation: the clock starts now."""
-        self.last_renewed = time.monotonic()
+        """The operator gives us the Lease with the activation (after it): the clock starts
+        now, which is no later than the renewTime the operator writes."""
+        self.deadline = self.clock.monotonic() + self.duration - FENCE_MARGIN
 
     async def run(self) -> None:
-        """Renew every third of the duration while active; fence when renewal lapses."""
-        context = ssl.create_default_context(cafile=str(SERVICE_ACCOUNT / "ca.crt"))
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.duration / 3))
+        """Renew while active, and fence at the deadline whatever the requests do."""
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
-                await asyncio.sleep(self.duration / 3)
-                if self.broker.role != "active":
-                    self.last_renewed = time.monotonic()
-                    continue
-                try:
-                    await self._renew(session, context)
-                    self.last_renewed = time.monotonic()
-                except (aiohttp.ClientError, TimeoutError, LeaseLost) as exc:
-                    log.warning("cannot renew Lease %s/%s: %s", self.namespace, self.name, exc)
-                    if isinstance(exc, LeaseLost):
-                        await self._fence(str(exc))
-                        continue
-                if time.monotonic() - self.last_renewed > self.duration - FENCE_MARGIN:
-                    await self._fence("the Lease could not be renewed in time")
+            await asyncio.gather(self.renew_loop(session), self.deadline_timer())
 
-    async def _renew(self, session: aiohttp.ClientSession, context: ssl.SSLContext) -> None:
-        token = (SERVICE_ACCOUNT / "token").read_text().strip()
-        headers = {"Authorization": f"Bearer {token}"}
-        async with session.get(self.url, headers=headers, ssl=context) as resp:
+    async def deadline_timer(self) -> None:
+        """Step down when the deadline passes while active; independent of any request."""
+        while True:
+            if self.broker.role != "active":
+                await self.clock.sleep(self.period)
+                continue
+            remaining = self.deadline - self.clock.monotonic()
+            if remaining <= 0:
+                await self._fence("the Lease could not be renewed in time")
+                continue
+            # Re-checked at least every period: an activation moves the deadline.
+            await self.clock.sleep(min(remaining, self.period))
+
+    async def renew_loop(self, session: aiohttp.ClientSession) -> None:
+        """Renew every period while active; retry sooner after a failure."""
+        while True:
+            if self.broker.role != "active":
+                await self.clock.sleep(self.period)
+                continue
+            started = self.clock.monotonic()
+            try:
+                await self._renew(session)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.warning("cannot renew the Lease at %s: %s", self.url, exc)
+                await self.clock.sleep(self.period / 4)
+                continue
+            except LeaseLost as exc:
+                await self._fence(str(exc))
+                continue
+            # The renewTime written was taken after `started`: the Lease lasts at least
+            # until started + duration.
+            self.deadline = max(self.deadline, started + self.duration - FENCE_MARGIN)
+            await self.clock.sleep(self.period)
+
+    async def _renew(self, session: aiohttp.ClientSession) -> None:
+        headers = self.access.headers()
+        tls = self.access.ssl if self.access.ssl is not None else False
+        async with session.get(self.url, headers=headers, ssl=tls) as resp:
             if resp.status != 200:
                 raise aiohttp.ClientError(f"GET lease: HTTP {resp.status}")
             lease = await resp.json()
@@ -124,7 +203,7 @@ class LeaseKeeper:
             raise LeaseLost(f"the Lease is held by {holder!r}, not by us")
         lease["spec"]["renewTime"] = now_rfc3339()
         # An update with the read resourceVersion: a concurrent change by the operator wins.
-        async with session.put(self.url, json=lease, headers=headers, ssl=context) as resp:
+        async with session.put(self.url, json=lease, headers=headers, ssl=tls) as resp:
             if resp.status == 409:
                 raise aiohttp.ClientError("the Lease changed under us; retrying")
             if resp.status != 200:
@@ -135,7 +214,7 @@ class LeaseKeeper:
         if broker.role != "active":
             return
         log.error("self-fencing: %s; stepping down to passive (epoch %d)", reason, broker.epoch)
-        self.fenced_at = time.time()
+        self.fenced_at = self.clock.monotonic()
         await broker.set_role("passive", broker.epoch, None)
 
 

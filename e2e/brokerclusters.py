@@ -104,10 +104,10 @@ def create_cluster(cluster: Cluster, namespace: str, audit: dict[str, Any] | Non
     return name
 
 
-def amqp_url(cluster: Cluster, namespace: str, name: str) -> str:
-    """The app user's URL through the virtual IP (the Service's cluster IP)."""
+def amqp_url(cluster: Cluster, namespace: str, name: str, host: str | None = None) -> str:
+    """The app user's URL through the virtual IP (the Service's cluster IP), or to `host`."""
     secret = cluster.kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-auth") or {}
     data = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
     service = cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {}
-    ip = service["spec"]["clusterIP"]
+    ip = host or service["spec"]["clusterIP"]
     return f"amqp://{data['username']}:{data['password']}@{ip}:{AMQP_PORT}/%2F"

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from twinmq.localcluster import cluster, daemons
-from twinmq.localcluster.layout import Layout
+from twinmq.localcluster.layout import APISERVER_PORT, GATEWAY_IP, Layout
 from twinmq.localcluster.nodeagent.runtime import Runtime
 from twinmq.localcluster.pki import admin_token
 
@@ -90,6 +90,30 @@ def heal_network(layout: Layout, namespace: str, name: str) -> str:
     return _set_link(layout, namespace, name, "up")
 
 
+def _api_server_rule(layout: Layout, namespace: str, name: str) -> list[str]:
+    sandbox = Runtime(layout).sandbox(pod_uid(layout, namespace, name)) or {}
+    # After kube-proxy's DNAT of the `kubernetes` Service, the pod's requests reach the
+    # host's INPUT addressed to the API server itself. DROP, not REJECT: a cut hangs.
+    return ["INPUT", "-s", sandbox["ip"], "-d", GATEWAY_IP, "-p", "tcp",
+            "--dport", str(APISERVER_PORT), "-j", "DROP"]  # fmt: skip
+
+
+def cut_api_server(layout: Layout, namespace: str, name: str) -> str:
+    """Drop a pod's traffic to the API server (its requests hang, established connections
+    too); clients, the operator and the other broker still reach it. Returns the pod IP."""
+    rule = _api_server_rule(layout, namespace, name)
+    subprocess.run(["iptables", "-w", "-I", *rule], check=True, capture_output=True)
+    return rule[2]
+
+
+def heal_api_server(layout: Layout, namespace: str, name: str) -> str:
+    """Undo `cut_api_server`."""
+    rule = _api_server_rule(layout, namespace, name)
+    while subprocess.run(["iptables", "-w", "-D", *rule], capture_output=True).returncode == 0:
+        pass
+    return rule[2]
+
+
 def stop_component(layout: Layout, component: str) -> None:
     """Stop one daemon of the local cluster (e.g. `node-agent`, `kube-apiserver`)."""
     if not daemons.stop(layout, component):
@@ -121,10 +145,11 @@ def api_server_down(layout: Layout) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: kill|pause|resume|cut|heal NS/POD, stop|start COMPONENT, api-outage SECONDS."""
+    """Command line: kill|pause|resume|cut|heal|cut-api|heal-api NS/POD, stop|start COMPONENT,
+    api-outage SECONDS."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True)
-    for verb in ("kill", "pause", "resume", "cut", "heal"):
+    for verb in ("kill", "pause", "resume", "cut", "heal", "cut-api", "heal-api"):
         p = sub.add_parser(verb)
         p.add_argument("pod", help="NAMESPACE/NAME")
         p.add_argument("--container")
@@ -146,6 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     namespace, _, name = args.pod.rpartition("/")
     namespace = namespace or "default"
+    if args.verb in ("cut-api", "heal-api"):
+        ip = (cut_api_server if args.verb == "cut-api" else heal_api_server)(
+            layout, namespace, name
+        )
+        print(f"{namespace}/{name}: {ip} -> API server {args.verb.split('-')[0]}")
+        return 0
     if args.verb in ("cut", "heal"):
         veth = (cut_network if args.verb == "cut" else heal_network)(layout, namespace, name)
         print(f"{namespace}/{name}: {veth} {'down' if args.verb == 'cut' else 'up'}")

@@ -3,24 +3,30 @@
 The OpenAMQ rules, Kubernetes style (docs/operator.md):
 
 1. At creation the primary becomes active in epoch 1; the backup passive.
-2. Automatic failover when the active is unreachable, its Lease has expired and
-   the backup has lost its replication link too; only a ready backup is
-   promoted unless the spec allows data loss. The old broker leaves the virtual
-   IP before the new one joins.
+2. Automatic failover when the active is not serving and either Kubernetes
+   reports its process gone since it was seen serving (pod deleted, container
+   terminated or restarted: a restarted broker starts passive, so it cannot
+   serve) or its Lease has expired and the backup has lost its replication
+   link too (what Kubernetes cannot see: partitions, a hung process). Only a
+   ready backup is promoted unless the spec allows data loss. The old broker
+   leaves the virtual IP before the new one joins.
 3. (The active renews its Lease and fences itself when it cannot: broker side.)
 4. A returning broker comes back passive and re-syncs.
 5. Recovery (failback) is manual: demote the active backup, wait until it
    *reports* passive, only then activate the primary.
 6. A manual promote (switchover) needs a ready target unless forced.
 
-Every role change to active carries a new epoch. `decide` returns the actions
-in the order they must be applied; the adapter applies them and records the
-new state, so a restarted operator resumes from what the status says.
+Every role change to active carries a new epoch, above every epoch a broker
+reports: a status restored without its epoch, or behind the brokers', is
+corrected from them rather than trusted (a stale epoch is refused for ever).
+`decide` returns the actions in the order they must be applied; the adapter
+applies them and records the new state, so a restarted operator resumes from
+what the status says.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from twinmq.operator.models import BrokerName
@@ -40,6 +46,9 @@ class BrokerView:
     ready: bool = False  # passive: caught up, promotable without loss
     link_connected: bool = False  # passive: replicating right now
     replicating_from_active: bool = False  # passive: its link points at the active
+    # Kubernetes reports the process last seen serving gone: the pod deleted, the broker
+    # container not running, or restarted since. It cannot serve (a broker starts passive).
+    stopped: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,13 @@ def _serving(view: BrokerView, epoch: int) -> bool:
 
 def decide(obs: Observation) -> Decision:
     """What to do now."""
+    learned = _learn_epoch(obs)
+    if learned is not None:
+        record, event = learned.actions
+        assert isinstance(record, Record)
+        rest = decide(replace(obs, active=record.active, epoch=record.epoch))
+        rest.actions[:0] = [record, event]
+        return rest
     if obs.epoch == 0:
         return _initialise(obs)
     if obs.switchover is not None:
@@ -147,6 +163,17 @@ def decide(obs: Observation) -> Decision:
     elif obs.promote_request is not None:
         request = _start_promote(obs, *obs.promote_request)
     if any(isinstance(a, SetRole | Route) for a in request.actions):
+        active = obs.active
+        if (
+            obs.routed is not None
+            and active is not None
+            and not _serving(obs.brokers[active], obs.epoch)
+            and not any(isinstance(a, Route) for a in request.actions)
+        ):
+            # The request goes first, but a broker that does not serve leaves the virtual
+            # IP now (it may come back passive before the next reconcile). Found by the
+            # property test.
+            request.actions.insert(0, Route(None))
         return request
     # A request that was only acknowledged (ignored, refused) or cannot start yet must
     # not hold up anything else: a crash of the active meanwhile is still a failover.
@@ -155,6 +182,26 @@ def decide(obs: Observation) -> Decision:
     steady.actions[:0] = request.actions
     steady.degraded = steady.degraded or request.degraded
     return steady
+
+
+def _learn_epoch(obs: Observation) -> Decision | None:
+    """The status's epoch behind a broker's (restored without status, or stale): take the
+    highest epoch a broker reports, and the broker active in it, as the truth. None: the
+    status is current. A switchover in progress manages its own epochs."""
+    reported = [v for v in obs.brokers.values() if v.reachable]
+    known = max((v.epoch for v in reported), default=0)
+    if known <= obs.epoch or obs.switchover is not None:
+        return None
+    serving = [v.name for v in reported if v.role == "active" and v.epoch == known]
+    active = serving[0] if serving else None if obs.epoch == 0 else obs.active
+    return Decision().add(
+        Record(active, known, reason=f"epoch {known} learned from the brokers"),
+        Event(
+            "EpochLearned",
+            f"the status said epoch {obs.epoch}, a broker reports {known}; active: {active}",
+            warning=True,
+        ),
+    )
 
 
 def _initialise(obs: Observation) -> Decision:
@@ -197,16 +244,18 @@ def _failover(obs: Observation, active: BrokerName, other: BrokerName) -> Decisi
         # A broker that does not serve leaves the virtual IP at once: clients retry
         # against no endpoint rather than reach a broker that refuses them.
         decision.add(Route(None))
-    b = obs.brokers[other]
-    if not obs.lease_expired and obs.lease_holder == active:
+    a, b = obs.brokers[active], obs.brokers[other]
+    if not a.stopped and not obs.lease_expired and obs.lease_holder == active:
+        # It may be cut off but alive: only its Lease bounds how long it may still serve.
         decision.degraded = f"{active} is unreachable; waiting for its Lease to expire"
         return decision
     blocked = _promotion_blocked(obs, active, other)
     if blocked is None:
         epoch = obs.epoch + 1
-        reason = "active unreachable and its Lease expired" + (
-            "" if b.ready else "; backup NOT ready (allowDataLoss)"
-        )
+        reason = (
+            "active's process gone (Kubernetes)" if a.stopped
+            else "active unreachable and its Lease expired"
+        ) + ("" if b.ready else "; backup NOT ready (allowDataLoss)")  # fmt: skip
         return decision.add(
             Route(None),
             SetRole(other, "active", epoch),
@@ -214,11 +263,18 @@ def _failover(obs: Observation, active: BrokerName, other: BrokerName) -> Decisi
             Record(other, epoch, failover_from=active, reason=reason),
             Event("FailedOver", f"{other} promoted in epoch {epoch}: {active} {reason}", True),
         )
-    a = obs.brokers[active]
-    if a.reachable and a.role == "passive" and a.epoch >= obs.epoch and active not in obs.fenced:
+    if (
+        a.reachable
+        and a.role == "passive"
+        and a.epoch >= obs.epoch
+        and active not in obs.fenced
+        and obs.lease_holder in (None, active)
+    ):
         # The old active restarted in place and came back passive (rule 4) while the
         # other broker cannot take over without loss: it holds everything it confirmed,
-        # so it is re-activated, in a new epoch.
+        # so it is re-activated, in a new epoch. Not when the Lease names the other: the
+        # status is then behind (restored), and the other may have confirmed more since.
+        # Found by the property test.
         epoch = obs.epoch + 1
         return decision.add(
             SetRole(active, "active", epoch),
@@ -244,9 +300,10 @@ def _promotion_blocked(obs: Observation, active: BrokerName, other: BrokerName) 
     b = obs.brokers[other]
     if not b.reachable:
         return f"neither broker is serving: {active} down, {other} unreachable"
-    if b.link_connected:
+    if b.link_connected and not obs.brokers[active].stopped:
         # The other still hears the active: the operator's view is what is cut, not the
-        # active. Promoting now would make two actives.
+        # active. Promoting now would make two actives. (A stopped active's link is
+        # gone; the other just has not noticed yet.)
         return f"{active} is unreachable from the operator but not from {other}"
     if other in obs.fenced:
         return f"{active} is down and {other} is fenced"
@@ -256,8 +313,18 @@ def _promotion_blocked(obs: Observation, active: BrokerName, other: BrokerName) 
 
 
 def _no_active(obs: Observation) -> Decision:
-    """No active recorded (fenced, or a failed switchover): activate a ready broker."""
+    """No active recorded (fenced, a failed switchover, a lost status): activate a ready
+    broker, once the Lease's holder is known not to serve."""
     names: tuple[BrokerName, ...] = ("primary", "backup")
+    holder = obs.brokers[obs.lease_holder] if obs.lease_holder is not None else None
+    if (
+        holder is not None
+        and not obs.lease_expired
+        and not holder.stopped
+        and not (holder.reachable and holder.role == "passive")
+    ):
+        # A status lost or restored while the holder is cut off: it may still serve.
+        return Decision(degraded=f"no active recorded; waiting for {holder.name}'s Lease")
     for name in names:
         view = obs.brokers[name]
         if name not in obs.fenced and view.reachable and (view.ready or view.role == "active"):
@@ -380,7 +447,12 @@ def _continue_switchover(obs: Observation, sw: Switchover, starting: bool = Fals
     if view.reachable and not (view.role == "passive" and view.epoch >= sw.epoch):
         # The demotion did not take (lost request, restarted broker): ask again.
         return decision.add(SetRole(source, "passive", sw.epoch))
-    if not view.reachable and obs.lease_holder == source and not obs.lease_expired:
+    if (
+        not view.reachable
+        and not view.stopped
+        and obs.lease_holder == source
+        and not obs.lease_expired
+    ):
         # Unreachable is not stopped: it may still serve until its Lease lapses and it
         # fences itself. Found by the property test (two actives otherwise).
         decision.degraded = f"{source} is unreachable; waiting for its Lease to expire"

@@ -1,6 +1,7 @@
 """`twinmq-operator`: the kopf handlers. Observe, `decide`, apply; nothing else.
 
-Every second (throttled to the spec's probe interval) each BrokerCluster is
+Every second (throttled to the spec's probe interval), and at once when one of
+its pods changes (a broker container stopped or restarted), each BrokerCluster is
 reconciled: its children are ensured, both brokers are probed on their admin
 API, the Lease is read, `failover.decide` picks the actions, and they are
 applied in order (role changes over the admin API, pod labels for the virtual
@@ -11,6 +12,8 @@ failover after an operator restart, it never causes one.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -62,9 +65,12 @@ from twinmq.operator.models import (
     parse_iso,
 )
 from twinmq.operator.probe import admin, passive_lag, probe, view_of
+from twinmq.operator.processes import broker_process, process_gone
 
 log = logging.getLogger(__name__)
 NAMES: tuple[BrokerName, ...] = ("primary", "backup")
+# Of each 1 s timer tick, how long a reconcile waits for a pod change before probing.
+WAKE_WINDOW = 0.7
 
 
 def now_iso() -> str:
@@ -82,6 +88,9 @@ class Memory:
     trouble_since: float | None = None
     last_degraded: str | None = None
     audit_error: str | None = None
+    # Per broker: the process (`processes.broker_process`) last seen serving as the active.
+    serving: dict[str, str] = field(default_factory=dict)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # a broker pod changed
 
 
 MEMORY: dict[str, Memory] = {}
@@ -161,6 +170,9 @@ def apply(
             if target_ip is None:
                 break
             try:
+                if action.role == ACTIVE:
+                    # Whatever process answers now is learned once it is seen serving.
+                    memory.serving.pop(action.broker, None)
                 admin(target_ip, token).set_role(action.role, action.epoch, replicate_from)
                 views[action.broker] = memory.last_view[action.broker] = replace(
                     views[action.broker], role=action.role, epoch=action.epoch,
@@ -275,8 +287,11 @@ def conditions(
     return out
 
 
-def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str, Any] | None:
-    """One reconcile of one cluster; returns the status patch (None: nothing changed)."""
+def reconcile(
+    body: Any, spec_raw: Any, status_raw: Any, meta: Any, woken: bool = False
+) -> dict[str, Any] | None:
+    """One reconcile of one cluster; returns the status patch (None: nothing changed).
+    `woken`: a pod changed, reconcile now rather than at the next probe interval."""
     if meta.get("deletionTimestamp"):
         return None  # going away: garbage collection removes what it owns
     cluster = ClusterRef(meta["name"], meta["namespace"], meta["uid"])
@@ -286,10 +301,11 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
     )
     memory = MEMORY.setdefault(cluster.uid, Memory())
     now = time.monotonic()
-    if now - memory.last_probe < spec.failover.probe_interval_seconds - 0.05:
+    if not woken and now - memory.last_probe < spec.failover.probe_interval_seconds - 0.05:
         return None
     memory.last_probe = now
-    ensure_children(cluster, spec)
+    if not woken:  # a pod changed: the failover first; children at the next regular tick
+        ensure_children(cluster, spec)
     k = kube()
     token = k.get_secret_data(cluster.namespace, builders.secret_name(cluster, spec))["admin-token"]
     pods = {n: k.get_pod(cluster.namespace, pod_name(cluster, n)) for n in NAMES}
@@ -303,15 +319,24 @@ def reconcile(body: Any, spec_raw: Any, status_raw: Any, meta: Any) -> dict[str,
         view = None if report is None else view_of(report, name, active_ip)
         if view is None and pods[name] is not None:
             metrics.PROBE_FAILURES.labels(name).inc()
+        if name != status.active_broker:
+            memory.serving.pop(name, None)
+        elif view is not None and view.role == ACTIVE and view.epoch >= status.epoch:
+            # The pods were read before the probe, and a restarted broker starts passive:
+            # the process answering "active" is the one Kubernetes reported.
+            process = broker_process(pods[name])
+            if process is not None:
+                memory.serving[name] = process
+        stopped = process_gone(pods[name], memory.serving.get(name))
         if view is not None:
             memory.failures[name] = 0
             memory.last_view[name] = view
         else:
             memory.failures[name] += 1
             last = memory.last_view.get(name)
-            still = memory.failures[name] < spec.failover.failure_threshold
+            still = memory.failures[name] < spec.failover.failure_threshold and not stopped
             view = last if still and last is not None else BrokerView(name, reachable=False)
-        views[name] = view
+        views[name] = replace(view, stopped=stopped)
     holder, expired = lease_state(cluster)
     handled = status.handled_requests
     requests = spec.requests
@@ -394,12 +419,29 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=1.0, sharp=True)
-def tick(body: Any, spec: Any, status: Any, meta: Any, patch: Any, **_: Any) -> None:
-    """The reconcile loop."""
-    new = reconcile(body, spec, status, meta)
+async def tick(body: Any, spec: Any, status: Any, meta: Any, patch: Any, **_: Any) -> None:
+    """The reconcile loop: waits up to `WAKE_WINDOW` for a pod change (then reconciles at
+    once), else reconciles when the probe interval is due. `body` and its views are live."""
+    memory = MEMORY.setdefault(meta["uid"], Memory())
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(memory.wake.wait(), WAKE_WINDOW)
+    woken = memory.wake.is_set()
+    memory.wake.clear()
+    new = await asyncio.to_thread(reconcile, body, spec, status, meta, woken)
     if new is not None:
         for key, value in new.items():
             patch.status[key] = value
+
+
+@kopf.on.event("", "v1", "pods", labels={builders.LABEL_CLUSTER: kopf.PRESENT})
+async def pod_changed(body: Any, **_: Any) -> None:
+    """A broker pod changed (its container stopped, restarted, the pod went away): wake its
+    cluster's reconcile instead of waiting for the Lease or the next probe."""
+    for owner in body.get("metadata", {}).get("ownerReferences") or []:
+        memory = MEMORY.get(owner.get("uid"))
+        if memory is not None:
+            memory.wake.set()
+
 
 
 def watched_namespaces(argv: list[str] | None = None) -> list[str]:

@@ -34,7 +34,7 @@ OPERATOR_RULES: set[Rule] = {
     ("twinmq.io", "brokerclusters", ("get", "list", "patch", "watch")),
     ("twinmq.io", "brokerclusters/status", ("patch",)),
     ("twinmq.io", "brokerclusters/finalizers", ("update",)),
-    ("", "pods", ("create", "get", "patch")),
+    ("", "pods", ("create", "get", "list", "patch", "watch")),
     ("", "secrets", ("create", "get")),
     ("", "persistentvolumeclaims", ("create",)),
     ("", "services", ("create",)),

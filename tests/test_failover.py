@@ -9,11 +9,16 @@ message. After every step the invariants are checked:
 - never a promotion that loses confirmed messages unless the spec allows it
   (or a forced promote asked for it);
 - during recovery, the primary is activated only once the backup reports passive.
+
+Kubernetes' report of a broker's process (pod, container state, restart count) may
+lag behind the truth but never runs ahead of it: `stopped` is only ever true for a
+broker whose activated process is really gone. The status may be lost or go back
+to an older version (a restore): the epoch is then learned from the brokers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -46,6 +51,14 @@ class SimBroker:
     epoch: int = 0
     linked: bool = False  # replicating from the active right now
     has_all: bool = True  # holds every confirmed message (ground truth)
+    incarnation: int = 0  # bumped by every restart of its process
+    activated: int | None = None  # the incarnation last activated
+    reported: tuple[int, bool] = (0, True)  # Kubernetes' (lagging) view: incarnation, running
+
+    @property
+    def stopped(self) -> bool:
+        """What the operator learns from Kubernetes: the activated process is gone."""
+        return self.activated is not None and self.reported != (self.activated, True)
 
 
 @dataclass
@@ -69,6 +82,7 @@ class World:
     fence: tuple[str, BrokerName, bool] | None = None
     fenced: frozenset[BrokerName] = frozenset()
     violations: list[str] = field(default_factory=list)
+    history: list[tuple[BrokerName | None, int]] = field(default_factory=list)  # statuses
 
     # -- what the operator sees ------------------------------------------------------------
 
@@ -80,7 +94,7 @@ class World:
                 name, seen, b.role if seen else "unknown", b.epoch,  # type: ignore[arg-type]
                 ready=b.alive and b.role == "passive" and b.has_all,
                 link_connected=b.alive and b.linked,
-                replicating_from_active=b.linked,
+                replicating_from_active=b.linked, stopped=b.stopped,
             )  # fmt: skip
         return Observation(
             brokers=views, active=self.active, epoch=self.epoch,
@@ -105,6 +119,7 @@ class World:
                 self.vip = action.broker
             elif isinstance(action, Record):
                 self.active, self.epoch = action.active, action.epoch
+                self.history.append((self.active, self.epoch))
                 self.switchover = action.switchover
                 # The spec may hold a newer request than the one handled: only an equal
                 # id counts as handled (as status.handledRequests does).
@@ -148,6 +163,9 @@ class World:
             if sw is not None and sw.kind == "recover" and other.alive and other.role != "passive":
                 self.violations.append("primary activated before the backup reported passive")
             b.role, b.epoch, b.linked, b.has_all = "active", action.epoch, False, True
+            # Kubernetes has reported a restart long before a restarted process can be
+            # activated (it must boot, be probed, be activated, be seen serving).
+            b.activated, b.reported = b.incarnation, (b.incarnation, True)
             self.lease_holder, self.lease_expired = b.name, False
             # From now on only the new active holds what it confirms.
             other.linked = False
@@ -171,6 +189,8 @@ class World:
         b = self.brokers[name]
         if kind == "crash":
             b.alive, b.linked = False, False
+            if flag:  # Kubernetes reports it at once (else later: kubelet_reports)
+                b.reported = (b.incarnation, False)
             if b.role == "active":
                 self.brokers[OTHER[name]].linked = False  # its passive loses the link
         elif kind == "isolate":
@@ -178,6 +198,16 @@ class World:
         elif kind == "restart" and not b.alive:
             # Rule 4: a broker always starts passive (its journal keeps what it had).
             b.alive, b.role, b.linked = True, "passive", False
+            b.incarnation += 1
+            if flag:
+                b.reported = (b.incarnation, True)
+        elif kind == "kubelet_reports":
+            b.reported = (b.incarnation, b.alive)
+        elif kind == "lose_status":
+            # A restore: without status (Velero's default), or an older version of it.
+            old = self.history[len(self.history) // 2] if self.history else (None, 0)
+            self.active, self.epoch = (None, 0) if flag else old
+            self.switchover = None
         elif kind == "catch_up" and b.alive and b.role == "passive" and b.linked:
             b.has_all = True
         elif kind == "cut_link":
@@ -226,7 +256,7 @@ class World:
 EVENTS = st.tuples(
     st.sampled_from(
         ["crash", "restart", "catch_up", "cut_link", "publish", "lease_expires", "promote",
-         "recover", "lose_request", "isolate", "fence"]
+         "recover", "lose_request", "isolate", "fence", "kubelet_reports", "lose_status"]
     ),
     st.sampled_from(NAMES),
     st.booleans(),
@@ -260,7 +290,7 @@ def test_random_event_sequences_keep_every_invariant(
 
 REQUEST_EVENTS = st.tuples(
     st.sampled_from(["promote", "recover", "lose_request", "catch_up", "crash", "restart",
-                     "isolate", "lease_expires", "fence"]),
+                     "isolate", "lease_expires", "fence", "kubelet_reports", "lose_status"]),
     st.sampled_from(NAMES),
     st.booleans(),
 )  # fmt: skip
@@ -390,3 +420,111 @@ def test_unfencing_brings_the_broker_back_as_a_passive() -> None:
     world.step(("reconcile", "primary", False))
     world.step(("reconcile", "primary", False))
     assert world.fenced == frozenset() and world.brokers["backup"].linked
+
+
+# -- a stopped active (Kubernetes reports its process gone) -------------------------------
+
+
+def _promoted(decision: Decision) -> list[SetRole]:
+    return [a for a in decision.actions if isinstance(a, SetRole) and a.role == "active"]
+
+
+def test_an_active_reported_killed_is_replaced_at_once_without_waiting_for_its_lease() -> None:
+    world = _started()
+    world.step(("crash", "primary", True))  # kill -9; the kubelet reports it
+    assert not world.lease_expired
+    world.apply(decide(world.observe()))
+    assert (world.active, world.epoch, world.vip) == ("backup", 2, "backup")
+    assert not world.violations
+
+
+def test_an_active_restarted_in_place_is_replaced_at_once() -> None:
+    world = _started()
+    world.step(("crash", "primary", False))  # not reported yet: the Lease path, VIP off
+    world.step(("reconcile", "primary", False))
+    assert (world.active, world.vip) == ("primary", None)
+    world.step(("restart", "primary", True))  # restartCount + 1; it answers passive
+    world.apply(decide(world.observe()))
+    assert (world.active, world.epoch) == ("backup", 2)
+    world.step(("reconcile", "primary", False))
+    assert world.brokers["primary"].role == "passive" and not world.violations
+
+
+def test_a_crash_kubernetes_has_not_reported_waits_for_the_lease() -> None:
+    world = _started()
+    world.step(("crash", "primary", False))
+    assert _promoted(decide(world.observe())) == []
+    world.step(("kubelet_reports", "primary", False))
+    assert _promoted(decide(world.observe())) == [SetRole("backup", "active", 2)]
+
+
+def test_a_partitioned_active_is_never_taken_for_stopped() -> None:
+    world = _started()
+    world.step(("isolate", "primary", True))
+    world.step(("cut_link", "backup", False))
+    assert not world.observe().brokers["primary"].stopped
+    assert _promoted(decide(world.observe())) == []
+
+
+def test_a_stopped_active_is_not_replaced_by_a_backup_that_had_not_caught_up() -> None:
+    world = _started()
+    world.step(("cut_link", "backup", False))
+    world.step(("publish", "primary", False))  # confirmed by the primary alone
+    world.step(("crash", "primary", True))
+    decision = decide(world.observe())
+    assert _promoted(decision) == []
+    assert any(isinstance(a, Event) and a.reason == "FailoverBlocked" for a in decision.actions)
+
+
+def test_a_stopped_active_is_replaced_even_before_the_backup_noticed_its_link_drop() -> None:
+    world = _started()
+    obs = world.observe()
+    stopped = Observation(
+        brokers={"primary": BrokerView("primary", reachable=False, stopped=True),
+                 "backup": replace(obs.brokers["backup"], link_connected=True)},
+        active="primary", epoch=1, lease_holder="primary", lease_expired=False, routed="primary",
+    )  # fmt: skip
+    assert _promoted(decide(stopped)) == [SetRole("backup", "active", 2)]
+
+
+# -- the epoch, learned from the brokers ---------------------------------------------------
+
+
+def test_a_status_restored_without_its_epoch_learns_it_from_the_brokers() -> None:
+    restored = Observation(
+        brokers={"primary": BrokerView("primary", True, "active", 5),
+                 "backup": BrokerView("backup", True, "passive", 5, ready=True,
+                                      link_connected=True, replicating_from_active=True)},
+        active=None, epoch=0, lease_holder="primary", lease_expired=False,
+    )  # fmt: skip
+    decision = decide(restored)
+    assert decision.actions[0] == Record("primary", 5, reason="epoch 5 learned from the brokers")
+    assert not any(isinstance(a, SetRole) for a in decision.actions)  # not epoch 1: 409
+
+
+def test_a_status_behind_the_brokers_follows_the_broker_active_in_the_newest_epoch() -> None:
+    behind = Observation(
+        brokers={"primary": BrokerView("primary", True, "passive", 4),
+                 "backup": BrokerView("backup", True, "active", 4)},
+        active="primary", epoch=2, lease_holder="backup", lease_expired=False,
+    )  # fmt: skip
+    actions = decide(behind).actions
+    assert actions[0] == Record("backup", 4, reason="epoch 4 learned from the brokers")
+    assert SetRole("primary", "passive", 4, "backup") in actions
+    assert not any(isinstance(a, SetRole) and a.role == "active" for a in actions)
+
+
+def test_after_a_lost_status_the_next_failover_uses_an_epoch_the_brokers_accept() -> None:
+    world = _started()
+    world.step(("promote", "backup", False))
+    for _ in range(3):
+        world.step(("reconcile", "primary", False))
+    world.step(("catch_up", "primary", False))
+    assert (world.active, world.epoch) == ("backup", 3)
+    world.step(("lose_status", "primary", True))  # restored without status
+    world.step(("reconcile", "primary", False))
+    assert (world.active, world.epoch) == ("backup", 3)
+    world.step(("crash", "backup", True))
+    world.step(("reconcile", "primary", False))
+    assert (world.active, world.epoch) == ("primary", 4) and not world.violations
+    assert world.brokers["primary"].role == "active"

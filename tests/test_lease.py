@@ -1,0 +1,201 @@
+"""The active broker's Lease keeper against a real HTTP server on loopback, on a fake clock.
+
+The API server is an aiohttp server on 127.0.0.1 that serves the Lease, or hangs
+(a network cut: the request never returns). Time is a fake clock the test moves
+by hand, so the checks are about the order of events on that clock (fenced before
+the Lease could lapse), never about wall time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from twinmq.broker.api import Role
+from twinmq.broker.lease import FENCE_MARGIN, LeaseKeeper
+from twinmq.broker.settings import BrokerSettings
+
+DURATION = 4.0
+
+
+class FakeClock:
+    """Monotonic time that moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.moved = asyncio.Condition()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        until = self.now + seconds
+        async with self.moved:
+            await self.moved.wait_for(lambda: self.now >= until)
+
+    async def advance_to(self, when: float) -> None:
+        """Move to `when` and let every task that can run, run."""
+        self.now = when
+        async with self.moved:
+            self.moved.notify_all()
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+
+class Broker:
+    """What the keeper sees of a broker: an active one that records its demotion."""
+
+    def __init__(self) -> None:
+        self.settings = BrokerSettings(name="orders-primary")
+        self.role: Role = "active"
+        self.epoch = 3
+        self.demoted = asyncio.Event()
+
+    async def set_role(self, role: Role, epoch: int, replicate_from: str | None) -> None:
+        self.role = role
+        if role == "passive":
+            self.demoted.set()
+
+
+class ApiServer:
+    """The Lease's API: answers (`holder` holds it), or hangs every request."""
+
+    def __init__(self, holder: str, hang: bool) -> None:
+        self.holder = holder
+        self.hang = hang
+        self.requests = 0
+        self.request_arrived = asyncio.Event()
+        self.renewals: list[str] = []
+        self.in_flight = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        self.request_arrived.set()
+        if self.hang:
+            self.in_flight += 1
+            try:
+                await asyncio.Event().wait()  # never answers
+            finally:
+                self.in_flight -= 1
+        if request.method == "PUT":
+            self.renewals.append((await request.json())["spec"]["renewTime"])
+        return web.json_response({"spec": {"holderIdentity": self.holder}})
+
+
+@contextlib.asynccontextmanager
+async def serving(api: ApiServer) -> AsyncIterator[str]:
+    """The API server on a loopback port; yields the Lease's URL."""
+    app = web.Application()
+    app.router.add_route("*", "/lease", api.handle)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/lease"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def keeping(
+    api: ApiServer, clock: FakeClock, broker: Broker, request_timeout: float | None = None
+) -> AsyncIterator[LeaseKeeper]:
+    """A keeper of an active broker, running against `api`."""
+    async with serving(api) as url:
+        keeper = LeaseKeeper(broker, url, DURATION, clock=clock)
+        if request_timeout is not None:
+            keeper.request_timeout = request_timeout
+        keeper.activated()  # the operator activated us and wrote renewTime: now (or later)
+        task = asyncio.create_task(keeper.run())
+        try:
+            yield keeper
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def until(what: str, check: Callable[[], bool]) -> None:
+    """Let the real event loop run (HTTP round trips) until `check()`; fail after 30 s."""
+    for _ in range(3000):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+def renewed(api: ApiServer, count: int) -> Callable[[], bool]:
+    """`until` check: the API server has seen `count` renewals."""
+    return lambda: len(api.renewals) == count
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_hanging_api_server_fences_the_active_before_its_lease_can_lapse() -> None:
+    async def scenario() -> None:
+        api, clock, broker = ApiServer("orders-primary", hang=True), FakeClock(), Broker()
+        lapses_at = clock.now + DURATION  # renewTime (no earlier than activation) + duration
+        # Requests hang for as long as the test runs: the timer must not wait for them.
+        async with keeping(api, clock, broker, request_timeout=3600.0) as keeper:
+            await until("the first renewal request", lambda: api.in_flight == 1)
+            await clock.advance_to(lapses_at - FENCE_MARGIN - 0.5)
+            assert broker.role == "active", "fenced while the Lease was still safely held"
+            await clock.advance_to(lapses_at - FENCE_MARGIN)
+            await until("the broker stepped down", broker.demoted.is_set)
+            assert keeper.fenced_at is not None and keeper.fenced_at < lapses_at
+            assert api.in_flight == 1, "the renewal request was expected to still hang"
+
+    run(scenario)
+
+
+def test_renewals_keep_an_active_broker_active_past_the_first_deadline() -> None:
+    async def scenario() -> None:
+        api, clock, broker = ApiServer("orders-primary", hang=False), FakeClock(), Broker()
+        async with keeping(api, clock, broker) as keeper:
+            first_deadline = keeper.deadline
+            await until("the first renewal", lambda: len(api.renewals) == 1)
+            for n in range(2, 11):  # three Lease durations and more, a renewal every period
+                await clock.advance_to(clock.now + keeper.period)
+                await until(f"renewal {n}", renewed(api, n))
+            assert clock.now > first_deadline and broker.role == "active"
+            assert keeper.deadline > clock.now
+
+    run(scenario)
+
+
+def test_a_lease_held_by_another_broker_fences_at_once() -> None:
+    async def scenario() -> None:
+        api, clock, broker = ApiServer("orders-backup", hang=False), FakeClock(), Broker()
+        async with keeping(api, clock, broker) as keeper:
+            await until("the broker stepped down", broker.demoted.is_set)
+            assert keeper.fenced_at == clock.now < keeper.deadline  # not at the deadline
+            assert api.renewals == []
+
+    run(scenario)
+
+
+def test_a_renewal_request_times_out_well_inside_the_renewal_period() -> None:
+    keeper = LeaseKeeper(Broker(), "http://127.0.0.1:9/lease", DURATION, clock=FakeClock())
+    # Two attempts fit between a renewal and the deadline even when the first one hangs.
+    assert keeper.request_timeout <= keeper.period / 2
+    assert keeper.period + keeper.request_timeout + keeper.period / 4 < DURATION - FENCE_MARGIN
+
+
+def test_the_request_timeout_abandons_a_hanging_renewal() -> None:
+    async def scenario() -> None:
+        api = ApiServer("orders-primary", hang=True)
+        async with serving(api) as url:
+            keeper = LeaseKeeper(Broker(), url, DURATION, clock=FakeClock())
+            timeout = aiohttp.ClientTimeout(total=0.2)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                with pytest.raises(TimeoutError):
+                    await keeper._renew(session)
+
+    run(scenario)
