@@ -30,6 +30,7 @@ from typing import Any
 import pika
 import yaml
 
+from twinmq.broker.names import AMQP_PORT
 from twinmq.client import ReliablePublisher
 from twinmq.localcluster import faults
 from twinmq.localcluster.kubeapi import KubeApi
@@ -85,7 +86,7 @@ def one_run(kube: KubeApi, index: int) -> Run:
         ip = (kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {})["spec"][
             "clusterIP"
         ]
-        url = f"amqp://{data['username']}:{data['password']}@{ip}:5672/%2F"
+        url = f"amqp://{data['username']}:{data['password']}@{ip}:{AMQP_PORT}/%2F"
         conn = pika.BlockingConnection(pika.URLParameters(url))
         conn.channel().queue_declare("bench", durable=True)
         conn.close()

@@ -443,7 +443,6 @@ async def pod_changed(body: Any, **_: Any) -> None:
             memory.wake.set()
 
 
-
 def watched_namespaces(argv: list[str] | None = None) -> list[str]:
     """The namespaces to watch: `--namespace NS` (repeatable), else $TWINMQ_OPERATOR_NAMESPACES
     (comma-separated); empty means every namespace."""
