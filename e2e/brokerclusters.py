@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pika
 import pytest
 import yaml
 from conftest import Cluster
@@ -109,3 +110,34 @@ def amqp_url(cluster: Cluster, namespace: str, name: str) -> str:
     service = cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {}
     ip = service["spec"]["clusterIP"]
     return f"amqp://{data['username']}:{data['password']}@{ip}:5672/%2F"
+
+
+def drain(url: str, queue: str) -> list[int]:
+    """Every message left in `queue` (bodies are numbers), consumed and acknowledged."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    out = []
+    while True:
+        method, _props, body = ch.basic_get(queue, auto_ack=True)
+        if method is None:
+            break
+        out.append(int(body))
+    conn.close()
+    return out
+
+
+def publish_confirmed(url: str, queue: str, body: bytes) -> None:
+    """One persistent message, confirmed (raises if the broker does not confirm it)."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(queue, durable=True)
+    ch.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2), mandatory=True)
+    conn.close()
+
+
+def events_of(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
+    """The BrokerClusters' Events in the namespace, oldest first."""
+    events = cluster.kube.list(f"/api/v1/namespaces/{namespace}/events")
+    return [e for e in sorted(events, key=lambda e: e["metadata"]["creationTimestamp"])
+            if e["involvedObject"]["kind"] == "BrokerCluster"]  # fmt: skip

@@ -23,6 +23,7 @@ from brokerclusters import (
     cluster_status,
     condition,
     create_cluster,
+    drain,
 )
 from conftest import Cluster
 from support import wait_until
@@ -35,19 +36,6 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-
-
-def _drain(url: str, queue: str) -> list[int]:
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    ch = conn.channel()
-    out = []
-    while True:
-        method, _props, body = ch.basic_get(queue, auto_ack=True)
-        if method is None:
-            break
-        out.append(int(body))
-    conn.close()
-    return out
 
 
 def test_brokercluster_comes_up_with_the_virtual_ip_at_the_primary(
@@ -94,7 +82,7 @@ def test_kill_9_of_the_active_fails_over_through_the_virtual_ip_losing_nothing(
     status = cluster_status(cluster, namespace, name)
     assert status["activeBroker"] == "backup" and status["epoch"] == 2
     assert status["lastFailover"]["from"] == "primary"
-    received = _drain(url, "orders")
+    received = drain(url, "orders")
     assert sorted(received) == list(range(total)), "confirmed messages lost or duplicated"
     print(
         f"kill -9 to first confirm through the VIP: "
