@@ -368,7 +368,7 @@ def rollout_conditions(
          f"{progress.message}" if moving and progress is not None else ""),
         ("Stalled", stalled,
          "RolloutStalled" if step == "Stalled" else "StorageResizeRefused" if stalled
-         else "Progressing", why),
+         else "NotStalled", why),
     ]  # fmt: skip
 
 
