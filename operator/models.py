@@ -54,7 +54,7 @@ class Storage(ApiModel):
     )
 
     size: str = Field(
-        "1Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$",
+        "1Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$", max_length=32,
         description="Requested volume size (a Kubernetes quantity)",
     )  # fmt: skip
     storage_class_name: str | None = Field(None, description="StorageClass; the default if unset")
