@@ -267,3 +267,49 @@ def test_a_restarted_operator_resumes_from_the_recorded_step() -> None:
     decision = fresh.run()
     assert decision.converged and fresh.deleted == ["primary"] and fresh.switchovers == ["backup"]
     assert fresh.progress is not None and fresh.progress.since > recorded.since
+
+
+# -- what the reconciler feeds the planner, and the conditions it reports --------------------
+
+
+def _views() -> dict[BrokerName, BrokerView]:
+    return {
+        "primary": BrokerView("primary", True, "active", 1),
+        "backup": BrokerView("backup", True, "passive", 1, ready=True, link_connected=True),
+    }
+
+
+def test_the_reconciler_reads_pod_revisions_and_a_pending_request_as_busy() -> None:
+    from twinmq.operator.main import observe_rollout
+    from twinmq.operator.models import BrokerClusterStatus
+
+    spec = BrokerClusterSpec.model_validate(
+        {"requests": {"promote": {"id": "p-1", "broker": "backup"}}}
+    )
+    status = BrokerClusterStatus(active_broker="primary", epoch=1)
+    pods = {n: build_pod(CLUSTER, BrokerClusterSpec(), n) for n in NAMES}
+    obs = observe_rollout(CLUSTER, spec, status, pods, _views())  # type: ignore[arg-type]
+    assert all(obs.pods[n].current for n in NAMES), "requests are not in the pod template"
+    assert obs.busy is not None and "promote" in obs.busy
+    newer = spec.model_copy(update={"image": "twinmq/twinmq:0.2.0"})
+    status.handled_requests.promote = "p-1"
+    obs = observe_rollout(CLUSTER, newer, status, pods, _views())  # type: ignore[arg-type]
+    assert obs.busy is None and all(obs.pods[n].outdated for n in NAMES)
+
+
+def test_conditions_say_reconciling_while_a_rollout_moves_and_stalled_with_the_reason() -> None:
+    from twinmq.operator.main import rollout_conditions
+    from twinmq.operator.models import RolloutProgress
+
+    def by_type(progress: RolloutProgress | None, refusal: str | None = None) -> dict[str, Any]:
+        return {t: (value, reason, message) for t, value, reason, message
+                in rollout_conditions(progress, refusal)}  # fmt: skip
+
+    moving = RolloutProgress(revision="r2", step="UpdatingPassive", broker="backup",
+                             since="2026-01-01T00:00:00Z", message="waiting")  # fmt: skip
+    assert by_type(moving)["Reconciling"][:2] == (True, "UpdatingPassive")
+    assert by_type(moving)["Stalled"][0] is False
+    stalled = moving.model_copy(update={"step": "Stalled", "message": "ErrImagePull: nope"})
+    assert by_type(stalled)["Stalled"] == (True, "RolloutStalled", "ErrImagePull: nope")
+    assert by_type(None, "forbidden")["Stalled"][:2] == (True, "StorageResizeRefused")
+    assert by_type(None)["Reconciling"][0] is False and by_type(None)["Stalled"][0] is False
