@@ -119,7 +119,7 @@ def test_a_failing_new_image_stalls_the_rollout_and_the_active_keeps_serving(
 
     status = wait_until("the rollout stalled", stalled, timeout=60)
     assert status["rollout"]["broker"] == "backup"
-    assert "ErrImagePull" in status["rollout"]["message"]
+    assert "ImagePull" in status["rollout"]["message"]  # ErrImagePull, then ImagePullBackOff
     assert condition(status, "Stalled") == "True" and condition(status, "Ready") == "True"
     assert status["activeBroker"] == "primary" and status["epoch"] == 1
     assert status["observedGeneration"] < generation, "a stalled spec is not observed"
