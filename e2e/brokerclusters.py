@@ -54,12 +54,24 @@ class OperatorProcess:
                 self.kill()
 
 
+def install_crd(cluster: Cluster) -> None:
+    """The CRD applied server-side, once it is established (serving BrokerClusters)."""
+    crd = yaml.safe_load((REPO / "crds" / "brokercluster.yaml").read_text())
+    path = f"{CRD_PATH}/{crd['metadata']['name']}"
+    cluster.kube.apply(path, crd, "e2e")
+
+    def established() -> bool:
+        conditions = ((cluster.kube.get(path) or {}).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    wait_until("the BrokerCluster CRD is established", established, timeout=30)
+
+
 def operator_fixture(cluster: Cluster) -> Iterator[OperatorProcess]:
     """The CRD installed and `twinmq-operator` running (conftest's module fixture)."""
     if not cluster.local:
         pytest.skip("needs the local cluster's fault tools and pod network from the host")
-    crd = yaml.safe_load((REPO / "crds" / "brokercluster.yaml").read_text())
-    cluster.kube.apply(f"{CRD_PATH}/{crd['metadata']['name']}", crd, "e2e")
+    install_crd(cluster)
     proc = OperatorProcess(cluster.kubeconfig)
     proc.start()
     try:
