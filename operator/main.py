@@ -481,6 +481,9 @@ def reconcile(
     if meta.get("deletionTimestamp"):
         return None  # going away: garbage collection removes what it owns
     cluster = ClusterRef(meta["name"], meta["namespace"], meta["uid"])
+    # Read together, now: kopf updates the body under a running (threaded) handler, and a
+    # generation read later could claim a spec this reconcile never saw as observed.
+    generation = int(meta.get("generation") or 0)
     spec = BrokerClusterSpec.model_validate(dict(spec_raw or {}))
     status = BrokerClusterStatus.model_validate(
         {k: v for k, v in dict(status_raw or {}).items() if k != "kopf"}
@@ -609,7 +612,6 @@ def reconcile(
         )
         for n, v in views.items()
     ]  # fmt: skip
-    generation = int(meta.get("generation") or 0)
     extra = rollout_conditions(new.rollout, memory.storage_refusal)
     new.conditions = conditions(decision, new, views, generation, extra)
     if plan.converged and memory.storage_refusal is None:
@@ -656,11 +658,10 @@ def tick(body: Any, spec: Any, status: Any, meta: Any, patch: Any, memo: Any, **
             patch.status[key] = value
 
 
-@kopf.on.event(GROUP, VERSION, PLURAL)
-def forget(event: Any, meta: Any, memo: Any, **_: Any) -> None:
-    """A deleted cluster leaves nothing behind in the operator (its memo goes with it)."""
-    if event.get("type") != "DELETED":
-        return
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def forget(meta: Any, memo: Any, **_: Any) -> None:
+    """A deleted cluster leaves nothing behind in the operator (its memo goes with it).
+    Optional: it adds no finalizer (the timer's already makes kopf see the deletion)."""
     shared = memory_of(memo)[1]
     shared.degraded.discard(meta.get("uid", ""))
     metrics.DEGRADED.set(len(shared.degraded))
