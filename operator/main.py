@@ -529,7 +529,12 @@ def reconcile(
     requests = spec.requests
     promote = requests.promote
     sw = status.switchover
-    plan = rollout.plan(observe_rollout(cluster, spec, status, pods, views))
+    # The rollout reads this probe's answers only: `views` keeps a broker's last view for
+    # up to failureThreshold probes, and a recreated pod's broker must not look ready on
+    # the strength of its predecessor's last answer (the e2e caught a switchover to a
+    # broker whose new image could not even be pulled).
+    fresh = {n: probed[n] or BrokerView(n, reachable=False) for n in NAMES}
+    plan = rollout.plan(observe_rollout(cluster, spec, status, pods, fresh))
     promote_request = (promote.id, promote.broker, promote.force) if (
         promote is not None and promote.id != handled.promote) else None  # fmt: skip
     for step in plan.actions:
