@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pika
 import pytest
 import yaml
 from conftest import Cluster
@@ -55,12 +56,24 @@ class OperatorProcess:
                 self.kill()
 
 
+def install_crd(cluster: Cluster) -> None:
+    """The CRD applied server-side, once it is established (serving BrokerClusters)."""
+    crd = yaml.safe_load((REPO / "crds" / "brokercluster.yaml").read_text())
+    path = f"{CRD_PATH}/{crd['metadata']['name']}"
+    cluster.kube.apply(path, crd, "e2e")
+
+    def established() -> bool:
+        conditions = ((cluster.kube.get(path) or {}).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    wait_until("the BrokerCluster CRD is established", established, timeout=30)
+
+
 def operator_fixture(cluster: Cluster) -> Iterator[OperatorProcess]:
     """The CRD installed and `twinmq-operator` running (conftest's module fixture)."""
     if not cluster.local:
         pytest.skip("needs the local cluster's fault tools and pod network from the host")
-    crd = yaml.safe_load((REPO / "crds" / "brokercluster.yaml").read_text())
-    cluster.kube.apply(f"{CRD_PATH}/{crd['metadata']['name']}", crd, "e2e")
+    install_crd(cluster)
     proc = OperatorProcess(cluster.kubeconfig)
     proc.start()
     try:
@@ -111,3 +124,34 @@ def amqp_url(cluster: Cluster, namespace: str, name: str, host: str | None = Non
     service = cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {}
     ip = host or service["spec"]["clusterIP"]
     return f"amqp://{data['username']}:{data['password']}@{ip}:{AMQP_PORT}/%2F"
+
+
+def drain(url: str, queue: str) -> list[int]:
+    """Every message left in `queue` (bodies are numbers), consumed and acknowledged."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    out = []
+    while True:
+        method, _props, body = ch.basic_get(queue, auto_ack=True)
+        if method is None:
+            break
+        out.append(int(body))
+    conn.close()
+    return out
+
+
+def publish_confirmed(url: str, queue: str, body: bytes) -> None:
+    """One persistent message, confirmed (raises if the broker does not confirm it)."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(queue, durable=True)
+    ch.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2), mandatory=True)
+    conn.close()
+
+
+def events_of(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
+    """The BrokerClusters' Events in the namespace, oldest first."""
+    events = cluster.kube.list(f"/api/v1/namespaces/{namespace}/events")
+    return [e for e in sorted(events, key=lambda e: e["metadata"]["creationTimestamp"])
+            if e["involvedObject"]["kind"] == "BrokerCluster"]  # fmt: skip

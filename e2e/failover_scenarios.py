@@ -10,7 +10,7 @@ import threading
 import time
 
 import pika
-from brokerclusters import amqp_url, cluster_status
+from brokerclusters import amqp_url, cluster_status, drain
 from conftest import Cluster
 from support import wait_until
 
@@ -19,20 +19,6 @@ from twinmq.client import ReliablePublisher
 from twinmq.localcluster import faults
 from twinmq.localcluster.layout import Layout
 from twinmq.operator.probe import admin
-
-
-def drain(url: str, queue: str) -> list[int]:
-    """Every message body in `queue`, as numbers, consumed."""
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    ch = conn.channel()
-    out = []
-    while True:
-        method, _props, body = ch.basic_get(queue, auto_ack=True)
-        if method is None:
-            break
-        out.append(int(body))
-    conn.close()
-    return out
 
 
 def kill_9_of_the_active_fails_over_losing_nothing(

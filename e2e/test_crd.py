@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import yaml
+from brokerclusters import install_crd
 from conftest import Cluster
-from support import wait_until
 
 from twinmq.localcluster.kubeapi import ApiError
 from twinmq.operator.models import BrokerClusterSpec
@@ -22,21 +22,7 @@ CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 @pytest.fixture(scope="module")
 def crd_installed(cluster: Cluster) -> Iterator[None]:
     """The CRD applied server-side, and established."""
-    crd = yaml.safe_load((REPO / "crds" / "brokercluster.yaml").read_text())
-    name = crd["metadata"]["name"]
-    cluster.kube.apply(f"{CRD_PATH}/{name}", crd, "e2e")
-
-    def established() -> bool | None:
-        conditions = (cluster.kube.get(f"{CRD_PATH}/{name}") or {}).get("status", {})
-        return (
-            any(
-                c["type"] == "Established" and c["status"] == "True"
-                for c in conditions.get("conditions", [])
-            )
-            or None
-        )
-
-    wait_until("the BrokerCluster CRD is established", established, timeout=30)
+    install_crd(cluster)
     yield
 
 

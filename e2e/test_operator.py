@@ -20,11 +20,11 @@ from brokerclusters import (
     cluster_status,
     condition,
     create_cluster,
+    drain,
 )
 from conftest import Cluster
 from failover_scenarios import (
     cut_off_the_api_server_fences_before_the_backup_is_promoted,
-    drain,
     kill_9_of_the_active_fails_over_losing_nothing,
 )
 from support import wait_until

@@ -93,6 +93,8 @@ def read_summary(
     assert spec.audit.store_url is not None
     secret = spec.audit.store_secret_name
     credentials = kube.get_secret_data(namespace, secret) if secret else {}
+    if credentials is None:
+        raise OSError(f'secrets "{secret}" not found')
     store = Store(spec.audit.store_url, store_options(credentials))
     raw = store.read_json(f"audit/runs/{run}/summary.json")
     return None if raw is None else AuditSummary.model_validate(raw)

@@ -6,6 +6,8 @@ and applies the results (server-side apply), as CloudNativePG's `pkg/specs` do.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import secrets
 from dataclasses import dataclass
@@ -34,6 +36,8 @@ APP_USER = "twinmq"
 LABEL_CLUSTER = "twinmq.io/cluster"
 LABEL_BROKER = "twinmq.io/broker"
 LABEL_ROLE = "twinmq.io/role"
+POD_TEMPLATE_HASH = "twinmq.io/pod-template-hash"
+"""Annotation of a broker pod: the hash of the pod spec it was created from."""
 
 
 @dataclass(frozen=True)
@@ -97,22 +101,28 @@ def vip_name(cluster: ClusterRef) -> str:
     return cluster.name
 
 
-def build_secret(cluster: ClusterRef) -> Obj:
-    """Generated credentials: the app user, the admin token, the replication token."""
+def generate_credentials() -> dict[str, str]:
+    """New credentials: the app user, the admin token, the replication token."""
     password = secrets.token_urlsafe(24)
     users = {"users": [{"name": APP_USER, "password_hash": hash_password(password)}]}
+    return {
+        "username": APP_USER,
+        "password": password,
+        "users.json": json.dumps(users),
+        "admin-token": secrets.token_urlsafe(32),
+        "replication-token": secrets.token_urlsafe(32),
+    }
+
+
+def build_secret(cluster: ClusterRef, credentials: dict[str, str]) -> Obj:
+    """The generated credentials Secret holding `credentials` (as `data`: applied as is,
+    unlike write-only `stringData`, it compares equal to what the API server stores)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": owned_meta(cluster, f"{cluster.name}-auth"),
         "type": "Opaque",
-        "stringData": {
-            "username": APP_USER,
-            "password": password,
-            "users.json": json.dumps(users),
-            "admin-token": secrets.token_urlsafe(32),
-            "replication-token": secrets.token_urlsafe(32),
-        },
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in credentials.items()},
     }
 
 
@@ -142,83 +152,94 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
     meta = owned_meta(cluster, pod_name(cluster, broker), broker)
     meta["labels"][LABEL_ROLE] = PASSIVE
     sidecars = [build_shipper(spec)] if spec.audit.enabled and spec.audit.store_url else []
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": meta,
-        "spec": {
-            "serviceAccountName": f"{cluster.name}-broker",
-            "hostname": pod_name(cluster, broker),
-            "subdomain": f"{cluster.name}-brokers",
-            "terminationGracePeriodSeconds": 15,
-            "restartPolicy": "Always",
-            "containers": [
-                {
-                    "name": "broker",
-                    "image": spec.image,
-                    "imagePullPolicy": spec.image_pull_policy,
-                    "command": ["twinmq-broker"],
-                    "args": [
-                        "--name=$(POD_NAME)",
-                        f"--data-dir={DATA_DIR}/data",
-                        f"--users-file={SECRET_DIR}/users.json",
-                        f"--role={PASSIVE}",
-                        f"--replication-timeout={spec.replication.timeout_seconds}",
-                        f"--dedup-window={spec.replication.dedup_window}",
-                        f"--audit-segment-seconds={spec.audit.segment_seconds}",
-                    ],
-                    "env": [
-                        {
-                            "name": "POD_NAME",
-                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
-                        },
-                        {
-                            "name": "POD_NAMESPACE",
-                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
-                        },
-                        {"name": ADMIN_TOKEN_ENV, **from_secret("admin-token")},
-                        {"name": REPLICATION_TOKEN_ENV, **from_secret("replication-token")},
-                        {"name": LEASE_NAME_ENV, "value": lease_name(cluster)},
-                        {
-                            "name": LEASE_SECONDS_ENV,
-                            "value": str(spec.failover.lease_duration_seconds),
-                        },
-                    ],
-                    "ports": [
-                        {"name": "amqp", "containerPort": AMQP_PORT},
-                        {"name": "admin", "containerPort": ADMIN_PORT},
-                        {"name": "replication", "containerPort": REPLICATION_PORT},
-                    ],
-                    "readinessProbe": {
-                        "httpGet": {"path": "/healthz", "port": "admin"},
-                        "periodSeconds": 2,
-                        "failureThreshold": 2,
+    pod_spec: Obj = {
+        "serviceAccountName": f"{cluster.name}-broker",
+        "hostname": pod_name(cluster, broker),
+        "subdomain": f"{cluster.name}-brokers",
+        "terminationGracePeriodSeconds": 15,
+        "restartPolicy": "Always",
+        "containers": [
+            {
+                "name": "broker",
+                "image": spec.image,
+                "imagePullPolicy": spec.image_pull_policy,
+                "command": ["twinmq-broker"],
+                "args": [
+                    "--name=$(POD_NAME)",
+                    f"--data-dir={DATA_DIR}/data",
+                    f"--users-file={SECRET_DIR}/users.json",
+                    f"--role={PASSIVE}",
+                    f"--replication-timeout={spec.replication.timeout_seconds}",
+                    f"--dedup-window={spec.replication.dedup_window}",
+                    f"--audit-segment-seconds={spec.audit.segment_seconds}",
+                ],
+                "env": [
+                    {
+                        "name": "POD_NAME",
+                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
                     },
-                    "livenessProbe": {
-                        "httpGet": {"path": "/healthz", "port": "admin"},
-                        "periodSeconds": 5,
-                        "failureThreshold": 6,
+                    {
+                        "name": "POD_NAMESPACE",
+                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
                     },
-                    "resources": spec.resources.model_dump(),
-                    "volumeMounts": [
-                        {"name": "data", "mountPath": DATA_DIR},
-                        {"name": "auth", "mountPath": SECRET_DIR, "readOnly": True},
-                    ],
+                    {"name": ADMIN_TOKEN_ENV, **from_secret("admin-token")},
+                    {"name": REPLICATION_TOKEN_ENV, **from_secret("replication-token")},
+                    {"name": LEASE_NAME_ENV, "value": lease_name(cluster)},
+                    {
+                        "name": LEASE_SECONDS_ENV,
+                        "value": str(spec.failover.lease_duration_seconds),
+                    },
+                ],
+                "ports": [
+                    {"name": "amqp", "containerPort": AMQP_PORT},
+                    {"name": "admin", "containerPort": ADMIN_PORT},
+                    {"name": "replication", "containerPort": REPLICATION_PORT},
+                ],
+                "readinessProbe": {
+                    "httpGet": {"path": "/healthz", "port": "admin"},
+                    "periodSeconds": 2,
+                    "failureThreshold": 2,
                 },
-                *sidecars,
-            ],
-            "volumes": [
-                {"name": "data", "persistentVolumeClaim": {"claimName": pod_name(cluster, broker)}},
-                {
-                    "name": "auth",
-                    "secret": {
-                        "secretName": secret,
-                        "items": [{"key": "users.json", "path": "users.json"}],
-                    },
+                "livenessProbe": {
+                    "httpGet": {"path": "/healthz", "port": "admin"},
+                    "periodSeconds": 5,
+                    "failureThreshold": 6,
                 },
-            ],
-        },
+                "resources": spec.resources.model_dump(),
+                "volumeMounts": [
+                    {"name": "data", "mountPath": DATA_DIR},
+                    {"name": "auth", "mountPath": SECRET_DIR, "readOnly": True},
+                ],
+            },
+            *sidecars,
+        ],
+        "volumes": [
+            {"name": "data", "persistentVolumeClaim": {"claimName": pod_name(cluster, broker)}},
+            {
+                "name": "auth",
+                "secret": {
+                    "secretName": secret,
+                    "items": [{"key": "users.json", "path": "users.json"}],
+                },
+            },
+        ],
     }
+    meta["annotations"] = {POD_TEMPLATE_HASH: template_hash(pod_spec)}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def template_hash(pod_spec: Obj) -> str:
+    """A short, stable hash of a pod spec: a pod whose annotation differs is outdated."""
+    canonical = json.dumps(pod_spec, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def pod_revision(pod: Obj | None) -> str | None:
+    """The template hash a pod was created from (None: no pod; "" for a pod without one,
+    made by an operator before rolling updates: outdated)."""
+    if pod is None:
+        return None
+    return str(((pod.get("metadata") or {}).get("annotations") or {}).get(POD_TEMPLATE_HASH, ""))
 
 
 def build_shipper(spec: BrokerClusterSpec) -> Obj:

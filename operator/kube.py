@@ -1,4 +1,4 @@
-"""The operator's only Kubernetes I/O: create-if-absent, get, patch, events.
+"""The operator's only Kubernetes I/O: server-side apply, create, get, patch, delete.
 
 Everything else in the operator is pure (builders, `decide`); handlers call
 this module and nothing else that talks to the API server.
@@ -17,6 +17,9 @@ from kubernetes.dynamic import DynamicClient
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
+FIELD_MANAGER = "twinmq-operator"
+"""The operator's field manager: it owns the fields it applies and takes them back from
+anyone who edits them (force), which is how drift is repaired."""
 T = TypeVar("T")
 
 
@@ -28,6 +31,19 @@ def absent_as_none(call: Callable[[], T]) -> T | None:
         if exc.status == 404:
             return None
         raise
+
+
+class Refused(Exception):
+    """The API server refused a write as invalid or forbidden (422, 403): retrying the same
+    write cannot help. The message is the API server's."""
+
+
+def refusal(exc: ApiException) -> str:
+    """The API server's reason for refusing a write."""
+    try:
+        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+    except ValueError:
+        return str(exc.reason)
 
 
 class Kube:
@@ -46,10 +62,33 @@ class Kube:
     def _resource(self, obj: Obj) -> Any:
         return self.dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
 
-    def ensure(self, obj: Obj) -> bool:
-        """Create the object unless it exists; returns whether it was created."""
+    def apply(self, obj: Obj) -> Obj:
+        """Server-side apply `obj` as the operator's field manager, taking over conflicting
+        fields: a deleted object is recreated, an edited field set back. A no-op when the
+        object already is as desired (no write, no new resourceVersion). Raises `Refused`
+        when the API server refuses the change (a PVC shrunk, an immutable field)."""
+        meta = obj["metadata"]
         try:
-            self._resource(obj).create(body=obj, namespace=obj["metadata"].get("namespace"))
+            applied = self._resource(obj).server_side_apply(
+                body=obj,
+                name=meta["name"],
+                namespace=meta.get("namespace"),
+                field_manager=FIELD_MANAGER,
+                force_conflicts=True,
+            )
+        except ApiException as exc:
+            if exc.status in (403, 422):
+                raise Refused(refusal(exc)) from exc
+            raise
+        return dict(applied.to_dict())
+
+    def ensure(self, obj: Obj) -> bool:
+        """Create the object unless it exists; returns whether it was created (for what is
+        made once and never changed: audit runs, and pods, whose spec is immutable)."""
+        try:
+            self._resource(obj).create(
+                body=obj, namespace=obj["metadata"].get("namespace"), field_manager=FIELD_MANAGER
+            )
         except ApiException as exc:
             if exc.status == 409:
                 return False
@@ -84,11 +123,24 @@ class Kube:
         pod = absent_as_none(lambda: self.core.read_namespaced_pod(name, namespace))
         return None if pod is None else dict(self.api.sanitize_for_serialization(pod))
 
-    def get_secret_data(self, namespace: str, name: str) -> dict[str, str]:
-        """A Secret's data, decoded."""
+    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+        """Delete the pod with this uid (not a newer one of the same name), gracefully."""
+        absent_as_none(
+            lambda: self.core.delete_namespaced_pod(
+                name,
+                namespace,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+            )
+        )
+        log.info("deleted pod %s/%s", namespace, name)
+
+    def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        """A Secret's data, decoded (None: no such Secret)."""
         import base64
 
-        secret = self.core.read_namespaced_secret(name, namespace)
+        secret = absent_as_none(lambda: self.core.read_namespaced_secret(name, namespace))
+        if secret is None:
+            return None
         return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
 
     def label_pod(self, namespace: str, name: str, labels: dict[str, str]) -> None:

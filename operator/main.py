@@ -2,12 +2,15 @@
 
 Every second (throttled to the spec's probe interval), and at once when one of
 its pods changes (a broker container stopped or restarted), each BrokerCluster is
-reconciled: its children are ensured, both brokers are probed on their admin
-API, the Lease is read, `failover.decide` picks the actions, and they are
-applied in order (role changes over the admin API, pod labels for the virtual
-IP, the Lease, status, Events). The state that matters lives in the status and
-the Lease; what is kept in memory (consecutive probe failures) only delays a
-failover after an operator restart, it never causes one.
+reconciled: its children are applied in their desired state (server-side apply:
+a deleted or edited child is restored), both brokers are probed on their admin
+API, the Lease is read, `rollout.plan` picks the next step of a pod template
+change and `failover.decide` the role changes, and they are applied in order
+(role changes over the admin API, pod labels for the virtual IP, the Lease, pod
+deletions of a rollout, status, Events). The state that matters lives in the
+status and the Lease; what is kept in kopf's per-resource memo (consecutive probe
+failures, the generated credentials) only delays a failover after an operator
+restart, it never causes one.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from twinmq.broker.names import (
     PASSIVE,
     REPLICATION_PORT,
 )
-from twinmq.operator import builders, metrics
+from twinmq.operator import builders, metrics, rollout
 from twinmq.operator.audit_runner import AuditRunner
 from twinmq.operator.builders import ClusterRef, pod_name
 from twinmq.operator.failover import (
@@ -49,7 +52,7 @@ from twinmq.operator.failover import (
     Switchover,
     decide,
 )
-from twinmq.operator.kube import Kube
+from twinmq.operator.kube import Kube, Refused
 from twinmq.operator.models import (
     GROUP,
     PLURAL,
@@ -60,6 +63,7 @@ from twinmq.operator.models import (
     BrokerSummary,
     Condition,
     FailoverRecord,
+    RolloutProgress,
     SwitchoverProgress,
     iso,
     parse_iso,
@@ -71,6 +75,9 @@ log = logging.getLogger(__name__)
 NAMES: tuple[BrokerName, ...] = ("primary", "backup")
 # Of each 1 s timer tick, how long a reconcile waits for a pod change before probing.
 WAKE_WINDOW = 0.7
+ROLLOUT_REQUEST = "rollout-"
+"""Prefix of the promote request a rollout's switchover runs as (never recorded as handled:
+`status.handledRequests.promote` keeps the user's own request id)."""
 
 
 def now_iso() -> str:
@@ -80,7 +87,8 @@ def now_iso() -> str:
 
 @dataclass
 class Memory:
-    """What one operator process remembers of a cluster between reconciles."""
+    """What one operator process remembers of a cluster between reconciles (kept in the
+    cluster's kopf memo, so it goes when the cluster goes)."""
 
     failures: dict[str, int] = field(default_factory=lambda: {n: 0 for n in NAMES})
     last_view: dict[str, BrokerView] = field(default_factory=dict)
@@ -91,10 +99,31 @@ class Memory:
     # Per broker: the process (`processes.broker_process`) last seen serving as the active.
     serving: dict[str, str] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # a broker pod changed
+    # The generated Secret's data: a deleted Secret is restored with the credentials the
+    # running brokers were started with (new ones would lock the operator out of them).
+    credentials: dict[str, str] | None = None
+    storage_refusal: str | None = None
 
 
-MEMORY: dict[str, Memory] = {}
-DEGRADED_CLUSTERS: set[str] = set()
+@dataclass
+class OperatorState:
+    """What the operator shares between clusters (kopf's global memo; each cluster's memo is
+    a shallow copy of it, so they all see this one object)."""
+
+    degraded: set[str] = field(default_factory=set)  # uids of the degraded clusters
+    # Each cluster's memory by uid, for the pod watch to wake its cluster's reconcile.
+    clusters: dict[str, Memory] = field(default_factory=dict)
+
+
+def memory_of(memo: Any) -> tuple[Memory, OperatorState]:
+    """The cluster's own memory and the shared state, from its kopf memo."""
+    if memo.get("cluster") is None:
+        memo["cluster"] = Memory()
+    if memo.get("operator") is None:  # run without `main()` (kopf run): one per cluster
+        memo["operator"] = OperatorState()
+    return memo["cluster"], memo["operator"]
+
+
 PROBES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="twinmq-probe")
 KUBE: Kube | None = None
 
@@ -110,18 +139,68 @@ def kube() -> Kube:
 # -- reconcile -------------------------------------------------------------------------------
 
 
-def ensure_children(cluster: ClusterRef, spec: BrokerClusterSpec) -> None:
-    """Create what is missing (and recreate what was deleted); never mutate pods."""
+def reconcile_children(
+    cluster: ClusterRef, spec: BrokerClusterSpec, memory: Memory, pods: dict[BrokerName, Any]
+) -> None:
+    """Apply every owned object in its desired state (a deleted one is recreated, an edited
+    one set back); create the pods that are missing and set their labels back. Pods are
+    never changed in place: a rollout replaces them (`rollout.plan`). A volume resize the
+    API server refuses is kept in `memory.storage_refusal`."""
     k = kube()
     if spec.auth.secret_name is None:
-        k.ensure(builders.build_secret(cluster))
+        found = k.get_secret_data(cluster.namespace, builders.secret_name(cluster, spec))
+        if found is None and memory.credentials is None:
+            memory.credentials = builders.generate_credentials()
+        elif found is not None:
+            memory.credentials = found
+        assert memory.credentials is not None
+        k.apply(builders.build_secret(cluster, memory.credentials))
     for obj in builders.build_broker_rbac(cluster):
-        k.ensure(obj)
-    k.ensure(builders.build_headless_service(cluster))
-    k.ensure(builders.build_vip_service(cluster))
+        k.apply(obj)
+    k.apply(builders.build_headless_service(cluster))
+    k.apply(builders.build_vip_service(cluster))
+    memory.storage_refusal = None
     for name in NAMES:
-        k.ensure(builders.build_pvc(cluster, spec, name))
-        k.ensure(builders.build_pod(cluster, spec, name))
+        try:
+            k.apply(builders.build_pvc(cluster, spec, name))
+        except Refused as exc:
+            # Shrinking, or a StorageClass that cannot expand: nothing the operator can do.
+            memory.storage_refusal = f"{pod_name(cluster, name)}: {exc}"
+        pod = pods.get(name)
+        if pod is None:
+            k.ensure(builders.build_pod(cluster, spec, name))
+            continue
+        have = pod.get("metadata", {}).get("labels") or {}
+        want = builders.labels(cluster, name)
+        if any(have.get(key) != value for key, value in want.items()):
+            k.label_pod(cluster.namespace, pod_name(cluster, name), want)
+
+
+def repair_routing(
+    cluster: ClusterRef,
+    spec: BrokerClusterSpec,
+    active: BrokerName,
+    pods: dict[BrokerName, Any],
+    holder: BrokerName | None,
+) -> None:
+    """In the steady state (the recorded active serving, no role moving): the virtual IP
+    selects the active and only it, and the active holds the Lease. Sets back an edited
+    role label and restores a deleted or edited Lease."""
+    k = kube()
+    for name in NAMES:
+        labels = ((pods.get(name) or {}).get("metadata") or {}).get("labels") or {}
+        want = "active" if name == active else "passive"
+        if pods.get(name) is not None and labels.get(builders.LABEL_ROLE) != want:
+            log.warning("%s/%s: %s's role label was %r: set back to %s", cluster.namespace,
+                        cluster.name, name, labels.get(builders.LABEL_ROLE), want)  # fmt: skip
+            k.label_pod(cluster.namespace, pod_name(cluster, name), {builders.LABEL_ROLE: want})
+    if holder != active:
+        log.warning("%s/%s: the Lease is not held by the active %s: restored",
+                    cluster.namespace, cluster.name, active)  # fmt: skip
+        k.put_lease(builders.build_lease(
+            cluster, pod_name(cluster, active), spec.failover.lease_duration_seconds,
+            datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        ))  # fmt: skip
 
 
 def lease_state(cluster: ClusterRef) -> tuple[BrokerName | None, bool]:
@@ -214,7 +293,9 @@ def apply(
                 request_id=sw.request_id, kind=sw.kind, target=sw.target, epoch=sw.epoch,
                 force=sw.force,
             )  # fmt: skip
-            if action.handled_promote is not None:
+            if action.handled_promote is not None and not action.handled_promote.startswith(
+                ROLLOUT_REQUEST
+            ):
                 new.handled_requests.promote = action.handled_promote
             if action.handled_recover is not None:
                 new.handled_requests.recover = action.handled_recover
@@ -243,13 +324,37 @@ def apply(
     return new
 
 
+def rollout_conditions(
+    progress: RolloutProgress | None, storage_refusal: str | None
+) -> list[tuple[str, bool, str, str]]:
+    """Reconciling (a rollout under way) and Stalled (it cannot go on: an updated broker
+    failing, a fenced broker, a volume resize refused), as kstatus reads them."""
+    step = progress.step if progress is not None else "Complete"
+    moving = step not in ("Complete", "Stalled")
+    stalled = step == "Stalled" or storage_refusal is not None
+    why = (
+        progress.message if progress is not None and step == "Stalled"
+        else f"volume resize refused: {storage_refusal}" if storage_refusal else ""
+    )  # fmt: skip
+    return [
+        ("Reconciling", moving, step if moving else "Converged",
+         f"{progress.message}" if moving and progress is not None else ""),
+        ("Stalled", stalled,
+         "RolloutStalled" if step == "Stalled" else "StorageResizeRefused" if stalled
+         else "NotStalled", why),
+    ]  # fmt: skip
+
+
 def conditions(
     decision: Decision,
     status: BrokerClusterStatus,
     views: dict[BrokerName, BrokerView],
     generation: int,
+    extra: list[tuple[str, bool, str, str]],
 ) -> list[Condition]:
-    """Ready / Replicating / FailingOver / Degraded, keeping transition times stable."""
+    """Ready / Replicating / FailingOver / Degraded and `extra`, keeping transition times
+    stable. Ready, Replicating and AuditPassed are True when all is well; the others
+    (kstatus's abnormal-true polarity) are True when something is wrong or moving."""
     active = status.active_broker
     serving = active is not None and views[active].reachable and views[active].role == ACTIVE
     passive = views[OTHER[active]] if active else None
@@ -264,6 +369,7 @@ def conditions(
          "the active role is moving" if decision.failing_over else ""),
         ("Degraded", decision.degraded is not None,
          "Degraded" if decision.degraded else "Protected", decision.degraded or ""),
+        *extra,
     ]  # fmt: skip
     previous = {c.type: c for c in status.conditions}
     out = []
@@ -287,28 +393,94 @@ def conditions(
     return out
 
 
+def observe_rollout(
+    cluster: ClusterRef,
+    spec: BrokerClusterSpec,
+    status: BrokerClusterStatus,
+    pods: dict[BrokerName, dict[str, Any] | None],
+    views: dict[BrokerName, BrokerView],
+) -> rollout.RolloutObservation:
+    """What `rollout.plan` looks at: which pod runs the desired template, who serves."""
+    desired: dict[str, Any] = {
+        n: builders.pod_revision(builders.build_pod(cluster, spec, n)) for n in NAMES
+    }
+    revision = builders.template_hash(desired)
+    pod_views = {
+        n: rollout.PodView(
+            present=pods[n] is not None,
+            current=builders.pod_revision(pods[n]) == desired[n],
+            terminating=bool((pods[n] or {}).get("metadata", {}).get("deletionTimestamp")),
+            failing=rollout.pod_failure(pods[n]),
+        )
+        for n in NAMES
+    }
+    requests, handled, sw = spec.requests, status.handled_requests, status.switchover
+    pending = [
+        kind for kind, request, done in (
+            ("promote", requests.promote, handled.promote),
+            ("recover", requests.recover, handled.recover),
+            ("fence", requests.fence, handled.fence),
+        ) if request is not None and request.id != done
+    ]  # fmt: skip
+    busy = (
+        f"waiting for the {sw.kind} to {sw.target} to finish" if sw is not None
+        else f"waiting for the {pending[0]} request to be handled" if pending else None
+    )  # fmt: skip
+    progress = status.rollout
+    update = spec.update_strategy
+    return rollout.RolloutObservation(
+        revision=revision,
+        pods=pod_views,
+        brokers=views,
+        active=status.active_broker,
+        epoch=status.epoch,
+        busy=busy,
+        fenced=frozenset(status.fenced_brokers),
+        method=update.method,
+        supervised=update.active_update == "Supervised",
+        ready_timeout=update.ready_timeout_seconds,
+        progress=None if progress is None else rollout.Progress(
+            progress.revision, progress.step, progress.broker,
+            parse_iso(progress.since).timestamp(), progress.message,
+        ),
+        now=time.time(),
+    )  # fmt: skip
+
+
 def reconcile(
-    body: Any, spec_raw: Any, status_raw: Any, meta: Any, woken: bool = False
+    body: Any, spec_raw: Any, status_raw: Any, meta: Any, memo: Any, woken: bool = False
 ) -> dict[str, Any] | None:
     """One reconcile of one cluster; returns the status patch (None: nothing changed).
     `woken`: a pod changed, reconcile now rather than at the next probe interval."""
     if meta.get("deletionTimestamp"):
         return None  # going away: garbage collection removes what it owns
     cluster = ClusterRef(meta["name"], meta["namespace"], meta["uid"])
+    # Read together, now: kopf updates the body under a running (threaded) handler, and a
+    # generation read later could claim a spec this reconcile never saw as observed.
+    generation = int(meta.get("generation") or 0)
     spec = BrokerClusterSpec.model_validate(dict(spec_raw or {}))
     status = BrokerClusterStatus.model_validate(
         {k: v for k, v in dict(status_raw or {}).items() if k != "kopf"}
     )
-    memory = MEMORY.setdefault(cluster.uid, Memory())
+    memory, shared = memory_of(memo)
     now = time.monotonic()
     if not woken and now - memory.last_probe < spec.failover.probe_interval_seconds - 0.05:
         return None
     memory.last_probe = now
-    if not woken:  # a pod changed: the failover first; children at the next regular tick
-        ensure_children(cluster, spec)
     k = kube()
-    token = k.get_secret_data(cluster.namespace, builders.secret_name(cluster, spec))["admin-token"]
     pods = {n: k.get_pod(cluster.namespace, pod_name(cluster, n)) for n in NAMES}
+    if not woken:  # a pod changed: the failover first; children at the next regular tick
+        reconcile_children(cluster, spec, memory, pods)
+    for name in NAMES:
+        if pods[name] is None:  # created just now
+            pods[name] = k.get_pod(cluster.namespace, pod_name(cluster, name))
+    if memory.credentials is not None and spec.auth.secret_name is None:
+        credentials: dict[str, str] | None = memory.credentials
+    else:
+        credentials = k.get_secret_data(cluster.namespace, builders.secret_name(cluster, spec))
+    if credentials is None:
+        raise kopf.TemporaryError(f"secret {spec.auth.secret_name} not found", delay=5)
+    token = credentials["admin-token"]
     active_ip = (pods.get(status.active_broker) or {}).get("status", {}).get("podIP") if (
         status.active_broker) else None  # fmt: skip
     views: dict[BrokerName, BrokerView] = {}
@@ -342,6 +514,21 @@ def reconcile(
     requests = spec.requests
     promote = requests.promote
     sw = status.switchover
+    # The rollout reads this probe's answers only: `views` keeps a broker's last view for
+    # up to failureThreshold probes, and a recreated pod's broker must not look ready on
+    # the strength of its predecessor's last answer (the e2e caught a switchover to a
+    # broker whose new image could not even be pulled).
+    fresh = {
+        n: BrokerView(n, reachable=False) if report is None else view_of(report, n, active_ip)
+        for n, report in reports.items()
+    }
+    plan = rollout.plan(observe_rollout(cluster, spec, status, pods, fresh))
+    promote_request = (promote.id, promote.broker, promote.force) if (
+        promote is not None and promote.id != handled.promote) else None  # fmt: skip
+    for step in plan.actions:
+        if isinstance(step, rollout.RequestSwitchover) and promote_request is None:
+            assert plan.progress is not None
+            promote_request = (ROLLOUT_REQUEST + plan.progress.revision, step.target, False)
     observation = Observation(
         brokers=views,
         active=status.active_broker,
@@ -351,8 +538,7 @@ def reconcile(
         allow_data_loss=spec.failover.allow_data_loss,
         switchover=None if sw is None else Switchover(sw.request_id, sw.kind, sw.target,
                                                       sw.epoch, sw.force),
-        promote_request=(promote.id, promote.broker, promote.force)
-        if promote is not None and promote.id != handled.promote else None,
+        promote_request=promote_request,
         routed=next((n for n in NAMES if ((pods[n] or {}).get("metadata", {}).get("labels")
                      or {}).get(builders.LABEL_ROLE) == ACTIVE), None),
         fenced=frozenset(status.fenced_brokers),
@@ -372,10 +558,10 @@ def reconcile(
             decision.degraded or "protected: the passive is in sync",
         )
         memory.last_degraded = decision.degraded
-        DEGRADED_CLUSTERS.discard(cluster.uid)
+        shared.degraded.discard(cluster.uid)
         if decision.degraded is not None:
-            DEGRADED_CLUSTERS.add(cluster.uid)
-        metrics.DEGRADED.set(len(DEGRADED_CLUSTERS))
+            shared.degraded.add(cluster.uid)
+        metrics.DEGRADED.set(len(shared.degraded))
     if any(isinstance(a, SetRole) and a.role == ACTIVE for a in decision.actions):
         log.info("%s/%s: activating on %s", cluster.namespace, cluster.name, observation)
     if not decision.failing_over:
@@ -383,6 +569,34 @@ def reconcile(
     elif memory.trouble_since is None:
         memory.trouble_since = time.time()
     new = apply(decision, cluster, spec, status, pods, token, body, memory, views)
+    active = new.active_broker
+    if (
+        active is not None
+        and not decision.failing_over
+        and new.switchover is None
+        and not any(isinstance(a, Route) for a in decision.actions)
+        and views[active].reachable
+        and views[active].role == ACTIVE
+    ):
+        repair_routing(cluster, spec, active, pods, holder)
+    for step in plan.actions:
+        if isinstance(step, rollout.DeletePod):
+            pod = pods[step.broker] or {}
+            log.info("%s/%s: rollout: deleting %s's pod", cluster.namespace, cluster.name,
+                     step.broker)  # fmt: skip
+            k.delete_pod(cluster.namespace, pod_name(cluster, step.broker),
+                         pod.get("metadata", {}).get("uid", ""))  # fmt: skip
+    for event in plan.events:
+        kopf.event(body, type="Warning" if event.warning else "Normal", reason=event.reason,
+                   message=event.message)  # fmt: skip
+    if memory.storage_refusal is not None and memory.storage_refusal != status_refusal(status):
+        kopf.event(body, type="Warning", reason="StorageResizeRefused",
+                   message=memory.storage_refusal)  # fmt: skip
+    progress = plan.progress
+    new.rollout = None if progress is None else RolloutProgress(
+        revision=progress.revision, step=progress.step, broker=progress.broker,
+        since=iso(datetime.fromtimestamp(progress.since, UTC)), message=progress.message,
+    )  # fmt: skip
     lags = {n: passive_lag(n, new.active_broker, reports) for n in NAMES}
     new.brokers = [
         BrokerSummary(
@@ -393,16 +607,20 @@ def reconcile(
         )
         for n, v in views.items()
     ]  # fmt: skip
-    generation = int(meta.get("generation") or 0)
-    new.conditions = conditions(decision, new, views, generation)
-    new.observed_generation = generation
+    extra = rollout_conditions(new.rollout, memory.storage_refusal)
+    new.conditions = conditions(decision, new, views, generation, extra)
+    if plan.converged and memory.storage_refusal is None:
+        # Observed only once the pods run this generation's spec (Argo CD, Flux, kstatus
+        # read a spec change as done when observedGeneration reaches it).
+        new.observed_generation = generation
     created = parse_iso(meta.get("creationTimestamp") or now_iso())
     memory.audit_error = AuditRunner(k, cluster, spec, new, body, generation).reconcile_guarded(
         created, datetime.now(UTC), memory.audit_error
     )
+    updating = new.rollout is not None and new.rollout.step not in ("Complete", "Stalled")
     new.phase = (
         "FailingOver" if decision.failing_over else "Pending" if new.epoch == 0
-        else "Degraded" if decision.degraded else "Ready"
+        else "Updating" if updating else "Degraded" if decision.degraded else "Ready"
     )  # fmt: skip
     patch = new.model_dump(by_alias=True, mode="json", exclude_none=False)
     before = status.model_dump(by_alias=True, mode="json", exclude_none=False)
@@ -418,29 +636,53 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 60
 
 
+def status_refusal(status: BrokerClusterStatus) -> str | None:
+    """The volume resize refusal the status reports (so its Event is posted once)."""
+    stalled = next((c for c in status.conditions if c.type == "Stalled"), None)
+    if stalled is None or stalled.reason != "StorageResizeRefused":
+        return None
+    return stalled.message.removeprefix("volume resize refused: ")
+
+
 @kopf.timer(GROUP, VERSION, PLURAL, interval=1.0, sharp=True)
-async def tick(body: Any, spec: Any, status: Any, meta: Any, patch: Any, **_: Any) -> None:
+async def tick(
+    body: Any, spec: Any, status: Any, meta: Any, patch: Any, memo: Any, **_: Any
+) -> None:
     """The reconcile loop: waits up to `WAKE_WINDOW` for a pod change (then reconciles at
     once), else reconciles when the probe interval is due. `body` and its views are live."""
-    memory = MEMORY.setdefault(meta["uid"], Memory())
+    memory, shared = memory_of(memo)
+    shared.clusters[meta["uid"]] = memory
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(memory.wake.wait(), WAKE_WINDOW)
     woken = memory.wake.is_set()
     memory.wake.clear()
-    new = await asyncio.to_thread(reconcile, body, spec, status, meta, woken)
+    new = await asyncio.to_thread(reconcile, body, spec, status, meta, memo, woken)
     if new is not None:
         for key, value in new.items():
             patch.status[key] = value
 
 
 @kopf.on.event("", "v1", "pods", labels={builders.LABEL_CLUSTER: kopf.PRESENT})
-async def pod_changed(body: Any, **_: Any) -> None:
+async def pod_changed(body: Any, memo: Any, **_: Any) -> None:
     """A broker pod changed (its container stopped, restarted, the pod went away): wake its
     cluster's reconcile instead of waiting for the Lease or the next probe."""
+    shared = memo.get("operator")
+    if shared is None:  # run without `main()`: no shared state, the Lease path still holds
+        return
     for owner in body.get("metadata", {}).get("ownerReferences") or []:
-        memory = MEMORY.get(owner.get("uid"))
+        memory = shared.clusters.get(owner.get("uid"))
         if memory is not None:
             memory.wake.set()
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def forget(meta: Any, memo: Any, **_: Any) -> None:
+    """A deleted cluster leaves nothing behind in the operator (its memo goes with it).
+    Optional: it adds no finalizer (the timer's already makes kopf see the deletion)."""
+    shared = memory_of(memo)[1]
+    shared.degraded.discard(meta.get("uid", ""))
+    shared.clusters.pop(meta.get("uid", ""), None)
+    metrics.DEGRADED.set(len(shared.degraded))
 
 
 def watched_namespaces(argv: list[str] | None = None) -> list[str]:
@@ -476,6 +718,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = kopf.OperatorSettings()
     settings.scanning.disabled = bool(namespaces)
     kopf.run(
+        memo=kopf.Memo(operator=OperatorState()),
         clusterwide=not namespaces,
         namespaces=namespaces,
         settings=settings,

@@ -44,13 +44,46 @@ class ApiModel(BaseModel):
 
 
 class Storage(ApiModel):
-    """Each broker's PersistentVolumeClaim."""
+    """Each broker's PersistentVolumeClaim (its size may grow, never shrink)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "quantity(self.size).compareTo(quantity(oldSelf.size)) >= 0",
+            "storage.size cannot shrink (a PersistentVolumeClaim can only grow)",
+        )
+    )
 
     size: str = Field(
-        "1Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$",
+        "1Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$", max_length=32,
         description="Requested volume size (a Kubernetes quantity)",
     )  # fmt: skip
     storage_class_name: str | None = Field(None, description="StorageClass; the default if unset")
+
+
+DATE_TIME: dict[str, Any] = {"format": "date-time"}
+"""Schema of a status timestamp (RFC 3339), so clients read it as a time."""
+
+
+class UpdateStrategy(ApiModel):
+    """How a pod template change reaches the pods: the passive first, then the active."""
+
+    method: Literal["Switchover", "RestartInPlace"] = Field(
+        "Switchover",
+        description="Switchover: a controlled switchover to the updated passive (the active "
+        "demoted first), then the old active is updated and comes back passive. "
+        "RestartInPlace: the active's pod is recreated without a switchover; the updated "
+        "passive takes over by automatic failover, as after a crash",
+    )
+    active_update: Literal["Unsupervised", "Supervised"] = Field(
+        "Unsupervised",
+        description="Supervised: once the passive is updated and ready, wait for a manual "
+        "promote (kubectl twinmq promote) before the active is updated",
+    )
+    ready_timeout_seconds: int = Field(
+        600, ge=30, le=86400,
+        description="An updated broker not ready (caught up) within this long stops the "
+        "rollout (condition Stalled); the other broker stays active",
+    )  # fmt: skip
 
 
 class Resources(ApiModel):
@@ -248,11 +281,16 @@ class BrokerClusterSpec(ApiModel):
     failover: Failover = Field(default_factory=Failover)
     replication: Replication = Field(default_factory=Replication)
     audit: Audit = Field(default_factory=Audit)
+    update_strategy: UpdateStrategy = Field(default_factory=UpdateStrategy)
     requests: Requests = Field(default_factory=Requests)
 
 
-Phase = Literal["Pending", "Creating", "Ready", "Degraded", "FailingOver", "Recovering", "Failed"]
-ConditionType = Literal["Ready", "Replicating", "FailingOver", "Degraded", "AuditPassed"]
+Phase = Literal[
+    "Pending", "Creating", "Ready", "Updating", "Degraded", "FailingOver", "Recovering", "Failed"
+]
+ConditionType = Literal[
+    "Ready", "Replicating", "FailingOver", "Degraded", "Reconciling", "Stalled", "AuditPassed"
+]
 
 
 class Condition(ApiModel):
@@ -262,7 +300,7 @@ class Condition(ApiModel):
     status: Literal["True", "False", "Unknown"]
     reason: str
     message: str = ""
-    last_transition_time: str | None = None
+    last_transition_time: str | None = Field(None, json_schema_extra=DATE_TIME)
     observed_generation: int | None = None
 
 
@@ -288,7 +326,7 @@ class BrokerSummary(ApiModel):
 class FailoverRecord(ApiModel):
     """The last failover or switchover."""
 
-    time: str
+    time: str = Field(json_schema_extra=DATE_TIME)
     from_broker: BrokerName = Field(alias="from")
     to_broker: BrokerName = Field(alias="to")
     reason: str
@@ -302,12 +340,12 @@ AuditVerdict = Literal["PASS", "FAIL", "ERROR", "RUNNING"]
 class AuditResult(ApiModel):
     """The last audit run: RUNNING while it runs, then its verdict."""
 
-    time: str = Field(description="When the run started")
+    time: str = Field(description="When the run started", json_schema_extra=DATE_TIME)
     verdict: AuditVerdict
     run: str = Field("", description="The run (its Job or SparkApplication, and store folder)")
     launcher: Literal["sparkApplication", "job"] = "job"
     reason: str = Field("", description="Why it ran: schedule, failover, request")
-    finished: str | None = None
+    finished: str | None = Field(None, json_schema_extra=DATE_TIME)
     messages: int = 0
     lost: int = 0
     duplicates: int = 0
@@ -319,7 +357,9 @@ class AuditProgress(ApiModel):
     """The operator's bookkeeping of audits (so a restarted operator neither repeats nor
     forgets a run)."""
 
-    last_scheduled: str | None = Field(None, description="The last cron time a run started for")
+    last_scheduled: str | None = Field(
+        None, description="The last cron time a run started for", json_schema_extra=DATE_TIME
+    )
     audited_epoch: int = Field(0, description="The failover epoch last audited")
 
 
@@ -344,6 +384,23 @@ class SwitchoverProgress(ApiModel):
     force: bool = False
 
 
+RolloutStep = Literal[
+    "UpdatingPassive", "WaitingForSwitchover", "SwitchingOver", "RestartingActive",
+    "Complete", "Stalled",
+]  # fmt: skip
+
+
+class RolloutProgress(ApiModel):
+    """A pod template change on its way to the pods (so a restarted operator resumes it and
+    a user sees where it is)."""
+
+    revision: str = Field(description="Hash of the desired pod template being rolled out")
+    step: RolloutStep
+    broker: BrokerName | None = Field(None, description="The broker the step acts on")
+    since: str = Field(description="When this step began", json_schema_extra=DATE_TIME)
+    message: str = ""
+
+
 class BrokerClusterStatus(ApiModel):
     """What the operator observed and decided."""
 
@@ -352,8 +409,14 @@ class BrokerClusterStatus(ApiModel):
     phase: Phase = "Pending"
     active_broker: BrokerName | None = None
     epoch: int = 0
-    brokers: list[BrokerSummary] = Field(default_factory=list)
-    conditions: list[Condition] = Field(default_factory=list)
+    brokers: list[BrokerSummary] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
     last_failover: FailoverRecord | None = None
     last_audit: AuditResult | None = None
     audit: AuditProgress = Field(default_factory=AuditProgress)
@@ -362,5 +425,10 @@ class BrokerClusterStatus(ApiModel):
     fenced_brokers: list[BrokerName] = Field(
         default_factory=list, description="Brokers fenced by request: never promoted"
     )
-    unreachable_since: str | None = None
-    observed_generation: int | None = None
+    rollout: RolloutProgress | None = None
+    unreachable_since: str | None = Field(None, json_schema_extra=DATE_TIME)
+    observed_generation: int | None = Field(
+        None,
+        description="The generation both pods and volumes run: a spec change is observed "
+        "only once the rollout it causes is complete",
+    )

@@ -1,0 +1,147 @@
+"""The operator repairs drift: a deleted or edited child is restored to its desired state.
+
+The operator (a local process) server-side applies every owned object each probe
+interval; these tests delete or edit them behind its back on the real API server and
+wait for the repair, then check the pair still serves through the virtual IP.
+"""
+
+from __future__ import annotations
+
+import pytest
+from brokerclusters import (
+    OperatorProcess,
+    amqp_url,
+    cluster_path,
+    cluster_status,
+    condition,
+    create_cluster,
+    events_of,
+    publish_confirmed,
+)
+from conftest import Cluster
+from pika.exceptions import AMQPError
+from support import pod_path, wait_until
+
+from twinmq.localcluster.kubeapi import ApiError
+
+pytestmark = pytest.mark.e2e
+STORAGE_CLASS = "/apis/storage.k8s.io/v1/storageclasses/twinmq-local"
+
+
+def confirms(cluster: Cluster, namespace: str, name: str) -> bool:
+    """Whether a message published through the virtual IP is confirmed now."""
+    try:
+        publish_confirmed(amqp_url(cluster, namespace, name), "drift", b"1")
+    except (AMQPError, OSError, KeyError):  # KeyError: the Service has no cluster IP yet
+        return False
+    return True
+
+
+def test_a_deleted_or_edited_virtual_ip_service_is_restored_and_serves_again(
+    cluster: Cluster, operator: OperatorProcess, namespace: str
+) -> None:
+    name = create_cluster(cluster, namespace)
+    services = f"/api/v1/namespaces/{namespace}/services"
+    vip, headless = f"{services}/{name}", f"{services}/{name}-brokers"
+    cluster.kube.patch(vip, {"spec": {"selector": {"twinmq.io/role": "passive"}}})
+
+    def selector_back() -> bool:
+        spec = (cluster.kube.get(vip) or {}).get("spec") or {}
+        return spec.get("selector", {}).get("twinmq.io/role") == "active"
+
+    wait_until("the edited VIP selector set back to the active", selector_back, timeout=15)
+    for path in (vip, headless):
+        uid = (cluster.kube.get(path) or {})["metadata"]["uid"]
+        cluster.kube.delete(path)
+        wait_until(
+            f"{path} recreated",
+            lambda p=path, u=uid: (
+                (cluster.kube.get(p) or {}).get("metadata", {}).get("uid") not in (None, u)
+            ),
+            timeout=15,
+        )
+    # The recreated VIP has a new cluster IP; it reaches the active again.
+    wait_until("a confirm through the recreated VIP", lambda: confirms(cluster, namespace, name))
+    assert cluster_status(cluster, namespace, name)["epoch"] == 1, "no failover was needed"
+
+
+def test_a_deleted_secret_an_edited_pod_label_and_a_deleted_lease_are_restored(
+    cluster: Cluster, operator: OperatorProcess, namespace: str
+) -> None:
+    name = create_cluster(cluster, namespace)
+    secret = f"/api/v1/namespaces/{namespace}/secrets/{name}-auth"
+    before = (cluster.kube.get(secret) or {})["data"]
+    cluster.kube.delete(secret)
+    wait_until("the Secret restored", lambda: cluster.kube.get(secret), timeout=15)
+    assert (cluster.kube.get(secret) or {})["data"] == before, "restored with the same credentials"
+
+    primary = pod_path(namespace, f"{name}-primary")
+    backup = pod_path(namespace, f"{name}-backup")
+    cluster.kube.patch(primary, {"metadata": {"labels": {"twinmq.io/role": "passive"}}})
+    cluster.kube.patch(backup, {"metadata": {"labels": {"twinmq.io/cluster": None}}})
+
+    def labels_back() -> bool:
+        p = (cluster.kube.get(primary) or {})["metadata"]["labels"]
+        b = (cluster.kube.get(backup) or {})["metadata"]["labels"]
+        return p.get("twinmq.io/role") == "active" and b.get("twinmq.io/cluster") == name
+
+    wait_until("the edited pod labels set back", labels_back, timeout=15)
+
+    lease = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}-active"
+    cluster.kube.delete(lease)
+
+    def lease_back() -> bool:
+        spec = (cluster.kube.get(lease) or {}).get("spec") or {}
+        return spec.get("holderIdentity") == f"{name}-primary"
+
+    wait_until("the Lease restored, held by the active", lease_back, timeout=15)
+    publish_confirmed(amqp_url(cluster, namespace, name), "drift", b"1")
+    status = cluster_status(cluster, namespace, name)
+    assert (status["activeBroker"], status["epoch"]) == ("primary", 1)
+    assert condition(status, "Ready") == "True"
+
+
+def test_storage_grows_where_the_class_can_expand_and_never_shrinks(
+    cluster: Cluster, operator: OperatorProcess, namespace: str
+) -> None:
+    name = create_cluster(cluster, namespace)
+    path = cluster_path(namespace, name)
+    with pytest.raises(ApiError) as refused:
+        cluster.kube.patch(path, {"spec": {"storage": {"size": "512Mi"}}})
+    assert "storage.size cannot shrink" in refused.value.body
+
+    # The local StorageClass does not allow expansion: the API server refuses the resize
+    # and the operator says so, without advancing observedGeneration.
+    cluster.kube.patch(path, {"spec": {"storage": {"size": "2Gi"}}})
+    generation = (cluster.kube.get(path) or {})["metadata"]["generation"]
+
+    def stalled() -> dict[str, object] | None:
+        s = cluster_status(cluster, namespace, name)
+        found = [c for c in s.get("conditions", []) if c["type"] == "Stalled"]
+        return s if found and found[0]["reason"] == "StorageResizeRefused" else None
+
+    status = wait_until("the resize refusal reported", stalled, timeout=20)
+    assert status["observedGeneration"] < generation
+    assert "StorageResizeRefused" in [e["reason"] for e in events_of(cluster, namespace)]
+
+    # Where the class allows it, the same spec expands both volumes.
+    cluster.kube.patch(STORAGE_CLASS, {"allowVolumeExpansion": True})
+    try:
+
+        def expanded() -> bool:
+            s = cluster_status(cluster, namespace, name)
+            pvcs = [
+                cluster.kube.get(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/"
+                                 f"{name}-{broker}") or {}
+                for broker in ("primary", "backup")
+            ]  # fmt: skip
+            sizes = {p["spec"]["resources"]["requests"]["storage"] for p in pvcs}
+            return (
+                sizes == {"2Gi"}
+                and condition(s, "Stalled") == "False"
+                and s.get("observedGeneration") == generation
+            )
+
+        wait_until("both PVCs expanded and the generation observed", expanded, timeout=20)
+    finally:
+        cluster.kube.patch(STORAGE_CLASS, {"allowVolumeExpansion": None})
