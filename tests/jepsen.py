@@ -795,7 +795,7 @@ QUEUE_ARGUMENTS: dict[str, dict[str, Any]] = {
         "x-dead-letter-routing-key": "jepsen-1",
     },
 }
-HEADERS_FLAG, DELIVERY_MODE_FLAG, EXPIRATION_FLAG = 0x2000, 0x1000, 0x0100
+DELIVERY_MODE_FLAG, EXPIRATION_FLAG = 0x1000, 0x0100
 
 
 def odd_header(template: bytes, body: bytes) -> bytes:
