@@ -158,8 +158,8 @@ def _assert_class_sound(result: ClassResult) -> None:
     assert not result.poison_wrong, f"poison not refused as documented: {result.poison_wrong}"
 
 
-# The short matrix's huge backlog: still a catch-up of several chunks (4096 messages each).
-SHORT_BACKLOG = 30_000
+# The short matrix's huge backlog: still a catch-up of 15 chunks (4096 messages each).
+SHORT_BACKLOG = 60_000
 
 
 # Each family's faults once (corruption: the passive, and the old active after a failover).
