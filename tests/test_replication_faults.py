@@ -234,6 +234,7 @@ def test_fault_matrix(tmp_path: Path) -> None:
         )
         if not result.ok:
             print(report.text())
+            print("\n".join(report.events))  # what each missed cycle did
     print(f"\nresults: {path}.json and {path}.md")
     print(path.with_suffix(".md").read_text() if results else "no class ran")
     if skipped:
