@@ -3,8 +3,10 @@
 The fault suite needs clients that never hang on a paused or vanished broker
 and that report exactly what happened to each publish: confirmed (basic.ack),
 refused (basic.nack), or unknown (the connection died first). Frames are
-pamqp's; the client speaks only what the workload uses: one channel, queue
-declare, qos, publisher confirms, transactions, consume and ack.
+pamqp's, except content headers: those are sent and read as bytes, so a publisher
+can send any header it means (odd or invalid) and a consumer is never stopped by
+one pamqp cannot decode. The client speaks only what the workload uses: one
+channel, queue declare, qos, publisher confirms, transactions, consume and ack.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import contextlib
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from pamqp import commands, frame
 from pamqp.body import ContentBody
@@ -24,6 +26,7 @@ PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 CHANNEL = 1
 FRAME_MAX = 131072
 PERSISTENT = commands.Basic.Properties(delivery_mode=2)
+CONTENT_HEADER = 2  # frame type
 
 
 class ClientError(Exception):
@@ -41,6 +44,12 @@ class Refused(ClientError):
 
 # (multiple, delivery tag, ack?) for every basic.ack / basic.nack received.
 ConfirmCallback = Callable[[int, bool, bool], None]
+
+
+class RawHeader(NamedTuple):
+    """A content header as the client reads it: its body size, the properties unread."""
+
+    body_size: int
 
 
 class Delivery:
@@ -128,8 +137,11 @@ class AMQPClient:
 
     async def _read_frame(self) -> tuple[int, Any]:
         head = await self._reader.readexactly(7)
-        _, _, size = struct.unpack(">BHI", head)
+        ftype, channel, size = struct.unpack(">BHI", head)
         rest = await self._reader.readexactly(size + 1)
+        if ftype == CONTENT_HEADER:
+            # Only the body size: pamqp raises on some valid properties (odd timestamps).
+            return channel, RawHeader(struct.unpack_from(">Q", rest, 4)[0])
         _, channel, value = frame.unmarshal(head + rest)
         return channel, value
 
@@ -173,7 +185,7 @@ class AMQPClient:
                 )
         elif isinstance(value, commands.Basic.Deliver):
             self._partial = Delivery(value.delivery_tag or 0, bool(value.redelivered))
-        elif isinstance(value, ContentHeader):
+        elif isinstance(value, RawHeader):
             self._remaining = value.body_size
             if not self._remaining:
                 self._deliver()
@@ -243,11 +255,12 @@ class AMQPClient:
 
     # -- AMQP --------------------------------------------------------------------------------
 
-    async def queue_declare(self, name: str, within: float = 5.0) -> None:
-        """A durable queue."""
-        await self._call(
-            commands.Queue.Declare(queue=name, durable=True), commands.Queue.DeclareOk, within
-        )
+    async def queue_declare(
+        self, name: str, arguments: dict[str, Any] | None = None, within: float = 5.0
+    ) -> None:
+        """A durable queue (with `arguments`, e.g. a TTL and a dead-letter target)."""
+        declare = commands.Queue.Declare(queue=name, durable=True, arguments=arguments)
+        await self._call(declare, commands.Queue.DeclareOk, within)
 
     async def confirm_select(self, within: float = 5.0) -> None:
         """Publisher confirms on channel 1."""
@@ -273,12 +286,19 @@ class AMQPClient:
         """Start a consumer with acks; deliveries arrive in `self.deliveries`."""
         await self._call(commands.Basic.Consume(queue=queue), commands.Basic.ConsumeOk, within)
 
-    def publish(self, routing_key: str, body: bytes) -> int:
-        """Publish a persistent message to the default exchange; returns its confirm tag."""
+    def publish(self, routing_key: str, body: bytes, header: bytes | None = None) -> int:
+        """Publish a message to the default exchange; returns its confirm tag.
+
+        Persistent, no other property, unless `header` gives the content header
+        payload to send as it is (its body size is the caller's to get right)."""
         self.check()
         data = frame.marshal(commands.Basic.Publish(routing_key=routing_key), CHANNEL)
-        data += frame.marshal(ContentHeader(0, len(body), PERSISTENT), CHANNEL)
-        data += frame.marshal(ContentBody(body), CHANNEL)
+        if header is None:
+            data += frame.marshal(ContentHeader(0, len(body), PERSISTENT), CHANNEL)
+        else:
+            data += struct.pack(">BHI", CONTENT_HEADER, CHANNEL, len(header)) + header + b"\xce"
+        if body:
+            data += frame.marshal(ContentBody(body), CHANNEL)
         self._writer.write(data)
         seq = self.next_seq
         self.next_seq += 1

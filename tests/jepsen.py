@@ -23,6 +23,7 @@ import errno
 import json
 import random
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -37,8 +38,10 @@ from typing import Any, TypeVar
 
 from amqpclient import AMQPClient, ClientError, Delivery, Refused
 from faultproxy import FaultProxy
+from poison import POISON, sample_headers
 
 from twinmq.broker.admin_client import AdminError, AdminUnreachable
+from twinmq.broker.codec import rebuild_header
 from twinmq.broker.journal.segment import HEADER, REC
 from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.names import ACTIVE, PASSIVE, REPLICATION_TOKEN_ENV, Role
@@ -140,6 +143,12 @@ def status(broker: BrokerProcess, timeout: float = 2.0) -> dict[str, Any] | None
         return broker.admin.status(timeout=timeout).model_dump(mode="json")
     except AdminUnreachable:
         return None
+
+
+def catchup_status(broker: BrokerProcess) -> dict[str, Any] | None:
+    """An active's `/status` `replication.catchup` (its passive's catch-up), if any."""
+    data = status(broker)
+    return None if data is None else data["replication"].get("catchup")
 
 
 def post_role(
@@ -568,9 +577,14 @@ class Producer:
     def __init__(
         self, name: str, addresses: list[str], queues: list[str], *, window: int,
         interval: float, padding: int, transactional: bool = False,
+        headers: Callable[[int, bytes], bytes] | None = None, limit: int | None = None,
     ) -> None:  # fmt: skip
+        """`headers(number, body)` gives a message's content header (default: persistent,
+        nothing else); `limit` stops the producer after that many messages."""
         self.log = ProducerLog(name)
         self.transactional = transactional
+        self.headers = headers
+        self.limit = limit
         self.addresses = addresses
         self.queues = queues
         self.window = window
@@ -581,6 +595,7 @@ class Producer:
         self._outstanding: dict[int, int] = {}  # confirm tag -> message number
         self._room = asyncio.Event()
         self._settled = asyncio.Event()  # nothing outstanding
+        self.done = asyncio.Event()  # `run` returned
 
     def _on_confirm(self, tag: int, multiple: bool, ack: bool) -> None:
         tags = [t for t in self._outstanding if t <= tag] if multiple else [tag]
@@ -593,9 +608,25 @@ class Producer:
         if not self._outstanding:
             self._settled.set()
 
+    @property
+    def exhausted(self) -> bool:
+        """It sent its `limit` of messages."""
+        return self.limit is not None and self._next >= self.limit
+
+    @property
+    def settled(self) -> bool:
+        """Exhausted, and every message it sent is confirmed, nacked or given up."""
+        return self.exhausted and self.done.is_set()
+
     async def run(self) -> None:
-        """Publish until `stopping`; then wait a little for the last confirms."""
-        while not self.stopping:
+        """Publish until `stopping` (or `limit`); then wait a little for the last confirms."""
+        try:
+            await self._run()
+        finally:
+            self.done.set()
+
+    async def _run(self) -> None:
+        while not self.stopping and not self.exhausted:
             client = await connect_active(self.addresses, lambda: self.stopping)
             if client is None:
                 return
@@ -605,7 +636,7 @@ class Producer:
             try:
                 client.on_confirm = self._on_confirm
                 for queue in self.queues:
-                    await client.queue_declare(queue)
+                    await client.queue_declare(queue, QUEUE_ARGUMENTS.get(queue))
                 if self.transactional:
                     await client.tx_select()
                     await self._publish_transactions(client)
@@ -624,8 +655,16 @@ class Producer:
             finally:
                 client.abort()
 
+    def _send(self, client: AMQPClient, number: int) -> int:
+        """Publish message `number` (its queue by number); returns the confirm tag."""
+        queue = self.queues[number % len(self.queues)]
+        body = encode_body(self.log.name, number, self.padding)
+        header = None if self.headers is None else self.headers(number, body)
+        self.log.sent.add(number)
+        return client.publish(queue, body, header)
+
     async def _publish(self, client: AMQPClient) -> None:
-        while not self.stopping:
+        while not self.stopping and not self.exhausted:
             if len(self._outstanding) >= self.window:
                 self._room.clear()
                 waiter = asyncio.ensure_future(self._room.wait())
@@ -643,10 +682,7 @@ class Producer:
                 continue
             number = self._next
             self._next += 1
-            self.log.sent.add(number)
-            queue = self.queues[number % len(self.queues)]
-            tag = client.publish(queue, encode_body(self.log.name, number, self.padding))
-            self._outstanding[tag] = number
+            self._outstanding[self._send(client, number)] = number
             await client.drain()
             if self.interval:
                 await asyncio.sleep(self.interval)
@@ -656,9 +692,7 @@ class Producer:
             numbers = list(range(self._next, self._next + self.window))
             self._next += self.window
             for number in numbers:
-                self.log.sent.add(number)
-                queue = self.queues[number % len(self.queues)]
-                client.publish(queue, encode_body(self.log.name, number, self.padding))
+                self._send(client, number)
             await client.drain()
             try:
                 await client.tx_commit(within=CONFIRM_PATIENCE)
@@ -688,14 +722,19 @@ class Producer:
 class Consumer:
     """Consumes with acks; records every body it is delivered."""
 
-    def __init__(self, name: str, addresses: list[str], queues: list[str], prefetch: int) -> None:
+    def __init__(
+        self, name: str, addresses: list[str], queues: list[str], prefetch: int, *,
+        late: bool = False,
+    ) -> None:  # fmt: skip
+        """A `late` consumer starts only for the final drain (its queue is a backlog)."""
         self.name = name
         self.addresses = addresses
         self.queues = queues
         self.prefetch = prefetch
         self.received: list[bytes] = []
         self.stopping = False
-        self.paused = False  # set from the nemesis thread
+        self.late = late
+        self.paused = late  # set from the nemesis thread
         self.last_delivery = time.monotonic()
         self.connections = 0
 
@@ -712,7 +751,7 @@ class Consumer:
             try:
                 await client.qos(self.prefetch)
                 for queue in self.queues:
-                    await client.queue_declare(queue)
+                    await client.queue_declare(queue, QUEUE_ARGUMENTS.get(queue))
                     await client.consume(queue)
                 await self._consume(client)
                 await client.close()
@@ -734,6 +773,74 @@ class Consumer:
             client.ack(delivery.tag)
 
 
+# The poison family's queues: odd messages expire here after 50 ms and are dead-lettered
+# into a consumed queue (an x-death is written into their odd headers); the bulk
+# producer's backlog waits in its own queue for the final drain.
+EXPIRING_QUEUE = "jepsen-expiring"
+BACKLOG_QUEUE = "jepsen-backlog"
+QUEUE_ARGUMENTS: dict[str, dict[str, Any]] = {
+    EXPIRING_QUEUE: {
+        "x-message-ttl": 50,
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": "jepsen-1",
+    },
+}
+DELIVERY_MODE_FLAG, EXPIRATION_FLAG = 0x1000, 0x0100
+
+
+def odd_header(template: bytes, body: bytes) -> bytes:
+    """An odd header drawn by tests/poison.py, made persistent and fitted to `body`
+    (its own expiration dropped: the message must stay until a consumer takes it)."""
+    replace: dict[int, bytes | None] = {DELIVERY_MODE_FLAG: b"\x02", EXPIRATION_FLAG: None}
+    return rebuild_header(template, replace, body_size=len(body))
+
+
+class PoisonSender:
+    """Publishes the headers the broker must refuse (tests/poison.py `POISON`), one per
+    connection, in turn, and counts the answers: refused with the documented code
+    (docs/poison-input.md), or anything else (accepted, another code)."""
+
+    def __init__(self, addresses: list[str], queue: str, interval: float = 0.1) -> None:
+        self.addresses = addresses
+        self.queue = queue
+        self.interval = interval
+        self.stopping = False
+        self.refused: Counter[str] = Counter()  # by POISON name, as documented
+        self.wrong: list[str] = []  # answered otherwise: a failure
+        self.cut = 0  # the connection died first (a fault): no answer to judge
+
+    async def run(self) -> None:
+        """Until `stopping`: connect to the active, publish one poison header, judge."""
+        names = sorted(POISON)
+        sent = 0
+        while not self.stopping:
+            client = await connect_active(self.addresses, lambda: self.stopping)
+            if client is None:
+                return
+            name = names[sent % len(names)]
+            build, code = POISON[name]
+            sent += 1
+            try:
+                client.publish(self.queue, b"", build())
+                await client.drain()
+                await asyncio.wait_for(client.closed.wait(), 5.0)
+            except TimeoutError:
+                self.wrong.append(f"{name}: accepted (no close within 5 s)")
+            except ClientError:
+                pass
+            finally:
+                client.abort()
+            error = client.error
+            if isinstance(error, Refused):
+                if error.code == code:
+                    self.refused[name] += 1
+                else:
+                    self.wrong.append(f"{name}: {error.code} {error.text}, expected {code}")
+            elif error is not None:
+                self.cut += 1
+            await asyncio.sleep(self.interval)
+
+
 class Workload:
     """Producers and consumers on one asyncio loop, against a pair's two addresses."""
 
@@ -749,7 +856,12 @@ class Workload:
         interval: float = 0.002,
         padding: int = 100,
         prefetch: int = 50,
+        poison_seed: int | None = None,
+        backlog: int = 0,
     ) -> None:
+        """`poison_seed`: add a producer of odd headers and a sender of poison ones
+        (`PoisonSender`); `backlog`: add a bulk producer of that many messages into a
+        queue read only by the final drain."""
         self.queues = [f"jepsen-{i}" for i in range(queues)]
         self.producers = [
             Producer(
@@ -771,7 +883,33 @@ class Workload:
         self.consumers = [
             Consumer(f"c{i}", addresses, self.queues, prefetch) for i in range(consumers)
         ]
+        self.counted = list(self.queues)  # every queue that must end empty
+        self.odd: Producer | None = None
+        self.poison: PoisonSender | None = None
+        if poison_seed is not None:
+            # Odd (valid) headers on every message of one more producer; a third of them
+            # go through a queue whose TTL dead-letters them into the consumed queues.
+            templates = sample_headers(poison_seed, 200)
+            self.odd = Producer(
+                "o0", addresses, [*self.queues, EXPIRING_QUEUE], window=window,
+                interval=interval, padding=padding,
+                headers=lambda n, body: odd_header(templates[n % len(templates)], body),
+            )  # fmt: skip
+            self.producers.append(self.odd)
+            self.counted.append(EXPIRING_QUEUE)
+            self.poison = PoisonSender(addresses, self.queues[0])
+        self.bulk: Producer | None = None
+        if backlog:
+            # Loaded once at full speed and consumed only by the final drain.
+            self.bulk = Producer(
+                "b0", addresses, [BACKLOG_QUEUE], window=1000, interval=0.0, padding=20,
+                limit=backlog,
+            )  # fmt: skip
+            self.producers.append(self.bulk)
+            self.consumers.append(Consumer("cb", addresses, [BACKLOG_QUEUE], 1000, late=True))
+            self.counted.append(BACKLOG_QUEUE)
         self._tasks: list[asyncio.Task[None]] = []
+        self._poison_task: asyncio.Task[None] | None = None
         self.passive_left: tuple[int, int] | None = None  # (ready, unacked) at the end
 
     def start(self) -> None:
@@ -779,11 +917,19 @@ class Workload:
         clients: list[Producer | Consumer] = [*self.producers, *self.consumers]
         for client in clients:
             self._tasks.append(asyncio.ensure_future(client.run()))
+        if self.poison is not None:
+            self._poison_task = asyncio.ensure_future(self.poison.run())
 
     def pause_consumers(self, paused: bool) -> None:
         """Disconnect the consumers (a backlog builds up) or let them back in."""
         for consumer in self.consumers:
-            consumer.paused = paused
+            if not consumer.late:
+                consumer.paused = paused
+
+    @property
+    def backlog_loaded(self) -> bool:
+        """The bulk producer (if any) has sent its backlog and heard every answer."""
+        return self.bulk is None or self.bulk.settled
 
     @property
     def confirmed(self) -> int:
@@ -794,22 +940,28 @@ class Workload:
         """Stop the producers, let the consumers drain the queue, stop them."""
         for producer in self.producers:
             producer.stopping = True
-        self.pause_consumers(False)
-        await asyncio.wait_for(asyncio.gather(*self._tasks[: len(self.producers)]), within)
+        if self.poison is not None:
+            self.poison.stopping = True
+        for consumer in self.consumers:
+            consumer.paused = False
+        producing = [*self._tasks[: len(self.producers)], *filter(None, [self._poison_task])]
+        await asyncio.wait_for(asyncio.gather(*producing), within)
 
         def drained() -> bool:
-            counts = queue_counts(status(pair.active), *self.queues)
+            counts = queue_counts(status(pair.active), *self.counted)
             idle = min(time.monotonic() - c.last_delivery for c in self.consumers)
             return counts == (0, 0) and idle > 1.0
 
-        await asyncio.to_thread(wait_for, drained, within, "queue drained", 0.2)
+        # A bulk backlog takes its time to drain (a few thousand messages a second).
+        drain_within = within + (self.bulk.limit or 0) / 2000 if self.bulk else within
+        await asyncio.to_thread(wait_for, drained, drain_within, "queue drained", 0.2)
         for consumer in self.consumers:
             consumer.stopping = True
         await asyncio.wait_for(asyncio.gather(*self._tasks), within)
 
         # The passive must have followed every dequeue: its queues end empty too.
         def passive_left() -> tuple[int, int] | None:
-            self.passive_left = queue_counts(status(pair.passive), *self.queues)
+            self.passive_left = queue_counts(status(pair.passive), *self.counted)
             return None if self.passive_left != (0, 0) else self.passive_left
 
         with contextlib.suppress(TimeoutError):
@@ -1198,14 +1350,16 @@ class Nemesis:
         self._fault_over()
         return self._proof("passive exited 75 (EXIT_JOURNAL_FAILED)", exited)
 
-    def disk_full_passive_then_kill_mid_catchup(self, backlog: int = 1500) -> bool:
+    def disk_full_passive_then_kill_mid_catchup(self, backlog: int = 3000) -> bool:
         """Compound: the passive's disk fills (exit 75), a backlog builds on the active,
         space returns, the passive restarts and is killed -9 in the middle of its catch-up."""
         self._traffic()
         pair, workload = self.pair, self.workload
-        workload.pause_consumers(True)
         passive = pair.passive
         filler, exited = self._fill_passive(passive)
+        # Consumers pause for the backlog only: paused while the disk fills too (seconds
+        # on a loaded machine), the queues grew by ~10,000 messages a cycle, without end.
+        workload.pause_consumers(True)
         self._backlog(backlog)
         filler.release()
         mid = self._kill_mid_catchup(passive)
@@ -1241,11 +1395,19 @@ class Nemesis:
         )
         victim.kill()
         if failover:
-            wait_for(
-                lambda: (s := status(pair.passive)) is not None and s["replication"]["ready"],
-                10,
-                "passive ready for promotion",
+            ready = self._seen(
+                lambda: (s := status(pair.passive)) is not None and s["replication"]["ready"], 10
             )
+            if not ready:
+                # Its lease (replication_timeout after the last echo) ran out before it was
+                # seen ready, as on a loaded machine: the operator's procedure does not
+                # promote it, the old active comes back as it was. A miss, nothing flipped.
+                self.log.promotions_refused += 1
+                pair.note(f"passive {pair.passive.name} not ready: {victim.name} restarted")
+                victim.extra_args = pair.args("active")
+                victim.start()
+                workload.pause_consumers(False)
+                return False
             pair.promote_passive()
             pair.brokers[victim.name].extra_args = pair.args(PASSIVE)
         flipped = corrupt_journal(victim.data_dir / "journal", self.rng)
@@ -1276,6 +1438,98 @@ class Nemesis:
                 self._proof("segment quarantined", kept),
                 self._proof("activation refused without force (409)", refused),
                 self._proof("healed by catch-up", healed),
+            ]
+        )
+
+    def poison_kill_active(self) -> bool:
+        """Odd and poison headers flow (tests/poison.py), then kill -9 of the active and
+        failover: the old active recovers a journal full of odd headers and catches up."""
+        pair, load = self.pair, self.workload
+        assert load.odd is not None and load.poison is not None
+        odd, poison = load.odd.log, load.poison
+        confirmed, refused, wrong = len(odd.confirmed), poison.refused.total(), len(poison.wrong)
+        marks = {name: log_size(b) for name, b in pair.brokers.items()}
+        flowing = self._seen(
+            lambda: len(odd.confirmed) > confirmed and poison.refused.total() > refused, 30
+        )
+        promoted = self.kill_active()
+        pair.wait_healthy(60)  # the old active is back: its recovery completed
+        logs = "".join(log_since(b, marks[name]) for name, b in pair.brokers.items())
+        clean = "Traceback" not in logs and "quarantined" not in logs
+        pair.note(f"poison: refused {dict(poison.refused)}, cut {poison.cut}, odd confirmed "
+                  f"{len(odd.confirmed)}; logs clean {clean}")  # fmt: skip
+        return all(
+            [
+                promoted,
+                self._proof("odd headers confirmed, poison refused as documented", flowing),
+                self._proof("no poison answered otherwise", len(poison.wrong) == wrong),
+                self._proof("no traceback or quarantine in the logs", clean),
+            ]
+        )
+
+    def huge_backlog_kill_passive(self) -> bool:
+        """A new passive (empty volume) catches up the huge backlog; kill -9 it mid-stream."""
+        return self._huge_catchup(kill=True)
+
+    def huge_backlog_cut_link(self) -> bool:
+        """A new passive (empty volume) catches up the huge backlog; cut the link mid-stream."""
+        return self._huge_catchup(kill=False)
+
+    def _huge_catchup(self, *, kill: bool) -> bool:
+        """The passive is replaced by one with an empty data dir, so the whole backlog
+        streams to it in chunks; after a few chunks are durable on it, it is killed -9 (or
+        the link is cut). The next catch-up must keep what was acknowledged (resume) and
+        complete: the backlog queue holds as many messages on both brokers."""
+        pair, load = self.pair, self.workload
+        wait_for(lambda: load.backlog_loaded, 900, "the backlog loaded", interval=0.5)
+        self._traffic()
+        passive = pair.passive
+        passive.kill()
+        shutil.rmtree(passive.data_dir)  # a new volume: the whole backlog to catch up
+        # Throttled until the fault so that it can be seen under way, but not below
+        # 1.5 MB/s: a chunk (up to 4096 messages, ~350 KB here) must cross well within the
+        # replication timeout, or the active drops the passive as stalled at every chunk.
+        pair.link.throttle(self.rng.choice([1.5e6, 3e6, 6e6]))
+        passive.extra_args = pair.args("passive")
+        passive.start()
+        share = self.rng.uniform(0.05, 0.5)  # of the catch-up durable on the passive first
+
+        def streaming() -> dict[str, Any] | None:
+            c = catchup_status(pair.active)
+            if not c or not c["in_progress"] or not c["acked_chunks"]:
+                return None
+            return c if c["kept"] + c["acked_messages"] >= share * c["candidates"] else None
+
+        at: dict[str, Any] | None = None
+        with contextlib.suppress(TimeoutError):
+            at = wait_for(streaming, 60, "catch-up streaming", interval=0.02)
+        passive.kill() if kill else pair.link.cut()
+        durable = 0 if at is None else at["kept"] + at["acked_messages"]  # on the passive
+        mid = at is not None and durable < at["candidates"]
+        self._hold(0.0, pair.replication_timeout)
+        pair.link.heal()
+        if kill:
+            passive.start()
+        self._fault_over()
+        pair.note(
+            f"passive {passive.name}: catch-up of a new volume "
+            f"{'killed -9' if kill else 'link cut'} at {at and at['acked_chunks']} chunks "
+            f"({durable} of {at and at['candidates']} messages on the passive)"
+        )
+        pair.wait_healthy(120)
+        after = catchup_status(pair.active) or {}
+        # What the passive acknowledged is found on it again: kept, or discarded if it was
+        # consumed from a live queue meanwhile. Nothing acknowledged is sent twice.
+        found = after.get("kept", 0) + after.get("discarded", 0)
+        resumed = at is not None and found >= durable > 0
+        backlog = [queue_counts(status(b), BACKLOG_QUEUE) for b in (pair.active, passive)]
+        complete = after.get("in_progress") is False and backlog[0] == backlog[1] is not None
+        pair.note(f"catch-up after the fault: {after}; backlog (active, passive) {backlog}")
+        return all(
+            [
+                self._proof("catch-up interrupted mid-stream", mid),
+                self._proof("resumed: acknowledged chunks kept", resumed),
+                self._proof("catch-up completed: backlog the same on both", complete),
             ]
         )
 
@@ -1402,6 +1656,8 @@ class FaultClass:
     proof: str  # what each cycle must observe
     small_disks: bool = False  # a tmpfs per broker (root only)
     faketime: bool = False  # brokers under libfaketime
+    poison: bool = False  # a producer of odd headers and a sender of poison ones
+    backlog: int = 0  # messages of a backlog loaded first, drained last
 
 
 MATRIX = (
@@ -1464,10 +1720,24 @@ MATRIX = (
         "the broker's /status uptime_seconds (wall clock) leapt by the jump",
         faketime=True,
     ),
+    FaultClass(
+        "poison", ("poison-kill-active",),
+        "odd (valid) headers on confirmed messages, some dead-lettered by expiry, and "
+        "poison headers (docs/poison-input.md) while the active is killed -9 and fails "
+        "over: recovery, catch-up and delivery of odd headers, refusals with their codes",
+        "odd messages confirmed and poison refused with its documented code in the cycle, "
+        "none answered otherwise, the epoch rose, no traceback or quarantine in the logs",
+        poison=True,
+    ),
+    FaultClass(
+        "huge-backlog", ("huge-backlog-kill-passive", "huge-backlog-cut-link"),
+        "a backlog of 300,000 messages (about 75 chunks) caught up by a passive with an "
+        "empty volume; the passive killed -9 or the link cut mid-stream",
+        "the catch-up was under way with chunks acknowledged at the fault; the next one "
+        "kept them (resumed) and completed (the backlog queue equal on both brokers)",
+        backlog=300_000,
+    ),
 )  # fmt: skip
-# Poison input and huge-backlog catch-up are fault classes of issue 11 built elsewhere;
-# they join MATRIX as families of their own (a publisher of odd properties; a backlog of
-# millions with the link cut mid-stream) once those parts land.
 
 MATRIX_BROKER_ARGS = ["--segment-bytes", "65536", "--disk-free-limit", "0"]
 MATRIX_DISK_BYTES = 512 * 1024 * 1024  # the journal and the audit log (kept: no retention)
@@ -1502,17 +1772,32 @@ class ClassResult:
     final_epoch: int
     passive_left: tuple[int, int] | None
     lost_sample: list[Key] = field(default_factory=list)
+    poison_refused: dict[str, int] = field(default_factory=dict)  # as documented, by name
+    poison_wrong: list[str] = field(default_factory=list)  # answered otherwise
 
     @property
     def ok(self) -> bool:
-        """Nothing confirmed lost, nothing unexpected, every cycle hit its path."""
-        return not self.lost and not self.unexpected and self.hits == self.cycles
+        """Nothing confirmed lost, nothing unexpected, every cycle hit its path, every
+        poison header refused as documented."""
+        return (
+            not self.lost
+            and not self.unexpected
+            and self.hits == self.cycles
+            and not self.poison_wrong
+        )
 
 
 def run_class(
-    root: Path, fault_class: FaultClass, cycles: int, seed: int, *, replication_timeout: float = 1.0
+    root: Path,
+    fault_class: FaultClass,
+    cycles: int,
+    seed: int,
+    *,
+    replication_timeout: float = 1.0,
+    backlog: int | None = None,
 ) -> tuple[ClassResult, Report]:
-    """A fresh pair under confirms and transactions while `cycles` faults of the class run."""
+    """A fresh pair under confirms and transactions while `cycles` faults of the class run
+    (`backlog` overrides the class's backlog size: the short matrix's is smaller)."""
     if fault_class.faketime and not FAKETIME_LIBRARY.exists():
         raise Unavailable(f"libfaketime is not installed ({FAKETIME_LIBRARY})")
     faults = [fault_class.faults[i % len(fault_class.faults)] for i in range(cycles)]
@@ -1533,7 +1818,16 @@ def run_class(
         raise
     try:
         report, load = asyncio.run(
-            _run_with_load(pair, faults, seed, producers=2, tx_producers=1, consumers=2)
+            _run_with_load(
+                pair,
+                faults,
+                seed,
+                producers=2,
+                tx_producers=1,
+                consumers=2,
+                poison_seed=seed if fault_class.poison else None,
+                backlog=fault_class.backlog if backlog is None else backlog,
+            )
         )
     finally:
         pair.stop()
@@ -1561,6 +1855,8 @@ def run_class(
         final_epoch=report.epoch,
         passive_left=report.passive_left,
         lost_sample=verdict.lost[:20],
+        poison_refused=dict(load.poison.refused) if load.poison else {},
+        poison_wrong=list(load.poison.wrong) if load.poison else [],
     )
     return result, report
 

@@ -1,16 +1,20 @@
 """Hypothesis strategies for content headers with odd (valid) and poison (invalid) properties.
 
-Shared by the pure codec tests (test_content_headers.py) and the fuzz against a
-real broker (test_poison_headers.py). Tables are generated as `fieldtable`
-values, so a test knows the exact bytes it sent; every scalar type appears with
-its corner values (timestamps past year 9999, decimals pamqp cannot re-encode,
-byte arrays, long strings that are not UTF-8, NaN floats).
+Shared by the pure codec tests (test_content_headers.py), the fuzz against a
+real broker (test_poison_headers.py) and the fault matrix's poison family
+(jepsen.py: `sample_headers`, and the `POISON` catalog of headers to refuse).
+Tables are generated as `fieldtable` values, so a test knows the exact bytes it
+sent; every scalar type appears with its corner values (timestamps past year
+9999, decimals pamqp cannot re-encode, byte arrays, long strings that are not
+UTF-8, NaN floats).
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from twinmq.broker.fieldtable import Array, Scalar, Table, Value, encode_table
@@ -136,6 +140,24 @@ def content_headers(
     return struct.pack(">HHQH", 60, 0, body_size, flags) + b"".join(parts)
 
 
+def sample_headers(random_seed: int, count: int) -> list[bytes]:
+    """`count` odd (valid) content headers drawn from `content_headers`, the same for the
+    same seed: for a workload outside a hypothesis test (the fault matrix's publisher)."""
+    drawn: list[bytes] = []
+
+    @seed(random_seed)
+    @settings(
+        max_examples=count, database=None, phases=[Phase.generate], deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )  # fmt: skip
+    @given(content_headers(persistent=True))
+    def draw(header: bytes) -> None:
+        drawn.append(header)
+
+    draw()
+    return drawn
+
+
 def nested_table(depth: int) -> bytes:
     """A headers table nested `depth` levels deep (the top-level table is level 1)."""
     inner = b"\x00\x00\x00\x00"
@@ -148,3 +170,35 @@ def nested_table(depth: int) -> bytes:
 def header_with_table(table: bytes, body_size: int = 0) -> bytes:
     """A content header payload carrying `table` as its headers property."""
     return struct.pack(">HHQH", 60, 0, body_size, 0x2000) + table
+
+
+# -- poison: headers the broker must refuse at publish (docs/poison-input.md) ---------------
+
+
+def _deep_table() -> bytes:
+    return header_with_table(nested_table(40))
+
+
+def _many_fields() -> bytes:
+    entries = b"".join(b"\x01kV" for _ in range(3000))
+    return header_with_table(struct.pack(">I", len(entries)) + entries)
+
+
+def _huge_table() -> bytes:
+    blob = b"y" * 70_000
+    entry = b"\x01kS" + struct.pack(">I", len(blob)) + blob
+    return header_with_table(struct.pack(">I", len(entry)) + entry)
+
+
+# name -> (the content header payload, the reply code its publish must be refused with:
+# 501/502 close the connection, 406 the channel).
+POISON: dict[str, tuple[Callable[[], bytes], int]] = {
+    "deep": (_deep_table, 502),
+    "many-fields": (_many_fields, 502),
+    "huge": (_huge_table, 502),
+    "unknown-type": (lambda: header_with_table(b"\x00\x00\x00\x03\x01kZ"), 501),
+    "key-not-utf8": (lambda: header_with_table(b"\x00\x00\x00\x03\x01\xffV"), 502),
+    "content-type-not-utf8": (lambda: struct.pack(">HHQH", 60, 0, 0, 0x8000) + b"\x01\xff", 502),
+    "trailing-bytes": (lambda: struct.pack(">HHQH", 60, 0, 0, 0) + b"\x00", 501),
+    "bad-expiration": (lambda: struct.pack(">HHQH", 60, 0, 0, 0x0100) + b"\x02\xc2\xb2", 406),
+}

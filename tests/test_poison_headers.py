@@ -23,7 +23,6 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pika
 import pytest
@@ -32,7 +31,7 @@ from hypothesis import strategies as st
 from pamqp import commands
 from pamqp.base import Frame as MethodFrame
 from pamqp.frame import _unmarshal_method_frame
-from poison import content_headers, header_with_table, nested_table
+from poison import POISON, content_headers, header_with_table, nested_table
 from rawamqp import RawClient, encode, raw_frame, wait_for
 
 from twinmq.broker.codec import decode_headers, property_spans, rebuild_header
@@ -220,33 +219,6 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 
 
 # -- poison: refused at publish ----------------------------------------------------------------
-
-
-def _deep_table() -> bytes:
-    return header_with_table(nested_table(40))
-
-
-def _many_fields() -> bytes:
-    entries = b"".join(b"\x01kV" for _ in range(3000))
-    return header_with_table(struct.pack(">I", len(entries)) + entries)
-
-
-def _huge_table() -> bytes:
-    blob = b"y" * 70_000
-    entry = b"\x01kS" + struct.pack(">I", len(blob)) + blob
-    return header_with_table(struct.pack(">I", len(entry)) + entry)
-
-
-POISON: dict[str, tuple[Any, int]] = {
-    "deep": (_deep_table, 502),
-    "many-fields": (_many_fields, 502),
-    "huge": (_huge_table, 502),
-    "unknown-type": (lambda: header_with_table(b"\x00\x00\x00\x03\x01kZ"), 501),
-    "key-not-utf8": (lambda: header_with_table(b"\x00\x00\x00\x03\x01\xffV"), 502),
-    "content-type-not-utf8": (lambda: struct.pack(">HHQH", 60, 0, 0, 0x8000) + b"\x01\xff", 502),
-    "trailing-bytes": (lambda: struct.pack(">HHQH", 60, 0, 0, 0) + b"\x00", 501),
-    "bad-expiration": (lambda: struct.pack(">HHQH", 60, 0, 0, 0x0100) + b"\x02\xc2\xb2", 406),
-}
 
 
 def publish_poison(broker: BrokerProcess, name: str) -> None:
