@@ -1,4 +1,5 @@
-"""Test helper: a small tmpfs of a test's own, to fill a disk for real."""
+"""Test helpers: a small tmpfs of a test's own, to fill a disk for real, and a producer of
+transactions that runs until the full disk refuses one."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pika import BasicProperties
+from pika.adapters.blocking_connection import BlockingChannel
+from pika.exceptions import ChannelClosedByBroker
 
 
 @contextlib.contextmanager
@@ -26,3 +30,23 @@ def small_tmpfs(mount: Path, size: str) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def commit_until_refused(
+    ch: BlockingChannel, queue: str, body: bytes, per_txn: int = 10, most: int = 1000
+) -> tuple[list[int], int | None, ChannelClosedByBroker | None]:
+    """Commit transactions of `per_txn` persistent messages (`body` + "txn.i") on a channel in
+    tx mode until the broker refuses one (a full disk): the committed transaction numbers,
+    the refused one and the channel error (None, None when `most` all went through)."""
+    committed: list[int] = []
+    for txn in range(most):
+        for i in range(per_txn):
+            ch.basic_publish(
+                "", queue, body + f"{txn}.{i}".encode(), BasicProperties(delivery_mode=2)
+            )
+        try:
+            ch.tx_commit()
+        except ChannelClosedByBroker as exc:
+            return committed, txn, exc
+        committed.append(txn)
+    return committed, None, None

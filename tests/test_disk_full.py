@@ -11,7 +11,7 @@ from pathlib import Path
 import pika
 import pika.exceptions
 import pytest
-from disks import small_tmpfs
+from disks import commit_until_refused, small_tmpfs
 from jepsen import post_role, status, wait_for
 from queues import drain
 
@@ -133,20 +133,8 @@ def test_full_disk_fails_tx_commit_and_never_sends_commit_ok(small_disk: Path) -
     ch = conn.channel()
     ch.queue_declare("tx.q", durable=True)
     ch.tx_select()
-    committed: list[int] = []
-    failed: pika.exceptions.ChannelClosedByBroker | None = None
     body = b"t" * 4096
-    for txn in range(1000):
-        for i in range(10):
-            ch.basic_publish(
-                "", "tx.q", body + f"{txn}.{i}".encode(), pika.BasicProperties(delivery_mode=2)
-            )
-        try:
-            ch.tx_commit()
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            failed = exc
-            break
-        committed.append(txn)
+    committed, _, failed = commit_until_refused(ch, "tx.q", body)
     assert failed is not None, "the disk never filled under a commit"
     assert failed.reply_code == 541 and "tx.commit failed" in failed.reply_text
     assert committed, "nothing was committed before the disk filled"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pika
 import pika.exceptions
 import pytest
-from disks import small_tmpfs
+from disks import commit_until_refused, small_tmpfs
 from jepsen import post_role, status, wait_for
 from queues import drain, opted_in
 
@@ -92,21 +92,9 @@ def test_a_failed_tx_commit_is_never_delivered_to_a_live_consumer(small_disk: Pa
         ch.queue_declare("vis.q", durable=True)
         consumer = Consumer(broker, "vis.q")
         ch.tx_select()
-        committed: list[int] = []
-        failed_txn = None
-        for txn in range(1000):
-            for i in range(10):
-                ch.basic_publish(
-                    "", "vis.q", BODY + f"{txn}.{i}".encode(), pika.BasicProperties(delivery_mode=2)
-                )
-            try:
-                ch.tx_commit()
-            except pika.exceptions.ChannelClosedByBroker as exc:
-                assert exc.reply_code == 541
-                failed_txn = txn
-                break
-            committed.append(txn)
-        assert failed_txn is not None, "the disk never filled under a commit"
+        committed, failed_txn, refusal = commit_until_refused(ch, "vis.q", BODY)
+        assert refusal is not None and failed_txn is not None, "the disk never filled"
+        assert refusal.reply_code == 541
         with contextlib.suppress(pika.exceptions.AMQPError):
             conn.close()
         _marker_after_space_returns(broker, small_disk, "vis.q")
