@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
-import time
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -139,6 +140,12 @@ def ship_main(argv: Sequence[str] | None = None) -> int:
     from twinmq.audit.store import Store, ship
 
     store = Store(args.store)
+    # A sidecar is PID 1 of its container when the pod sets `command` (no init): without a
+    # handler SIGTERM is ignored and the pod waits out its grace period. On SIGTERM: one
+    # last pass (what the broker closed on its own shutdown), then exit.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    last = False
     while True:
         try:
             report = ship(args.audit_dir, store, broker=args.broker)
@@ -147,9 +154,9 @@ def ship_main(argv: Sequence[str] | None = None) -> int:
             log.exception("shipping failed")
             if not args.every:
                 return EXIT_ERROR
-        if not args.every:
+        if not args.every or last:
             return EXIT_PASS
-        time.sleep(args.every)
+        last = stop.wait(args.every)
 
 
 COMMANDS = {"audit": audit_main, "audit-ship": ship_main}

@@ -69,6 +69,32 @@ def test_segments_are_shipped_once_as_parquet_with_provenance(tmp_path: Path) ->
     assert again.shipped == [] and len(again.already) == 2
 
 
+def test_the_shipper_sidecar_ships_a_last_time_and_exits_on_sigterm(tmp_path: Path) -> None:
+    # As PID 1 of a sidecar (the pod sets `command`, no init) SIGTERM must end it, after a
+    # last pass for the segment the broker closed on its own way out.
+    audit = tmp_path / "a" / "audit"
+    _write_segment(audit, "a", 1, 1, range(1, 4))
+    store = Store(str(tmp_path / "store"))
+    shipper = subprocess.Popen(
+        [sys.executable, "-m", "twinmq.cli.audit", "audit-ship", "--store", store.url,
+         "--audit-dir", str(audit), "--every", "3600"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not store.segments() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(store.segments()) == 1, "the first pass shipped nothing"
+        _write_segment(audit, "a", 1, 2, range(4, 6))  # closed by the broker's shutdown
+        shipper.terminate()
+        assert shipper.wait(timeout=60) == 0
+    finally:
+        shipper.kill()
+    assert [s.key for s in store.segments()] == [
+        "segments/a/a-e000001-00000001.parquet", "segments/a/a-e000001-00000002.parquet",
+    ]  # fmt: skip
+
+
 def test_shipping_to_a_second_store_ships_everything_there_too(tmp_path: Path) -> None:
     audit = tmp_path / "audit"
     _write_segment(audit, "a", 1, 1, range(1, 4))
