@@ -20,11 +20,13 @@ help:
 	@echo "make test-fast  lint, mypy and the fast unit tests only"
 	@echo "make bench      TwinMQ vs RabbitMQ with PerfTest (see docs/benchmarks.md)"
 
-# The virtual environment is reinstalled when pyproject.toml or the package layout changes.
-$(STAMP): pyproject.toml $(wildcard */__init__.py */py.typed)
+# The virtual environment is reinstalled when pyproject.toml, constraints.txt (the exact
+# versions: pip's resolver backtracked for many minutes without them) or the package layout
+# changes.
+$(STAMP): pyproject.toml constraints.txt $(wildcard */__init__.py */py.typed)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	@touch $@
 
 venv: $(STAMP)
