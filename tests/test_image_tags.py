@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -29,3 +30,23 @@ def test_brokercluster_default_image_is_the_release_image() -> None:
     assert f"twinmq/twinmq:{project_version()}" == DEFAULT_IMAGE
     for crd in ("crds/brokercluster.yaml", "helm/twinmq/crds/brokercluster.yaml"):
         assert f"default: {DEFAULT_IMAGE}" in (ROOT / crd).read_text()
+
+
+def _requirement_name(spec: str) -> str:
+    """The normalised distribution name of a requirement (`name[extra]>=1; marker`)."""
+    name = re.split(r"[\s\[<>=!~;]", spec.strip(), maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_the_broker_image_lock_pins_every_runtime_dependency() -> None:
+    # The image installs only what image/requirements.lock names (hash-checked, no resolver):
+    # a dependency added to pyproject.toml but not locked breaks the image at import time.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"], *project["optional-dependencies"]["ship"]]
+    locked = {
+        _requirement_name(line)
+        for line in (ROOT / "image/requirements.lock").read_text().splitlines()
+        if line and not line[0].isspace() and not line.startswith("#")
+    }
+    missing = sorted({_requirement_name(spec) for spec in wanted} - locked)
+    assert not missing, f"not in image/requirements.lock (run `make image-lock`): {missing}"
