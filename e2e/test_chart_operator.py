@@ -101,14 +101,16 @@ def test_cluster_scope_grants_a_cluster_wide_operator_what_it_calls(cluster: Clu
             assert allowed(verb, "apiextensions.k8s.io", "customresourcedefinitions")
         assert allowed("patch", "twinmq.io", "brokerclusters/status", elsewhere)
         for verb, group, resource in [
-            ("create", "", "pods"), ("patch", "", "pods"), ("get", "", "secrets"),
+            ("create", "", "pods"), ("patch", "", "pods"), ("delete", "", "pods"),
+            ("watch", "", "pods"), ("get", "", "secrets"), ("patch", "", "secrets"),
             ("create", "", "persistentvolumeclaims"), ("create", "", "events"),
             ("update", "coordination.k8s.io", "leases"),
             ("create", "rbac.authorization.k8s.io", "roles"),
         ]:  # fmt: skip
             assert allowed(verb, group, resource, elsewhere), (verb, group, resource)
         # Least privilege: nothing the operator does not call.
-        assert not allowed("delete", "", "pods", elsewhere)
+        assert not allowed("delete", "", "secrets", elsewhere)
+        assert not allowed("delete", "", "persistentvolumeclaims", elsewhere)
         assert not allowed("list", "", "secrets", elsewhere)
         assert not allowed("list", "", "namespaces")
         assert not allowed("create", "rbac.authorization.k8s.io", "clusterroles")

@@ -125,7 +125,10 @@ def test_an_api_server_down_longer_than_the_lease_leaves_one_active_and_loses_no
     ch = conn.channel()
     ch.queue_declare("orders", durable=True)
     ch.confirm_delivery()
-    confirmed: list[int] = []
+    ch.basic_publish("", "orders", b"-1", pika.BasicProperties(delivery_mode=2))
+    # One confirmed before the outage: taking the API server away can outlast the Lease, so
+    # the primary may fence itself before the next publish.
+    confirmed: list[int] = [-1]
     with faults.api_server_down(Layout.default()):
         try:
             for i in range(100_000):  # until the primary fences itself and drops us
@@ -134,7 +137,7 @@ def test_an_api_server_down_longer_than_the_lease_leaves_one_active_and_loses_no
                 confirmed.append(i)
         except pika.exceptions.AMQPError:
             pass
-    assert 0 < len(confirmed) < 100_000, "the primary never fenced itself"
+    assert len(confirmed) < 100_000, "the primary never fenced itself"
 
     def one_active() -> bool:
         s = cluster_status(cluster, namespace, name)

@@ -90,15 +90,21 @@ def test_a_deleted_secret_an_edited_pod_label_and_a_deleted_lease_are_restored(
     lease = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}-active"
     cluster.kube.delete(lease)
 
+    # Restored within a probe interval, normally before the active's renewal deadline; on a
+    # loaded machine the active may fence itself first (a Lease it cannot renew), and the
+    # operator then makes one broker active again. Either way: one active, holding the Lease.
     def lease_back() -> bool:
         spec = (cluster.kube.get(lease) or {}).get("spec") or {}
-        return spec.get("holderIdentity") == f"{name}-primary"
+        status = cluster_status(cluster, namespace, name)
+        active = status.get("activeBroker")
+        return (
+            active is not None
+            and spec.get("holderIdentity") == f"{name}-{active}"
+            and condition(status, "Ready") == "True"
+        )
 
-    wait_until("the Lease restored, held by the active", lease_back, timeout=15)
-    publish_confirmed(amqp_url(cluster, namespace, name), "drift", b"1")
-    status = cluster_status(cluster, namespace, name)
-    assert (status["activeBroker"], status["epoch"]) == ("primary", 1)
-    assert condition(status, "Ready") == "True"
+    wait_until("the Lease restored, held by the active", lease_back, timeout=60)
+    wait_until("a confirm through the virtual IP", lambda: confirms(cluster, namespace, name))
 
 
 def test_storage_grows_where_the_class_can_expand_and_never_shrinks(
