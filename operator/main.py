@@ -469,8 +469,10 @@ def reconcile(
     memory.last_probe = now
     k = kube()
     pods = {n: k.get_pod(cluster.namespace, pod_name(cluster, n)) for n in NAMES}
-    if not woken:  # a pod changed: the failover first; children at the next regular tick
-        reconcile_children(cluster, spec, memory, pods)
+    # Also when woken by a pod change: observedGeneration and the storage refusal are
+    # judged from what this pass applied (skipping it let a woken pass mark a refused
+    # resize as observed).
+    reconcile_children(cluster, spec, memory, pods)
     for name in NAMES:
         if pods[name] is None:  # created just now
             pods[name] = k.get_pod(cluster.namespace, pod_name(cluster, name))
