@@ -51,7 +51,8 @@ def kill_9_of_the_active_fails_over_losing_nothing(
 
     assert asyncio.run(traffic()) == total
     status = cluster_status(cluster, namespace, name)
-    assert status["activeBroker"] == "backup" and status["epoch"] == 2
+    # A new epoch (2, or later if the operator also learned one from the brokers).
+    assert status["activeBroker"] == "backup" and status["epoch"] >= 2
     assert status["lastFailover"]["from"] == "primary"
     assert status["lastFailover"]["reason"].startswith("active's process gone"), status
     received = drain(url, "orders")
