@@ -1,5 +1,6 @@
-"""Test helpers: a small tmpfs of a test's own, to fill a disk for real, and a producer of
-transactions that runs until the full disk refuses one."""
+"""Test helpers: a small tmpfs of a test's own, to fill a disk for real, a producer of
+transactions that runs until the full disk refuses one, and a pair whose passive has the
+small disk."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import pytest
 from pika import BasicProperties
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.exceptions import ChannelClosedByBroker
+
+from twinmq.broker.launcher import BrokerProcess
+from twinmq.broker.names import REPLICATION_TOKEN_ENV
 
 
 @contextlib.contextmanager
@@ -50,3 +54,44 @@ def commit_until_refused(
             return committed, txn, exc
         committed.append(txn)
     return committed, None, None
+
+
+class PassiveOnSmallDisk:
+    """An active broker on the test's disk and its passive on a small one (`small`).
+
+    Both run in epoch 1 with the given replication timeout and no disk-free limit, so the
+    passive's disk can be filled for real. `restart_passive()` starts the passive again on
+    the same port and data directory (after a disk-full exit); `stop()` ends both.
+    """
+
+    def __init__(self, small: Path, tmp_path: Path, token: str, replication_timeout: float) -> None:
+        self.env = {REPLICATION_TOKEN_ENV: token}
+        common = [
+            "--epoch", "1", "--replication-timeout", str(replication_timeout),
+            "--disk-free-limit", "0",
+        ]  # fmt: skip
+        self.passive_log = tmp_path / "b.log"
+        self.active = BrokerProcess(tmp_path / "a", name="a", env=self.env, extra_args=common)
+        self.active.start()
+        self._passive_dir = small / "b"
+        self._passive_args = [
+            *common, "--role", "passive", "--replicate-from", self.active.replication_address,
+        ]  # fmt: skip
+        self.passive = self._start_passive()
+
+    def _start_passive(self, **where: int) -> BrokerProcess:
+        passive = BrokerProcess(
+            self._passive_dir, name="b", env=self.env, extra_args=self._passive_args,
+            log_path=self.passive_log, **where,
+        )  # fmt: skip
+        return passive.start()
+
+    def restart_passive(self) -> BrokerProcess:
+        """Start the passive again where it was (same port, data and log)."""
+        self.passive = self._start_passive(port=self.passive.port)
+        return self.passive
+
+    def stop(self) -> None:
+        """Kill the active and stop the passive."""
+        self.active.kill()
+        self.passive.stop()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pika
 import pika.exceptions
 import pytest
-from disks import commit_until_refused, small_tmpfs
+from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
 from jepsen import post_role, status, wait_for
 from queues import drain
 
@@ -19,7 +19,6 @@ from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.broker.journal import Journal, JournalError, StoredMessage
 from twinmq.broker.launcher import BrokerProcess
-from twinmq.broker.names import REPLICATION_TOKEN_ENV
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
 
 
@@ -242,14 +241,8 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
     passive catches up: a failover then finds every confirmed message."""
     filler = small_disk / "filler"
     filler.write_bytes(b"\0" * (11 * 1024 * 1024))
-    env = {REPLICATION_TOKEN_ENV: "disk-full-pair"}
-    common = ["--epoch", "1", "--replication-timeout", "2", "--disk-free-limit", "0"]
-    active = BrokerProcess(tmp_path / "a", name="a", env=env, extra_args=common).start()
-    passive_args = [*common, "--role", "passive", "--replicate-from", active.replication_address]
-    passive = BrokerProcess(
-        small_disk / "b", name="b", env=env, extra_args=passive_args,
-        log_path=tmp_path / "b.log",
-    ).start()  # fmt: skip
+    pair = PassiveOnSmallDisk(small_disk, tmp_path, "disk-full-pair", replication_timeout=2)
+    active, passive = pair.active, pair.passive
     try:
         conn = pika.BlockingConnection(pika.URLParameters(active.url))
         ch = conn.channel()
@@ -265,19 +258,14 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
         conn.close()
         assert passive.proc is not None
         assert passive.proc.wait(timeout=30) == EXIT_JOURNAL_FAILED
-        assert "could not be journaled" in (tmp_path / "b.log").read_text()
+        assert "could not be journaled" in pair.passive_log.read_text()
 
         filler.unlink()
-        restarted = BrokerProcess(
-            small_disk / "b", name="b", env=env, extra_args=passive_args, port=passive.port,
-            log_path=tmp_path / "b.log",
-        ).start()  # fmt: skip
-        passive = restarted
+        passive = pair.restart_passive()
         wait_for(lambda: (status(passive) or {})["replication"]["ready"], 60, "passive back")
         active.kill()
         assert post_role(passive, "active", 2)[0] == 200
         seen = {b[len(body) :].decode() for b in drain(passive, "pair.q")}
         assert seen == {str(i) for i in range(total)}, "a confirmed message was lost"
     finally:
-        active.kill()
-        passive.stop()
+        pair.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pika
 import pika.exceptions
 import pytest
-from disks import commit_until_refused, small_tmpfs
+from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
 from jepsen import post_role, status, wait_for
 from queues import drain, opted_in
 
@@ -185,15 +185,9 @@ def test_a_promoted_passive_takes_a_resend_of_what_its_failed_write_lost(
     """The passive admits a dedup key only once its own batch is durable: a key of a
     message its disk refused is never in its window, so once promoted it takes the
     re-send of that message instead of confirming it as a duplicate and dropping it."""
-    env = {"TWINMQ_REPLICATION_TOKEN": "dedup-durable-pair"}
     # A long timeout: the active never confirms the message alone before it is killed.
-    common = ["--epoch", "1", "--replication-timeout", "30", "--disk-free-limit", "0"]
-    active = BrokerProcess(tmp_path / "a", name="a", env=env, extra_args=common).start()
-    passive_args = [*common, "--role", "passive", "--replicate-from", active.replication_address]
-    passive = BrokerProcess(
-        small_disk / "b", name="b", env=env, extra_args=passive_args,
-        log_path=tmp_path / "b.log",
-    ).start()  # fmt: skip
+    pair = PassiveOnSmallDisk(small_disk, tmp_path, "dedup-durable-pair", replication_timeout=30)
+    active, passive = pair.active, pair.passive
     try:
         conn = opted_in(active)
         ch = conn.channel()
@@ -209,10 +203,7 @@ def test_a_promoted_passive_takes_a_resend_of_what_its_failed_write_lost(
         if window.exists():
             assert not any(key.endswith("\x00m1") for key in json.loads(window.read_text()))
         (small_disk / "filler").unlink()
-        passive = BrokerProcess(
-            small_disk / "b", name="b", env=env, extra_args=passive_args, port=passive.port,
-            log_path=tmp_path / "b.log",
-        ).start()  # fmt: skip
+        passive = pair.restart_passive()
         assert post_role(passive, "active", 2)[0] == 200
         conn = opted_in(passive)
         ch = conn.channel()
@@ -223,5 +214,4 @@ def test_a_promoted_passive_takes_a_resend_of_what_its_failed_write_lost(
         conn.close()
         assert drain(passive, "dd.q") == [b"resent"], "a confirmed re-send was swallowed"
     finally:
-        active.kill()
-        passive.stop()
+        pair.stop()
