@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from twinmq.broker.api import Role
-from twinmq.broker.lease import FENCE_MARGIN, LeaseKeeper
+from twinmq.broker.lease import FENCE_MARGIN, HANDOVER_RETRY, LeaseKeeper
 from twinmq.broker.settings import BrokerSettings
 
 DURATION = 4.0
@@ -170,13 +170,54 @@ def test_renewals_keep_an_active_broker_active_past_the_first_deadline() -> None
     run(scenario)
 
 
-def test_a_lease_held_by_another_broker_fences_at_once() -> None:
+def test_a_lease_taken_by_another_broker_after_it_was_ours_fences_at_once() -> None:
+    async def scenario() -> None:
+        api, clock, broker = ApiServer("orders-primary", hang=False), FakeClock(), Broker()
+        async with keeping(api, clock, broker) as keeper:
+            await until("the first renewal", renewed(api, 1))
+            api.holder = "orders-backup"  # the operator gave the role to the other broker
+            await clock.advance_to(clock.now + keeper.period)
+            await until("the broker stepped down", broker.demoted.is_set)
+            assert keeper.fenced_at == clock.now < keeper.deadline  # not at the deadline
+            assert len(api.renewals) == 1
+
+    run(scenario)
+
+
+def test_a_lease_not_yet_handed_over_after_activation_is_waited_for() -> None:
+    """The operator writes the Lease just after the activation: reading the previous
+    holder in between must not make the new active fence itself (it once did, and the
+    pair then waited a whole Lease for a second activation)."""
+
     async def scenario() -> None:
         api, clock, broker = ApiServer("orders-backup", hang=False), FakeClock(), Broker()
         async with keeping(api, clock, broker) as keeper:
+            await until("a read of the old holder", lambda: api.requests >= 1)
+            await clock.advance_to(clock.now + HANDOVER_RETRY)
+            await until("a second read", lambda: api.requests >= 2)
+            assert broker.role == "active" and api.renewals == []
+            api.holder = "orders-primary"  # the operator's write arrives
+            await clock.advance_to(clock.now + HANDOVER_RETRY)
+            await until("the first renewal", renewed(api, 1))
+            first_deadline = keeper.deadline
+            await clock.advance_to(clock.now + keeper.period)
+            await until("the second renewal", renewed(api, 2))
+            assert broker.role == "active" and keeper.deadline > first_deadline
+
+    run(scenario)
+
+
+def test_a_lease_never_handed_over_fences_at_the_activation_deadline() -> None:
+    async def scenario() -> None:
+        api, clock, broker = ApiServer("orders-backup", hang=False), FakeClock(), Broker()
+        async with keeping(api, clock, broker) as keeper:
+            deadline = keeper.deadline
+            while clock.now + HANDOVER_RETRY < deadline:
+                await clock.advance_to(clock.now + HANDOVER_RETRY)
+                assert broker.role == "active"
+            await clock.advance_to(deadline)
             await until("the broker stepped down", broker.demoted.is_set)
-            assert keeper.fenced_at == clock.now < keeper.deadline  # not at the deadline
-            assert api.renewals == []
+            assert keeper.fenced_at == deadline and api.renewals == []
 
     run(scenario)
 
