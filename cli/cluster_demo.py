@@ -170,13 +170,21 @@ class Demo:
         """Wait for the operator's audit of the failovers up to `epoch`; its verdict line."""
         say("waiting for the operator to audit the failover (once both brokers are in sync)")
 
+        seen: set[tuple[str, str]] = set()
+
         def done() -> dict[str, Any] | None:
             s = self.status()
             last = s.get("lastAudit") or {}
+            run, verdict = str(last.get("run")), str(last.get("verdict"))
+            if last and (run, verdict) not in seen:  # progress: each run and its verdict once
+                seen.add((run, verdict))
+                say(f"  audit run {run} ({last.get('reason')}): {verdict}")
             audited = (s.get("audit") or {}).get("auditedEpoch", 0) >= epoch
             return last if audited and last.get("verdict") not in (None, "RUNNING") else None
 
-        last = wait("the audit of the failover", done, timeout=300)
+        # One Spark run per failover and recovery, one after the other: a minute each on a
+        # quiet machine, several on a loaded one.
+        last = wait("the audit of the failover", done, timeout=900)
         say(f"audit run {last['run']} ({last['reason']}): {last['verdict']}")
         return (
             f"{last['verdict']}: {last['messages']} messages, lost {last['lost']}, "
