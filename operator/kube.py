@@ -46,6 +46,11 @@ def refusal(exc: ApiException) -> str:
         return str(exc.reason)
 
 
+class Conflict(Exception):
+    """A write lost a race: the object changed (409) since it was read, or was created by
+    someone else first."""
+
+
 class Kube:
     """A thin wrapper over the dynamic client (in-cluster config, or $KUBECONFIG)."""
 
@@ -147,9 +152,13 @@ class Kube:
         """Merge labels into a pod (the Service selectors follow at once)."""
         self.core.patch_namespaced_pod(name, namespace, {"metadata": {"labels": labels}})
 
-    def get_lease(self, namespace: str, name: str) -> Obj | None:
-        """A Lease as a dict, or None."""
-        lease = absent_as_none(lambda: self.coordination.read_namespaced_lease(name, namespace))
+    def get_lease(self, namespace: str, name: str, timeout: float | None = None) -> Obj | None:
+        """A Lease as a dict, or None (a request of at most `timeout` seconds, if given)."""
+        lease = absent_as_none(
+            lambda: self.coordination.read_namespaced_lease(
+                name, namespace, _request_timeout=timeout
+            )
+        )
         return None if lease is None else dict(self.api.sanitize_for_serialization(lease))
 
     def put_lease(self, lease: Obj) -> None:
@@ -162,6 +171,27 @@ class Kube:
         current["spec"] = lease["spec"]
         # The client takes plain dicts as bodies; its signatures name the model classes.
         self.coordination.replace_namespaced_lease(name, namespace, current)  # type: ignore[arg-type]
+
+    def write_lease(self, lease: Obj, timeout: float) -> Obj:
+        """Create the Lease, or replace it if `lease` carries the resourceVersion it was read
+        at; raises `Conflict` when another writer got there first (optimistic concurrency:
+        the operator's leader election). A request takes at most `timeout` seconds."""
+        namespace, name = lease["metadata"]["namespace"], lease["metadata"]["name"]
+        body: Any = lease  # the client takes plain dicts; its signatures name model classes
+        try:
+            if lease["metadata"].get("resourceVersion") is None:
+                written = self.coordination.create_namespaced_lease(
+                    namespace, body, _request_timeout=timeout
+                )
+            else:
+                written = self.coordination.replace_namespaced_lease(
+                    name, namespace, body, _request_timeout=timeout
+                )
+        except ApiException as exc:
+            if exc.status == 409:
+                raise Conflict(refusal(exc)) from exc
+            raise
+        return dict(self.api.sanitize_for_serialization(written))
 
     def dumps(self, obj: Any) -> str:
         """JSON of an API object (for logs)."""

@@ -19,3 +19,7 @@ FAILOVER_SECONDS = Histogram(
 DEGRADED = Gauge("twinmq_operator_degraded_clusters", "BrokerClusters not fully protected")
 AUDITS_STARTED = Counter("twinmq_operator_audits_started", "Audit runs launched")
 AUDITS = Counter("twinmq_operator_audits", "Audit runs finished, by verdict", ["verdict"])
+LEADER = Gauge(
+    "twinmq_operator_leader",
+    "1 while this replica holds the leader Lease and runs the handlers, 0 while it stands by",
+)

@@ -1,0 +1,112 @@
+"""A real kube-apiserver (and its etcd) on loopback, for tests of the operator's API I/O.
+
+The binaries are the local cluster's (`make cluster-binaries`, shared in
+~/.cache/twinmq/k8s); everything else (certificates, etcd's data, logs) lives in the
+test's own directory and on free loopback ports, so it never meets the machine-global
+local cluster. No controller manager, scheduler or node: objects such as Leases and
+ConfigMaps are stored and served, nothing reconciles them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+from twinmq.broker.launcher import free_port
+from twinmq.localcluster import binaries
+from twinmq.localcluster.cluster import _http_ok
+from twinmq.localcluster.layout import Layout
+from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki
+
+STARTUP_SECONDS = 120.0  # a loaded, shared machine: etcd and the API server are slow to start
+
+
+def binaries_built() -> bool:
+    """Whether etcd and kube-apiserver are in the shared cache."""
+    try:
+        binaries.find("etcd")
+        binaries.find("kube-apiserver")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _wait_ready(url: str, token: str, ca: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    import time
+
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            break
+        if _http_ok(url, token, ca):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the test API server never became ready at {url}")
+
+
+@contextlib.contextmanager
+def running_apiserver(root: Path) -> Iterator[Path]:
+    """etcd + kube-apiserver on 127.0.0.1 under `root`; yields an admin kubeconfig's path."""
+    layout = Layout(root)
+    ensure_pki(layout)
+    pki = layout.pki
+    layout.logs.mkdir(parents=True, exist_ok=True)
+    etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+    etcd = [
+        str(binaries.find("etcd")),
+        "--name=twinmq-test",
+        f"--data-dir={layout.etcd_data}",
+        f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+        f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+        f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
+        f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+        f"--initial-cluster=twinmq-test=http://127.0.0.1:{peer_port}",
+        "--listen-metrics-urls=",
+        "--unsafe-no-fsync",
+    ]
+    apiserver = [
+        str(binaries.find("kube-apiserver")),
+        f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+        "--bind-address=127.0.0.1",
+        "--advertise-address=127.0.0.1",
+        f"--secure-port={api_port}",
+        f"--cert-dir={pki}",
+        f"--tls-cert-file={pki / 'apiserver.crt'}",
+        f"--tls-private-key-file={pki / 'apiserver.key'}",
+        f"--client-ca-file={pki / 'ca.crt'}",
+        f"--token-auth-file={pki / 'tokens.csv'}",
+        "--authorization-mode=RBAC",
+        "--service-cluster-ip-range=10.97.0.0/16",
+        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+        f"--service-account-key-file={pki / 'sa.pub'}",
+        f"--service-account-signing-key-file={pki / 'sa.key'}",
+        "--profiling=false",
+    ]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for name, argv in (("etcd", etcd), ("kube-apiserver", apiserver)):
+            with (layout.logs / f"{name}.log").open("wb") as log:
+                procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+        url = f"https://127.0.0.1:{api_port}"
+        token = admin_token(layout)
+        _wait_ready(f"{url}/readyz", token, pki / "ca.crt", procs)
+        kubeconfig = root / "kubeconfig"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "clusters": [{"name": "test", "cluster": {
+                "server": url, "certificate-authority": str(pki / "ca.crt")}}],
+            "users": [{"name": ADMIN_USER, "user": {"token": token}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": ADMIN_USER}}],
+        }))  # fmt: skip
+        yield kubeconfig
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
