@@ -52,13 +52,17 @@ class Conflict(Exception):
 
 
 class Kube:
-    """A thin wrapper over the dynamic client (in-cluster config, or $KUBECONFIG)."""
+    """A thin wrapper over the dynamic client (in-cluster config, or $KUBECONFIG, or the
+    kubeconfig file given)."""
 
-    def __init__(self) -> None:
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+    def __init__(self, kubeconfig: str | None = None) -> None:
+        if kubeconfig is not None:
+            config.load_kube_config(config_file=kubeconfig)
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
         self.api = client.ApiClient()
         self.dynamic = DynamicClient(self.api)
         self.core = client.CoreV1Api(self.api)

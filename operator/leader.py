@@ -166,6 +166,7 @@ class LeaderElector:
         self.leading = False
         self.deadline = 0.0  # our clock: when the leader must have stopped acting
         self.holder: str | None = None  # who holds the Lease, as last seen
+        self.attempts = 0  # finished attempts (the tests wait on them)
         # The record as last seen and when it was first seen so (our clock).
         self._seen: tuple[Any, ...] | None = None
         self._seen_at = 0.0
@@ -208,6 +209,12 @@ class LeaderElector:
         """Read the Lease and write ourselves into it if we may (acquire or renew). On
         success the deadline moves to this attempt's start plus the renew deadline: the
         renewTime written, and every other replica's sight of it, come later."""
+        try:
+            return await self._attempt()
+        finally:
+            self.attempts += 1
+
+    async def _attempt(self) -> Outcome:
         s = self.settings
         started = self.clock.monotonic()
         try:
@@ -248,9 +255,12 @@ class LeaderElector:
         (whatever the requests do)."""
         renewing = asyncio.create_task(self._renew())
         timer = asyncio.create_task(self._deadline_timer())
-        done, pending = await asyncio.wait({renewing, timer}, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
+        try:
+            done, _ = await asyncio.wait({renewing, timer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when cancelled (a graceful stop): no renewal may outlive `keep`
+            for task in (renewing, timer):
+                task.cancel()
+            await asyncio.gather(renewing, timer, return_exceptions=True)
         self.leading = False
         metrics.LEADER.set(0)
         reason = done.pop().result()

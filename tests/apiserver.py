@@ -13,6 +13,7 @@ import contextlib
 import json
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from twinmq.broker.launcher import free_port
@@ -47,9 +48,17 @@ def _wait_ready(url: str, token: str, ca: Path, procs: list[subprocess.Popen[byt
     raise RuntimeError(f"the test API server never became ready at {url}")
 
 
+@dataclass(frozen=True)
+class ApiServer:
+    """A running test API server: an admin kubeconfig, and its process (to pause it)."""
+
+    kubeconfig: Path
+    process: subprocess.Popen[bytes]
+
+
 @contextlib.contextmanager
-def running_apiserver(root: Path) -> Iterator[Path]:
-    """etcd + kube-apiserver on 127.0.0.1 under `root`; yields an admin kubeconfig's path."""
+def running_apiserver(root: Path) -> Iterator[ApiServer]:
+    """etcd + kube-apiserver on 127.0.0.1 under `root`."""
     layout = Layout(root)
     ensure_pki(layout)
     pki = layout.pki
@@ -101,7 +110,7 @@ def running_apiserver(root: Path) -> Iterator[Path]:
             "users": [{"name": ADMIN_USER, "user": {"token": token}}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": ADMIN_USER}}],
         }))  # fmt: skip
-        yield kubeconfig
+        yield ApiServer(kubeconfig, procs[1])
     finally:
         for proc in reversed(procs):
             proc.terminate()

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from apiserver import ApiServer, binaries_built, running_apiserver
 
 from twinmq.broker.launcher import BrokerProcess
 
@@ -46,3 +47,13 @@ def spark() -> Iterator[Any]:
     )
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    """A real kube-apiserver and its etcd on loopback, shared by the session's tests (the
+    local cluster's binaries; skipped when they are not built)."""
+    if not binaries_built():
+        pytest.skip("etcd/kube-apiserver not built: make cluster-binaries")
+    with running_apiserver(tmp_path_factory.mktemp("apiserver")) as api:
+        yield api

@@ -15,36 +15,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 from aiohttp import web
+from fakeclock import FakeClock, until
 
 from twinmq.broker.api import Role
 from twinmq.broker.lease import FENCE_MARGIN, HANDOVER_RETRY, LeaseKeeper
 from twinmq.broker.settings import BrokerSettings
 
 DURATION = 4.0
-
-
-class FakeClock:
-    """Monotonic time that moves only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.moved = asyncio.Condition()
-
-    def monotonic(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        until = self.now + seconds
-        async with self.moved:
-            await self.moved.wait_for(lambda: self.now >= until)
-
-    async def advance_to(self, when: float) -> None:
-        """Move to `when` and let every task that can run, run."""
-        self.now = when
-        async with self.moved:
-            self.moved.notify_all()
-        for _ in range(20):
-            await asyncio.sleep(0)
 
 
 class Broker:
@@ -118,15 +95,6 @@ async def keeping(
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-
-
-async def until(what: str, check: Callable[[], bool]) -> None:
-    """Let the real event loop run (HTTP round trips) until `check()`; fail after 30 s."""
-    for _ in range(3000):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
 
 
 def renewed(api: ApiServer, count: int) -> Callable[[], bool]:

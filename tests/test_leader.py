@@ -1,0 +1,247 @@
+"""The operator's leader election against a real kube-apiserver, on a fake clock.
+
+Every elector talks to the same real API server (tests/apiserver.py) through the
+operator's own `Kube`; time is a `FakeClock` the test moves one retry period at a time,
+so the checks are about the order of events on that clock (the old leader stopped
+before the new one could start), never about wall time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import pytest
+from apiserver import ApiServer
+from fakeclock import FakeClock, until
+
+from twinmq.operator.kube import Kube
+from twinmq.operator.leader import ElectionSettings, LeaderElector, LeaseRecord, lead, may_take
+
+NAMESPACE = "default"
+SETTINGS = {"lease_seconds": 15.0, "renew_deadline_seconds": 10.0, "retry_seconds": 2.0}
+RETRY = SETTINGS["retry_seconds"]
+LEASE = SETTINGS["lease_seconds"]
+RENEW_DEADLINE = SETTINGS["renew_deadline_seconds"]
+LEASE_NAMES = (f"leader-test-{n}" for n in itertools.count())
+
+
+@pytest.fixture
+def kube(kube_apiserver: ApiServer) -> Kube:
+    """The operator's API client, pointed at the test API server."""
+    return Kube(str(kube_apiserver.kubeconfig))
+
+
+def electors(kube: Kube, clock: FakeClock, *identities: str) -> list[LeaderElector]:
+    """Candidates for one fresh Lease."""
+    name = next(LEASE_NAMES)
+    return [
+        LeaderElector(kube, ElectionSettings(NAMESPACE, who, name, **SETTINGS), clock)
+        for who in identities
+    ]
+
+
+def holder(kube: Kube, elector: LeaderElector) -> LeaseRecord:
+    """The Lease as the API server has it."""
+    lease = kube.get_lease(NAMESPACE, elector.settings.name)
+    assert lease is not None
+    return LeaseRecord.of(lease)
+
+
+async def step(clock: FakeClock, *running: LeaderElector) -> None:
+    """One retry period on; wait until each of `running` has finished its attempt."""
+    for _ in range(20):  # a task started just now reaches its first sleep on the clock
+        await asyncio.sleep(0)
+    before = [e.attempts for e in running]
+    await clock.advance_to(clock.now + RETRY)
+    pairs = list(zip(running, before, strict=True))
+    await until("an attempt of each elector", lambda: all(e.attempts > n for e, n in pairs))
+
+
+class Work:
+    """The leader's work (kopf, in production): runs until cancelled or told to end."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.ended = asyncio.Event()
+        self.cancelled = False
+
+    async def __call__(self) -> None:
+        self.started.set()
+        try:
+            await self.ended.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+@contextlib.asynccontextmanager
+async def tasks(*coros: Coroutine[Any, Any, Any]) -> AsyncIterator[list[asyncio.Task[Any]]]:
+    """Run `coros` as tasks; cancel what is left at the end."""
+    running = [asyncio.create_task(c) for c in coros]
+    try:
+        yield running
+    finally:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+# -- pure rules ------------------------------------------------------------------------------
+
+
+def test_timings_must_leave_the_leader_time_to_stop_before_its_lease_lapses() -> None:
+    with pytest.raises(ValueError, match="renew deadline < lease duration"):
+        ElectionSettings(NAMESPACE, "a", lease_seconds=10, renew_deadline_seconds=10)
+    with pytest.raises(ValueError, match="retry < renew deadline"):
+        ElectionSettings(NAMESPACE, "a", renew_deadline_seconds=2, retry_seconds=2)
+
+
+def test_settings_come_from_the_environment_only_when_election_is_on() -> None:
+    assert ElectionSettings.from_environment({}) is None
+    settings = ElectionSettings.from_environment({
+        "TWINMQ_OPERATOR_LEADER_ELECTION": "true", "TWINMQ_OPERATOR_LEASE_NAMESPACE": "mq",
+        "TWINMQ_OPERATOR_IDENTITY": "op-1", "TWINMQ_OPERATOR_LEASE_SECONDS": "30",
+        "TWINMQ_OPERATOR_RENEW_DEADLINE_SECONDS": "20", "TWINMQ_OPERATOR_RETRY_SECONDS": "4",
+    })  # fmt: skip
+    assert settings == ElectionSettings("mq", "op-1", "twinmq-operator-leader", 30, 20, 4)
+    with pytest.raises(ValueError, match="NAMESPACE"):
+        ElectionSettings.from_environment({"TWINMQ_OPERATOR_LEADER_ELECTION": "true"})
+
+
+def test_a_held_lease_is_taken_only_after_a_full_duration_unchanged_on_our_clock() -> None:
+    held = LeaseRecord("a", 15.0, 0, None, None)
+    assert not may_take(held, observed_at=100.0, now=114.9, identity="b")
+    assert may_take(held, observed_at=100.0, now=115.0, identity="b")
+    assert may_take(held, observed_at=100.0, now=100.0, identity="a")  # our own: renew
+    assert may_take(LeaseRecord(None, 1.0, 3, None, None), 100.0, 100.0, "b")  # released
+
+
+# -- against the API server ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_of_two_candidates_starting_together_exactly_one_leads(kube: Kube) -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        a, b = electors(kube, clock, "op-a", "op-b")
+        async with tasks(a.acquire(), b.acquire()):
+            await until("one leader", lambda: a.leading or b.leading)
+            leader, standby = (a, b) if a.leading else (b, a)
+            async with tasks(leader.keep()):
+                await until("the standby's first attempt", lambda: standby.attempts >= 1)
+                for _ in range(int(3 * LEASE / RETRY)):  # three Lease durations of renewals
+                    await step(clock, leader, standby)
+                    assert leader.leading and not standby.leading
+                assert holder(kube, leader).holder == leader.settings.identity
+
+    run(scenario)
+
+
+@pytest.mark.slow
+def test_a_standby_takes_over_a_dead_leader_once_its_lease_lapsed_on_the_standbys_clock(
+    kube: Kube,
+) -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        a, b = electors(kube, clock, "op-a", "op-b")
+        await a.acquire()
+        last_renewal = clock.now
+        async with tasks(b.acquire()):
+            await until("the standby's first attempt", lambda: b.attempts == 1)
+            # op-a dies: no more renewals, no release.
+            while not b.leading:
+                assert clock.now < last_renewal + LEASE, "took over a Lease that may be held"
+                await step(clock, b)
+            assert clock.now <= last_renewal + LEASE + RETRY
+            record = holder(kube, b)
+            assert (record.holder, record.transitions) == ("op-b", 1)
+
+    run(scenario)
+
+
+@pytest.mark.slow
+def test_a_leader_cut_off_from_the_api_server_stops_before_a_standby_can_take_over(
+    kube: Kube, kube_apiserver: ApiServer
+) -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        a, b = electors(kube, clock, "op-a", "op-b")
+        work = Work()
+        async with tasks(lead(a, work)) as (leading,):
+            await until("op-a leads", work.started.is_set)
+            async with tasks(b.acquire()):
+                await until("the standby's first attempt", lambda: b.attempts >= 1)
+                for _ in range(3):
+                    await step(clock, a, b)
+                last_renewal = a.deadline - RENEW_DEADLINE
+                pid = kube_apiserver.process.pid
+                os.kill(pid, signal.SIGSTOP)  # every request now hangs
+                try:
+                    await clock.advance_to(a.deadline - 0.5)
+                    assert not leading.done() and not work.cancelled
+                    await clock.advance_to(a.deadline)
+                    await until("op-a stops", leading.done)
+                    stopped_at = clock.now
+                    assert work.cancelled and "not renewed" in leading.result()
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                assert stopped_at < last_renewal + LEASE  # before anyone may see the Lease lapse
+                while not b.leading:
+                    await step(clock, b)
+                assert clock.now >= stopped_at + LEASE - RENEW_DEADLINE
+
+    run(scenario)
+
+
+@pytest.mark.slow
+def test_a_leader_whose_lease_another_holder_took_stops_at_its_next_renewal(kube: Kube) -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        (a,) = electors(kube, clock, "op-a")
+        work = Work()
+        async with tasks(lead(a, work)) as (leading,):
+            await until("op-a leads", work.started.is_set)
+            lease = kube.get_lease(NAMESPACE, a.settings.name)
+            assert lease is not None
+            lease["spec"]["holderIdentity"] = "intruder"  # e.g. someone edits the Lease
+            kube.write_lease(lease, 5.0)
+            await step(clock, a)
+            await until("op-a stops", leading.done)
+            assert work.cancelled and "'intruder'" in leading.result()
+
+    run(scenario)
+
+
+@pytest.mark.slow
+def test_a_leader_that_stops_gracefully_hands_over_at_the_standbys_next_attempt(
+    kube: Kube,
+) -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        a, b = electors(kube, clock, "op-a", "op-b")
+        work = Work()
+        async with tasks(lead(a, work)) as (leading,):
+            await until("op-a leads", work.started.is_set)
+            async with tasks(b.acquire()):
+                await until("the standby's first attempt", lambda: b.attempts >= 1)
+                work.ended.set()  # SIGTERM: kopf returns
+                await until("op-a released the Lease", leading.done)
+                assert leading.result() is None and not a.leading
+                await step(clock, b)
+                assert b.leading and holder(kube, b).holder == "op-b"
+                async with tasks(b.keep()):
+                    for _ in range(3):  # nothing of op-a's renews behind the new leader's back
+                        await step(clock, b)
+                        assert holder(kube, b).holder == "op-b"
+
+    run(scenario)
