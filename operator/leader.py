@@ -49,6 +49,8 @@ IDENTITY_ENV = "TWINMQ_OPERATOR_IDENTITY"
 LEASE_SECONDS_ENV = "TWINMQ_OPERATOR_LEASE_SECONDS"
 RENEW_DEADLINE_ENV = "TWINMQ_OPERATOR_RENEW_DEADLINE_SECONDS"
 RETRY_SECONDS_ENV = "TWINMQ_OPERATOR_RETRY_SECONDS"
+HEALTH_PORT = 8080
+"""`/healthz`: the standby's own server, then kopf's liveness endpoint (the chart probes it)."""
 LOST_EXIT_CODE = 3
 """The exit status of a leader that lost its Lease (the pod restarts it as a standby)."""
 
@@ -366,6 +368,7 @@ def run(operator: Callable[[], Coroutine[Any, Any, None]], health_port: int) -> 
     (`ElectionSettings.from_environment`), only while this replica is the leader."""
     settings = ElectionSettings.from_environment()
     if settings is None:
+        metrics.LEADER.set(1)  # alone: this process runs the handlers
         asyncio.run(operator())
     else:
         asyncio.run(run_elected(settings, operator, health_port))

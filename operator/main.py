@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -37,7 +38,7 @@ from twinmq.broker.names import (
     PASSIVE,
     REPLICATION_PORT,
 )
-from twinmq.operator import builders, metrics, rollout
+from twinmq.operator import builders, leader, metrics, rollout
 from twinmq.operator.audit_runner import AuditRunner
 from twinmq.operator.builders import ClusterRef, pod_name
 from twinmq.operator.failover import (
@@ -705,7 +706,8 @@ def watched_namespaces(argv: list[str] | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the operator (all namespaces, or only those given; liveness on :8080/healthz).
+    """Run the operator (all namespaces, or only those given; liveness on :8080/healthz),
+    as the elected leader when leader election is configured (`operator/leader.py`).
 
     Watching given namespaces needs only namespaced RBAC (a Role): kopf then runs with
     resource scanning disabled, so it neither lists namespaces nor watches CRDs.
@@ -719,14 +721,16 @@ def main(argv: list[str] | None = None) -> None:
     kopf.configure(verbose=False)
     settings = kopf.OperatorSettings()
     settings.scanning.disabled = bool(namespaces)
-    kopf.run(
+    operator = functools.partial(
+        kopf.operator,
         memo=kopf.Memo(operator=OperatorState()),
         clusterwide=not namespaces,
         namespaces=namespaces,
         settings=settings,
-        standalone=True,
-        liveness_endpoint="http://0.0.0.0:8080/healthz",
+        standalone=True,  # one operator at a time: `leader` elects it, not kopf's peering
+        liveness_endpoint=f"http://0.0.0.0:{leader.HEALTH_PORT}/healthz",
     )
+    leader.run(operator, leader.HEALTH_PORT)
 
 
 if __name__ == "__main__":

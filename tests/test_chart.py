@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from twinmq.broker.names import OPERATOR_NAMESPACES_ENV
+from twinmq.operator import leader
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "twinmq"
@@ -129,6 +130,7 @@ SCOPES = {
     "namespace-scope": ("operator.rbac.scope=namespace",),
     "standalone-broker": ("broker.enabled=true", "operator.enabled=false"),
     "everything": ("broker.enabled=true", "operator.rbac.scope=namespace"),
+    "two-operators": ("operator.replicas=2",),
 }
 
 
@@ -210,7 +212,6 @@ def test_namespace_scope_grants_nothing_cluster_wide_and_watches_its_namespace(
 def test_operator_deployment_is_hardened(helm: Callable[..., str]) -> None:
     deployment = one(render(helm, "image.tag=1.2.3"), "Deployment")
     assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] > 0
@@ -229,6 +230,98 @@ def test_operator_deployment_is_hardened(helm: Callable[..., str]) -> None:
     assert container["ports"] == [{"name": "health", "containerPort": 8080}]
     assert {"name": "tmp", "mountPath": "/var/run/twinmq-tmp"} in container["volumeMounts"]
     assert {"name": "TMPDIR", "value": "/var/run/twinmq-tmp"} in container["env"]
+
+
+def operator_env(docs: list[Obj]) -> dict[str, Any]:
+    """The operator container's environment: name -> value, or its valueFrom."""
+    container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def field_ref(path: str) -> Obj:
+    """An EnvVar's valueFrom of the pod's own `path` (downward API)."""
+    return {"fieldRef": {"fieldPath": path}}
+
+
+def test_two_operators_elect_a_leader_with_a_lease_in_the_release_namespace(
+    helm: Callable[..., str],
+) -> None:
+    docs = render(helm, "operator.replicas=2")
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    # A new pod stands by (Ready) before the old leader goes and releases the Lease.
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }  # fmt: skip
+    env = operator_env(docs)
+    assert env[leader.ELECTION_ENV] == "true"
+    assert env[leader.LEASE_NAME_ENV] == "rel-twinmq-operator-leader"
+    assert env[leader.LEASE_NAMESPACE_ENV] == field_ref("metadata.namespace")
+    assert env[leader.IDENTITY_ENV] == field_ref("metadata.name")
+    timings = {
+        env[name] for name in
+        (leader.LEASE_SECONDS_ENV, leader.RENEW_DEADLINE_ENV, leader.RETRY_SECONDS_ENV)
+    }  # fmt: skip
+    assert timings == {"15", "10", "2"}
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"] == {
+        "minAvailable": 1, "selector": deployment["spec"]["selector"],
+    }  # fmt: skip
+    # The Lease's RBAC is the operator's rules (leases: get, create, update) in the
+    # release namespace, in both scopes.
+    assert ("coordination.k8s.io", "leases", ("create", "get", "patch", "update")) in rules(
+        one(docs, "ClusterRole")
+    )
+
+
+def test_one_operator_elects_itself_and_has_no_disruption_budget(
+    helm: Callable[..., str],
+) -> None:
+    docs = render(helm)
+    assert operator_env(docs)[leader.ELECTION_ENV] == "true"
+    assert one(docs, "Deployment")["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert "PodDisruptionBudget" not in kinds(docs)
+
+
+def test_without_leader_election_one_operator_runs_alone_and_is_recreated(
+    helm: Callable[..., str],
+) -> None:
+    docs = render(helm, "operator.leaderElection.enabled=false")
+    assert one(docs, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert leader.ELECTION_ENV not in operator_env(docs)
+
+
+REFUSED_VALUES = {
+    "two-without-election": (
+        ("operator.replicas=2", "operator.leaderElection.enabled=false"),
+        "at '/operator/leaderElection/enabled': value must be true",
+    ),
+    "four-replicas": (("operator.replicas=4",), "at '/operator/replicas': maximum"),
+    "negative-replicas": (("operator.replicas=-1",), "at '/operator/replicas': minimum"),
+    "renew-deadline-past-the-lease": (
+        ("operator.leaderElection.renewDeadlineSeconds=15",),
+        "retryPeriodSeconds < renewDeadlineSeconds < leaseDurationSeconds",
+    ),
+    "retry-past-the-renew-deadline": (
+        ("operator.leaderElection.retryPeriodSeconds=10",),
+        "retryPeriodSeconds < renewDeadlineSeconds < leaseDurationSeconds",
+    ),
+    "misspelt-timing": (
+        ("operator.leaderElection.retrySeconds=1",),
+        "additional properties 'retrySeconds' not allowed",
+    ),
+}
+
+
+@pytest.mark.parametrize("sets,message", REFUSED_VALUES.values(), ids=REFUSED_VALUES.keys())
+def test_values_the_operator_cannot_run_safely_are_refused(
+    helm: Callable[..., str], sets: tuple[str, ...], message: str
+) -> None:
+    args = ["template", "rel", str(CHART)]
+    for value in sets:
+        args += ["--set", value]
+    out = helm(*args, check=False)
+    assert "Error:" in out and message in out
 
 
 def test_image_tag_defaults_to_the_app_version(helm: Callable[..., str]) -> None:
