@@ -70,9 +70,9 @@ class OperatorRelease:
 
 
 @contextmanager
-def operator_release(cluster: Cluster, prefix: str) -> Iterator[OperatorRelease]:
-    """Install the chart (operator only, namespace scope) into a fresh namespace; afterwards
-    uninstall it and delete the namespace."""
+def operator_release(cluster: Cluster, prefix: str, *sets: str) -> Iterator[OperatorRelease]:
+    """Install the chart (operator only, namespace scope, and the `--set` values given) into
+    a fresh namespace; afterwards uninstall it and delete the namespace."""
     namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
     repository, _, tag = IMAGE.rpartition(":")
     started = time.monotonic()
@@ -80,7 +80,7 @@ def operator_release(cluster: Cluster, prefix: str) -> Iterator[OperatorRelease]
         cluster.kubeconfig, "install", "tmq", str(CHART), "--namespace", namespace,
         "--create-namespace", "--set", "operator.rbac.scope=namespace",
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-        "--wait", "--timeout", "120s",
+        *(arg for value in sets for arg in ("--set", value)), "--wait", "--timeout", "120s",
     )  # fmt: skip
     release = OperatorRelease(cluster, "tmq", namespace, time.monotonic() - started)
     try:
