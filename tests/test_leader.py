@@ -14,6 +14,7 @@ import itertools
 import os
 import signal
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -90,6 +91,28 @@ async def tasks(*coros: Coroutine[Any, Any, Any]) -> AsyncIterator[list[asyncio.
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+
+
+@dataclass
+class Pair:
+    """op-a leading (`lead` running its work) and op-b standing by."""
+
+    leader: LeaderElector
+    standby: LeaderElector
+    work: Work
+    leading: asyncio.Task[Any]
+
+
+@contextlib.asynccontextmanager
+async def leader_and_standby(kube: Kube, clock: FakeClock) -> AsyncIterator[Pair]:
+    """op-a leads first; then op-b stands by, once it has made its first attempt."""
+    a, b = electors(kube, clock, "op-a", "op-b")
+    work = Work()
+    async with tasks(lead(a, work)) as (leading,):
+        await until("op-a leads", work.started.is_set)
+        async with tasks(b.acquire()):
+            await until("the standby's first attempt", lambda: b.attempts >= 1)
+            yield Pair(a, b, work, leading)
 
 
 def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -175,30 +198,26 @@ def test_a_leader_cut_off_from_the_api_server_stops_before_a_standby_can_take_ov
 ) -> None:
     async def scenario() -> None:
         clock = FakeClock()
-        a, b = electors(kube, clock, "op-a", "op-b")
-        work = Work()
-        async with tasks(lead(a, work)) as (leading,):
-            await until("op-a leads", work.started.is_set)
-            async with tasks(b.acquire()):
-                await until("the standby's first attempt", lambda: b.attempts >= 1)
-                for _ in range(3):
-                    await step(clock, a, b)
-                last_renewal = a.deadline - RENEW_DEADLINE
-                pid = kube_apiserver.process.pid
-                os.kill(pid, signal.SIGSTOP)  # every request now hangs
-                try:
-                    await clock.advance_to(a.deadline - 0.5)
-                    assert not leading.done() and not work.cancelled
-                    await clock.advance_to(a.deadline)
-                    await until("op-a stops", leading.done)
-                    stopped_at = clock.now
-                    assert work.cancelled and "not renewed" in leading.result()
-                finally:
-                    os.kill(pid, signal.SIGCONT)
-                assert stopped_at < last_renewal + LEASE  # before anyone may see the Lease lapse
-                while not b.leading:
-                    await step(clock, b)
-                assert clock.now >= stopped_at + LEASE - RENEW_DEADLINE
+        async with leader_and_standby(kube, clock) as pair:
+            a, b, work, leading = pair.leader, pair.standby, pair.work, pair.leading
+            for _ in range(3):
+                await step(clock, a, b)
+            last_renewal = a.deadline - RENEW_DEADLINE
+            pid = kube_apiserver.process.pid
+            os.kill(pid, signal.SIGSTOP)  # every request now hangs
+            try:
+                await clock.advance_to(a.deadline - 0.5)
+                assert not leading.done() and not work.cancelled
+                await clock.advance_to(a.deadline)
+                await until("op-a stops", leading.done)
+                stopped_at = clock.now
+                assert work.cancelled and "not renewed" in leading.result()
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert stopped_at < last_renewal + LEASE  # before anyone may see the Lease lapse
+            while not b.leading:
+                await step(clock, b)
+            assert clock.now >= stopped_at + LEASE - RENEW_DEADLINE
 
     run(scenario)
 
@@ -228,20 +247,16 @@ def test_a_leader_that_stops_gracefully_hands_over_at_the_standbys_next_attempt(
 ) -> None:
     async def scenario() -> None:
         clock = FakeClock()
-        a, b = electors(kube, clock, "op-a", "op-b")
-        work = Work()
-        async with tasks(lead(a, work)) as (leading,):
-            await until("op-a leads", work.started.is_set)
-            async with tasks(b.acquire()):
-                await until("the standby's first attempt", lambda: b.attempts >= 1)
-                work.ended.set()  # SIGTERM: kopf returns
-                await until("op-a released the Lease", leading.done)
-                assert leading.result() is None and not a.leading
-                await step(clock, b)
-                assert b.leading and holder(kube, b).holder == "op-b"
-                async with tasks(b.keep()):
-                    for _ in range(3):  # nothing of op-a's renews behind the new leader's back
-                        await step(clock, b)
-                        assert holder(kube, b).holder == "op-b"
+        async with leader_and_standby(kube, clock) as pair:
+            a, b = pair.leader, pair.standby
+            pair.work.ended.set()  # SIGTERM: kopf returns
+            await until("op-a released the Lease", pair.leading.done)
+            assert pair.leading.result() is None and not a.leading
+            await step(clock, b)
+            assert b.leading and holder(kube, b).holder == "op-b"
+            async with tasks(b.keep()):
+                for _ in range(3):  # nothing of op-a's renews behind the new leader's back
+                    await step(clock, b)
+                    assert holder(kube, b).holder == "op-b"
 
     run(scenario)
