@@ -31,6 +31,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -49,8 +50,9 @@ IDENTITY_ENV = "TWINMQ_OPERATOR_IDENTITY"
 LEASE_SECONDS_ENV = "TWINMQ_OPERATOR_LEASE_SECONDS"
 RENEW_DEADLINE_ENV = "TWINMQ_OPERATOR_RENEW_DEADLINE_SECONDS"
 RETRY_SECONDS_ENV = "TWINMQ_OPERATOR_RETRY_SECONDS"
-HEALTH_PORT = 8080
-"""`/healthz`: the standby's own server, then kopf's liveness endpoint (the chart probes it)."""
+HEALTH_ENDPOINT_ENV = "TWINMQ_OPERATOR_HEALTH_ENDPOINT"
+HEALTH_ENDPOINT = "http://0.0.0.0:8080/healthz"
+"""The standby's own `/healthz`, then kopf's liveness endpoint (the chart probes :8080)."""
 LOST_EXIT_CODE = 3
 """The exit status of a leader that lost its Lease (the pod restarts it as a standby)."""
 
@@ -328,28 +330,35 @@ async def lead(
     return None
 
 
-async def serve_health(port: int) -> web.AppRunner:
-    """`/healthz` on `port` while standing by: the process runs and is a candidate (live and
-    ready; a rolling update may go on). Call `cleanup()` on the result to free the port."""
+def health_endpoint() -> str:
+    """Where `/healthz` is served: `$TWINMQ_OPERATOR_HEALTH_ENDPOINT`, else :8080 (tests
+    move it to loopback)."""
+    return os.environ.get(HEALTH_ENDPOINT_ENV) or HEALTH_ENDPOINT
+
+
+async def serve_health(endpoint: str) -> web.AppRunner:
+    """Serve `endpoint` (`http://host:port/path`) while standing by: the process runs and
+    is a candidate (live and ready; a rolling update may go on). `cleanup()` frees it."""
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"leader": False, "standby": True})
 
+    url = urlsplit(endpoint)
     app = web.Application()
-    app.router.add_get("/healthz", healthz)
+    app.router.add_get(url.path or "/", healthz)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "0.0.0.0", port).start()  # the kubelet probes it
+    await web.TCPSite(runner, url.hostname, url.port).start()
     return runner
 
 
 async def run_elected(
-    settings: ElectionSettings, operator: Callable[[], Coroutine[Any, Any, None]], health_port: int
+    settings: ElectionSettings, operator: Callable[[], Coroutine[Any, Any, None]]
 ) -> None:
     """Stand by (serving health), then run `operator` while leading. A lost Lease ends the
     process at once, threads and all: nothing it started may act after the deadline."""
     elector = LeaderElector(Kube(), settings)
-    health = await serve_health(health_port)
+    health = await serve_health(health_endpoint())
 
     async def work() -> None:
         await health.cleanup()  # kopf's liveness endpoint takes the port over
@@ -363,7 +372,7 @@ async def run_elected(
         os._exit(LOST_EXIT_CODE)
 
 
-def run(operator: Callable[[], Coroutine[Any, Any, None]], health_port: int) -> None:
+def run(operator: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Run `operator` (kopf), alone or, when leader election is configured
     (`ElectionSettings.from_environment`), only while this replica is the leader."""
     settings = ElectionSettings.from_environment()
@@ -371,4 +380,4 @@ def run(operator: Callable[[], Coroutine[Any, Any, None]], health_port: int) -> 
         metrics.LEADER.set(1)  # alone: this process runs the handlers
         asyncio.run(operator())
     else:
-        asyncio.run(run_elected(settings, operator, health_port))
+        asyncio.run(run_elected(settings, operator))

@@ -728,9 +728,9 @@ def main(argv: list[str] | None = None) -> None:
         namespaces=namespaces,
         settings=settings,
         standalone=True,  # one operator at a time: `leader` elects it, not kopf's peering
-        liveness_endpoint=f"http://0.0.0.0:{leader.HEALTH_PORT}/healthz",
+        liveness_endpoint=leader.health_endpoint(),
     )
-    leader.run(operator, leader.HEALTH_PORT)
+    leader.run(operator)
 
 
 if __name__ == "__main__":

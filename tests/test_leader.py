@@ -3,7 +3,10 @@
 Every elector talks to the same real API server (tests/apiserver.py) through the
 operator's own `Kube`; time is a `FakeClock` the test moves one retry period at a time,
 so the checks are about the order of events on that clock (the old leader stopped
-before the new one could start), never about wall time.
+before the new one could start), never about wall time. The last tests run whole
+processes through `leader.run` (what `twinmq-operator` calls), with a stand-in for kopf:
+a leader cut off from the API server exits with `LOST_EXIT_CODE`, a SIGTERMed one
+releases the Lease, and the standby acts after either.
 """
 
 from __future__ import annotations
@@ -13,7 +16,12 @@ import contextlib
 import itertools
 import os
 import signal
-from collections.abc import AsyncIterator, Callable, Coroutine
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +29,16 @@ import pytest
 from apiserver import ApiServer
 from fakeclock import FakeClock, until
 
+from twinmq.broker.launcher import free_port
 from twinmq.operator.kube import Kube
-from twinmq.operator.leader import ElectionSettings, LeaderElector, LeaseRecord, lead, may_take
+from twinmq.operator.leader import (
+    LOST_EXIT_CODE,
+    ElectionSettings,
+    LeaderElector,
+    LeaseRecord,
+    lead,
+    may_take,
+)
 
 NAMESPACE = "default"
 SETTINGS = {"lease_seconds": 15.0, "renew_deadline_seconds": 10.0, "retry_seconds": 2.0}
@@ -260,3 +276,109 @@ def test_a_leader_that_stops_gracefully_hands_over_at_the_standbys_next_attempt(
                     assert holder(kube, b).holder == "op-b"
 
     run(scenario)
+
+
+# -- whole processes (`leader.run`, as `twinmq-operator` calls it) ------------------------------
+
+# Stands in for kopf: acts until SIGTERM (kopf's own handling), as `twinmq-operator` would.
+OPERATOR_SCRIPT = """
+import asyncio, signal
+from twinmq.operator import leader
+
+async def operator():
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    print("acting", flush=True)
+    await stop.wait()
+
+leader.run(operator)
+"""
+
+
+class OperatorProcess:
+    """A process running `leader.run` with leader election on the test API server."""
+
+    def __init__(self, api: ApiServer, lease: str, identity: str) -> None:
+        self.health = f"http://127.0.0.1:{free_port()}/healthz"
+        env = dict(
+            os.environ, KUBECONFIG=str(api.kubeconfig),
+            TWINMQ_OPERATOR_LEADER_ELECTION="true", TWINMQ_OPERATOR_LEASE_NAMESPACE=NAMESPACE,
+            TWINMQ_OPERATOR_LEASE_NAME=lease, TWINMQ_OPERATOR_IDENTITY=identity,
+            TWINMQ_OPERATOR_LEASE_SECONDS="3", TWINMQ_OPERATOR_RENEW_DEADLINE_SECONDS="2",
+            TWINMQ_OPERATOR_RETRY_SECONDS="0.5", TWINMQ_OPERATOR_HEALTH_ENDPOINT=self.health,
+        )  # fmt: skip
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", OPERATOR_SCRIPT], env=env, stdout=subprocess.PIPE, text=True
+        )
+        self.acting = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.strip() == "acting":
+                self.acting.set()
+
+    def healthy(self) -> bool:
+        """Its /healthz answers 200."""
+        try:
+            with urllib.request.urlopen(self.health, timeout=2) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
+    """Poll `check` in real time; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def leader_and_standby_processes(api: ApiServer) -> Iterator[tuple[OperatorProcess, ...]]:
+    """op-a acting, then op-b standing by with its /healthz answering."""
+    lease = next(LEASE_NAMES)
+    a = OperatorProcess(api, lease, "op-a")
+    b: OperatorProcess | None = None
+    try:
+        wait_for("op-a acts", a.acting.is_set)
+        b = OperatorProcess(api, lease, "op-b")
+        wait_for("op-b's standby /healthz", b.healthy)
+        assert not b.acting.is_set()
+        yield a, b
+    finally:
+        for proc in (a, b):
+            if proc is not None:
+                proc.stop()
+
+
+@pytest.mark.slow
+def test_a_leader_process_cut_off_from_the_api_server_exits_before_the_standby_acts(
+    kube_apiserver: ApiServer,
+) -> None:
+    with leader_and_standby_processes(kube_apiserver) as (a, b):
+        os.kill(kube_apiserver.process.pid, signal.SIGSTOP)
+        try:
+            assert a.proc.wait(timeout=60) == LOST_EXIT_CODE
+            assert not b.acting.is_set()
+        finally:
+            os.kill(kube_apiserver.process.pid, signal.SIGCONT)
+        wait_for("op-b acts", b.acting.is_set)
+
+
+@pytest.mark.slow
+def test_a_leader_process_stopped_by_sigterm_releases_and_the_standby_acts(
+    kube_apiserver: ApiServer,
+) -> None:
+    with leader_and_standby_processes(kube_apiserver) as (a, b):
+        a.proc.send_signal(signal.SIGTERM)
+        assert a.proc.wait(timeout=60) == 0
+        wait_for("op-b acts", b.acting.is_set)
