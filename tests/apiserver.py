@@ -49,7 +49,7 @@ def _wait_ready(url: str, token: str, ca: Path, procs: list[subprocess.Popen[byt
 
 
 @dataclass(frozen=True)
-class ApiServer:
+class KubeApiServer:
     """A running test API server: an admin kubeconfig, and its process (to pause it)."""
 
     kubeconfig: Path
@@ -57,7 +57,7 @@ class ApiServer:
 
 
 @contextlib.contextmanager
-def running_apiserver(root: Path) -> Iterator[ApiServer]:
+def running_apiserver(root: Path) -> Iterator[KubeApiServer]:
     """etcd + kube-apiserver on 127.0.0.1 under `root`."""
     layout = Layout(root)
     ensure_pki(layout)
@@ -110,7 +110,7 @@ def running_apiserver(root: Path) -> Iterator[ApiServer]:
             "users": [{"name": ADMIN_USER, "user": {"token": token}}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": ADMIN_USER}}],
         }))  # fmt: skip
-        yield ApiServer(kubeconfig, procs[1])
+        yield KubeApiServer(kubeconfig, procs[1])
     finally:
         for proc in reversed(procs):
             proc.terminate()

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from apiserver import ApiServer, binaries_built, running_apiserver
+from apiserver import KubeApiServer, binaries_built, running_apiserver
 
 from twinmq.broker.launcher import BrokerProcess
 
@@ -50,7 +50,7 @@ def spark() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+def kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeApiServer]:
     """A real kube-apiserver and its etcd on loopback, shared by the session's tests (the
     local cluster's binaries; skipped when they are not built)."""
     if not binaries_built():

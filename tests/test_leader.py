@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from apiserver import ApiServer
+from apiserver import KubeApiServer
 from fakeclock import FakeClock, until
 
 from twinmq.broker.launcher import free_port
@@ -49,7 +49,7 @@ LEASE_NAMES = (f"leader-test-{n}" for n in itertools.count())
 
 
 @pytest.fixture
-def kube(kube_apiserver: ApiServer) -> Kube:
+def kube(kube_apiserver: KubeApiServer) -> Kube:
     """The operator's API client, pointed at the test API server."""
     return Kube(str(kube_apiserver.kubeconfig))
 
@@ -210,7 +210,7 @@ def test_a_standby_takes_over_a_dead_leader_once_its_lease_lapsed_on_the_standby
 
 @pytest.mark.slow
 def test_a_leader_cut_off_from_the_api_server_stops_before_a_standby_can_take_over(
-    kube: Kube, kube_apiserver: ApiServer
+    kube: Kube, kube_apiserver: KubeApiServer
 ) -> None:
     async def scenario() -> None:
         clock = FakeClock()
@@ -298,7 +298,7 @@ leader.run(operator)
 class OperatorProcess:
     """A process running `leader.run` with leader election on the test API server."""
 
-    def __init__(self, api: ApiServer, lease: str, identity: str) -> None:
+    def __init__(self, api: KubeApiServer, lease: str, identity: str) -> None:
         self.health = f"http://127.0.0.1:{free_port()}/healthz"
         env = dict(
             os.environ, KUBECONFIG=str(api.kubeconfig),
@@ -343,7 +343,7 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def leader_and_standby_processes(api: ApiServer) -> Iterator[tuple[OperatorProcess, ...]]:
+def leader_and_standby_processes(api: KubeApiServer) -> Iterator[tuple[OperatorProcess, ...]]:
     """op-a acting, then op-b standing by with its /healthz answering."""
     lease = next(LEASE_NAMES)
     a = OperatorProcess(api, lease, "op-a")
@@ -362,7 +362,7 @@ def leader_and_standby_processes(api: ApiServer) -> Iterator[tuple[OperatorProce
 
 @pytest.mark.slow
 def test_a_leader_process_cut_off_from_the_api_server_exits_before_the_standby_acts(
-    kube_apiserver: ApiServer,
+    kube_apiserver: KubeApiServer,
 ) -> None:
     with leader_and_standby_processes(kube_apiserver) as (a, b):
         os.kill(kube_apiserver.process.pid, signal.SIGSTOP)
@@ -376,7 +376,7 @@ def test_a_leader_process_cut_off_from_the_api_server_exits_before_the_standby_a
 
 @pytest.mark.slow
 def test_a_leader_process_stopped_by_sigterm_releases_and_the_standby_acts(
-    kube_apiserver: ApiServer,
+    kube_apiserver: KubeApiServer,
 ) -> None:
     with leader_and_standby_processes(kube_apiserver) as (a, b):
         a.proc.send_signal(signal.SIGTERM)
