@@ -512,6 +512,16 @@ class Pair:
         self.note(f"{old.name} restarted as passive of {new.name} (epoch {self.epoch})")
         return True
 
+    def keep_logs(self, dest: Path, why: str) -> Path:
+        """Copy both brokers' logs and the nemesis events to `dest` (pytest removes its
+        temporary directories with the evidence of a failing run); returns `dest`."""
+        dest.mkdir(parents=True, exist_ok=True)
+        for broker in self.brokers.values():
+            if broker.log_path is not None and broker.log_path.exists():
+                shutil.copy2(broker.log_path, dest / broker.log_path.name)
+        (dest / "events.txt").write_text(f"{why}\n\n" + "\n".join(self.events) + "\n")
+        return dest
+
     def promote_passive(self) -> None:
         """`POST /role` active at epoch+1 on the passive; point the link at it."""
         new = self.passive
@@ -1795,9 +1805,11 @@ def run_class(
     *,
     replication_timeout: float = 1.0,
     backlog: int | None = None,
+    keep: Path | None = None,
 ) -> tuple[ClassResult, Report]:
     """A fresh pair under confirms and transactions while `cycles` faults of the class run
-    (`backlog` overrides the class's backlog size: the short matrix's is smaller)."""
+    (`backlog` overrides the class's backlog size: the short matrix's is smaller). If the
+    class does not finish or fails, the brokers' logs and the events are copied to `keep`."""
     if fault_class.faketime and not FAKETIME_LIBRARY.exists():
         raise Unavailable(f"libfaketime is not installed ({FAKETIME_LIBRARY})")
     faults = [fault_class.faults[i % len(fault_class.faults)] for i in range(cycles)]
@@ -1816,6 +1828,7 @@ def run_class(
     except BaseException:
         pair.stop()
         raise
+    error: BaseException | None = None
     try:
         report, load = asyncio.run(
             _run_with_load(
@@ -1829,8 +1842,13 @@ def run_class(
                 backlog=fault_class.backlog if backlog is None else backlog,
             )
         )
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
         pair.stop()
+        if error is not None and keep is not None:
+            print(f"logs kept in {pair.keep_logs(keep, f'did not finish: {error!r}')}")
     verdict, nemesis = report.verdict, report.nemesis
     times = nemesis.back_to_ready or [0.0]
     result = ClassResult(
@@ -1858,6 +1876,9 @@ def run_class(
         poison_refused=dict(load.poison.refused) if load.poison else {},
         poison_wrong=list(load.poison.wrong) if load.poison else [],
     )
+    if not result.ok and keep is not None:
+        why = f"lost {result.lost}, unexpected {result.unexpected}, misses {result.misses}"
+        print(f"logs kept in {pair.keep_logs(keep, why)}")
     return result, report
 
 

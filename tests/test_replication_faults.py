@@ -216,7 +216,10 @@ def test_fault_matrix(tmp_path: Path) -> None:
     for i, fault_class in enumerate(classes):
         started = time.monotonic()
         try:
-            result, report = run_class(tmp_path / fault_class.name, fault_class, cycles, seed + i)
+            result, report = run_class(
+                tmp_path / fault_class.name, fault_class, cycles, seed + i,
+                keep=path.with_name(f"{path.name}-{fault_class.name}-logs"),
+            )  # fmt: skip
         except Unavailable as exc:
             skipped.append(f"{fault_class.name}: {exc}")
             continue
