@@ -601,6 +601,7 @@ class Producer:
         self.interval = interval
         self.padding = padding
         self.stopping = False
+        self.held = False  # set from the nemesis thread: publish nothing new meanwhile
         self._next = 0
         self._outstanding: dict[int, int] = {}  # confirm tag -> message number
         self._room = asyncio.Event()
@@ -665,6 +666,12 @@ class Producer:
             finally:
                 client.abort()
 
+    async def _while_held(self) -> None:
+        """Publish nothing new while `held` (what is outstanding is still answered)."""
+        # Polled: `held` is set from the nemesis thread (an asyncio.Event is not thread-safe).
+        while self.held and not self.stopping:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
     def _send(self, client: AMQPClient, number: int) -> int:
         """Publish message `number` (its queue by number); returns the confirm tag."""
         queue = self.queues[number % len(self.queues)]
@@ -690,6 +697,9 @@ class Producer:
                     self.log.stalls += 1
                     raise ClientError(f"no confirm in {CONFIRM_PATIENCE}s")
                 continue
+            await self._while_held()
+            if self.stopping:
+                break
             number = self._next
             self._next += 1
             self._outstanding[self._send(client, number)] = number
@@ -699,6 +709,9 @@ class Producer:
 
     async def _publish_transactions(self, client: AMQPClient) -> None:
         while not self.stopping:
+            await self._while_held()
+            if self.stopping:
+                break
             numbers = list(range(self._next, self._next + self.window))
             self._next += self.window
             for number in numbers:
@@ -936,6 +949,12 @@ class Workload:
             if not consumer.late:
                 consumer.paused = paused
 
+    def hold_producers(self, held: bool) -> None:
+        """Stop or resume publishing new messages (the bulk producer is not held)."""
+        for producer in self.producers:
+            if producer is not self.bulk:
+                producer.held = held
+
     @property
     def backlog_loaded(self) -> bool:
         """The bulk producer (if any) has sent its backlog and heard every answer."""
@@ -1016,6 +1035,7 @@ class NemesisLog:
     misses: list[str] = field(default_factory=list)
     proofs: Counter[str] = field(default_factory=Counter)  # what was observed, counted
     back_to_ready: list[float] = field(default_factory=list)  # seconds, one per cycle
+    max_depth: int = 0  # most ready messages on the active at a bounded cycle's start
 
 
 class Nemesis:
@@ -1231,6 +1251,59 @@ class Nemesis:
             interval=0.1,
         )
 
+    def _drain(self, bound: int, within: float = 120.0) -> int:
+        """Bound the backlog: hold the producers until the consumers have brought the
+        active's queues down to `bound` ready messages; returns the depth found first."""
+        pair, workload = self.pair, self.workload
+        depth = (queue_counts(status(pair.active), *workload.queues) or (0, 0))[0]
+        if depth > bound:
+            workload.hold_producers(True)
+            try:
+                wait_for(
+                    lambda: (
+                        (c := queue_counts(status(pair.active), *workload.queues)) is not None
+                        and c[0] <= bound
+                    ),
+                    within,
+                    f"the consumers down to {bound} ready messages",
+                    interval=0.1,
+                )
+            finally:
+                workload.hold_producers(False)
+        self.log.max_depth = max(self.log.max_depth, depth)
+        return depth
+
+    def _kill_mid_stream(self, passive: BrokerProcess) -> bool:
+        """Start the passive over a throttled link and kill -9 it once 1 to 4 catch-up
+        chunks are durable on it and more are to come (the active's /status
+        `replication.catchup`); whether that was seen. Leaves it dead, the link healed."""
+        pair = self.pair
+        # Fast enough for live traffic and a chunk well within the replication timeout
+        # (finding 8), slow enough for a catch-up of seconds.
+        pair.link.throttle(self.rng.choice([600_000, 1_000_000, 1_500_000]))
+        passive.extra_args = pair.args(PASSIVE)
+        passive.start()
+        chunks = self.rng.randint(1, 4)
+
+        def streaming() -> dict[str, Any] | None:
+            c = catchup_status(pair.active)
+            if not c or not c["in_progress"] or c["acked_chunks"] < chunks:
+                return None
+            return c if c["kept"] + c["skipped"] + c["acked_messages"] < c["candidates"] else None
+
+        at: dict[str, Any] | None = None
+        with contextlib.suppress(TimeoutError):
+            at = wait_for(streaming, 30, "catch-up streaming", interval=0.02)
+        passive.kill()
+        pair.link.heal()
+        self.log.interrupted_catchups += int(at is not None)
+        pair.note(
+            f"passive {passive.name} killed "
+            + (f"mid-catch-up: {at['acked_chunks']} chunks on it" if at else "(catch-up not seen)")
+            + f"; catch-up {at or catchup_status(pair.active)}"
+        )
+        return at is not None
+
     def _kill_mid_catchup(self, passive: BrokerProcess) -> bool:
         """Start the passive over a throttled link and kill -9 it while it catches up;
         whether the catch-up was provably under way at the kill. Leaves it dead."""
@@ -1360,11 +1433,17 @@ class Nemesis:
         self._fault_over()
         return self._proof("passive exited 75 (EXIT_JOURNAL_FAILED)", exited)
 
-    def disk_full_passive_then_kill_mid_catchup(self, backlog: int = 3000) -> bool:
+    def disk_full_passive_then_kill_mid_catchup(
+        self, backlog: int = 3000, bound: int = 2000
+    ) -> bool:
         """Compound: the passive's disk fills (exit 75), a backlog builds on the active,
-        space returns, the passive restarts and is killed -9 in the middle of its catch-up."""
-        self._traffic()
+        space returns, the passive restarts and is killed -9 in the middle of its catch-up
+        (chunks durable on it, more to come)."""
         pair, workload = self.pair, self.workload
+        # The consumers first bring the queues down to `bound`: the transactional producer
+        # outran them and the queues grew without end (365,000 messages after 18 cycles).
+        depth = self._drain(bound)
+        self._traffic()
         passive = pair.passive
         filler, exited = self._fill_passive(passive)
         # Consumers pause for the backlog only: paused while the disk fills too (seconds
@@ -1372,13 +1451,14 @@ class Nemesis:
         workload.pause_consumers(True)
         self._backlog(backlog)
         filler.release()
-        mid = self._kill_mid_catchup(passive)
+        pair.note(f"queues at the cycle's start: {depth} ready; backlog of {backlog} built")
+        mid = self._kill_mid_stream(passive)
         passive.extra_args = pair.args(PASSIVE)
         passive.start()
         self._fault_over()
         workload.pause_consumers(False)
         return self._proof("passive exited 75 (EXIT_JOURNAL_FAILED)", exited) and self._proof(
-            "catch-up interrupted", mid
+            "catch-up interrupted with chunks durable", mid
         )
 
     def corrupt_passive(self) -> bool:
@@ -1668,6 +1748,7 @@ class FaultClass:
     faketime: bool = False  # brokers under libfaketime
     poison: bool = False  # a producer of odd headers and a sender of poison ones
     backlog: int = 0  # messages of a backlog loaded first, drained last
+    catchup_chunk_bytes: int | None = None  # the brokers' (small: many chunks to interrupt)
 
 
 MATRIX = (
@@ -1720,8 +1801,10 @@ MATRIX = (
         "compound", ("disk-full-passive-then-kill-mid-catchup",),
         "the passive's disk fills (exit 75), a backlog builds, space returns, the passive "
         "restarts and is killed -9 in the middle of its catch-up",
-        "exit code 75, then the catch-up under way (link up, not ready) at the kill",
+        "exit code 75, then at the kill 1-4 catch-up chunks durable on the passive and "
+        "more to come (the active's /status replication.catchup)",
         small_disks=True,
+        catchup_chunk_bytes=32 * 1024,
     ),
     FaultClass(
         "clock-jump", ("clock-jump",),
@@ -1784,6 +1867,7 @@ class ClassResult:
     lost_sample: list[Key] = field(default_factory=list)
     poison_refused: dict[str, int] = field(default_factory=dict)  # as documented, by name
     poison_wrong: list[str] = field(default_factory=list)  # answered otherwise
+    max_depth: int = 0  # most ready messages on the active at a bounded cycle's start
 
     @property
     def ok(self) -> bool:
@@ -1820,6 +1904,9 @@ def run_class(
         disk_bytes=MATRIX_DISK_BYTES if fault_class.small_disks else None,
         faketime=fault_class.faketime,
     )
+    if fault_class.catchup_chunk_bytes is not None:
+        for broker in pair.brokers.values():
+            broker.env["TWINMQ_CATCHUP_CHUNK_BYTES"] = str(fault_class.catchup_chunk_bytes)
     try:
         pair.start()
     except NoSmallDisk as exc:
@@ -1875,6 +1962,7 @@ def run_class(
         lost_sample=verdict.lost[:20],
         poison_refused=dict(load.poison.refused) if load.poison else {},
         poison_wrong=list(load.poison.wrong) if load.poison else [],
+        max_depth=nemesis.max_depth,
     )
     if not result.ok and keep is not None:
         why = f"lost {result.lost}, unexpected {result.unexpected}, misses {result.misses}"
