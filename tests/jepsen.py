@@ -28,6 +28,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -267,6 +268,19 @@ class DiskFiller:
 
 # The active's log lines for a group commit whose write failed (broker/commit.py, journal/).
 WRITE_FAILED = re.compile(r"journal write failed|groups rolled back")
+
+
+def stack_dump(broker: BrokerProcess) -> str:
+    """Every thread's Python stack of a live broker (`py-spy dump`, when installed next to
+    this interpreter or on PATH): where a broker that neither answers nor exits is stuck."""
+    spy = Path(sys.executable).with_name("py-spy")
+    tool = str(spy) if spy.exists() else shutil.which("py-spy")
+    if tool is None or broker.proc is None or broker.proc.poll() is not None:
+        return "(no stack: py-spy not installed or the broker is gone)"
+    done = subprocess.run(
+        [tool, "dump", "--pid", str(broker.proc.pid)], capture_output=True, text=True, timeout=30
+    )  # fmt: skip
+    return done.stdout + done.stderr
 
 
 def process_state(broker: BrokerProcess) -> str | None:
@@ -566,6 +580,7 @@ class ProducerLog:
     connections: int = 0
     commits: int = 0  # tx.commit-ok received (transactional producers)
     failed_commits: int = 0  # tx.commit answered with channel.close 541
+    rolled_back: set[int] = field(default_factory=set)  # the messages of those commits
     stalls: int = 0  # gave up on a connection: no confirm / commit-ok for CONFIRM_PATIENCE
 
 
@@ -719,7 +734,9 @@ class Producer:
             await client.drain()
             try:
                 await client.tx_commit(within=CONFIRM_PATIENCE)
-            except Refused:
+            except Refused as exc:
+                if exc.code == 541:
+                    self.log.rolled_back.update(numbers)
                 raise
             except ClientError:
                 if "no answer" in str(client.error):
@@ -995,6 +1012,13 @@ class Workload:
 
         with contextlib.suppress(TimeoutError):
             await asyncio.to_thread(wait_for, passive_left, 15, "passive drained", 0.2)
+
+    def failed_delivered(self) -> set[Key]:
+        """Messages a consumer received although their publish was nacked or their
+        transaction's commit was answered 541."""
+        failed = {(p.log.name, n) for p in self.producers for n in p.log.nacked | p.log.rolled_back}
+        received = {decode_body(body) for c in self.consumers for body in c.received}
+        return failed & {key for key in received if key is not None}
 
     def verdict(self) -> Verdict:
         """Run the checker over what the clients saw."""
@@ -1413,6 +1437,7 @@ class Nemesis:
             # the run goes on (the checker still judges what the pair confirmed).
             code = None
             self._proof("passive neither acked nor exited within 15s: killed -9")
+            self.pair.note(f"passive {passive.name} stuck on a full disk:\n{stack_dump(passive)}")
             passive.kill()
         exited = code == EXIT_JOURNAL_FAILED and "could not be journaled" in log_since(
             passive, mark
@@ -1443,6 +1468,7 @@ class Nemesis:
         # The consumers first bring the queues down to `bound`: the transactional producer
         # outran them and the queues grew without end (365,000 messages after 18 cycles).
         depth = self._drain(bound)
+        pair.note(f"queues at the cycle's start: {depth} ready (brought down to {bound} or less)")
         self._traffic()
         passive = pair.passive
         filler, exited = self._fill_passive(passive)
@@ -1451,7 +1477,6 @@ class Nemesis:
         workload.pause_consumers(True)
         self._backlog(backlog)
         filler.release()
-        pair.note(f"queues at the cycle's start: {depth} ready; backlog of {backlog} built")
         mid = self._kill_mid_stream(passive)
         passive.extra_args = pair.args(PASSIVE)
         passive.start()
@@ -1867,7 +1892,11 @@ class ClassResult:
     lost_sample: list[Key] = field(default_factory=list)
     poison_refused: dict[str, int] = field(default_factory=dict)  # as documented, by name
     poison_wrong: list[str] = field(default_factory=list)  # answered otherwise
-    max_depth: int = 0  # most ready messages on the active at a bounded cycle's start
+    max_depth: int = 0  # most ready messages on the active at a bounded cycle's start (before
+    # its drain); bounded by one cycle's growth, not growing from cycle to cycle
+    # Messages nacked or of a commit answered 541 that a consumer was delivered anyway
+    # (the write failed and was rolled back: docs/journal.md "Visibility" says never).
+    failed_delivered: int = 0
 
     @property
     def ok(self) -> bool:
@@ -1963,6 +1992,7 @@ def run_class(
         poison_refused=dict(load.poison.refused) if load.poison else {},
         poison_wrong=list(load.poison.wrong) if load.poison else [],
         max_depth=nemesis.max_depth,
+        failed_delivered=len(load.failed_delivered()),
     )
     if not result.ok and keep is not None:
         why = f"lost {result.lost}, unexpected {result.unexpected}, misses {result.misses}"

@@ -34,6 +34,7 @@ from jepsen import (
     Pair,
     Report,
     Unavailable,
+    Workload,
     check,
     decode_body,
     encode_body,
@@ -82,6 +83,17 @@ def test_checker_counts_duplicates() -> None:
     assert verdict.duplicate_count == 3
     assert verdict.deliveries == 6 and verdict.received == 3
     assert "duplicates 3 (of 2 messages)" in verdict.summary()
+
+
+def test_a_nacked_or_rolled_back_message_that_was_delivered_is_counted() -> None:
+    load = Workload(["127.0.0.1:1"], producers=1, tx_producers=1, consumers=1)
+    confirming, transactional = load.producers
+    confirming.log.nacked = {3}
+    transactional.log.rolled_back = {5, 6}
+    load.consumers[0].received = [
+        encode_body("p0", 3), encode_body("t0", 6), encode_body("p0", 4), b"garbage"
+    ]  # fmt: skip
+    assert load.failed_delivered() == {("p0", 3), ("t0", 6)}
 
 
 def test_bodies_round_trip() -> None:
@@ -233,7 +245,9 @@ def test_fault_matrix(tmp_path: Path) -> None:
         print(
             f"{fault_class.name}: {result.cycles} cycles in {time.monotonic() - started:.0f}s, "
             f"hits {result.hits}, confirmed {result.confirmed}, lost {result.lost}, "
-            f"duplicates {result.duplicates}, proofs {result.proofs}"
+            f"duplicates {result.duplicates}, proofs {result.proofs}, nacked or rolled back "
+            f"but delivered {result.failed_delivered}, most ready at a cycle's start "
+            f"{result.max_depth}"
         )
         if not result.ok:
             print(report.text())
