@@ -617,6 +617,7 @@ class Producer:
         self.padding = padding
         self.stopping = False
         self.held = False  # set from the nemesis thread: publish nothing new meanwhile
+        self.note: Callable[[str], None] = lambda text: None  # into the run's events
         self._next = 0
         self._outstanding: dict[int, int] = {}  # confirm tag -> message number
         self._room = asyncio.Event()
@@ -681,6 +682,10 @@ class Producer:
             finally:
                 client.abort()
 
+    def _stalled(self, outstanding: int) -> None:
+        self.log.stalls += 1
+        self.note(f"{self.log.name}: stall, {outstanding} unconfirmed for {CONFIRM_PATIENCE}s")
+
     async def _while_held(self) -> None:
         """Publish nothing new while `held` (what is outstanding is still answered)."""
         # Polled: `held` is set from the nemesis thread (an asyncio.Event is not thread-safe).
@@ -709,7 +714,7 @@ class Producer:
                 closed.cancel()
                 client.check()  # raises once the connection is gone
                 if not done:
-                    self.log.stalls += 1
+                    self._stalled(len(self._outstanding))
                     raise ClientError(f"no confirm in {CONFIRM_PATIENCE}s")
                 continue
             await self._while_held()
@@ -740,7 +745,7 @@ class Producer:
                 raise
             except ClientError:
                 if "no answer" in str(client.error):
-                    self.log.stalls += 1
+                    self._stalled(len(numbers))
                 raise
             self.log.commits += 1
             self.log.confirmed.update(numbers)
@@ -1722,6 +1727,8 @@ async def run_suite(
     load = Workload(pair.amqp_addresses, **workload)
     if loads is not None:
         loads.append(load)
+    for producer in load.producers:
+        producer.note = pair.note  # a confirm stall is an event of the run
     load.start()
     nemesis = Nemesis(pair, load, random.Random(seed))
     try:
@@ -1919,10 +1926,12 @@ def run_class(
     replication_timeout: float = 1.0,
     backlog: int | None = None,
     keep: Path | None = None,
+    keep_always: bool = False,
 ) -> tuple[ClassResult, Report]:
     """A fresh pair under confirms and transactions while `cycles` faults of the class run
     (`backlog` overrides the class's backlog size: the short matrix's is smaller). If the
-    class does not finish or fails, the brokers' logs and the events are copied to `keep`."""
+    class does not finish or fails (or `keep_always`), the brokers' logs and the events are
+    copied to `keep`."""
     if fault_class.faketime and not FAKETIME_LIBRARY.exists():
         raise Unavailable(f"libfaketime is not installed ({FAKETIME_LIBRARY})")
     faults = [fault_class.faults[i % len(fault_class.faults)] for i in range(cycles)]
@@ -1994,7 +2003,7 @@ def run_class(
         max_depth=nemesis.max_depth,
         failed_delivered=len(load.failed_delivered()),
     )
-    if not result.ok and keep is not None:
+    if (keep_always or not result.ok) and keep is not None:
         why = f"lost {result.lost}, unexpected {result.unexpected}, misses {result.misses}"
         print(f"logs kept in {pair.keep_logs(keep, why)}")
     return result, report

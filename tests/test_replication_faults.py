@@ -209,7 +209,9 @@ def _git_commit() -> str:
 def test_fault_matrix(tmp_path: Path) -> None:
     """TWINMQ_FAULT_CYCLES (100) cycles per fault class; the table goes to
     TWINMQ_FAULT_RESULTS (.cache/faults/matrix-<time>) as .json and .md.
-    TWINMQ_FAULT_CLASSES (comma-separated) runs only those classes."""
+    TWINMQ_FAULT_CLASSES (comma-separated) runs only those classes. The brokers' logs and
+    the events of a class that fails (of every class with TWINMQ_FAULT_KEEP_LOGS=1) are
+    kept in <results>-<class>-logs/."""
     cycles = int(os.environ.get("TWINMQ_FAULT_CYCLES", "100"))
     seed = int(os.environ.get("TWINMQ_FAULT_SEED", random.randrange(1 << 30)))
     wanted = os.environ.get("TWINMQ_FAULT_CLASSES")
@@ -231,6 +233,7 @@ def test_fault_matrix(tmp_path: Path) -> None:
             result, report = run_class(
                 tmp_path / fault_class.name, fault_class, cycles, seed + i,
                 keep=path.with_name(f"{path.name}-{fault_class.name}-logs"),
+                keep_always=os.environ.get("TWINMQ_FAULT_KEEP_LOGS") == "1",
             )  # fmt: skip
         except Unavailable as exc:
             skipped.append(f"{fault_class.name}: {exc}")
