@@ -277,9 +277,13 @@ def stack_dump(broker: BrokerProcess) -> str:
     tool = str(spy) if spy.exists() else shutil.which("py-spy")
     if tool is None or broker.proc is None or broker.proc.poll() is not None:
         return "(no stack: py-spy not installed or the broker is gone)"
-    done = subprocess.run(
-        [tool, "dump", "--pid", str(broker.proc.pid)], capture_output=True, text=True, timeout=30
-    )  # fmt: skip
+    try:
+        done = subprocess.run(
+            [tool, "dump", "--pid", str(broker.proc.pid)], capture_output=True, text=True,
+            timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(no stack: {exc})"
     return done.stdout + done.stderr
 
 
@@ -1899,8 +1903,9 @@ class ClassResult:
     lost_sample: list[Key] = field(default_factory=list)
     poison_refused: dict[str, int] = field(default_factory=dict)  # as documented, by name
     poison_wrong: list[str] = field(default_factory=list)  # answered otherwise
-    max_depth: int = 0  # most ready messages on the active at a bounded cycle's start (before
-    # its drain); bounded by one cycle's growth, not growing from cycle to cycle
+    # The most ready messages on the active at a bounded cycle's start, before its drain:
+    # one cycle's growth at most, not growing from cycle to cycle.
+    max_depth: int = 0
     # Messages nacked or of a commit answered 541 that a consumer was delivered anyway
     # (the write failed and was rolled back: docs/journal.md "Visibility" says never).
     failed_delivered: int = 0
@@ -1908,12 +1913,13 @@ class ClassResult:
     @property
     def ok(self) -> bool:
         """Nothing confirmed lost, nothing unexpected, every cycle hit its path, every
-        poison header refused as documented."""
+        poison header refused as documented, no failed message delivered."""
         return (
             not self.lost
             and not self.unexpected
             and self.hits == self.cycles
             and not self.poison_wrong
+            and not self.failed_delivered
         )
 
 

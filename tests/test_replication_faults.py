@@ -168,6 +168,7 @@ def _assert_class_sound(result: ClassResult) -> None:
     assert result.hits == result.cycles, f"faults that missed their path: {result.misses}"
     assert result.passive_left == (0, 0), "the passive did not follow every dequeue"
     assert not result.poison_wrong, f"poison not refused as documented: {result.poison_wrong}"
+    assert not result.failed_delivered, "nacked or rolled-back messages were delivered"
 
 
 # The short matrix's huge backlog: still a catch-up of 15 chunks (4096 messages each).
