@@ -9,7 +9,9 @@ SYSTEM_PACKAGES += faketime
 # class on a pair of its own under confirms and transactions; the disk classes need root
 # (a tmpfs per broker). The results table (JSON + markdown) goes to TWINMQ_FAULT_RESULTS
 # (default .cache/faults/matrix-<time>); the path is printed. Optional:
-# TWINMQ_FAULT_CLASSES=kill-active,corruption runs only those, TWINMQ_FAULT_SEED.
+# TWINMQ_FAULT_CLASSES=kill-active,corruption runs only those, TWINMQ_FAULT_SEED; the brokers'
+# logs of a class that fails go to <results>-<class>-logs/ (of every class with
+# TWINMQ_FAULT_KEEP_LOGS=1).
 #   make faults TWINMQ_FAULT_CYCLES=20
 TWINMQ_FAULT_CYCLES ?= 100
 

@@ -28,6 +28,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -267,6 +268,23 @@ class DiskFiller:
 
 # The active's log lines for a group commit whose write failed (broker/commit.py, journal/).
 WRITE_FAILED = re.compile(r"journal write failed|groups rolled back")
+
+
+def stack_dump(broker: BrokerProcess) -> str:
+    """Every thread's Python stack of a live broker (`py-spy dump`, when installed next to
+    this interpreter or on PATH): where a broker that neither answers nor exits is stuck."""
+    spy = Path(sys.executable).with_name("py-spy")
+    tool = str(spy) if spy.exists() else shutil.which("py-spy")
+    if tool is None or broker.proc is None or broker.proc.poll() is not None:
+        return "(no stack: py-spy not installed or the broker is gone)"
+    try:
+        done = subprocess.run(
+            [tool, "dump", "--pid", str(broker.proc.pid)], capture_output=True, text=True,
+            timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(no stack: {exc})"
+    return done.stdout + done.stderr
 
 
 def process_state(broker: BrokerProcess) -> str | None:
@@ -512,6 +530,16 @@ class Pair:
         self.note(f"{old.name} restarted as passive of {new.name} (epoch {self.epoch})")
         return True
 
+    def keep_logs(self, dest: Path, why: str) -> Path:
+        """Copy both brokers' logs and the nemesis events to `dest` (pytest removes its
+        temporary directories with the evidence of a failing run); returns `dest`."""
+        dest.mkdir(parents=True, exist_ok=True)
+        for broker in self.brokers.values():
+            if broker.log_path is not None and broker.log_path.exists():
+                shutil.copy2(broker.log_path, dest / broker.log_path.name)
+        (dest / "events.txt").write_text(f"{why}\n\n" + "\n".join(self.events) + "\n")
+        return dest
+
     def promote_passive(self) -> None:
         """`POST /role` active at epoch+1 on the passive; point the link at it."""
         new = self.passive
@@ -556,6 +584,7 @@ class ProducerLog:
     connections: int = 0
     commits: int = 0  # tx.commit-ok received (transactional producers)
     failed_commits: int = 0  # tx.commit answered with channel.close 541
+    rolled_back: set[int] = field(default_factory=set)  # the messages of those commits
     stalls: int = 0  # gave up on a connection: no confirm / commit-ok for CONFIRM_PATIENCE
 
 
@@ -591,6 +620,8 @@ class Producer:
         self.interval = interval
         self.padding = padding
         self.stopping = False
+        self.held = False  # set from the nemesis thread: publish nothing new meanwhile
+        self.note: Callable[[str], None] = lambda text: None  # into the run's events
         self._next = 0
         self._outstanding: dict[int, int] = {}  # confirm tag -> message number
         self._room = asyncio.Event()
@@ -655,6 +686,16 @@ class Producer:
             finally:
                 client.abort()
 
+    def _stalled(self, outstanding: int) -> None:
+        self.log.stalls += 1
+        self.note(f"{self.log.name}: stall, {outstanding} unconfirmed for {CONFIRM_PATIENCE}s")
+
+    async def _while_held(self) -> None:
+        """Publish nothing new while `held` (what is outstanding is still answered)."""
+        # Polled: `held` is set from the nemesis thread (an asyncio.Event is not thread-safe).
+        while self.held and not self.stopping:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
     def _send(self, client: AMQPClient, number: int) -> int:
         """Publish message `number` (its queue by number); returns the confirm tag."""
         queue = self.queues[number % len(self.queues)]
@@ -677,9 +718,12 @@ class Producer:
                 closed.cancel()
                 client.check()  # raises once the connection is gone
                 if not done:
-                    self.log.stalls += 1
+                    self._stalled(len(self._outstanding))
                     raise ClientError(f"no confirm in {CONFIRM_PATIENCE}s")
                 continue
+            await self._while_held()
+            if self.stopping:
+                break
             number = self._next
             self._next += 1
             self._outstanding[self._send(client, number)] = number
@@ -689,6 +733,9 @@ class Producer:
 
     async def _publish_transactions(self, client: AMQPClient) -> None:
         while not self.stopping:
+            await self._while_held()
+            if self.stopping:
+                break
             numbers = list(range(self._next, self._next + self.window))
             self._next += self.window
             for number in numbers:
@@ -696,11 +743,13 @@ class Producer:
             await client.drain()
             try:
                 await client.tx_commit(within=CONFIRM_PATIENCE)
-            except Refused:
+            except Refused as exc:
+                if exc.code == 541:
+                    self.log.rolled_back.update(numbers)
                 raise
             except ClientError:
                 if "no answer" in str(client.error):
-                    self.log.stalls += 1
+                    self._stalled(len(numbers))
                 raise
             self.log.commits += 1
             self.log.confirmed.update(numbers)
@@ -926,6 +975,12 @@ class Workload:
             if not consumer.late:
                 consumer.paused = paused
 
+    def hold_producers(self, held: bool) -> None:
+        """Stop or resume publishing new messages (the bulk producer is not held)."""
+        for producer in self.producers:
+            if producer is not self.bulk:
+                producer.held = held
+
     @property
     def backlog_loaded(self) -> bool:
         """The bulk producer (if any) has sent its backlog and heard every answer."""
@@ -967,6 +1022,13 @@ class Workload:
         with contextlib.suppress(TimeoutError):
             await asyncio.to_thread(wait_for, passive_left, 15, "passive drained", 0.2)
 
+    def failed_delivered(self) -> set[Key]:
+        """Messages a consumer received although their publish was nacked or their
+        transaction's commit was answered 541."""
+        failed = {(p.log.name, n) for p in self.producers for n in p.log.nacked | p.log.rolled_back}
+        received = {decode_body(body) for c in self.consumers for body in c.received}
+        return failed & {key for key in received if key is not None}
+
     def verdict(self) -> Verdict:
         """Run the checker over what the clients saw."""
         return check(
@@ -1006,6 +1068,7 @@ class NemesisLog:
     misses: list[str] = field(default_factory=list)
     proofs: Counter[str] = field(default_factory=Counter)  # what was observed, counted
     back_to_ready: list[float] = field(default_factory=list)  # seconds, one per cycle
+    max_depth: int = 0  # most ready messages on the active at a bounded cycle's start
 
 
 class Nemesis:
@@ -1221,6 +1284,59 @@ class Nemesis:
             interval=0.1,
         )
 
+    def _drain(self, bound: int, within: float = 120.0) -> int:
+        """Bound the backlog: hold the producers until the consumers have brought the
+        active's queues down to `bound` ready messages; returns the depth found first."""
+        pair, workload = self.pair, self.workload
+        depth = (queue_counts(status(pair.active), *workload.queues) or (0, 0))[0]
+        if depth > bound:
+            workload.hold_producers(True)
+            try:
+                wait_for(
+                    lambda: (
+                        (c := queue_counts(status(pair.active), *workload.queues)) is not None
+                        and c[0] <= bound
+                    ),
+                    within,
+                    f"the consumers down to {bound} ready messages",
+                    interval=0.1,
+                )
+            finally:
+                workload.hold_producers(False)
+        self.log.max_depth = max(self.log.max_depth, depth)
+        return depth
+
+    def _kill_mid_stream(self, passive: BrokerProcess) -> bool:
+        """Start the passive over a throttled link and kill -9 it once 1 to 4 catch-up
+        chunks are durable on it and more are to come (the active's /status
+        `replication.catchup`); whether that was seen. Leaves it dead, the link healed."""
+        pair = self.pair
+        # Fast enough for live traffic and a chunk well within the replication timeout
+        # (finding 8), slow enough for a catch-up of seconds.
+        pair.link.throttle(self.rng.choice([600_000, 1_000_000, 1_500_000]))
+        passive.extra_args = pair.args(PASSIVE)
+        passive.start()
+        chunks = self.rng.randint(1, 4)
+
+        def streaming() -> dict[str, Any] | None:
+            c = catchup_status(pair.active)
+            if not c or not c["in_progress"] or c["acked_chunks"] < chunks:
+                return None
+            return c if c["kept"] + c["skipped"] + c["acked_messages"] < c["candidates"] else None
+
+        at: dict[str, Any] | None = None
+        with contextlib.suppress(TimeoutError):
+            at = wait_for(streaming, 30, "catch-up streaming", interval=0.02)
+        passive.kill()
+        pair.link.heal()
+        self.log.interrupted_catchups += int(at is not None)
+        pair.note(
+            f"passive {passive.name} killed "
+            + (f"mid-catch-up: {at['acked_chunks']} chunks on it" if at else "(catch-up not seen)")
+            + f"; catch-up {at or catchup_status(pair.active)}"
+        )
+        return at is not None
+
     def _kill_mid_catchup(self, passive: BrokerProcess) -> bool:
         """Start the passive over a throttled link and kill -9 it while it catches up;
         whether the catch-up was provably under way at the kill. Leaves it dead."""
@@ -1330,6 +1446,7 @@ class Nemesis:
             # the run goes on (the checker still judges what the pair confirmed).
             code = None
             self._proof("passive neither acked nor exited within 15s: killed -9")
+            self.pair.note(f"passive {passive.name} stuck on a full disk:\n{stack_dump(passive)}")
             passive.kill()
         exited = code == EXIT_JOURNAL_FAILED and "could not be journaled" in log_since(
             passive, mark
@@ -1350,11 +1467,18 @@ class Nemesis:
         self._fault_over()
         return self._proof("passive exited 75 (EXIT_JOURNAL_FAILED)", exited)
 
-    def disk_full_passive_then_kill_mid_catchup(self, backlog: int = 3000) -> bool:
+    def disk_full_passive_then_kill_mid_catchup(
+        self, backlog: int = 3000, bound: int = 2000
+    ) -> bool:
         """Compound: the passive's disk fills (exit 75), a backlog builds on the active,
-        space returns, the passive restarts and is killed -9 in the middle of its catch-up."""
-        self._traffic()
+        space returns, the passive restarts and is killed -9 in the middle of its catch-up
+        (chunks durable on it, more to come)."""
         pair, workload = self.pair, self.workload
+        # The consumers first bring the queues down to `bound`: the transactional producer
+        # outran them and the queues grew without end (365,000 messages after 18 cycles).
+        depth = self._drain(bound)
+        pair.note(f"queues at the cycle's start: {depth} ready (brought down to {bound} or less)")
+        self._traffic()
         passive = pair.passive
         filler, exited = self._fill_passive(passive)
         # Consumers pause for the backlog only: paused while the disk fills too (seconds
@@ -1362,13 +1486,13 @@ class Nemesis:
         workload.pause_consumers(True)
         self._backlog(backlog)
         filler.release()
-        mid = self._kill_mid_catchup(passive)
+        mid = self._kill_mid_stream(passive)
         passive.extra_args = pair.args(PASSIVE)
         passive.start()
         self._fault_over()
         workload.pause_consumers(False)
         return self._proof("passive exited 75 (EXIT_JOURNAL_FAILED)", exited) and self._proof(
-            "catch-up interrupted", mid
+            "catch-up interrupted with chunks durable", mid
         )
 
     def corrupt_passive(self) -> bool:
@@ -1607,6 +1731,8 @@ async def run_suite(
     load = Workload(pair.amqp_addresses, **workload)
     if loads is not None:
         loads.append(load)
+    for producer in load.producers:
+        producer.note = pair.note  # a confirm stall is an event of the run
     load.start()
     nemesis = Nemesis(pair, load, random.Random(seed))
     try:
@@ -1658,6 +1784,7 @@ class FaultClass:
     faketime: bool = False  # brokers under libfaketime
     poison: bool = False  # a producer of odd headers and a sender of poison ones
     backlog: int = 0  # messages of a backlog loaded first, drained last
+    catchup_chunk_bytes: int | None = None  # the brokers' (small: many chunks to interrupt)
 
 
 MATRIX = (
@@ -1710,8 +1837,10 @@ MATRIX = (
         "compound", ("disk-full-passive-then-kill-mid-catchup",),
         "the passive's disk fills (exit 75), a backlog builds, space returns, the passive "
         "restarts and is killed -9 in the middle of its catch-up",
-        "exit code 75, then the catch-up under way (link up, not ready) at the kill",
+        "exit code 75, then at the kill 1-4 catch-up chunks durable on the passive and "
+        "more to come (the active's /status replication.catchup)",
         small_disks=True,
+        catchup_chunk_bytes=32 * 1024,
     ),
     FaultClass(
         "clock-jump", ("clock-jump",),
@@ -1774,16 +1903,23 @@ class ClassResult:
     lost_sample: list[Key] = field(default_factory=list)
     poison_refused: dict[str, int] = field(default_factory=dict)  # as documented, by name
     poison_wrong: list[str] = field(default_factory=list)  # answered otherwise
+    # The most ready messages on the active at a bounded cycle's start, before its drain:
+    # one cycle's growth at most, not growing from cycle to cycle.
+    max_depth: int = 0
+    # Messages nacked or of a commit answered 541 that a consumer was delivered anyway
+    # (the write failed and was rolled back: docs/journal.md "Visibility" says never).
+    failed_delivered: int = 0
 
     @property
     def ok(self) -> bool:
         """Nothing confirmed lost, nothing unexpected, every cycle hit its path, every
-        poison header refused as documented."""
+        poison header refused as documented, no failed message delivered."""
         return (
             not self.lost
             and not self.unexpected
             and self.hits == self.cycles
             and not self.poison_wrong
+            and not self.failed_delivered
         )
 
 
@@ -1795,9 +1931,13 @@ def run_class(
     *,
     replication_timeout: float = 1.0,
     backlog: int | None = None,
+    keep: Path | None = None,
+    keep_always: bool = False,
 ) -> tuple[ClassResult, Report]:
     """A fresh pair under confirms and transactions while `cycles` faults of the class run
-    (`backlog` overrides the class's backlog size: the short matrix's is smaller)."""
+    (`backlog` overrides the class's backlog size: the short matrix's is smaller). If the
+    class does not finish or fails (or `keep_always`), the brokers' logs and the events are
+    copied to `keep`."""
     if fault_class.faketime and not FAKETIME_LIBRARY.exists():
         raise Unavailable(f"libfaketime is not installed ({FAKETIME_LIBRARY})")
     faults = [fault_class.faults[i % len(fault_class.faults)] for i in range(cycles)]
@@ -1808,6 +1948,9 @@ def run_class(
         disk_bytes=MATRIX_DISK_BYTES if fault_class.small_disks else None,
         faketime=fault_class.faketime,
     )
+    if fault_class.catchup_chunk_bytes is not None:
+        for broker in pair.brokers.values():
+            broker.env["TWINMQ_CATCHUP_CHUNK_BYTES"] = str(fault_class.catchup_chunk_bytes)
     try:
         pair.start()
     except NoSmallDisk as exc:
@@ -1816,6 +1959,7 @@ def run_class(
     except BaseException:
         pair.stop()
         raise
+    error: BaseException | None = None
     try:
         report, load = asyncio.run(
             _run_with_load(
@@ -1829,8 +1973,13 @@ def run_class(
                 backlog=fault_class.backlog if backlog is None else backlog,
             )
         )
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
         pair.stop()
+        if error is not None and keep is not None:
+            print(f"logs kept in {pair.keep_logs(keep, f'did not finish: {error!r}')}")
     verdict, nemesis = report.verdict, report.nemesis
     times = nemesis.back_to_ready or [0.0]
     result = ClassResult(
@@ -1857,7 +2006,12 @@ def run_class(
         lost_sample=verdict.lost[:20],
         poison_refused=dict(load.poison.refused) if load.poison else {},
         poison_wrong=list(load.poison.wrong) if load.poison else [],
+        max_depth=nemesis.max_depth,
+        failed_delivered=len(load.failed_delivered()),
     )
+    if (keep_always or not result.ok) and keep is not None:
+        why = f"lost {result.lost}, unexpected {result.unexpected}, misses {result.misses}"
+        print(f"logs kept in {pair.keep_logs(keep, why)}")
     return result, report
 
 

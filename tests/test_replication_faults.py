@@ -34,6 +34,7 @@ from jepsen import (
     Pair,
     Report,
     Unavailable,
+    Workload,
     check,
     decode_body,
     encode_body,
@@ -82,6 +83,17 @@ def test_checker_counts_duplicates() -> None:
     assert verdict.duplicate_count == 3
     assert verdict.deliveries == 6 and verdict.received == 3
     assert "duplicates 3 (of 2 messages)" in verdict.summary()
+
+
+def test_a_nacked_or_rolled_back_message_that_was_delivered_is_counted() -> None:
+    load = Workload(["127.0.0.1:1"], producers=1, tx_producers=1, consumers=1)
+    confirming, transactional = load.producers
+    confirming.log.nacked = {3}
+    transactional.log.rolled_back = {5, 6}
+    load.consumers[0].received = [
+        encode_body("p0", 3), encode_body("t0", 6), encode_body("p0", 4), b"garbage"
+    ]  # fmt: skip
+    assert load.failed_delivered() == {("p0", 3), ("t0", 6)}
 
 
 def test_bodies_round_trip() -> None:
@@ -156,6 +168,7 @@ def _assert_class_sound(result: ClassResult) -> None:
     assert result.hits == result.cycles, f"faults that missed their path: {result.misses}"
     assert result.passive_left == (0, 0), "the passive did not follow every dequeue"
     assert not result.poison_wrong, f"poison not refused as documented: {result.poison_wrong}"
+    assert not result.failed_delivered, "nacked or rolled-back messages were delivered"
 
 
 # The short matrix's huge backlog: still a catch-up of 15 chunks (4096 messages each).
@@ -197,7 +210,9 @@ def _git_commit() -> str:
 def test_fault_matrix(tmp_path: Path) -> None:
     """TWINMQ_FAULT_CYCLES (100) cycles per fault class; the table goes to
     TWINMQ_FAULT_RESULTS (.cache/faults/matrix-<time>) as .json and .md.
-    TWINMQ_FAULT_CLASSES (comma-separated) runs only those classes."""
+    TWINMQ_FAULT_CLASSES (comma-separated) runs only those classes. The brokers' logs and
+    the events of a class that fails (of every class with TWINMQ_FAULT_KEEP_LOGS=1) are
+    kept in <results>-<class>-logs/."""
     cycles = int(os.environ.get("TWINMQ_FAULT_CYCLES", "100"))
     seed = int(os.environ.get("TWINMQ_FAULT_SEED", random.randrange(1 << 30)))
     wanted = os.environ.get("TWINMQ_FAULT_CLASSES")
@@ -216,7 +231,11 @@ def test_fault_matrix(tmp_path: Path) -> None:
     for i, fault_class in enumerate(classes):
         started = time.monotonic()
         try:
-            result, report = run_class(tmp_path / fault_class.name, fault_class, cycles, seed + i)
+            result, report = run_class(
+                tmp_path / fault_class.name, fault_class, cycles, seed + i,
+                keep=path.with_name(f"{path.name}-{fault_class.name}-logs"),
+                keep_always=os.environ.get("TWINMQ_FAULT_KEEP_LOGS") == "1",
+            )  # fmt: skip
         except Unavailable as exc:
             skipped.append(f"{fault_class.name}: {exc}")
             continue
@@ -230,7 +249,9 @@ def test_fault_matrix(tmp_path: Path) -> None:
         print(
             f"{fault_class.name}: {result.cycles} cycles in {time.monotonic() - started:.0f}s, "
             f"hits {result.hits}, confirmed {result.confirmed}, lost {result.lost}, "
-            f"duplicates {result.duplicates}, proofs {result.proofs}"
+            f"duplicates {result.duplicates}, proofs {result.proofs}, nacked or rolled back "
+            f"but delivered {result.failed_delivered}, most ready at a cycle's start "
+            f"{result.max_depth}"
         )
         if not result.ok:
             print(report.text())

@@ -194,9 +194,7 @@ class ReplicaClient:
                 await self._replicate(reader, writer, session)
             except (TimeoutError, ConnectionError, ProtocolError, ValueError, RuntimeError) as exc:
                 # RuntimeError: uvloop refuses a write to a transport the active just reset.
-                log.warning(
-                    "replication link to %s lost: %s", self.address, exc or type(exc).__name__
-                )
+                log.warning("replication link to %s lost: %s", self.address, str(exc) or repr(exc))
             finally:
                 session.alive = False
                 self._set_connected(False)
@@ -308,9 +306,16 @@ class ReplicaClient:
         # This must be well inside replication_timeout, the time this passive stays
         # promotable after losing the active: a failover needs both at once.
         silence = min(LINK_SILENCE, broker.settings.replication_timeout / 2)
+        # Until its first frame the active is reading our snapshot and planning the
+        # catch-up over it, and sends nothing (not even pings): over a slow link or on a
+        # loaded active that outlasts `silence` for a large snapshot, and a passive that
+        # gave up then retried with the same snapshot forever. It gets the handshake's
+        # deadline once the snapshot is on its way; `silence` rules once we are connected.
+        await writer.drain()
+        attach_within = max(silence, broker.settings.replication_handshake_timeout)
 
         async def next_frame() -> tuple[FrameType, bytes]:
-            return await frames.next(silence)
+            return await frames.next(silence if self.connected else attach_within)
 
         # Connected only once the active accepts us (its topology comes first): a broker
         # that is not active answers the hello with a refusal, and a refused link must
