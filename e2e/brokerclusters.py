@@ -18,6 +18,7 @@ from conftest import Cluster
 from support import wait_until
 
 from twinmq.broker.names import AMQP_PORT, OPERATOR_METRICS_PORT_ENV
+from twinmq.localcluster.examples import example_brokercluster
 
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
@@ -101,7 +102,7 @@ def condition(status: dict[str, Any], ctype: str) -> str:
 def create_cluster(cluster: Cluster, namespace: str, audit: dict[str, Any] | None = None) -> str:
     """The example BrokerCluster (with `audit` as its spec.audit when given), once it is
     Ready with the passive in sync; returns its name."""
-    example = yaml.safe_load((REPO / "examples" / "brokercluster.yaml").read_text())
+    example = example_brokercluster()
     if audit is not None:
         example["spec"]["audit"] = audit
     cluster.kube.create(cluster_path(namespace), example)

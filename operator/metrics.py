@@ -19,3 +19,8 @@ FAILOVER_SECONDS = Histogram(
 DEGRADED = Gauge("twinmq_operator_degraded_clusters", "BrokerClusters not fully protected")
 AUDITS_STARTED = Counter("twinmq_operator_audits_started", "Audit runs launched")
 AUDITS = Counter("twinmq_operator_audits", "Audit runs finished, by verdict", ["verdict"])
+DRIFT_REPAIRS = Counter(
+    "twinmq_operator_drift_repairs",
+    "Owned objects found deleted or edited and restored, by kind",
+    ["kind"],
+)
