@@ -55,6 +55,16 @@ def test_cross_field_rules_are_cel_in_the_schema() -> None:
     assert rules == ["self.leaseDurationSeconds > self.probeIntervalSeconds"]
 
 
+def test_pod_template_labels_and_annotations_refuse_the_operators_prefixes_by_cel() -> None:
+    template = _spec_schema()["properties"]["podTemplate"]["properties"]["metadata"]
+    rules = [v["rule"] for v in template["x-kubernetes-validations"]]
+    assert len(rules) == 2
+    for field, rule in zip(("labels", "annotations"), rules, strict=True):
+        assert rule.startswith(f"!has(self.{field}) || self.{field}.all(k, ")
+        assert "!k.startsWith('twinmq.io/')" in rule
+        assert "!k.startsWith('app.kubernetes.io/')" in rule
+
+
 @pytest.mark.parametrize(
     "bad",
     [
