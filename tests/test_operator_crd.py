@@ -87,3 +87,20 @@ def test_wire_names_round_trip() -> None:
     assert spec.requests.promote is not None and spec.requests.promote.force
     dumped = spec.model_dump(by_alias=True, exclude_none=True)
     assert dumped["requests"]["promote"] == {"id": "sw-1", "broker": "backup", "force": True}
+
+
+def test_no_required_property_has_a_default() -> None:
+    """The API server refuses a CRD whose default lacks a required field (a `{}` default of a
+    required nested object: a pod affinity term without its topologyKey)."""
+
+    def walk(node: dict[str, Any], where: str) -> list[str]:
+        found = []
+        for name, sub in (node.get("properties") or {}).items():
+            if name in node.get("required", []) and "default" in sub:
+                found.append(f"{where}.{name}")
+            found += walk(sub, f"{where}.{name}")
+        if isinstance(node.get("items"), dict):
+            found += walk(node["items"], f"{where}[]")
+        return found
+
+    assert walk(_spec_schema(), "spec") == []
