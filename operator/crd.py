@@ -48,9 +48,9 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         # required ones (a {} default lacks their required fields: the CRD is refused).
         required = set(node.get("required", []))
         for name, sub in node["properties"].items():
-            if sub.get("type") == "object" and "default" not in sub and not sub.get("nullable"):
-                if name not in required:
-                    sub["default"] = {}
+            optional = name not in required and not sub.get("nullable")
+            if optional and sub.get("type") == "object" and "default" not in sub:
+                sub["default"] = {}
     if isinstance(node.get("additionalProperties"), dict):
         node["additionalProperties"] = structural(node["additionalProperties"], defs)
     elif node.get("additionalProperties") is False:
