@@ -33,6 +33,7 @@ import yaml
 from twinmq.broker.names import AMQP_PORT
 from twinmq.client import ReliablePublisher
 from twinmq.localcluster import faults
+from twinmq.localcluster.examples import example_brokercluster
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import Layout
 
@@ -68,7 +69,7 @@ def one_run(kube: KubeApi, index: int) -> Run:
     namespace = f"failover-{index}-{uuid.uuid4().hex[:6]}"
     kube.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
     try:
-        example = yaml.safe_load((REPO / "examples" / "brokercluster.yaml").read_text())
+        example = example_brokercluster()
         kube.create(f"{API}/namespaces/{namespace}/brokerclusters", example)
         name = example["metadata"]["name"]
 

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pika
-import yaml
 
 from twinmq.broker.names import AMQP_PORT, PASSIVE
 from twinmq.client import ReliablePublisher
 from twinmq.localcluster import faults, s3server
 from twinmq.localcluster.binaries import find
+from twinmq.localcluster.examples import example_brokercluster
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import Layout
 
@@ -59,7 +59,7 @@ class Demo:
     def __init__(self) -> None:
         self.layout = Layout.default()
         self.kube = KubeApi(str(self.layout.kubeconfig))
-        example = yaml.safe_load((REPO / "examples" / "brokercluster.yaml").read_text())
+        example = example_brokercluster()
         example["spec"]["audit"] = {
             "enabled": True, "storeUrl": f"s3://{BUCKET}/{example['metadata']['name']}",
             "storeSecretName": "audit-store", "segmentSeconds": 5, "afterFailover": True,

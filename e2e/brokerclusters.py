@@ -18,6 +18,7 @@ from conftest import Cluster
 from support import wait_until
 
 from twinmq.broker.names import AMQP_PORT, OPERATOR_METRICS_PORT_ENV
+from twinmq.localcluster.examples import example_brokercluster
 
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
@@ -98,12 +99,18 @@ def condition(status: dict[str, Any], ctype: str) -> str:
     return next((c["status"] for c in status.get("conditions", []) if c["type"] == ctype), "")
 
 
-def create_cluster(cluster: Cluster, namespace: str, audit: dict[str, Any] | None = None) -> str:
-    """The example BrokerCluster (with `audit` as its spec.audit when given), once it is
-    Ready with the passive in sync; returns its name."""
-    example = yaml.safe_load((REPO / "examples" / "brokercluster.yaml").read_text())
+def create_cluster(
+    cluster: Cluster,
+    namespace: str,
+    audit: dict[str, Any] | None = None,
+    spec: dict[str, Any] | None = None,
+) -> str:
+    """The example BrokerCluster (with `audit` as its spec.audit and the top-level `spec`
+    fields given replaced), once it is Ready with the passive in sync; returns its name."""
+    example = example_brokercluster()
     if audit is not None:
         example["spec"]["audit"] = audit
+    example["spec"].update(spec or {})
     cluster.kube.create(cluster_path(namespace), example)
     name = str(example["metadata"]["name"])
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from conftest import Cluster
 from support import CHART, IMAGE, helm, is_ready, wait_until
+
+from twinmq.localcluster.examples import example_brokercluster
 
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
@@ -108,7 +109,7 @@ def remove_brokerclusters(cluster: Cluster, namespace: str) -> None:
 
 def brokercluster(name: str = "orders") -> Obj:
     """The example BrokerCluster (examples/brokercluster.yaml) with the test image."""
-    example: Obj = yaml.safe_load((REPO / "examples" / "brokercluster.yaml").read_text())
+    example: Obj = example_brokercluster()
     example["metadata"]["name"] = name
     example["spec"]["image"] = IMAGE
     return example

@@ -106,12 +106,15 @@ def test_cluster_scope_grants_a_cluster_wide_operator_what_it_calls(cluster: Clu
             ("create", "", "persistentvolumeclaims"), ("create", "", "events"),
             ("update", "coordination.k8s.io", "leases"),
             ("create", "rbac.authorization.k8s.io", "roles"),
+            ("create", "policy", "poddisruptionbudgets"),
+            ("patch", "policy", "poddisruptionbudgets"),
         ]:  # fmt: skip
             assert allowed(verb, group, resource, elsewhere), (verb, group, resource)
         # Least privilege: nothing the operator does not call.
         assert not allowed("delete", "", "secrets", elsewhere)
         assert not allowed("delete", "", "persistentvolumeclaims", elsewhere)
         assert not allowed("list", "", "secrets", elsewhere)
+        assert not allowed("delete", "policy", "poddisruptionbudgets", elsewhere)
         assert not allowed("list", "", "namespaces")
         assert not allowed("create", "rbac.authorization.k8s.io", "clusterroles")
     finally:

@@ -59,6 +59,16 @@ def test_example_is_accepted_and_defaults_match_the_model(
         ({"audit": {"storeUrl": "/var/lib/twinmq-audit"}}, "storeUrl must start with s3://"),
         ({"audit": {"resources": {"driverMemory": "lots"}}}, "spec.audit.resources.driverMemory"),
         ({"failover": {"failureThreshold": 0}}, "spec.failover.failureThreshold"),
+        (
+            {"podTemplate": {"metadata": {"labels": {"twinmq.io/role": "active"}}}},
+            "podTemplate.metadata.labels cannot use the operator's own prefixes",
+        ),
+        (
+            {"podTemplate": {"metadata": {"annotations": {"app.kubernetes.io/name": "x"}}}},
+            "podTemplate.metadata.annotations cannot use the operator's own prefixes",
+        ),
+        ({"placement": {"antiAffinity": "sometimes"}}, "spec.placement.antiAffinity"),
+        ({"podTemplate": {"tolerations": [{"effect": "NoRun"}]}}, "tolerations[0].effect"),
     ],
 )
 def test_invalid_specs_are_refused_with_a_clear_message(

@@ -13,6 +13,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
 from twinmq.broker.auth import hash_password
 from twinmq.broker.names import (
     ACTIVE,
@@ -60,6 +62,14 @@ def labels(cluster: ClusterRef, broker: BrokerName | None = None) -> dict[str, s
     if broker is not None:
         out[LABEL_BROKER] = broker
     return out
+
+
+def broker_selector(cluster: ClusterRef) -> Obj:
+    """A label selector of the cluster's two broker pods (not its audit runs' pods)."""
+    return {
+        "matchLabels": {LABEL_CLUSTER: cluster.name},
+        "matchExpressions": [{"key": LABEL_BROKER, "operator": "Exists"}],
+    }
 
 
 def owned_meta(cluster: ClusterRef, name: str, broker: BrokerName | None = None) -> Obj:
@@ -224,13 +234,60 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
             },
         ],
     }
-    meta["annotations"] = {POD_TEMPLATE_HASH: template_hash(pod_spec)}
+    pod_spec.update(build_placement(cluster, spec))
+    extra = spec.pod_template.metadata
+    extra_labels = (extra.labels if extra else None) or {}
+    extra_annotations = (extra.annotations if extra else None) or {}
+    # The operator's own labels win (the CRD refuses overrides of them already).
+    meta["labels"] = {**extra_labels, **meta["labels"]}
+    revision = template_hash(
+        {"labels": extra_labels, "annotations": extra_annotations, "spec": pod_spec}
+    )
+    meta["annotations"] = {**extra_annotations, POD_TEMPLATE_HASH: revision}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
-def template_hash(pod_spec: Obj) -> str:
-    """A short, stable hash of a pod spec: a pod whose annotation differs is outdated."""
-    canonical = json.dumps(pod_spec, sort_keys=True, separators=(",", ":"))
+def build_placement(cluster: ClusterRef, spec: BrokerClusterSpec) -> Obj:
+    """The scheduling fields of a broker pod: the brokers' anti-affinity (required or
+    preferred, `spec.placement`) plus `spec.podTemplate`'s overrides. The user's pod
+    anti-affinity terms are added to the brokers' own, never put in their place."""
+    term = {"labelSelector": broker_selector(cluster),
+            "topologyKey": spec.placement.topology_key}  # fmt: skip
+    template = spec.pod_template
+    user = dump(template.affinity) if template.affinity else {}
+    required_key = "requiredDuringSchedulingIgnoredDuringExecution"
+    preferred_key = "preferredDuringSchedulingIgnoredDuringExecution"
+    anti: Obj = {k: list(v) for k, v in (user.pop("podAntiAffinity", None) or {}).items()}
+    if spec.placement.anti_affinity == "required":
+        anti[required_key] = [term, *anti.get(required_key, [])]
+    else:
+        anti[preferred_key] = [{"weight": 100, "podAffinityTerm": term},
+                               *anti.get(preferred_key, [])]  # fmt: skip
+    out: Obj = {"affinity": {**user, "podAntiAffinity": anti}}
+    for name, value in (
+        ("nodeSelector", template.node_selector),
+        ("tolerations", template.tolerations),
+        ("topologySpreadConstraints", template.topology_spread_constraints),
+        ("imagePullSecrets", template.image_pull_secrets),
+        ("priorityClassName", template.priority_class_name),
+    ):
+        if value is not None:
+            out[name] = dump(value)
+    return out
+
+
+def dump(value: Any) -> Any:
+    """A spec value as it goes into a Kubernetes object (wire names, unset fields left out)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(by_alias=True, exclude_none=True, mode="json")
+    if isinstance(value, list):
+        return [dump(v) for v in value]
+    return value
+
+
+def template_hash(template: Obj) -> str:
+    """A short, stable hash of a pod template: a pod whose annotation differs is outdated."""
+    canonical = json.dumps(template, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
@@ -293,6 +350,24 @@ def build_headless_service(cluster: ClusterRef) -> Obj:
                 {"name": "admin", "port": ADMIN_PORT},
                 {"name": "replication", "port": REPLICATION_PORT},
             ],
+        },
+    }
+
+
+def build_disruption_budget(cluster: ClusterRef) -> Obj:
+    """The brokers' PodDisruptionBudget: a voluntary eviction (`kubectl drain`) never takes
+    the last ready broker. `minAvailable: 1`, not `maxUnavailable: 1` (the same over two
+    pods): Kubernetes allows only an integer minAvailable for pods whose controller has no
+    scale subresource. An unready broker may always be evicted: it serves nothing. The
+    operator's own pod deletions (a rollout) are not evictions: it does not block them."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": owned_meta(cluster, cluster.name),
+        "spec": {
+            "minAvailable": 1,
+            "selector": broker_selector(cluster),
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 

@@ -44,9 +44,12 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             name: structural(sub, defs) for name, sub in node["properties"].items()
         }
         node.setdefault("type", "object")
-        # Nested objects default to {} so the API server fills in their defaults too.
-        for sub in node["properties"].values():
-            if sub.get("type") == "object" and "default" not in sub and not sub.get("nullable"):
+        # Nested objects default to {} so the API server fills in their defaults too; not
+        # required ones (a {} default lacks their required fields: the CRD is refused).
+        required = set(node.get("required", []))
+        for name, sub in node["properties"].items():
+            optional = name not in required and not sub.get("nullable")
+            if optional and sub.get("type") == "object" and "default" not in sub:
                 sub["default"] = {}
     if isinstance(node.get("additionalProperties"), dict):
         node["additionalProperties"] = structural(node["additionalProperties"], defs)

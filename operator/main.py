@@ -38,7 +38,7 @@ from twinmq.broker.names import (
     PASSIVE,
     REPLICATION_PORT,
 )
-from twinmq.operator import builders, leader, metrics, rollout
+from twinmq.operator import builders, drift, leader, metrics, rollout
 from twinmq.operator.audit_runner import AuditRunner
 from twinmq.operator.builders import ClusterRef, pod_name
 from twinmq.operator.failover import (
@@ -53,7 +53,7 @@ from twinmq.operator.failover import (
     Switchover,
     decide,
 )
-from twinmq.operator.kube import Kube, Refused
+from twinmq.operator.kube import FIELD_MANAGER, Kube, Refused
 from twinmq.operator.models import (
     GROUP,
     PLURAL,
@@ -104,6 +104,7 @@ class Memory:
     # running brokers were started with (new ones would lock the operator out of them).
     credentials: dict[str, str] | None = None
     storage_refusal: str | None = None
+    applied: dict[str, drift.Applied] = field(default_factory=dict)  # by `drift.key`
 
 
 @dataclass
@@ -142,12 +143,25 @@ def kube() -> Kube:
 
 def reconcile_children(
     cluster: ClusterRef, spec: BrokerClusterSpec, memory: Memory, pods: dict[BrokerName, Any]
-) -> None:
+) -> list[drift.Repaired]:
     """Apply every owned object in its desired state (a deleted one is recreated, an edited
     one set back); create the pods that are missing and set their labels back. Pods are
     never changed in place: a rollout replaces them (`rollout.plan`). A volume resize the
-    API server refuses is kept in `memory.storage_refusal`."""
+    API server refuses is kept in `memory.storage_refusal`. Returns the drift repaired
+    (`drift.repair`)."""
     k = kube()
+    repaired: list[drift.Repaired] = []
+
+    def apply(obj: dict[str, Any]) -> None:
+        now = drift.applied(obj, k.apply(obj), FIELD_MANAGER)
+        found = drift.repair(memory.applied.get(drift.key(obj)), now)
+        memory.applied[drift.key(obj)] = now
+        if found is not None:
+            deleted_or_edited = "deleted" if found == "recreated" else "edited"
+            repaired.append(
+                drift.Repaired(obj["kind"], f"{drift.key(obj)} was {deleted_or_edited}: {found}")
+            )
+
     if spec.auth.secret_name is None:
         found = k.get_secret_data(cluster.namespace, builders.secret_name(cluster, spec))
         if found is None and memory.credentials is None:
@@ -155,15 +169,16 @@ def reconcile_children(
         elif found is not None:
             memory.credentials = found
         assert memory.credentials is not None
-        k.apply(builders.build_secret(cluster, memory.credentials))
+        apply(builders.build_secret(cluster, memory.credentials))
     for obj in builders.build_broker_rbac(cluster):
-        k.apply(obj)
-    k.apply(builders.build_headless_service(cluster))
-    k.apply(builders.build_vip_service(cluster))
+        apply(obj)
+    apply(builders.build_headless_service(cluster))
+    apply(builders.build_vip_service(cluster))
+    apply(builders.build_disruption_budget(cluster))
     memory.storage_refusal = None
     for name in NAMES:
         try:
-            k.apply(builders.build_pvc(cluster, spec, name))
+            apply(builders.build_pvc(cluster, spec, name))
         except Refused as exc:
             # Shrinking, or a StorageClass that cannot expand: nothing the operator can do.
             memory.storage_refusal = f"{pod_name(cluster, name)}: {exc}"
@@ -175,6 +190,10 @@ def reconcile_children(
         want = builders.labels(cluster, name)
         if any(have.get(key) != value for key, value in want.items()):
             k.label_pod(cluster.namespace, pod_name(cluster, name), want)
+            repaired.append(drift.Repaired(
+                "Pod", f"Pod/{pod_name(cluster, name)}'s labels were edited: set back"
+            ))  # fmt: skip
+    return repaired
 
 
 def repair_routing(
@@ -183,11 +202,12 @@ def repair_routing(
     active: BrokerName,
     pods: dict[BrokerName, Any],
     holder: BrokerName | None,
-) -> None:
+) -> list[drift.Repaired]:
     """In the steady state (the recorded active serving, no role moving): the virtual IP
     selects the active and only it, and the active holds the Lease. Sets back an edited
-    role label and restores a deleted or edited Lease."""
+    role label and restores a deleted or edited Lease; returns what it repaired."""
     k = kube()
+    repaired: list[drift.Repaired] = []
     for name in NAMES:
         labels = ((pods.get(name) or {}).get("metadata") or {}).get("labels") or {}
         want = "active" if name == active else "passive"
@@ -195,6 +215,9 @@ def repair_routing(
             log.warning("%s/%s: %s's role label was %r: set back to %s", cluster.namespace,
                         cluster.name, name, labels.get(builders.LABEL_ROLE), want)  # fmt: skip
             k.label_pod(cluster.namespace, pod_name(cluster, name), {builders.LABEL_ROLE: want})
+            repaired.append(drift.Repaired(
+                "Pod", f"Pod/{pod_name(cluster, name)}'s role label was edited: set back"
+            ))  # fmt: skip
     if holder != active:
         log.warning("%s/%s: the Lease is not held by the active %s: restored",
                     cluster.namespace, cluster.name, active)  # fmt: skip
@@ -202,6 +225,16 @@ def repair_routing(
             cluster, pod_name(cluster, active), spec.failover.lease_duration_seconds,
             datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         ))  # fmt: skip
+        repaired.append(drift.Repaired("Lease", f"Lease/{builders.lease_name(cluster)} was "
+                                       f"not held by the active {active}: restored"))  # fmt: skip
+    return repaired
+
+
+def report_drift(body: Any, repaired: list[drift.Repaired]) -> None:
+    """An Event (DriftRepaired) and the metric for each repair."""
+    for repair in repaired:
+        metrics.DRIFT_REPAIRS.labels(repair.kind).inc()
+        kopf.event(body, type="Warning", reason="DriftRepaired", message=repair.message)
 
 
 def lease_state(cluster: ClusterRef) -> tuple[BrokerName | None, bool]:
@@ -473,7 +506,7 @@ def reconcile(
     # Also when woken by a pod change: observedGeneration and the storage refusal are
     # judged from what this pass applied (skipping it let a woken pass mark a refused
     # resize as observed).
-    reconcile_children(cluster, spec, memory, pods)
+    report_drift(body, reconcile_children(cluster, spec, memory, pods))
     for name in NAMES:
         if pods[name] is None:  # created just now
             pods[name] = k.get_pod(cluster.namespace, pod_name(cluster, name))
@@ -581,7 +614,7 @@ def reconcile(
         and views[active].reachable
         and views[active].role == ACTIVE
     ):
-        repair_routing(cluster, spec, active, pods, holder)
+        report_drift(body, repair_routing(cluster, spec, active, pods, holder))
     for step in plan.actions:
         if isinstance(step, rollout.DeletePod):
             pod = pods[step.broker] or {}

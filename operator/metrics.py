@@ -23,3 +23,8 @@ LEADER = Gauge(
     "twinmq_operator_leader",
     "1 while this replica holds the leader Lease and runs the handlers, 0 while it stands by",
 )
+DRIFT_REPAIRS = Counter(
+    "twinmq_operator_drift_repairs",
+    "Owned objects found deleted or edited and restored, by kind",
+    ["kind"],
+)

@@ -258,6 +258,188 @@ class Requests(ApiModel):
     audit: AuditRequest | None = None
 
 
+# -- placement and pod template overrides (the Kubernetes core/v1 shapes, as used) ----------
+
+
+class LabelSelectorRequirement(ApiModel):
+    """A label selector requirement (Kubernetes `LabelSelectorRequirement`)."""
+
+    key: str = Field(min_length=1, max_length=317)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] | None = None
+
+
+class LabelSelector(ApiModel):
+    """A label selector (Kubernetes `LabelSelector`)."""
+
+    match_labels: dict[str, str] | None = None
+    match_expressions: list[LabelSelectorRequirement] | None = None
+
+
+class NodeSelectorRequirement(ApiModel):
+    """A node selector requirement (Kubernetes `NodeSelectorRequirement`)."""
+
+    key: str = Field(min_length=1, max_length=317)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"]
+    values: list[str] | None = None
+
+
+class NodeSelectorTerm(ApiModel):
+    """Node requirements, ANDed (Kubernetes `NodeSelectorTerm`)."""
+
+    match_expressions: list[NodeSelectorRequirement] | None = None
+    match_fields: list[NodeSelectorRequirement] | None = None
+
+
+class NodeSelector(ApiModel):
+    """Node selector terms, ORed (Kubernetes `NodeSelector`)."""
+
+    node_selector_terms: list[NodeSelectorTerm] = Field(min_length=1)
+
+
+class PreferredSchedulingTerm(ApiModel):
+    """A weighted node preference (Kubernetes `PreferredSchedulingTerm`)."""
+
+    weight: int = Field(ge=1, le=100)
+    preference: NodeSelectorTerm
+
+
+class NodeAffinity(ApiModel):
+    """Node affinity (Kubernetes `NodeAffinity`)."""
+
+    required_during_scheduling_ignored_during_execution: NodeSelector | None = None
+    preferred_during_scheduling_ignored_during_execution: list[PreferredSchedulingTerm] | None = (
+        None
+    )
+
+
+class PodAffinityTerm(ApiModel):
+    """Pods to be (or not be) co-located with (Kubernetes `PodAffinityTerm`)."""
+
+    label_selector: LabelSelector | None = None
+    namespace_selector: LabelSelector | None = None
+    namespaces: list[str] | None = None
+    topology_key: str = Field(min_length=1, max_length=317)
+    match_label_keys: list[str] | None = None
+    mismatch_label_keys: list[str] | None = None
+
+
+class WeightedPodAffinityTerm(ApiModel):
+    """A weighted pod affinity term (Kubernetes `WeightedPodAffinityTerm`)."""
+
+    weight: int = Field(ge=1, le=100)
+    pod_affinity_term: PodAffinityTerm
+
+
+class PodAffinity(ApiModel):
+    """Pod affinity or anti-affinity (Kubernetes `PodAffinity` / `PodAntiAffinity`)."""
+
+    required_during_scheduling_ignored_during_execution: list[PodAffinityTerm] | None = None
+    preferred_during_scheduling_ignored_during_execution: list[WeightedPodAffinityTerm] | None = (
+        None
+    )
+
+
+class Affinity(ApiModel):
+    """Scheduling constraints (Kubernetes `Affinity`). Its pod anti-affinity terms are added
+    to the brokers' own (`placement.antiAffinity`), not put in their place."""
+
+    node_affinity: NodeAffinity | None = None
+    pod_affinity: PodAffinity | None = None
+    pod_anti_affinity: PodAffinity | None = None
+
+
+class Toleration(ApiModel):
+    """A toleration of a node taint (Kubernetes `Toleration`)."""
+
+    key: str | None = Field(None, max_length=317)
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = Field(None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class TopologySpreadConstraint(ApiModel):
+    """How to spread the broker pods over a topology (Kubernetes
+    `TopologySpreadConstraint`)."""
+
+    max_skew: int = Field(ge=1)
+    topology_key: str = Field(min_length=1, max_length=317)
+    when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"]
+    label_selector: LabelSelector | None = None
+    min_domains: int | None = Field(None, ge=1)
+    match_label_keys: list[str] | None = None
+    node_affinity_policy: Literal["Honor", "Ignore"] | None = None
+    node_taints_policy: Literal["Honor", "Ignore"] | None = None
+
+
+class LocalObjectReference(ApiModel):
+    """A Secret in the cluster's namespace, by name."""
+
+    name: str = Field(min_length=1, max_length=253)
+
+
+RESERVED_KEYS = ("twinmq.io/", "app.kubernetes.io/")
+"""Label and annotation key prefixes the operator owns on its pods (selectors, the
+template hash): a pod template override cannot set them."""
+
+
+def _no_reserved_keys(field: str) -> str:
+    keys = " && ".join(f"!k.startsWith('{prefix}')" for prefix in RESERVED_KEYS)
+    return f"!has(self.{field}) || self.{field}.all(k, {keys})"
+
+
+class PodMetadata(ApiModel):
+    """Labels and annotations added to both broker pods."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": _no_reserved_keys(field),
+                    "message": f"podTemplate.metadata.{field} cannot use the operator's own "
+                    "prefixes twinmq.io/ and app.kubernetes.io/ (its selectors rely on them)",
+                }
+                for field in ("labels", "annotations")
+            ]
+        }
+    )
+
+    labels: dict[str, str] | None = Field(None, max_length=64)
+    annotations: dict[str, str] | None = Field(None, max_length=64)
+
+
+class PodTemplate(ApiModel):
+    """Overrides of both broker pods, merged into what the operator builds (as CloudNativePG's
+    `affinity` and Strimzi's `template.pod`). A change rolls out like any pod template
+    change: the passive first, then a switchover."""
+
+    metadata: PodMetadata | None = None
+    affinity: Affinity | None = None
+    node_selector: dict[str, str] | None = Field(None, max_length=64)
+    tolerations: list[Toleration] | None = Field(None, max_length=64)
+    topology_spread_constraints: list[TopologySpreadConstraint] | None = Field(None, max_length=16)
+    image_pull_secrets: list[LocalObjectReference] | None = Field(None, max_length=16)
+    priority_class_name: str | None = Field(None, min_length=1, max_length=253)
+
+
+class Placement(ApiModel):
+    """Where the two brokers run relative to each other."""
+
+    anti_affinity: Literal["required", "preferred"] = Field(
+        "required",
+        description="required: the two brokers never share a topology domain (a node by "
+        "default): a broker that cannot be placed stays Pending. preferred: the scheduler "
+        "avoids it but may place both together (a one-node cluster needs this)",
+    )
+    topology_key: str = Field(
+        "kubernetes.io/hostname",
+        min_length=1,
+        max_length=317,
+        description="The node label whose values the brokers must not share",
+    )
+
+
 class BrokerClusterSpec(ApiModel):
     """The desired state of a broker pair. The operator never writes it."""
 
@@ -282,6 +464,8 @@ class BrokerClusterSpec(ApiModel):
     replication: Replication = Field(default_factory=Replication)
     audit: Audit = Field(default_factory=Audit)
     update_strategy: UpdateStrategy = Field(default_factory=UpdateStrategy)
+    placement: Placement = Field(default_factory=Placement)
+    pod_template: PodTemplate = Field(default_factory=PodTemplate)
     requests: Requests = Field(default_factory=Requests)
 
 

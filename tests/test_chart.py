@@ -44,6 +44,7 @@ OPERATOR_RULES: set[Rule] = {
     ("coordination.k8s.io", "leases", ("create", "get", "patch", "update")),
     ("rbac.authorization.k8s.io", "roles", ("create", "patch")),
     ("rbac.authorization.k8s.io", "rolebindings", ("create", "patch")),
+    ("policy", "poddisruptionbudgets", ("create", "patch")),
     ("batch", "jobs", ("create", "delete", "get", "list")),
     ("sparkoperator.k8s.io", "sparkapplications", ("create", "delete", "get", "list")),
 }

@@ -55,6 +55,16 @@ def test_cross_field_rules_are_cel_in_the_schema() -> None:
     assert rules == ["self.leaseDurationSeconds > self.probeIntervalSeconds"]
 
 
+def test_pod_template_labels_and_annotations_refuse_the_operators_prefixes_by_cel() -> None:
+    template = _spec_schema()["properties"]["podTemplate"]["properties"]["metadata"]
+    rules = [v["rule"] for v in template["x-kubernetes-validations"]]
+    assert len(rules) == 2
+    for field, rule in zip(("labels", "annotations"), rules, strict=True):
+        assert rule.startswith(f"!has(self.{field}) || self.{field}.all(k, ")
+        assert "!k.startsWith('twinmq.io/')" in rule
+        assert "!k.startsWith('app.kubernetes.io/')" in rule
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -77,3 +87,20 @@ def test_wire_names_round_trip() -> None:
     assert spec.requests.promote is not None and spec.requests.promote.force
     dumped = spec.model_dump(by_alias=True, exclude_none=True)
     assert dumped["requests"]["promote"] == {"id": "sw-1", "broker": "backup", "force": True}
+
+
+def test_no_required_property_has_a_default() -> None:
+    """The API server refuses a CRD whose default lacks a required field (a `{}` default of a
+    required nested object: a pod affinity term without its topologyKey)."""
+
+    def walk(node: dict[str, Any], where: str) -> list[str]:
+        found = []
+        for name, sub in (node.get("properties") or {}).items():
+            if name in node.get("required", []) and "default" in sub:
+                found.append(f"{where}.{name}")
+            found += walk(sub, f"{where}.{name}")
+        if isinstance(node.get("items"), dict):
+            found += walk(node["items"], f"{where}[]")
+        return found
+
+    assert walk(_spec_schema(), "spec") == []
