@@ -7,7 +7,10 @@ A `CatchupStream` over one queue of `--messages` x `--size` byte messages (the
 passive holds none of them) is stepped to the end, each chunk framed as
 `CatchupSender` frames it (`encode_batch`). Every step holds the active's event
 loop (and the GIL): the thread CPU time of each step, its maximum and p99, is
-how long a confirm can wait behind the catch-up on a core of its own.
+how long a confirm can wait behind the catch-up on a core of its own. The
+garbage collector's runs during the steps are counted too: the active holds
+the whole backlog as objects, and a full collection walks all of them, with
+the loop held.
 Instructions (callgrind, two sizes, the difference per message) do not depend
 on the machine's load; wall time here does.
 """
@@ -15,7 +18,9 @@ on the machine's load; wall time here does.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
+from typing import Any
 
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.replication.catchup import CatchupStream
@@ -50,6 +55,23 @@ def run(entries: list[Entry]) -> tuple[list[float], list[float], int]:
     return chunks, plans, sent
 
 
+class Collections:
+    """The garbage collector's runs (generation, CPU seconds) while `active`."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.runs: list[tuple[int, float]] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._started = time.thread_time()
+        else:
+            self.runs.append((info["generation"], time.thread_time() - self._started))
+
+
 def quantile(values: list[float], q: float) -> float:
     """Nearest-rank quantile."""
     ordered = sorted(values)
@@ -62,7 +84,11 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     args = parser.parse_args()
     entries = build_queue(args.messages, args.size)
+    collections = Collections()
+    gc.callbacks.append(collections)
+    collections.active = True
     chunks, plans, sent = run(entries)
+    collections.active = False
     total = sum(chunks) + sum(plans)
     ms = {
         "p50": quantile(chunks, 0.5) * 1e3,
@@ -74,6 +100,12 @@ def main() -> None:
         f"{sent} bytes; CPU {total:.3f} s ({total / args.messages * 1e6:.2f} us/message); "
         "chunk step ms " + " ".join(f"{k} {v:.2f}" for k, v in ms.items()) + "; "
         f"plan step ms max {max(plans, default=0) * 1e3:.2f}"
+    )
+    runs = collections.runs
+    print(
+        "garbage collections during the steps: "
+        + ", ".join(f"gen{g} {sum(1 for r in runs if r[0] == g)}" for g in range(3))
+        + f"; longest {max((s for _, s in runs), default=0) * 1e3:.1f} ms"
     )
 
 
