@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+
+from polling import until
 
 from twinmq.broker.replication.delivery import DeliveryMeter
 
 PAYLOAD = b"x" * (16 * 1024 * 1024)  # more than loopback's socket buffers hold
-
-
-async def _wait_until(predicate: Callable[[], bool], what: str) -> None:
-    """Poll a kernel count (nothing to await on) for up to 30 s."""
-    for _ in range(3000):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{what}: not within 30s")
 
 
 def test_delivered_stops_while_the_peer_reads_nothing_and_reaches_all_once_it_reads() -> None:
@@ -47,7 +39,7 @@ def test_delivered_stops_while_the_peer_reads_nothing_and_reaches_all_once_it_re
             await peer.readexactly(len(PAYLOAD))
 
         reading = asyncio.create_task(read_all())
-        await _wait_until(lambda: meter.delivered() == len(PAYLOAD), "all delivered")
+        await until("all delivered", lambda: meter.delivered() == len(PAYLOAD))
         await reading
         writer.close()
         server.close()
