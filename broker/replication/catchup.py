@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from twinmq.broker import metrics
-from twinmq.broker.journal import JournalOp, Settle
-from twinmq.broker.journal.ops import encode_message, encode_settle
+from twinmq.broker.journal import JournalOp, Settle, encode_message, encode_settle
 from twinmq.broker.message import Entry
 from twinmq.broker.queue import Queue
 from twinmq.broker.replication.protocol import BATCH_CATCHUP, BATCH_CATCHUP_LAST, encode_batch

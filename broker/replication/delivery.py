@@ -35,7 +35,7 @@ def unacknowledged(fd: int) -> int | None:
 class DeliveryMeter:
     """Bytes written to a transport, and how many of them the peer's host has taken."""
 
-    def __init__(self, transport: asyncio.BaseTransport) -> None:
+    def __init__(self, transport: asyncio.WriteTransport) -> None:
         self._transport = transport
         self.written = 0
         self._fd: int | None = None
@@ -57,8 +57,7 @@ class DeliveryMeter:
         """
         if self._transport.is_closing():
             return self._last
-        get_size = getattr(self._transport, "get_write_buffer_size", None)
-        buffered = int(get_size()) if get_size is not None else 0
+        buffered = self._transport.get_write_buffer_size()
         queued = None if self._fd is None else unacknowledged(self._fd)
         self._last = max(self._last, self.written - buffered - (queued or 0))
         return self._last
