@@ -26,6 +26,7 @@ import asyncio
 import json
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -184,9 +185,17 @@ def wait(what: str, check: Any, timeout: float, interval: float = 0.05) -> Any:
 
 
 def one_run(
-    case: str, root: Path, probe_interval: float, passive_root: Path | None = None
+    case: str,
+    root: Path,
+    probe_interval: float,
+    passive_root: Path | None = None,
+    profile: Path | None = None,
 ) -> RunResult:
-    """Fill an active, catch a fresh passive up, probe confirms meanwhile and after."""
+    """Fill an active, catch a fresh passive up, probe confirms meanwhile and after.
+
+    `profile`: py-spy samples the active during the catch-up (`--format raw`,
+    one line per thread and stack) into that file.
+    """
     count, size = CASES[case]
     env = {REPLICATION_TOKEN_ENV: TOKEN}
     active = BrokerProcess(root / "a", name="a", env=dict(env))
@@ -206,6 +215,18 @@ def one_run(
         time.sleep(1.0)  # the probe settles
         assert active.log_path is not None
         log_offset = active.log_path.stat().st_size
+        spy = None
+        if profile is not None:
+            assert active.proc is not None
+            spy = subprocess.Popen(
+                [
+                    str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
+                    str(active.proc.pid), "--rate", "250", "--threads", "--nonblocking",
+                    "--format", "raw", "--output", str(profile),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
         passive.start(timeout=120)
         attach_at = time.monotonic()  # the passive is up: it attaches at once
 
@@ -215,6 +236,9 @@ def one_run(
 
         state = wait("caught up", caught_up, timeout=3600, interval=0.1)
         done_at = time.monotonic()
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+            spy.wait(60)
         with open(active.log_path) as log:
             log.seek(log_offset)
             text = log.read()
@@ -277,6 +301,11 @@ def main() -> None:
         type=Path,
         help="parent of the passive's data directory (default: beside the active's, same disk)",
     )
+    parser.add_argument(
+        "--profile-active",
+        type=Path,
+        help="py-spy the active during each catch-up into this file (run number appended)",
+    )
     args = parser.parse_args()
     tree = describe()
     print(f"tree {tree}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
@@ -287,7 +316,10 @@ def main() -> None:
                 passive_root = None
                 if args.passive_dir:
                     passive_root = Path(tempfile.mkdtemp(prefix="catchup-", dir=args.passive_dir))
-                result = one_run(case, Path(tmp), args.probe_interval, passive_root)
+                profile = None
+                if args.profile_active is not None:
+                    profile = args.profile_active.with_suffix(f".{case}.{len(results)}.txt")
+                result = one_run(case, Path(tmp), args.probe_interval, passive_root, profile)
                 if passive_root is not None:
                     shutil.rmtree(passive_root, ignore_errors=True)
             results.append(result)

@@ -188,15 +188,33 @@ class GroupCommitter:
             self.on_batch(batch, ops)
 
     async def idle(self, limit: float) -> None:
-        """Wait (at most `limit` seconds) until no batch waits for its sync.
+        """Wait (at most `limit` seconds) until no batch waits for its sync or its audit.
 
         Background work (a catch-up) calls this before each step so that it runs
-        while the journal is idle and leaves the loop and the GIL to confirms.
+        while the journal is idle and leaves the loop and the GIL to confirms. A
+        confirm crosses two threads (the journal's sync, then the audit log's
+        write); each needs the GIL to start and to finish, and a busy loop hands
+        it over only after the interpreter's switch interval (5 ms): waiting for
+        the journal alone left the audit's half of every confirm behind the
+        background work.
         """
-        if self._settled.is_set() and not self._open:
+        if self._quiet():
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._settled.wait(), limit)
+            async with asyncio.timeout(limit):
+                while not self._quiet():
+                    if self._open:
+                        await asyncio.sleep(0)  # its flush is scheduled: let it go first
+                    elif not self._settled.is_set():
+                        await self._settled.wait()
+                    else:
+                        await self._audit_idle.wait()  # cleared while anything is held
+
+    def _quiet(self) -> bool:
+        """Nothing waits for its sync or its audit records."""
+        return (
+            self._settled.is_set() and not self._open and not self._held and not self._audit_writing
+        )
 
     def flush_now(self) -> int:
         """Close the open batch at once (before a catch-up snapshot); return the last batch."""

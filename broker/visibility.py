@@ -64,6 +64,9 @@ class Visibility:
         # Told of a failed batch once its entries are withdrawn and its acks undone (the
         # active makes its passive catch up: it was streamed the batch before the write).
         self.on_failed: Callable[[int], None] | None = None
+        # Registered with the group committer: once per run of held batches, not once
+        # per publish (it keeps a waiter until `durable` answers False).
+        self._registered = False
 
     def hold(self, batch: int, entries: list[tuple[Queue, Entry]]) -> None:
         """Keep `entries` (already in their queues) from consumers until `batch` is complete."""
@@ -72,7 +75,9 @@ class Visibility:
             entry.batch = batch
             if not held or held[-1][0] != batch or held[-1][1] is not queue:
                 held.append((batch, queue))
-        self._await_durable(self)
+        if not self._registered:
+            self._registered = True
+            self._await_durable(self)
 
     def hold_transaction(
         self,
@@ -91,7 +96,12 @@ class Visibility:
         self.hold(batch, published)
 
     def durable(self, batch: int, failed: bool = False) -> bool:
-        """Batches up to `batch` have their outcome: show or withdraw what waited for them."""
+        """Batches up to `batch` have their outcome: show or withdraw what waited for them.
+
+        Returns whether anything still waits (False: the committer drops this waiter).
+        """
+        # Should this raise, the committer drops the waiter: the next hold registers again.
+        self._registered = False
         held = self._held
         ready: set[Queue] = set()
         withdrawn = 0
@@ -116,7 +126,8 @@ class Visibility:
         self._dispatch(ready)
         if failed and self.on_failed is not None:
             self.on_failed(batch)
-        return bool(held or acks)
+        self._registered = bool(held or acks)
+        return self._registered
 
     def _undo_acks(self, acked: list[tuple[Queue, Entry]]) -> None:
         by_queue: dict[Queue, list[Entry]] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import errno
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 from disks import small_tmpfs
 from pamqp import commands, header
+from polling import until
 
 from twinmq.audit.records import AuditEvent, AuditRecord, segment_records
 from twinmq.broker import metrics
@@ -114,14 +116,7 @@ def test_a_failed_audit_write_holds_the_confirm_until_a_retry_writes_it_once(
         while (1, False) not in told.told:
             await told.changed.wait()
             told.changed.clear()
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
+        _fill(filler)
         failures = metrics.AUDIT_WRITE_FAILURES.value
         # More than the page the open segment holds already: the write needs a new one.
         committer.add(
@@ -161,3 +156,65 @@ def test_a_failed_audit_write_holds_the_confirm_until_a_retry_writes_it_once(
         + [(1, AuditEvent.DEQUEUED)]
     ), "every record exactly once, none torn"
     assert [r.message_id for r in records[:3]] == ["m-1", "m-2", "m-3"]
+
+
+class _Lines(logging.Handler):
+    """Collects log messages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _fill(path: Path) -> None:
+    """Write zeros to `path` until its disk is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_idle_waits_for_the_audit_write_of_a_batch_the_journal_already_holds(
+    tmp_path: Path, tiny_disk: Path
+) -> None:
+    lines = _Lines()
+    logger = logging.getLogger("twinmq.broker.commit")
+    logger.addHandler(lines)
+
+    async def run() -> None:
+        journal = Journal(tmp_path / "journal")
+        journal.open()
+        committer = GroupCommitter(journal, asyncio.get_running_loop())
+        audit = AuditLog(tiny_disk / "audit", "b1", lambda: 1, lambda qid: f"q{qid}", lambda: False)
+        committer.audit = audit
+        committer.start()
+        told = _Told()
+        committer.await_durable(told)
+        _fill(tiny_disk / "filler")
+        batch = committer.add([StoredMessage(1, 7, "", "q7", b"", b"a" * 8192, None)])
+        idle = asyncio.create_task(committer.idle(60))
+        await until("the journal holds the batch", lambda: committer.durable_batch >= batch)
+        await until(
+            "the audit write failed", lambda: any("audit write failed" in m for m in lines.messages)
+        )
+        for _ in range(20):
+            await asyncio.sleep(0)  # every wake-up the journal's sync gave has run
+        assert told.told == []  # the confirm waits for its audit record ...
+        assert not idle.done()  # ... and so does the background work
+        (tiny_disk / "filler").unlink()
+        await asyncio.wait_for(idle, 30)  # the retry wrote it
+        assert told.told == [(batch, False)]
+        await committer.stop()
+        await journal.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        logger.removeHandler(lines)

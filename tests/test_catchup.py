@@ -10,19 +10,27 @@ by timings.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pika
 import pytest
-from jepsen import Pair, queue_counts, status, wait_for
+from jepsen import Pair, log_since, log_size, queue_counts, status, wait_for
 from queues import drain
 
 from twinmq.broker.launcher import BrokerProcess
 
 CHUNK = 16 * 1024  # catch-up chunk bytes: ~15 messages of 1 KiB
 PIPE = 64 * 1024  # bytes per second through the proxy: a catch-up of seconds
+# A thin link: a chunk takes more than two replication timeouts to cross it (finding 8).
+# (The proxy moves 8 KiB at a time: a third of a second apart, well inside the passive's
+# allowed silence of half a timeout.)
+THIN_TIMEOUT = 2.0
+THIN_CHUNK = 128 * 1024
+THIN_PIPE = 24 * 1024
+THIN_BACKLOG = 260  # about two chunks and a bit: ten seconds of pipe
 Q1, Q2 = "first", "second"
 
 
@@ -32,6 +40,16 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
     started = Pair(tmp_path, replication_timeout=2.0)
     for broker in started.brokers.values():
         broker.env["TWINMQ_CATCHUP_CHUNK_BYTES"] = str(CHUNK)
+    with started:
+        yield started
+
+
+@pytest.fixture
+def thin_pair(tmp_path: Path) -> Iterator[Pair]:
+    """A pair in sync whose catch-up chunks take longer than its timeout on a thin link."""
+    started = Pair(tmp_path, replication_timeout=THIN_TIMEOUT)
+    for broker in started.brokers.values():
+        broker.env["TWINMQ_CATCHUP_CHUNK_BYTES"] = str(THIN_CHUNK)
     with started:
         yield started
 
@@ -91,14 +109,16 @@ def messages(broker: BrokerProcess, queue: str) -> int | None:
     return None if counts is None else sum(counts)
 
 
-def slow_catch_up(pair: Pair, backlog: dict[str, list[bytes]], *, chunks: int = 2) -> None:
-    """Give the passive a backlog to catch up through a thin pipe; return once
-    `chunks` chunks are on its disk and the catch-up is still under way."""
+def slow_catch_up(
+    pair: Pair, backlog: dict[str, list[bytes]], *, chunks: int = 2, pipe: int = PIPE
+) -> None:
+    """Give the passive a backlog to catch up through a pipe of `pipe` bytes a second;
+    return once `chunks` chunks are on its disk and the catch-up is still under way."""
     active, passive = pair.active, pair.passive
     passive.kill()
     for queue, sent in backlog.items():
         publish(active, queue, sent)  # confirmed by the active alone, after the timeout
-    pair.link.throttle(PIPE)
+    pair.link.throttle(pipe)
     passive.start()
 
     def under_way() -> bool:
@@ -202,3 +222,52 @@ def test_a_passive_reconnecting_during_its_catch_up_never_holds_up_confirms(pair
         assert not replication(passive)["ready"], "confirms waited for the catch-up to end"
     pair.wait_healthy(30)
     assert messages(passive, Q1) == messages(active, Q1) == 330
+
+
+@pytest.mark.slow
+def test_a_catch_up_through_a_link_thinner_than_a_chunk_per_timeout_needs_no_reconnect(
+    thin_pair: Pair,
+) -> None:
+    pair = thin_pair
+    backlog = bodies("backlog", THIN_BACKLOG)
+    offset = log_size(pair.active)
+    slow_catch_up(pair, {Q1: backlog}, chunks=1, pipe=THIN_PIPE)
+    connections = pair.link.accepted
+    pair.wait_healthy(60)
+    state = catchup(pair.active)
+    assert state is not None and not state["in_progress"] and state["sent"] == THIN_BACKLOG, state
+    # The fault hit: a chunk is more than the pipe carries in a timeout.
+    assert state["bytes"] / state["chunks"] > THIN_PIPE * THIN_TIMEOUT, state
+    # One link carried it all: the passive was never dropped as stalled.
+    assert pair.link.accepted == connections
+    assert "stalled" not in log_since(pair.active, offset)
+    assert messages(pair.passive, Q1) == THIN_BACKLOG
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigstop", "partition"])
+def test_a_passive_that_stops_during_a_thin_catch_up_is_still_dropped_and_resumes_after(
+    thin_pair: Pair, fault: str
+) -> None:
+    pair = thin_pair
+    active, passive = pair.active, pair.passive
+    backlog = bodies("backlog", THIN_BACKLOG)
+    slow_catch_up(pair, {Q1: backlog}, chunks=1, pipe=THIN_PIPE)
+    offset = log_size(active)
+    if fault == "sigstop":
+        passive.signal(signal.SIGSTOP)
+    else:
+        pair.link.partition()  # the link moves nothing either way
+    try:
+        wait_for(
+            lambda: not replication(active)["link_connected"], 30, "the stopped passive dropped"
+        )
+        assert "stalled" in log_since(active, offset)
+    finally:
+        if fault == "sigstop":
+            passive.signal(signal.SIGCONT)
+    pair.link.heal()
+    pair.wait_healthy(30)
+    state = catchup(active)
+    assert state is not None and state["kept"] > 0, state  # resumed, not started over
+    assert messages(passive, Q1) == THIN_BACKLOG

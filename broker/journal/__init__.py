@@ -9,7 +9,15 @@ holds each live message), `compaction`, `writer` (the writer thread's file I/O),
 
 from twinmq.broker.journal.errors import DiskFullError, JournalError
 from twinmq.broker.journal.facade import Journal, JournalStats
-from twinmq.broker.journal.ops import JournalOp, Settle, StoredMessage, decode_ops, encode_ops
+from twinmq.broker.journal.ops import (
+    JournalOp,
+    Settle,
+    StoredMessage,
+    decode_ops,
+    encode_message,
+    encode_ops,
+    encode_settle,
+)
 from twinmq.broker.journal.recovery import Corruption, Recovered
 
 __all__ = [
@@ -23,5 +31,7 @@ __all__ = [
     "Settle",
     "StoredMessage",
     "decode_ops",
+    "encode_message",
     "encode_ops",
+    "encode_settle",
 ]

@@ -39,7 +39,9 @@ __all__ = [
     "decode_group",
     "decode_ops",
     "encode_carried",
+    "encode_message",
     "encode_ops",
+    "encode_settle",
 ]
 
 
@@ -125,6 +127,44 @@ def decode_group(data: bytes | memoryview, start: int, end: int) -> list[Decoded
     return out
 
 
+def encode_message(
+    buf: bytearray,
+    mid: int,
+    qid: int,
+    exchange: str,
+    routing_key: str,
+    header: bytes,
+    body: bytes,
+    expires_at: float | None,
+) -> None:
+    """Append one message op to `buf`, from its fields (no `StoredMessage` built).
+
+    For code that encodes many messages it already holds (a catch-up chunk).
+    Raises struct.error for a field that does not fit the format.
+    """
+    ex = exchange.encode()
+    rk = routing_key.encode()
+    buf += _MSG.pack(
+        TAG_MSG,
+        mid,
+        qid,
+        _NAN if expires_at is None else expires_at,
+        len(ex),
+        len(rk),
+        len(header),
+        len(body),
+    )
+    buf += ex
+    buf += rk
+    buf += header
+    buf += body
+
+
+def encode_settle(buf: bytearray, qid: int, mid: int) -> None:
+    """Append one settle op to `buf`."""
+    buf += _SETTLE.pack(TAG_SETTLE, qid, mid)
+
+
 def encode_ops(ops: Sequence[JournalOp], buf: bytearray) -> int:
     """Append the binary form of `ops` to `buf`; return 1 + the highest mid they name.
 
@@ -136,27 +176,12 @@ def encode_ops(ops: Sequence[JournalOp], buf: bytearray) -> int:
     try:
         for op in ops:
             if type(op) is StoredMessage:
-                ex = op.exchange.encode()
-                rk = op.routing_key.encode()
-                header = op.header
-                body = op.body
-                exp = op.expires_at
-                buf += _MSG.pack(
-                    TAG_MSG,
-                    op.mid,
-                    op.qid,
-                    _NAN if exp is None else exp,
-                    len(ex),
-                    len(rk),
-                    len(header),
-                    len(body),
-                )
-                buf += ex
-                buf += rk
-                buf += header
-                buf += body
+                encode_message(
+                    buf, op.mid, op.qid, op.exchange, op.routing_key, op.header, op.body,
+                    op.expires_at,
+                )  # fmt: skip
             elif type(op) is Settle:
-                buf += _SETTLE.pack(TAG_SETTLE, op.qid, op.mid)
+                encode_settle(buf, op.qid, op.mid)
             else:
                 raise TypeError(f"not a journal op: {op!r}")
             if op.mid >= next_mid:

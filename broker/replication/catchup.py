@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from twinmq.broker import metrics
-from twinmq.broker.journal import JournalOp, Settle, StoredMessage, encode_ops
+from twinmq.broker.journal import JournalOp, Settle, encode_message, encode_settle
 from twinmq.broker.message import Entry
 from twinmq.broker.queue import Queue
 from twinmq.broker.replication.protocol import BATCH_CATCHUP, BATCH_CATCHUP_LAST, encode_batch
@@ -49,7 +49,6 @@ CHUNK_MESSAGES: Final = 4096
 PLAN_SLICE: Final = 8192  # entries planned per step (about a millisecond)
 WINDOW: Final = 8  # chunks in flight, unacknowledged
 YIELD_LIMIT: Final = 0.005  # seconds a step waits for the journal to go idle, at most
-_OP_OVERHEAD: Final = 37  # bytes of an encoded message op besides its strings and body
 _SETTLE_SIZE: Final = 17  # bytes of an encoded settle
 
 
@@ -68,6 +67,20 @@ def capture(queues: Iterable[Queue]) -> dict[int, list[Entry]]:
         for q in queues
         if q.durable
     }
+
+
+@dataclass
+class Chunk:
+    """One chunk's ops, already in the journal's encoding (a BATCH frame's body)."""
+
+    payload: bytearray
+    messages: int = 0
+    settles: int = 0
+
+    @property
+    def empty(self) -> bool:
+        """No op at all (only ever the last chunk)."""
+        return not (self.messages or self.settles)
 
 
 @dataclass
@@ -172,8 +185,8 @@ class CatchupStream:
 
     # -- planning and chunks -----------------------------------------------------------
 
-    def step(self) -> list[JournalOp] | None:
-        """One bounded piece of work: a planning slice (None) or the next chunk's ops.
+    def step(self) -> Chunk | None:
+        """One bounded piece of work: a planning slice (None) or the next chunk.
 
         A chunk may be empty only as the last one (`finished` is then True): an
         empty catch-up still ends with a chunk the passive acknowledges.
@@ -185,12 +198,12 @@ class CatchupStream:
             if not self._planned:
                 self._plan_slice()
                 return None
-            ops = self._fill()
+            chunk = self._fill()
             if self._send_pos >= len(self._send) and not self._discard:
                 self._next_queue()
-            if ops:
-                return ops
-        return []
+            if not chunk.empty:
+                return chunk
+        return Chunk(bytearray())
 
     def _plan_slice(self) -> None:
         qid = self._qid
@@ -226,38 +239,40 @@ class CatchupStream:
             self._settled.pop(qid, None)
             self._planned = True
 
-    def _fill(self) -> list[JournalOp]:
+    def _fill(self) -> Chunk:
+        # Encoded straight from the queue's entries: a chunk is up to thousands of
+        # messages, and building an op object for each only to encode it was most
+        # of the active's work per chunk (its loop is held meanwhile).
         qid = self._qid
-        ops: list[JournalOp] = []
-        size = 0
+        buf = bytearray()
+        settles = 0
         if self._discard:
             fit = max(1, min(self.chunk_messages, self.chunk_bytes // _SETTLE_SIZE))
             take = self._discard[:fit]
             del self._discard[: len(take)]
-            ops.extend(Settle(qid, mid) for mid in take)
-            self.progress.discarded += len(take)
-            size += len(take) * _SETTLE_SIZE
+            for mid in take:
+                encode_settle(buf, qid, mid)
+            settles = len(take)
+            self.progress.discarded += settles
         send, pending = self._send, self._pending
-        pos = self._send_pos
-        limit_bytes, limit_ops = self.chunk_bytes, self.chunk_messages
-        while pos < len(send) and size < limit_bytes and len(ops) < limit_ops:
+        pos, end = self._send_pos, len(send)
+        limit_bytes, limit_ops = self.chunk_bytes, self.chunk_messages - settles
+        messages = 0
+        while pos < end and len(buf) < limit_bytes and messages < limit_ops:
             entry = send[pos]
             pos += 1
             m = entry.message
-            if m.mid not in pending:
+            mid = m.mid
+            if mid not in pending:
                 continue  # settled live before its turn
-            pending.discard(m.mid)
-            ops.append(
-                StoredMessage(
-                    m.mid, qid, m.exchange, m.routing_key, m.header, m.body, entry.expires_at
-                )
+            pending.discard(mid)
+            encode_message(
+                buf, mid, qid, m.exchange, m.routing_key, m.header, m.body, entry.expires_at
             )
-            size += (
-                _OP_OVERHEAD + len(m.body) + len(m.header) + len(m.routing_key) + len(m.exchange)
-            )
+            messages += 1
         self._send_pos = pos
-        self.progress.sent += sum(1 for op in ops if type(op) is StoredMessage)
-        return ops
+        self.progress.sent += messages
+        return Chunk(buf, messages, settles)
 
     def _next_queue(self) -> None:
         self._index += 1
@@ -376,9 +391,9 @@ class CatchupSender:
                     await self.committer.idle(YIELD_LIMIT)
                 if link.closed:
                     return
-                ops = stream.step()
-                if ops is not None and (ops or stream.finished):
-                    self._write(ops, stream.finished)
+                chunk = stream.step()
+                if chunk is not None and (not chunk.empty or stream.finished):
+                    self._write(chunk, stream.finished)
                 if stream.finished:
                     return
                 await asyncio.sleep(0)  # let live batches and confirms through
@@ -386,18 +401,16 @@ class CatchupSender:
             # The link died under us; its reader notices and drops it.
             log.debug("catch-up stream stopped: %r", exc)
 
-    def _write(self, ops: list[JournalOp], last: bool) -> None:
-        buf = bytearray()
-        encode_ops(ops, buf)
+    def _write(self, chunk: Chunk, last: bool) -> None:
         self.sent_chunk += 1
         flags = BATCH_CATCHUP | (BATCH_CATCHUP_LAST if last else 0)
-        frame = encode_batch(self.sent_chunk, flags, buf)
+        frame = encode_batch(self.sent_chunk, flags, chunk.payload)
         if not self.link.write(frame):
             return
         progress = self.stream.progress
         progress.chunks += 1
         progress.bytes += len(frame)
-        messages = sum(1 for op in ops if type(op) is StoredMessage)
+        messages = chunk.messages
         self._in_flight.append((self.sent_chunk, messages))
         metrics.CATCHUP_BYTES.inc(len(frame))
         metrics.CATCHUP_MESSAGES.inc(messages)

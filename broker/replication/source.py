@@ -10,7 +10,9 @@ batch it journals, while the catch-up streams alongside in bounded chunks
 (`catchup.py`). A passive still catching up holds up no confirm; once it has
 every chunk on its disk it is in sync, and from then on its acknowledgements
 complete batches (delayed completion). A passive that stops acknowledging for
-`replication_timeout` seconds is dropped and the active goes on alone, degraded.
+`replication_timeout` seconds is dropped and the active goes on alone, degraded;
+one still catching up also progresses while its link delivers bytes and it pings
+(a thin link carries less than a chunk per timeout).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from twinmq.broker.definitions import Definitions
 from twinmq.broker.journal import JournalOp, encode_ops
 from twinmq.broker.replication.catchup import CatchupSender, CatchupStream, capture
 from twinmq.broker.replication.context import ReplicationContext
+from twinmq.broker.replication.delivery import DeliveryMeter
 from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
 from twinmq.broker.replication.link import FrameReader
 from twinmq.broker.replication.protocol import (
@@ -72,6 +75,9 @@ class SourceLink:
         self.attached_at = time.time()
         self.last_progress = time.monotonic()
         self.last_echo = 0.0  # time.monotonic() of the last ping echoed to the passive
+        self.last_heard = time.monotonic()  # of the passive's last ping: it runs
+        self.meter = DeliveryMeter(writer.transport)
+        self._delivered = 0  # the meter's count at the last look
         self.sent_batches: list[tuple[int, int, float]] = []  # (batch, ops, sent at)
 
     def write(self, data: bytes) -> bool:
@@ -84,6 +90,7 @@ class SourceLink:
         if self.closed or self.writer.transport.is_closing():
             return False
         self.writer.write(data)
+        self.meter.wrote(len(data))
         return True
 
     def drain(self) -> Awaitable[None]:
@@ -134,6 +141,25 @@ class SourceLink:
         while self.sent_batches and self.sent_batches[0][0] <= batch:
             self.sent_batches.pop(0)
         self._check_ready()
+
+    def note_delivery(self) -> None:
+        """While catching up, a link that moves is progress, as long as the passive runs.
+
+        A chunk is acknowledged only once all of it is on the passive's disk: on a
+        link thinner than a chunk per timeout the acknowledgements come too far
+        apart, while the passive takes bytes all along. Bytes delivered since the
+        last look move the stall clock to the passive's last ping (not to now): a
+        passive that stops (SIGSTOP) pings no more, its kernel's buffers may still
+        take bytes for a while, but it is dropped `replication_timeout` after its
+        last ping all the same; a cut link moves nothing. An in-sync passive holds
+        up confirms: only its acknowledgements count.
+        """
+        if self.in_sync or self.closed:
+            return
+        delivered = self.meter.delivered()
+        if delivered > self._delivered:
+            self._delivered = delivered
+            self.last_progress = max(self.last_progress, self.last_heard)
 
     def on_catchup_ack(self, chunk: int) -> None:
         """The passive has every catch-up chunk up to `chunk` on disk."""
@@ -222,12 +248,17 @@ class ReplicationSource:
             self._lost(link, degrade_now=False)
 
     def check_stall(self) -> None:
-        """Drop a passive that has not acknowledged for `replication_timeout` seconds."""
+        """Drop a passive that has not acknowledged for `replication_timeout` seconds.
+
+        One still catching up counts as progressing while its link delivers bytes
+        and it pings (`SourceLink.note_delivery`).
+        """
         link = self.link
         if link is None or link.closed:
             return
         if not link.outstanding:
             return
+        link.note_delivery()
         stalled = time.monotonic() - max(link.last_progress, link.last_echo)
         if stalled > self.broker.settings.replication_timeout:
             log.warning(
@@ -335,6 +366,7 @@ class ReplicationSource:
                     self.broker.learn_epoch(refuse.epoch, f"passive {link.name} ({peer_text})")
                     return
                 elif ftype is FrameType.PING:
+                    link.last_heard = time.monotonic()
                     if payload:
                         link.echo(payload, self.broker.settings.replication_timeout)
                 else:
@@ -488,7 +520,7 @@ class ReplicationSource:
         link.catchup = CatchupSender(
             stream, link, on_done=lambda: self._in_sync(link), committer=committer
         )
-        writer.write(encode(FrameType.DEFINITIONS, vhost.definitions()))
+        link.write(encode(FrameType.DEFINITIONS, vhost.definitions()))
         self.link = link
         committer.on_batch = link.send_batch
         vhost.on_topology_change = link.send_definitions
