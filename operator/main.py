@@ -467,6 +467,9 @@ def reconcile(
     if not woken and now - memory.last_probe < spec.failover.probe_interval_seconds - 0.05:
         return None
     memory.last_probe = now
+    if woken:
+        # A step of a crash failover's timeline (bench/failover_time.py reads it).
+        log.info("%s/%s: woken by a pod change", cluster.namespace, cluster.name)
     k = kube()
     pods = {n: k.get_pod(cluster.namespace, pod_name(cluster, n)) for n in NAMES}
     # Also when woken by a pod change: observedGeneration and the storage refusal are
