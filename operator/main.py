@@ -2,12 +2,12 @@
 
 Every second (throttled to the spec's probe interval), and at once when one of
 its pods changes (a broker container stopped or restarted), each BrokerCluster is
-reconciled: its children are applied in their desired state (server-side apply:
-a deleted or edited child is restored), both brokers are probed on their admin
-API, the Lease is read, `rollout.plan` picks the next step of a pod template
-change and `failover.decide` the role changes, and they are applied in order
-(role changes over the admin API, pod labels for the virtual IP, the Lease, pod
-deletions of a rollout, status, Events). The state that matters lives in the
+reconciled: both brokers are probed on their admin API, the Lease is read,
+`rollout.plan` picks the next step of a pod template change and `failover.decide`
+the role changes, and they are applied in order (role changes over the admin API,
+pod labels for the virtual IP, the Lease); only then are its children applied in
+their desired state (server-side apply: a deleted or edited child is restored),
+then a rollout's pod deletions, the status and Events. The state that matters lives in the
 status and the Lease; what is kept in kopf's per-resource memo (consecutive probe
 failures, the generated credentials) only delays a failover after an operator
 restart, it never causes one.
@@ -174,6 +174,22 @@ def reconcile_children(
         want = builders.labels(cluster, name)
         if any(have.get(key) != value for key, value in want.items()):
             k.label_pod(cluster.namespace, pod_name(cluster, name), want)
+
+
+def credentials_of(
+    cluster: ClusterRef, spec: BrokerClusterSpec, memory: Memory
+) -> dict[str, str] | None:
+    """The brokers' credentials (None: the given Secret does not exist). Generated ones are
+    read from their Secret once per operator process, or generated when it does not exist
+    yet; `reconcile_children` keeps that Secret in place."""
+    k = kube()
+    name = builders.secret_name(cluster, spec)
+    if spec.auth.secret_name is not None:
+        return k.get_secret_data(cluster.namespace, name)
+    if memory.credentials is None:
+        found = k.get_secret_data(cluster.namespace, name)
+        memory.credentials = found if found is not None else builders.generate_credentials()
+    return memory.credentials
 
 
 def repair_routing(
@@ -472,17 +488,7 @@ def reconcile(
         log.info("%s/%s: woken by a pod change", cluster.namespace, cluster.name)
     k = kube()
     pods = {n: k.get_pod(cluster.namespace, pod_name(cluster, n)) for n in NAMES}
-    # Also when woken by a pod change: observedGeneration and the storage refusal are
-    # judged from what this pass applied (skipping it let a woken pass mark a refused
-    # resize as observed).
-    reconcile_children(cluster, spec, memory, pods)
-    for name in NAMES:
-        if pods[name] is None:  # created just now
-            pods[name] = k.get_pod(cluster.namespace, pod_name(cluster, name))
-    if memory.credentials is not None and spec.auth.secret_name is None:
-        credentials: dict[str, str] | None = memory.credentials
-    else:
-        credentials = k.get_secret_data(cluster.namespace, builders.secret_name(cluster, spec))
+    credentials = credentials_of(cluster, spec, memory)
     if credentials is None:
         raise kopf.TemporaryError(f"secret {spec.auth.secret_name} not found", delay=5)
     token = credentials["admin-token"]
@@ -584,6 +590,12 @@ def reconcile(
         and views[active].role == ACTIVE
     ):
         repair_routing(cluster, spec, active, pods, holder)
+    # The children after the decision: a failover waits for no server-side apply (under
+    # load, the ten or so requests took seconds; bench/failover_time.py). On every pass,
+    # woken or not: observedGeneration and the storage refusal are judged from what this
+    # pass applied (a woken pass that skipped them marked a refused resize as observed).
+    # A missing pod is created here and seen by the next pass.
+    reconcile_children(cluster, spec, memory, pods)
     for step in plan.actions:
         if isinstance(step, rollout.DeletePod):
             pod = pods[step.broker] or {}
