@@ -290,6 +290,8 @@ def main() -> None:
         f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}",
         crd, "bench",
     )  # fmt: skip
+    wait("the CRD served", lambda: kube.get(f"{API}/brokerclusters") is not None)
+    OPERATOR_LOG.parent.mkdir(parents=True, exist_ok=True)
     log = open(OPERATOR_LOG, "ab")  # noqa: SIM115
     operator = subprocess.Popen(
         [sys.executable, "-m", "twinmq.operator.main"], stdout=log, stderr=log,
