@@ -42,7 +42,7 @@ import yaml
 from twinmq.broker.names import AMQP_PORT
 from twinmq.client import ReliablePublisher
 from twinmq.localcluster import faults
-from twinmq.localcluster.kubeapi import KubeApi
+from twinmq.localcluster.kubeapi import ApiError, KubeApi
 from twinmq.localcluster.layout import Layout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -290,7 +290,14 @@ def main() -> None:
         f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}",
         crd, "bench",
     )  # fmt: skip
-    wait("the CRD served", lambda: kube.get(f"{API}/brokerclusters") is not None)
+
+    def served() -> bool:
+        try:
+            return kube.get(f"{API}/brokerclusters") is not None
+        except ApiError:  # 429 while the API server's storage (re)initialises
+            return False
+
+    wait("the CRD served", served)
     OPERATOR_LOG.parent.mkdir(parents=True, exist_ok=True)
     log = open(OPERATOR_LOG, "ab")  # noqa: SIM115
     operator = subprocess.Popen(
