@@ -15,7 +15,8 @@ broker container seen stopped or restarted in the pod's status, the operator wok
 its decision, the backup active (POST /role answered), the virtual IP's
 EndpointSlice without the old active and with the new one, the client's refused
 connection attempts, its reconnect and the first confirm. The operator's steps are
-read from its log (`.cluster/logs/bench-operator.log`, wall-clock timestamps).
+read from its log (`.cluster/logs/bench-operator.log`), the brokers' (activation,
+self-fencing) from their pod logs; all wall-clock timestamps.
 """
 
 from __future__ import annotations
@@ -54,7 +55,12 @@ OPERATOR_STEPS = {
     "decided": re.compile(r"activating on"),
     "activated": re.compile(r"backup is now active"),
 }
-LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+# The brokers' log lines that mark a failover's steps (pod logs under .cluster/logs/pods).
+BROKER_STEPS = {
+    "active": re.compile(r"promoted to active"),
+    "FENCED ITSELF": re.compile(r"self-fencing"),
+}
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
 
 def wait(what: str, check: Any, timeout: float = 120) -> Any:
@@ -111,23 +117,38 @@ class Timeline:
         return ", ".join(parts)
 
 
-def operator_steps(namespace: str, since: float, timeline: Timeline) -> None:
-    """Add the operator's steps for `namespace` logged after `since` to the timeline."""
-    if not OPERATOR_LOG.exists():
+def logged_steps(
+    path: Path,
+    prefix: str,
+    steps: dict[str, re.Pattern[str]],
+    since: float,
+    timeline: Timeline,
+    only: str = "",
+) -> None:
+    """Add the steps logged in `path` after `since` (in lines containing `only`)."""
+    if not path.exists():
         return
-    with OPERATOR_LOG.open(errors="replace") as f:
+    with path.open(errors="replace") as f:
         for line in f:
-            if namespace not in line:
-                continue
-            match = LOG_TIME.match(line)
-            if match is None:
+            match = LOG_TIME.match(line.removeprefix("["))
+            if only not in line or match is None:
                 continue
             at = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             if at < since:
                 continue
-            for step, pattern in OPERATOR_STEPS.items():
+            for step, pattern in steps.items():
                 if pattern.search(line):
-                    timeline.mark(f"operator {step}", at)
+                    timeline.mark(f"{prefix} {step}", at)
+
+
+def operator_and_broker_steps(namespace: str, since: float, timeline: Timeline) -> None:
+    """Add the operator's steps for `namespace` and its brokers' to the timeline."""
+    logged_steps(OPERATOR_LOG, "operator", OPERATOR_STEPS, since, timeline, only=namespace)
+    for broker in ("primary", "backup"):
+        for path in (REPO / ".cluster" / "logs" / "pods").glob(
+            f"{namespace}_*-{broker}_broker.log"
+        ):
+            logged_steps(path, broker, BROKER_STEPS, since, timeline)
 
 
 class ClientLog(logging.Handler):
@@ -263,7 +284,7 @@ def one_run(kube: KubeApi, index: int) -> Run:
         conn.close()
         status = (kube.get(path) or {}).get("status") or {}
         reason = (status.get("lastFailover") or {}).get("reason", "?")
-        operator_steps(namespace, marks["killed_wall"] - 1, timeline)
+        operator_and_broker_steps(namespace, marks["killed_wall"] - 1, timeline)
         return Run(
             marks["after"] - marks["killed"], confirmed, received, reason,
             timeline.render(marks["killed_wall"]),
