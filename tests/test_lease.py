@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from twinmq.broker.api import Role
-from twinmq.broker.lease import FENCE_MARGIN, LeaseKeeper
+from twinmq.broker.lease import FENCE_MARGIN, HANDOVER_RETRY, LeaseKeeper
 from twinmq.broker.settings import BrokerSettings
 
 DURATION = 4.0
@@ -29,14 +29,19 @@ class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0
         self.moved = asyncio.Condition()
+        self.sleeping = 0  # tasks asleep on this clock right now
 
     def monotonic(self) -> float:
         return self.now
 
     async def sleep(self, seconds: float) -> None:
         until = self.now + seconds
-        async with self.moved:
-            await self.moved.wait_for(lambda: self.now >= until)
+        self.sleeping += 1
+        try:
+            async with self.moved:
+                await self.moved.wait_for(lambda: self.now >= until)
+        finally:
+            self.sleeping -= 1
 
     async def advance_to(self, when: float) -> None:
         """Move to `when` and let every task that can run, run."""
@@ -129,6 +134,12 @@ async def until(what: str, check: Callable[[], bool]) -> None:
     raise AssertionError(f"never happened: {what}")
 
 
+def asleep(clock: FakeClock) -> Callable[[], bool]:
+    """`until` check: both of the keeper's tasks (renewals, deadline) wait on the clock, so
+    moving it now wakes them rather than a sleep that starts after the move."""
+    return lambda: clock.sleeping == 2
+
+
 def renewed(api: ApiServer, count: int) -> Callable[[], bool]:
     """`until` check: the API server has seen `count` renewals."""
     return lambda: len(api.renewals) == count
@@ -170,12 +181,55 @@ def test_renewals_keep_an_active_broker_active_past_the_first_deadline() -> None
     run(scenario)
 
 
-def test_a_lease_held_by_another_broker_fences_at_once() -> None:
+def test_a_lease_taken_by_another_broker_after_the_handover_fences_at_once() -> None:
     async def scenario() -> None:
-        api, clock, broker = ApiServer("orders-backup", hang=False), FakeClock(), Broker()
+        api, clock, broker = ApiServer("orders-primary", hang=False), FakeClock(), Broker()
         async with keeping(api, clock, broker) as keeper:
+            await until("the first renewal", renewed(api, 1))
+            await until("the keeper waits for its next renewal", asleep(clock))
+            api.holder = "orders-backup"
+            await clock.advance_to(clock.now + keeper.period)
             await until("the broker stepped down", broker.demoted.is_set)
             assert keeper.fenced_at == clock.now < keeper.deadline  # not at the deadline
+            assert len(api.renewals) == 1
+
+    run(scenario)
+
+
+def test_a_just_activated_broker_waits_for_the_operator_to_hand_the_lease_over() -> None:
+    async def scenario() -> None:
+        # The operator writes the Lease just after the activation: the first reads still
+        # name the previous active. Fencing then cost a failover the Lease's duration.
+        api, clock, broker = ApiServer("orders-backup", hang=False), FakeClock(), Broker()
+        async with keeping(api, clock, broker) as keeper:
+            for n in range(1, 4):
+                await until(f"read {n} of the Lease", lambda: api.requests >= n)  # noqa: B023
+                await until("the keeper waits to read it again", asleep(clock))
+                await clock.advance_to(clock.now + HANDOVER_RETRY)
+            await until("read 4 of the Lease", lambda: api.requests >= 4)
+            await until("the keeper waits to read it again", asleep(clock))
+            assert broker.role == "active" and not keeper.handed_over
+            api.holder = "orders-primary"  # the operator's handover
+            await clock.advance_to(clock.now + HANDOVER_RETRY)
+            await until("the first renewal", renewed(api, 1))
+            assert keeper.handed_over and broker.role == "active"
+            assert keeper.fenced_at is None
+
+    run(scenario)
+
+
+def test_a_lease_never_handed_over_fences_the_activated_broker_at_its_deadline() -> None:
+    async def scenario() -> None:
+        api, clock, broker = ApiServer("orders-backup", hang=False), FakeClock(), Broker()
+        lapses_at = clock.now + DURATION
+        async with keeping(api, clock, broker) as keeper:
+            await until("the first read of the Lease", lambda: api.requests >= 1)
+            await until("the keeper waits to read it again", asleep(clock))
+            await clock.advance_to(lapses_at - FENCE_MARGIN - 0.5)
+            assert broker.role == "active", "fenced before its deadline"
+            await clock.advance_to(lapses_at - FENCE_MARGIN)
+            await until("the broker stepped down", broker.demoted.is_set)
+            assert keeper.fenced_at is not None and keeper.fenced_at < lapses_at
             assert api.renewals == []
 
     run(scenario)
