@@ -73,8 +73,12 @@ from twinmq.operator.processes import broker_process, process_gone
 
 log = logging.getLogger(__name__)
 NAMES: tuple[BrokerName, ...] = ("primary", "backup")
-# Of each 1 s timer tick, how long a reconcile waits for a pod change before probing.
-WAKE_WINDOW = 0.7
+# Seconds between two passes of a cluster's loop (kopf's timer). Each pass waits for a pod
+# change until its probe is due, so a change is seen at once, not at the next tick: a
+# `sharp` 1 s timer slept to its grid after a pass and let a crash wait up to ~1 s.
+TICK = 0.05
+# The longest a pass waits for the watch to bring back the status the previous pass wrote.
+SETTLE_TIMEOUT = 2.0
 ROLLOUT_REQUEST = "rollout-"
 """Prefix of the promote request a rollout's switchover runs as (never recorded as handled:
 `status.handledRequests.promote` keeps the user's own request id)."""
@@ -99,6 +103,10 @@ class Memory:
     # Per broker: the process (`processes.broker_process`) last seen serving as the active.
     serving: dict[str, str] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # a broker pod changed
+    probe_interval: float = 1.0  # the spec's, as of the last pass
+    # The resourceVersion a status patch was decided on: the next pass waits until the
+    # watch has brought a newer body (kopf does not update it from the patch's answer).
+    patched_from: str | None = None
     # The generated Secret's data: a deleted Secret is restored with the credentials the
     # running brokers were started with (new ones would lock the operator out of them).
     credentials: dict[str, str] | None = None
@@ -252,6 +260,10 @@ def apply(
     are now, consistent with the active broker and epoch it records."""
     k = kube()
     new = status.model_copy(deep=True)
+    routed = {
+        n: ((pods.get(n) or {}).get("metadata", {}).get("labels") or {}).get(builders.LABEL_ROLE)
+        for n in NAMES
+    }  # each pod's role label, as this pass leaves it
 
     def ip(name: BrokerName) -> str | None:
         value = (pods.get(name) or {}).get("status", {}).get("podIP")
@@ -291,11 +303,13 @@ def apply(
                 break
         elif isinstance(action, Route):
             for name in NAMES:
-                if pods.get(name) is not None:
-                    role = ACTIVE if name == action.broker else PASSIVE
+                role = ACTIVE if name == action.broker else PASSIVE
+                # Only the labels that change: each request delays the new active's turn.
+                if pods.get(name) is not None and routed.get(name) != role:
                     k.label_pod(
                         cluster.namespace, pod_name(cluster, name), {builders.LABEL_ROLE: role}
                     )
+                    routed[name] = role
             if action.broker is not None:
                 k.put_lease(builders.build_lease(
                     cluster, pod_name(cluster, action.broker),
@@ -479,8 +493,9 @@ def reconcile(
         {k: v for k, v in dict(status_raw or {}).items() if k != "kopf"}
     )
     memory, shared = memory_of(memo)
+    memory.probe_interval = spec.failover.probe_interval_seconds
     now = time.monotonic()
-    if not woken and now - memory.last_probe < spec.failover.probe_interval_seconds - 0.05:
+    if not woken and now - memory.last_probe < memory.probe_interval - 0.05:
         return None
     memory.last_probe = now
     if woken:
@@ -661,20 +676,42 @@ def status_refusal(status: BrokerClusterStatus) -> str | None:
     return stalled.message.removeprefix("volume resize refused: ")
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=1.0, sharp=True)
+async def settled(meta: Any, memory: Memory) -> None:
+    """Wait until the live body is newer than the one the last status patch was decided
+    on: deciding again on the status from before that patch would act twice (a recorded
+    failover taken for an epoch to learn, a handled request handled again)."""
+    if memory.patched_from is None:
+        return
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    while meta.get("resourceVersion") == memory.patched_from:
+        if time.monotonic() > deadline:
+            log.warning("%s/%s: the status written %.1f s ago has not come back through the "
+                        "watch; reconciling on the body as it is", meta.get("namespace"),
+                        meta.get("name"), SETTLE_TIMEOUT)  # fmt: skip
+            break
+        await asyncio.sleep(0.01)
+    memory.patched_from = None
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=TICK)
 async def tick(
     body: Any, spec: Any, status: Any, meta: Any, patch: Any, memo: Any, **_: Any
 ) -> None:
-    """The reconcile loop: waits up to `WAKE_WINDOW` for a pod change (then reconciles at
-    once), else reconciles when the probe interval is due. `body` and its views are live."""
+    """One pass of the reconcile loop: waits for a pod change (then reconciles at once)
+    until the probe interval is due. `body` and its views are live (kopf updates them
+    from the watch)."""
     memory, shared = memory_of(memo)
     shared.clusters[meta["uid"]] = memory
+    await settled(meta, memory)
+    due = memory.last_probe + memory.probe_interval - 0.05 - time.monotonic()
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(memory.wake.wait(), WAKE_WINDOW)
+        await asyncio.wait_for(memory.wake.wait(), max(due, 0.0))
     woken = memory.wake.is_set()
     memory.wake.clear()
+    version = meta.get("resourceVersion")
     new = await asyncio.to_thread(reconcile, body, spec, status, meta, memo, woken)
     if new is not None:
+        memory.patched_from = version
         for key, value in new.items():
             patch.status[key] = value
 
