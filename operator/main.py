@@ -68,7 +68,7 @@ from twinmq.operator.models import (
     iso,
     parse_iso,
 )
-from twinmq.operator.probe import admin, passive_lag, probe, view_of
+from twinmq.operator.probe import admin, damage_text, passive_lag, probe, view_of
 from twinmq.operator.processes import broker_process, process_gone
 
 log = logging.getLogger(__name__)
@@ -280,7 +280,9 @@ def apply(
                 if action.role == ACTIVE:
                     # Whatever process answers now is learned once it is seen serving.
                     memory.serving.pop(action.broker, None)
-                admin(target_ip, token).set_role(action.role, action.epoch, replicate_from)
+                admin(target_ip, token).set_role(
+                    action.role, action.epoch, replicate_from, force=action.force
+                )
                 views[action.broker] = memory.last_view[action.broker] = replace(
                     views[action.broker], role=action.role, epoch=action.epoch,
                     ready=views[action.broker].ready and action.role == PASSIVE,
@@ -352,6 +354,49 @@ def apply(
                 message=action.message,
             )
     return new
+
+
+def damage_of(
+    status: BrokerClusterStatus,
+    views: dict[BrokerName, BrokerView],
+    reports: dict[BrokerName, BrokerReport | None],
+) -> dict[BrokerName, str]:
+    """The damaged brokers and their `damage` text: as this probe's report says, else (no
+    answer) as the last view or, for an unreachable broker, the status said."""
+    before = {b.name: b for b in status.brokers}
+    out: dict[BrokerName, str] = {}
+    for name, view in views.items():
+        report, old = reports.get(name), before.get(name)
+        if report is not None:
+            if report.journal.damaged:
+                out[name] = damage_text(report)
+        elif (view.reachable and view.damaged) or (not view.reachable and old and old.damaged):
+            out[name] = (old.damage if old else None) or "journal damaged"
+    return out
+
+
+def damage_events(body: Any, old: BrokerClusterStatus, new: BrokerClusterStatus) -> None:
+    """A Warning Event when a broker is found damaged, a Normal one when it is healed (once
+    each: the status remembers what was reported)."""
+    was = {b.name: b.damaged for b in old.brokers}
+    for broker in new.brokers:
+        if broker.damaged and not was.get(broker.name, False):
+            kopf.event(body, type="Warning", reason="BrokerDamaged",
+                       message=f"{broker.name}: {broker.damage}")  # fmt: skip
+        elif not broker.damaged and was.get(broker.name, False):
+            kopf.event(body, type="Normal", reason="BrokerHealed",
+                       message=f"{broker.name}: its journal is whole again (a complete "
+                       "catch-up from the active, or a repair)")  # fmt: skip
+
+
+def damaged_condition(status: BrokerClusterStatus) -> tuple[str, bool, str, str]:
+    """BrokerDamaged (abnormal-true): a broker's journal is damaged; which, since when, where
+    its damaged files were moved."""
+    damaged = [b for b in status.brokers if b.damaged]
+    if not damaged:
+        return ("BrokerDamaged", False, "JournalsWhole", "")
+    return ("BrokerDamaged", True, "JournalDamaged",
+            "; ".join(f"{b.name}: {b.damage}" for b in damaged))  # fmt: skip
 
 
 def rollout_conditions(
@@ -630,16 +675,22 @@ def reconcile(
         since=iso(datetime.fromtimestamp(progress.since, UTC)), message=progress.message,
     )  # fmt: skip
     lags = {n: passive_lag(n, new.active_broker, reports) for n in NAMES}
+    damage = damage_of(status, views, reports)
     new.brokers = [
         BrokerSummary(
             name=n, pod=pod_name(cluster, n), role=v.role if v.reachable else "unknown",
             reachable=v.reachable, ready=v.ready, epoch=v.epoch,
             link_connected=v.link_connected, fenced=n in new.fenced_brokers,
             lag_messages=lags[n][0], lag_seconds=lags[n][1],
+            damaged=n in damage, damage=damage.get(n),
         )
         for n, v in views.items()
     ]  # fmt: skip
-    extra = rollout_conditions(new.rollout, memory.storage_refusal)
+    damage_events(body, status, new)
+    extra = [
+        *rollout_conditions(new.rollout, memory.storage_refusal),
+        damaged_condition(new),
+    ]
     new.conditions = conditions(decision, new, views, generation, extra)
     if plan.converged and memory.storage_refusal is None:
         # Observed only once the pods run this generation's spec (Argo CD, Flux, kstatus

@@ -321,6 +321,14 @@ class BrokerSummary(ApiModel):
     )
     lag_seconds: float = Field(0.0, description="Age of the oldest of those messages")
     fenced: bool = False
+    damaged: bool = Field(
+        False,
+        description="Its journal recovered with corruption and no catch-up has made it whole "
+        "since: it may lack messages it confirmed, and is activated only by a forced promote",
+    )
+    damage: str | None = Field(
+        None, description="Since when, and where the damaged files were moved (quarantine)"
+    )
 
 
 class FailoverRecord(ApiModel):

@@ -191,6 +191,13 @@ def test_status_rows_of_a_new_cluster_and_of_a_fenced_unreachable_broker() -> No
     assert row[:8] == ("prod", "orders", "primary", "unknown (fenced)", "0", "no", "no", "0")
 
 
+def test_status_rows_show_a_broker_whose_journal_is_damaged() -> None:
+    damaged = {"name": "backup", "role": "passive", "reachable": True, "damaged": True,
+               "damage": "journal damaged since 2026-11-23T10:00:00Z"}  # fmt: skip
+    (row,) = status_rows([cluster_obj(phase="Degraded", brokers=[damaged])], NOW)
+    assert row[:4] == ("orders", "backup", "passive (damaged)", "0")
+
+
 def test_render_table_aligns_columns_like_kubectl() -> None:
     rows = status_rows([cluster_obj(phase="Ready", brokers=pair())], NOW)
     lines = render_table(rows).splitlines()
