@@ -557,11 +557,13 @@ def cmd_request(
     if command == "promote" and status.get("activeBroker") == broker:
         out.write(f"{broker} is already active in epoch {status.get('epoch')}: nothing to do\n")
         return EXIT_OK
-    if (
-        command == "promote"
-        and not args.force
-        and not broker_status(cluster, broker or "").get("ready")
-    ):
+    target = broker_status(cluster, broker or "")
+    if command == "promote" and not args.force and target.get("damaged"):
+        err.write(
+            f"warning: {broker}'s journal is damaged ({target.get('damage') or 'see status'}); "
+            "the operator refuses to promote it unless --force\n"
+        )
+    elif command == "promote" and not args.force and not target.get("ready"):
         err.write(
             f"warning: {broker} is not ready (not in sync with the active); the operator "
             "refuses to promote it unless --force\n"

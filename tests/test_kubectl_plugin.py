@@ -349,6 +349,18 @@ def test_promote_warns_about_an_unready_target_and_a_replaced_request() -> None:
     assert "replacing the promote request old" in err
 
 
+def test_promote_warns_about_a_damaged_target_unless_forced() -> None:
+    brokers = pair(backup_ready=False)
+    brokers[1] |= {"damaged": True, "damage": "journal damaged since 2026-11-23T10:00:00Z"}
+    obj = cluster_obj(activeBroker="primary", epoch=1, brokers=brokers)
+    code, _, err = run(FakeKube(obj), ["promote", "orders", "backup"])
+    assert code == EXIT_OK
+    assert "backup's journal is damaged (journal damaged since 2026-11-23T10:00:00Z)" in err
+    assert "--force" in err
+    _, _, forced = run(FakeKube(obj), ["promote", "orders", "backup", "--force"])
+    assert "damaged" not in forced
+
+
 def test_promote_of_the_active_broker_changes_nothing() -> None:
     kube = FakeKube(cluster_obj(activeBroker="backup", epoch=2, brokers=pair("backup", 2)))
     code, out, _ = run(kube, ["promote", "orders", "backup"])
