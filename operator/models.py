@@ -289,7 +289,14 @@ Phase = Literal[
     "Pending", "Creating", "Ready", "Updating", "Degraded", "FailingOver", "Recovering", "Failed"
 ]
 ConditionType = Literal[
-    "Ready", "Replicating", "FailingOver", "Degraded", "Reconciling", "Stalled", "AuditPassed"
+    "Ready",
+    "Replicating",
+    "FailingOver",
+    "Degraded",
+    "Reconciling",
+    "Stalled",
+    "AuditPassed",
+    "BrokerDamaged",
 ]
 
 

@@ -303,8 +303,8 @@ def test_a_damaged_broker_back_as_passive_is_healed_by_catch_up(
 def test_the_operator_reports_a_damaged_broker_and_where_its_damaged_file_went(
     tmp_path: Path,
 ) -> None:
-    from twinmq.operator.failover import BrokerView
-    from twinmq.operator.main import damage_of, damaged_condition
+    from twinmq.operator.failover import BrokerView, Decision
+    from twinmq.operator.main import conditions, damage_of, damaged_condition
     from twinmq.operator.models import BrokerClusterStatus, BrokerSummary
     from twinmq.operator.probe import view_of
 
@@ -327,6 +327,14 @@ def test_the_operator_reports_a_damaged_broker_and_where_its_damaged_file_went(
     assert damaged_condition(status) == (
         "BrokerDamaged", True, "JournalDamaged", f"backup: {found['backup']}"
     )  # fmt: skip
+    (written,) = [
+        c
+        for c in conditions(
+            Decision(), status, {"primary": gone, "backup": view}, 1, [damaged_condition(status)]
+        )
+        if c.type == "BrokerDamaged"
+    ]
+    assert (written.status, written.reason) == ("True", "JournalDamaged")  # fmt: skip
     # Unreachable next time: still damaged as far as anyone knows, with the same story.
     unreachable = {"primary": gone, "backup": BrokerView("backup", reachable=False)}
     assert damage_of(status, unreachable, {"primary": None, "backup": None}) == found
