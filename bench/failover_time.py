@@ -206,9 +206,18 @@ def one_run(kube: KubeApi, index: int) -> Run:
             "clusterIP"
         ]
         url = f"amqp://{data['username']}:{data['password']}@{ip}:{AMQP_PORT}/%2F"
-        conn = pika.BlockingConnection(pika.URLParameters(url))
-        conn.channel().queue_declare("bench", durable=True)
-        conn.close()
+
+        def declared() -> bool:
+            # A new Service may not be programmed by kube-proxy yet: refused, then served.
+            try:
+                conn = pika.BlockingConnection(pika.URLParameters(url))
+            except pika.exceptions.AMQPConnectionError:
+                return False
+            conn.channel().queue_declare("bench", durable=True)
+            conn.close()
+            return True
+
+        wait("the virtual IP serves", declared, timeout=60)
         marks: dict[str, float] = {}
         timeline = Timeline()
         ips = {
@@ -304,6 +313,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args()
+    # aiormq logs every refused connection attempt at ERROR: the timeline has them.
+    logging.getLogger("aiormq").setLevel(logging.CRITICAL)
     layout = Layout.default()
     kube = KubeApi(str(layout.kubeconfig))
     crd = yaml.safe_load((REPO / "crds" / "brokercluster.yaml").read_text())
