@@ -371,7 +371,7 @@ def damage_of(
             if report.journal.damaged:
                 out[name] = damage_text(report)
         elif (view.reachable and view.damaged) or (not view.reachable and old and old.damaged):
-            out[name] = (old.damage if old else None) or "journal damaged"
+            out[name] = (old.damage if old else "") or "journal damaged"
     return out
 
 
@@ -682,7 +682,7 @@ def reconcile(
             reachable=v.reachable, ready=v.ready, epoch=v.epoch,
             link_connected=v.link_connected, fenced=n in new.fenced_brokers,
             lag_messages=lags[n][0], lag_seconds=lags[n][1],
-            damaged=n in damage, damage=damage.get(n),
+            damaged=n in damage, damage=damage.get(n, ""),
         )
         for n, v in views.items()
     ]  # fmt: skip

@@ -333,9 +333,11 @@ class BrokerSummary(ApiModel):
         description="Its journal recovered with corruption and no catch-up has made it whole "
         "since: it may lack messages it confirmed, and is activated only by a forced promote",
     )
-    damage: str | None = Field(
-        None, description="Since when, and where the damaged files were moved (quarantine)"
-    )
+    damage: str = Field(
+        "",
+        description="Since when, and where the damaged files were moved (quarantine); empty "
+        "when not damaged",
+    )  # not None: a merge patch's null would delete the key, and kopf warns at every patch
 
 
 class FailoverRecord(ApiModel):
