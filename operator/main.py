@@ -79,6 +79,8 @@ NAMES: tuple[BrokerName, ...] = ("primary", "backup")
 TICK = 0.05
 # The longest a pass waits for the watch to bring back the status the previous pass wrote.
 SETTLE_TIMEOUT = 2.0
+# Passes in a row that may leave the children to the next pass (a pod changed meanwhile).
+MAX_DEFERRED = 3
 ROLLOUT_REQUEST = "rollout-"
 """Prefix of the promote request a rollout's switchover runs as (never recorded as handled:
 `status.handledRequests.promote` keeps the user's own request id)."""
@@ -107,6 +109,7 @@ class Memory:
     # The resourceVersion a status patch was decided on: the next pass waits until the
     # watch has brought a newer body (kopf does not update it from the patch's answer).
     patched_from: str | None = None
+    deferred: int = 0  # passes in a row that left the children to the next (woken) pass
     # The generated Secret's data: a deleted Secret is restored with the credentials the
     # running brokers were started with (new ones would lock the operator out of them).
     credentials: dict[str, str] | None = None
@@ -654,8 +657,15 @@ def reconcile(
     # load, the ten or so requests took seconds; bench/failover_time.py). On every pass,
     # woken or not: observedGeneration and the storage refusal are judged from what this
     # pass applied (a woken pass that skipped them marked a refused resize as observed).
-    # A missing pod is created here and seen by the next pass.
-    reconcile_children(cluster, spec, memory, pods)
+    # A missing pod is created here and seen by the next pass. When a pod changed during
+    # this pass, the next pass runs at once and applies them: it need not wait for this
+    # pass's ten or so requests (a crash reported meanwhile waited ~1 s for them under
+    # load), and this pass then claims no generation as observed. Never more than a few
+    # passes in a row: pods that keep changing must not starve the children.
+    deferred = memory.wake.is_set() and memory.deferred < MAX_DEFERRED
+    memory.deferred = memory.deferred + 1 if deferred else 0
+    if not deferred:
+        reconcile_children(cluster, spec, memory, pods)
     for step in plan.actions:
         if isinstance(step, rollout.DeletePod):
             pod = pods[step.broker] or {}
@@ -692,14 +702,15 @@ def reconcile(
         damaged_condition(new),
     ]
     new.conditions = conditions(decision, new, views, generation, extra)
-    if plan.converged and memory.storage_refusal is None:
+    if plan.converged and memory.storage_refusal is None and not deferred:
         # Observed only once the pods run this generation's spec (Argo CD, Flux, kstatus
         # read a spec change as done when observedGeneration reaches it).
         new.observed_generation = generation
-    created = parse_iso(meta.get("creationTimestamp") or now_iso())
-    memory.audit_error = AuditRunner(k, cluster, spec, new, body, generation).reconcile_guarded(
-        created, datetime.now(UTC), memory.audit_error
-    )
+    if not deferred:  # the audits too wait for the next pass
+        created = parse_iso(meta.get("creationTimestamp") or now_iso())
+        memory.audit_error = AuditRunner(k, cluster, spec, new, body, generation).reconcile_guarded(
+            created, datetime.now(UTC), memory.audit_error
+        )
     updating = new.rollout is not None and new.rollout.step not in ("Complete", "Stalled")
     new.phase = (
         "FailingOver" if decision.failing_over else "Pending" if new.epoch == 0
