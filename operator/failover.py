@@ -402,30 +402,18 @@ def _start_promote(obs: Observation, request_id: str, target: BrokerName, force:
             Event("PromoteIgnored", f"{target} is already active (request {request_id})"),
         )
     view = obs.brokers[target]
-    if target in obs.fenced:
+    refusal = (
+        f"{target} is fenced" if target in obs.fenced
+        else f"{target}'s journal is damaged (it may lack messages it confirmed); use force "
+        "to promote it anyway" if view.damaged and not force
+        else f"{target} is {'unreachable' if not view.reachable else 'not ready'}; use force "
+        "to promote anyway" if not view.reachable or (not view.ready and not force)
+        else None
+    )  # fmt: skip
+    if refusal is not None:
         return Decision().add(
             Record(obs.active, obs.epoch, handled_promote=request_id),
-            Event("PromoteRefused", f"{target} is fenced (request {request_id})", warning=True),
-        )
-    if view.damaged and not force:
-        return Decision().add(
-            Record(obs.active, obs.epoch, handled_promote=request_id),
-            Event(
-                "PromoteRefused",
-                f"{target}'s journal is damaged (it may lack messages it confirmed); use "
-                f"force to promote it anyway (request {request_id})",
-                warning=True,
-            ),
-        )
-    if not view.reachable or (not view.ready and not force):
-        return Decision().add(
-            Record(obs.active, obs.epoch, handled_promote=request_id),
-            Event(
-                "PromoteRefused",
-                f"{target} is {'unreachable' if not view.reachable else 'not ready'}; "
-                f"use force to promote anyway (request {request_id})",
-                warning=True,
-            ),
+            Event("PromoteRefused", f"{refusal} (request {request_id})", warning=True),
         )
     switchover = Switchover(request_id, "promote", target, obs.epoch + 1, force)
     return _continue_switchover(obs, switchover, starting=True)
