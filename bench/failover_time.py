@@ -105,12 +105,13 @@ class Timeline:
         threading.Thread(target=run, daemon=True).start()
 
     def render(self, killed: float) -> str:
-        """`step +seconds` in time order, from the kill; repeated steps shown once."""
+        """`step +seconds` in time order, from the kill (taken just before it); each step's
+        first occurrence after it."""
         seen: set[str] = set()
         parts = []
         for at, what in sorted(self.marks):
             key = what.split(" (")[0]
-            if at < killed - 0.5 or key in seen:
+            if at < killed or key in seen:
                 continue
             seen.add(key)
             parts.append(f"{what} {at - killed:+.2f}")
