@@ -100,13 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     promote = sub.add_parser(
         "promote", parents=[common, waiting], help="switch the active role to a broker",
         description="Switchover: the active broker is demoted, and BROKER is activated once "
-        "the old one reports passive. The operator refuses a target that is not in sync "
-        "unless --force (which may lose confirmed messages).",
+        "the old one reports passive. The operator refuses a target that is not in sync, "
+        "or whose journal is damaged, unless --force (which may lose confirmed messages).",
     )  # fmt: skip
     cluster_arg(promote)
     broker_arg(promote, "the broker to activate")
     promote.add_argument(
-        "--force", action="store_true", help="promote even if BROKER is not in sync (data loss)"
+        "--force",
+        action="store_true",
+        help="promote even if BROKER is not in sync or its journal is damaged (data loss)",
     )
 
     recover = sub.add_parser(
@@ -328,6 +330,8 @@ def status_rows(
             role = str(broker.get("role") or "unknown")
             if broker.get("fenced"):
                 role += " (fenced)"
+            if broker.get("damaged"):
+                role += " (damaged)"  # its journal: status.brokers[].damage says more
             rows.append((
                 *first, name, str(broker.get("name")), role, str(broker.get("epoch", 0)),
                 "-" if broker.get("role") == ACTIVE else "yes" if broker.get("ready") else "no",
@@ -553,11 +557,13 @@ def cmd_request(
     if command == "promote" and status.get("activeBroker") == broker:
         out.write(f"{broker} is already active in epoch {status.get('epoch')}: nothing to do\n")
         return EXIT_OK
-    if (
-        command == "promote"
-        and not args.force
-        and not broker_status(cluster, broker or "").get("ready")
-    ):
+    target = broker_status(cluster, broker or "")
+    if command == "promote" and not args.force and target.get("damaged"):
+        err.write(
+            f"warning: {broker}'s journal is damaged ({target.get('damage') or 'see status'}); "
+            "the operator refuses to promote it unless --force\n"
+        )
+    elif command == "promote" and not args.force and not target.get("ready"):
         err.write(
             f"warning: {broker} is not ready (not in sync with the active); the operator "
             "refuses to promote it unless --force\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pika
 import pytest
@@ -21,6 +22,8 @@ from brokerclusters import (
     condition,
     create_cluster,
     drain,
+    events_of,
+    publish_confirmed,
 )
 from conftest import Cluster
 from failover_scenarios import (
@@ -29,6 +32,7 @@ from failover_scenarios import (
 )
 from support import wait_until
 
+from twinmq.broker.journal.segment import scan, segment_number
 from twinmq.localcluster import faults
 from twinmq.localcluster.layout import Layout
 
@@ -243,3 +247,70 @@ def test_an_operator_killed_mid_failover_finishes_it_after_a_restart(
     status = cluster_status(cluster, namespace, name)
     assert status["epoch"] == 2 and status["lastFailover"]["to"] == "backup"
     assert status["lastFailover"]["reason"].startswith("active unreachable and its Lease")
+
+
+def corrupt_a_journal_record(cluster: Cluster, namespace: str, claim: str) -> str:
+    """Flip a bit in the last byte of a record (one with intact records after it) of the
+    newest journal segment on the claim's volume, as a bad disk block would; the segment's
+    name."""
+    pvc = cluster.kube.get(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")
+    volume = cluster.kube.get(f"/api/v1/persistentvolumes/{(pvc or {})['spec']['volumeName']}")
+    journal = Path((volume or {})["spec"]["hostPath"]["path"]) / "data" / "journal"
+    segment = sorted(journal.glob("*.seg"))[-1]
+    data = bytearray(segment.read_bytes())
+    number = segment_number(segment.name)
+    assert number is not None
+    records = scan(bytes(data), number).records
+    assert len(records) >= 3, "want a record with intact records after it"
+    data[records[len(records) // 2].end - 1] ^= 0x04
+    segment.write_bytes(bytes(data))
+    return segment.name
+
+
+def test_a_broker_restarted_on_a_damaged_journal_is_reported_then_healed_by_a_catch_up(
+    cluster: Cluster, operator: OperatorProcess, namespace: str
+) -> None:
+    name = create_cluster(cluster, namespace)
+    url = amqp_url(cluster, namespace, name)
+    for n in range(20):
+        publish_confirmed(url, "damage", str(n).encode())
+    path = cluster_path(namespace, name)
+    # Fenced, the backup is not told to replicate: no catch-up heals it while we look.
+    cluster.kube.patch(path, {"spec": {"requests": {"fence": {"id": "f-1", "broker": "backup"}}}})
+    wait_until("the backup fenced",
+               lambda: cluster_status(cluster, namespace, name).get("fencedBrokers") == ["backup"],
+               timeout=60)  # fmt: skip
+    layout, pod = Layout.default(), f"{name}-backup"
+    faults.pause_pod(layout, namespace, pod)  # its journal holds still while we damage it
+    segment = corrupt_a_journal_record(cluster, namespace, pod)
+    faults.kill_pod(layout, namespace, pod, "broker")
+    faults.resume_pod(layout, namespace, pod)  # the audit sidecar
+
+    def reported() -> dict[str, Any] | None:
+        status = cluster_status(cluster, namespace, name)
+        backup: dict[str, Any] = next(
+            (b for b in status.get("brokers", []) if b["name"] == "backup"), {}
+        )
+        return status if backup.get("damaged") else None
+
+    status = wait_until("the backup reported damaged", reported, timeout=90)
+    backup = next(b for b in status["brokers"] if b["name"] == "backup")
+    assert "quarantine" in backup["damage"] and segment in backup["damage"], backup
+    damaged = next(c for c in status["conditions"] if c["type"] == "BrokerDamaged")
+    assert (damaged["status"], damaged["reason"]) == ("True", "JournalDamaged")
+    assert damaged["message"].startswith("backup: journal damaged since")
+    warnings = [e for e in events_of(cluster, namespace) if e["reason"] == "BrokerDamaged"]
+    assert [e["type"] for e in warnings] == ["Warning"] and segment in warnings[0]["message"]
+    assert status["activeBroker"] == "primary"
+
+    cluster.kube.patch(path, {"spec": {"requests": {"fence": {
+        "id": "f-2", "broker": "backup", "fenced": False}}}})  # fmt: skip
+
+    def healed() -> bool:
+        s = cluster_status(cluster, namespace, name)
+        b = next(b for b in s.get("brokers", []) if b["name"] == "backup")
+        return not b.get("damaged") and b["ready"] and condition(s, "BrokerDamaged") == "False"
+
+    wait_until("the backup healed by a catch-up from the primary", healed, timeout=90)
+    assert any(e["reason"] == "BrokerHealed" for e in events_of(cluster, namespace))
+    assert sorted(drain(url, "damage")) == list(range(20))

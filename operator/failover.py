@@ -15,6 +15,11 @@ The OpenAMQ rules, Kubernetes style (docs/operator.md):
 5. Recovery (failback) is manual: demote the active backup, wait until it
    *reports* passive, only then activate the primary.
 6. A manual promote (switchover) needs a ready target unless forced.
+7. A damaged broker (its journal recovered with corruption and not yet made
+   whole by a complete catch-up: it may lack messages it confirmed) is never
+   activated automatically: not by a failover, a re-activation, a recovery or
+   `allowDataLoss`; only a forced promote activates it (the broker's own
+   `force`).
 
 Every role change to active carries a new epoch, above every epoch a broker
 reports: a status restored without its epoch, or behind the brokers', is
@@ -49,6 +54,8 @@ class BrokerView:
     # Kubernetes reports the process last seen serving gone: the pod deleted, the broker
     # container not running, or restarted since. It cannot serve (a broker starts passive).
     stopped: bool = False
+    # Its journal is damaged (rule 7): it refuses activation without force.
+    damaged: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ class SetRole:
     role: Literal["active", "passive"]
     epoch: int
     replicate_from: BrokerName | None = None
+    force: bool = False  # activate a damaged broker anyway (a forced promote only)
 
 
 @dataclass(frozen=True)
@@ -208,6 +216,8 @@ def _initialise(obs: Observation) -> Decision:
     primary = obs.brokers["primary"]
     if not primary.reachable:
         return Decision(degraded="waiting for the primary broker to start")
+    if primary.damaged:
+        return Decision(degraded="the primary's journal is damaged: not activating it")
     return Decision().add(
         SetRole("primary", "active", 1),
         Route("primary"),
@@ -268,6 +278,7 @@ def _failover(obs: Observation, active: BrokerName, other: BrokerName) -> Decisi
         and a.role == "passive"
         and a.epoch >= obs.epoch
         and active not in obs.fenced
+        and not a.damaged
         and obs.lease_holder in (None, active)
     ):
         # The old active restarted in place and came back passive (rule 4) while the
@@ -307,6 +318,8 @@ def _promotion_blocked(obs: Observation, active: BrokerName, other: BrokerName) 
         return f"{active} is unreachable from the operator but not from {other}"
     if other in obs.fenced:
         return f"{active} is down and {other} is fenced"
+    if b.damaged:
+        return f"{active} is down and {other}'s journal is damaged: promote it with force"
     if not b.ready and not obs.allow_data_loss:
         return f"{active} is down and {other} is not ready: not promoting it"
     return None
@@ -327,7 +340,12 @@ def _no_active(obs: Observation) -> Decision:
         return Decision(degraded=f"no active recorded; waiting for {holder.name}'s Lease")
     for name in names:
         view = obs.brokers[name]
-        if name not in obs.fenced and view.reachable and (view.ready or view.role == "active"):
+        if (
+            name not in obs.fenced
+            and view.reachable
+            and not (view.damaged and view.role != "active")
+            and (view.ready or view.role == "active")
+        ):
             epoch = obs.epoch + 1
             return Decision().add(
                 SetRole(name, "active", epoch),
@@ -384,20 +402,18 @@ def _start_promote(obs: Observation, request_id: str, target: BrokerName, force:
             Event("PromoteIgnored", f"{target} is already active (request {request_id})"),
         )
     view = obs.brokers[target]
-    if target in obs.fenced:
+    refusal = (
+        f"{target} is fenced" if target in obs.fenced
+        else f"{target}'s journal is damaged (it may lack messages it confirmed); use force "
+        "to promote it anyway" if view.damaged and not force
+        else f"{target} is {'unreachable' if not view.reachable else 'not ready'}; use force "
+        "to promote anyway" if not view.reachable or (not view.ready and not force)
+        else None
+    )  # fmt: skip
+    if refusal is not None:
         return Decision().add(
             Record(obs.active, obs.epoch, handled_promote=request_id),
-            Event("PromoteRefused", f"{target} is fenced (request {request_id})", warning=True),
-        )
-    if not view.reachable or (not view.ready and not force):
-        return Decision().add(
-            Record(obs.active, obs.epoch, handled_promote=request_id),
-            Event(
-                "PromoteRefused",
-                f"{target} is {'unreachable' if not view.reachable else 'not ready'}; "
-                f"use force to promote anyway (request {request_id})",
-                warning=True,
-            ),
+            Event("PromoteRefused", f"{refusal} (request {request_id})", warning=True),
         )
     switchover = Switchover(request_id, "promote", target, obs.epoch + 1, force)
     return _continue_switchover(obs, switchover, starting=True)
@@ -416,8 +432,9 @@ def _start_recovery(obs: Observation, request_id: str) -> Decision:
             Record(obs.active, obs.epoch, handled_recover=request_id),
             Event("RecoverRefused", f"the primary is fenced (request {request_id})", True),
         )
-    if not (primary.reachable and primary.ready):
-        # Not handled yet: the request waits until the primary has caught up.
+    if not (primary.reachable and primary.ready) or primary.damaged:
+        # Not handled yet: the request waits until the primary has caught up (which also
+        # heals a damaged journal).
         return Decision(degraded="recovery requested: waiting for the primary to catch up")
     switchover = Switchover(request_id, "recover", "primary", obs.epoch + 1)
     return _continue_switchover(obs, switchover, starting=True)
@@ -428,13 +445,19 @@ def _continue_switchover(obs: Observation, sw: Switchover, starting: bool = Fals
     decision = Decision(failing_over=True)
     source = OTHER[sw.target]
     view = obs.brokers[source]
-    if sw.target in obs.fenced and not starting:
-        # Fenced half-way: the switchover stops; the steady state activates whoever can.
+    why = (
+        "fenced" if sw.target in obs.fenced
+        else "damaged (journal)" if obs.brokers[sw.target].damaged and not sw.force
+        else None
+    )  # fmt: skip
+    if why is not None and not starting:
+        # Fenced, or restarted on a damaged journal, half-way: the switchover stops; the
+        # steady state activates whoever can.
         return decision.add(
-            Record(None, sw.epoch, reason=f"{sw.kind} aborted: {sw.target} fenced",
+            Record(None, sw.epoch, reason=f"{sw.kind} aborted: {sw.target} {why}",
                    handled_promote=sw.request_id if sw.kind == "promote" else None,
                    handled_recover=sw.request_id if sw.kind == "recover" else None),
-            Event("SwitchoverAborted", f"{sw.target} was fenced during the {sw.kind}", True),
+            Event("SwitchoverAborted", f"{sw.target} was {why} during the {sw.kind}", True),
         )  # fmt: skip
     if starting:
         decision.add(
@@ -475,7 +498,7 @@ def _continue_switchover(obs: Observation, sw: Switchover, starting: bool = Fals
     # The source is pointed at the new active by the steady state (rule 4) next time;
     # a request to it here could fail (it may be down) and must not hold up the record.
     return decision.add(
-        SetRole(sw.target, "active", epoch),
+        SetRole(sw.target, "active", epoch, force=sw.force and target.damaged),
         Route(sw.target),
         record,
         Event("SwitchedOver", f"{sw.target} active in epoch {epoch} ({sw.kind})"),

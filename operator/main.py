@@ -2,12 +2,12 @@
 
 Every second (throttled to the spec's probe interval), and at once when one of
 its pods changes (a broker container stopped or restarted), each BrokerCluster is
-reconciled: its children are applied in their desired state (server-side apply:
-a deleted or edited child is restored), both brokers are probed on their admin
-API, the Lease is read, `rollout.plan` picks the next step of a pod template
-change and `failover.decide` the role changes, and they are applied in order
-(role changes over the admin API, pod labels for the virtual IP, the Lease, pod
-deletions of a rollout, status, Events). The state that matters lives in the
+reconciled: both brokers are probed on their admin API, the Lease is read,
+`rollout.plan` picks the next step of a pod template change and `failover.decide`
+the role changes, and they are applied in order (role changes over the admin API,
+pod labels for the virtual IP, the Lease); only then are its children applied in
+their desired state (server-side apply: a deleted or edited child is restored),
+then a rollout's pod deletions, the status and Events. The state that matters lives in the
 status and the Lease; what is kept in kopf's per-resource memo (consecutive probe
 failures, the generated credentials) only delays a failover after an operator
 restart, it never causes one.
@@ -69,13 +69,19 @@ from twinmq.operator.models import (
     iso,
     parse_iso,
 )
-from twinmq.operator.probe import admin, passive_lag, probe, view_of
+from twinmq.operator.probe import admin, damage_text, passive_lag, probe, view_of
 from twinmq.operator.processes import broker_process, process_gone
 
 log = logging.getLogger(__name__)
 NAMES: tuple[BrokerName, ...] = ("primary", "backup")
-# Of each 1 s timer tick, how long a reconcile waits for a pod change before probing.
-WAKE_WINDOW = 0.7
+# Seconds between two passes of a cluster's loop (kopf's timer). Each pass waits for a pod
+# change until its probe is due, so a change is seen at once, not at the next tick: a
+# `sharp` 1 s timer slept to its grid after a pass and let a crash wait up to ~1 s.
+TICK = 0.05
+# The longest a pass waits for the watch to bring back the status the previous pass wrote.
+SETTLE_TIMEOUT = 2.0
+# Passes in a row that may leave the children to the next pass (a pod changed meanwhile).
+MAX_DEFERRED = 3
 ROLLOUT_REQUEST = "rollout-"
 """Prefix of the promote request a rollout's switchover runs as (never recorded as handled:
 `status.handledRequests.promote` keeps the user's own request id)."""
@@ -100,6 +106,11 @@ class Memory:
     # Per broker: the process (`processes.broker_process`) last seen serving as the active.
     serving: dict[str, str] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # a broker pod changed
+    probe_interval: float = 1.0  # the spec's, as of the last pass
+    # The resourceVersion a status patch was decided on: the next pass waits until the
+    # watch has brought a newer body (kopf does not update it from the patch's answer).
+    patched_from: str | None = None
+    deferred: int = 0  # passes in a row that left the children to the next (woken) pass
     # The generated Secret's data: a deleted Secret is restored with the credentials the
     # running brokers were started with (new ones would lock the operator out of them).
     credentials: dict[str, str] | None = None
@@ -196,6 +207,22 @@ def reconcile_children(
     return repaired
 
 
+def credentials_of(
+    cluster: ClusterRef, spec: BrokerClusterSpec, memory: Memory
+) -> dict[str, str] | None:
+    """The brokers' credentials (None: the given Secret does not exist). Generated ones are
+    read from their Secret once per operator process, or generated when it does not exist
+    yet; `reconcile_children` keeps that Secret in place."""
+    k = kube()
+    name = builders.secret_name(cluster, spec)
+    if spec.auth.secret_name is not None:
+        return k.get_secret_data(cluster.namespace, name)
+    if memory.credentials is None:
+        found = k.get_secret_data(cluster.namespace, name)
+        memory.credentials = found if found is not None else builders.generate_credentials()
+    return memory.credentials
+
+
 def repair_routing(
     cluster: ClusterRef,
     spec: BrokerClusterSpec,
@@ -270,6 +297,10 @@ def apply(
     are now, consistent with the active broker and epoch it records."""
     k = kube()
     new = status.model_copy(deep=True)
+    routed = {
+        n: ((pods.get(n) or {}).get("metadata", {}).get("labels") or {}).get(builders.LABEL_ROLE)
+        for n in NAMES
+    }  # each pod's role label, as this pass leaves it
 
     def ip(name: BrokerName) -> str | None:
         value = (pods.get(name) or {}).get("status", {}).get("podIP")
@@ -286,7 +317,9 @@ def apply(
                 if action.role == ACTIVE:
                     # Whatever process answers now is learned once it is seen serving.
                     memory.serving.pop(action.broker, None)
-                admin(target_ip, token).set_role(action.role, action.epoch, replicate_from)
+                admin(target_ip, token).set_role(
+                    action.role, action.epoch, replicate_from, force=action.force
+                )
                 views[action.broker] = memory.last_view[action.broker] = replace(
                     views[action.broker], role=action.role, epoch=action.epoch,
                     ready=views[action.broker].ready and action.role == PASSIVE,
@@ -309,11 +342,13 @@ def apply(
                 break
         elif isinstance(action, Route):
             for name in NAMES:
-                if pods.get(name) is not None:
-                    role = ACTIVE if name == action.broker else PASSIVE
+                role = ACTIVE if name == action.broker else PASSIVE
+                # Only the labels that change: each request delays the new active's turn.
+                if pods.get(name) is not None and routed.get(name) != role:
                     k.label_pod(
                         cluster.namespace, pod_name(cluster, name), {builders.LABEL_ROLE: role}
                     )
+                    routed[name] = role
             if action.broker is not None:
                 k.put_lease(builders.build_lease(
                     cluster, pod_name(cluster, action.broker),
@@ -356,6 +391,49 @@ def apply(
                 message=action.message,
             )
     return new
+
+
+def damage_of(
+    status: BrokerClusterStatus,
+    views: dict[BrokerName, BrokerView],
+    reports: dict[BrokerName, BrokerReport | None],
+) -> dict[BrokerName, str]:
+    """The damaged brokers and their `damage` text: as this probe's report says, else (no
+    answer) as the last view or, for an unreachable broker, the status said."""
+    before = {b.name: b for b in status.brokers}
+    out: dict[BrokerName, str] = {}
+    for name, view in views.items():
+        report, old = reports.get(name), before.get(name)
+        if report is not None:
+            if report.journal.damaged:
+                out[name] = damage_text(report)
+        elif (view.reachable and view.damaged) or (not view.reachable and old and old.damaged):
+            out[name] = (old.damage if old else "") or "journal damaged"
+    return out
+
+
+def damage_events(body: Any, old: BrokerClusterStatus, new: BrokerClusterStatus) -> None:
+    """A Warning Event when a broker is found damaged, a Normal one when it is healed (once
+    each: the status remembers what was reported)."""
+    was = {b.name: b.damaged for b in old.brokers}
+    for broker in new.brokers:
+        if broker.damaged and not was.get(broker.name, False):
+            kopf.event(body, type="Warning", reason="BrokerDamaged",
+                       message=f"{broker.name}: {broker.damage}")  # fmt: skip
+        elif not broker.damaged and was.get(broker.name, False):
+            kopf.event(body, type="Normal", reason="BrokerHealed",
+                       message=f"{broker.name}: its journal is whole again (a complete "
+                       "catch-up from the active, or a repair)")  # fmt: skip
+
+
+def damaged_condition(status: BrokerClusterStatus) -> tuple[str, bool, str, str]:
+    """BrokerDamaged (abnormal-true): a broker's journal is damaged; which, since when, where
+    its damaged files were moved."""
+    damaged = [b for b in status.brokers if b.damaged]
+    if not damaged:
+        return ("BrokerDamaged", False, "JournalsWhole", "")
+    return ("BrokerDamaged", True, "JournalDamaged",
+            "; ".join(f"{b.name}: {b.damage}" for b in damaged))  # fmt: skip
 
 
 def rollout_conditions(
@@ -497,23 +575,17 @@ def reconcile(
         {k: v for k, v in dict(status_raw or {}).items() if k != "kopf"}
     )
     memory, shared = memory_of(memo)
+    memory.probe_interval = spec.failover.probe_interval_seconds
     now = time.monotonic()
-    if not woken and now - memory.last_probe < spec.failover.probe_interval_seconds - 0.05:
+    if not woken and now - memory.last_probe < memory.probe_interval - 0.05:
         return None
     memory.last_probe = now
+    if woken:
+        # A step of a crash failover's timeline (bench/failover_time.py reads it).
+        log.info("%s/%s: woken by a pod change", cluster.namespace, cluster.name)
     k = kube()
     pods = {n: k.get_pod(cluster.namespace, pod_name(cluster, n)) for n in NAMES}
-    # Also when woken by a pod change: observedGeneration and the storage refusal are
-    # judged from what this pass applied (skipping it let a woken pass mark a refused
-    # resize as observed).
-    report_drift(body, reconcile_children(cluster, spec, memory, pods))
-    for name in NAMES:
-        if pods[name] is None:  # created just now
-            pods[name] = k.get_pod(cluster.namespace, pod_name(cluster, name))
-    if memory.credentials is not None and spec.auth.secret_name is None:
-        credentials: dict[str, str] | None = memory.credentials
-    else:
-        credentials = k.get_secret_data(cluster.namespace, builders.secret_name(cluster, spec))
+    credentials = credentials_of(cluster, spec, memory)
     if credentials is None:
         raise kopf.TemporaryError(f"secret {spec.auth.secret_name} not found", delay=5)
     token = credentials["admin-token"]
@@ -615,6 +687,19 @@ def reconcile(
         and views[active].role == ACTIVE
     ):
         report_drift(body, repair_routing(cluster, spec, active, pods, holder))
+    # The children after the decision: a failover waits for no server-side apply (under
+    # load, the ten or so requests took seconds; bench/failover_time.py). On every pass,
+    # woken or not: observedGeneration and the storage refusal are judged from what this
+    # pass applied (a woken pass that skipped them marked a refused resize as observed).
+    # A missing pod is created here and seen by the next pass. When a pod changed during
+    # this pass, the next pass runs at once and applies them: it need not wait for this
+    # pass's ten or so requests (a crash reported meanwhile waited ~1 s for them under
+    # load), and this pass then claims no generation as observed. Never more than a few
+    # passes in a row: pods that keep changing must not starve the children.
+    deferred = memory.wake.is_set() and memory.deferred < MAX_DEFERRED
+    memory.deferred = memory.deferred + 1 if deferred else 0
+    if not deferred:
+        report_drift(body, reconcile_children(cluster, spec, memory, pods))
     for step in plan.actions:
         if isinstance(step, rollout.DeletePod):
             pod = pods[step.broker] or {}
@@ -634,25 +719,32 @@ def reconcile(
         since=iso(datetime.fromtimestamp(progress.since, UTC)), message=progress.message,
     )  # fmt: skip
     lags = {n: passive_lag(n, new.active_broker, reports) for n in NAMES}
+    damage = damage_of(status, views, reports)
     new.brokers = [
         BrokerSummary(
             name=n, pod=pod_name(cluster, n), role=v.role if v.reachable else "unknown",
             reachable=v.reachable, ready=v.ready, epoch=v.epoch,
             link_connected=v.link_connected, fenced=n in new.fenced_brokers,
             lag_messages=lags[n][0], lag_seconds=lags[n][1],
+            damaged=n in damage, damage=damage.get(n, ""),
         )
         for n, v in views.items()
     ]  # fmt: skip
-    extra = rollout_conditions(new.rollout, memory.storage_refusal)
+    damage_events(body, status, new)
+    extra = [
+        *rollout_conditions(new.rollout, memory.storage_refusal),
+        damaged_condition(new),
+    ]
     new.conditions = conditions(decision, new, views, generation, extra)
-    if plan.converged and memory.storage_refusal is None:
+    if plan.converged and memory.storage_refusal is None and not deferred:
         # Observed only once the pods run this generation's spec (Argo CD, Flux, kstatus
         # read a spec change as done when observedGeneration reaches it).
         new.observed_generation = generation
-    created = parse_iso(meta.get("creationTimestamp") or now_iso())
-    memory.audit_error = AuditRunner(k, cluster, spec, new, body, generation).reconcile_guarded(
-        created, datetime.now(UTC), memory.audit_error
-    )
+    if not deferred:  # the audits too wait for the next pass
+        created = parse_iso(meta.get("creationTimestamp") or now_iso())
+        memory.audit_error = AuditRunner(k, cluster, spec, new, body, generation).reconcile_guarded(
+            created, datetime.now(UTC), memory.audit_error
+        )
     updating = new.rollout is not None and new.rollout.step not in ("Complete", "Stalled")
     new.phase = (
         "FailingOver" if decision.failing_over else "Pending" if new.epoch == 0
@@ -680,20 +772,42 @@ def status_refusal(status: BrokerClusterStatus) -> str | None:
     return stalled.message.removeprefix("volume resize refused: ")
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=1.0, sharp=True)
+async def settled(meta: Any, memory: Memory) -> None:
+    """Wait until the live body is newer than the one the last status patch was decided
+    on: deciding again on the status from before that patch would act twice (a recorded
+    failover taken for an epoch to learn, a handled request handled again)."""
+    if memory.patched_from is None:
+        return
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    while meta.get("resourceVersion") == memory.patched_from:
+        if time.monotonic() > deadline:
+            log.warning("%s/%s: the status written %.1f s ago has not come back through the "
+                        "watch; reconciling on the body as it is", meta.get("namespace"),
+                        meta.get("name"), SETTLE_TIMEOUT)  # fmt: skip
+            break
+        await asyncio.sleep(0.01)
+    memory.patched_from = None
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=TICK)
 async def tick(
     body: Any, spec: Any, status: Any, meta: Any, patch: Any, memo: Any, **_: Any
 ) -> None:
-    """The reconcile loop: waits up to `WAKE_WINDOW` for a pod change (then reconciles at
-    once), else reconciles when the probe interval is due. `body` and its views are live."""
+    """One pass of the reconcile loop: waits for a pod change (then reconciles at once)
+    until the probe interval is due. `body` and its views are live (kopf updates them
+    from the watch)."""
     memory, shared = memory_of(memo)
     shared.clusters[meta["uid"]] = memory
+    await settled(meta, memory)
+    due = memory.last_probe + memory.probe_interval - 0.05 - time.monotonic()
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(memory.wake.wait(), WAKE_WINDOW)
+        await asyncio.wait_for(memory.wake.wait(), max(due, 0.0))
     woken = memory.wake.is_set()
     memory.wake.clear()
+    version = meta.get("resourceVersion")
     new = await asyncio.to_thread(reconcile, body, spec, status, meta, memo, woken)
     if new is not None:
+        memory.patched_from = version
         for key, value in new.items():
             patch.status[key] = value
 

@@ -473,7 +473,14 @@ Phase = Literal[
     "Pending", "Creating", "Ready", "Updating", "Degraded", "FailingOver", "Recovering", "Failed"
 ]
 ConditionType = Literal[
-    "Ready", "Replicating", "FailingOver", "Degraded", "Reconciling", "Stalled", "AuditPassed"
+    "Ready",
+    "Replicating",
+    "FailingOver",
+    "Degraded",
+    "Reconciling",
+    "Stalled",
+    "AuditPassed",
+    "BrokerDamaged",
 ]
 
 
@@ -505,6 +512,16 @@ class BrokerSummary(ApiModel):
     )
     lag_seconds: float = Field(0.0, description="Age of the oldest of those messages")
     fenced: bool = False
+    damaged: bool = Field(
+        False,
+        description="Its journal recovered with corruption and no catch-up has made it whole "
+        "since: it may lack messages it confirmed, and is activated only by a forced promote",
+    )
+    damage: str = Field(
+        "",
+        description="Since when, and where the damaged files were moved (quarantine); empty "
+        "when not damaged",
+    )  # not None: a merge patch's null would delete the key, and kopf warns at every patch
 
 
 class FailoverRecord(ApiModel):

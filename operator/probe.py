@@ -8,6 +8,7 @@ uses for `POST /role`; every broker shares one connection pool.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -54,6 +55,28 @@ def view_of(report: BrokerReport, name: BrokerName, active_ip: str | None) -> Br
         replicating_from_active=active_ip is not None
         and replication.peer == f"{active_ip}:{REPLICATION_PORT}"
         and replication.link_connected,
+        damaged=report.journal.damaged,
+    )
+
+
+def damage_text(report: BrokerReport) -> str:
+    """Where a damaged broker's journal stands: since when, and where the unreadable files
+    were moved (under its data directory's quarantine folder)."""
+    journal = report.journal
+    since = (
+        "" if journal.damaged_since is None
+        else " since " + datetime.fromtimestamp(journal.damaged_since, UTC).strftime(
+            "%Y-%m-%dT%H:%M:%SZ")
+    )  # fmt: skip
+    moved = sorted({c.quarantined_as for c in journal.corruption if c.quarantined_as})
+    where = (
+        f"; damaged files moved to {', '.join(moved)}" if moved
+        else f"; {journal.quarantined_files} file(s) in its quarantine folder"
+        if journal.quarantined_files else ""
+    )  # fmt: skip
+    return (
+        f"journal damaged{since} ({len(journal.corruption)} unreadable stretch(es)){where}: it "
+        "may lack messages it confirmed and is not activated without a forced promote"
     )
 
 

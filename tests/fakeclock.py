@@ -1,10 +1,8 @@
-"""A monotonic clock that moves only when the test says so (`broker.lease.Clock`), and
-waiting on the real event loop for what real I/O does meanwhile."""
+"""A monotonic clock that moves only when the test says so (`broker.lease.Clock`)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 
 class FakeClock:
@@ -13,14 +11,19 @@ class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0
         self.moved = asyncio.Condition()
+        self.sleeping = 0  # tasks asleep on this clock right now
 
     def monotonic(self) -> float:
         return self.now
 
     async def sleep(self, seconds: float) -> None:
         until = self.now + seconds
-        async with self.moved:
-            await self.moved.wait_for(lambda: self.now >= until)
+        self.sleeping += 1
+        try:
+            async with self.moved:
+                await self.moved.wait_for(lambda: self.now >= until)
+        finally:
+            self.sleeping -= 1
 
     async def advance_to(self, when: float) -> None:
         """Move to `when` and let every task that can run, run."""
@@ -29,12 +32,3 @@ class FakeClock:
             self.moved.notify_all()
         for _ in range(20):
             await asyncio.sleep(0)
-
-
-async def until(what: str, check: Callable[[], bool]) -> None:
-    """Let the real event loop run (HTTP round trips) until `check()`; fail after 30 s."""
-    for _ in range(3000):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")

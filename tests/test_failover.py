@@ -8,7 +8,9 @@ message. After every step the invariants are checked:
 - never two active brokers in one epoch (nor two live actives at all here);
 - never a promotion that loses confirmed messages unless the spec allows it
   (or a forced promote asked for it);
-- during recovery, the primary is activated only once the backup reports passive.
+- during recovery, the primary is activated only once the backup reports passive;
+- a damaged broker (journal corruption found at restart, not healed by a catch-up)
+  is never asked to become active unless a forced promote asked for it.
 
 Kubernetes' report of a broker's process (pod, container state, restart count) may
 lag behind the truth but never runs ahead of it: `stopped` is only ever true for a
@@ -54,6 +56,7 @@ class SimBroker:
     incarnation: int = 0  # bumped by every restart of its process
     activated: int | None = None  # the incarnation last activated
     reported: tuple[int, bool] = (0, True)  # Kubernetes' (lagging) view: incarnation, running
+    damaged: bool = False  # its journal recovered with corruption; healed by a catch-up
 
     @property
     def stopped(self) -> bool:
@@ -95,6 +98,7 @@ class World:
                 ready=b.alive and b.role == "passive" and b.has_all,
                 link_connected=b.alive and b.linked,
                 replicating_from_active=b.linked, stopped=b.stopped,
+                damaged=seen and b.damaged,
             )  # fmt: skip
         return Observation(
             brokers=views, active=self.active, epoch=self.epoch,
@@ -149,14 +153,16 @@ class World:
             if b.name in self.fenced:
                 self.violations.append(f"fenced {b.name} promoted")
             other = self.brokers[OTHER[action.broker]]
-            if not b.has_all:
-                # A switchover in progress carries the force of the request that began it.
-                sw = self.switchover
-                forced = (
-                    sw.force if sw is not None else (self.promote is not None and self.promote[2])
-                )
-                if not (self.allow_data_loss or forced):
-                    self.violations.append(f"{b.name} promoted without every confirmed message")
+            # A switchover in progress carries the force of the request that began it.
+            sw = self.switchover
+            forced = sw.force if sw is not None else (self.promote is not None and self.promote[2])
+            if b.damaged:
+                if not forced:
+                    self.violations.append(f"damaged {b.name} activated without a forced promote")
+                if not action.force:
+                    return False  # 409 broker damaged
+            if not b.has_all and not (self.allow_data_loss or forced):
+                self.violations.append(f"{b.name} promoted without every confirmed message")
             if other.alive and other.role == "active":
                 self.violations.append(f"{b.name} activated while {other.name} is active")
             sw = self.switchover
@@ -209,7 +215,10 @@ class World:
             self.active, self.epoch = (None, 0) if flag else old
             self.switchover = None
         elif kind == "catch_up" and b.alive and b.role == "passive" and b.linked:
-            b.has_all = True
+            b.has_all, b.damaged = True, False  # a complete catch-up heals a damaged journal
+        elif kind == "corrupt" and not b.alive:
+            # Its journal is found corrupt when it restarts: it may lack what it confirmed.
+            b.damaged, b.has_all = True, False
         elif kind == "cut_link":
             b.linked = False
         elif kind == "publish":
@@ -256,7 +265,8 @@ class World:
 EVENTS = st.tuples(
     st.sampled_from(
         ["crash", "restart", "catch_up", "cut_link", "publish", "lease_expires", "promote",
-         "recover", "lose_request", "isolate", "fence", "kubelet_reports", "lose_status"]
+         "recover", "lose_request", "isolate", "fence", "kubelet_reports", "lose_status",
+         "corrupt"]
     ),
     st.sampled_from(NAMES),
     st.booleans(),
@@ -290,7 +300,8 @@ def test_random_event_sequences_keep_every_invariant(
 
 REQUEST_EVENTS = st.tuples(
     st.sampled_from(["promote", "recover", "lose_request", "catch_up", "crash", "restart",
-                     "isolate", "lease_expires", "fence", "kubelet_reports", "lose_status"]),
+                     "isolate", "lease_expires", "fence", "kubelet_reports", "lose_status",
+                     "corrupt"]),
     st.sampled_from(NAMES),
     st.booleans(),
 )  # fmt: skip
@@ -302,6 +313,23 @@ def test_switchovers_under_lost_requests_keep_every_invariant(
     events: list[tuple[str, BrokerName, bool]],
 ) -> None:
     world = _run(_started(), events)
+    assert not world.violations, world.violations
+
+
+DAMAGE_EVENTS = st.tuples(
+    st.sampled_from(["crash", "corrupt", "restart", "kubelet_reports", "publish", "cut_link",
+                     "catch_up", "lease_expires", "promote", "recover"]),
+    st.sampled_from(NAMES),
+    st.booleans(),
+)  # fmt: skip
+
+
+@settings(max_examples=500, deadline=None, database=None)
+@given(st.lists(DAMAGE_EVENTS, min_size=3, max_size=30), st.booleans())
+def test_a_damaged_broker_is_never_activated_without_a_forced_promote(
+    events: list[tuple[str, BrokerName, bool]], allow_data_loss: bool
+) -> None:
+    world = _run(_started(allow_data_loss), events)
     assert not world.violations, world.violations
 
 
@@ -485,6 +513,66 @@ def test_a_stopped_active_is_replaced_even_before_the_backup_noticed_its_link_dr
         active="primary", epoch=1, lease_holder="primary", lease_expired=False, routed="primary",
     )  # fmt: skip
     assert _promoted(decide(stopped)) == [SetRole("backup", "active", 2)]
+
+
+# -- a damaged broker (journal corruption found at restart) -------------------------------
+
+
+def _damaged_backup(allow_data_loss: bool = False) -> World:
+    """Started; then the backup crashed, restarted on a corrupt journal, unreported."""
+    world = _started(allow_data_loss)
+    world.step(("crash", "backup", True))
+    world.step(("corrupt", "backup", False))
+    world.step(("restart", "backup", True))
+    return world
+
+
+def test_a_damaged_backup_is_not_promoted_when_the_active_crashes() -> None:
+    for allow_data_loss in (False, True):
+        world = _damaged_backup(allow_data_loss)
+        world.step(("crash", "primary", True))
+        decision = decide(world.observe())
+        assert _promoted(decision) == []
+        assert decision.degraded is not None and "damaged" in decision.degraded
+        world.apply(decision)
+        assert not world.violations
+
+
+def test_a_restarted_active_with_a_damaged_journal_is_not_reactivated() -> None:
+    world = _run(_started(), [
+        ("cut_link", "backup", False),
+        ("publish", "primary", False),  # the backup cannot take over without loss
+        ("crash", "primary", True),
+        ("corrupt", "primary", False),
+        ("restart", "primary", True),  # back passive, on a damaged journal
+    ])  # fmt: skip
+    assert _promoted(decide(world.observe())) == []
+    assert world.brokers["primary"].role == "passive" and not world.violations
+
+
+def test_a_damaged_broker_is_promoted_only_by_a_forced_promote_and_with_force() -> None:
+    world = _damaged_backup()
+    world.step(("promote", "backup", False))
+    refused = decide(world.observe())
+    assert _promoted(refused) == []
+    assert any(isinstance(a, Event) and a.reason == "PromoteRefused" and "damaged" in a.message
+               for a in refused.actions)  # fmt: skip
+    world.apply(refused)
+    world.step(("promote", "backup", True))  # forced: the user accepts the loss
+    for _ in range(3):
+        world.step(("reconcile", "primary", False))
+    assert (world.active, world.brokers["backup"].role) == ("backup", "active")
+    assert not world.violations
+
+
+def test_a_damaged_broker_healed_by_a_catch_up_is_promotable_again() -> None:
+    world = _damaged_backup()
+    world.step(("reconcile", "primary", False))  # pointed at the active again
+    world.step(("catch_up", "backup", False))
+    assert not world.observe().brokers["backup"].damaged
+    world.step(("crash", "primary", True))
+    world.step(("reconcile", "primary", False))
+    assert (world.active, world.epoch) == ("backup", 2) and not world.violations
 
 
 # -- the epoch, learned from the brokers ---------------------------------------------------

@@ -298,3 +298,44 @@ def test_a_damaged_broker_back_as_passive_is_healed_by_catch_up(
         pair.promote_passive()  # no force needed: a was made whole by the catch-up
         assert sorted(drain(a, QUEUE)) == sorted(sent)
         assert (status(a) or {})["journal"]["healed_by"] == "b"
+
+
+def test_the_operator_reports_a_damaged_broker_and_where_its_damaged_file_went(
+    tmp_path: Path,
+) -> None:
+    from twinmq.operator.failover import BrokerView, Decision
+    from twinmq.operator.main import conditions, damage_of, damaged_condition
+    from twinmq.operator.models import BrokerClusterStatus, BrokerSummary
+    from twinmq.operator.probe import view_of
+
+    broker, _, victim, _, _ = _damaged_data_dir(tmp_path)
+    broker.extra_args = ["--role", "passive"]
+    with broker.start():
+        report = broker.admin.status()
+    view = view_of(report, "backup", None)
+    assert view.damaged and not view.ready
+    gone = BrokerView("primary", reachable=False)
+    found = damage_of(BrokerClusterStatus(), {"primary": gone, "backup": view},
+                      {"primary": None, "backup": report})  # fmt: skip
+    assert list(found) == ["backup"]
+    moved = report.journal.corruption[0].quarantined_as
+    assert moved is not None and moved.endswith(victim.name) and moved in found["backup"]
+    assert "since 20" in found["backup"]
+    status = BrokerClusterStatus(
+        brokers=[BrokerSummary(name="backup", damaged=True, damage=found["backup"])]
+    )
+    assert damaged_condition(status) == (
+        "BrokerDamaged", True, "JournalDamaged", f"backup: {found['backup']}"
+    )  # fmt: skip
+    (written,) = [
+        c
+        for c in conditions(
+            Decision(), status, {"primary": gone, "backup": view}, 1, [damaged_condition(status)]
+        )
+        if c.type == "BrokerDamaged"
+    ]
+    assert (written.status, written.reason) == ("True", "JournalDamaged")  # fmt: skip
+    # Unreachable next time: still damaged as far as anyone knows, with the same story.
+    unreachable = {"primary": gone, "backup": BrokerView("backup", reachable=False)}
+    assert damage_of(status, unreachable, {"primary": None, "backup": None}) == found
+    assert damaged_condition(BrokerClusterStatus())[1] is False

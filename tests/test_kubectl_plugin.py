@@ -191,6 +191,13 @@ def test_status_rows_of_a_new_cluster_and_of_a_fenced_unreachable_broker() -> No
     assert row[:8] == ("prod", "orders", "primary", "unknown (fenced)", "0", "no", "no", "0")
 
 
+def test_status_rows_show_a_broker_whose_journal_is_damaged() -> None:
+    damaged = {"name": "backup", "role": "passive", "reachable": True, "damaged": True,
+               "damage": "journal damaged since 2026-11-23T10:00:00Z"}  # fmt: skip
+    (row,) = status_rows([cluster_obj(phase="Degraded", brokers=[damaged])], NOW)
+    assert row[:4] == ("orders", "backup", "passive (damaged)", "0")
+
+
 def test_render_table_aligns_columns_like_kubectl() -> None:
     rows = status_rows([cluster_obj(phase="Ready", brokers=pair())], NOW)
     lines = render_table(rows).splitlines()
@@ -340,6 +347,18 @@ def test_promote_warns_about_an_unready_target_and_a_replaced_request() -> None:
     assert code == EXIT_OK
     assert "backup is not ready" in err
     assert "replacing the promote request old" in err
+
+
+def test_promote_warns_about_a_damaged_target_unless_forced() -> None:
+    brokers = pair(backup_ready=False)
+    brokers[1] |= {"damaged": True, "damage": "journal damaged since 2026-11-23T10:00:00Z"}
+    obj = cluster_obj(activeBroker="primary", epoch=1, brokers=brokers)
+    code, _, err = run(FakeKube(obj), ["promote", "orders", "backup"])
+    assert code == EXIT_OK
+    assert "backup's journal is damaged (journal damaged since 2026-11-23T10:00:00Z)" in err
+    assert "--force" in err
+    _, _, forced = run(FakeKube(obj), ["promote", "orders", "backup", "--force"])
+    assert "damaged" not in forced
 
 
 def test_promote_of_the_active_broker_changes_nothing() -> None:

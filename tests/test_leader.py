@@ -27,7 +27,8 @@ from typing import Any
 
 import pytest
 from apiserver import KubeApiServer
-from fakeclock import FakeClock, until
+from fakeclock import FakeClock
+from polling import until
 
 from twinmq.broker.launcher import free_port
 from twinmq.operator.kube import Kube

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 from aiohttp import web
-from fakeclock import FakeClock, until
+from fakeclock import FakeClock
+from polling import until
 
 from twinmq.broker.api import Role
 from twinmq.broker.lease import FENCE_MARGIN, HANDOVER_RETRY, LeaseKeeper
@@ -97,6 +98,12 @@ async def keeping(
             await asyncio.gather(task, return_exceptions=True)
 
 
+def asleep(clock: FakeClock) -> Callable[[], bool]:
+    """`until` check: both of the keeper's tasks (renewals, deadline) wait on the clock, so
+    moving it now wakes them rather than a sleep that starts after the move."""
+    return lambda: clock.sleeping == 2
+
+
 def renewed(api: ApiServer, count: int) -> Callable[[], bool]:
     """`until` check: the API server has seen `count` renewals."""
     return lambda: len(api.renewals) == count
@@ -138,12 +145,13 @@ def test_renewals_keep_an_active_broker_active_past_the_first_deadline() -> None
     run(scenario)
 
 
-def test_a_lease_taken_by_another_broker_after_it_was_ours_fences_at_once() -> None:
+def test_a_lease_taken_by_another_broker_after_the_handover_fences_at_once() -> None:
     async def scenario() -> None:
         api, clock, broker = ApiServer("orders-primary", hang=False), FakeClock(), Broker()
         async with keeping(api, clock, broker) as keeper:
             await until("the first renewal", renewed(api, 1))
-            api.holder = "orders-backup"  # the operator gave the role to the other broker
+            await until("the keeper waits for its next renewal", asleep(clock))
+            api.holder = "orders-backup"
             await clock.advance_to(clock.now + keeper.period)
             await until("the broker stepped down", broker.demoted.is_set)
             assert keeper.fenced_at == clock.now < keeper.deadline  # not at the deadline
@@ -152,40 +160,41 @@ def test_a_lease_taken_by_another_broker_after_it_was_ours_fences_at_once() -> N
     run(scenario)
 
 
-def test_a_lease_not_yet_handed_over_after_activation_is_waited_for() -> None:
-    """The operator writes the Lease just after the activation: reading the previous
-    holder in between must not make the new active fence itself (it once did, and the
-    pair then waited a whole Lease for a second activation)."""
-
+def test_a_just_activated_broker_waits_for_the_operator_to_hand_the_lease_over() -> None:
     async def scenario() -> None:
+        # The operator writes the Lease just after the activation: the first reads still
+        # name the previous active. Fencing then cost a failover the Lease's duration.
         api, clock, broker = ApiServer("orders-backup", hang=False), FakeClock(), Broker()
         async with keeping(api, clock, broker) as keeper:
-            await until("a read of the old holder", lambda: api.requests >= 1)
-            await clock.advance_to(clock.now + HANDOVER_RETRY)
-            await until("a second read", lambda: api.requests >= 2)
-            assert broker.role == "active" and api.renewals == []
-            api.holder = "orders-primary"  # the operator's write arrives
+            for n in range(1, 4):
+                await until(f"read {n} of the Lease", lambda: api.requests >= n)  # noqa: B023
+                await until("the keeper waits to read it again", asleep(clock))
+                await clock.advance_to(clock.now + HANDOVER_RETRY)
+            await until("read 4 of the Lease", lambda: api.requests >= 4)
+            await until("the keeper waits to read it again", asleep(clock))
+            assert broker.role == "active" and not keeper.handed_over
+            api.holder = "orders-primary"  # the operator's handover
             await clock.advance_to(clock.now + HANDOVER_RETRY)
             await until("the first renewal", renewed(api, 1))
-            first_deadline = keeper.deadline
-            await clock.advance_to(clock.now + keeper.period)
-            await until("the second renewal", renewed(api, 2))
-            assert broker.role == "active" and keeper.deadline > first_deadline
+            assert keeper.handed_over and broker.role == "active"
+            assert keeper.fenced_at is None
 
     run(scenario)
 
 
-def test_a_lease_never_handed_over_fences_at_the_activation_deadline() -> None:
+def test_a_lease_never_handed_over_fences_the_activated_broker_at_its_deadline() -> None:
     async def scenario() -> None:
         api, clock, broker = ApiServer("orders-backup", hang=False), FakeClock(), Broker()
+        lapses_at = clock.now + DURATION
         async with keeping(api, clock, broker) as keeper:
-            deadline = keeper.deadline
-            while clock.now + HANDOVER_RETRY < deadline:
-                await clock.advance_to(clock.now + HANDOVER_RETRY)
-                assert broker.role == "active"
-            await clock.advance_to(deadline)
+            await until("the first read of the Lease", lambda: api.requests >= 1)
+            await until("the keeper waits to read it again", asleep(clock))
+            await clock.advance_to(lapses_at - FENCE_MARGIN - 0.5)
+            assert broker.role == "active", "fenced before its deadline"
+            await clock.advance_to(lapses_at - FENCE_MARGIN)
             await until("the broker stepped down", broker.demoted.is_set)
-            assert keeper.fenced_at == deadline and api.renewals == []
+            assert keeper.fenced_at is not None and keeper.fenced_at < lapses_at
+            assert api.renewals == []
 
     run(scenario)
 
