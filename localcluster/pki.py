@@ -6,7 +6,7 @@ import secrets
 import subprocess
 from pathlib import Path
 
-from twinmq.localcluster.layout import GATEWAY_IP, KUBERNETES_SERVICE_IP, Layout
+from twinmq.localcluster.layout import GATEWAY_IP, KUBERNETES_SERVICE_IP, NODE_NAME, Layout
 
 ADMIN_USER = "twinmq-admin"
 
@@ -38,6 +38,9 @@ def ensure_pki(layout: Layout) -> None:
             cwd=pki,
         )
     _signed(pki, "kubelet", "/CN=twinmq-node", f"subjectAltName=IP:{GATEWAY_IP}", "serverAuth")
+    # The real node's kubelet (TWINMQ_NODE=kubelet) registers with this; the Node authorizer
+    # scopes it to its own pods' objects.
+    _signed(pki, "node-client", f"/O=system:nodes/CN=system:node:{NODE_NAME}", "", "clientAuth")
     _signed(pki, "apiserver-kubelet-client", "/CN=kube-apiserver-kubelet-client", "", "clientAuth")
     if not (pki / "apiserver.crt").exists():
         sans = ",".join(
