@@ -128,6 +128,11 @@ def build(binary: Binary, *, force: bool = False) -> Path:
     return target
 
 
+def needed(mode: str) -> list[Binary]:
+    """Return the binaries a cluster with node `mode` runs (the kubelet only for `kubelet`)."""
+    return [binary for binary in BINARIES if binary.node_mode in (None, mode)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Build the named binaries (default: all the cluster's node mode needs) that are
     missing from the cache."""
@@ -142,9 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shutil.which("go") is None:
         _log("`go` is not on PATH")
         return 2
-    mode = node_mode()
-    default = [b for b in BINARIES if b.node_mode in (None, mode)]
-    wanted = [known[n] for n in args.names] if args.names else default
+    wanted = [known[n] for n in args.names] if args.names else needed(node_mode())
     started = time.monotonic()
     for index, binary in enumerate(wanted, 1):
         _log(f"[{index}/{len(wanted)}] {binary.name}")

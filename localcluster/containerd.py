@@ -37,8 +37,8 @@ NAMESPACE = "k8s.io"
 """containerd's namespace for everything the CRI plugin (the kubelet) uses."""
 PAUSE_IMAGE = "registry.k8s.io/pause:twinmq"
 CNI_BIN = Path("/usr/lib/cni")
-PACKAGES = ("containerd", "runc", "containernetworking-plugins")
-"""Debian packages of the real node (installed by `make cluster` when missing)."""
+PACKAGES = ("containerd", "runc")
+"""Debian packages of the real node besides the cluster's own (installed when missing)."""
 DISABLED_PLUGINS = (
     # `opt` would create /opt/containerd on the host; the others are unused snapshotters.
     "io.containerd.internal.v1.opt",
