@@ -40,7 +40,9 @@ def test_the_cni_network_list_is_the_node_agents_bridge_network() -> None:
     plugin = cni_config(LAYOUT)
     conflist = containerd.cni_conflist(plugin)
     assert conflist["name"] == plugin["name"] and conflist["cniVersion"] == plugin["cniVersion"]
-    [inner] = conflist["plugins"]  # type: ignore[misc]
+    plugins = conflist["plugins"]
+    assert isinstance(plugins, list) and len(plugins) == 1
+    inner = plugins[0]
     assert inner["type"] == "bridge" and inner["ipam"] == plugin["ipam"]
     assert "name" not in inner
 
