@@ -191,7 +191,8 @@ def import_image(layout: Layout, archive: Path, references: list[str]) -> bool:
     if all(held.get(ref) == digest for ref in references):
         return False
     before = set(held)
-    ctr(layout, "images", "import", "--digests", "--no-unpack", str(archive))
+    # Unpacked into the overlayfs snapshotter, where the CRI runs containers from.
+    ctr(layout, "images", "import", "--digests", "--snapshotter", "overlayfs", str(archive))
     # `--digests` names it import-<date>@sha256:...; whatever the archive's own name, tag it.
     imported = [ref for ref, d in image_digests(layout).items() if d == digest]
     source = next((r for r in imported if r not in before), imported[0])
@@ -201,9 +202,6 @@ def import_image(layout: Layout, archive: Path, references: list[str]) -> bool:
     for ref in imported:
         if ref not in references and ref.startswith("import-"):
             ctr(layout, "images", "rm", ref, check=False)
-    # The CRI runs containers from images unpacked into its snapshotter.
-    for ref in references:
-        ctr(layout, "images", "unpack", "--snapshotter", "overlayfs", ref, check=False)
     return True
 
 
