@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--container")
     for verb in ("stop", "start"):
         p = sub.add_parser(verb)
-        p.add_argument("component", choices=cluster.COMPONENTS)
+        p.add_argument("component", choices=cluster.ALL_COMPONENTS)
     p = sub.add_parser("api-outage")
     p.add_argument("seconds", type=float)
     args = parser.parse_args(argv)
