@@ -308,7 +308,8 @@ def prepare(layout: Layout, server: str) -> None:
     """Before the node starts: configs, sysctl copies, cgroups, the pause image."""
     containerd.write_config(layout)
     write_config(layout, server)
-    prepare_namespace(layout)
+    if daemons.read_pid(layout, NS_COMPONENT) is None:
+        prepare_namespace(layout)
     setup_cgroups()
     marker = layout.containerd / "run-containerd-created"
     if not RUN_CONTAINERD.exists() and not marker.exists():
