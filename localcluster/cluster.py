@@ -49,7 +49,7 @@ from twinmq.localcluster.layout import (
     node_mode,
     repo_root,
 )
-from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki
+from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki, kubeconfig
 from twinmq.localcluster.versions import BINARIES
 
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
@@ -88,24 +88,7 @@ def api_url() -> str:
 
 def kubeconfig_text(layout: Layout) -> str:
     """Return the admin kubeconfig (static bearer token, cluster CA embedded)."""
-    import base64
-
-    ca = base64.b64encode((layout.pki / "ca.crt").read_bytes()).decode()
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "twinmq-local",
-                "cluster": {"server": api_url(), "certificate-authority-data": ca},
-            }
-        ],
-        "users": [{"name": ADMIN_USER, "user": {"token": admin_token(layout)}}],
-        "contexts": [
-            {"name": "twinmq-local", "context": {"cluster": "twinmq-local", "user": ADMIN_USER}}
-        ],
-        "current-context": "twinmq-local",
-    }
+    config = kubeconfig(layout, api_url(), ADMIN_USER, {"token": admin_token(layout)})
     return json.dumps(config, indent=2) + "\n"
 
 

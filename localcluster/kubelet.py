@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -38,6 +37,7 @@ from twinmq.localcluster.layout import (
     NODE_POD_CIDR,
     Layout,
 )
+from twinmq.localcluster.pki import kubeconfig
 
 MASKED_SYSCTLS = (
     "vm/overcommit_memory",
@@ -231,28 +231,13 @@ def config(layout: Layout) -> dict[str, Any]:
     }
 
 
-def kubeconfig(layout: Layout, server: str) -> dict[str, Any]:
-    """Return the kubelet's kubeconfig: the node's client certificate (pure)."""
-    ca = base64.b64encode((layout.pki / "ca.crt").read_bytes()).decode()
-    user = f"system:node:{NODE_NAME}"
-    return {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {"name": "local", "cluster": {"server": server, "certificate-authority-data": ca}}
-        ],
-        "users": [
-            {
-                "name": user,
-                "user": {
-                    "client-certificate": str(layout.pki / "node-client.crt"),
-                    "client-key": str(layout.pki / "node-client.key"),
-                },
-            }
-        ],
-        "contexts": [{"name": "local", "context": {"cluster": "local", "user": user}}],
-        "current-context": "local",
+def node_kubeconfig(layout: Layout, server: str) -> dict[str, Any]:
+    """Return the kubelet's kubeconfig: the node's client certificate."""
+    credentials = {
+        "client-certificate": str(layout.pki / "node-client.crt"),
+        "client-key": str(layout.pki / "node-client.key"),
     }
+    return kubeconfig(layout, server, f"system:node:{NODE_NAME}", credentials)
 
 
 def write_config(layout: Layout, server: str) -> None:
@@ -260,7 +245,7 @@ def write_config(layout: Layout, server: str) -> None:
     layout.kubelet.mkdir(parents=True, exist_ok=True)
     (layout.kubelet / "config.json").write_text(json.dumps(config(layout), indent=2) + "\n")
     path = layout.kubelet / "kubeconfig"
-    path.write_text(json.dumps(kubeconfig(layout, server), indent=2) + "\n")
+    path.write_text(json.dumps(node_kubeconfig(layout, server), indent=2) + "\n")
     path.chmod(0o600)
     (layout.kubelet / "resolv.conf").write_text("")
     for folder in (root_dir(layout), layout.logs / "kubelet-pods"):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import secrets
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from twinmq.localcluster.layout import GATEWAY_IP, KUBERNETES_SERVICE_IP, NODE_NAME, Layout
 
@@ -120,3 +122,20 @@ def _signed(pki: Path, name: str, subject: str, extension: str, usage: str) -> N
 def admin_token(layout: Layout) -> str:
     """Return the static admin bearer token (in group system:masters)."""
     return (layout.pki / "tokens.csv").read_text().split(",", 1)[0]
+
+
+def kubeconfig(
+    layout: Layout, server: str, user: str, credentials: dict[str, str]
+) -> dict[str, Any]:
+    """Return a kubeconfig for `server` (the cluster CA embedded) as `user` with
+    `credentials`: a token, or client-certificate and client-key paths."""
+    ca = base64.b64encode((layout.pki / "ca.crt").read_bytes()).decode()
+    name = "twinmq-local"
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": name, "cluster": {"server": server, "certificate-authority-data": ca}}],
+        "users": [{"name": user, "user": credentials}],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": user}}],
+        "current-context": name,
+    }
