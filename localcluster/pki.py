@@ -131,10 +131,11 @@ def kubeconfig(
     `credentials`: a token, or client-certificate and client-key paths."""
     ca = base64.b64encode((layout.pki / "ca.crt").read_bytes()).decode()
     name = "twinmq-local"
+    cluster = {"server": server, "certificate-authority-data": ca}
     return {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": name, "cluster": {"server": server, "certificate-authority-data": ca}}],
+        "clusters": [{"name": name, "cluster": cluster}],
         "users": [{"name": user, "user": credentials}],
         "contexts": [{"name": name, "context": {"cluster": name, "user": user}}],
         "current-context": name,
