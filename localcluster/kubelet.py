@@ -136,12 +136,13 @@ def kill_namespace_members(layout: Layout) -> list[int]:
 # -- cgroups ---------------------------------------------------------------------------------
 
 
-def cgroup_v1_mounts(mountinfo: str) -> list[Path]:
-    """Return the mount points of cgroup v1 hierarchies in a /proc/self/mountinfo text (pure)."""
+def cgroup_mounts(mountinfo: str, types: tuple[str, ...] = ("cgroup",)) -> list[Path]:
+    """Return the mount points of cgroup hierarchies of `types` (v1: `cgroup`, v2:
+    `cgroup2`) in a /proc/self/mountinfo text (pure)."""
     found = []
     for line in mountinfo.splitlines():
         left, _, right = line.partition(" - ")
-        if right.split()[:1] == ["cgroup"]:
+        if right.split()[:1] and right.split()[0] in types:
             found.append(Path(left.split()[4]))
     return found
 
@@ -149,7 +150,7 @@ def cgroup_v1_mounts(mountinfo: str) -> list[Path]:
 def setup_cgroups() -> list[Path]:
     """Create `<controller>/twinmq` in every v1 hierarchy (cpuset filled from its parent)."""
     made = []
-    for mount in cgroup_v1_mounts(Path("/proc/self/mountinfo").read_text()):
+    for mount in cgroup_mounts(Path("/proc/self/mountinfo").read_text()):
         folder = mount / CGROUP_PARENT
         folder.mkdir(exist_ok=True)
         for name in ("cpuset.cpus", "cpuset.mems"):
@@ -161,9 +162,10 @@ def setup_cgroups() -> list[Path]:
 
 
 def remove_cgroups(timeout: float = 10.0) -> list[Path]:
-    """Remove every `<controller>/twinmq` tree, deepest first; return what is left (busy)."""
+    """Remove every `<hierarchy>/twinmq` tree, deepest first (on a hybrid host the kubelet
+    also makes one in the v2 hierarchy); return what is left (busy)."""
     left = []
-    for mount in cgroup_v1_mounts(Path("/proc/self/mountinfo").read_text()):
+    for mount in cgroup_mounts(Path("/proc/self/mountinfo").read_text(), ("cgroup", "cgroup2")):
         top = mount / CGROUP_PARENT
         if not top.exists():
             continue
@@ -274,8 +276,9 @@ def mounts_under(path: Path, mountinfo: str) -> list[str]:
 
 # -- life cycle (called by cluster.py) -------------------------------------------------------
 
-RUN_CONTAINERD = Path("/run/containerd")
-"""Where containerd 1.6 puts its shims' sockets and runc's state whatever its config says."""
+HOST_PATHS = (Path("/run/containerd"), Path("/var/lib/kubelet"), Path("/var/log/containers"))
+"""Made on the host whatever the configs say: containerd 1.6's shim sockets and runc state;
+the kubelet's device-plugin socket folder and its container-log links (constants)."""
 
 
 def project_image(root: Path) -> tuple[Path, list[str]]:
@@ -296,9 +299,10 @@ def prepare(layout: Layout, server: str) -> None:
     if daemons.read_pid(layout, NS_COMPONENT) is None:
         prepare_namespace(layout)
     setup_cgroups()
-    marker = layout.containerd / "run-containerd-created"
-    if not RUN_CONTAINERD.exists() and not marker.exists():
-        marker.write_text("")
+    record = layout.kubelet / "host-paths-created.json"
+    created = set(json.loads(record.read_text())) if record.exists() else set()
+    created |= {str(path) for path in HOST_PATHS if not path.exists()}
+    record.write_text(json.dumps(sorted(created)) + "\n")
     containerd.pause_archive()
 
 
@@ -337,10 +341,11 @@ def stop(layout: Layout) -> list[str]:
         for folder in (root_dir(layout), layout.containerd / "state"):
             shutil.rmtree(folder, ignore_errors=True)
     containerd.remove_state(layout)
-    marker = layout.containerd / "run-containerd-created"
-    if marker.exists():
-        shutil.rmtree(RUN_CONTAINERD, ignore_errors=True)
-        marker.unlink()
+    record = layout.kubelet / "host-paths-created.json"
+    if record.exists():
+        for path in json.loads(record.read_text()):
+            shutil.rmtree(path, ignore_errors=True)
+        record.unlink()
     for name in ("ns.inode", "ns.ready"):
         (layout.kubelet / name).unlink(missing_ok=True)
     return problems

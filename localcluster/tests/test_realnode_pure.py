@@ -102,11 +102,11 @@ MOUNTINFO = """\
 """
 
 
-def test_cgroup_v1_hierarchies_are_read_from_mountinfo_without_the_v2_one() -> None:
-    assert kubelet.cgroup_v1_mounts(MOUNTINFO) == [
-        Path("/sys/fs/cgroup/cpu,cpuacct"),
-        Path("/sys/fs/cgroup/memory"),
-    ]
+def test_cgroup_hierarchies_are_read_from_mountinfo_by_version() -> None:
+    v1 = [Path("/sys/fs/cgroup/cpu,cpuacct"), Path("/sys/fs/cgroup/memory")]
+    assert kubelet.cgroup_mounts(MOUNTINFO) == v1
+    both = kubelet.cgroup_mounts(MOUNTINFO, ("cgroup", "cgroup2"))
+    assert both == [Path("/sys/fs/cgroup/unified"), *v1]
 
 
 def test_mounts_under_a_folder_are_found_and_a_sibling_prefix_is_not() -> None:
