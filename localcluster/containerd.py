@@ -337,7 +337,6 @@ def remove_all(layout: Layout) -> int:
 
 
 def remove_state(layout: Layout) -> None:
-    """Remove containerd's state folder and the snapshots of deleted containers' leftovers;
-    the image store (`root`) stays."""
+    """Remove containerd's state folder and socket; the image store (`root`) stays."""
     shutil.rmtree(layout.containerd / "state", ignore_errors=True)
     socket(layout).unlink(missing_ok=True)

@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -284,8 +285,6 @@ the kubelet's device-plugin socket folder and its container-log links (constants
 def project_image(root: Path) -> tuple[Path, list[str]]:
     """Return the project's image archive (`make image`) and the references to tag it as:
     its release tag and `dev` (the e2e suite's default image)."""
-    import tomllib
-
     version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
     cache = Path(os.environ.get("TWINMQ_IMAGE_CACHE", root / ".cache" / "image"))
     repository = "docker.io/twinmq/twinmq"
@@ -311,7 +310,8 @@ def after_ready(layout: Layout, component: str, root: Path) -> None:
     if component == NS_COMPONENT:
         pid = daemons.read_pid(layout, NS_COMPONENT)
         inode = None if pid is None else namespace_inode(pid)
-        (layout.kubelet / "ns.inode").write_text(f"{inode}\n")
+        if inode is not None:
+            (layout.kubelet / "ns.inode").write_text(f"{inode}\n")
     elif component == "containerd":
         archive, references = project_image(root)
         if not archive.exists():
@@ -338,9 +338,8 @@ def stop(layout: Layout) -> list[str]:
     if host_mounts:
         problems.append(f"mounts left on the host under {layout.root}: {host_mounts}")
     else:
-        for folder in (root_dir(layout), layout.containerd / "state"):
-            shutil.rmtree(folder, ignore_errors=True)
-    containerd.remove_state(layout)
+        shutil.rmtree(root_dir(layout), ignore_errors=True)
+        containerd.remove_state(layout)
     record = layout.kubelet / "host-paths-created.json"
     if record.exists():
         for path in json.loads(record.read_text()):
