@@ -35,11 +35,11 @@ def cluster() -> Iterator[Cluster]:
         yield Cluster(explicit, local)
         return
     from twinmq.localcluster import daemons
-    from twinmq.localcluster.cluster import COMPONENTS
-    from twinmq.localcluster.layout import Layout
+    from twinmq.localcluster.cluster import components
+    from twinmq.localcluster.layout import Layout, node_mode
 
     layout = Layout.default()
-    running = all(daemons.read_pid(layout, c) is not None for c in COMPONENTS)
+    running = all(daemons.read_pid(layout, c) is not None for c in components(node_mode()))
     cmd = [sys.executable, "-m", "twinmq.localcluster.cluster"]
     if not running:
         subprocess.run([*cmd, "up"], check=True)
@@ -48,6 +48,24 @@ def cluster() -> Iterator[Cluster]:
     finally:
         if not running and not os.environ.get("TWINMQ_E2E_KEEP_CLUSTER"):
             subprocess.run([*cmd, "down"], check=False)
+
+
+def kubelet_node(cluster: Cluster) -> bool:
+    """Whether the cluster under test is the local one with a real kubelet node."""
+    if not cluster.local:
+        return False
+    from twinmq.localcluster.cluster import running_mode
+    from twinmq.localcluster.layout import Layout
+
+    return running_mode(Layout.default()) == "kubelet"
+
+
+@pytest.fixture
+def real_node(cluster: Cluster) -> Cluster:
+    """The local cluster, when its node is a real kubelet (TWINMQ_NODE=kubelet); else skip."""
+    if not kubelet_node(cluster):
+        pytest.skip("needs the local cluster with a real kubelet node (TWINMQ_NODE=kubelet)")
+    return cluster
 
 
 @pytest.fixture

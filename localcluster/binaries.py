@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from twinmq.localcluster.layout import node_mode
 from twinmq.localcluster.versions import BINARIES, Binary, staging_version
 
 
@@ -127,8 +128,14 @@ def build(binary: Binary, *, force: bool = False) -> Path:
     return target
 
 
+def needed(mode: str) -> list[Binary]:
+    """Return the binaries a cluster with node `mode` runs (the kubelet only for `kubelet`)."""
+    return [binary for binary in BINARIES if binary.node_mode in (None, mode)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Build the named binaries (default: all) that are missing from the cache."""
+    """Build the named binaries (default: all the cluster's node mode needs) that are
+    missing from the cache."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="binaries to build (default: all)")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
@@ -140,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shutil.which("go") is None:
         _log("`go` is not on PATH")
         return 2
-    wanted = [known[n] for n in args.names] if args.names else list(BINARIES)
+    wanted = [known[n] for n in args.names] if args.names else needed(node_mode())
     started = time.monotonic()
     for index, binary in enumerate(wanted, 1):
         _log(f"[{index}/{len(wanted)}] {binary.name}")

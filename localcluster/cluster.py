@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from twinmq.localcluster import binaries, daemons, hostnet
+from twinmq.localcluster import binaries, containerd, daemons, hostnet, kubelet
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import (
     APISERVER_PORT,
@@ -36,7 +36,9 @@ from twinmq.localcluster.layout import (
     GATEWAY_IP,
     KUBE_PROXY_HEALTHZ_PORT,
     KUBE_PROXY_METRICS_PORT,
+    KUBELET_HEALTH_PORT,
     NODE_AGENT_HEALTH_PORT,
+    NODE_MODES,
     NODE_NAME,
     OWNER_FILE,
     POD_CIDR,
@@ -45,19 +47,35 @@ from twinmq.localcluster.layout import (
     STORAGE_CLASS,
     VOLUME_PROVISIONER,
     Layout,
+    node_mode,
+    repo_root,
 )
-from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki
+from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki, kubeconfig
+from twinmq.localcluster.versions import BINARIES
 
-COMPONENTS = (
-    "etcd",
-    "kube-apiserver",
-    "kube-controller-manager",
-    "kube-scheduler",
-    "node-agent",
-    "kube-proxy",
-    "coredns",
-)
-"""Start order; `down` stops them in reverse."""
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+NODES = {
+    "agent": ("node-agent",),
+    "kubelet": (kubelet.NS_COMPONENT, "containerd", "kubelet", "volume-provisioner"),
+}
+"""The daemons of each node mode (layout.NODE_MODES)."""
+
+
+def components(mode: str) -> tuple[str, ...]:
+    """Return the daemons of a cluster with node `mode`, in start order (`down`: reverse)."""
+    return (*CONTROL_PLANE, *NODES[mode], "kube-proxy", "coredns")
+
+
+COMPONENTS = components("agent")
+"""The default cluster's daemons, in start order."""
+ALL_COMPONENTS = tuple(dict.fromkeys((*components("agent"), *components("kubelet"))))
+"""Every daemon of either mode (what `down` stops, whatever mode started them)."""
+
+
+def running_mode(layout: Layout) -> str:
+    """Return the node mode the cluster under `layout` was started with (default agent)."""
+    path = layout.root / "node-mode"
+    return path.read_text().strip() if path.exists() else "agent"
 
 
 def _say(message: str) -> None:
@@ -71,24 +89,7 @@ def api_url() -> str:
 
 def kubeconfig_text(layout: Layout) -> str:
     """Return the admin kubeconfig (static bearer token, cluster CA embedded)."""
-    import base64
-
-    ca = base64.b64encode((layout.pki / "ca.crt").read_bytes()).decode()
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "twinmq-local",
-                "cluster": {"server": api_url(), "certificate-authority-data": ca},
-            }
-        ],
-        "users": [{"name": ADMIN_USER, "user": {"token": admin_token(layout)}}],
-        "contexts": [
-            {"name": "twinmq-local", "context": {"cluster": "twinmq-local", "user": ADMIN_USER}}
-        ],
-        "current-context": "twinmq-local",
-    }
+    config = kubeconfig(layout, api_url(), ADMIN_USER, {"token": admin_token(layout)})
     return json.dumps(config, indent=2) + "\n"
 
 
@@ -169,7 +170,7 @@ def _argv(layout: Layout, component: str) -> list[str]:
             "--requestheader-username-headers=X-Remote-User",
             "--requestheader-group-headers=X-Remote-Group",
             "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-            "--authorization-mode=RBAC",
+            "--authorization-mode=Node,RBAC",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             f"--service-account-issuer=https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
             f"--service-account-key-file={pki / 'sa.pub'}",
@@ -229,6 +230,20 @@ def _argv(layout: Layout, component: str) -> list[str]:
         ]
     if component == "coredns":
         return [str(binaries.find("coredns")), "-conf", str(layout.etc / "Corefile")]
+    if component == kubelet.NS_COMPONENT:
+        return kubelet.namespace_argv(layout)
+    if component == "containerd":
+        return kubelet.in_namespace(layout, containerd.argv(layout))
+    if component == "kubelet":
+        return kubelet.in_namespace(layout, kubelet.argv(layout))
+    if component == "volume-provisioner":
+        return [
+            _venv_python(),
+            "-m",
+            "twinmq.localcluster.provisioner",
+            f"--kubeconfig={kubeconfig}",
+            f"--state-dir={layout.root}",
+        ]
     if component == "node-agent":
         return [
             _venv_python(),
@@ -336,7 +351,7 @@ def _claim_owner(layout: Layout) -> None:
         if (
             owner != str(layout.root)
             and Path(owner).exists()
-            and any(daemons.read_pid(Layout(Path(owner)), c) is not None for c in COMPONENTS)
+            and any(daemons.read_pid(Layout(Path(owner)), c) is not None for c in ALL_COMPONENTS)
         ):
             raise SystemExit(
                 f"another local cluster ({owner}) owns this machine's cluster network; "
@@ -345,9 +360,13 @@ def _claim_owner(layout: Layout) -> None:
     OWNER_FILE.write_text(f"{layout.root}\n")
 
 
-def preflight() -> list[str]:
+def preflight(mode: str = "agent") -> list[str]:
     """Return what is missing on this machine to run the local cluster (empty when ready)."""
     problems = []
+    if mode == "kubelet":
+        for tool in ("containerd", "runc", "ctr", "nsenter", "mount"):
+            if shutil.which(tool) is None:
+                problems.append(f"`{tool}` not found (apt-get install containerd runc)")
     if os.geteuid() != 0:
         problems.append("must run as root (network namespaces, bridge, iptables)")
     for tool in ("ip", "iptables", "openssl", "conntrack", "unshare", "setsid"):
@@ -401,36 +420,42 @@ HOST_PACKAGES = ("containernetworking-plugins", "iproute2", "iptables", "conntra
 """Debian packages the local cluster needs on the host."""
 
 
-def ensure_host_packages() -> None:
+def ensure_host_packages(mode: str = "agent") -> None:
     """Install the Debian packages the cluster needs when any tool is missing (as root)."""
-    if not preflight() or os.geteuid() != 0 or shutil.which("apt-get") is None:
+    if not preflight(mode) or os.geteuid() != 0 or shutil.which("apt-get") is None:
         return
-    _say(f"installing {' '.join(HOST_PACKAGES)} from Debian's packages")
+    packages = [*HOST_PACKAGES, *(containerd.PACKAGES if mode == "kubelet" else ())]
+    _say(f"installing {' '.join(packages)} from Debian's packages")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *HOST_PACKAGES]
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]
     if subprocess.run(install, env=env, capture_output=True, check=False).returncode != 0:
         subprocess.run(["apt-get", "update", "-qq"], env=env, check=False)
         subprocess.run(install, env=env, check=False)
 
 
-def up(layout: Layout) -> None:
-    """Start every component that is not running yet; write the kubeconfig."""
+def up(layout: Layout, mode: str = "agent") -> None:
+    """Start every component of a cluster with node `mode` that is not running yet; write
+    the kubeconfig."""
     started = time.monotonic()
-    ensure_host_packages()
-    problems = preflight()
+    if mode not in NODE_MODES:
+        raise ValueError(mode)
+    running = any(daemons.read_pid(layout, c) is not None for c in ALL_COMPONENTS)
+    if running and running_mode(layout) != mode:
+        raise SystemExit(
+            f"the cluster runs with TWINMQ_NODE={running_mode(layout)}: `make cluster-down` first"
+        )
+    ensure_host_packages(mode)
+    problems = preflight(mode)
     if problems:
         raise SystemExit("cannot start the local cluster:\n  " + "\n  ".join(problems))
-    for component in (
-        "etcd",
-        "kube-apiserver",
-        "kube-controller-manager",
-        "kube-scheduler",
-        "kube-proxy",
-        "coredns",
-    ):
-        binaries.find(component)
+    node = NODES[mode]
+    built_here = {binary.name for binary in BINARIES}
+    for component in components(mode):
+        if component in built_here:
+            binaries.find(component)
     layout.root.mkdir(parents=True, exist_ok=True)
     _claim_owner(layout)
+    (layout.root / "node-mode").write_text(f"{mode}\n")
     for folder in (layout.logs, layout.etc, layout.node, layout.volumes, layout.cni):
         folder.mkdir(parents=True, exist_ok=True)
     ensure_pki(layout)
@@ -446,6 +471,8 @@ def up(layout: Layout) -> None:
     )
     hostnet.setup(layout)
     write_env(layout)
+    if mode == "kubelet":
+        kubelet.prepare(layout, api_url())
     token = admin_token(layout)
     ca = layout.pki / "ca.crt"
 
@@ -457,16 +484,23 @@ def up(layout: Layout) -> None:
         ),
         "kube-scheduler": lambda: _http_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/healthz"),
         "node-agent": lambda: _http_ok(f"http://127.0.0.1:{NODE_AGENT_HEALTH_PORT}/readyz"),
+        kubelet.NS_COMPONENT: lambda: kubelet.namespace_ready(layout),
+        "containerd": lambda: containerd.ready(layout),
+        "kubelet": lambda: _http_ok(f"http://127.0.0.1:{KUBELET_HEALTH_PORT}/healthz"),
+        "volume-provisioner": lambda: True,
         "kube-proxy": lambda: _http_ok(f"http://127.0.0.1:{KUBE_PROXY_HEALTHZ_PORT}/healthz"),
         "coredns": lambda: _http_ok(f"http://127.0.0.1:{COREDNS_READY_PORT}/ready"),
     }
-    for component in COMPONENTS:
-        if component == "node-agent":
+    for component in components(mode):
+        if component == node[0]:
             _apply_bootstrap(layout)
         t0 = time.monotonic()
         was_running = daemons.read_pid(layout, component) is not None
         daemons.start(layout, component, _argv(layout, component))
         wait_for(component, checks[component], 120, layout, component)
+        if mode == "kubelet":
+            # Also when already running: a new `make image` is imported (content-cached).
+            kubelet.after_ready(layout, component, repo_root())
         verb = "already running" if was_running else f"ready in {time.monotonic() - t0:.1f}s"
         _say(f"{component}: {verb}")
     kube = KubeApi(str(layout.kubeconfig))
@@ -480,7 +514,15 @@ def up(layout: Layout) -> None:
         layout,
         "kube-controller-manager",
     )
+    if mode == "kubelet":
+        wait_for(f"node {NODE_NAME} Ready", lambda: _node_ready(kube), 120, layout, "kubelet")
     _say(f"cluster up in {time.monotonic() - started:.1f}s; export KUBECONFIG={layout.kubeconfig}")
+
+
+def _node_ready(kube: KubeApi) -> bool:
+    node = kube.get(f"/api/v1/nodes/{NODE_NAME}") or {}
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def down(layout: Layout) -> None:
@@ -488,7 +530,11 @@ def down(layout: Layout) -> None:
     if not layout.root.exists():
         _say("nothing to stop")
         return
-    for component in reversed(COMPONENTS):
+    if running_mode(layout) == "kubelet":
+        for problem in kubelet.stop(layout):
+            _say(f"WARNING: {problem}")
+        _say("kubelet node: stopped, containers, cgroups and state removed")
+    for component in reversed(ALL_COMPONENTS):
         if daemons.stop(layout, component, timeout=10):
             _say(f"{component}: stopped")
     # The pods outlive the node agent by design; remove them now.
@@ -513,13 +559,16 @@ def down(layout: Layout) -> None:
         shutil.rmtree(folder, ignore_errors=True)
     if OWNER_FILE.exists() and OWNER_FILE.read_text().strip() == str(layout.root):
         OWNER_FILE.unlink()
+    (layout.root / "node-mode").unlink(missing_ok=True)
     _say("cluster down")
 
 
 def status(layout: Layout) -> int:
     """Print each component's state; return 0 when all are running."""
     missing = 0
-    for component in COMPONENTS:
+    mode = running_mode(layout)
+    _say(f"node: {mode}")
+    for component in components(mode):
         pid = daemons.read_pid(layout, component)
         missing += pid is None
         _say(f"{component:24} {'pid ' + str(pid) if pid else 'stopped'}")
@@ -533,7 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     layout = Layout.default()
     if args.command == "up":
-        up(layout)
+        up(layout, node_mode())
         return 0
     if args.command == "down":
         down(layout)

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
-from twinmq.localcluster import cluster, daemons
+from twinmq.localcluster import cluster, containerd, daemons
 from twinmq.localcluster.layout import APISERVER_PORT, GATEWAY_IP, Layout
 from twinmq.localcluster.nodeagent.runtime import Runtime
 from twinmq.localcluster.pki import admin_token
@@ -45,7 +45,15 @@ def pod_uid(layout: Layout, namespace: str, name: str) -> str:
 def signal_pod(
     layout: Layout, namespace: str, name: str, sig: signal.Signals, container: str | None = None
 ) -> list[int]:
-    """Send `sig` to the process groups of a pod's containers; return the pids signalled."""
+    """Send `sig` to the processes of a pod's containers; return the pids signalled.
+
+    On the real node (TWINMQ_NODE=kubelet) these are every process of each container's
+    task, found through containerd; on the node agent, each container's process group."""
+    if cluster.running_mode(layout) == "kubelet":
+        pids = containerd.signal_pod(layout, namespace, name, sig, container)
+        if not pids:
+            raise PodNotFound(f"no running container of pod {namespace}/{name} in containerd")
+        return pids
     runtime = Runtime(layout)
     uid = pod_uid(layout, namespace, name)
     pids = []
@@ -155,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--container")
     for verb in ("stop", "start"):
         p = sub.add_parser(verb)
-        p.add_argument("component", choices=cluster.COMPONENTS)
+        p.add_argument("component", choices=cluster.ALL_COMPONENTS)
     p = sub.add_parser("api-outage")
     p.add_argument("seconds", type=float)
     args = parser.parse_args(argv)

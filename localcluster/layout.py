@@ -40,6 +40,24 @@ NODE_AGENT_HEALTH_PORT = 10248
 NODE_AGENT_API_PORT = 10250
 """The node agent's kubelet-style HTTPS endpoint on the bridge address (container logs)."""
 
+KUBELET_HEALTH_PORT = NODE_AGENT_HEALTH_PORT
+"""The kubelet's healthz on 127.0.0.1 (the same port: only one node runs at a time)."""
+KUBELET_API_PORT = NODE_AGENT_API_PORT
+CGROUP_PARENT = "twinmq"
+"""The folder under each cgroup v1 controller that holds everything the kubelet runs."""
+
+NODE_MODES = ("agent", "kubelet")
+"""`agent`: the process-backed node agent (default); `kubelet`: a real kubelet + containerd."""
+
+
+def node_mode() -> str:
+    """Return the node `make cluster` runs: `$TWINMQ_NODE` (`agent` or `kubelet`)."""
+    mode = os.environ.get("TWINMQ_NODE") or "agent"
+    if mode not in NODE_MODES:
+        raise ValueError(f"TWINMQ_NODE={mode!r}: expected one of {', '.join(NODE_MODES)}")
+    return mode
+
+
 OWNER_FILE = Path("/run/twinmq-localcluster.owner")
 """Machine-global marker naming the state directory of the cluster that owns the network set-up."""
 
@@ -104,6 +122,16 @@ class Layout:
     def cni(self) -> Path:
         """host-local IPAM state and the CNI network configuration."""
         return self.root / "cni"
+
+    @property
+    def containerd(self) -> Path:
+        """containerd's config, socket, state and root (the image store, kept by cluster-down)."""
+        return self.root / "containerd"
+
+    @property
+    def kubelet(self) -> Path:
+        """The kubelet's config, root directory and masked sysctl copies."""
+        return self.root / "kubelet"
 
     @property
     def etc(self) -> Path:

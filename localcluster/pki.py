@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import secrets
 import subprocess
 from pathlib import Path
+from typing import Any
 
-from twinmq.localcluster.layout import GATEWAY_IP, KUBERNETES_SERVICE_IP, Layout
+from twinmq.localcluster.layout import GATEWAY_IP, KUBERNETES_SERVICE_IP, NODE_NAME, Layout
 
 ADMIN_USER = "twinmq-admin"
 
@@ -38,6 +40,9 @@ def ensure_pki(layout: Layout) -> None:
             cwd=pki,
         )
     _signed(pki, "kubelet", "/CN=twinmq-node", f"subjectAltName=IP:{GATEWAY_IP}", "serverAuth")
+    # The real node's kubelet (TWINMQ_NODE=kubelet) registers with this; the Node authorizer
+    # scopes it to its own pods' objects.
+    _signed(pki, "node-client", f"/O=system:nodes/CN=system:node:{NODE_NAME}", "", "clientAuth")
     _signed(pki, "apiserver-kubelet-client", "/CN=kube-apiserver-kubelet-client", "", "clientAuth")
     if not (pki / "apiserver.crt").exists():
         sans = ",".join(
@@ -117,3 +122,21 @@ def _signed(pki: Path, name: str, subject: str, extension: str, usage: str) -> N
 def admin_token(layout: Layout) -> str:
     """Return the static admin bearer token (in group system:masters)."""
     return (layout.pki / "tokens.csv").read_text().split(",", 1)[0]
+
+
+def kubeconfig(
+    layout: Layout, server: str, user: str, credentials: dict[str, str]
+) -> dict[str, Any]:
+    """Return a kubeconfig for `server` (the cluster CA embedded) as `user` with
+    `credentials`: a token, or client-certificate and client-key paths."""
+    ca = base64.b64encode((layout.pki / "ca.crt").read_bytes()).decode()
+    name = "twinmq-local"
+    cluster = {"server": server, "certificate-authority-data": ca}
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": name, "cluster": cluster}],
+        "users": [{"name": user, "user": credentials}],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": user}}],
+        "current-context": name,
+    }

@@ -30,6 +30,8 @@ class Binary:
     package: str
     ldflags: tuple[str, ...] = ()
     kubernetes_staging: bool = False
+    node_mode: str | None = None
+    """Built by default only for a cluster with this node mode (`$TWINMQ_NODE`)."""
 
     @property
     def cache_key(self) -> str:
@@ -39,7 +41,7 @@ class Binary:
         return f"{self.name}-{self.version}"
 
 
-def _kube(name: str) -> Binary:
+def _kube(name: str, node_mode: str | None = None) -> Binary:
     version = KUBERNETES_VERSION
     stamp = "k8s.io/component-base/version"
     return Binary(
@@ -55,6 +57,7 @@ def _kube(name: str) -> Binary:
             "-X k8s.io/client-go/pkg/version.gitVersion=" + version,
         ),
         kubernetes_staging=True,
+        node_mode=node_mode,
     )
 
 
@@ -70,6 +73,9 @@ BINARIES: tuple[Binary, ...] = (
     _kube("kube-scheduler"),
     _kube("kube-proxy"),
     _kube("kubectl"),
+    # Only `TWINMQ_NODE=kubelet` runs it (localcluster/kubelet.py); stays on 1.36: 1.37
+    # drops the cgroup-driver fallback that Debian 12's containerd 1.6 needs.
+    _kube("kubelet", node_mode="kubelet"),
     Binary(
         name="coredns",
         module="github.com/coredns/coredns",

@@ -9,6 +9,8 @@
 #                          (default: the local cluster, started if needed and stopped again
 #                          if the suite started it)
 #   make cluster-demo      chart + confirmed traffic through a Service + kill -9 + report
+# TWINMQ_NODE=kubelet: a real kubelet + containerd instead of the node agent (it also builds
+# the kubelet and the image, and installs containerd and runc); see docs/local-cluster.md.
 
 # Inside the top-level Makefile, use its venv (and its install stamp); alone, .venv or python3.
 CLUSTER_PYTHON ?= $(or $(PY),$(if $(wildcard .venv/bin/python),.venv/bin/python,python3))
@@ -24,7 +26,12 @@ TEST_EXTRA_TARGETS += e2e
 cluster-binaries: $(CLUSTER_DEPS)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.binaries
 
-cluster: cluster-binaries
+TWINMQ_NODE ?=
+export TWINMQ_NODE
+# The real node runs the project's image: build it first (seconds when unchanged).
+CLUSTER_IMAGE := $(if $(filter kubelet,$(TWINMQ_NODE)),image)
+
+cluster: cluster-binaries $(CLUSTER_IMAGE)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.cluster up
 
 cluster-down: $(CLUSTER_DEPS)
@@ -33,7 +40,7 @@ cluster-down: $(CLUSTER_DEPS)
 cluster-status: $(CLUSTER_DEPS)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.cluster status
 
-e2e: $(CLUSTER_DEPS) $(if $(KUBECONFIG),,cluster-binaries)
+e2e: $(CLUSTER_DEPS) $(if $(KUBECONFIG),,cluster-binaries $(CLUSTER_IMAGE))
 	$(CLUSTER_PYTHON) -m pytest localcluster/tests e2e -p no:cacheprovider $(E2E_ARGS)
 
 # Leaves the cluster running; `make cluster-down` when done.

@@ -10,7 +10,6 @@ import base64
 import http.server
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -25,14 +24,13 @@ from twinmq.localcluster.layout import (
     NODE_AGENT_HEALTH_PORT,
     NODE_NAME,
     NODE_POD_CIDR,
-    STORAGE_CLASS,
-    VOLUME_PROVISIONER,
     Layout,
 )
 from twinmq.localcluster.nodeagent.images import CommandMap
 from twinmq.localcluster.nodeagent.logserver import serve_logs
 from twinmq.localcluster.nodeagent.runtime import Runtime
 from twinmq.localcluster.nodeagent.worker import PodWorker
+from twinmq.localcluster.provisioner import provision_loop
 from twinmq.localcluster.versions import KUBERNETES_VERSION
 
 log = logging.getLogger("twinmq.nodeagent")
@@ -318,60 +316,6 @@ class Agent:
 
     # -- volumes -------------------------------------------------------------------------------
 
-    def _provision_loop(self) -> None:
-        while not self.stop.is_set():
-            try:
-                self._provision_once()
-            except Exception as error:
-                log.warning("provisioner failed: %s", error)
-            self.stop.wait(1)
-
-    def _provision_once(self) -> None:
-        pvs = {pv["metadata"]["name"]: pv for pv in self.kube.list("/api/v1/persistentvolumes")}
-        for pvc in self.kube.list("/api/v1/persistentvolumeclaims"):
-            meta, spec = pvc["metadata"], pvc["spec"]
-            if spec.get("storageClassName") != STORAGE_CLASS or spec.get("volumeName"):
-                continue
-            name = f"pvc-{meta['uid']}"
-            if name in pvs or meta.get("deletionTimestamp"):
-                continue
-            path = self.layout.volumes / name
-            path.mkdir(parents=True, exist_ok=True)
-            storage = ((spec.get("resources") or {}).get("requests") or {}).get("storage", "1Gi")
-            self.kube.create(
-                "/api/v1/persistentvolumes",
-                {
-                    "apiVersion": "v1",
-                    "kind": "PersistentVolume",
-                    "metadata": {
-                        "name": name,
-                        "annotations": {"pv.kubernetes.io/provisioned-by": VOLUME_PROVISIONER},
-                    },
-                    "spec": {
-                        "capacity": {"storage": storage},
-                        "accessModes": spec.get("accessModes") or ["ReadWriteOnce"],
-                        "persistentVolumeReclaimPolicy": "Delete",
-                        "storageClassName": STORAGE_CLASS,
-                        "hostPath": {"path": str(path), "type": "DirectoryOrCreate"},
-                        "claimRef": {
-                            "namespace": meta["namespace"],
-                            "name": meta["name"],
-                            "uid": meta["uid"],
-                        },
-                    },
-                },
-            )
-            log.info("provisioned %s for %s/%s", name, meta["namespace"], meta["name"])
-        for name, pv in pvs.items():
-            annotations = pv["metadata"].get("annotations") or {}
-            if annotations.get("pv.kubernetes.io/provisioned-by") != VOLUME_PROVISIONER:
-                continue
-            released = (pv.get("status") or {}).get("phase") == "Released"
-            if released and pv["spec"].get("persistentVolumeReclaimPolicy") == "Delete":
-                shutil.rmtree(self.layout.volumes / name, ignore_errors=True)
-                self.kube.delete(f"/api/v1/persistentvolumes/{name}")
-                log.info("deleted released volume %s", name)
-
     # -- main --------------------------------------------------------------------------------
 
     def _serve_health(self) -> http.server.ThreadingHTTPServer:
@@ -413,7 +357,12 @@ class Agent:
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
             threading.Thread(target=self._watch_loop, name="pods", daemon=True),
-            threading.Thread(target=self._provision_loop, name="volumes", daemon=True),
+            threading.Thread(
+                target=provision_loop,
+                args=(self.kube, self.layout, self.stop),
+                name="volumes",
+                daemon=True,
+            ),
         ]
         for thread in threads:
             thread.start()
