@@ -41,9 +41,11 @@ import logging
 import operator
 import os
 import struct
+import sys
 import threading
 import time
 import zlib
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import groupby
@@ -55,18 +57,19 @@ from twinmq.broker.journal import JournalOp, StoredMessage
 log = logging.getLogger(__name__)
 
 assert BATCH_FIELDS == (
-    "broker", "epoch", "queue", "event", "time", "replication_ids", "message_ids", "digests",
+    "broker", "epoch", "queue", "event", "time", "replication_ids", "replication_id_runs",
+    "message_ids", "digests", "digests_hex",
 ), "the writer below must follow AuditBatch's fields"  # fmt: skip
 
 # One completed batch waiting to be written: its ops, the event of its stored messages,
-# the time (formatted) and the epoch it completed in.
-PendingBatch = tuple[Sequence[JournalOp], str, str, int]
+# the time (formatted), the epoch it completed in and the queues (qids) of its ops.
+PendingBatch = tuple[Sequence[JournalOp], str, str, int, set[int]]
 
 _json_str: Callable[[str], str] = json.encoder.encode_basestring_ascii
 _U32 = struct.Struct(">I")
 _DEQUEUED = AuditEvent.DEQUEUED.value
 # Per message the writer only maps C functions over a batch's ops (no Python frame per
-# message): these pick the fields, `_hex8` formats a digest as `body_digest` does.
+# message): these pick the fields.
 _kind_and_queue = operator.attrgetter("__class__", "qid")
 _qid = operator.attrgetter("qid")
 _mid = operator.attrgetter("mid")
@@ -74,7 +77,8 @@ _body = operator.attrgetter("body")
 _header = operator.attrgetter("header")
 _flags_low = operator.itemgetter(13)  # the low byte of a content header's property flags
 _has_message_id = (0x80).__and__
-_hex8 = "%08x".__mod__
+_LITTLE_ENDIAN = sys.byteorder == "little"
+assert array("I").itemsize == 4, "digests_hex packs CRC-32s as 4-byte unsigned ints"
 
 
 def message_id_json(header: bytes) -> str:
@@ -113,8 +117,22 @@ def message_id_json(header: bytes) -> str:
         return "null"
 
 
+def _replication_ids_json(mids: list[int]) -> str:
+    """The replication ids of a line: one run when consecutive (the common case), else listed.
+
+    A run costs the same for 1 or 500 ids; listing formats every id.
+    """
+    first, count = mids[0], len(mids)
+    if mids[-1] - first == count - 1 and mids == list(range(first, first + count)):
+        return f'"replication_id_runs":[[{first},{count}]]'
+    return f'"replication_ids":[{",".join(map(str, mids))}]'
+
+
 def _message_ids(headers: list[bytes]) -> str:
     """The `message_ids` member of a batch's line; none at all when no message has one."""
+    first = headers[0]
+    if len(first) >= 14 and not first[13] & 0x80 and headers.count(first) == len(headers):
+        return ""  # one header for the whole line (a publisher's usual case), without an id
     try:
         if not any(map(_has_message_id, map(_flags_low, headers))):
             return ""
@@ -205,10 +223,11 @@ class AuditLog:
         ).value  # fmt: skip
         ops = ops if isinstance(ops, list | tuple) else list(ops)
         names = self._queue_json
-        for qid in set(map(_qid, ops)).difference(names):
+        qids = set(map(_qid, ops))
+        for qid in qids.difference(names):
             # Looked up here, on the loop that owns the queues, once per queue.
             names[qid] = _json_str(self.queue_name(qid))
-        self._pending.append((ops, stored_event, f"{time.time():.6f}", self.epoch()))
+        self._pending.append((ops, stored_event, f"{time.time():.6f}", self.epoch(), qids))
 
     def take(self) -> list[PendingBatch]:
         """The batches queued so far, for one `write` (event loop)."""
@@ -252,27 +271,31 @@ class AuditLog:
         return count
 
     def _format(self, batches: Sequence[PendingBatch]) -> list[str]:
-        """One line per batch, queue and event (an `AuditBatch`)."""
+        """One line per batch, queue and event (an `AuditBatch`, format 3)."""
         names = self._queue_json
         out: list[str] = []
-        for ops, stored_event, now, epoch in batches:
+        for ops, stored_event, now, epoch, qids in batches:
             groups: dict[tuple[type, int], list[JournalOp]] = {}
-            for key, run in groupby(ops, _kind_and_queue):  # runs of one kind and queue
-                groups.setdefault(key, []).extend(run)
+            if len(qids) == 1:  # the common case: runs by kind only, no key tuple per op
+                (qid,) = qids
+                for kind, run in groupby(ops, type):
+                    groups.setdefault((kind, qid), []).extend(run)
+            else:
+                for key, run in groupby(ops, _kind_and_queue):  # runs of one kind and queue
+                    groups.setdefault(key, []).extend(run)
             head = f'{{"broker":{self._broker_json},"epoch":{epoch},"queue":'
             for (kind, qid), group in groups.items():
-                ids = ",".join(map(str, map(_mid, group)))
+                ids = _replication_ids_json(list(map(_mid, group)))
                 if kind is not StoredMessage:
-                    out.append(
-                        f'{head}{names[qid]},"event":"{_DEQUEUED}","time":{now},'
-                        f'"replication_ids":[{ids}]}}\n'
-                    )
+                    out.append(f'{head}{names[qid]},"event":"{_DEQUEUED}","time":{now},{ids}}}\n')
                     continue
-                headers = list(map(_header, group))
-                digests = '","'.join(map(_hex8, map(zlib.crc32, map(_body, group))))
+                digests = array("I", map(zlib.crc32, map(_body, group)))
+                if _LITTLE_ENDIAN:
+                    digests.byteswap()  # big-endian bytes: each digest's hex as `body_digest`
                 out.append(
-                    f'{head}{names[qid]},"event":"{stored_event}","time":{now},'
-                    f'"replication_ids":[{ids}]{_message_ids(headers)},"digests":["{digests}"]}}\n'
+                    f'{head}{names[qid]},"event":"{stored_event}","time":{now},{ids}'
+                    f"{_message_ids(list(map(_header, group)))},"
+                    f'"digests_hex":"{digests.tobytes().hex()}"}}\n'
                 )
         return out
 
