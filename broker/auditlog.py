@@ -17,7 +17,7 @@ stored events. The shipper expands lines into `AuditRecord`s (`segment_columns`)
 so the audit job sees one record per message as before.
 
 Cost. The event loop only queues `(ops, event, time, epoch)` per batch (no
-formatting); `write` runs in the audit's own writer thread (`executor`), once
+formatting); `write` runs in the audit's own writer thread (`writer`), once
 per group commit: it formats the lines, mapping C functions over the ops (no
 Python frame per message: the CRC of the body, the message-id flag read from the
 content header), appends them with one `pwrite` and makes them durable with one
@@ -47,12 +47,12 @@ import time
 import zlib
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from itertools import groupby
 from pathlib import Path
 
 from twinmq.audit.records import BATCH_FIELDS, AuditEvent
 from twinmq.broker.journal import JournalOp, StoredMessage
+from twinmq.broker.writerthread import WriterThread
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class AuditLog:
     """Appends audit records to `<directory>/<broker>-e<epoch>-<seq>.jsonl` segments.
 
     Threading: `batch_complete`, `take` and `tick` run on the event loop; `write`
-    in `executor` (the committer awaits it); `flush` and `close` anywhere when
+    in `writer` (the committer awaits it); `flush` and `close` anywhere when
     no `write` is running (tests, shutdown). File state is guarded by a lock.
     """
 
@@ -182,15 +182,15 @@ class AuditLog:
         # qids (queue incarnations) are never reused, so an entry is never stale.
         self._queue_json: dict[int, str] = {}
         self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        self._writer: WriterThread | None = None
         self._close_leftovers()
 
     @property
-    def executor(self) -> ThreadPoolExecutor:
-        """The audit's writer thread (one: writes are ordered)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
-        return self._executor
+    def writer(self) -> WriterThread:
+        """The audit's writer thread (one: writes are ordered), started on first use."""
+        if self._writer is None:
+            self._writer = WriterThread("audit")
+        return self._writer
 
     def _last_seq(self) -> int:
         seqs = [
@@ -246,7 +246,7 @@ class AuditLog:
     def tick(self) -> None:
         """Called every second on the loop: close a segment that aged out (in the thread)."""
         if self._fd >= 0 and time.monotonic() - self._opened_at >= self.segment_seconds:
-            self.executor.submit(self._close_if_aged)
+            self.writer.submit(self._close_if_aged)
 
     # -- the writer thread ------------------------------------------------------------------
 
@@ -382,8 +382,8 @@ class AuditLog:
 
     def close(self) -> None:
         """Flush, close the segment and stop the writer thread (shutdown)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
         self.flush()
         self.close_segment()
