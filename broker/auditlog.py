@@ -10,19 +10,21 @@ replication ACK) until `write` has appended the records *and fdatasynced the
 audit file*. A power loss can then lose only records of batches never
 confirmed; a record never claims a confirm that was not about to go out.
 
-Format. One line per batch, queue and event (`twinmq.audit.records.AuditBatch`):
-the replication ids of the batch's messages in that queue, with their message ids
-(left out when none has one) and body digests (CRC-32, as `body_digest`) for the
-stored events. The shipper expands lines into `AuditRecord`s (`segment_columns`),
-so the audit job sees one record per message as before.
+Format. One line per batch, queue and event (`twinmq.audit.records.AuditBatch`,
+format 3): the replication ids of the batch's messages in that queue (one
+`[first, count]` run when consecutive, the usual case, else listed), with their
+message ids (left out when none has one) and body digests (CRC-32 as
+`body_digest`, concatenated in `digests_hex`) for the stored events. The shipper
+expands lines into `AuditRecord`s (`segment_columns`), so the audit job sees one
+record per message as before.
 
-Cost. The event loop only queues `(ops, event, time, epoch)` per batch (no
-formatting); `write` runs in the audit's own writer thread (`writer`), once
-per group commit: it formats the lines, mapping C functions over the ops (no
-Python frame per message: the CRC of the body, the message-id flag read from the
-content header), appends them with one `pwrite` and makes them durable with one
-`fdatasync`; a new segment's name is made durable with an fsync of the
-directory. The writer runs in parallel with the journal's writer thread, so a
+Cost. The event loop only queues `(ops, event, time, epoch, queues)` per batch
+(no formatting); `write` runs in the audit's own writer thread (`writer`, a
+`WriterThread`), once per group commit: it formats the lines, mapping C functions
+over the ops (no Python frame per message: the CRC of the body into an array, the
+ids compared with a range, the content headers compared with the first one),
+appends them with one `pwrite` and makes them durable with one `fdatasync`; a new
+segment's name is made durable with an fsync of the directory. The writer runs in parallel with the journal's writer thread, so a
 group commit costs one extra fdatasync, overlapped with the next batch's journal
 write.
 
