@@ -24,9 +24,9 @@ Cost. The event loop only queues `(ops, event, time, epoch, queues)` per batch
 over the ops (no Python frame per message: the CRC of the body into an array, the
 ids compared with a range, the content headers compared with the first one),
 appends them with one `pwrite` and makes them durable with one `fdatasync`; a new
-segment's name is made durable with an fsync of the directory. The writer runs in parallel with the journal's writer thread, so a
-group commit costs one extra fdatasync, overlapped with the next batch's journal
-write.
+segment's name is made durable with an fsync of the directory. The writer runs
+in parallel with the journal's writer thread, so a group commit costs one extra
+fdatasync, overlapped with the next batch's journal write.
 
 Segments are named `<broker>-e<epoch>-<seq>.jsonl`; the one being written ends
 in `.open` and is renamed when closed (by size, age or epoch), so a shipper

@@ -104,6 +104,42 @@ def test_metrics_are_prometheus_text_with_broker_series(secured: BrokerProcess) 
         assert series in text, series
 
 
+def _counter_values(text: str) -> dict[str, float]:
+    """Unlabelled and labelled sample lines of Prometheus text, by their full name."""
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def test_the_per_message_counters_count_each_publish_confirm_delivery_and_ack(
+    secured: BrokerProcess,
+) -> None:
+    names = (
+        "twinmq_messages_published_total", "twinmq_messages_delivered_total",
+        "twinmq_messages_acknowledged_total", 'twinmq_confirms_total{outcome="ack"}',
+    )  # fmt: skip
+    before = _counter_values(secured.admin.metrics())
+    conn = pika.BlockingConnection(
+        pika.ConnectionParameters(
+            port=secured.port, credentials=pika.PlainCredentials("app", "app-pass")
+        )
+    )
+    ch = conn.channel()
+    ch.queue_declare("counted.q", durable=True)
+    ch.confirm_delivery()
+    for _ in range(7):
+        ch.basic_publish("", "counted.q", b"x", pika.BasicProperties(delivery_mode=2))
+    for _ in range(7):
+        method, _, _ = ch.basic_get("counted.q")
+        assert method is not None
+        ch.basic_ack(method.delivery_tag)
+    conn.close()
+    after = _counter_values(secured.admin.metrics())
+    assert [after[n] - before.get(n, 0.0) for n in names] == [7.0, 7.0, 7.0, 7.0]
+
+
 def test_users_file_login_and_wrong_password(secured: BrokerProcess) -> None:
     ok = pika.BlockingConnection(
         pika.ConnectionParameters(
