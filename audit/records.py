@@ -5,7 +5,9 @@ Spark schema is derived from `AuditRecord` (never written out by hand). A line i
 either one `AuditRecord` (format 1, still read) or, as brokers write since format
 2, an `AuditBatch`: the records of one group commit for one queue and event, the
 per-message fields as lists (one line per batch instead of one per message keeps
-the broker's cost per message small). `segment_columns` reads both into records.
+the broker's cost per message small). Format 3 packs those lists further (the
+replication ids as runs of consecutive ids, the digests as one hex string).
+`segment_columns` reads every format into records.
 """
 
 from __future__ import annotations
@@ -44,10 +46,15 @@ class AuditRecord(BaseModel):
 
 
 class AuditBatch(BaseModel):
-    """One line of a segment (format 2): the records of one batch, one queue, one event.
+    """One line of a segment (formats 2 and 3): the records of one batch, queue and event.
 
-    `message_ids` and `digests` (one per replication id, in order) are present for
-    the stored events and absent for `dequeued` (no message id, digest '').
+    The replication ids are either listed (`replication_ids`, format 2, and format 3
+    when they are not consecutive) or given as runs (`replication_id_runs`: `[first,
+    count]` pairs, `[[7, 3]]` being 7, 8, 9). The digests, one per replication id and
+    in order, are either listed (`digests`, format 2) or concatenated (`digests_hex`,
+    format 3: 8 hex digits each); `message_ids` is listed, and left out when no
+    message of the line has one. Digests and message ids are absent for `dequeued`
+    (no message id, digest '').
     """
 
     broker: str
@@ -55,18 +62,16 @@ class AuditBatch(BaseModel):
     queue: str
     event: AuditEvent
     time: float
-    replication_ids: list[int]
+    replication_ids: list[int] | None = None
+    replication_id_runs: list[tuple[int, int]] | None = None
     message_ids: list[str | None] | None = None
     digests: list[str] | None = None
+    digests_hex: str | None = None
 
 
 AUDIT_FIELDS: tuple[str, ...] = tuple(AuditRecord.model_fields)
 BATCH_FIELDS: tuple[str, ...] = tuple(AuditBatch.model_fields)
-_LIST_FIELDS = {
-    "replication_ids": "replication_id",
-    "message_ids": "message_id",
-    "digests": "digest",
-}
+_DIGEST_HEX = 8  # hex digits of one digest in `digests_hex`
 
 
 def body_digest(body: bytes) -> str:
@@ -79,7 +84,7 @@ class SegmentFormatError(ValueError):
 
 
 def segment_columns(data: bytes) -> dict[str, list[Any]]:
-    """The records of a segment's JSON lines (either format, mixed), as columns by field.
+    """The records of a segment's JSON lines (any format, mixed), as columns by field.
 
     Records keep the order of the log: a batch's records in list order, where its
     line stands. Types are checked by whoever builds the table (`AuditRecord`,
@@ -97,7 +102,7 @@ def segment_columns(data: bytes) -> dict[str, list[Any]]:
             raise SegmentFormatError(f"line {number}: not JSON: {exc}") from exc
         if not isinstance(obj, dict):
             raise SegmentFormatError(f"line {number}: not an object")
-        if "replication_ids" not in obj:  # format 1: one record
+        if "replication_ids" not in obj and "replication_id_runs" not in obj:  # format 1
             if not obj.keys() <= record_fields:
                 unknown = obj.keys() - record_fields
                 raise SegmentFormatError(f"line {number}: unknown fields {unknown}")
@@ -106,24 +111,64 @@ def segment_columns(data: bytes) -> dict[str, list[Any]]:
             continue
         if not obj.keys() <= batch_fields:
             raise SegmentFormatError(f"line {number}: unknown fields {obj.keys() - batch_fields}")
-        ids = obj["replication_ids"]
-        if not isinstance(ids, list):
-            raise SegmentFormatError(f"line {number}: replication_ids is not a list")
+        try:
+            ids = _replication_ids(obj)
+            cols["message_id"] += _per_record(obj.get("message_ids"), len(ids), None, "message_ids")
+            cols["digest"] += _per_record(_digests(obj), len(ids), "", "digests")
+        except (TypeError, ValueError) as exc:
+            raise SegmentFormatError(f"line {number}: {exc}") from exc
+        cols["replication_id"] += ids
         n = len(ids)
-        for plural, name in _LIST_FIELDS.items():
-            values = obj.get(plural)
-            if values is None:  # dequeued: none of either; stored: digests not recorded
-                values = [None if name == "message_id" else ""] * n
-            elif not isinstance(values, list) or len(values) != n:
-                raise SegmentFormatError(f"line {number}: {plural} does not match replication_ids")
-            cols[name] += values
         for name in ("broker", "epoch", "queue", "event", "time"):
             cols[name] += [obj.get(name)] * n
     return cols
 
 
+def _replication_ids(obj: dict[str, Any]) -> list[Any]:
+    """A batch line's replication ids, listed or as runs (exactly one of the two)."""
+    listed, runs = obj.get("replication_ids"), obj.get("replication_id_runs")
+    if (listed is None) == (runs is None):
+        raise ValueError("needs exactly one of replication_ids and replication_id_runs")
+    if listed is not None:
+        if not isinstance(listed, list):
+            raise TypeError("replication_ids is not a list")
+        return listed
+    if not isinstance(runs, list):
+        raise TypeError("replication_id_runs is not a list")
+    ids: list[Any] = []
+    for run in runs:
+        if (
+            not (isinstance(run, list) and len(run) == 2 and all(type(v) is int for v in run))
+            or run[1] < 1
+        ):
+            raise ValueError(f"replication_id_runs: {run!r} is not a [first, count] pair")
+        ids += range(run[0], run[0] + run[1])
+    return ids
+
+
+def _digests(obj: dict[str, Any]) -> list[Any] | None:
+    """A batch line's digests, listed or concatenated (at most one of the two)."""
+    listed, packed = obj.get("digests"), obj.get("digests_hex")
+    if packed is None:
+        return listed
+    if listed is not None:
+        raise ValueError("has both digests and digests_hex")
+    if not isinstance(packed, str) or len(packed) % _DIGEST_HEX:
+        raise ValueError(f"digests_hex is not {_DIGEST_HEX} hex digits per digest")
+    return [packed[i : i + _DIGEST_HEX] for i in range(0, len(packed), _DIGEST_HEX)]
+
+
+def _per_record(values: Any, n: int, absent: Any, name: str) -> list[Any]:
+    """One value per replication id: `values` checked, or `absent` for each if None."""
+    if values is None:  # dequeued: none of either; stored: digests not recorded
+        return [absent] * n
+    if not isinstance(values, list) or len(values) != n:
+        raise ValueError(f"{name} does not match replication_ids")
+    return values
+
+
 def segment_records(data: bytes) -> list[AuditRecord]:
-    """The records of a segment's JSON lines (either format), validated."""
+    """The records of a segment's JSON lines (any format), validated."""
     cols = segment_columns(data)
     return [
         AuditRecord.model_validate(dict(zip(AUDIT_FIELDS, values, strict=True)))

@@ -10,21 +10,23 @@ replication ACK) until `write` has appended the records *and fdatasynced the
 audit file*. A power loss can then lose only records of batches never
 confirmed; a record never claims a confirm that was not about to go out.
 
-Format. One line per batch, queue and event (`twinmq.audit.records.AuditBatch`):
-the replication ids of the batch's messages in that queue, with their message ids
-(left out when none has one) and body digests (CRC-32, as `body_digest`) for the
-stored events. The shipper expands lines into `AuditRecord`s (`segment_columns`),
-so the audit job sees one record per message as before.
+Format. One line per batch, queue and event (`twinmq.audit.records.AuditBatch`,
+format 3): the replication ids of the batch's messages in that queue (one
+`[first, count]` run when consecutive, the usual case, else listed), with their
+message ids (left out when none has one) and body digests (CRC-32 as
+`body_digest`, concatenated in `digests_hex`) for the stored events. The shipper
+expands lines into `AuditRecord`s (`segment_columns`), so the audit job sees one
+record per message as before.
 
-Cost. The event loop only queues `(ops, event, time, epoch)` per batch (no
-formatting); `write` runs in the audit's own writer thread (`executor`), once
-per group commit: it formats the lines, mapping C functions over the ops (no
-Python frame per message: the CRC of the body, the message-id flag read from the
-content header), appends them with one `pwrite` and makes them durable with one
-`fdatasync`; a new segment's name is made durable with an fsync of the
-directory. The writer runs in parallel with the journal's writer thread, so a
-group commit costs one extra fdatasync, overlapped with the next batch's journal
-write.
+Cost. The event loop only queues `(ops, event, time, epoch, queues)` per batch
+(no formatting); `write` runs in the audit's own writer thread (`writer`, a
+`WriterThread`), once per group commit: it formats the lines, mapping C functions
+over the ops (no Python frame per message: the CRC of the body into an array, the
+ids compared with a range, the content headers compared with the first one),
+appends them with one `pwrite` and makes them durable with one `fdatasync`; a new
+segment's name is made durable with an fsync of the directory. The writer runs
+in parallel with the journal's writer thread, so a group commit costs one extra
+fdatasync, overlapped with the next batch's journal write.
 
 Segments are named `<broker>-e<epoch>-<seq>.jsonl`; the one being written ends
 in `.open` and is renamed when closed (by size, age or epoch), so a shipper
@@ -41,32 +43,35 @@ import logging
 import operator
 import os
 import struct
+import sys
 import threading
 import time
 import zlib
+from array import array
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from itertools import groupby
 from pathlib import Path
 
 from twinmq.audit.records import BATCH_FIELDS, AuditEvent
 from twinmq.broker.journal import JournalOp, StoredMessage
+from twinmq.broker.writerthread import WriterThread
 
 log = logging.getLogger(__name__)
 
 assert BATCH_FIELDS == (
-    "broker", "epoch", "queue", "event", "time", "replication_ids", "message_ids", "digests",
+    "broker", "epoch", "queue", "event", "time", "replication_ids", "replication_id_runs",
+    "message_ids", "digests", "digests_hex",
 ), "the writer below must follow AuditBatch's fields"  # fmt: skip
 
 # One completed batch waiting to be written: its ops, the event of its stored messages,
-# the time (formatted) and the epoch it completed in.
-PendingBatch = tuple[Sequence[JournalOp], str, str, int]
+# the time (formatted), the epoch it completed in and the queues (qids) of its ops.
+PendingBatch = tuple[Sequence[JournalOp], str, str, int, set[int]]
 
 _json_str: Callable[[str], str] = json.encoder.encode_basestring_ascii
 _U32 = struct.Struct(">I")
 _DEQUEUED = AuditEvent.DEQUEUED.value
 # Per message the writer only maps C functions over a batch's ops (no Python frame per
-# message): these pick the fields, `_hex8` formats a digest as `body_digest` does.
+# message): these pick the fields.
 _kind_and_queue = operator.attrgetter("__class__", "qid")
 _qid = operator.attrgetter("qid")
 _mid = operator.attrgetter("mid")
@@ -74,7 +79,8 @@ _body = operator.attrgetter("body")
 _header = operator.attrgetter("header")
 _flags_low = operator.itemgetter(13)  # the low byte of a content header's property flags
 _has_message_id = (0x80).__and__
-_hex8 = "%08x".__mod__
+_LITTLE_ENDIAN = sys.byteorder == "little"
+assert array("I").itemsize == 4, "digests_hex packs CRC-32s as 4-byte unsigned ints"
 
 
 def message_id_json(header: bytes) -> str:
@@ -113,8 +119,22 @@ def message_id_json(header: bytes) -> str:
         return "null"
 
 
+def _replication_ids_json(mids: list[int]) -> str:
+    """The replication ids of a line: one run when consecutive (the common case), else listed.
+
+    A run costs the same for 1 or 500 ids; listing formats every id.
+    """
+    first, count = mids[0], len(mids)
+    if mids[-1] - first == count - 1 and mids == list(range(first, first + count)):
+        return f'"replication_id_runs":[[{first},{count}]]'
+    return f'"replication_ids":[{",".join(map(str, mids))}]'
+
+
 def _message_ids(headers: list[bytes]) -> str:
     """The `message_ids` member of a batch's line; none at all when no message has one."""
+    first = headers[0]
+    if len(first) >= 14 and not first[13] & 0x80 and headers.count(first) == len(headers):
+        return ""  # one header for the whole line (a publisher's usual case), without an id
     try:
         if not any(map(_has_message_id, map(_flags_low, headers))):
             return ""
@@ -127,7 +147,7 @@ class AuditLog:
     """Appends audit records to `<directory>/<broker>-e<epoch>-<seq>.jsonl` segments.
 
     Threading: `batch_complete`, `take` and `tick` run on the event loop; `write`
-    in `executor` (the committer awaits it); `flush` and `close` anywhere when
+    in `writer` (the committer awaits it); `flush` and `close` anywhere when
     no `write` is running (tests, shutdown). File state is guarded by a lock.
     """
 
@@ -164,15 +184,15 @@ class AuditLog:
         # qids (queue incarnations) are never reused, so an entry is never stale.
         self._queue_json: dict[int, str] = {}
         self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        self._writer: WriterThread | None = None
         self._close_leftovers()
 
     @property
-    def executor(self) -> ThreadPoolExecutor:
-        """The audit's writer thread (one: writes are ordered)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
-        return self._executor
+    def writer(self) -> WriterThread:
+        """The audit's writer thread (one: writes are ordered), started on first use."""
+        if self._writer is None:
+            self._writer = WriterThread("audit")
+        return self._writer
 
     def _last_seq(self) -> int:
         seqs = [
@@ -205,10 +225,11 @@ class AuditLog:
         ).value  # fmt: skip
         ops = ops if isinstance(ops, list | tuple) else list(ops)
         names = self._queue_json
-        for qid in set(map(_qid, ops)).difference(names):
+        qids = set(map(_qid, ops))
+        for qid in qids.difference(names):
             # Looked up here, on the loop that owns the queues, once per queue.
             names[qid] = _json_str(self.queue_name(qid))
-        self._pending.append((ops, stored_event, f"{time.time():.6f}", self.epoch()))
+        self._pending.append((ops, stored_event, f"{time.time():.6f}", self.epoch(), qids))
 
     def take(self) -> list[PendingBatch]:
         """The batches queued so far, for one `write` (event loop)."""
@@ -227,7 +248,7 @@ class AuditLog:
     def tick(self) -> None:
         """Called every second on the loop: close a segment that aged out (in the thread)."""
         if self._fd >= 0 and time.monotonic() - self._opened_at >= self.segment_seconds:
-            self.executor.submit(self._close_if_aged)
+            self.writer.submit(self._close_if_aged)
 
     # -- the writer thread ------------------------------------------------------------------
 
@@ -252,27 +273,31 @@ class AuditLog:
         return count
 
     def _format(self, batches: Sequence[PendingBatch]) -> list[str]:
-        """One line per batch, queue and event (an `AuditBatch`)."""
+        """One line per batch, queue and event (an `AuditBatch`, format 3)."""
         names = self._queue_json
         out: list[str] = []
-        for ops, stored_event, now, epoch in batches:
+        for ops, stored_event, now, epoch, qids in batches:
             groups: dict[tuple[type, int], list[JournalOp]] = {}
-            for key, run in groupby(ops, _kind_and_queue):  # runs of one kind and queue
-                groups.setdefault(key, []).extend(run)
+            if len(qids) == 1:  # the common case: runs by kind only, no key tuple per op
+                (qid,) = qids
+                for kind, run in groupby(ops, type):
+                    groups.setdefault((kind, qid), []).extend(run)
+            else:
+                for key, run in groupby(ops, _kind_and_queue):  # runs of one kind and queue
+                    groups.setdefault(key, []).extend(run)
             head = f'{{"broker":{self._broker_json},"epoch":{epoch},"queue":'
             for (kind, qid), group in groups.items():
-                ids = ",".join(map(str, map(_mid, group)))
+                ids = _replication_ids_json(list(map(_mid, group)))
                 if kind is not StoredMessage:
-                    out.append(
-                        f'{head}{names[qid]},"event":"{_DEQUEUED}","time":{now},'
-                        f'"replication_ids":[{ids}]}}\n'
-                    )
+                    out.append(f'{head}{names[qid]},"event":"{_DEQUEUED}","time":{now},{ids}}}\n')
                     continue
-                headers = list(map(_header, group))
-                digests = '","'.join(map(_hex8, map(zlib.crc32, map(_body, group))))
+                digests = array("I", map(zlib.crc32, map(_body, group)))
+                if _LITTLE_ENDIAN:
+                    digests.byteswap()  # big-endian bytes: each digest's hex as `body_digest`
                 out.append(
-                    f'{head}{names[qid]},"event":"{stored_event}","time":{now},'
-                    f'"replication_ids":[{ids}]{_message_ids(headers)},"digests":["{digests}"]}}\n'
+                    f'{head}{names[qid]},"event":"{stored_event}","time":{now},{ids}'
+                    f"{_message_ids(list(map(_header, group)))},"
+                    f'"digests_hex":"{digests.tobytes().hex()}"}}\n'
                 )
         return out
 
@@ -359,8 +384,8 @@ class AuditLog:
 
     def close(self) -> None:
         """Flush, close the segment and stop the writer thread (shutdown)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
         self.flush()
         self.close_segment()

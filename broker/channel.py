@@ -323,7 +323,7 @@ class Channel:
 
     @staticmethod
     def _count_acks(run_len: int, started: float, now: float) -> None:
-        metrics.CONFIRMS_ACK.inc(run_len)
+        metrics.CONFIRMS_ACK.value += run_len
         if started:
             metrics.CONFIRM_LATENCY.observe(now - started)
 
@@ -346,7 +346,7 @@ class Channel:
             )
             + encode_content(self.number, message.header, message.body, conn.frame_max)
         )
-        metrics.DELIVERED.inc()
+        metrics.DELIVERED.value += 1
         if consumer.no_ack:
             self.vhost.settle(queue, [entry])
             return
@@ -386,7 +386,7 @@ class Channel:
         for queue, entries in by_queue.items():
             if action == "ack":
                 vhost.settle(queue, entries, ops)
-                metrics.ACKED.inc(len(entries))
+                metrics.ACKED.value += len(entries)
             elif action == "requeue":
                 vhost.requeue(queue, entries)
                 metrics.REDELIVERED.inc(len(entries))
@@ -574,7 +574,7 @@ class Channel:
             )
             + encode_content(self.number, message.header, message.body, conn.frame_max)
         )
-        metrics.DELIVERED.inc()
+        metrics.DELIVERED.value += 1
         if m.no_ack:
             self.vhost.settle(queue, [entry])
         else:

@@ -314,7 +314,7 @@ class GroupCommitter:
             self._audit_writing = held[-1][0]
             started = self.loop.time()
             try:
-                records = await self.loop.run_in_executor(audit.executor, audit.write, batches)
+                records = await audit.writer.call(audit.write, batches)
             except OSError:
                 # Rolled back: nothing of it counts; written again by the next round.
                 audit.give_back(batches)

@@ -23,7 +23,11 @@ from prometheus_client.registry import Collector
 
 
 class FastCounter:
-    """A monotonic counter for the hot path: `inc` is one integer addition."""
+    """A monotonic counter for the hot path: `inc` is one integer addition.
+
+    Per-message call sites add to `value` directly (`metrics.DELIVERED.value += 1`):
+    the method call costs more than the addition it makes.
+    """
 
     __slots__ = ("value",)
 

@@ -694,7 +694,7 @@ class VirtualHost:
         batch = 0
         if ops is not None:
             # The transaction's commit holds them with its batch (`Visibility.hold_transaction`).
-            metrics.PUBLISHED.inc()
+            metrics.PUBLISHED.value += 1
             return PublishResult(routed, rejected, 0, held=held)
         if own_ops:
             batch = self.committer.add(own_ops)
@@ -704,7 +704,7 @@ class VirtualHost:
             batch = self.committer.confirm_point()
         for queue in delivered:
             queue.dispatch(now)
-        metrics.PUBLISHED.inc()
+        metrics.PUBLISHED.value += 1
         return PublishResult(routed, rejected, batch)
 
     def settle(

@@ -32,6 +32,7 @@ import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from twinmq.audit.records import segment_columns
 from twinmq.broker.replication.protocol import FrameType, decode_batch, decode_u64
 
 # -- parsing ------------------------------------------------------------------------------
@@ -410,13 +411,20 @@ def is_audit_write(call: Syscall) -> bool:
 def audit_needle(body: bytes, event: str) -> Callable[[bytes], bool]:
     """Whether written bytes hold the audit record of `body` with `event`.
 
-    The record is in a line of its batch (`"event":"<event>"`, the body's CRC-32
-    among the line's `digests`), not the body; the digest is computed here
-    independently of the broker's writer.
+    The record is in a line of its batch, not the body: the written lines are read
+    as the shipper reads them (`segment_columns`, any line format) and a record with
+    `event` and the body's CRC-32 as its digest looked for; the digest is computed
+    here independently of the broker's writer.
     """
-    event_bytes = f'"event":"{event}"'.encode()
-    digest = b'"%08x"' % zlib.crc32(body)
-    return lambda data: any(event_bytes in line and digest in line for line in data.split(b"\n"))
+    digest = "%08x" % zlib.crc32(body)  # noqa: UP031 (as body_digest, written out)
+
+    def holds(data: bytes) -> bool:
+        cols = segment_columns(data[: data.rfind(b"\n") + 1])  # whole lines only
+        return any(
+            e == event and d == digest for e, d in zip(cols["event"], cols["digest"], strict=True)
+        )
+
+    return holds
 
 
 def _synced(calls: Sequence[Syscall], write: Syscall, path: str, before: int) -> Syscall | None:

@@ -13,6 +13,7 @@ import httpx
 import pika
 import pika.exceptions
 import pytest
+from pika.adapters.blocking_connection import BlockingChannel
 
 from twinmq.broker.admin_client import (
     AdminClient,
@@ -74,17 +75,25 @@ def test_status_needs_the_bearer_token(secured: BrokerProcess) -> None:
     assert (status.name, status.role, status.ready) == ("secured", ACTIVE, True)
 
 
-def test_status_counts_connections_and_queue_messages(secured: BrokerProcess) -> None:
+def _published(
+    broker: BrokerProcess, queue: str, count: int
+) -> tuple[pika.BlockingConnection, BlockingChannel]:
+    """A connection of user `app` that declared `queue` and published `count` confirmed messages."""
     conn = pika.BlockingConnection(
         pika.ConnectionParameters(
-            port=secured.port, credentials=pika.PlainCredentials("app", "app-pass")
+            port=broker.port, credentials=pika.PlainCredentials("app", "app-pass")
         )
     )
     ch = conn.channel()
-    ch.queue_declare("status.q", durable=True)
+    ch.queue_declare(queue, durable=True)
     ch.confirm_delivery()
-    for _ in range(3):
-        ch.basic_publish("", "status.q", b"x", pika.BasicProperties(delivery_mode=2))
+    for _ in range(count):
+        ch.basic_publish("", queue, b"x", pika.BasicProperties(delivery_mode=2))
+    return conn, ch
+
+
+def test_status_counts_connections_and_queue_messages(secured: BrokerProcess) -> None:
+    conn, _ = _published(secured, "status.q", 3)
     status = secured.admin.status()
     assert status.connections >= 1 and status.channels >= 1
     queue = next(q for q in status.queues if q.name == "status.q")
@@ -102,6 +111,33 @@ def test_metrics_are_prometheus_text_with_broker_series(secured: BrokerProcess) 
         "twinmq_journal_fsync_seconds_bucket",
     ):  # fmt: skip
         assert series in text, series
+
+
+def _counter_values(text: str) -> dict[str, float]:
+    """Unlabelled and labelled sample lines of Prometheus text, by their full name."""
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def test_the_per_message_counters_count_each_publish_confirm_delivery_and_ack(
+    secured: BrokerProcess,
+) -> None:
+    names = (
+        "twinmq_messages_published_total", "twinmq_messages_delivered_total",
+        "twinmq_messages_acknowledged_total", 'twinmq_confirms_total{outcome="ack"}',
+    )  # fmt: skip
+    before = _counter_values(secured.admin.metrics())
+    conn, ch = _published(secured, "counted.q", 7)
+    for _ in range(7):
+        method, _, _ = ch.basic_get("counted.q")
+        assert method is not None
+        ch.basic_ack(method.delivery_tag)
+    conn.close()
+    after = _counter_values(secured.admin.metrics())
+    assert [after[n] - before.get(n, 0.0) for n in names] == [7.0, 7.0, 7.0, 7.0]
 
 
 def test_users_file_login_and_wrong_password(secured: BrokerProcess) -> None:

@@ -336,6 +336,62 @@ def test_both_line_formats_ship_as_the_same_records_in_log_order(tmp_path: Path)
     ]  # fmt: skip
 
 
+def test_format_3_lines_ship_as_the_records_their_runs_and_hex_digests_stand_for(
+    tmp_path: Path,
+) -> None:
+    # Format 3 (ids as [first, count] runs, digests as one hex string) after format 2.
+    audit = tmp_path / "a" / "audit"
+    audit.mkdir(parents=True)
+    listed = AuditBatch(
+        broker="a", epoch=1, queue="q", event=AuditEvent.CONFIRMED, time=1.0,
+        replication_ids=[1, 2], digests=["0000000b", "0000000c"],
+    )  # fmt: skip
+    runs = AuditBatch(
+        broker="a", epoch=1, queue="q", event=AuditEvent.CONFIRMED, time=2.0,
+        replication_id_runs=[(3, 2), (9, 1)], message_ids=["p:3", None, "p:9"],
+        digests_hex="0000000d0000000e0000000f",
+    )  # fmt: skip
+    dequeued = AuditBatch(
+        broker="a", epoch=1, queue="q", event=AuditEvent.DEQUEUED, time=3.0,
+        replication_id_runs=[(1, 3)],
+    )  # fmt: skip
+    (audit / "a-e000001-00000001.jsonl").write_text(
+        "".join(b.model_dump_json(exclude_none=True) + "\n" for b in (listed, runs, dequeued))
+    )
+    store = Store(str(tmp_path / "store"))
+    ship(audit, store)
+    rows = _read(store, store.segments()[0]).to_pylist()
+    assert [(r["replication_id"], r["event"], r["message_id"], r["digest"]) for r in rows] == [
+        (1, "confirmed", None, "0000000b"), (2, "confirmed", None, "0000000c"),
+        (3, "confirmed", "p:3", "0000000d"), (4, "confirmed", None, "0000000e"),
+        (9, "confirmed", "p:9", "0000000f"),
+        (1, "dequeued", None, ""), (2, "dequeued", None, ""), (3, "dequeued", None, ""),
+    ]  # fmt: skip
+    assert [r["line"] for r in rows] == list(range(8))
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ('"replication_id_runs":[[1,2]],"digests_hex":"0000000b"', "digests does not match"),
+        ('"replication_id_runs":[[1,2]],"digests_hex":"0000000b000c"', "8 hex digits"),
+        ('"replication_id_runs":[[1,0]]', "not a \\[first, count\\] pair"),
+        ('"replication_ids":[1],"replication_id_runs":[[1,1]]', "exactly one of"),
+        ('"replication_ids":[1],"digests":["0000000b"],"digests_hex":"0000000b"', "both"),
+    ],
+)
+def test_a_format_3_line_of_the_wrong_shape_is_refused(
+    tmp_path: Path, fields: str, error: str
+) -> None:
+    audit = tmp_path / "a" / "audit"
+    audit.mkdir(parents=True)
+    (audit / "a-e000001-00000001.jsonl").write_text(
+        '{"broker":"a","epoch":1,"queue":"q","event":"confirmed","time":1.0,' + fields + "}\n"
+    )
+    with pytest.raises(ShipError, match=error):
+        ship(audit, Store(str(tmp_path / "store")))
+
+
 def test_a_batch_line_whose_lists_disagree_is_refused(tmp_path: Path) -> None:
     audit = tmp_path / "a" / "audit"
     audit.mkdir(parents=True)

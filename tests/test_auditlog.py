@@ -102,3 +102,46 @@ def test_a_batch_is_one_line_per_queue_and_event_and_its_records_keep_their_orde
     assert settled == [("q7", 1), ("q7", 3), ("q8", 2)]
     assert [r.digest for r in records[:2]] == [body_digest(b"a"), body_digest(b"c")]
     assert {r.message_id for r in records} == {None}
+
+
+def test_consecutive_ids_are_one_run_and_others_are_listed_with_their_digests_in_order(
+    tmp_path: Path,
+) -> None:
+    log = _log(tmp_path, [1])
+    bodies = [b"m%d" % i for i in range(40)]
+    log.batch_complete([_message(100 + i, body) for i, body in enumerate(bodies)], guarded=True)
+    log.batch_complete([Settle(7, 139), Settle(7, 100), Settle(7, 120)], guarded=True)
+    log.batch_complete([Settle(7, mid) for mid in range(100, 119)], guarded=True)
+    log.close()
+    lines = next(tmp_path.glob("*.jsonl")).read_text().splitlines()
+    assert '"replication_id_runs":[[100,40]]' in lines[0]
+    assert '"replication_ids":[139,100,120]' in lines[1]  # not consecutive: listed
+    assert '"replication_id_runs":[[100,19]]' in lines[2]
+    records = _records(tmp_path)
+    stored = [r for r in records if r.event == AuditEvent.CONFIRMED]
+    assert [(r.replication_id, r.digest) for r in stored] == [
+        (100 + i, body_digest(body)) for i, body in enumerate(bodies)
+    ]
+    assert {r.message_id for r in stored} == {"m-1"}
+    dequeued = [r.replication_id for r in records if r.event == AuditEvent.DEQUEUED]
+    assert dequeued == [139, 100, 120, *range(100, 119)]
+
+
+def test_message_ids_are_read_per_message_when_the_headers_of_a_line_differ(
+    tmp_path: Path,
+) -> None:
+    log = _log(tmp_path, [1])
+    plain = bytes.fromhex("003c0000") + (1).to_bytes(8, "big") + b"\x00\x00"
+    log.batch_complete(
+        [
+            StoredMessage(1, 7, "", "", plain, b"a", None),
+            _message(2, b"b"),
+            StoredMessage(3, 7, "", "", plain, b"c", None),
+        ],
+        guarded=True,
+    )
+    log.batch_complete([StoredMessage(4, 7, "", "", plain, b"d", None)], guarded=True)
+    log.close()
+    lines = next(tmp_path.glob("*.jsonl")).read_text().splitlines()
+    assert '"message_ids"' not in lines[1]  # one header, without an id: left out
+    assert [r.message_id for r in _records(tmp_path)] == [None, "m-1", None, None]
