@@ -2,6 +2,8 @@
 
 Like RabbitMQ, an alarm blocks publishing connections (`connection.blocked`)
 instead of letting the broker fail: a full disk must never corrupt the journal.
+A failed journal write, or an audit write that holds the confirms, raises the disk
+alarm too: publishers learn why nothing is confirmed.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class ResourceMonitor:
                 self.committer.failure = None
             else:
                 return "disk"
-        if free < self.disk_free_limit:
+        if free < self.disk_free_limit or self.committer.audit_failure is not None:
             return "disk"
         if process_rss_bytes() > self.memory_limit:
             return "memory"

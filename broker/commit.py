@@ -88,6 +88,9 @@ class GroupCommitter:
         self._settled.set()
         self._task: asyncio.Task[None] | None = None
         self.failure: JournalError | None = None
+        # The last audit write's error while outcomes wait for a retry, else None: the
+        # confirms are held, so the disk alarm tells publishers why (alarms.py).
+        self.audit_failure: OSError | None = None
 
     # -- Committer protocol ----------------------------------------------------------------
 
@@ -298,11 +301,15 @@ class GroupCommitter:
                     await self._write_audit()
                 except OSError as exc:
                     # Never confirm what the audit does not hold: the confirms wait, the
-                    # records are written again (publishers are blocked by the disk alarm
-                    # meanwhile if the disk is full).
+                    # records are written again, and the disk alarm blocks publishers
+                    # meanwhile (a full disk can refuse the audit write before any
+                    # journal write fails: without the alarm nobody was told why).
+                    self.audit_failure = exc
                     metrics.AUDIT_WRITE_FAILURES.inc()
                     log.error("audit write failed (%s): confirms held, retrying in 1 s", exc)
                     await asyncio.sleep(1.0)
+                else:
+                    self.audit_failure = None
 
     async def _write_audit(self) -> None:
         """Write and fdatasync the queued audit records, then release the held outcomes."""

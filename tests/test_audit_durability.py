@@ -23,6 +23,7 @@ from polling import until
 
 from twinmq.audit.records import AuditEvent, AuditRecord, segment_records
 from twinmq.broker import metrics
+from twinmq.broker.alarms import ResourceMonitor
 from twinmq.broker.auditlog import AuditLog, message_id_json
 from twinmq.broker.codec import decode_content_header
 from twinmq.broker.commit import GroupCommitter
@@ -109,6 +110,7 @@ def test_a_failed_audit_write_holds_the_confirm_until_a_retry_writes_it_once(
         audit = AuditLog(audit_dir, "b1", lambda: 1, lambda qid: f"q{qid}", lambda: False)
         committer.audit = audit
         committer.start()
+        monitor = ResourceMonitor(tmp_path, 0, 1.0, committer, lambda reason: None)
         told = _Told()
         committer.await_durable(told)
         # The first batch's record fits; then the disk fills to the last page.
@@ -135,6 +137,8 @@ def test_a_failed_audit_write_holds_the_confirm_until_a_retry_writes_it_once(
         await asyncio.wait_for(write_failed(), 30)
         assert journal.stats.durable_lsn >= 2, "the journal write should have succeeded"
         held = list(told.told)
+        # The journal's disk has room: only the held audit write raises the alarm.
+        assert monitor.check() == "disk", "publishers must be told why confirms wait"
         filler.unlink()  # space again: the next retry succeeds
 
         async def released() -> None:
@@ -143,6 +147,7 @@ def test_a_failed_audit_write_holds_the_confirm_until_a_retry_writes_it_once(
                 told.changed.clear()
 
         await asyncio.wait_for(released(), 30)
+        assert monitor.check() is None, "the alarm clears once the audit write succeeds"
         await committer.stop()
         await journal.close()
         audit.close()
