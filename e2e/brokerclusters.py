@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -121,7 +122,22 @@ def create_cluster(
         ) else None  # fmt: skip
 
     wait_until("the BrokerCluster is Ready and replicating", in_sync, timeout=90)
+    # Ready says the brokers are; the virtual IP answers once the endpoint controller and
+    # kube-proxy have caught up (a test that connected at once was refused, in CI).
+    ip = (cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {})["spec"][
+        "clusterIP"
+    ]
+    wait_until("the virtual IP answers", lambda: _accepts(ip, AMQP_PORT), timeout=30)
     return name
+
+
+def _accepts(host: str, port: int) -> bool:
+    """Whether a TCP connection to host:port is accepted."""
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def amqp_url(cluster: Cluster, namespace: str, name: str, host: str | None = None) -> str:

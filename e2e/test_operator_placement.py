@@ -143,7 +143,9 @@ def test_required_anti_affinity_on_one_node_leaves_the_second_broker_unschedulab
                 return None
             found[broker] = scheduled["status"] if scheduled["status"] == "True" else (
                 scheduled.get("reason") or "")  # fmt: skip
-        return found
+        # Until one is placed: the first can be Unschedulable for a moment too (the
+        # previous test's pods still terminating on the node hold its resources).
+        return found if "True" in found.values() else None
 
-    outcome = wait_until("both broker pods considered by the scheduler", placed, timeout=30)
+    outcome = wait_until("one broker pod placed, the other considered", placed, timeout=60)
     assert sorted(outcome.values()) == ["True", "Unschedulable"], outcome
