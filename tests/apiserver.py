@@ -21,6 +21,7 @@ from twinmq.localcluster import binaries
 from twinmq.localcluster.cluster import _http_ok
 from twinmq.localcluster.layout import Layout
 from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki
+from twinmq.localcluster.pki import kubeconfig as pki_kubeconfig
 
 STARTUP_SECONDS = 120.0  # a loaded, shared machine: etcd and the API server are slow to start
 
@@ -103,13 +104,7 @@ def running_apiserver(root: Path) -> Iterator[KubeApiServer]:
         token = admin_token(layout)
         _wait_ready(f"{url}/readyz", token, pki / "ca.crt", procs)
         kubeconfig = root / "kubeconfig"
-        kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "test",
-            "clusters": [{"name": "test", "cluster": {
-                "server": url, "certificate-authority": str(pki / "ca.crt")}}],
-            "users": [{"name": ADMIN_USER, "user": {"token": token}}],
-            "contexts": [{"name": "test", "context": {"cluster": "test", "user": ADMIN_USER}}],
-        }))  # fmt: skip
+        kubeconfig.write_text(json.dumps(pki_kubeconfig(layout, url, ADMIN_USER, {"token": token})))
         yield KubeApiServer(kubeconfig, procs[1])
     finally:
         for proc in reversed(procs):
