@@ -29,7 +29,7 @@ from pamqp.body import ContentBody
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from amqp_raw import RawConnection
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 QUEUE = "audit-cost"
 _HEAD = struct.Struct(">BHI")

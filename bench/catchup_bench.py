@@ -46,8 +46,8 @@ from pamqp import body as pbody  # noqa: E402
 from pamqp import commands, frame, header  # noqa: E402
 
 from twinmq.broker.api import CatchupStatus  # noqa: E402
-from twinmq.broker.launcher import BrokerProcess  # noqa: E402
 from twinmq.broker.names import PASSIVE, REPLICATION_TOKEN_ENV  # noqa: E402
+from twinmq.testing.launcher import BrokerProcess  # noqa: E402
 
 TOKEN = "catchup-bench-token"
 CASES = {

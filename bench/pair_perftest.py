@@ -109,7 +109,7 @@ class Pair:
     """A TwinMQ active/passive pair on temporary data directories."""
 
     def __init__(self, workdir: Path, extra_args: list[str], log_level: str = "WARNING") -> None:
-        from twinmq.broker.launcher import BrokerProcess
+        from twinmq.testing.launcher import BrokerProcess
 
         self._cls = BrokerProcess
         self.workdir = workdir

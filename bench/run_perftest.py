@@ -415,7 +415,7 @@ class TwinMQ(Broker):
     label = "TwinMQ"
 
     def __init__(self, workdir: Path, extra_args: list[str]) -> None:
-        from twinmq.broker.launcher import BrokerProcess
+        from twinmq.testing.launcher import BrokerProcess
 
         self._workdir = workdir
         self._extra = extra_args

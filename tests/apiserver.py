@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from twinmq.broker.launcher import free_port
 from twinmq.localcluster import binaries
 from twinmq.localcluster.cluster import _http_ok
 from twinmq.localcluster.layout import Layout
 from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki
 from twinmq.localcluster.pki import kubeconfig as pki_kubeconfig
+from twinmq.testing.launcher import free_port
 
 STARTUP_SECONDS = 120.0  # a loaded, shared machine: etcd and the API server are slow to start
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from apiserver import KubeApiServer, binaries_built, running_apiserver
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 
 @pytest.fixture(scope="module")

@@ -44,9 +44,9 @@ from poison import POISON, sample_headers
 from twinmq.broker.admin_client import AdminError, AdminUnreachable
 from twinmq.broker.codec import rebuild_header
 from twinmq.broker.journal.segment import HEADER, REC
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.names import ACTIVE, PASSIVE, REPLICATION_TOKEN_ENV, Role
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
+from twinmq.testing.launcher import BrokerProcess
 
 T = TypeVar("T")
 Key = tuple[str, int]  # (producer, message number)

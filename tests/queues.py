@@ -5,7 +5,7 @@ from __future__ import annotations
 import pika
 
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 
 def opted_in(broker: BrokerProcess) -> pika.BlockingConnection:

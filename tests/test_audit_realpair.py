@@ -27,8 +27,8 @@ from twinmq.audit.store import Store, ship
 from twinmq.audit.summary import Verdict
 from twinmq.broker.admin_client import AdminUnreachable
 from twinmq.broker.api import BrokerStatus
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.names import ACTIVE, REPLICATION_TOKEN_ENV
+from twinmq.testing.launcher import BrokerProcess
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]  # a JVM: minutes on 2 cores
 

@@ -20,7 +20,7 @@ import pytest
 from jepsen import Pair, log_since, log_size, queue_counts, status, wait_for
 from queues import drain
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 CHUNK = 16 * 1024  # catch-up chunk bytes: ~15 messages of 1 KiB
 PIPE = 64 * 1024  # bytes per second through the proxy: a catch-up of seconds

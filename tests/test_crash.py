@@ -14,7 +14,7 @@ from aio_pika.abc import AbstractChannel
 from queues import drain as _drain
 
 from twinmq.audit.records import AuditEvent, body_digest, segment_records
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 QUEUE = "crash.q"
 

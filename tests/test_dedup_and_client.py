@@ -11,9 +11,9 @@ from queues import drain as _drain
 from queues import opted_in
 
 from twinmq.broker.dedup import DedupWindow
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.names import ACTIVE, REPLICATION_TOKEN_ENV
 from twinmq.client import ReliablePublisher
+from twinmq.testing.launcher import BrokerProcess
 
 
 def test_window_forgets_the_oldest_ids_beyond_its_size(tmp_path: Path) -> None:

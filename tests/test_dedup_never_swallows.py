@@ -17,8 +17,8 @@ from aio_pika.exceptions import DeliveryError
 from jepsen import Pair
 from queues import drain, opted_in
 
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.client import ReliablePublisher
+from twinmq.testing.launcher import BrokerProcess
 
 PERSISTENT = 2
 

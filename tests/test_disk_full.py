@@ -18,8 +18,8 @@ from queues import drain
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.broker.journal import Journal, JournalError, StoredMessage
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
+from twinmq.testing.launcher import BrokerProcess
 
 
 @pytest.fixture

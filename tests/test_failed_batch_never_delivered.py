@@ -21,8 +21,8 @@ from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
 from jepsen import post_role, status, wait_for
 from queues import drain, opted_in
 
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
+from twinmq.testing.launcher import BrokerProcess
 
 FULL = ["--disk-free-limit", "0", "--segment-bytes", str(1024 * 1024)]
 BODY = b"v" * 4096

@@ -48,7 +48,7 @@ from syscalls import (
     parse,
 )
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 STRACE = shutil.which("strace")
 # Everything a broker may write a socket or a segment with, read a socket with, or sync with.

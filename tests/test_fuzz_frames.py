@@ -39,7 +39,7 @@ from sansio import Harness, Peer
 from twinmq.broker.codec import FrameReader
 from twinmq.broker.connection import State
 from twinmq.broker.errors import AMQPError, ReplyCode
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 # Fuzzed frames decode to basic.recover-async now and then, which pamqp warns about.
 pytestmark = pytest.mark.filterwarnings("ignore:This command is deprecated:DeprecationWarning")

@@ -30,7 +30,6 @@ from apiserver import KubeApiServer
 from fakeclock import FakeClock
 from polling import until
 
-from twinmq.broker.launcher import free_port
 from twinmq.operator.kube import Kube
 from twinmq.operator.leader import (
     LOST_EXIT_CODE,
@@ -40,6 +39,7 @@ from twinmq.operator.leader import (
     lead,
     may_take,
 )
+from twinmq.testing.launcher import free_port
 
 NAMESPACE = "default"
 SETTINGS = {"lease_seconds": 15.0, "renew_deadline_seconds": 10.0, "retry_seconds": 2.0}

@@ -37,7 +37,7 @@ from rawamqp import RawClient, encode, raw_frame, wait_for
 from twinmq.broker.codec import decode_headers, property_spans, rebuild_header
 from twinmq.broker.fieldtable import Array, Scalar, Table, as_text, encode_table, to_python
 from twinmq.broker.journal import Journal, StoredMessage
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 EXAMPLES = int(os.environ.get("TWINMQ_POISON_EXAMPLES", "3"))
 

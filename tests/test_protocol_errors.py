@@ -28,7 +28,7 @@ from rawamqp import (
     wait_for,
 )
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ from rawamqp import RawClient, handshake_frames
 from replpeer import hello_for
 
 from twinmq.broker.admin_client import AdminUnreachable, metric_samples
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.names import REPLICATION_TOKEN_ENV
 from twinmq.broker.replication.protocol import (
     BATCH_CATCHUP,
@@ -38,6 +37,7 @@ from twinmq.broker.replication.protocol import (
     encode_u64,
 )
 from twinmq.operator.probe import passive_lag
+from twinmq.testing.launcher import BrokerProcess
 
 QUEUE = "replicated"
 TOKEN = Pair.TOKEN

@@ -25,7 +25,6 @@ from replpeer import FakeListener, RawLink, hello_for, welcome_for
 from twinmq.broker.admin_client import metric_samples
 from twinmq.broker.epoch import epoch_jump_refusal
 from twinmq.broker.journal import StoredMessage, encode_ops
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.replication.handshake import transcript_proof, verify
 from twinmq.broker.replication.protocol import (
     BATCH_CATCHUP,
@@ -42,6 +41,7 @@ from twinmq.broker.replication.protocol import (
     encode,
     encode_batch,
 )
+from twinmq.testing.launcher import BrokerProcess
 
 TOKEN = Pair.TOKEN
 ABSURD = 10**12

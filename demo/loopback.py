@@ -23,9 +23,9 @@ from typing import Any
 import pika
 
 from twinmq.broker.admin_client import AdminClient
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.names import ACTIVE, PASSIVE, REPLICATION_TOKEN_ENV
 from twinmq.client import ReliablePublisher
+from twinmq.testing.launcher import BrokerProcess
 
 QUEUE = "demo.orders"
 EXCHANGE = "demo.events"
