@@ -35,7 +35,6 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -48,6 +47,7 @@ from pamqp import commands, frame, header  # noqa: E402
 from twinmq.broker.api import CatchupStatus  # noqa: E402
 from twinmq.broker.names import PASSIVE, REPLICATION_TOKEN_ENV  # noqa: E402
 from twinmq.testing.launcher import BrokerProcess  # noqa: E402
+from twinmq.testing.waiting import wait_for  # noqa: E402
 
 TOKEN = "catchup-bench-token"
 CASES = {
@@ -173,17 +173,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def wait(what: str, check: Any, timeout: float, interval: float = 0.05) -> Any:
-    """Poll until `check()` is truthy."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(what)
-
-
 def one_run(
     case: str,
     root: Path,
@@ -234,7 +223,7 @@ def one_run(
             state = active.admin.status().replication.catchup
             return state if state is not None and not state.in_progress else None
 
-        state = wait("caught up", caught_up, timeout=3600, interval=0.1)
+        state = wait_for("caught up", caught_up, timeout=3600, interval=0.1)
         done_at = time.monotonic()
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT

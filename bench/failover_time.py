@@ -46,6 +46,7 @@ from twinmq.localcluster import faults
 from twinmq.localcluster.examples import example_brokercluster
 from twinmq.localcluster.kubeapi import ApiError, KubeApi
 from twinmq.localcluster.layout import Layout
+from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
@@ -62,17 +63,6 @@ BROKER_STEPS = {
     "FENCED ITSELF": re.compile(r"self-fencing"),
 }
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
-
-
-def wait(what: str, check: Any, timeout: float = 120) -> Any:
-    """Poll until `check()` is truthy."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(what)
 
 
 class Timeline:
@@ -199,7 +189,7 @@ def one_run(kube: KubeApi, index: int) -> Run:
             conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
             return status.get("phase") == "Ready" and conditions.get("Replicating") == "True"
 
-        wait("cluster in sync", in_sync)
+        wait_for("cluster in sync", in_sync)
         path = f"{API}/namespaces/{namespace}/brokerclusters/{name}"
         active = ((kube.get(path) or {}).get("status") or {})["activeBroker"]
         secret = kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-auth") or {}
@@ -219,7 +209,7 @@ def one_run(kube: KubeApi, index: int) -> Run:
             conn.close()
             return True
 
-        wait("the virtual IP serves", declared, timeout=60)
+        wait_for("the virtual IP serves", declared, timeout=60)
         marks: dict[str, float] = {}
         timeline = Timeline()
         ips = {
@@ -331,7 +321,7 @@ def main() -> None:
         except ApiError:  # 429 while the API server's storage (re)initialises
             return False
 
-    wait("the CRD served", served)
+    wait_for("the CRD served", served)
     OPERATOR_LOG.parent.mkdir(parents=True, exist_ok=True)
     log = open(OPERATOR_LOG, "ab")  # noqa: SIM115
     operator = subprocess.Popen(

@@ -16,10 +16,10 @@ import pika
 import pytest
 import yaml
 from conftest import Cluster
-from support import wait_until
 
 from twinmq.broker.names import AMQP_PORT, OPERATOR_METRICS_PORT_ENV
 from twinmq.localcluster.examples import example_brokercluster
+from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
@@ -68,7 +68,7 @@ def install_crd(cluster: Cluster) -> None:
         conditions = ((cluster.kube.get(path) or {}).get("status") or {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
-    wait_until("the BrokerCluster CRD is established", established, timeout=30)
+    wait_for("the BrokerCluster CRD is established", established, timeout=30)
 
 
 def operator_fixture(cluster: Cluster) -> Iterator[OperatorProcess]:
@@ -121,13 +121,13 @@ def create_cluster(
             status.get("phase") == "Ready" and condition(status, "Replicating") == "True"
         ) else None  # fmt: skip
 
-    wait_until("the BrokerCluster is Ready and replicating", in_sync, timeout=90)
+    wait_for("the BrokerCluster is Ready and replicating", in_sync, timeout=90)
     # Ready says the brokers are; the virtual IP answers once the endpoint controller and
     # kube-proxy have caught up (a test that connected at once was refused, in CI).
     ip = (cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {})["spec"][
         "clusterIP"
     ]
-    wait_until("the virtual IP answers", lambda: _accepts(ip, AMQP_PORT), timeout=30)
+    wait_for("the virtual IP answers", lambda: _accepts(ip, AMQP_PORT), timeout=30)
     return name
 
 

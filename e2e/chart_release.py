@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Cluster
-from support import CHART, IMAGE, helm, is_ready, wait_until
+from support import CHART, IMAGE, helm, is_ready
 
 from twinmq.localcluster.examples import example_brokercluster
+from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
@@ -51,7 +52,7 @@ class OperatorRelease:
         )
 
     def ready_operator_pod(self) -> Obj | None:
-        """The operator pod once it is Ready (for `wait_until`)."""
+        """The operator pod once it is Ready (for `wait_for`)."""
         pods = [p for p in self.operator_pods() if not p["metadata"].get("deletionTimestamp")]
         return pods[0] if len(pods) == 1 and is_ready(pods[0]) else None
 
@@ -100,8 +101,8 @@ def remove_brokerclusters(cluster: Cluster, namespace: str) -> None:
     for item in cluster.kube.list(clusters):
         cluster.kube.delete(f"{clusters}/{item['metadata']['name']}")
     try:
-        wait_until("the BrokerClusters gone", lambda: not cluster.kube.list(clusters), 60)
-    except AssertionError:
+        wait_for("the BrokerClusters gone", lambda: not cluster.kube.list(clusters), 60)
+    except TimeoutError:
         for item in cluster.kube.list(clusters):
             path = f"{clusters}/{item['metadata']['name']}"
             cluster.kube.patch(path, {"metadata": {"finalizers": None}})
@@ -141,7 +142,7 @@ def create_ready_cluster(release: OperatorRelease, name: str = "orders", **spec:
         ok = state.get("phase") == "Ready" and condition(state, "Replicating") == "True"
         return state if ok else None
 
-    state = wait_until(f"BrokerCluster {name} Ready and replicating", ready, timeout=120)
+    state = wait_for(f"BrokerCluster {name} Ready and replicating", ready, timeout=120)
     release.timings[f"{name} Ready"] = time.monotonic() - started
     return state
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from twinmq.localcluster.kubeapi import KubeApi
+from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,10 +80,8 @@ def namespace(cluster: Cluster) -> Iterator[str]:
 
 
 def _wait_default_service_account(cluster: Cluster, namespace: str) -> None:
-    from support import wait_until
-
     path = f"/api/v1/namespaces/{namespace}/serviceaccounts/default"
-    wait_until(f"serviceaccount default in {namespace}", lambda: cluster.kube.get(path), 30)
+    wait_for(f"serviceaccount default in {namespace}", lambda: cluster.kube.get(path), 30)
 
 
 @pytest.fixture(scope="module")

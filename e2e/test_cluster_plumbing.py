@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import Cluster
-from support import Obj, client_pod, finished_phase, pod_path, wait_until
+from support import Obj, client_pod, finished_phase, pod_path
+
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +50,7 @@ else:
 def _run_to_completion(cluster: Cluster, namespace: str, pod: Obj) -> str:
     name = str(pod["metadata"]["name"])
     cluster.kube.create(pod_path(namespace), pod)
-    return wait_until(
+    return wait_for(
         f"{name} to finish", lambda: finished_phase(cluster.kube, namespace, name), timeout=60
     )
 

@@ -52,6 +52,7 @@ from twinmq.localcluster.layout import (
 )
 from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki, kubeconfig
 from twinmq.localcluster.versions import BINARIES
+from twinmq.testing import waiting
 
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 NODES = {
@@ -100,22 +101,26 @@ def wait_for(
     layout: Layout,
     component: str | None = None,
 ) -> None:
-    """Poll `check` until it is true; on timeout raise with the component's log tail."""
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while time.monotonic() < deadline:
-        if check():
-            return
-        if component is not None and daemons.read_pid(layout, component) is None:
-            break
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.5)
-    tail = ""
-    if component is not None:
+    """`twinmq.testing.waiting.wait_for` on a daemon of the cluster: given its `component`,
+    stop early if it exits; a failure carries the component's log tail."""
+
+    def tail() -> str:
         log = layout.logs / f"{component}.log"
-        if log.exists():
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-    raise RuntimeError(f"timed out waiting for {what}\n{tail}")
+        if component is None or not log.exists():
+            return ""
+        return "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+
+    def done() -> bool:
+        if check():
+            return True
+        if component is not None and daemons.read_pid(layout, component) is None:
+            raise RuntimeError(f"{component} exited while waiting for {what}\n{tail()}")
+        return False
+
+    try:
+        waiting.wait_for(what, done, timeout, interval=0.5)
+    except TimeoutError as exc:
+        raise RuntimeError(f"{exc}\n{tail()}") from None
 
 
 def _http_ok(url: str, token: str | None = None, ca: Path | None = None) -> bool:

@@ -22,6 +22,7 @@ from twinmq.localcluster.layout import Layout
 from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki
 from twinmq.localcluster.pki import kubeconfig as pki_kubeconfig
 from twinmq.testing.launcher import free_port
+from twinmq.testing.waiting import wait_for
 
 STARTUP_SECONDS = 120.0  # a loaded, shared machine: etcd and the API server are slow to start
 
@@ -37,16 +38,12 @@ def binaries_built() -> bool:
 
 
 def _wait_ready(url: str, token: str, ca: Path, procs: list[subprocess.Popen[bytes]]) -> None:
-    import time
-
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         if any(p.poll() is not None for p in procs):
-            break
-        if _http_ok(url, token, ca):
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"the test API server never became ready at {url}")
+            raise RuntimeError(f"the test API server exited before it was ready at {url}")
+        return _http_ok(url, token, ca)
+
+    wait_for(f"the test API server ready at {url}", ready, STARTUP_SECONDS, interval=0.2)
 
 
 @dataclass(frozen=True)

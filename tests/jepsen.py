@@ -47,6 +47,7 @@ from twinmq.broker.journal.segment import HEADER, REC
 from twinmq.broker.names import ACTIVE, PASSIVE, REPLICATION_TOKEN_ENV, Role
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.waiting import wait_for
 
 T = TypeVar("T")
 Key = tuple[str, int]  # (producer, message number)
@@ -179,18 +180,6 @@ def queue_counts(data: dict[str, Any] | None, *queues: str) -> tuple[int, int] |
     if any(name not in found for name in queues):
         return None
     return sum(found[n][0] for n in queues), sum(found[n][1] for n in queues)
-
-
-def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll `predicate` until it returns something truthy; raise TimeoutError naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout}s")
-        time.sleep(interval)
 
 
 # -- the pair -------------------------------------------------------------------------------
@@ -493,7 +482,7 @@ class Pair:
     def wait_healthy(self, timeout: float = 30.0) -> None:
         """Wait until `healthy`; raise with both statuses if it does not happen."""
         try:
-            wait_for(self.healthy, timeout, "pair in sync", interval=0.1)
+            wait_for("pair in sync", self.healthy, timeout, interval=0.1)
         except TimeoutError as exc:
             raise TimeoutError(
                 f"{exc}\nactive {self.active_name}: {status(self.active)}\n"
@@ -514,9 +503,9 @@ class Pair:
         self.note(f"kill -9 active {old.name}")
         try:
             wait_for(
+                f"passive {new.name} ready for promotion",
                 lambda: (s := status(new)) is not None and s["replication"]["ready"],
                 ready_timeout,
-                f"passive {new.name} ready for promotion",
             )
         except TimeoutError:
             self.note(f"passive {new.name} not ready: restarting {old.name} as active")
@@ -1126,7 +1115,7 @@ class Nemesis:
     def _traffic(self, confirms: int = 20, timeout: float = 30.0) -> None:
         """Let some publishes be confirmed before the next fault."""
         target = self.workload.confirmed + confirms
-        wait_for(lambda: self.workload.confirmed >= target, timeout, "confirms flowing")
+        wait_for("confirms flowing", lambda: self.workload.confirmed >= target, timeout)
 
     def failover(self) -> None:
         self._traffic()
@@ -1200,7 +1189,7 @@ class Nemesis:
     def _seen(self, predicate: Callable[[], object], timeout: float) -> bool:
         """Whether `predicate` comes true within `timeout` (an observation, not a deadline)."""
         try:
-            wait_for(predicate, timeout, "observation", interval=0.05)
+            wait_for("observation", predicate, timeout, interval=0.05)
         except TimeoutError:
             return False
         return True
@@ -1275,12 +1264,12 @@ class Nemesis:
         pair, workload = self.pair, self.workload
         start = queue_counts(status(pair.active), *workload.queues) or (0, 0)
         wait_for(
+            f"a backlog of {count} on the active",
             lambda: (
                 (c := queue_counts(status(pair.active), *workload.queues)) is not None
                 and c[0] >= start[0] + count
             ),
             60,
-            f"a backlog of {count} on the active",
             interval=0.1,
         )
 
@@ -1293,12 +1282,12 @@ class Nemesis:
             workload.hold_producers(True)
             try:
                 wait_for(
+                    f"the consumers down to {bound} ready messages",
                     lambda: (
                         (c := queue_counts(status(pair.active), *workload.queues)) is not None
                         and c[0] <= bound
                     ),
                     within,
-                    f"the consumers down to {bound} ready messages",
                     interval=0.1,
                 )
             finally:
@@ -1326,7 +1315,7 @@ class Nemesis:
 
         at: dict[str, Any] | None = None
         with contextlib.suppress(TimeoutError):
-            at = wait_for(streaming, 30, "catch-up streaming", interval=0.02)
+            at = wait_for("catch-up streaming", streaming, 30, interval=0.02)
         passive.kill()
         pair.link.heal()
         self.log.interrupted_catchups += int(at is not None)
@@ -1429,7 +1418,7 @@ class Nemesis:
         filler.release()
         self._fault_over()
         pair.note(f"active {active.name}: disk full for {held:.2f}s (write failed: {failed})")
-        wait_for(lambda: (s := status(active)) is not None and not s["alarms"], 30, "alarm gone")
+        wait_for("alarm gone", lambda: (s := status(active)) is not None and not s["alarms"], 30)
         return self._proof("active write failed: disk full", failed) and self._proof(
             "disk alarm raised", alarm
         )
@@ -1512,9 +1501,9 @@ class Nemesis:
         workload.pause_consumers(True)  # live messages in older segments
         victim = pair.active if failover else pair.passive
         wait_for(
+            f"{victim.name}: journal segments to corrupt",
             lambda: (s := status(victim)) is not None and s["journal"]["segments"] >= 4,
             60,
-            f"{victim.name}: journal segments to corrupt",
             interval=0.1,
         )
         victim.kill()
@@ -1605,7 +1594,7 @@ class Nemesis:
         the link is cut). The next catch-up must keep what was acknowledged (resume) and
         complete: the backlog queue holds as many messages on both brokers."""
         pair, load = self.pair, self.workload
-        wait_for(lambda: load.backlog_loaded, 900, "the backlog loaded", interval=0.5)
+        wait_for("the backlog loaded", lambda: load.backlog_loaded, 900, interval=0.5)
         self._traffic()
         passive = pair.passive
         passive.kill()
@@ -1626,7 +1615,7 @@ class Nemesis:
 
         at: dict[str, Any] | None = None
         with contextlib.suppress(TimeoutError):
-            at = wait_for(streaming, 60, "catch-up streaming", interval=0.02)
+            at = wait_for("catch-up streaming", streaming, 60, interval=0.02)
         passive.kill() if kill else pair.link.cut()
         durable = 0 if at is None else at["kept"] + at["acked_messages"]  # on the passive
         mid = at is not None and durable < at["candidates"]

@@ -223,18 +223,6 @@ def connections(broker: BrokerProcess) -> int:
     return broker.admin.status().connections
 
 
-def wait_for(predicate: Any, timeout: float = 5.0, interval: float = 0.02) -> Any:
-    """Poll `predicate` until it returns something truthy; return it or raise TimeoutError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met in {timeout}s")
-        time.sleep(interval)
-
-
 def pika_round_trip(url: str, queue: str = "rawamqp.round-trip") -> None:
     """Prove a real client (pika) still works: declare, publish with a confirm, get, ack."""
     import pika

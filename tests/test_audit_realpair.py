@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from twinmq.broker.admin_client import AdminUnreachable
 from twinmq.broker.api import BrokerStatus
 from twinmq.broker.names import ACTIVE, REPLICATION_TOKEN_ENV
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.waiting import wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]  # a JVM: minutes on 2 cores
 
@@ -41,15 +41,6 @@ def _status(broker: BrokerProcess) -> BrokerStatus | None:
         return broker.admin.status(timeout=2)
     except AdminUnreachable:
         return None
-
-
-def _wait(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(what)
 
 
 def _ready(broker: BrokerProcess, flag: str = "ready") -> bool:
@@ -107,7 +98,7 @@ def fault_run(root: Path) -> tuple[BrokerProcess, BrokerProcess]:
     b.extra_args = _args(1, a.replication_address)
     b.start()
     try:
-        _wait(lambda: _ready(a) and _ready(b), "pair in sync")
+        wait_for("pair in sync", lambda: _ready(a) and _ready(b))
         client = Publisher(a)
         client.send(range(0, 300))
         client.consume(100)
@@ -115,11 +106,11 @@ def fault_run(root: Path) -> tuple[BrokerProcess, BrokerProcess]:
         b.signal(signal.SIGSTOP)
         time.sleep(1.5)
         client.send(range(300, 400))
-        _wait(lambda: _ready(a, "degraded"), "active degraded")
+        wait_for("active degraded", lambda: _ready(a, "degraded"))
         client.send(range(400, 450))
         client.consume(20)
         b.signal(signal.SIGCONT)
-        _wait(lambda: _ready(a) and _ready(b), "passive caught up")
+        wait_for("passive caught up", lambda: _ready(a) and _ready(b))
         client.send(range(450, 600))
         client.close()
         # Failover: a dies, b is promoted in epoch 2, a comes back as b's passive.
@@ -127,7 +118,7 @@ def fault_run(root: Path) -> tuple[BrokerProcess, BrokerProcess]:
         _promote(b, 2)
         a.extra_args = _args(2, b.replication_address)
         a.start()
-        _wait(lambda: _ready(a) and _ready(b), "a caught up as passive")
+        wait_for("a caught up as passive", lambda: _ready(a) and _ready(b))
         client = Publisher(b)
         client.send(range(600, 800))
         client.consume()

@@ -12,7 +12,7 @@ import pika
 import pika.exceptions
 import pytest
 from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
-from jepsen import post_role, status, wait_for
+from jepsen import post_role, status
 from queues import drain
 
 from twinmq.broker.commit import GroupCommitter
@@ -20,6 +20,7 @@ from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.broker.journal import Journal, JournalError, StoredMessage
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.waiting import wait_for
 
 
 @pytest.fixture
@@ -31,13 +32,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 def wait_for_alarms(broker: BrokerProcess, expected: list[str]) -> None:
     """Poll the admin API until the broker reports exactly `expected` alarms."""
-    deadline = time.monotonic() + 10
-    while True:
-        alarms = broker.admin.status().alarms
-        if alarms == expected:
-            return
-        assert time.monotonic() < deadline, f"alarms {alarms}, expected {expected}"
-        time.sleep(0.1)
+    wait_for(f"alarms {expected}", lambda: broker.admin.status().alarms == expected, 10)
 
 
 def test_full_disk_nacks_blocks_and_recovers_without_losing_confirms(small_disk: Path) -> None:
@@ -248,7 +243,7 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
         ch = conn.channel()
         ch.queue_declare("pair.q", durable=True)
         ch.confirm_delivery()
-        wait_for(lambda: (status(passive) or {})["replication"]["ready"], 30, "passive ready")
+        wait_for("passive ready", lambda: (status(passive) or {})["replication"]["ready"], 30)
         body = b"p" * 4096
         total = 2000
         for i in range(total):
@@ -262,7 +257,7 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
 
         filler.unlink()
         passive = pair.restart_passive()
-        wait_for(lambda: (status(passive) or {})["replication"]["ready"], 60, "passive back")
+        wait_for("passive back", lambda: (status(passive) or {})["replication"]["ready"], 60)
         active.kill()
         assert post_role(passive, "active", 2)[0] == 200
         seen = {b[len(body) :].decode() for b in drain(passive, "pair.q")}

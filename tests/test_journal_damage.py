@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pika
 import pytest
-from jepsen import Pair, post_role, queue_counts, status, wait_for
+from jepsen import Pair, post_role, queue_counts, status
 from queues import drain
 
 from twinmq.broker.admin_client import metric_samples
 from twinmq.broker.journal.ops import TAG_MSG, decode_group
 from twinmq.broker.journal.segment import HEADER, REC
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.waiting import wait_for
 
 QUEUE = "damage.q"
 
@@ -270,7 +271,7 @@ def test_a_forced_damaged_active_never_makes_its_passive_discard(
         assert "discarded 0" in a.log_path.read_text()
         # The proof: b, promoted, still has every confirmed message.
         a.kill()
-        wait_for(lambda: (s := status(b)) and s["replication"]["ready"], 5, "b ready")
+        wait_for("b ready", lambda: (s := status(b)) and s["replication"]["ready"], 5)
         pair.promote_passive()
         assert sorted(drain(b, QUEUE)) == sorted(sent)
 
@@ -284,7 +285,7 @@ def test_a_damaged_broker_back_as_passive_is_healed_by_catch_up(
         sent = _bodies("m", 60)
         _publish(a, sent)
         a.kill()
-        wait_for(lambda: (s := status(b)) and s["replication"]["ready"], 5, "b ready")
+        wait_for("b ready", lambda: (s := status(b)) and s["replication"]["ready"], 5)
         pair.promote_passive()
         _, _, lost = _corrupt_a_record(a.data_dir / "journal")
         assert lost
@@ -294,7 +295,7 @@ def test_a_damaged_broker_back_as_passive_is_healed_by_catch_up(
         assert _passive_holds(pair, 60)  # a got back what it lost
         assert (status(a) or {})["journal"]["damaged"] is False
         b.kill()
-        wait_for(lambda: (s := status(a)) and s["replication"]["ready"], 5, "a ready")
+        wait_for("a ready", lambda: (s := status(a)) and s["replication"]["ready"], 5)
         pair.promote_passive()  # no force needed: a was made whole by the catch-up
         assert sorted(drain(a, QUEUE)) == sorted(sent)
         assert (status(a) or {})["journal"]["healed_by"] == "b"

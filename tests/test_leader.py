@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -28,7 +27,6 @@ from typing import Any
 import pytest
 from apiserver import KubeApiServer
 from fakeclock import FakeClock
-from polling import until
 
 from twinmq.operator.kube import Kube
 from twinmq.operator.leader import (
@@ -40,6 +38,7 @@ from twinmq.operator.leader import (
     may_take,
 )
 from twinmq.testing.launcher import free_port
+from twinmq.testing.waiting import until, wait_for
 
 NAMESPACE = "default"
 SETTINGS = {"lease_seconds": 15.0, "renew_deadline_seconds": 10.0, "retry_seconds": 2.0}
@@ -333,14 +332,6 @@ class OperatorProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
-    """Poll `check` in real time; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.1)
 
 
 @contextlib.contextmanager
