@@ -15,7 +15,7 @@ from typing import Any
 import pika
 import pytest
 import yaml
-from conftest import Cluster
+from support import Cluster
 
 from twinmq.broker.names import AMQP_PORT, OPERATOR_METRICS_PORT_ENV
 from twinmq.localcluster.examples import example_brokercluster
@@ -100,6 +100,17 @@ def condition(status: dict[str, Any], ctype: str) -> str:
     return next((c["status"] for c in status.get("conditions", []) if c["type"] == ctype), "")
 
 
+def in_sync(status: dict[str, Any]) -> bool:
+    """Whether a BrokerCluster's status says Ready with its passive in sync."""
+    return status.get("phase") == "Ready" and condition(status, "Replicating") == "True"
+
+
+def virtual_ip(cluster: Cluster, namespace: str, name: str) -> str:
+    """The cluster IP of the BrokerCluster's virtual-IP Service."""
+    service = cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {}
+    return str(service["spec"]["clusterIP"])
+
+
 def create_cluster(
     cluster: Cluster,
     namespace: str,
@@ -115,18 +126,14 @@ def create_cluster(
     cluster.kube.create(cluster_path(namespace), example)
     name = str(example["metadata"]["name"])
 
-    def in_sync() -> dict[str, Any] | None:
-        status = cluster_status(cluster, namespace, name)
-        return status if (
-            status.get("phase") == "Ready" and condition(status, "Replicating") == "True"
-        ) else None  # fmt: skip
-
-    wait_for("the BrokerCluster is Ready and replicating", in_sync, timeout=90)
+    wait_for(
+        "the BrokerCluster is Ready and replicating",
+        lambda: in_sync(cluster_status(cluster, namespace, name)),
+        timeout=90,
+    )
     # Ready says the brokers are; the virtual IP answers once the endpoint controller and
     # kube-proxy have caught up (a test that connected at once was refused, in CI).
-    ip = (cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {})["spec"][
-        "clusterIP"
-    ]
+    ip = virtual_ip(cluster, namespace, name)
     wait_for("the virtual IP answers", lambda: _accepts(ip, AMQP_PORT), timeout=30)
     return name
 
@@ -144,8 +151,7 @@ def amqp_url(cluster: Cluster, namespace: str, name: str, host: str | None = Non
     """The app user's URL through the virtual IP (the Service's cluster IP), or to `host`."""
     secret = cluster.kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-auth") or {}
     data = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
-    service = cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {}
-    ip = host or service["spec"]["clusterIP"]
+    ip = host or virtual_ip(cluster, namespace, name)
     return f"amqp://{data['username']}:{data['password']}@{ip}:{AMQP_PORT}/%2F"
 
 

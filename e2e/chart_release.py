@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conftest import Cluster
-from support import CHART, IMAGE, helm, is_ready
+from brokerclusters import cluster_path, cluster_status, in_sync
+from support import CHART, IMAGE, Cluster, helm, is_ready
 
 from twinmq.localcluster.examples import example_brokercluster
 from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
-API = "/apis/twinmq.io/v1alpha1"
 Obj = dict[str, Any]
 
 
@@ -97,7 +96,7 @@ def remove_brokerclusters(cluster: Cluster, namespace: str) -> None:
     """Delete the namespace's BrokerClusters while the operator still runs: kopf put a
     finalizer on each, which only a running operator removes. Should they outlive it, the
     finalizer is dropped so that the namespace can go."""
-    clusters = f"{API}/namespaces/{namespace}/brokerclusters"
+    clusters = cluster_path(namespace)
     for item in cluster.kube.list(clusters):
         cluster.kube.delete(f"{clusters}/{item['metadata']['name']}")
     try:
@@ -116,17 +115,6 @@ def brokercluster(name: str = "orders") -> Obj:
     return example
 
 
-def status(cluster: Cluster, namespace: str, name: str) -> Obj:
-    """The BrokerCluster's status ({} before the operator wrote one)."""
-    obj = cluster.kube.get(f"{API}/namespaces/{namespace}/brokerclusters/{name}") or {}
-    return dict(obj.get("status") or {})
-
-
-def condition(state: Obj, ctype: str) -> str:
-    """A condition's status ('' when absent)."""
-    return next((c["status"] for c in state.get("conditions", []) if c["type"] == ctype), "")
-
-
 def create_ready_cluster(release: OperatorRelease, name: str = "orders", **spec: Any) -> Obj:
     """Apply a BrokerCluster (the example, with the top-level `spec` fields given replaced)
     and wait until it is Ready with the primary active and the backup in sync; returns the
@@ -135,12 +123,11 @@ def create_ready_cluster(release: OperatorRelease, name: str = "orders", **spec:
     started = time.monotonic()
     body = brokercluster(name)
     body["spec"].update(spec)
-    cluster.kube.create(f"{API}/namespaces/{release.namespace}/brokerclusters", body)
+    cluster.kube.create(cluster_path(release.namespace), body)
 
     def ready() -> Obj | None:
-        state = status(cluster, release.namespace, name)
-        ok = state.get("phase") == "Ready" and condition(state, "Replicating") == "True"
-        return state if ok else None
+        state = cluster_status(cluster, release.namespace, name)
+        return state if in_sync(state) else None
 
     state = wait_for(f"BrokerCluster {name} Ready and replicating", ready, timeout=120)
     release.timings[f"{name} Ready"] = time.monotonic() - started

@@ -11,7 +11,7 @@ import time
 
 import pika
 from brokerclusters import amqp_url, cluster_status, drain
-from conftest import Cluster
+from support import Cluster
 
 from twinmq.broker.admin_client import AdminError
 from twinmq.client import ReliablePublisher

@@ -21,6 +21,15 @@ CHART = REPO / "helm" / "twinmq"
 IMAGE = os.environ.get("TWINMQ_E2E_IMAGE", "twinmq/twinmq:dev")
 
 
+class Cluster:
+    """The cluster under test: its kubeconfig and whether it is this machine's local cluster."""
+
+    def __init__(self, kubeconfig: str, local: bool) -> None:
+        self.kubeconfig = kubeconfig
+        self.local = local
+        self.kube = KubeApi(kubeconfig)
+
+
 def pod_path(namespace: str, name: str = "") -> str:
     """Return the API path of a pod (or of the namespace's pods)."""
     return f"/api/v1/namespaces/{namespace}/pods" + (f"/{name}" if name else "")

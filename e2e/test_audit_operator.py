@@ -35,8 +35,7 @@ from brokerclusters import (
     condition,
     create_cluster,
 )
-from conftest import Cluster
-from support import IMAGE, pod_path, ready_pod
+from support import IMAGE, Cluster, pod_path, ready_pod
 
 from twinmq.audit.store import Store
 from twinmq.audit.summary import AuditSummary

@@ -15,8 +15,7 @@ from chart_release import (
     operator_reconciles,
     operator_release,
 )
-from conftest import Cluster
-from support import CHART, helm
+from support import CHART, Cluster, helm
 
 from twinmq.testing.waiting import wait_for
 

@@ -4,8 +4,7 @@ and, on the local cluster, that no pod packet leaves the machine."""
 from __future__ import annotations
 
 import pytest
-from conftest import Cluster
-from support import Obj, client_pod, finished_phase, pod_path
+from support import Cluster, Obj, client_pod, finished_phase, pod_path
 
 from twinmq.testing.waiting import wait_for
 

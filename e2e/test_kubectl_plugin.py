@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pika
 import pytest
-from brokerclusters import amqp_url
-from chart_release import OperatorRelease, create_ready_cluster, operator_release, status
-from conftest import Cluster
+from brokerclusters import amqp_url, cluster_status
+from chart_release import OperatorRelease, create_ready_cluster, operator_release
+from support import Cluster
 
 from twinmq.localcluster import faults
 from twinmq.localcluster.layout import Layout
@@ -90,7 +90,7 @@ def test_status_shows_the_primary_active(cluster: Cluster, release: OperatorRele
 def test_promote_switches_the_active_to_the_backup(
     cluster: Cluster, release: OperatorRelease
 ) -> None:
-    before = status(cluster, release.namespace, "orders")
+    before = cluster_status(cluster, release.namespace, "orders")
     started = time.monotonic()
     result = plugin(
         cluster, "promote", "orders", "backup", "-n", release.namespace, "--wait",
@@ -103,7 +103,7 @@ def test_promote_switches_the_active_to_the_backup(
     assert f"done: backup is active in epoch {epoch}" in result.stdout, result.stdout
     print(f"\n[timing] kubectl twinmq promote --wait: {seconds:.1f}s")
 
-    after = status(cluster, release.namespace, "orders")
+    after = cluster_status(cluster, release.namespace, "orders")
     assert (after["activeBroker"], after["epoch"]) == ("backup", epoch)
     request_id = result.stdout.split("promote request ")[1].split()[0]
     assert after["handledRequests"]["promote"] == request_id

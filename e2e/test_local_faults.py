@@ -9,8 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import urllib3
-from conftest import Cluster
-from support import IMAGE, Obj, container_status, is_ready, pod_path, read_pod
+from support import IMAGE, Cluster, Obj, container_status, is_ready, pod_path, read_pod
 
 from twinmq.localcluster import faults
 from twinmq.localcluster.layout import Layout

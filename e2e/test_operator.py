@@ -25,11 +25,11 @@ from brokerclusters import (
     events_of,
     publish_confirmed,
 )
-from conftest import Cluster
 from failover_scenarios import (
     cut_off_the_api_server_fences_before_the_backup_is_promoted,
     kill_9_of_the_active_fails_over_losing_nothing,
 )
+from support import Cluster
 
 from twinmq.broker.journal.segment import scan, segment_number
 from twinmq.localcluster import faults

@@ -18,9 +18,8 @@ from brokerclusters import (
     events_of,
     publish_confirmed,
 )
-from conftest import Cluster
 from pika.exceptions import AMQPError
-from support import pod_path
+from support import Cluster, pod_path
 
 from twinmq.localcluster.kubeapi import ApiError
 from twinmq.testing.waiting import wait_for

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from chart_release import OperatorRelease, create_ready_cluster, operator_release
-from conftest import Cluster
-from support import is_ready
+from support import Cluster, is_ready
 
 from twinmq.testing.waiting import wait_for
 

@@ -19,8 +19,7 @@ from brokerclusters import (
     create_cluster,
     events_of,
 )
-from conftest import Cluster
-from support import pod_path, read_pod
+from support import Cluster, pod_path, read_pod
 
 from twinmq.localcluster.examples import example_brokercluster
 from twinmq.localcluster.kubeapi import ApiError

@@ -24,8 +24,7 @@ from brokerclusters import (
     events_of,
     publish_confirmed,
 )
-from conftest import Cluster
-from support import pod_path
+from support import Cluster, pod_path
 
 from twinmq.client import ReliablePublisher
 from twinmq.testing.waiting import wait_for

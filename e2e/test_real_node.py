@@ -17,9 +17,8 @@ from chart_release import (
     operator_reconciles,
     operator_release,
 )
-from conftest import Cluster
 from failover_scenarios import kill_9_of_the_active_fails_over_losing_nothing
-from support import client_pod, container_status, finished_phase, pod_path
+from support import Cluster, client_pod, container_status, finished_phase, pod_path
 
 from twinmq.localcluster import containerd
 from twinmq.localcluster.kubelet import project_image

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from conftest import Cluster
 from support import (
     AMQP_PROBE,
     CHART,
     IMAGE,
+    Cluster,
     Obj,
     client_pod,
     container_status,
