@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,19 +142,38 @@ def _venv_python() -> str:
     return sys.executable
 
 
-def _argv(layout: Layout, component: str) -> list[str]:
+@dataclass(frozen=True)
+class ControlPlane:
+    """Where etcd and the API server listen and how the API server authorizes: the local
+    cluster's by default; tests/apiserver.py's API server (loopback, free ports, RBAC only)
+    passes its own."""
+
+    address: str = GATEWAY_IP
+    apiserver_port: int = APISERVER_PORT
+    etcd_client_port: int = ETCD_CLIENT_PORT
+    etcd_peer_port: int = ETCD_PEER_PORT
+    authorization: str = "Node,RBAC"
+    service_cidr: str = SERVICE_CIDR
+
+
+LOCAL_PLANE = ControlPlane()
+
+
+def _argv(layout: Layout, component: str, plane: ControlPlane = LOCAL_PLANE) -> list[str]:
     pki = layout.pki
     kubeconfig = str(layout.kubeconfig)
+    etcd_url = f"http://127.0.0.1:{plane.etcd_client_port}"
+    peer_url = f"http://127.0.0.1:{plane.etcd_peer_port}"
     if component == "etcd":
         return [
             str(binaries.find("etcd")),
             "--name=twinmq-local",
             f"--data-dir={layout.etcd_data}",
-            f"--listen-client-urls=http://127.0.0.1:{ETCD_CLIENT_PORT}",
-            f"--advertise-client-urls=http://127.0.0.1:{ETCD_CLIENT_PORT}",
-            f"--listen-peer-urls=http://127.0.0.1:{ETCD_PEER_PORT}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{ETCD_PEER_PORT}",
-            f"--initial-cluster=twinmq-local=http://127.0.0.1:{ETCD_PEER_PORT}",
+            f"--listen-client-urls={etcd_url}",
+            f"--advertise-client-urls={etcd_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=twinmq-local={peer_url}",
             "--listen-metrics-urls=",
             "--unsafe-no-fsync",
             "--quota-backend-bytes=2147483648",
@@ -161,10 +181,10 @@ def _argv(layout: Layout, component: str) -> list[str]:
     if component == "kube-apiserver":
         return [
             str(binaries.find("kube-apiserver")),
-            f"--etcd-servers=http://127.0.0.1:{ETCD_CLIENT_PORT}",
-            f"--bind-address={GATEWAY_IP}",
-            f"--advertise-address={GATEWAY_IP}",
-            f"--secure-port={APISERVER_PORT}",
+            f"--etcd-servers={etcd_url}",
+            f"--bind-address={plane.address}",
+            f"--advertise-address={plane.address}",
+            f"--secure-port={plane.apiserver_port}",
             f"--cert-dir={pki}",
             f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
@@ -175,8 +195,8 @@ def _argv(layout: Layout, component: str) -> list[str]:
             "--requestheader-username-headers=X-Remote-User",
             "--requestheader-group-headers=X-Remote-Group",
             "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-            "--authorization-mode=Node,RBAC",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--authorization-mode={plane.authorization}",
+            f"--service-cluster-ip-range={plane.service_cidr}",
             f"--service-account-issuer=https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
