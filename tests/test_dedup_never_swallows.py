@@ -14,11 +14,11 @@ import pika
 import pika.exceptions
 import pytest
 from aio_pika.exceptions import DeliveryError
-from jepsen import Pair
 from queues import drain, opted_in
 
 from twinmq.client import ReliablePublisher
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair
 
 PERSISTENT = 2
 

@@ -12,7 +12,6 @@ import pika
 import pika.exceptions
 import pytest
 from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
-from jepsen import post_role, status
 from queues import drain
 
 from twinmq.broker.commit import GroupCommitter
@@ -20,6 +19,7 @@ from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.broker.journal import Journal, JournalError, StoredMessage
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import post_role, status
 from twinmq.testing.waiting import wait_for
 
 

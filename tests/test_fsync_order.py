@@ -35,7 +35,6 @@ from types import TracebackType
 
 import pika
 import pytest
-from jepsen import Pair
 from syscalls import (
     Replication,
     Syscall,
@@ -49,6 +48,7 @@ from syscalls import (
 )
 
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair
 from twinmq.testing.waiting import wait_for
 
 STRACE = shutil.which("strace")

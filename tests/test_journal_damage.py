@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pika
 import pytest
-from jepsen import Pair, post_role, queue_counts, status
+from jepsen import queue_counts
 from queues import drain
 
 from twinmq.broker.admin_client import metric_samples
 from twinmq.broker.journal.ops import TAG_MSG, decode_group
 from twinmq.broker.journal.segment import HEADER, REC
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair, post_role, status
 from twinmq.testing.waiting import wait_for
 
 QUEUE = "damage.q"

@@ -17,7 +17,7 @@ from typing import Any
 import pika
 import pytest
 from amqpclient import AMQPClient
-from jepsen import Pair, post_role, queue_counts, stable_port, status
+from jepsen import queue_counts
 from pamqp import commands
 from pika.adapters.blocking_connection import BlockingChannel
 from rawamqp import RawClient, handshake_frames
@@ -38,6 +38,7 @@ from twinmq.broker.replication.protocol import (
 )
 from twinmq.operator.probe import passive_lag
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair, post_role, stable_port, status
 from twinmq.testing.waiting import wait_for
 
 QUEUE = "replicated"

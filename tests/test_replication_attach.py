@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pika
 import pytest
-from jepsen import Pair, log_since, log_size, queue_counts, status
+from jepsen import log_since, log_size, queue_counts
 
+from twinmq.testing.pair import Pair, status
 from twinmq.testing.waiting import wait_for
 
 QUEUE = "held"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pika
 import pytest
-from jepsen import Pair, post_role, queue_counts, status
+from jepsen import queue_counts
 from replpeer import FakeListener, RawLink, hello_for, welcome_for
 
 from twinmq.broker.admin_client import metric_samples
@@ -42,6 +42,7 @@ from twinmq.broker.replication.protocol import (
     encode_batch,
 )
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair, post_role, status
 from twinmq.testing.waiting import wait_for
 
 TOKEN = Pair.TOKEN

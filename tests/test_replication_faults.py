@@ -31,7 +31,6 @@ from jepsen import (
     MATRIX,
     ClassResult,
     FaultClass,
-    Pair,
     Report,
     Unavailable,
     Workload,
@@ -42,6 +41,8 @@ from jepsen import (
     run_suite,
     write_results,
 )
+
+from twinmq.testing.pair import Pair
 
 # -- the checker on its own ---------------------------------------------------------------
 
