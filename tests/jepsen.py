@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from amqpclient import AMQPClient, ClientError, Delivery, Refused
 from poison import POISON, sample_headers
 
 from twinmq.broker.codec import rebuild_header
 from twinmq.broker.journal.segment import HEADER, REC
 from twinmq.broker.names import ACTIVE, PASSIVE
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
+from twinmq.testing.amqpclient import AMQPClient, ClientError, Delivery, Refused
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import FAKETIME_LIBRARY, NoSmallDisk, Pair, post_role, status
 from twinmq.testing.waiting import wait_for

@@ -22,7 +22,13 @@ from hypothesis import strategies as st
 from pamqp import commands
 from pamqp.base import Frame as MethodFrame
 from pamqp.frame import _unmarshal_method_frame
-from rawamqp import (
+from sansio import Harness, Peer
+
+from twinmq.broker.codec import FrameReader
+from twinmq.broker.connection import State
+from twinmq.broker.errors import AMQPError, ReplyCode
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.rawamqp import (
     PROTOCOL_HEADER,
     RawClient,
     connections,
@@ -33,12 +39,6 @@ from rawamqp import (
     raw_frame,
     split_frames,
 )
-from sansio import Harness, Peer
-
-from twinmq.broker.codec import FrameReader
-from twinmq.broker.connection import State
-from twinmq.broker.errors import AMQPError, ReplyCode
-from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.waiting import wait_for
 
 # Fuzzed frames decode to basic.recover-async now and then, which pamqp warns about.

@@ -32,12 +32,12 @@ from pamqp import commands
 from pamqp.base import Frame as MethodFrame
 from pamqp.frame import _unmarshal_method_frame
 from poison import POISON, content_headers, header_with_table, nested_table
-from rawamqp import RawClient, encode, raw_frame
 
 from twinmq.broker.codec import decode_headers, property_spans, rebuild_header
 from twinmq.broker.fieldtable import Array, Scalar, Table, as_text, encode_table, to_python
 from twinmq.broker.journal import Journal, StoredMessage
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.rawamqp import RawClient, encode, raw_frame
 from twinmq.testing.waiting import wait_for
 
 EXAMPLES = int(os.environ.get("TWINMQ_POISON_EXAMPLES", "3"))

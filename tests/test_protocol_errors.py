@@ -16,7 +16,9 @@ from pamqp import commands
 from pamqp.body import ContentBody
 from pamqp.heartbeat import Heartbeat
 from pika.exceptions import ChannelClosedByBroker
-from rawamqp import (
+
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.rawamqp import (
     PROTOCOL_HEADER,
     RawClient,
     connections,
@@ -26,8 +28,6 @@ from rawamqp import (
     pika_round_trip,
     raw_frame,
 )
-
-from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.waiting import wait_for
 
 

@@ -16,11 +16,9 @@ from typing import Any
 
 import pika
 import pytest
-from amqpclient import AMQPClient
 from jepsen import queue_counts
 from pamqp import commands
 from pika.adapters.blocking_connection import BlockingChannel
-from rawamqp import RawClient, handshake_frames
 from replpeer import hello_for
 
 from twinmq.broker.admin_client import AdminUnreachable, metric_samples
@@ -37,8 +35,10 @@ from twinmq.broker.replication.protocol import (
     encode_u64,
 )
 from twinmq.operator.probe import passive_lag
+from twinmq.testing.amqpclient import AMQPClient
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import Pair, post_role, stable_port, status
+from twinmq.testing.rawamqp import RawClient, handshake_frames
 from twinmq.testing.waiting import wait_for
 
 QUEUE = "replicated"
