@@ -95,11 +95,17 @@ def content(
     return data
 
 
-def publish(channel: int, routing_key: str, body: bytes, exchange: str = "") -> bytes:
+def publish(
+    channel: int,
+    routing_key: str,
+    body: bytes,
+    exchange: str = "",
+    properties: commands.Basic.Properties | None = None,
+) -> bytes:
     """`basic.publish` with its content."""
     return encode(
         channel, commands.Basic.Publish(exchange=exchange, routing_key=routing_key)
-    ) + content(channel, body)
+    ) + content(channel, body, properties)
 
 
 def decode_frames(data: bytes) -> list[tuple[int, AnyFrame]]:
@@ -120,6 +126,7 @@ class RawClient:
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.timeout = timeout
         self._buf = b""
+        self.server_properties: dict[str, Any] = {}  # from connection.start, once handshaken
 
     def close(self) -> None:
         """Close the socket (idempotent)."""
@@ -198,7 +205,8 @@ class RawClient:
         """Open the connection (as guest, unless told otherwise); returns the broker's tune."""
         header, start_ok_frame, tune_ok_open = handshake_frames(heartbeat=heartbeat, **kwargs)
         self.send(header)
-        self.expect(commands.Connection.Start, 0)
+        start = self.expect(commands.Connection.Start, 0)
+        self.server_properties = dict(start.server_properties or {})
         self.send(start_ok_frame)
         tune = self.expect(commands.Connection.Tune, 0)
         self.send(tune_ok_open)
