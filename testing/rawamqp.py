@@ -55,7 +55,7 @@ def start_ok(user: str = "guest", password: str = "guest", mechanism: str = "PLA
     return encode(
         0,
         commands.Connection.StartOk(
-            client_properties={"product": "rawamqp", "capabilities": {}},
+            client_properties={"product": "twinmq-testing", "capabilities": {}},
             mechanism=mechanism,
             response=response,
         ),

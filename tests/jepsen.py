@@ -722,7 +722,7 @@ class Workload:
 
         # A bulk backlog takes its time to drain (a few thousand messages a second).
         drain_within = within + (self.bulk.limit or 0) / 2000 if self.bulk else within
-        await asyncio.to_thread(wait_for, drained, drain_within, "queue drained", 0.2)
+        await asyncio.to_thread(wait_for, "queue drained", drained, drain_within, 0.2)
         for consumer in self.consumers:
             consumer.stopping = True
         await asyncio.wait_for(asyncio.gather(*self._tasks), within)
@@ -733,7 +733,7 @@ class Workload:
             return None if self.passive_left != (0, 0) else self.passive_left
 
         with contextlib.suppress(TimeoutError):
-            await asyncio.to_thread(wait_for, passive_left, 15, "passive drained", 0.2)
+            await asyncio.to_thread(wait_for, "passive drained", passive_left, 15, 0.2)
 
     def failed_delivered(self) -> set[Key]:
         """Messages a consumer received although their publish was nacked or their

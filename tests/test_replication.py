@@ -424,7 +424,7 @@ def test_a_passive_replacing_its_old_link_does_not_release_confirms(pair: Pair) 
         durable = _durable_batch(active)
         client.publish(QUEUE, b"pending")
         await asyncio.to_thread(
-            wait_for, lambda: _durable_batch(active) > durable, 5, "pending on the active's disk"
+            wait_for, "pending on the active's disk", lambda: _durable_batch(active) > durable, 5
         )
         # A second passive (the same one, reconnecting, as far as the active knows).
         reader, writer = await asyncio.open_connection(active.host, active.replication_port)
