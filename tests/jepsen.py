@@ -1,4 +1,4 @@
-"""A Jepsen-style total-queue test of a TwinMQ pair: checker, clients, pair, nemesis.
+"""A Jepsen-style total-queue test of a TwinMQ pair: checker, clients, nemesis.
 
 - `check` is the checker, a pure function over what the clients saw: every
   producer's sent and confirmed message numbers and the bodies the consumers
@@ -7,9 +7,9 @@
 - `Workload` runs numbered producers with publisher confirms and consumers with
   acks on one asyncio loop. They know both brokers' addresses and reconnect to
   whichever is active (a passive one refuses them with 320).
-- `Pair` is two broker processes, active and passive, the passive replicating
-  through a `FaultProxy` the test controls; its `failover` is the operator's
-  procedure over the admin API.
+- The pair is `twinmq.testing.pair.Pair`: two broker processes, active and passive,
+  the passive replicating through a `FaultProxy` the test controls; its `failover`
+  is the operator's procedure over the admin API.
 - `Nemesis` performs faults on the pair (kill -9 and promote, SIGSTOP/SIGCONT,
   cut or partitioned replication link, passive restarted mid-catch-up) and
   waits for the pair to be whole again after each.
