@@ -46,6 +46,7 @@ from twinmq.localcluster import faults
 from twinmq.localcluster.examples import example_brokercluster
 from twinmq.localcluster.kubeapi import ApiError, KubeApi
 from twinmq.localcluster.layout import Layout
+from twinmq.testing.queues import drain
 from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -274,15 +275,7 @@ def one_run(kube: KubeApi, index: int) -> Run:
         finally:
             logging.getLogger("twinmq.client.publisher").removeHandler(client_log)
             timeline.stop.set()
-        conn = pika.BlockingConnection(pika.URLParameters(url))
-        ch = conn.channel()
-        received: list[int] = []
-        while True:
-            method, _props, body = ch.basic_get("bench", auto_ack=True)
-            if method is None:
-                break
-            received.append(int(body))
-        conn.close()
+        received = [int(body) for body in drain(url, "bench")]
         status = (kube.get(path) or {}).get("status") or {}
         reason = (status.get("lastFailover") or {}).get("reason", "?")
         operator_and_broker_steps(namespace, marks["killed_wall"] - 1, timeline)

@@ -28,6 +28,7 @@ from twinmq.localcluster.binaries import find
 from twinmq.localcluster.examples import example_brokercluster
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import Layout
+from twinmq.testing.queues import drain
 from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,18 +137,6 @@ class Demo:
         asyncio.run(run())
         return marks
 
-    def drain(self, url: str) -> list[int]:
-        conn = pika.BlockingConnection(pika.URLParameters(url))
-        ch = conn.channel()
-        got = []
-        while True:
-            method, _props, body = ch.basic_get("orders", auto_ack=True)
-            if method is None:
-                break
-            got.append(int(body))
-        conn.close()
-        return got
-
     def recover(self) -> float:
         started = time.monotonic()
         self.kube.patch(self.path, {"spec": {"requests": {"recover": {"id": "demo-recover-1"}}}})
@@ -210,7 +199,7 @@ def main() -> None:
         f"recovered: primary active in epoch {final['epoch']} ({recovery:.1f}s: backup "
         "demoted first, primary activated once it reported passive)"
     )
-    received = demo.drain(url)
+    received = [int(body) for body in drain(url, "orders")]
     lost = len(set(range(MESSAGES)) - set(received))
     duplicates = len(received) - len(set(received))
     verdict = demo.audit(final["epoch"])

@@ -19,6 +19,7 @@ from support import Cluster
 
 from twinmq.broker.names import AMQP_PORT, OPERATOR_METRICS_PORT_ENV
 from twinmq.localcluster.examples import example_brokercluster
+from twinmq.testing import queues
 from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,16 +158,7 @@ def amqp_url(cluster: Cluster, namespace: str, name: str, host: str | None = Non
 
 def drain(url: str, queue: str) -> list[int]:
     """Every message left in `queue` (bodies are numbers), consumed and acknowledged."""
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    ch = conn.channel()
-    out = []
-    while True:
-        method, _props, body = ch.basic_get(queue, auto_ack=True)
-        if method is None:
-            break
-        out.append(int(body))
-    conn.close()
-    return out
+    return [int(body) for body in queues.drain(url, queue)]
 
 
 def publish_confirmed(url: str, queue: str, body: bytes) -> None:

@@ -18,10 +18,10 @@ from typing import Any
 import pika
 import pytest
 from jepsen import log_since, log_size, queue_counts
-from queues import drain
 
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import Pair, status
+from twinmq.testing.queues import drain
 from twinmq.testing.waiting import wait_for
 
 CHUNK = 16 * 1024  # catch-up chunk bytes: ~15 messages of 1 KiB

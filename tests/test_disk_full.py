@@ -11,7 +11,6 @@ import pika
 import pika.exceptions
 import pytest
 from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
-from queues import drain
 
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
@@ -19,6 +18,7 @@ from twinmq.broker.journal import Journal, JournalError, StoredMessage
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import post_role, status
+from twinmq.testing.queues import drain
 from twinmq.testing.waiting import wait_for
 
 
@@ -108,7 +108,7 @@ def _restart_and_drain(
     broker.kill()
     restarted = BrokerProcess(data, name=broker.name, extra_args=args, port=broker.port).start()
     try:
-        return drain(restarted, queue)
+        return drain(restarted.url, queue)
     finally:
         restarted.stop()
 
@@ -258,7 +258,7 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
         wait_for("passive back", lambda: (status(passive) or {})["replication"]["ready"], 60)
         active.kill()
         assert post_role(passive, "active", 2)[0] == 200
-        seen = {b[len(body) :].decode() for b in drain(passive, "pair.q")}
+        seen = {b[len(body) :].decode() for b in drain(passive.url, "pair.q")}
         assert seen == {str(i) for i in range(total)}, "a confirmed message was lost"
     finally:
         pair.stop()

@@ -18,11 +18,11 @@ import pika
 import pika.exceptions
 import pytest
 from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
-from queues import drain, opted_in
 
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import post_role, status
+from twinmq.testing.queues import drain, opted_in
 from twinmq.testing.waiting import wait_for
 
 FULL = ["--disk-free-limit", "0", "--segment-bytes", str(1024 * 1024)]

@@ -16,13 +16,13 @@ from pathlib import Path
 import pika
 import pytest
 from jepsen import queue_counts
-from queues import drain
 
 from twinmq.broker.admin_client import metric_samples
 from twinmq.broker.journal.ops import TAG_MSG, decode_group
 from twinmq.broker.journal.segment import HEADER, REC
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import Pair, post_role, status
+from twinmq.testing.queues import drain
 from twinmq.testing.waiting import wait_for
 
 QUEUE = "damage.q"
@@ -139,7 +139,7 @@ def test_a_broker_restarted_over_a_corrupt_journal_serves_and_reports_it(
         assert metrics["twinmq_journal_quarantined_files"] == 1
         assert metrics["twinmq_broker_damaged"] == 1
         _publish(broker, [b"after"])
-        assert drain(broker, QUEUE) == [b for b in sent if b not in lost] + [b"after"]
+        assert drain(broker.url, QUEUE) == [b for b in sent if b not in lost] + [b"after"]
     kept = broker.data_dir / "quarantine" / victim.name
     assert kept.read_bytes() == damaged, "the damaged file was changed"
     assert not victim.exists()
@@ -164,7 +164,7 @@ def test_a_torn_tail_is_a_warning_and_does_not_damage_the_broker(tmp_path: Path)
         journal = (status(broker) or {})["journal"]
         assert journal["damaged"] is False and journal["corruption"] == []
         assert _metrics(broker)["twinmq_broker_damaged"] == 0
-        assert drain(broker, QUEUE) == sent
+        assert drain(broker.url, QUEUE) == sent
     assert broker.log_path is not None
     log = broker.log_path.read_text()
     assert " WARNING " in log and "torn tail" in log and " ERROR " not in log
@@ -274,7 +274,7 @@ def test_a_forced_damaged_active_never_makes_its_passive_discard(
         a.kill()
         wait_for("b ready", lambda: (s := status(b)) and s["replication"]["ready"], 5)
         pair.promote_passive()
-        assert sorted(drain(b, QUEUE)) == sorted(sent)
+        assert sorted(drain(b.url, QUEUE)) == sorted(sent)
 
 
 @pytest.mark.parametrize("timeout", [1.0])
@@ -298,7 +298,7 @@ def test_a_damaged_broker_back_as_passive_is_healed_by_catch_up(
         b.kill()
         wait_for("a ready", lambda: (s := status(a)) and s["replication"]["ready"], 5)
         pair.promote_passive()  # no force needed: a was made whole by the catch-up
-        assert sorted(drain(a, QUEUE)) == sorted(sent)
+        assert sorted(drain(a.url, QUEUE)) == sorted(sent)
         assert (status(a) or {})["journal"]["healed_by"] == "b"
 
 
