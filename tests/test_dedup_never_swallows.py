@@ -87,7 +87,7 @@ def test_reliable_publisher_resend_after_a_nack_is_enqueued(fresh_broker: Broker
             await publisher.publish(b"a", "client.q", message_id="c-a")
             with pytest.raises(DeliveryError):
                 await publisher.publish(b"b", "client.q", message_id="c-b")
-            assert await asyncio.to_thread(drain, fresh_broker, "client.q") == [b"a"]
+            assert await asyncio.to_thread(drain, fresh_broker.url, "client.q") == [b"a"]
             await publisher.publish(b"b", "client.q", message_id="c-b")
         finally:
             await publisher.close()
