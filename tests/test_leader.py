@@ -49,12 +49,6 @@ RENEW_DEADLINE = SETTINGS["renew_deadline_seconds"]
 LEASE_NAMES = (f"leader-test-{n}" for n in itertools.count())
 
 
-@pytest.fixture
-def kube(kube_apiserver: KubeApiServer) -> Kube:
-    """The operator's API client, pointed at the test API server."""
-    return Kube(str(kube_apiserver.kubeconfig))
-
-
 def electors(kube: Kube, clock: FakeClock, *identities: str) -> list[LeaderElector]:
     """Candidates for one fresh Lease."""
     name = next(LEASE_NAMES)
