@@ -268,6 +268,9 @@ class DiskFiller:
 
 # The active's log lines for a group commit whose write failed (broker/commit.py, journal/).
 WRITE_FAILED = re.compile(r"journal write failed|groups rolled back")
+# A passive's log line when a local write failed and it exits 75 (broker/server.py
+# `stop_passive`: a replicated batch, or the topology file, could not be written).
+PASSIVE_STOPPED = "exiting so that a restart recovers from the journal"
 
 
 def stack_dump(broker: BrokerProcess) -> str:
@@ -1448,9 +1451,7 @@ class Nemesis:
             self._proof("passive neither acked nor exited within 15s: killed -9")
             self.pair.note(f"passive {passive.name} stuck on a full disk:\n{stack_dump(passive)}")
             passive.kill()
-        exited = code == EXIT_JOURNAL_FAILED and "could not be journaled" in log_since(
-            passive, mark
-        )
+        exited = code == EXIT_JOURNAL_FAILED and PASSIVE_STOPPED in log_since(passive, mark)
         self.pair.note(f"passive {passive.name}: disk full, exit code {code}")
         return filler, exited
 

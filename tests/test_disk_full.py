@@ -12,7 +12,7 @@ import pika
 import pika.exceptions
 import pytest
 from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
-from jepsen import post_role, status, wait_for
+from jepsen import DiskFiller, post_role, status, wait_for
 from queues import drain
 
 from twinmq.broker.commit import GroupCommitter
@@ -267,5 +267,42 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
         assert post_role(passive, "active", 2)[0] == 200
         seen = {b[len(body) :].decode() for b in drain(passive, "pair.q")}
         assert seen == {str(i) for i in range(total)}, "a confirmed message was lost"
+    finally:
+        pair.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_passive_that_cannot_save_the_topology_on_a_full_disk_exits_75_not_silent(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """Finding 10 (docs/reliability.md): a passive whose full disk refused the topology file
+    (a declare on the active, or the definitions of a reconnect) lost its replication task
+    and went silent: linked no more, never acknowledging, never exiting. It must exit 75
+    (its memory holds a topology its disk does not) and recover after a restart; the active
+    meanwhile goes on alone and confirms what its own disk holds."""
+    pair = PassiveOnSmallDisk(small_disk, tmp_path, "defs-full-pair", replication_timeout=1)
+    active, passive = pair.active, pair.passive
+    try:
+        wait_for(lambda: (status(passive) or {})["replication"]["ready"], 30, "passive ready")
+        filler = DiskFiller(small_disk)
+        try:
+            conn = pika.BlockingConnection(pika.URLParameters(active.url))
+            ch = conn.channel()
+            ch.queue_declare("defs.q", durable=True)  # the passive must save the topology
+            assert passive.proc is not None
+            code = passive.proc.wait(timeout=30)
+            assert code == EXIT_JOURNAL_FAILED, f"passive exited {code}, not 75"
+            assert "could not save the topology" in pair.passive_log.read_text()
+            # The degrade rule: the active confirms alone once the passive is gone.
+            ch.confirm_delivery()
+            ch.basic_publish("", "defs.q", b"alone", pika.BasicProperties(delivery_mode=2))
+            conn.close()
+        finally:
+            filler.release()
+        passive = pair.restart_passive()
+        wait_for(lambda: (status(passive) or {})["replication"]["ready"], 60, "passive back")
+        active.kill()
+        assert post_role(passive, "active", 2)[0] == 200
+        assert drain(passive, "defs.q") == [b"alone"]
     finally:
         pair.stop()
