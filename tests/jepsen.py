@@ -1340,32 +1340,6 @@ class Nemesis:
         )
         return at is not None
 
-    def _kill_mid_catchup(self, passive: BrokerProcess) -> bool:
-        """Start the passive over a throttled link and kill -9 it while it catches up;
-        whether the catch-up was provably under way at the kill. Leaves it dead."""
-        pair = self.pair
-        pair.link.throttle(self.rng.choice([100_000, 200_000, 400_000]))
-        passive.extra_args = pair.args(PASSIVE)
-        passive.start()
-
-        def catching_up() -> bool:
-            s = status(pair.active, 1.0)
-            return (
-                s is not None
-                and s["replication"]["link_connected"]
-                and not s["replication"]["ready"]
-            )
-
-        mid = self._seen(catching_up, 10)
-        if mid:
-            time.sleep(self.rng.uniform(0, 0.3))
-            mid = catching_up()
-        passive.kill()
-        self.log.interrupted_catchups += int(mid)
-        pair.note(f"passive {passive.name} killed {'mid-' if mid else 'after '}catch-up")
-        pair.link.heal()
-        return mid
-
     def restart_passive_mid_catchup(self, backlog: int = 3000) -> bool:
         """kill -9 the passive, let a backlog build, restart it, kill it mid-catch-up."""
         pair, workload = self.pair, self.workload
@@ -1374,12 +1348,12 @@ class Nemesis:
         passive = pair.passive
         passive.kill()
         self._backlog(backlog)
-        mid = self._kill_mid_catchup(passive)
+        mid = self._kill_mid_stream(passive)
         passive.extra_args = pair.args(PASSIVE)
         passive.start()
         self._fault_over()
         workload.pause_consumers(False)
-        return self._proof("catch-up interrupted", mid)
+        return self._proof("catch-up interrupted with chunks durable", mid)
 
     # -- the fault matrix's families (each proves it hit the path it targets) -------------
 
@@ -1799,8 +1773,10 @@ MATRIX = (
         "kill-passive", ("kill-passive", "restart-passive-mid-catchup"),
         "kill -9 of the passive: the active degrades and confirms alone, the restarted "
         "passive catches up (every other cycle it is killed again in the middle of it)",
-        "the process died of SIGKILL and the active's /status stopped saying ready; the "
-        "catch-up was under way (link up, passive not ready) at the second kill",
+        "the process died of SIGKILL and the active's /status stopped saying ready; at "
+        "the second kill 1-4 catch-up chunks durable on the passive and more to come "
+        "(the active's /status replication.catchup)",
+        catchup_chunk_bytes=32 * 1024,
     ),
     FaultClass(
         "sigstop", ("pause-active", "pause-passive"),
