@@ -306,3 +306,32 @@ def test_a_passive_that_cannot_save_the_topology_on_a_full_disk_exits_75_not_sil
         assert drain(passive, "defs.q") == [b"alone"]
     finally:
         pair.stop()
+
+
+def test_a_queue_declare_the_full_disk_refused_leaves_no_queue_to_confirm_into(
+    small_disk: Path,
+) -> None:
+    """A durable queue.declare whose topology file the full disk refused failed (541) but
+    left the queue in memory: a client that declared it again got declare-ok, its publishes
+    were confirmed, and the restart dropped them all (recovery keeps only the messages of
+    queues the topology file holds). The refused declare must leave no queue behind."""
+    data = small_disk / "data"
+    args = ["--disk-free-limit", "0"]
+    broker = BrokerProcess(data, name="defsfull", extra_args=args).start()
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+    conn.channel().queue_declare("first.q", durable=True)  # a topology file exists
+    filler = DiskFiller(small_disk)
+    try:
+        with pytest.raises(pika.exceptions.AMQPError):
+            conn.channel().queue_declare("late.q", durable=True)
+    finally:
+        filler.release()
+    with contextlib.suppress(pika.exceptions.AMQPError):
+        conn.close()
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+    ch = conn.channel()
+    ch.queue_declare("late.q", durable=True)  # the client's retry, space back
+    ch.confirm_delivery()
+    ch.basic_publish("", "late.q", b"confirmed", pika.BasicProperties(delivery_mode=2))
+    conn.close()
+    assert _restart_and_drain(broker, data, args, "late.q") == [b"confirmed"]
