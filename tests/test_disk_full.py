@@ -12,7 +12,16 @@ import pika
 import pika.exceptions
 import pytest
 from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
-from jepsen import DiskFiller, post_role, status, wait_for
+from jepsen import (
+    DiskFiller,
+    NoSmallDisk,
+    Pair,
+    log_since,
+    log_size,
+    post_role,
+    status,
+    wait_for,
+)
 from queues import drain
 
 from twinmq.broker.commit import GroupCommitter
@@ -335,3 +344,32 @@ def test_a_queue_declare_the_full_disk_refused_leaves_no_queue_to_confirm_into(
     ch.basic_publish("", "late.q", b"confirmed", pika.BasicProperties(delivery_mode=2))
     conn.close()
     assert _restart_and_drain(broker, data, args, "late.q") == [b"confirmed"]
+
+
+@pytest.mark.timeout(120)
+def test_a_passive_on_a_full_disk_that_loses_its_link_exits_75_on_reconnecting(
+    tmp_path: Path,
+) -> None:
+    """Finding 10 as the compound class met it: the passive's disk is full, its link
+    drops (the matrix's link-silence rule under load) and it reconnects; saving the
+    active's topology then fails. It must exit 75, not sit unlinked and silent."""
+    try:
+        pair = Pair(tmp_path, replication_timeout=1.0, disk_bytes=16 * 1024 * 1024).start()
+    except NoSmallDisk as exc:
+        pytest.skip(str(exc))
+    try:
+        passive = pair.passive
+        mark = log_size(passive)
+        filler = DiskFiller(passive.data_dir)
+        try:
+            pair.link.cut()
+            pair.link.heal()
+            assert passive.proc is not None
+            assert passive.proc.wait(timeout=30) == EXIT_JOURNAL_FAILED
+            assert "could not save the topology" in log_since(passive, mark)
+        finally:
+            filler.release()
+        passive.start()
+        pair.wait_healthy(30)
+    finally:
+        pair.stop()
