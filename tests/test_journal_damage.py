@@ -360,7 +360,7 @@ def test_a_bit_flipped_in_the_topology_file_is_refused_not_read_as_a_deleted_que
     text = path.read_bytes()
     assert text.count(b'"qid": 2') == 1
     path.write_bytes(text.replace(b'"qid": 2', b'"qid": 6'))  # 0x32 -> 0x36: one bit
-    with pytest.raises(RuntimeError, match="definitions.json"):
+    with pytest.raises(RuntimeError, match=r"definitions\.json is damaged"):
         BrokerProcess(data, name="defsbit").start()
     path.write_bytes(text)  # the operator restores it (from a backup, or the peer's)
     restarted = BrokerProcess(data, name="defsbit").start()
