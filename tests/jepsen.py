@@ -266,8 +266,11 @@ class DiskFiller:
         self.path.unlink()
 
 
-# The active's log lines for a group commit whose write failed (broker/commit.py, journal/).
-WRITE_FAILED = re.compile(r"journal write failed|groups rolled back")
+# The active's log lines for a write that failed in a completion path: a group commit
+# (broker/commit.py, journal/), or the audit records a confirm waits for (held, retried).
+# The audit write can fail first: the confirms are then held, the disk alarm blocks
+# publishers, and with every window full no journal write comes to fail (finding 7).
+WRITE_FAILED = re.compile(r"journal write failed|groups rolled back|audit write failed")
 # A passive's log line when a local write failed and it exits 75 (broker/server.py
 # `stop_passive`: a replicated batch, or the topology file, could not be written).
 PASSIVE_STOPPED = "exiting so that a restart recovers from the journal"
@@ -1405,7 +1408,11 @@ class Nemesis:
         held = self._hold(0.1, 1.0)
         filler.release()
         self._fault_over()
-        pair.note(f"active {active.name}: disk full for {held:.2f}s (write failed: {failed})")
+        failure = WRITE_FAILED.search(log_since(active, mark))
+        pair.note(
+            f"active {active.name}: disk full for {held:.2f}s "
+            f"(write failed: {failure.group(0) if failure else None})"
+        )
         wait_for(lambda: (s := status(active)) is not None and not s["alarms"], 30, "alarm gone")
         return self._proof("active write failed: disk full", failed) and self._proof(
             "disk alarm raised", alarm
