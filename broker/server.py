@@ -516,12 +516,21 @@ class Broker:
         the passive exits, and its restart recovers from the journal and catches up
         (the active meanwhile confirms alone, degraded). An active just nacks.
         """
-        if self.role == "passive" and not self.exit_requested.is_set():
+        if self.role == "passive":
+            self.stop_passive(f"replicated batch {batch} could not be journaled ({error})")
+
+    def stop_passive(self, reason: str) -> None:
+        """A passive that cannot go on (a local write failed) exits 75, saying why.
+
+        Its memory then holds what its disk does not; a restart recovers from the
+        disk and catches up. Never silent: a passive that neither acknowledges nor
+        exits leaves the operator a pair that looks whole (finding 10).
+        """
+        if not self.exit_requested.is_set():
             log.critical(
-                "passive: replicated batch %d could not be journaled (%s); exiting so "
-                "that a restart recovers from the journal (memory and disk disagree)",
-                batch,
-                error,
+                "passive: %s; exiting so that a restart recovers from the journal "
+                "(memory and disk disagree)",
+                reason,
             )
             self.exit_code = EXIT_JOURNAL_FAILED
             self.exit_requested.set()

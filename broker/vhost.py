@@ -31,7 +31,7 @@ from twinmq.broker.definitions import (
 )
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
 from twinmq.broker.fieldtable import to_python
-from twinmq.broker.journal import JournalOp, Recovered, Settle, StoredMessage
+from twinmq.broker.journal import JournalError, JournalOp, Recovered, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.queue import DropReason, Queue
 from twinmq.broker.routing import EXCHANGE_TYPES, Exchange, make_exchange
@@ -419,9 +419,23 @@ class VirtualHost:
         self.next_qid += 1
         self.queues[name] = queue
         # Every queue is bound to the default exchange under its own name.
-        self.exchanges[""].bind(BindingDef(exchange="", queue=name, routing_key=name))
+        default = BindingDef(exchange="", queue=name, routing_key=name)
+        self.exchanges[""].bind(default)
         if durable:
-            self._save()
+            try:
+                self._save()
+            except JournalError as exc:
+                # Not in the topology file, so not in memory either: a declare retried
+                # would find it, and recovery drops the messages of a qid the file
+                # lacks, confirmed or not.
+                del self.queues[name]
+                self.exchanges[""].unbind(default)
+                self._by_qid = None
+                raise channel_error(
+                    ReplyCode.INTERNAL_ERROR,
+                    f"queue '{name}' not declared: the topology could not be saved ({exc})",
+                    QUEUE_DECLARE,
+                ) from exc
         self._touch(queue)
         metrics.QUEUES.set(len(self.queues))
         return queue

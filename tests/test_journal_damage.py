@@ -341,3 +341,32 @@ def test_the_operator_reports_a_damaged_broker_and_where_its_damaged_file_went(
     unreachable = {"primary": gone, "backup": BrokerView("backup", reachable=False)}
     assert damage_of(status, unreachable, {"primary": None, "backup": None}) == found
     assert damaged_condition(BrokerClusterStatus())[1] is False
+
+
+def test_a_bit_flipped_in_the_topology_file_is_refused_not_read_as_a_deleted_queue(
+    tmp_path: Path,
+) -> None:
+    """definitions.json is valid JSON after most bit flips: a queue's `qid` 2 read as 6
+    made recovery take queue 2 for one deleted before the crash and drop its messages,
+    confirmed, silently (and the passive then discarded them too in its catch-up). The
+    file carries a checksum: a damaged one stops the start, loudly, and erases nothing."""
+    data = tmp_path / "a"
+    broker = BrokerProcess(data, name="defsbit").start()
+    connection = pika.BlockingConnection(pika.URLParameters(broker.url))
+    connection.channel().queue_declare("first.q", durable=True)  # qid 1: QUEUE gets 2
+    connection.close()
+    bodies = [f"m{i}".encode() for i in range(50)]
+    _publish(broker, bodies)
+    broker.stop()
+    path = data / "journal" / "definitions.json"
+    text = path.read_bytes()
+    assert text.count(b'"qid": 2') == 1
+    path.write_bytes(text.replace(b'"qid": 2', b'"qid": 6'))  # 0x32 -> 0x36: one bit
+    with pytest.raises(RuntimeError, match=r"definitions\.json is damaged"):
+        BrokerProcess(data, name="defsbit").start()
+    path.write_bytes(text)  # the operator restores it (from a backup, or the peer's)
+    restarted = BrokerProcess(data, name="defsbit").start()
+    try:
+        assert drain(restarted.url, QUEUE) == bodies
+    finally:
+        restarted.stop()
