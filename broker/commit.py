@@ -51,6 +51,18 @@ class Waiter(Protocol):
         ...
 
 
+class BatchTap(Protocol):
+    """Adds ops to a batch as it closes (the mirror's replication queue: same group commit)."""
+
+    def batch_closing(self, batch: int, ops: list[JournalOp]) -> list[JournalOp]:
+        """Ops to journal in `batch` with `ops` (which the tap must not change)."""
+        ...
+
+    def definitions_saved(self, definitions: Definitions) -> None:
+        """The durable topology was just replaced."""
+        ...
+
+
 class GroupCommitter:
     """Implements the virtual host's `Committer` over a `Journal` on the running loop."""
 
@@ -68,6 +80,7 @@ class GroupCommitter:
         # possibly later, behind outcomes held for the audit log).
         self.on_failed: Callable[[int, JournalError], None] | None = None
         self.audit: AuditLog | None = None
+        self.tap: BatchTap | None = None
         self._audit_batches: deque[tuple[int, list[JournalOp]]] = deque()
         self._open: list[JournalOp] = []
         self._open_encoded: list[bytes] | None = None  # the open batch's ops, encoded
@@ -125,6 +138,8 @@ class GroupCommitter:
     def save_definitions(self, definitions: Definitions) -> None:
         """Durably replace the topology file (rare: declares and deletes)."""
         self.journal.save_definitions(definitions)
+        if self.tap is not None:
+            self.tap.definitions_saved(definitions)
 
     def drop_queue(self, qid: int) -> None:
         """Tell the journal a queue's messages are garbage."""
@@ -170,6 +185,8 @@ class GroupCommitter:
         encoded, self._open_encoded = self._open_encoded, None
         batch = self._open_batch
         self._open_batch += 1
+        if self.tap is not None and encoded is None:
+            ops.extend(self.tap.batch_closing(batch, ops))
         metrics.COMMIT_BATCH.observe(len(ops))
         self.last_appended = batch
         try:

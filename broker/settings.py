@@ -128,6 +128,32 @@ class BrokerSettings(BaseSettings):
         description="Active: bytes of messages per catch-up chunk sent to a passive "
         "(each journaled and acknowledged on its own)",
     )
+    mirror_to: str | None = Field(
+        None,
+        description="HOST:PORT of a DR mirror's mirror listener: mirror every durable change "
+        "there (docs/mirror.md)",
+    )
+    mirror_token: SecretStr | None = Field(
+        None, description="Shared secret of the mirror link (the same on both sites)"
+    )
+    mirror_id: str | None = Field(
+        None,
+        max_length=200,
+        description="This site's origin id in mirror events (default: the broker name; give "
+        "both brokers of a pair the same id)",
+    )
+    mirror_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Mirror side: accept mirror links from DR sources on this port (off if unset)",
+    )
+    mirror_max_lag: float = Field(
+        30.0,
+        ge=0,
+        description="Block publishers while the oldest unmirrored event is older than this "
+        "(seconds) and the mirror is connected and acknowledging (0: never)",
+    )
 
 
 def flag(field: str) -> str:

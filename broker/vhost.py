@@ -426,6 +426,20 @@ class VirtualHost:
         metrics.QUEUES.set(len(self.queues))
         return queue
 
+    def internal_queue(self, name: str, qid: int, *, locked: bool = True) -> Queue:
+        """A durable queue the broker keeps for itself (the mirror's records), made if missing.
+
+        `locked`: owned privately, so no client consumes, purges or deletes it (405).
+        """
+        queue = self.queues.get(name)
+        if queue is None:
+            queue = Queue(QueueDef(name=name, qid=qid), None, self._dropped, self.visibility)
+            self.queues[name] = queue
+            self._save()
+        if locked:
+            queue.owner = _INTERNAL_OWNER
+        return queue
+
     def delete_queue(self, name: str, *, if_unused: bool, if_empty: bool, owner: object) -> int:
         """`queue.delete`; returns the number of ready messages deleted with it."""
         if name not in self.queues:
@@ -966,6 +980,7 @@ class VirtualHost:
 
 
 _MAX_TIMER = 86400.0
+_INTERNAL_OWNER = object()  # owns the internal queues: no client connection is it
 
 
 def _recovered_header(header: bytes) -> tuple[str | None, str | None]:
