@@ -14,6 +14,7 @@ import pika
 from jepsen import status, wait_for
 from pika.adapters.blocking_connection import BlockingChannel
 
+from twinmq.broker.admin_client import metric_samples
 from twinmq.broker.launcher import BrokerProcess, free_port
 
 TOKEN = "mirror-test-token"
@@ -44,6 +45,11 @@ class Sites:
         self.source.start()
         return self
 
+    @property
+    def mirror_address(self) -> str:
+        """host:port of the mirror's listener."""
+        return f"127.0.0.1:{self.mirror_port}"
+
     def __exit__(self, *exc: object) -> None:
         self.source.stop()
         self.mirror.stop()
@@ -61,6 +67,23 @@ def mirror_status(broker: BrokerProcess) -> dict[str, Any] | None:
 
 def _drained(section: dict[str, Any] | None) -> bool:
     return section is not None and section["connected"] and section["queue_events"] == 0
+
+
+def metric(broker: BrokerProcess, name: str) -> float | None:
+    """One unlabelled sample of the broker's `/metrics`."""
+    return metric_samples(broker.admin.metrics(timeout=5)).get(name)
+
+
+def publish(broker: BrokerProcess, queue: str, bodies: list[bytes]) -> None:
+    """Declare `queue` (durable) and publish persistent `bodies` with confirms."""
+    connection, ch = channel(broker)
+    try:
+        ch.queue_declare(queue, durable=True)
+        ch.confirm_delivery()
+        for body in bodies:
+            ch.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2))
+    finally:
+        connection.close()
 
 
 def channel(broker: BrokerProcess) -> tuple[pika.BlockingConnection, BlockingChannel]:
