@@ -216,3 +216,17 @@ def test_nothing_flows_back_from_the_mirror_to_the_source(sites: Sites) -> None:
     connection.close()
     sites.caught_up()
     assert "local-to-b" not in queues(sites.source)
+
+
+def test_clients_can_neither_publish_into_nor_consume_from_the_replication_queue(
+    sites: Sites,
+) -> None:
+    sites.source.stop()
+    sites.source.start()  # recovery binds every queue to the default exchange
+    connection, ch = channel(sites.source)
+    ch.confirm_delivery()
+    with pytest.raises(pika.exceptions.UnroutableError):
+        ch.basic_publish("", "amq.twinmq.mirror", b"forged event", PERSISTENT, mandatory=True)
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as locked:
+        ch.basic_get("amq.twinmq.mirror")
+    assert locked.value.reply_code == 405
