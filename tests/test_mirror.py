@@ -15,6 +15,8 @@ import pytest
 from jepsen import wait_for
 from mirrorsites import Sites, channel, drain, queues
 
+from twinmq.broker.launcher import BrokerProcess
+
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
 
 
@@ -223,10 +225,51 @@ def test_clients_can_neither_publish_into_nor_consume_from_the_replication_queue
 ) -> None:
     sites.source.stop()
     sites.source.start()  # recovery binds every queue to the default exchange
-    connection, ch = channel(sites.source)
+    _connection, ch = channel(sites.source)
     ch.confirm_delivery()
     with pytest.raises(pika.exceptions.UnroutableError):
         ch.basic_publish("", "amq.twinmq.mirror", b"forged event", PERSISTENT, mandatory=True)
     with pytest.raises(pika.exceptions.ChannelClosedByBroker) as locked:
         ch.basic_get("amq.twinmq.mirror")
     assert locked.value.reply_code == 405
+
+
+def test_enabling_the_mirror_on_a_broker_with_messages_mirrors_them_then_streams(
+    tmp_path: Path,
+) -> None:
+    with BrokerProcess(tmp_path / "a" / "data", name="site-a-before-dr") as before:
+        connection, ch = channel(before)
+        ch.exchange_declare("both", "fanout", durable=True)
+        for name in ("old-1", "old-2"):
+            ch.queue_declare(name, durable=True)
+            ch.queue_bind(name, "both")
+        ch.confirm_delivery()
+        for i in range(500):
+            ch.basic_publish("both", "", f"old-{i}".encode(), PERSISTENT)
+        connection.close()
+        assert len(drain_some(before, "old-1", 100)) == 100
+    with Sites(tmp_path) as sites:  # the same data directory, now with --mirror-to
+        assert len(drain_some(sites.source, "old-2", 50)) == 50  # acks of snapshot messages
+        connection, ch = channel(sites.source)
+        ch.confirm_delivery()
+        ch.basic_publish("both", "", b"new", PERSISTENT)
+        connection.close()
+        sites.caught_up()
+        old = [f"old-{i}".encode() for i in range(500)]
+        assert drain(sites.mirror, "old-1") == [*old[100:], b"new"]
+        assert drain(sites.mirror, "old-2") == [*old[50:], b"new"]
+
+
+def drain_some(broker: BrokerProcess, queue: str, n: int) -> list[bytes]:
+    """basic.get and ack `n` messages of `queue`."""
+    connection, ch = channel(broker)
+    got: list[bytes] = []
+    try:
+        for _ in range(n):
+            method, _, body = ch.basic_get(queue)
+            assert method is not None
+            got.append(body)
+            ch.basic_ack(method.delivery_tag)
+    finally:
+        connection.close()
+    return got

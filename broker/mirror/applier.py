@@ -253,6 +253,8 @@ class MirrorApplier:
                 if self.holding.take(key, now):
                     metrics.HELD_APPLIED.inc()
                     continue  # its settle came first: taken and settled at once
+                if _may_hold(queue, op.mid) and _holds(queue, op.mid):
+                    continue  # here already (a snapshot overlapping a live event)
                 added.add(key)
                 out.append(op)
             elif key in added or _holds(queue, op.mid):
@@ -297,6 +299,14 @@ class MirrorApplier:
         queue.bytes += len(body)
         metrics.DEAD_LETTERED.inc()
         return StoredMessage(seq, DLQ_QID, "", DLQ_NAME, header, body, None)
+
+
+def _may_hold(queue: Queue, mid: int) -> bool:
+    """False when `queue` certainly lacks `mid` (the usual case: a new message is newer
+    than everything ready there), without a scan."""
+    return bool(queue.delivered or queue.held_aside) or (
+        bool(queue.entries) and queue.entries[-1].message.mid >= mid
+    )
 
 
 def _holds(queue: Queue, mid: int) -> bool:

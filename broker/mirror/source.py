@@ -15,6 +15,7 @@ link (`link.py`) sends only events whose batch is complete here
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Final, Protocol
@@ -34,8 +35,13 @@ from twinmq.broker.mirror.events import (
 )
 from twinmq.broker.queue import Queue
 
+log = logging.getLogger(__name__)
+
 QUEUE_NAME: Final = INTERNAL_PREFIX + "mirror"
 QUEUE_QID: Final = INTERNAL_QID_BASE + 1
+# Bounds of one snapshot event (an event is applied as one group commit on the mirror).
+SNAPSHOT_EVENT_BYTES: Final = 1024 * 1024
+SNAPSHOT_EVENT_OPS: Final = 4096
 
 
 class SourceState(Protocol):
@@ -43,6 +49,7 @@ class SourceState(Protocol):
 
     next_mid: int
     replica: bool
+    queues: dict[str, Queue]
 
     def internal_queue(self, name: str, qid: int, *, locked: bool = True) -> Queue:
         """The broker's own durable queue `name`, made if missing."""
@@ -94,12 +101,48 @@ class MirrorSource:
 
         Entries already there (recovered, or replicated while passive) are durable.
         """
+        first = QUEUE_NAME not in self.vhost.queues
         queue = self._queue = self.vhost.internal_queue(QUEUE_NAME, QUEUE_QID)
         self._unsettled.clear()
         if queue.entries:
             self.durable_seq = max(self.durable_seq, queue.entries[-1].message.mid)
         self._emit_definitions(self.vhost.definitions())
+        if first:
+            self._snapshot()
         return queue
+
+    def _snapshot(self) -> None:
+        """Mirror what existed before the mirror was enabled: every journaled message, as
+        events in the same batch as the topology event, in this turn of the loop (a
+        consistent cut: every later change is a later event)."""
+        chunk: list[JournalOp] = []
+        size = 0
+        count = 0
+        for queue in list(self.vhost.queues.values()):
+            if not queue.durable or queue.definition.qid >= INTERNAL_QID_BASE:
+                continue
+            qid = queue.definition.qid
+            held = [*queue.entries, *queue.delivered.values(), *queue.held_aside.values()]
+            for entry in sorted((e for e in held if e.journaled), key=lambda e: e.message.mid):
+                m = entry.message
+                chunk.append(
+                    StoredMessage(
+                        m.mid, qid, m.exchange, m.routing_key, m.header, m.body, entry.expires_at
+                    )
+                )
+                size += len(m.body) + len(m.header)
+                count += 1
+                if size >= SNAPSHOT_EVENT_BYTES or len(chunk) >= SNAPSHOT_EVENT_OPS:
+                    self._emit_ops(chunk)
+                    chunk, size = [], 0
+        if chunk:
+            self._emit_ops(chunk)
+        if count:
+            log.info("mirror: snapshot of %d existing messages queued for the mirror", count)
+
+    def _emit_ops(self, ops: list[JournalOp]) -> None:
+        op = self._record(encode_ops_event(ops, self.clock()))
+        self._unsettled.append((self.log.add([op]), op.mid))
 
     @property
     def active(self) -> bool:
