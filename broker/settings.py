@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from twinmq.broker.names import (
@@ -154,6 +154,19 @@ class BrokerSettings(BaseSettings):
         description="Block publishers while the oldest unmirrored event is older than this "
         "(seconds) and the mirror is connected and acknowledging (0: never)",
     )
+
+
+    @model_validator(mode="after")
+    def _mirror_roles(self) -> BrokerSettings:
+        """A mirror link needs its token; a broker is a mirror source or a mirror."""
+        if (self.mirror_to or self.mirror_port is not None) and self.mirror_token is None:
+            raise ValueError("--mirror-to and --mirror-port need --mirror-token")
+        if self.mirror_to and self.mirror_port is not None:
+            # Applied changes would be mirrored on (back to their origin, or to a third site)
+            # and two writers' full-state topology events would fight: the bidirectional
+            # mode (docs/mirror.md) needs origin tags this first slice does not have.
+            raise ValueError("a broker is either a mirror source or a mirror, not both (yet)")
+        return self
 
 
 def flag(field: str) -> str:

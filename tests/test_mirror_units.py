@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 from sansio import Harness
 
 from twinmq.broker.codec import decode_content_header, decode_headers
@@ -20,6 +21,7 @@ from twinmq.broker.mirror.events import (
     mirrored_definitions,
     record_header,
 )
+from twinmq.broker.settings import parse_args
 
 QID = 3
 TOPOLOGY = Definitions(queues=[QueueDef(name="q", qid=QID)], next_qid=QID + 1)
@@ -138,3 +140,16 @@ def test_an_event_that_keeps_failing_goes_to_the_dlq_and_the_stream_goes_on(
     assert as_text(headers.get("x-mirror-origin")) == "a"
     assert "malformed ops" in (as_text(headers.get("x-mirror-reason")) or "")
     mirror.close()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--mirror-to", "127.0.0.1:5999"],
+        ["--mirror-port", "5999"],
+        ["--mirror-to", "127.0.0.1:5999", "--mirror-port", "5998", "--mirror-token", "t"],
+    ],
+)
+def test_a_mirror_link_needs_its_token_and_a_broker_takes_one_side(args: list[str]) -> None:
+    with pytest.raises(ValidationError):
+        parse_args(args)

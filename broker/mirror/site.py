@@ -53,8 +53,6 @@ class Mirroring:
         self.listener: MirrorListener | None = None
         self.flow_control = False
         token = settings.mirror_token.get_secret_value() if settings.mirror_token else None
-        if (settings.mirror_to or settings.mirror_port is not None) and token is None:
-            raise ValueError("--mirror-to and --mirror-port need --mirror-token")
         origin = settings.mirror_id or settings.name
         if settings.mirror_to and token is not None:
             self.source = MirrorSource(vhost, committer, clock)
