@@ -39,6 +39,7 @@ from twinmq.broker import metrics
 from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.definitions import Definitions
 from twinmq.broker.journal import DiskFullError, Journal, JournalError, JournalOp
+from twinmq.broker.journal.ops import encode_ops
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,9 @@ class Waiter(Protocol):
 class BatchTap(Protocol):
     """Adds ops to a batch as it closes (the mirror's replication queue: same group commit)."""
 
-    def batch_closing(self, batch: int, ops: list[JournalOp]) -> list[JournalOp]:
-        """Ops to journal in `batch` with `ops` (which the tap must not change)."""
+    def batch_closing(self, batch: int, ops: list[JournalOp], encoded: bytes) -> list[JournalOp]:
+        """Ops to journal in `batch` with `ops` (`encoded`: their journal encoding; the tap
+        changes neither)."""
         ...
 
     def definitions_saved(self, definitions: Definitions) -> None:
@@ -186,7 +188,7 @@ class GroupCommitter:
         batch = self._open_batch
         self._open_batch += 1
         if self.tap is not None and encoded is None:
-            ops.extend(self.tap.batch_closing(batch, ops))
+            encoded = self._tap(batch, ops)
         metrics.COMMIT_BATCH.observe(len(ops))
         self.last_appended = batch
         try:
@@ -206,6 +208,24 @@ class GroupCommitter:
             self._audit_batches.append((batch, ops))
         if self.on_batch is not None:
             self.on_batch(batch, ops)
+
+    def _tap(self, batch: int, ops: list[JournalOp]) -> list[bytes] | None:
+        """Add the tap's ops to a closing batch; encode the batch's own ops once, for the
+        journal and the tap alike (the mirror's event carries the same bytes)."""
+        assert self.tap is not None
+        buf = bytearray()
+        try:
+            encode_ops(ops, buf)
+        except ValueError:
+            return None  # the journal refuses this batch (it fails): nothing to add
+        own = bytes(buf)
+        extra = self.tap.batch_closing(batch, ops, own)
+        if not extra:
+            return [own]
+        tail = bytearray()
+        encode_ops(extra, tail)
+        ops.extend(extra)
+        return [own, bytes(tail)]
 
     async def idle(self, limit: float) -> None:
         """Wait (at most `limit` seconds) until no batch waits for its sync or its audit.

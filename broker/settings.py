@@ -155,7 +155,6 @@ class BrokerSettings(BaseSettings):
         "(seconds) and the mirror is connected and acknowledging (0: never)",
     )
 
-
     @model_validator(mode="after")
     def _mirror_roles(self) -> BrokerSettings:
         """A mirror link needs its token; a broker is a mirror source or a mirror."""

@@ -59,9 +59,14 @@ class MirrorEvent:
 
 def encode_ops_event(ops: Sequence[JournalOp], created: float) -> bytes:
     """The event of one group commit's mirrored ops."""
-    buf = bytearray(_HEAD.pack(KIND_OPS, created))
+    buf = bytearray()
     encode_ops(ops, buf)
-    return bytes(buf)
+    return ops_event(buf, created)
+
+
+def ops_event(encoded: bytes | bytearray, created: float) -> bytes:
+    """The event of ops already in the journal's encoding."""
+    return _HEAD.pack(KIND_OPS, created) + encoded
 
 
 def encode_definitions_event(definitions: Definitions, created: float) -> bytes:

@@ -31,6 +31,7 @@ from twinmq.broker.mirror.events import (
     encode_ops_event,
     event_created,
     mirrored_definitions,
+    ops_event,
     record_header,
 )
 from twinmq.broker.queue import Queue
@@ -170,14 +171,20 @@ class MirrorSource:
 
     # -- BatchTap ---------------------------------------------------------------------------
 
-    def batch_closing(self, batch: int, ops: list[JournalOp]) -> list[JournalOp]:
-        """The event of a closing batch's mirrored ops (none for internal queues)."""
+    def batch_closing(self, batch: int, ops: list[JournalOp], encoded: bytes) -> list[JournalOp]:
+        """The event of a closing batch's mirrored ops (none for internal queues); `encoded`
+        is the ops' journal encoding, the event's payload when every op is mirrored."""
         if not self.active:
             return []
         mirrored = [op for op in ops if op.qid < INTERNAL_QID_BASE]
         if not mirrored:
             return []
-        op = self._record(encode_ops_event(mirrored, self.clock()))
+        now = self.clock()
+        if len(mirrored) == len(ops):
+            body = ops_event(encoded, now)
+        else:
+            body = encode_ops_event(mirrored, now)
+        op = self._record(body)
         self._unsettled.append((batch, op.mid))
         return [op]
 
