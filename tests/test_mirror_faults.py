@@ -12,7 +12,7 @@ from pathlib import Path
 import pika
 import pytest
 from jepsen import status, wait_for
-from mirrorsites import TOKEN, Sites, drain, metric, mirror_status, publish, queues
+from mirrorsites import ORIGIN, TOKEN, Sites, drain, metric, mirror_status, publish, queues
 
 from twinmq.broker.definitions import Definitions, QueueDef
 from twinmq.broker.journal import StoredMessage
@@ -161,7 +161,7 @@ class RawSource:
         hello = Hello(name=self.origin, epoch=0, nonce=nonce, proof=transcript.proof(key, "source"))
         self.writer.write(encode(FrameType.HELLO, hello))
         ftype, payload = await self.frames.next(10)
-        assert ftype is FrameType.WELCOME
+        assert ftype is FrameType.WELCOME, f"{ftype.name}: {payload!r}"
         assert transcript.refusal(key, decode_model(Welcome, payload).proof, "mirror") is None
         self.frames.authenticated()
         self.mark = await self.ack()
@@ -186,6 +186,7 @@ class RawSource:
 
 
 def test_a_re_sent_batch_applies_nothing_twice_even_after_a_mirror_restart(sites: Sites) -> None:
+    sites.source.stop()  # the test speaks for the source's origin from now on
     qid = 7
     topology = Definitions(queues=[QueueDef(name="raw", qid=qid)], next_qid=qid + 1)
 
@@ -194,20 +195,34 @@ def test_a_re_sent_batch_applies_nothing_twice_even_after_a_mirror_restart(sites
         op = StoredMessage(mid, qid, "", "raw", record_header(len(body)), body, None)
         return encode_ops_event([op], 0.0)
 
-    first = [(100, encode_definitions_event(topology, 0.0)), (101, message(1)), (102, message(2))]
-
-    async def run() -> tuple[int, int, int]:
-        async with RawSource(sites.mirror_address, "raw-site") as link:
+    async def run() -> tuple[int, int]:
+        async with RawSource(sites.mirror_address, ORIGIN) as link:
             start = link.mark
-            assert await link.send(first) == 102
+            first = [
+                (start + 1, encode_definitions_event(topology, 0.0)),
+                (start + 2, message(1)),
+                (start + 3, message(2)),
+            ]
+            assert await link.send(first) == start + 3
         sites.mirror.kill()
         sites.mirror.start()
-        async with RawSource(sites.mirror_address, "raw-site") as link:
+        async with RawSource(sites.mirror_address, ORIGIN) as link:
             remembered = link.mark
             # The link was cut after the apply: a source that never saw the ack re-sends.
-            assert await link.send([*first, (103, message(3))]) == 103
-            return start, remembered, link.mark
+            assert await link.send([*first, (start + 4, message(3))]) == start + 4
+        return start, remembered
 
-    start, remembered, _ = asyncio.run(run())
-    assert (start, remembered) == (0, 102)
+    start, remembered = asyncio.run(run())
+    assert remembered == start + 3
     assert drain(sites.mirror, "raw") == [b"raw-1", b"raw-2", b"raw-3"]
+
+
+def test_a_mirror_takes_one_origin_and_refuses_another(sites: Sites) -> None:
+    sites.caught_up()  # the mirror holds the source's mark
+
+    async def other() -> None:
+        async with RawSource(sites.mirror_address, "some-other-site"):
+            pass
+
+    with pytest.raises(AssertionError, match="REFUSE"):
+        asyncio.run(other())

@@ -63,6 +63,8 @@ class MirrorState(Protocol):
         """The broker's own durable queue `name`, made if missing."""
         ...
 
+    queues: dict[str, Queue]
+
     def queue_by_qid(self, qid: int) -> Queue | None:
         """The queue of an incarnation id."""
         ...
@@ -180,6 +182,14 @@ class MirrorApplier:
         if not queue.entries:
             return None
         return AppliedMark.model_validate_json(queue.entries[-1].message.body)
+
+    def origins(self) -> list[str]:
+        """The origins this mirror holds a mark of."""
+        return [
+            AppliedMark.model_validate_json(q.entries[-1].message.body).origin
+            for name, q in self.vhost.queues.items()
+            if name.startswith(MARK_PREFIX) and q.entries
+        ]
 
     def applied(self, origin: str) -> int:
         """The highest event seq of `origin` applied here (0: none)."""

@@ -104,6 +104,10 @@ class MirrorListener:
         why = transcript.refusal(self.key, hello.proof, "source")
         if why is None and not self.is_active():
             why = f"{self.name} is passive: link to the mirror's active broker"
+        others = [o for o in self.applier.origins() if o != hello.name]
+        if why is None and others:
+            # Topology events are full state: two origins would delete each other's queues.
+            why = f"{self.name} mirrors origin {others[0]!r}; one origin per mirror"
         if why is not None:
             log.warning("mirror: refusing source %r: %s", hello.name, why)
             writer.write(encode(FrameType.REFUSE, Refuse(reason=why, epoch=0)))
