@@ -273,3 +273,14 @@ def drain_some(broker: BrokerProcess, queue: str, n: int) -> list[bytes]:
     finally:
         connection.close()
     return got
+
+
+def test_a_message_over_16_mib_is_mirrored_whole(sites: Sites) -> None:
+    big = bytes(range(256)) * (17 * 4096)  # 17 MiB: more than the link's byte window
+    connection, ch = channel(sites.source)
+    ch.queue_declare("large", durable=True)
+    ch.confirm_delivery()
+    ch.basic_publish("", "large", big, PERSISTENT)
+    connection.close()
+    sites.caught_up()
+    assert drain(sites.mirror, "large") == [big]
