@@ -169,6 +169,8 @@ class MirrorLink:
         loop = asyncio.get_running_loop()
         last_write = loop.time()
         while True:
+            if not self.source.active:
+                raise ConnectionError("this broker is no longer active")
             acked = self.source.acked_seq
             while inflight and inflight[0][0] <= acked:
                 inflight_bytes -= inflight.popleft()[1]
@@ -199,6 +201,8 @@ class MirrorLink:
         """ACKs trim the queue and open the window; silence or a REFUSE ends the session."""
         while True:
             ftype, payload = await frames.next(SILENCE)
+            if not self.source.active:
+                raise ConnectionError("this broker is no longer active")
             if ftype is FrameType.ACK:
                 self.source.acked(decode_u64(payload))
                 self._wake.set()

@@ -236,10 +236,10 @@ class MirrorSource:
 
     def acked(self, seq: int) -> None:
         """The mirror applied everything up to `seq`: those events leave the queue."""
-        self.acked_seq = max(self.acked_seq, seq)
         queue = self._queue
-        if queue is None:
-            return
+        if queue is None or not self.active:
+            return  # a passive's queue changes by replication only
+        self.acked_seq = max(self.acked_seq, seq)
         settles: list[JournalOp] = []
         entries = queue.entries
         while entries and entries[0].message.mid <= seq:
