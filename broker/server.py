@@ -27,6 +27,7 @@ from twinmq.broker.epoch import EpochStore, epoch_jump_refusal, first_mid
 from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
 from twinmq.broker.journal import Journal, JournalError
 from twinmq.broker.lease import LeaseKeeper
+from twinmq.broker.mirror.site import Mirroring
 from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.replication.source import ReplicationSource
 from twinmq.broker.settings import BrokerSettings
@@ -265,6 +266,7 @@ class Broker:
             self.committer,
             self._alarm_changed,
         )
+        self.mirroring = Mirroring(settings, self.vhost, self.committer, self.monitor)
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[None]] = []
         metrics.CONNECTIONS.set_function(lambda: len(self.protocols))
@@ -466,6 +468,7 @@ class Broker:
             await self.source.start(self.settings.host, self.settings.replication_port)
         )
         self._tasks.append(self.loop.create_task(self.source.ping_loop()))
+        await self.mirroring.start(self.settings.host)
         if self.role == "passive" and self.replicate_from:
             self.replica = ReplicaClient(self, self.replicate_from)
             self.replica.start()
@@ -547,6 +550,7 @@ class Broker:
                 proto.conn.force_close(ReplyCode.CONNECTION_FORCED, "broker shutdown")
                 proto._flush()
         await self.source.close()
+        await self.mirroring.stop()
         for task in self._tasks:
             task.cancel()
         await self._save_dedup()

@@ -440,6 +440,23 @@ class VirtualHost:
         metrics.QUEUES.set(len(self.queues))
         return queue
 
+    def internal_queue(self, name: str, qid: int, *, locked: bool = True) -> Queue:
+        """A durable queue the broker keeps for itself (the mirror's records), made if missing.
+
+        `locked`: owned privately, so no client consumes, purges or deletes it (405), and
+        not bound to the default exchange (recovery binds every queue), so none publishes
+        into it.
+        """
+        queue = self.queues.get(name)
+        if queue is None:
+            queue = Queue(QueueDef(name=name, qid=qid), None, self._dropped, self.visibility)
+            self.queues[name] = queue
+            self._save()
+        if locked and queue.owner is not _INTERNAL_OWNER:
+            queue.owner = _INTERNAL_OWNER
+            self.exchanges[""].unbind(BindingDef(exchange="", queue=name, routing_key=name))
+        return queue
+
     def delete_queue(self, name: str, *, if_unused: bool, if_empty: bool, owner: object) -> int:
         """`queue.delete`; returns the number of ready messages deleted with it."""
         if name not in self.queues:
@@ -980,6 +997,7 @@ class VirtualHost:
 
 
 _MAX_TIMER = 86400.0
+_INTERNAL_OWNER = object()  # owns the internal queues: no client connection is it
 
 
 def _recovered_header(header: bytes) -> tuple[str | None, str | None]:
