@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from audit_cost import percentile, publish
 
-from twinmq.broker.launcher import BrokerProcess, free_port
+from twinmq.testing.launcher import BrokerProcess, free_port
 
 TOKEN = "bench-mirror-token"
 

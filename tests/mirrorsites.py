@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pika
-from jepsen import status, wait_for
 from pika.adapters.blocking_connection import BlockingChannel
 
 from twinmq.broker.admin_client import metric_samples
-from twinmq.broker.launcher import BrokerProcess, free_port
+from twinmq.testing.launcher import BrokerProcess, free_port
+from twinmq.testing.pair import status
+from twinmq.testing.waiting import wait_for
 
 TOKEN = "mirror-test-token"
 ORIGIN = "site-a"
@@ -56,7 +57,7 @@ class Sites:
 
     def caught_up(self, timeout: float = 60.0) -> None:
         """Wait until the mirror acknowledged every event the source made so far."""
-        wait_for(lambda: _drained(mirror_status(self.source)), timeout, "mirror caught up")
+        wait_for("mirror caught up", lambda: _drained(mirror_status(self.source)), timeout)
 
 
 def mirror_status(broker: BrokerProcess) -> dict[str, Any] | None:
@@ -97,18 +98,3 @@ def queues(broker: BrokerProcess) -> dict[str, dict[str, Any]]:
     data = status(broker)
     assert data is not None, f"{broker.name} does not answer"
     return {q["name"]: q for q in data["queues"] if not q["name"].startswith("amq.twinmq.")}
-
-
-def drain(broker: BrokerProcess, queue: str) -> list[bytes]:
-    """basic.get and ack every ready message of `queue`."""
-    connection, ch = channel(broker)
-    got: list[bytes] = []
-    try:
-        while True:
-            method, _, body = ch.basic_get(queue)
-            if method is None:
-                return got
-            got.append(body)
-            ch.basic_ack(method.delivery_tag)
-    finally:
-        connection.close()

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pika
 import pytest
-from jepsen import wait_for
-from mirrorsites import Sites, channel, drain, queues
+from mirrorsites import Sites, channel, queues
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.queues import drain
+from twinmq.testing.waiting import wait_for
 
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
 
@@ -38,7 +39,7 @@ def test_a_declared_queue_and_its_messages_reach_the_mirror_with_their_arguments
     sites.caught_up()
     mirrored = queues(sites.mirror)
     assert mirrored["orders"]["messages"] == 20
-    assert drain(sites.mirror, "orders") == [f"order-{i}".encode() for i in range(20)]
+    assert drain(sites.mirror.url, "orders") == [f"order-{i}".encode() for i in range(20)]
 
 
 def test_the_mirror_refuses_a_redeclare_with_other_arguments_as_the_source_would(
@@ -71,7 +72,7 @@ def test_a_queue_redeclared_with_new_arguments_on_the_source_is_replaced_on_the_
     connection, ch = channel(sites.mirror)
     ch.queue_declare("policy", durable=True, arguments={"x-max-length": 50})
     connection.close()
-    assert drain(sites.mirror, "policy") == [b"new"]
+    assert drain(sites.mirror.url, "policy") == [b"new"]
 
 
 def test_acked_messages_leave_the_mirror_and_the_others_stay(sites: Sites) -> None:
@@ -86,7 +87,7 @@ def test_acked_messages_leave_the_mirror_and_the_others_stay(sites: Sites) -> No
         ch.basic_ack(method.delivery_tag)
     connection.close()
     sites.caught_up()
-    assert drain(sites.mirror, "work") == [f"job-{i}".encode() for i in range(4, 10)]
+    assert drain(sites.mirror.url, "work") == [f"job-{i}".encode() for i in range(4, 10)]
 
 
 def test_a_message_in_several_queues_consumed_from_one_stays_in_the_others_on_the_mirror(
@@ -100,7 +101,7 @@ def test_a_message_in_several_queues_consumed_from_one_stays_in_the_others_on_th
     ch.confirm_delivery()
     ch.basic_publish("fan", "", b"event", PERSISTENT)
     connection.close()
-    assert drain(sites.source, "sub-1") == [b"event"]
+    assert drain(sites.source.url, "sub-1") == [b"event"]
     sites.caught_up()
     mirrored = queues(sites.mirror)
     assert [mirrored[n]["messages"] for n in ("sub-1", "sub-2", "sub-3")] == [0, 1, 1]
@@ -119,7 +120,7 @@ def test_exchanges_and_bindings_route_on_the_mirror_as_on_the_source(sites: Site
     ch.basic_publish("events", "orders.eu.fr", b"routed", PERSISTENT)
     ch.exchange_declare("doomed", "direct", passive=True)
     connection.close()
-    assert drain(sites.mirror, "eu-orders") == [b"routed"]
+    assert drain(sites.mirror.url, "eu-orders") == [b"routed"]
     connection, ch = channel(sites.source)
     ch.queue_unbind("eu-orders", "events", "orders.eu.*")
     ch.exchange_delete("doomed")
@@ -150,7 +151,7 @@ def test_a_dead_lettered_message_lands_in_the_same_queue_on_the_mirror(sites: Si
     sites.caught_up()
     mirrored = queues(sites.mirror)
     assert (mirrored["inbox"]["messages"], mirrored["parking"]["messages"]) == (0, 1)
-    assert drain(sites.mirror, "parking") == [b"poison"]
+    assert drain(sites.mirror.url, "parking") == [b"poison"]
 
 
 def test_a_message_expired_on_the_source_is_gone_from_the_mirror(sites: Sites) -> None:
@@ -166,7 +167,7 @@ def test_a_message_expired_on_the_source_is_gone_from_the_mirror(sites: Sites) -
     sites.caught_up()
     assert queues(sites.mirror)["short-lived"]["messages"] == 1
     wait_for(
-        lambda: queues(sites.source)["short-lived"]["messages"] == 0, 30, "expired on the source"
+        "expired on the source", lambda: queues(sites.source)["short-lived"]["messages"] == 0, 30
     )
     sites.caught_up()
     mirrored = queues(sites.mirror)
@@ -204,7 +205,7 @@ def test_a_transaction_reaches_the_mirror_only_at_its_commit_and_all_at_once(
     ch.tx_commit()
     connection.close()
     sites.caught_up()
-    assert drain(sites.mirror, "ledger") == [f"entry-{i}".encode() for i in range(30)]
+    assert drain(sites.mirror.url, "ledger") == [f"entry-{i}".encode() for i in range(30)]
 
 
 def test_nothing_flows_back_from_the_mirror_to_the_source(sites: Sites) -> None:
@@ -256,8 +257,8 @@ def test_enabling_the_mirror_on_a_broker_with_messages_mirrors_them_then_streams
         connection.close()
         sites.caught_up()
         old = [f"old-{i}".encode() for i in range(500)]
-        assert drain(sites.mirror, "old-1") == [*old[100:], b"new"]
-        assert drain(sites.mirror, "old-2") == [*old[50:], b"new"]
+        assert drain(sites.mirror.url, "old-1") == [*old[100:], b"new"]
+        assert drain(sites.mirror.url, "old-2") == [*old[50:], b"new"]
 
 
 def drain_some(broker: BrokerProcess, queue: str, n: int) -> list[bytes]:
@@ -283,4 +284,4 @@ def test_a_message_over_16_mib_is_mirrored_whole(sites: Sites) -> None:
     ch.basic_publish("", "large", big, PERSISTENT)
     connection.close()
     sites.caught_up()
-    assert drain(sites.mirror, "large") == [big]
+    assert drain(sites.mirror.url, "large") == [big]

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pika
 import pytest
-from jepsen import status, wait_for
-from mirrorsites import ORIGIN, TOKEN, Sites, drain, metric, mirror_status, publish, queues
+from mirrorsites import ORIGIN, TOKEN, Sites, metric, mirror_status, publish, queues
 
 from twinmq.broker.definitions import Definitions, QueueDef
 from twinmq.broker.journal import StoredMessage
@@ -30,6 +29,9 @@ from twinmq.broker.replication.protocol import (
     encode,
     encode_batch,
 )
+from twinmq.testing.pair import status
+from twinmq.testing.queues import drain
+from twinmq.testing.waiting import wait_for
 
 
 @pytest.fixture
@@ -45,7 +47,7 @@ def bodies(prefix: str, n: int) -> list[bytes]:
 def test_a_source_killed_with_events_pending_loses_and_duplicates_nothing(sites: Sites) -> None:
     sites.mirror.stop()  # events pile up in the source's replication queue
     publish(sites.source, "pending", bodies("m", 400))
-    assert len(drain(sites.source, "pending")) == 400  # consume all ...
+    assert len(drain(sites.source.url, "pending")) == 400  # consume all ...
     publish(sites.source, "pending", bodies("n", 300))  # ... then 300 more stay
     pending = mirror_status(sites.source)
     assert pending is not None and pending["queue_events"] > 0 and not pending["connected"]
@@ -53,7 +55,7 @@ def test_a_source_killed_with_events_pending_loses_and_duplicates_nothing(sites:
     sites.source.start()
     sites.mirror.start()
     sites.caught_up()
-    assert drain(sites.mirror, "pending") == bodies("n", 300)
+    assert drain(sites.mirror.url, "pending") == bodies("n", 300)
 
 
 def test_a_source_killed_while_streaming_leaves_every_confirmed_message_once_on_the_mirror(
@@ -64,7 +66,7 @@ def test_a_source_killed_while_streaming_leaves_every_confirmed_message_once_on_
     sites.source.start()
     publish(sites.source, "stream", bodies("y", 100))
     sites.caught_up()
-    assert drain(sites.mirror, "stream") == bodies("x", 1500) + bodies("y", 100)
+    assert drain(sites.mirror.url, "stream") == bodies("x", 1500) + bodies("y", 100)
 
 
 def test_a_mirror_killed_and_restarted_ends_with_exactly_the_source_messages(
@@ -76,7 +78,7 @@ def test_a_mirror_killed_and_restarted_ends_with_exactly_the_source_messages(
     sites.mirror.start()
     sites.caught_up()
     assert queues(sites.mirror)["restart"]["messages"] == 600
-    assert drain(sites.mirror, "restart") == bodies("a", 300) + bodies("b", 300)
+    assert drain(sites.mirror.url, "restart") == bodies("a", 300) + bodies("b", 300)
 
 
 def test_a_disconnected_mirror_never_slows_producers(tmp_path: Path) -> None:
@@ -84,9 +86,9 @@ def test_a_disconnected_mirror_never_slows_producers(tmp_path: Path) -> None:
         sites.mirror.stop()
         publish(sites.source, "busy", bodies("early", 10))
         wait_for(
+            "events older than the lag bound",
             lambda: (mirror_status(sites.source) or {}).get("oldest_event_age_seconds", 0) > 1,
             30,
-            "events older than the lag bound",
         )
         params = pika.ConnectionParameters(port=sites.source.port, blocked_connection_timeout=5)
         connection = pika.BlockingConnection(params)
@@ -111,14 +113,14 @@ def test_a_connected_mirror_that_stops_acknowledging_blocks_producers_until_it_c
         try:
             publish(sites.source, "lagging", bodies("stalled", 10))
             wait_for(
+                "mirror flow control on",
                 lambda: (status(sites.source) or {}).get("alarms") == ["mirror-lag"],
                 30,
-                "mirror flow control on",
             )
         finally:
             sites.mirror.signal(signal.SIGCONT)
         sites.caught_up()
-        wait_for(lambda: (status(sites.source) or {}).get("alarms") == [], 30, "flow control off")
+        wait_for("flow control off", lambda: (status(sites.source) or {}).get("alarms") == [], 30)
         assert queues(sites.mirror)["lagging"]["messages"] == 20
 
 
@@ -132,7 +134,7 @@ def test_the_mirror_metrics_show_enabled_connected_depth_and_age(sites: Sites) -
     assert (metric(sites.mirror, "twinmq_mirror_applied_events_total") or 0) >= 2
     sites.mirror.stop()
     publish(sites.source, "metered", bodies("n", 5))
-    wait_for(lambda: metric(sites.source, "twinmq_mirror_connected") == 0, 30, "link down")
+    wait_for("link down", lambda: metric(sites.source, "twinmq_mirror_connected") == 0, 30)
     assert (metric(sites.source, "twinmq_mirror_queue_events") or 0) >= 1
     assert (metric(sites.source, "twinmq_mirror_queue_bytes") or 0) > 0
     assert (metric(sites.source, "twinmq_mirror_oldest_event_age_seconds") or 0) > 0
@@ -214,7 +216,7 @@ def test_a_re_sent_batch_applies_nothing_twice_even_after_a_mirror_restart(sites
 
     start, remembered = asyncio.run(run())
     assert remembered == start + 3
-    assert drain(sites.mirror, "raw") == [b"raw-1", b"raw-2", b"raw-3"]
+    assert drain(sites.mirror.url, "raw") == [b"raw-1", b"raw-2", b"raw-3"]
 
 
 def test_a_mirror_takes_one_origin_and_refuses_another(sites: Sites) -> None:

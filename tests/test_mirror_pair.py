@@ -8,10 +8,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from jepsen import Pair, queue_counts, status, wait_for
-from mirrorsites import ORIGIN, TOKEN, drain, mirror_status, publish
+from jepsen import queue_counts
+from mirrorsites import ORIGIN, TOKEN, mirror_status, publish
 
-from twinmq.broker.launcher import BrokerProcess, free_port
+from twinmq.testing.launcher import BrokerProcess, free_port
+from twinmq.testing.pair import Pair, status
+from twinmq.testing.queues import drain
+from twinmq.testing.waiting import wait_for
 
 
 @pytest.fixture
@@ -34,7 +37,7 @@ def caught_up(pair: Pair) -> None:
         section = mirror_status(pair.active)
         return section is not None and section["connected"] and section["queue_events"] == 0
 
-    wait_for(drained, 60, "mirror caught up with the source pair's active")
+    wait_for("mirror caught up with the source pair's active", drained, 60)
 
 
 def bodies(prefix: str, n: int) -> list[bytes]:
@@ -49,7 +52,7 @@ def test_a_source_failover_while_streaming_neither_loses_nor_repeats_on_the_mirr
     assert source_pair.failover()  # kill -9 at once: events in flight or unacknowledged
     publish(source_pair.active, "orders", bodies("after", 100))
     caught_up(source_pair)
-    assert drain(mirror, "orders") == bodies("before", 800) + bodies("after", 100)
+    assert drain(mirror.url, "orders") == bodies("before", 800) + bodies("after", 100)
 
 
 @pytest.mark.slow
@@ -66,4 +69,4 @@ def test_events_pending_while_the_mirror_is_away_survive_a_source_failover(
     assert source_pair.failover()
     mirror.start()
     caught_up(source_pair)
-    assert drain(mirror, "orders") == bodies("sent", 200) + bodies("pending", 300)
+    assert drain(mirror.url, "orders") == bodies("sent", 200) + bodies("pending", 300)
