@@ -9,6 +9,8 @@ from prometheus_client import Counter, Gauge, Histogram
 # pod labels by relabelling (helm/twinmq/templates/podmonitor-brokers.yaml); the chart's
 # PodMonitor keeps them with honorLabels (docs/monitoring.md).
 CLUSTER_LABELS = ("namespace", "brokercluster")
+DEFAULT_PORT = 8081
+"""The metrics port unless `TWINMQ_OPERATOR_METRICS_PORT` says otherwise."""
 
 RECONCILIATIONS = Counter("twinmq_operator_reconciliations", "Reconciles run", ["outcome"])
 PROBE_FAILURES = Counter(

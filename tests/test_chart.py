@@ -228,7 +228,9 @@ def test_operator_deployment_is_hardened(helm: Callable[..., str]) -> None:
     assert {"cpu", "memory"} <= set(container["resources"]["requests"])
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert container["ports"] == [{"name": "health", "containerPort": 8080}]
+    assert container["ports"] == [
+        {"name": "health", "containerPort": 8080}, {"name": "metrics", "containerPort": 8081},
+    ]  # fmt: skip
     assert {"name": "tmp", "mountPath": "/var/run/twinmq-tmp"} in container["volumeMounts"]
     assert {"name": "TMPDIR", "value": "/var/run/twinmq-tmp"} in container["env"]
 
