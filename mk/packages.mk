@@ -1,4 +1,5 @@
-# The Helm chart packaged for a chart repository (issue 13, docs/helm-chart.md). Included
+# Packages for users (issue 13): the Helm chart for a chart repository (docs/helm-chart.md)
+# and the krew package of the kubectl plugin. Included
 # by the top-level Makefile.
 #   make chart-package   lint, then $(CHART_DIST)/twinmq-<version>.tgz and
 #                        $(CHART_DIST)/index.yaml (serve the folder as a chart repository)
@@ -19,3 +20,14 @@ chart-package:
 	$(HELM) lint --strict $(CHART_DIR)
 	$(HELM) package $(CHART_DIR) --destination $(CHART_DIST)
 	$(HELM) repo index $(CHART_DIST) $(if $(CHART_REPO_URL),--url $(CHART_REPO_URL))
+
+# The krew package of `kubectl twinmq` (plugins/build.py, docs/kubectl-plugin.md):
+#   make krew-package   dist/krew/kubectl-twinmq_<version>_<os>_<arch>.tar.gz (this
+#                       platform and Python) and dist/krew/twinmq.yaml (krew manifest)
+# KREW_URI_BASE: where the archive will be published (the manifest's uri); default: the
+# release's assets.
+KREW_URI_BASE ?=
+.PHONY: krew-package
+
+krew-package:
+	$(CHART_PYTHON) plugins/build.py --out dist/krew $(if $(KREW_URI_BASE),--uri-base $(KREW_URI_BASE))
