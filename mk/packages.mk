@@ -1,6 +1,5 @@
 # Packages for users (issue 13): the Helm chart for a chart repository (docs/helm-chart.md)
-# and the krew package of the kubectl plugin. Included
-# by the top-level Makefile.
+# and the krew package of the kubectl plugin. Included by the top-level Makefile.
 #   make chart-package   lint, then $(CHART_DIST)/twinmq-<version>.tgz and
 #                        $(CHART_DIST)/index.yaml (serve the folder as a chart repository)
 # CHART_REPO_URL: the URL the folder is served at (written into index.yaml); empty: the
