@@ -182,6 +182,19 @@ def test_every_rule_and_dashboard_query_parses_and_names_only_exported_metrics(
     assert {"twinmq_role_active", "twinmq_operator_audits_total", "up"} <= used
 
 
+@pytest.mark.slow
+def test_alerts_fire_on_series_that_mean_trouble_and_only_then() -> None:
+    """monitoring/promcheck/alerts_test.go: every alert's expression evaluated by
+    Prometheus's engine over scenarios (two passive brokers, an unreachable active, lag,
+    an alarm, failed Lease renewals, no operator leader, an audit FAIL, ...) and over
+    healthy series returns exactly the label sets expected; every alert has a scenario."""
+    proc = subprocess.run(
+        [go(), "test", "-count=1", "./..."],
+        cwd=PROMCHECK, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_alerts_cover_pair_health_the_operator_and_audits() -> None:
     groups = yaml.safe_load(RULES.read_text())["groups"]
     rules = {rule["alert"]: rule for group in groups for rule in group["rules"]}
