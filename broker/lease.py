@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
+from twinmq.broker import metrics
+
 if TYPE_CHECKING:
     from twinmq.broker.api import Role
     from twinmq.broker.settings import BrokerSettings
@@ -193,6 +195,7 @@ class LeaseKeeper:
             try:
                 await self._renew(session)
             except (aiohttp.ClientError, TimeoutError) as exc:
+                metrics.LEASE_RENEWAL_FAILURES.inc()
                 log.warning("cannot renew the Lease at %s: %s", self.url, exc)
                 await self.clock.sleep(self.period / 4)
                 continue
@@ -234,6 +237,7 @@ class LeaseKeeper:
             return
         log.error("self-fencing: %s; stepping down to passive (epoch %d)", reason, broker.epoch)
         self.fenced_at = self.clock.monotonic()
+        metrics.SELF_FENCINGS.inc()
         await broker.set_role("passive", broker.epoch, None)
 
 

@@ -187,6 +187,13 @@ EPOCH_REFUSED = Counter(
     "twinmq_epoch_refused",
     "Epochs from authenticated peers refused as a jump of more than max_epoch_jump",
 )
+LEASE_RENEWAL_FAILURES = Counter(
+    "twinmq_lease_renewal_failures",
+    "Active: renewals of the active role's Lease that failed (API error or timeout)",
+)
+SELF_FENCINGS = Counter(
+    "twinmq_lease_self_fencings", "Active: steps down to passive because the Lease was not kept"
+)
 REPLICATION_LAG = Gauge("twinmq_replication_lag_messages", "Ops sent but not yet acknowledged")
 REPLICATION_LAG_SECONDS = Gauge(
     "twinmq_replication_lag_seconds", "Age of the oldest unacknowledged replicated batch"

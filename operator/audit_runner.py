@@ -276,7 +276,7 @@ class AuditRunner:
         previous = next((c for c in new.conditions if c.type == "AuditPassed"), None)
         condition = audit_condition(result, previous, self.generation)
         new.conditions = [c for c in new.conditions if c.type != "AuditPassed"] + [condition]
-        metrics.AUDITS.labels(result.verdict).inc()
+        metrics.AUDITS.labels(result.verdict, self.cluster.namespace, self.cluster.name).inc()
         text = f"audit run {result.run} ({result.reason}): {result.verdict}: {result.message}"
         log.info("%s/%s: %s", self.cluster.namespace, self.cluster.name, text)
         self._event(condition.reason, text, warning=result.verdict != "PASS")

@@ -865,7 +865,7 @@ def main(argv: list[str] | None = None) -> None:
     resource scanning disabled, so it neither lists namespaces nor watches CRDs.
     """
     namespaces = watched_namespaces(argv)
-    port = int(os.environ.get(OPERATOR_METRICS_PORT_ENV, "8081"))
+    port = int(os.environ.get(OPERATOR_METRICS_PORT_ENV, metrics.DEFAULT_PORT))
     try:
         start_http_server(port)
     except OSError as exc:  # metrics are not worth refusing to run the operator

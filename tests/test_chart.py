@@ -132,6 +132,7 @@ SCOPES = {
     "standalone-broker": ("broker.enabled=true", "operator.enabled=false"),
     "everything": ("broker.enabled=true", "operator.rbac.scope=namespace"),
     "two-operators": ("operator.replicas=2",),
+    "helm-test": ("test.brokerCluster.name=orders", "test.brokerCluster.namespace=shop"),
 }
 
 
@@ -228,7 +229,9 @@ def test_operator_deployment_is_hardened(helm: Callable[..., str]) -> None:
     assert {"cpu", "memory"} <= set(container["resources"]["requests"])
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert container["ports"] == [{"name": "health", "containerPort": 8080}]
+    assert container["ports"] == [
+        {"name": "health", "containerPort": 8080}, {"name": "metrics", "containerPort": 8081},
+    ]  # fmt: skip
     assert {"name": "tmp", "mountPath": "/var/run/twinmq-tmp"} in container["volumeMounts"]
     assert {"name": "TMPDIR", "value": "/var/run/twinmq-tmp"} in container["env"]
 
@@ -356,3 +359,70 @@ def test_operator_watches_the_namespaces_it_is_given(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(OPERATOR_NAMESPACES_ENV, "team-a, team-b,")
     assert watched_namespaces([]) == ["team-a", "team-b"]
     assert watched_namespaces(["-n", "c"]) == ["c"]  # the option wins
+
+
+def test_helm_test_publishes_and_consumes_through_the_brokerclusters_virtual_ip(
+    helm: Callable[..., str],
+) -> None:
+    from twinmq.broker.names import AMQP_PORT
+    from twinmq.client import roundtrip
+    from twinmq.operator.builders import ClusterRef, build_vip_service, generate_credentials
+
+    assert "Pod" not in kinds(render(helm))  # no BrokerCluster named: no test
+    docs = render(helm, *SCOPES["helm-test"])
+    pod = one(docs, "Pod")
+    assert pod["metadata"]["namespace"] == "shop"  # where the cluster's Secret is
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never"
+    (container,) = spec["containers"]
+    assert (
+        container["image"]
+        == one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    )
+    assert container["command"] == ["python3", "-m", roundtrip.__name__]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    prefix = roundtrip.ENV_PREFIX
+    vip = build_vip_service(ClusterRef(name="orders", namespace="shop", uid="u"))
+    assert env[prefix + "HOST"] == f"{vip['metadata']['name']}.shop.svc"
+    assert env[prefix + "PORT"] == str(AMQP_PORT)
+    assert {p["port"] for p in vip["spec"]["ports"]} == {AMQP_PORT}
+    # The generated Secret's keys (operator/builders.py).
+    credentials = generate_credentials()
+    for variable, key in (("USERNAME", "username"), ("PASSWORD", "password")):
+        assert env[prefix + variable] == {"secretKeyRef": {"name": "orders-auth", "key": key}}
+        assert key in credentials
+    # What the environment names is what the check reads.
+    assert (
+        roundtrip.amqp_url(
+            {prefix + "HOST": "h", prefix + "USERNAME": "u", prefix + "PASSWORD": "p/w"}
+        )
+        == "amqp://u:p%2Fw@h:5672/%2F"
+    )
+
+
+def test_chart_package_makes_a_chart_repository_that_renders_like_the_folder(
+    helm: Callable[..., str], tmp_path: Path
+) -> None:
+    import hashlib
+
+    assert HELM is not None
+    dist = tmp_path / "charts"
+    subprocess.run(
+        ["make", "-s", "chart-package", f"CHART_DIST={dist}", f"HELM={HELM}",
+         "CHART_REPO_URL=https://charts.example.org/twinmq"],
+        cwd=REPO, check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    package = dist / f"twinmq-{chart['version']}.tgz"
+    index = yaml.safe_load((dist / "index.yaml").read_text())
+    (entry,) = index["entries"]["twinmq"]
+    assert (entry["version"], entry["appVersion"]) == (chart["version"], chart["appVersion"])
+    assert entry["digest"] == hashlib.sha256(package.read_bytes()).hexdigest()
+    assert entry["urls"] == [f"https://charts.example.org/twinmq/{package.name}"]
+    sets = ("monitoring.prometheusRule.enabled=true", "monitoring.grafanaDashboard.enabled=true")
+    args = [arg for value in sets for arg in ("--set", value)]
+    packaged = helm("template", "rel", str(package), "--namespace", "tmq", *args)
+    assert packaged == helm("template", "rel", str(CHART), "--namespace", "tmq", *args)
+    assert "kind: PrometheusRule" in packaged  # the files under monitoring/ were packaged

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from fakeclock import FakeClock
+from prometheus_client import REGISTRY
 
 from twinmq.broker.api import Role
 from twinmq.broker.lease import FENCE_MARGIN, HANDOVER_RETRY, LeaseKeeper
@@ -215,5 +216,31 @@ def test_the_request_timeout_abandons_a_hanging_renewal() -> None:
             async with aiohttp.ClientSession(timeout=timeout) as session:
                 with pytest.raises(TimeoutError):
                     await keeper._renew(session)
+
+    run(scenario)
+
+
+def counted(name: str) -> float:
+    """A broker counter's value in this process's registry (0 before its first increment)."""
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+def test_failed_renewals_and_the_self_fencing_are_counted_for_the_alerts() -> None:
+    """`TwinMQLeaseNotRenewed` and `TwinMQSelfFenced` (docs/monitoring.md) read these."""
+
+    async def scenario() -> None:
+        failures = counted("twinmq_lease_renewal_failures_total")
+        fencings = counted("twinmq_lease_self_fencings_total")
+        api, clock, broker = ApiServer("orders-primary", hang=True), FakeClock(), Broker()
+        lapses_at = clock.now + DURATION
+        async with keeping(api, clock, broker, request_timeout=0.05):
+            await until(
+                "a renewal counted as failed",
+                lambda: counted("twinmq_lease_renewal_failures_total") > failures,
+            )
+            assert counted("twinmq_lease_self_fencings_total") == fencings
+            await clock.advance_to(lapses_at - FENCE_MARGIN)
+            await until("the broker stepped down", broker.demoted.is_set)
+        assert counted("twinmq_lease_self_fencings_total") == fencings + 1
 
     run(scenario)
