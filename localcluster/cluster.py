@@ -23,10 +23,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from twinmq.localcluster import binaries, containerd, daemons, hostnet, kubelet
+from twinmq.localcluster import binaries, containerd, daemons, freezer, hostnet, kubelet
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import (
     APISERVER_PORT,
+    CGROUP_PARENT,
     CLUSTER_DOMAIN,
     CONTROLLER_MANAGER_PORT,
     COREDNS_READY_PORT,
@@ -531,6 +532,11 @@ def down(layout: Layout) -> None:
         _say("nothing to stop")
         return
     if running_mode(layout) == "kubelet":
+        # A test may have left a container frozen (faults.pause_pod): v1 would hold even
+        # SIGKILL until it is thawed.
+        for mount in kubelet.cgroup_mounts(Path("/proc/self/mountinfo").read_text()):
+            for control in freezer.thaw_all(mount / CGROUP_PARENT):
+                _say(f"thawed {control.parent}")
         for problem in kubelet.stop(layout):
             _say(f"WARNING: {problem}")
         _say("kubelet node: stopped, containers, cgroups and state removed")
