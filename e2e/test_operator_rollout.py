@@ -25,12 +25,17 @@ from brokerclusters import (
     publish_confirmed,
 )
 from conftest import Cluster
-from support import pod_path, wait_until
+from support import IMAGE, pod_path, wait_until
 
 from twinmq.client import ReliablePublisher
 
 pytestmark = pytest.mark.e2e
-NEW_IMAGE = "twinmq/twinmq:0.1.1"
+NEW_IMAGE = (
+    IMAGE.removeprefix("docker.io/") if IMAGE.startswith("docker.io/") else f"docker.io/{IMAGE}"
+)
+"""Another spelling of the suite's image: a new spec.image for the operator (which rolls
+out on any change), the same image for a node (a real one can run only the images it
+holds: the suite's, imported or loaded)."""
 
 
 def images(cluster: Cluster, namespace: str, name: str) -> dict[str, str]:
