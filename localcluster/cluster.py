@@ -533,8 +533,9 @@ def down(layout: Layout) -> None:
         return
     if running_mode(layout) == "kubelet":
         # A test may have left a container frozen (faults.pause_pod): v1 would hold even
-        # SIGKILL until it is thawed.
-        for mount in kubelet.cgroup_mounts(Path("/proc/self/mountinfo").read_text()):
+        # SIGKILL until it is thawed; and a frozen container cannot be stopped gracefully.
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+        for mount in kubelet.cgroup_mounts(mountinfo, ("cgroup", "cgroup2")):
             for control in freezer.thaw_all(mount / CGROUP_PARENT):
                 _say(f"thawed {control.parent}")
         for problem in kubelet.stop(layout):

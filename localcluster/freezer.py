@@ -1,9 +1,9 @@
 """The cgroup freezer of a container: freeze and thaw every process of its cgroup at once.
 
 What `runc pause` does, done from the host on the cgroup a process is in, so it needs
-neither the API server nor the kubelet: cgroup v1's `freezer.state` (FROZEN / THAWED) when
-the process is in a v1 freezer hierarchy (these machines: a hybrid layout), else cgroup
-v2's `cgroup.freeze` (1 / 0). Unlike SIGSTOP, a frozen process cannot see or handle
+neither the API server nor the kubelet: cgroup v2's `cgroup.freeze` (1 / 0) when the
+process has a cgroup of its own in the v2 hierarchy (also on these hybrid hosts), else
+cgroup v1's `freezer.state` (FROZEN / THAWED). Unlike SIGSTOP, a frozen process cannot see or handle
 anything: its timers, sockets and signals all wait until it is thawed.
 """
 
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from twinmq.localcluster.kubelet import CGROUP_ROOT, cgroup_mounts
+from twinmq.localcluster.kubelet import cgroup_mounts
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,9 @@ class Freezer:
 
 def freezer_of(proc_cgroup: str, mountinfo: str) -> Freezer | None:
     """Return the freezer of the cgroup described by a /proc/<pid>/cgroup text, given the
-    host's /proc/self/mountinfo (pure). v1's freezer hierarchy wins over v2."""
+    host's /proc/self/mountinfo (pure). v2 wins when the process is in a cgroup of its own
+    there (runc joins one on hybrid hosts too): v2 lets SIGKILL through to frozen processes,
+    v1 holds it until the thaw, so a paused pod could not even be deleted."""
     v1: str | None = None
     v2: str | None = None
     for line in proc_cgroup.splitlines():
@@ -37,6 +39,9 @@ def freezer_of(proc_cgroup: str, mountinfo: str) -> Freezer | None:
             v1 = path
         elif hierarchy == "0" and controllers == "":
             v2 = path
+    v2_mounts = cgroup_mounts(mountinfo, ("cgroup2",))
+    if v2 is not None and v2 != "/" and v2_mounts:
+        return Freezer(v2_mounts[0] / v2.lstrip("/") / "cgroup.freeze", "1", "0")
     if v1 is not None:
         for line in mountinfo.splitlines():
             left, _, right = line.partition(" - ")
@@ -44,9 +49,6 @@ def freezer_of(proc_cgroup: str, mountinfo: str) -> Freezer | None:
             if fields[:1] == ["cgroup"] and "freezer" in fields[-1].split(","):
                 mount = Path(left.split()[4])
                 return Freezer(mount / v1.lstrip("/") / "freezer.state", "FROZEN", "THAWED")
-    if v2 is not None:
-        mounts = cgroup_mounts(mountinfo, ("cgroup2",)) or [CGROUP_ROOT]
-        return Freezer(mounts[0] / v2.lstrip("/") / "cgroup.freeze", "1", "0")
     return None
 
 

@@ -150,7 +150,7 @@ HYBRID_MOUNTINFO = """\
 """
 
 
-def test_a_container_in_a_v1_freezer_hierarchy_is_frozen_through_its_freezer_state() -> None:
+def test_a_container_with_a_v2_cgroup_of_its_own_is_frozen_through_cgroup_freeze() -> None:
     proc_cgroup = (
         "7:freezer:/twinmq/kubepods/besteffort/pod1/abc\n"
         "3:cpu:/twinmq/kubepods/besteffort/pod1/abc\n"
@@ -158,9 +158,15 @@ def test_a_container_in_a_v1_freezer_hierarchy_is_frozen_through_its_freezer_sta
     )
     found = freezer.freezer_of(proc_cgroup, HYBRID_MOUNTINFO)
     assert found == freezer.Freezer(
-        Path("/sys/fs/cgroup/freezer/twinmq/kubepods/besteffort/pod1/abc/freezer.state"),
-        "FROZEN",
-        "THAWED",
+        Path("/sys/fs/cgroup/unified/twinmq/kubepods/besteffort/pod1/abc/cgroup.freeze"), "1", "0"
+    )
+
+
+def test_a_container_only_in_a_v1_freezer_hierarchy_is_frozen_through_its_freezer_state() -> None:
+    proc_cgroup = "7:freezer:/twinmq/pod1/abc\n3:cpu:/twinmq/pod1/abc\n0::/\n"
+    found = freezer.freezer_of(proc_cgroup, HYBRID_MOUNTINFO)
+    assert found == freezer.Freezer(
+        Path("/sys/fs/cgroup/freezer/twinmq/pod1/abc/freezer.state"), "FROZEN", "THAWED"
     )
 
 
