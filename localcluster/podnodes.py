@@ -87,9 +87,14 @@ class KubeletNode:
         return signalled
 
     def freeze(self, namespace: str, name: str, frozen: bool) -> list[int]:
-        """Freeze (or thaw) each container's cgroup."""
+        """Freeze (or thaw) each container's cgroup. Thawing a pod whose containers have
+        all ended since (killed while frozen) does nothing, as SIGCONT to no process."""
         held = []
-        for container_id in self._containers(namespace, name, None).values():
+        if frozen:
+            containers = self._containers(namespace, name, None)
+        else:
+            containers = containerd.pod_containers(self.layout, namespace, name)
+        for container_id in containers.values():
             pids = containerd.task_pids(self.layout, container_id)
             if pids:
                 freezer.set_frozen(pids[0], frozen)
