@@ -23,10 +23,12 @@ help:
 # The virtual environment is reinstalled when pyproject.toml, constraints.txt (the exact
 # versions: pip's resolver backtracked for many minutes without them) or the package layout
 # changes.
-$(STAMP): pyproject.toml constraints.txt $(wildcard */__init__.py */py.typed)
+# The product (pyproject.toml) and the dev distribution (dev/pyproject.toml: the local
+# cluster, the test rigs, the demo; never in the product wheel), both editable.
+$(STAMP): pyproject.toml dev/pyproject.toml constraints.txt $(wildcard */__init__.py */py.typed)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]' -e ./dev
 	@touch $@
 
 venv: $(STAMP)
@@ -44,10 +46,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 # The component folders are `twinmq.*` packages only once installed; mypy reads a
-# view of symlinks laid out as the import names, generated from pyproject.toml.
+# view of symlinks laid out as the import names, generated from both pyproject.toml files.
 typecheck: $(STAMP)
 	@rm -rf $(TYPECHECK_VIEW) && mkdir -p $(TYPECHECK_VIEW)/twinmq
-	@$(PY) -c 'import tomllib,os; m=tomllib.load(open("pyproject.toml","rb"))["tool"]["setuptools"]["package-dir"]; [os.symlink(os.path.abspath(d), "$(TYPECHECK_VIEW)/"+n.replace(".","/")) for n,d in m.items()]'
+	@$(PY) -c 'import tomllib,os; [os.symlink(os.path.abspath(os.path.join(r, d)), "$(TYPECHECK_VIEW)/"+n.replace(".","/")) for r in (".", "dev") for n,d in tomllib.load(open(r+"/pyproject.toml","rb"))["tool"]["setuptools"]["package-dir"].items()]'
 	MYPYPATH=$(TYPECHECK_VIEW) $(VENV)/bin/mypy -p twinmq
 
 unit: $(STAMP) system-deps
@@ -71,7 +73,7 @@ test: lint typecheck system-deps
 demo: $(STAMP)
 	$(VENV)/bin/twinmq-demo
 	$(MAKE) --no-print-directory cluster
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m twinmq.cli.cluster_demo
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m twinmq.demo.kubernetes
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

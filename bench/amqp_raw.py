@@ -1,173 +1,113 @@
-"""A minimal asyncio AMQP 0-9-1 client on pamqp, for the memory measurements.
+"""Raw AMQP 0-9-1 for the memory and backlog measurements, on the test rigs' `RawClient`.
 
 No client library in between: the same handful of frames go to TwinMQ and to
 RabbitMQ, so what the brokers hold for an idle connection or a queued message
-is all that is measured. Not a general client: no heartbeats, one channel.
+is all that is measured. Publishes are pipelined: one write carries a batch of
+marshalled messages, acks are read between writes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from dataclasses import dataclass, field
 from typing import Any
 
-from pamqp import body as pbody
-from pamqp import commands, frame, header
-from pamqp.base import Frame
+from pamqp import commands
 
-PLAIN = "\0guest\0guest"
+from twinmq.testing.rawamqp import RawClient, publish
 
-
-@dataclass
-class RawConnection:
-    """One AMQP connection: a socket and a frame buffer."""
-
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    server_properties: dict[str, Any] = field(default_factory=dict)
-    _buf: bytes = b""
-
-    @classmethod
-    async def open(cls, host: str, port: int, *, heartbeat: int = 0) -> RawConnection:
-        """Connect, log in as guest and open the vhost "/" (heartbeats off by default)."""
-        reader, writer = await asyncio.open_connection(host, port)
-        conn = cls(reader, writer)
-        try:
-            writer.write(header.ProtocolHeader().marshal())
-            start = await conn.expect(commands.Connection.Start)
-            conn.server_properties = dict(start.server_properties or {})
-            conn.send(
-                0,
-                commands.Connection.StartOk(
-                    client_properties={"product": "twinmq-bench"},
-                    mechanism="PLAIN",
-                    response=PLAIN,
-                    locale="en_US",
-                ),
-            )
-            tune = await conn.expect(commands.Connection.Tune)
-            conn.send(
-                0,
-                commands.Connection.TuneOk(
-                    channel_max=tune.channel_max, frame_max=tune.frame_max, heartbeat=heartbeat
-                ),
-            )
-            conn.send(0, commands.Connection.Open(virtual_host="/"))
-            await conn.expect(commands.Connection.OpenOk)
-        except BaseException:
-            writer.close()
-            raise
-        return conn
-
-    def send(self, channel: int, value: Frame) -> None:
-        """Queue one frame."""
-        self.writer.write(frame.marshal(value, channel))
-
-    async def read_frame(self) -> tuple[int, Any]:
-        """The next (channel, frame)."""
-        while True:
-            if len(self._buf) >= 8:
-                size = int.from_bytes(self._buf[3:7], "big")
-                if len(self._buf) >= size + 8:
-                    consumed, channel, value = frame.unmarshal(self._buf)
-                    self._buf = self._buf[consumed:]
-                    return channel, value
-            chunk = await self.reader.read(65536)
-            if not chunk:
-                raise ConnectionError("broker closed the connection")
-            self._buf += chunk
-
-    async def expect(self, kind: type[Frame]) -> Any:
-        """Read frames until one of type `kind`; a close is an error."""
-        while True:
-            _, value = await self.read_frame()
-            if isinstance(value, kind):
-                return value
-            if isinstance(value, commands.Connection.Close | commands.Channel.Close):
-                raise ConnectionError(f"closed by the broker: {value.reply_text}")
-
-    async def close(self) -> None:
-        """Close politely (best effort) and drop the socket."""
-        with contextlib.suppress(Exception):
-            self.send(0, commands.Connection.Close(reply_code=200, reply_text="bye"))
-            await asyncio.wait_for(self.expect(commands.Connection.CloseOk), 5)
-        self.writer.close()
-        with contextlib.suppress(Exception):
-            await self.writer.wait_closed()
+WINDOW = 2000  # unconfirmed messages in flight
+BATCH = 500  # messages per write
 
 
-async def server_properties(host: str, port: int) -> dict[str, Any]:
+def server_properties(host: str, port: int) -> dict[str, Any]:
     """The broker's `connection.start` server properties (product, version, platform)."""
-    conn = await RawConnection.open(host, port)
-    props = conn.server_properties
-    await conn.close()
+    with RawClient(host, port) as conn:
+        conn.handshake()
+        props = conn.server_properties
+        close(conn)
     return {k: v.decode() if isinstance(v, bytes) else v for k, v in props.items()}
 
 
-async def open_idle(host: str, port: int, count: int, parallel: int = 50) -> list[RawConnection]:
+def open_idle(host: str, port: int, count: int) -> list[RawClient]:
     """Open `count` idle connections (no channel, heartbeats off)."""
-    conns: list[RawConnection] = []
-    sem = asyncio.Semaphore(parallel)
-
-    async def one() -> None:
-        async with sem:
-            conns.append(await RawConnection.open(host, port))
-
-    await asyncio.gather(*(one() for _ in range(count)))
+    conns: list[RawClient] = []
+    try:
+        for _ in range(count):
+            conns.append(RawClient(host, port))
+            conns[-1].handshake()
+    except BaseException:
+        close_all(conns)
+        raise
     return conns
 
 
-async def close_all(conns: list[RawConnection]) -> None:
+def close(conn: RawClient) -> None:
+    """Close politely (best effort) and drop the socket."""
+    with contextlib.suppress(Exception):
+        conn.send_frame(0, commands.Connection.Close(reply_code=200, reply_text="bye"))
+        conn.expect(commands.Connection.CloseOk, 0)
+    conn.close()
+
+
+def close_all(conns: list[RawClient]) -> None:
     """Close every connection."""
-    await asyncio.gather(*(c.close() for c in conns))
+    for conn in conns:
+        close(conn)
 
 
-async def fill_queue(host: str, port: int, queue: str, count: int, size: int) -> int:
+def open_channel(host: str, port: int, queue: str, durable: bool) -> RawClient:
+    """A connection with channel 1 open, `queue` declared, publisher confirms on."""
+    conn = RawClient(host, port, timeout=60)
+    try:
+        conn.handshake()
+        conn.open_channel(1)
+        declare = commands.Queue.Declare(
+            queue=queue, durable=durable, exclusive=False, auto_delete=False
+        )
+        conn.send_frame(1, declare)
+        conn.expect(commands.Queue.DeclareOk, 1)
+        conn.send_frame(1, commands.Confirm.Select())
+        conn.expect(commands.Confirm.SelectOk, 1)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def publish_confirmed(
+    conn: RawClient, queue: str, count: int, size: int, delivery_mode: int, window: int = WINDOW
+) -> None:
+    """Publish `count` messages of `size` bytes on channel 1 of `conn` (confirms on), at
+    most `window` unconfirmed; returns once the broker has confirmed them all."""
+    properties = commands.Basic.Properties(delivery_mode=delivery_mode)
+    one = publish(1, queue, b"x" * size, properties=properties)
+    step = max(1, min(BATCH, window // 4))
+    sent = acked = 0
+    while acked < count:
+        while sent < count and sent - acked < window:
+            batch = min(step, count - sent, window - (sent - acked))
+            conn.send(one * batch)
+            sent += batch
+        _, value = conn.read_frame()
+        if isinstance(value, commands.Basic.Ack):
+            acked = max(acked, value.delivery_tag or 0)
+        elif isinstance(value, commands.Basic.Nack):
+            raise RuntimeError(f"broker nacked message {value.delivery_tag}")
+        elif isinstance(value, commands.Connection.Close | commands.Channel.Close):
+            raise ConnectionError(f"closed by the broker: {value.reply_text}")
+
+
+def fill_queue(host: str, port: int, queue: str, count: int, size: int) -> int:
     """Publish `count` transient messages of `size` bytes to a fresh non-durable queue.
 
     Publisher confirms tell when the broker has taken them all; returns the
     queue's message count from a passive declare afterwards.
     """
-    conn = await RawConnection.open(host, port)
+    conn = open_channel(host, port, queue, durable=False)
     try:
-        conn.send(1, commands.Channel.Open())
-        await conn.expect(commands.Channel.OpenOk)
-        conn.send(
-            1,
-            commands.Queue.Declare(queue=queue, durable=False, exclusive=False, auto_delete=False),
-        )
-        await conn.expect(commands.Queue.DeclareOk)
-        conn.send(1, commands.Confirm.Select())
-        await conn.expect(commands.Confirm.SelectOk)
-        payload = b"x" * size
-        one = b"".join(
-            (
-                frame.marshal(commands.Basic.Publish(exchange="", routing_key=queue), 1),
-                frame.marshal(
-                    header.ContentHeader(0, size, commands.Basic.Properties(delivery_mode=1)),
-                    1,
-                ),
-                frame.marshal(pbody.ContentBody(payload), 1),
-            )
-        )
-        window = 2000
-        sent = acked = 0
-        while acked < count:
-            while sent < count and sent - acked < window:
-                batch = min(500, count - sent, window - (sent - acked))
-                conn.writer.write(one * batch)
-                sent += batch
-            await conn.writer.drain()
-            _, value = await conn.read_frame()
-            if isinstance(value, commands.Basic.Ack):
-                acked = value.delivery_tag
-            elif isinstance(value, commands.Basic.Nack):
-                raise RuntimeError(f"broker nacked message {value.delivery_tag}")
-            elif isinstance(value, commands.Connection.Close | commands.Channel.Close):
-                raise ConnectionError(f"closed by the broker: {value.reply_text}")
-        conn.send(1, commands.Queue.Declare(queue=queue, passive=True))
-        ok = await conn.expect(commands.Queue.DeclareOk)
+        publish_confirmed(conn, queue, count, size, delivery_mode=1)
+        conn.send_frame(1, commands.Queue.Declare(queue=queue, passive=True))
+        ok = conn.expect(commands.Queue.DeclareOk, 1)
         return int(ok.message_count)
     finally:
-        await conn.close()
+        close(conn)

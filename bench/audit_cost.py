@@ -5,8 +5,8 @@
 
 Starts a real broker (`twinmq-broker`, fsync on) per run, alternating `--audit`
 and `--no-audit` so both see the same machine load over time; one publisher on
-a raw asyncio AMQP connection (`bench/amqp_raw.py`, no client library on the
-hot path) keeps `--window` persistent `--size`-byte messages unconfirmed on a
+a raw AMQP connection (`bench/amqp_raw.py`, then asyncio streams, no client library
+on the hot path) keeps `--window` persistent `--size`-byte messages unconfirmed on a
 durable queue and counts confirms. Each run reports confirms per second and the
 per-confirm-frame latency (publish written to its ack read) p50/p99, after a
 warm-up of one second. Numbers only: nothing here asserts a timing.
@@ -23,13 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from pamqp import commands, frame, header
-from pamqp.body import ContentBody
+from pamqp import commands
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from amqp_raw import RawConnection
+from amqp_raw import open_channel
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.rawamqp import publish as publish_frames
 
 QUEUE = "audit-cost"
 _HEAD = struct.Struct(">BHI")
@@ -38,23 +38,11 @@ _ACK = b"\x00\x3c\x00\x50"  # basic.ack (class 60, method 80)
 
 async def publish(port: int, seconds: float, window: int, size: int) -> tuple[float, list[float]]:
     """Confirms per second over `seconds` after a 1 s warm-up, and confirm latencies."""
-    conn = await RawConnection.open("127.0.0.1", port)
-    conn.send(1, commands.Channel.Open())
-    await conn.expect(commands.Channel.OpenOk)
-    conn.send(1, commands.Queue.Declare(queue=QUEUE, durable=True))
-    await conn.expect(commands.Queue.DeclareOk)
-    conn.send(1, commands.Confirm.Select())
-    await conn.expect(commands.Confirm.SelectOk)
-    body = b"x" * size
-    one = b"".join(
-        (
-            frame.marshal(commands.Basic.Publish(exchange="", routing_key=QUEUE), 1),
-            frame.marshal(
-                header.ContentHeader(0, size, commands.Basic.Properties(delivery_mode=2)), 1
-            ),
-            frame.marshal(ContentBody(body), 1),
-        )
-    )
+    # Set up blocking, then publish and read acks on asyncio streams over the same socket.
+    setup = open_channel("127.0.0.1", port, QUEUE, durable=True)
+    reader, writer = await asyncio.open_connection(sock=setup.sock)
+    persistent = commands.Basic.Properties(delivery_mode=2)
+    one = publish_frames(1, QUEUE, b"x" * size, properties=persistent)
     sent = 0
     confirmed = 0
     sent_at: dict[int, float] = {}
@@ -68,7 +56,6 @@ async def publish(port: int, seconds: float, window: int, size: int) -> tuple[fl
     async def read_acks() -> None:
         nonlocal confirmed, counted_from
         buf = bytearray()
-        reader = conn.reader
         while True:
             chunk = await reader.read(65536)
             if not chunk:
@@ -94,7 +81,7 @@ async def publish(port: int, seconds: float, window: int, size: int) -> tuple[fl
                     more.set()
             del buf[:pos]
 
-    reader = asyncio.create_task(read_acks())
+    acks = asyncio.create_task(read_acks())
     try:
         while time.perf_counter() < end:
             room = window - (sent - confirmed)
@@ -107,12 +94,12 @@ async def publish(port: int, seconds: float, window: int, size: int) -> tuple[fl
             for _ in range(batch):
                 sent += 1
                 sent_at[sent] = now
-            conn.writer.write(one * batch)
-            await conn.writer.drain()
+            writer.write(one * batch)
+            await writer.drain()
         counted = confirmed - counted_from
     finally:
-        reader.cancel()
-        conn.writer.close()
+        acks.cancel()
+        writer.close()
     return counted / seconds, latencies
 
 

@@ -22,7 +22,6 @@ data directory on another file system (a second disk, or tmpfs).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import re
 import shutil
@@ -35,19 +34,19 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import amqp_raw  # noqa: E402
-from pamqp import body as pbody  # noqa: E402
-from pamqp import commands, frame, header  # noqa: E402
+from pamqp import commands  # noqa: E402
 
 from twinmq.broker.api import CatchupStatus  # noqa: E402
-from twinmq.broker.launcher import BrokerProcess  # noqa: E402
 from twinmq.broker.names import PASSIVE, REPLICATION_TOKEN_ENV  # noqa: E402
+from twinmq.testing.launcher import BrokerProcess  # noqa: E402
+from twinmq.testing.rawamqp import RawClient, publish  # noqa: E402
+from twinmq.testing.waiting import wait_for  # noqa: E402
 
 TOKEN = "catchup-bench-token"
 CASES = {
@@ -97,72 +96,34 @@ def peak_rss_mib(broker: BrokerProcess) -> float:
     return int(match.group(1)) / 1024 if match else 0.0
 
 
-def publish_frames(queue: str, size: int, count: int) -> bytes:
-    """`count` persistent publishes of `size` bytes, marshalled once."""
-    one = b"".join(
-        (
-            frame.marshal(commands.Basic.Publish(exchange="", routing_key=queue), 1),
-            frame.marshal(
-                header.ContentHeader(0, size, commands.Basic.Properties(delivery_mode=2)), 1
-            ),
-            frame.marshal(pbody.ContentBody(b"x" * size), 1),
-        )
-    )
-    return one * count
-
-
-async def open_channel(broker: BrokerProcess, queue: str) -> amqp_raw.RawConnection:
+def open_channel(broker: BrokerProcess, queue: str) -> RawClient:
     """A connection with channel 1 open, `queue` declared durable, confirms on."""
-    conn = await amqp_raw.RawConnection.open(broker.host, broker.port)
-    conn.send(1, commands.Channel.Open())
-    await conn.expect(commands.Channel.OpenOk)
-    conn.send(1, commands.Queue.Declare(queue=queue, durable=True))
-    await conn.expect(commands.Queue.DeclareOk)
-    conn.send(1, commands.Confirm.Select())
-    await conn.expect(commands.Confirm.SelectOk)
-    return conn
+    return amqp_raw.open_channel(broker.host, broker.port, queue, durable=True)
 
 
-async def fill(broker: BrokerProcess, queue: str, count: int, size: int) -> None:
+def fill(broker: BrokerProcess, queue: str, count: int, size: int) -> None:
     """Publish `count` persistent messages with confirms, a window of them in flight."""
-    conn = await open_channel(broker, queue)
-    window = max(4, min(2000, (64 << 20) // size))
-    step = max(1, min(500, window // 4))
-    batch = publish_frames(queue, size, step)
-    sent = acked = 0
+    conn = open_channel(broker, queue)
     try:
-        while acked < count:
-            while sent < count and sent - acked + step <= window:
-                n = min(step, count - sent)
-                conn.writer.write(batch if n == step else publish_frames(queue, size, n))
-                sent += n
-            await conn.writer.drain()
-            _, value = await conn.read_frame()
-            if isinstance(value, commands.Basic.Ack):
-                acked = max(acked, value.delivery_tag)
-            elif isinstance(value, commands.Basic.Nack):
-                raise RuntimeError(f"nack {value.delivery_tag}")
+        window = max(4, min(amqp_raw.WINDOW, (64 << 20) // size))
+        amqp_raw.publish_confirmed(conn, queue, count, size, delivery_mode=2, window=window)
     finally:
-        await conn.close()
+        amqp_raw.close(conn)
 
 
 def run_probe(broker: BrokerProcess, probe: Probe, interval: float) -> None:
     """Publish one persistent message at a time until `probe.stop`; time each confirm."""
-
-    async def main() -> None:
-        conn = await open_channel(broker, "probe")
-        one = publish_frames("probe", 256, 1)
-        try:
-            while not probe.stop.is_set():
-                start = time.monotonic()
-                conn.writer.write(one)
-                await conn.expect(commands.Basic.Ack)
-                probe.samples.append((start, time.monotonic() - start))
-                await asyncio.sleep(interval)
-        finally:
-            await conn.close()
-
-    asyncio.run(main())
+    conn = open_channel(broker, "probe")
+    one = publish(1, "probe", b"x" * 256, properties=commands.Basic.Properties(delivery_mode=2))
+    try:
+        while not probe.stop.is_set():
+            start = time.monotonic()
+            conn.send(one)
+            conn.expect(commands.Basic.Ack, 1)
+            probe.samples.append((start, time.monotonic() - start))
+            probe.stop.wait(interval)
+    finally:
+        amqp_raw.close(conn)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -171,17 +132,6 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def wait(what: str, check: Any, timeout: float, interval: float = 0.05) -> Any:
-    """Poll until `check()` is truthy."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(what)
 
 
 def one_run(
@@ -207,7 +157,7 @@ def one_run(
     active.start()
     try:
         started = time.monotonic()
-        asyncio.run(fill(active, "backlog", count, size))
+        fill(active, "backlog", count, size)
         fill_seconds = time.monotonic() - started
         probe = Probe()
         prober = threading.Thread(target=run_probe, args=(active, probe, probe_interval))
@@ -234,7 +184,7 @@ def one_run(
             state = active.admin.status().replication.catchup
             return state if state is not None and not state.in_progress else None
 
-        state = wait("caught up", caught_up, timeout=3600, interval=0.1)
+        state = wait_for("caught up", caught_up, timeout=3600, interval=0.1)
         done_at = time.monotonic()
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT

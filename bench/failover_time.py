@@ -46,6 +46,8 @@ from twinmq.localcluster import faults
 from twinmq.localcluster.examples import example_brokercluster
 from twinmq.localcluster.kubeapi import ApiError, KubeApi
 from twinmq.localcluster.layout import Layout
+from twinmq.testing.queues import drain
+from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
@@ -62,17 +64,6 @@ BROKER_STEPS = {
     "FENCED ITSELF": re.compile(r"self-fencing"),
 }
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
-
-
-def wait(what: str, check: Any, timeout: float = 120) -> Any:
-    """Poll until `check()` is truthy."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(what)
 
 
 class Timeline:
@@ -199,7 +190,7 @@ def one_run(kube: KubeApi, index: int) -> Run:
             conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
             return status.get("phase") == "Ready" and conditions.get("Replicating") == "True"
 
-        wait("cluster in sync", in_sync)
+        wait_for("cluster in sync", in_sync)
         path = f"{API}/namespaces/{namespace}/brokerclusters/{name}"
         active = ((kube.get(path) or {}).get("status") or {})["activeBroker"]
         secret = kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-auth") or {}
@@ -219,7 +210,7 @@ def one_run(kube: KubeApi, index: int) -> Run:
             conn.close()
             return True
 
-        wait("the virtual IP serves", declared, timeout=60)
+        wait_for("the virtual IP serves", declared, timeout=60)
         marks: dict[str, float] = {}
         timeline = Timeline()
         ips = {
@@ -284,15 +275,7 @@ def one_run(kube: KubeApi, index: int) -> Run:
         finally:
             logging.getLogger("twinmq.client.publisher").removeHandler(client_log)
             timeline.stop.set()
-        conn = pika.BlockingConnection(pika.URLParameters(url))
-        ch = conn.channel()
-        received: list[int] = []
-        while True:
-            method, _props, body = ch.basic_get("bench", auto_ack=True)
-            if method is None:
-                break
-            received.append(int(body))
-        conn.close()
+        received = [int(body) for body in drain(url, "bench")]
         status = (kube.get(path) or {}).get("status") or {}
         reason = (status.get("lastFailover") or {}).get("reason", "?")
         operator_and_broker_steps(namespace, marks["killed_wall"] - 1, timeline)
@@ -331,7 +314,7 @@ def main() -> None:
         except ApiError:  # 429 while the API server's storage (re)initialises
             return False
 
-    wait("the CRD served", served)
+    wait_for("the CRD served", served)
     OPERATOR_LOG.parent.mkdir(parents=True, exist_ok=True)
     log = open(OPERATOR_LOG, "ab")  # noqa: SIM115
     operator = subprocess.Popen(

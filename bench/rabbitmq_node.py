@@ -15,9 +15,10 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from twinmq.testing.waiting import wait_for
 
 RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 
@@ -128,17 +129,21 @@ class RabbitNode:
             start_new_session=True,
         )
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.script.poll() is not None:
+        script = self.script
+
+        def up() -> bool:
+            if script.poll() is not None:
                 out = (base / "server.out").read_text(errors="replace")[-3000:]
                 self.stop()
                 raise RuntimeError(f"rabbitmq-server exited:\n{out}")
-            if self.beam_pid() and _port_open(self.host, self.port):
-                return self
-            time.sleep(0.25)
-        self.stop()
-        raise TimeoutError(f"RabbitMQ node not up in {timeout}s")
+            return bool(self.beam_pid()) and _port_open(self.host, self.port)
+
+        try:
+            wait_for("the RabbitMQ node", up, timeout, interval=0.25)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def beam_pid(self) -> int | None:
         """The pid of the node's Erlang VM (beam.smp), once it wrote its pid file."""
@@ -162,9 +167,8 @@ class RabbitNode:
                 self.script.kill()
                 self.script.wait()
         if beam:
-            deadline = time.monotonic() + timeout
-            while _alive(beam) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            with contextlib.suppress(TimeoutError):
+                wait_for("beam.smp to exit", lambda: not _alive(beam), timeout)
             if _alive(beam):
                 _kill(beam)
         if self.epmd is not None and self.epmd.poll() is None:

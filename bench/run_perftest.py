@@ -24,7 +24,6 @@ case (/proc/loadavg and the CPU other processes used during the case).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import datetime as dt
 import functools
@@ -415,7 +414,7 @@ class TwinMQ(Broker):
     label = "TwinMQ"
 
     def __init__(self, workdir: Path, extra_args: list[str]) -> None:
-        from twinmq.broker.launcher import BrokerProcess
+        from twinmq.testing.launcher import BrokerProcess
 
         self._workdir = workdir
         self._extra = extra_args
@@ -548,20 +547,16 @@ def measure_memory(broker: Broker, connections: int, messages: int, size: int) -
         with running(broker):
             mem.rss_idle_before = settle_rss(broker.pid)
 
-            async def idle() -> int:
-                conns = await amqp_raw.open_idle("127.0.0.1", broker.port, connections)
-                await asyncio.sleep(3)
-                after = rss_bytes(broker.pid)
-                await amqp_raw.close_all(conns)
-                return after
-
-            mem.rss_idle_after = asyncio.run(idle())
+            conns = amqp_raw.open_idle("127.0.0.1", broker.port, connections)
+            time.sleep(3)
+            mem.rss_idle_after = rss_bytes(broker.pid)
+            amqp_raw.close_all(conns)
             mem.idle_connections = connections
     if messages:
         with running(broker):
             mem.rss_queue_before = settle_rss(broker.pid)
-            mem.queue_reported = asyncio.run(
-                amqp_raw.fill_queue("127.0.0.1", broker.port, "bench-memory", messages, size)
+            mem.queue_reported = amqp_raw.fill_queue(
+                "127.0.0.1", broker.port, "bench-memory", messages, size
             )
             mem.rss_queue_after = settle_rss(broker.pid)
             mem.queued_messages = messages
@@ -786,7 +781,7 @@ def write_section(doc: Path, begin: str, end: str, body: str, title: str) -> Non
 
 def broker_version(broker: Broker) -> str:
     """Version and platform from a running broker's connection.start."""
-    props = asyncio.run(amqp_raw.server_properties("127.0.0.1", broker.port))
+    props = amqp_raw.server_properties("127.0.0.1", broker.port)
     return f"{props.get('version', '?')} ({props.get('platform', '?')})"
 
 

@@ -64,6 +64,8 @@ class ResourceMonitor:
         self.committer = committer
         self.on_change = on_change
         self.reason: str | None = None
+        # Further alarms checked after disk and memory (the mirror's flow control).
+        self.checks: list[Callable[[], str | None]] = []
 
     def check(self) -> str | None:
         """The current alarm reason, or None."""
@@ -83,6 +85,10 @@ class ResourceMonitor:
             return "disk"
         if process_rss_bytes() > self.memory_limit:
             return "memory"
+        for extra in self.checks:
+            reason = extra()
+            if reason is not None:
+                return reason
         return None
 
     def update(self) -> None:

@@ -116,6 +116,21 @@ class RoleRequest(BaseModel):
     )
 
 
+class MirrorStatus(BaseModel):
+    """The DR mirror as this broker sees it: its source side, its mirror side, or both."""
+
+    enabled: bool = Field(description="This broker mirrors its changes (--mirror-to)")
+    connected: bool = Field(False, description="The link completed a verified round trip")
+    target: str | None = Field(None, description="The mirror's address")
+    queue_events: int = Field(0, description="Events not yet acknowledged by the mirror")
+    queue_bytes: int = Field(0, description="Their bytes")
+    oldest_event_age_seconds: float = Field(0.0, description="Age of the oldest of them")
+    flow_control: bool = Field(False, description="Publishers blocked for the mirror's lag")
+    listening: bool = Field(False, description="This broker accepts mirror links (--mirror-port)")
+    sources_connected: int = Field(0, description="Sources linked to this mirror now")
+    held_acks: int = Field(0, description="Settles held for messages not (yet) here")
+
+
 class BrokerStatus(BaseModel):
     """`GET /status`."""
 
@@ -131,6 +146,7 @@ class BrokerStatus(BaseModel):
     queues: list[QueueStatus]
     journal: JournalStatus
     replication: ReplicationStatus
+    mirror: MirrorStatus | None = None
 
 
 class Readiness(BaseModel):

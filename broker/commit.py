@@ -39,6 +39,7 @@ from twinmq.broker import metrics
 from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.definitions import Definitions
 from twinmq.broker.journal import DiskFullError, Journal, JournalError, JournalOp
+from twinmq.broker.journal.ops import encode_ops
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,19 @@ class Waiter(Protocol):
 
     def durable(self, batch: int, failed: bool = False) -> bool:
         """Batches up to `batch` are done; return whether it still waits for more."""
+        ...
+
+
+class BatchTap(Protocol):
+    """Adds ops to a batch as it closes (the mirror's replication queue: same group commit)."""
+
+    def batch_closing(self, batch: int, ops: list[JournalOp], encoded: bytes) -> list[JournalOp]:
+        """Ops to journal in `batch` with `ops` (`encoded`: their journal encoding; the tap
+        changes neither)."""
+        ...
+
+    def definitions_saved(self, definitions: Definitions) -> None:
+        """The durable topology was just replaced."""
         ...
 
 
@@ -68,6 +82,7 @@ class GroupCommitter:
         # possibly later, behind outcomes held for the audit log).
         self.on_failed: Callable[[int, JournalError], None] | None = None
         self.audit: AuditLog | None = None
+        self.tap: BatchTap | None = None
         self._audit_batches: deque[tuple[int, list[JournalOp]]] = deque()
         self._open: list[JournalOp] = []
         self._open_encoded: list[bytes] | None = None  # the open batch's ops, encoded
@@ -125,6 +140,8 @@ class GroupCommitter:
     def save_definitions(self, definitions: Definitions) -> None:
         """Durably replace the topology file (rare: declares and deletes)."""
         self.journal.save_definitions(definitions)
+        if self.tap is not None:
+            self.tap.definitions_saved(definitions)
 
     def drop_queue(self, qid: int) -> None:
         """Tell the journal a queue's messages are garbage."""
@@ -170,6 +187,8 @@ class GroupCommitter:
         encoded, self._open_encoded = self._open_encoded, None
         batch = self._open_batch
         self._open_batch += 1
+        if self.tap is not None and encoded is None:
+            encoded = self._tap(batch, ops)
         metrics.COMMIT_BATCH.observe(len(ops))
         self.last_appended = batch
         try:
@@ -189,6 +208,24 @@ class GroupCommitter:
             self._audit_batches.append((batch, ops))
         if self.on_batch is not None:
             self.on_batch(batch, ops)
+
+    def _tap(self, batch: int, ops: list[JournalOp]) -> list[bytes] | None:
+        """Add the tap's ops to a closing batch; encode the batch's own ops once, for the
+        journal and the tap alike (the mirror's event carries the same bytes)."""
+        assert self.tap is not None
+        buf = bytearray()
+        try:
+            encode_ops(ops, buf)
+        except ValueError:
+            return None  # the journal refuses this batch (it fails): nothing to add
+        own = bytes(buf)
+        extra = self.tap.batch_closing(batch, ops, own)
+        if not extra:
+            return [own]
+        tail = bytearray()
+        encode_ops(extra, tail)
+        ops.extend(extra)
+        return [own, bytes(tail)]
 
     async def idle(self, limit: float) -> None:
         """Wait (at most `limit` seconds) until no batch waits for its sync or its audit.

@@ -27,6 +27,7 @@ from twinmq.broker.epoch import EpochStore, epoch_jump_refusal, first_mid
 from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
 from twinmq.broker.journal import Journal, JournalError
 from twinmq.broker.lease import LeaseKeeper
+from twinmq.broker.mirror.site import Mirroring
 from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.replication.source import ReplicationSource
 from twinmq.broker.settings import BrokerSettings
@@ -265,6 +266,7 @@ class Broker:
             self.committer,
             self._alarm_changed,
         )
+        self.mirroring = Mirroring(settings, self.vhost, self.committer, self.monitor)
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[None]] = []
         metrics.CONNECTIONS.set_function(lambda: len(self.protocols))
@@ -466,6 +468,7 @@ class Broker:
             await self.source.start(self.settings.host, self.settings.replication_port)
         )
         self._tasks.append(self.loop.create_task(self.source.ping_loop()))
+        await self.mirroring.start(self.settings.host)
         if self.role == "passive" and self.replicate_from:
             self.replica = ReplicaClient(self, self.replicate_from)
             self.replica.start()
@@ -516,12 +519,21 @@ class Broker:
         the passive exits, and its restart recovers from the journal and catches up
         (the active meanwhile confirms alone, degraded). An active just nacks.
         """
-        if self.role == "passive" and not self.exit_requested.is_set():
+        if self.role == "passive":
+            self.stop_passive(f"replicated batch {batch} could not be journaled ({error})")
+
+    def stop_passive(self, reason: str) -> None:
+        """A passive that cannot go on (a local write failed) exits 75, saying why.
+
+        Its memory then holds what its disk does not; a restart recovers from the
+        disk and catches up. Never silent: a passive that neither acknowledges nor
+        exits leaves the operator a pair that looks whole (finding 10).
+        """
+        if not self.exit_requested.is_set():
             log.critical(
-                "passive: replicated batch %d could not be journaled (%s); exiting so "
-                "that a restart recovers from the journal (memory and disk disagree)",
-                batch,
-                error,
+                "passive: %s; exiting so that a restart recovers from the journal "
+                "(memory and disk disagree)",
+                reason,
             )
             self.exit_code = EXIT_JOURNAL_FAILED
             self.exit_requested.set()
@@ -538,6 +550,7 @@ class Broker:
                 proto.conn.force_close(ReplyCode.CONNECTION_FORCED, "broker shutdown")
                 proto._flush()
         await self.source.close()
+        await self.mirroring.stop()
         for task in self._tasks:
             task.cancel()
         await self._save_dedup()

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from twinmq.broker.names import (
@@ -128,6 +128,44 @@ class BrokerSettings(BaseSettings):
         description="Active: bytes of messages per catch-up chunk sent to a passive "
         "(each journaled and acknowledged on its own)",
     )
+    mirror_to: str | None = Field(
+        None,
+        description="HOST:PORT of a DR mirror's mirror listener: mirror every durable change "
+        "there (docs/mirror.md)",
+    )
+    mirror_token: SecretStr | None = Field(
+        None, description="Shared secret of the mirror link (the same on both sites)"
+    )
+    mirror_id: str | None = Field(
+        None,
+        max_length=200,
+        description="This site's origin id in mirror events (default: the broker name; give "
+        "both brokers of a pair the same id)",
+    )
+    mirror_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Mirror side: accept mirror links from DR sources on this port (off if unset)",
+    )
+    mirror_max_lag: float = Field(
+        30.0,
+        ge=0,
+        description="Block publishers while the oldest unmirrored event is older than this "
+        "(seconds) and the mirror is connected and acknowledging (0: never)",
+    )
+
+    @model_validator(mode="after")
+    def _mirror_roles(self) -> BrokerSettings:
+        """A mirror link needs its token; a broker is a mirror source or a mirror."""
+        if (self.mirror_to or self.mirror_port is not None) and self.mirror_token is None:
+            raise ValueError("--mirror-to and --mirror-port need --mirror-token")
+        if self.mirror_to and self.mirror_port is not None:
+            # Applied changes would be mirrored on (back to their origin, or to a third site)
+            # and two writers' full-state topology events would fight: the bidirectional
+            # mode (docs/mirror.md) needs origin tags this first slice does not have.
+            raise ValueError("a broker is either a mirror source or a mirror, not both (yet)")
+        return self
 
 
 def flag(field: str) -> str:

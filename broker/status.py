@@ -111,4 +111,5 @@ def build_status(broker: Broker) -> BrokerStatus:
             corruption=[] if damage is None else damage.corruption,
             quarantined_files=broker.quarantined_files(),
         ),
+        mirror=broker.mirroring.status(),
     )

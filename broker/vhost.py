@@ -31,7 +31,7 @@ from twinmq.broker.definitions import (
 )
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
 from twinmq.broker.fieldtable import to_python
-from twinmq.broker.journal import JournalOp, Recovered, Settle, StoredMessage
+from twinmq.broker.journal import JournalError, JournalOp, Recovered, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.queue import DropReason, Queue
 from twinmq.broker.routing import EXCHANGE_TYPES, Exchange, make_exchange
@@ -419,11 +419,42 @@ class VirtualHost:
         self.next_qid += 1
         self.queues[name] = queue
         # Every queue is bound to the default exchange under its own name.
-        self.exchanges[""].bind(BindingDef(exchange="", queue=name, routing_key=name))
+        default = BindingDef(exchange="", queue=name, routing_key=name)
+        self.exchanges[""].bind(default)
         if durable:
-            self._save()
+            try:
+                self._save()
+            except JournalError as exc:
+                # Not in the topology file, so not in memory either: a declare retried
+                # would find it, and recovery drops the messages of a qid the file
+                # lacks, confirmed or not.
+                del self.queues[name]
+                self.exchanges[""].unbind(default)
+                self._by_qid = None
+                raise channel_error(
+                    ReplyCode.INTERNAL_ERROR,
+                    f"queue '{name}' not declared: the topology could not be saved ({exc})",
+                    QUEUE_DECLARE,
+                ) from exc
         self._touch(queue)
         metrics.QUEUES.set(len(self.queues))
+        return queue
+
+    def internal_queue(self, name: str, qid: int, *, locked: bool = True) -> Queue:
+        """A durable queue the broker keeps for itself (the mirror's records), made if missing.
+
+        `locked`: owned privately, so no client consumes, purges or deletes it (405), and
+        not bound to the default exchange (recovery binds every queue), so none publishes
+        into it.
+        """
+        queue = self.queues.get(name)
+        if queue is None:
+            queue = Queue(QueueDef(name=name, qid=qid), None, self._dropped, self.visibility)
+            self.queues[name] = queue
+            self._save()
+        if locked and queue.owner is not _INTERNAL_OWNER:
+            queue.owner = _INTERNAL_OWNER
+            self.exchanges[""].unbind(BindingDef(exchange="", queue=name, routing_key=name))
         return queue
 
     def delete_queue(self, name: str, *, if_unused: bool, if_empty: bool, owner: object) -> int:
@@ -966,6 +997,7 @@ class VirtualHost:
 
 
 _MAX_TIMER = 86400.0
+_INTERNAL_OWNER = object()  # owns the internal queues: no client connection is it
 
 
 def _recovered_header(header: bytes) -> tuple[str | None, str | None]:

@@ -1,1 +1,1 @@
-"""Command-line tools: the demo, the audit runner and the kubectl plugin (`kubectl twinmq`)."""
+"""Command-line tools: the audit runner and the kubectl plugin (`kubectl twinmq`)."""

@@ -15,11 +15,12 @@ from typing import Any
 import pika
 import pytest
 import yaml
-from conftest import Cluster
-from support import wait_until
+from support import Cluster
 
 from twinmq.broker.names import AMQP_PORT, OPERATOR_METRICS_PORT_ENV
 from twinmq.localcluster.examples import example_brokercluster
+from twinmq.testing import queues
+from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
@@ -68,7 +69,7 @@ def install_crd(cluster: Cluster) -> None:
         conditions = ((cluster.kube.get(path) or {}).get("status") or {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
-    wait_until("the BrokerCluster CRD is established", established, timeout=30)
+    wait_for("the BrokerCluster CRD is established", established, timeout=30)
 
 
 def operator_fixture(cluster: Cluster) -> Iterator[OperatorProcess]:
@@ -100,6 +101,17 @@ def condition(status: dict[str, Any], ctype: str) -> str:
     return next((c["status"] for c in status.get("conditions", []) if c["type"] == ctype), "")
 
 
+def in_sync(status: dict[str, Any]) -> bool:
+    """Whether a BrokerCluster's status says Ready with its passive in sync."""
+    return status.get("phase") == "Ready" and condition(status, "Replicating") == "True"
+
+
+def virtual_ip(cluster: Cluster, namespace: str, name: str) -> str:
+    """The cluster IP of the BrokerCluster's virtual-IP Service."""
+    service = cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {}
+    return str(service["spec"]["clusterIP"])
+
+
 def create_cluster(
     cluster: Cluster,
     namespace: str,
@@ -115,19 +127,15 @@ def create_cluster(
     cluster.kube.create(cluster_path(namespace), example)
     name = str(example["metadata"]["name"])
 
-    def in_sync() -> dict[str, Any] | None:
-        status = cluster_status(cluster, namespace, name)
-        return status if (
-            status.get("phase") == "Ready" and condition(status, "Replicating") == "True"
-        ) else None  # fmt: skip
-
-    wait_until("the BrokerCluster is Ready and replicating", in_sync, timeout=90)
+    wait_for(
+        "the BrokerCluster is Ready and replicating",
+        lambda: in_sync(cluster_status(cluster, namespace, name)),
+        timeout=90,
+    )
     # Ready says the brokers are; the virtual IP answers once the endpoint controller and
     # kube-proxy have caught up (a test that connected at once was refused, in CI).
-    ip = (cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {})["spec"][
-        "clusterIP"
-    ]
-    wait_until("the virtual IP answers", lambda: _accepts(ip, AMQP_PORT), timeout=30)
+    ip = virtual_ip(cluster, namespace, name)
+    wait_for("the virtual IP answers", lambda: _accepts(ip, AMQP_PORT), timeout=30)
     return name
 
 
@@ -144,23 +152,13 @@ def amqp_url(cluster: Cluster, namespace: str, name: str, host: str | None = Non
     """The app user's URL through the virtual IP (the Service's cluster IP), or to `host`."""
     secret = cluster.kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-auth") or {}
     data = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
-    service = cluster.kube.get(f"/api/v1/namespaces/{namespace}/services/{name}") or {}
-    ip = host or service["spec"]["clusterIP"]
+    ip = host or virtual_ip(cluster, namespace, name)
     return f"amqp://{data['username']}:{data['password']}@{ip}:{AMQP_PORT}/%2F"
 
 
 def drain(url: str, queue: str) -> list[int]:
     """Every message left in `queue` (bodies are numbers), consumed and acknowledged."""
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    ch = conn.channel()
-    out = []
-    while True:
-        method, _props, body = ch.basic_get(queue, auto_ack=True)
-        if method is None:
-            break
-        out.append(int(body))
-    conn.close()
-    return out
+    return [int(body) for body in queues.drain(url, queue)]
 
 
 def publish_confirmed(url: str, queue: str, body: bytes) -> None:

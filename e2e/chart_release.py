@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conftest import Cluster
-from support import CHART, IMAGE, helm, is_ready, wait_until
+from brokerclusters import cluster_path, cluster_status, in_sync
+from support import CHART, IMAGE, Cluster, helm, is_ready
 
 from twinmq.localcluster.examples import example_brokercluster
+from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
-API = "/apis/twinmq.io/v1alpha1"
 Obj = dict[str, Any]
 
 
@@ -51,7 +51,7 @@ class OperatorRelease:
         )
 
     def ready_operator_pod(self) -> Obj | None:
-        """The operator pod once it is Ready (for `wait_until`)."""
+        """The operator pod once it is Ready (for `wait_for`)."""
         pods = [p for p in self.operator_pods() if not p["metadata"].get("deletionTimestamp")]
         return pods[0] if len(pods) == 1 and is_ready(pods[0]) else None
 
@@ -96,12 +96,12 @@ def remove_brokerclusters(cluster: Cluster, namespace: str) -> None:
     """Delete the namespace's BrokerClusters while the operator still runs: kopf put a
     finalizer on each, which only a running operator removes. Should they outlive it, the
     finalizer is dropped so that the namespace can go."""
-    clusters = f"{API}/namespaces/{namespace}/brokerclusters"
+    clusters = cluster_path(namespace)
     for item in cluster.kube.list(clusters):
         cluster.kube.delete(f"{clusters}/{item['metadata']['name']}")
     try:
-        wait_until("the BrokerClusters gone", lambda: not cluster.kube.list(clusters), 60)
-    except AssertionError:
+        wait_for("the BrokerClusters gone", lambda: not cluster.kube.list(clusters), 60)
+    except TimeoutError:
         for item in cluster.kube.list(clusters):
             path = f"{clusters}/{item['metadata']['name']}"
             cluster.kube.patch(path, {"metadata": {"finalizers": None}})
@@ -115,17 +115,6 @@ def brokercluster(name: str = "orders") -> Obj:
     return example
 
 
-def status(cluster: Cluster, namespace: str, name: str) -> Obj:
-    """The BrokerCluster's status ({} before the operator wrote one)."""
-    obj = cluster.kube.get(f"{API}/namespaces/{namespace}/brokerclusters/{name}") or {}
-    return dict(obj.get("status") or {})
-
-
-def condition(state: Obj, ctype: str) -> str:
-    """A condition's status ('' when absent)."""
-    return next((c["status"] for c in state.get("conditions", []) if c["type"] == ctype), "")
-
-
 def create_ready_cluster(release: OperatorRelease, name: str = "orders", **spec: Any) -> Obj:
     """Apply a BrokerCluster (the example, with the top-level `spec` fields given replaced)
     and wait until it is Ready with the primary active and the backup in sync; returns the
@@ -134,14 +123,13 @@ def create_ready_cluster(release: OperatorRelease, name: str = "orders", **spec:
     started = time.monotonic()
     body = brokercluster(name)
     body["spec"].update(spec)
-    cluster.kube.create(f"{API}/namespaces/{release.namespace}/brokerclusters", body)
+    cluster.kube.create(cluster_path(release.namespace), body)
 
     def ready() -> Obj | None:
-        state = status(cluster, release.namespace, name)
-        ok = state.get("phase") == "Ready" and condition(state, "Replicating") == "True"
-        return state if ok else None
+        state = cluster_status(cluster, release.namespace, name)
+        return state if in_sync(state) else None
 
-    state = wait_until(f"BrokerCluster {name} Ready and replicating", ready, timeout=120)
+    state = wait_for(f"BrokerCluster {name} Ready and replicating", ready, timeout=120)
     release.timings[f"{name} Ready"] = time.monotonic() - started
     return state
 

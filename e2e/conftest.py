@@ -8,22 +8,14 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from brokerclusters import OperatorProcess, operator_fixture
+from support import Cluster
 
-from twinmq.localcluster.kubeapi import KubeApi
+from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-class Cluster:
-    """The cluster under test: its kubeconfig and whether it is this machine's local cluster."""
-
-    def __init__(self, kubeconfig: str, local: bool) -> None:
-        self.kubeconfig = kubeconfig
-        self.local = local
-        self.kube = KubeApi(kubeconfig)
 
 
 @pytest.fixture(scope="session")
@@ -79,15 +71,11 @@ def namespace(cluster: Cluster) -> Iterator[str]:
 
 
 def _wait_default_service_account(cluster: Cluster, namespace: str) -> None:
-    from support import wait_until
-
     path = f"/api/v1/namespaces/{namespace}/serviceaccounts/default"
-    wait_until(f"serviceaccount default in {namespace}", lambda: cluster.kube.get(path), 30)
+    wait_for(f"serviceaccount default in {namespace}", lambda: cluster.kube.get(path), 30)
 
 
 @pytest.fixture(scope="module")
-def operator(cluster: Cluster) -> Iterator[Any]:
+def operator(cluster: Cluster) -> Iterator[OperatorProcess]:
     """The BrokerCluster CRD installed and `twinmq-operator` running for this module."""
-    from brokerclusters import operator_fixture
-
     yield from operator_fixture(cluster)

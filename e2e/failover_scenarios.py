@@ -11,14 +11,14 @@ import time
 
 import pika
 from brokerclusters import amqp_url, cluster_status, drain
-from conftest import Cluster
-from support import wait_until
+from support import Cluster
 
 from twinmq.broker.admin_client import AdminError
 from twinmq.client import ReliablePublisher
 from twinmq.localcluster import faults
 from twinmq.localcluster.layout import Layout
 from twinmq.operator.probe import admin
+from twinmq.testing.waiting import wait_for
 
 
 def kill_9_of_the_active_fails_over_losing_nothing(
@@ -65,7 +65,7 @@ def kill_9_of_the_active_fails_over_losing_nothing(
         primary = next(b for b in s.get("brokers", []) if b["name"] == "primary")
         return primary["role"] == "passive" and bool(primary["ready"])
 
-    wait_until("the old primary is back as a ready passive", primary_back_in_sync, timeout=60)
+    wait_for("the old primary is back as a ready passive", primary_back_in_sync, timeout=60)
     return seconds
 
 
@@ -141,8 +141,8 @@ def cut_off_the_api_server_fences_before_the_backup_is_promoted(
         def backup_active() -> bool:
             return cluster_status(cluster, namespace, name).get("activeBroker") == "backup"
 
-        wait_until("failover to the backup", backup_active, timeout=60)
-        wait_until("the watch sees the backup active", lambda: watch.first(backup="active") >= 0)
+        wait_for("failover to the backup", backup_active, timeout=60)
+        wait_for("the watch sees the backup active", lambda: watch.first(backup="active") >= 0)
     finally:
         faults.heal_api_server(layout, namespace, f"{name}-primary")
         watch.stop.set()
@@ -166,4 +166,4 @@ def cut_off_the_api_server_fences_before_the_backup_is_promoted(
         roles = {b["name"]: b["role"] for b in s.get("brokers", [])}
         return roles == {"primary": "passive", "backup": "active"}
 
-    wait_until("the fenced primary is back as passive", single_active, timeout=60)
+    wait_for("the fenced primary is back as passive", single_active, timeout=60)

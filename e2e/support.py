@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,18 +21,13 @@ CHART = REPO / "helm" / "twinmq"
 IMAGE = os.environ.get("TWINMQ_E2E_IMAGE", "twinmq/twinmq:dev")
 
 
-def wait_until(what: str, check: Callable[[], T | None], timeout: float = 60) -> T:
-    """Poll `check` until it returns a truthy value and return it; fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    delay = 0.1
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(delay)  # the polling interval of a deadline-bound wait
-        delay = min(delay * 1.5, 1.0)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+class Cluster:
+    """The cluster under test: its kubeconfig and whether it is this machine's local cluster."""
+
+    def __init__(self, kubeconfig: str, local: bool) -> None:
+        self.kubeconfig = kubeconfig
+        self.local = local
+        self.kube = KubeApi(kubeconfig)
 
 
 def pod_path(namespace: str, name: str = "") -> str:
@@ -54,7 +47,7 @@ def is_ready(pod: Obj | None) -> bool:
 
 
 def ready_pod(kube: KubeApi, namespace: str, name: str) -> Obj | None:
-    """Return the pod if it is Ready, else None (for `wait_until`)."""
+    """Return the pod if it is Ready, else None (for `wait_for`)."""
     pod = read_pod(kube, namespace, name)
     return pod if is_ready(pod) else None
 
@@ -71,7 +64,7 @@ def phase(pod: Obj | None) -> str:
 
 
 def finished_phase(kube: KubeApi, namespace: str, name: str) -> str | None:
-    """Return the pod's phase once it is Succeeded or Failed, else None (for `wait_until`)."""
+    """Return the pod's phase once it is Succeeded or Failed, else None (for `wait_for`)."""
     current = phase(read_pod(kube, namespace, name))
     return current if current in ("Succeeded", "Failed") else None
 

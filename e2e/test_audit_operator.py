@@ -35,8 +35,7 @@ from brokerclusters import (
     condition,
     create_cluster,
 )
-from conftest import Cluster
-from support import IMAGE, pod_path, ready_pod, wait_until
+from support import IMAGE, Cluster, pod_path, ready_pod
 
 from twinmq.audit.store import Store
 from twinmq.audit.summary import AuditSummary
@@ -44,6 +43,7 @@ from twinmq.client import ReliablePublisher
 from twinmq.localcluster import faults, s3server
 from twinmq.localcluster.layout import Layout
 from twinmq.operator.audit_runner import store_options
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 SPARK_OPERATOR_MODULE = "github.com/kubeflow/spark-operator/v2@v2.3.0"
@@ -58,13 +58,13 @@ def s3_endpoint(cluster: Cluster, operator: OperatorProcess) -> Iterator[str]:
     namespace = f"e2e-s3-{uuid.uuid4().hex[:6]}"
     kube = cluster.kube
     kube.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
-    wait_until("the default service account", lambda: kube.get(
+    wait_for("the default service account", lambda: kube.get(
         f"/api/v1/namespaces/{namespace}/serviceaccounts/default"), 30)  # fmt: skip
     pod, service = s3server.manifests(IMAGE)
     kube.create(pod_path(namespace), pod)
     url = s3server.endpoint(kube.create(f"/api/v1/namespaces/{namespace}/services", service))
-    wait_until("the S3 server is ready", lambda: ready_pod(kube, namespace, "s3"), 60)
-    wait_until("the S3 API answers through the Service",
+    wait_for("the S3 server is ready", lambda: ready_pod(kube, namespace, "s3"), 60)
+    wait_for("the S3 API answers through the Service",
                lambda: s3server.try_create_bucket(url, BUCKET), 30)  # fmt: skip
     yield url
     kube.delete(f"/api/v1/namespaces/{namespace}")
@@ -99,7 +99,7 @@ def _request_audit(cluster: Cluster, namespace: str, name: str, request: str) ->
         handled = (status.get("handledRequests") or {}).get("audit") == request
         return str(last["run"]) if handled and "requested" in last.get("reason", "") else None
 
-    return wait_until(f"audit request {request} starts a run", started, timeout=30)
+    return wait_for(f"audit request {request} starts a run", started, timeout=30)
 
 
 def _finished(cluster: Cluster, namespace: str, name: str, run: str, timeout: float) -> Any:
@@ -107,7 +107,7 @@ def _finished(cluster: Cluster, namespace: str, name: str, run: str, timeout: fl
         last = _last_audit(cluster, namespace, name)
         return last if last.get("run") == run and last.get("verdict") != "RUNNING" else None
 
-    return wait_until(f"audit run {run} finishes", done, timeout=timeout)
+    return wait_for(f"audit run {run} finishes", done, timeout=timeout)
 
 
 def _summary(namespace: str, run: str, endpoint: str) -> AuditSummary:
@@ -154,7 +154,7 @@ def test_the_job_launcher_audits_a_failover_and_reports_pass(
         last = _last_audit(cluster, namespace, name)
         return last.get("run") if f"epoch {epoch}" in last.get("reason", "") else None
 
-    run = wait_until("the after-failover audit starts", failover_audit, timeout=120)
+    run = wait_for("the after-failover audit starts", failover_audit, timeout=120)
     job = cluster.kube.get(f"/apis/batch/v1/namespaces/{namespace}/jobs/{run}")
     assert job is not None and job["metadata"]["ownerReferences"][0]["name"] == name
     result = _finished(cluster, namespace, name, run, timeout=300)
@@ -192,7 +192,7 @@ def spark_operator_crd(cluster: Cluster) -> Iterator[None]:
         conds = ((cluster.kube.get(path) or {}).get("status") or {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
 
-    wait_until("the SparkApplication CRD is established", established, timeout=60)
+    wait_for("the SparkApplication CRD is established", established, timeout=60)
     yield
 
 

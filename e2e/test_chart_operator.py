@@ -16,8 +16,9 @@ from chart_release import (
     operator_reconciles,
     operator_release,
 )
-from conftest import Cluster
-from support import CHART, helm, wait_until
+from support import CHART, Cluster, helm
+
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +33,7 @@ def release(cluster: Cluster) -> Iterator[OperatorRelease]:
 def test_operator_pod_becomes_ready_and_answers_its_liveness_endpoint(
     cluster: Cluster, release: OperatorRelease
 ) -> None:
-    pod = wait_until("the operator pod Ready", release.ready_operator_pod, timeout=90)
+    pod = wait_for("the operator pod Ready", release.ready_operator_pod, timeout=90)
     container = pod["spec"]["containers"][0]
     assert container["command"] == ["twinmq-operator"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -67,7 +68,7 @@ def test_uninstall_removes_the_operator_and_its_rbac(
     assert all(cluster.kube.get(path) is not None for path in paths)
     release.uninstall()
     assert [path for path in paths if cluster.kube.get(path) is not None] == []
-    wait_until("the operator pod gone", lambda: release.operator_pods() == [], timeout=60)
+    wait_for("the operator pod gone", lambda: release.operator_pods() == [], timeout=60)
     crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/brokerclusters.twinmq.io"
     assert cluster.kube.get(crd) is not None  # Helm never deletes crds/ (other clusters use it)
 

@@ -11,10 +11,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from conftest import Cluster
-from support import Obj, client_pod, finished_phase, pod_path, wait_until
+from support import Cluster, Obj, client_pod, finished_phase, pod_path
 
 from twinmq.localcluster.layout import POD_CIDR
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -98,7 +98,7 @@ def outside_listener(cluster: Cluster) -> Iterator[tuple[str, int]]:
         _sh(*inside, "ip", "link", "set", "lo", "up")
         _sh(*inside, "ip", "route", "add", "default", "via", "198.51.100.2")
         server = subprocess.Popen([*inside, sys.executable, "-c", ANSWER, address, str(port)])
-        wait_until("the outside listener answers from the host", lambda: _answers(*OUTSIDE), 10)
+        wait_for("the outside listener answers from the host", lambda: _answers(*OUTSIDE), 10)
         yield OUTSIDE
     finally:
         if server is not None:
@@ -133,7 +133,7 @@ def _guard_bypassed(address: str) -> Iterator[None]:
 def _run_to_completion(cluster: Cluster, namespace: str, pod: Obj) -> str:
     name = str(pod["metadata"]["name"])
     cluster.kube.create(pod_path(namespace), pod)
-    return wait_until(
+    return wait_for(
         f"{name} to finish", lambda: finished_phase(cluster.kube, namespace, name), timeout=60
     )
 

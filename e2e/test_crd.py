@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 from brokerclusters import install_crd
-from conftest import Cluster
+from support import Cluster
 
 from twinmq.localcluster.kubeapi import ApiError
 from twinmq.operator.models import BrokerClusterSpec

@@ -15,11 +15,11 @@ from chart_release import (
     operator_reconciles,
     operator_release,
 )
-from conftest import Cluster
 from failover_scenarios import (
     cut_off_the_api_server_fences_before_the_backup_is_promoted,
     kill_9_of_the_active_fails_over_losing_nothing,
 )
+from support import Cluster
 
 pytestmark = pytest.mark.e2e
 

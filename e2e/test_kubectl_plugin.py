@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pika
 import pytest
-from brokerclusters import amqp_url
-from chart_release import OperatorRelease, create_ready_cluster, operator_release, status
-from conftest import Cluster
-from support import wait_until
+from brokerclusters import amqp_url, cluster_status
+from chart_release import OperatorRelease, create_ready_cluster, operator_release
+from support import Cluster
 
 from twinmq.localcluster import faults
 from twinmq.localcluster.layout import Layout
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -90,7 +90,7 @@ def test_status_shows_the_primary_active(cluster: Cluster, release: OperatorRele
 def test_promote_switches_the_active_to_the_backup(
     cluster: Cluster, release: OperatorRelease
 ) -> None:
-    before = status(cluster, release.namespace, "orders")
+    before = cluster_status(cluster, release.namespace, "orders")
     started = time.monotonic()
     result = plugin(
         cluster, "promote", "orders", "backup", "-n", release.namespace, "--wait",
@@ -103,7 +103,7 @@ def test_promote_switches_the_active_to_the_backup(
     assert f"done: backup is active in epoch {epoch}" in result.stdout, result.stdout
     print(f"\n[timing] kubectl twinmq promote --wait: {seconds:.1f}s")
 
-    after = status(cluster, release.namespace, "orders")
+    after = cluster_status(cluster, release.namespace, "orders")
     assert (after["activeBroker"], after["epoch"]) == ("backup", epoch)
     request_id = result.stdout.split("promote request ")[1].split()[0]
     assert after["handledRequests"]["promote"] == request_id
@@ -194,7 +194,7 @@ def test_a_paused_passive_shows_its_lag_in_get_and_in_the_plugin(
         cell = column(shown.stdout, "LAG")
         return int(cell) if cell.isdigit() else -1
 
-    wait_until("no lag in kubectl get tmq", lambda: lag_in_get() == 0, 30)
+    wait_for("no lag in kubectl get tmq", lambda: lag_in_get() == 0, 30)
     connection = pika.BlockingConnection(pika.URLParameters(amqp_url(cluster, ns, name)))
     channel = connection.channel()
     channel.queue_declare("lag.q", durable=True)  # declared while the passive still answers
@@ -204,7 +204,7 @@ def test_a_paused_passive_shows_its_lag_in_get_and_in_the_plugin(
             channel.basic_publish(
                 "", "lag.q", str(i).encode(), pika.BasicProperties(delivery_mode=2)
             )
-        lag = wait_until(
+        lag = wait_for(
             "kubectl get tmq shows the lag", lambda: (n := lag_in_get()) >= held and n, 60
         )
         shown = plugin(cluster, "status", name, "-n", ns)
@@ -215,4 +215,4 @@ def test_a_paused_passive_shows_its_lag_in_get_and_in_the_plugin(
         connection.close()
     finally:
         faults.resume_pod(layout, ns, f"{name}-backup")
-    wait_until("the lag to clear", lambda: lag_in_get() == 0, 60)
+    wait_for("the lag to clear", lambda: lag_in_get() == 0, 60)

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 import urllib3
-from conftest import Cluster
-from support import IMAGE, Obj, container_status, is_ready, pod_path, read_pod, wait_until
+from support import IMAGE, Cluster, Obj, container_status, is_ready, pod_path, read_pod
 
 from twinmq.localcluster import faults
 from twinmq.localcluster.layout import Layout
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +56,7 @@ def layout(cluster: Cluster) -> Layout:
 def web(cluster: Cluster, layout: Layout, namespace: str) -> Iterator[tuple[str, str]]:
     """A ready pod with an HTTP readiness probe: (namespace, name)."""
     cluster.kube.create(pod_path(namespace), _server_pod("web"))
-    wait_until("web ready", lambda: is_ready(read_pod(cluster.kube, namespace, "web")), 60)
+    wait_for("web ready", lambda: is_ready(read_pod(cluster.kube, namespace, "web")), 60)
     yield namespace, "web"
 
 
@@ -70,10 +70,10 @@ def test_cut_network_makes_the_pod_unready_until_healed(
     namespace, name = web
     faults.cut_network(layout, namespace, name)
     try:
-        wait_until("unready while cut", lambda: not _ready(cluster, namespace, name), 30)
+        wait_for("unready while cut", lambda: not _ready(cluster, namespace, name), 30)
     finally:
         faults.heal_network(layout, namespace, name)
-    wait_until("ready after heal", lambda: _ready(cluster, namespace, name), 30)
+    wait_for("ready after heal", lambda: _ready(cluster, namespace, name), 30)
 
 
 def test_paused_pod_is_unready_until_resumed(
@@ -82,10 +82,10 @@ def test_paused_pod_is_unready_until_resumed(
     namespace, name = web
     assert faults.pause_pod(layout, namespace, name)
     try:
-        wait_until("unready while paused", lambda: not _ready(cluster, namespace, name), 30)
+        wait_for("unready while paused", lambda: not _ready(cluster, namespace, name), 30)
     finally:
         faults.resume_pod(layout, namespace, name)
-    wait_until("ready after resume", lambda: _ready(cluster, namespace, name), 30)
+    wait_for("ready after resume", lambda: _ready(cluster, namespace, name), 30)
 
 
 def test_pods_keep_running_across_a_node_restart(
@@ -103,11 +103,11 @@ def test_pods_keep_running_across_a_node_restart(
     finally:
         faults.start_component(layout, node)
     # Adopted, not restarted: same process, no restart counted, still ready; and managed again.
-    wait_until(f"ready after {node} restart", lambda: _ready(cluster, namespace, name), 30)
+    wait_for(f"ready after {node} restart", lambda: _ready(cluster, namespace, name), 30)
     assert faults.container_pid(layout, namespace, name, "web") == pid
     assert container_status(read_pod(cluster.kube, namespace, name))["restartCount"] == 0
     faults.kill_pod(layout, namespace, name)
-    wait_until(
+    wait_for(
         f"restart by the new {node}",
         lambda: container_status(read_pod(cluster.kube, namespace, name)).get("restartCount"),
         60,
@@ -124,6 +124,6 @@ def test_pods_keep_running_while_the_api_server_is_down(
         with pytest.raises(urllib3.exceptions.HTTPError):
             cluster.kube.request("GET", "/version", timeout=2)
         assert faults.container_pid(layout, namespace, name, "web") == pid
-    wait_until("API back and pod ready", lambda: _ready(cluster, namespace, name), 60)
+    wait_for("API back and pod ready", lambda: _ready(cluster, namespace, name), 60)
     node = cluster.kube.get("/api/v1/nodes/twinmq-node")
     assert node is not None

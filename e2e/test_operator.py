@@ -25,16 +25,16 @@ from brokerclusters import (
     events_of,
     publish_confirmed,
 )
-from conftest import Cluster
 from failover_scenarios import (
     cut_off_the_api_server_fences_before_the_backup_is_promoted,
     kill_9_of_the_active_fails_over_losing_nothing,
 )
-from support import wait_until
+from support import Cluster
 
 from twinmq.broker.journal.segment import scan, segment_number
 from twinmq.localcluster import faults
 from twinmq.localcluster.layout import Layout
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parent.parent
@@ -82,7 +82,7 @@ def test_recover_request_demotes_the_backup_before_activating_the_primary(
             and condition(s, "Replicating") == "True"
         )
 
-    wait_until("the switchover to the backup", promoted, timeout=60)
+    wait_for("the switchover to the backup", promoted, timeout=60)
     cluster.kube.patch(
         cluster_path(namespace, name), {"spec": {"requests": {"recover": {"id": "r-1"}}}}
     )
@@ -94,7 +94,7 @@ def test_recover_request_demotes_the_backup_before_activating_the_primary(
             and s.get("handledRequests", {}).get("recover") == "r-1"
         )
 
-    wait_until("recovery to the primary", recovered, timeout=60)
+    wait_for("recovery to the primary", recovered, timeout=60)
     events = cluster.kube.list(f"/api/v1/namespaces/{namespace}/events")
     reasons = [e["reason"] for e in sorted(events, key=lambda e: e["metadata"]["creationTimestamp"])
                if e["involvedObject"]["kind"] == "BrokerCluster"]  # fmt: skip
@@ -148,7 +148,7 @@ def test_an_api_server_down_longer_than_the_lease_leaves_one_active_and_loses_no
         roles = sorted(b["role"] for b in s.get("brokers", []))
         return roles == ["active", "passive"] and s.get("epoch", 0) >= 2
 
-    wait_until("exactly one active broker again, in a new epoch", one_active, timeout=120)
+    wait_for("exactly one active broker again, in a new epoch", one_active, timeout=120)
     received = drain(url, "orders")
     assert set(confirmed) <= set(received), "confirmed messages lost across the API outage"
 
@@ -164,7 +164,7 @@ def test_a_primary_cut_off_the_network_is_replaced_and_comes_back_passive(
         def backup_active() -> bool:
             return cluster_status(cluster, namespace, name).get("activeBroker") == "backup"
 
-        wait_until("failover to the backup", backup_active, timeout=60)
+        wait_for("failover to the backup", backup_active, timeout=60)
     finally:
         faults.heal_network(layout, namespace, f"{name}-primary")
 
@@ -173,7 +173,7 @@ def test_a_primary_cut_off_the_network_is_replaced_and_comes_back_passive(
         roles = {b["name"]: b["role"] for b in s.get("brokers", [])}
         return roles == {"primary": "passive", "backup": "active"}
 
-    wait_until("the isolated primary is back as passive", single_active, timeout=60)
+    wait_for("the isolated primary is back as passive", single_active, timeout=60)
 
 
 def test_deleting_the_brokercluster_removes_everything(
@@ -191,7 +191,7 @@ def test_deleting_the_brokercluster_removes_everything(
         )
         return not pods and not services
 
-    wait_until("pods and services garbage-collected", gone, timeout=60)
+    wait_for("pods and services garbage-collected", gone, timeout=60)
 
 
 def test_fencing_the_active_moves_the_virtual_ip_and_unfencing_brings_it_back_passive(
@@ -205,7 +205,7 @@ def test_fencing_the_active_moves_the_virtual_ip_and_unfencing_brings_it_back_pa
         s = cluster_status(cluster, namespace, name)
         return s.get("activeBroker") == "backup" and s.get("fencedBrokers") == ["primary"]
 
-    wait_until("the backup active with the primary fenced", fenced_and_moved, timeout=60)
+    wait_for("the backup active with the primary fenced", fenced_and_moved, timeout=60)
     primary = next(b for b in cluster_status(cluster, namespace, name)["brokers"]
                    if b["name"] == "primary")  # fmt: skip
     assert primary["fenced"] and primary["role"] == "passive" and not primary["linkConnected"]
@@ -217,7 +217,7 @@ def test_fencing_the_active_moves_the_virtual_ip_and_unfencing_brings_it_back_pa
         p = next(b for b in s.get("brokers", []) if b["name"] == "primary")
         return not s.get("fencedBrokers") and p["role"] == "passive" and p["ready"]
 
-    wait_until("the unfenced primary back as a ready passive", back_in_sync, timeout=60)
+    wait_for("the unfenced primary back as a ready passive", back_in_sync, timeout=60)
 
 
 def test_an_operator_killed_mid_failover_finishes_it_after_a_restart(
@@ -232,7 +232,7 @@ def test_an_operator_killed_mid_failover_finishes_it_after_a_restart(
         def failing_over() -> bool:
             return cluster_status(cluster, namespace, name).get("phase") == "FailingOver"
 
-        wait_until("the operator to start the failover", failing_over, timeout=30)
+        wait_for("the operator to start the failover", failing_over, timeout=30)
         operator.kill()  # kill -9, mid-failover: the Lease has not lapsed yet
         time.sleep(2)  # the operator is down while the Lease lapses: the condition under test
         operator.start()
@@ -241,7 +241,7 @@ def test_an_operator_killed_mid_failover_finishes_it_after_a_restart(
             s = cluster_status(cluster, namespace, name)
             return s.get("activeBroker") == "backup" and s.get("phase") in ("Ready", "Degraded")
 
-        wait_until("the restarted operator to finish the failover", finished, timeout=60)
+        wait_for("the restarted operator to finish the failover", finished, timeout=60)
     finally:
         faults.resume_pod(Layout.default(), namespace, f"{name}-primary")
     status = cluster_status(cluster, namespace, name)
@@ -277,7 +277,7 @@ def test_a_broker_restarted_on_a_damaged_journal_is_reported_then_healed_by_a_ca
     path = cluster_path(namespace, name)
     # Fenced, the backup is not told to replicate: no catch-up heals it while we look.
     cluster.kube.patch(path, {"spec": {"requests": {"fence": {"id": "f-1", "broker": "backup"}}}})
-    wait_until("the backup fenced",
+    wait_for("the backup fenced",
                lambda: cluster_status(cluster, namespace, name).get("fencedBrokers") == ["backup"],
                timeout=60)  # fmt: skip
     layout, pod = Layout.default(), f"{name}-backup"
@@ -293,7 +293,7 @@ def test_a_broker_restarted_on_a_damaged_journal_is_reported_then_healed_by_a_ca
         )
         return status if backup.get("damaged") else None
 
-    status = wait_until("the backup reported damaged", reported, timeout=90)
+    status = wait_for("the backup reported damaged", reported, timeout=90)
     backup = next(b for b in status["brokers"] if b["name"] == "backup")
     assert "quarantine" in backup["damage"] and segment in backup["damage"], backup
     damaged = next(c for c in status["conditions"] if c["type"] == "BrokerDamaged")
@@ -311,6 +311,6 @@ def test_a_broker_restarted_on_a_damaged_journal_is_reported_then_healed_by_a_ca
         b = next(b for b in s.get("brokers", []) if b["name"] == "backup")
         return not b.get("damaged") and b["ready"] and condition(s, "BrokerDamaged") == "False"
 
-    wait_until("the backup healed by a catch-up from the primary", healed, timeout=90)
+    wait_for("the backup healed by a catch-up from the primary", healed, timeout=90)
     assert any(e["reason"] == "BrokerHealed" for e in events_of(cluster, namespace))
     assert sorted(drain(url, "damage")) == list(range(20))

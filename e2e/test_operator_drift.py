@@ -18,11 +18,11 @@ from brokerclusters import (
     events_of,
     publish_confirmed,
 )
-from conftest import Cluster
 from pika.exceptions import AMQPError
-from support import pod_path, wait_until
+from support import Cluster, pod_path
 
 from twinmq.localcluster.kubeapi import ApiError
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 STORAGE_CLASS = "/apis/storage.k8s.io/v1/storageclasses/twinmq-local"
@@ -49,11 +49,11 @@ def test_a_deleted_or_edited_virtual_ip_service_is_restored_and_serves_again(
         spec = (cluster.kube.get(vip) or {}).get("spec") or {}
         return spec.get("selector", {}).get("twinmq.io/role") == "active"
 
-    wait_until("the edited VIP selector set back to the active", selector_back, timeout=15)
+    wait_for("the edited VIP selector set back to the active", selector_back, timeout=15)
     for path in (vip, headless):
         uid = (cluster.kube.get(path) or {})["metadata"]["uid"]
         cluster.kube.delete(path)
-        wait_until(
+        wait_for(
             f"{path} recreated",
             lambda p=path, u=uid: (
                 (cluster.kube.get(p) or {}).get("metadata", {}).get("uid") not in (None, u)
@@ -61,7 +61,7 @@ def test_a_deleted_or_edited_virtual_ip_service_is_restored_and_serves_again(
             timeout=15,
         )
     # The recreated VIP has a new cluster IP; it reaches the active again.
-    wait_until("a confirm through the recreated VIP", lambda: confirms(cluster, namespace, name))
+    wait_for("a confirm through the recreated VIP", lambda: confirms(cluster, namespace, name))
     assert cluster_status(cluster, namespace, name)["epoch"] == 1, "no failover was needed"
 
 
@@ -72,7 +72,7 @@ def test_a_deleted_secret_an_edited_pod_label_and_a_deleted_lease_are_restored(
     secret = f"/api/v1/namespaces/{namespace}/secrets/{name}-auth"
     before = (cluster.kube.get(secret) or {})["data"]
     cluster.kube.delete(secret)
-    wait_until("the Secret restored", lambda: cluster.kube.get(secret), timeout=15)
+    wait_for("the Secret restored", lambda: cluster.kube.get(secret), timeout=15)
     assert (cluster.kube.get(secret) or {})["data"] == before, "restored with the same credentials"
 
     primary = pod_path(namespace, f"{name}-primary")
@@ -85,7 +85,7 @@ def test_a_deleted_secret_an_edited_pod_label_and_a_deleted_lease_are_restored(
         b = (cluster.kube.get(backup) or {})["metadata"]["labels"]
         return p.get("twinmq.io/role") == "active" and b.get("twinmq.io/cluster") == name
 
-    wait_until("the edited pod labels set back", labels_back, timeout=15)
+    wait_for("the edited pod labels set back", labels_back, timeout=15)
 
     lease = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}-active"
     cluster.kube.delete(lease)
@@ -103,8 +103,8 @@ def test_a_deleted_secret_an_edited_pod_label_and_a_deleted_lease_are_restored(
             and condition(status, "Ready") == "True"
         )
 
-    wait_until("the Lease restored, held by the active", lease_back, timeout=60)
-    wait_until("a confirm through the virtual IP", lambda: confirms(cluster, namespace, name))
+    wait_for("the Lease restored, held by the active", lease_back, timeout=60)
+    wait_for("a confirm through the virtual IP", lambda: confirms(cluster, namespace, name))
 
 
 def test_storage_grows_where_the_class_can_expand_and_never_shrinks(
@@ -126,7 +126,7 @@ def test_storage_grows_where_the_class_can_expand_and_never_shrinks(
         found = [c for c in s.get("conditions", []) if c["type"] == "Stalled"]
         return s if found and found[0]["reason"] == "StorageResizeRefused" else None
 
-    status = wait_until("the resize refusal reported", stalled, timeout=20)
+    status = wait_for("the resize refusal reported", stalled, timeout=20)
     assert status["observedGeneration"] < generation
     assert "StorageResizeRefused" in [e["reason"] for e in events_of(cluster, namespace)]
 
@@ -148,6 +148,6 @@ def test_storage_grows_where_the_class_can_expand_and_never_shrinks(
                 and s.get("observedGeneration") == generation
             )
 
-        wait_until("both PVCs expanded and the generation observed", expanded, timeout=20)
+        wait_for("both PVCs expanded and the generation observed", expanded, timeout=20)
     finally:
         cluster.kube.patch(STORAGE_CLASS, {"allowVolumeExpansion": None})

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 from chart_release import OperatorRelease, create_ready_cluster, operator_release
-from conftest import Cluster
-from support import is_ready, wait_until
+from support import Cluster, is_ready
+
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 LEASE = "tmq-twinmq-operator-leader"
@@ -36,7 +37,7 @@ def holder(release: OperatorRelease) -> str | None:
 
 
 def both_ready(release: OperatorRelease) -> dict[str, bool] | None:
-    """The two operator pods once both are Ready (for `wait_until`)."""
+    """The two operator pods once both are Ready (for `wait_for`)."""
     pods = ready_pods(release)
     return pods if list(pods.values()) == [True, True] else None
 
@@ -57,8 +58,8 @@ def log(release: OperatorRelease, pod: str) -> str:
 
 
 def test_one_replica_leads_and_the_other_stands_by_ready(release: OperatorRelease) -> None:
-    pods = wait_until("two Ready operator pods", lambda: both_ready(release), timeout=90)
-    leader = wait_until("a leader", lambda: holder(release), timeout=30)
+    pods = wait_for("two Ready operator pods", lambda: both_ready(release), timeout=90)
+    leader = wait_for("a leader", lambda: holder(release), timeout=30)
     (standby,) = set(pods) - {leader}
     create_ready_cluster(release)  # the leader acts
     assert f"{leader} acquired Lease {release.namespace}/{LEASE}" in log(release, leader)
@@ -69,15 +70,15 @@ def test_one_replica_leads_and_the_other_stands_by_ready(release: OperatorReleas
 
 
 def test_a_killed_leader_is_replaced_by_the_standby(release: OperatorRelease) -> None:
-    leader = wait_until("a leader", lambda: holder(release), timeout=30)
+    leader = wait_for("a leader", lambda: holder(release), timeout=30)
     (standby,) = set(ready_pods(release)) - {leader}
     # No grace: the leader cannot release its Lease; the standby waits for it to lapse.
     release.cluster.kube.delete(
         f"/api/v1/namespaces/{release.namespace}/pods/{leader}", {"gracePeriodSeconds": 0}
     )
-    wait_until("the standby leads", lambda: holder(release) == standby or None, timeout=60)
+    wait_for("the standby leads", lambda: holder(release) == standby or None, timeout=60)
     acted = "Timer 'tick' succeeded"
-    wait_until("the new leader acts", lambda: acted in log(release, standby) or None, timeout=60)
+    wait_for("the new leader acts", lambda: acted in log(release, standby) or None, timeout=60)
     # The Deployment's replacement pod comes up as the new standby.
-    wait_until("two Ready operator pods again", lambda: both_ready(release), timeout=90)
+    wait_for("two Ready operator pods again", lambda: both_ready(release), timeout=90)
     assert holder(release) == standby

@@ -19,11 +19,11 @@ from brokerclusters import (
     create_cluster,
     events_of,
 )
-from conftest import Cluster
-from support import pod_path, read_pod, wait_until
+from support import Cluster, pod_path, read_pod
 
 from twinmq.localcluster.examples import example_brokercluster
 from twinmq.localcluster.kubeapi import ApiError
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 PDB_PATH = "/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/{name}"
@@ -79,7 +79,7 @@ def test_overrides_reach_the_pods_and_the_budget_refuses_to_evict_the_last_ready
         both = status.get("expectedPods") == 2 and status.get("currentHealthy") == 2
         return status if both and status.get("disruptionsAllowed") == 1 else None
 
-    wait_until("the budget counts both brokers ready", budget_counts_both, timeout=30)
+    wait_for("the budget counts both brokers ready", budget_counts_both, timeout=30)
     status = cluster_status(cluster, namespace, name)
     active = status["activeBroker"]
     passive = "backup" if active == "primary" else "primary"
@@ -95,7 +95,7 @@ def test_overrides_reach_the_pods_and_the_budget_refuses_to_evict_the_last_ready
         return state.get("phase") == "Ready" and condition(state, "Replicating") == "True"
 
     # The operator recreates the evicted broker, which comes back passive and catches up.
-    wait_until("the evicted broker back in sync", back_in_sync, timeout=90)
+    wait_for("the evicted broker back in sync", back_in_sync, timeout=90)
     assert cluster_status(cluster, namespace, name)["activeBroker"] == active
 
 
@@ -106,7 +106,7 @@ def test_a_deleted_budget_is_restored_with_a_drift_repaired_event(
     pdb_path = PDB_PATH.format(namespace=namespace, name=name)
     uid = (cluster.kube.get(pdb_path) or {})["metadata"]["uid"]
     cluster.kube.delete(pdb_path)
-    wait_until(
+    wait_for(
         "the budget recreated",
         lambda: (
             (cluster.kube.get(pdb_path) or {}).get("metadata", {}).get("uid") not in (None, uid)
@@ -118,7 +118,7 @@ def test_a_deleted_budget_is_restored_with_a_drift_repaired_event(
         return [e["message"] for e in events_of(cluster, namespace)
                 if e["reason"] == "DriftRepaired"]  # fmt: skip
 
-    messages = wait_until("a DriftRepaired Event", repaired, timeout=15)
+    messages = wait_for("a DriftRepaired Event", repaired, timeout=15)
     assert messages == [f"PodDisruptionBudget/{name} was deleted: recreated"], messages
 
 
@@ -147,5 +147,5 @@ def test_required_anti_affinity_on_one_node_leaves_the_second_broker_unschedulab
         # previous test's pods still terminating on the node hold its resources).
         return found if "True" in found.values() else None
 
-    outcome = wait_until("one broker pod placed, the other considered", placed, timeout=60)
+    outcome = wait_for("one broker pod placed, the other considered", placed, timeout=60)
     assert sorted(outcome.values()) == ["True", "Unschedulable"], outcome

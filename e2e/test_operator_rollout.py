@@ -24,10 +24,10 @@ from brokerclusters import (
     events_of,
     publish_confirmed,
 )
-from conftest import Cluster
-from support import IMAGE, pod_path, wait_until
+from support import IMAGE, Cluster, pod_path
 
 from twinmq.client import ReliablePublisher
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 NEW_IMAGE = (
@@ -122,7 +122,7 @@ def test_a_failing_new_image_stalls_the_rollout_and_the_active_keeps_serving(
         s = cluster_status(cluster, namespace, name)
         return s if (s.get("rollout") or {}).get("step") == "Stalled" else None
 
-    status = wait_until("the rollout stalled", stalled, timeout=60)
+    status = wait_for("the rollout stalled", stalled, timeout=60)
     assert status["rollout"]["broker"] == "backup"
     assert "ImagePull" in status["rollout"]["message"]  # ErrImagePull, then ImagePullBackOff
     assert condition(status, "Stalled") == "True" and condition(status, "Ready") == "True"
@@ -134,7 +134,7 @@ def test_a_failing_new_image_stalls_the_rollout_and_the_active_keeps_serving(
 
     # Reverting the image rolls the passive back; the primary stays active throughout.
     reverted = cluster.kube.patch(path, {"spec": {"image": old_image}})
-    wait_until(
+    wait_for(
         "the revert rolled out",
         lambda: rolled_out(cluster, namespace, name, reverted["metadata"]["generation"]),
         timeout=90,

@@ -17,13 +17,13 @@ from chart_release import (
     operator_reconciles,
     operator_release,
 )
-from conftest import Cluster
 from failover_scenarios import kill_9_of_the_active_fails_over_losing_nothing
-from support import client_pod, container_status, finished_phase, pod_path, wait_until
+from support import Cluster, client_pod, container_status, finished_phase, pod_path
 
 from twinmq.localcluster import containerd
 from twinmq.localcluster.kubelet import project_image
 from twinmq.localcluster.layout import Layout, repo_root
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ def test_a_pod_of_the_project_image_runs_in_containerd_and_its_log_and_exit_code
     name = f"hello-{uuid.uuid4().hex[:6]}"
     script = "import sys, twinmq.broker; print('hello from', sys.executable); sys.exit(3)"
     real_node.kube.create(pod_path(namespace), client_pod(name, script))
-    phase = wait_until(
+    phase = wait_for(
         "the pod finished", lambda: finished_phase(real_node.kube, namespace, name), 120
     )
     assert phase == "Failed"
@@ -78,5 +78,5 @@ def test_the_chart_on_a_real_node_fails_over_a_kill_9_in_the_container_losing_no
         return state["restartCount"] > restarts_before and last.get("exitCode") == 137
 
     # The kubelet saw the container die of SIGKILL and restarted it (restartPolicy Always).
-    wait_until("the killed broker container restarted by the kubelet", restarted_after_sigkill)
+    wait_for("the killed broker container restarted by the kubelet", restarted_after_sigkill)
     operator_reconciles(release)  # reads the operator's log through the kubelet

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from conftest import Cluster
 from support import (
     AMQP_PROBE,
     CHART,
     IMAGE,
+    Cluster,
     Obj,
     client_pod,
     container_status,
@@ -26,10 +26,10 @@ from support import (
     pod_path,
     read_pod,
     ready_pod,
-    wait_until,
 )
 
 from twinmq.localcluster.kubeapi import ApiError
+from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +68,7 @@ def release(cluster: Cluster) -> Iterator[Release]:
 
 
 def _ready_broker(cluster: Cluster, release: Release) -> Obj:
-    return wait_until(
+    return wait_for(
         "broker pod Ready",
         lambda: ready_pod(cluster.kube, release.namespace, release.broker_pod),
         timeout=90,
@@ -95,7 +95,7 @@ def test_client_pod_reaches_broker_by_cluster_ip_and_pod_dns_name(
     name = f"client-{uuid.uuid4().hex[:6]}"
     pod = client_pod(name, AMQP_PROBE, f"{cluster_ip}:5672", f"{dns_name}:5672")
     cluster.kube.create(pod_path(release.namespace), pod)
-    final = wait_until(
+    final = wait_for(
         "client pod to finish",
         lambda: finished_phase(cluster.kube, release.namespace, name),
         timeout=60,
@@ -118,7 +118,7 @@ def test_killed_broker_process_is_restarted_and_ready_again(
             return pod
         return None
 
-    after = wait_until("a restarted, ready broker", restarted_and_ready, timeout=90)
+    after = wait_for("a restarted, ready broker", restarted_and_ready, timeout=90)
     assert after["metadata"]["uid"] == before["metadata"]["uid"]  # same pod, new process
     last = container_status(after)["lastState"]["terminated"]
     assert last["exitCode"] == 137
@@ -143,13 +143,13 @@ def test_deleting_an_owner_garbage_collects_its_dependents(
     cluster.kube.create(pod_path(namespace), pod)
     secret = {"metadata": {"name": "dependent", "ownerReferences": [reference]}}
     cluster.kube.create(f"/api/v1/namespaces/{namespace}/secrets", secret)
-    wait_until(
+    wait_for(
         "dependent pod running",
         lambda: phase(read_pod(cluster.kube, namespace, "dependent")) == "Running",
         timeout=60,
     )
     cluster.kube.delete(f"/api/v1/namespaces/{namespace}/configmaps/owner")
-    wait_until(
+    wait_for(
         "dependent pod and secret gone",
         lambda: (
             read_pod(cluster.kube, namespace, "dependent") is None
@@ -178,7 +178,7 @@ def test_pod_with_an_unavailable_image_reports_an_image_pull_error(
         reason = waiting.get("reason")
         return reason if reason in ("ErrImagePull", "ImagePullBackOff") else None
 
-    assert wait_until("an image pull error", pull_error, timeout=30)
+    assert wait_for("an image pull error", pull_error, timeout=30)
 
 
 def _kill_broker(cluster: Cluster, release: Release) -> None:

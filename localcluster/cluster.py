@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from twinmq.localcluster.layout import (
 )
 from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki, kubeconfig
 from twinmq.localcluster.versions import BINARIES
+from twinmq.testing import waiting
 
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 NODES = {
@@ -101,22 +103,26 @@ def wait_for(
     layout: Layout,
     component: str | None = None,
 ) -> None:
-    """Poll `check` until it is true; on timeout raise with the component's log tail."""
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while time.monotonic() < deadline:
-        if check():
-            return
-        if component is not None and daemons.read_pid(layout, component) is None:
-            break
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.5)
-    tail = ""
-    if component is not None:
+    """`twinmq.testing.waiting.wait_for` on a daemon of the cluster: given its `component`,
+    stop early if it exits; a failure carries the component's log tail."""
+
+    def tail() -> str:
         log = layout.logs / f"{component}.log"
-        if log.exists():
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-    raise RuntimeError(f"timed out waiting for {what}\n{tail}")
+        if component is None or not log.exists():
+            return ""
+        return "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+
+    def done() -> bool:
+        if check():
+            return True
+        if component is not None and daemons.read_pid(layout, component) is None:
+            raise RuntimeError(f"{component} exited while waiting for {what}\n{tail()}")
+        return False
+
+    try:
+        waiting.wait_for(what, done, timeout, interval=0.5)
+    except TimeoutError as exc:
+        raise RuntimeError(f"{exc}\n{tail()}") from None
 
 
 def _http_ok(url: str, token: str | None = None, ca: Path | None = None) -> bool:
@@ -137,19 +143,38 @@ def _venv_python() -> str:
     return sys.executable
 
 
-def _argv(layout: Layout, component: str) -> list[str]:
+@dataclass(frozen=True)
+class ControlPlane:
+    """Where etcd and the API server listen and how the API server authorizes: the local
+    cluster's by default; tests/apiserver.py's API server (loopback, free ports, RBAC only)
+    passes its own."""
+
+    address: str = GATEWAY_IP
+    apiserver_port: int = APISERVER_PORT
+    etcd_client_port: int = ETCD_CLIENT_PORT
+    etcd_peer_port: int = ETCD_PEER_PORT
+    authorization: str = "Node,RBAC"
+    service_cidr: str = SERVICE_CIDR
+
+
+LOCAL_PLANE = ControlPlane()
+
+
+def _argv(layout: Layout, component: str, plane: ControlPlane = LOCAL_PLANE) -> list[str]:
     pki = layout.pki
     kubeconfig = str(layout.kubeconfig)
+    etcd_url = f"http://127.0.0.1:{plane.etcd_client_port}"
+    peer_url = f"http://127.0.0.1:{plane.etcd_peer_port}"
     if component == "etcd":
         return [
             str(binaries.find("etcd")),
             "--name=twinmq-local",
             f"--data-dir={layout.etcd_data}",
-            f"--listen-client-urls=http://127.0.0.1:{ETCD_CLIENT_PORT}",
-            f"--advertise-client-urls=http://127.0.0.1:{ETCD_CLIENT_PORT}",
-            f"--listen-peer-urls=http://127.0.0.1:{ETCD_PEER_PORT}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{ETCD_PEER_PORT}",
-            f"--initial-cluster=twinmq-local=http://127.0.0.1:{ETCD_PEER_PORT}",
+            f"--listen-client-urls={etcd_url}",
+            f"--advertise-client-urls={etcd_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=twinmq-local={peer_url}",
             "--listen-metrics-urls=",
             "--unsafe-no-fsync",
             "--quota-backend-bytes=2147483648",
@@ -157,10 +182,10 @@ def _argv(layout: Layout, component: str) -> list[str]:
     if component == "kube-apiserver":
         return [
             str(binaries.find("kube-apiserver")),
-            f"--etcd-servers=http://127.0.0.1:{ETCD_CLIENT_PORT}",
-            f"--bind-address={GATEWAY_IP}",
-            f"--advertise-address={GATEWAY_IP}",
-            f"--secure-port={APISERVER_PORT}",
+            f"--etcd-servers={etcd_url}",
+            f"--bind-address={plane.address}",
+            f"--advertise-address={plane.address}",
+            f"--secure-port={plane.apiserver_port}",
             f"--cert-dir={pki}",
             f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
@@ -171,8 +196,8 @@ def _argv(layout: Layout, component: str) -> list[str]:
             "--requestheader-username-headers=X-Remote-User",
             "--requestheader-group-headers=X-Remote-Group",
             "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-            "--authorization-mode=Node,RBAC",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--authorization-mode={plane.authorization}",
+            f"--service-cluster-ip-range={plane.service_cidr}",
             f"--service-account-issuer=https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",

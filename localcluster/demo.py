@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -25,6 +25,7 @@ from twinmq.broker.names import AMQP_PORT
 from twinmq.localcluster import binaries, cluster, faults
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import Layout, repo_root
+from twinmq.testing.waiting import wait_for
 
 T = TypeVar("T")
 RELEASE = "demo"
@@ -51,16 +52,6 @@ class Report:
         lines += [f"  {name:<52} {seconds:7.1f}s" for name, seconds in self.steps]
         lines += [""] + [f"  {key:<52} {value}" for key, value in self.facts]
         return "\n".join(lines) + "\n"
-
-
-def _wait(what: str, check: Callable[[], T | None], timeout: float) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)  # polling interval of a deadline-bound wait
-    raise SystemExit(f"[demo] timed out waiting for {what}")
 
 
 def _ready_pod(kube: KubeApi, name: str) -> dict[str, Any] | None:
@@ -132,7 +123,7 @@ def run(messages: int) -> Report:
         check=True, env=dict(os.environ, KUBECONFIG=str(layout.kubeconfig)),
     )  # fmt: skip
     pod_name = f"{FULLNAME}-broker-0"
-    _wait("the broker pod to be Ready", lambda: _ready_pod(kube, pod_name), 180)
+    wait_for("the broker pod to be Ready", lambda: _ready_pod(kube, pod_name), 180)
     report.step("install the chart; broker Ready", started)
 
     secret = kube.get(f"/api/v1/namespaces/{NAMESPACE}/secrets/{FULLNAME}-users") or {}
@@ -160,7 +151,7 @@ def run(messages: int) -> Report:
         counts = [c["restartCount"] for c in status.get("containerStatuses") or []]
         return pod if counts and counts[0] > restarts_before else None
 
-    _wait("the killed broker to be restarted and Ready", restarted, 120)
+    wait_for("the killed broker to be restarted and Ready", restarted, 120)
     report.step("kill -9 the broker; restarted and Ready", started)
 
     started = time.monotonic()

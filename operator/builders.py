@@ -152,6 +152,25 @@ def build_pvc(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
     return pvc
 
 
+IMAGE_UID = 10001
+"""The unprivileged user of the TwinMQ image (`USER 10001:10001` in the Containerfile)."""
+POD_SECURITY: Obj = {
+    "runAsNonRoot": True,
+    "runAsUser": IMAGE_UID,
+    "runAsGroup": IMAGE_UID,
+    "fsGroup": IMAGE_UID,  # the data volume is writable by the broker's group
+    "fsGroupChangePolicy": "OnRootMismatch",  # no recursive chown of a big journal at start
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""Broker pods meet the `restricted` Pod Security Standard, as CloudNativePG's do."""
+TMP_MOUNT: Obj = {"name": "tmp", "mountPath": "/tmp"}  # the root filesystem is read-only
+CONTAINER_SECURITY: Obj = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,  # writes go to the data volume and /tmp only
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
 def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) -> Obj:
     """A broker pod. It always starts passive: only the operator activates a broker."""
     secret = secret_name(cluster, spec)
@@ -216,14 +235,18 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
                     "failureThreshold": 6,
                 },
                 "resources": spec.resources.model_dump(),
+                "securityContext": CONTAINER_SECURITY,
                 "volumeMounts": [
                     {"name": "data", "mountPath": DATA_DIR},
                     {"name": "auth", "mountPath": SECRET_DIR, "readOnly": True},
+                    TMP_MOUNT,
                 ],
             },
             *sidecars,
         ],
+        "securityContext": POD_SECURITY,
         "volumes": [
+            {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
             {"name": "data", "persistentVolumeClaim": {"claimName": pod_name(cluster, broker)}},
             {
                 "name": "auth",
@@ -314,8 +337,9 @@ def build_shipper(spec: BrokerClusterSpec) -> Obj:
             f"--every={spec.audit.segment_seconds}",
         ],
         "resources": {"requests": {"cpu": "20m", "memory": "96Mi"}},
+        "securityContext": CONTAINER_SECURITY,
         # Read-write: the shipper keeps its ledger of shipped segments beside them.
-        "volumeMounts": [{"name": "data", "mountPath": DATA_DIR}],
+        "volumeMounts": [{"name": "data", "mountPath": DATA_DIR}, TMP_MOUNT],
     }
     if spec.audit.store_secret_name:
         container["envFrom"] = [{"secretRef": {"name": spec.audit.store_secret_name}}]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from kubernetes import client, config
@@ -196,6 +197,26 @@ class Kube:
                 raise Conflict(refusal(exc)) from exc
             raise
         return dict(self.api.sanitize_for_serialization(written))
+
+    def record_event(
+        self, involved: Obj, reason: str, message: str, timeout: float, warning: bool = False
+    ) -> None:
+        """Post a core/v1 Event about `involved` (any namespaced object as the API serves
+        it), for what happens outside kopf's handlers (leader election)."""
+        meta = involved["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body: Any = {
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": involved["apiVersion"], "kind": involved["kind"],
+                "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "reason": reason, "message": message, "type": "Warning" if warning else "Normal",
+            "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }  # fmt: skip
+        self.core.create_namespaced_event(meta["namespace"], body, _request_timeout=timeout)
 
     def dumps(self, obj: Any) -> str:
         """JSON of an API object (for logs)."""

@@ -118,6 +118,12 @@ class LeaseStore(Protocol):
         """Create it, or replace it at its resourceVersion; `kube.Conflict` on a race."""
         ...
 
+    def record_event(
+        self, involved: Obj, reason: str, message: str, timeout: float, warning: bool = False
+    ) -> None:
+        """Post an Event about `involved` (the Lease)."""
+        ...
+
 
 @dataclass(frozen=True)
 class LeaseRecord:
@@ -170,6 +176,8 @@ class LeaderElector:
         self.leading = False
         self.deadline = 0.0  # our clock: when the leader must have stopped acting
         self.holder: str | None = None  # who holds the Lease, as last seen
+        self.taken_from: str | None = None  # the other holder our last acquisition replaced
+        self._written: Obj | None = None  # the Lease as we last wrote it (Events name it)
         self.attempts = 0  # finished attempts (the tests wait on them)
         # The record as last seen and when it was first seen so (our clock).
         self._seen: tuple[Any, ...] | None = None
@@ -233,15 +241,32 @@ class LeaderElector:
                 if not may_take(record, self._seen_at, started, s.identity):
                     return Outcome.TAKEN
             lease = self._lease(record, current)
-            await self._call(self.store.write_lease, lease, s.request_timeout)
+            self._written = await self._call(self.store.write_lease, lease, s.request_timeout)
         except Conflict:
             return Outcome.FAILED  # another candidate wrote first: read again next time
         except Exception as exc:  # any API trouble: try again; the deadline decides
             log.warning("leader Lease %s: %s: %s", self.where, type(exc).__name__, exc)
             return Outcome.FAILED
+        if record is not None and record.holder not in (None, s.identity):
+            self.taken_from = record.holder
+        elif record is None or record.holder is None:
+            self.taken_from = None
         self.holder = s.identity
         self.deadline = started + s.renew_deadline_seconds
         return Outcome.HELD
+
+    async def _announce(self, reason: str, message: str) -> None:
+        """An Event on the Lease, as client-go's leader election posts (best effort: the
+        log has it too)."""
+        if self._written is None:
+            return
+        try:
+            await self._call(
+                self.store.record_event, self._written, reason, message,
+                self.settings.request_timeout,
+            )  # fmt: skip
+        except Exception as exc:
+            log.warning("leader election: cannot post the %s Event: %s", reason, exc)
 
     async def acquire(self) -> None:
         """Stand by until this replica holds the Lease."""
@@ -252,7 +277,9 @@ class LeaderElector:
             await self.clock.sleep(s.retry_seconds)
         self.leading = True
         metrics.LEADER.set(1)
-        log.info("leader election: %s acquired Lease %s; leading", s.identity, self.where)
+        took = "" if self.taken_from is None else f" ({self.taken_from} had let it lapse)"
+        log.info("leader election: %s acquired Lease %s%s; leading", s.identity, self.where, took)
+        await self._announce("LeaderElection", f"{s.identity} became leader{took}")
 
     async def keep(self) -> str:
         """Renew while leading; return why leadership was lost, no later than the deadline
@@ -293,7 +320,7 @@ class LeaderElector:
                 return
             current["spec"].update(holderIdentity=None, leaseDurationSeconds=1,
                                    renewTime=now_rfc3339())  # fmt: skip
-            await self._call(self.store.write_lease, current, s.request_timeout)
+            self._written = await self._call(self.store.write_lease, current, s.request_timeout)
         except Exception as exc:  # a Conflict or any API trouble: it lapses by itself
             log.warning("leader election: cannot release the Lease (it will lapse): %s", exc)
             return
@@ -301,6 +328,7 @@ class LeaderElector:
             self.leading = False
             metrics.LEADER.set(0)
         log.info("leader election: %s released Lease %s", s.identity, self.where)
+        await self._announce("LeaderElection", f"{s.identity} stopped leading: released the Lease")
 
 
 async def lead(

@@ -164,9 +164,14 @@ def reconcile_children(
     repaired: list[drift.Repaired] = []
 
     def apply(obj: dict[str, Any]) -> None:
+        obj, name = drift.stamped(obj), drift.key(obj)
+        before = memory.applied.get(name)
+        if before is None:  # this process's first pass: what the previous one left
+            live = k.get(obj["apiVersion"], obj["kind"], cluster.namespace, obj["metadata"]["name"])
+            before = drift.remembered(live, FIELD_MANAGER)
         now = drift.applied(obj, k.apply(obj), FIELD_MANAGER)
-        found = drift.repair(memory.applied.get(drift.key(obj)), now)
-        memory.applied[drift.key(obj)] = now
+        found = drift.repair(before, now)
+        memory.applied[name] = now
         if found is not None:
             deleted_or_edited = "deleted" if found == "recreated" else "edited"
             repaired.append(

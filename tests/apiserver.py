@@ -16,12 +16,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from twinmq.broker.launcher import free_port
 from twinmq.localcluster import binaries
-from twinmq.localcluster.cluster import _http_ok
+from twinmq.localcluster.cluster import ControlPlane, _argv, _http_ok
 from twinmq.localcluster.layout import Layout
 from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki
 from twinmq.localcluster.pki import kubeconfig as pki_kubeconfig
+from twinmq.testing.launcher import free_port
+from twinmq.testing.waiting import wait_for
 
 STARTUP_SECONDS = 120.0  # a loaded, shared machine: etcd and the API server are slow to start
 
@@ -37,16 +38,12 @@ def binaries_built() -> bool:
 
 
 def _wait_ready(url: str, token: str, ca: Path, procs: list[subprocess.Popen[bytes]]) -> None:
-    import time
-
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         if any(p.poll() is not None for p in procs):
-            break
-        if _http_ok(url, token, ca):
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"the test API server never became ready at {url}")
+            raise RuntimeError(f"the test API server exited before it was ready at {url}")
+        return _http_ok(url, token, ca)
+
+    wait_for(f"the test API server ready at {url}", ready, STARTUP_SECONDS, interval=0.2)
 
 
 @dataclass(frozen=True)
@@ -64,43 +61,23 @@ def running_apiserver(root: Path) -> Iterator[KubeApiServer]:
     ensure_pki(layout)
     pki = layout.pki
     layout.logs.mkdir(parents=True, exist_ok=True)
-    etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
-    etcd = [
-        str(binaries.find("etcd")),
-        "--name=twinmq-test",
-        f"--data-dir={layout.etcd_data}",
-        f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
-        f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
-        f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
-        f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
-        f"--initial-cluster=twinmq-test=http://127.0.0.1:{peer_port}",
-        "--listen-metrics-urls=",
-        "--unsafe-no-fsync",
-    ]
-    apiserver = [
-        str(binaries.find("kube-apiserver")),
-        f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-        "--bind-address=127.0.0.1",
-        "--advertise-address=127.0.0.1",
-        f"--secure-port={api_port}",
-        f"--cert-dir={pki}",
-        f"--tls-cert-file={pki / 'apiserver.crt'}",
-        f"--tls-private-key-file={pki / 'apiserver.key'}",
-        f"--client-ca-file={pki / 'ca.crt'}",
-        f"--token-auth-file={pki / 'tokens.csv'}",
-        "--authorization-mode=RBAC",
-        "--service-cluster-ip-range=10.97.0.0/16",
-        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-        f"--service-account-key-file={pki / 'sa.pub'}",
-        f"--service-account-signing-key-file={pki / 'sa.key'}",
-        "--profiling=false",
-    ]
+    # The local cluster's argv on loopback with free ports; RBAC only (no node authorizer:
+    # no kubelet here) and a service range of its own.
+    plane = ControlPlane(
+        address="127.0.0.1",
+        apiserver_port=free_port(),
+        etcd_client_port=free_port(),
+        etcd_peer_port=free_port(),
+        authorization="RBAC",
+        service_cidr="10.97.0.0/16",
+    )
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for name, argv in (("etcd", etcd), ("kube-apiserver", apiserver)):
+        for name in ("etcd", "kube-apiserver"):
+            argv = _argv(layout, name, plane)
             with (layout.logs / f"{name}.log").open("wb") as log:
                 procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
-        url = f"https://127.0.0.1:{api_port}"
+        url = f"https://{plane.address}:{plane.apiserver_port}"
         token = admin_token(layout)
         _wait_ready(f"{url}/readyz", token, pki / "ca.crt", procs)
         kubeconfig = root / "kubeconfig"

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from apiserver import KubeApiServer, binaries_built, running_apiserver
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.operator.kube import Kube
+from twinmq.testing.launcher import BrokerProcess
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +58,9 @@ def kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeApi
         pytest.skip("etcd/kube-apiserver not built: make cluster-binaries")
     with running_apiserver(tmp_path_factory.mktemp("apiserver")) as api:
         yield api
+
+
+@pytest.fixture
+def kube(kube_apiserver: KubeApiServer) -> Kube:
+    """The operator's API client, pointed at the test API server."""
+    return Kube(str(kube_apiserver.kubeconfig))

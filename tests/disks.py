@@ -14,8 +14,8 @@ from pika import BasicProperties
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.exceptions import ChannelClosedByBroker
 
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.names import REPLICATION_TOKEN_ENV
+from twinmq.testing.launcher import BrokerProcess
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""A Jepsen-style total-queue test of a TwinMQ pair: checker, clients, pair, nemesis.
+"""A Jepsen-style total-queue test of a TwinMQ pair: checker, clients, nemesis.
 
 - `check` is the checker, a pure function over what the clients saw: every
   producer's sent and confirmed message numbers and the bodies the consumers
@@ -7,9 +7,9 @@
 - `Workload` runs numbered producers with publisher confirms and consumers with
   acks on one asyncio loop. They know both brokers' addresses and reconnect to
   whichever is active (a passive one refuses them with 320).
-- `Pair` is two broker processes, active and passive, the passive replicating
-  through a `FaultProxy` the test controls; its `failover` is the operator's
-  procedure over the admin API.
+- The pair is `twinmq.testing.pair.Pair`: two broker processes, active and passive,
+  the passive replicating through a `FaultProxy` the test controls; its `failover`
+  is the operator's procedure over the admin API.
 - `Nemesis` performs faults on the pair (kill -9 and promote, SIGSTOP/SIGCONT,
   cut or partitioned replication link, passive restarted mid-catch-up) and
   waits for the pair to be whole again after each.
@@ -25,7 +25,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,16 +36,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from amqpclient import AMQPClient, ClientError, Delivery, Refused
-from faultproxy import FaultProxy
 from poison import POISON, sample_headers
 
-from twinmq.broker.admin_client import AdminError, AdminUnreachable
 from twinmq.broker.codec import rebuild_header
 from twinmq.broker.journal.segment import HEADER, REC
-from twinmq.broker.launcher import BrokerProcess
-from twinmq.broker.names import ACTIVE, PASSIVE, REPLICATION_TOKEN_ENV, Role
+from twinmq.broker.names import ACTIVE, PASSIVE
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
+from twinmq.testing.amqpclient import AMQPClient, ClientError, Delivery, Refused
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import FAKETIME_LIBRARY, NoSmallDisk, Pair, post_role, status
+from twinmq.testing.waiting import wait_for
 
 T = TypeVar("T")
 Key = tuple[str, int]  # (producer, message number)
@@ -137,38 +136,10 @@ def check(
 # -- admin API ------------------------------------------------------------------------------
 
 
-def status(broker: BrokerProcess, timeout: float = 2.0) -> dict[str, Any] | None:
-    """`GET /status` as a dict (the shape is the admin client's `BrokerStatus`), or None
-    when the broker does not answer (dead, stopped)."""
-    try:
-        return broker.admin.status(timeout=timeout).model_dump(mode="json")
-    except AdminUnreachable:
-        return None
-
-
 def catchup_status(broker: BrokerProcess) -> dict[str, Any] | None:
     """An active's `/status` `replication.catchup` (its passive's catch-up), if any."""
     data = status(broker)
     return None if data is None else data["replication"].get("catchup")
-
-
-def post_role(
-    broker: BrokerProcess,
-    role: Role,
-    epoch: int,
-    replicate_from: str | None = None,
-    timeout: float = 10.0,
-    *,
-    force: bool = False,
-) -> tuple[int, dict[str, Any]]:
-    """`POST /role`: (HTTP status, the new status or the ErrorBody as a dict)."""
-    try:
-        done = broker.admin.set_role(role, epoch, replicate_from, force=force, timeout=timeout)
-    except AdminError as exc:
-        if exc.status is None:
-            raise
-        return exc.status, {} if exc.body is None else exc.body.model_dump()
-    return 200, done.model_dump(mode="json")
 
 
 def queue_counts(data: dict[str, Any] | None, *queues: str) -> tuple[int, int] | None:
@@ -179,57 +150,6 @@ def queue_counts(data: dict[str, Any] | None, *queues: str) -> tuple[int, int] |
     if any(name not in found for name in queues):
         return None
     return sum(found[n][0] for n in queues), sum(found[n][1] for n in queues)
-
-
-def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll `predicate` until it returns something truthy; raise TimeoutError naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout}s")
-        time.sleep(interval)
-
-
-# -- the pair -------------------------------------------------------------------------------
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def stable_port(rng: random.Random = random.Random()) -> int:  # noqa: B008 - one shared rng
-    """A free loopback port outside the kernel's ephemeral range.
-
-    Brokers are killed and restarted on the same ports while clients reconnect
-    all the time: a port from the ephemeral range may meanwhile be the source
-    port of some client connection, and the restart would fail to bind.
-    """
-    low, high = _ephemeral_range()
-    candidates = [(1024, low - 1)] if low > 11024 else [(high + 1, 65535)]
-    lo, hi = candidates[0]
-    for _ in range(200):
-        port = rng.randint(max(lo, 10000), hi)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port outside the ephemeral range")
-
-
-FAKETIME_LIBRARY = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
-
-
-class NoSmallDisk(RuntimeError):
-    """A small tmpfs per broker could not be mounted (not root, or no mount allowed)."""
 
 
 class DiskFiller:
@@ -266,8 +186,14 @@ class DiskFiller:
         self.path.unlink()
 
 
-# The active's log lines for a group commit whose write failed (broker/commit.py, journal/).
-WRITE_FAILED = re.compile(r"journal write failed|groups rolled back")
+# The active's log lines for a write that failed in a completion path: a group commit
+# (broker/commit.py, journal/), or the audit records a confirm waits for (held, retried).
+# The audit write can fail first: the confirms are then held, the disk alarm blocks
+# publishers, and with every window full no journal write comes to fail (finding 7).
+WRITE_FAILED = re.compile(r"journal write failed|groups rolled back|audit write failed")
+# A passive's log line when a local write failed and it exits 75 (broker/server.py
+# `stop_passive`: a replicated batch, or the topology file, could not be written).
+PASSIVE_STOPPED = "exiting so that a restart recovers from the journal"
 
 
 def stack_dump(broker: BrokerProcess) -> str:
@@ -344,213 +270,6 @@ def corrupt_journal(journal: Path, rng: random.Random) -> tuple[Path, int] | Non
     data[offset] ^= 1 << rng.randrange(8)
     segment.write_bytes(bytes(data))
     return segment, offset
-
-
-class Pair:
-    """Brokers `a` and `b`: one active, one passive replicating through `self.link`."""
-
-    TOKEN = "fault-suite-replication-token"
-
-    def __init__(
-        self,
-        root: Path,
-        *,
-        replication_timeout: float = 1.0,
-        broker_args: list[str] | None = None,
-        disk_bytes: int | None = None,
-        faketime: bool = False,
-    ) -> None:
-        """`broker_args` go to every broker; `disk_bytes` gives each broker's data dir a
-        tmpfs of that size (root only: `start` raises `NoSmallDisk` otherwise);
-        `faketime` runs each broker under libfaketime so `jump_clock` can move its clock."""
-        self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-        self.replication_timeout = replication_timeout
-        self.broker_args = list(broker_args or [])
-        self.disk_bytes = disk_bytes
-        self.faketime = faketime
-        self.mounts: list[Path] = []
-        self.clock_offsets = {"a": 0.0, "b": 0.0}
-        self.epoch = 1
-        env = {REPLICATION_TOKEN_ENV: self.TOKEN}
-        self.brokers = {
-            name: BrokerProcess(
-                root / name,
-                name=name,
-                env={**env, **(self._faketime_env(name) if faketime else {})},
-                port=stable_port(),
-                admin_port=stable_port(),
-                replication_port=stable_port(),
-            )
-            for name in ("a", "b")
-        }
-        self.active_name, self.passive_name = "a", "b"
-        self.link = FaultProxy(self.brokers["a"].replication_address, port=stable_port())
-        self.events: list[str] = []
-        self.started = time.monotonic()
-
-    @property
-    def active(self) -> BrokerProcess:
-        """The broker serving clients."""
-        return self.brokers[self.active_name]
-
-    @property
-    def passive(self) -> BrokerProcess:
-        """The replica."""
-        return self.brokers[self.passive_name]
-
-    @property
-    def amqp_addresses(self) -> list[str]:
-        """Both brokers' AMQP addresses (clients find the active one)."""
-        return [f"{b.host}:{b.port}" for b in self.brokers.values()]
-
-    def note(self, text: str) -> None:
-        """Record a nemesis event."""
-        self.events.append(f"{time.monotonic() - self.started:8.2f}s {text}")
-
-    def _faketime_env(self, name: str) -> dict[str, str]:
-        """libfaketime reads the broker's offset from a file it re-reads every second."""
-        offset_file = self.root / f"{name}.faketime"
-        offset_file.write_text("+0\n")
-        return {
-            "LD_PRELOAD": str(FAKETIME_LIBRARY),
-            "FAKETIME_TIMESTAMP_FILE": str(offset_file),
-            "FAKETIME_CACHE_DURATION": "1",
-        }
-
-    def jump_clock(self, broker: BrokerProcess, seconds: float) -> None:
-        """Move `broker`'s clocks (wall and monotonic) by `seconds`, from now on."""
-        self.clock_offsets[broker.name] += seconds
-        path = self.root / f"{broker.name}.faketime"
-        path.write_text(f"{self.clock_offsets[broker.name]:+.0f}\n")
-
-    def _mount_disks(self) -> None:
-        """A tmpfs of `disk_bytes` per broker data dir (so one broker's disk can fill)."""
-        if self.disk_bytes is None:
-            return
-        for broker in self.brokers.values():
-            broker.data_dir.mkdir(parents=True, exist_ok=True)
-            result = subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", f"size={self.disk_bytes}", "tmpfs",
-                 str(broker.data_dir)],
-                capture_output=True,
-            )  # fmt: skip
-            if result.returncode != 0:
-                self._unmount_disks()
-                raise NoSmallDisk(f"cannot mount a tmpfs: {result.stderr.decode().strip()}")
-            self.mounts.append(broker.data_dir)
-
-    def _unmount_disks(self) -> None:
-        for mount in self.mounts:
-            subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
-        self.mounts = []
-
-    def args(self, role: str) -> list[str]:
-        """Command-line flags for a broker of the pair in `role` at the current epoch."""
-        args = ["--epoch", str(self.epoch), "--replication-timeout", str(self.replication_timeout)]
-        args += self.broker_args
-        if role == PASSIVE:
-            args += ["--role", PASSIVE, "--replicate-from", self.link.address]
-        return args
-
-    def start(self) -> Pair:
-        """Start the proxy, the active, then the passive; wait until the passive is ready."""
-        self._mount_disks()
-        self.link.start()
-        self.active.extra_args = self.args(ACTIVE)
-        self.active.start()
-        self.passive.extra_args = self.args(PASSIVE)
-        self.passive.start()
-        self.wait_healthy()
-        return self
-
-    def stop(self) -> None:
-        """Stop everything (SIGCONT first, in case a broker is paused)."""
-        for broker in self.brokers.values():
-            broker.signal(signal.SIGCONT)
-            broker.stop()
-        self.link.close()
-        self._unmount_disks()
-
-    def __enter__(self) -> Pair:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def healthy(self) -> bool:
-        """The active has a passive in sync and the passive says it is ready."""
-        active, passive = status(self.active), status(self.passive)
-        return bool(
-            active is not None
-            and passive is not None
-            and active["role"] == ACTIVE
-            and passive["role"] == PASSIVE
-            and active["replication"]["ready"]
-            and passive["replication"]["ready"]
-        )
-
-    def wait_healthy(self, timeout: float = 30.0) -> None:
-        """Wait until `healthy`; raise with both statuses if it does not happen."""
-        try:
-            wait_for(self.healthy, timeout, "pair in sync", interval=0.1)
-        except TimeoutError as exc:
-            raise TimeoutError(
-                f"{exc}\nactive {self.active_name}: {status(self.active)}\n"
-                f"passive {self.passive_name}: {status(self.passive)}\n"
-                + "\n".join(self.events[-10:])
-            ) from None
-
-    def failover(self, ready_timeout: float = 10.0) -> bool:
-        """kill -9 the active; promote the passive if it is ready, else restart the active.
-
-        The operator's procedure: only a passive whose status says `ready` is
-        promoted (epoch+1) and the old active comes back as its passive; with
-        no ready passive the old active is started again, active, same epoch.
-        Returns whether the passive was promoted.
-        """
-        old, new = self.active, self.passive
-        old.kill()
-        self.note(f"kill -9 active {old.name}")
-        try:
-            wait_for(
-                lambda: (s := status(new)) is not None and s["replication"]["ready"],
-                ready_timeout,
-                f"passive {new.name} ready for promotion",
-            )
-        except TimeoutError:
-            self.note(f"passive {new.name} not ready: restarting {old.name} as active")
-            self.link.heal()
-            old.extra_args = self.args(ACTIVE)
-            old.start()
-            return False
-        self.promote_passive()
-        old.extra_args = self.args(PASSIVE)
-        old.start()
-        self.note(f"{old.name} restarted as passive of {new.name} (epoch {self.epoch})")
-        return True
-
-    def keep_logs(self, dest: Path, why: str) -> Path:
-        """Copy both brokers' logs and the nemesis events to `dest` (pytest removes its
-        temporary directories with the evidence of a failing run); returns `dest`."""
-        dest.mkdir(parents=True, exist_ok=True)
-        for broker in self.brokers.values():
-            if broker.log_path is not None and broker.log_path.exists():
-                shutil.copy2(broker.log_path, dest / broker.log_path.name)
-        (dest / "events.txt").write_text(f"{why}\n\n" + "\n".join(self.events) + "\n")
-        return dest
-
-    def promote_passive(self) -> None:
-        """`POST /role` active at epoch+1 on the passive; point the link at it."""
-        new = self.passive
-        self.epoch += 1
-        code, body = post_role(new, ACTIVE, self.epoch)
-        if code != 200 or body.get("role") != ACTIVE:
-            raise AssertionError(f"promotion of {new.name} failed: {code} {body}")
-        self.note(f"promoted {new.name} to active in epoch {self.epoch}")
-        new.extra_args = self.args(ACTIVE)  # what it would restart with
-        self.link.retarget(new.replication_address)
-        self.active_name, self.passive_name = self.passive_name, self.active_name
 
 
 # -- the clients ----------------------------------------------------------------------------
@@ -1009,7 +728,7 @@ class Workload:
 
         # A bulk backlog takes its time to drain (a few thousand messages a second).
         drain_within = within + (self.bulk.limit or 0) / 2000 if self.bulk else within
-        await asyncio.to_thread(wait_for, drained, drain_within, "queue drained", 0.2)
+        await asyncio.to_thread(wait_for, "queue drained", drained, drain_within, 0.2)
         for consumer in self.consumers:
             consumer.stopping = True
         await asyncio.wait_for(asyncio.gather(*self._tasks), within)
@@ -1020,7 +739,7 @@ class Workload:
             return None if self.passive_left != (0, 0) else self.passive_left
 
         with contextlib.suppress(TimeoutError):
-            await asyncio.to_thread(wait_for, passive_left, 15, "passive drained", 0.2)
+            await asyncio.to_thread(wait_for, "passive drained", passive_left, 15, 0.2)
 
     def failed_delivered(self) -> set[Key]:
         """Messages a consumer received although their publish was nacked or their
@@ -1126,7 +845,7 @@ class Nemesis:
     def _traffic(self, confirms: int = 20, timeout: float = 30.0) -> None:
         """Let some publishes be confirmed before the next fault."""
         target = self.workload.confirmed + confirms
-        wait_for(lambda: self.workload.confirmed >= target, timeout, "confirms flowing")
+        wait_for("confirms flowing", lambda: self.workload.confirmed >= target, timeout)
 
     def failover(self) -> None:
         self._traffic()
@@ -1200,7 +919,7 @@ class Nemesis:
     def _seen(self, predicate: Callable[[], object], timeout: float) -> bool:
         """Whether `predicate` comes true within `timeout` (an observation, not a deadline)."""
         try:
-            wait_for(predicate, timeout, "observation", interval=0.05)
+            wait_for("observation", predicate, timeout, interval=0.05)
         except TimeoutError:
             return False
         return True
@@ -1275,12 +994,12 @@ class Nemesis:
         pair, workload = self.pair, self.workload
         start = queue_counts(status(pair.active), *workload.queues) or (0, 0)
         wait_for(
+            f"a backlog of {count} on the active",
             lambda: (
                 (c := queue_counts(status(pair.active), *workload.queues)) is not None
                 and c[0] >= start[0] + count
             ),
             60,
-            f"a backlog of {count} on the active",
             interval=0.1,
         )
 
@@ -1293,12 +1012,12 @@ class Nemesis:
             workload.hold_producers(True)
             try:
                 wait_for(
+                    f"the consumers down to {bound} ready messages",
                     lambda: (
                         (c := queue_counts(status(pair.active), *workload.queues)) is not None
                         and c[0] <= bound
                     ),
                     within,
-                    f"the consumers down to {bound} ready messages",
                     interval=0.1,
                 )
             finally:
@@ -1326,7 +1045,7 @@ class Nemesis:
 
         at: dict[str, Any] | None = None
         with contextlib.suppress(TimeoutError):
-            at = wait_for(streaming, 30, "catch-up streaming", interval=0.02)
+            at = wait_for("catch-up streaming", streaming, 30, interval=0.02)
         passive.kill()
         pair.link.heal()
         self.log.interrupted_catchups += int(at is not None)
@@ -1337,32 +1056,6 @@ class Nemesis:
         )
         return at is not None
 
-    def _kill_mid_catchup(self, passive: BrokerProcess) -> bool:
-        """Start the passive over a throttled link and kill -9 it while it catches up;
-        whether the catch-up was provably under way at the kill. Leaves it dead."""
-        pair = self.pair
-        pair.link.throttle(self.rng.choice([100_000, 200_000, 400_000]))
-        passive.extra_args = pair.args(PASSIVE)
-        passive.start()
-
-        def catching_up() -> bool:
-            s = status(pair.active, 1.0)
-            return (
-                s is not None
-                and s["replication"]["link_connected"]
-                and not s["replication"]["ready"]
-            )
-
-        mid = self._seen(catching_up, 10)
-        if mid:
-            time.sleep(self.rng.uniform(0, 0.3))
-            mid = catching_up()
-        passive.kill()
-        self.log.interrupted_catchups += int(mid)
-        pair.note(f"passive {passive.name} killed {'mid-' if mid else 'after '}catch-up")
-        pair.link.heal()
-        return mid
-
     def restart_passive_mid_catchup(self, backlog: int = 3000) -> bool:
         """kill -9 the passive, let a backlog build, restart it, kill it mid-catch-up."""
         pair, workload = self.pair, self.workload
@@ -1371,12 +1064,12 @@ class Nemesis:
         passive = pair.passive
         passive.kill()
         self._backlog(backlog)
-        mid = self._kill_mid_catchup(passive)
+        mid = self._kill_mid_stream(passive)
         passive.extra_args = pair.args(PASSIVE)
         passive.start()
         self._fault_over()
         workload.pause_consumers(False)
-        return self._proof("catch-up interrupted", mid)
+        return self._proof("catch-up interrupted with chunks durable", mid)
 
     # -- the fault matrix's families (each proves it hit the path it targets) -------------
 
@@ -1428,8 +1121,12 @@ class Nemesis:
         held = self._hold(0.1, 1.0)
         filler.release()
         self._fault_over()
-        pair.note(f"active {active.name}: disk full for {held:.2f}s (write failed: {failed})")
-        wait_for(lambda: (s := status(active)) is not None and not s["alarms"], 30, "alarm gone")
+        failure = WRITE_FAILED.search(log_since(active, mark))
+        pair.note(
+            f"active {active.name}: disk full for {held:.2f}s "
+            f"(write failed: {failure.group(0) if failure else None})"
+        )
+        wait_for("alarm gone", lambda: (s := status(active)) is not None and not s["alarms"], 30)
         return self._proof("active write failed: disk full", failed) and self._proof(
             "disk alarm raised", alarm
         )
@@ -1448,9 +1145,7 @@ class Nemesis:
             self._proof("passive neither acked nor exited within 15s: killed -9")
             self.pair.note(f"passive {passive.name} stuck on a full disk:\n{stack_dump(passive)}")
             passive.kill()
-        exited = code == EXIT_JOURNAL_FAILED and "could not be journaled" in log_since(
-            passive, mark
-        )
+        exited = code == EXIT_JOURNAL_FAILED and PASSIVE_STOPPED in log_since(passive, mark)
         self.pair.note(f"passive {passive.name}: disk full, exit code {code}")
         return filler, exited
 
@@ -1512,9 +1207,9 @@ class Nemesis:
         workload.pause_consumers(True)  # live messages in older segments
         victim = pair.active if failover else pair.passive
         wait_for(
+            f"{victim.name}: journal segments to corrupt",
             lambda: (s := status(victim)) is not None and s["journal"]["segments"] >= 4,
             60,
-            f"{victim.name}: journal segments to corrupt",
             interval=0.1,
         )
         victim.kill()
@@ -1605,7 +1300,7 @@ class Nemesis:
         the link is cut). The next catch-up must keep what was acknowledged (resume) and
         complete: the backlog queue holds as many messages on both brokers."""
         pair, load = self.pair, self.workload
-        wait_for(lambda: load.backlog_loaded, 900, "the backlog loaded", interval=0.5)
+        wait_for("the backlog loaded", lambda: load.backlog_loaded, 900, interval=0.5)
         self._traffic()
         passive = pair.passive
         passive.kill()
@@ -1626,7 +1321,7 @@ class Nemesis:
 
         at: dict[str, Any] | None = None
         with contextlib.suppress(TimeoutError):
-            at = wait_for(streaming, 60, "catch-up streaming", interval=0.02)
+            at = wait_for("catch-up streaming", streaming, 60, interval=0.02)
         passive.kill() if kill else pair.link.cut()
         durable = 0 if at is None else at["kept"] + at["acked_messages"]  # on the passive
         mid = at is not None and durable < at["candidates"]
@@ -1798,8 +1493,10 @@ MATRIX = (
         "kill-passive", ("kill-passive", "restart-passive-mid-catchup"),
         "kill -9 of the passive: the active degrades and confirms alone, the restarted "
         "passive catches up (every other cycle it is killed again in the middle of it)",
-        "the process died of SIGKILL and the active's /status stopped saying ready; the "
-        "catch-up was under way (link up, passive not ready) at the second kill",
+        "the process died of SIGKILL and the active's /status stopped saying ready; at "
+        "the second kill 1-4 catch-up chunks durable on the passive and more to come "
+        "(the active's /status replication.catchup)",
+        catchup_chunk_bytes=32 * 1024,
     ),
     FaultClass(
         "sigstop", ("pause-active", "pause-passive"),

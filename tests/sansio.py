@@ -15,14 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rawamqp import decode_frames, handshake_frames
-
 from twinmq.broker.auth import Authenticator, User
 from twinmq.broker.channel import Channel
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import Connection, Limits
 from twinmq.broker.journal import Journal
 from twinmq.broker.vhost import VirtualHost
+from twinmq.testing.rawamqp import decode_frames, handshake_frames
 
 PRODUCT_VERSION = "0.0.0-test"
 

@@ -26,8 +26,8 @@ from twinmq.broker.admin_client import (
     Unauthorized,
 )
 from twinmq.broker.auth import hash_password
-from twinmq.broker.launcher import BrokerProcess, free_port
 from twinmq.broker.names import ACTIVE, ADMIN_TOKEN_ENV, PASSIVE
+from twinmq.testing.launcher import BrokerProcess, free_port
 
 TOKEN = "t0ken"
 

@@ -22,7 +22,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from aio_pika.exceptions import ChannelNotFoundEntity, ChannelPreconditionFailed, DeliveryError
 from aiormq.exceptions import ChannelAccessRefused, ChannelLockedResource
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 TIMEOUT = 20.0
 

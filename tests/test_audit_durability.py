@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 from disks import small_tmpfs
 from pamqp import commands, header
-from polling import until
 
 from twinmq.audit.records import AuditEvent, AuditRecord, segment_records
 from twinmq.broker import metrics
@@ -28,6 +27,7 @@ from twinmq.broker.auditlog import AuditLog, message_id_json
 from twinmq.broker.codec import decode_content_header
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.journal import Journal, Settle, StoredMessage
+from twinmq.testing.waiting import until
 
 MANY = 400  # records of the batch whose audit write meets the full disk (more than a page)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,12 @@ from twinmq.audit.store import Store, ship
 from twinmq.audit.summary import Verdict
 from twinmq.broker.admin_client import AdminUnreachable
 from twinmq.broker.api import BrokerStatus
-from twinmq.broker.launcher import BrokerProcess
-from twinmq.broker.names import ACTIVE, REPLICATION_TOKEN_ENV
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair
+from twinmq.testing.waiting import wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]  # a JVM: minutes on 2 cores
 
-TOKEN = "audit-test-replication-token"
 QUEUE = "audit.real"
 
 
@@ -43,30 +42,9 @@ def _status(broker: BrokerProcess) -> BrokerStatus | None:
         return None
 
 
-def _wait(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(what)
-
-
 def _ready(broker: BrokerProcess, flag: str = "ready") -> bool:
     s = _status(broker)
     return s is not None and bool(getattr(s.replication, flag))
-
-
-def _promote(broker: BrokerProcess, epoch: int) -> None:
-    assert broker.admin.set_role(ACTIVE, epoch, timeout=10).role == ACTIVE
-
-
-def _args(epoch: int, replicate_from: str | None = None) -> list[str]:
-    args = ["--epoch", str(epoch), "--replication-timeout", "1.0",
-            "--audit-segment-seconds", "1"]  # fmt: skip
-    if replicate_from:
-        args += ["--role", "passive", "--replicate-from", replicate_from]
-    return args
 
 
 class Publisher:
@@ -101,13 +79,8 @@ class Publisher:
 
 def fault_run(root: Path) -> tuple[BrokerProcess, BrokerProcess]:
     """The run of the module docstring; returns the stopped brokers."""
-    env = {REPLICATION_TOKEN_ENV: TOKEN}
-    a = BrokerProcess(root / "a", name="a", env=dict(env), extra_args=_args(1)).start()
-    b = BrokerProcess(root / "b", name="b", env=dict(env))
-    b.extra_args = _args(1, a.replication_address)
-    b.start()
-    try:
-        _wait(lambda: _ready(a) and _ready(b), "pair in sync")
+    with Pair(root, broker_args=["--audit-segment-seconds", "1"], link=False) as pair:
+        a, b = pair.active, pair.passive
         client = Publisher(a)
         client.send(range(0, 300))
         client.consume(100)
@@ -115,28 +88,23 @@ def fault_run(root: Path) -> tuple[BrokerProcess, BrokerProcess]:
         b.signal(signal.SIGSTOP)
         time.sleep(1.5)
         client.send(range(300, 400))
-        _wait(lambda: _ready(a, "degraded"), "active degraded")
+        wait_for("active degraded", lambda: _ready(a, "degraded"))
         client.send(range(400, 450))
         client.consume(20)
         b.signal(signal.SIGCONT)
-        _wait(lambda: _ready(a) and _ready(b), "passive caught up")
+        wait_for("passive caught up", lambda: _ready(a) and _ready(b))
         client.send(range(450, 600))
         client.close()
         # Failover: a dies, b is promoted in epoch 2, a comes back as b's passive.
         a.kill()
-        _promote(b, 2)
-        a.extra_args = _args(2, b.replication_address)
-        a.start()
-        _wait(lambda: _ready(a) and _ready(b), "a caught up as passive")
+        pair.promote_passive()
+        pair.rejoin(a)
+        wait_for("a caught up as passive", lambda: _ready(a) and _ready(b))
         client = Publisher(b)
         client.send(range(600, 800))
         client.consume()
         client.close()
         time.sleep(0.5)
-    finally:
-        for broker in (a, b):
-            broker.signal(signal.SIGCONT)
-            broker.stop()
     return a, b
 
 

@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 from twinmq.audit.records import AuditBatch, AuditEvent, AuditRecord  # noqa: E402
 from twinmq.audit.schema import arrow_schema  # noqa: E402
 from twinmq.audit.store import SegmentName, ShipError, Store, ship  # noqa: E402
+from twinmq.testing.waiting import wait_for  # noqa: E402
 
 
 def _line(broker: str, epoch: int, rid: int, event: str = "confirmed", t: float = 1.0) -> str:
@@ -81,10 +81,8 @@ def test_the_shipper_sidecar_ships_a_last_time_and_exits_on_sigterm(tmp_path: Pa
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while not store.segments() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(store.segments()) == 1, "the first pass shipped nothing"
+        wait_for("the first pass to ship", store.segments, 60)
+        assert len(store.segments()) == 1
         _write_segment(audit, "a", 1, 2, range(4, 6))  # closed by the broker's shutdown
         shipper.terminate()
         assert shipper.wait(timeout=60) == 0
@@ -201,16 +199,19 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def serving() -> bool:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
         except OSError:
-            time.sleep(0.1)
-    else:
+            return False
+        return True
+
+    try:
+        wait_for("the moto server to listen", serving, 30)
+    except TimeoutError:
         proc.kill()
-        raise TimeoutError("moto server did not start")
+        raise
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -17,10 +17,12 @@ from typing import Any
 
 import pika
 import pytest
-from jepsen import Pair, log_since, log_size, queue_counts, status, wait_for
-from queues import drain
+from jepsen import log_since, log_size, queue_counts
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair, status
+from twinmq.testing.queues import drain
+from twinmq.testing.waiting import wait_for
 
 CHUNK = 16 * 1024  # catch-up chunk bytes: ~15 messages of 1 KiB
 PIPE = 64 * 1024  # bytes per second through the proxy: a catch-up of seconds
@@ -125,7 +127,7 @@ def slow_catch_up(
         state = catchup(active)
         return state is not None and state["in_progress"] and state["acked_chunks"] >= chunks
 
-    wait_for(under_way, 20, f"{chunks} catch-up chunks on the passive's disk", interval=0.02)
+    wait_for(f"{chunks} catch-up chunks on the passive's disk", under_way, 20, interval=0.02)
 
 
 def test_a_catch_up_of_many_chunks_completes_and_a_failover_loses_nothing(pair: Pair) -> None:
@@ -205,7 +207,7 @@ def test_a_passive_reconnecting_during_its_catch_up_never_holds_up_confirms(pair
     publish(active, Q1, bodies("backlog", 300), confirm=False)
     pair.link.heal()
     pair.link.throttle(PIPE)  # (heal opens the pipe wide: thin it again)
-    wait_for(lambda: (s := catchup(active)) is not None and s["acked_chunks"] >= 1, 20, "catch-up")
+    wait_for("catch-up", lambda: (s := catchup(active)) is not None and s["acked_chunks"] >= 1, 20)
     publish(active, Q1, bodies("live", 10))
     assert not replication(passive)["ready"], "confirms waited for the catch-up to end"
     # A reconnect loop during the catch-up (cut, back, cut, back) extends nothing.
@@ -214,9 +216,9 @@ def test_a_passive_reconnecting_during_its_catch_up_never_holds_up_confirms(pair
         pair.link.heal()
         pair.link.throttle(PIPE)
         wait_for(
+            f"catch-up resumed ({round_})",
             lambda: (s := catchup(active)) is not None and s["in_progress"] and s["kept"] > 0,
             20,
-            f"catch-up resumed ({round_})",
         )
         publish(active, Q1, bodies(f"live{round_}", 10))
         assert not replication(passive)["ready"], "confirms waited for the catch-up to end"
@@ -260,7 +262,7 @@ def test_a_passive_that_stops_during_a_thin_catch_up_is_still_dropped_and_resume
         pair.link.partition()  # the link moves nothing either way
     try:
         wait_for(
-            lambda: not replication(active)["link_connected"], 30, "the stopped passive dropped"
+            "the stopped passive dropped", lambda: not replication(active)["link_connected"], 30
         )
         assert "stalled" in log_since(active, offset)
     finally:

@@ -12,10 +12,17 @@ from pathlib import Path
 
 import pytest
 from pamqp import commands
-from rawamqp import PROTOCOL_HEADER, content, decode_frames, encode, publish, start_ok
 from sansio import PRODUCT_VERSION, Harness, Peer
 
 from twinmq.broker.connection import State
+from twinmq.testing.rawamqp import (
+    PROTOCOL_HEADER,
+    content,
+    decode_frames,
+    encode,
+    publish,
+    start_ok,
+)
 
 FRAME_END = b"\xce"
 

@@ -11,10 +11,10 @@ import aio_pika
 import pika
 import pytest
 from aio_pika.abc import AbstractChannel
-from queues import drain as _drain
 
 from twinmq.audit.records import AuditEvent, body_digest, segment_records
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.queues import drain as _drain
 
 QUEUE = "crash.q"
 
@@ -66,7 +66,7 @@ def _crash_cycle(data: Path, kill_after: int) -> tuple[set[int], list[int], int]
     confirmed, sent = asyncio.run(_publish_until_killed(broker, kill_after))
     restarted = BrokerProcess(data, name="crash", port=broker.port).start()
     try:
-        received = [int(b) for b in _drain(restarted, QUEUE)]
+        received = [int(b) for b in _drain(restarted.url, QUEUE)]
     finally:
         restarted.stop()
     return confirmed, received, sent
@@ -127,7 +127,7 @@ def test_committed_transactions_survive_kill_9_whole(tmp_path: Path) -> None:
     broker.kill()
     restarted = BrokerProcess(data, name="txcrash", port=broker.port).start()
     try:
-        bodies = [b.decode() for b in _drain(restarted, "tx.q")]
+        bodies = [b.decode() for b in _drain(restarted.url, "tx.q")]
     finally:
         restarted.stop()
     batches: dict[str, int] = {}
@@ -155,7 +155,7 @@ def test_acked_messages_do_not_come_back_after_clean_restart(tmp_path: Path) -> 
         conn.close()
         port = broker.port
     with BrokerProcess(data, name="ack", port=port) as broker:
-        assert [int(b) for b in _drain(broker, "ack.q")] == list(range(60, 100))
+        assert [int(b) for b in _drain(broker.url, "ack.q")] == list(range(60, 100))
 
 
 def test_transient_messages_do_not_survive_restart(tmp_path: Path) -> None:
@@ -170,7 +170,7 @@ def test_transient_messages_do_not_survive_restart(tmp_path: Path) -> None:
         conn.close()
         port = broker.port
     with BrokerProcess(data, name="transient", port=port) as broker:
-        assert _drain(broker, "mixed.q") == [b"persistent"]
+        assert _drain(broker.url, "mixed.q") == [b"persistent"]
 
 
 def test_a_restarted_active_never_reuses_replication_ids_of_its_previous_run(

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pika
 import pytest
-from queues import drain as _drain
-from queues import opted_in
 
 from twinmq.broker.dedup import DedupWindow
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.names import ACTIVE, REPLICATION_TOKEN_ENV
 from twinmq.client import ReliablePublisher
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.queues import drain as _drain
+from twinmq.testing.queues import opted_in
 
 
 def test_window_forgets_the_oldest_ids_beyond_its_size(tmp_path: Path) -> None:
@@ -42,7 +42,7 @@ def test_resent_message_id_is_confirmed_but_not_enqueued_twice(fresh_broker: Bro
     ch.basic_publish("", "dedup.q", b"re-sent", props)  # confirmed, not an error
     ch.basic_publish("", "dedup.q", b"other", pika.BasicProperties(message_id="order-43"))
     conn.close()
-    assert _drain(fresh_broker, "dedup.q") == [b"first", b"other"]
+    assert _drain(fresh_broker.url, "dedup.q") == [b"first", b"other"]
 
 
 def test_a_plain_client_that_republishes_the_same_message_gets_both(
@@ -57,7 +57,7 @@ def test_a_plain_client_that_republishes_the_same_message_gets_both(
     ch.basic_publish("", "retry.q", b"attempt", props)
     ch.basic_publish("", "retry.q", b"attempt", props)
     conn.close()
-    assert _drain(fresh_broker, "retry.q") == [b"attempt", b"attempt"]
+    assert _drain(fresh_broker.url, "retry.q") == [b"attempt", b"attempt"]
 
 
 def test_dedup_scope_all_applies_to_every_client(tmp_path: Path) -> None:
@@ -71,7 +71,7 @@ def test_dedup_scope_all_applies_to_every_client(tmp_path: Path) -> None:
         ch.basic_publish("", "all.q", b"x", props)
         ch.basic_publish("", "all.q", b"x", props)
         conn.close()
-        assert _drain(broker, "all.q") == [b"x"]
+        assert _drain(broker.url, "all.q") == [b"x"]
 
 
 def test_dedup_window_survives_a_restart(tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_dedup_window_survives_a_restart(tmp_path: Path) -> None:
         ch.queue_declare("dd.q", durable=True)
         ch.confirm_delivery()
         ch.basic_publish("", "dd.q", b"x", pika.BasicProperties(delivery_mode=2, message_id="m1"))
-        assert _drain(broker, "dd.q") == [b"x"]  # consumed: only the window remembers it
+        assert _drain(broker.url, "dd.q") == [b"x"]  # consumed: only the window remembers it
         conn.close()
         port = broker.port
     with BrokerProcess(data, name="dd", port=port) as broker:
@@ -91,7 +91,7 @@ def test_dedup_window_survives_a_restart(tmp_path: Path) -> None:
         ch.confirm_delivery()
         ch.basic_publish("", "dd.q", b"x", pika.BasicProperties(delivery_mode=2, message_id="m1"))
         conn.close()
-        assert _drain(broker, "dd.q") == []
+        assert _drain(broker.url, "dd.q") == []
 
 
 def _ready(broker: BrokerProcess) -> bool:
@@ -148,7 +148,7 @@ def test_reliable_publisher_enqueues_each_message_once_across_a_failover(tmp_pat
             return sent, publisher
 
         sent, publisher = asyncio.run(run())
-        bodies = [int(b) for b in _drain(passive, "orders")]
+        bodies = [int(b) for b in _drain(passive.url, "orders")]
         assert sorted(bodies) == list(range(total)), "lost or duplicated messages"
         assert len(sent) == total
         assert publisher.reconnects >= 1, "the failover did not happen under the publisher"

@@ -14,11 +14,11 @@ import pika
 import pika.exceptions
 import pytest
 from aio_pika.exceptions import DeliveryError
-from jepsen import Pair
-from queues import drain, opted_in
 
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.client import ReliablePublisher
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair
+from twinmq.testing.queues import drain, opted_in
 
 PERSISTENT = 2
 
@@ -43,7 +43,7 @@ def test_a_resend_after_basic_return_is_enqueued(fresh_broker: BrokerProcess) ->
     ch.queue_declare("later.q", durable=True)
     ch.basic_publish("", "later.q", b"re-sent", _props("r-1"), mandatory=True)
     conn.close()
-    assert drain(fresh_broker, "later.q") == [b"re-sent"]
+    assert drain(fresh_broker.url, "later.q") == [b"re-sent"]
 
 
 def test_a_resend_after_a_reject_publish_nack_is_enqueued(fresh_broker: BrokerProcess) -> None:
@@ -54,10 +54,10 @@ def test_a_resend_after_a_reject_publish_nack_is_enqueued(fresh_broker: BrokerPr
     ch.basic_publish("", "tight.q", b"a", _props("n-a"))
     with pytest.raises(pika.exceptions.NackError):
         ch.basic_publish("", "tight.q", b"b", _props("n-b"))
-    assert drain(fresh_broker, "tight.q") == [b"a"]  # room again
+    assert drain(fresh_broker.url, "tight.q") == [b"a"]  # room again
     ch.basic_publish("", "tight.q", b"b", _props("n-b"))
     conn.close()
-    assert drain(fresh_broker, "tight.q") == [b"b"]
+    assert drain(fresh_broker.url, "tight.q") == [b"b"]
 
 
 def test_a_resend_after_a_rollback_is_enqueued(fresh_broker: BrokerProcess) -> None:
@@ -73,7 +73,7 @@ def test_a_resend_after_a_rollback_is_enqueued(fresh_broker: BrokerProcess) -> N
     ch.basic_publish("", "tx.q", b"duplicate", _props("t-1"))
     ch.tx_commit()
     conn.close()
-    assert drain(fresh_broker, "tx.q") == [b"committed"]
+    assert drain(fresh_broker.url, "tx.q") == [b"committed"]
 
 
 def test_reliable_publisher_resend_after_a_nack_is_enqueued(fresh_broker: BrokerProcess) -> None:
@@ -87,13 +87,13 @@ def test_reliable_publisher_resend_after_a_nack_is_enqueued(fresh_broker: Broker
             await publisher.publish(b"a", "client.q", message_id="c-a")
             with pytest.raises(DeliveryError):
                 await publisher.publish(b"b", "client.q", message_id="c-b")
-            assert await asyncio.to_thread(drain, fresh_broker, "client.q") == [b"a"]
+            assert await asyncio.to_thread(drain, fresh_broker.url, "client.q") == [b"a"]
             await publisher.publish(b"b", "client.q", message_id="c-b")
         finally:
             await publisher.close()
 
     asyncio.run(run())
-    assert drain(fresh_broker, "client.q") == [b"b"]
+    assert drain(fresh_broker.url, "client.q") == [b"b"]
 
 
 @pytest.mark.timeout(90)
@@ -114,7 +114,7 @@ def test_a_resend_after_a_nack_is_enqueued_on_the_promoted_passive(tmp_path: Pat
         pair.active.kill()
         pair.promote_passive()
         promoted = pair.active
-        assert drain(promoted, "pair.q") == [b"a"]
+        assert drain(promoted.url, "pair.q") == [b"a"]
         conn = opted_in(promoted)
         ch = conn.channel()
         ch.confirm_delivery()
@@ -122,5 +122,5 @@ def test_a_resend_after_a_nack_is_enqueued_on_the_promoted_passive(tmp_path: Pat
         ch.basic_publish("", "pair.q", b"b", _props("p-b"))
         ch.basic_publish("", "late.q", b"c", _props("p-c"), mandatory=True)
         conn.close()
-        assert drain(promoted, "pair.q") == [b"b"]
-        assert drain(promoted, "late.q") == [b"c"]
+        assert drain(promoted.url, "pair.q") == [b"b"]
+        assert drain(promoted.url, "late.q") == [b"c"]

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from polling import until
-
 from twinmq.broker.replication.delivery import DeliveryMeter
+from twinmq.testing.waiting import until
 
 PAYLOAD = b"x" * (16 * 1024 * 1024)  # more than loopback's socket buffers hold
 

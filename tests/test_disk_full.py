@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,14 +11,16 @@ import pika
 import pika.exceptions
 import pytest
 from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
-from jepsen import post_role, status, wait_for
-from queues import drain
+from jepsen import DiskFiller, log_since, log_size
 
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.broker.journal import Journal, JournalError, StoredMessage
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import NoSmallDisk, Pair, post_role, status
+from twinmq.testing.queues import drain
+from twinmq.testing.waiting import wait_for
 
 
 @pytest.fixture
@@ -31,13 +32,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 def wait_for_alarms(broker: BrokerProcess, expected: list[str]) -> None:
     """Poll the admin API until the broker reports exactly `expected` alarms."""
-    deadline = time.monotonic() + 10
-    while True:
-        alarms = broker.admin.status().alarms
-        if alarms == expected:
-            return
-        assert time.monotonic() < deadline, f"alarms {alarms}, expected {expected}"
-        time.sleep(0.1)
+    wait_for(f"alarms {expected}", lambda: broker.admin.status().alarms == expected, 10)
 
 
 def test_full_disk_nacks_blocks_and_recovers_without_losing_confirms(small_disk: Path) -> None:
@@ -75,19 +70,18 @@ def test_full_disk_nacks_blocks_and_recovers_without_losing_confirms(small_disk:
     # ... until space comes back: the alarm clears and publishing works again.
     filler.unlink()
     wait_for_alarms(broker, [])
-    deadline = time.monotonic() + 10
-    while True:
+
+    def published() -> pika.BlockingConnection | None:
         try:
             conn = pika.BlockingConnection(pika.ConnectionParameters(port=broker.port))
             ch = conn.channel()
             ch.confirm_delivery()
             ch.basic_publish("", "full.q", body + b"after", pika.BasicProperties(delivery_mode=2))
-            break
         except (pika.exceptions.NackError, pika.exceptions.AMQPConnectionError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-    conn.close()
+            return None
+        return conn
+
+    wait_for("a confirmed publish once the disk has room", published, 10, interval=0.2).close()
     broker.kill()
     restarted = BrokerProcess(
         data, name="full", extra_args=args, port=broker.port, log_path=small_disk.parent / "b.log"
@@ -115,7 +109,7 @@ def _restart_and_drain(
     broker.kill()
     restarted = BrokerProcess(data, name=broker.name, extra_args=args, port=broker.port).start()
     try:
-        return drain(restarted, queue)
+        return drain(restarted.url, queue)
     finally:
         restarted.stop()
 
@@ -248,7 +242,7 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
         ch = conn.channel()
         ch.queue_declare("pair.q", durable=True)
         ch.confirm_delivery()
-        wait_for(lambda: (status(passive) or {})["replication"]["ready"], 30, "passive ready")
+        wait_for("passive ready", lambda: (status(passive) or {})["replication"]["ready"], 30)
         body = b"p" * 4096
         total = 2000
         for i in range(total):
@@ -262,10 +256,105 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
 
         filler.unlink()
         passive = pair.restart_passive()
-        wait_for(lambda: (status(passive) or {})["replication"]["ready"], 60, "passive back")
+        wait_for("passive back", lambda: (status(passive) or {})["replication"]["ready"], 60)
         active.kill()
         assert post_role(passive, "active", 2)[0] == 200
-        seen = {b[len(body) :].decode() for b in drain(passive, "pair.q")}
+        seen = {b[len(body) :].decode() for b in drain(passive.url, "pair.q")}
         assert seen == {str(i) for i in range(total)}, "a confirmed message was lost"
+    finally:
+        pair.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_passive_that_cannot_save_the_topology_on_a_full_disk_exits_75_not_silent(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """Finding 10 (docs/reliability.md): a passive whose full disk refused the topology file
+    (a declare on the active, or the definitions of a reconnect) lost its replication task
+    and went silent: linked no more, never acknowledging, never exiting. It must exit 75
+    (its memory holds a topology its disk does not) and recover after a restart; the active
+    meanwhile goes on alone and confirms what its own disk holds."""
+    pair = PassiveOnSmallDisk(small_disk, tmp_path, "defs-full-pair", replication_timeout=1)
+    active, passive = pair.active, pair.passive
+    try:
+        wait_for("passive ready", lambda: (status(passive) or {})["replication"]["ready"], 30)
+        filler = DiskFiller(small_disk)
+        try:
+            conn = pika.BlockingConnection(pika.URLParameters(active.url))
+            ch = conn.channel()
+            ch.queue_declare("defs.q", durable=True)  # the passive must save the topology
+            assert passive.proc is not None
+            code = passive.proc.wait(timeout=30)
+            assert code == EXIT_JOURNAL_FAILED, f"passive exited {code}, not 75"
+            assert "could not save the topology" in pair.passive_log.read_text()
+            # The degrade rule: the active confirms alone once the passive is gone.
+            ch.confirm_delivery()
+            ch.basic_publish("", "defs.q", b"alone", pika.BasicProperties(delivery_mode=2))
+            conn.close()
+        finally:
+            filler.release()
+        passive = pair.restart_passive()
+        wait_for("passive back", lambda: (status(passive) or {})["replication"]["ready"], 60)
+        active.kill()
+        assert post_role(passive, "active", 2)[0] == 200
+        assert drain(passive.url, "defs.q") == [b"alone"]
+    finally:
+        pair.stop()
+
+
+def test_a_queue_declare_the_full_disk_refused_leaves_no_queue_to_confirm_into(
+    small_disk: Path,
+) -> None:
+    """A durable queue.declare whose topology file the full disk refused failed (541) but
+    left the queue in memory: a client that declared it again got declare-ok, its publishes
+    were confirmed, and the restart dropped them all (recovery keeps only the messages of
+    queues the topology file holds). The refused declare must leave no queue behind."""
+    data = small_disk / "data"
+    args = ["--disk-free-limit", "0"]
+    broker = BrokerProcess(data, name="defsfull", extra_args=args).start()
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+    conn.channel().queue_declare("first.q", durable=True)  # a topology file exists
+    filler = DiskFiller(small_disk)
+    try:
+        with pytest.raises(pika.exceptions.AMQPError):
+            conn.channel().queue_declare("late.q", durable=True)
+    finally:
+        filler.release()
+    with contextlib.suppress(pika.exceptions.AMQPError):
+        conn.close()
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+    ch = conn.channel()
+    ch.queue_declare("late.q", durable=True)  # the client's retry, space back
+    ch.confirm_delivery()
+    ch.basic_publish("", "late.q", b"confirmed", pika.BasicProperties(delivery_mode=2))
+    conn.close()
+    assert _restart_and_drain(broker, data, args, "late.q") == [b"confirmed"]
+
+
+@pytest.mark.timeout(120)
+def test_a_passive_on_a_full_disk_that_loses_its_link_exits_75_on_reconnecting(
+    tmp_path: Path,
+) -> None:
+    """Finding 10 as the compound class met it: the passive's disk is full, its link
+    drops (the matrix's link-silence rule under load) and it reconnects; saving the
+    active's topology then fails. It must exit 75, not sit unlinked and silent."""
+    try:
+        pair = Pair(tmp_path, replication_timeout=1.0, disk_bytes=16 * 1024 * 1024).start()
+    except NoSmallDisk as exc:
+        pytest.skip(str(exc))
+    try:
+        passive = pair.passive
+        mark = log_size(passive)
+        filler = DiskFiller(passive.data_dir)
+        try:
+            pair.link.cut()
+            pair.link.heal()
+            assert passive.proc is not None
+            assert passive.proc.wait(timeout=30) == EXIT_JOURNAL_FAILED
+            assert "could not save the topology" in log_since(passive, mark)
+        finally:
+            filler.release()
+        passive.start()
+        pair.wait_healthy(30)
     finally:
         pair.stop()

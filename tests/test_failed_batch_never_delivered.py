@@ -18,11 +18,12 @@ import pika
 import pika.exceptions
 import pytest
 from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
-from jepsen import post_role, status, wait_for
-from queues import drain, opted_in
 
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.server import EXIT_JOURNAL_FAILED
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import post_role, status
+from twinmq.testing.queues import drain, opted_in
+from twinmq.testing.waiting import wait_for
 
 FULL = ["--disk-free-limit", "0", "--segment-bytes", str(1024 * 1024)]
 BODY = b"v" * 4096
@@ -79,7 +80,7 @@ def _marker_after_space_returns(broker: BrokerProcess, disk: Path, queue: str) -
             return False
         return True
 
-    wait_for(published, 20, "a confirmed publish once space returned", interval=0.2)
+    wait_for("a confirmed publish once space returned", published, 20, interval=0.2)
 
 
 def test_a_failed_tx_commit_is_never_delivered_to_a_live_consumer(small_disk: Path) -> None:
@@ -98,7 +99,7 @@ def test_a_failed_tx_commit_is_never_delivered_to_a_live_consumer(small_disk: Pa
         with contextlib.suppress(pika.exceptions.AMQPError):
             conn.close()
         _marker_after_space_returns(broker, small_disk, "vis.q")
-        wait_for(lambda: b"marker" in consumer.bodies, 20, "the marker delivered")
+        wait_for("the marker delivered", lambda: b"marker" in consumer.bodies, 20)
         consumer.stop()
         seen = {b[len(BODY) :].decode() for b in consumer.bodies if b != b"marker"}
         failed = {f"{failed_txn}.{i}" for i in range(10)}
@@ -133,7 +134,7 @@ def test_a_nacked_publish_is_never_delivered_to_a_live_consumer(small_disk: Path
         with contextlib.suppress(pika.exceptions.AMQPError):
             conn.close()
         _marker_after_space_returns(broker, small_disk, "nack.q")
-        wait_for(lambda: b"marker" in consumer.bodies, 20, "the marker delivered")
+        wait_for("the marker delivered", lambda: b"marker" in consumer.bodies, 20)
         consumer.stop()
         seen = [b[len(BODY) :].decode() for b in consumer.bodies if b != b"marker"]
         assert str(nacked) not in seen, "a nacked publish was delivered"
@@ -192,7 +193,7 @@ def test_a_promoted_passive_takes_a_resend_of_what_its_failed_write_lost(
         conn = opted_in(active)
         ch = conn.channel()
         ch.queue_declare("dd.q", durable=True)
-        wait_for(lambda: (status(passive) or {})["replication"]["ready"], 30, "passive ready")
+        wait_for("passive ready", lambda: (status(passive) or {})["replication"]["ready"], 30)
         # Unconfirmed (no confirm mode): bigger than the passive's free space.
         big = b"D" * (8 * 1024 * 1024)
         ch.basic_publish("", "dd.q", big, pika.BasicProperties(delivery_mode=2, message_id="m1"))

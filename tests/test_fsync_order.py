@@ -35,7 +35,6 @@ from types import TracebackType
 
 import pika
 import pytest
-from jepsen import Pair, wait_for
 from syscalls import (
     Replication,
     Syscall,
@@ -48,7 +47,9 @@ from syscalls import (
     parse,
 )
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair
+from twinmq.testing.waiting import wait_for
 
 STRACE = shutil.which("strace")
 # Everything a broker may write a socket or a segment with, read a socket with, or sync with.
@@ -91,9 +92,9 @@ class Strace:
         attached = f"Process {self.pid} attached"
         proc = self.proc
         wait_for(
+            f"strace attached to {self.pid}",
             lambda: proc.poll() is not None or attached in self.errors.read_text(),
             15,
-            f"strace attached to {self.pid}",
         )
         if proc.poll() is not None:
             text = self.errors.read_text().strip()

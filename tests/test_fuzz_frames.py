@@ -22,7 +22,13 @@ from hypothesis import strategies as st
 from pamqp import commands
 from pamqp.base import Frame as MethodFrame
 from pamqp.frame import _unmarshal_method_frame
-from rawamqp import (
+from sansio import Harness, Peer
+
+from twinmq.broker.codec import FrameReader
+from twinmq.broker.connection import State
+from twinmq.broker.errors import AMQPError, ReplyCode
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.rawamqp import (
     PROTOCOL_HEADER,
     RawClient,
     connections,
@@ -32,14 +38,8 @@ from rawamqp import (
     pika_round_trip,
     raw_frame,
     split_frames,
-    wait_for,
 )
-from sansio import Harness, Peer
-
-from twinmq.broker.codec import FrameReader
-from twinmq.broker.connection import State
-from twinmq.broker.errors import AMQPError, ReplyCode
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.waiting import wait_for
 
 # Fuzzed frames decode to basic.recover-async now and then, which pamqp warns about.
 pytestmark = pytest.mark.filterwarnings("ignore:This command is deprecated:DeprecationWarning")
@@ -428,7 +428,7 @@ def test_garbage_on_a_socket_leaves_the_broker_serving(
         # The broker may hang up before it has read everything.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             client.send(garbage)
-    wait_for(lambda: connections(broker) == baseline)
+    wait_for("the connection count back to its baseline", lambda: connections(broker) == baseline)
     pika_round_trip(broker.url)
 
 

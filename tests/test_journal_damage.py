@@ -15,13 +15,15 @@ from pathlib import Path
 
 import pika
 import pytest
-from jepsen import Pair, post_role, queue_counts, status, wait_for
-from queues import drain
+from jepsen import queue_counts
 
 from twinmq.broker.admin_client import metric_samples
 from twinmq.broker.journal.ops import TAG_MSG, decode_group
 from twinmq.broker.journal.segment import HEADER, REC
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair, post_role, status
+from twinmq.testing.queues import drain
+from twinmq.testing.waiting import wait_for
 
 QUEUE = "damage.q"
 
@@ -137,7 +139,7 @@ def test_a_broker_restarted_over_a_corrupt_journal_serves_and_reports_it(
         assert metrics["twinmq_journal_quarantined_files"] == 1
         assert metrics["twinmq_broker_damaged"] == 1
         _publish(broker, [b"after"])
-        assert drain(broker, QUEUE) == [b for b in sent if b not in lost] + [b"after"]
+        assert drain(broker.url, QUEUE) == [b for b in sent if b not in lost] + [b"after"]
     kept = broker.data_dir / "quarantine" / victim.name
     assert kept.read_bytes() == damaged, "the damaged file was changed"
     assert not victim.exists()
@@ -162,7 +164,7 @@ def test_a_torn_tail_is_a_warning_and_does_not_damage_the_broker(tmp_path: Path)
         journal = (status(broker) or {})["journal"]
         assert journal["damaged"] is False and journal["corruption"] == []
         assert _metrics(broker)["twinmq_broker_damaged"] == 0
-        assert drain(broker, QUEUE) == sent
+        assert drain(broker.url, QUEUE) == sent
     assert broker.log_path is not None
     log = broker.log_path.read_text()
     assert " WARNING " in log and "torn tail" in log and " ERROR " not in log
@@ -270,9 +272,9 @@ def test_a_forced_damaged_active_never_makes_its_passive_discard(
         assert "discarded 0" in a.log_path.read_text()
         # The proof: b, promoted, still has every confirmed message.
         a.kill()
-        wait_for(lambda: (s := status(b)) and s["replication"]["ready"], 5, "b ready")
+        wait_for("b ready", lambda: (s := status(b)) and s["replication"]["ready"], 5)
         pair.promote_passive()
-        assert sorted(drain(b, QUEUE)) == sorted(sent)
+        assert sorted(drain(b.url, QUEUE)) == sorted(sent)
 
 
 @pytest.mark.parametrize("timeout", [1.0])
@@ -284,7 +286,7 @@ def test_a_damaged_broker_back_as_passive_is_healed_by_catch_up(
         sent = _bodies("m", 60)
         _publish(a, sent)
         a.kill()
-        wait_for(lambda: (s := status(b)) and s["replication"]["ready"], 5, "b ready")
+        wait_for("b ready", lambda: (s := status(b)) and s["replication"]["ready"], 5)
         pair.promote_passive()
         _, _, lost = _corrupt_a_record(a.data_dir / "journal")
         assert lost
@@ -294,9 +296,9 @@ def test_a_damaged_broker_back_as_passive_is_healed_by_catch_up(
         assert _passive_holds(pair, 60)  # a got back what it lost
         assert (status(a) or {})["journal"]["damaged"] is False
         b.kill()
-        wait_for(lambda: (s := status(a)) and s["replication"]["ready"], 5, "a ready")
+        wait_for("a ready", lambda: (s := status(a)) and s["replication"]["ready"], 5)
         pair.promote_passive()  # no force needed: a was made whole by the catch-up
-        assert sorted(drain(a, QUEUE)) == sorted(sent)
+        assert sorted(drain(a.url, QUEUE)) == sorted(sent)
         assert (status(a) or {})["journal"]["healed_by"] == "b"
 
 
@@ -339,3 +341,32 @@ def test_the_operator_reports_a_damaged_broker_and_where_its_damaged_file_went(
     unreachable = {"primary": gone, "backup": BrokerView("backup", reachable=False)}
     assert damage_of(status, unreachable, {"primary": None, "backup": None}) == found
     assert damaged_condition(BrokerClusterStatus())[1] is False
+
+
+def test_a_bit_flipped_in_the_topology_file_is_refused_not_read_as_a_deleted_queue(
+    tmp_path: Path,
+) -> None:
+    """definitions.json is valid JSON after most bit flips: a queue's `qid` 2 read as 6
+    made recovery take queue 2 for one deleted before the crash and drop its messages,
+    confirmed, silently (and the passive then discarded them too in its catch-up). The
+    file carries a checksum: a damaged one stops the start, loudly, and erases nothing."""
+    data = tmp_path / "a"
+    broker = BrokerProcess(data, name="defsbit").start()
+    connection = pika.BlockingConnection(pika.URLParameters(broker.url))
+    connection.channel().queue_declare("first.q", durable=True)  # qid 1: QUEUE gets 2
+    connection.close()
+    bodies = [f"m{i}".encode() for i in range(50)]
+    _publish(broker, bodies)
+    broker.stop()
+    path = data / "journal" / "definitions.json"
+    text = path.read_bytes()
+    assert text.count(b'"qid": 2') == 1
+    path.write_bytes(text.replace(b'"qid": 2', b'"qid": 6'))  # 0x32 -> 0x36: one bit
+    with pytest.raises(RuntimeError, match=r"definitions\.json is damaged"):
+        BrokerProcess(data, name="defsbit").start()
+    path.write_bytes(text)  # the operator restores it (from a backup, or the peer's)
+    restarted = BrokerProcess(data, name="defsbit").start()
+    try:
+        assert drain(restarted.url, QUEUE) == bodies
+    finally:
+        restarted.stop()

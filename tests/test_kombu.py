@@ -17,7 +17,7 @@ import pytest
 from kombu import Consumer, Exchange, Producer, Queue
 from kombu.message import Message
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 
 def name(prefix: str) -> str:

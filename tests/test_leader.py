@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -28,9 +27,7 @@ from typing import Any
 import pytest
 from apiserver import KubeApiServer
 from fakeclock import FakeClock
-from polling import until
 
-from twinmq.broker.launcher import free_port
 from twinmq.operator.kube import Kube
 from twinmq.operator.leader import (
     LOST_EXIT_CODE,
@@ -40,6 +37,8 @@ from twinmq.operator.leader import (
     lead,
     may_take,
 )
+from twinmq.testing.launcher import free_port
+from twinmq.testing.waiting import until, wait_for
 
 NAMESPACE = "default"
 SETTINGS = {"lease_seconds": 15.0, "renew_deadline_seconds": 10.0, "retry_seconds": 2.0}
@@ -47,12 +46,6 @@ RETRY = SETTINGS["retry_seconds"]
 LEASE = SETTINGS["lease_seconds"]
 RENEW_DEADLINE = SETTINGS["renew_deadline_seconds"]
 LEASE_NAMES = (f"leader-test-{n}" for n in itertools.count())
-
-
-@pytest.fixture
-def kube(kube_apiserver: KubeApiServer) -> Kube:
-    """The operator's API client, pointed at the test API server."""
-    return Kube(str(kube_apiserver.kubeconfig))
 
 
 def electors(kube: Kube, clock: FakeClock, *identities: str) -> list[LeaderElector]:
@@ -69,6 +62,17 @@ def holder(kube: Kube, elector: LeaderElector) -> LeaseRecord:
     lease = kube.get_lease(NAMESPACE, elector.settings.name)
     assert lease is not None
     return LeaseRecord.of(lease)
+
+
+def lease_events(kube: Kube, elector: LeaderElector) -> list[str]:
+    """The messages of the Events posted on the elector's Lease, sorted (their times have
+    one-second resolution: no order to read)."""
+    found = kube.core.list_namespaced_event(
+        NAMESPACE, field_selector=f"involvedObject.name={elector.settings.name}"
+    )
+    events = found.items
+    assert all(e.reason == "LeaderElection" and e.involved_object.kind == "Lease" for e in events)
+    return sorted(e.message for e in events)
 
 
 async def step(clock: FakeClock, *running: LeaderElector) -> None:
@@ -205,6 +209,9 @@ def test_a_standby_takes_over_a_dead_leader_once_its_lease_lapsed_on_the_standby
             assert clock.now <= last_renewal + LEASE + RETRY
             record = holder(kube, b)
             assert (record.holder, record.transitions) == ("op-b", 1)
+            assert lease_events(kube, b) == [
+                "op-a became leader", "op-b became leader (op-a had let it lapse)"
+            ]  # fmt: skip
 
     run(scenario)
 
@@ -271,6 +278,10 @@ def test_a_leader_that_stops_gracefully_hands_over_at_the_standbys_next_attempt(
             assert pair.leading.result() is None and not a.leading
             await step(clock, b)
             assert b.leading and holder(kube, b).holder == "op-b"
+            assert lease_events(kube, b) == [
+                "op-a became leader", "op-a stopped leading: released the Lease",
+                "op-b became leader",
+            ]  # fmt: skip
             async with tasks(b.keep()):
                 for _ in range(3):  # nothing of op-a's renews behind the new leader's back
                     await step(clock, b)
@@ -333,14 +344,6 @@ class OperatorProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
-    """Poll `check` in real time; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.1)
 
 
 @contextlib.contextmanager

@@ -16,11 +16,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 from fakeclock import FakeClock
-from polling import until
 
 from twinmq.broker.api import Role
 from twinmq.broker.lease import FENCE_MARGIN, HANDOVER_RETRY, LeaseKeeper
 from twinmq.broker.settings import BrokerSettings
+from twinmq.testing.waiting import until
 
 DURATION = 4.0
 

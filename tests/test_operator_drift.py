@@ -1,11 +1,24 @@
 """Drift detection (operator/drift.py): a repair is told from a no-op apply, a first apply
-and a spec change, by the API server's answers alone."""
+and a spec change, by the API server's answers alone; a restarted operator reads what the
+previous process applied from the children themselves (real API server)."""
 
 from __future__ import annotations
 
+import itertools
+import time
 from typing import Any
 
-from twinmq.operator.drift import Applied, applied, key, repair
+from twinmq.operator.drift import (
+    DIGEST_ANNOTATION,
+    Applied,
+    applied,
+    digest,
+    key,
+    remembered,
+    repair,
+    stamped,
+)
+from twinmq.operator.kube import Kube
 
 MANAGER = "twinmq-operator"
 DESIRED = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "orders"}, "spec": {}}
@@ -57,3 +70,70 @@ def test_a_first_apply_and_a_changed_desired_state_are_no_repair() -> None:
     updated = applied(grown, answer("u1", "2026-01-01T00:02:00Z"), MANAGER)
     assert repair(first, updated) is None
     assert repair(first, Applied("u1", first.changed, first.desired)) is None
+
+
+def test_the_digest_ignores_its_own_annotation_and_no_other() -> None:
+    stamp = stamped(DESIRED)
+    assert stamp["metadata"]["annotations"] == {DIGEST_ANNOTATION: digest(DESIRED)}
+    assert digest(stamp) == digest(DESIRED)
+    assert DESIRED["metadata"] == {"name": "orders"}  # not modified in place
+    annotated = {**DESIRED, "metadata": {"name": "orders", "annotations": {"a": "1"}}}
+    assert digest(annotated) != digest(DESIRED)
+
+
+def test_an_unstamped_or_foreign_child_remembers_nothing() -> None:
+    live = answer("u1", "2026-01-01T00:00:05Z")
+    assert remembered(None, MANAGER) is None
+    assert remembered(live, MANAGER) is None  # applied by an operator before the stamps
+    live["metadata"]["annotations"] = {DIGEST_ANNOTATION: digest(DESIRED)}
+    assert remembered(live, "someone-else") is None
+    assert remembered(live, MANAGER) == Applied("u1", "2026-01-01T00:00:05Z", digest(DESIRED))
+
+
+SERVICES = (f"drift-{n}" for n in itertools.count())
+
+
+def service(name: str) -> dict[str, Any]:
+    """A child as the operator builds it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "default", "labels": {"app": name}},
+        "spec": {"selector": {"app": name}, "ports": [{"name": "amqp", "port": 5672}]},
+    }
+
+
+def first_apply_of_a_new_process(kube: Kube, desired: dict[str, Any]) -> str | None:
+    """What a restarted operator's first pass reports for one child (`reconcile_children`)."""
+    name = desired["metadata"]["name"]
+    before = remembered(kube.get("v1", "Service", "default", name), MANAGER)
+    return repair(before, applied(desired, kube.apply(stamped(desired)), MANAGER))
+
+
+def next_second() -> None:
+    """Sleep into the next wall-clock second: managedFields times have one-second
+    resolution, and a repair within the second of the previous write is not seen (the
+    documented limit)."""
+    time.sleep(1.05 - time.time() % 1)
+
+
+def test_an_edit_made_while_no_operator_ran_is_reported_by_the_next_one(kube: Kube) -> None:
+    desired = service(next(SERVICES))
+    name = desired["metadata"]["name"]
+    kube.apply(stamped(desired))  # the previous operator process
+    next_second()
+    kube.dynamic.resources.get(api_version="v1", kind="Service").patch(
+        name=name, namespace="default", body={"metadata": {"labels": {"app": "hijacked"}}},
+        content_type="application/merge-patch+json", field_manager="kubectl-edit",
+    )  # fmt: skip
+    assert first_apply_of_a_new_process(kube, desired) == "restored"
+    live = kube.get("v1", "Service", "default", name)
+    assert live is not None and live["metadata"]["labels"]["app"] == name
+
+
+def test_a_restart_with_nothing_edited_reports_nothing(kube: Kube) -> None:
+    desired = service(next(SERVICES))
+    kube.apply(stamped(desired))
+    assert first_apply_of_a_new_process(kube, desired) is None
+    changed = {**desired, "spec": {**desired["spec"], "ports": [{"name": "amqp", "port": 5673}]}}
+    assert first_apply_of_a_new_process(kube, changed) is None  # an upgrade's new spec

@@ -11,7 +11,8 @@ import pika.exceptions
 import pytest
 from pika.adapters.blocking_connection import BlockingChannel
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.waiting import wait_for
 
 Connect = Callable[[], pika.BlockingConnection]
 
@@ -55,15 +56,6 @@ def drain(ch: BlockingChannel, queue: str, timeout: float = 0.5) -> list[bytes]:
             time.sleep(0.01)
             continue
         out.append(body)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll until `predicate` holds (raises on timeout)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
 
 
 def test_publish_with_confirms_then_consume_and_ack(ch: BlockingChannel) -> None:
@@ -335,7 +327,10 @@ def test_per_queue_ttl_expires_and_dead_letters(ch: BlockingChannel) -> None:
         q, exclusive=True, arguments={"x-message-ttl": 100, "x-dead-letter-exchange": dlx}
     )
     ch.basic_publish("", q, b"expiring")
-    wait_for(lambda: ch.queue_declare(dead, passive=True).method.message_count == 1)
+    wait_for(
+        "the message dead-lettered",
+        lambda: ch.queue_declare(dead, passive=True).method.message_count == 1,
+    )
     _method, props, body = ch.basic_get(dead, auto_ack=True)
     assert body == b"expiring"
     death = props.headers["x-death"][0]
@@ -404,7 +399,7 @@ def test_queue_expires_when_unused(ch: BlockingChannel) -> None:
         probe.close()
         return False
 
-    wait_for(gone)
+    wait_for("the queue gone", gone)
 
 
 def test_invalid_queue_arguments_are_406(ch: BlockingChannel) -> None:

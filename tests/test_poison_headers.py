@@ -32,12 +32,13 @@ from pamqp import commands
 from pamqp.base import Frame as MethodFrame
 from pamqp.frame import _unmarshal_method_frame
 from poison import POISON, content_headers, header_with_table, nested_table
-from rawamqp import RawClient, encode, raw_frame, wait_for
 
 from twinmq.broker.codec import decode_headers, property_spans, rebuild_header
 from twinmq.broker.fieldtable import Array, Scalar, Table, as_text, encode_table, to_python
 from twinmq.broker.journal import Journal, StoredMessage
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.rawamqp import RawClient, encode, raw_frame
+from twinmq.testing.waiting import wait_for
 
 EXAMPLES = int(os.environ.get("TWINMQ_POISON_EXAMPLES", "3"))
 
@@ -293,7 +294,7 @@ class Round:
         assert publish_confirmed(broker, items) == len(items)
         reject_all(broker, REJECT)
         with opened(broker) as client:
-            wait_for(lambda: message_count(client, TTL) == 0, timeout=10)
+            wait_for("the TTL queue empty", lambda: message_count(client, TTL) == 0, 10)
         self.rig.restart(kill)
         self.check(kill)
 
@@ -383,7 +384,7 @@ def test_odd_headers_soak(
 def test_poison_header_is_refused_with_one_log_line_and_no_traceback(rig: Rig, name: str) -> None:
     before = len(rig.log())
     publish_poison(rig.broker, name)
-    new = wait_for(lambda: rig.log()[before:])
+    new = wait_for("new log lines", lambda: rig.log()[before:])
     assert "Traceback" not in new
     assert len([line for line in new.splitlines() if "closing" in line]) == 1, new
     # The broker serves a real client as before.

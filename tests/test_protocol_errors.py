@@ -16,7 +16,9 @@ from pamqp import commands
 from pamqp.body import ContentBody
 from pamqp.heartbeat import Heartbeat
 from pika.exceptions import ChannelClosedByBroker
-from rawamqp import (
+
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.rawamqp import (
     PROTOCOL_HEADER,
     RawClient,
     connections,
@@ -25,10 +27,8 @@ from rawamqp import (
     handshake_frames,
     pika_round_trip,
     raw_frame,
-    wait_for,
 )
-
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.waiting import wait_for
 
 
 @pytest.fixture
@@ -175,7 +175,7 @@ def test_client_that_disconnects_mid_frame_leaves_no_connection_behind(
         frame = encode(1, commands.Basic.Qos(prefetch_count=10))
         client.send(frame[: len(frame) // 2])
         assert connections(broker) == baseline + 1
-    wait_for(lambda: connections(broker) == baseline)
+    wait_for("the connection count back to its baseline", lambda: connections(broker) == baseline)
     # The connection's exclusive queue went with it.
     assert "errors.half-sent" not in {q.name for q in broker.admin.status().queues}
     pika_round_trip(broker.url)
@@ -187,8 +187,8 @@ def test_client_that_disconnects_mid_handshake_leaves_no_connection_behind(
     baseline = connections(broker)
     with RawClient(broker.host, broker.port) as client:
         client.send(PROTOCOL_HEADER[:5])
-        wait_for(lambda: connections(broker) == baseline + 1)
-    wait_for(lambda: connections(broker) == baseline)
+        wait_for("one more connection", lambda: connections(broker) == baseline + 1)
+    wait_for("the connection count back to its baseline", lambda: connections(broker) == baseline)
     pika_round_trip(broker.url)
 
 
@@ -200,7 +200,7 @@ def test_client_that_never_finishes_the_handshake_is_dropped(broker: BrokerProce
         client.expect(commands.Connection.Start, 0)
         # ... and never a start-ok: dropped after the 10 s handshake timeout (1 s ticks).
         client.wait_closed(timeout=15)
-    wait_for(lambda: connections(broker) == baseline)
+    wait_for("the connection count back to its baseline", lambda: connections(broker) == baseline)
     pika_round_trip(broker.url)
 
 
@@ -480,7 +480,10 @@ def test_names_rabbitmq_accepts_work_beyond_the_spec_pattern(
     )
     channel.basic_publish(exchange, "nobody", b"back", mandatory=True)
     pika_connection.process_data_events(time_limit=0)
-    wait_for(lambda: pika_connection.process_data_events(time_limit=0.05) or returned)
+    wait_for(
+        "the basic.return",
+        lambda: pika_connection.process_data_events(time_limit=0.05) or returned,
+    )
     assert returned == [(exchange, "nobody")]
     assert_connection_lives(pika_connection)
 

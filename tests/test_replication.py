@@ -16,15 +16,12 @@ from typing import Any
 
 import pika
 import pytest
-from amqpclient import AMQPClient
-from jepsen import Pair, post_role, queue_counts, stable_port, status, wait_for
+from jepsen import queue_counts
 from pamqp import commands
 from pika.adapters.blocking_connection import BlockingChannel
-from rawamqp import RawClient, handshake_frames
 from replpeer import hello_for
 
 from twinmq.broker.admin_client import AdminUnreachable, metric_samples
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.names import REPLICATION_TOKEN_ENV
 from twinmq.broker.replication.protocol import (
     BATCH_CATCHUP,
@@ -38,6 +35,11 @@ from twinmq.broker.replication.protocol import (
     encode_u64,
 )
 from twinmq.operator.probe import passive_lag
+from twinmq.testing.amqpclient import AMQPClient
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair, post_role, stable_port, status
+from twinmq.testing.rawamqp import RawClient, handshake_frames
+from twinmq.testing.waiting import wait_for
 
 QUEUE = "replicated"
 TOKEN = Pair.TOKEN
@@ -110,7 +112,7 @@ def metric(broker: BrokerProcess, name: str) -> float | None:
 
 def promote(pair: Pair) -> None:
     """The operator's failover after the active died: promote the ready passive."""
-    wait_for(lambda: replication(pair.passive)["ready"], 5, "passive ready")
+    wait_for("passive ready", lambda: replication(pair.passive)["ready"], 5)
     pair.promote_passive()
 
 
@@ -142,7 +144,7 @@ def test_acked_messages_are_removed_on_the_passive(pair: Pair) -> None:
     taken = drain(pair.active, limit=40)
     assert len(taken) == 40
     # Dequeues are replicated by ID, asynchronously: wait for them.
-    wait_for(lambda: messages(pair.passive) == 60, 5, "dequeues on the passive")
+    wait_for("dequeues on the passive", lambda: messages(pair.passive) == 60, 5)
     pair.active.kill()
     promote(pair)
     assert drain(pair.active) == bodies("m", 100)[40:]
@@ -202,8 +204,11 @@ def test_active_steps_down_when_a_passive_knows_a_higher_epoch(tmp_path: Path) -
                         "--epoch", "3"],
         )  # fmt: skip
         with newer:
-            wait_for(lambda: (s := status(old)) is not None and s["role"] == "passive", 10,
-                     "old active stepped down")  # fmt: skip
+            wait_for(
+                "old active stepped down",
+                lambda: (s := status(old)) is not None and s["role"] == "passive",
+                10,
+            )
             data = status(old)
             assert data is not None and data["epoch"] == 3
             # Its clients are gone and new ones are refused.
@@ -275,9 +280,10 @@ def test_a_paused_passive_is_lag_in_the_actives_status_and_the_operators(pair: P
         for body in bodies("held", 30):  # no confirms: they wait for the paused passive
             channel.basic_publish("", QUEUE, body, pika.BasicProperties(delivery_mode=2))
         report = wait_for(
+            "the active to count the held messages",
             lambda: (r := pair.active.admin.status()).replication.lag_messages >= 30 and r,
-            10, "the active to count the held messages",
-        )  # fmt: skip
+            10,
+        )
         lag = passive_lag("backup", "primary", {"primary": report, "backup": None})
         assert lag[0] == report.replication.lag_messages >= 30
         assert passive_lag("primary", "primary", {"primary": report, "backup": None}) == (0, 0.0)
@@ -285,7 +291,7 @@ def test_a_paused_passive_is_lag_in_the_actives_status_and_the_operators(pair: P
         pair.passive.signal(signal.SIGCONT)
         connection.close()
     wait_for(
-        lambda: pair.active.admin.status().replication.lag_messages == 0, 10, "the lag to clear"
+        "the lag to clear", lambda: pair.active.admin.status().replication.lag_messages == 0, 10
     )
     assert messages(pair.passive) == 40
 
@@ -330,7 +336,7 @@ def test_passive_cut_off_from_the_active_stops_claiming_ready(pair: Pair) -> Non
     assert metric(pair.active, "twinmq_replication_degraded") == 0
     pair.link.cut()
     # After replication_timeout the active goes on alone; by then b must not say ready.
-    wait_for(lambda: metric(pair.active, "twinmq_replication_degraded") == 1, 5, "going alone")
+    wait_for("going alone", lambda: metric(pair.active, "twinmq_replication_degraded") == 1, 5)
     assert not replication(pair.passive)["ready"]
     pair.link.heal()
     pair.wait_healthy(10)
@@ -418,7 +424,7 @@ def test_a_passive_replacing_its_old_link_does_not_release_confirms(pair: Pair) 
         durable = _durable_batch(active)
         client.publish(QUEUE, b"pending")
         await asyncio.to_thread(
-            wait_for, lambda: _durable_batch(active) > durable, 5, "pending on the active's disk"
+            wait_for, "pending on the active's disk", lambda: _durable_batch(active) > durable, 5
         )
         # A second passive (the same one, reconnecting, as far as the active knows).
         reader, writer = await asyncio.open_connection(active.host, active.replication_port)

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pika
 import pytest
-from jepsen import Pair, log_since, log_size, queue_counts, status, wait_for
+from jepsen import log_since, log_size, queue_counts
+
+from twinmq.testing.pair import Pair, status
+from twinmq.testing.waiting import wait_for
 
 QUEUE = "held"
 MESSAGES = 30_000  # a snapshot of ~330 KB: seconds through the thin pipe below
@@ -44,9 +47,9 @@ def test_a_passive_whose_snapshot_outlasts_the_link_silence_still_attaches(
         active, passive = pair.active, pair.passive
         publish_unconfirmed(active.url, MESSAGES)
         wait_for(
+            "every message on the passive",
             lambda: queue_counts(status(passive), QUEUE) == (MESSAGES, 0),
             60,
-            "every message on the passive",
             interval=0.2,
         )
         passive.stop()

@@ -19,13 +19,12 @@ from pathlib import Path
 
 import pika
 import pytest
-from jepsen import Pair, post_role, queue_counts, status, wait_for
+from jepsen import queue_counts
 from replpeer import FakeListener, RawLink, hello_for, welcome_for
 
 from twinmq.broker.admin_client import metric_samples
 from twinmq.broker.epoch import epoch_jump_refusal
 from twinmq.broker.journal import StoredMessage, encode_ops
-from twinmq.broker.launcher import BrokerProcess
 from twinmq.broker.replication.handshake import transcript_proof, verify
 from twinmq.broker.replication.protocol import (
     BATCH_CATCHUP,
@@ -42,6 +41,9 @@ from twinmq.broker.replication.protocol import (
     encode,
     encode_batch,
 )
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair, post_role, status
+from twinmq.testing.waiting import wait_for
 
 TOKEN = Pair.TOKEN
 ABSURD = 10**12
@@ -257,7 +259,7 @@ def test_connections_over_the_cap_are_closed_at_once(intact: Pair) -> None:
             link.close()
     assert "the cap (replication_max_connections)" in _log(active)
     # Closed connections free their places.
-    wait_for(lambda: _challenged(active), 5, "a new connection challenged")
+    wait_for("a new connection challenged", lambda: _challenged(active), 5)
 
 
 def _challenged(broker: BrokerProcess) -> bool:

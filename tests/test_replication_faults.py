@@ -31,7 +31,6 @@ from jepsen import (
     MATRIX,
     ClassResult,
     FaultClass,
-    Pair,
     Report,
     Unavailable,
     Workload,
@@ -40,8 +39,11 @@ from jepsen import (
     encode_body,
     run_class,
     run_suite,
+    wait_for,
     write_results,
 )
+
+from twinmq.testing.pair import Pair
 
 # -- the checker on its own ---------------------------------------------------------------
 
@@ -263,3 +265,49 @@ def test_fault_matrix(tmp_path: Path) -> None:
     assert not errors, f"fault classes that did not finish: {errors}"
     for result in results:
         _assert_class_sound(result)
+
+
+@pytest.mark.timeout(240)
+def test_ten_thousand_unconfirmed_publishes_and_a_commit_in_flight_survive_a_failover(
+    tmp_path: Path,
+) -> None:
+    """A publisher with 10,000 messages unconfirmed (and a transaction of 10,000 being
+    committed) when the active is killed: the link is partitioned until the window is
+    full (the active holds every confirm for its passive), healed, and the active is
+    killed at once, while the passive's acknowledgements and the confirms they release
+    are on their way. Nothing confirmed may be lost, nothing delivered that a nack or a
+    541 refused."""
+    with Pair(tmp_path, replication_timeout=10.0) as pair:
+
+        async def attack() -> tuple[int, Workload]:
+            load = Workload(
+                pair.amqp_addresses, producers=1, tx_producers=1, consumers=1,
+                window=10_000, interval=0.0,
+            )  # fmt: skip
+            load.start()
+            await asyncio.to_thread(wait_for, lambda: load.confirmed > 1000, 30, "confirms")
+            pair.link.partition()
+            producer = load.producers[0]
+            outstanding = await asyncio.to_thread(
+                wait_for,
+                lambda: (n := len(producer._outstanding)) >= 9_000 and n,
+                8,
+                "9,000 unconfirmed",
+                0.01,
+            )
+            pair.link.heal()
+            promoted = await asyncio.to_thread(pair.failover)
+            assert promoted, "the passive was not ready: no failover happened"
+            before = load.confirmed
+            await asyncio.to_thread(wait_for, lambda: load.confirmed > before + 1000, 60, "more")
+            await load.finish(pair)
+            return outstanding, load
+
+        outstanding, load = asyncio.run(attack())
+    verdict = load.verdict()
+    print(f"\n{outstanding} unconfirmed at the kill; {verdict.summary()}")
+    assert outstanding >= 9_000
+    assert not verdict.lost, f"confirmed messages lost: {verdict.lost[:50]}"
+    assert not verdict.unexpected, f"unexpected messages: {verdict.unexpected[:20]}"
+    assert load.failed_delivered() == set()
+    assert load.passive_left == (0, 0), "the passive did not follow every dequeue"

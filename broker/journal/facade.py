@@ -60,6 +60,7 @@ from twinmq.broker.journal.ops import JournalOp, StoredMessage, encode_ops
 from twinmq.broker.journal.recovery import (
     DEFINITIONS,
     Recovered,
+    encode_definitions,
     read_definitions,
     replay,
 )
@@ -280,7 +281,7 @@ class Journal:
         this save removes count as dropped (see `drop_queue`).
         """
         self._require_open()
-        data = defs.model_dump_json(indent=1).encode()
+        data = encode_definitions(defs)
         tmp = self._dir / (DEFINITIONS + ".tmp")
         try:
             with open(tmp, "wb") as f:

@@ -20,7 +20,9 @@ journal positions (`lsn`) are not stored on disk at all.
 
 from __future__ import annotations
 
+import json
 import logging
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +43,7 @@ __all__ = [
     "Replay",
     "SegmentReport",
     "check",
+    "encode_definitions",
     "read_definitions",
     "replay",
     "segment_numbers",
@@ -49,6 +52,7 @@ __all__ = [
 log = logging.getLogger("twinmq.broker.journal")
 
 DEFINITIONS = "definitions.json"
+CHECKSUM_KEY = "crc32"  # the definitions file's checksum (`encode_definitions`)
 # Mids skipped after corruption in the newest segment: no later header bounds the
 # mids lost in it, and reusing one could make a peer's copy look like a new message.
 MID_MARGIN = 1 << 32
@@ -116,16 +120,51 @@ class Replay:
     reports: list[SegmentReport] = field(default_factory=list)
 
 
+def _definitions_checksum(defs: Definitions) -> int:
+    return zlib.crc32(defs.model_dump_json().encode())
+
+
+def encode_definitions(defs: Definitions) -> bytes:
+    """The definitions file's bytes: the topology as JSON, with a checksum of it.
+
+    Most bit flips leave valid JSON: a `qid` misread makes recovery drop that queue's
+    messages as a deleted queue's. The checksum is of the topology as read back (JSON
+    in, model, compact JSON out), so writing and reading compute it the same way.
+    """
+    topology = json.loads(defs.model_dump_json())
+    topology[CHECKSUM_KEY] = _definitions_checksum(Definitions.model_validate(topology))
+    return json.dumps(topology, indent=1, ensure_ascii=False).encode()
+
+
 def read_definitions(directory: Path) -> tuple[Definitions, bool]:
-    """The saved topology, and whether the file is missing."""
+    """The saved topology, and whether the file is missing.
+
+    Raises JournalError for a file that does not read back as it was written (its
+    checksum, or any key the topology does not have): never start without the
+    topology, every message would be dropped. A file without a checksum (written by
+    an older version) is read as it is.
+    """
     path = directory / DEFINITIONS
     if not path.exists():
         return Definitions(), True
     try:
-        return Definitions.model_validate_json(path.read_bytes()), False
-    except ValidationError as exc:
-        # Never start without the topology: every message would be dropped.
+        topology = json.loads(path.read_bytes())
+        if not isinstance(topology, dict):
+            raise ValueError("not a JSON object")
+        stored = topology.pop(CHECKSUM_KEY, None)
+        unknown = set(topology) - set(Definitions.model_fields)
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}")
+        defs = Definitions.model_validate(topology)
+    except (ValueError, ValidationError) as exc:
         raise JournalError(f"cannot read {path}: {exc}") from exc
+    if stored is not None and stored != _definitions_checksum(defs):
+        raise JournalError(
+            f"{path} is damaged (its checksum does not match): refusing to start, which "
+            "would drop the messages of every queue it misreads; restore the file (a "
+            "backup, or rebuild it from the peer's, docs/journal.md)"
+        )
+    return defs, False
 
 
 def segment_numbers(directory: Path) -> list[int]:

@@ -137,6 +137,11 @@ class ReplicationContext(Protocol):
         """The link's shared secret (None: none configured, nobody is authenticated)."""
         ...
 
+    def stop_passive(self, reason: str) -> None:
+        """This passive cannot go on (a local write failed, replication ended): log
+        `reason` and exit with 75, so that a restart recovers from the disk."""
+        ...
+
     def learn_epoch(self, epoch: int, source: str) -> bool:
         """An authenticated peer knows `epoch`: persist it if higher (an active steps down).
 

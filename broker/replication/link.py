@@ -41,3 +41,7 @@ class FrameReader:
                 raise ConnectionError(f"{self.peer} closed the link")
             self._decoder.push(data)
         return frame
+
+    def received(self) -> tuple[FrameType, bytes] | None:
+        """The next frame if its bytes are already here, else None (never waits)."""
+        return self._decoder.next()

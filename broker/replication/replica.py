@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 
 from twinmq.broker import metrics
 from twinmq.broker.definitions import Definitions
-from twinmq.broker.journal import StoredMessage, decode_ops
+from twinmq.broker.journal import JournalError, StoredMessage, decode_ops
 from twinmq.broker.replication.context import ReplicationContext
 from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
 from twinmq.broker.replication.link import FrameReader
@@ -116,6 +116,15 @@ class ReplicaClient:
     def start(self) -> None:
         """Start the connect/replicate loop."""
         self._task = asyncio.get_running_loop().create_task(self._run(), name="twinmq-replica")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """The loop only ends by `stop()`: any other end leaves a passive that neither
+        replicates nor says so (finding 10), so it stops the broker, loudly."""
+        if task.cancelled() or self._stopping:
+            return
+        exc = task.exception()
+        self.broker.stop_passive(f"replication from {self.address} ended: {exc!r}")
 
     async def stop(self) -> None:
         """Stop replicating (promotion, shutdown, a new active)."""
@@ -387,7 +396,13 @@ class ReplicaClient:
                         self.address,
                         self.broker.epoch,
                     )
-                broker.vhost.apply_definitions(Definitions.model_validate_json(payload))
+                try:
+                    broker.vhost.apply_definitions(Definitions.model_validate_json(payload))
+                except JournalError as exc:
+                    # The topology file is not what memory holds (a full disk): stop, as
+                    # for a batch that could not be journaled, never linger unlinked.
+                    broker.stop_passive(f"could not save the topology ({exc})")
+                    return
             elif ftype is FrameType.CAUGHT_UP:
                 self.catchup_batch = decode_u64(payload)
                 self._check_caught_up()

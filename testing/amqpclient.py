@@ -22,7 +22,8 @@ from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 from pamqp.heartbeat import Heartbeat
 
-PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
+from twinmq.testing.rawamqp import PROTOCOL_HEADER, start_ok
+
 CHANNEL = 1
 FRAME_MAX = 131072
 PERSISTENT = commands.Basic.Properties(delivery_mode=2)
@@ -110,14 +111,7 @@ class AMQPClient:
     async def _handshake(self, heartbeat: int) -> None:
         self._writer.write(PROTOCOL_HEADER)
         await self._expect(commands.Connection.Start)
-        self._send(
-            0,
-            commands.Connection.StartOk(
-                client_properties={"product": "twinmq-fault-tests", "capabilities": {}},
-                mechanism="PLAIN",
-                response="\x00guest\x00guest",
-            ),
-        )
+        self._writer.write(start_ok())  # guest, PLAIN
         tune = await self._expect(commands.Connection.Tune)
         self._send(
             0,

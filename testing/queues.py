@@ -1,11 +1,12 @@
-"""Test helpers: real-client connections and reading a queue empty."""
+"""Real-client (pika) helpers: a connection that opts in to duplicate detection, reading a
+queue empty."""
 
 from __future__ import annotations
 
 import pika
 
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 
 def opted_in(broker: BrokerProcess) -> pika.BlockingConnection:
@@ -15,9 +16,10 @@ def opted_in(broker: BrokerProcess) -> pika.BlockingConnection:
     return pika.BlockingConnection(params)
 
 
-def drain(broker: BrokerProcess, queue: str) -> list[bytes]:
-    """basic.get (auto-ack) until the queue is empty; the bodies in order."""
-    conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+def drain(url: str, queue: str) -> list[bytes]:
+    """basic.get (auto-ack) at the broker of `url` until `queue` is empty; the bodies in
+    order."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
     ch = conn.channel()
     out = []
     while True:

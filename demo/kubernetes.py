@@ -28,6 +28,8 @@ from twinmq.localcluster.binaries import find
 from twinmq.localcluster.examples import example_brokercluster
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import Layout
+from twinmq.testing.queues import drain
+from twinmq.testing.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 NAMESPACE = "twinmq-demo"
@@ -40,17 +42,6 @@ IMAGE = "twinmq/twinmq:0.1.0"
 def say(text: str) -> None:
     """One line of the story."""
     print(f"[cluster-demo] {text}", flush=True)
-
-
-def wait(what: str, check: Any, timeout: float = 180) -> Any:
-    """Poll until `check()` is truthy; fail loudly after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise SystemExit(f"[cluster-demo] timed out waiting for {what}")
 
 
 class Demo:
@@ -82,10 +73,10 @@ class Demo:
             say(f"removing the previous demo's namespace {NAMESPACE}")
             if self.kube.get(self.path) is not None:
                 self.kube.delete(self.path)
-                wait("the old BrokerCluster to go", lambda: self.kube.get(self.path) is None)
+                wait_for("the old BrokerCluster to go", lambda: self.kube.get(self.path) is None)
             self.helm("uninstall", "twinmq", "-n", NAMESPACE, "--ignore-not-found")
             self.kube.delete(f"/api/v1/namespaces/{NAMESPACE}")
-            wait(
+            wait_for(
                 "the old namespace to go",
                 lambda: self.kube.get(f"/api/v1/namespaces/{NAMESPACE}") is None,
             )
@@ -100,7 +91,7 @@ class Demo:
         )
         self.kube.create(f"/api/v1/namespaces/{NAMESPACE}/secrets",
                          s3server.store_secret("audit-store", url))  # fmt: skip
-        wait("the S3 store", lambda: s3server.try_create_bucket(url, BUCKET), timeout=60)
+        wait_for("the S3 store", lambda: s3server.try_create_bucket(url, BUCKET), timeout=60)
         say(f"audit store: s3://{BUCKET} on an S3-compatible server at {url}")
 
     def create(self) -> None:
@@ -112,7 +103,7 @@ class Demo:
             return s.get("phase") == "Ready" and conditions.get("Replicating") == "True"
 
         started = time.monotonic()
-        wait("the BrokerCluster to be Ready and replicating", in_sync)
+        wait_for("the BrokerCluster to be Ready and replicating", in_sync)
         s = self.status()
         say(
             f"BrokerCluster {self.name} Ready in {time.monotonic() - started:.1f}s: "
@@ -146,22 +137,10 @@ class Demo:
         asyncio.run(run())
         return marks
 
-    def drain(self, url: str) -> list[int]:
-        conn = pika.BlockingConnection(pika.URLParameters(url))
-        ch = conn.channel()
-        got = []
-        while True:
-            method, _props, body = ch.basic_get("orders", auto_ack=True)
-            if method is None:
-                break
-            got.append(int(body))
-        conn.close()
-        return got
-
     def recover(self) -> float:
         started = time.monotonic()
         self.kube.patch(self.path, {"spec": {"requests": {"recover": {"id": "demo-recover-1"}}}})
-        wait("recovery to the primary",
+        wait_for("recovery to the primary",
              lambda: self.status().get("handledRequests", {}).get("recover") == "demo-recover-1"
              and self.status().get("activeBroker") == "primary")  # fmt: skip
         return time.monotonic() - started
@@ -184,7 +163,7 @@ class Demo:
 
         # One Spark run per failover and recovery, one after the other: a minute each on a
         # quiet machine, several on a loaded one.
-        last = wait("the audit of the failover", done, timeout=900)
+        last = wait_for("the audit of the failover", done, timeout=900)
         say(f"audit run {last['run']} ({last['reason']}): {last['verdict']}")
         return (
             f"{last['verdict']}: {last['messages']} messages, lost {last['lost']}, "
@@ -204,13 +183,13 @@ def main() -> None:
     conn.channel().queue_declare("orders", durable=True)
     conn.close()
     marks = demo.traffic_through_failover(url)
-    wait("the failover to settle", lambda: demo.status().get("activeBroker") == "backup")
+    wait_for("the failover to settle", lambda: demo.status().get("activeBroker") == "backup")
     after = demo.status()
     say(
         f"failover: {after['activeBroker']} active in epoch {after['epoch']} "
         f"({after.get('lastFailover', {}).get('reason', '')})"
     )
-    wait("the old primary back as a ready passive", lambda: any(
+    wait_for("the old primary back as a ready passive", lambda: any(
         b["name"] == "primary" and b["role"] == PASSIVE and b["ready"]
         for b in demo.status().get("brokers", [])))  # fmt: skip
     say("the primary came back passive and caught up from the backup")
@@ -220,7 +199,7 @@ def main() -> None:
         f"recovered: primary active in epoch {final['epoch']} ({recovery:.1f}s: backup "
         "demoted first, primary activated once it reported passive)"
     )
-    received = demo.drain(url)
+    received = [int(body) for body in drain(url, "orders")]
     lost = len(set(range(MESSAGES)) - set(received))
     duplicates = len(received) - len(set(received))
     verdict = demo.audit(final["epoch"])

@@ -19,7 +19,7 @@ from pamqp.body import ContentBody
 from pamqp.header import ContentHeader, ProtocolHeader
 from pamqp.heartbeat import Heartbeat
 
-from twinmq.broker.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 FRAME_END = b"\xce"
@@ -55,7 +55,7 @@ def start_ok(user: str = "guest", password: str = "guest", mechanism: str = "PLA
     return encode(
         0,
         commands.Connection.StartOk(
-            client_properties={"product": "rawamqp", "capabilities": {}},
+            client_properties={"product": "twinmq-testing", "capabilities": {}},
             mechanism=mechanism,
             response=response,
         ),
@@ -95,11 +95,17 @@ def content(
     return data
 
 
-def publish(channel: int, routing_key: str, body: bytes, exchange: str = "") -> bytes:
+def publish(
+    channel: int,
+    routing_key: str,
+    body: bytes,
+    exchange: str = "",
+    properties: commands.Basic.Properties | None = None,
+) -> bytes:
     """`basic.publish` with its content."""
     return encode(
         channel, commands.Basic.Publish(exchange=exchange, routing_key=routing_key)
-    ) + content(channel, body)
+    ) + content(channel, body, properties)
 
 
 def decode_frames(data: bytes) -> list[tuple[int, AnyFrame]]:
@@ -120,6 +126,7 @@ class RawClient:
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.timeout = timeout
         self._buf = b""
+        self.server_properties: dict[str, Any] = {}  # from connection.start, once handshaken
 
     def close(self) -> None:
         """Close the socket (idempotent)."""
@@ -198,7 +205,8 @@ class RawClient:
         """Open the connection (as guest, unless told otherwise); returns the broker's tune."""
         header, start_ok_frame, tune_ok_open = handshake_frames(heartbeat=heartbeat, **kwargs)
         self.send(header)
-        self.expect(commands.Connection.Start, 0)
+        start = self.expect(commands.Connection.Start, 0)
+        self.server_properties = dict(start.server_properties or {})
         self.send(start_ok_frame)
         tune = self.expect(commands.Connection.Tune, 0)
         self.send(tune_ok_open)
@@ -221,18 +229,6 @@ class RawClient:
 def connections(broker: BrokerProcess) -> int:
     """The broker's count of client connections (from its admin API)."""
     return broker.admin.status().connections
-
-
-def wait_for(predicate: Any, timeout: float = 5.0, interval: float = 0.02) -> Any:
-    """Poll `predicate` until it returns something truthy; return it or raise TimeoutError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met in {timeout}s")
-        time.sleep(interval)
 
 
 def pika_round_trip(url: str, queue: str = "rawamqp.round-trip") -> None:

@@ -23,9 +23,9 @@ from typing import Any
 import pika
 
 from twinmq.broker.admin_client import AdminClient
-from twinmq.broker.launcher import BrokerProcess
-from twinmq.broker.names import ACTIVE, PASSIVE, REPLICATION_TOKEN_ENV
 from twinmq.client import ReliablePublisher
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair
 
 QUEUE = "demo.orders"
 EXCHANGE = "demo.events"
@@ -112,19 +112,15 @@ def single_broker(root: Path) -> dict[str, Any]:
 def replicated_pair(root: Path) -> dict[str, Any]:
     """Part 2: failover of a replicated pair under a reliable publisher."""
     say("part 2: an active/passive pair, a kill -9 of the active, a promotion")
-    env = {REPLICATION_TOKEN_ENV: "demo-pair-secret"}
-    a = BrokerProcess(root / "a", name="broker-a", env=env, extra_args=["--epoch", "1"]).start()
-    b = BrokerProcess(
-        root / "b", name="broker-b", env=env,
-        extra_args=["--role", PASSIVE, "--replicate-from", a.replication_address, "--epoch", "1"],
-    ).start()  # fmt: skip
-    brokers = [a, b]
+    pair = Pair(
+        root / "pair", names=("broker-a", "broker-b"), link=False, replication_timeout=None
+    ).start()
+    a, b = pair.active, pair.passive
     try:
         conn = pika.BlockingConnection(pika.URLParameters(a.url))
         conn.channel().queue_declare(QUEUE, durable=True)
         conn.close()
-        while not b.admin.status().replication.ready:
-            time.sleep(0.05)
+        pair.wait_healthy()
         say("broker-a active (epoch 1), broker-b passive and ready (caught up)")
         failover: dict[str, float] = {}
 
@@ -158,8 +154,8 @@ def replicated_pair(root: Path) -> dict[str, Any]:
                 # What the operator will do: promote the ready passive in a new epoch.
                 async with AdminClient(b.admin_url) as passive:
                     status = await passive.status()
-                    assert status.replication.ready, "the passive was not ready"
-                    await passive.set_role(ACTIVE, 2)
+                assert status.replication.ready, "the passive was not ready"
+                await asyncio.to_thread(pair.promote_passive)  # POST /role: active, epoch 2
                 failover["promoted"] = time.monotonic()
                 say("promoted broker-b to active in epoch 2")
 
@@ -177,17 +173,12 @@ def replicated_pair(root: Path) -> dict[str, Any]:
             f"every publish confirmed; the publisher reconnected {publisher.reconnects}x and "
             f"re-sent {publisher.resends} unconfirmed messages under their ids"
         )
-        a2 = BrokerProcess(
-            root / "a", name="broker-a", env=env, port=a.port, admin_port=a.admin_port,
-            extra_args=["--role", PASSIVE, "--replicate-from", b.replication_address],
-        ).start()  # fmt: skip
-        brokers.append(a2)
-        while not a2.admin.status().replication.ready:
-            time.sleep(0.05)
-        a_status, b_status = a2.admin.status(), b.admin.status()
+        pair.rejoin(a)
+        pair.wait_healthy()
+        a_status, b_status = a.admin.status(), b.admin.status()
         say(
             f"broker-a came back passive and caught up: epoch {a_status.epoch}, "
-            f"{queue_depth(a2, QUEUE)} messages, same as broker-b's {queue_depth(b, QUEUE)}"
+            f"{queue_depth(a, QUEUE)} messages, same as broker-b's {queue_depth(b, QUEUE)}"
         )
         received = [int(x) for x in drain(b, QUEUE)]
         seconds = failover.get("first_confirm", failover["promoted"]) - failover["killed"]
@@ -201,8 +192,7 @@ def replicated_pair(root: Path) -> dict[str, Any]:
             "epoch": b_status.epoch,
         }
     finally:
-        for broker in brokers:
-            broker.stop()
+        pair.stop()
 
 
 def main() -> None:

@@ -1,0 +1,329 @@
+"""The mirror's side: apply events idempotently, in the same group commit as the applied mark.
+
+Sans-I/O: `apply` changes the virtual host and returns the batch to wait for;
+the listener (`listener.py`) acknowledges the returned sequence number once that
+batch is complete (on both disks of the mirror's own pair).
+
+Identity: the mirror keeps the source's queue ids (`qid`) and message ids
+(`mid`), so an ack event names exactly the message it settles and no translation
+table has to be kept durable. The mirror's own records live in internal queues
+with ids far above any the source hands out (`INTERNAL_QID_BASE`):
+
+- `amq.twinmq.mirror-applied.<origin>`: one record, the highest event applied
+  from that origin (`AppliedMark`), replaced in every apply batch: the mark and
+  the effects it covers are durable together, so a re-sent event (a reconnect,
+  a source failover) is recognised and skipped, and a crash re-applies nothing.
+- `amq.twinmq.mirror-dlq`: events that still fail after `retries` attempts, with
+  the reason in their headers; the stream goes on past them.
+
+A settle of a message the mirror does not hold goes to a bounded holding set
+(seed 004's "holding queue"): if the message arrives later it is dropped on
+arrival; entries expire after `holding_ttl` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+from pydantic import BaseModel
+
+from twinmq.broker.commit import Waiter
+from twinmq.broker.definitions import Definitions
+from twinmq.broker.fieldtable import Table, encode_table, long_int, text
+from twinmq.broker.journal import JournalOp, Settle, StoredMessage
+from twinmq.broker.message import Entry, Message
+from twinmq.broker.mirror import metrics
+from twinmq.broker.mirror.events import (
+    INTERNAL_PREFIX,
+    INTERNAL_QID_BASE,
+    decode_event,
+    is_internal,
+    record_header,
+)
+from twinmq.broker.queue import Queue
+
+log = logging.getLogger(__name__)
+
+MARK_PREFIX: Final = INTERNAL_PREFIX + "mirror-applied."
+DLQ_NAME: Final = INTERNAL_PREFIX + "mirror-dlq"
+DLQ_QID: Final = INTERNAL_QID_BASE + 2
+_MARK_QID_BASE: Final = INTERNAL_QID_BASE + (1 << 32)
+
+
+class MirrorState(Protocol):
+    """The virtual host as the applier uses it."""
+
+    def internal_queue(self, name: str, qid: int, *, locked: bool = True) -> Queue:
+        """The broker's own durable queue `name`, made if missing."""
+        ...
+
+    queues: dict[str, Queue]
+
+    def queue_by_qid(self, qid: int) -> Queue | None:
+        """The queue of an incarnation id."""
+        ...
+
+    def definitions(self) -> Definitions:
+        """The durable topology."""
+        ...
+
+    def apply_definitions(self, defs: Definitions) -> None:
+        """Make the topology equal to `defs`."""
+        ...
+
+    def apply_ops(self, ops: list[JournalOp]) -> list[str]:
+        """Apply enqueues and settles (the caller journals them); their dedup keys."""
+        ...
+
+    def remember_when_durable(self, keys: list[str], batch: int) -> None:
+        """Admit dedup keys once `batch` is durable."""
+        ...
+
+
+class MirrorLog(Protocol):
+    """The group committer as the applier uses it."""
+
+    def add(self, ops: Iterable[JournalOp]) -> int:
+        """Journal ops in the open batch; its number."""
+        ...
+
+    def await_durable(self, waiter: Waiter) -> None:
+        """Call `waiter.durable(batch)` as batches complete."""
+        ...
+
+
+class AppliedMark(BaseModel):
+    """The applied high-water mark of one origin, as its record's body holds it."""
+
+    origin: str
+    seq: int
+    applied_at: float
+    created: float  # when the source made that event (the mirror's lag)
+
+
+@dataclass(slots=True)
+class Applied:
+    """What one `apply` did: the batch to wait for, the seq to acknowledge then, and why
+    it stopped early (an event to retry after a reconnect), if it did."""
+
+    batch: int
+    seq: int
+    applied: int
+    retry: str | None = None
+
+
+class HoldingSet:
+    """Settles that arrived before their message: bounded, each kept `ttl` seconds."""
+
+    def __init__(self, limit: int, ttl: float) -> None:
+        self.limit = limit
+        self.ttl = ttl
+        self._held: OrderedDict[tuple[int, int], float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def add(self, key: tuple[int, int], now: float) -> None:
+        """Hold a settle of (qid, mid) until `now + ttl`; the oldest go when full."""
+        self._expire(now)
+        self._held[key] = now + self.ttl
+        while len(self._held) > self.limit:
+            self._held.popitem(last=False)
+
+    def take(self, key: tuple[int, int], now: float) -> bool:
+        """Whether a settle of (qid, mid) was held (and is now used up)."""
+        self._expire(now)
+        return self._held.pop(key, None) is not None
+
+    def _expire(self, now: float) -> None:
+        held = self._held
+        while held:
+            key, until = next(iter(held.items()))
+            if until > now:
+                break
+            del held[key]
+
+
+def mark_queue(origin: str) -> tuple[str, int]:
+    """The name and queue id of an origin's applied-mark queue."""
+    return MARK_PREFIX + origin, _MARK_QID_BASE + zlib.crc32(origin.encode())
+
+
+class MirrorApplier:
+    """Applies events from any number of origins to this (mirror) broker."""
+
+    def __init__(
+        self,
+        vhost: MirrorState,
+        log: MirrorLog,
+        clock: Callable[[], float],
+        *,
+        retries: int = 3,
+        holding_limit: int = 100_000,
+        holding_ttl: float = 600.0,
+    ) -> None:
+        self.vhost = vhost
+        self.log = log
+        self.clock = clock
+        self.retries = retries
+        self.holding = HoldingSet(holding_limit, holding_ttl)
+        self._failures: dict[tuple[str, int], int] = {}
+
+    def mark(self, origin: str) -> AppliedMark | None:
+        """The last applied mark of `origin`, as durable (or about to be)."""
+        name, qid = mark_queue(origin)
+        queue = self.vhost.internal_queue(name, qid)
+        if not queue.entries:
+            return None
+        return AppliedMark.model_validate_json(queue.entries[-1].message.body)
+
+    def origins(self) -> list[str]:
+        """The origins this mirror holds a mark of."""
+        return [
+            AppliedMark.model_validate_json(q.entries[-1].message.body).origin
+            for name, q in self.vhost.queues.items()
+            if name.startswith(MARK_PREFIX) and q.entries
+        ]
+
+    def applied(self, origin: str) -> int:
+        """The highest event seq of `origin` applied here (0: none)."""
+        mark = self.mark(origin)
+        return 0 if mark is None else mark.seq
+
+    def apply(self, origin: str, events: list[tuple[int, bytes]]) -> Applied:
+        """Apply the events after the origin's mark, in order, as one group commit."""
+        previous = self.mark(origin)
+        done = 0 if previous is None else previous.seq
+        created = 0.0 if previous is None else previous.created
+        journal: list[JournalOp] = []
+        keys: list[str] = []
+        applied = 0
+        retry: str | None = None
+        for seq, body in events:
+            if seq <= done:
+                continue  # applied before: a re-sent batch changes nothing
+            try:
+                event = decode_event(seq, body)
+                if event.definitions is not None:
+                    self._apply_definitions(event.definitions)
+                elif event.ops is not None:
+                    journal += self._apply_ops(event.ops, keys)
+                created = event.created
+            except Exception as exc:
+                failures = self._failures.get((origin, seq), 0) + 1
+                if failures < self.retries:
+                    self._failures[(origin, seq)] = failures
+                    retry = f"event {seq} of {origin} failed ({exc}); attempt {failures}"
+                    log.warning("mirror: %s: retried after a reconnect", retry)
+                    break
+                self._failures.pop((origin, seq), None)
+                journal.append(self._dead_letter(origin, seq, body, exc))
+                log.error("mirror: event %d of %s dead-lettered after %d attempts: %s",
+                          seq, origin, failures, exc)  # fmt: skip
+            done = seq
+            applied += 1
+        if applied == 0:
+            return Applied(0, done, 0, retry)
+        journal += self._new_mark(origin, previous, done, created)
+        batch = self.log.add(journal)
+        if keys:
+            self.vhost.remember_when_durable(keys, batch)
+        metrics.APPLIED.inc(applied)
+        return Applied(batch, done, applied, retry)
+
+    def _apply_definitions(self, defs: Definitions) -> None:
+        """The source's topology, plus this broker's internal queues, kept as they are."""
+        own = [q for q in self.vhost.definitions().queues if is_internal(q.name)]
+        self.vhost.apply_definitions(
+            Definitions(
+                exchanges=defs.exchanges,
+                queues=[*(q for q in defs.queues if not is_internal(q.name)), *own],
+                bindings=[b for b in defs.bindings if not is_internal(b.queue)],
+                next_qid=defs.next_qid,
+            )
+        )
+
+    def _apply_ops(self, ops: list[JournalOp], keys: list[str]) -> list[JournalOp]:
+        """Apply one event's ops; those to journal (held settles are not)."""
+        now = self.clock()
+        out: list[JournalOp] = []
+        added: set[tuple[int, int]] = set()
+        for op in ops:
+            queue = self.vhost.queue_by_qid(op.qid)
+            if queue is None or op.qid >= INTERNAL_QID_BASE:
+                continue  # a queue deleted since (the topology event says so)
+            key = (op.qid, op.mid)
+            if type(op) is StoredMessage:
+                if self.holding.take(key, now):
+                    metrics.HELD_APPLIED.inc()
+                    continue  # its settle came first: taken and settled at once
+                if _may_hold(queue, op.mid) and _holds(queue, op.mid):
+                    continue  # here already (a snapshot overlapping a live event)
+                added.add(key)
+                out.append(op)
+            elif key in added or _holds(queue, op.mid):
+                out.append(op)
+            else:
+                self.holding.add(key, now)
+        keys += self.vhost.apply_ops(out)
+        return out
+
+    def _new_mark(
+        self, origin: str, previous: AppliedMark | None, seq: int, created: float
+    ) -> list[JournalOp]:
+        """The ops that replace the origin's mark (and the in-memory record)."""
+        name, qid = mark_queue(origin)
+        queue = self.vhost.internal_queue(name, qid)
+        body = AppliedMark(origin=origin, seq=seq, applied_at=self.clock(), created=created)
+        data = body.model_dump_json().encode()
+        header = record_header(len(data))
+        ops: list[JournalOp] = [StoredMessage(seq, qid, "", name, header, data, None)]
+        for entry in queue.entries:
+            ops.append(Settle(qid, entry.message.mid))
+        queue.entries.clear()
+        queue.entries.append(
+            Entry(Message(seq, "", name, header, data, True, None, None), None, True)
+        )
+        queue.bytes = len(data)
+        return ops
+
+    def _dead_letter(self, origin: str, seq: int, body: bytes, exc: Exception) -> JournalOp:
+        """Keep an event that cannot be applied in the mirror DLQ, with the reason."""
+        queue = self.vhost.internal_queue(DLQ_NAME, DLQ_QID, locked=False)
+        table = Table(
+            (
+                ("x-mirror-origin", text(origin)),
+                ("x-mirror-seq", long_int(seq)),
+                ("x-mirror-reason", text(str(exc)[:1000])),
+            )
+        )
+        header = record_header(len(body))[:-2] + struct.pack(">H", 0x2000) + encode_table(table)
+        message = Message(seq, "", DLQ_NAME, header, body, True, None, None)
+        queue.entries.append(Entry(message, None, True))
+        queue.bytes += len(body)
+        metrics.DEAD_LETTERED.inc()
+        return StoredMessage(seq, DLQ_QID, "", DLQ_NAME, header, body, None)
+
+
+def _may_hold(queue: Queue, mid: int) -> bool:
+    """False when `queue` certainly lacks `mid` (the usual case: a new message is newer
+    than everything ready there), without a scan."""
+    return bool(queue.delivered or queue.held_aside) or (
+        bool(queue.entries) and queue.entries[-1].message.mid >= mid
+    )
+
+
+def _holds(queue: Queue, mid: int) -> bool:
+    """Whether `queue` has message `mid` (ready, delivered or held aside)."""
+    entries = queue.entries
+    if entries and entries[0].message.mid == mid:
+        return True
+    if mid in queue.delivered or mid in queue.held_aside:
+        return True
+    return any(e.message.mid == mid for e in entries)

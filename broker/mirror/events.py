@@ -1,0 +1,112 @@
+"""Mirror events and their bytes, sans-I/O.
+
+An event is one message in the source's replication queue; its identity is
+(origin, seq) where `seq` is that message's replication ID (`mid`): unique and
+increasing across the source pair's failovers (`broker/epoch.py`), so the
+mirror's high-water mark per origin makes apply idempotent.
+
+    event = u8 kind | f64 created (unix time, for the age of the oldest event) | payload
+    OPS          payload = the journal's own op encoding (`encode_ops`): one group commit's
+                 changes to mirrored queues (enqueues, settles), applied as one unit
+    DEFINITIONS  payload = JSON of `Definitions`: the whole mirrored topology (full
+                 state, so declares, deletes and argument changes converge and
+                 re-applying is harmless)
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from pydantic import ValidationError
+
+from twinmq.broker.definitions import Definitions
+from twinmq.broker.journal import JournalOp
+from twinmq.broker.journal.ops import decode_ops, encode_ops
+
+KIND_OPS: Final = 1
+KIND_DEFINITIONS: Final = 2
+_HEAD = struct.Struct("<Bd")
+
+# Internal queues (the replication queue, the mirror's applied marks, its DLQ): never
+# mirrored, and left alone when a mirror applies the source's topology.
+INTERNAL_PREFIX: Final = "amq.twinmq."
+# Their queue ids sit far above any id a broker hands out, so the mirror can keep the
+# source's own queue ids (and message ids) without a translation table.
+INTERNAL_QID_BASE: Final = 1 << 62
+
+# A valid, empty content header (class basic, no properties): how internal queues
+# store their records as messages the journal, recovery and replication already carry.
+_EMPTY_HEADER = struct.Struct(">HHQH")
+
+
+def record_header(body_size: int) -> bytes:
+    """The content header of an internal record of `body_size` bytes."""
+    return _EMPTY_HEADER.pack(60, 0, body_size, 0)
+
+
+@dataclass(slots=True, frozen=True)
+class MirrorEvent:
+    """One decoded event: ops or definitions, never both."""
+
+    seq: int
+    created: float
+    ops: list[JournalOp] | None = None
+    definitions: Definitions | None = None
+
+
+def encode_ops_event(ops: Sequence[JournalOp], created: float) -> bytes:
+    """The event of one group commit's mirrored ops."""
+    buf = bytearray()
+    encode_ops(ops, buf)
+    return ops_event(buf, created)
+
+
+def ops_event(encoded: bytes | bytearray, created: float) -> bytes:
+    """The event of ops already in the journal's encoding."""
+    return _HEAD.pack(KIND_OPS, created) + encoded
+
+
+def encode_definitions_event(definitions: Definitions, created: float) -> bytes:
+    """The event of the mirrored topology as it now stands."""
+    return _HEAD.pack(KIND_DEFINITIONS, created) + definitions.model_dump_json().encode()
+
+
+def event_created(body: bytes) -> float:
+    """When an event was made (for the age of the oldest unreplicated one)."""
+    return float(_HEAD.unpack_from(body)[1])
+
+
+def decode_event(seq: int, body: bytes) -> MirrorEvent:
+    """Decode an event; ValueError if it is malformed."""
+    if len(body) < _HEAD.size:
+        raise ValueError(f"event {seq}: {len(body)} bytes is shorter than its header")
+    kind, created = _HEAD.unpack_from(body)
+    payload = body[_HEAD.size :]
+    if kind == KIND_OPS:
+        return MirrorEvent(seq, created, ops=decode_ops(payload))
+    if kind == KIND_DEFINITIONS:
+        try:
+            return MirrorEvent(seq, created, definitions=Definitions.model_validate_json(payload))
+        except ValidationError as exc:
+            raise ValueError(
+                f"event {seq}: malformed definitions ({exc.error_count()} errors)"
+            ) from None
+    raise ValueError(f"event {seq}: unknown kind {kind}")
+
+
+def is_internal(name: str) -> bool:
+    """Whether a queue is one of the mirror's own (never mirrored)."""
+    return name.startswith(INTERNAL_PREFIX)
+
+
+def mirrored_definitions(definitions: Definitions) -> Definitions:
+    """The topology a mirror receives: everything durable but the internal queues."""
+    return Definitions(
+        exchanges=definitions.exchanges,
+        queues=[q for q in definitions.queues if not is_internal(q.name)],
+        bindings=[b for b in definitions.bindings if not is_internal(b.queue)],
+        next_qid=definitions.next_qid,
+    )

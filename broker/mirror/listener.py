@@ -1,0 +1,178 @@
+"""The mirror's end of the link: authenticate a source, apply its events, acknowledge.
+
+One session per origin: a newer authenticated session of the same origin (the
+source pair failed over, or reconnected before the old TCP connection died)
+replaces the older one. Events read together are applied together
+(`MirrorApplier.apply`, one group commit); the ACK of their last seq is written
+once that batch is complete, in order, while the next events are being applied.
+Only an active broker accepts a source (a passive of the mirror pair refuses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from twinmq.broker.mirror import metrics
+from twinmq.broker.mirror.applier import MirrorApplier
+from twinmq.broker.mirror.auth import Transcript
+from twinmq.broker.mirror.durable import BatchFutures
+from twinmq.broker.replication.handshake import new_nonce
+from twinmq.broker.replication.link import FrameReader
+from twinmq.broker.replication.protocol import (
+    Challenge,
+    FrameType,
+    Hello,
+    ProtocolError,
+    Refuse,
+    Welcome,
+    decode_batch,
+    decode_model,
+    encode,
+    encode_u64,
+)
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+SILENCE = 15.0
+MAX_APPLY_EVENTS = 4096  # events applied in one group commit, at most
+
+
+class MirrorListener:
+    """Accepts mirror links from sources and feeds their events to the applier."""
+
+    def __init__(
+        self,
+        applier: MirrorApplier,
+        futures: BatchFutures,
+        key: str,
+        name: str,
+        is_active: Callable[[], bool],
+    ) -> None:
+        self.applier = applier
+        self.futures = futures
+        self.key = key
+        self.name = name
+        self.is_active = is_active
+        self.sessions: dict[str, asyncio.StreamWriter] = {}
+
+    async def start(self, host: str, port: int) -> asyncio.Server:
+        """Listen for sources."""
+        return await asyncio.start_server(self._handle, host, port, reuse_address=True)
+
+    @property
+    def connected(self) -> int:
+        """Sources linked now."""
+        return len(self.sessions)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        origin: str | None = None
+        try:
+            frames = FrameReader(reader, f"mirror source {peer}")
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                origin = await self._authenticate(frames, writer)
+            if origin is None:
+                return
+            older = self.sessions.get(origin)
+            if older is not None:
+                older.close()  # the source has one link: the newer one wins
+            self.sessions[origin] = writer
+            log.info("mirror: source %s linked from %s", origin, peer)
+            await self._serve(origin, frames, writer)
+        except (OSError, ConnectionError, ProtocolError, TimeoutError) as exc:
+            log.info("mirror: link from %s (%s) closed: %s", origin or "?", peer, exc)
+        finally:
+            if origin is not None and self.sessions.get(origin) is writer:
+                del self.sessions[origin]
+            writer.close()
+            with contextlib.suppress(OSError, ConnectionError):
+                await writer.wait_closed()
+
+    async def _authenticate(self, frames: FrameReader, writer: asyncio.StreamWriter) -> str | None:
+        """The handshake; the authenticated origin, or None (refused)."""
+        nonce = new_nonce()
+        writer.write(encode(FrameType.CHALLENGE, Challenge(version=2, name=self.name, nonce=nonce)))
+        ftype, payload = await frames.next()
+        if ftype is not FrameType.HELLO:
+            raise ProtocolError(f"expected HELLO, got {ftype.name}")
+        hello = decode_model(Hello, payload)
+        transcript = Transcript(self.name, hello.name, nonce, hello.nonce)
+        why = transcript.refusal(self.key, hello.proof, "source")
+        if why is None and not self.is_active():
+            why = f"{self.name} is passive: link to the mirror's active broker"
+        others = [o for o in self.applier.origins() if o != hello.name]
+        if why is None and others:
+            # Topology events are full state: two origins would delete each other's queues.
+            why = f"{self.name} mirrors origin {others[0]!r}; one origin per mirror"
+        if why is not None:
+            log.warning("mirror: refusing source %r: %s", hello.name, why)
+            writer.write(encode(FrameType.REFUSE, Refuse(reason=why, epoch=0)))
+            await writer.drain()
+            return None
+        proof = transcript.proof(self.key, "mirror")
+        writer.write(encode(FrameType.WELCOME, Welcome(epoch=0, proof=proof)))
+        frames.authenticated()
+        writer.write(encode_u64(FrameType.ACK, self.applier.applied(hello.name)))
+        await writer.drain()
+        return hello.name
+
+    async def _serve(self, origin: str, frames: FrameReader, writer: asyncio.StreamWriter) -> None:
+        acks: asyncio.Queue[tuple[asyncio.Future[bool], int]] = asyncio.Queue()
+        acker = asyncio.get_running_loop().create_task(self._acknowledge(acks, writer))
+        try:
+            while not acker.done():
+                events = await self._read_events(frames)
+                if not self.is_active():
+                    raise ConnectionError(f"{self.name} is no longer active")
+                result = self.applier.apply(origin, events)
+                metrics.HELD_ACKS.set(len(self.applier.holding))
+                if result.applied:
+                    acks.put_nowait((self.futures.wait(result.batch), result.seq))
+                    mark = self.applier.mark(origin)
+                    if mark is not None:
+                        metrics.LAST_APPLIED_AGE.set(max(0.0, mark.applied_at - mark.created))
+                if result.retry is not None:
+                    await acks.join()  # acknowledge what was applied, then let it re-send
+                    raise ConnectionError(result.retry)
+        finally:
+            if not acker.done():
+                acker.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError, ConnectionError):
+                await acker
+
+    async def _read_events(self, frames: FrameReader) -> list[tuple[int, bytes]]:
+        """The next events: at least one, and every one already received (up to a bound)."""
+        events: list[tuple[int, bytes]] = []
+        while len(events) < MAX_APPLY_EVENTS:
+            frame = frames.received() if events else await frames.next(SILENCE)
+            if frame is None:
+                break
+            ftype, payload = frame
+            if ftype is FrameType.BATCH:
+                seq, _flags, body = decode_batch(payload)
+                events.append((seq, body))
+            elif ftype is not FrameType.PING:
+                raise ProtocolError(f"unexpected {ftype.name} from a mirror source")
+        return events
+
+    async def _acknowledge(
+        self, acks: asyncio.Queue[tuple[asyncio.Future[bool], int]], writer: asyncio.StreamWriter
+    ) -> None:
+        """ACK each applied seq once its batch is complete, in order; PING when idle."""
+        while True:
+            try:
+                future, seq = await asyncio.wait_for(acks.get(), 1.0)
+            except TimeoutError:
+                writer.write(encode(FrameType.PING))
+                await writer.drain()
+                continue
+            ok = await future
+            acks.task_done()
+            if not ok:
+                raise ConnectionError(f"the batch applying up to event {seq} failed here")
+            writer.write(encode_u64(FrameType.ACK, seq))
+            await writer.drain()

@@ -1,0 +1,32 @@
+"""Prometheus metrics of the mirror (both ends); gauges read their objects at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+ENABLED = Gauge("twinmq_mirror_enabled", "1 if this broker mirrors to a DR site (--mirror-to)")
+CONNECTED = Gauge(
+    "twinmq_mirror_connected", "1 once the mirror link has completed a verified round trip"
+)
+QUEUE_EVENTS = Gauge("twinmq_mirror_queue_events", "Events not yet acknowledged by the mirror")
+QUEUE_BYTES = Gauge("twinmq_mirror_queue_bytes", "Bytes of events not yet acknowledged")
+OLDEST_AGE = Gauge(
+    "twinmq_mirror_oldest_event_age_seconds", "Age of the oldest unacknowledged event"
+)
+FLOW_CONTROL = Gauge(
+    "twinmq_mirror_flow_control",
+    "1 while publishers are blocked because the connected mirror lags past --mirror-max-lag",
+)
+SENT = Counter("twinmq_mirror_sent_events_total", "Events sent to the mirror (re-sends included)")
+APPLIED = Counter("twinmq_mirror_applied_events_total", "Events applied on this mirror")
+LAST_APPLIED_AGE = Gauge(
+    "twinmq_mirror_last_applied_event_age_seconds",
+    "On the mirror: seconds between the last applied event's creation and now (per link)",
+)
+DEAD_LETTERED = Counter(
+    "twinmq_mirror_dead_lettered_total", "Events put in the mirror DLQ after their retries"
+)
+HELD_ACKS = Gauge("twinmq_mirror_held_acks", "Settles held for messages not (yet) on the mirror")
+HELD_APPLIED = Counter(
+    "twinmq_mirror_held_applied_total", "Messages settled on arrival by a held settle"
+)

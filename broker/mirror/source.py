@@ -1,0 +1,268 @@
+"""The source's replication queue: mirror events journaled in the group commit they describe.
+
+The committer's tap (`GroupCommitter.tap`) hands every batch's ops here as the
+batch closes; the event made of them is one more op of *that* batch, so a crash
+keeps both or neither (no event lost, none invented), and the pair's passive
+receives it like any op: a promoted passive holds the same events under the same
+sequence numbers. Topology changes add an event to the open batch right after
+the definitions file is replaced; the event of the whole topology emitted at
+every activation covers a crash between the two.
+
+Events leave the queue only when the mirror acknowledges them (`acked`); the
+link (`link.py`) sends only events whose batch is complete here
+(`durable_seq`): the mirror never applies what the source may still lose.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Final, Protocol
+
+from twinmq.broker.commit import Waiter
+from twinmq.broker.definitions import Definitions
+from twinmq.broker.journal import JournalOp, Settle, StoredMessage
+from twinmq.broker.message import Entry, Message
+from twinmq.broker.mirror.events import (
+    INTERNAL_PREFIX,
+    INTERNAL_QID_BASE,
+    encode_definitions_event,
+    encode_ops_event,
+    event_created,
+    mirrored_definitions,
+    ops_event,
+    record_header,
+)
+from twinmq.broker.queue import Queue
+
+log = logging.getLogger(__name__)
+
+QUEUE_NAME: Final = INTERNAL_PREFIX + "mirror"
+QUEUE_QID: Final = INTERNAL_QID_BASE + 1
+# Bounds of one snapshot event (an event is applied as one group commit on the mirror).
+SNAPSHOT_EVENT_BYTES: Final = 1024 * 1024
+SNAPSHOT_EVENT_OPS: Final = 4096
+
+
+class SourceState(Protocol):
+    """The virtual host as the mirror source uses it."""
+
+    next_mid: int
+    replica: bool
+    queues: dict[str, Queue]
+
+    def internal_queue(self, name: str, qid: int, *, locked: bool = True) -> Queue:
+        """The broker's own durable queue `name`, made if missing."""
+        ...
+
+    def definitions(self) -> Definitions:
+        """The durable topology."""
+        ...
+
+
+class SourceLog(Protocol):
+    """The group committer as the mirror source uses it."""
+
+    def add(self, ops: Iterable[JournalOp]) -> int:
+        """Journal ops in the open batch; its number."""
+        ...
+
+    def await_durable(self, waiter: Waiter) -> None:
+        """Call `waiter.durable(batch)` as batches complete."""
+        ...
+
+
+class MirrorSource:
+    """Fills and trims the replication queue; a `BatchTap` and a `Waiter` of the committer."""
+
+    def __init__(self, vhost: SourceState, log: SourceLog, clock: Callable[[], float]) -> None:
+        self.vhost = vhost
+        self.log = log
+        self.clock = clock
+        self.durable_seq = 0  # every event up to this one is complete here
+        self.acked_seq = 0  # the mirror's high-water mark, as last acknowledged
+        self.on_change: Callable[[], None] | None = None  # events became sendable
+        self._queue: Queue | None = None
+        self._unsettled: deque[tuple[int, int]] = deque()  # (batch, seq), batch not complete
+
+    # -- the replication queue --------------------------------------------------------------
+
+    def ensure_active(self) -> bool:
+        """Take the queue over if this broker became active since; whether it is active."""
+        if not self.active:
+            self._queue = None  # a passive's queue changes by replication only
+            return False
+        if self._queue is None or self._queue.deleted:
+            self.activate()
+        return True
+
+    def activate(self) -> Queue:
+        """This broker is (or became) active: take over the queue and re-announce the topology.
+
+        Entries already there (recovered, or replicated while passive) are durable.
+        """
+        first = QUEUE_NAME not in self.vhost.queues
+        queue = self._queue = self.vhost.internal_queue(QUEUE_NAME, QUEUE_QID)
+        self._unsettled.clear()
+        if queue.entries:
+            self.durable_seq = max(self.durable_seq, queue.entries[-1].message.mid)
+        self._emit_definitions(self.vhost.definitions())
+        if first:
+            self._snapshot()
+        return queue
+
+    def _snapshot(self) -> None:
+        """Mirror what existed before the mirror was enabled: every journaled message, as
+        events in the same batch as the topology event, in this turn of the loop (a
+        consistent cut: every later change is a later event)."""
+        chunk: list[JournalOp] = []
+        size = 0
+        count = 0
+        for queue in list(self.vhost.queues.values()):
+            if not queue.durable or queue.definition.qid >= INTERNAL_QID_BASE:
+                continue
+            qid = queue.definition.qid
+            held = [*queue.entries, *queue.delivered.values(), *queue.held_aside.values()]
+            for entry in sorted((e for e in held if e.journaled), key=lambda e: e.message.mid):
+                m = entry.message
+                chunk.append(
+                    StoredMessage(
+                        m.mid, qid, m.exchange, m.routing_key, m.header, m.body, entry.expires_at
+                    )
+                )
+                size += len(m.body) + len(m.header)
+                count += 1
+                if size >= SNAPSHOT_EVENT_BYTES or len(chunk) >= SNAPSHOT_EVENT_OPS:
+                    self._emit_ops(chunk)
+                    chunk, size = [], 0
+        if chunk:
+            self._emit_ops(chunk)
+        if count:
+            log.info("mirror: snapshot of %d existing messages queued for the mirror", count)
+
+    def _emit_ops(self, ops: list[JournalOp]) -> None:
+        op = self._record(encode_ops_event(ops, self.clock()))
+        self._unsettled.append((self.log.add([op]), op.mid))
+
+    @property
+    def active(self) -> bool:
+        """Whether this broker is active (a passive's queue changes by replication only)."""
+        return not self.vhost.replica
+
+    @property
+    def queue(self) -> Queue:
+        """The replication queue (made on first use by an active broker)."""
+        if self._queue is None or self._queue.deleted:
+            return self.activate()
+        return self._queue
+
+    def _record(self, body: bytes) -> StoredMessage:
+        """Append one event to the queue (in memory); the op that journals it."""
+        seq = self.vhost.next_mid
+        self.vhost.next_mid = seq + 1
+        header = record_header(len(body))
+        queue = self.queue
+        queue.entries.append(
+            Entry(Message(seq, "", QUEUE_NAME, header, body, True, None, None), None, True)
+        )
+        queue.bytes += len(body)
+        return StoredMessage(seq, QUEUE_QID, "", QUEUE_NAME, header, body, None)
+
+    # -- BatchTap ---------------------------------------------------------------------------
+
+    def batch_closing(self, batch: int, ops: list[JournalOp], encoded: bytes) -> list[JournalOp]:
+        """The event of a closing batch's mirrored ops (none for internal queues); `encoded`
+        is the ops' journal encoding, the event's payload when every op is mirrored."""
+        if not self.active:
+            return []
+        mirrored = [op for op in ops if op.qid < INTERNAL_QID_BASE]
+        if not mirrored:
+            return []
+        now = self.clock()
+        if len(mirrored) == len(ops):
+            body = ops_event(encoded, now)
+        else:
+            body = encode_ops_event(mirrored, now)
+        op = self._record(body)
+        self._unsettled.append((batch, op.mid))
+        return [op]
+
+    def definitions_saved(self, definitions: Definitions) -> None:
+        """The topology changed: its event joins the open batch."""
+        if self.active and self._queue is not None:
+            self._emit_definitions(definitions)
+
+    def _emit_definitions(self, definitions: Definitions) -> None:
+        op = self._record(encode_definitions_event(mirrored_definitions(definitions), self.clock()))
+        self._unsettled.append((self.log.add([op]), op.mid))
+
+    # -- Waiter -----------------------------------------------------------------------------
+
+    def durable(self, batch: int, failed: bool = False) -> bool:
+        """Events of complete batches become sendable; those of a failed one are withdrawn."""
+        unsettled = self._unsettled
+        withdrawn: set[int] = set()
+        while unsettled and unsettled[0][0] <= batch:
+            each, seq = unsettled.popleft()
+            if failed and each == batch:
+                withdrawn.add(seq)
+            else:
+                self.durable_seq = max(self.durable_seq, seq)
+        if withdrawn and self._queue is not None:
+            for seq in withdrawn:
+                self._queue.remove_mid(seq)  # never journaled: as if never made
+        if self.on_change is not None:
+            self.on_change()
+        return True
+
+    # -- the link's view --------------------------------------------------------------------
+
+    def sendable(self, after: int, max_events: int, max_bytes: int) -> list[tuple[int, bytes]]:
+        """Complete events after `after`, oldest first, within the limits (at least one)."""
+        out: list[tuple[int, bytes]] = []
+        size = 0
+        if self._queue is None:
+            return out
+        for entry in self._queue.entries:
+            seq = entry.message.mid
+            if seq <= after:
+                continue
+            if seq > self.durable_seq or len(out) >= max_events or (out and size >= max_bytes):
+                break
+            out.append((seq, entry.message.body))
+            size += len(entry.message.body)
+        return out
+
+    def acked(self, seq: int) -> None:
+        """The mirror applied everything up to `seq`: those events leave the queue."""
+        queue = self._queue
+        if queue is None or not self.active:
+            return  # a passive's queue changes by replication only
+        self.acked_seq = max(self.acked_seq, seq)
+        settles: list[JournalOp] = []
+        entries = queue.entries
+        while entries and entries[0].message.mid <= seq:
+            entry = entries.popleft()
+            queue.bytes -= entry.size
+            settles.append(Settle(QUEUE_QID, entry.message.mid))
+        if settles:
+            self.log.add(settles)
+
+    # -- metrics ----------------------------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        """Events not yet acknowledged by the mirror."""
+        return len(self._queue.entries) if self._queue is not None else 0
+
+    @property
+    def depth_bytes(self) -> int:
+        """Their bytes."""
+        return self._queue.bytes if self._queue is not None else 0
+
+    def oldest_age(self) -> float:
+        """Seconds since the oldest unacknowledged event was made (0 when none)."""
+        if self._queue is None or not self._queue.entries:
+            return 0.0
+        return max(0.0, self.clock() - event_created(self._queue.entries[0].message.body))

@@ -1,0 +1,155 @@
+"""The mirror's pure parts without sockets: the event codec, the holding set, and the applier
+on a real virtual host over a real journal (`sansio.Harness`), fed events by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from sansio import Harness
+
+from twinmq.broker.codec import decode_content_header, decode_headers
+from twinmq.broker.definitions import BindingDef, Definitions, ExchangeDef, QueueDef
+from twinmq.broker.fieldtable import as_text
+from twinmq.broker.journal import Settle, StoredMessage
+from twinmq.broker.mirror.applier import DLQ_NAME, HoldingSet, MirrorApplier
+from twinmq.broker.mirror.events import (
+    decode_event,
+    encode_definitions_event,
+    encode_ops_event,
+    mirrored_definitions,
+    record_header,
+)
+from twinmq.broker.settings import parse_args
+
+QID = 3
+TOPOLOGY = Definitions(queues=[QueueDef(name="q", qid=QID)], next_qid=QID + 1)
+
+
+def message(mid: int) -> StoredMessage:
+    body = f"m{mid}".encode()
+    return StoredMessage(mid, QID, "", "q", record_header(len(body)), body, 1.9e9)
+
+
+def test_events_decode_to_what_was_encoded_and_garbage_is_refused() -> None:
+    ops = [message(1), Settle(QID, 1)]
+    event = decode_event(5, encode_ops_event(ops, 123.5))
+    assert (event.seq, event.created, event.ops, event.definitions) == (5, 123.5, ops, None)
+    assert decode_event(6, encode_definitions_event(TOPOLOGY, 1.0)).definitions == TOPOLOGY
+    for garbage in (b"", b"\x09" + bytes(8), encode_ops_event(ops, 0.0)[:-3]):
+        with pytest.raises(ValueError):
+            decode_event(7, garbage)
+
+
+def test_internal_queues_and_their_bindings_are_never_mirrored() -> None:
+    defs = Definitions(
+        exchanges=[ExchangeDef(name="x", type="fanout")],
+        queues=[QueueDef(name="amq.twinmq.mirror", qid=1 << 62), QueueDef(name="q", qid=1)],
+        bindings=[
+            BindingDef(exchange="x", queue="amq.twinmq.mirror", routing_key=""),
+            BindingDef(exchange="x", queue="q", routing_key=""),
+        ],
+    )
+    mirrored = mirrored_definitions(defs)
+    assert [q.name for q in mirrored.queues] == ["q"]
+    assert [b.queue for b in mirrored.bindings] == ["q"]
+
+
+def test_the_holding_set_is_bounded_and_forgets_after_its_ttl() -> None:
+    held = HoldingSet(limit=2, ttl=10.0)
+    for mid in (1, 2, 3):
+        held.add((QID, mid), now=0.0)
+    assert len(held) == 2 and not held.take((QID, 1), now=1.0)  # the oldest went
+    assert held.take((QID, 2), now=1.0) and not held.take((QID, 2), now=1.0)  # used once
+    assert not held.take((QID, 3), now=10.0)  # expired
+
+
+@pytest.fixture
+def mirror(tmp_path: Path) -> Harness:
+    return Harness(tmp_path / "mirror")
+
+
+def applier(h: Harness) -> MirrorApplier:
+    return MirrorApplier(h.vhost, h.committer, h.clock.time, retries=2)
+
+
+def ready(h: Harness, name: str = "q") -> list[bytes]:
+    return [e.message.body for e in h.vhost.queues[name].entries]
+
+
+def test_events_applied_twice_change_nothing_the_second_time(mirror: Harness) -> None:
+    apply = applier(mirror)
+    events = [
+        (10, encode_definitions_event(TOPOLOGY, 0.0)),
+        (11, encode_ops_event([message(1), message(2)], 0.0)),
+    ]
+    assert apply.apply("a", events).seq == 11
+    mirror.commit()
+    again = apply.apply("a", [*events, (12, encode_ops_event([Settle(QID, 1)], 0.0))])
+    assert (again.applied, again.seq) == (1, 12)
+    mirror.commit()
+    assert ready(mirror) == [b"m2"]
+    assert apply.applied("a") == 12 and apply.applied("other-origin") == 0
+    mirror.close()
+
+
+def test_the_applied_mark_is_durable_with_the_effects_it_covers(tmp_path: Path) -> None:
+    first = Harness(tmp_path / "m")
+    applier(first).apply(
+        "a",
+        [(1, encode_definitions_event(TOPOLOGY, 0.0)), (2, encode_ops_event([message(7)], 0.0))],
+    )
+    first.commit()
+    first.close()
+    reopened = Harness(tmp_path / "m")
+    assert applier(reopened).applied("a") == 2
+    assert ready(reopened) == [b"m7"]
+    reopened.close()
+
+
+def test_a_settle_that_comes_before_its_message_is_held_and_applied_on_arrival(
+    mirror: Harness,
+) -> None:
+    apply = applier(mirror)
+    apply.apply("a", [(1, encode_definitions_event(TOPOLOGY, 0.0))])
+    apply.apply("a", [(2, encode_ops_event([Settle(QID, 5)], 0.0))])
+    assert len(apply.holding) == 1 and ready(mirror) == []
+    apply.apply("a", [(3, encode_ops_event([message(5), message(6)], 0.0))])
+    mirror.commit()
+    assert ready(mirror) == [b"m6"] and len(apply.holding) == 0
+    mirror.close()
+
+
+def test_an_event_that_keeps_failing_goes_to_the_dlq_and_the_stream_goes_on(
+    mirror: Harness,
+) -> None:
+    apply = applier(mirror)
+    apply.apply("a", [(1, encode_definitions_event(TOPOLOGY, 0.0))])
+    broken = (2, b"\x01not an event")
+    first = apply.apply("a", [broken, (3, encode_ops_event([message(9)], 0.0))])
+    assert first.retry is not None and first.applied == 0 and apply.applied("a") == 1
+    second = apply.apply("a", [broken, (3, encode_ops_event([message(9)], 0.0))])
+    assert second.retry is None and second.seq == 3
+    mirror.commit()
+    assert ready(mirror) == [b"m9"]
+    assert ready(mirror, DLQ_NAME) == [b"\x01not an event"]
+    header = mirror.vhost.queues[DLQ_NAME].entries[0].message.header
+    decode_content_header(header)  # a valid header: consumers of the DLQ can read it
+    headers = decode_headers(header)
+    assert as_text(headers.get("x-mirror-origin")) == "a"
+    assert "malformed ops" in (as_text(headers.get("x-mirror-reason")) or "")
+    mirror.close()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--mirror-to", "127.0.0.1:5999"],
+        ["--mirror-port", "5999"],
+        ["--mirror-to", "127.0.0.1:5999", "--mirror-port", "5998", "--mirror-token", "t"],
+    ],
+)
+def test_a_mirror_link_needs_its_token_and_a_broker_takes_one_side(args: list[str]) -> None:
+    with pytest.raises(ValidationError):
+        parse_args(args)
