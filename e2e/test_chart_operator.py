@@ -1,6 +1,7 @@
 """The chart end to end: its operator (namespace-scoped RBAC) comes up, answers its liveness
 endpoint, makes a BrokerCluster Ready with the primary active, and `helm uninstall` removes
-the operator and its RBAC. Runs on the local cluster and on kind."""
+the operator and its RBAC. Runs on the local cluster (both node modes); written for kind
+too, not run there."""
 
 from __future__ import annotations
 

@@ -3,9 +3,17 @@ and, on the local cluster, that no pod packet leaves the machine."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
 import pytest
 from support import Cluster, Obj, client_pod, finished_phase, pod_path
 
+from twinmq.localcluster.layout import POD_CIDR
 from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -28,15 +36,25 @@ assert "in-cluster" in names, names
 print("listed", names, flush=True)
 """
 
-NO_WAY_OUT = """
+OUTSIDE = ("198.51.100.1", 8080)
+"""A listener on this machine but off the pod network: in a network namespace of its own,
+behind a veth whose host side is not the bridge (what a pod would reach by leaving)."""
+
+REACH_OUTSIDE = """
+import socket, sys
+expect = sys.argv[1]
+try:
+    with socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=5) as sock:
+        outcome = "reached" if sock.recv(16) == b"outside\\n" else "blocked"
+except OSError as error:
+    print("blocked:", error, flush=True)
+    outcome = "blocked"
+print(outcome, "expected", expect, flush=True)
+sys.exit(0 if outcome == expect else 1)
+"""
+
+NO_EXTERNAL_DNS = """
 import socket
-for target in [("203.0.113.7", 80), ("192.0.2.1", 443)]:
-    try:
-        socket.create_connection(target, timeout=3).close()
-    except OSError as error:
-        print("blocked", target, error, flush=True)
-    else:
-        raise SystemExit(f"reached {target}: a pod packet left the machine")
 try:
     socket.getaddrinfo("example.com", 80)
 except OSError as error:
@@ -44,6 +62,72 @@ except OSError as error:
 else:
     raise SystemExit("resolved example.com: DNS left the cluster")
 """
+
+ANSWER = """
+import socket, sys
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+while True:
+    conn, _ = server.accept()
+    conn.sendall(b"outside\\n")
+    conn.close()
+"""
+
+
+def _sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+@pytest.fixture
+def outside_listener(cluster: Cluster) -> Iterator[tuple[str, int]]:
+    """A TCP listener that answers `outside` at OUTSIDE, off the pod network: a network
+    namespace joined to the host by a veth (not on the bridge), routed like any host link."""
+    if not cluster.local:
+        pytest.skip("the host guard belongs to the local cluster")
+    netns, host_side = f"e2e-out-{uuid.uuid4().hex[:6]}", "e2eout0"
+    address, port = OUTSIDE
+    _sh("ip", "netns", "add", netns)
+    server = None
+    try:
+        _sh("ip", "link", "add", host_side, "type", "veth", "peer", "name", "eth0",
+            "netns", netns)  # fmt: skip
+        _sh("ip", "addr", "add", "198.51.100.2/30", "dev", host_side)
+        _sh("ip", "link", "set", host_side, "up")
+        inside = ["ip", "netns", "exec", netns]
+        _sh(*inside, "ip", "addr", "add", f"{address}/30", "dev", "eth0")
+        _sh(*inside, "ip", "link", "set", "eth0", "up")
+        _sh(*inside, "ip", "link", "set", "lo", "up")
+        _sh(*inside, "ip", "route", "add", "default", "via", "198.51.100.2")
+        server = subprocess.Popen([*inside, sys.executable, "-c", ANSWER, address, str(port)])
+        wait_for("the outside listener answers from the host", lambda: _answers(*OUTSIDE), 10)
+        yield OUTSIDE
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", host_side], capture_output=True)
+        subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+
+
+def _answers(address: str, port: int) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=2) as sock:
+            return sock.recv(16) == b"outside\n"
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _guard_bypassed(address: str) -> Iterator[None]:
+    """Accept pod traffic to and from `address` ahead of the guard (FORWARD position 1)."""
+    rules = [["-s", POD_CIDR, "-d", address, "-j", "ACCEPT"],
+             ["-s", address, "-d", POD_CIDR, "-j", "ACCEPT"]]  # fmt: skip
+    for rule in rules:
+        _sh("iptables", "-w", "-I", "FORWARD", "1", *rule)
+    try:
+        yield
+    finally:
+        for rule in rules:
+            subprocess.run(["iptables", "-w", "-D", "FORWARD", *rule], capture_output=True)
 
 
 def _run_to_completion(cluster: Cluster, namespace: str, pod: Obj) -> str:
@@ -74,9 +158,22 @@ def test_pod_reaches_the_api_server_with_its_service_account(
     assert _run_to_completion(cluster, namespace, pod) == "Succeeded"
 
 
-def test_no_pod_packet_or_dns_query_leaves_the_machine(cluster: Cluster, namespace: str) -> None:
+def test_the_guard_keeps_pod_packets_from_a_listener_off_the_pod_network(
+    cluster: Cluster, namespace: str, outside_listener: tuple[str, int]
+) -> None:
+    """The listener answers the host, and a pod once the guard is bypassed (so a packet that
+    left the pod network would get an answer); with the guard in place the pod cannot
+    reach it."""
+    address, port = outside_listener
+    with _guard_bypassed(address):
+        pod = client_pod("unguarded", REACH_OUTSIDE, "reached", address, str(port))
+        assert _run_to_completion(cluster, namespace, pod) == "Succeeded"
+    pod = client_pod("guarded", REACH_OUTSIDE, "blocked", address, str(port))
+    assert _run_to_completion(cluster, namespace, pod) == "Succeeded"
+
+
+def test_no_dns_query_leaves_the_cluster(cluster: Cluster, namespace: str) -> None:
     if not cluster.local:
-        pytest.skip("the host guard belongs to the local cluster")
-    assert _run_to_completion(cluster, namespace, client_pod("no-way-out", NO_WAY_OUT)) == (
-        "Succeeded"
-    )
+        pytest.skip("the cluster DNS without `forward` belongs to the local cluster")
+    pod = client_pod("no-external-dns", NO_EXTERNAL_DNS)
+    assert _run_to_completion(cluster, namespace, pod) == "Succeeded"

@@ -1,6 +1,7 @@
-"""The local cluster's fault tools do what tests need: kill, pause, cut, agent and API outages.
+"""The local cluster's fault tools do what tests need: kill, pause, cut, node and API outages.
 
-Only on the process-backed local cluster (the tools act on its processes and veths).
+Only on the local cluster (the tools act on the host: processes, cgroups, veths), with
+either node kind: the real kubelet + containerd or the node agent.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _server_pod(name: str) -> Obj:
 def layout(cluster: Cluster) -> Layout:
     """The local cluster's layout (skips the test on any other cluster)."""
     if not cluster.local:
-        pytest.skip("fault tools act on the local process-backed cluster")
+        pytest.skip("fault tools act on the local cluster's host")
     return Layout.default()
 
 
@@ -87,28 +88,29 @@ def test_paused_pod_is_unready_until_resumed(
     wait_for("ready after resume", lambda: _ready(cluster, namespace, name), 30)
 
 
-def test_pods_keep_running_across_a_node_agent_restart(
+def test_pods_keep_running_across_a_node_restart(
     cluster: Cluster, layout: Layout, web: tuple[str, str]
 ) -> None:
+    """The node's daemon (the kubelet, or the node agent) stopped and started again: the pod
+    is not restarted, and the new daemon manages it (restarts it after a kill)."""
     namespace, name = web
-    uid = faults.pod_uid(layout, namespace, name)
-    from twinmq.localcluster.nodeagent.runtime import Runtime
-
-    pid = Runtime(layout).pid(uid, "web")
-    faults.stop_component(layout, "node-agent")
+    node = faults.node_component(layout)
+    pid = faults.container_pid(layout, namespace, name, "web")
+    assert pid is not None
+    faults.stop_component(layout, node)
     try:
-        assert Runtime(layout).pid(uid, "web") == pid  # still running without its agent
+        assert faults.container_pid(layout, namespace, name, "web") == pid  # no node, still up
     finally:
-        faults.start_component(layout, "node-agent")
+        faults.start_component(layout, node)
     # Adopted, not restarted: same process, no restart counted, still ready; and managed again.
-    wait_for("ready after agent restart", lambda: _ready(cluster, namespace, name), 30)
-    assert Runtime(layout).pid(uid, "web") == pid
+    wait_for(f"ready after {node} restart", lambda: _ready(cluster, namespace, name), 30)
+    assert faults.container_pid(layout, namespace, name, "web") == pid
     assert container_status(read_pod(cluster.kube, namespace, name))["restartCount"] == 0
     faults.kill_pod(layout, namespace, name)
     wait_for(
-        "restart by the new agent",
+        f"restart by the new {node}",
         lambda: container_status(read_pod(cluster.kube, namespace, name)).get("restartCount"),
-        30,
+        60,
     )
 
 
@@ -116,14 +118,12 @@ def test_pods_keep_running_while_the_api_server_is_down(
     cluster: Cluster, layout: Layout, web: tuple[str, str]
 ) -> None:
     namespace, name = web
-    uid = faults.pod_uid(layout, namespace, name)
-    from twinmq.localcluster.nodeagent.runtime import Runtime
-
-    pid = Runtime(layout).pid(uid, "web")
+    pid = faults.container_pid(layout, namespace, name, "web")
+    assert pid is not None
     with faults.api_server_down(layout):
         with pytest.raises(urllib3.exceptions.HTTPError):
             cluster.kube.request("GET", "/version", timeout=2)
-        assert Runtime(layout).pid(uid, "web") == pid
+        assert faults.container_pid(layout, namespace, name, "web") == pid
     wait_for("API back and pod ready", lambda: _ready(cluster, namespace, name), 60)
     node = cluster.kube.get("/api/v1/nodes/twinmq-node")
     assert node is not None

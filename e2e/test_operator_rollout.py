@@ -24,13 +24,18 @@ from brokerclusters import (
     events_of,
     publish_confirmed,
 )
-from support import Cluster, pod_path
+from support import IMAGE, Cluster, pod_path
 
 from twinmq.client import ReliablePublisher
 from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
-NEW_IMAGE = "twinmq/twinmq:0.1.1"
+NEW_IMAGE = (
+    IMAGE.removeprefix("docker.io/") if IMAGE.startswith("docker.io/") else f"docker.io/{IMAGE}"
+)
+"""Another spelling of the suite's image: a new spec.image for the operator (which rolls
+out on any change), the same image for a node (a real one can run only the images it
+holds: the suite's, imported or loaded)."""
 
 
 def images(cluster: Cluster, namespace: str, name: str) -> dict[str, str]:

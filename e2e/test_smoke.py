@@ -1,5 +1,6 @@
 """Smoke scenarios against a real Kubernetes API: the chart, a broker pod, Services, DNS,
-restarts and garbage collection. Runs on the local cluster and, unchanged, on kind."""
+restarts and garbage collection. Runs on the local cluster (both node modes); written
+for kind too (`e2e/run-on-kind.sh`), not run there."""
 
 from __future__ import annotations
 

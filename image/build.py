@@ -57,6 +57,12 @@ BASES = {
 }
 """The Debian roots and their packages (no recommends): the Containerfile's stages install
 the same ones when a base lacks them (image/debian-packages.sh)."""
+BASE_HOOKS = {
+    # The JRE's postinst links its manual page into /usr/share/man/man1, which the
+    # path-exclude of MMDEBSTRAP_OPTIONS never creates: without it dpkg fails (exit 25).
+    "audit": ['--setup-hook=mkdir -p "$1"/usr/share/man/man1'],
+}
+"""Extra mmdebstrap options of one root (part of its cache key)."""
 
 IMAGES = {"broker": "twinmq", "audit": "twinmq-audit"}
 """Containerfile target -> image name."""
@@ -132,7 +138,8 @@ def sources() -> list[str]:
 def base_key(name: str) -> str:
     """What a root is made of: suite, mirrors, packages, mmdebstrap and its options."""
     tool = run("mmdebstrap", "--version").strip()
-    return digest(SUITE, *sources(), *BASES[name], *MMDEBSTRAP_OPTIONS, tool)
+    extra = BASE_HOOKS.get(name, [])
+    return digest(SUITE, *sources(), *BASES[name], *MMDEBSTRAP_OPTIONS, *extra, tool)
 
 
 def base_image(name: str) -> str:
@@ -147,7 +154,8 @@ def base_image(name: str) -> str:
         debs.mkdir(parents=True, exist_ok=True)
         partial = rootfs.with_suffix(".partial.tar")
         run(
-            "mmdebstrap", *MMDEBSTRAP_OPTIONS, f"--include={','.join(BASES[name])}",
+            "mmdebstrap", *MMDEBSTRAP_OPTIONS, *BASE_HOOKS.get(name, []),
+            f"--include={','.join(BASES[name])}",
             "--skip=download/empty", "--skip=essential/unlink",
             '--setup-hook=mkdir -p "$1"/var/cache/apt/archives/',
             f"--setup-hook=sync-in {debs} /var/cache/apt/archives/",

@@ -21,6 +21,8 @@ done
 [ -z "$missing" ] && exit 0
 echo "installing Debian packages:$missing"
 export DEBIAN_FRONTEND=noninteractive
+# Slim bases drop manual pages; the JRE's postinst still links one into man1.
+mkdir -p /usr/share/man/man1
 apt-get update -q
 # shellcheck disable=SC2086
 apt-get install -y -q --no-install-recommends $missing

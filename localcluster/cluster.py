@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinmq.localcluster import binaries, containerd, daemons, hostnet, kubelet
+from twinmq.localcluster import binaries, containerd, daemons, freezer, hostnet, kubelet
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import (
     APISERVER_PORT,
+    CGROUP_PARENT,
     CLUSTER_DOMAIN,
     CONTROLLER_MANAGER_PORT,
     COREDNS_READY_PORT,
@@ -556,6 +557,12 @@ def down(layout: Layout) -> None:
         _say("nothing to stop")
         return
     if running_mode(layout) == "kubelet":
+        # A test may have left a container frozen (faults.pause_pod): v1 would hold even
+        # SIGKILL until it is thawed; and a frozen container cannot be stopped gracefully.
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+        for mount in kubelet.cgroup_mounts(mountinfo, ("cgroup", "cgroup2")):
+            for control in freezer.thaw_all(mount / CGROUP_PARENT):
+                _say(f"thawed {control.parent}")
         for problem in kubelet.stop(layout):
             _say(f"WARNING: {problem}")
         _say("kubelet node: stopped, containers, cgroups and state removed")

@@ -15,7 +15,6 @@ The sandbox ("pause") image is a ten-line static Go program packed here as an OC
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import hashlib
 import io
@@ -23,7 +22,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import tarfile
 import tempfile
@@ -285,11 +283,25 @@ def pause_archive() -> Path:
 # -- containers ------------------------------------------------------------------------------
 
 
-def pod_containers(layout: Layout, namespace: str, pod: str) -> dict[str, str]:
-    """Return {container name: containerd id} of a pod's app containers (not the sandbox)."""
+def live_tasks(layout: Layout) -> dict[str, tuple[int, str]]:
+    """Return {container id: (pid, status)} of the tasks that are RUNNING or PAUSED."""
+    lines = ctr(layout, "tasks", "ls", check=False).stdout.splitlines()[1:]
+    rows = (line.split() for line in lines)
+    return {w[0]: (int(w[1]), w[2]) for w in rows if len(w) > 2 and w[2] in ("RUNNING", "PAUSED")}
+
+
+def pod_containers(
+    layout: Layout, namespace: str, pod: str, kind: str = "container"
+) -> dict[str, str]:
+    """Return {container name: containerd id} of a pod's live app containers, or with
+    `kind="sandbox"` its live sandbox (keyed by the pod's name). The kubelet keeps exited
+    containers (and sandboxes) beside their replacements: only those with a live task count."""
+    tasks = live_tasks(layout)
     found: dict[str, str] = {}
-    ids = ctr(layout, "containers", "ls", "-q").stdout.split()
-    for container_id in ids:
+    selector = f'labels."io.kubernetes.pod.name"=={pod}'
+    for container_id in ctr(layout, "containers", "ls", "-q", selector).stdout.split():
+        if container_id not in tasks:
+            continue
         info = ctr(layout, "containers", "info", container_id, check=False)
         if info.returncode != 0:
             continue
@@ -297,9 +309,9 @@ def pod_containers(layout: Layout, namespace: str, pod: str) -> dict[str, str]:
         if (
             labels.get("io.kubernetes.pod.namespace") == namespace
             and labels.get("io.kubernetes.pod.name") == pod
-            and labels.get("io.cri-containerd.kind") == "container"
+            and labels.get("io.cri-containerd.kind") == kind
         ):
-            found[labels.get("io.kubernetes.container.name", container_id)] = container_id
+            found[labels.get("io.kubernetes.container.name", pod)] = container_id
     return found
 
 
@@ -311,18 +323,13 @@ def task_pids(layout: Layout, container_id: str) -> list[int]:
     return [int(line.split()[0]) for line in proc.stdout.splitlines()[1:] if line.split()]
 
 
-def signal_pod(layout: Layout, namespace: str, pod: str, sig: signal.Signals,
-               container: str | None = None) -> list[int]:  # fmt: skip
-    """Send `sig` to every process of a pod's containers (from the host); return the pids."""
-    signalled = []
-    for name, container_id in pod_containers(layout, namespace, pod).items():
-        if container is not None and name != container:
-            continue
-        for pid in task_pids(layout, container_id):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-                signalled.append(pid)
-    return signalled
+def sandbox_pid(layout: Layout, namespace: str, pod: str) -> int | None:
+    """Return the host pid of the pod's sandbox (its pause process; in the pod's network
+    namespace), or None when the pod has no live sandbox."""
+    sandboxes = pod_containers(layout, namespace, pod, kind="sandbox")
+    if not sandboxes:
+        return None
+    return live_tasks(layout)[next(iter(sandboxes.values()))][0]
 
 
 def remove_all(layout: Layout) -> int:

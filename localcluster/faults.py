@@ -1,45 +1,25 @@
 """Fault tools for tests on the local cluster: kill, pause, cut the network, stop components.
 
-They act on the host (processes, veths, pid files), never through the API, so
-they still work while the API server is down. Usable from Python (e2e tests)
-and from the shell: ``python -m twinmq.localcluster.faults kill NAMESPACE/POD``.
+They act on the host (processes, cgroup freezers, veths, pid files), never through the
+API, so they still work while the API server is down; what a pod is made of on the host
+depends on the node kind (`podnodes.py`: the real kubelet + containerd, or the node
+agent). Usable from Python (e2e tests) and from the shell:
+``python -m twinmq.localcluster.faults kill NAMESPACE/POD``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 
-from twinmq.localcluster import cluster, containerd, daemons
+from twinmq.localcluster import cluster, daemons, podnodes
 from twinmq.localcluster.layout import APISERVER_PORT, GATEWAY_IP, Layout
-from twinmq.localcluster.nodeagent.runtime import Runtime
 from twinmq.localcluster.pki import admin_token
-
-
-class PodNotFound(LookupError):
-    """No sandbox for that pod on the process-backed node."""
-
-
-def pod_uid(layout: Layout, namespace: str, name: str) -> str:
-    """Return the uid of the pod's live sandbox (newest if several)."""
-    runtime = Runtime(layout)
-    found = []
-    for uid in runtime.sandboxes():
-        path = runtime.pod_dir(uid) / "sandbox.json"
-        if not path.exists():
-            continue
-        record = json.loads(path.read_text())
-        if record.get("namespace") == namespace and record.get("name") == name:
-            found.append((path.stat().st_mtime, uid))
-    if not found:
-        raise PodNotFound(f"no sandbox for pod {namespace}/{name} on the process node")
-    return max(found)[1]
 
 
 def signal_pod(
@@ -49,41 +29,41 @@ def signal_pod(
 
     On the real node (TWINMQ_NODE=kubelet) these are every process of each container's
     task, found through containerd; on the node agent, each container's process group."""
-    if cluster.running_mode(layout) == "kubelet":
-        pids = containerd.signal_pod(layout, namespace, name, sig, container)
-        if not pids:
-            raise PodNotFound(f"no running container of pod {namespace}/{name} in containerd")
-        return pids
-    runtime = Runtime(layout)
-    uid = pod_uid(layout, namespace, name)
-    pids = []
-    for c in runtime.container_names(uid):
-        if container is not None and c != container:
-            continue
-        pid = runtime.pid(uid, c)
-        if pid is not None and runtime.signal(uid, c, sig):
-            pids.append(pid)
-    return pids
+    return podnodes.for_layout(layout).signal(namespace, name, sig, container)
 
 
 def kill_pod(layout: Layout, namespace: str, name: str, container: str | None = None) -> list[int]:
-    """`kill -9` a pod's container processes (the node agent then applies restartPolicy)."""
+    """`kill -9` a pod's container processes (the node then applies restartPolicy)."""
     return signal_pod(layout, namespace, name, signal.SIGKILL, container)
 
 
 def pause_pod(layout: Layout, namespace: str, name: str) -> list[int]:
-    """SIGSTOP a pod's processes."""
-    return signal_pod(layout, namespace, name, signal.SIGSTOP)
+    """Pause a pod's containers: their cgroup freezer on the real node, SIGSTOP on the
+    node agent. Return the pids held."""
+    return podnodes.for_layout(layout).freeze(namespace, name, True)
 
 
 def resume_pod(layout: Layout, namespace: str, name: str) -> list[int]:
-    """SIGCONT a pod's processes."""
-    return signal_pod(layout, namespace, name, signal.SIGCONT)
+    """Resume a pod paused by `pause_pod`."""
+    return podnodes.for_layout(layout).freeze(namespace, name, False)
+
+
+def container_pid(layout: Layout, namespace: str, name: str, container: str) -> int | None:
+    """Return the main pid of a pod's running container (None when it is not running)."""
+    return podnodes.for_layout(layout).container_pid(namespace, name, container)
+
+
+def node_component(layout: Layout) -> str:
+    """The daemon whose stop is a node restart: `kubelet` or `node-agent`."""
+    return podnodes.for_layout(layout).component
+
+
+def _pod_eth0(layout: Layout, namespace: str, name: str) -> tuple[str, str]:
+    return podnodes.eth0(podnodes.for_layout(layout).netns(namespace, name))
 
 
 def _set_link(layout: Layout, namespace: str, name: str, state: str) -> str:
-    runtime = Runtime(layout)
-    veth = runtime.host_veth(pod_uid(layout, namespace, name))
+    veth, _ip = _pod_eth0(layout, namespace, name)
     subprocess.run(["ip", "link", "set", veth, state], check=True, capture_output=True)
     return veth
 
@@ -99,10 +79,10 @@ def heal_network(layout: Layout, namespace: str, name: str) -> str:
 
 
 def _api_server_rule(layout: Layout, namespace: str, name: str) -> list[str]:
-    sandbox = Runtime(layout).sandbox(pod_uid(layout, namespace, name)) or {}
+    _veth, ip = _pod_eth0(layout, namespace, name)
     # After kube-proxy's DNAT of the `kubernetes` Service, the pod's requests reach the
     # host's INPUT addressed to the API server itself. DROP, not REJECT: a cut hangs.
-    return ["INPUT", "-s", sandbox["ip"], "-d", GATEWAY_IP, "-p", "tcp",
+    return ["INPUT", "-s", ip, "-d", GATEWAY_IP, "-p", "tcp",
             "--dport", str(APISERVER_PORT), "-j", "DROP"]  # fmt: skip
 
 

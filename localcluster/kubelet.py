@@ -282,13 +282,14 @@ HOST_PATHS = (Path("/run/containerd"), Path("/var/lib/kubelet"), Path("/var/log/
 the kubelet's device-plugin socket folder and its container-log links (constants)."""
 
 
-def project_image(root: Path) -> tuple[Path, list[str]]:
-    """Return the project's image archive (`make image`) and the references to tag it as:
-    its release tag and `dev` (the e2e suite's default image)."""
+def project_image(root: Path, name: str = "twinmq") -> tuple[Path, list[str]]:
+    """Return the project's image archive (`make image`; `make image-audit` for
+    `twinmq-audit`) and the references to tag it as: its release tag and `dev` (the e2e
+    suite's default image)."""
     version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
     cache = Path(os.environ.get("TWINMQ_IMAGE_CACHE", root / ".cache" / "image"))
-    repository = "docker.io/twinmq/twinmq"
-    return cache / f"twinmq-{version}.tar", [f"{repository}:{version}", f"{repository}:dev"]
+    repository = f"docker.io/twinmq/{name}"
+    return cache / f"{name}-{version}.tar", [f"{repository}:{version}", f"{repository}:dev"]
 
 
 def prepare(layout: Layout, server: str) -> None:
@@ -316,8 +317,11 @@ def after_ready(layout: Layout, component: str, root: Path) -> None:
         archive, references = project_image(root)
         if not archive.exists():
             raise SystemExit(f"{archive} is missing: run `make image` (TWINMQ_NODE=kubelet)")
-        for path, refs in ((containerd.pause_archive(), [containerd.PAUSE_IMAGE]),
-                           (archive, references)):  # fmt: skip
+        images = [(containerd.pause_archive(), [containerd.PAUSE_IMAGE]), (archive, references)]
+        audit = project_image(root, "twinmq-audit")
+        if audit[0].exists():  # `make image-audit`: the Spark audit's image (JRE + PySpark)
+            images.append(audit)
+        for path, refs in images:
             started = time.monotonic()
             done = containerd.import_image(layout, path, refs)
             verb = f"imported in {time.monotonic() - started:.1f}s" if done else "already there"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from twinmq.localcluster import cluster, containerd, kubelet
+from twinmq.localcluster import cluster, containerd, freezer, kubelet
 from twinmq.localcluster.binaries import needed
 from twinmq.localcluster.layout import CGROUP_PARENT, GATEWAY_IP, Layout, node_mode
 from twinmq.localcluster.nodeagent.runtime import cni_config
@@ -140,3 +140,50 @@ def test_the_kubelet_is_built_by_default_only_for_the_kubelet_mode() -> None:
     assert "kubelet" not in {b.name for b in needed("agent")}
     assert {b.name for b in needed("kubelet")} == {b.name for b in BINARIES}
     assert {b.name for b in needed("agent")} >= {"kube-apiserver", "kube-proxy", "kubectl"}
+
+
+HYBRID_MOUNTINFO = """\
+30 25 0:26 / /sys/fs/cgroup rw - tmpfs tmpfs rw
+31 30 0:27 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu
+32 30 0:28 / /sys/fs/cgroup/freezer rw - cgroup cgroup rw,freezer
+33 30 0:29 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw
+"""
+
+
+def test_a_container_with_a_v2_cgroup_of_its_own_is_frozen_through_cgroup_freeze() -> None:
+    proc_cgroup = (
+        "7:freezer:/twinmq/kubepods/besteffort/pod1/abc\n"
+        "3:cpu:/twinmq/kubepods/besteffort/pod1/abc\n"
+        "0::/twinmq/kubepods/besteffort/pod1/abc\n"
+    )
+    found = freezer.freezer_of(proc_cgroup, HYBRID_MOUNTINFO)
+    assert found == freezer.Freezer(
+        Path("/sys/fs/cgroup/unified/twinmq/kubepods/besteffort/pod1/abc/cgroup.freeze"), "1", "0"
+    )
+
+
+def test_a_container_only_in_a_v1_freezer_hierarchy_is_frozen_through_its_freezer_state() -> None:
+    proc_cgroup = "7:freezer:/twinmq/pod1/abc\n3:cpu:/twinmq/pod1/abc\n0::/\n"
+    found = freezer.freezer_of(proc_cgroup, HYBRID_MOUNTINFO)
+    assert found == freezer.Freezer(
+        Path("/sys/fs/cgroup/freezer/twinmq/pod1/abc/freezer.state"), "FROZEN", "THAWED"
+    )
+
+
+def test_a_container_in_cgroup_v2_only_is_frozen_through_cgroup_freeze() -> None:
+    mountinfo = "30 25 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+    found = freezer.freezer_of("0::/twinmq/pod1/abc\n", mountinfo)
+    assert found == freezer.Freezer(Path("/sys/fs/cgroup/twinmq/pod1/abc/cgroup.freeze"), "1", "0")
+
+
+def test_thawing_a_tree_thaws_parents_before_children_and_skips_thawed_ones(
+    tmp_path: Path,
+) -> None:
+    child = tmp_path / "pod" / "c1"
+    child.mkdir(parents=True)
+    (tmp_path / "pod" / "freezer.state").write_text("FROZEN\n")
+    (child / "freezer.state").write_text("FROZEN\n")
+    (tmp_path / "freezer.state").write_text("THAWED\n")
+    thawed = freezer.thaw_all(tmp_path)
+    assert thawed == [tmp_path / "pod" / "freezer.state", child / "freezer.state"]
+    assert (child / "freezer.state").read_text() == "THAWED"
