@@ -59,3 +59,23 @@ def test_nothing_in_the_product_wheel_imports_a_dev_package(wheel: zipfile.ZipFi
     text = wheel.read(entry_points).decode()
     assert "twinmq.broker.main:main" in text
     assert not [p for p in DEV_PACKAGES if p in text]
+
+
+def test_every_product_package_in_the_checkout_is_in_the_wheel(wheel: zipfile.ZipFile) -> None:
+    """A package folder missing from pyproject's list works from the checkout and crashes
+    the image (`twinmq.broker.mirror` once did)."""
+    import tomllib
+
+    dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    expected = {
+        f"{package}.{'.'.join(init.parent.relative_to(REPO / folder).parts)}".rstrip(".")
+        for package, folder in dirs.items()
+        for init in (REPO / folder).rglob("__init__.py")
+        if "tests" not in init.parts and "__pycache__" not in init.parts
+    }
+    shipped = {
+        n.removesuffix("/__init__.py").replace("/", ".")
+        for n in wheel.namelist()
+        if n.endswith("/__init__.py")
+    }
+    assert sorted(expected - shipped) == []
