@@ -7,16 +7,17 @@ on travels in live batches) and takes references to each durable queue's
 journaled entries (`capture`: a copy of the lists, not of the messages). From
 then on, a slice at a time between live batches, `CatchupStream`:
 
-1. plans one queue: what the passive lacks is queued to send, what it holds is
-   kept, what it holds but the active's snapshot does not (dequeued meanwhile,
-   or never confirmed before a failover) is discarded;
-2. streams that queue in chunks of at most `chunk_bytes` / `chunk_messages`,
-   each a `BATCH` frame (flag `BATCH_CATCHUP`) that the passive journals as its
-   own record group and acknowledges with `CATCHUP_ACK`.
+1. loads the passive's IDs of one queue, a slice per step;
+2. walks that queue's captured entries with a cursor, a chunk per step (at most
+   `chunk_bytes` / `chunk_messages`): what the passive holds is kept, the rest
+   sent; at the end, what it holds but the active's capture does not (dequeued
+   meanwhile, or never confirmed before a failover) is discarded. Each chunk is
+   a `BATCH` frame (flag `BATCH_CATCHUP`) that the passive journals as its own
+   record group and acknowledges with `CATCHUP_ACK`.
 
 Live batches keep flowing meanwhile, and `filter_live` keeps both streams
-consistent: a message settled live before its chunk went out is taken out of
-the plan (and the settle is not forwarded: the passive never had it); one
+consistent: a message settled live before the cursor reaches it is not sent
+(and its settle is not forwarded when the passive surely lacks it); one
 settled after its chunk went out is settled on the passive by the live batch
 that follows the chunk on the link. A queue deleted meanwhile is skipped.
 
