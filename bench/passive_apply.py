@@ -10,10 +10,13 @@ messages), at most `WINDOW` of them unacknowledged, as `CatchupSender` keeps
 them. A fake link collects the passive's CATCHUP_ACKs. Everything the passive
 does with a chunk runs: decode, apply to the queue, journal (write and, with
 `--fsync`, fdatasync), audit records, acknowledgement. The result is the
-process CPU time per message (all threads), which the machine's other load
-disturbs far less than wall time; `--profile` adds a cProfile table (the event
-loop's thread only). For instruction counts, run it under callgrind with two
-sizes and take the difference per message (docs/benchmarks.md has the command).
+process CPU time per message (all threads), the event loop thread's own CPU
+time per message and per chunk (p50, max: how long the passive's loop is held
+by one chunk), and the garbage collector's runs meanwhile; CPU time is
+disturbed by the machine's other load far less than wall time. `--profile`
+adds a cProfile table (the event loop's thread only). For instruction counts,
+run it under callgrind with two sizes and take the difference per message
+(docs/benchmarks.md has the command).
 The chunks are built before the clock starts (that is the active's work).
 """
 
@@ -23,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import gc
 import io
 import pstats
 import struct
@@ -31,6 +35,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+from catchup_chunks import Collections, quantile  # bench/, on the path when run from there
 
 from twinmq.broker.definitions import Definitions, QueueDef
 from twinmq.broker.journal import StoredMessage, encode_ops
@@ -104,10 +110,16 @@ def build_chunks(messages: int, size: int) -> list[bytes]:
 
 
 def frame_source(
-    chunks: list[bytes], link: FakeLink
+    chunks: list[bytes], link: FakeLink, per_chunk: list[float]
 ) -> Callable[[], Awaitable[tuple[FrameType, bytes]]]:
-    """`next_frame` for the apply loop: the topology, then the chunks within the window."""
+    """`next_frame` for the apply loop: the topology, then the chunks within the window.
+
+    Appends to `per_chunk` the loop thread's CPU time from handing out one chunk
+    to being asked for the next (its decode, apply, journal append, and whatever
+    else the loop ran meanwhile: acknowledgements of durable chunks).
+    """
     decoder = FrameDecoder()
+    handed: float | None = None
     topology = Definitions(queues=[QueueDef(name="backlog", qid=QID)], next_qid=QID + 1)
     pending: list[tuple[FrameType, bytes]] = [
         (FrameType.DEFINITIONS, topology.model_dump_json().encode())
@@ -115,7 +127,10 @@ def frame_source(
     sent = 0
 
     async def next_frame() -> tuple[FrameType, bytes]:
-        nonlocal sent
+        nonlocal sent, handed
+        if handed is not None:
+            per_chunk.append(time.thread_time() - handed)
+            handed = None
         if pending:
             return pending.pop()
         while sent == len(chunks) or sent - link.acked >= WINDOW:
@@ -125,6 +140,7 @@ def frame_source(
             await link.changed.wait()
         ((ftype, payload),) = decoder.feed(chunks[sent])
         sent += 1
+        handed = time.thread_time()
         return ftype, payload
 
     return next_frame
@@ -153,14 +169,21 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
     session = _Session(replica, link)  # type: ignore[arg-type]
     broker.committer.await_durable(session)
     profiler = cProfile.Profile() if opts.profile else None
-    cpu, wall = time.process_time(), time.perf_counter()
+    per_chunk: list[float] = []
+    collections = Collections()
+    gc.callbacks.append(collections)
+    collections.active = True
+    cpu, wall, loop_cpu = time.process_time(), time.perf_counter(), time.thread_time()
     if profiler is not None:
         profiler.enable()
     with contextlib.suppress(Done):
-        await replica._apply(frame_source(chunks, link), session)
+        await replica._apply(frame_source(chunks, link, per_chunk), session)
     if profiler is not None:
         profiler.disable()
+    loop_cpu = time.thread_time() - loop_cpu
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    collections.active = False
+    gc.callbacks.remove(collections)
     held = sum(len(q.entries) for q in broker.vhost.queues.values())
     assert held == opts.messages, f"the passive holds {held} of {opts.messages}"
     await broker.committer.stop()
@@ -172,6 +195,12 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
         "size": opts.size,
         "chunks": len(chunks),
         "cpu_us_per_message": round(cpu / opts.messages * 1e6, 2),
+        "loop_cpu_us_per_message": round(loop_cpu / opts.messages * 1e6, 2),
+        "chunk_loop_cpu_ms_p50": round(quantile(per_chunk, 0.5) * 1e3, 2),
+        "chunk_loop_cpu_ms_max": round(max(per_chunk, default=0) * 1e3, 2),
+        "gc_runs_gen012": [sum(1 for g, _ in collections.runs if g == n) for n in range(3)],
+        "gc_longest_ms": round(max((s for _, s in collections.runs), default=0) * 1e3, 1),
+        "gc_total_ms": round(sum(s for _, s in collections.runs) * 1e3, 1),
         "wall_s": round(wall, 2),
         "mb_per_s_cpu_bound": round(sum(map(len, chunks)) / cpu / 1e6, 1),
     }

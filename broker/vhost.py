@@ -940,23 +940,33 @@ class VirtualHost:
         keys: list[str] = []
         queue_of = self._qid_index().get
         next_mid = self.next_mid
+        dedup = self.dedup.size > 0
+        # A chunk's ops are mostly of one queue, in order: its queue looked up once,
+        # and the order checked against the last mid appended (per message: a Message
+        # and an Entry, nothing else).
+        qid = last = -1
+        queue: Queue | None = None
         for op in ops:
-            queue = queue_of(op.qid)
+            if op.qid != qid:
+                qid = op.qid
+                queue = queue_of(qid)
+                last = queue.entries[-1].message.mid if queue is not None and queue.entries else -1
             if queue is None:
                 continue  # a queue deleted since: the topology says so
             if type(op) is StoredMessage:
                 mid = op.mid
-                message_id = header_message_id(op.header)
+                header, body = op.header, op.body
+                message_id = header_message_id(header)
                 message = Message(
-                    mid, op.exchange, op.routing_key, op.header, op.body, True, None, message_id
+                    mid, op.exchange, op.routing_key, header, body, True, None, message_id
                 )
-                if message_id is not None and self.dedup.size:
+                if message_id is not None and dedup:
                     keys.append(dedup_key(op.exchange, op.routing_key, message_id))
-                entries = queue.entries
-                if entries and entries[-1].message.mid > mid:
+                if last > mid:
                     unordered.add(queue)
-                entries.append(Entry(message, op.expires_at, True))
-                queue.bytes += len(op.body)
+                last = mid
+                queue.entries.append(Entry(message, op.expires_at, True))
+                queue.bytes += len(body)
                 if mid >= next_mid:
                     next_mid = mid + 1
             else:

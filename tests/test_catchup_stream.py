@@ -60,6 +60,9 @@ class Model:
             for _ in range(rng.randrange(messages)):
                 self.active[qid].append(entry(mid, journaled=rng.random() > 0.1))
                 mid += 1
+            # Delivered and requeued messages come first in a capture: out of ID order.
+            front = [e for e in self.active[qid] if rng.random() < 0.2]
+            self.active[qid] = front + [e for e in self.active[qid] if e not in front]
             journaled = [e.message.mid for e in self.active[qid] if e.journaled]
             # The passive holds some of them, and some the active no longer has.
             held = {m for m in journaled if rng.random() < 0.5}
@@ -191,7 +194,9 @@ def test_chunks_are_bounded_by_bytes_and_the_plan_keeps_and_discards() -> None:
             chunks.append(ops)
     sent = [op.mid for ops in chunks for op in ops if type(op) is StoredMessage]
     assert sent == list(range(4, 101))
-    assert [op for op in chunks[0] if type(op) is Settle] == [Settle(7, 500)]
+    # Discards come once the cursor has met all the active's entries: in the last chunk.
+    assert [op for ops in chunks for op in ops if type(op) is Settle] == [Settle(7, 500)]
+    assert chunks[-1][-1] == Settle(7, 500)
     for ops in chunks:  # the encoded chunk passes the bound by its last message at most
         assert len(encoded(ops[:-1])) < 10 * BODY <= len(encoded(ops)) or ops is chunks[-1]
     p = stream.progress
@@ -211,6 +216,34 @@ def test_a_message_settled_before_its_chunk_is_not_sent_nor_its_settle_forwarded
     while not stream.finished:
         sent += [op.mid for op in step(stream) or []]
     assert 9 not in sent and stream.progress.skipped == 1
+
+
+class CountingEntries(list[Entry]):
+    """A queue's captured entries that count how many a step looks at."""
+
+    looked = 0
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        self.looked += 1
+        return super().__getitem__(index)
+
+
+def test_a_step_looks_at_a_bounded_slice_when_the_passive_holds_everything() -> None:
+    """A resumed catch-up of a queue the passive already holds sends nothing, a slice per step."""
+    entries = CountingEntries(entry(mid) for mid in range(1, 50_001))
+    stream = CatchupStream(
+        {1: entries}, {1: range(1, 50_001)}, 50_001,
+        queue_exists=lambda qid: True, plan_slice=1000, chunk_messages=100,
+    )  # fmt: skip
+    steps = 0
+    while not stream.finished:
+        before = entries.looked
+        assert step(stream) in (None, [])
+        assert entries.looked - before <= 1000
+        steps += 1
+    assert steps >= 100  # 50 slices of the passive's IDs, 50 of the entries
+    p = stream.progress
+    assert (p.sent, p.kept, p.discarded) == (0, 50_000, 0)
 
 
 def test_a_packed_snapshot_decodes_any_slice_back_to_its_ids() -> None:

@@ -49,6 +49,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 
 from twinmq.broker.definitions import Definitions
@@ -70,6 +71,7 @@ from twinmq.broker.journal.writer import SegmentFiles
 __all__ = ["Journal", "JournalStats"]
 
 log = logging.getLogger("twinmq.broker.journal")
+_MID = attrgetter("mid")  # an op's replication ID, at C speed (a chunk has thousands)
 
 
 @dataclass(slots=True, frozen=True)
@@ -339,7 +341,7 @@ class Journal:
             else:
                 for piece in encoded:
                     buf += piece
-                next_mid = max(self._next_mid, max(op.mid for op in ops) + 1)
+                next_mid = max(self._next_mid, max(map(_MID, ops)) + 1)
         except BaseException:
             del buf[start:]
             raise

@@ -7,16 +7,17 @@ on travels in live batches) and takes references to each durable queue's
 journaled entries (`capture`: a copy of the lists, not of the messages). From
 then on, a slice at a time between live batches, `CatchupStream`:
 
-1. plans one queue: what the passive lacks is queued to send, what it holds is
-   kept, what it holds but the active's snapshot does not (dequeued meanwhile,
-   or never confirmed before a failover) is discarded;
-2. streams that queue in chunks of at most `chunk_bytes` / `chunk_messages`,
-   each a `BATCH` frame (flag `BATCH_CATCHUP`) that the passive journals as its
-   own record group and acknowledges with `CATCHUP_ACK`.
+1. loads the passive's IDs of one queue, a slice per step;
+2. walks that queue's captured entries with a cursor, a chunk per step (at most
+   `chunk_bytes` / `chunk_messages`): what the passive holds is kept, the rest
+   sent; at the end, what it holds but the active's capture does not (dequeued
+   meanwhile, or never confirmed before a failover) is discarded. Each chunk is
+   a `BATCH` frame (flag `BATCH_CATCHUP`) that the passive journals as its own
+   record group and acknowledges with `CATCHUP_ACK`.
 
 Live batches keep flowing meanwhile, and `filter_live` keeps both streams
-consistent: a message settled live before its chunk went out is taken out of
-the plan (and the settle is not forwarded: the passive never had it); one
+consistent: a message settled live before the cursor reaches it is not sent
+(and its settle is not forwarded when the passive surely lacks it); one
 settled after its chunk went out is settled on the passive by the live batch
 that follows the chunk on the link. A queue deleted meanwhile is skipped.
 
@@ -46,10 +47,10 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES: Final = 1024 * 1024
 CHUNK_MESSAGES: Final = 4096
-PLAN_SLICE: Final = 8192  # entries planned per step (about a millisecond)
+PLAN_SLICE: Final = 8192  # IDs loaded or entries looked at per step (about a millisecond)
+BUCKET_IDS: Final = 4096  # IDs per bucket of an `IdBuckets`, about
 WINDOW: Final = 8  # chunks in flight, unacknowledged
 YIELD_LIMIT: Final = 0.005  # seconds a step waits for the journal to go idle, at most
-_SETTLE_SIZE: Final = 17  # bytes of an encoded settle
 
 
 def capture(queues: Iterable[Queue]) -> dict[int, list[Entry]]:
@@ -96,8 +97,59 @@ class CatchupProgress:
     chunks: int = 0
 
 
+class IdBuckets:
+    """A set of replication IDs split into buckets of a few thousand, by `mid & mask`.
+
+    A catch-up fills one a slice at a time between live batches: a single set of
+    a million IDs rehashes all of them each time it doubles (20 ms and more in
+    one step, the loop held), a bucket only its own few thousand.
+    """
+
+    __slots__ = ("_buckets", "_mask")
+
+    def __init__(self, expected: int) -> None:
+        count = 1
+        while count * BUCKET_IDS < expected:
+            count *= 2
+        self._mask = count - 1
+        self._buckets: list[set[int]] = [set() for _ in range(count)]
+
+    def add(self, mid: int) -> None:
+        """Add one ID."""
+        self._buckets[mid & self._mask].add(mid)
+
+    def update(self, mids: Iterable[int]) -> None:
+        """Add `mids`."""
+        buckets, mask = self._buckets, self._mask
+        for mid in mids:
+            buckets[mid & mask].add(mid)
+
+    def __contains__(self, mid: int) -> bool:
+        return mid in self._buckets[mid & self._mask]
+
+    def take(self, mid: int) -> bool:
+        """Remove `mid`; whether it was there."""
+        bucket = self._buckets[mid & self._mask]
+        if mid in bucket:
+            bucket.remove(mid)
+            return True
+        return False
+
+    def pop_bucket(self) -> list[int] | None:
+        """Remove and return the IDs of one bucket, sorted; None once none is left."""
+        return sorted(self._buckets.pop()) if self._buckets else None
+
+
 class CatchupStream:
-    """The plan and the chunks of one catch-up; no I/O, driven a step at a time."""
+    """The plan and the chunks of one catch-up; no I/O, driven a step at a time.
+
+    Per queue, the passive's IDs are first loaded (a slice per step) into
+    `IdBuckets`; then a cursor walks the active's captured entries, a chunk per
+    step: what the passive holds is kept, what was settled live meanwhile is
+    skipped, the rest is sent; at the end of the queue what the passive holds
+    and the active did not have is discarded. "Planned, not sent yet" is the
+    part of the entries past the cursor: no set of every ID to send.
+    """
 
     def __init__(
         self,
@@ -118,6 +170,8 @@ class CatchupStream:
         self.chunk_bytes = max(1, chunk_bytes)
         self.chunk_messages = max(1, chunk_messages)
         self.plan_slice = max(1, plan_slice)
+        # Entries a chunk step looks at, at most (kept and skipped ones send nothing).
+        self.scan_slice = max(self.plan_slice, self.chunk_messages)
         self.progress = CatchupProgress(candidates=sum(len(s) for s in sources.values()))
         self._sources = dict(sources)
         self._have_lists = have
@@ -125,17 +179,15 @@ class CatchupStream:
         self._order = list(self._sources)
         self._position = {qid: i for i, qid in enumerate(self._order)}
         self._index = 0  # the queue being planned or streamed
-        # Per queue: settled live before planning reached them (never sent).
-        self._settled: dict[int, set[int]] = {}
-        # The current queue's plan.
-        self._have: set[int] = set()
-        self._have_pos = 0
-        self._scan_pos = 0
-        self._planned = False
-        self._send: list[Entry] = []
-        self._pending: set[int] = set()  # planned to send, not sent yet
-        self._discard: list[int] = []
-        self._send_pos = 0
+        # Per queue: settled live before the cursor passed them (never to be sent).
+        self._settled: dict[int, IdBuckets] = {}
+        # The current queue.
+        self._have: IdBuckets | None = None  # the passive's IDs not met by the cursor yet
+        self._have_pos = 0  # of the passive's list, loaded into `_have`
+        self._loaded = False  # `_have` complete: the cursor may start
+        self._cursor = 0  # entries before it were sent, kept or skipped
+        self._passed_max = 0  # the highest ID before the cursor
+        self._discard: list[int] = []  # discards of one bucket, in reverse order
 
     @property
     def finished(self) -> bool:
@@ -152,7 +204,7 @@ class CatchupStream:
         """The live batch as the passive must get it while this catch-up runs.
 
         Settles of messages this catch-up has not sent yet take them out of the
-        plan; those the passive lacks (planned to send) are not forwarded.
+        plan; those the passive surely lacks are not forwarded.
         """
         if self.finished:
             return ops
@@ -171,22 +223,25 @@ class CatchupStream:
         position = self._position.get(qid)
         if position is None or position < self._index:
             return False  # not in this catch-up, or streamed already
-        if position == self._index:
-            if mid in self._pending:
-                self._pending.discard(mid)
-                self.progress.skipped += 1
-                return True
-            if self._planned:
-                return False  # kept (the passive has it) or sent already
-        # Not planned yet: planning must skip it. The passive may hold it, so the settle
-        # goes on (a settle of a message it lacks is a no-op there).
-        self._settled.setdefault(qid, set()).add(mid)
+        settled = self._settled.get(qid)
+        if settled is None:
+            settled = self._settled[qid] = IdBuckets(len(self._sources[qid]))
+        if position == self._index and self._loaded and mid > self._passed_max:
+            # Past the cursor: not sent. The passive holds it if it is still in `_have`
+            # (the cursor keeps it); else it lacks it and must not get it at all.
+            if self._have is not None and mid in self._have:
+                return False
+            settled.add(mid)
+            return True
+        # Maybe passed already (sent or kept): forwarded, as the passive may hold it (a
+        # settle of a message it lacks is a no-op there); the cursor skips it if not.
+        settled.add(mid)
         return False
 
     # -- planning and chunks -----------------------------------------------------------
 
     def step(self) -> Chunk | None:
-        """One bounded piece of work: a planning slice (None) or the next chunk.
+        """One bounded piece of work: a planning or scanning slice (None) or the next chunk.
 
         A chunk may be empty only as the last one (`finished` is then True): an
         empty catch-up still ends with a chunk the passive acknowledges.
@@ -195,92 +250,95 @@ class CatchupStream:
             if not self._queue_exists(self._qid):
                 self._next_queue()  # deleted meanwhile: the topology drops it on the passive
                 continue
-            if not self._planned:
-                self._plan_slice()
+            if not self._loaded:
+                self._load_slice()
                 return None
-            chunk = self._fill()
-            if self._send_pos >= len(self._send) and not self._discard:
+            chunk, done = self._fill()
+            if done:
                 self._next_queue()
             if not chunk.empty:
                 return chunk
+            if not done:
+                return None  # a slice of kept or skipped entries: nothing to send yet
         return Chunk(bytearray())
 
-    def _plan_slice(self) -> None:
-        qid = self._qid
-        have_list = self._have_lists.get(qid, ())
-        budget = self.plan_slice
-        if self._have_pos < len(have_list):
-            end = self._have_pos + budget
-            self._have.update(have_list[self._have_pos : end])
-            self._have_pos = end
+    def _load_slice(self) -> None:
+        have_list = self._have_lists.get(self._qid, ())
+        if self._have_pos >= len(have_list):
+            self._loaded = True
             return
-        entries = self._sources[qid]
-        end = min(len(entries), self._scan_pos + budget)
-        have, pending, send = self._have, self._pending, self._send
-        settled = self._settled.get(qid, ())
-        kept = 0
-        for entry in entries[self._scan_pos : end]:
-            if not entry.journaled:
-                continue
-            mid = entry.message.mid
-            if mid in have:
-                have.discard(mid)  # what is left at the end is what the passive must drop
-                kept += 1
-            elif mid in settled:
-                self.progress.skipped += 1
-            else:
-                pending.add(mid)
-                send.append(entry)
-        self.progress.kept += kept
-        self._scan_pos = end
-        if end >= len(entries):
-            self._discard = sorted(have) if self.discard else []
-            self._have = set()
-            self._settled.pop(qid, None)
-            self._planned = True
+        if self._have is None:
+            self._have = IdBuckets(len(have_list))
+        end = self._have_pos + self.plan_slice
+        self._have.update(have_list[self._have_pos : end])
+        self._have_pos = end
+        self._loaded = self._have_pos >= len(have_list)
 
-    def _fill(self) -> Chunk:
+    def _fill(self) -> tuple[Chunk, bool]:
+        """The next chunk of the current queue, and whether the queue is done."""
         # Encoded straight from the queue's entries: a chunk is up to thousands of
         # messages, and building an op object for each only to encode it was most
         # of the active's work per chunk (its loop is held meanwhile).
         qid = self._qid
         buf = bytearray()
-        settles = 0
-        if self._discard:
-            fit = max(1, min(self.chunk_messages, self.chunk_bytes // _SETTLE_SIZE))
-            take = self._discard[:fit]
-            del self._discard[: len(take)]
-            for mid in take:
-                encode_settle(buf, qid, mid)
-            settles = len(take)
-            self.progress.discarded += settles
-        send, pending = self._send, self._pending
-        pos, end = self._send_pos, len(send)
-        limit_bytes, limit_ops = self.chunk_bytes, self.chunk_messages - settles
-        messages = 0
-        while pos < end and len(buf) < limit_bytes and messages < limit_ops:
-            entry = send[pos]
+        entries = self._sources[qid]
+        pos, end = self._cursor, len(entries)
+        stop = min(end, pos + self.scan_slice)
+        have = self._have
+        settled = self._settled.get(qid)
+        limit_bytes, limit_ops = self.chunk_bytes, self.chunk_messages
+        passed_max = self._passed_max
+        messages = kept = skipped = 0
+        while pos < stop and len(buf) < limit_bytes and messages < limit_ops:
+            entry = entries[pos]
             pos += 1
+            if not entry.journaled:
+                continue
             m = entry.message
             mid = m.mid
-            if mid not in pending:
-                continue  # settled live before its turn
-            pending.discard(mid)
-            encode_message(
-                buf, mid, qid, m.exchange, m.routing_key, m.header, m.body, entry.expires_at
-            )
-            messages += 1
-        self._send_pos = pos
-        self.progress.sent += messages
-        return Chunk(buf, messages, settles)
+            if mid > passed_max:
+                passed_max = mid
+            if have is not None and have.take(mid):
+                kept += 1  # what is left in `have` at the end is what the passive must drop
+            elif settled is not None and mid in settled:
+                skipped += 1  # settled live before its turn
+            else:
+                encode_message(
+                    buf, mid, qid, m.exchange, m.routing_key, m.header, m.body, entry.expires_at
+                )
+                messages += 1
+        self._cursor, self._passed_max = pos, passed_max
+        progress = self.progress
+        progress.sent += messages
+        progress.kept += kept
+        progress.skipped += skipped
+        if pos < end:
+            return Chunk(buf, messages), False
+        # The queue's entries are done: then its discards, a bucket at a time.
+        settles = 0
+        if have is not None and self.discard:
+            discard = self._discard
+            while len(buf) < limit_bytes and messages + settles < limit_ops:
+                if not discard:
+                    more = have.pop_bucket()
+                    if more is None:
+                        break
+                    discard += reversed(more)
+                    continue
+                encode_settle(buf, qid, discard.pop())
+                settles += 1
+            else:  # a bound reached: the next chunk goes on
+                progress.discarded += settles
+                return Chunk(buf, messages, settles), False
+        progress.discarded += settles
+        return Chunk(buf, messages, settles), True
 
     def _next_queue(self) -> None:
+        self._settled.pop(self._qid, None)
         self._index += 1
-        self._have = set()
-        self._have_pos = self._scan_pos = self._send_pos = 0
-        self._planned = False
-        self._send = []
-        self._pending = set()
+        self._have = None
+        self._have_pos = self._cursor = self._passed_max = 0
+        self._loaded = False
         self._discard = []
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections import deque
@@ -364,6 +365,11 @@ class ReplicaClient:
                 if chunk:
                     self.catchup_chunks += 1
                     metrics.CATCHUP_RECEIVED.inc(sum(1 for op in ops if type(op) is StoredMessage))
+                    # The chunk's messages are long-lived and never in a cycle (reference
+                    # counting frees them): out of the collector's generations, so that its
+                    # full collections stop walking the whole backlog again and again
+                    # (1 M messages: 16 of them, up to 0.4 s each, a quarter of the CPU).
+                    gc.freeze()
                     if flags & BATCH_CATCHUP_LAST:
                         self._catching_up = False
                         broker.vhost.restore_order()
