@@ -142,7 +142,7 @@ def test_a_catch_up_of_many_chunks_completes_and_a_failover_loses_nothing(pair: 
     assert messages(pair.passive, Q1) == 300
     pair.active.kill()
     pair.promote_passive()
-    assert drain(pair.active, Q1) == backlog
+    assert drain(pair.active.url, Q1) == backlog
 
 
 def test_a_catch_up_cut_by_kill_9_resumes_without_resending_what_the_passive_had(
@@ -167,7 +167,7 @@ def test_a_catch_up_cut_by_kill_9_resumes_without_resending_what_the_passive_had
     assert messages(pair.passive, Q1) == 400
     pair.active.kill()
     pair.promote_passive()
-    assert drain(pair.active, Q1) == backlog
+    assert drain(pair.active.url, Q1) == backlog
 
 
 def test_confirms_flow_and_live_traffic_lands_right_during_a_catch_up(pair: Pair) -> None:
@@ -196,7 +196,7 @@ def test_confirms_flow_and_live_traffic_lands_right_during_a_catch_up(pair: Pair
     pair.wait_healthy(20)
     pair.active.kill()
     pair.promote_passive()
-    assert {q: drain(pair.active, q) for q in (Q1, Q2)} == expected
+    assert {q: drain(pair.active.url, q) for q in (Q1, Q2)} == expected
 
 
 def test_a_passive_reconnecting_during_its_catch_up_never_holds_up_confirms(pair: Pair) -> None:
