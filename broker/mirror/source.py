@@ -159,10 +159,13 @@ class MirrorSource:
 
     def _record(self, body: bytes) -> StoredMessage:
         """Append one event to the queue (in memory); the op that journals it."""
+        # The queue first: taking it over after a promotion records the topology event,
+        # which must come before this one in sequence as in the queue (an event queued
+        # behind a higher sequence number is skipped by the mirror as applied before).
+        queue = self.queue
         seq = self.vhost.next_mid
         self.vhost.next_mid = seq + 1
         header = record_header(len(body))
-        queue = self.queue
         queue.entries.append(
             Entry(Message(seq, "", QUEUE_NAME, header, body, True, None, None), None, True)
         )
