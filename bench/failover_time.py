@@ -66,6 +66,9 @@ BROKER_STEPS = {
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
 
+STEP_TIMEOUT = 120.0  # one setup step on a loaded machine
+
+
 class Timeline:
     """Wall-clock moments of one run's failover, from watches, the client and the operator's
     log; each step keeps its first occurrence after the kill."""
@@ -190,7 +193,7 @@ def one_run(kube: KubeApi, index: int) -> Run:
             conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
             return status.get("phase") == "Ready" and conditions.get("Replicating") == "True"
 
-        wait_for("cluster in sync", in_sync)
+        wait_for("cluster in sync", in_sync, timeout=STEP_TIMEOUT)
         path = f"{API}/namespaces/{namespace}/brokerclusters/{name}"
         active = ((kube.get(path) or {}).get("status") or {})["activeBroker"]
         secret = kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-auth") or {}
@@ -314,7 +317,7 @@ def main() -> None:
         except ApiError:  # 429 while the API server's storage (re)initialises
             return False
 
-    wait_for("the CRD served", served)
+    wait_for("the CRD served", served, timeout=STEP_TIMEOUT)
     OPERATOR_LOG.parent.mkdir(parents=True, exist_ok=True)
     log = open(OPERATOR_LOG, "ab")  # noqa: SIM115
     operator = subprocess.Popen(

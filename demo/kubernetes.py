@@ -39,6 +39,9 @@ BUCKET = "twinmq-audits"
 IMAGE = "twinmq/twinmq:0.1.0"
 
 
+STEP_TIMEOUT = 180.0  # one step of the demo on a loaded machine
+
+
 def say(text: str) -> None:
     """One line of the story."""
     print(f"[cluster-demo] {text}", flush=True)
@@ -73,12 +76,17 @@ class Demo:
             say(f"removing the previous demo's namespace {NAMESPACE}")
             if self.kube.get(self.path) is not None:
                 self.kube.delete(self.path)
-                wait_for("the old BrokerCluster to go", lambda: self.kube.get(self.path) is None)
+                wait_for(
+                    "the old BrokerCluster to go",
+                    lambda: self.kube.get(self.path) is None,
+                    timeout=STEP_TIMEOUT,
+                )
             self.helm("uninstall", "twinmq", "-n", NAMESPACE, "--ignore-not-found")
             self.kube.delete(f"/api/v1/namespaces/{NAMESPACE}")
             wait_for(
                 "the old namespace to go",
                 lambda: self.kube.get(f"/api/v1/namespaces/{NAMESPACE}") is None,
+                timeout=STEP_TIMEOUT,
             )
         self.helm("install", "twinmq", str(REPO / "helm" / "twinmq"), "-n", NAMESPACE,
                   "--create-namespace", "--set", "operator.rbac.scope=namespace",
@@ -103,7 +111,7 @@ class Demo:
             return s.get("phase") == "Ready" and conditions.get("Replicating") == "True"
 
         started = time.monotonic()
-        wait_for("the BrokerCluster to be Ready and replicating", in_sync)
+        wait_for("the BrokerCluster to be Ready and replicating", in_sync, timeout=STEP_TIMEOUT)
         s = self.status()
         say(
             f"BrokerCluster {self.name} Ready in {time.monotonic() - started:.1f}s: "
@@ -142,7 +150,7 @@ class Demo:
         self.kube.patch(self.path, {"spec": {"requests": {"recover": {"id": "demo-recover-1"}}}})
         wait_for("recovery to the primary",
              lambda: self.status().get("handledRequests", {}).get("recover") == "demo-recover-1"
-             and self.status().get("activeBroker") == "primary")  # fmt: skip
+             and self.status().get("activeBroker") == "primary", timeout=STEP_TIMEOUT)  # fmt: skip
         return time.monotonic() - started
 
     def audit(self, epoch: int) -> str:
@@ -183,7 +191,11 @@ def main() -> None:
     conn.channel().queue_declare("orders", durable=True)
     conn.close()
     marks = demo.traffic_through_failover(url)
-    wait_for("the failover to settle", lambda: demo.status().get("activeBroker") == "backup")
+    wait_for(
+        "the failover to settle",
+        lambda: demo.status().get("activeBroker") == "backup",
+        timeout=STEP_TIMEOUT,
+    )
     after = demo.status()
     say(
         f"failover: {after['activeBroker']} active in epoch {after['epoch']} "
@@ -191,7 +203,7 @@ def main() -> None:
     )
     wait_for("the old primary back as a ready passive", lambda: any(
         b["name"] == "primary" and b["role"] == PASSIVE and b["ready"]
-        for b in demo.status().get("brokers", [])))  # fmt: skip
+        for b in demo.status().get("brokers", [])), timeout=STEP_TIMEOUT)  # fmt: skip
     say("the primary came back passive and caught up from the backup")
     recovery = demo.recover()
     final = demo.status()
