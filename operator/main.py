@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
+from kubernetes.dynamic.exceptions import ForbiddenError
 from prometheus_client import start_http_server
 
 from twinmq.broker.admin_client import AdminError
@@ -167,7 +168,15 @@ def reconcile_children(
         obj, name = drift.stamped(obj), drift.key(obj)
         before = memory.applied.get(name)
         if before is None:  # this process's first pass: what the previous one left
-            live = k.get(obj["apiVersion"], obj["kind"], cluster.namespace, obj["metadata"]["name"])
+            try:
+                live = k.get(
+                    obj["apiVersion"], obj["kind"], cluster.namespace, obj["metadata"]["name"]
+                )
+            except ForbiddenError:  # RBAC of an older chart: no `get`; report no drift
+                log.warning("%s/%s: cannot read %s (no get permission): drift made while no "
+                            "operator ran goes unreported", cluster.namespace, cluster.name,
+                            name)  # fmt: skip
+                live = None
             before = drift.remembered(live, FIELD_MANAGER)
         now = drift.applied(obj, k.apply(obj), FIELD_MANAGER)
         found = drift.repair(before, now)
