@@ -29,7 +29,7 @@ from twinmq.localcluster.examples import example_brokercluster
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import Layout
 from twinmq.testing.queues import drain
-from twinmq.testing.waiting import wait_for
+from twinmq.testing.waiting import accepts, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 NAMESPACE = "twinmq-demo"
@@ -112,6 +112,9 @@ class Demo:
 
         started = time.monotonic()
         wait_for("the BrokerCluster to be Ready and replicating", in_sync, timeout=STEP_TIMEOUT)
+        # Ready says the brokers are; the virtual IP answers once kube-proxy caught up.
+        wait_for("the virtual IP to answer", lambda: accepts(self.virtual_ip(), AMQP_PORT),
+                 timeout=STEP_TIMEOUT)  # fmt: skip
         s = self.status()
         say(
             f"BrokerCluster {self.name} Ready in {time.monotonic() - started:.1f}s: "
@@ -121,9 +124,12 @@ class Demo:
     def url(self) -> str:
         secret = self.kube.get(f"/api/v1/namespaces/{NAMESPACE}/secrets/{self.name}-auth") or {}
         data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+        return f"amqp://{data['username']}:{data['password']}@{self.virtual_ip()}:{AMQP_PORT}/%2F"
+
+    def virtual_ip(self) -> str:
+        """The cluster IP of the BrokerCluster's virtual-IP Service."""
         service = self.kube.get(f"/api/v1/namespaces/{NAMESPACE}/services/{self.name}") or {}
-        ip = service["spec"]["clusterIP"]
-        return f"amqp://{data['username']}:{data['password']}@{ip}:{AMQP_PORT}/%2F"
+        return str(service["spec"]["clusterIP"])
 
     def traffic_through_failover(self, url: str) -> dict[str, float]:
         marks: dict[str, float] = {}

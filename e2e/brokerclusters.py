@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from support import Cluster
 from twinmq.broker.names import AMQP_PORT, OPERATOR_METRICS_PORT_ENV
 from twinmq.localcluster.examples import example_brokercluster
 from twinmq.testing import queues
-from twinmq.testing.waiting import wait_for
+from twinmq.testing.waiting import accepts, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 API = "/apis/twinmq.io/v1alpha1"
@@ -135,17 +134,8 @@ def create_cluster(
     # Ready says the brokers are; the virtual IP answers once the endpoint controller and
     # kube-proxy have caught up (a test that connected at once was refused, in CI).
     ip = virtual_ip(cluster, namespace, name)
-    wait_for("the virtual IP answers", lambda: _accepts(ip, AMQP_PORT), timeout=30)
+    wait_for("the virtual IP answers", lambda: accepts(ip, AMQP_PORT), timeout=30)
     return name
-
-
-def _accepts(host: str, port: int) -> bool:
-    """Whether a TCP connection to host:port is accepted."""
-    try:
-        socket.create_connection((host, port), timeout=1).close()
-    except OSError:
-        return False
-    return True
 
 
 def amqp_url(cluster: Cluster, namespace: str, name: str, host: str | None = None) -> str:

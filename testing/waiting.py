@@ -7,6 +7,7 @@ A timeout here is a bound for a loaded, shared machine, never a timing assertion
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -67,3 +68,14 @@ async def until(
     while (value := poll.once()) is None:  # noqa: ASYNC110 - nothing to await: it polls
         await asyncio.sleep(poll.next_pause())
     return value
+
+
+def accepts(host: str, port: int) -> bool:
+    """Whether a TCP connection to host:port is accepted now (a check for `wait_for`: a
+    Service answers once the endpoint controller and kube-proxy have caught up, after the
+    pods behind it are Ready)."""
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
