@@ -173,7 +173,7 @@ def test_acks_of_a_failed_tx_commit_come_back_and_its_publishes_are_not_counted(
         count = ch.queue_declare("acks.q", passive=True).method.message_count
         assert count == 20, f"{count} messages ready after a failed commit of 20 acks"
         conn.close()
-        bodies = drain(broker, "acks.q")
+        bodies = drain(broker.url, "acks.q")
         assert sorted(bodies) == sorted(f"m{i}".encode() for i in range(20))
     finally:
         broker.stop()
@@ -213,6 +213,6 @@ def test_a_promoted_passive_takes_a_resend_of_what_its_failed_write_lost(
             "", "dd.q", b"resent", pika.BasicProperties(delivery_mode=2, message_id="m1")
         )
         conn.close()
-        assert drain(passive, "dd.q") == [b"resent"], "a confirmed re-send was swallowed"
+        assert drain(passive.url, "dd.q") == [b"resent"], "a confirmed re-send was swallowed"
     finally:
         pair.stop()

@@ -285,21 +285,21 @@ def test_ten_thousand_unconfirmed_publishes_and_a_commit_in_flight_survive_a_fai
                 window=10_000, interval=0.0,
             )  # fmt: skip
             load.start()
-            await asyncio.to_thread(wait_for, lambda: load.confirmed > 1000, 30, "confirms")
+            await asyncio.to_thread(wait_for, "confirms", lambda: load.confirmed > 1000, 30)
             pair.link.partition()
             producer = load.producers[0]
             outstanding = await asyncio.to_thread(
                 wait_for,
+                "9,000 unconfirmed",
                 lambda: (n := len(producer._outstanding)) >= 9_000 and n,
                 8,
-                "9,000 unconfirmed",
                 0.01,
             )
             pair.link.heal()
             promoted = await asyncio.to_thread(pair.failover)
             assert promoted, "the passive was not ready: no failover happened"
             before = load.confirmed
-            await asyncio.to_thread(wait_for, lambda: load.confirmed > before + 1000, 60, "more")
+            await asyncio.to_thread(wait_for, "more", lambda: load.confirmed > before + 1000, 60)
             await load.finish(pair)
             return outstanding, load
 
