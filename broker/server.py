@@ -407,12 +407,14 @@ class Broker:
         self.epochs.raise_to(epoch)
         metrics.EPOCH.set(self.epoch)
         previous = self.role
+        if role == "active" and self.replica is not None:
+            # Before the role changes: an active whose Lease keeper has not been told of
+            # the activation yet fences itself (it did, while this stop awaited).
+            replica, self.replica = self.replica, None
+            await replica.stop()
         self.role = role
         metrics.ROLE.set(1 if role == "active" else 0)
         if role == "active":
-            if self.replica is not None:
-                await self.replica.stop()
-                self.replica = None
             self.replicate_from = None
             self.vhost.next_mid = max(self.vhost.next_mid, first_mid(self.epoch))
             if previous != "active":

@@ -130,16 +130,18 @@ class ReplicaClient:
     async def stop(self) -> None:
         """Stop replicating (promotion, shutdown, a new active)."""
         self._stopping = True
-        if self._task is not None:
+        task = self._task  # a concurrent stop (a self-fencing demotion) may clear it
+        if task is not None:
             # On Python 3.11 asyncio.wait_for can swallow a cancellation that races with
             # the operation it waits for: cancel again until the task is really done
             # (else a promotion waits here as long as the active stays unreachable).
-            while not self._task.done():
-                self._task.cancel()
-                await asyncio.wait({self._task}, timeout=0.1)
-            if not self._task.cancelled() and self._task.exception() is not None:
-                log.error("replication from %s ended: %r", self.address, self._task.exception())
-            self._task = None
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.1)
+            if self._task is task:
+                self._task = None
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("replication from %s ended: %r", self.address, task.exception())
         self._set_connected(False)
 
     @property
