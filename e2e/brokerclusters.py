@@ -131,11 +131,17 @@ def create_cluster(
         lambda: in_sync(cluster_status(cluster, namespace, name)),
         timeout=90,
     )
-    # Ready says the brokers are; the virtual IP answers once the endpoint controller and
-    # kube-proxy have caught up (a test that connected at once was refused, in CI).
-    ip = virtual_ip(cluster, namespace, name)
-    wait_for("the virtual IP answers", lambda: accepts(ip, AMQP_PORT), timeout=30)
+    wait_answering(cluster, namespace, name)
     return name
+
+
+def wait_answering(cluster: Cluster, namespace: str, name: str) -> None:
+    """Wait until the BrokerCluster's virtual IP accepts AMQP connections. Ready (or a new
+    active in the status) says the brokers are; the virtual IP answers once the endpoint
+    controller and kube-proxy have caught up (tests that connected at once were refused,
+    in CI)."""
+    ip = virtual_ip(cluster, namespace, name)
+    wait_for(f"the virtual IP of {name} answers", lambda: accepts(ip, AMQP_PORT), timeout=30)
 
 
 def amqp_url(cluster: Cluster, namespace: str, name: str, host: str | None = None) -> str:
@@ -147,7 +153,11 @@ def amqp_url(cluster: Cluster, namespace: str, name: str, host: str | None = Non
 
 
 def drain(url: str, queue: str) -> list[int]:
-    """Every message left in `queue` (bodies are numbers), consumed and acknowledged."""
+    """Every message left in `queue` (bodies are numbers), consumed and acknowledged; waits
+    first for `url` to accept connections (after a failover the virtual IP follows the new
+    active once kube-proxy has caught up)."""
+    where = pika.URLParameters(url)
+    wait_for(f"{where.host} answers", lambda: accepts(where.host, where.port), timeout=30)
     return [int(body) for body in queues.drain(url, queue)]
 
 

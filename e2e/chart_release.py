@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from brokerclusters import cluster_path, cluster_status, in_sync
+from brokerclusters import cluster_path, cluster_status, in_sync, wait_answering
 from support import CHART, IMAGE, Cluster, helm, is_ready
 
 from twinmq.localcluster.examples import example_brokercluster
@@ -130,6 +130,7 @@ def create_ready_cluster(release: OperatorRelease, name: str = "orders", **spec:
         return state if in_sync(state) else None
 
     state = wait_for(f"BrokerCluster {name} Ready and replicating", ready, timeout=120)
+    wait_answering(cluster, release.namespace, name)
     release.timings[f"{name} Ready"] = time.monotonic() - started
     return state
 
