@@ -128,6 +128,12 @@ class BrokerSettings(BaseSettings):
         description="Active: bytes of messages per catch-up chunk sent to a passive "
         "(each journaled and acknowledged on its own)",
     )
+    catchup_max_rate: int = Field(
+        0,
+        ge=0,
+        description="Active: bytes per second at most for a catch-up (0: no cap); a cap "
+        "keeps CPU for the active's clients while a big backlog is sent",
+    )
     mirror_to: str | None = Field(
         None,
         description="HOST:PORT of a DR mirror's mirror listener: mirror every durable change "
