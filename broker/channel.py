@@ -104,6 +104,9 @@ class PendingConfirm:
     batch: int
     kind: Literal["ack", "nack", "commit", "commit-failed"]
     started: float
+    # An earlier batch whose failure fails this confirm too (a re-send that shares its
+    # original's outcome, `batch` raised to keep the channel's confirms in order); 0: none.
+    depends_on: int = 0
 
 
 @dataclass(slots=True)
@@ -241,7 +244,7 @@ class Channel:
             kind: Literal["ack", "nack"] = (
                 "nack" if result.rejected and not result.routed else "ack"
             )
-            self._add_pending(self.publish_seq, result.batch, kind)
+            self._add_pending(self.publish_seq, result.batch, kind, result.depends_on)
 
     def _return(self, exchange: str, routing_key: str, header: bytes, body: bytes) -> None:
         self.connection.send(
@@ -251,13 +254,15 @@ class Channel:
 
     # -- confirms and durability ---------------------------------------------------------
 
-    def _add_pending(self, seq: int, batch: int, kind: Literal["ack", "nack", "commit"]) -> None:
+    def _add_pending(
+        self, seq: int, batch: int, kind: Literal["ack", "nack", "commit"], depends_on: int = 0
+    ) -> None:
         if self.pending:
             batch = max(batch, self.pending[-1].batch)
         if batch == 0 and not self.pending:
             self._emit([PendingConfirm(seq, 0, kind, 0.0)])
             return
-        self.pending.append(PendingConfirm(seq, batch, kind, time.perf_counter()))
+        self.pending.append(PendingConfirm(seq, batch, kind, time.perf_counter(), depends_on))
         self.connection.await_durable(self)
 
     def durable(self, batch: int, failed: bool = False) -> bool:
@@ -267,6 +272,12 @@ class Channel:
         """
         pending = self.pending
         done: list[PendingConfirm] = []
+        if failed:
+            # A re-send may wait behind a later batch of this channel: its original's
+            # failure is its own (a scan only on a failed write, which is rare).
+            for item in pending:
+                if item.depends_on and item.depends_on <= batch and item.kind == "ack":
+                    item.kind = "nack"
         while pending and pending[0].batch <= batch:
             item = pending.popleft()
             if failed and item.kind == "ack":

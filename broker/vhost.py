@@ -116,6 +116,9 @@ class PublishResult:
     dedup_key: str | None = None
     # ... and the entries it put in queues, invisible until the commit's batch completes.
     held: list[tuple[Queue, Entry]] | None = None
+    # A re-send of a message still in flight: the original's batch, whose failure must
+    # fail this confirm too, even when it is merged behind a later batch of the channel.
+    depends_on: int = 0
 
 
 class VirtualHost:
@@ -617,6 +620,12 @@ class VirtualHost:
                 return PublishResult(
                     1, False, 0 if ops is not None else self.committer.confirm_point()
                 )
+            original = self.dedup.pending_batch(key) if deduplicate and ops is None else None
+            if original is not None:
+                # A re-send racing its original's batch: not enqueued again; its confirm
+                # waits for that batch and shares its outcome (a failed write nacks both).
+                metrics.DUPLICATES.inc()
+                return PublishResult(1, False, original, depends_on=original)
         result = self._route(exchange, routing_key, header, body, info, ops, hold)
         if key is not None and result.routed:
             if ops is None:
