@@ -7,6 +7,7 @@ writes what `data_to_send` returns, and looks at `closed`, `wants_read` and
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from pamqp import commands
 from pamqp.base import Frame as MethodFrame
 
 from twinmq.broker import metrics
-from twinmq.broker.auth import Authenticator, LoginError
+from twinmq.broker.auth import Authenticator, Login, LoginError
 from twinmq.broker.channel import Channel
 from twinmq.broker.codec import (
     FRAME_BODY,
@@ -82,6 +83,7 @@ class State(enum.Enum):
 
     AWAIT_HEADER = "await-protocol-header"
     AWAIT_START_OK = "await-start-ok"
+    AWAIT_LOGIN = "await-login"  # the password's KDF runs off the event loop
     AWAIT_TUNE_OK = "await-tune-ok"
     AWAIT_OPEN = "await-open"
     OPEN = "open"
@@ -93,6 +95,7 @@ class State(enum.Enum):
 _TIMED_PHASES: dict[State, str] = {
     State.AWAIT_HEADER: "handshake",
     State.AWAIT_START_OK: "handshake",
+    State.AWAIT_LOGIN: "handshake",
     State.AWAIT_TUNE_OK: "handshake",
     State.AWAIT_OPEN: "handshake",
     State.CLOSING: "closing",
@@ -317,12 +320,37 @@ class Connection:
             self.client_properties.get(DEDUP_CLIENT_PROPERTY)
         )
         try:
-            self.user = self.ctx.authenticator.login(m.mechanism, m.response, self.loopback)
+            outcome = self.ctx.authenticator.login(m.mechanism, m.response, self.loopback)
         except LoginError as exc:
-            metrics.AUTH_FAILURES.inc()
-            log.warning("login refused for %s: %s", self.peer, exc)
-            self._connection_error(AMQPError(ReplyCode.ACCESS_REFUSED, str(exc), 10, 11))
+            self._refuse_login(exc)
             return
+        if isinstance(outcome, Login):
+            self.state = State.AWAIT_LOGIN
+            loop = asyncio.get_running_loop()
+            outcome.future.add_done_callback(
+                lambda _: loop.call_soon_threadsafe(self._logged_in, outcome)
+            )
+            return
+        self.user = outcome
+        self._tune()
+
+    def _logged_in(self, login: Login) -> None:
+        """The KDF of a login is done (on the event loop again)."""
+        if self.state is not State.AWAIT_LOGIN:
+            return  # closed meanwhile
+        try:
+            self.user = login.result()
+        except LoginError as exc:
+            self._refuse_login(exc)
+            return
+        self._tune()
+
+    def _refuse_login(self, exc: LoginError) -> None:
+        metrics.AUTH_FAILURES.inc()
+        log.warning("login refused for %s: %s", self.peer, exc)
+        self._connection_error(AMQPError(ReplyCode.ACCESS_REFUSED, str(exc), 10, 11))
+
+    def _tune(self) -> None:
         limits = self.ctx.limits
         self.send(
             encode_method(

@@ -111,6 +111,22 @@ def vip_name(cluster: ClusterRef) -> str:
     return cluster.name
 
 
+def upgrade_credentials(found: dict[str, str]) -> dict[str, str]:
+    """Generated credentials with the app user's password hash re-done with scrypt when it
+    is still a salted SHA-256 one (what TwinMQ wrote before); unchanged otherwise. The
+    brokers take the new hash at their next start and accept the old one until then."""
+    try:
+        users = json.loads(found.get("users.json", ""))
+        entry = next(u for u in users["users"] if u.get("name") == APP_USER)
+    except (ValueError, KeyError, TypeError, StopIteration):
+        return found
+    legacy, password = entry.get("password_hash"), found.get("password")
+    if not (isinstance(legacy, str) and legacy.startswith("sha256:") and password):
+        return found
+    entry["password_hash"] = hash_password(password)
+    return {**found, "users.json": json.dumps(users)}
+
+
 def generate_credentials() -> dict[str, str]:
     """New credentials: the app user, the admin token, the replication token."""
     password = secrets.token_urlsafe(24)
