@@ -39,6 +39,11 @@ class BrokerSettings(BaseSettings):
     admin_token: SecretStr | None = Field(
         None, description="Bearer token for the admin API (required for all but healthz/readyz)"
     )
+    admin_read_token: SecretStr | None = Field(
+        None,
+        description="Bearer token that may only read the admin API (GET /status, /metrics: "
+        "for monitoring), never change a role",
+    )
     users_file: Path | None = Field(
         None, description="JSON users file; without it only guest/guest over loopback"
     )
