@@ -31,6 +31,7 @@ def setting_env(field: str) -> str:
 
 # The broker's variables that other components set (the operator's pods, demos, tests).
 ADMIN_TOKEN_ENV: Final = setting_env("admin_token")
+ADMIN_READ_TOKEN_ENV: Final = setting_env("admin_read_token")
 REPLICATION_TOKEN_ENV: Final = setting_env("replication_token")
 LEASE_NAME_ENV: Final = setting_env("lease_name")
 LEASE_SECONDS_ENV: Final = setting_env("lease_seconds")
