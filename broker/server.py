@@ -32,6 +32,7 @@ from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.replication.source import ReplicationSource
 from twinmq.broker.settings import BrokerSettings
 from twinmq.broker.status import build_status
+from twinmq.broker.tls import TlsListener
 from twinmq.broker.vhost import VirtualHost
 
 log = logging.getLogger(__name__)
@@ -269,6 +270,10 @@ class Broker:
         self.mirroring = Mirroring(settings, self.vhost, self.committer, self.monitor)
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self.tls: TlsListener | None = None
+        self._amqps: asyncio.AbstractServer | None = None
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            self.tls = TlsListener(settings.tls_cert, settings.tls_key, settings.tls_ca)
         metrics.CONNECTIONS.set_function(lambda: len(self.protocols))
         metrics.BROKER_DAMAGED.set_function(lambda: 1 if self.damaged else 0)
         metrics.JOURNAL_QUARANTINED.set_function(self.quarantined_files)
@@ -469,6 +474,18 @@ class Broker:
         self._servers.append(
             await self.source.start(self.settings.host, self.settings.replication_port)
         )
+        if self.tls is not None:
+            self._amqps = await self.loop.create_server(
+                lambda: AMQPProtocol(self),
+                self.settings.host,
+                self.settings.tls_port,
+                ssl=self.tls.context,
+                ssl_handshake_timeout=self.limits.handshake_timeout,
+                reuse_address=True,
+                backlog=1024,
+            )
+            self._servers.append(self._amqps)
+            self._tasks.append(self.loop.create_task(self.tls.watch()))
         self._tasks.append(self.loop.create_task(self.source.ping_loop()))
         await self.mirroring.start(self.settings.host)
         if self.role == "passive" and self.replicate_from:
@@ -480,9 +497,11 @@ class Broker:
         self._tasks.append(self.loop.create_task(self._save_dedup_periodically()))
         self._tasks.append(self.loop.create_task(self.monitor.run()))
         log.info(
-            "broker %s %s listening: amqp %s:%d, admin %s:%d, replication %s:%d, data %s; "
+            "broker %s %s listening: amqp %s:%d%s, admin %s:%d, replication %s:%d, data %s; "
             "%s in epoch %d",
             self.settings.name, self.product_version, self.settings.host, self.amqp_port,
+            "" if self.amqps_port is None else f", amqps {self.settings.host}:{self.amqps_port}"
+            + (" (client certificates required)" if self.settings.tls_ca else ""),
             self.settings.host, self.admin_port, self.settings.host, self.replication_port,
             self.settings.data_dir, self.role, self.epoch,
         )  # fmt: skip
@@ -491,6 +510,13 @@ class Broker:
     def amqp_port(self) -> int:
         """The bound AMQP port (useful with --port 0)."""
         return int(self._servers[0].sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+
+    @property
+    def amqps_port(self) -> int | None:
+        """The bound AMQPS port (None without --tls-cert)."""
+        if self._amqps is None:
+            return None
+        return int(self._amqps.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
 
     @property
     def admin_port(self) -> int:

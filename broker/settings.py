@@ -19,6 +19,7 @@ from twinmq.broker.names import (
     ACTIVE,
     ADMIN_PORT,
     AMQP_PORT,
+    AMQPS_PORT,
     CONFIG_ENV,
     ENV_PREFIX,
     REPLICATION_PORT,
@@ -34,6 +35,20 @@ class BrokerSettings(BaseSettings):
     name: str = Field("twinmq", description="Broker name (shown in status, logs, metrics)")
     host: str = Field("0.0.0.0", description="Address the AMQP and admin listeners bind")
     port: int = Field(AMQP_PORT, ge=0, le=65535, description="AMQP port")
+    tls_port: int = Field(
+        AMQPS_PORT, ge=0, le=65535, description="AMQPS (AMQP over TLS) port, with --tls-cert"
+    )
+    tls_cert: Path | None = Field(
+        None,
+        description="PEM certificate (chain) of the AMQPS listener; with --tls-key it opens "
+        "--tls-port beside the plain port; reloaded when the file changes",
+    )
+    tls_key: Path | None = Field(None, description="PEM private key of --tls-cert")
+    tls_ca: Path | None = Field(
+        None,
+        description="PEM CA bundle: AMQPS clients must present a certificate it signed "
+        "(mutual TLS)",
+    )
     admin_port: int = Field(ADMIN_PORT, ge=0, le=65535, description="Admin HTTP port")
     data_dir: Path = Field(Path("./twinmq-data"), description="Journal and state directory")
     admin_token: SecretStr | None = Field(
@@ -176,6 +191,15 @@ class BrokerSettings(BaseSettings):
             # and two writers' full-state topology events would fight: the bidirectional
             # mode (docs/mirror.md) needs origin tags this first slice does not have.
             raise ValueError("a broker is either a mirror source or a mirror, not both (yet)")
+        return self
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> BrokerSettings:
+        """AMQPS needs a certificate and its key; client verification needs both too."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-ca (client certificates) needs --tls-cert and --tls-key")
         return self
 
 
