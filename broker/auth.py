@@ -12,11 +12,13 @@ passwords would stall every client): `Authenticator.login` hands it to a small
 thread pool of its own and returns a `Login` to wait for. A password once
 verified is remembered as an HMAC under a key of this process, so a client that
 reconnects costs a hash, not a KDF. As in RabbitMQ, `guest` may log in only over
-loopback.
+loopback. The file is read again when it changes (`watch`): users, passwords and
+permissions (broker/permissions.py) change without a restart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -31,6 +33,9 @@ from pathlib import Path
 from pamqp import decode
 from pydantic import BaseModel, Field, model_validator
 
+from twinmq.broker.filewatch import FileWatch
+from twinmq.broker.permissions import AccessControl, Permission
+
 log = logging.getLogger(__name__)
 
 LOOPBACK_ONLY_USERS = frozenset({"guest"})
@@ -38,6 +43,7 @@ LOOPBACK_ONLY_USERS = frozenset({"guest"})
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 14, 8, 1
 SCRYPT_KEY_BYTES = 32
 KDF_THREADS = 2  # logins verified at once; more wait (the handshake timeout bounds them)
+RELOAD_INTERVAL = 5.0  # seconds between looks at the users file
 
 
 class LoginError(Exception):
@@ -60,10 +66,32 @@ class User(BaseModel):
         return self
 
 
+class VHost(BaseModel):
+    """A vhost entry of the users file (only `/` is served)."""
+
+    name: str
+
+
 class UsersFile(BaseModel):
-    """The `--users-file` (JSON): `{"users": [{"name": ..., "password_hash": ...}]}`."""
+    """The `--users-file` (JSON): `{"users": [{"name": ..., "password_hash": ...}]}`, and
+    optionally RabbitMQ's `vhosts` and `permissions` (broker/permissions.py)."""
 
     users: list[User] = Field(default_factory=list)
+    vhosts: list[VHost] = Field(default_factory=lambda: [VHost(name="/")])
+    permissions: list[Permission] | None = None
+
+    @model_validator(mode="after")
+    def _known_names(self) -> UsersFile:
+        served = {v.name for v in self.vhosts}
+        if served != {"/"}:
+            raise ValueError(f"vhosts {sorted(served)}: this broker serves the vhost '/' only")
+        names = {u.name for u in self.users}
+        for p in self.permissions or []:
+            if p.user not in names:
+                raise ValueError(f"a permission for {p.user!r}, who is not among the users")
+            if p.vhost not in served:
+                raise ValueError(f"a permission of {p.user!r} for unknown vhost {p.vhost!r}")
+        return self
 
 
 def hash_password(password: str, salt: bytes | None = None) -> str:
@@ -134,11 +162,18 @@ class Login:
 class Authenticator:
     """Checks SASL responses against the configured users."""
 
-    def __init__(self, users: list[User]) -> None:
-        self.users = {u.name: u for u in users}
+    def __init__(self, users: list[User], permissions: list[Permission] | None = None) -> None:
+        self.path: Path | None = None
+        self._watch: FileWatch | None = None
+        self.generation = 0  # bumped by every reload: connections drop their cached checks
+        self._set(users, permissions)
         self._key = secrets.token_bytes(32)  # for the remembered passwords; this process only
-        self._verified: dict[str, bytes] = {}  # user -> HMAC of the password last verified
         self._pool: ThreadPoolExecutor | None = None
+
+    def _set(self, users: list[User], permissions: list[Permission] | None) -> None:
+        self.users = {u.name: u for u in users}
+        self.access = AccessControl(permissions)
+        self._verified: dict[str, bytes] = {}  # user -> HMAC of the password last verified
         for user in users:
             if user.password_hash is not None and user.password_hash.startswith("sha256:"):
                 log.warning(
@@ -149,11 +184,39 @@ class Authenticator:
 
     @classmethod
     def from_file(cls, path: Path | None) -> Authenticator:
-        """Load users from a JSON users file; without one, only guest/guest (loopback)."""
+        """Load users (and permissions) from a JSON users file; without one, only
+        guest/guest (loopback)."""
         if path is None:
             return cls([User(name="guest", password="guest")])
+        watch = FileWatch(path)
         data = UsersFile.model_validate(json.loads(path.read_text()))
-        return cls(data.users)
+        auth = cls(data.users, data.permissions)
+        auth.path, auth._watch = path, watch
+        return auth
+
+    def reload_if_changed(self) -> bool:
+        """Read the users file again if it changed; whether it did. A file that does not
+        read (half-written, invalid) is logged and the old users stay."""
+        if self.path is None or self._watch is None or not self._watch.changed():
+            return False
+        try:
+            data = UsersFile.model_validate(json.loads(self.path.read_text()))
+        except (OSError, ValueError) as exc:
+            log.error("users file %s changed but does not load (%s): keeping the old users",
+                      self.path, exc)  # fmt: skip
+            return False
+        self._set(data.users, data.permissions)
+        self.generation += 1
+        log.info("users file %s reloaded: %d users, %s", self.path, len(data.users),
+                 "everyone may do everything" if data.permissions is None
+                 else f"{len(data.permissions)} permissions")  # fmt: skip
+        return True
+
+    async def watch(self, interval: float = RELOAD_INTERVAL) -> None:
+        """Reload the users file whenever it changes (a task for the broker's lifetime)."""
+        while True:
+            await asyncio.sleep(interval)
+            self.reload_if_changed()
 
     def login(self, mechanism: str, response: str | bytes, loopback: bool) -> str | Login:
         """The user name, a `Login` to wait for (a KDF to run), or `LoginError` with the
@@ -198,10 +261,13 @@ class Authenticator:
                 raise refused
             return admit()
 
+        generation = self.generation
+
         def finish(ok: bool) -> str:
             if not ok:
                 raise refused
-            self._verified[username] = mac
+            if self.generation == generation:  # not a password the file has since replaced
+                self._verified[username] = mac
             return admit()
 
         if self._pool is None:

@@ -34,6 +34,7 @@ from twinmq.broker.codec import (
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
 from twinmq.broker.journal import JournalOp
 from twinmq.broker.message import Entry
+from twinmq.broker.permissions import DEFAULT_EXCHANGE, SERVER_NAMED_QUEUE
 from twinmq.broker.queue import Queue
 
 if TYPE_CHECKING:
@@ -225,6 +226,9 @@ class Channel:
         self._publish = None
         self._info = None
         self._body = []
+        self.connection.authorize(
+            "write", "exchange", publish.exchange or DEFAULT_EXCHANGE, (60, 40)
+        )
         exchange = self.vhost.exchange_for_publish(publish.exchange)
         if self.tx_mode:
             self.tx_publishes.append(
@@ -463,6 +467,8 @@ class Channel:
         handler(self, method)
 
     def _exchange_declare(self, m: commands.Exchange.Declare) -> None:
+        if not m.passive:
+            self.connection.authorize("configure", "exchange", m.exchange, (40, 10))
         self.vhost.declare_exchange(
             m.exchange,
             m.exchange_type,
@@ -476,6 +482,7 @@ class Channel:
             self.send_method(commands.Exchange.DeclareOk())
 
     def _exchange_delete(self, m: commands.Exchange.Delete) -> None:
+        self.connection.authorize("configure", "exchange", m.exchange, (40, 20))
         self.vhost.delete_exchange(m.exchange, if_unused=m.if_unused)
         if not m.nowait:
             self.send_method(commands.Exchange.DeleteOk())
@@ -486,6 +493,14 @@ class Channel:
         )
 
     def _queue_declare(self, m: commands.Queue.Declare) -> None:
+        if not m.passive:
+            name = m.queue or SERVER_NAMED_QUEUE
+            self.connection.authorize("configure", "queue", name, (50, 10))
+            dlx = (m.arguments or {}).get("x-dead-letter-exchange")
+            if isinstance(dlx, str):
+                # Dead-lettering publishes the queue's messages to that exchange.
+                self.connection.authorize("write", "exchange", dlx or DEFAULT_EXCHANGE, (50, 10))
+                self.connection.authorize("read", "queue", name, (50, 10))
         queue = self.vhost.declare_queue(
             m.queue,
             passive=m.passive,
@@ -503,6 +518,7 @@ class Channel:
             )
 
     def _queue_bind(self, m: commands.Queue.Bind) -> None:
+        self._authorize_binding(m.queue, m.exchange, (50, 20))
         self.vhost.bind(
             m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self.connection
         )
@@ -510,6 +526,7 @@ class Channel:
             self.send_method(commands.Queue.BindOk())
 
     def _queue_unbind(self, m: commands.Queue.Unbind) -> None:
+        self._authorize_binding(m.queue, m.exchange, (50, 50))
         self.vhost.bind(
             m.queue,
             m.exchange,
@@ -520,12 +537,19 @@ class Channel:
         )
         self.send_method(commands.Queue.UnbindOk())
 
+    def _authorize_binding(self, queue: str, exchange: str, method: tuple[int, int]) -> None:
+        # RabbitMQ's rule: a binding writes to the queue and reads from the exchange.
+        self.connection.authorize("write", "queue", queue, method)
+        self.connection.authorize("read", "exchange", exchange or DEFAULT_EXCHANGE, method)
+
     def _queue_purge(self, m: commands.Queue.Purge) -> None:
+        self.connection.authorize("read", "queue", m.queue, (50, 30))
         count = self.vhost.purge_queue(m.queue, self.connection)
         if not m.nowait:
             self.send_method(commands.Queue.PurgeOk(message_count=count))
 
     def _queue_delete(self, m: commands.Queue.Delete) -> None:
+        self.connection.authorize("configure", "queue", m.queue, (50, 40))
         count = self.vhost.delete_queue(
             m.queue, if_unused=m.if_unused, if_empty=m.if_empty, owner=self.connection
         )
@@ -543,6 +567,7 @@ class Channel:
         self._redispatch()
 
     def _basic_consume(self, m: commands.Basic.Consume) -> None:
+        self.connection.authorize("read", "queue", m.queue, (60, 20))
         queue = self.vhost.queue(m.queue, self.connection, (60, 20))
         tag = m.consumer_tag or "amq.ctag-" + secrets.token_urlsafe(16)
         if tag in self.consumers:
@@ -564,6 +589,7 @@ class Channel:
             self.send_method(commands.Basic.CancelOk(consumer_tag=m.consumer_tag))
 
     def _basic_get(self, m: commands.Basic.Get) -> None:
+        self.connection.authorize("read", "queue", m.queue, (60, 70))
         queue = self.vhost.queue(m.queue, self.connection, (60, 70))
         self.vhost.touch(queue)
         entry = queue.pop(self.vhost.clock.time())

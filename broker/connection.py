@@ -33,7 +33,8 @@ from twinmq.broker.codec import (
     decode_method,
     encode_method,
 )
-from twinmq.broker.errors import AMQPError, ReplyCode
+from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
+from twinmq.broker.permissions import Operation, Resource
 from twinmq.broker.vhost import VirtualHost
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ PRE_TUNE_FRAME_MAX = 131072
 # A client property by which a publisher opts in to duplicate detection (twinmq.client does).
 DEDUP_CLIENT_PROPERTY = "x-twinmq-deduplicate"
 MIN_FRAME_MAX = 4096
+GRANTS_CACHED = 1024  # permission answers a connection remembers (names are client-chosen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +144,8 @@ class Connection:
         self.last_sent = 0.0
         self._deadline: tuple[str, float] | None = None  # (phase, when) of a timed phase
         self._reader = FrameReader(PRE_TUNE_FRAME_MAX)
+        self._grants: dict[tuple[str, str, str], bool] = {}  # authorize's answers
+        self._grants_generation = 0
         self._header_buf = b""
         self._out: list[bytes] = []
         self._wake = wake
@@ -392,11 +396,44 @@ class Connection:
     def _open(self, m: commands.Connection.Open) -> None:
         if m.virtual_host != "/":
             raise AMQPError(ReplyCode.NOT_ALLOWED, f"vhost '{m.virtual_host}' not found", 10, 40)
+        if not self.ctx.authenticator.access.may_open(self.user or "", m.virtual_host):
+            raise AMQPError(
+                ReplyCode.NOT_ALLOWED,
+                f"access to vhost '{m.virtual_host}' refused for user '{self.user}'",
+                10,
+                40,
+            )
         refusal = self.ctx.refusal()
         if refusal is not None:
             raise AMQPError(ReplyCode.CONNECTION_FORCED, refusal, 10, 40)
         self.send(encode_method(0, commands.Connection.OpenOk()))
         self.state = State.OPEN
+
+    # -- permissions ---------------------------------------------------------------------
+
+    def authorize(
+        self, op: Operation, resource: Resource, name: str, method: tuple[int, int]
+    ) -> None:
+        """Raise 403 ACCESS_REFUSED (a channel error) unless the user may do `op` on the
+        resource (RabbitMQ's words). Answers are cached until the users file reloads."""
+        auth = self.ctx.authenticator
+        if auth.access.unrestricted:
+            return
+        if self._grants_generation != auth.generation:
+            self._grants.clear()
+            self._grants_generation = auth.generation
+        key = (op, resource, name)
+        allowed = self._grants.get(key)
+        if allowed is None:
+            allowed = auth.access.allows(self.user or "", "/", op, name)
+            if len(self._grants) < GRANTS_CACHED:
+                self._grants[key] = allowed
+        if not allowed:
+            raise channel_error(
+                ReplyCode.ACCESS_REFUSED,
+                f"{op} access to {resource} '{name}' in vhost '/' refused for user '{self.user}'",
+                method,
+            )
 
     # -- frames --------------------------------------------------------------------------
 

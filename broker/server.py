@@ -496,6 +496,8 @@ class Broker:
             self._tasks.append(self.loop.create_task(self.lease.run()))
         self._tasks.append(self.loop.create_task(self._save_dedup_periodically()))
         self._tasks.append(self.loop.create_task(self.monitor.run()))
+        if self.authenticator.path is not None:
+            self._tasks.append(self.loop.create_task(self.authenticator.watch()))
         log.info(
             "broker %s %s listening: amqp %s:%d%s, admin %s:%d, replication %s:%d, data %s; "
             "%s in epoch %d",

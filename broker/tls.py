@@ -21,6 +21,8 @@ import logging
 import ssl
 from pathlib import Path
 
+from twinmq.broker.filewatch import FileWatch
+
 log = logging.getLogger(__name__)
 
 RELOAD_INTERVAL = 5.0  # seconds between looks at the certificate files
@@ -36,20 +38,8 @@ class TlsListener:
         if ca is not None:
             self.context.verify_mode = ssl.CERT_REQUIRED
         self.reloads = 0
-        self._seen = self._stamp()
+        self._watch = FileWatch(cert, key, ca)
         self._load()  # raises at start-up: a broker does not start with files it cannot use
-
-    def _stamp(self) -> tuple[tuple[int, int], ...]:
-        stamps = []
-        for path in (self.cert, self.key, self.ca):
-            if path is None:
-                continue
-            try:
-                st = path.stat()
-                stamps.append((st.st_mtime_ns, st.st_size))
-            except OSError:
-                stamps.append((0, -1))
-        return tuple(stamps)
 
     def _load(self) -> None:
         self.context.load_cert_chain(self.cert, self.key)
@@ -58,10 +48,8 @@ class TlsListener:
 
     def reload_if_changed(self) -> bool:
         """Load the files again if they changed since the last look; whether it did."""
-        stamp = self._stamp()
-        if stamp == self._seen:
+        if not self._watch.changed():
             return False
-        self._seen = stamp
         try:
             self._load()
         except (OSError, ssl.SSLError) as exc:
