@@ -54,6 +54,7 @@ class Limits:
     channel_max: int = 2047
     heartbeat: int = 60
     max_message_size: int = 128 * 1024 * 1024
+    max_connections_per_user: int = 0  # open connections per user (0: no limit)
     deduplicate_all: bool = False  # drop re-sent message ids for every client, not only opted-in
     handshake_timeout: float = 10.0  # seconds from the first byte to connection.open (RabbitMQ's)
     close_timeout: float = 30.0  # seconds our connection.close waits for close-ok
@@ -77,6 +78,10 @@ class ConnectionContext(Protocol):
 
     def refusal(self) -> str | None:
         """Why clients are refused right now (a passive broker), or None."""
+        ...
+
+    def open_connections(self, user: str) -> int:
+        """How many of `user`'s connections are open (past connection.open)."""
         ...
 
 
@@ -406,6 +411,15 @@ class Connection:
         refusal = self.ctx.refusal()
         if refusal is not None:
             raise AMQPError(ReplyCode.CONNECTION_FORCED, refusal, 10, 40)
+        most = self.ctx.limits.max_connections_per_user
+        if most and self.ctx.open_connections(self.user or "") >= most:
+            metrics.CONNECTIONS_REFUSED.labels("per-user-limit").inc()
+            raise AMQPError(
+                ReplyCode.NOT_ALLOWED,
+                f"access refused: user '{self.user}' has reached its limit of {most} connections",
+                10,
+                40,
+            )
         self.send(encode_method(0, commands.Connection.OpenOk()))
         self.state = State.OPEN
 

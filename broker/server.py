@@ -21,7 +21,7 @@ from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.auth import Authenticator
 from twinmq.broker.channel import Channel
 from twinmq.broker.commit import GroupCommitter
-from twinmq.broker.connection import Connection, Limits
+from twinmq.broker.connection import Connection, Limits, State
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.epoch import EpochStore, epoch_jump_refusal, first_mid
 from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
@@ -36,6 +36,8 @@ from twinmq.broker.tls import TlsListener
 from twinmq.broker.vhost import VirtualHost
 
 log = logging.getLogger(__name__)
+
+LIMIT_LOG_INTERVAL = 10.0  # seconds between two "connection limit reached" log lines
 
 
 def _version() -> str:
@@ -61,6 +63,16 @@ class AMQPProtocol(asyncio.Protocol):
         # uvloop's transports do not subclass asyncio.Transport, so no isinstance check.
         self.transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
+        most = self.broker.settings.max_connections
+        if most and len(self.broker.protocols) >= most:
+            # As RabbitMQ's connection_max: closed before a byte is read.
+            metrics.CONNECTIONS_REFUSED.labels("total").inc()
+            if self.loop.time() - self.broker.limit_logged > LIMIT_LOG_INTERVAL:
+                self.broker.limit_logged = self.loop.time()
+                log.warning("connections closed at once: the limit of %d is reached (%s, and "
+                            "more in twinmq_connections_refused_total)", most, peer)  # fmt: skip
+            transport.close()
+            return
         host = peer[0] if isinstance(peer, tuple) else "local"
         try:
             loopback = ipaddress.ip_address(host).is_loopback
@@ -78,7 +90,8 @@ class AMQPProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
-        assert conn is not None
+        if conn is None:
+            return  # closed at once by the connection limit
         self._receiving = True
         try:
             conn.receive_data(data, self.loop.time())
@@ -181,10 +194,12 @@ class Broker:
             channel_max=settings.channel_max,
             heartbeat=settings.heartbeat,
             max_message_size=settings.max_message_size,
+            max_connections_per_user=settings.max_connections_per_user,
             deduplicate_all=settings.dedup_scope == "all",
         )
         self.authenticator = Authenticator.from_file(settings.users_file)
         self.protocols: set[AMQPProtocol] = set()
+        self.limit_logged = -LIMIT_LOG_INTERVAL  # loop time of the last "limit reached" log
         self.started = time.time()
         # Set when the broker must stop by itself (`serve` exits with `exit_code`).
         self.exit_requested = asyncio.Event()
@@ -240,6 +255,7 @@ class Broker:
             recovered,
             replica=self.role == "passive",
             dedup=DedupWindow(settings.dedup_window, settings.data_dir / "dedup.json"),
+            max_queues=settings.max_queues,
         )
         if self.role == "active":
             # A batch is streamed to the passive before its own fdatasync: a previous
@@ -290,6 +306,14 @@ class Broker:
     def alarm(self) -> str | None:
         """The active resource alarm, if any."""
         return self.monitor.reason
+
+    def open_connections(self, user: str) -> int:
+        """How many of `user`'s client connections are open (past connection.open)."""
+        return sum(
+            1
+            for p in self.protocols
+            if p.conn is not None and p.conn.user == user and p.conn.state is State.OPEN
+        )
 
     def refusal(self) -> str | None:
         """Why clients are refused now; None while active."""

@@ -68,6 +68,18 @@ class BrokerSettings(BaseSettings):
     max_message_size: int = Field(
         128 * 1024 * 1024, ge=1, description="Largest message body accepted (bytes)"
     )
+    max_connections: int = Field(
+        0, ge=0, description="Client connections at most; more are closed at once (0: no limit)"
+    )
+    max_connections_per_user: int = Field(
+        0,
+        ge=0,
+        description="Open client connections per user at most; more are refused at "
+        "connection.open with 530 (0: no limit)",
+    )
+    max_queues: int = Field(
+        0, ge=0, description="Queues at most; a declare beyond is refused with 406 (0: no limit)"
+    )
     segment_bytes: int = Field(
         64 * 1024 * 1024, ge=4096, description="Journal segment size before rolling over"
     )

@@ -132,8 +132,10 @@ class VirtualHost:
         *,
         replica: bool = False,
         dedup: DedupWindow | None = None,
+        max_queues: int = 0,
     ) -> None:
         self.committer = committer
+        self.max_queues = max_queues  # clients' declares only (0: no limit)
         self.clock = clock
         # A passive broker's state changes only by replication: no timers of its own.
         self.replica = replica
@@ -410,6 +412,13 @@ class VirtualHost:
                     )
             self._touch(queue)
             return queue
+        if self.max_queues and len(self.queues) >= self.max_queues:
+            raise channel_error(
+                ReplyCode.PRECONDITION_FAILED,
+                f"cannot declare queue '{name}' in vhost '/': queue limit "
+                f"({self.max_queues}) is reached",
+                QUEUE_DECLARE,
+            )
         definition = QueueDef(
             name=name,
             qid=self.next_qid,

@@ -96,6 +96,10 @@ class Context:
         """Why clients are refused (a passive broker), if the test says so."""
         return self.refusal_reason
 
+    def open_connections(self, user: str) -> int:
+        """Nobody else's connections count here."""
+        return 0
+
 
 class Peer:
     """One client connection to the core; `feed` returns what the broker answered."""
