@@ -4,6 +4,8 @@
 bearer token, or, when no token is configured, a loopback client. A second,
 read-only token (`--admin-read-token`) may read (`GET`: status, metrics) and
 nothing else, so that a monitoring system's credentials cannot move a role.
+With `--admin-tls-cert` the API answers HTTPS only (the token never crosses the
+network in clear), its certificate reloaded as the AMQPS one is (broker/tls.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -142,10 +145,19 @@ def make_app(broker: AdminContext) -> web.Application:
     return app
 
 
-async def start_admin(broker: AdminContext) -> asyncio.AbstractServer:
-    """Start the admin listener; returns the asyncio server (for its bound port)."""
+async def start_admin(
+    broker: AdminContext, tls: ssl.SSLContext | None = None
+) -> asyncio.AbstractServer:
+    """Start the admin listener (HTTPS with `tls`); returns the asyncio server (for its
+    bound port)."""
     runner = web.AppRunner(make_app(broker), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, broker.settings.host, broker.settings.admin_port, reuse_address=True)
+    site = web.TCPSite(
+        runner,
+        broker.settings.host,
+        broker.settings.admin_port,
+        reuse_address=True,
+        ssl_context=tls,
+    )
     await site.start()
     return cast(asyncio.AbstractServer, site._server)

@@ -290,6 +290,9 @@ class Broker:
         self._amqps: asyncio.AbstractServer | None = None
         if settings.tls_cert is not None and settings.tls_key is not None:
             self.tls = TlsListener(settings.tls_cert, settings.tls_key, settings.tls_ca)
+        self.admin_tls: TlsListener | None = None
+        if settings.admin_tls_cert is not None and settings.admin_tls_key is not None:
+            self.admin_tls = TlsListener(settings.admin_tls_cert, settings.admin_tls_key)
         metrics.CONNECTIONS.set_function(lambda: len(self.protocols))
         metrics.BROKER_DAMAGED.set_function(lambda: 1 if self.damaged else 0)
         metrics.JOURNAL_QUARANTINED.set_function(self.quarantined_files)
@@ -494,7 +497,11 @@ class Broker:
             backlog=1024,
         )
         self._servers.append(server)
-        self._servers.append(await start_admin(self))
+        admin_tls = self.admin_tls
+        admin_context = admin_tls.context if admin_tls is not None else None
+        self._servers.append(await start_admin(self, admin_context))
+        if admin_tls is not None:
+            self._tasks.append(self.loop.create_task(admin_tls.watch()))
         self._servers.append(
             await self.source.start(self.settings.host, self.settings.replication_port)
         )

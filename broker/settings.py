@@ -54,6 +54,12 @@ class BrokerSettings(BaseSettings):
     admin_token: SecretStr | None = Field(
         None, description="Bearer token for the admin API (required for all but healthz/readyz)"
     )
+    admin_tls_cert: Path | None = Field(
+        None,
+        description="PEM certificate (chain): the admin API answers HTTPS only; reloaded when "
+        "the file changes",
+    )
+    admin_tls_key: Path | None = Field(None, description="PEM private key of --admin-tls-cert")
     admin_read_token: SecretStr | None = Field(
         None,
         description="Bearer token that may only read the admin API (GET /status, /metrics: "
@@ -212,6 +218,8 @@ class BrokerSettings(BaseSettings):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-ca (client certificates) needs --tls-cert and --tls-key")
+        if (self.admin_tls_cert is None) != (self.admin_tls_key is None):
+            raise ValueError("--admin-tls-cert and --admin-tls-key go together")
         return self
 
 

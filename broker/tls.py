@@ -1,8 +1,9 @@
-"""AMQPS: the TLS context of the broker's second AMQP listener, reloaded when its files change.
+"""The broker's TLS listeners (AMQPS, the admin API's HTTPS), reloaded when their files change.
 
 With `--tls-cert` and `--tls-key` the broker also listens for AMQP over TLS on
 `--tls-port` (5671, RabbitMQ's and the IANA's AMQPS port), beside the plain
-port. With `--tls-ca` it asks for a client certificate and refuses a client
+port; with `--admin-tls-cert` and `--admin-tls-key` the admin API answers HTTPS
+only. With `--tls-ca` it asks for a client certificate and refuses a client
 without one signed by that CA (mutual TLS, RabbitMQ's `verify_peer` with
 `fail_if_no_peer_cert`). TLS 1.2 is the oldest version spoken.
 
@@ -29,7 +30,7 @@ RELOAD_INTERVAL = 5.0  # seconds between looks at the certificate files
 
 
 class TlsListener:
-    """The server-side TLS context of the AMQPS listener, kept current with its files."""
+    """The server-side TLS context of a listener, kept current with its files."""
 
     def __init__(self, cert: Path, key: Path, ca: Path | None = None) -> None:
         self.cert, self.key, self.ca = cert, key, ca

@@ -1,4 +1,5 @@
-"""AMQPS: real clients over TLS, client certificates, a certificate rotated under traffic."""
+"""TLS listeners: AMQPS with real clients, client certificates, a certificate rotated under
+traffic; the admin API over HTTPS."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pika
 import pytest
 
+from twinmq.broker.admin_client import SyncAdminClient
+from twinmq.broker.names import ACTIVE
 from twinmq.testing.certs import Leaf, TestCA
 from twinmq.testing.launcher import BrokerProcess, free_port
 from twinmq.testing.queues import drain
@@ -166,3 +170,17 @@ def test_a_certificate_without_its_key_is_a_clear_start_up_error(
     )  # fmt: skip
     assert done.returncode != 0
     assert "--tls-cert and --tls-key go together" in done.stderr
+
+
+def test_the_admin_api_answers_https_only_with_its_certificate(tmp_path: Path, ca: TestCA) -> None:
+    leaf = ca.issue("admin")
+    args = ["--admin-tls-cert", str(leaf.cert), "--admin-tls-key", str(leaf.key)]
+    with BrokerProcess(tmp_path, name="admin-tls", extra_args=args).start() as broker:
+        https = f"https://localhost:{broker.admin_port}"
+        with SyncAdminClient(https, http=httpx.Client(verify=client_context(ca))) as admin:
+            assert admin.readiness().ready  # the kubelet's probes: HTTPS too
+            assert admin.status().role == ACTIVE
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{broker.admin_port}/healthz", timeout=5)
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the CA
+            httpx.get(f"{https}/healthz", timeout=5)
