@@ -158,11 +158,6 @@ def test_resends_after_an_interrupted_catch_up_and_a_failover_are_not_enqueued_t
     assert drain(pair.active.url, Q1) == [*sent, b"new"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 13 (docs/reliability.md): a catch-up carries messages, not the "
-    "active's dedup window; a duplicate, never a loss (docs/replication.md, Duplicates)",
-)
 def test_a_resend_of_a_message_consumed_while_the_passive_was_away_is_not_enqueued_again(
     pair: Pair,
 ) -> None:

@@ -330,7 +330,7 @@ def test_an_active_of_the_old_protocol_gets_no_hello_and_a_clear_log_line(
         old = {"name": "a", "epoch": ABSURD, "nonce": "0" * 32}
         link.send(FrameType.CHALLENGE, json.dumps(old).encode())
         assert link.closed_by_peer() == []
-    assert "protocol version 1, this broker speaks 2" in _log(intact.passive)
+    assert "protocol version 1, this broker speaks 3" in _log(intact.passive)
 
 
 # -- an authenticated active's corrupt chunk ----------------------------------------------
