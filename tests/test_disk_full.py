@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pika
@@ -12,6 +12,7 @@ import pika.exceptions
 import pytest
 from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
 from jepsen import DiskFiller, log_since, log_size
+from pika.adapters.blocking_connection import BlockingChannel
 
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
@@ -358,3 +359,77 @@ def test_a_passive_on_a_full_disk_that_loses_its_link_exits_75_on_reconnecting(
         pair.wait_healthy(30)
     finally:
         pair.stop()
+
+
+_EX, _Q, _KEY = "topo.ex", "topo.q", "rk"
+# Each topology change the full disk refuses, on a durable exchange "topo.ex" (direct) and
+# queue "topo.q" holding one message, bound by "rk" where the change needs a binding.
+_REFUSED_CHANGES: dict[str, tuple[bool, Callable[[BlockingChannel], object]]] = {
+    "queue.delete": (False, lambda ch: ch.queue_delete(_Q)),
+    "exchange.declare": (False, lambda ch: ch.exchange_declare("late.ex", durable=True)),
+    "exchange.delete": (False, lambda ch: ch.exchange_delete(_EX)),
+    "queue.bind": (False, lambda ch: ch.queue_bind(_Q, _EX, _KEY)),
+    "queue.unbind": (True, lambda ch: ch.queue_unbind(_Q, _EX, _KEY)),
+}
+
+
+def _topology_as_before(url: str, bound: bool) -> None:
+    """The state before the refused change: the queue with its message, the exchange routing
+    into it exactly when `bound`, and no "late.ex"."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        ch = conn.channel()
+        assert ch.queue_declare(_Q, passive=True).method.message_count == 1
+        ch.exchange_declare(_EX, passive=True)
+        ch.basic_publish(_EX, _KEY, b"probe", pika.BasicProperties(delivery_mode=2))
+        routed = ch.queue_declare(_Q, passive=True).method.message_count == 2
+        assert routed == bound, f"{_EX} routes into {_Q}: {routed}, expected {bound}"
+        if routed:
+            ch.queue_purge(_Q)  # the probe and the message: put the message back
+            ch.basic_publish("", _Q, b"kept", pika.BasicProperties(delivery_mode=2))
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker):
+            conn.channel().exchange_declare("late.ex", passive=True)
+    finally:
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            conn.close()
+
+
+@pytest.mark.parametrize("change", list(_REFUSED_CHANGES))
+def test_a_topology_change_the_full_disk_refused_is_undone_in_memory_too(
+    small_disk: Path, change: str
+) -> None:
+    """The channel got 541 and memory kept the change (finding 11): a deleted queue that
+    took no more messages came back with its messages at the next restart, a binding that
+    routed until then stopped, and so on. Refused, each change must leave memory as the
+    topology file is: the same before and after a restart."""
+    bound, apply = _REFUSED_CHANGES[change]
+    data = small_disk / "data"
+    args = ["--disk-free-limit", "0"]
+    broker = BrokerProcess(data, name="topofull", extra_args=args).start()
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+        ch = conn.channel()
+        ch.exchange_declare(_EX, "direct", durable=True)
+        ch.queue_declare(_Q, durable=True)
+        if bound:
+            ch.queue_bind(_Q, _EX, _KEY)
+        ch.confirm_delivery()
+        ch.basic_publish("", _Q, b"kept", pika.BasicProperties(delivery_mode=2))
+        filler = DiskFiller(small_disk)
+        try:
+            with pytest.raises(pika.exceptions.AMQPError) as refused:
+                apply(conn.channel())
+        finally:
+            filler.release()
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            conn.close()
+        _topology_as_before(broker.url, bound)
+        broker.kill()
+        broker = BrokerProcess(data, name=broker.name, extra_args=args, port=broker.port).start()
+        _topology_as_before(broker.url, bound)
+    finally:
+        broker.stop()
+    # The channel only, with why (not the connection's "internal error, see the log").
+    error = refused.value
+    assert isinstance(error, pika.exceptions.ChannelClosedByBroker), repr(error)
+    assert error.reply_code == 541 and "the topology could not be saved" in error.reply_text
