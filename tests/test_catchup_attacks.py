@@ -184,9 +184,12 @@ def test_the_window_reaches_a_passive_whose_catch_up_was_cut_while_it_carried_th
     active, passive = pair.active, pair.passive
     passive.kill()
     consumed = bodies("consumed", 3000)
-    _publish_with_ids(pair, Q2, consumed, "w")
+    # Ids of 200 bytes: 3,000 keys are about 40 chunks, seconds through the pipe (a pipe
+    # thinner than a chunk per replication timeout would be a stall, finding 8).
+    prefix = "w" * 200
+    _publish_with_ids(pair, Q2, consumed, prefix)
     assert len(drain(active.url, Q2)) == 3000
-    pair.link.throttle(PIPE // 8)  # 3,000 keys of about 16 bytes: several seconds of chunks
+    pair.link.throttle(PIPE)
     passive.start()
 
     def carrying() -> bool:
@@ -207,7 +210,7 @@ def test_the_window_reaches_a_passive_whose_catch_up_was_cut_while_it_carried_th
     state = catchup(active)
     assert state is not None and state["dedup_keys"] >= 3000
     _failover(pair)
-    _publish_with_ids(pair, Q2, consumed, "w")
+    _publish_with_ids(pair, Q2, consumed, prefix)
     _publish_with_ids(pair, Q2, [b"new"], "new")
     assert drain(pair.active.url, Q2) == [b"new"]
 
