@@ -257,13 +257,16 @@ class VirtualHost:
         What the topology file lacks must not be in memory either (finding 11): a
         queue declared there takes confirms whose messages recovery drops, a queue
         deleted there comes back with its messages at the next restart. Undone, the
-        client's retry saves it once the disk has room.
+        client's retry saves it once the disk has room. A passive (its topology is the
+        active's, `apply_definitions`) gets the JournalError itself: it stops, exit 75.
         """
         try:
             self._save()
         except JournalError as exc:
             undo()
             self._by_qid = None
+            if self.replica:
+                raise
             raise channel_error(
                 ReplyCode.INTERNAL_ERROR,
                 f"{refused}: the topology could not be saved ({exc})",

@@ -11,7 +11,7 @@ import pika
 import pika.exceptions
 import pytest
 from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
-from jepsen import DiskFiller, log_since, log_size
+from jepsen import DiskFiller, log_since, log_size, queue_counts
 from pika.adapters.blocking_connection import BlockingChannel
 
 from twinmq.broker.commit import GroupCommitter
@@ -267,23 +267,32 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", ["declare", "delete"])
 def test_a_passive_that_cannot_save_the_topology_on_a_full_disk_exits_75_not_silent(
-    small_disk: Path, tmp_path: Path
+    small_disk: Path, tmp_path: Path, change: str
 ) -> None:
     """Finding 10 (docs/reliability.md): a passive whose full disk refused the topology file
     (a declare on the active, or the definitions of a reconnect) lost its replication task
     and went silent: linked no more, never acknowledging, never exiting. It must exit 75
     (its memory holds a topology its disk does not) and recover after a restart; the active
-    meanwhile goes on alone and confirms what its own disk holds."""
+    meanwhile goes on alone and confirms what its own disk holds. A queue deleted on the
+    active the same (a refused change undone in memory is the active's; a passive stops)."""
     pair = PassiveOnSmallDisk(small_disk, tmp_path, "defs-full-pair", replication_timeout=1)
     active, passive = pair.active, pair.passive
     try:
         wait_for("passive ready", lambda: (status(passive) or {})["replication"]["ready"], 30)
+        conn = pika.BlockingConnection(pika.URLParameters(active.url))
+        ch = conn.channel()
+        if change == "delete":
+            ch.queue_declare("defs.q", durable=True)
+            ch.queue_declare("gone.q", durable=True)
+            wait_for("the passive has it", lambda: queue_counts(status(passive), "gone.q"), 10)
         filler = DiskFiller(small_disk)
         try:
-            conn = pika.BlockingConnection(pika.URLParameters(active.url))
-            ch = conn.channel()
-            ch.queue_declare("defs.q", durable=True)  # the passive must save the topology
+            if change == "declare":
+                ch.queue_declare("defs.q", durable=True)  # the passive must save the topology
+            else:
+                ch.queue_delete("gone.q")
             assert passive.proc is not None
             code = passive.proc.wait(timeout=30)
             assert code == EXIT_JOURNAL_FAILED, f"passive exited {code}, not 75"
