@@ -14,11 +14,10 @@ of 371afd0^ it fails in its first cycle (`[200, 500]`, three runs of three).
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from test_catchup import CHUNK, PIPE, bodies, catchup, publish
+from test_catchup import PIPE, bodies, catchup, publish
+from test_catchup import pair as pair  # the fixture: small catch-up chunks
 
 from twinmq.broker.api import RoleRequest
 from twinmq.broker.names import ACTIVE, ADMIN_TOKEN_ENV
@@ -27,16 +26,6 @@ from twinmq.testing.pair import Pair, status
 from twinmq.testing.waiting import wait_for
 
 CYCLES = 6  # alternately mid-handshake and mid-catch-up
-
-
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[Pair]:
-    """A pair whose catch-ups are many small chunks (a thin link makes one last seconds)."""
-    started = Pair(tmp_path, replication_timeout=2.0)
-    for broker in started.brokers.values():
-        broker.env["TWINMQ_CATCHUP_CHUNK_BYTES"] = str(CHUNK)
-    with started:
-        yield started
 
 
 def promote_twice_at_once(broker: BrokerProcess, epoch: int) -> list[int]:
