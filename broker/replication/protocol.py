@@ -6,7 +6,7 @@ Control frames carry JSON of the pydantic models below; `BATCH` carries a
 batch number, flags and the journal's own op encoding, so the passive writes
 exactly the record groups the active wrote (live batches), or one catch-up
 chunk (`catchup.py`); `DEDUP_KEYS` the same header and a catch-up chunk of the
-active's duplicate-detection keys (`encode_keys`); `ACK` and `CATCHUP_ACK` a
+active's duplicate-detection keys (`encode_key`); `ACK` and `CATCHUP_ACK` a
 batch or chunk number.
 
 Until both ends are authenticated (`handshake.py`) a frame may be at most
