@@ -18,6 +18,7 @@ PASSIVE: Final = "passive"
 # Default ports (the broker's settings defaults, and the ports of a pod the operator builds).
 AMQP_PORT: Final = 5672
 AMQPS_PORT: Final = 5671
+MIRROR_PORT: Final = 5674  # a DR mirror's listener, where the operator runs one
 ADMIN_PORT: Final = 15672
 REPLICATION_PORT: Final = 5673
 

@@ -69,6 +69,13 @@ def test_example_is_accepted_and_defaults_match_the_model(
         ),
         ({"placement": {"antiAffinity": "sometimes"}}, "spec.placement.antiAffinity"),
         ({"podTemplate": {"tolerations": [{"effect": "NoRun"}]}}, "tolerations[0].effect"),
+        ({"mirror": {"role": "source", "secretName": "dr"}}, "a mirror source names its target"),
+        (
+            {"mirror": {"role": "replica", "secretName": "dr", "target": {"host": "x.y.svc"}}},
+            "a mirror replica has no target",
+        ),
+        ({"mirror": {"role": "replica"}}, "spec.mirror.secretName"),
+        ({"mirror": {"role": "both", "secretName": "dr"}}, "spec.mirror.role"),
     ],
 )
 def test_invalid_specs_are_refused_with_a_clear_message(

@@ -28,7 +28,8 @@ from twinmq.broker.names import (
     REPLICATION_PORT,
     REPLICATION_TOKEN_ENV,
 )
-from twinmq.operator.models import BrokerClusterSpec, BrokerName
+from twinmq.operator import mirroring
+from twinmq.operator.models import BrokerClusterSpec, BrokerName, Mirror
 
 Obj = dict[str, Any]
 
@@ -244,11 +245,13 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
                         "name": LEASE_SECONDS_ENV,
                         "value": str(spec.failover.lease_duration_seconds),
                     },
+                    *mirroring.broker_env(spec.mirror, cluster.namespace, cluster.name),
                 ],
                 "ports": [
                     {"name": "amqp", "containerPort": AMQP_PORT},
                     {"name": "admin", "containerPort": ADMIN_PORT},
                     {"name": "replication", "containerPort": REPLICATION_PORT},
+                    *mirroring.container_ports(spec.mirror),
                 ],
                 "readinessProbe": {
                     "httpGet": {"path": "/healthz", "port": "admin"},
@@ -372,15 +375,19 @@ def build_shipper(spec: BrokerClusterSpec) -> Obj:
     return container
 
 
-def build_vip_service(cluster: ClusterRef) -> Obj:
-    """The virtual IP: it selects the pod labelled active, and only that one."""
+def build_vip_service(cluster: ClusterRef, mirror: Mirror | None = None) -> Obj:
+    """The virtual IP: it selects the pod labelled active, and only that one (a DR mirror
+    replica's sources reach its active's mirror port there too)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": owned_meta(cluster, vip_name(cluster)),
         "spec": {
             "selector": {LABEL_CLUSTER: cluster.name, LABEL_ROLE: ACTIVE},
-            "ports": [{"name": "amqp", "port": AMQP_PORT, "targetPort": "amqp"}],
+            "ports": [
+                {"name": "amqp", "port": AMQP_PORT, "targetPort": "amqp"},
+                *mirroring.service_ports(mirror),
+            ],
         },
     }
 

@@ -128,6 +128,20 @@ def crd() -> dict[str, Any]:
                             "jsonPath": '.status.brokers[?(@.role!="active")].lagMessages',
                         },
                         {
+                            "name": "Mirror",
+                            "type": "string",
+                            "priority": 1,
+                            "description": "The DR mirror: Connected, Disconnected, Listening",
+                            "jsonPath": ".status.mirror.state",
+                        },
+                        {
+                            "name": "Mirror-Lag",
+                            "type": "number",
+                            "priority": 1,
+                            "description": "Seconds the oldest unmirrored event has waited",
+                            "jsonPath": ".status.mirror.lagSeconds",
+                        },
+                        {
                             "name": "Last-Failover",
                             "type": "date",
                             "jsonPath": ".status.lastFailover.time",

@@ -39,7 +39,7 @@ from twinmq.broker.names import (
     PASSIVE,
     REPLICATION_PORT,
 )
-from twinmq.operator import builders, drift, leader, metrics, rollout
+from twinmq.operator import builders, drift, leader, metrics, mirroring, rollout
 from twinmq.operator.audit_runner import AuditRunner
 from twinmq.operator.builders import ClusterRef, pod_name
 from twinmq.operator.failover import (
@@ -198,7 +198,7 @@ def reconcile_children(
     for obj in builders.build_broker_rbac(cluster):
         apply(obj)
     apply(builders.build_headless_service(cluster))
-    apply(builders.build_vip_service(cluster))
+    apply(builders.build_vip_service(cluster, spec.mirror))
     apply(builders.build_disruption_budget(cluster))
     memory.storage_refusal = None
     for name in NAMES:
@@ -732,6 +732,10 @@ def reconcile(
         revision=progress.revision, step=progress.step, broker=progress.broker,
         since=iso(datetime.fromtimestamp(progress.since, UTC)), message=progress.message,
     )  # fmt: skip
+    active_report = reports[new.active_broker] if new.active_broker is not None else None
+    new.mirror = mirroring.state_of(
+        spec.mirror, active_report.mirror if active_report is not None else None
+    )
     lags = {n: passive_lag(n, new.active_broker, reports) for n in NAMES}
     damage = damage_of(status, views, reports)
     new.brokers = [

@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from twinmq.broker.names import MIRROR_PORT
+
 GROUP = "twinmq.io"
 VERSION = "v1alpha1"
 KIND = "BrokerCluster"
@@ -103,6 +105,56 @@ class Auth(ApiModel):
         description="Secret with keys `users.json`, `admin-token`, `replication-token` and, "
         "optionally, `metrics-token` (read-only admin token, for monitoring); generated "
         "(named <cluster>-auth) when unset",
+    )
+
+
+class MirrorTarget(ApiModel):
+    """Where the source site's active reaches the mirror site's active broker."""
+
+    host: str = Field(
+        min_length=1,
+        max_length=253,
+        description="The mirror BrokerCluster's virtual-IP Service as seen from here "
+        "(`<name>.<namespace>.svc`, or an address of the other site)",
+    )
+    port: int = Field(MIRROR_PORT, ge=1, le=65535, description="Its mirror port")
+
+
+class Mirror(ApiModel):
+    """This BrokerCluster's half of a DR mirror (docs/mirror.md): a source mirrors every
+    durable change to its target; a replica applies them and is read-only for clients."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.role != 'source' || has(self.target)",
+                    "message": "a mirror source names its target",
+                },
+                {
+                    "rule": "self.role != 'replica' || !has(self.target)",
+                    "message": "a mirror replica has no target (its source names it)",
+                },
+            ]
+        }
+    )
+
+    role: Literal["source", "replica"] = Field(
+        description="source: writable, mirrors to `target`; replica: applies what a source "
+        "sends (clients may read, not publish)"
+    )
+    target: MirrorTarget | None = Field(None, description="The replica site (a source only)")
+    secret_name: str = Field(
+        min_length=1,
+        max_length=253,
+        description="Secret with key `mirror-token`, the same on both sites",
+    )
+    max_lag_seconds: float = Field(
+        30.0,
+        ge=0,
+        le=86400,
+        description="A source blocks publishers while its oldest unmirrored event is older "
+        "than this and the mirror is connected and consuming (0: never)",
     )
 
 
@@ -468,6 +520,7 @@ class BrokerClusterSpec(ApiModel):
     placement: Placement = Field(default_factory=Placement)
     pod_template: PodTemplate = Field(default_factory=PodTemplate)
     requests: Requests = Field(default_factory=Requests)
+    mirror: Mirror | None = Field(None, description="A DR mirror to or from another site")
 
 
 Phase = Literal[
@@ -523,6 +576,24 @@ class BrokerSummary(ApiModel):
         description="Since when, and where the damaged files were moved (quarantine); empty "
         "when not damaged",
     )  # not None: a merge patch's null would delete the key, and kopf warns at every patch
+
+
+class MirrorState(ApiModel):
+    """The DR mirror as the active broker reports it (`GET /status`, `mirror`)."""
+
+    role: Literal["source", "replica"]
+    state: Literal["Connected", "Disconnected", "Listening", "Unknown"] = Field(
+        "Unknown",
+        description="A source: Connected once its link completed a verified round trip. "
+        "A replica: Connected while a source is linked, else Listening. Unknown: no active "
+        "broker answered",
+    )
+    target: str = ""
+    queue_events: int = Field(0, description="Events not yet acknowledged by the mirror")
+    queue_bytes: int = 0
+    lag_seconds: float = Field(0.0, description="Age of the oldest unmirrored event")
+    flow_control: bool = Field(False, description="Publishers blocked for the mirror's lag")
+    sources_connected: int = 0
 
 
 class FailoverRecord(ApiModel):
@@ -628,6 +699,7 @@ class BrokerClusterStatus(ApiModel):
         default_factory=list, description="Brokers fenced by request: never promoted"
     )
     rollout: RolloutProgress | None = None
+    mirror: MirrorState | None = None
     unreachable_since: str | None = Field(None, json_schema_extra=DATE_TIME)
     observed_generation: int | None = Field(
         None,
