@@ -5,15 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from brokerclusters import OperatorProcess, operator_fixture
-from support import Cluster
-
-from twinmq.testing.waiting import wait_for
+from support import Cluster, new_namespace
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,16 +60,9 @@ def real_node(cluster: Cluster) -> Cluster:
 @pytest.fixture
 def namespace(cluster: Cluster) -> Iterator[str]:
     """A fresh namespace per test, deleted afterwards (without waiting)."""
-    name = f"e2e-{uuid.uuid4().hex[:8]}"
-    cluster.kube.create("/api/v1/namespaces", {"metadata": {"name": name}})
-    _wait_default_service_account(cluster, name)
+    name = new_namespace(cluster)
     yield name
     cluster.kube.delete(f"/api/v1/namespaces/{name}")
-
-
-def _wait_default_service_account(cluster: Cluster, namespace: str) -> None:
-    path = f"/api/v1/namespaces/{namespace}/serviceaccounts/default"
-    wait_for(f"serviceaccount default in {namespace}", lambda: cluster.kube.get(path), 30)
 
 
 @pytest.fixture(scope="module")

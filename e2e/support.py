@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Any, TypeVar
 
 from twinmq.localcluster.kubeapi import KubeApi
+from twinmq.testing.waiting import wait_for
 
 T = TypeVar("T")
 Obj = dict[str, Any]
@@ -28,6 +30,15 @@ class Cluster:
         self.kubeconfig = kubeconfig
         self.local = local
         self.kube = KubeApi(kubeconfig)
+
+
+def new_namespace(cluster: Cluster, prefix: str = "e2e") -> str:
+    """A fresh namespace, once its default ServiceAccount exists (pods need it)."""
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    cluster.kube.create("/api/v1/namespaces", {"metadata": {"name": name}})
+    path = f"/api/v1/namespaces/{name}/serviceaccounts/default"
+    wait_for(f"serviceaccount default in {name}", lambda: cluster.kube.get(path), 30)
+    return name
 
 
 def pod_path(namespace: str, name: str = "") -> str:
