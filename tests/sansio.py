@@ -96,6 +96,10 @@ class Context:
         """Why clients are refused (a passive broker), if the test says so."""
         return self.refusal_reason
 
+    def write_refusal(self) -> str | None:
+        """Why clients may only read (a DR replica): never, in these tests."""
+        return None
+
 
 class Peer:
     """One client connection to the core; `feed` returns what the broker answered."""
