@@ -54,7 +54,9 @@ def bodies(prefix: str, n: int) -> list[bytes]:
 def test_a_switchover_loses_nothing_fences_the_old_source_and_fails_back(
     sites: Sites,
 ) -> None:
+    sites.mirror.stop()  # a backlog for the demotion to drain
     publish(sites.source, "orders", bodies("a", 300))
+    sites.mirror.start()
     connection, ch = channel(sites.source)
     for _ in range(100):  # acks of the last lag window must reach B too
         method, _, _ = ch.basic_get("orders")
