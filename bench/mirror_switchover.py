@@ -2,12 +2,15 @@
 """DR switchover time: demote the source under a backlog, promote its mirror with the token.
 
     .venv/bin/python bench/mirror_switchover.py [--runs 5] [--seconds 3] [--window 500]
+        [--paused-mirror]
 
 Per run, two fresh sites on loopback, each with both ends (docs/mirror.md,
 "Switchover"): site A the source, site B its replica. One publisher on a raw
 AMQP connection (`audit_cost.publish`) keeps `--window` persistent 1000-byte
 messages unconfirmed for `--seconds` (after 1 s of warm-up), so the mirror
-lags; right after it stops, `POST /mirror/demote` on A (clients closed, queue
+lags (with `--paused-mirror` site B is SIGSTOPped while the publisher runs and
+SIGCONTed just before the demotion: the demotion then drains the whole
+backlog); right after it stops, `POST /mirror/demote` on A (clients closed, queue
 drained to zero, token) then `POST /mirror/promote` on B. Prints the backlog at
 the demotion, the drain time, the promotion time and the whole switchover as
 the caller sees it, and the queue's message count on A after its demotion and
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import statistics
 import sys
 import tempfile
@@ -51,9 +55,13 @@ def run(tmp: Path, opts: argparse.Namespace) -> dict[str, float]:
         BrokerProcess(tmp / "b", name="bench-site-b", extra_args=b_args) as b,
         BrokerProcess(tmp / "a", name="bench-site-a", extra_args=a_args) as a,
     ):
+        if opts.paused_mirror:
+            b.signal(signal.SIGSTOP)
         rate, _ = asyncio.run(publish(a.port, opts.seconds, opts.window, 1000))
         backlog = a.admin.status(timeout=5).mirror
         started = time.perf_counter()
+        if opts.paused_mirror:
+            b.signal(signal.SIGCONT)
         demoted = a.admin.send(mirror_demote_call(MirrorDemoteRequest(timeout=120)), 130)
         assert demoted.token is not None
         promoted = b.admin.send(mirror_promote_call(MirrorPromoteRequest(token=demoted.token)), 40)
@@ -74,6 +82,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--window", type=int, default=500, help="unconfirmed messages in flight")
+    p.add_argument("--paused-mirror", action="store_true", help="SIGSTOP B while publishing")
     opts = p.parse_args()
     results = []
     for n in range(opts.runs):
