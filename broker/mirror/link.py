@@ -34,6 +34,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NoReturn
 
 from pydantic import BaseModel, ValidationError
 
@@ -194,8 +195,8 @@ class MirrorLink:
         )
         writer.write(encode(FrameType.HELLO, hello))
         ftype, payload = await frames.next()
-        if ftype is FrameType.REFUSE:
-            self._refused(decode_model(Refuse, payload))
+        if ftype is FrameType.REFUSE:  # not proven by the mirror: never fences
+            raise ConnectionError(f"refused: {decode_model(Refuse, payload).reason}")
         if ftype is not FrameType.WELCOME:
             raise ProtocolError(f"expected WELCOME, got {ftype.name}")
         why = transcript.refusal(self.key, decode_model(Welcome, payload).proof, "mirror")
@@ -203,6 +204,8 @@ class MirrorLink:
             raise ProtocolError(f"the mirror did not prove itself: {why}")
         frames.authenticated()
         ftype, payload = await frames.next()
+        if ftype is FrameType.REFUSE:
+            self._refused(decode_model(Refuse, payload))
         if ftype is not FrameType.ACK:
             raise ProtocolError(f"expected ACK, got {ftype.name}")
         return decode_u64(payload)
@@ -258,8 +261,9 @@ class MirrorLink:
         )
         return encode(FrameType.PING, beat)
 
-    def _refused(self, refuse: Refuse) -> None:
-        """A REFUSE: fenced if it comes from a site at a higher DR epoch; then closed."""
+    def _refused(self, refuse: Refuse) -> NoReturn:
+        """An authenticated REFUSE: fenced if it comes from a site at a higher DR epoch;
+        then closed."""
         if refuse.epoch > self.epoch() and self.on_fenced is not None:
             self.on_fenced(refuse.epoch, refuse.reason)
         raise ConnectionError(f"refused: {refuse.reason}")

@@ -5,9 +5,11 @@ source pair failed over, or reconnected before the old TCP connection died)
 replaces the older one. Events read together are applied together
 (`MirrorApplier.apply`, one group commit); the ACK of their last seq is written
 once that batch is complete, in order, while the next events are being applied.
-Only an active broker of a replica site accepts a source (`ListenerSite.refusal`:
+Only an active broker of a replica site accepts a source (`ListenerSite.link_refusal`:
 a passive of the mirror pair, a promoted site, a source at an older DR epoch are
-refused, the REFUSE carrying this site's epoch). Heartbeats (`link.Heartbeat`)
+refused, the REFUSE carrying this site's epoch). A source whose proof holds is
+refused only after this side's WELCOME proved it too: a REFUSE that can fence
+the source (a higher epoch) never comes from an unauthenticated peer. Heartbeats (`link.Heartbeat`)
 are echoed as received and reported to the site (`heard`): the RPO a forced
 promotion reports.
 """
@@ -124,11 +126,18 @@ class MirrorListener:
         hello = decode_model(Hello, payload)
         transcript = Transcript(self.name, hello.name, nonce, hello.nonce)
         why = transcript.refusal(self.key, hello.proof, "source")
+        if why is not None:
+            log.warning("mirror: refusing source %r: %s", hello.name, why)
+            writer.write(encode(FrameType.REFUSE, Refuse(reason=why, epoch=0)))
+            await writer.drain()
+            return None
+        proof = transcript.proof(self.key, "mirror")
+        writer.write(encode(FrameType.WELCOME, Welcome(epoch=0, proof=proof)))
+        frames.authenticated()
         epoch = 0
-        if why is None:
-            refused = self.site.link_refusal(hello.name, hello.epoch)
-            if refused is not None:
-                why, epoch = refused
+        refused = self.site.link_refusal(hello.name, hello.epoch)
+        if refused is not None:
+            why, epoch = refused
         others = [o for o in self.applier.origins() if o != hello.name]
         if why is None and others:
             # Topology events are full state: two origins would delete each other's queues.
@@ -139,9 +148,6 @@ class MirrorListener:
             await writer.drain()
             return None
         self.epochs[hello.name] = hello.epoch
-        proof = transcript.proof(self.key, "mirror")
-        writer.write(encode(FrameType.WELCOME, Welcome(epoch=0, proof=proof)))
-        frames.authenticated()
         writer.write(encode_u64(FrameType.ACK, self.applier.applied(hello.name)))
         await writer.drain()
         return hello.name
