@@ -189,6 +189,9 @@ class MirrorStatus(BaseModel):
         None, description="Why the backlog was dropped (retention bound): re-seed the mirror"
     )
     rpo: MirrorRpo | None = Field(None, description="Set by a forced promotion, kept")
+    failover_rpo: MirrorRpo | None = Field(
+        None, description="On a replica: what a forced promotion would report now"
+    )
     target: str | None = Field(None, description="The mirror's address")
     queue_events: int = Field(0, description="Events not yet acknowledged by the mirror")
     queue_bytes: int = Field(0, description="Their bytes")

@@ -120,6 +120,8 @@ def test_a_forced_failover_reports_its_rpo_and_the_returning_source_is_fenced(
 ) -> None:
     publish(sites.source, "orders", bodies("a", 50))
     sites.caught_up()  # "connected": a heartbeat went to B and back
+    before = mirror_status(sites.mirror)
+    assert before is not None and before["failover_rpo"]["seen_at"] is not None
     sites.source.kill()  # site A is gone
     failover = sites.promote_mirror(force=True)
     assert failover.forced and failover.role == "source" and failover.epoch == 1

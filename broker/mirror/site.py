@@ -282,14 +282,7 @@ class Mirroring:
             epoch = token.epoch
         elif request.force:
             epoch = max(roles.epoch, self.seen_epoch) + 1
-            origins = applier.origins()
-            beat = self.beat
-            rpo = MirrorRpo(
-                last_applied_seq=applier.applied(origins[0]) if origins else 0,
-                source_last_seq_seen=beat.head if beat is not None else 0,
-                source_unreplicated_seen=beat.backlog if beat is not None else 0,
-                seen_at=self.beat_at,
-            )
+            rpo = self._rpo_now(listener)
         else:
             raise MirrorRefused("promote needs the source's demotion token, or force")
         for writer in list(listener.sessions.values()):
@@ -308,6 +301,18 @@ class Mirroring:
         else:
             log.warning("mirror: promoted at DR epoch %d with %s's token", epoch, token)
         return switch
+
+    def _rpo_now(self, listener: MirrorListener) -> MirrorRpo:
+        """What a forced promotion would report now: applied here, and the source as last
+        heard."""
+        origins = listener.applier.origins()
+        beat = self.beat
+        return MirrorRpo(
+            last_applied_seq=listener.applier.applied(origins[0]) if origins else 0,
+            source_last_seq_seen=beat.head if beat is not None else 0,
+            source_unreplicated_seen=beat.backlog if beat is not None else 0,
+            seen_at=self.beat_at,
+        )
 
     def link_state(self) -> MirrorLinkState:
         """The source link's state, honestly."""
@@ -384,6 +389,11 @@ class Mirroring:
             queue_lag_events=lag,
             needs_resync=source.needs_resync if source is not None else None,
             rpo=roles.current.rpo if roles is not None else None,
+            failover_rpo=(
+                self._rpo_now(listener)
+                if listener is not None and roles is not None and roles.role == "replica"
+                else None
+            ),
             target=self.settings.mirror_to,
             queue_events=source.depth if source is not None else 0,
             queue_bytes=source.depth_bytes if source is not None else 0,
