@@ -81,6 +81,7 @@ def test_a_switchover_loses_nothing_fences_the_old_source_and_fails_back(
     publish(sites.mirror, "orders", bodies("b", 50))
     sites.caught_up(source=sites.mirror)
     assert queues(sites.source)["orders"]["messages"] == 251
+    assert "snapshot of" not in sites.mirror.log_path.read_text()  # only the delta went back
     # Failback, the same way.
     back = demote(sites.mirror)
     assert back.token is not None and back.token.epoch == 2

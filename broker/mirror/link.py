@@ -98,6 +98,7 @@ class MirrorLink:
         window_bytes: int = 16 * 1024 * 1024,
         epoch: Callable[[], int] = lambda: 0,
         on_fenced: Callable[[int, str], None] | None = None,
+        expected_peer: Callable[[], str | None] = lambda: None,
     ) -> None:
         host, _, port = address.rpartition(":")
         self.host, self.port = host or "127.0.0.1", int(port)
@@ -110,6 +111,7 @@ class MirrorLink:
         self.window_bytes = window_bytes
         self.epoch = epoch
         self.on_fenced = on_fenced
+        self.expected_peer = expected_peer
         self.connected = False
         self.last_error: str | None = None
         self.round_trip: float | None = None  # the last heartbeat's, seconds
@@ -185,6 +187,14 @@ class MirrorLink:
         if ftype is not FrameType.CHALLENGE:
             raise ProtocolError(f"expected CHALLENGE, got {ftype.name}")
         challenge = decode_model(Challenge, payload)
+        expected = self.expected_peer()
+        if expected is not None and challenge.name != expected:
+            # Promoted by a switchover without a snapshot: only the demoted site holds
+            # every message this queue's events build on.
+            raise ConnectionError(
+                f"the mirror at {self.address} is {challenge.name!r}, not {expected!r}, the site "
+                f"this one took over from: a new mirror needs a re-seed (not built)"
+            )
         nonce = new_nonce()
         transcript = Transcript(challenge.name, self.origin, challenge.nonce, nonce)
         hello = Hello(

@@ -34,6 +34,7 @@ class SiteRole(BaseModel):
     rpo: MirrorRpo | None = None  # of the last forced promotion
     needs_resync: str | None = None  # the backlog was dropped: why
     fenced_by: str | None = None  # demoted by a higher epoch (not by a switchover): why
+    took_over_from: str | None = None  # promoted with this origin's token: its site only
 
 
 class RoleStore:

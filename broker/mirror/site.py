@@ -102,6 +102,7 @@ class Mirroring:
                 origin,
                 epoch=lambda: self.epoch,
                 on_fenced=self._fenced,
+                expected_peer=lambda: self.roles.current.took_over_from if self.roles else None,
             )
             monitor.checks.append(self._flow_control)
             metrics.QUEUE_EVENTS.set_function(lambda: self._source_value("depth"))
@@ -291,15 +292,20 @@ class Mirroring:
             role="source", epoch=epoch, token=token, forced=token is None, rpo=rpo,
             seconds=time.monotonic() - started,
         )  # fmt: skip
+        took_over_from = token.origin if token is not None else None
         self._save(roles.current.model_copy(update={
             "role": "source", "epoch": epoch, "last_switch": switch, "fenced_by": None,
-            "rpo": rpo if rpo is not None else roles.current.rpo}))  # fmt: skip
+            "rpo": rpo if rpo is not None else roles.current.rpo,
+            "took_over_from": took_over_from}))  # fmt: skip
         self.vhost.set_replica(False)  # applied messages get their expiry timers
+        if self.source is not None and token is not None:
+            # Failback needs no snapshot: the demoted site holds every message here.
+            self.source.activate(snapshot=False)
         if rpo is not None:
             log.error("mirror: FORCED promotion at DR epoch %d; RPO: %s", epoch,
                       rpo.model_dump_json())  # fmt: skip
         else:
-            log.warning("mirror: promoted at DR epoch %d with %s's token", epoch, token)
+            log.warning("mirror: promoted at DR epoch %d with token %s", epoch, token.model_dump_json())
         return switch
 
     def _rpo_now(self, listener: MirrorListener) -> MirrorRpo:

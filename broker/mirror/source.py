@@ -108,12 +108,14 @@ class MirrorSource:
             self.activate()
         return True
 
-    def activate(self) -> Queue:
+    def activate(self, *, snapshot: bool = True) -> Queue:
         """This broker is (or became) active: take over the queue and re-announce the topology.
 
-        Entries already there (recovered, or replicated while passive) are durable.
+        Entries already there (recovered, or replicated while passive) are durable. The
+        first activation also snapshots every message, unless `snapshot` is False (a
+        switchover's new source: its mirror, the demoted site, holds them all).
         """
-        first = QUEUE_NAME not in self.vhost.queues
+        first = snapshot and QUEUE_NAME not in self.vhost.queues
         queue = self._queue = self.vhost.internal_queue(QUEUE_NAME, QUEUE_QID)
         self._unsettled.clear()
         if queue.entries:
