@@ -305,7 +305,7 @@ class Mirroring:
             log.error("mirror: FORCED promotion at DR epoch %d; RPO: %s", epoch,
                       rpo.model_dump_json())  # fmt: skip
         else:
-            log.warning("mirror: promoted at DR epoch %d with token %s", epoch, token.model_dump_json())
+            log.warning("mirror: promoted at DR epoch %d, token %s", epoch, token.model_dump_json())
         return switch
 
     def _rpo_now(self, listener: MirrorListener) -> MirrorRpo:
