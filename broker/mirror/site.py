@@ -304,7 +304,7 @@ class Mirroring:
         if rpo is not None:
             log.error("mirror: FORCED promotion at DR epoch %d; RPO: %s", epoch,
                       rpo.model_dump_json())  # fmt: skip
-        else:
+        elif token is not None:
             log.warning("mirror: promoted at DR epoch %d, token %s", epoch, token.model_dump_json())
         return switch
 
