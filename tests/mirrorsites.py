@@ -54,7 +54,11 @@ class Sites:
 
     def __enter__(self) -> Sites:
         self.mirror.start()
-        self.source.start()
+        try:
+            self.source.start()
+        except BaseException:
+            self.mirror.stop()  # never leave a broker behind a failed start
+            raise
         return self
 
     @property
