@@ -82,6 +82,7 @@ class Mirroring:
         self.beat_at: float | None = None
         self.seen_epoch = 0  # the highest DR epoch a source announced here
         self._progress = asyncio.Event()  # set as events are acknowledged or applied
+        self._switching = asyncio.Lock()  # one switch at a time: a repeat waits, then replays
         token = settings.mirror_token.get_secret_value() if settings.mirror_token else None
         self.origin = origin = settings.mirror_id or settings.name
         first = settings.mirror_first_role
@@ -209,6 +210,16 @@ class Mirroring:
         Replay-safe: a demoted site answers a repeated request with its token; a
         demotion that timed out stays fenced and finishes on the next call.
         """
+        async with self._switching:
+            return await self._demote(request)
+
+    async def promote(self, request: MirrorPromoteRequest) -> MirrorSwitch:
+        """The replica's half: with a token, once applied up to it (no loss); with
+        `force`, at once, reporting what may be lost (RPO). Replay-safe."""
+        async with self._switching:
+            return await self._promote(request)
+
+    async def _demote(self, request: MirrorDemoteRequest) -> MirrorSwitch:
         roles, source = self.roles, self.source
         if roles is None or source is None or self.link is None:
             raise MirrorRefused(f"{self.settings.name} is not a DR mirror source (--mirror-to)")
@@ -244,9 +255,7 @@ class Mirroring:
         log.warning("mirror: demoted at DR epoch %d: %s", epoch, token.model_dump_json())
         return switch
 
-    async def promote(self, request: MirrorPromoteRequest) -> MirrorSwitch:
-        """The replica's half: with a token, once applied up to it (no loss); with
-        `force`, at once, reporting what may be lost (RPO). Replay-safe."""
+    async def _promote(self, request: MirrorPromoteRequest) -> MirrorSwitch:
         roles, listener = self.roles, self.listener
         if roles is None or listener is None:
             raise MirrorRefused(f"{self.settings.name} is not a DR mirror (--mirror-port)")
