@@ -140,6 +140,7 @@ def one_run(
     probe_interval: float,
     passive_root: Path | None = None,
     profile: Path | None = None,
+    max_rate: float = 0.0,
 ) -> RunResult:
     """Fill an active, catch a fresh passive up, probe confirms meanwhile and after.
 
@@ -148,7 +149,8 @@ def one_run(
     """
     count, size = CASES[case]
     env = {REPLICATION_TOKEN_ENV: TOKEN}
-    active = BrokerProcess(root / "a", name="a", env=dict(env))
+    active_env = {**env, "TWINMQ_CATCHUP_MAX_RATE": str(int(max_rate * 1e6))}
+    active = BrokerProcess(root / "a", name="a", env=active_env)
     passive = BrokerProcess((passive_root or root) / "b", name="b", env=dict(env))
     active.extra_args = ["--epoch", "1"]
     passive.extra_args = [
@@ -252,6 +254,12 @@ def main() -> None:
         help="parent of the passive's data directory (default: beside the active's, same disk)",
     )
     parser.add_argument(
+        "--max-rate",
+        type=float,
+        default=0.0,
+        help="the active's catch-up rate cap, MB/s (--catchup-max-rate; default 0: none)",
+    )
+    parser.add_argument(
         "--profile-active",
         type=Path,
         help="py-spy the active during each catch-up into this file (run number appended)",
@@ -269,7 +277,9 @@ def main() -> None:
                 profile = None
                 if args.profile_active is not None:
                     profile = args.profile_active.with_suffix(f".{case}.{len(results)}.txt")
-                result = one_run(case, Path(tmp), args.probe_interval, passive_root, profile)
+                result = one_run(
+                    case, Path(tmp), args.probe_interval, passive_root, profile, args.max_rate
+                )
                 if passive_root is not None:
                     shutil.rmtree(passive_root, ignore_errors=True)
             results.append(result)

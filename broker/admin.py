@@ -2,7 +2,11 @@
 the DR mirror's switchover (`POST /mirror/demote`, `POST /mirror/promote`).
 
 `/healthz` and `/readyz` are open (kubelet probes); everything else needs the
-bearer token, or, when no token is configured, a loopback client.
+bearer token, or, when no token is configured, a loopback client. A second,
+read-only token (`--admin-read-token`) may read (`GET`: status, metrics) and
+nothing else, so that a monitoring system's credentials cannot move a role.
+With `--admin-tls-cert` the API answers HTTPS only (the token never crosses the
+network in clear), its certificate reloaded as the AMQPS one is (broker/tls.py).
 """
 
 from __future__ import annotations
@@ -10,15 +14,17 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from twinmq.broker.api import (
     BROKER_DAMAGED,
+    FORBIDDEN,
     INVALID_ROLE_REQUEST,
     MIRROR_NOT_DRAINED,
     MIRROR_REFUSED,
@@ -72,6 +78,7 @@ class AdminContext(Protocol):
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+READ_METHODS = frozenset({"GET", "HEAD"})
 
 
 def error(status: int, message: str, detail: str = "") -> web.Response:
@@ -89,21 +96,27 @@ def _loopback(request: web.Request) -> bool:
 
 def make_app(broker: AdminContext) -> web.Application:
     """The admin application."""
-    token = broker.settings.admin_token
+    token, read_token = broker.settings.admin_token, broker.settings.admin_read_token
+
+    def bearer(request: web.Request, secret: SecretStr | None) -> bool:
+        if secret is None:
+            return False
+        given = request.headers.get("Authorization", "").encode()
+        return hmac.compare_digest(given, ("Bearer " + secret.get_secret_value()).encode())
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in OPEN_PATHS:
+        if request.path in OPEN_PATHS or bearer(request, token):
+            return await handler(request)
+        if bearer(request, read_token):
+            if request.method in READ_METHODS:
+                return await handler(request)
+            return error(403, FORBIDDEN, "the read-only admin token may not change anything")
+        if token is None and _loopback(request):
             return await handler(request)
         if token is None:
-            if not _loopback(request):
-                return error(401, UNAUTHORIZED, "no admin token configured: loopback only")
-            return await handler(request)
-        given = request.headers.get("Authorization", "")
-        expected = "Bearer " + token.get_secret_value()
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            return error(401, UNAUTHORIZED, "missing or wrong bearer token")
-        return await handler(request)
+            return error(401, UNAUTHORIZED, "no admin token configured: loopback only")
+        return error(401, UNAUTHORIZED, "missing or wrong bearer token")
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -171,10 +184,19 @@ def make_app(broker: AdminContext) -> web.Application:
     return app
 
 
-async def start_admin(broker: AdminContext) -> asyncio.AbstractServer:
-    """Start the admin listener; returns the asyncio server (for its bound port)."""
+async def start_admin(
+    broker: AdminContext, tls: ssl.SSLContext | None = None
+) -> asyncio.AbstractServer:
+    """Start the admin listener (HTTPS with `tls`); returns the asyncio server (for its
+    bound port)."""
     runner = web.AppRunner(make_app(broker), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, broker.settings.host, broker.settings.admin_port, reuse_address=True)
+    site = web.TCPSite(
+        runner,
+        broker.settings.host,
+        broker.settings.admin_port,
+        reuse_address=True,
+        ssl_context=tls,
+    )
     await site.start()
     return cast(asyncio.AbstractServer, site._server)

@@ -61,6 +61,10 @@ class Unauthorized(AdminError):
     """HTTP 401: a missing or wrong token (or no token configured and not on loopback)."""
 
 
+class Forbidden(AdminError):
+    """HTTP 403: the read-only token asked to change something."""
+
+
 class StaleEpoch(AdminError):
     """HTTP 409: the role change carried an epoch older than the broker's."""
 
@@ -136,6 +140,8 @@ def refusal(response: httpx.Response) -> AdminError:
     kind: type[AdminError] = AdminError
     if response.status_code == 401:
         kind = Unauthorized
+    elif response.status_code == 403:
+        kind = Forbidden
     elif response.status_code == 409 and body.error == STALE_EPOCH:
         kind = StaleEpoch
     elif response.status_code == 409 and body.error == BROKER_DAMAGED:

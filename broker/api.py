@@ -11,6 +11,7 @@ from twinmq.broker.names import Role as Role  # re-exported: the API's roles are
 
 # The `error` of an ErrorBody the client maps to its own exception.
 UNAUTHORIZED: Final = "unauthorized"
+FORBIDDEN: Final = "forbidden"
 STALE_EPOCH: Final = "stale epoch"
 BROKER_DAMAGED: Final = "broker damaged"
 INVALID_ROLE_REQUEST: Final = "invalid role request"

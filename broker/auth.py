@@ -1,22 +1,49 @@
 """Users and SASL logins (PLAIN, AMQPLAIN).
 
-Passwords are stored as salted SHA-256 (`sha256:<salt hex>:<digest hex>`, the
-same scheme RabbitMQ's definitions use) or, for development, in plain text.
-As in RabbitMQ, `guest` may log in only over loopback.
+Passwords are stored hashed with scrypt (`scrypt:<n>:<r>:<p>:<salt hex>:<key hex>`,
+a memory-hard KDF: ~16 MiB and tens of ms per guess), as `hash_password` and
+`twinmq-broker hash-password` write them. Salted SHA-256 hashes
+(`sha256:<salt hex>:<digest hex>`, RabbitMQ's definitions scheme, what TwinMQ
+wrote before) are still accepted, with a warning at load: one GPU tries billions
+of them a second. Plain-text passwords are for development.
+
+Checking a scrypt hash is too slow for the event loop (a storm of wrong
+passwords would stall every client): `Authenticator.login` hands it to a small
+thread pool of its own and returns a `Login` to wait for. A password once
+verified is remembered as an HMAC under a key of this process, so a client that
+reconnects costs a hash, not a KDF. As in RabbitMQ, `guest` may log in only over
+loopback. The file is read again when it changes (`watch`): users, passwords and
+permissions (broker/permissions.py) change without a restart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import secrets
+import sys
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from pamqp import decode
 from pydantic import BaseModel, Field, model_validator
 
+from twinmq.broker.filewatch import FileWatch
+from twinmq.broker.permissions import AccessControl, Permission
+
+log = logging.getLogger(__name__)
+
 LOOPBACK_ONLY_USERS = frozenset({"guest"})
+# scrypt's cost: N = 2^14, r = 8 (16 MiB), p = 1; OWASP's minimum for scrypt.
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 14, 8, 1
+SCRYPT_KEY_BYTES = 32
+KDF_THREADS = 2  # logins verified at once; more wait (the handshake timeout bounds them)
+RELOAD_INTERVAL = 5.0  # seconds between looks at the users file
 
 
 class LoginError(Exception):
@@ -34,49 +61,166 @@ class User(BaseModel):
     def _one_secret(self) -> User:
         if (self.password is None) == (self.password_hash is None):
             raise ValueError(f"user {self.name!r}: give exactly one of password, password_hash")
-        if self.password_hash is not None and len(self.password_hash.split(":")) != 3:
-            raise ValueError(f"user {self.name!r}: password_hash is not sha256:<salt>:<digest>")
+        if self.password_hash is not None:
+            _parse_hash(self.name, self.password_hash)
         return self
 
 
+class VHost(BaseModel):
+    """A vhost entry of the users file (only `/` is served)."""
+
+    name: str
+
+
 class UsersFile(BaseModel):
-    """The `--users-file` (JSON): `{"users": [{"name": ..., "password_hash": ...}]}`."""
+    """The `--users-file` (JSON): `{"users": [{"name": ..., "password_hash": ...}]}`, and
+    optionally RabbitMQ's `vhosts` and `permissions` (broker/permissions.py)."""
 
     users: list[User] = Field(default_factory=list)
+    vhosts: list[VHost] = Field(default_factory=lambda: [VHost(name="/")])
+    permissions: list[Permission] | None = None
+
+    @model_validator(mode="after")
+    def _known_names(self) -> UsersFile:
+        served = {v.name for v in self.vhosts}
+        if served != {"/"}:
+            raise ValueError(f"vhosts {sorted(served)}: this broker serves the vhost '/' only")
+        names = {u.name for u in self.users}
+        for p in self.permissions or []:
+            if p.user not in names:
+                raise ValueError(f"a permission for {p.user!r}, who is not among the users")
+            if p.vhost not in served:
+                raise ValueError(f"a permission of {p.user!r} for unknown vhost {p.vhost!r}")
+        return self
 
 
 def hash_password(password: str, salt: bytes | None = None) -> str:
-    """Hash a password for the users file."""
-    salt = secrets.token_bytes(4) if salt is None else salt
-    digest = hashlib.sha256(salt + password.encode()).hexdigest()
-    return f"sha256:{salt.hex()}:{digest}"
+    """Hash a password for the users file (scrypt)."""
+    salt = secrets.token_bytes(16) if salt is None else salt
+    key = _scrypt(password, salt, SCRYPT_N, SCRYPT_R, SCRYPT_P)
+    return f"scrypt:{SCRYPT_N}:{SCRYPT_R}:{SCRYPT_P}:{salt.hex()}:{key.hex()}"
 
 
-def _check(user: User, password: str) -> bool:
+def _scrypt(password: str, salt: bytes, n: int, r: int, p: int) -> bytes:
+    return hashlib.scrypt(
+        password.encode(), salt=salt, n=n, r=r, p=p, maxmem=256 * r * n, dklen=SCRYPT_KEY_BYTES
+    )
+
+
+def _parse_hash(name: str, value: str) -> list[str]:
+    """The fields of a stored hash; a ValueError naming the user if it is not one."""
+    fields = value.split(":")
+    try:
+        if fields[0] == "scrypt" and len(fields) == 6:
+            n, r, p = (int(f) for f in fields[1:4])
+            bytes.fromhex(fields[4]), bytes.fromhex(fields[5])
+            if n > 1 and n & (n - 1) == 0 and 0 < r <= 64 and 0 < p <= 16 and n * r <= 1 << 24:
+                return fields
+        elif fields[0] == "sha256" and len(fields) == 3:
+            bytes.fromhex(fields[1]), bytes.fromhex(fields[2])
+            return fields
+    except ValueError:
+        pass
+    raise ValueError(
+        f"user {name!r}: password_hash is neither scrypt:<n>:<r>:<p>:<salt>:<key> (with sane "
+        "costs) nor sha256:<salt>:<digest>"
+    )
+
+
+def _verify(user: User, password: str) -> bool:
+    """Whether `password` is the user's (slow for a scrypt hash: off the event loop)."""
     if user.password is not None:
         return hmac.compare_digest(user.password.encode(), password.encode())
     assert user.password_hash is not None
-    _, salt_hex, digest = user.password_hash.split(":")
-    expected = hash_password(password, bytes.fromhex(salt_hex)).split(":")[2]
-    return hmac.compare_digest(expected, digest)
+    fields = _parse_hash(user.name, user.password_hash)
+    if fields[0] == "sha256":
+        salt, digest = bytes.fromhex(fields[1]), fields[2]
+        return hmac.compare_digest(hashlib.sha256(salt + password.encode()).hexdigest(), digest)
+    n, r, p = (int(f) for f in fields[1:4])
+    key = _scrypt(password, bytes.fromhex(fields[4]), n, r, p)
+    return hmac.compare_digest(key.hex(), fields[5])
+
+
+def _slow(user: User) -> bool:
+    return user.password_hash is not None and user.password_hash.startswith("scrypt:")
+
+
+@dataclass(frozen=True, slots=True)
+class Login:
+    """A login whose password check runs in the authenticator's threads: `result` gives
+    the user name or raises `LoginError`."""
+
+    username: str
+    future: Future[bool]
+    finish: Callable[[bool], str]
+
+    def result(self) -> str:
+        """The user name once the check is done (raises `LoginError` if refused)."""
+        return self.finish(self.future.result())
 
 
 class Authenticator:
     """Checks SASL responses against the configured users."""
 
-    def __init__(self, users: list[User]) -> None:
+    def __init__(self, users: list[User], permissions: list[Permission] | None = None) -> None:
+        self.path: Path | None = None
+        self._watch: FileWatch | None = None
+        self.generation = 0  # bumped by every reload: connections drop their cached checks
+        self._set(users, permissions)
+        self._key = secrets.token_bytes(32)  # for the remembered passwords; this process only
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _set(self, users: list[User], permissions: list[Permission] | None) -> None:
         self.users = {u.name: u for u in users}
+        self.access = AccessControl(permissions)
+        self._verified: dict[str, bytes] = {}  # user -> HMAC of the password last verified
+        for user in users:
+            if user.password_hash is not None and user.password_hash.startswith("sha256:"):
+                log.warning(
+                    "user %r has a salted SHA-256 password hash: accepted, but cheap to "
+                    "guess; replace it with `twinmq-broker hash-password` (scrypt)",
+                    user.name,
+                )
 
     @classmethod
     def from_file(cls, path: Path | None) -> Authenticator:
-        """Load users from a JSON users file; without one, only guest/guest (loopback)."""
+        """Load users (and permissions) from a JSON users file; without one, only
+        guest/guest (loopback)."""
         if path is None:
             return cls([User(name="guest", password="guest")])
+        watch = FileWatch(path)
         data = UsersFile.model_validate(json.loads(path.read_text()))
-        return cls(data.users)
+        auth = cls(data.users, data.permissions)
+        auth.path, auth._watch = path, watch
+        return auth
 
-    def login(self, mechanism: str, response: str | bytes, loopback: bool) -> str:
-        """Return the user name, or raise `LoginError` with the reason for the client."""
+    def reload_if_changed(self) -> bool:
+        """Read the users file again if it changed; whether it did. A file that does not
+        read (half-written, invalid) is logged and the old users stay."""
+        if self.path is None or self._watch is None or not self._watch.changed():
+            return False
+        try:
+            data = UsersFile.model_validate(json.loads(self.path.read_text()))
+        except (OSError, ValueError) as exc:
+            log.error("users file %s changed but does not load (%s): keeping the old users",
+                      self.path, exc)  # fmt: skip
+            return False
+        self._set(data.users, data.permissions)
+        self.generation += 1
+        log.info("users file %s reloaded: %d users, %s", self.path, len(data.users),
+                 "everyone may do everything" if data.permissions is None
+                 else f"{len(data.permissions)} permissions")  # fmt: skip
+        return True
+
+    async def watch(self, interval: float = RELOAD_INTERVAL) -> None:
+        """Reload the users file whenever it changes (a task for the broker's lifetime)."""
+        while True:
+            await asyncio.sleep(interval)
+            self.reload_if_changed()
+
+    def login(self, mechanism: str, response: str | bytes, loopback: bool) -> str | Login:
+        """The user name, a `Login` to wait for (a KDF to run), or `LoginError` with the
+        reason for the client."""
         raw = response.encode("utf-8") if isinstance(response, str) else bytes(response)
         if mechanism == "PLAIN":
             parts = raw.split(b"\x00")
@@ -95,12 +239,50 @@ class Authenticator:
             username, password = str(table.get("LOGIN", "")), str(table.get("PASSWORD", ""))
         else:
             raise LoginError(f"unsupported authentication mechanism {mechanism!r}")
+        refused = LoginError(
+            f"Login was refused using authentication mechanism {mechanism}. "
+            "For details see the broker logfile."
+        )
         user = self.users.get(username)
-        if user is None or not _check(user, password):
-            raise LoginError(
-                f"Login was refused using authentication mechanism {mechanism}. "
-                "For details see the broker logfile."
-            )
-        if username in LOOPBACK_ONLY_USERS and not loopback:
-            raise LoginError(f"user '{username}' can only connect via localhost")
-        return username
+        if user is None:
+            raise refused
+
+        def admit() -> str:
+            if username in LOOPBACK_ONLY_USERS and not loopback:
+                raise LoginError(f"user '{username}' can only connect via localhost")
+            return username
+
+        mac = hmac.new(self._key, password.encode(), hashlib.sha256).digest()
+        known = self._verified.get(username)
+        if known is not None and hmac.compare_digest(known, mac):
+            return admit()
+        if not _slow(user):
+            if not _verify(user, password):
+                raise refused
+            return admit()
+
+        generation = self.generation
+
+        def finish(ok: bool) -> str:
+            if not ok:
+                raise refused
+            if self.generation == generation:  # not a password the file has since replaced
+                self._verified[username] = mac
+            return admit()
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(KDF_THREADS, thread_name_prefix="twinmq-kdf")
+        return Login(username, self._pool.submit(_verify, user, password), finish)
+
+
+def hash_password_main(argv: list[str]) -> int:
+    """`twinmq-broker hash-password`: read a password on stdin, print its scrypt hash."""
+    if argv:
+        print("usage: twinmq-broker hash-password < password-file", file=sys.stderr)
+        return 2
+    password = sys.stdin.readline().rstrip("\n")
+    if not password:
+        print("twinmq-broker hash-password: no password on stdin", file=sys.stderr)
+        return 2
+    print(hash_password(password))
+    return 0

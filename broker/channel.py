@@ -35,6 +35,7 @@ from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
 from twinmq.broker.journal import JournalOp
 from twinmq.broker.message import Entry
 from twinmq.broker.mirror.events import is_internal
+from twinmq.broker.permissions import DEFAULT_EXCHANGE, SERVER_NAMED_QUEUE
 from twinmq.broker.queue import Queue
 
 if TYPE_CHECKING:
@@ -105,6 +106,9 @@ class PendingConfirm:
     batch: int
     kind: Literal["ack", "nack", "commit", "commit-failed"]
     started: float
+    # An earlier batch whose failure fails this confirm too (a re-send that shares its
+    # original's outcome, `batch` raised to keep the channel's confirms in order); 0: none.
+    depends_on: int = 0
 
 
 @dataclass(slots=True)
@@ -224,6 +228,9 @@ class Channel:
         self._publish = None
         self._info = None
         self._body = []
+        self.connection.authorize(
+            "write", "exchange", publish.exchange or DEFAULT_EXCHANGE, (60, 40)
+        )
         exchange = self.vhost.exchange_for_publish(publish.exchange)
         if self.tx_mode:
             self.tx_publishes.append(
@@ -243,7 +250,7 @@ class Channel:
             kind: Literal["ack", "nack"] = (
                 "nack" if result.rejected and not result.routed else "ack"
             )
-            self._add_pending(self.publish_seq, result.batch, kind)
+            self._add_pending(self.publish_seq, result.batch, kind, result.depends_on)
 
     def _return(self, exchange: str, routing_key: str, header: bytes, body: bytes) -> None:
         self.connection.send(
@@ -253,13 +260,15 @@ class Channel:
 
     # -- confirms and durability ---------------------------------------------------------
 
-    def _add_pending(self, seq: int, batch: int, kind: Literal["ack", "nack", "commit"]) -> None:
+    def _add_pending(
+        self, seq: int, batch: int, kind: Literal["ack", "nack", "commit"], depends_on: int = 0
+    ) -> None:
         if self.pending:
             batch = max(batch, self.pending[-1].batch)
         if batch == 0 and not self.pending:
             self._emit([PendingConfirm(seq, 0, kind, 0.0)])
             return
-        self.pending.append(PendingConfirm(seq, batch, kind, time.perf_counter()))
+        self.pending.append(PendingConfirm(seq, batch, kind, time.perf_counter(), depends_on))
         self.connection.await_durable(self)
 
     def durable(self, batch: int, failed: bool = False) -> bool:
@@ -269,6 +278,12 @@ class Channel:
         """
         pending = self.pending
         done: list[PendingConfirm] = []
+        if failed:
+            # A re-send may wait behind a later batch of this channel: its original's
+            # failure is its own (a scan only on a failed write, which is rare).
+            for item in pending:
+                if item.depends_on and item.depends_on <= batch and item.kind == "ack":
+                    item.kind = "nack"
         while pending and pending[0].batch <= batch:
             item = pending.popleft()
             if failed and item.kind == "ack":
@@ -467,6 +482,8 @@ class Channel:
         return queue is not None and queue.durable and not is_internal(name)
 
     def _exchange_declare(self, m: commands.Exchange.Declare) -> None:
+        if not m.passive:
+            self.connection.authorize("configure", "exchange", m.exchange, (40, 10))
         if not m.passive and m.exchange not in self.vhost.exchanges:
             self._refuse_write(f"exchange.declare {m.exchange!r}", (40, 10))
         self.vhost.declare_exchange(
@@ -482,6 +499,7 @@ class Channel:
             self.send_method(commands.Exchange.DeclareOk())
 
     def _exchange_delete(self, m: commands.Exchange.Delete) -> None:
+        self.connection.authorize("configure", "exchange", m.exchange, (40, 20))
         self._refuse_write(f"exchange.delete {m.exchange!r}", (40, 20))
         self.vhost.delete_exchange(m.exchange, if_unused=m.if_unused)
         if not m.nowait:
@@ -493,6 +511,14 @@ class Channel:
         )
 
     def _queue_declare(self, m: commands.Queue.Declare) -> None:
+        if not m.passive:
+            name = m.queue or SERVER_NAMED_QUEUE
+            self.connection.authorize("configure", "queue", name, (50, 10))
+            dlx = (m.arguments or {}).get("x-dead-letter-exchange")
+            if isinstance(dlx, str):
+                # Dead-lettering publishes the queue's messages to that exchange.
+                self.connection.authorize("write", "exchange", dlx or DEFAULT_EXCHANGE, (50, 10))
+                self.connection.authorize("read", "queue", name, (50, 10))
         if not m.passive and m.queue not in self.vhost.queues:
             self._refuse_write(f"queue.declare {m.queue!r}", (50, 10), bool(m.durable))
         queue = self.vhost.declare_queue(
@@ -512,6 +538,7 @@ class Channel:
             )
 
     def _queue_bind(self, m: commands.Queue.Bind) -> None:
+        self._authorize_binding(m.queue, m.exchange, (50, 20))
         self._refuse_write(f"queue.bind {m.queue!r}", (50, 20), self._durable_queue(m.queue))
         self.vhost.bind(
             m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self.connection
@@ -520,6 +547,7 @@ class Channel:
             self.send_method(commands.Queue.BindOk())
 
     def _queue_unbind(self, m: commands.Queue.Unbind) -> None:
+        self._authorize_binding(m.queue, m.exchange, (50, 50))
         self._refuse_write(f"queue.unbind {m.queue!r}", (50, 50), self._durable_queue(m.queue))
         self.vhost.bind(
             m.queue,
@@ -531,13 +559,20 @@ class Channel:
         )
         self.send_method(commands.Queue.UnbindOk())
 
+    def _authorize_binding(self, queue: str, exchange: str, method: tuple[int, int]) -> None:
+        # RabbitMQ's rule: a binding writes to the queue and reads from the exchange.
+        self.connection.authorize("write", "queue", queue, method)
+        self.connection.authorize("read", "exchange", exchange or DEFAULT_EXCHANGE, method)
+
     def _queue_purge(self, m: commands.Queue.Purge) -> None:
+        self.connection.authorize("read", "queue", m.queue, (50, 30))
         self._refuse_write(f"queue.purge {m.queue!r}", (50, 30), self._durable_queue(m.queue))
         count = self.vhost.purge_queue(m.queue, self.connection)
         if not m.nowait:
             self.send_method(commands.Queue.PurgeOk(message_count=count))
 
     def _queue_delete(self, m: commands.Queue.Delete) -> None:
+        self.connection.authorize("configure", "queue", m.queue, (50, 40))
         self._refuse_write(f"queue.delete {m.queue!r}", (50, 40), self._durable_queue(m.queue))
         count = self.vhost.delete_queue(
             m.queue, if_unused=m.if_unused, if_empty=m.if_empty, owner=self.connection
@@ -556,6 +591,7 @@ class Channel:
         self._redispatch()
 
     def _basic_consume(self, m: commands.Basic.Consume) -> None:
+        self.connection.authorize("read", "queue", m.queue, (60, 20))
         queue = self.vhost.queue(m.queue, self.connection, (60, 20))
         tag = m.consumer_tag or "amq.ctag-" + secrets.token_urlsafe(16)
         if tag in self.consumers:
@@ -577,6 +613,7 @@ class Channel:
             self.send_method(commands.Basic.CancelOk(consumer_tag=m.consumer_tag))
 
     def _basic_get(self, m: commands.Basic.Get) -> None:
+        self.connection.authorize("read", "queue", m.queue, (60, 70))
         queue = self.vhost.queue(m.queue, self.connection, (60, 70))
         self.vhost.touch(queue)
         entry = queue.pop(self.vhost.clock.time())

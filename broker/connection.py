@@ -7,6 +7,7 @@ writes what `data_to_send` returns, and looks at `closed`, `wants_read` and
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from pamqp import commands
 from pamqp.base import Frame as MethodFrame
 
 from twinmq.broker import metrics
-from twinmq.broker.auth import Authenticator, LoginError
+from twinmq.broker.auth import Authenticator, Login, LoginError
 from twinmq.broker.channel import Channel
 from twinmq.broker.codec import (
     FRAME_BODY,
@@ -32,7 +33,8 @@ from twinmq.broker.codec import (
     decode_method,
     encode_method,
 )
-from twinmq.broker.errors import AMQPError, ReplyCode
+from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
+from twinmq.broker.permissions import Operation, Resource
 from twinmq.broker.vhost import VirtualHost
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ PRE_TUNE_FRAME_MAX = 131072
 # A client property by which a publisher opts in to duplicate detection (twinmq.client does).
 DEDUP_CLIENT_PROPERTY = "x-twinmq-deduplicate"
 MIN_FRAME_MAX = 4096
+GRANTS_CACHED = 1024  # permission answers a connection remembers (names are client-chosen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,7 @@ class Limits:
     channel_max: int = 2047
     heartbeat: int = 60
     max_message_size: int = 128 * 1024 * 1024
+    max_connections_per_user: int = 0  # open connections per user (0: no limit)
     deduplicate_all: bool = False  # drop re-sent message ids for every client, not only opted-in
     handshake_timeout: float = 10.0  # seconds from the first byte to connection.open (RabbitMQ's)
     close_timeout: float = 30.0  # seconds our connection.close waits for close-ok
@@ -80,12 +84,17 @@ class ConnectionContext(Protocol):
         """Why clients may read but not write here (a DR replica), or None."""
         ...
 
+    def open_connections(self, user: str) -> int:
+        """How many of `user`'s connections are open (past connection.open)."""
+        ...
+
 
 class State(enum.Enum):
     """Connection states, in the order a connection passes through them."""
 
     AWAIT_HEADER = "await-protocol-header"
     AWAIT_START_OK = "await-start-ok"
+    AWAIT_LOGIN = "await-login"  # the password's KDF runs off the event loop
     AWAIT_TUNE_OK = "await-tune-ok"
     AWAIT_OPEN = "await-open"
     OPEN = "open"
@@ -97,6 +106,7 @@ class State(enum.Enum):
 _TIMED_PHASES: dict[State, str] = {
     State.AWAIT_HEADER: "handshake",
     State.AWAIT_START_OK: "handshake",
+    State.AWAIT_LOGIN: "handshake",
     State.AWAIT_TUNE_OK: "handshake",
     State.AWAIT_OPEN: "handshake",
     State.CLOSING: "closing",
@@ -143,6 +153,8 @@ class Connection:
         self.last_sent = 0.0
         self._deadline: tuple[str, float] | None = None  # (phase, when) of a timed phase
         self._reader = FrameReader(PRE_TUNE_FRAME_MAX)
+        self._grants: dict[tuple[str, str, str], bool] = {}  # authorize's answers
+        self._grants_generation = 0
         self._header_buf = b""
         self._out: list[bytes] = []
         self._wake = wake
@@ -325,12 +337,37 @@ class Connection:
             self.client_properties.get(DEDUP_CLIENT_PROPERTY)
         )
         try:
-            self.user = self.ctx.authenticator.login(m.mechanism, m.response, self.loopback)
+            outcome = self.ctx.authenticator.login(m.mechanism, m.response, self.loopback)
         except LoginError as exc:
-            metrics.AUTH_FAILURES.inc()
-            log.warning("login refused for %s: %s", self.peer, exc)
-            self._connection_error(AMQPError(ReplyCode.ACCESS_REFUSED, str(exc), 10, 11))
+            self._refuse_login(exc)
             return
+        if isinstance(outcome, Login):
+            self.state = State.AWAIT_LOGIN
+            loop = asyncio.get_running_loop()
+            outcome.future.add_done_callback(
+                lambda _: loop.call_soon_threadsafe(self._logged_in, outcome)
+            )
+            return
+        self.user = outcome
+        self._tune()
+
+    def _logged_in(self, login: Login) -> None:
+        """The KDF of a login is done (on the event loop again)."""
+        if self.state is not State.AWAIT_LOGIN:
+            return  # closed meanwhile
+        try:
+            self.user = login.result()
+        except LoginError as exc:
+            self._refuse_login(exc)
+            return
+        self._tune()
+
+    def _refuse_login(self, exc: LoginError) -> None:
+        metrics.AUTH_FAILURES.inc()
+        log.warning("login refused for %s: %s", self.peer, exc)
+        self._connection_error(AMQPError(ReplyCode.ACCESS_REFUSED, str(exc), 10, 11))
+
+    def _tune(self) -> None:
         limits = self.ctx.limits
         self.send(
             encode_method(
@@ -372,11 +409,53 @@ class Connection:
     def _open(self, m: commands.Connection.Open) -> None:
         if m.virtual_host != "/":
             raise AMQPError(ReplyCode.NOT_ALLOWED, f"vhost '{m.virtual_host}' not found", 10, 40)
+        if not self.ctx.authenticator.access.may_open(self.user or "", m.virtual_host):
+            raise AMQPError(
+                ReplyCode.NOT_ALLOWED,
+                f"access to vhost '{m.virtual_host}' refused for user '{self.user}'",
+                10,
+                40,
+            )
         refusal = self.ctx.refusal()
         if refusal is not None:
             raise AMQPError(ReplyCode.CONNECTION_FORCED, refusal, 10, 40)
+        most = self.ctx.limits.max_connections_per_user
+        if most and self.ctx.open_connections(self.user or "") >= most:
+            metrics.CONNECTIONS_REFUSED.labels("per-user-limit").inc()
+            raise AMQPError(
+                ReplyCode.NOT_ALLOWED,
+                f"access refused: user '{self.user}' has reached its limit of {most} connections",
+                10,
+                40,
+            )
         self.send(encode_method(0, commands.Connection.OpenOk()))
         self.state = State.OPEN
+
+    # -- permissions ---------------------------------------------------------------------
+
+    def authorize(
+        self, op: Operation, resource: Resource, name: str, method: tuple[int, int]
+    ) -> None:
+        """Raise 403 ACCESS_REFUSED (a channel error) unless the user may do `op` on the
+        resource (RabbitMQ's words). Answers are cached until the users file reloads."""
+        auth = self.ctx.authenticator
+        if auth.access.unrestricted:
+            return
+        if self._grants_generation != auth.generation:
+            self._grants.clear()
+            self._grants_generation = auth.generation
+        key = (op, resource, name)
+        allowed = self._grants.get(key)
+        if allowed is None:
+            allowed = auth.access.allows(self.user or "", "/", op, name)
+            if len(self._grants) < GRANTS_CACHED:
+                self._grants[key] = allowed
+        if not allowed:
+            raise channel_error(
+                ReplyCode.ACCESS_REFUSED,
+                f"{op} access to {resource} '{name}' in vhost '/' refused for user '{self.user}'",
+                method,
+            )
 
     # -- frames --------------------------------------------------------------------------
 

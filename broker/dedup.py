@@ -16,7 +16,10 @@ group-commit batch complete): a publish that was returned (unroutable), nacked
 (a full queue, a failed write), rolled back or whose transaction failed leaves
 no key, so its re-send is a new message, enqueued and confirmed. A re-send that
 races its original's batch is not dropped either (the original may still fail):
-it is enqueued, a duplicate the audit counts, never a loss.
+it is not enqueued again: its confirm waits for the original's batch and shares its
+outcome (positive once the original is durable, a nack if its write failed, and the
+publisher re-sends), so a publisher that re-sends at once after a failover, while
+the new active's replicated batches still wait, creates no duplicate.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class DedupWindow:
         self.path = path
         self._ids: OrderedDict[str, None] = OrderedDict()
         self._pending: deque[tuple[int, str]] = deque()  # (batch, key), batches ascending
+        self._pending_batch: dict[str, int] = {}  # key -> the newest batch it waits for
         self.dirty = False
         if path is not None and path.exists() and size:
             for message_id in json.loads(path.read_text())[-size:]:
@@ -69,8 +73,12 @@ class DedupWindow:
         if key in self._ids:
             del self._ids[key]
             self.dirty = True
-        if any(k == key for _, k in self._pending):
+        if self._pending_batch.pop(key, None) is not None:
             self._pending = deque(p for p in self._pending if p[1] != key)
+
+    def pending_batch(self, key: str) -> int | None:
+        """The batch whose outcome decides whether `key` enters the window, while it waits."""
+        return self._pending_batch.get(key)
 
     def add_when_durable(self, key: str, batch: int) -> None:
         """Remember `key` once batch `batch` is durable (now if 0); never if it fails.
@@ -83,6 +91,7 @@ class DedupWindow:
             self.add(key)
         else:
             self._pending.append((batch, key))
+            self._pending_batch[key] = batch
 
     def durable(self, batch: int, failed: bool = False) -> bool:
         """Batches up to `batch` are complete (or failed): keep or forget their keys.
@@ -91,7 +100,9 @@ class DedupWindow:
         """
         pending = self._pending
         while pending and pending[0][0] <= batch:
-            _, key = pending.popleft()
+            each, key = pending.popleft()
+            if self._pending_batch.get(key) == each:
+                del self._pending_batch[key]
             if not failed:
                 self.add(key)
         return bool(pending)

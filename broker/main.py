@@ -1,7 +1,8 @@
 """`twinmq-broker`: run a broker until SIGTERM/SIGINT.
 
 `twinmq-broker journal check|repair` are the journal tools (`journal_command.py`),
-`twinmq-broker epoch show|set` the epoch's (`epochcli.py`).
+`twinmq-broker epoch show|set` the epoch's (`epochcli.py`), `twinmq-broker
+hash-password` prints a users-file hash of a password read on stdin (`auth.py`).
 """
 
 from __future__ import annotations
@@ -46,12 +47,17 @@ async def serve(settings: BrokerSettings) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: a subcommand (`journal`, `epoch`), or the broker."""
+    """Console-script entry point: a subcommand (`journal`, `epoch`, `hash-password`), or
+    the broker."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["journal"]:
         from twinmq.broker.journal_command import main as journal_main
 
         sys.exit(journal_main(args[1:]))
+    if args[:1] == ["hash-password"]:
+        from twinmq.broker.auth import hash_password_main
+
+        sys.exit(hash_password_main(args[1:]))
     if args[:1] == ["epoch"]:
         from twinmq.broker.epochcli import main as epoch_main
 

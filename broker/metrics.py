@@ -168,6 +168,11 @@ PROTOCOL_ERRORS = Counter(
     "twinmq_protocol_errors", "Channels or connections closed by errors", ["code"]
 )
 AUTH_FAILURES = Counter("twinmq_auth_failures", "Refused logins")
+CONNECTIONS_REFUSED = Counter(
+    "twinmq_connections_refused",
+    "Client connections refused by a limit (total: closed at once; per-user: 530 at open)",
+    ["limit"],
+)
 EPOCH = Gauge("twinmq_epoch", "Highest epoch this broker has seen")
 ROLE = Gauge("twinmq_role_active", "1 while this broker is active, 0 while passive")
 REPLICATION_CONNECTED = Gauge("twinmq_replication_link_up", "1 while the replication link is up")

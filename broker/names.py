@@ -17,6 +17,7 @@ PASSIVE: Final = "passive"
 
 # Default ports (the broker's settings defaults, and the ports of a pod the operator builds).
 AMQP_PORT: Final = 5672
+AMQPS_PORT: Final = 5671
 ADMIN_PORT: Final = 15672
 REPLICATION_PORT: Final = 5673
 
@@ -31,6 +32,7 @@ def setting_env(field: str) -> str:
 
 # The broker's variables that other components set (the operator's pods, demos, tests).
 ADMIN_TOKEN_ENV: Final = setting_env("admin_token")
+ADMIN_READ_TOKEN_ENV: Final = setting_env("admin_read_token")
 REPLICATION_TOKEN_ENV: Final = setting_env("replication_token")
 LEASE_NAME_ENV: Final = setting_env("lease_name")
 LEASE_SECONDS_ENV: Final = setting_env("lease_seconds")

@@ -27,7 +27,7 @@ from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.auth import Authenticator
 from twinmq.broker.channel import Channel
 from twinmq.broker.commit import GroupCommitter
-from twinmq.broker.connection import Connection, Limits
+from twinmq.broker.connection import Connection, Limits, State
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.epoch import EpochStore, epoch_jump_refusal, first_mid
 from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
@@ -38,9 +38,12 @@ from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.replication.source import ReplicationSource
 from twinmq.broker.settings import BrokerSettings
 from twinmq.broker.status import build_status
+from twinmq.broker.tls import TlsListener
 from twinmq.broker.vhost import VirtualHost
 
 log = logging.getLogger(__name__)
+
+LIMIT_LOG_INTERVAL = 10.0  # seconds between two "connection limit reached" log lines
 
 
 def _version() -> str:
@@ -66,6 +69,16 @@ class AMQPProtocol(asyncio.Protocol):
         # uvloop's transports do not subclass asyncio.Transport, so no isinstance check.
         self.transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
+        most = self.broker.settings.max_connections
+        if most and len(self.broker.protocols) >= most:
+            # As RabbitMQ's connection_max: closed before a byte is read.
+            metrics.CONNECTIONS_REFUSED.labels("total").inc()
+            if self.loop.time() - self.broker.limit_logged > LIMIT_LOG_INTERVAL:
+                self.broker.limit_logged = self.loop.time()
+                log.warning("connections closed at once: the limit of %d is reached (%s, and "
+                            "more in twinmq_connections_refused_total)", most, peer)  # fmt: skip
+            transport.close()
+            return
         host = peer[0] if isinstance(peer, tuple) else "local"
         try:
             loopback = ipaddress.ip_address(host).is_loopback
@@ -83,7 +96,8 @@ class AMQPProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
-        assert conn is not None
+        if conn is None:
+            return  # closed at once by the connection limit
         self._receiving = True
         try:
             conn.receive_data(data, self.loop.time())
@@ -186,10 +200,12 @@ class Broker:
             channel_max=settings.channel_max,
             heartbeat=settings.heartbeat,
             max_message_size=settings.max_message_size,
+            max_connections_per_user=settings.max_connections_per_user,
             deduplicate_all=settings.dedup_scope == "all",
         )
         self.authenticator = Authenticator.from_file(settings.users_file)
         self.protocols: set[AMQPProtocol] = set()
+        self.limit_logged = -LIMIT_LOG_INTERVAL  # loop time of the last "limit reached" log
         self.started = time.time()
         # Set when the broker must stop by itself (`serve` exits with `exit_code`).
         self.exit_requested = asyncio.Event()
@@ -245,6 +261,7 @@ class Broker:
             recovered,
             replica=self.role == "passive",
             dedup=DedupWindow(settings.dedup_window, settings.data_dir / "dedup.json"),
+            max_queues=settings.max_queues,
         )
         if self.role == "active":
             # A batch is streamed to the passive before its own fdatasync: a previous
@@ -277,6 +294,13 @@ class Broker:
         )
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self.tls: TlsListener | None = None
+        self._amqps: asyncio.AbstractServer | None = None
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            self.tls = TlsListener(settings.tls_cert, settings.tls_key, settings.tls_ca)
+        self.admin_tls: TlsListener | None = None
+        if settings.admin_tls_cert is not None and settings.admin_tls_key is not None:
+            self.admin_tls = TlsListener(settings.admin_tls_cert, settings.admin_tls_key)
         metrics.CONNECTIONS.set_function(lambda: len(self.protocols))
         metrics.BROKER_DAMAGED.set_function(lambda: 1 if self.damaged else 0)
         metrics.JOURNAL_QUARANTINED.set_function(self.quarantined_files)
@@ -293,6 +317,14 @@ class Broker:
     def alarm(self) -> str | None:
         """The active resource alarm, if any."""
         return self.monitor.reason
+
+    def open_connections(self, user: str) -> int:
+        """How many of `user`'s client connections are open (past connection.open)."""
+        return sum(
+            1
+            for p in self.protocols
+            if p.conn is not None and p.conn.user == user and p.conn.state is State.OPEN
+        )
 
     def refusal(self) -> str | None:
         """Why clients are refused now; None while active."""
@@ -486,10 +518,26 @@ class Broker:
             backlog=1024,
         )
         self._servers.append(server)
-        self._servers.append(await start_admin(self))
+        admin_tls = self.admin_tls
+        admin_context = admin_tls.context if admin_tls is not None else None
+        self._servers.append(await start_admin(self, admin_context))
+        if admin_tls is not None:
+            self._tasks.append(self.loop.create_task(admin_tls.watch()))
         self._servers.append(
             await self.source.start(self.settings.host, self.settings.replication_port)
         )
+        if self.tls is not None:
+            self._amqps = await self.loop.create_server(
+                lambda: AMQPProtocol(self),
+                self.settings.host,
+                self.settings.tls_port,
+                ssl=self.tls.context,
+                ssl_handshake_timeout=self.limits.handshake_timeout,
+                reuse_address=True,
+                backlog=1024,
+            )
+            self._servers.append(self._amqps)
+            self._tasks.append(self.loop.create_task(self.tls.watch()))
         self._tasks.append(self.loop.create_task(self.source.ping_loop()))
         await self.mirroring.start(self.settings.host)
         if self.role == "passive" and self.replicate_from:
@@ -500,10 +548,14 @@ class Broker:
             self._tasks.append(self.loop.create_task(self.lease.run()))
         self._tasks.append(self.loop.create_task(self._save_dedup_periodically()))
         self._tasks.append(self.loop.create_task(self.monitor.run()))
+        if self.authenticator.path is not None:
+            self._tasks.append(self.loop.create_task(self.authenticator.watch()))
         log.info(
-            "broker %s %s listening: amqp %s:%d, admin %s:%d, replication %s:%d, data %s; "
+            "broker %s %s listening: amqp %s:%d%s, admin %s:%d, replication %s:%d, data %s; "
             "%s in epoch %d",
             self.settings.name, self.product_version, self.settings.host, self.amqp_port,
+            "" if self.amqps_port is None else f", amqps {self.settings.host}:{self.amqps_port}"
+            + (" (client certificates required)" if self.settings.tls_ca else ""),
             self.settings.host, self.admin_port, self.settings.host, self.replication_port,
             self.settings.data_dir, self.role, self.epoch,
         )  # fmt: skip
@@ -512,6 +564,13 @@ class Broker:
     def amqp_port(self) -> int:
         """The bound AMQP port (useful with --port 0)."""
         return int(self._servers[0].sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+
+    @property
+    def amqps_port(self) -> int | None:
+        """The bound AMQPS port (None without --tls-cert)."""
+        if self._amqps is None:
+            return None
+        return int(self._amqps.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
 
     @property
     def admin_port(self) -> int:

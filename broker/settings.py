@@ -19,6 +19,7 @@ from twinmq.broker.names import (
     ACTIVE,
     ADMIN_PORT,
     AMQP_PORT,
+    AMQPS_PORT,
     CONFIG_ENV,
     ENV_PREFIX,
     REPLICATION_PORT,
@@ -34,10 +35,35 @@ class BrokerSettings(BaseSettings):
     name: str = Field("twinmq", description="Broker name (shown in status, logs, metrics)")
     host: str = Field("0.0.0.0", description="Address the AMQP and admin listeners bind")
     port: int = Field(AMQP_PORT, ge=0, le=65535, description="AMQP port")
+    tls_port: int = Field(
+        AMQPS_PORT, ge=0, le=65535, description="AMQPS (AMQP over TLS) port, with --tls-cert"
+    )
+    tls_cert: Path | None = Field(
+        None,
+        description="PEM certificate (chain) of the AMQPS listener; with --tls-key it opens "
+        "--tls-port beside the plain port; reloaded when the file changes",
+    )
+    tls_key: Path | None = Field(None, description="PEM private key of --tls-cert")
+    tls_ca: Path | None = Field(
+        None,
+        description="PEM CA bundle: AMQPS clients must present a certificate it signed "
+        "(mutual TLS)",
+    )
     admin_port: int = Field(ADMIN_PORT, ge=0, le=65535, description="Admin HTTP port")
     data_dir: Path = Field(Path("./twinmq-data"), description="Journal and state directory")
     admin_token: SecretStr | None = Field(
         None, description="Bearer token for the admin API (required for all but healthz/readyz)"
+    )
+    admin_tls_cert: Path | None = Field(
+        None,
+        description="PEM certificate (chain): the admin API answers HTTPS only; reloaded when "
+        "the file changes",
+    )
+    admin_tls_key: Path | None = Field(None, description="PEM private key of --admin-tls-cert")
+    admin_read_token: SecretStr | None = Field(
+        None,
+        description="Bearer token that may only read the admin API (GET /status, /metrics: "
+        "for monitoring), never change a role",
     )
     users_file: Path | None = Field(
         None, description="JSON users file; without it only guest/guest over loopback"
@@ -47,6 +73,18 @@ class BrokerSettings(BaseSettings):
     heartbeat: int = Field(60, ge=0, description="Heartbeat interval offered in tune (s)")
     max_message_size: int = Field(
         128 * 1024 * 1024, ge=1, description="Largest message body accepted (bytes)"
+    )
+    max_connections: int = Field(
+        0, ge=0, description="Client connections at most; more are closed at once (0: no limit)"
+    )
+    max_connections_per_user: int = Field(
+        0,
+        ge=0,
+        description="Open client connections per user at most; more are refused at "
+        "connection.open with 530 (0: no limit)",
+    )
+    max_queues: int = Field(
+        0, ge=0, description="Queues at most; a declare beyond is refused with 406 (0: no limit)"
     )
     segment_bytes: int = Field(
         64 * 1024 * 1024, ge=4096, description="Journal segment size before rolling over"
@@ -128,6 +166,12 @@ class BrokerSettings(BaseSettings):
         description="Active: bytes of messages per catch-up chunk sent to a passive "
         "(each journaled and acknowledged on its own)",
     )
+    catchup_max_rate: int = Field(
+        0,
+        ge=0,
+        description="Active: bytes per second at most for a catch-up (0: no cap); a cap "
+        "keeps CPU for the active's clients while a big backlog is sent",
+    )
     mirror_to: str | None = Field(
         None,
         description="HOST:PORT of a DR mirror's mirror listener: mirror every durable change "
@@ -192,6 +236,17 @@ class BrokerSettings(BaseSettings):
         if self.mirror_to:
             return "source"
         return "replica" if self.mirror_port is not None else None
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> BrokerSettings:
+        """AMQPS needs a certificate and its key; client verification needs both too."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-ca (client certificates) needs --tls-cert and --tls-key")
+        if (self.admin_tls_cert is None) != (self.admin_tls_key is None):
+            raise ValueError("--admin-tls-cert and --admin-tls-key go together")
+        return self
 
 
 def flag(field: str) -> str:

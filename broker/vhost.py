@@ -116,6 +116,9 @@ class PublishResult:
     dedup_key: str | None = None
     # ... and the entries it put in queues, invisible until the commit's batch completes.
     held: list[tuple[Queue, Entry]] | None = None
+    # A re-send of a message still in flight: the original's batch, whose failure must
+    # fail this confirm too, even when it is merged behind a later batch of the channel.
+    depends_on: int = 0
 
 
 class VirtualHost:
@@ -129,8 +132,10 @@ class VirtualHost:
         *,
         replica: bool = False,
         dedup: DedupWindow | None = None,
+        max_queues: int = 0,
     ) -> None:
         self.committer = committer
+        self.max_queues = max_queues  # clients' declares only (0: no limit)
         self.clock = clock
         # A passive broker's state changes only by replication: no timers of its own.
         self.replica = replica
@@ -407,6 +412,13 @@ class VirtualHost:
                     )
             self._touch(queue)
             return queue
+        if self.max_queues and len(self.queues) >= self.max_queues:
+            raise channel_error(
+                ReplyCode.PRECONDITION_FAILED,
+                f"cannot declare queue '{name}' in vhost '/': queue limit "
+                f"({self.max_queues}) is reached",
+                QUEUE_DECLARE,
+            )
         definition = QueueDef(
             name=name,
             qid=self.next_qid,
@@ -617,6 +629,12 @@ class VirtualHost:
                 return PublishResult(
                     1, False, 0 if ops is not None else self.committer.confirm_point()
                 )
+            original = self.dedup.pending_batch(key) if deduplicate and ops is None else None
+            if original is not None:
+                # A re-send racing its original's batch: not enqueued again; its confirm
+                # waits for that batch and shares its outcome (a failed write nacks both).
+                metrics.DUPLICATES.inc()
+                return PublishResult(1, False, original, depends_on=original)
         result = self._route(exchange, routing_key, header, body, info, ops, hold)
         if key is not None and result.routed:
             if ops is None:

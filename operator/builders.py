@@ -19,6 +19,7 @@ from twinmq.broker.auth import hash_password
 from twinmq.broker.names import (
     ACTIVE,
     ADMIN_PORT,
+    ADMIN_READ_TOKEN_ENV,
     ADMIN_TOKEN_ENV,
     AMQP_PORT,
     LEASE_NAME_ENV,
@@ -111,6 +112,25 @@ def vip_name(cluster: ClusterRef) -> str:
     return cluster.name
 
 
+def upgrade_credentials(found: dict[str, str]) -> dict[str, str]:
+    """Generated credentials brought to this version: a read-only `metrics-token` added
+    when missing, and the app user's password hash re-done with scrypt when it is still a
+    salted SHA-256 one (what TwinMQ wrote before); unchanged otherwise. The brokers take
+    the new hash at their next start and accept the old one until then."""
+    if "metrics-token" not in found:
+        found = {**found, "metrics-token": secrets.token_urlsafe(32)}
+    try:
+        users = json.loads(found.get("users.json", ""))
+        entry = next(u for u in users["users"] if u.get("name") == APP_USER)
+    except (ValueError, KeyError, TypeError, StopIteration):
+        return found
+    legacy, password = entry.get("password_hash"), found.get("password")
+    if not (isinstance(legacy, str) and legacy.startswith("sha256:") and password):
+        return found
+    entry["password_hash"] = hash_password(password)
+    return {**found, "users.json": json.dumps(users)}
+
+
 def generate_credentials() -> dict[str, str]:
     """New credentials: the app user, the admin token, the replication token."""
     password = secrets.token_urlsafe(24)
@@ -120,6 +140,7 @@ def generate_credentials() -> dict[str, str]:
         "password": password,
         "users.json": json.dumps(users),
         "admin-token": secrets.token_urlsafe(32),
+        "metrics-token": secrets.token_urlsafe(32),
         "replication-token": secrets.token_urlsafe(32),
     }
 
@@ -175,8 +196,11 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
     """A broker pod. It always starts passive: only the operator activates a broker."""
     secret = secret_name(cluster, spec)
 
-    def from_secret(key: str) -> Obj:
-        return {"valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+    def from_secret(key: str, optional: bool = False) -> Obj:
+        ref: Obj = {"name": secret, "key": key}
+        if optional:
+            ref["optional"] = True
+        return {"valueFrom": {"secretKeyRef": ref}}
 
     meta = owned_meta(cluster, pod_name(cluster, broker), broker)
     meta["labels"][LABEL_ROLE] = PASSIVE
@@ -212,6 +236,8 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
                         "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
                     },
                     {"name": ADMIN_TOKEN_ENV, **from_secret("admin-token")},
+                    # Read-only (monitoring); a user's own Secret may lack it.
+                    {"name": ADMIN_READ_TOKEN_ENV, **from_secret("metrics-token", True)},
                     {"name": REPLICATION_TOKEN_ENV, **from_secret("replication-token")},
                     {"name": LEASE_NAME_ENV, "value": lease_name(cluster)},
                     {

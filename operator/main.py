@@ -192,7 +192,7 @@ def reconcile_children(
         if found is None and memory.credentials is None:
             memory.credentials = builders.generate_credentials()
         elif found is not None:
-            memory.credentials = found
+            memory.credentials = builders.upgrade_credentials(found)
         assert memory.credentials is not None
         apply(builders.build_secret(cluster, memory.credentials))
     for obj in builders.build_broker_rbac(cluster):

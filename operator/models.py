@@ -100,8 +100,9 @@ class Auth(ApiModel):
 
     secret_name: str | None = Field(
         None,
-        description="Secret with keys `users.json`, `admin-token`, `replication-token`; "
-        "generated (named <cluster>-auth) when unset",
+        description="Secret with keys `users.json`, `admin-token`, `replication-token` and, "
+        "optionally, `metrics-token` (read-only admin token, for monitoring); generated "
+        "(named <cluster>-auth) when unset",
     )
 
 

@@ -100,6 +100,10 @@ class Context:
         """Why clients may only read (a DR replica): never, in these tests."""
         return None
 
+    def open_connections(self, user: str) -> int:
+        """Nobody else's connections count here."""
+        return 0
+
 
 class Peer:
     """One client connection to the core; `feed` returns what the broker answered."""

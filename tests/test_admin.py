@@ -21,15 +21,17 @@ from twinmq.broker.admin_client import (
     AdminTimeout,
     AdminUnreachable,
     Call,
+    Forbidden,
     StaleEpoch,
     SyncAdminClient,
     Unauthorized,
 )
 from twinmq.broker.auth import hash_password
-from twinmq.broker.names import ACTIVE, ADMIN_TOKEN_ENV, PASSIVE
+from twinmq.broker.names import ACTIVE, ADMIN_TOKEN_ENV, PASSIVE, setting_env
 from twinmq.testing.launcher import BrokerProcess, free_port
 
 TOKEN = "t0ken"
+READ_TOKEN = "r3ad-only"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,8 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]
     )
     broker = BrokerProcess(
         root / "data", name="secured",
-        extra_args=["--users-file", str(users)], env={ADMIN_TOKEN_ENV: TOKEN},
+        extra_args=["--users-file", str(users)],
+        env={ADMIN_TOKEN_ENV: TOKEN, setting_env("admin_read_token"): READ_TOKEN},
     )  # fmt: skip
     with broker:
         yield broker
@@ -73,6 +76,19 @@ def test_status_needs_the_bearer_token(secured: BrokerProcess) -> None:
     # The launcher's own client carries the broker's TWINMQ_ADMIN_TOKEN.
     status = secured.admin.status()
     assert (status.name, status.role, status.ready) == ("secured", ACTIVE, True)
+
+
+def test_the_read_only_token_reads_status_and_metrics_and_may_not_change_a_role(
+    secured: BrokerProcess,
+) -> None:
+    with client(secured, READ_TOKEN) as monitor:
+        assert monitor.status().role == ACTIVE
+        assert "twinmq_" in monitor.metrics()
+        with pytest.raises(Forbidden) as caught:
+            monitor.set_role(PASSIVE, 10**6)
+    assert caught.value.status == 403
+    assert caught.value.body is not None and caught.value.body.error == "forbidden"
+    assert secured.admin.status().role == ACTIVE, "the read-only token changed the role"
 
 
 def _published(

@@ -9,6 +9,7 @@ and nothing it already had, in chunks no larger than asked.
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from hypothesis import given, settings
@@ -16,8 +17,9 @@ from hypothesis import strategies as st
 
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage, decode_ops, encode_ops
 from twinmq.broker.message import Entry, Message
-from twinmq.broker.replication.catchup import CatchupStream
+from twinmq.broker.replication.catchup import CatchupSender, CatchupStream
 from twinmq.broker.replication.protocol import Snapshot
+from twinmq.testing.waiting import until
 
 BODY = 100
 
@@ -270,3 +272,54 @@ def test_a_damaged_active_discards_nothing_from_its_passive() -> None:
     assert [op for op in ops[True] if type(op) is Settle] == [Settle(1, 2), Settle(1, 4)]
     assert [op for op in ops[False] if type(op) is Settle] == []
     assert [op.mid for op in ops[False] if type(op) is StoredMessage] == [3]
+
+
+class RecordingLink:
+    """A `ChunkLink` that keeps each frame with the loop's time it was written, and
+    acknowledges it at once (so only the rate cap can slow the sender)."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[float, int]] = []
+        self.sender: CatchupSender | None = None
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> bool:
+        self.writes.append((asyncio.get_running_loop().time(), len(data)))
+        assert self.sender is not None
+        asyncio.get_running_loop().call_soon(self.sender.on_ack, len(self.writes))
+        return True
+
+    async def drain(self) -> None:
+        return None
+
+
+def test_a_rate_capped_catch_up_writes_no_byte_before_the_cap_allows_it() -> None:
+    """`--catchup-max-rate`: every chunk after the first goes out no earlier than the
+    bytes before it allow at the cap (the sender sleeps; a lower bound, not a timing
+    guess)."""
+    rate = 2_000_000  # bytes a second: 40 chunks of ~10 KB take ~0.2 s
+    stream = CatchupStream(
+        {1: [entry(mid) for mid in range(400)]},
+        {},
+        400,
+        queue_exists=lambda qid: True,
+        chunk_bytes=10 * BODY,
+    )
+    link = RecordingLink()
+    sender = CatchupSender(stream, link, max_rate=rate)
+    link.sender = sender
+
+    async def run() -> None:
+        sender.start()
+        await until("every chunk acknowledged", lambda: sender.done or None, within=10)
+
+    asyncio.run(run())
+    assert len(link.writes) > 10
+    first = link.writes[0][0]
+    sent = 0
+    for at, size in link.writes:
+        assert at - first >= sent / rate, "a chunk went out faster than the cap"
+        sent += size

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
+from typing import cast
 
+import aio_pika
 import pika
 import pytest
+from pamqp import commands
 
+from twinmq.broker.channel import Channel
+from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY, Connection
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.names import ACTIVE, REPLICATION_TOKEN_ENV
 from twinmq.client import ReliablePublisher
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair
 from twinmq.testing.queues import drain as _drain
 from twinmq.testing.queues import opted_in
+from twinmq.testing.rawamqp import decode_frames
 
 
 def test_window_forgets_the_oldest_ids_beyond_its_size(tmp_path: Path) -> None:
@@ -155,3 +163,68 @@ def test_reliable_publisher_enqueues_each_message_once_across_a_failover(tmp_pat
     finally:
         active.kill()
         passive.stop()
+
+
+def test_a_resend_racing_its_original_is_not_enqueued_again_and_shares_its_confirm(
+    tmp_path: Path,
+) -> None:
+    """A re-send that arrives while its original's batch still waits (here for a frozen
+    passive's acknowledgement; after a failover, for the new active's replicated batches)
+    is not enqueued a second time: its confirm waits for that batch and is positive once
+    the original is durable. (It was enqueued: a duplicate the reliable publisher's
+    failover test met now and then.)"""
+    with Pair(tmp_path, replication_timeout=60.0) as pair:
+        pair.wait_healthy()
+
+        async def run() -> None:
+            props = {DEDUP_CLIENT_PROPERTY: True}
+            first = await aio_pika.connect(pair.active.url, client_properties=props)
+            second = await aio_pika.connect(pair.active.url, client_properties=props)
+            one, two = await first.channel(), await second.channel()
+            await one.declare_queue("raced", durable=True)
+            pair.passive.signal(signal.SIGSTOP)  # every batch now waits for its ack
+            message = aio_pika.Message(b"order", message_id="order-1", delivery_mode=2)
+            original = asyncio.ensure_future(one.default_exchange.publish(message, "raced"))
+            # A round trip on each channel after its publish: the broker has handled it.
+            await one.declare_queue("raced", durable=True, passive=True)
+            resend = asyncio.ensure_future(two.default_exchange.publish(message, "raced"))
+            await two.declare_queue("raced", durable=True, passive=True)
+            assert not original.done() and not resend.done(), "confirmed without the passive"
+            pair.passive.signal(signal.SIGCONT)
+            await asyncio.wait_for(asyncio.gather(original, resend), 30)  # both acks
+            await first.close()
+            await second.close()
+
+        asyncio.run(run())
+        assert _drain(pair.active.url, "raced") == [b"order"], "the re-send was enqueued again"
+
+
+class _Sink:
+    """The part of a connection a channel's confirm bookkeeping uses: it keeps frames."""
+
+    vhost = None
+
+    def __init__(self) -> None:
+        self.sent = b""
+
+    def send(self, data: bytes) -> None:
+        self.sent += data
+
+    def await_durable(self, channel: Channel) -> None:
+        return None
+
+
+def test_a_resend_merged_behind_a_later_batch_is_nacked_when_its_originals_batch_fails() -> None:
+    """The channel keeps its confirms in order, so a re-send waiting for its original's
+    batch 5 behind the channel's own batch 7 waits for 7; batch 5's failed write (and 7
+    written after the disk freed up) must still nack it: the original is not stored."""
+    sink = _Sink()
+    channel = Channel(cast(Connection, sink), 1)
+    channel._add_pending(1, 7, "ack")  # a publish of this channel, in batch 7
+    channel._add_pending(2, 5, "ack", depends_on=5)  # the re-send, its original in batch 5
+    channel.durable(5, failed=True)
+    channel.durable(7)
+    frames = [
+        (type(value), value.delivery_tag, value.multiple) for _, value in decode_frames(sink.sent)
+    ]
+    assert frames == [(commands.Basic.Ack, 1, False), (commands.Basic.Nack, 2, False)]

@@ -138,6 +138,9 @@ def test_renewals_keep_an_active_broker_active_past_the_first_deadline() -> None
             first_deadline = keeper.deadline
             await until("the first renewal", lambda: len(api.renewals) == 1)
             for n in range(2, 11):  # three Lease durations and more, a renewal every period
+                # Moved only once the keeper waits on the clock: a move before its sleep
+                # starts wakes nothing, and renewal n never came (flaky under load).
+                await until("the keeper waits for its next renewal", asleep(clock))
                 await clock.advance_to(clock.now + keeper.period)
                 await until(f"renewal {n}", renewed(api, n))
             assert clock.now > first_deadline and broker.role == "active"

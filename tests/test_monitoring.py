@@ -29,7 +29,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 from test_chart import CHART, KUBERNETES_VERSION, Obj, helm, kinds, one, render
 
-from twinmq.broker.names import ADMIN_TOKEN_ENV
+from twinmq.broker.names import ADMIN_READ_TOKEN_ENV
 from twinmq.operator import metrics as operator_metrics
 from twinmq.operator.builders import ClusterRef, build_pod, secret_name
 from twinmq.operator.models import BrokerClusterSpec
@@ -306,7 +306,7 @@ def matches(selector: Obj, labels: dict[str, str]) -> bool:
 
 
 @pytest.mark.parametrize("broker", ["primary", "backup"])
-def test_broker_pod_monitor_scrapes_the_operators_broker_pods_with_their_admin_token(
+def test_broker_pod_monitor_scrapes_the_operators_broker_pods_with_their_read_only_token(
     helm: Callable[..., str], broker: str
 ) -> None:
     docs = [d for d in monitoring_docs(helm) if d["kind"] == "PodMonitor"]
@@ -323,11 +323,13 @@ def test_broker_pod_monitor_scrapes_the_operators_broker_pods_with_their_admin_t
     (container,) = pod["spec"]["containers"]
     assert endpoint["port"] in {port["name"] for port in container["ports"]}
     assert endpoint["path"] == "/metrics"
-    token = next(e for e in container["env"] if e["name"] == ADMIN_TOKEN_ENV)
+    # The read-only token: a scrape's credentials cannot change a role.
+    token = next(e for e in container["env"] if e["name"] == ADMIN_READ_TOKEN_ENV)
+    ref = token["valueFrom"]["secretKeyRef"]
     assert endpoint["authorization"] == {
-        "type": "Bearer", "credentials": token["valueFrom"]["secretKeyRef"],
+        "type": "Bearer", "credentials": {"name": ref["name"], "key": ref["key"]},
     }  # fmt: skip
-    assert token["valueFrom"]["secretKeyRef"]["name"] == secret_name(CLUSTER, BrokerClusterSpec())
+    assert ref["name"] == secret_name(CLUSTER, BrokerClusterSpec())
     # brokercluster and broker come from pod labels the operator sets; `brokercluster` is
     # the label the operator's own per-cluster series carry.
     relabelled = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
@@ -345,7 +347,7 @@ def test_broker_pod_monitor_uses_the_secret_named_in_the_values(
     assert monitor["metadata"]["namespace"] == "tmq"  # the release's
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["authorization"]["credentials"] == {
-        "name": "billing-credentials", "key": "admin-token",
+        "name": "billing-credentials", "key": "metrics-token",
     }  # fmt: skip
 
 

@@ -378,10 +378,15 @@ class CatchupSender:
         window: int = WINDOW,
         on_done: Callable[[], None] | None = None,
         committer: Yielding | None = None,
+        max_rate: int = 0,
     ) -> None:
         self.stream = stream
         self.link = link
         self.committer = committer
+        # Bytes per second at most (0: as fast as the link and the passive go). A cap
+        # leaves CPU to the active's clients on a small machine, as pg_basebackup's
+        # --max-rate and Kafka's replication throttle do.
+        self.max_rate = max(0, max_rate)
         self.window = max(1, window)
         self.on_done = on_done
         self.sent_chunk = 0  # the newest chunk written
@@ -434,6 +439,8 @@ class CatchupSender:
 
     async def _run(self) -> None:
         stream, link = self.stream, self.link
+        loop = asyncio.get_running_loop()
+        paced_until = loop.time()  # when the bytes written so far are due, at max_rate
         try:
             while not link.closed:
                 # Wait *before* building a chunk: once built, its messages count as sent,
@@ -451,20 +458,24 @@ class CatchupSender:
                     return
                 chunk = stream.step()
                 if chunk is not None and (not chunk.empty or stream.finished):
-                    self._write(chunk, stream.finished)
+                    written = self._write(chunk, stream.finished)
+                    if self.max_rate:
+                        paced_until = max(paced_until, loop.time()) + written / self.max_rate
                 if stream.finished:
                     return
-                await asyncio.sleep(0)  # let live batches and confirms through
+                # Let live batches and confirms through (and keep to the rate cap).
+                await asyncio.sleep(max(0.0, paced_until - loop.time()))
         except (ConnectionError, RuntimeError) as exc:
             # The link died under us; its reader notices and drops it.
             log.debug("catch-up stream stopped: %r", exc)
 
-    def _write(self, chunk: Chunk, last: bool) -> None:
+    def _write(self, chunk: Chunk, last: bool) -> int:
+        """Write one chunk; the bytes written (0 if the link is gone)."""
         self.sent_chunk += 1
         flags = BATCH_CATCHUP | (BATCH_CATCHUP_LAST if last else 0)
         frame = encode_batch(self.sent_chunk, flags, chunk.payload)
         if not self.link.write(frame):
-            return
+            return 0
         progress = self.stream.progress
         progress.chunks += 1
         progress.bytes += len(frame)
@@ -474,3 +485,4 @@ class CatchupSender:
         metrics.CATCHUP_MESSAGES.inc(messages)
         if last:
             self.last_chunk = self.sent_chunk
+        return len(frame)

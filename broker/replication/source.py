@@ -518,7 +518,11 @@ class ReplicationSource:
             discard=not broker.damaged,
         )
         link.catchup = CatchupSender(
-            stream, link, on_done=lambda: self._in_sync(link), committer=committer
+            stream,
+            link,
+            on_done=lambda: self._in_sync(link),
+            committer=committer,
+            max_rate=broker.settings.catchup_max_rate,
         )
         link.write(encode(FrameType.DEFINITIONS, vhost.definitions()))
         self.link = link

@@ -1,0 +1,50 @@
+"""Throw-away certificates for TLS tests, made with the `openssl` command (as the local
+cluster's PKI is): a CA, and leaf certificates it signs for loopback."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A certificate and its key (PEM files)."""
+
+    cert: Path
+    key: Path
+
+
+class TestCA:
+    """A CA in `folder` (ca.crt, ca.key) that signs server and client certificates."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, folder: Path, name: str = "TwinMQ test CA") -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.cert, self.key = folder / "ca.crt", folder / "ca.key"
+        _openssl("genrsa", "-out", "ca.key", "2048", cwd=folder)
+        _openssl("req", "-x509", "-new", "-key", "ca.key", "-days", "2", "-subj", f"/CN={name}",
+                 "-out", "ca.crt", cwd=folder)  # fmt: skip
+
+    def issue(self, name: str, *, client: bool = False, days: int = 2) -> Leaf:
+        """A leaf for `name`: a server certificate for localhost / 127.0.0.1, or a client one."""
+        usage = "clientAuth" if client else "serverAuth"
+        ext = self.folder / f"{name}.ext"
+        ext.write_text(
+            f"extendedKeyUsage={usage}\n"
+            + ("" if client else "subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        )
+        _openssl("genrsa", "-out", f"{name}.key", "2048", cwd=self.folder)
+        _openssl("req", "-new", "-key", f"{name}.key", "-subj", f"/CN={name}",
+                 "-out", f"{name}.csr", cwd=self.folder)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-days", str(days), "-extfile", ext.name,
+                 "-out", f"{name}.crt", cwd=self.folder)  # fmt: skip
+        return Leaf(self.folder / f"{name}.crt", self.folder / f"{name}.key")
