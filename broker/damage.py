@@ -78,19 +78,15 @@ def record(data_dir: Path, recovered: Recovered, now: float) -> DamageMarker:
 
 
 def save(data_dir: Path, marker: DamageMarker) -> None:
-    """Replace the marker atomically."""
-    replace_file(data_dir / MARKER, marker.model_dump_json(indent=1).encode())
-
-
-def replace_file(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` atomically and durably (tmp, fsync, rename, fsync dir)."""
+    """Replace the marker atomically (tmp, fsync, rename, fsync dir)."""
+    path = data_dir / MARKER
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        f.write(marker.model_dump_json(indent=1).encode())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _sync_dir(path.parent)
+    _sync_dir(data_dir)
 
 
 def clear(data_dir: Path) -> bool:

@@ -204,7 +204,7 @@ class BrokerSettings(BaseSettings):
         description="This site's first DR role: source (writable, mirrors to --mirror-to) or "
         "replica (read-only, applies from --mirror-port); default: source with --mirror-to "
         "alone, replica with --mirror-port alone; required with both (a site that can "
-        "switch over). After a switchover the role stored in the data dir wins",
+        "switch over). After a switch the role recorded in the journal wins",
     )
     mirror_retention_events: int = Field(
         0,
@@ -230,7 +230,7 @@ class BrokerSettings(BaseSettings):
 
     @property
     def mirror_first_role(self) -> Literal["source", "replica"] | None:
-        """The DR role this site starts in when its data dir records none."""
+        """The DR role this site starts in when its journal records none."""
         if self.mirror_role is not None:
             return self.mirror_role
         if self.mirror_to:

@@ -86,10 +86,12 @@ class Mirroring:
         token = settings.mirror_token.get_secret_value() if settings.mirror_token else None
         self.origin = origin = settings.mirror_id or settings.name
         first = settings.mirror_first_role
-        self.roles = RoleStore(settings.data_dir, first) if first and token else None
+        self.futures = BatchFutures()  # switches and acknowledgements wait on batches
+        committer.await_durable(self.futures)
+        self.roles = RoleStore(vhost, committer, self.futures, first) if first and token else None
         if settings.mirror_to and token is not None and self.roles is not None:
             self.source = MirrorSource(vhost, committer, clock)
-            self.source.sending = self.roles.role == "source"
+            self.source.sending = lambda: self.is_source
             self.source.retention = settings.mirror_retention_events
             self.source.needs_resync = self.roles.current.needs_resync
             self.source.on_needs_resync = self._needs_resync
@@ -111,10 +113,8 @@ class Mirroring:
             metrics.OLDEST_AGE.set_function(self._oldest_age)
         metrics.ENABLED.set(1 if self.source is not None else 0)
         if settings.mirror_port is not None and token is not None:
-            futures = BatchFutures()
-            committer.await_durable(futures)
             applier = MirrorApplier(vhost, committer, clock)
-            self.listener = MirrorListener(applier, futures, mirror_key(token), origin, self)
+            self.listener = MirrorListener(applier, self.futures, mirror_key(token), origin, self)
         self._server: asyncio.Server | None = None
         self._metrics()
 
@@ -144,12 +144,13 @@ class Mirroring:
             )
         return None
 
-    def _save(self, record: SiteRole) -> None:
+    async def _save(self, record: SiteRole) -> None:
+        """Make `record` the role, durable (and on the pair's passive) before returning."""
         assert self.roles is not None
-        self.roles.save(record)
-        if self.source is not None:
-            self.source.sending = record.role == "source"
+        ok = await self.roles.save(record)
         self._metrics()
+        if not ok:
+            raise MirrorRefused("the journal refused the role record: the switch is not durable")
 
     def _metrics(self) -> None:
         metrics.ROLE.set(1 if self.is_source else 0)
@@ -164,14 +165,21 @@ class Mirroring:
         was = self.roles.role
         log.error("mirror: fenced by DR epoch %d (this site had %d, %s): %s; now a replica",
                   epoch, self.roles.epoch, was, reason)  # fmt: skip
-        self._save(self.roles.current.model_copy(update={"role": "replica", "epoch": epoch,
-                                                         "fenced_by": reason}))  # fmt: skip
+        # In effect at once (in memory); durable with the batch it joins.
+        update = {"role": "replica", "epoch": epoch, "fenced_by": reason}
+        self.roles.record(self.roles.current.model_copy(update=update))
+        self._metrics()
         if was == "source":
             self.close_clients(f"{self.settings.name} was fenced by a site at DR epoch {epoch}")
 
     def _needs_resync(self, reason: str) -> None:
-        assert self.roles is not None
-        self._save(self.roles.current.model_copy(update={"needs_resync": reason}))
+        """Called as a batch closes (the committer's tap): recorded right after it."""
+        roles = self.roles
+        assert roles is not None
+        asyncio.get_running_loop().call_soon(
+            lambda: roles.record(roles.current.model_copy(update={"needs_resync": reason}))
+        )
+        self._metrics()
 
     # -- the listener's site ----------------------------------------------------------------
 
@@ -250,7 +258,7 @@ class Mirroring:
             role="replica", epoch=epoch, token=token, seconds=time.monotonic() - started
         )
         update = {"role": "replica", "epoch": epoch, "last_switch": switch, "fenced_by": None}
-        self._save(roles.current.model_copy(update=update))
+        await self._save(roles.current.model_copy(update=update))
         self.demoting = False
         log.warning("mirror: demoted at DR epoch %d: %s", epoch, token.model_dump_json())
         return switch
@@ -302,7 +310,7 @@ class Mirroring:
             seconds=time.monotonic() - started,
         )  # fmt: skip
         took_over_from = token.origin if token is not None else None
-        self._save(roles.current.model_copy(update={
+        await self._save(roles.current.model_copy(update={
             "role": "source", "epoch": epoch, "last_switch": switch, "fenced_by": None,
             "rpo": rpo if rpo is not None else roles.current.rpo,
             "took_over_from": took_over_from}))  # fmt: skip

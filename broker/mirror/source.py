@@ -87,7 +87,7 @@ class MirrorSource:
         self.durable_seq = 0  # every event up to this one is complete here
         self.acked_seq = 0  # the mirror's high-water mark, as last acknowledged
         self.on_change: Callable[[], None] | None = None  # events became sendable
-        self.sending = True  # this site is the DR source (not demoted, not fenced)
+        self.sending: Callable[[], bool] = lambda: True  # the DR source (its role's record)
         self.retention = 0  # most events kept unacknowledged (0: no bound)
         self.needs_resync: str | None = None  # the backlog was dropped past `retention`
         self.on_needs_resync: Callable[[str], None] | None = None
@@ -162,7 +162,7 @@ class MirrorSource:
     def active(self) -> bool:
         """Whether this broker makes events: the active broker of the DR source site, its
         backlog within bounds (a passive's queue changes by replication only)."""
-        return self.sending and self.needs_resync is None and not self.vhost.replica
+        return self.sending() and self.needs_resync is None and not self.vhost.replica
 
     @property
     def queue(self) -> Queue:
