@@ -174,7 +174,9 @@ class MirrorSwitch(BaseModel):
 class MirrorStatus(BaseModel):
     """The DR mirror as this broker sees it: its source side, its mirror side, or both."""
 
-    enabled: bool = Field(description="This broker mirrors its changes (--mirror-to)")
+    enabled: bool = Field(
+        description="This broker mirrors its changes now (--mirror-to, and the DR source)"
+    )
     role: MirrorRole | None = Field(None, description="This site's DR role (None: no mirror)")
     epoch: int = Field(0, description="This site's DR epoch (fencing: the highest wins)")
     state: MirrorLinkState = Field("disabled", description="The source's link, honestly")
