@@ -185,6 +185,7 @@ class MirrorStatus(BaseModel):
         None, description="Since the last heartbeat round trip completed"
     )
     round_trip_seconds: float | None = Field(None, description="The last heartbeat's")
+    link_error: str | None = Field(None, description="Why the link's last attempt failed")
     queue_lag_events: dict[str, int] = Field(
         default_factory=dict, description="Per queue: events touching it not yet acknowledged"
     )

@@ -29,11 +29,17 @@ class Sites:
     """`source` (site A) mirrors to `mirror` (site B)."""
 
     def __init__(
-        self, tmp: Path, *, source_args: list[str] | None = None, reversible: bool = False
+        self,
+        tmp: Path,
+        *,
+        source_args: list[str] | None = None,
+        reversible: bool = False,
+        mirror_to: str | None = None,
     ) -> None:
         self.mirror_port = free_port()
         self.source_port = free_port()  # reversible: site A's own listener
-        back = ["--mirror-to", f"127.0.0.1:{self.source_port}", "--mirror-role", "replica"]
+        back_to = mirror_to or f"127.0.0.1:{self.source_port}"  # where B mirrors once promoted
+        back = ["--mirror-to", back_to, "--mirror-role", "replica"]
         self.mirror = BrokerProcess(
             tmp / "b" / "data",
             name="site-b",

@@ -409,6 +409,7 @@ class Mirroring:
             connected=link is not None and link.connected,
             heartbeat_age_seconds=link.heartbeat_age() if link is not None else None,
             round_trip_seconds=link.round_trip if link is not None else None,
+            link_error=link.last_error if link is not None else None,
             queue_lag_events=lag,
             needs_resync=source.needs_resync if source is not None else None,
             rpo=roles.current.rpo if roles is not None else None,
