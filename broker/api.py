@@ -85,6 +85,9 @@ class CatchupStatus(BaseModel):
     chunks: int = Field(description="Chunks written")
     acked_chunks: int = Field(description="Chunks durable on the passive")
     acked_messages: int = Field(description="Messages in those chunks")
+    dedup_keys: int = Field(
+        0, description="Keys of the active's duplicate-detection window sent (after the messages)"
+    )
 
 
 class ReplicationStatus(BaseModel):

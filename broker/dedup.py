@@ -6,10 +6,12 @@ re-send is confirmed and dropped. The key is the publish itself (exchange,
 routing key and message id), so a worker that forwards a consumed message,
 properties and all, to another destination is not mistaken for a re-send.
 The window holds the newest `size` keys; the passive builds the same window
-from the replication stream, and a snapshot file (rewritten every few
-seconds, and at shutdown) carries it over restarts together with the keys of
-the messages recovered from the journal. The known gap: keys added in the
-last few seconds before a crash whose messages were also consumed since.
+from the replication stream and from the active's window, which every
+catch-up carries after its messages (docs/replication.md, "Duplicates"), and a
+snapshot file (rewritten every few seconds, and at shutdown) carries it over
+restarts together with the keys of the messages recovered from the journal.
+The known gap: keys added in the last few seconds before a crash whose
+messages were also consumed since.
 
 A key enters the window only once its message is enqueued *and* durable (its
 group-commit batch complete): a publish that was returned (unroutable), nacked
@@ -107,10 +109,14 @@ class DedupWindow:
                 self.add(key)
         return bool(pending)
 
+    def keys(self) -> list[str]:
+        """The admitted keys, oldest first (a copy at C speed: what a catch-up carries)."""
+        return list(self._ids)
+
     def snapshot(self) -> list[str]:
         """The ids, oldest first (taken on the loop; written off it)."""
         self.dirty = False
-        return list(self._ids)
+        return self.keys()
 
     def write(self, ids: list[str]) -> None:
         """Atomically replace the snapshot file (runs in a worker thread)."""

@@ -50,6 +50,7 @@ def replication_status(broker: Broker) -> ReplicationStatus:
             in_progress=not sender.done, candidates=p.candidates, sent=p.sent, kept=p.kept,
             discarded=p.discarded, skipped=p.skipped, bytes=p.bytes, chunks=p.chunks,
             acked_chunks=sender.acked_chunk, acked_messages=sender.acked_messages,
+            dedup_keys=p.dedup_keys,
         )  # fmt: skip
     return ReplicationStatus(
         peer=None if link is None else f"{link.name} ({link.peer})",

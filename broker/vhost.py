@@ -251,6 +251,30 @@ class VirtualHost:
         if self.on_topology_change is not None:
             self.on_topology_change(definitions)
 
+    def _save_or_undo(
+        self, undo: Callable[[], object], refused: str, method: tuple[int, int]
+    ) -> None:
+        """Save a topology change; if the disk refuses it, `undo` it in memory and refuse it.
+
+        What the topology file lacks must not be in memory either (finding 11): a
+        queue declared there takes confirms whose messages recovery drops, a queue
+        deleted there comes back with its messages at the next restart. Undone, the
+        client's retry saves it once the disk has room. A passive (its topology is the
+        active's, `apply_definitions`) gets the JournalError itself: it stops, exit 75.
+        """
+        try:
+            self._save()
+        except JournalError as exc:
+            undo()
+            self._by_qid = None
+            if self.replica:
+                raise
+            raise channel_error(
+                ReplyCode.INTERNAL_ERROR,
+                f"{refused}: the topology could not be saved ({exc})",
+                method,
+            ) from exc
+
     # -- exchanges --------------------------------------------------------------------------
 
     def declare_exchange(
@@ -310,7 +334,11 @@ class VirtualHost:
         )
         self.exchanges[name] = make_exchange(definition)
         if durable:
-            self._save()
+            self._save_or_undo(
+                lambda: self.exchanges.pop(name),
+                f"exchange '{name}' not declared",
+                EXCHANGE_DECLARE,
+            )
 
     def delete_exchange(self, name: str, *, if_unused: bool) -> None:
         """`exchange.delete`; deleting a missing exchange succeeds, as in RabbitMQ."""
@@ -331,7 +359,11 @@ class VirtualHost:
             )
         del self.exchanges[name]
         if exchange.definition.durable:
-            self._save()
+            self._save_or_undo(
+                lambda: self.exchanges.setdefault(name, exchange),
+                f"exchange '{name}' not deleted",
+                EXCHANGE_DELETE,
+            )
 
     def exchange_for_publish(self, name: str) -> Exchange:
         """The exchange a publish names (404 when missing, 403 when internal)."""
@@ -434,20 +466,12 @@ class VirtualHost:
         default = BindingDef(exchange="", queue=name, routing_key=name)
         self.exchanges[""].bind(default)
         if durable:
-            try:
-                self._save()
-            except JournalError as exc:
-                # Not in the topology file, so not in memory either: a declare retried
-                # would find it, and recovery drops the messages of a qid the file
-                # lacks, confirmed or not.
+
+            def undo() -> None:
                 del self.queues[name]
                 self.exchanges[""].unbind(default)
-                self._by_qid = None
-                raise channel_error(
-                    ReplyCode.INTERNAL_ERROR,
-                    f"queue '{name}' not declared: the topology could not be saved ({exc})",
-                    QUEUE_DECLARE,
-                ) from exc
+
+            self._save_or_undo(undo, f"queue '{name}' not declared", QUEUE_DECLARE)
         self._touch(queue)
         metrics.QUEUES.set(len(self.queues))
         return queue
@@ -487,10 +511,31 @@ class VirtualHost:
         return self.remove_queue(queue)
 
     def remove_queue(self, queue: Queue) -> int:
-        """Delete a queue: cancel its consumers, unbind it, drop its messages."""
+        """Delete a queue: cancel its consumers, unbind it, drop its messages.
+
+        A durable one is first taken out of the topology and that saved: if the disk
+        refuses, it is put back, untouched (541, `_save_or_undo`).
+        """
         count = queue.message_count
-        queue.deleted = True
         del self.queues[queue.name]
+        unbound = [(e, e.unbind_queue(queue.name)) for e in list(self.exchanges.values())]
+        auto_deleted = [
+            e for e, gone in unbound if gone and e.definition.auto_delete and not e.bindings
+        ]
+        for exchange in auto_deleted:
+            del self.exchanges[exchange.name]
+        if queue.durable:
+
+            def undo() -> None:
+                self.queues[queue.name] = queue
+                for exchange in auto_deleted:
+                    self.exchanges[exchange.name] = exchange
+                for exchange, gone in unbound:
+                    for binding in gone:
+                        exchange.bind(binding)
+
+            self._save_or_undo(undo, f"queue '{queue.name}' not deleted", QUEUE_DELETE)
+        queue.deleted = True
         for timer in (
             self._timers.pop(queue.name, None),
             self._expiry_timers.pop(queue.name, None),
@@ -502,20 +547,11 @@ class VirtualHost:
             if cancel is not None:
                 cancel()
         queue.consumers.clear()
-        auto_deleted = []
-        for exchange in list(self.exchanges.values()):
-            if exchange.unbind_queue(queue.name) and (
-                exchange.definition.auto_delete and not exchange.bindings
-            ):
-                auto_deleted.append(exchange.name)
-        for name in auto_deleted:
-            del self.exchanges[name]
         queue.purge()
         if queue.held_aside:
             metrics.HELD_ASIDE.dec(len(queue.held_aside))
             queue.held_aside.clear()
         if queue.durable:
-            self._save()
             self.committer.drop_queue(queue.definition.qid)
         metrics.QUEUES.set(len(self.queues))
         return count
@@ -558,7 +594,16 @@ class VirtualHost:
         if unbind and changed and exchange.definition.auto_delete and not exchange.bindings:
             del self.exchanges[exchange_name]
         if changed and queue.durable and exchange.definition.durable:
-            self._save()
+
+            def undo() -> None:
+                self.exchanges[exchange_name] = exchange  # (auto-deleted by the unbind)
+                if unbind:
+                    exchange.bind(binding)
+                else:
+                    exchange.unbind(binding)
+
+            done = "unbound" if unbind else "bound"
+            self._save_or_undo(undo, f"queue '{queue.name}' not {done}", method)
 
     def connection_closed(self, owner: object) -> None:
         """Delete the exclusive queues of a closed connection."""

@@ -158,11 +158,6 @@ def test_resends_after_an_interrupted_catch_up_and_a_failover_are_not_enqueued_t
     assert drain(pair.active.url, Q1) == [*sent, b"new"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 13 (docs/reliability.md): a catch-up carries messages, not the "
-    "active's dedup window; a duplicate, never a loss (docs/replication.md, Duplicates)",
-)
 def test_a_resend_of_a_message_consumed_while_the_passive_was_away_is_not_enqueued_again(
     pair: Pair,
 ) -> None:
@@ -177,3 +172,66 @@ def test_a_resend_of_a_message_consumed_while_the_passive_was_away_is_not_enqueu
     _failover(pair)
     _publish_with_ids(pair, Q2, consumed, "c")
     assert drain(pair.active.url, Q2) == [], "a re-send of a consumed message was enqueued again"
+
+
+def test_the_window_reaches_a_passive_whose_catch_up_was_cut_while_it_carried_the_window(
+    pair: Pair,
+) -> None:
+    """Cut (partition, kill -9) once the active has sent some of its window and the passive
+    has acknowledged a chunk, with the rest still under way: the restarted passive's next
+    catch-up carries the window again, whole. Nothing else is to be caught up here (the
+    queue is empty on both), so every chunk is one of keys."""
+    active, passive = pair.active, pair.passive
+    passive.kill()
+    consumed = bodies("consumed", 3000)
+    # Ids of 200 bytes: 3,000 keys are about 40 chunks, seconds through the pipe (a pipe
+    # thinner than a chunk per replication timeout would be a stall, finding 8).
+    prefix = "w" * 200
+    _publish_with_ids(pair, Q2, consumed, prefix)
+    assert len(drain(active.url, Q2)) == 3000
+    pair.link.throttle(PIPE)
+    passive.start()
+
+    def carrying() -> bool:
+        state = catchup(active)
+        return (
+            state is not None and state["in_progress"] and state["dedup_keys"] > 0
+            and state["acked_chunks"] >= 1
+        )  # fmt: skip
+
+    wait_for("a chunk of the window on the passive's disk", carrying, 20, interval=0.02)
+    pair.link.partition()
+    state = catchup(active)
+    assert state is not None and state["in_progress"], "the window went whole: nothing proven"
+    passive.kill()
+    pair.link.heal()
+    passive.start()
+    pair.wait_healthy(30)
+    state = catchup(active)
+    assert state is not None and state["dedup_keys"] >= 3000
+    _failover(pair)
+    _publish_with_ids(pair, Q2, consumed, prefix)
+    _publish_with_ids(pair, Q2, [b"new"], "new")
+    assert drain(pair.active.url, Q2) == [b"new"]
+
+
+def test_a_message_a_catch_up_discards_keeps_its_key_while_the_active_remembers_it(
+    pair: Pair,
+) -> None:
+    """The passive held them (in sync), they were consumed while it was away: its catch-up
+    discards them, which forgets their keys (a key without its message could swallow a
+    re-send of a message nobody has), and the window that follows brings the keys back, as
+    the active still remembers them. Promoted, it drops their re-sends as the active would."""
+    sent = bodies("discarded", 20)
+    _publish_with_ids(pair, Q2, sent, "d")
+    wait_for("the passive holds them", lambda: messages(pair.passive, Q2) == 20, 20)
+    pair.passive.kill()
+    assert take(pair.active, Q2, 20) == sent
+    pair.passive.start()
+    pair.wait_healthy(30)
+    state = catchup(pair.active)
+    assert state is not None and state["discarded"] == 20, state
+    _failover(pair)
+    _publish_with_ids(pair, Q2, sent, "d")
+    _publish_with_ids(pair, Q2, [b"new"], "new")
+    assert drain(pair.active.url, Q2) == [b"new"]

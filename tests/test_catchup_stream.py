@@ -12,13 +12,24 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage, decode_ops, encode_ops
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.replication.catchup import CatchupSender, CatchupStream
-from twinmq.broker.replication.protocol import Snapshot
+from twinmq.broker.replication.protocol import (
+    BATCH_CATCHUP,
+    FrameDecoder,
+    FrameType,
+    ProtocolError,
+    Snapshot,
+    decode_batch,
+    decode_keys,
+    encode_batch,
+    encode_key,
+)
 from twinmq.testing.waiting import until
 
 BODY = 100
@@ -323,3 +334,52 @@ def test_a_rate_capped_catch_up_writes_no_byte_before_the_cap_allows_it() -> Non
     for at, size in link.writes:
         assert at - first >= sent / rate, "a chunk went out faster than the cap"
         sent += size
+
+
+def test_the_dedup_window_follows_every_message_and_discard_in_bounded_chunks() -> None:
+    """The active's window comes last (a key never ahead of its message on the passive, and
+    after the discards that forget keys), oldest first, whole, in chunks no larger than asked;
+    the last one is the final chunk, and a key of any str (lone surrogates too) round-trips."""
+    window = [f"\x00q\x00id-{i}" for i in range(25)] + ["ex\x00rk\x00\udcff-\u00e9"]
+    stream = CatchupStream(
+        {1: [entry(mid) for mid in range(1, 31)]}, {1: [1, 99]}, 31,
+        queue_exists=lambda qid: True, chunk_messages=10, window=lambda: list(window),
+    )  # fmt: skip
+    kinds: list[str] = []
+    keys: list[str] = []
+    while not stream.finished:
+        chunk = stream.step()
+        if chunk is None:
+            continue
+        if chunk.frame is FrameType.DEDUP_KEYS:
+            frame = encode_batch(1, BATCH_CATCHUP, chunk.payload, chunk.frame)
+            ((ftype, payload),) = FrameDecoder().feed(frame)
+            body = decode_batch(payload)[2]
+            assert ftype is FrameType.DEDUP_KEYS and len(decode_keys(body)) == chunk.keys <= 10
+            keys += decode_keys(body)
+            kinds.append("keys")
+        else:
+            ops = decode_ops(bytes(chunk.payload))
+            kinds.append("settle" if any(type(op) is Settle for op in ops) else "messages")
+    assert keys == window and stream.progress.dedup_keys == len(window)
+    assert kinds == ["messages"] * 2 + ["settle"] + ["keys"] * 3, kinds
+
+
+def test_a_catch_up_without_a_window_or_keys_still_ends_with_one_final_chunk() -> None:
+    for window in (None, list):
+        stream = CatchupStream({1: [entry(1)]}, {}, 2, queue_exists=lambda qid: True,
+                               window=window)  # fmt: skip
+        chunks = []
+        while not stream.finished:
+            chunk = stream.step()
+            if chunk is not None:
+                chunks.append(chunk)
+        assert [(c.frame, c.messages, c.keys) for c in chunks] == [(FrameType.BATCH, 1, 0)]
+
+
+def test_a_malformed_keys_chunk_is_a_protocol_error_not_a_partial_window() -> None:
+    buf = bytearray()
+    encode_key(buf, "a\x00b\x00c")
+    for bad in (bytes(buf[:-1]), bytes(buf) + b"\x00", b"\x00\x02\xff\xfe"):
+        with pytest.raises(ProtocolError):
+            decode_keys(bad)

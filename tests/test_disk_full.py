@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pika
 import pika.exceptions
 import pytest
 from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
-from jepsen import DiskFiller, log_since, log_size
+from jepsen import DiskFiller, log_since, log_size, queue_counts
+from pika.adapters.blocking_connection import BlockingChannel
 
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
@@ -266,23 +267,32 @@ def test_a_passive_whose_disk_fills_stops_and_loses_nothing_it_acknowledged(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", ["declare", "delete"])
 def test_a_passive_that_cannot_save_the_topology_on_a_full_disk_exits_75_not_silent(
-    small_disk: Path, tmp_path: Path
+    small_disk: Path, tmp_path: Path, change: str
 ) -> None:
     """Finding 10 (docs/reliability.md): a passive whose full disk refused the topology file
     (a declare on the active, or the definitions of a reconnect) lost its replication task
     and went silent: linked no more, never acknowledging, never exiting. It must exit 75
     (its memory holds a topology its disk does not) and recover after a restart; the active
-    meanwhile goes on alone and confirms what its own disk holds."""
+    meanwhile goes on alone and confirms what its own disk holds. A queue deleted on the
+    active the same (a refused change undone in memory is the active's; a passive stops)."""
     pair = PassiveOnSmallDisk(small_disk, tmp_path, "defs-full-pair", replication_timeout=1)
     active, passive = pair.active, pair.passive
     try:
         wait_for("passive ready", lambda: (status(passive) or {})["replication"]["ready"], 30)
+        conn = pika.BlockingConnection(pika.URLParameters(active.url))
+        ch = conn.channel()
+        if change == "delete":
+            ch.queue_declare("defs.q", durable=True)
+            ch.queue_declare("gone.q", durable=True)
+            wait_for("the passive has it", lambda: queue_counts(status(passive), "gone.q"), 10)
         filler = DiskFiller(small_disk)
         try:
-            conn = pika.BlockingConnection(pika.URLParameters(active.url))
-            ch = conn.channel()
-            ch.queue_declare("defs.q", durable=True)  # the passive must save the topology
+            if change == "declare":
+                ch.queue_declare("defs.q", durable=True)  # the passive must save the topology
+            else:
+                ch.queue_delete("gone.q")
             assert passive.proc is not None
             code = passive.proc.wait(timeout=30)
             assert code == EXIT_JOURNAL_FAILED, f"passive exited {code}, not 75"
@@ -358,3 +368,77 @@ def test_a_passive_on_a_full_disk_that_loses_its_link_exits_75_on_reconnecting(
         pair.wait_healthy(30)
     finally:
         pair.stop()
+
+
+_EX, _Q, _KEY = "topo.ex", "topo.q", "rk"
+# Each topology change the full disk refuses, on a durable exchange "topo.ex" (direct) and
+# queue "topo.q" holding one message, bound by "rk" where the change needs a binding.
+_REFUSED_CHANGES: dict[str, tuple[bool, Callable[[BlockingChannel], object]]] = {
+    "queue.delete": (False, lambda ch: ch.queue_delete(_Q)),
+    "exchange.declare": (False, lambda ch: ch.exchange_declare("late.ex", durable=True)),
+    "exchange.delete": (False, lambda ch: ch.exchange_delete(_EX)),
+    "queue.bind": (False, lambda ch: ch.queue_bind(_Q, _EX, _KEY)),
+    "queue.unbind": (True, lambda ch: ch.queue_unbind(_Q, _EX, _KEY)),
+}
+
+
+def _topology_as_before(url: str, bound: bool) -> None:
+    """The state before the refused change: the queue with its message, the exchange routing
+    into it exactly when `bound`, and no "late.ex"."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        ch = conn.channel()
+        assert ch.queue_declare(_Q, passive=True).method.message_count == 1
+        ch.exchange_declare(_EX, passive=True)
+        ch.basic_publish(_EX, _KEY, b"probe", pika.BasicProperties(delivery_mode=2))
+        routed = ch.queue_declare(_Q, passive=True).method.message_count == 2
+        assert routed == bound, f"{_EX} routes into {_Q}: {routed}, expected {bound}"
+        if routed:
+            ch.queue_purge(_Q)  # the probe and the message: put the message back
+            ch.basic_publish("", _Q, b"kept", pika.BasicProperties(delivery_mode=2))
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker):
+            conn.channel().exchange_declare("late.ex", passive=True)
+    finally:
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            conn.close()
+
+
+@pytest.mark.parametrize("change", list(_REFUSED_CHANGES))
+def test_a_topology_change_the_full_disk_refused_is_undone_in_memory_too(
+    small_disk: Path, change: str
+) -> None:
+    """The channel got 541 and memory kept the change (finding 11): a deleted queue that
+    took no more messages came back with its messages at the next restart, a binding that
+    routed until then stopped, and so on. Refused, each change must leave memory as the
+    topology file is: the same before and after a restart."""
+    bound, apply = _REFUSED_CHANGES[change]
+    data = small_disk / "data"
+    args = ["--disk-free-limit", "0"]
+    broker = BrokerProcess(data, name="topofull", extra_args=args).start()
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+        ch = conn.channel()
+        ch.exchange_declare(_EX, "direct", durable=True)
+        ch.queue_declare(_Q, durable=True)
+        if bound:
+            ch.queue_bind(_Q, _EX, _KEY)
+        ch.confirm_delivery()
+        ch.basic_publish("", _Q, b"kept", pika.BasicProperties(delivery_mode=2))
+        filler = DiskFiller(small_disk)
+        try:
+            with pytest.raises(pika.exceptions.AMQPError) as refused:
+                apply(conn.channel())
+        finally:
+            filler.release()
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            conn.close()
+        _topology_as_before(broker.url, bound)
+        broker.kill()
+        broker = BrokerProcess(data, name=broker.name, extra_args=args, port=broker.port).start()
+        _topology_as_before(broker.url, bound)
+    finally:
+        broker.stop()
+    # The channel only, with why (not the connection's "internal error, see the log").
+    error = refused.value
+    assert isinstance(error, pika.exceptions.ChannelClosedByBroker), repr(error)
+    assert error.reply_code == 541 and "the topology could not be saved" in error.reply_text

@@ -25,7 +25,7 @@ from replpeer import FakeListener, RawLink, hello_for, welcome_for
 from twinmq.broker.admin_client import metric_samples
 from twinmq.broker.epoch import epoch_jump_refusal
 from twinmq.broker.journal import StoredMessage, encode_ops
-from twinmq.broker.replication.handshake import transcript_proof, verify
+from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
 from twinmq.broker.replication.protocol import (
     BATCH_CATCHUP,
     BATCH_CATCHUP_LAST,
@@ -330,7 +330,24 @@ def test_an_active_of_the_old_protocol_gets_no_hello_and_a_clear_log_line(
         old = {"name": "a", "epoch": ABSURD, "nonce": "0" * 32}
         link.send(FrameType.CHALLENGE, json.dumps(old).encode())
         assert link.closed_by_peer() == []
-    assert "protocol version 1, this broker speaks 2" in _log(intact.passive)
+    assert "protocol version 1, this broker speaks 3" in _log(intact.passive)
+
+
+def test_an_active_of_protocol_2_gets_no_hello_and_a_clear_log_line(
+    intact: Pair, fake_active: FakeListener
+) -> None:
+    """Protocol 2's catch-up carries no dedup window (DEDUP_KEYS, 3): the pair must not come up
+    half-upgraded. An old passive meets a new active the same way: version 2 refuses every
+    challenge but its own version, so it never gets a frame type it cannot read."""
+    link = fake_active.accept()
+    with link:
+        challenge = Challenge(version=2, name="a", nonce=new_nonce())
+        link.send(FrameType.CHALLENGE, challenge)
+        assert link.closed_by_peer() == []
+    assert "protocol version 2, this broker speaks 3" in _log(intact.passive)
+    active = intact.active
+    with RawLink.connect(active.host, active.replication_port) as raw:
+        assert Challenge.model_validate_json(raw.expect(FrameType.CHALLENGE)).version == 3
 
 
 # -- an authenticated active's corrupt chunk ----------------------------------------------

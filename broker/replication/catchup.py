@@ -13,7 +13,15 @@ then on, a slice at a time between live batches, `CatchupStream`:
    sent; at the end, what it holds but the active's capture does not (dequeued
    meanwhile, or never confirmed before a failover) is discarded. Each chunk is
    a `BATCH` frame (flag `BATCH_CATCHUP`) that the passive journals as its own
-   record group and acknowledges with `CATCHUP_ACK`.
+   record group and acknowledges with `CATCHUP_ACK`;
+3. once every queue is done, sends the active's duplicate-detection window
+   (`window`, its keys oldest first, taken in that step) in chunks of keys
+   (`DEDUP_KEYS` frames, numbered and acknowledged as the other chunks): the
+   ids of messages published *and consumed* while the passive was away, or
+   discarded from it by this catch-up, reach it only so. Last, so that the
+   passive admits a key only once it holds every message the active held
+   (a key without its message would swallow a re-send), and after the
+   discards that forgot the keys of messages the active no longer holds.
 
 Live batches keep flowing meanwhile, and `filter_live` keeps both streams
 consistent: a message settled live before the cursor reaches it is not sent
@@ -41,7 +49,13 @@ from twinmq.broker import metrics
 from twinmq.broker.journal import JournalOp, Settle, encode_message, encode_settle
 from twinmq.broker.message import Entry
 from twinmq.broker.queue import Queue
-from twinmq.broker.replication.protocol import BATCH_CATCHUP, BATCH_CATCHUP_LAST, encode_batch
+from twinmq.broker.replication.protocol import (
+    BATCH_CATCHUP,
+    BATCH_CATCHUP_LAST,
+    FrameType,
+    encode_batch,
+    encode_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +86,19 @@ def capture(queues: Iterable[Queue]) -> dict[int, list[Entry]]:
 
 @dataclass
 class Chunk:
-    """One chunk's ops, already in the journal's encoding (a BATCH frame's body)."""
+    """One chunk's ops, already in the journal's encoding (a BATCH frame's body), or
+    dedup keys (`frame` DEDUP_KEYS)."""
 
     payload: bytearray
     messages: int = 0
     settles: int = 0
+    keys: int = 0
+    frame: FrameType = FrameType.BATCH
 
     @property
     def empty(self) -> bool:
-        """No op at all (only ever the last chunk)."""
-        return not (self.messages or self.settles)
+        """No op or key at all (only ever the last chunk)."""
+        return not (self.messages or self.settles or self.keys)
 
 
 @dataclass
@@ -95,6 +112,7 @@ class CatchupProgress:
     skipped: int = 0  # settled on the active before their chunk went out
     bytes: int = 0  # bytes of chunk frames written
     chunks: int = 0
+    dedup_keys: int = 0  # keys of the active's dedup window sent
 
 
 class IdBuckets:
@@ -162,6 +180,7 @@ class CatchupStream:
         chunk_messages: int = CHUNK_MESSAGES,
         plan_slice: int = PLAN_SLICE,
         discard: bool = True,
+        window: Callable[[], list[str]] | None = None,
     ) -> None:
         self.boundary = boundary
         # False for a damaged active (journal corruption may have cost it messages):
@@ -188,11 +207,19 @@ class CatchupStream:
         self._cursor = 0  # entries before it were sent, kept or skipped
         self._passed_max = 0  # the highest ID before the cursor
         self._discard: list[int] = []  # discards of one bucket, in reverse order
+        self._window = window  # the dedup window's keys, taken once the queues are done
+        self._keys: list[str] | None = None
+        self._key_pos = 0
+
+    @property
+    def _queues_done(self) -> bool:
+        """Every queue planned and streamed."""
+        return self._index >= len(self._order)
 
     @property
     def finished(self) -> bool:
-        """Every queue planned and streamed."""
-        return self._index >= len(self._order)
+        """Every queue planned and streamed, and the dedup window sent."""
+        return self._queues_done and self._keys is not None and self._key_pos >= len(self._keys)
 
     @property
     def _qid(self) -> int:
@@ -206,7 +233,7 @@ class CatchupStream:
         Settles of messages this catch-up has not sent yet take them out of the
         plan; those the passive surely lacks are not forwarded.
         """
-        if self.finished:
+        if self._queues_done:
             return ops
         out: list[JournalOp] | None = None
         for i, op in enumerate(ops):
@@ -246,7 +273,7 @@ class CatchupStream:
         A chunk may be empty only as the last one (`finished` is then True): an
         empty catch-up still ends with a chunk the passive acknowledges.
         """
-        while not self.finished:
+        while not self._queues_done:
             if not self._queue_exists(self._qid):
                 self._next_queue()  # deleted meanwhile: the topology drops it on the passive
                 continue
@@ -256,11 +283,34 @@ class CatchupStream:
             chunk, done = self._fill()
             if done:
                 self._next_queue()
+                if self._queues_done:
+                    self._take_window()  # now: `finished` tells the last chunk
             if not chunk.empty:
                 return chunk
             if not done:
                 return None  # a slice of kept or skipped entries: nothing to send yet
-        return Chunk(bytearray())
+        return self._window_chunk()
+
+    def _take_window(self) -> None:
+        # Taken once the queues are done, not at the capture: keys the active admitted
+        # meanwhile are in it, in the active's order (the passive's own live ones too).
+        self._keys = self._window() if self._window is not None else []
+
+    def _window_chunk(self) -> Chunk:
+        """The next chunk of the dedup window's keys (empty if there are none)."""
+        if self._keys is None:
+            self._take_window()  # no queue to stream, or the last one deleted
+        assert self._keys is not None
+        keys, pos = self._keys, self._key_pos
+        stop = min(len(keys), pos + self.chunk_messages)
+        buf = bytearray()
+        while pos < stop and len(buf) < self.chunk_bytes:
+            encode_key(buf, keys[pos])
+            pos += 1
+        count = pos - self._key_pos
+        self._key_pos = pos
+        self.progress.dedup_keys += count
+        return Chunk(buf, keys=count, frame=FrameType.DEDUP_KEYS if count else FrameType.BATCH)
 
     def _load_slice(self) -> None:
         have_list = self._have_lists.get(self._qid, ())
@@ -473,7 +523,7 @@ class CatchupSender:
         """Write one chunk; the bytes written (0 if the link is gone)."""
         self.sent_chunk += 1
         flags = BATCH_CATCHUP | (BATCH_CATCHUP_LAST if last else 0)
-        frame = encode_batch(self.sent_chunk, flags, chunk.payload)
+        frame = encode_batch(self.sent_chunk, flags, chunk.payload, chunk.frame)
         if not self.link.write(frame):
             return 0
         progress = self.stream.progress

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from twinmq.broker.api import Role
     from twinmq.broker.commit import Waiter
+    from twinmq.broker.dedup import DedupWindow
     from twinmq.broker.definitions import Definitions
     from twinmq.broker.journal import JournalOp
     from twinmq.broker.queue import Queue
@@ -71,6 +72,7 @@ class ReplicatedState(Protocol):
 
     queues: dict[str, Queue]
     next_mid: int
+    dedup: DedupWindow  # the active's window travels with every catch-up
 
     def queue_by_qid(self, qid: int) -> Queue | None:
         """The queue of an incarnation id, if it still exists."""

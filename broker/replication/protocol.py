@@ -5,7 +5,9 @@
 Control frames carry JSON of the pydantic models below; `BATCH` carries a
 batch number, flags and the journal's own op encoding, so the passive writes
 exactly the record groups the active wrote (live batches), or one catch-up
-chunk (`catchup.py`); `ACK` and `CATCHUP_ACK` a batch or chunk number.
+chunk (`catchup.py`); `DEDUP_KEYS` the same header and a catch-up chunk of the
+active's duplicate-detection keys (`encode_key`); `ACK` and `CATCHUP_ACK` a
+batch or chunk number.
 
 Until both ends are authenticated (`handshake.py`) a frame may be at most
 `MAX_HANDSHAKE_FRAME` bytes; after that, `MAX_FRAME`.
@@ -26,10 +28,11 @@ from pydantic import BaseModel, Field, ValidationError
 MAX_FRAME: Final = 512 * 1024 * 1024
 # The handshake's frames are a few short JSON fields: anything bigger is not a peer.
 MAX_HANDSHAKE_FRAME: Final = 4096
-PROTOCOL_VERSION: Final = 2  # 2: mutual authentication (WELCOME)
+PROTOCOL_VERSION: Final = 3  # 2: mutual authentication (WELCOME); 3: DEDUP_KEYS
 _HEAD = struct.Struct(">IB")
 _BATCH = struct.Struct(">QB")
 _U64 = struct.Struct(">Q")
+_KEY_LEN = struct.Struct(">H")
 
 
 class FrameType(enum.IntEnum):
@@ -46,10 +49,11 @@ class FrameType(enum.IntEnum):
     PING = 9  # either way, keeps the link's liveness visible
     WELCOME = 10  # active -> passive: Welcome, the active's proof
     CATCHUP_ACK = 11  # passive -> active: u64 catch-up chunk durable on the passive
+    DEDUP_KEYS = 12  # active -> passive: chunk number, flags, dedup window keys (catch-up)
 
 
-# BATCH flags. A catch-up chunk's batch number counts chunks (1, 2, ...), acknowledged
-# by CATCHUP_ACK; a live batch's is the active's commit batch, acknowledged by ACK.
+# BATCH (and DEDUP_KEYS) flags. A catch-up chunk's batch number counts chunks (1, 2, ...),
+# acknowledged by CATCHUP_ACK; a live batch's is the active's commit batch, acknowledged by ACK.
 BATCH_CATCHUP: Final = 1
 BATCH_CATCHUP_LAST: Final = 2  # the catch-up's final chunk
 
@@ -160,9 +164,11 @@ def encode(ftype: FrameType, payload: bytes | BaseModel = b"") -> bytes:
     return _HEAD.pack(len(data) + 1, ftype) + data
 
 
-def encode_batch(batch: int, flags: int, ops: bytes | bytearray) -> bytes:
-    """A BATCH frame around already-encoded ops."""
-    return _HEAD.pack(len(ops) + 1 + _BATCH.size, FrameType.BATCH) + _BATCH.pack(batch, flags) + ops
+def encode_batch(
+    batch: int, flags: int, body: bytes | bytearray, ftype: FrameType = FrameType.BATCH
+) -> bytes:
+    """A BATCH frame around already-encoded ops (or a DEDUP_KEYS frame around keys)."""
+    return _HEAD.pack(len(body) + 1 + _BATCH.size, ftype) + _BATCH.pack(batch, flags) + body
 
 
 def encode_u64(ftype: FrameType, value: int) -> bytes:
@@ -171,9 +177,35 @@ def encode_u64(ftype: FrameType, value: int) -> bytes:
 
 
 def decode_batch(payload: bytes) -> tuple[int, int, bytes]:
-    """(batch, flags, ops bytes) of a BATCH payload."""
+    """(batch, flags, body bytes) of a BATCH or DEDUP_KEYS payload."""
+    if len(payload) < _BATCH.size:
+        raise ProtocolError(f"a chunk of {len(payload)} bytes has no header")
     batch, flags = _BATCH.unpack_from(payload)
     return batch, flags, payload[_BATCH.size :]
+
+
+def encode_key(buf: bytearray, key: str) -> None:
+    """Append one dedup key (u16 length, UTF-8; lone surrogates kept: any str round-trips)."""
+    data = key.encode("utf-8", "surrogatepass")
+    buf += _KEY_LEN.pack(len(data))
+    buf += data
+
+
+def decode_keys(body: bytes) -> list[str]:
+    """The dedup keys of a DEDUP_KEYS body; ProtocolError if it does not decode whole."""
+    keys: list[str] = []
+    pos, end = 0, len(body)
+    try:
+        while pos < end:
+            (length,) = _KEY_LEN.unpack_from(body, pos)
+            pos += _KEY_LEN.size
+            if pos + length > end:
+                raise ProtocolError("a dedup key runs past its chunk")
+            keys.append(body[pos : pos + length].decode("utf-8", "surrogatepass"))
+            pos += length
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"malformed dedup keys chunk: {exc}") from None
+    return keys
 
 
 def decode_u64(payload: bytes) -> int:

@@ -38,6 +38,7 @@ from twinmq.broker.replication.protocol import (
     Snapshot,
     Welcome,
     decode_batch,
+    decode_keys,
     decode_model,
     decode_u64,
     encode,
@@ -350,6 +351,19 @@ class ReplicaClient:
             writer.write(encode_u64(FrameType.PING, self._ping_seq))
             await asyncio.sleep(PING_INTERVAL / 2)
 
+    def _end_catch_up(self) -> None:
+        """The catch-up's last chunk: queues back in replication ID order."""
+        self._catching_up = False
+        self.broker.vhost.restore_order()
+
+    def _acknowledge(self, session: _Session, local: int, remote: int, chunk: bool) -> None:
+        """Acknowledge the active's batch or chunk `remote` once local batch `local` is durable."""
+        session.pending.append((local, remote, chunk))
+        if local == 0:
+            session.durable(0)
+        else:
+            self.broker.committer.await_durable(session)
+
     async def _apply(
         self, next_frame: Callable[[], Awaitable[tuple[FrameType, bytes]]], session: _Session
     ) -> None:
@@ -377,8 +391,7 @@ class ReplicaClient:
                     # up the active's confirms.
                     gc.freeze()
                     if flags & BATCH_CATCHUP_LAST:
-                        self._catching_up = False
-                        broker.vhost.restore_order()
+                        self._end_catch_up()
                 # `raw` is what `ops` were decoded from, byte for byte: journaled as is.
                 local = committer.add(ops, raw) if ops else committer.confirm_point()
                 if keys:
@@ -388,11 +401,20 @@ class ReplicaClient:
                     self.pending_ops += len(ops)
                     if self._oldest_pending is None:
                         self._oldest_pending = time.time()
-                session.pending.append((local, remote, chunk))
-                if local == 0:
-                    session.durable(0)
-                else:
-                    committer.await_durable(session)
+                self._acknowledge(session, local, remote, chunk)
+            elif ftype is FrameType.DEDUP_KEYS:
+                # The active's window, after every message chunk and discard: admitted once
+                # everything received so far is durable here, so a key never gets ahead of
+                # a message this passive would otherwise lack (it would swallow its re-send).
+                remote, flags, raw = decode_batch(payload)
+                keys = decode_keys(raw)
+                self.catchup_chunks += 1
+                if flags & BATCH_CATCHUP_LAST:
+                    self._end_catch_up()
+                local = committer.confirm_point()
+                if keys:
+                    broker.vhost.remember_when_durable(keys, local)
+                self._acknowledge(session, local, remote, True)
             elif ftype is FrameType.DEFINITIONS:
                 if not self.connected:
                     self.caught_up = False

@@ -516,6 +516,9 @@ class ReplicationSource:
             chunk_bytes=broker.settings.catchup_chunk_bytes,
             # A damaged active (journal corruption) may lack what it confirmed: no discards.
             discard=not broker.damaged,
+            # Last in the stream: the ids the passive cannot learn from messages
+            # (consumed while it was away, or discarded from it now).
+            window=vhost.dedup.keys,
         )
         link.catchup = CatchupSender(
             stream,
@@ -552,9 +555,9 @@ class ReplicationSource:
         p = link.catchup.progress
         log.info(
             "passive %s (%s) caught up in %.2fs: catch-up sent %d messages, discarded %d, "
-            "kept %d, skipped %d (%d bytes in %d chunks); replication guarded",
+            "kept %d, skipped %d, %d dedup keys (%d bytes in %d chunks); replication guarded",
             link.name, link.peer, time.time() - link.attached_at, p.sent, p.discarded,
-            p.kept, p.skipped, p.bytes, p.chunks,
+            p.kept, p.skipped, p.dedup_keys, p.bytes, p.chunks,
         )  # fmt: skip
 
     async def ping_loop(self) -> None:
