@@ -1,4 +1,5 @@
-"""The admin HTTP API: health, readiness, status and Prometheus metrics.
+"""The admin HTTP API: health, readiness, status, Prometheus metrics, role changes and
+the DR mirror's switchover (`POST /mirror/demote`, `POST /mirror/promote`).
 
 `/healthz` and `/readyz` are open (kubelet probes); everything else needs the
 bearer token, or, when no token is configured, a loopback client. A second,
@@ -25,15 +26,20 @@ from twinmq.broker.api import (
     BROKER_DAMAGED,
     FORBIDDEN,
     INVALID_ROLE_REQUEST,
+    MIRROR_NOT_DRAINED,
+    MIRROR_REFUSED,
     STALE_EPOCH,
     UNAUTHORIZED,
     BrokerStatus,
     ErrorBody,
+    MirrorDemoteRequest,
+    MirrorPromoteRequest,
+    MirrorSwitch,
     Readiness,
     Role,
     RoleRequest,
 )
-from twinmq.broker.errors import DamagedBroker, StaleEpoch
+from twinmq.broker.errors import DamagedBroker, MirrorNotDrained, MirrorRefused, StaleEpoch
 
 if TYPE_CHECKING:
     from twinmq.broker.settings import BrokerSettings
@@ -59,6 +65,14 @@ class AdminContext(Protocol):
         self, role: Role, epoch: int, replicate_from: str | None, *, force: bool = False
     ) -> None:
         """Change role; raises StaleEpoch or DamagedBroker."""
+        ...
+
+    async def mirror_demote(self, request: MirrorDemoteRequest) -> MirrorSwitch:
+        """The DR source hands over; raises MirrorRefused or MirrorNotDrained."""
+        ...
+
+    async def mirror_promote(self, request: MirrorPromoteRequest) -> MirrorSwitch:
+        """The DR replica takes over; raises MirrorRefused."""
         ...
 
 
@@ -132,6 +146,29 @@ def make_app(broker: AdminContext) -> web.Application:
             return error(409, BROKER_DAMAGED, str(exc))
         return web.Response(text=broker.status().model_dump_json(), content_type="application/json")
 
+    async def mirror_switch(switch: Awaitable[MirrorSwitch]) -> web.Response:
+        try:
+            done = await switch
+        except MirrorRefused as exc:
+            return error(409, MIRROR_REFUSED, str(exc))
+        except MirrorNotDrained as exc:
+            return error(503, MIRROR_NOT_DRAINED, str(exc))
+        return web.Response(text=done.model_dump_json(), content_type="application/json")
+
+    async def mirror_demote(request: web.Request) -> web.Response:
+        try:
+            wanted = MirrorDemoteRequest.model_validate_json(await request.read() or b"{}")
+        except ValidationError as exc:
+            return error(400, INVALID_ROLE_REQUEST, str(exc))
+        return await mirror_switch(broker.mirror_demote(wanted))
+
+    async def mirror_promote(request: web.Request) -> web.Response:
+        try:
+            wanted = MirrorPromoteRequest.model_validate_json(await request.read())
+        except ValidationError as exc:
+            return error(400, INVALID_ROLE_REQUEST, str(exc))
+        return await mirror_switch(broker.mirror_promote(wanted))
+
     async def prometheus(request: web.Request) -> web.Response:
         broker.status()  # refreshes the per-queue gauges
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -142,6 +179,8 @@ def make_app(broker: AdminContext) -> web.Application:
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", prometheus)
     app.router.add_post("/role", set_role)
+    app.router.add_post("/mirror/demote", mirror_demote)
+    app.router.add_post("/mirror/promote", mirror_promote)
     return app
 
 

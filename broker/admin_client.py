@@ -22,9 +22,14 @@ from pydantic import BaseModel, ValidationError
 
 from twinmq.broker.api import (
     BROKER_DAMAGED,
+    MIRROR_NOT_DRAINED,
+    MIRROR_REFUSED,
     STALE_EPOCH,
     BrokerStatus,
     ErrorBody,
+    MirrorDemoteRequest,
+    MirrorPromoteRequest,
+    MirrorSwitch,
     Readiness,
     Role,
     RoleRequest,
@@ -68,6 +73,15 @@ class BrokerDamaged(AdminError):
     """HTTP 409: the broker's journal is damaged; activating it needs `force`."""
 
 
+class MirrorRefused(AdminError):
+    """HTTP 409: a DR switch that cannot happen (role, stale or unmet token)."""
+
+
+class MirrorNotDrained(AdminError):
+    """HTTP 503: the demotion's queue did not drain in time; the site stays fenced, call
+    again."""
+
+
 @dataclass(frozen=True)
 class Call(Generic[T]):
     """One admin API call: what to send and how to read a successful answer."""
@@ -103,6 +117,16 @@ def metrics_call() -> Call[str]:
     return Call("GET", "/metrics", lambda response: response.text)
 
 
+def mirror_demote_call(request: MirrorDemoteRequest) -> Call[MirrorSwitch]:
+    """`POST /mirror/demote` on the DR source: its demotion token once drained."""
+    return Call("POST", "/mirror/demote", _model(MirrorSwitch), body=request)
+
+
+def mirror_promote_call(request: MirrorPromoteRequest) -> Call[MirrorSwitch]:
+    """`POST /mirror/promote` on a DR replica (with a token, or `force`)."""
+    return Call("POST", "/mirror/promote", _model(MirrorSwitch), body=request)
+
+
 def refusal(response: httpx.Response) -> AdminError:
     """The exception for an HTTP error answer (the body is an ErrorBody when the broker sent
     it; a proxy's or an older broker's page is kept as the detail)."""
@@ -122,6 +146,10 @@ def refusal(response: httpx.Response) -> AdminError:
         kind = StaleEpoch
     elif response.status_code == 409 and body.error == BROKER_DAMAGED:
         kind = BrokerDamaged
+    elif response.status_code == 409 and body.error == MIRROR_REFUSED:
+        kind = MirrorRefused
+    elif response.status_code == 503 and body.error == MIRROR_NOT_DRAINED:
+        kind = MirrorNotDrained
     return kind(message, response.status_code, body)
 
 

@@ -15,6 +15,11 @@ FORBIDDEN: Final = "forbidden"
 STALE_EPOCH: Final = "stale epoch"
 BROKER_DAMAGED: Final = "broker damaged"
 INVALID_ROLE_REQUEST: Final = "invalid role request"
+MIRROR_REFUSED: Final = "mirror switch refused"  # 409: wrong role, stale token, not applied
+MIRROR_NOT_DRAINED: Final = "mirror not drained"  # 503: demotion under way, retry the same call
+
+MirrorRole = Literal["source", "replica"]
+MirrorLinkState = Literal["disabled", "connecting", "connected", "needs-resync", "fenced"]
 
 
 class QueueStatus(BaseModel):
@@ -120,11 +125,80 @@ class RoleRequest(BaseModel):
     )
 
 
+class DemotionToken(BaseModel):
+    """What a demoted source hands to its mirror: promote only once applied up to `seq`."""
+
+    origin: str = Field(description="The demoted site's origin id (--mirror-id)")
+    seq: int = Field(ge=0, description="Its last event: the mirror must have applied it")
+    epoch: int = Field(ge=1, description="The DR epoch the promoted site takes (fencing)")
+
+
+class MirrorDemoteRequest(BaseModel):
+    """`POST /mirror/demote` on the source."""
+
+    timeout: float = Field(
+        30.0, gt=0, le=3600, description="Seconds to wait for the replication queue to drain"
+    )
+
+
+class MirrorPromoteRequest(BaseModel):
+    """`POST /mirror/promote` on a replica: with the source's token (switchover) or, the
+    source being gone, with `force` (failover, with the RPO reported)."""
+
+    token: DemotionToken | None = None
+    force: bool = Field(False, description="Promote without a token: the source site is gone")
+    timeout: float = Field(
+        30.0, gt=0, le=3600, description="Seconds to wait for the token's last event to apply"
+    )
+
+
+class MirrorRpo(BaseModel):
+    """What a forced promotion knows it may have lost: never hidden."""
+
+    last_applied_seq: int = Field(description="The last event of the old source applied here")
+    source_last_seq_seen: int = Field(description="The source's newest event, as last seen")
+    source_unreplicated_seen: int = Field(
+        description="Events the source had not had acknowledged, as last seen"
+    )
+    seen_at: float | None = Field(description="When the source last reported (unix time)")
+
+
+class MirrorSwitch(BaseModel):
+    """The answer of `POST /mirror/demote` and `POST /mirror/promote` (replayed as-is)."""
+
+    role: MirrorRole = Field(description="This site's DR role now")
+    epoch: int = Field(description="This site's DR epoch now")
+    token: DemotionToken | None = Field(None, description="Demote: hand it to the mirror")
+    forced: bool = False
+    rpo: MirrorRpo | None = Field(None, description="Forced promotion: what may be lost")
+    seconds: float = Field(description="Time the switch took here")
+
+
 class MirrorStatus(BaseModel):
     """The DR mirror as this broker sees it: its source side, its mirror side, or both."""
 
-    enabled: bool = Field(description="This broker mirrors its changes (--mirror-to)")
-    connected: bool = Field(False, description="The link completed a verified round trip")
+    enabled: bool = Field(
+        description="This broker mirrors its changes now (--mirror-to, and the DR source)"
+    )
+    role: MirrorRole | None = Field(None, description="This site's DR role (None: no mirror)")
+    epoch: int = Field(0, description="This site's DR epoch (fencing: the highest wins)")
+    state: MirrorLinkState = Field("disabled", description="The source's link, honestly")
+    connected: bool = Field(False, description="A heartbeat came back over the link")
+    heartbeat_age_seconds: float | None = Field(
+        None, description="Since the last heartbeat round trip completed"
+    )
+    round_trip_seconds: float | None = Field(None, description="The last heartbeat's")
+    link_error: str | None = Field(None, description="Why the link's last attempt failed")
+    queue_lag_events: dict[str, int] = Field(
+        default_factory=dict, description="Per queue: events touching it not yet acknowledged"
+    )
+    needs_resync: str | None = Field(
+        None, description="Why the backlog was dropped (retention bound): re-seed the mirror"
+    )
+    rpo: MirrorRpo | None = Field(None, description="Set by a forced promotion, kept")
+    failover_rpo: MirrorRpo | None = Field(
+        None, description="On a replica: what a forced promotion would report now"
+    )
     target: str | None = Field(None, description="The mirror's address")
     queue_events: int = Field(0, description="Events not yet acknowledged by the mirror")
     queue_bytes: int = Field(0, description="Their bytes")

@@ -34,6 +34,7 @@ from twinmq.broker.codec import (
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
 from twinmq.broker.journal import JournalOp
 from twinmq.broker.message import Entry
+from twinmq.broker.mirror.events import is_internal
 from twinmq.broker.permissions import DEFAULT_EXCHANGE, SERVER_NAMED_QUEUE
 from twinmq.broker.queue import Queue
 
@@ -177,6 +178,7 @@ class Channel:
         """`basic.publish`: wait for its content."""
         if publish.immediate:
             raise AMQPError(ReplyCode.NOT_IMPLEMENTED, "immediate=true", 60, 40)
+        self._refuse_write("publish", (60, 40))
         self._publish = publish
         self._info = None
 
@@ -466,9 +468,24 @@ class Channel:
             )
         handler(self, method)
 
+    def _refuse_write(self, what: str, method: tuple[int, int], durable: bool = True) -> None:
+        """On a DR replica, a publish or a change to mirrored (durable) topology is
+        refused (403): the source site owns them, and an id made here could collide
+        with one the source makes."""
+        why = self.connection.write_refusal() if durable else None
+        if why is not None:
+            raise channel_error(ReplyCode.ACCESS_REFUSED, f"{what} refused: {why}", method)
+
+    def _durable_queue(self, name: str) -> bool:
+        """Whether `name` is a mirrored queue (the mirror's own, like its DLQ, are not)."""
+        queue = self.vhost.queues.get(name)
+        return queue is not None and queue.durable and not is_internal(name)
+
     def _exchange_declare(self, m: commands.Exchange.Declare) -> None:
         if not m.passive:
             self.connection.authorize("configure", "exchange", m.exchange, (40, 10))
+        if not m.passive and m.exchange not in self.vhost.exchanges:
+            self._refuse_write(f"exchange.declare {m.exchange!r}", (40, 10))
         self.vhost.declare_exchange(
             m.exchange,
             m.exchange_type,
@@ -483,6 +500,7 @@ class Channel:
 
     def _exchange_delete(self, m: commands.Exchange.Delete) -> None:
         self.connection.authorize("configure", "exchange", m.exchange, (40, 20))
+        self._refuse_write(f"exchange.delete {m.exchange!r}", (40, 20))
         self.vhost.delete_exchange(m.exchange, if_unused=m.if_unused)
         if not m.nowait:
             self.send_method(commands.Exchange.DeleteOk())
@@ -501,6 +519,8 @@ class Channel:
                 # Dead-lettering publishes the queue's messages to that exchange.
                 self.connection.authorize("write", "exchange", dlx or DEFAULT_EXCHANGE, (50, 10))
                 self.connection.authorize("read", "queue", name, (50, 10))
+        if not m.passive and m.queue not in self.vhost.queues:
+            self._refuse_write(f"queue.declare {m.queue!r}", (50, 10), bool(m.durable))
         queue = self.vhost.declare_queue(
             m.queue,
             passive=m.passive,
@@ -519,6 +539,7 @@ class Channel:
 
     def _queue_bind(self, m: commands.Queue.Bind) -> None:
         self._authorize_binding(m.queue, m.exchange, (50, 20))
+        self._refuse_write(f"queue.bind {m.queue!r}", (50, 20), self._durable_queue(m.queue))
         self.vhost.bind(
             m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self.connection
         )
@@ -527,6 +548,7 @@ class Channel:
 
     def _queue_unbind(self, m: commands.Queue.Unbind) -> None:
         self._authorize_binding(m.queue, m.exchange, (50, 50))
+        self._refuse_write(f"queue.unbind {m.queue!r}", (50, 50), self._durable_queue(m.queue))
         self.vhost.bind(
             m.queue,
             m.exchange,
@@ -544,12 +566,14 @@ class Channel:
 
     def _queue_purge(self, m: commands.Queue.Purge) -> None:
         self.connection.authorize("read", "queue", m.queue, (50, 30))
+        self._refuse_write(f"queue.purge {m.queue!r}", (50, 30), self._durable_queue(m.queue))
         count = self.vhost.purge_queue(m.queue, self.connection)
         if not m.nowait:
             self.send_method(commands.Queue.PurgeOk(message_count=count))
 
     def _queue_delete(self, m: commands.Queue.Delete) -> None:
         self.connection.authorize("configure", "queue", m.queue, (50, 40))
+        self._refuse_write(f"queue.delete {m.queue!r}", (50, 40), self._durable_queue(m.queue))
         count = self.vhost.delete_queue(
             m.queue, if_unused=m.if_unused, if_empty=m.if_empty, owner=self.connection
         )

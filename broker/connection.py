@@ -80,6 +80,10 @@ class ConnectionContext(Protocol):
         """Why clients are refused right now (a passive broker), or None."""
         ...
 
+    def write_refusal(self) -> str | None:
+        """Why clients may read but not write here (a DR replica), or None."""
+        ...
+
     def open_connections(self, user: str) -> int:
         """How many of `user`'s connections are open (past connection.open)."""
         ...
@@ -178,6 +182,10 @@ class Connection:
     def await_durable(self, channel: Channel) -> None:
         """A channel waits for a journal batch (confirms, tx.commit-ok)."""
         self.ctx.await_durable(channel)
+
+    def write_refusal(self) -> str | None:
+        """Why publishes and topology changes are refused here (a DR replica), or None."""
+        return self.ctx.write_refusal()
 
     def data_to_send(self) -> bytes:
         """Everything queued for the client since the last call."""

@@ -87,3 +87,11 @@ class StaleEpoch(Exception):
 
 class DamagedBroker(Exception):
     """A broker whose journal was corrupt was asked to become active without force."""
+
+
+class MirrorRefused(Exception):
+    """A DR switch that cannot happen (wrong role, stale or unmet token): 409."""
+
+
+class MirrorNotDrained(Exception):
+    """A demotion whose replication queue did not drain in time: 503, call again."""

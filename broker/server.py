@@ -16,7 +16,13 @@ from typing import cast
 
 from twinmq.broker import damage, metrics
 from twinmq.broker.alarms import ResourceMonitor
-from twinmq.broker.api import BrokerStatus, Role
+from twinmq.broker.api import (
+    BrokerStatus,
+    MirrorDemoteRequest,
+    MirrorPromoteRequest,
+    MirrorSwitch,
+    Role,
+)
 from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.auth import Authenticator
 from twinmq.broker.channel import Channel
@@ -283,7 +289,9 @@ class Broker:
             self.committer,
             self._alarm_changed,
         )
-        self.mirroring = Mirroring(settings, self.vhost, self.committer, self.monitor)
+        self.mirroring = Mirroring(
+            settings, self.vhost, self.committer, self.monitor, close_clients=self.close_clients
+        )
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.tls: TlsListener | None = None
@@ -329,6 +337,25 @@ class Broker:
             f"{self.settings.name} is the passive broker (epoch {self.epoch}); "
             f"connect to the active broker: {where}"
         )
+
+    async def mirror_demote(self, request: MirrorDemoteRequest) -> MirrorSwitch:
+        """`POST /mirror/demote` (docs/mirror.md, "Switchover")."""
+        return await self.mirroring.demote(request)
+
+    async def mirror_promote(self, request: MirrorPromoteRequest) -> MirrorSwitch:
+        """`POST /mirror/promote` (docs/mirror.md, "Switchover" and "Failover")."""
+        return await self.mirroring.promote(request)
+
+    def write_refusal(self) -> str | None:
+        """Why clients may not publish or change the topology here (a DR replica), or None."""
+        return self.mirroring.write_refusal()
+
+    def close_clients(self, reason: str) -> None:
+        """Close every client connection (connection.close 320 CONNECTION_FORCED)."""
+        for proto in list(self.protocols):
+            if proto.conn is not None:
+                proto.conn.force_close(ReplyCode.CONNECTION_FORCED, reason)
+                proto._flush()
 
     def _queue_name(self, qid: int) -> str:
         queue = self.vhost.queue_by_qid(qid)
@@ -460,13 +487,7 @@ class Broker:
             log.warning("demoted to passive in epoch %d: closing client connections", self.epoch)
             # Clients first: detaching drops the replication guard, and a publish still
             # waiting for the passive must not be confirmed on the way out.
-            for proto in list(self.protocols):
-                if proto.conn is not None:
-                    proto.conn.force_close(
-                        ReplyCode.CONNECTION_FORCED,
-                        f"{self.settings.name} is now passive (epoch {self.epoch})",
-                    )
-                    proto._flush()
+            self.close_clients(f"{self.settings.name} is now passive (epoch {self.epoch})")
             self.source.detach("demoted")
             self.vhost.set_replica(True)
         if replicate_from != self.replicate_from or self.replica is None:

@@ -199,17 +199,43 @@ class BrokerSettings(BaseSettings):
         "(seconds) and the mirror is connected and acknowledging (0: never)",
     )
 
+    mirror_role: Literal["source", "replica"] | None = Field(
+        None,
+        description="This site's first DR role: source (writable, mirrors to --mirror-to) or "
+        "replica (read-only, applies from --mirror-port); default: source with --mirror-to "
+        "alone, replica with --mirror-port alone; required with both (a site that can "
+        "switch over). After a switch the role recorded in the journal wins",
+    )
+    mirror_retention_events: int = Field(
+        0,
+        ge=0,
+        description="Most unacknowledged events the replication queue keeps; beyond it the "
+        "source drops its backlog and reports NeedsResync (0: no bound)",
+    )
+
     @model_validator(mode="after")
     def _mirror_roles(self) -> BrokerSettings:
-        """A mirror link needs its token; a broker is a mirror source or a mirror."""
+        """A mirror link needs its token; a site with both ends names its first role."""
         if (self.mirror_to or self.mirror_port is not None) and self.mirror_token is None:
             raise ValueError("--mirror-to and --mirror-port need --mirror-token")
-        if self.mirror_to and self.mirror_port is not None:
-            # Applied changes would be mirrored on (back to their origin, or to a third site)
-            # and two writers' full-state topology events would fight: the bidirectional
-            # mode (docs/mirror.md) needs origin tags this first slice does not have.
-            raise ValueError("a broker is either a mirror source or a mirror, not both (yet)")
+        if self.mirror_to and self.mirror_port is not None and self.mirror_role is None:
+            # Only one end runs at a time (the role says which): applied changes are never
+            # mirrored on, so no loop; both ends at once is the bidirectional mode (not yet).
+            raise ValueError("--mirror-to with --mirror-port needs --mirror-role")
+        if self.mirror_role == "source" and not self.mirror_to:
+            raise ValueError("--mirror-role source needs --mirror-to")
+        if self.mirror_role == "replica" and self.mirror_port is None:
+            raise ValueError("--mirror-role replica needs --mirror-port")
         return self
+
+    @property
+    def mirror_first_role(self) -> Literal["source", "replica"] | None:
+        """The DR role this site starts in when its journal records none."""
+        if self.mirror_role is not None:
+            return self.mirror_role
+        if self.mirror_to:
+            return "source"
+        return "replica" if self.mirror_port is not None else None
 
     @model_validator(mode="after")
     def _tls_files(self) -> BrokerSettings:

@@ -3,6 +3,8 @@
 Real broker processes on loopback; the source's `--mirror-to` names the
 mirror's `--mirror-port`. Helpers wait for the source's replication queue to
 drain (every event applied on the mirror and acknowledged) through `/status`.
+`reversible` sites have both ends each (the mirror can be reversed after a
+switchover); the switch helpers call the admin API as an operator would.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 import pika
 from pika.adapters.blocking_connection import BlockingChannel
 
-from twinmq.broker.admin_client import metric_samples
+from twinmq.broker.admin_client import metric_samples, mirror_demote_call, mirror_promote_call
+from twinmq.broker.api import DemotionToken, MirrorDemoteRequest, MirrorPromoteRequest, MirrorSwitch
 from twinmq.testing.launcher import BrokerProcess, free_port
 from twinmq.testing.pair import status
 from twinmq.testing.waiting import wait_for
@@ -25,25 +28,43 @@ ORIGIN = "site-a"
 class Sites:
     """`source` (site A) mirrors to `mirror` (site B)."""
 
-    def __init__(self, tmp: Path, *, source_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        source_args: list[str] | None = None,
+        reversible: bool = False,
+        mirror_to: str | None = None,
+    ) -> None:
         self.mirror_port = free_port()
+        self.source_port = free_port()  # reversible: site A's own listener
+        back_to = mirror_to or f"127.0.0.1:{self.source_port}"  # where B mirrors once promoted
+        back = ["--mirror-to", back_to, "--mirror-role", "replica"]
         self.mirror = BrokerProcess(
             tmp / "b" / "data",
             name="site-b",
-            extra_args=["--mirror-port", str(self.mirror_port), "--mirror-token", TOKEN],
-        )
+            extra_args=[
+                "--mirror-port", str(self.mirror_port), "--mirror-token", TOKEN,
+                *(back if reversible else []),
+            ],
+        )  # fmt: skip
+        there = ["--mirror-port", str(self.source_port), "--mirror-role", "source"]
         self.source = BrokerProcess(
             tmp / "a" / "data",
             name="site-a-broker",
             extra_args=[
                 "--mirror-to", f"127.0.0.1:{self.mirror_port}", "--mirror-token", TOKEN,
-                "--mirror-id", ORIGIN, *(source_args or []),
+                "--mirror-id", ORIGIN, *(there if reversible else []), *(source_args or []),
             ],
         )  # fmt: skip
 
     def __enter__(self) -> Sites:
         self.mirror.start()
-        self.source.start()
+        try:
+            self.source.start()
+        except BaseException:
+            self.mirror.stop()  # never leave a broker behind a failed start
+            raise
         return self
 
     @property
@@ -55,9 +76,30 @@ class Sites:
         self.source.stop()
         self.mirror.stop()
 
-    def caught_up(self, timeout: float = 60.0) -> None:
+    def caught_up(self, timeout: float = 60.0, *, source: BrokerProcess | None = None) -> None:
         """Wait until the mirror acknowledged every event the source made so far."""
-        wait_for("mirror caught up", lambda: _drained(mirror_status(self.source)), timeout)
+        source = source or self.source
+        wait_for("mirror caught up", lambda: _drained(mirror_status(source)), timeout)
+
+    def promote_mirror(
+        self, token: DemotionToken | None = None, *, force: bool = False
+    ) -> MirrorSwitch:
+        """`POST /mirror/promote` on site B."""
+        return promote(self.mirror, token, force=force)
+
+
+def demote(broker: BrokerProcess, timeout: float = 30.0) -> MirrorSwitch:
+    """`POST /mirror/demote` on `broker`."""
+    call = mirror_demote_call(MirrorDemoteRequest(timeout=timeout))
+    return broker.admin.send(call, timeout + 10)
+
+
+def promote(
+    broker: BrokerProcess, token: DemotionToken | None = None, *, force: bool = False
+) -> MirrorSwitch:
+    """`POST /mirror/promote` on `broker`."""
+    call = mirror_promote_call(MirrorPromoteRequest(token=token, force=force))
+    return broker.admin.send(call, 40)
 
 
 def mirror_status(broker: BrokerProcess) -> dict[str, Any] | None:

@@ -96,6 +96,10 @@ class Context:
         """Why clients are refused (a passive broker), if the test says so."""
         return self.refusal_reason
 
+    def write_refusal(self) -> str | None:
+        """Why clients may only read (a DR replica): never, in these tests."""
+        return None
+
     def open_connections(self, user: str) -> int:
         """Nobody else's connections count here."""
         return 0

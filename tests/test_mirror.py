@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pika
 import pytest
-from mirrorsites import Sites, channel, queues
+from mirrorsites import Sites, channel, publish, queues
 
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.queues import drain
@@ -116,16 +116,14 @@ def test_exchanges_and_bindings_route_on_the_mirror_as_on_the_source(sites: Site
     connection.close()
     sites.caught_up()
     connection, ch = channel(sites.mirror)
-    ch.confirm_delivery()
-    ch.basic_publish("events", "orders.eu.fr", b"routed", PERSISTENT)
     ch.exchange_declare("doomed", "direct", passive=True)
     connection.close()
-    assert drain(sites.mirror.url, "eu-orders") == [b"routed"]
     connection, ch = channel(sites.source)
     ch.queue_unbind("eu-orders", "events", "orders.eu.*")
     ch.exchange_delete("doomed")
     connection.close()
     sites.caught_up()
+    sites.promote_mirror(force=True)  # routing on the mirror: once it takes publishes
     connection, ch = channel(sites.mirror)
     ch.confirm_delivery()
     with pytest.raises(pika.exceptions.UnroutableError):
@@ -208,16 +206,33 @@ def test_a_transaction_reaches_the_mirror_only_at_its_commit_and_all_at_once(
     assert drain(sites.mirror.url, "ledger") == [f"entry-{i}".encode() for i in range(30)]
 
 
-def test_nothing_flows_back_from_the_mirror_to_the_source(sites: Sites) -> None:
-    connection, ch = channel(sites.mirror)
-    ch.queue_declare("local-to-b", durable=True)
-    ch.confirm_delivery()
-    ch.basic_publish("", "local-to-b", b"b-only", PERSISTENT)
-    connection.close()
-    connection, ch = channel(sites.source)
-    ch.queue_declare("marker", durable=True)  # an event after the mirror's change
-    connection.close()
+def test_the_mirror_refuses_publishes_and_topology_changes_but_serves_readers(
+    sites: Sites,
+) -> None:
+    publish(sites.source, "orders", [b"one", b"two"])
     sites.caught_up()
+    connection, ch = channel(sites.mirror)
+    ch.confirm_delivery()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+        ch.basic_publish("", "orders", b"written on b", PERSISTENT)
+    assert refused.value.reply_code == 403
+    assert "site-b is a DR mirror (replica)" in refused.value.reply_text
+    assert "publish to the source site" in refused.value.reply_text
+    for change in (
+        lambda ch: ch.queue_declare("local-to-b", durable=True),
+        lambda ch: ch.queue_purge("orders"),
+        lambda ch: ch.queue_delete("orders"),
+        lambda ch: ch.exchange_declare("b-only", "fanout", durable=True),
+    ):
+        ch = connection.channel()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+            change(ch)
+        assert refused.value.reply_code == 403
+    ch = connection.channel()
+    ch.queue_declare("orders", durable=True)  # equivalent: a consumer's usual declare
+    ch.queue_declare("", exclusive=True)  # its own reply queue (never mirrored)
+    connection.close()
+    assert drain(sites.mirror.url, "orders") == [b"one", b"two"]
     assert "local-to-b" not in queues(sites.source)
 
 

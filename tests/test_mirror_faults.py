@@ -177,6 +177,7 @@ class RawSource:
             ftype, payload = await self.frames.next(30)
             if ftype is FrameType.ACK:
                 return decode_u64(payload)
+            assert ftype is not FrameType.REFUSE, f"REFUSE: {payload!r}"
 
     async def send(self, events: list[tuple[int, bytes]]) -> int:
         """Send events; the mirror's ack of the last one."""

@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import pika
 import pytest
 from jepsen import queue_counts
-from mirrorsites import ORIGIN, TOKEN, mirror_status, publish
+from mirrorsites import ORIGIN, TOKEN, channel, demote, mirror_status, publish
 
 from twinmq.testing.launcher import BrokerProcess, free_port
 from twinmq.testing.pair import Pair, status
@@ -70,3 +71,22 @@ def test_events_pending_while_the_mirror_is_away_survive_a_source_failover(
     mirror.start()
     caught_up(source_pair)
     assert drain(mirror.url, "orders") == bodies("sent", 200) + bodies("pending", 300)
+
+
+@pytest.mark.slow
+def test_a_demoted_source_pair_stays_demoted_after_its_failover(
+    source_pair: Pair, mirror: BrokerProcess
+) -> None:
+    publish(source_pair.active, "orders", bodies("sent", 50))
+    demoted = demote(source_pair.active)
+    assert demoted.token is not None
+    assert source_pair.failover()  # the passive holds the role record like any op
+    connection, ch = channel(source_pair.active)
+    ch.confirm_delivery()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+        ch.basic_publish("", "orders", b"after the failover", pika.BasicProperties(delivery_mode=2))
+    assert refused.value.reply_code == 403 and "DR mirror (replica)" in refused.value.reply_text
+    connection.close()
+    section = mirror_status(source_pair.active)
+    assert section is not None and section["role"] == "replica"
+    assert section["epoch"] == demoted.token.epoch

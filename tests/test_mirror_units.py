@@ -148,8 +148,28 @@ def test_an_event_that_keeps_failing_goes_to_the_dlq_and_the_stream_goes_on(
         ["--mirror-to", "127.0.0.1:5999"],
         ["--mirror-port", "5999"],
         ["--mirror-to", "127.0.0.1:5999", "--mirror-port", "5998", "--mirror-token", "t"],
+        ["--mirror-port", "5998", "--mirror-role", "source", "--mirror-token", "t"],
     ],
 )
-def test_a_mirror_link_needs_its_token_and_a_broker_takes_one_side(args: list[str]) -> None:
+def test_a_mirror_link_needs_its_token_and_a_broker_with_both_ends_names_its_role(
+    args: list[str],
+) -> None:
     with pytest.raises(ValidationError):
         parse_args(args)
+
+
+@pytest.mark.parametrize(
+    ("args", "role"),
+    [
+        (["--mirror-to", "127.0.0.1:5999"], "source"),
+        (["--mirror-port", "5999"], "replica"),
+        (["--mirror-to", "127.0.0.1:5999", "--mirror-port", "5998", "--mirror-role", "replica"],
+         "replica"),
+        ([], None),
+    ],
+)  # fmt: skip
+def test_a_sites_first_dr_role_follows_its_ends_or_its_flag(
+    args: list[str], role: str | None
+) -> None:
+    settings = parse_args([*args, "--mirror-token", "t"] if args else [])
+    assert settings.mirror_first_role == role

@@ -36,7 +36,7 @@ from pydantic import BaseModel
 from twinmq.broker.commit import Waiter
 from twinmq.broker.definitions import Definitions
 from twinmq.broker.fieldtable import Table, encode_table, long_int, text
-from twinmq.broker.journal import JournalOp, Settle, StoredMessage
+from twinmq.broker.journal import JournalOp, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.events import (
@@ -45,6 +45,7 @@ from twinmq.broker.mirror.events import (
     decode_event,
     is_internal,
     record_header,
+    replace_record,
 )
 from twinmq.broker.queue import Queue
 
@@ -278,20 +279,9 @@ class MirrorApplier:
         self, origin: str, previous: AppliedMark | None, seq: int, created: float
     ) -> list[JournalOp]:
         """The ops that replace the origin's mark (and the in-memory record)."""
-        name, qid = mark_queue(origin)
-        queue = self.vhost.internal_queue(name, qid)
+        queue = self.vhost.internal_queue(*mark_queue(origin))
         body = AppliedMark(origin=origin, seq=seq, applied_at=self.clock(), created=created)
-        data = body.model_dump_json().encode()
-        header = record_header(len(data))
-        ops: list[JournalOp] = [StoredMessage(seq, qid, "", name, header, data, None)]
-        for entry in queue.entries:
-            ops.append(Settle(qid, entry.message.mid))
-        queue.entries.clear()
-        queue.entries.append(
-            Entry(Message(seq, "", name, header, data, True, None, None), None, True)
-        )
-        queue.bytes = len(data)
-        return ops
+        return replace_record(queue, seq, body.model_dump_json().encode())
 
     def _dead_letter(self, origin: str, seq: int, body: bytes, exc: Exception) -> JournalOp:
         """Keep an event that cannot be applied in the mirror DLQ, with the reason."""

@@ -23,8 +23,10 @@ from typing import Final
 from pydantic import ValidationError
 
 from twinmq.broker.definitions import Definitions
-from twinmq.broker.journal import JournalOp
+from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.journal.ops import decode_ops, encode_ops
+from twinmq.broker.message import Entry, Message
+from twinmq.broker.queue import Queue
 
 KIND_OPS: Final = 1
 KIND_DEFINITIONS: Final = 2
@@ -110,3 +112,16 @@ def mirrored_definitions(definitions: Definitions) -> Definitions:
         bindings=[b for b in definitions.bindings if not is_internal(b.queue)],
         next_qid=definitions.next_qid,
     )
+
+
+def replace_record(queue: Queue, mid: int, data: bytes) -> list[JournalOp]:
+    """Make `data` the one record of internal queue `queue` (in memory, as message `mid`);
+    the ops that journal the change (the new record, settles of the old)."""
+    qid, name = queue.definition.qid, queue.name
+    header = record_header(len(data))
+    ops: list[JournalOp] = [StoredMessage(mid, qid, "", name, header, data, None)]
+    ops += [Settle(qid, entry.message.mid) for entry in queue.entries]
+    queue.entries.clear()
+    queue.entries.append(Entry(Message(mid, "", name, header, data, True, None, None), None, True))
+    queue.bytes = len(data)
+    return ops

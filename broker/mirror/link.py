@@ -7,7 +7,9 @@
                                        <-     ACK u64: the origin's applied mark
     BATCH seq|0|event ... (pipelined)  ->
                                        <-     ACK u64 once applied and durable there
-    PING                              <->     either way when idle
+    PING {beat}                        ->     every second: a heartbeat (Heartbeat JSON)
+                                       <-     PING {beat}: its echo, the round trip
+    PING                               <-     the mirror's, when idle
 
 Frames are the pair's replication frames (`broker/replication/protocol.py`).
 Events go in order, as many as the window allows (`window_events`,
@@ -15,6 +17,13 @@ Events go in order, as many as the window allows (`window_events`,
 window. Any error closes the connection; the link tries again every `retry`
 seconds, and resumes after the mark the mirror announces: what was sent but not
 acknowledged is sent again and skipped there. Only an active broker connects.
+
+"Connected" means a heartbeat came back: the handshake's mark proves the mirror
+answered once, the echo proves the session still carries frames both ways
+behind everything sent before it. The heartbeat also tells the mirror what a
+forced promotion would lose (the source's newest event and backlog). HELLO and
+REFUSE carry DR epochs (`role.py`): a REFUSE from a site at a higher epoch
+fences this one (`on_fenced`).
 """
 
 from __future__ import annotations
@@ -22,7 +31,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
+from typing import NoReturn
+
+from pydantic import BaseModel, ValidationError
 
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.auth import Transcript
@@ -49,6 +63,26 @@ SILENCE = 15.0  # no frame (not even a PING) for this long: the link is dead
 PING_EVERY = 1.0
 
 
+class Heartbeat(BaseModel):
+    """A PING's payload on the mirror link, echoed by the mirror as received."""
+
+    n: int  # the source's counter: which beat an echo answers
+    sent: float  # the source's clock (round trip = its own clock's difference)
+    head: int  # the source's newest event
+    backlog: int  # events not yet acknowledged by the mirror
+    epoch: int  # the source's DR epoch
+
+
+def decode_heartbeat(payload: bytes) -> Heartbeat | None:
+    """A PING's heartbeat, or None for a bare PING (or one that is not a heartbeat)."""
+    if not payload:
+        return None
+    try:
+        return Heartbeat.model_validate_json(payload)
+    except ValidationError:
+        return None
+
+
 class MirrorLink:
     """Keeps one mirror link up while this broker is active."""
 
@@ -62,6 +96,9 @@ class MirrorLink:
         retry: float = 2.0,
         window_events: int = 4096,
         window_bytes: int = 16 * 1024 * 1024,
+        epoch: Callable[[], int] = lambda: 0,
+        on_fenced: Callable[[int, str], None] | None = None,
+        expected_peer: Callable[[], str | None] = lambda: None,
     ) -> None:
         host, _, port = address.rpartition(":")
         self.host, self.port = host or "127.0.0.1", int(port)
@@ -72,8 +109,14 @@ class MirrorLink:
         self.retry = retry
         self.window_events = window_events
         self.window_bytes = window_bytes
+        self.epoch = epoch
+        self.on_fenced = on_fenced
+        self.expected_peer = expected_peer
         self.connected = False
         self.last_error: str | None = None
+        self.round_trip: float | None = None  # the last heartbeat's, seconds
+        self.heartbeat_at: float | None = None  # monotonic time its echo came back
+        self._beats = 0
         self._wake = asyncio.Event()
         source.on_change = self._wake.set
         self._task: asyncio.Task[None] | None = None
@@ -89,6 +132,10 @@ class MirrorLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._set_connected(False)
+
+    def heartbeat_age(self) -> float | None:
+        """Seconds since the last heartbeat round trip completed (None: never)."""
+        return None if self.heartbeat_at is None else time.monotonic() - self.heartbeat_at
 
     async def run(self) -> None:
         """Connect while active; after any failure wait `retry` seconds and connect again."""
@@ -122,7 +169,6 @@ class MirrorLink:
                 return
             self.source.acked(applied)
             self.last_error = None
-            self._set_connected(True)  # the mark came back: a verified round trip
             sender = asyncio.get_running_loop().create_task(self._send(writer, applied))
             try:
                 await self._receive(frames)
@@ -141,14 +187,25 @@ class MirrorLink:
         if ftype is not FrameType.CHALLENGE:
             raise ProtocolError(f"expected CHALLENGE, got {ftype.name}")
         challenge = decode_model(Challenge, payload)
+        expected = self.expected_peer()
+        if expected is not None and challenge.name != expected:
+            # Promoted by a switchover without a snapshot: only the demoted site holds
+            # every message this queue's events build on.
+            raise ConnectionError(
+                f"the mirror at {self.address} is {challenge.name!r}, not {expected!r}, the site "
+                f"this one took over from: a new mirror needs a re-seed (not built)"
+            )
         nonce = new_nonce()
         transcript = Transcript(challenge.name, self.origin, challenge.nonce, nonce)
         hello = Hello(
-            name=self.origin, epoch=0, nonce=nonce, proof=transcript.proof(self.key, "source")
+            name=self.origin,
+            epoch=self.epoch(),
+            nonce=nonce,
+            proof=transcript.proof(self.key, "source"),
         )
         writer.write(encode(FrameType.HELLO, hello))
         ftype, payload = await frames.next()
-        if ftype is FrameType.REFUSE:
+        if ftype is FrameType.REFUSE:  # not proven by the mirror: never fences
             raise ConnectionError(f"refused: {decode_model(Refuse, payload).reason}")
         if ftype is not FrameType.WELCOME:
             raise ProtocolError(f"expected WELCOME, got {ftype.name}")
@@ -157,6 +214,8 @@ class MirrorLink:
             raise ProtocolError(f"the mirror did not prove itself: {why}")
         frames.authenticated()
         ftype, payload = await frames.next()
+        if ftype is FrameType.REFUSE:
+            self._refused(decode_model(Refuse, payload))
         if ftype is not FrameType.ACK:
             raise ProtocolError(f"expected ACK, got {ftype.name}")
         return decode_u64(payload)
@@ -167,7 +226,8 @@ class MirrorLink:
         inflight_bytes = 0
         sent = after
         loop = asyncio.get_running_loop()
-        last_write = loop.time()
+        writer.write(self._heartbeat())  # "connected" waits for its echo
+        last_beat = loop.time()
         while True:
             if not self.source.active:
                 raise ConnectionError("this broker is no longer active")
@@ -187,15 +247,36 @@ class MirrorLink:
                 sent = events[-1][0]
                 metrics.SENT.inc(len(events))
                 await writer.drain()
-                last_write = loop.time()
+                if loop.time() - last_beat >= PING_EVERY:
+                    writer.write(self._heartbeat())  # also under load: lag is visible
+                    last_beat = loop.time()
                 continue
             self._wake.clear()
-            if loop.time() - last_write >= PING_EVERY:
-                writer.write(encode(FrameType.PING))
+            if loop.time() - last_beat >= PING_EVERY:
+                writer.write(self._heartbeat())
                 await writer.drain()
-                last_write = loop.time()
+                last_beat = loop.time()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), PING_EVERY)
+
+    def _heartbeat(self) -> bytes:
+        """The next heartbeat's PING frame."""
+        self._beats += 1
+        beat = Heartbeat(
+            n=self._beats,
+            sent=time.monotonic(),
+            head=self.source.head,
+            backlog=self.source.depth,
+            epoch=self.epoch(),
+        )
+        return encode(FrameType.PING, beat)
+
+    def _refused(self, refuse: Refuse) -> NoReturn:
+        """An authenticated REFUSE: fenced if it comes from a site at a higher DR epoch;
+        then closed."""
+        if refuse.epoch > self.epoch() and self.on_fenced is not None:
+            self.on_fenced(refuse.epoch, refuse.reason)
+        raise ConnectionError(f"refused: {refuse.reason}")
 
     async def _receive(self, frames: FrameReader) -> None:
         """ACKs trim the queue and open the window; silence or a REFUSE ends the session."""
@@ -207,6 +288,13 @@ class MirrorLink:
                 self.source.acked(decode_u64(payload))
                 self._wake.set()
             elif ftype is FrameType.REFUSE:
-                raise ConnectionError(f"refused: {decode_model(Refuse, payload).reason}")
-            elif ftype is not FrameType.PING:
+                self._refused(decode_model(Refuse, payload))
+            elif ftype is FrameType.PING:
+                beat = decode_heartbeat(payload)
+                if beat is not None and beat.n <= self._beats:
+                    now = time.monotonic()
+                    self.round_trip = now - beat.sent
+                    self.heartbeat_at = now
+                    self._set_connected(True)  # a verified round trip
+            else:
                 raise ProtocolError(f"unexpected {ftype.name} from the mirror")

@@ -5,7 +5,13 @@ source pair failed over, or reconnected before the old TCP connection died)
 replaces the older one. Events read together are applied together
 (`MirrorApplier.apply`, one group commit); the ACK of their last seq is written
 once that batch is complete, in order, while the next events are being applied.
-Only an active broker accepts a source (a passive of the mirror pair refuses).
+Only an active broker of a replica site accepts a source (`ListenerSite.link_refusal`:
+a passive of the mirror pair, a promoted site, a source at an older DR epoch are
+refused, the REFUSE carrying this site's epoch). A source whose proof holds is
+refused only after this side's WELCOME proved it too: a REFUSE that can fence
+the source (a higher epoch) never comes from an unauthenticated peer. Heartbeats (`link.Heartbeat`)
+are echoed as received and reported to the site (`heard`): the RPO a forced
+promotion reports.
 """
 
 from __future__ import annotations
@@ -13,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.applier import MirrorApplier
 from twinmq.broker.mirror.auth import Transcript
 from twinmq.broker.mirror.durable import BatchFutures
+from twinmq.broker.mirror.link import Heartbeat, decode_heartbeat
 from twinmq.broker.replication.handshake import new_nonce
 from twinmq.broker.replication.link import FrameReader
 from twinmq.broker.replication.protocol import (
@@ -41,6 +48,22 @@ SILENCE = 15.0
 MAX_APPLY_EVENTS = 4096  # events applied in one group commit, at most
 
 
+class ListenerSite(Protocol):
+    """The mirror site as its listener asks it."""
+
+    def link_refusal(self, origin: str, epoch: int) -> tuple[str, int] | None:
+        """Why a source at DR `epoch` is refused now, with this site's epoch; or None."""
+        ...
+
+    def heard(self, origin: str, beat: Heartbeat) -> None:
+        """A source's heartbeat arrived."""
+        ...
+
+    def progressed(self) -> None:
+        """Events were applied (a promotion may be waiting for them)."""
+        ...
+
+
 class MirrorListener:
     """Accepts mirror links from sources and feeds their events to the applier."""
 
@@ -50,14 +73,15 @@ class MirrorListener:
         futures: BatchFutures,
         key: str,
         name: str,
-        is_active: Callable[[], bool],
+        site: ListenerSite,
     ) -> None:
         self.applier = applier
         self.futures = futures
         self.key = key
         self.name = name
-        self.is_active = is_active
+        self.site = site
         self.sessions: dict[str, asyncio.StreamWriter] = {}
+        self.epochs: dict[str, int] = {}  # origin -> DR epoch its HELLO announced
 
     async def start(self, host: str, port: int) -> asyncio.Server:
         """Listen for sources."""
@@ -102,12 +126,6 @@ class MirrorListener:
         hello = decode_model(Hello, payload)
         transcript = Transcript(self.name, hello.name, nonce, hello.nonce)
         why = transcript.refusal(self.key, hello.proof, "source")
-        if why is None and not self.is_active():
-            why = f"{self.name} is passive: link to the mirror's active broker"
-        others = [o for o in self.applier.origins() if o != hello.name]
-        if why is None and others:
-            # Topology events are full state: two origins would delete each other's queues.
-            why = f"{self.name} mirrors origin {others[0]!r}; one origin per mirror"
         if why is not None:
             log.warning("mirror: refusing source %r: %s", hello.name, why)
             writer.write(encode(FrameType.REFUSE, Refuse(reason=why, epoch=0)))
@@ -116,6 +134,20 @@ class MirrorListener:
         proof = transcript.proof(self.key, "mirror")
         writer.write(encode(FrameType.WELCOME, Welcome(epoch=0, proof=proof)))
         frames.authenticated()
+        epoch = 0
+        refused = self.site.link_refusal(hello.name, hello.epoch)
+        if refused is not None:
+            why, epoch = refused
+        others = [o for o in self.applier.origins() if o != hello.name]
+        if why is None and others:
+            # Topology events are full state: two origins would delete each other's queues.
+            why = f"{self.name} mirrors origin {others[0]!r}; one origin per mirror"
+        if why is not None:
+            log.warning("mirror: refusing source %r: %s", hello.name, why)
+            writer.write(encode(FrameType.REFUSE, Refuse(reason=why, epoch=epoch)))
+            await writer.drain()
+            return None
+        self.epochs[hello.name] = hello.epoch
         writer.write(encode_u64(FrameType.ACK, self.applier.applied(hello.name)))
         await writer.drain()
         return hello.name
@@ -125,10 +157,16 @@ class MirrorListener:
         acker = asyncio.get_running_loop().create_task(self._acknowledge(acks, writer))
         try:
             while not acker.done():
-                events = await self._read_events(frames)
-                if not self.is_active():
-                    raise ConnectionError(f"{self.name} is no longer active")
+                events = await self._read_events(origin, frames, writer)
+                refused = self.site.link_refusal(origin, self.epochs.get(origin, 0))
+                if refused is not None:
+                    # Promoted (or passive) since: apply nothing more, say why.
+                    why, epoch = refused
+                    writer.write(encode(FrameType.REFUSE, Refuse(reason=why, epoch=epoch)))
+                    await writer.drain()
+                    raise ConnectionError(why)
                 result = self.applier.apply(origin, events)
+                self.site.progressed()
                 metrics.HELD_ACKS.set(len(self.applier.holding))
                 if result.applied:
                     acks.put_nowait((self.futures.wait(result.batch), result.seq))
@@ -144,8 +182,11 @@ class MirrorListener:
             with contextlib.suppress(asyncio.CancelledError, OSError, ConnectionError):
                 await acker
 
-    async def _read_events(self, frames: FrameReader) -> list[tuple[int, bytes]]:
-        """The next events: at least one, and every one already received (up to a bound)."""
+    async def _read_events(
+        self, origin: str, frames: FrameReader, writer: asyncio.StreamWriter
+    ) -> list[tuple[int, bytes]]:
+        """The next events: at least one, and every one already received (up to a bound).
+        Heartbeats on the way are echoed."""
         events: list[tuple[int, bytes]] = []
         while len(events) < MAX_APPLY_EVENTS:
             frame = frames.received() if events else await frames.next(SILENCE)
@@ -155,7 +196,12 @@ class MirrorListener:
             if ftype is FrameType.BATCH:
                 seq, _flags, body = decode_batch(payload)
                 events.append((seq, body))
-            elif ftype is not FrameType.PING:
+            elif ftype is FrameType.PING:
+                beat = decode_heartbeat(payload)
+                if beat is not None:
+                    self.site.heard(origin, beat)
+                    writer.write(encode(FrameType.PING, payload))
+            else:
                 raise ProtocolError(f"unexpected {ftype.name} from a mirror source")
         return events
 

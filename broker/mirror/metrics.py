@@ -30,3 +30,17 @@ HELD_ACKS = Gauge("twinmq_mirror_held_acks", "Settles held for messages not (yet
 HELD_APPLIED = Counter(
     "twinmq_mirror_held_applied_total", "Messages settled on arrival by a held settle"
 )
+ROLE = Gauge("twinmq_mirror_role_source", "1 while this site is the DR source (writable)")
+EPOCH = Gauge("twinmq_mirror_epoch", "This site's DR epoch (fencing)")
+QUEUE_LAG = Gauge(
+    "twinmq_mirror_queue_lag_events",
+    "Per queue: events touching it not yet acknowledged by the mirror",
+    ["queue"],
+)
+NEEDS_RESYNC = Gauge(
+    "twinmq_mirror_needs_resync",
+    "1 once the replication queue passed its retention bound and its backlog was dropped",
+)
+ROUND_TRIP = Gauge(
+    "twinmq_mirror_heartbeat_round_trip_seconds", "The last heartbeat's round trip on the link"
+)

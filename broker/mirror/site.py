@@ -1,9 +1,16 @@
 """Wiring of the mirror into a broker: the source side, the mirror side, or both.
 
-The broker creates one `Mirroring` from its settings; this module only joins
-the parts (`source`, `link`, `applier`, `listener`) to the committer, the
-virtual host and the resource monitor, through the narrow Protocols those parts
-declare.
+The broker creates one `Mirroring` from its settings; this module joins the
+parts (`source`, `link`, `applier`, `listener`) to the committer, the virtual
+host and the resource monitor, through the narrow Protocols those parts
+declare, and holds the site's DR role (`role.py`): which end runs, whether
+clients may write, and the controlled switchover (`demote`, `promote`).
+
+A site configured with both ends (`--mirror-to`, `--mirror-port`,
+`--mirror-role`) runs one at a time: as `source` its link streams and its
+listener refuses; as `replica` its listener applies, its link stays down and
+its clients may only read. Applied changes never become events (the source's
+tap is off while a replica), so reversing the mirror makes no loop.
 """
 
 from __future__ import annotations
@@ -15,14 +22,24 @@ from collections.abc import Callable
 from typing import Protocol
 
 from twinmq.broker.alarms import ResourceMonitor
-from twinmq.broker.api import MirrorStatus
+from twinmq.broker.api import (
+    DemotionToken,
+    MirrorDemoteRequest,
+    MirrorLinkState,
+    MirrorPromoteRequest,
+    MirrorRpo,
+    MirrorStatus,
+    MirrorSwitch,
+)
 from twinmq.broker.commit import GroupCommitter
+from twinmq.broker.errors import MirrorNotDrained, MirrorRefused
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.applier import MirrorApplier, MirrorState
 from twinmq.broker.mirror.auth import mirror_key
 from twinmq.broker.mirror.durable import BatchFutures
-from twinmq.broker.mirror.link import MirrorLink
+from twinmq.broker.mirror.link import Heartbeat, MirrorLink
 from twinmq.broker.mirror.listener import MirrorListener
+from twinmq.broker.mirror.role import RoleStore, SiteRole
 from twinmq.broker.mirror.source import MirrorSource, SourceState
 from twinmq.broker.settings import BrokerSettings
 
@@ -33,6 +50,10 @@ FLOW_CONTROL_REASON = "mirror-lag"
 
 class Host(SourceState, MirrorState, Protocol):
     """The virtual host as the mirror's two ends use it."""
+
+    def set_replica(self, replica: bool) -> None:
+        """False: arm the expiry timers of what was applied (a promotion)."""
+        ...
 
 
 class Mirroring:
@@ -45,33 +66,286 @@ class Mirroring:
         committer: GroupCommitter,
         monitor: ResourceMonitor,
         clock: Callable[[], float] = time.time,
+        close_clients: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.settings = settings
+        self.vhost = vhost
+        self.committer = committer
         self.clock = clock
+        self.close_clients = close_clients
         self.source: MirrorSource | None = None
         self.link: MirrorLink | None = None
         self.listener: MirrorListener | None = None
         self.flow_control = False
+        self.demoting = False  # a demotion waits for its queue to drain: clients refused
+        self.beat: Heartbeat | None = None  # the source's last heartbeat (this replica's)
+        self.beat_at: float | None = None
+        self.seen_epoch = 0  # the highest DR epoch a source announced here
+        self._progress = asyncio.Event()  # set as events are acknowledged or applied
+        self._switching = asyncio.Lock()  # one switch at a time: a repeat waits, then replays
         token = settings.mirror_token.get_secret_value() if settings.mirror_token else None
-        origin = settings.mirror_id or settings.name
-        if settings.mirror_to and token is not None:
+        self.origin = origin = settings.mirror_id or settings.name
+        first = settings.mirror_first_role
+        self.futures = BatchFutures()  # switches and acknowledgements wait on batches
+        committer.await_durable(self.futures)
+        self.roles = RoleStore(vhost, committer, self.futures, first) if first and token else None
+        if settings.mirror_to and token is not None and self.roles is not None:
             self.source = MirrorSource(vhost, committer, clock)
+            self.source.sending = lambda: self.is_source
+            self.source.retention = settings.mirror_retention_events
+            self.source.needs_resync = self.roles.current.needs_resync
+            self.source.on_needs_resync = self._needs_resync
+            self.source.on_acked = self.progressed
             committer.tap = self.source
             committer.await_durable(self.source)
-            self.link = MirrorLink(self.source, settings.mirror_to, mirror_key(token), origin)
+            self.link = MirrorLink(
+                self.source,
+                settings.mirror_to,
+                mirror_key(token),
+                origin,
+                epoch=lambda: self.epoch,
+                on_fenced=self._fenced,
+                expected_peer=lambda: self.roles.current.took_over_from if self.roles else None,
+            )
             monitor.checks.append(self._flow_control)
             metrics.QUEUE_EVENTS.set_function(lambda: self._source_value("depth"))
             metrics.QUEUE_BYTES.set_function(lambda: self._source_value("depth_bytes"))
             metrics.OLDEST_AGE.set_function(self._oldest_age)
         metrics.ENABLED.set(1 if self.source is not None else 0)
         if settings.mirror_port is not None and token is not None:
-            futures = BatchFutures()
-            committer.await_durable(futures)
             applier = MirrorApplier(vhost, committer, clock)
-            self.listener = MirrorListener(
-                applier, futures, mirror_key(token), origin, lambda: not vhost.replica
-            )
+            self.listener = MirrorListener(applier, self.futures, mirror_key(token), origin, self)
         self._server: asyncio.Server | None = None
+        self._metrics()
+
+    # -- the role ---------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """This site's DR epoch (0 without a mirror)."""
+        return self.roles.epoch if self.roles is not None else 0
+
+    @property
+    def is_source(self) -> bool:
+        """Whether this site is the DR source (writable)."""
+        return self.roles is not None and self.roles.role == "source"
+
+    def write_refusal(self) -> str | None:
+        """Why clients may not publish or change the mirrored topology here, or None."""
+        if self.roles is None:
+            return None
+        name = self.settings.name
+        if self.demoting:
+            return f"{name} is being demoted (DR switchover): publish to the promoted site"
+        if self.roles.role == "replica":
+            return (
+                f"{name} is a DR mirror (replica) at DR epoch {self.epoch}: publish to the "
+                f"source site"
+            )
+        return None
+
+    async def _save(self, record: SiteRole) -> None:
+        """Make `record` the role, durable (and on the pair's passive) before returning."""
+        assert self.roles is not None
+        ok = await self.roles.save(record)
+        self._metrics()
+        if not ok:
+            raise MirrorRefused("the journal refused the role record: the switch is not durable")
+
+    def _metrics(self) -> None:
+        metrics.ROLE.set(1 if self.is_source else 0)
+        metrics.EPOCH.set(self.epoch)
+        needs_resync = self.source is not None and self.source.needs_resync is not None
+        metrics.NEEDS_RESYNC.set(1 if needs_resync else 0)
+
+    def _fenced(self, epoch: int, reason: str) -> None:
+        """The link met a site at a higher DR epoch: stop taking writes at once."""
+        if self.roles is None or epoch <= self.roles.epoch:
+            return
+        was = self.roles.role
+        log.error("mirror: fenced by DR epoch %d (this site had %d, %s): %s; now a replica",
+                  epoch, self.roles.epoch, was, reason)  # fmt: skip
+        # In effect at once (in memory); durable with the batch it joins.
+        update = {"role": "replica", "epoch": epoch, "fenced_by": reason}
+        self.roles.record(self.roles.current.model_copy(update=update))
+        self._metrics()
+        if was == "source":
+            self.close_clients(f"{self.settings.name} was fenced by a site at DR epoch {epoch}")
+
+    def _needs_resync(self, reason: str) -> None:
+        """Called as a batch closes (the committer's tap): recorded right after it."""
+        roles = self.roles
+        assert roles is not None
+        asyncio.get_running_loop().call_soon(
+            lambda: roles.record(roles.current.model_copy(update={"needs_resync": reason}))
+        )
+        self._metrics()
+
+    # -- the listener's site ----------------------------------------------------------------
+
+    def link_refusal(self, origin: str, epoch: int) -> tuple[str, int] | None:
+        """Why a source at DR `epoch` may not stream here now, with this site's epoch."""
+        name, own = self.settings.name, self.epoch
+        if self.vhost.replica:
+            return f"{name} is passive: link to the mirror's active broker", own
+        if self.roles is None or self.roles.role != "replica":
+            return f"{name} is the DR source at epoch {own}: it takes no mirror link", own
+        if epoch < own:
+            return f"source {origin} at DR epoch {epoch} is fenced: {name} is at {own}", own
+        self.seen_epoch = max(self.seen_epoch, epoch)
+        return None
+
+    def heard(self, origin: str, beat: Heartbeat) -> None:
+        """A source's heartbeat: what a forced promotion would report as its RPO."""
+        self.beat, self.beat_at = beat, self.clock()
+        self.seen_epoch = max(self.seen_epoch, beat.epoch)
+
+    def progressed(self) -> None:
+        """Events were acknowledged (source) or applied (replica): wake a waiting switch."""
+        self._progress.set()
+
+    async def _until(self, done: Callable[[], bool]) -> None:
+        """Wait until `done()`, looking again at every progress (the caller bounds it)."""
+        while not done():
+            self._progress.clear()
+            await self._progress.wait()
+
+    # -- the switchover ---------------------------------------------------------------------
+
+    async def demote(self, request: MirrorDemoteRequest) -> MirrorSwitch:
+        """The source's half of a switchover: refuse clients, drain, hand over a token.
+
+        Replay-safe: a demoted site answers a repeated request with its token; a
+        demotion that timed out stays fenced and finishes on the next call.
+        """
+        async with self._switching:
+            return await self._demote(request)
+
+    async def promote(self, request: MirrorPromoteRequest) -> MirrorSwitch:
+        """The replica's half: with a token, once applied up to it (no loss); with
+        `force`, at once, reporting what may be lost (RPO). Replay-safe."""
+        async with self._switching:
+            return await self._promote(request)
+
+    async def _demote(self, request: MirrorDemoteRequest) -> MirrorSwitch:
+        roles, source = self.roles, self.source
+        if roles is None or source is None or self.link is None:
+            raise MirrorRefused(f"{self.settings.name} is not a DR mirror source (--mirror-to)")
+        if roles.role == "replica":
+            last = roles.current.last_switch
+            if last is not None and last.token is not None and last.epoch == roles.epoch:
+                return last
+            raise MirrorRefused(f"{self.settings.name} is a replica: nothing to demote")
+        if source.needs_resync is not None:
+            raise MirrorRefused(f"the mirror cannot take over: {source.needs_resync}")
+        started = time.monotonic()
+        if not self.demoting:
+            self.demoting = True
+            log.warning("mirror: demoting %s: clients refused, draining", self.settings.name)
+            self.close_clients(f"{self.settings.name} is being demoted (DR switchover)")
+        self.committer.flush_now()  # the last client ops' event joins the queue now
+        try:
+            async with asyncio.timeout(request.timeout):
+                await self._until(lambda: source.depth == 0)
+        except TimeoutError:
+            raise MirrorNotDrained(
+                f"{source.depth} events not acknowledged by the mirror after "
+                f"{request.timeout} s (link {self.link_state()}); still fenced: call again"
+            ) from None
+        epoch = roles.epoch + 1
+        token = DemotionToken(origin=self.origin, seq=source.acked_seq, epoch=epoch)
+        switch = MirrorSwitch(
+            role="replica", epoch=epoch, token=token, seconds=time.monotonic() - started
+        )
+        update = {"role": "replica", "epoch": epoch, "last_switch": switch, "fenced_by": None}
+        await self._save(roles.current.model_copy(update=update))
+        self.demoting = False
+        log.warning("mirror: demoted at DR epoch %d: %s", epoch, token.model_dump_json())
+        return switch
+
+    async def _promote(self, request: MirrorPromoteRequest) -> MirrorSwitch:
+        roles, listener = self.roles, self.listener
+        if roles is None or listener is None:
+            raise MirrorRefused(f"{self.settings.name} is not a DR mirror (--mirror-port)")
+        token = request.token
+        if roles.role == "source":
+            last = roles.current.last_switch
+            if (
+                last is not None
+                and last.role == "source"
+                and ((token is not None and last.token == token) or (token is None and last.forced))
+            ):
+                return last
+            raise MirrorRefused(f"{self.settings.name} is the DR source already")
+        if self.vhost.replica:
+            raise MirrorRefused(f"{self.settings.name} is passive: promote the active broker")
+        started = time.monotonic()
+        applier = listener.applier
+        rpo: MirrorRpo | None = None
+        if token is not None:
+            if token.epoch <= roles.epoch:
+                raise MirrorRefused(f"stale token: epoch {token.epoch}, this site is at "
+                                    f"{roles.epoch}")  # fmt: skip
+            others = [o for o in applier.origins() if o != token.origin]
+            if others:
+                raise MirrorRefused(f"this site mirrors {others[0]!r}, not {token.origin!r}")
+            try:
+                async with asyncio.timeout(request.timeout):
+                    await self._until(lambda: applier.applied(token.origin) >= token.seq)
+            except TimeoutError:
+                raise MirrorRefused(
+                    f"not applied up to the token: event {applier.applied(token.origin)} of "
+                    f"{token.seq}; the source is not drained here"
+                ) from None
+            epoch = token.epoch
+        elif request.force:
+            epoch = max(roles.epoch, self.seen_epoch) + 1
+            rpo = self._rpo_now(listener)
+        else:
+            raise MirrorRefused("promote needs the source's demotion token, or force")
+        for writer in list(listener.sessions.values()):
+            writer.close()  # apply nothing more from the old source
+        switch = MirrorSwitch(
+            role="source", epoch=epoch, token=token, forced=token is None, rpo=rpo,
+            seconds=time.monotonic() - started,
+        )  # fmt: skip
+        took_over_from = token.origin if token is not None else None
+        await self._save(roles.current.model_copy(update={
+            "role": "source", "epoch": epoch, "last_switch": switch, "fenced_by": None,
+            "rpo": rpo if rpo is not None else roles.current.rpo,
+            "took_over_from": took_over_from}))  # fmt: skip
+        self.vhost.set_replica(False)  # applied messages get their expiry timers
+        if self.source is not None and token is not None:
+            # Failback needs no snapshot: the demoted site holds every message here.
+            self.source.activate(snapshot=False)
+        if rpo is not None:
+            log.error("mirror: FORCED promotion at DR epoch %d; RPO: %s", epoch,
+                      rpo.model_dump_json())  # fmt: skip
+        elif token is not None:
+            log.warning("mirror: promoted at DR epoch %d, token %s", epoch, token.model_dump_json())
+        return switch
+
+    def _rpo_now(self, listener: MirrorListener) -> MirrorRpo:
+        """What a forced promotion would report now: applied here, and the source as last
+        heard."""
+        origins = listener.applier.origins()
+        beat = self.beat
+        return MirrorRpo(
+            last_applied_seq=listener.applier.applied(origins[0]) if origins else 0,
+            source_last_seq_seen=beat.head if beat is not None else 0,
+            source_unreplicated_seen=beat.backlog if beat is not None else 0,
+            seen_at=self.beat_at,
+        )
+
+    def link_state(self) -> MirrorLinkState:
+        """The source link's state, honestly."""
+        if self.roles is not None and self.roles.current.fenced_by is not None:
+            return "fenced"
+        if self.source is None or self.link is None or not self.is_source:
+            return "disabled"
+        if self.source.needs_resync is not None:
+            return "needs-resync"
+        return "connected" if self.link.connected else "connecting"
 
     def _source_value(self, name: str) -> float:
         return float(getattr(self.source, name)) if self.source is not None else 0.0
@@ -118,11 +392,32 @@ class Mirroring:
             self._server.close()
 
     def status(self) -> MirrorStatus:
-        """For `/status`."""
+        """For `/status` (refreshes the per-queue lag gauges)."""
         source, link, listener = self.source, self.link, self.listener
+        lag = source.lag_by_queue() if source is not None else {}
+        metrics.QUEUE_LAG.clear()
+        for name, events in lag.items():
+            metrics.QUEUE_LAG.labels(name).set(events)
+        if link is not None and link.round_trip is not None:
+            metrics.ROUND_TRIP.set(link.round_trip)
+        roles = self.roles
         return MirrorStatus(
-            enabled=source is not None,
+            enabled=source is not None and self.is_source,
+            role=roles.role if roles is not None else None,
+            epoch=self.epoch,
+            state=self.link_state(),
             connected=link is not None and link.connected,
+            heartbeat_age_seconds=link.heartbeat_age() if link is not None else None,
+            round_trip_seconds=link.round_trip if link is not None else None,
+            link_error=link.last_error if link is not None else None,
+            queue_lag_events=lag,
+            needs_resync=source.needs_resync if source is not None else None,
+            rpo=roles.current.rpo if roles is not None else None,
+            failover_rpo=(
+                self._rpo_now(listener)
+                if listener is not None and roles is not None and roles.role == "replica"
+                else None
+            ),
             target=self.settings.mirror_to,
             queue_events=source.depth if source is not None else 0,
             queue_bytes=source.depth_bytes if source is not None else 0,

@@ -16,7 +16,7 @@ link (`link.py`) sends only events whose batch is complete here
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Final, Protocol
 
@@ -52,6 +52,10 @@ class SourceState(Protocol):
     replica: bool
     queues: dict[str, Queue]
 
+    def queue_by_qid(self, qid: int) -> Queue | None:
+        """The queue of an incarnation id."""
+        ...
+
     def internal_queue(self, name: str, qid: int, *, locked: bool = True) -> Queue:
         """The broker's own durable queue `name`, made if missing."""
         ...
@@ -83,6 +87,13 @@ class MirrorSource:
         self.durable_seq = 0  # every event up to this one is complete here
         self.acked_seq = 0  # the mirror's high-water mark, as last acknowledged
         self.on_change: Callable[[], None] | None = None  # events became sendable
+        self.sending: Callable[[], bool] = lambda: True  # the DR source (its role's record)
+        self.retention = 0  # most events kept unacknowledged (0: no bound)
+        self.needs_resync: str | None = None  # the backlog was dropped past `retention`
+        self.on_needs_resync: Callable[[str], None] | None = None
+        self.on_acked: Callable[[], None] | None = None  # the mirror acknowledged more
+        self.queue_lag: Counter[int] = Counter()  # qid -> unacknowledged events touching it
+        self._lag: dict[int, Counter[int]] = {}  # seq -> its qids, in seq order
         self._queue: Queue | None = None
         self._unsettled: deque[tuple[int, int]] = deque()  # (batch, seq), batch not complete
 
@@ -97,12 +108,14 @@ class MirrorSource:
             self.activate()
         return True
 
-    def activate(self) -> Queue:
+    def activate(self, *, snapshot: bool = True) -> Queue:
         """This broker is (or became) active: take over the queue and re-announce the topology.
 
-        Entries already there (recovered, or replicated while passive) are durable.
+        Entries already there (recovered, or replicated while passive) are durable. The
+        first activation also snapshots every message, unless `snapshot` is False (a
+        switchover's new source: its mirror, the demoted site, holds them all).
         """
-        first = QUEUE_NAME not in self.vhost.queues
+        first = snapshot and QUEUE_NAME not in self.vhost.queues
         queue = self._queue = self.vhost.internal_queue(QUEUE_NAME, QUEUE_QID)
         self._unsettled.clear()
         if queue.entries:
@@ -142,13 +155,14 @@ class MirrorSource:
             log.info("mirror: snapshot of %d existing messages queued for the mirror", count)
 
     def _emit_ops(self, ops: list[JournalOp]) -> None:
-        op = self._record(encode_ops_event(ops, self.clock()))
+        op = self._record(encode_ops_event(ops, self.clock()), ops)
         self._unsettled.append((self.log.add([op]), op.mid))
 
     @property
     def active(self) -> bool:
-        """Whether this broker is active (a passive's queue changes by replication only)."""
-        return not self.vhost.replica
+        """Whether this broker makes events: the active broker of the DR source site, its
+        backlog within bounds (a passive's queue changes by replication only)."""
+        return self.sending() and self.needs_resync is None and not self.vhost.replica
 
     @property
     def queue(self) -> Queue:
@@ -157,8 +171,8 @@ class MirrorSource:
             return self.activate()
         return self._queue
 
-    def _record(self, body: bytes) -> StoredMessage:
-        """Append one event to the queue (in memory); the op that journals it."""
+    def _record(self, body: bytes, ops: Iterable[JournalOp] = ()) -> StoredMessage:
+        """Append one event (of `ops`) to the queue (in memory); the op that journals it."""
         # The queue first: taking it over after a promotion records the topology event,
         # which must come before this one in sequence as in the queue (an event queued
         # behind a higher sequence number is skipped by the mirror as applied before).
@@ -170,7 +184,40 @@ class MirrorSource:
             Entry(Message(seq, "", QUEUE_NAME, header, body, True, None, None), None, True)
         )
         queue.bytes += len(body)
+        qids = Counter({op.qid for op in ops})  # an event counts once per queue it touches
+        self._lag[seq] = qids
+        self.queue_lag.update(qids)
         return StoredMessage(seq, QUEUE_QID, "", QUEUE_NAME, header, body, None)
+
+    def _forget(self, seq: int) -> None:
+        """An event left the queue: it no longer lags behind on its queues."""
+        qids = self._lag.pop(seq, None)
+        if qids:
+            self.queue_lag.subtract(qids)
+            for qid in qids:
+                if self.queue_lag[qid] <= 0:
+                    del self.queue_lag[qid]
+
+    def _beyond_retention(self) -> list[JournalOp]:
+        """Past the retention bound: drop the whole backlog, loudly (NeedsResync): the
+        mirror misses these events, so it must be re-seeded rather than go on."""
+        if not self.retention or self._queue is None or self.depth <= self.retention:
+            return []
+        reason = (
+            f"replication queue passed its retention bound ({self.depth} > {self.retention} "
+            f"events unacknowledged): backlog dropped, the mirror needs a re-seed"
+        )
+        log.error("mirror: NeedsResync: %s", reason)
+        self.needs_resync = reason
+        settles: list[JournalOp] = []
+        for entry in self._queue.entries:
+            settles.append(Settle(QUEUE_QID, entry.message.mid))
+            self._forget(entry.message.mid)
+        self._queue.entries.clear()
+        self._queue.bytes = 0
+        if self.on_needs_resync is not None:
+            self.on_needs_resync(reason)
+        return settles
 
     # -- BatchTap ---------------------------------------------------------------------------
 
@@ -187,9 +234,9 @@ class MirrorSource:
             body = ops_event(encoded, now)
         else:
             body = encode_ops_event(mirrored, now)
-        op = self._record(body)
+        op = self._record(body, mirrored)
         self._unsettled.append((batch, op.mid))
-        return [op]
+        return [op, *self._beyond_retention()]
 
     def definitions_saved(self, definitions: Definitions) -> None:
         """The topology changed: its event joins the open batch."""
@@ -215,6 +262,7 @@ class MirrorSource:
         if withdrawn and self._queue is not None:
             for seq in withdrawn:
                 self._queue.remove_mid(seq)  # never journaled: as if never made
+                self._forget(seq)
         if self.on_change is not None:
             self.on_change()
         return True
@@ -249,10 +297,28 @@ class MirrorSource:
             entry = entries.popleft()
             queue.bytes -= entry.size
             settles.append(Settle(QUEUE_QID, entry.message.mid))
+            self._forget(entry.message.mid)
         if settles:
             self.log.add(settles)
+        if self.on_acked is not None:
+            self.on_acked()
 
     # -- metrics ----------------------------------------------------------------------------
+
+    @property
+    def head(self) -> int:
+        """The newest event made (0: none since start-up and none pending)."""
+        if self._queue is not None and self._queue.entries:
+            return self._queue.entries[-1].message.mid
+        return self.acked_seq
+
+    def lag_by_queue(self) -> dict[str, int]:
+        """Unacknowledged events per queue name (queues deleted since under their qid)."""
+        out: dict[str, int] = {}
+        for qid, count in self.queue_lag.items():
+            queue = self.vhost.queue_by_qid(qid)
+            out[queue.name if queue is not None else f"qid:{qid}"] = count
+        return out
 
     @property
     def depth(self) -> int:

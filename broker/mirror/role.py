@@ -1,0 +1,111 @@
+"""A site's DR role and epoch: one record in the internal queue `amq.twinmq.mirror-role`.
+
+Fencing rule: a site takes client writes only while its role is `source`; every
+switch raises the DR epoch (a demotion token carries the next one, a forced
+promotion takes one above any it has seen), the link's handshake carries the
+source's epoch both ways, and a site that learns of a higher epoch than its own
+while it is a source demotes itself to `replica` at once.
+
+The record is journaled like the applier's mark (replaced in one group commit)
+and a switch is answered only once that batch is complete: a restart never
+makes a demoted site writable again, and the pair's passive holds the record
+like any op, so a failover of the pair keeps the site's role. A repeated
+request gets the answer the record keeps (`last_switch`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Final, Protocol
+
+from pydantic import BaseModel
+
+from twinmq.broker.api import MirrorRole, MirrorRpo, MirrorSwitch
+from twinmq.broker.journal import JournalOp
+from twinmq.broker.mirror.durable import BatchFutures
+from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE, replace_record
+from twinmq.broker.queue import Queue
+
+log = logging.getLogger(__name__)
+
+ROLE_QUEUE: Final = INTERNAL_PREFIX + "mirror-role"
+ROLE_QID: Final = INTERNAL_QID_BASE + 3
+
+
+class SiteRole(BaseModel):
+    """The record."""
+
+    role: MirrorRole
+    epoch: int = 0
+    last_switch: MirrorSwitch | None = None  # replayed to a repeated request
+    rpo: MirrorRpo | None = None  # of the last forced promotion
+    needs_resync: str | None = None  # the backlog was dropped: why
+    fenced_by: str | None = None  # demoted by a higher epoch (not by a switchover): why
+    took_over_from: str | None = None  # promoted with this origin's token: its site only
+
+
+class RoleHost(Protocol):
+    """The virtual host as the role store uses it."""
+
+    next_mid: int
+    queues: dict[str, Queue]
+
+    def internal_queue(self, name: str, qid: int, *, locked: bool = True) -> Queue:
+        """The broker's own durable queue `name`, made if missing."""
+        ...
+
+
+class RoleLog(Protocol):
+    """The group committer as the role store uses it."""
+
+    def add(self, ops: Iterable[JournalOp]) -> int:
+        """Journal ops in the open batch; its number."""
+        ...
+
+
+class RoleStore:
+    """The site's role, read from its record (recovered, or replicated from the pair's
+    active), `first` until a switch writes one."""
+
+    def __init__(
+        self, vhost: RoleHost, log: RoleLog, futures: BatchFutures, first: MirrorRole
+    ) -> None:
+        self.vhost = vhost
+        self.log = log
+        self.futures = futures
+        self._default = SiteRole(role=first)
+        self._cached: tuple[int, SiteRole] | None = None
+
+    @property
+    def current(self) -> SiteRole:
+        """The record now (parsed once per version)."""
+        queue = self.vhost.queues.get(ROLE_QUEUE)
+        if queue is None or not queue.entries:
+            return self._default
+        message = queue.entries[-1].message
+        if self._cached is None or self._cached[0] != message.mid:
+            self._cached = (message.mid, SiteRole.model_validate_json(message.body))
+        return self._cached[1]
+
+    @property
+    def role(self) -> MirrorRole:
+        """The role now."""
+        return self.current.role
+
+    @property
+    def epoch(self) -> int:
+        """The DR epoch now."""
+        return self.current.epoch
+
+    def record(self, record: SiteRole) -> int:
+        """Make `record` current now (in memory) and journal it; the batch holding it."""
+        queue = self.vhost.internal_queue(ROLE_QUEUE, ROLE_QID)
+        mid = self.vhost.next_mid
+        self.vhost.next_mid = mid + 1
+        return self.log.add(replace_record(queue, mid, record.model_dump_json().encode()))
+
+    async def save(self, record: SiteRole) -> bool:
+        """`record` current, and durable (on the pair's passive too) before this returns;
+        False if its batch failed (the journal refused it)."""
+        return await self.futures.wait(self.record(record))

@@ -1,0 +1,62 @@
+"""The mirror link's state, told honestly (docs/mirror.md, "Link state"): connected only
+after a heartbeat round trip, lag per queue, and an explicit NeedsResync past the
+replication queue's retention bound, between two real brokers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mirrorsites import Sites, metric, mirror_status, publish, queues
+
+from twinmq.broker.admin_client import metric_samples
+from twinmq.testing.waiting import wait_for
+
+
+def test_connected_means_a_heartbeat_came_back_and_lag_is_reported_per_queue(
+    tmp_path: Path,
+) -> None:
+    with Sites(tmp_path) as sites:
+        publish(sites.source, "warmup", [b"w"])
+        sites.caught_up()
+        section = mirror_status(sites.source)
+        assert section is not None
+        assert section["state"] == "connected" and section["connected"]
+        assert section["round_trip_seconds"] is not None
+        assert section["heartbeat_age_seconds"] is not None
+        assert section["queue_lag_events"] == {}
+        sites.mirror.stop()
+        wait_for("link down", lambda: not mirror_status(sites.source)["connected"], 30)
+        publish(sites.source, "slow", [b"s"] * 30)
+        publish(sites.source, "fast", [b"f"] * 3)
+        section = mirror_status(sites.source)
+        assert section is not None and section["state"] == "connecting"
+        lag = section["queue_lag_events"]
+        assert set(lag) == {"slow", "fast"} and lag["slow"] >= lag["fast"] >= 1
+        assert sum(lag.values()) <= section["queue_events"]  # + topology events
+        samples = metric_samples(sites.source.admin.metrics(timeout=5))
+        assert samples['twinmq_mirror_queue_lag_events{queue="slow"}'] == lag["slow"]
+        sites.mirror.start()
+        sites.caught_up()
+        assert mirror_status(sites.source)["queue_lag_events"] == {}
+        assert queues(sites.mirror)["slow"]["messages"] == 30
+
+
+def test_a_backlog_past_its_retention_bound_is_dropped_as_needs_resync_never_silently(
+    tmp_path: Path,
+) -> None:
+    with Sites(tmp_path, source_args=["--mirror-retention-events", "5"]) as sites:
+        sites.caught_up()
+        sites.mirror.stop()
+        publish(sites.source, "pile", [b"p"] * 20)  # one confirmed batch, one event each
+        section = mirror_status(sites.source)
+        assert section is not None and section["state"] == "needs-resync"
+        assert "retention bound" in (section["needs_resync"] or "")
+        assert section["queue_events"] == 0
+        assert metric(sites.source, "twinmq_mirror_needs_resync") == 1
+        sites.source.stop()
+        sites.source.start()  # durable: a restart does not hide it
+        section = mirror_status(sites.source)
+        assert section is not None and section["state"] == "needs-resync"
+        sites.mirror.start()
+        assert not mirror_status(sites.source)["connected"]  # no link: it would diverge
+        assert "pile" not in queues(sites.mirror)  # its declare event went with the backlog
