@@ -14,9 +14,14 @@ from typing import Any
 
 from twinmq.broker.api import MirrorStatus
 from twinmq.broker.names import MIRROR_PORT, setting_env
-from twinmq.operator.models import Mirror, MirrorState
+from twinmq.operator.models import Mirror, MirrorState, MirrorStateName
 
 Obj = dict[str, Any]
+SOURCE_STATES: dict[str, MirrorStateName] = {
+    "connected": "Connected",
+    "needs-resync": "NeedsResync",
+    "fenced": "Fenced",
+}
 TOKEN_KEY = "mirror-token"
 PORT_NAME = "mirror"
 
@@ -70,13 +75,17 @@ def state_of(mirror: Mirror | None, seen: MirrorStatus | None) -> MirrorState | 
         return None
     if seen is None:
         return MirrorState(role=mirror.role)
-    if mirror.role == "source":
-        state = "Connected" if seen.connected else "Disconnected"
-    else:
+    role = seen.role or mirror.role  # after a switchover, the site's recorded role
+    state: MirrorStateName
+    if role == "replica":
         state = "Connected" if seen.sources_connected else "Listening"
+    else:
+        state = SOURCE_STATES.get(seen.state, "Disconnected")
     return MirrorState(
-        role=mirror.role,
+        role=role,
         state=state,
+        epoch=seen.epoch,
+        message=seen.needs_resync or seen.link_error or "",
         target=seen.target or "",
         queue_events=seen.queue_events,
         queue_bytes=seen.queue_bytes,

@@ -578,16 +578,26 @@ class BrokerSummary(ApiModel):
     )  # not None: a merge patch's null would delete the key, and kopf warns at every patch
 
 
+MirrorStateName = Literal[
+    "Connected", "Disconnected", "Listening", "NeedsResync", "Fenced", "Unknown"
+]
+
+
 class MirrorState(ApiModel):
     """The DR mirror as the active broker reports it (`GET /status`, `mirror`)."""
 
-    role: Literal["source", "replica"]
-    state: Literal["Connected", "Disconnected", "Listening", "Unknown"] = Field(
-        "Unknown",
-        description="A source: Connected once its link completed a verified round trip. "
-        "A replica: Connected while a source is linked, else Listening. Unknown: no active "
-        "broker answered",
+    role: Literal["source", "replica"] = Field(
+        description="The site's DR role now (a switchover changes it; the spec says the first one)"
     )
+    state: MirrorStateName = Field(
+        "Unknown",
+        description="A source: Connected once a heartbeat came back over its link, "
+        "NeedsResync once its backlog passed the retention bound, Fenced once a newer site "
+        "took over. A replica: Connected while a source is linked, else Listening. Unknown: "
+        "no active broker answered",
+    )
+    epoch: int = Field(0, description="The site's DR epoch (the highest one is writable)")
+    message: str = Field("", description="Why the link is not connected, when known")
     target: str = ""
     queue_events: int = Field(0, description="Events not yet acknowledged by the mirror")
     queue_bytes: int = 0

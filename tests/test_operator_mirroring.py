@@ -82,6 +82,8 @@ def test_the_status_says_connected_lag_and_backlog_from_the_active() -> None:
     source = spec({"role": "source", "target": TARGET, "secretName": "dr"}).mirror
     seen = MirrorStatus(
         enabled=True,
+        role="source",
+        state="connected",
         connected=True,
         target="orders.site-b.svc:5674",
         queue_events=12,
@@ -91,8 +93,14 @@ def test_the_status_says_connected_lag_and_backlog_from_the_active() -> None:
     state = state_of(source, seen)
     assert state is not None
     assert (state.state, state.queue_events, state.lag_seconds) == ("Connected", 12, 0.25)
-    cut = seen.model_copy(update={"connected": False})
+    cut = seen.model_copy(update={"connected": False, "state": "connecting", "link_error": "no"})
     assert state_of(source, cut).state == "Disconnected"  # type: ignore[union-attr]
+    assert state_of(source, cut).message == "no"  # type: ignore[union-attr]
+    dropped = seen.model_copy(update={"state": "needs-resync", "needs_resync": "past 10 events"})
+    assert state_of(source, dropped).state == "NeedsResync"  # type: ignore[union-attr]
+    # After a switchover the site is a replica, whatever the spec first said.
+    switched = MirrorStatus(enabled=False, role="replica", listening=True, sources_connected=1)
+    assert state_of(source, switched).role == "replica"  # type: ignore[union-attr]
     assert state_of(source, None).state == "Unknown"  # type: ignore[union-attr]
     replica = spec({"role": "replica", "secretName": "dr"}).mirror
     listening = MirrorStatus(enabled=False, listening=True, sources_connected=0)
