@@ -182,16 +182,23 @@ def test_deleting_the_brokercluster_removes_everything(
     name = create_cluster(cluster, namespace)
     cluster.kube.delete(cluster_path(namespace, name))
 
-    def gone() -> bool:
-        pods = cluster.kube.list(
-            f"/api/v1/namespaces/{namespace}/pods", labelSelector=f"twinmq.io/cluster={name}"
-        )
-        services = cluster.kube.list(
-            f"/api/v1/namespaces/{namespace}/services", labelSelector=f"twinmq.io/cluster={name}"
-        )
-        return not pods and not services
+    def left() -> list[str]:
+        """What is still there: kind/name, whether it is being deleted, its finalizers."""
+        found = []
+        for kind in ("pods", "services"):
+            for item in cluster.kube.list(
+                f"/api/v1/namespaces/{namespace}/{kind}", labelSelector=f"twinmq.io/cluster={name}"
+            ):
+                meta = item["metadata"]
+                owners = [o.get("kind") for o in meta.get("ownerReferences", [])]
+                found.append(f"{kind}/{meta['name']} deleting={meta.get('deletionTimestamp')} "
+                             f"finalizers={meta.get('finalizers')} owners={owners}")  # fmt: skip
+        return found
 
-    wait_for("pods and services garbage-collected", gone, timeout=60)
+    try:
+        wait_for("pods and services garbage-collected", lambda: not left(), timeout=60)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; still there: {left()}") from exc
 
 
 def test_fencing_the_active_moves_the_virtual_ip_and_unfencing_brings_it_back_passive(
