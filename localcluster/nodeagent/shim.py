@@ -31,6 +31,20 @@ def _stat_start(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
 
 
+def mount_order(specs: list[str]) -> list[str]:
+    """The mounts (SRC:DST[:ro]) in an order where none hides another's source: a mount
+    over a folder that holds another mount's source (the pod's emptyDir over /tmp, when the
+    node's own folders live under /tmp) comes after it."""
+
+    def shadows(spec: str) -> bool:
+        dst = Path(spec.split(":")[1])
+        return any(
+            Path(other.split(":")[0]).is_relative_to(dst) for other in specs if other != spec
+        )
+
+    return sorted(specs, key=shadows)  # stable: the others keep their order
+
+
 def main() -> int:
     """Entry point: see the module docstring."""
     parser = argparse.ArgumentParser()
@@ -50,7 +64,7 @@ def main() -> int:
     exit_file = args.state / "exit"
     if args.hostname:
         socket.sethostname(args.hostname)  # in the UTS namespace `unshare --uts` gave us
-    for spec in args.mount:
+    for spec in mount_order(args.mount):
         src, dst, *mode = spec.split(":")
         _record_created(Path(dst), args.record_created)
         if Path(src).is_dir():

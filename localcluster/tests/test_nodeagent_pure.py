@@ -18,6 +18,7 @@ from twinmq.localcluster.nodeagent.images import (
 )
 from twinmq.localcluster.nodeagent.podenv import container_env, expand, field_ref
 from twinmq.localcluster.nodeagent.runtime import resolv_conf
+from twinmq.localcluster.nodeagent.shim import mount_order
 from twinmq.localcluster.versions import staging_version
 
 
@@ -156,3 +157,12 @@ def test_log_tail_returns_the_last_lines() -> None:
     assert tail(b"a\nb\nc\n", 2) == b"b\nc\n"
     assert tail(b"a\nb\n", None) == b"a\nb\n"
     assert tail(b"a\n", 0) == b""
+
+
+def test_a_mount_over_a_folder_holding_another_mounts_source_comes_last() -> None:
+    # A checkout under /tmp: the pod's emptyDir over /tmp hid the token volume's source.
+    tmp = "/tmp/ci/.cluster/node/pods/u/volumes/tmp:/tmp"
+    token = "/tmp/ci/.cluster/node/pods/u/volumes/kube-api-access:/var/run/secrets/sa:ro"
+    data = "/tmp/ci/.cluster/volumes/pvc-1:/var/lib/twinmq/data"
+    assert mount_order([tmp, token, data]) == [token, data, tmp]
+    assert mount_order([token, data]) == [token, data]
