@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
-from twinmq.broker.names import ACTIVE
+from twinmq.broker.names import ACTIVE, MIRROR_PORT
 from twinmq.operator.models import GROUP, PLURAL, VERSION
 
 Obj = dict[str, Any]
@@ -132,6 +132,28 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_arg(unfence)
     broker_arg(unfence, "the broker to unfence")
 
+    mirror = sub.add_parser(
+        "mirror", help="the DR mirror between BrokerClusters",
+        description="The DR mirror (spec.mirror) of BrokerClusters.",
+    )  # fmt: skip
+    mirror_sub = mirror.add_subparsers(dest="mirror_command", required=True, metavar="COMMAND")
+    mirror_status = mirror_sub.add_parser(
+        "status", parents=[common], help="each mirrored cluster's DR role and link",
+        description="One row per BrokerCluster with spec.mirror: its DR role and epoch now, the "
+        "link's state, the target, the backlog of events not yet acknowledged by the mirror, "
+        "the age of the oldest (LAG), the sources linked to a replica, and why a link is "
+        "down. With -A, both sites when they run in one Kubernetes cluster.",
+    )  # fmt: skip
+    mirror_status.add_argument(
+        "cluster", nargs="?", metavar="CLUSTER", help="one cluster (default: all)"
+    )
+    mirror_status.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="clusters in every namespace"
+    )
+    mirror_status.add_argument(
+        "-o", "--output", choices=("table", "json"), default="table", help="output format"
+    )
+
     audit = sub.add_parser(
         "audit", parents=[common, waiting], help="run a replication audit now",
         description="Request a replication audit now; with --wait, print its verdict.",
@@ -143,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line (exits 2 with a usage message on errors)."""
     args = build_parser().parse_args(argv)
-    if args.command == "status" and args.all_namespaces and args.namespace:
-        build_parser().error("status: use either --namespace or --all-namespaces")
+    if args.command in ("status", "mirror") and args.all_namespaces and args.namespace:
+        build_parser().error(f"{args.command}: use either --namespace or --all-namespaces")
     if getattr(args, "timeout", None) is not None and args.timeout <= 0:
         build_parser().error("--timeout must be positive")
     return args
@@ -251,6 +273,9 @@ COLUMNS = (
     "CLUSTER", "BROKER", "ROLE", "EPOCH", "READY", "REACHABLE", "LAG", "PHASE",
     "LAST-FAILOVER", "LAST-AUDIT",
 )  # fmt: skip
+MIRROR_COLUMNS = (
+    "CLUSTER", "DR-ROLE", "STATE", "DR-EPOCH", "TARGET", "BACKLOG", "LAG", "SOURCES", "MESSAGE",
+)  # fmt: skip
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -341,9 +366,43 @@ def status_rows(
     return rows
 
 
-def render_table(rows: Sequence[Sequence[str]], with_namespace: bool = False) -> str:
+def mirror_rows(
+    clusters: Sequence[Mapping[str, Any]], with_namespace: bool = False
+) -> list[tuple[str, ...]]:
+    """One row per cluster with a `spec.mirror`, in the order of `MIRROR_COLUMNS`: its DR
+    role and link as its active broker last reported them (status.mirror)."""
+    rows: list[tuple[str, ...]] = []
+    for cluster in clusters:
+        mirror = (cluster.get("spec") or {}).get("mirror")
+        if not mirror:
+            continue
+        meta = cluster.get("metadata") or {}
+        first = (str(meta.get("namespace", "")),) if with_namespace else ()
+        state = (cluster.get("status") or {}).get("mirror") or {}
+        target = (mirror.get("target") or {}).get("host")
+        if target:
+            target = f"{target}:{(mirror.get('target') or {}).get('port', MIRROR_PORT)}"
+        rows.append((
+            *first, str(meta.get("name", "?")),
+            str(state.get("role") or mirror.get("role") or "-"),
+            str(state.get("state") or "Unknown"),
+            str(state.get("epoch", "-")),
+            str(target or state.get("target") or "-"),
+            str(state.get("queueEvents", "-")),
+            f"{float(state.get('lagSeconds') or 0.0):.1f}s" if state else "-",
+            str(state.get("sourcesConnected", "-")),
+            str(state.get("message") or ""),
+        ))  # fmt: skip
+    return rows
+
+
+def render_table(
+    rows: Sequence[Sequence[str]],
+    with_namespace: bool = False,
+    columns: Sequence[str] = COLUMNS,
+) -> str:
     """Left-aligned columns separated by three spaces, as kubectl prints them."""
-    header = ("NAMESPACE", *COLUMNS) if with_namespace else COLUMNS
+    header = ("NAMESPACE", *columns) if with_namespace else tuple(columns)
     table = [tuple(header), *(tuple(row) for row in rows)]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = ["   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
@@ -521,15 +580,38 @@ def find_cluster(kube: Kube, namespace: str, name: str) -> Obj:
         raise PluginError(f"{exc}{there}", 404) from None
 
 
-def cmd_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
-    """`status`: the table (or the clusters' status as JSON)."""
+def selected_clusters(kube: Kube, args: argparse.Namespace) -> tuple[str | None, list[Obj]]:
+    """The namespace asked for (None: all) and the clusters of `status` and `mirror status`."""
     namespace = None if args.all_namespaces else (args.namespace or kube.default_namespace)
     if args.cluster:
         if namespace is None:
-            raise PluginError("status: name a cluster together with --namespace, not -A")
-        clusters = [find_cluster(kube, namespace, args.cluster)]
-    else:
-        clusters = kube.list_clusters(namespace)
+            raise PluginError(f"{args.command}: name a cluster together with --namespace, not -A")
+        return namespace, [find_cluster(kube, namespace, args.cluster)]
+    return namespace, kube.list_clusters(namespace)
+
+
+def cmd_mirror_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
+    """`mirror status`: the DR table (or each mirrored cluster's spec and status as JSON)."""
+    namespace, clusters = selected_clusters(kube, args)
+    mirrored = [c for c in clusters if (c.get("spec") or {}).get("mirror")]
+    if args.output == "json":
+        doc = [{"namespace": c["metadata"].get("namespace"), "name": c["metadata"]["name"],
+                "mirror": c["spec"]["mirror"], "status": (c.get("status") or {}).get("mirror")}
+               for c in mirrored]  # fmt: skip
+        out.write(json.dumps(doc, indent=2) + "\n")
+        return EXIT_OK
+    if not mirrored:
+        where = "any namespace" if namespace is None else f'namespace "{namespace}"'
+        out.write(f"No BrokerClusters with spec.mirror in {where}.\n")
+        return EXIT_OK
+    wide = namespace is None
+    out.write(render_table(mirror_rows(mirrored, wide), wide, MIRROR_COLUMNS))
+    return EXIT_OK
+
+
+def cmd_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
+    """`status`: the table (or the clusters' status as JSON)."""
+    namespace, clusters = selected_clusters(kube, args)
     if args.output == "json":
         doc = [{"namespace": c["metadata"].get("namespace"), "name": c["metadata"]["name"],
                 "status": c.get("status") or {}} for c in clusters]  # fmt: skip
@@ -618,6 +700,8 @@ def run(argv: Sequence[str] | None = None, out: Any = None, err: Any = None) -> 
         kube = Kube.connect(args.kubeconfig, args.context)
         if args.command == "status":
             return cmd_status(kube, args, out)
+        if args.command == "mirror":
+            return cmd_mirror_status(kube, args, out)
         return cmd_request(kube, args, out, err)
     except PluginError as exc:
         err.write(f"error: {exc}\n")

@@ -94,7 +94,7 @@ def test_usage_errors_exit_2_with_a_clear_message(
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["status", *kubectl.OPERATIONS])
+@pytest.mark.parametrize("command", ["status", "mirror", *kubectl.OPERATIONS])
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         parse_args([command, "--help"])
@@ -276,6 +276,8 @@ def run(kube: FakeKube, argv: list[str]) -> tuple[int, str, str]:
     try:
         if args.command == "status":
             code = kubectl.cmd_status(kube, args, out)
+        elif args.command == "mirror":
+            code = kubectl.cmd_mirror_status(kube, args, out)
         else:
             code = kubectl.cmd_request(
                 kube, args, out, err, sleep=lambda _: None, clock=lambda: float(next(ticks))
@@ -382,3 +384,41 @@ def test_status_prints_the_table_or_json() -> None:
     assert json.loads(out)[0]["status"]["activeBroker"] == "primary"
     code, out, _ = run(FakeKube(None), ["status"])
     assert out == 'No BrokerClusters in namespace "prod".\n'
+
+
+# -- mirror status ------------------------------------------------------------------------
+
+
+def mirrored(**state: Any) -> Obj:
+    """A source BrokerCluster whose active reported `state` (status.mirror)."""
+    obj = cluster_obj(mirror=state) if state else cluster_obj()
+    obj["spec"]["mirror"] = {"role": "source", "secretName": "dr",
+                             "target": {"host": "orders.site-b.svc", "port": 5674}}  # fmt: skip
+    return obj
+
+
+def test_mirror_status_shows_role_link_backlog_and_lag() -> None:
+    kube = FakeKube(mirrored(role="source", state="Connected", epoch=2, queueEvents=12,
+                             lagSeconds=0.25, sourcesConnected=0))  # fmt: skip
+    code, out, _ = run(kube, ["mirror", "status"])
+    assert code == EXIT_OK
+    header, row = out.splitlines()
+    assert header.split() == list(kubectl.MIRROR_COLUMNS)
+    assert row.split() == ["orders", "source", "Connected", "2", "orders.site-b.svc:5674",
+                           "12", "0.2s", "0"]  # fmt: skip
+
+
+def test_mirror_status_of_a_cluster_not_yet_seen_and_without_a_mirror() -> None:
+    (row,) = kubectl.mirror_rows([mirrored()])
+    assert row[:3] == ("orders", "source", "Unknown")
+    assert kubectl.mirror_rows([cluster_obj()]) == []
+    code, out, _ = run(FakeKube(cluster_obj()), ["mirror", "status"])
+    assert code == EXIT_OK and out == 'No BrokerClusters with spec.mirror in namespace "prod".\n'
+
+
+def test_mirror_status_as_json_carries_spec_and_status() -> None:
+    dropped = mirrored(role="source", state="NeedsResync", message="past 10 events")
+    code, out, _ = run(FakeKube(dropped), ["mirror", "status", "-o", "json"])
+    assert code == EXIT_OK
+    (doc,) = json.loads(out)
+    assert doc["mirror"]["role"] == "source" and doc["status"]["state"] == "NeedsResync"
