@@ -21,7 +21,7 @@ from brokerclusters import (
     drain,
     virtual_ip,
 )
-from support import Cluster, new_namespace
+from support import Cluster, new_namespace, plugin
 
 from twinmq.testing.waiting import wait_for
 
@@ -94,4 +94,9 @@ def test_confirmed_traffic_through_the_source_arrives_on_the_replica_site(
              lambda: connected(cluster, dr_namespace, replica), 30)  # fmt: skip
     seen = mirror_state(cluster, namespace, source)
     assert seen["role"] == "source" and "lagSeconds" in seen and "queueEvents" in seen
+    shown = plugin(cluster, "mirror", "status", "-A")
+    assert shown.returncode == 0, shown.stderr
+    rows = {tuple(line.split()[:4]) for line in shown.stdout.splitlines()[1:]}
+    assert (namespace, source, "source", "Connected") in rows, shown.stdout
+    assert (dr_namespace, replica, "replica", "Connected") in rows, shown.stdout
     assert sorted(drain(replica_url, "orders")) == list(range(COUNT))
