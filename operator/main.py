@@ -479,7 +479,7 @@ def conditions(
     extra: list[tuple[str, bool, str, str]],
 ) -> list[Condition]:
     """Ready / Replicating / FailingOver / Degraded and `extra`, keeping transition times
-    stable. Ready, Replicating and AuditPassed are True when all is well; the others
+    stable. Ready, Replicating, AuditPassed and Mirroring are True when all is well; the others
     (kstatus's abnormal-true polarity) are True when something is wrong or moving."""
     active = status.active_broker
     serving = active is not None and views[active].reachable and views[active].role == ACTIVE
@@ -749,10 +749,14 @@ def reconcile(
         for n, v in views.items()
     ]  # fmt: skip
     damage_events(body, status, new)
+    for kind, reason, message in mirroring.events(status.mirror, new.mirror):
+        kopf.event(body, type=kind, reason=reason, message=message)
     extra = [
         *rollout_conditions(new.rollout, memory.storage_refusal),
         damaged_condition(new),
     ]
+    if (mirrored := mirroring.condition(new.mirror)) is not None:
+        extra.append(mirrored)
     new.conditions = conditions(decision, new, views, generation, extra)
     if plan.converged and memory.storage_refusal is None and not deferred:
         # Observed only once the pods run this generation's spec (Argo CD, Flux, kstatus

@@ -93,3 +93,32 @@ def state_of(mirror: Mirror | None, seen: MirrorStatus | None) -> MirrorState | 
         flow_control=seen.flow_control,
         sources_connected=seen.sources_connected,
     )
+
+
+def condition(state: MirrorState | None) -> tuple[str, bool, str, str] | None:
+    """The `Mirroring` condition (True while the link is up), None without a mirror."""
+    if state is None:
+        return None
+    why = state.message or {
+        "Connected": f"the {state.role}'s link is up",
+        "Listening": "no source is linked to this replica",
+        "Unknown": "no active broker has reported the mirror",
+    }.get(state.state, "")
+    return ("Mirroring", state.state == "Connected", state.state, why)
+
+
+def events(old: MirrorState | None, new: MirrorState | None) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Events for a change of the link's state: a Warning
+    when it goes down, resyncs or is fenced, a Normal one when it comes up."""
+    if new is None or new.state == "Unknown" or (old is not None and old.state == new.state):
+        return []
+    warning = new.state in ("Disconnected", "NeedsResync", "Fenced")
+    text = {
+        "Connected": f"the {new.role}'s mirror link is up"
+        + (f" ({new.target})" if new.target else ""),
+        "Listening": "no source is linked to this replica any more",
+        "Disconnected": f"the mirror link is down: {new.message or 'no heartbeat came back'}",
+        "NeedsResync": f"the mirror needs a re-seed: {new.message}",
+        "Fenced": "a newer site took over: this source is fenced (read-only)",
+    }[new.state]
+    return [("Warning" if warning else "Normal", f"Mirror{new.state}", text)]

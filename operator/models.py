@@ -535,6 +535,7 @@ ConditionType = Literal[
     "Stalled",
     "AuditPassed",
     "BrokerDamaged",
+    "Mirroring",
 ]
 
 

@@ -11,8 +11,8 @@ from twinmq.broker.api import MirrorStatus
 from twinmq.broker.names import MIRROR_PORT, setting_env
 from twinmq.broker.settings import BrokerSettings
 from twinmq.operator.builders import ClusterRef, build_pod, build_vip_service
-from twinmq.operator.mirroring import state_of
-from twinmq.operator.models import BrokerClusterSpec, Mirror
+from twinmq.operator.mirroring import condition, events, state_of
+from twinmq.operator.models import BrokerClusterSpec, Mirror, MirrorState
 
 SOURCE = ClusterRef(name="orders", namespace="site-a", uid="u-1")
 REPLICA = ClusterRef(name="orders", namespace="site-b", uid="u-2")
@@ -108,3 +108,19 @@ def test_the_status_says_connected_lag_and_backlog_from_the_active() -> None:
     linked = listening.model_copy(update={"sources_connected": 1})
     assert state_of(replica, linked).state == "Connected"  # type: ignore[union-attr]
     assert state_of(None, seen) is None
+
+
+def test_the_mirroring_condition_and_events_follow_the_links_state() -> None:
+    up = MirrorState(role="source", state="Connected", target="orders.site-b.svc:5674")
+    down = up.model_copy(update={"state": "Disconnected", "message": "connection refused"})
+    assert condition(None) is None
+    assert condition(up) == ("Mirroring", True, "Connected", "the source's link is up")
+    assert condition(down) == ("Mirroring", False, "Disconnected", "connection refused")
+    assert events(None, MirrorState(role="source")) == []  # nothing heard yet: no Event
+    assert events(up, up) == []
+    ((kind, reason, message),) = events(up, down)
+    assert (kind, reason) == ("Warning", "MirrorDisconnected") and "connection refused" in message
+    ((kind, reason, _),) = events(down, up)
+    assert (kind, reason) == ("Normal", "MirrorConnected")
+    resync = up.model_copy(update={"state": "NeedsResync", "message": "past 10 events"})
+    assert events(up, resync)[0][:2] == ("Warning", "MirrorNeedsResync")
