@@ -154,6 +154,36 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", choices=("table", "json"), default="table", help="output format"
     )
 
+    switchover = mirror_sub.add_parser(
+        "switchover", parents=[common], help="make the replica site the source, losing nothing",
+        description="A controlled DR switchover: declare mirrorDemote on SOURCE (it stops "
+        "taking writes and drains every event to the mirror), wait for its demotion token, "
+        "then declare mirrorPromote with that token on REPLICA (it becomes the source once "
+        "it has applied the source's last event). Each half is a request the operators "
+        "handle once.",
+    )  # fmt: skip
+    switchover.add_argument("cluster", metavar="SOURCE", help="the source BrokerCluster")
+    switchover.add_argument(
+        "replica", metavar="[NAMESPACE/]REPLICA",
+        help="the replica BrokerCluster (in the source's namespace unless given)",
+    )  # fmt: skip
+    switchover.add_argument(
+        "--replica-context", help="kubeconfig context of the replica's site (default: the same)"
+    )
+    switchover.add_argument(
+        "--timeout", type=float, default=300.0, metavar="SECONDS", help="for each half"
+    )
+    failover = mirror_sub.add_parser(
+        "failover", parents=[common], help="promote the replica site: the source site is gone",
+        description="A DR failover: declare mirrorPromote with force on REPLICA. It becomes "
+        "the source at once; the events the source had not mirrored are lost to it and the "
+        "operator reports them (its RPO) in status.mirror.lastSwitch and an Event.",
+    )  # fmt: skip
+    failover.add_argument("cluster", metavar="REPLICA", help="the replica BrokerCluster")
+    failover.add_argument(
+        "--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait"
+    )
+
     audit = sub.add_parser(
         "audit", parents=[common, waiting], help="run a replication audit now",
         description="Request a replication audit now; with --wait, print its verdict.",
@@ -165,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line (exits 2 with a usage message on errors)."""
     args = build_parser().parse_args(argv)
-    if args.command in ("status", "mirror") and args.all_namespaces and args.namespace:
+    if getattr(args, "all_namespaces", False) and args.namespace:
         build_parser().error(f"{args.command}: use either --namespace or --all-namespaces")
     if getattr(args, "timeout", None) is not None and args.timeout <= 0:
         build_parser().error("--timeout must be positive")
@@ -609,6 +639,74 @@ def cmd_mirror_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
     return EXIT_OK
 
 
+def mirror_request(
+    kube: Kube, namespace: str, name: str, field: str, request: Obj,
+    timeout: float, sleep: Callable[[float], None], clock: Callable[[], float],
+) -> Obj:  # fmt: skip
+    """Declare a mirror request and wait until the operator has handled its id; the
+    cluster as it is then (raises PluginError on a timeout)."""
+    find_cluster(kube, namespace, name)
+    kube.patch(namespace, name, {"spec": {"requests": {field: request}}})
+    deadline = clock() + timeout
+    while True:
+        cluster = kube.get(namespace, name)
+        handled = ((cluster.get("status") or {}).get("handledRequests") or {}).get(field)
+        if handled == request["id"]:
+            return cluster
+        if clock() > deadline:
+            raise PluginError(
+                f"{field} {request['id']} on {namespace}/{name} not handled within "
+                f"{timeout:.0f}s (is its operator running? the request stays declared)",
+                EXIT_TIMEOUT,
+            )
+        sleep(0.5)  # polling interval of a deadline-bound wait
+
+
+def switch_outcome(kube: Kube, namespace: str, name: str, reason: str) -> tuple[bool, str]:
+    """Whether the cluster's last mirror Event says the switch `reason` succeeded."""
+    for event in reversed(kube.events(namespace, name)):
+        if str(event.get("reason", "")).startswith(reason):
+            return event.get("reason") == f"{reason}d", str(event.get("message", ""))
+    return True, "handled"
+
+
+def cmd_mirror_switch(
+    kube: Kube, replica_kube: Kube, args: argparse.Namespace, out: Any, err: Any,
+    sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+) -> int:  # fmt: skip
+    """`mirror switchover` (demote the source, promote the replica with its token) and
+    `mirror failover` (promote the replica by force)."""
+    namespace = args.namespace or kube.default_namespace
+    if args.mirror_command == "failover":
+        request = {"id": new_request_id("mirror-promote"), "force": True, "token": None}
+        mirror_request(kube, namespace, args.cluster, "mirrorPromote", request, args.timeout,
+                       sleep, clock)  # fmt: skip
+        ok, message = switch_outcome(kube, namespace, args.cluster, "MirrorPromote")
+        (out if ok else err).write(f"{'promoted' if ok else 'refused'}: {message}\n")
+        return EXIT_OK if ok else EXIT_ERROR
+    replica_ns, _, replica = args.replica.rpartition("/")
+    replica_ns = replica_ns or (
+        namespace if replica_kube is kube else replica_kube.default_namespace
+    )
+    demote = {"id": new_request_id("mirror-demote")}
+    source = mirror_request(kube, namespace, args.cluster, "mirrorDemote", demote, args.timeout,
+                            sleep, clock)  # fmt: skip
+    ok, message = switch_outcome(kube, namespace, args.cluster, "MirrorDemote")
+    token = ((source.get("status") or {}).get("mirror") or {}).get("demotionToken")
+    if not ok or not token:
+        err.write(f"refused: demoting {namespace}/{args.cluster}: {message}\n")
+        return EXIT_ERROR
+    out.write(f"demoted {namespace}/{args.cluster}: {message}\n")
+    promote = {"id": new_request_id("mirror-promote"), "token": token, "force": False}
+    mirror_request(replica_kube, replica_ns, replica, "mirrorPromote", promote, args.timeout,
+                   sleep, clock)  # fmt: skip
+    ok, message = switch_outcome(replica_kube, replica_ns, replica, "MirrorPromote")
+    (out if ok else err).write(
+        f"{'promoted' if ok else 'refused: promoting'} {replica_ns}/{replica}: {message}\n"
+    )
+    return EXIT_OK if ok else EXIT_ERROR
+
+
 def cmd_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
     """`status`: the table (or the clusters' status as JSON)."""
     namespace, clusters = selected_clusters(kube, args)
@@ -700,8 +798,13 @@ def run(argv: Sequence[str] | None = None, out: Any = None, err: Any = None) -> 
         kube = Kube.connect(args.kubeconfig, args.context)
         if args.command == "status":
             return cmd_status(kube, args, out)
-        if args.command == "mirror":
+        if args.command == "mirror" and args.mirror_command == "status":
             return cmd_mirror_status(kube, args, out)
+        if args.command == "mirror":
+            other = kube
+            if getattr(args, "replica_context", None):
+                other = Kube.connect(args.kubeconfig, args.replica_context)
+            return cmd_mirror_switch(kube, other, args, out, err)
         return cmd_request(kube, args, out, err)
     except PluginError as exc:
         err.write(f"error: {exc}\n")

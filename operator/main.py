@@ -736,6 +736,18 @@ def reconcile(
     new.mirror = mirroring.state_of(
         spec.mirror, active_report.mirror if active_report is not None else None
     )
+    if new.mirror is not None and status.mirror is not None:
+        # What only the operator knows: kept until the next switch replaces it.
+        new.mirror.demotion_token = status.mirror.demotion_token
+        new.mirror.last_switch = status.mirror.last_switch
+    serving = (pods.get(new.active_broker) or {}).get("status", {}).get("podIP") if (
+        active_report is not None and new.active_broker is not None) else None  # fmt: skip
+    for kind, reason, message in mirroring.switch_requests(
+        spec.requests, new.handled_requests, new.mirror,
+        admin(serving, token) if serving else None, now_iso(),
+    ):  # fmt: skip
+        log.info("%s/%s: %s: %s", cluster.namespace, cluster.name, reason, message)
+        kopf.event(body, type=kind, reason=reason, message=message)
     lags = {n: passive_lag(n, new.active_broker, reports) for n in NAMES}
     damage = damage_of(status, views, reports)
     new.brokers = [

@@ -422,3 +422,68 @@ def test_mirror_status_as_json_carries_spec_and_status() -> None:
     assert code == EXIT_OK
     (doc,) = json.loads(out)
     assert doc["mirror"]["role"] == "source" and doc["status"]["state"] == "NeedsResync"
+
+
+class Site(FakeKube):
+    """One site's API for the switch commands: an operator that answers mirror requests
+    (as operator/mirroring.py does: the handled id, the token, an Event)."""
+
+    def __init__(self, obj: Obj, answer: tuple[str, str]) -> None:
+        super().__init__(obj, self.handle)
+        self.answer = answer
+        self.posted: list[Obj] = []
+
+    def handle(self, obj: Obj) -> None:
+        requests = obj.get("spec", {}).get("requests", {})
+        status = obj.setdefault("status", {})
+        handled = status.setdefault("handledRequests", {})
+        for field in ("mirrorDemote", "mirrorPromote"):
+            request = requests.get(field)
+            if request and handled.get(field) != request["id"]:
+                handled[field] = request["id"]
+                if field == "mirrorDemote":
+                    status.setdefault("mirror", {})["demotionToken"] = '{"seq": 7}'
+                self.posted.append({"reason": self.answer[0], "message": self.answer[1]})
+
+    def events(self, namespace: str, name: str) -> list[Obj]:
+        return self.posted
+
+
+def switch(source: Site, replica: Site, argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    ticks = iter(range(10_000))
+    code = kubectl.cmd_mirror_switch(
+        source, replica, parse_args(argv), out, err,
+        sleep=lambda _: None, clock=lambda: float(next(ticks)),
+    )  # fmt: skip
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_mirror_switchover_demotes_then_promotes_with_the_sources_token() -> None:
+    source = Site(mirrored(), ("MirrorDemoted", "demoted to replica at DR epoch 1"))
+    replica_obj = cluster_obj(name="orders-dr", namespace="site-b")
+    replica = Site(replica_obj, ("MirrorPromoted", "promoted to source at DR epoch 1"))
+    code, out, err = switch(source, replica, ["mirror", "switchover", "orders", "site-b/orders-dr"])
+    assert (code, err) == (EXIT_OK, "")
+    assert "demoted prod/orders" in out and "promoted site-b/orders-dr" in out
+    (patch,) = replica.patches
+    promote = patch["spec"]["requests"]["mirrorPromote"]
+    assert promote["token"] == '{"seq": 7}' and promote["force"] is False
+
+
+def test_mirror_switchover_stops_when_the_demotion_is_refused() -> None:
+    source = Site(mirrored(), ("MirrorDemoteRefused", "this BrokerCluster has no spec.mirror"))
+    replica = Site(cluster_obj(name="orders-dr"), ("MirrorPromoted", ""))
+    code, _, err = switch(source, replica, ["mirror", "switchover", "orders", "orders-dr",
+                                            "--timeout", "5"])  # fmt: skip
+    assert code == EXIT_ERROR and not replica.patches
+    assert "refused: demoting prod/orders: this BrokerCluster has no spec.mirror" in err
+
+
+def test_mirror_failover_promotes_by_force_and_reports_the_rpo() -> None:
+    rpo = "promoted to source at DR epoch 2, forced: 40 unacknowledged (may be lost)"
+    replica = Site(cluster_obj(), ("MirrorPromoted", rpo))
+    code, out, _ = switch(replica, replica, ["mirror", "failover", "orders"])
+    assert code == EXIT_OK and "40 unacknowledged" in out
+    (patch,) = replica.patches
+    assert patch["spec"]["requests"]["mirrorPromote"]["force"] is True
