@@ -624,18 +624,34 @@ def cmd_mirror_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
     """`mirror status`: the DR table (or each mirrored cluster's spec and status as JSON)."""
     namespace, clusters = selected_clusters(kube, args)
     mirrored = [c for c in clusters if (c.get("spec") or {}).get("mirror")]
-    if args.output == "json":
+    return write_clusters(
+        out, args.output, namespace, mirrored, "BrokerClusters with spec.mirror",
+        lambda c: {"mirror": c["spec"]["mirror"], "status": (c.get("status") or {}).get("mirror")},
+        lambda wide: render_table(mirror_rows(mirrored, wide), wide, MIRROR_COLUMNS),
+    )  # fmt: skip
+
+
+def write_clusters(
+    out: Any,
+    output: str,
+    namespace: str | None,
+    clusters: list[Obj],
+    what: str,
+    as_json: Callable[[Obj], Obj],
+    table: Callable[[bool], str],
+) -> int:
+    """A listing command's output: JSON (namespace, name and `as_json` of each cluster),
+    a line when there is nothing to show, or `table` (with a NAMESPACE column for -A)."""
+    if output == "json":
         doc = [{"namespace": c["metadata"].get("namespace"), "name": c["metadata"]["name"],
-                "mirror": c["spec"]["mirror"], "status": (c.get("status") or {}).get("mirror")}
-               for c in mirrored]  # fmt: skip
+                **as_json(c)} for c in clusters]  # fmt: skip
         out.write(json.dumps(doc, indent=2) + "\n")
         return EXIT_OK
-    if not mirrored:
+    if not clusters:
         where = "any namespace" if namespace is None else f'namespace "{namespace}"'
-        out.write(f"No BrokerClusters with spec.mirror in {where}.\n")
+        out.write(f"No {what} in {where}.\n")
         return EXIT_OK
-    wide = namespace is None
-    out.write(render_table(mirror_rows(mirrored, wide), wide, MIRROR_COLUMNS))
+    out.write(table(namespace is None))
     return EXIT_OK
 
 
@@ -710,18 +726,11 @@ def cmd_mirror_switch(
 def cmd_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
     """`status`: the table (or the clusters' status as JSON)."""
     namespace, clusters = selected_clusters(kube, args)
-    if args.output == "json":
-        doc = [{"namespace": c["metadata"].get("namespace"), "name": c["metadata"]["name"],
-                "status": c.get("status") or {}} for c in clusters]  # fmt: skip
-        out.write(json.dumps(doc, indent=2) + "\n")
-        return EXIT_OK
-    if not clusters:
-        where = "any namespace" if namespace is None else f'namespace "{namespace}"'
-        out.write(f"No BrokerClusters in {where}.\n")
-        return EXIT_OK
-    wide = namespace is None
-    out.write(render_table(status_rows(clusters, datetime.now(UTC), wide), wide))
-    return EXIT_OK
+    return write_clusters(
+        out, args.output, namespace, clusters, "BrokerClusters",
+        lambda c: {"status": c.get("status") or {}},
+        lambda wide: render_table(status_rows(clusters, datetime.now(UTC), wide), wide),
+    )  # fmt: skip
 
 
 def cmd_request(
