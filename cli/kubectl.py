@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
-from twinmq.broker.names import ACTIVE
+from twinmq.broker.names import ACTIVE, MIRROR_PORT
 from twinmq.operator.models import GROUP, PLURAL, VERSION
 
 Obj = dict[str, Any]
@@ -132,6 +132,58 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_arg(unfence)
     broker_arg(unfence, "the broker to unfence")
 
+    mirror = sub.add_parser(
+        "mirror", help="the DR mirror between BrokerClusters",
+        description="The DR mirror (spec.mirror) of BrokerClusters.",
+    )  # fmt: skip
+    mirror_sub = mirror.add_subparsers(dest="mirror_command", required=True, metavar="COMMAND")
+    mirror_status = mirror_sub.add_parser(
+        "status", parents=[common], help="each mirrored cluster's DR role and link",
+        description="One row per BrokerCluster with spec.mirror: its DR role and epoch now, the "
+        "link's state, the target, the backlog of events not yet acknowledged by the mirror, "
+        "the age of the oldest (LAG), the sources linked to a replica, and why a link is "
+        "down. With -A, both sites when they run in one Kubernetes cluster.",
+    )  # fmt: skip
+    mirror_status.add_argument(
+        "cluster", nargs="?", metavar="CLUSTER", help="one cluster (default: all)"
+    )
+    mirror_status.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="clusters in every namespace"
+    )
+    mirror_status.add_argument(
+        "-o", "--output", choices=("table", "json"), default="table", help="output format"
+    )
+
+    switchover = mirror_sub.add_parser(
+        "switchover", parents=[common], help="make the replica site the source, losing nothing",
+        description="A controlled DR switchover: declare mirrorDemote on SOURCE (it stops "
+        "taking writes and drains every event to the mirror), wait for its demotion token, "
+        "then declare mirrorPromote with that token on REPLICA (it becomes the source once "
+        "it has applied the source's last event). Each half is a request the operators "
+        "handle once.",
+    )  # fmt: skip
+    switchover.add_argument("cluster", metavar="SOURCE", help="the source BrokerCluster")
+    switchover.add_argument(
+        "replica", metavar="[NAMESPACE/]REPLICA",
+        help="the replica BrokerCluster (in the source's namespace unless given)",
+    )  # fmt: skip
+    switchover.add_argument(
+        "--replica-context", help="kubeconfig context of the replica's site (default: the same)"
+    )
+    switchover.add_argument(
+        "--timeout", type=float, default=300.0, metavar="SECONDS", help="for each half"
+    )
+    failover = mirror_sub.add_parser(
+        "failover", parents=[common], help="promote the replica site: the source site is gone",
+        description="A DR failover: declare mirrorPromote with force on REPLICA. It becomes "
+        "the source at once; the events the source had not mirrored are lost to it and the "
+        "operator reports them (its RPO) in status.mirror.lastSwitch and an Event.",
+    )  # fmt: skip
+    failover.add_argument("cluster", metavar="REPLICA", help="the replica BrokerCluster")
+    failover.add_argument(
+        "--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait"
+    )
+
     audit = sub.add_parser(
         "audit", parents=[common, waiting], help="run a replication audit now",
         description="Request a replication audit now; with --wait, print its verdict.",
@@ -143,8 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line (exits 2 with a usage message on errors)."""
     args = build_parser().parse_args(argv)
-    if args.command == "status" and args.all_namespaces and args.namespace:
-        build_parser().error("status: use either --namespace or --all-namespaces")
+    if getattr(args, "all_namespaces", False) and args.namespace:
+        build_parser().error(f"{args.command}: use either --namespace or --all-namespaces")
     if getattr(args, "timeout", None) is not None and args.timeout <= 0:
         build_parser().error("--timeout must be positive")
     return args
@@ -251,6 +303,9 @@ COLUMNS = (
     "CLUSTER", "BROKER", "ROLE", "EPOCH", "READY", "REACHABLE", "LAG", "PHASE",
     "LAST-FAILOVER", "LAST-AUDIT",
 )  # fmt: skip
+MIRROR_COLUMNS = (
+    "CLUSTER", "DR-ROLE", "STATE", "DR-EPOCH", "TARGET", "BACKLOG", "LAG", "SOURCES", "MESSAGE",
+)  # fmt: skip
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -341,9 +396,43 @@ def status_rows(
     return rows
 
 
-def render_table(rows: Sequence[Sequence[str]], with_namespace: bool = False) -> str:
+def mirror_rows(
+    clusters: Sequence[Mapping[str, Any]], with_namespace: bool = False
+) -> list[tuple[str, ...]]:
+    """One row per cluster with a `spec.mirror`, in the order of `MIRROR_COLUMNS`: its DR
+    role and link as its active broker last reported them (status.mirror)."""
+    rows: list[tuple[str, ...]] = []
+    for cluster in clusters:
+        mirror = (cluster.get("spec") or {}).get("mirror")
+        if not mirror:
+            continue
+        meta = cluster.get("metadata") or {}
+        first = (str(meta.get("namespace", "")),) if with_namespace else ()
+        state = (cluster.get("status") or {}).get("mirror") or {}
+        target = (mirror.get("target") or {}).get("host")
+        if target:
+            target = f"{target}:{(mirror.get('target') or {}).get('port', MIRROR_PORT)}"
+        rows.append((
+            *first, str(meta.get("name", "?")),
+            str(state.get("role") or mirror.get("role") or "-"),
+            str(state.get("state") or "Unknown"),
+            str(state.get("epoch", "-")),
+            str(target or state.get("target") or "-"),
+            str(state.get("queueEvents", "-")),
+            f"{float(state.get('lagSeconds') or 0.0):.1f}s" if state else "-",
+            str(state.get("sourcesConnected", "-")),
+            str(state.get("message") or ""),
+        ))  # fmt: skip
+    return rows
+
+
+def render_table(
+    rows: Sequence[Sequence[str]],
+    with_namespace: bool = False,
+    columns: Sequence[str] = COLUMNS,
+) -> str:
     """Left-aligned columns separated by three spaces, as kubectl prints them."""
-    header = ("NAMESPACE", *COLUMNS) if with_namespace else COLUMNS
+    header = ("NAMESPACE", *columns) if with_namespace else tuple(columns)
     table = [tuple(header), *(tuple(row) for row in rows)]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = ["   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
@@ -521,27 +610,127 @@ def find_cluster(kube: Kube, namespace: str, name: str) -> Obj:
         raise PluginError(f"{exc}{there}", 404) from None
 
 
-def cmd_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
-    """`status`: the table (or the clusters' status as JSON)."""
+def selected_clusters(kube: Kube, args: argparse.Namespace) -> tuple[str | None, list[Obj]]:
+    """The namespace asked for (None: all) and the clusters of `status` and `mirror status`."""
     namespace = None if args.all_namespaces else (args.namespace or kube.default_namespace)
     if args.cluster:
         if namespace is None:
-            raise PluginError("status: name a cluster together with --namespace, not -A")
-        clusters = [find_cluster(kube, namespace, args.cluster)]
-    else:
-        clusters = kube.list_clusters(namespace)
-    if args.output == "json":
+            raise PluginError(f"{args.command}: name a cluster together with --namespace, not -A")
+        return namespace, [find_cluster(kube, namespace, args.cluster)]
+    return namespace, kube.list_clusters(namespace)
+
+
+def cmd_mirror_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
+    """`mirror status`: the DR table (or each mirrored cluster's spec and status as JSON)."""
+    namespace, clusters = selected_clusters(kube, args)
+    mirrored = [c for c in clusters if (c.get("spec") or {}).get("mirror")]
+    return write_clusters(
+        out, args.output, namespace, mirrored, "BrokerClusters with spec.mirror",
+        lambda c: {"mirror": c["spec"]["mirror"], "status": (c.get("status") or {}).get("mirror")},
+        lambda wide: render_table(mirror_rows(mirrored, wide), wide, MIRROR_COLUMNS),
+    )  # fmt: skip
+
+
+def write_clusters(
+    out: Any,
+    output: str,
+    namespace: str | None,
+    clusters: list[Obj],
+    what: str,
+    as_json: Callable[[Obj], Obj],
+    table: Callable[[bool], str],
+) -> int:
+    """A listing command's output: JSON (namespace, name and `as_json` of each cluster),
+    a line when there is nothing to show, or `table` (with a NAMESPACE column for -A)."""
+    if output == "json":
         doc = [{"namespace": c["metadata"].get("namespace"), "name": c["metadata"]["name"],
-                "status": c.get("status") or {}} for c in clusters]  # fmt: skip
+                **as_json(c)} for c in clusters]  # fmt: skip
         out.write(json.dumps(doc, indent=2) + "\n")
         return EXIT_OK
     if not clusters:
         where = "any namespace" if namespace is None else f'namespace "{namespace}"'
-        out.write(f"No BrokerClusters in {where}.\n")
+        out.write(f"No {what} in {where}.\n")
         return EXIT_OK
-    wide = namespace is None
-    out.write(render_table(status_rows(clusters, datetime.now(UTC), wide), wide))
+    out.write(table(namespace is None))
     return EXIT_OK
+
+
+def mirror_request(
+    kube: Kube, namespace: str, name: str, field: str, request: Obj,
+    timeout: float, sleep: Callable[[float], None], clock: Callable[[], float],
+) -> Obj:  # fmt: skip
+    """Declare a mirror request and wait until the operator has handled its id; the
+    cluster as it is then (raises PluginError on a timeout)."""
+    find_cluster(kube, namespace, name)
+    kube.patch(namespace, name, {"spec": {"requests": {field: request}}})
+    deadline = clock() + timeout
+    while True:
+        cluster = kube.get(namespace, name)
+        handled = ((cluster.get("status") or {}).get("handledRequests") or {}).get(field)
+        if handled == request["id"]:
+            return cluster
+        if clock() > deadline:
+            raise PluginError(
+                f"{field} {request['id']} on {namespace}/{name} not handled within "
+                f"{timeout:.0f}s (is its operator running? the request stays declared)",
+                EXIT_TIMEOUT,
+            )
+        sleep(0.5)  # polling interval of a deadline-bound wait
+
+
+def switch_outcome(kube: Kube, namespace: str, name: str, reason: str) -> tuple[bool, str]:
+    """Whether the cluster's last mirror Event says the switch `reason` succeeded."""
+    for event in reversed(kube.events(namespace, name)):
+        if str(event.get("reason", "")).startswith(reason):
+            return event.get("reason") == f"{reason}d", str(event.get("message", ""))
+    return True, "handled"
+
+
+def cmd_mirror_switch(
+    kube: Kube, replica_kube: Kube, args: argparse.Namespace, out: Any, err: Any,
+    sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+) -> int:  # fmt: skip
+    """`mirror switchover` (demote the source, promote the replica with its token) and
+    `mirror failover` (promote the replica by force)."""
+    namespace = args.namespace or kube.default_namespace
+    if args.mirror_command == "failover":
+        request = {"id": new_request_id("mirror-promote"), "force": True, "token": None}
+        mirror_request(kube, namespace, args.cluster, "mirrorPromote", request, args.timeout,
+                       sleep, clock)  # fmt: skip
+        ok, message = switch_outcome(kube, namespace, args.cluster, "MirrorPromote")
+        (out if ok else err).write(f"{'promoted' if ok else 'refused'}: {message}\n")
+        return EXIT_OK if ok else EXIT_ERROR
+    replica_ns, _, replica = args.replica.rpartition("/")
+    replica_ns = replica_ns or (
+        namespace if replica_kube is kube else replica_kube.default_namespace
+    )
+    demote = {"id": new_request_id("mirror-demote")}
+    source = mirror_request(kube, namespace, args.cluster, "mirrorDemote", demote, args.timeout,
+                            sleep, clock)  # fmt: skip
+    ok, message = switch_outcome(kube, namespace, args.cluster, "MirrorDemote")
+    token = ((source.get("status") or {}).get("mirror") or {}).get("demotionToken")
+    if not ok or not token:
+        err.write(f"refused: demoting {namespace}/{args.cluster}: {message}\n")
+        return EXIT_ERROR
+    out.write(f"demoted {namespace}/{args.cluster}: {message}\n")
+    promote = {"id": new_request_id("mirror-promote"), "token": token, "force": False}
+    mirror_request(replica_kube, replica_ns, replica, "mirrorPromote", promote, args.timeout,
+                   sleep, clock)  # fmt: skip
+    ok, message = switch_outcome(replica_kube, replica_ns, replica, "MirrorPromote")
+    (out if ok else err).write(
+        f"{'promoted' if ok else 'refused: promoting'} {replica_ns}/{replica}: {message}\n"
+    )
+    return EXIT_OK if ok else EXIT_ERROR
+
+
+def cmd_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
+    """`status`: the table (or the clusters' status as JSON)."""
+    namespace, clusters = selected_clusters(kube, args)
+    return write_clusters(
+        out, args.output, namespace, clusters, "BrokerClusters",
+        lambda c: {"status": c.get("status") or {}},
+        lambda wide: render_table(status_rows(clusters, datetime.now(UTC), wide), wide),
+    )  # fmt: skip
 
 
 def cmd_request(
@@ -618,6 +807,13 @@ def run(argv: Sequence[str] | None = None, out: Any = None, err: Any = None) -> 
         kube = Kube.connect(args.kubeconfig, args.context)
         if args.command == "status":
             return cmd_status(kube, args, out)
+        if args.command == "mirror" and args.mirror_command == "status":
+            return cmd_mirror_status(kube, args, out)
+        if args.command == "mirror":
+            other = kube
+            if getattr(args, "replica_context", None):
+                other = Kube.connect(args.kubeconfig, args.replica_context)
+            return cmd_mirror_switch(kube, other, args, out, err)
         return cmd_request(kube, args, out, err)
     except PluginError as exc:
         err.write(f"error: {exc}\n")

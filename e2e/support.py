@@ -8,9 +8,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any, TypeVar
+
+import pytest
 
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.testing.waiting import wait_for
@@ -138,3 +141,37 @@ for target in sys.argv[1:]:
         print("reached", target, flush=True)
 """
 """A client that reaches each HOST:PORT argument and reads the broker's connection.start."""
+
+
+def kubectl_binary() -> str:
+    """The local cluster's kubectl, else `kubectl` on PATH."""
+    from twinmq.localcluster.binaries import find
+
+    try:
+        return str(find("kubectl"))
+    except FileNotFoundError:
+        found = shutil.which("kubectl")
+        if found is None:
+            pytest.skip("no kubectl: run `make cluster-binaries`")
+        return found
+
+
+def kubectl(cluster: Cluster, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """`kubectl ARGS` with this venv's console scripts (the plugin) first on PATH."""
+    scripts = Path(sys.executable).parent
+    if not (scripts / "kubectl-twinmq").exists():
+        pytest.skip("kubectl-twinmq is not installed: pip install -e .")
+    env = dict(
+        os.environ,
+        KUBECONFIG=cluster.kubeconfig,
+        PATH=f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    return subprocess.run(
+        [kubectl_binary(), *args], env=env, capture_output=True, text=True,
+        timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+def plugin(cluster: Cluster, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """`kubectl twinmq ARGS`."""
+    return kubectl(cluster, "twinmq", *args, timeout=timeout)

@@ -71,9 +71,10 @@ def test_example_is_accepted_and_defaults_match_the_model(
         ({"podTemplate": {"tolerations": [{"effect": "NoRun"}]}}, "tolerations[0].effect"),
         ({"mirror": {"role": "source", "secretName": "dr"}}, "a mirror source names its target"),
         (
-            {"mirror": {"role": "replica", "secretName": "dr", "target": {"host": "x.y.svc"}}},
-            "a mirror replica has no target",
+            {"requests": {"mirrorPromote": {"id": "p", "token": "{}", "force": True}}},
+            "give the source's demotion token, or force",
         ),
+        ({"requests": {"mirrorPromote": {"id": "p"}}}, "give the source's demotion token"),
         ({"mirror": {"role": "replica"}}, "spec.mirror.secretName"),
         ({"mirror": {"role": "both", "secretName": "dr"}}, "spec.mirror.role"),
     ],

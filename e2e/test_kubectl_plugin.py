@@ -8,10 +8,6 @@ A paused passive's lag shows in `kubectl get tmq` and in `kubectl twinmq status`
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,47 +16,13 @@ import pika
 import pytest
 from brokerclusters import amqp_url, cluster_status
 from chart_release import OperatorRelease, create_ready_cluster, operator_release
-from support import Cluster
+from support import Cluster, kubectl, plugin
 
 from twinmq.localcluster import faults
 from twinmq.localcluster.layout import Layout
 from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
-
-
-def kubectl_binary() -> str:
-    """The local cluster's kubectl, else `kubectl` on PATH."""
-    from twinmq.localcluster.binaries import find
-
-    try:
-        return str(find("kubectl"))
-    except FileNotFoundError:
-        found = shutil.which("kubectl")
-        if found is None:
-            pytest.skip("no kubectl: run `make cluster-binaries`")
-        return found
-
-
-def kubectl(cluster: Cluster, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """`kubectl ARGS` with this venv's console scripts (the plugin) first on PATH."""
-    scripts = Path(sys.executable).parent
-    if not (scripts / "kubectl-twinmq").exists():
-        pytest.skip("kubectl-twinmq is not installed: pip install -e .")
-    env = dict(
-        os.environ,
-        KUBECONFIG=cluster.kubeconfig,
-        PATH=f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}",
-    )
-    return subprocess.run(
-        [kubectl_binary(), *args], env=env, capture_output=True, text=True,
-        timeout=timeout, check=False,
-    )  # fmt: skip
-
-
-def plugin(cluster: Cluster, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """`kubectl twinmq ARGS`."""
-    return kubectl(cluster, "twinmq", *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from brokerclusters import (
     drain,
     virtual_ip,
 )
-from support import Cluster, new_namespace
+from support import Cluster, new_namespace, plugin
 
 from twinmq.testing.waiting import wait_for
 
@@ -94,4 +94,51 @@ def test_confirmed_traffic_through_the_source_arrives_on_the_replica_site(
              lambda: connected(cluster, dr_namespace, replica), 30)  # fmt: skip
     seen = mirror_state(cluster, namespace, source)
     assert seen["role"] == "source" and "lagSeconds" in seen and "queueEvents" in seen
+    shown = plugin(cluster, "mirror", "status", "-A")
+    assert shown.returncode == 0, shown.stderr
+    rows = {tuple(line.split()[:4]) for line in shown.stdout.splitlines()[1:]}
+    assert (namespace, source, "source", "Connected") in rows, shown.stdout
+    assert (dr_namespace, replica, "replica", "Connected") in rows, shown.stdout
     assert sorted(drain(replica_url, "orders")) == list(range(COUNT))
+
+
+def publish_some(url: str, queue: str, bodies: range) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(queue, durable=True)
+    for i in bodies:
+        ch.basic_publish("", queue, str(i).encode(), pika.BasicProperties(delivery_mode=2))
+    conn.close()
+
+
+def test_a_declared_switchover_makes_the_replica_site_the_source_losing_nothing(
+    cluster: Cluster, operator: OperatorProcess, namespace: str, dr_namespace: str
+) -> None:
+    """Both sites switchable (each names the other by its virtual IP's DNS name):
+    `kubectl twinmq mirror switchover` demotes the source (drained), promotes the replica
+    with its token; the new source's traffic then flows back to the old one."""
+    mirror_secret(cluster, dr_namespace)
+    mirror_secret(cluster, namespace)
+
+    def mirror(role: str, other: str) -> dict[str, Any]:
+        return {"mirror": {"role": role, "secretName": "orders-dr",
+                           "target": {"host": f"orders.{other}.svc"}}}  # fmt: skip
+
+    replica = create_cluster(cluster, dr_namespace, spec=mirror("replica", namespace))
+    source = create_cluster(cluster, namespace, spec=mirror("source", dr_namespace))
+    wait_for("the source says Connected", lambda: connected(cluster, namespace, source), 60)
+    publish_some(amqp_url(cluster, namespace, source), "orders", range(COUNT))
+
+    shown = plugin(cluster, "mirror", "switchover", source, f"{dr_namespace}/{replica}",
+                   "-n", namespace, "--timeout", "120")  # fmt: skip
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "promoted" in shown.stdout, shown.stdout
+    assert mirror_state(cluster, namespace, source)["role"] == "replica"
+
+    new_source = amqp_url(cluster, dr_namespace, replica)
+    publish_some(new_source, "orders", range(COUNT, COUNT + 10))
+    old_source = amqp_url(cluster, namespace, source)
+    wait_for("the new source's messages mirrored back to the old one",
+             lambda: messages_in(old_source, "orders") == COUNT + 10, 60)  # fmt: skip
+    assert sorted(drain(new_source, "orders")) == list(range(COUNT + 10))

@@ -479,7 +479,7 @@ def conditions(
     extra: list[tuple[str, bool, str, str]],
 ) -> list[Condition]:
     """Ready / Replicating / FailingOver / Degraded and `extra`, keeping transition times
-    stable. Ready, Replicating and AuditPassed are True when all is well; the others
+    stable. Ready, Replicating, AuditPassed and Mirroring are True when all is well; the others
     (kstatus's abnormal-true polarity) are True when something is wrong or moving."""
     active = status.active_broker
     serving = active is not None and views[active].reachable and views[active].role == ACTIVE
@@ -736,6 +736,18 @@ def reconcile(
     new.mirror = mirroring.state_of(
         spec.mirror, active_report.mirror if active_report is not None else None
     )
+    if new.mirror is not None and status.mirror is not None:
+        # What only the operator knows: kept until the next switch replaces it.
+        new.mirror.demotion_token = status.mirror.demotion_token
+        new.mirror.last_switch = status.mirror.last_switch
+    serving = (pods.get(new.active_broker) or {}).get("status", {}).get("podIP") if (
+        active_report is not None and new.active_broker is not None) else None  # fmt: skip
+    for kind, reason, message in mirroring.switch_requests(
+        spec.requests, new.handled_requests, new.mirror,
+        admin(serving, token) if serving else None, now_iso(),
+    ):  # fmt: skip
+        log.info("%s/%s: %s: %s", cluster.namespace, cluster.name, reason, message)
+        kopf.event(body, type=kind, reason=reason, message=message)
     lags = {n: passive_lag(n, new.active_broker, reports) for n in NAMES}
     damage = damage_of(status, views, reports)
     new.brokers = [
@@ -749,10 +761,14 @@ def reconcile(
         for n, v in views.items()
     ]  # fmt: skip
     damage_events(body, status, new)
+    for kind, reason, message in mirroring.events(status.mirror, new.mirror):
+        kopf.event(body, type=kind, reason=reason, message=message)
     extra = [
         *rollout_conditions(new.rollout, memory.storage_refusal),
         damaged_condition(new),
     ]
+    if (mirrored := mirroring.condition(new.mirror)) is not None:
+        extra.append(mirrored)
     new.conditions = conditions(decision, new, views, generation, extra)
     if plan.converged and memory.storage_refusal is None and not deferred:
         # Observed only once the pods run this generation's spec (Argo CD, Flux, kstatus

@@ -10,11 +10,32 @@ active broker of a pair mirrors or applies; the status is read from its `GET /st
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, Protocol, TypeVar
 
-from twinmq.broker.api import MirrorStatus
+from pydantic import ValidationError
+
+from twinmq.broker.admin_client import (
+    AdminError,
+    AdminUnreachable,
+    Call,
+    MirrorNotDrained,
+    mirror_demote_call,
+    mirror_promote_call,
+)
+from twinmq.broker.api import DemotionToken, MirrorStatus
+from twinmq.broker.api import MirrorDemoteRequest as DemoteCall
+from twinmq.broker.api import MirrorPromoteRequest as PromoteCall
 from twinmq.broker.names import MIRROR_PORT, setting_env
-from twinmq.operator.models import Mirror, MirrorState, MirrorStateName
+from twinmq.operator.models import (
+    HandledRequests,
+    Mirror,
+    MirrorState,
+    MirrorStateName,
+    Requests,
+)
+
+T = TypeVar("T")
+DEMOTE_WAIT = 2.0  # seconds a pass lets a switch wait (a drain, the token's last event)
 
 Obj = dict[str, Any]
 SOURCE_STATES: dict[str, MirrorStateName] = {
@@ -42,28 +63,32 @@ def broker_env(mirror: Mirror | None, namespace: str, name: str) -> list[Obj]:
         },
         {"name": setting_env("mirror_id"), "value": site_id(namespace, name)},
     ]
-    if mirror.role == "source":
-        assert mirror.target is not None  # the CRD's CEL rule
+    # Every site listens on the mirror port and, with a target, can mirror to it: the
+    # first role says which end runs; a switchover turns them around (docs/mirror.md).
+    env += [
+        {"name": setting_env("mirror_role"), "value": mirror.role},
+        {"name": setting_env("mirror_port"), "value": str(MIRROR_PORT)},
+    ]
+    if mirror.target is not None:
         target = f"{mirror.target.host}:{mirror.target.port}"
         env += [
             {"name": setting_env("mirror_to"), "value": target},
             {"name": setting_env("mirror_max_lag"), "value": str(mirror.max_lag_seconds)},
         ]
-    else:
-        env.append({"name": setting_env("mirror_port"), "value": str(MIRROR_PORT)})
     return env
 
 
 def container_ports(mirror: Mirror | None) -> list[Obj]:
-    """The mirror port of a replica's broker container."""
-    if mirror is None or mirror.role != "replica":
+    """The mirror port of a mirrored site's broker container."""
+    if mirror is None:
         return []
     return [{"name": PORT_NAME, "containerPort": MIRROR_PORT}]
 
 
 def service_ports(mirror: Mirror | None) -> list[Obj]:
-    """The mirror port on a replica's virtual-IP Service (sources reach its active there)."""
-    if mirror is None or mirror.role != "replica":
+    """The mirror port on a mirrored site's virtual-IP Service (a source reaches the
+    replica's active there, whichever site is which after a switchover)."""
+    if mirror is None:
         return []
     return [{"name": PORT_NAME, "port": MIRROR_PORT, "targetPort": PORT_NAME}]
 
@@ -93,3 +118,109 @@ def state_of(mirror: Mirror | None, seen: MirrorStatus | None) -> MirrorState | 
         flow_control=seen.flow_control,
         sources_connected=seen.sources_connected,
     )
+
+
+def condition(state: MirrorState | None) -> tuple[str, bool, str, str] | None:
+    """The `Mirroring` condition (True while the link is up), None without a mirror."""
+    if state is None:
+        return None
+    why = state.message or {
+        "Connected": f"the {state.role}'s link is up",
+        "Listening": "no source is linked to this replica",
+        "Unknown": "no active broker has reported the mirror",
+    }.get(state.state, "")
+    return ("Mirroring", state.state == "Connected", state.state, why)
+
+
+def events(old: MirrorState | None, new: MirrorState | None) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Events for a change of the link's state: a Warning
+    when it goes down, resyncs or is fenced, a Normal one when it comes up."""
+    if new is None or new.state == "Unknown" or (old is not None and old.state == new.state):
+        return []
+    warning = new.state in ("Disconnected", "NeedsResync", "Fenced")
+    text = {
+        "Connected": f"the {new.role}'s mirror link is up"
+        + (f" ({new.target})" if new.target else ""),
+        "Listening": "no source is linked to this replica any more",
+        "Disconnected": f"the mirror link is down: {new.message or 'no heartbeat came back'}",
+        "NeedsResync": f"the mirror needs a re-seed: {new.message}",
+        "Fenced": "a newer site took over: this source is fenced (read-only)",
+    }[new.state]
+    return [("Warning" if warning else "Normal", f"Mirror{new.state}", text)]
+
+
+class SwitchClient(Protocol):
+    """What a DR switch needs of the active broker's admin API."""
+
+    def send(self, call: Call[T], timeout: float | None = None) -> T:
+        """Make one call."""
+        ...
+
+
+def switch_requests(
+    requests: Requests,
+    handled: HandledRequests,
+    state: MirrorState | None,
+    active: SwitchClient | None,
+    now: str,
+) -> list[tuple[str, str, str]]:
+    """Handle a pending `mirrorDemote` or `mirrorPromote` request on the active broker;
+    the Events to post. A request is handled once (its id recorded in `handled`); a broker
+    that cannot answer now, or a demotion still draining, is asked again at the next pass
+    (the broker answers a repeated switch with the stored result)."""
+    demote, promote = requests.mirror_demote, requests.mirror_promote
+    if demote is not None and demote.id != handled.mirror_demote:
+        return _switch(demote.id, "demote", DemoteCall(timeout=DEMOTE_WAIT), handled, state,
+                       active, now)  # fmt: skip
+    if promote is not None and promote.id != handled.mirror_promote:
+        try:
+            token = DemotionToken.model_validate_json(promote.token) if promote.token else None
+        except ValidationError as exc:
+            handled.mirror_promote = promote.id
+            return [("Warning", "MirrorPromoteRefused", f"{promote.id}: not a demotion token: "
+                     f"{exc.errors()[0]['msg']}")]  # fmt: skip
+        call = PromoteCall(token=token, force=promote.force, timeout=DEMOTE_WAIT)
+        return _switch(promote.id, "promote", call, handled, state, active, now)
+    return []
+
+
+def _switch(
+    request_id: str,
+    kind: Literal["demote", "promote"],
+    body: DemoteCall | PromoteCall,
+    handled: HandledRequests,
+    state: MirrorState | None,
+    active: SwitchClient | None,
+    now: str,
+) -> list[tuple[str, str, str]]:
+    reason = f"Mirror{kind.capitalize()}"
+
+    def done() -> None:
+        setattr(handled, f"mirror_{kind}", request_id)
+
+    if state is None:
+        done()
+        return [("Warning", f"{reason}Refused", f"{request_id}: this BrokerCluster has no "
+                 "spec.mirror")]  # fmt: skip
+    if active is None:
+        return []  # no active broker answers now: the next pass asks again
+    call = mirror_demote_call(body) if isinstance(body, DemoteCall) else mirror_promote_call(body)
+    try:
+        switch = active.send(call)
+    except (MirrorNotDrained, AdminUnreachable):
+        return []  # still draining / not reachable now: asked again (replay-safe)
+    except AdminError as exc:
+        done()
+        return [("Warning", f"{reason}Refused", f"{request_id}: {exc}")]
+    done()
+    state.role, state.epoch = switch.role, switch.epoch
+    what = f"{kind}d to {switch.role} at DR epoch {switch.epoch} in {switch.seconds:.2f} s"
+    if switch.token is not None:
+        state.demotion_token = switch.token.model_dump_json()
+    if switch.rpo is not None:
+        rpo = switch.rpo
+        what += (f", forced: last event applied {rpo.last_applied_seq}, the source's newest "
+                 f"seen {rpo.source_last_seq_seen} with {rpo.source_unreplicated_seen} "
+                 "unacknowledged (may be lost)")  # fmt: skip
+    state.last_switch = f"{now}: {request_id}: {what}"
+    return [("Warning" if switch.forced else "Normal", f"{reason}d", what)]

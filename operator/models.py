@@ -131,10 +131,6 @@ class Mirror(ApiModel):
                     "rule": "self.role != 'source' || has(self.target)",
                     "message": "a mirror source names its target",
                 },
-                {
-                    "rule": "self.role != 'replica' || !has(self.target)",
-                    "message": "a mirror replica has no target (its source names it)",
-                },
             ]
         }
     )
@@ -143,7 +139,11 @@ class Mirror(ApiModel):
         description="source: writable, mirrors to `target`; replica: applies what a source "
         "sends (clients may read, not publish)"
     )
-    target: MirrorTarget | None = Field(None, description="The replica site (a source only)")
+    target: MirrorTarget | None = Field(
+        None,
+        description="The other site: a source mirrors to it; a replica names its source "
+        "here to be switchable (after a switchover it mirrors back there: failback)",
+    )
     secret_name: str = Field(
         min_length=1,
         max_length=253,
@@ -302,6 +302,33 @@ class AuditRequest(ApiModel):
     id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
 
 
+class MirrorDemoteRequest(ApiModel):
+    """DR switchover, first half (on the source site): stop taking writes, drain every
+    event to the mirror, and publish the demotion token in `status.mirror.demotionToken`."""
+
+    id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
+
+
+class MirrorPromoteRequest(ApiModel):
+    """DR switchover, second half (on the replica site), with the source's demotion token;
+    or, the source site being gone, a forced DR failover (its RPO reported, not hidden)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "has(self.token) != self.force",
+            "give the source's demotion token, or force (a DR failover), not both",
+        )
+    )
+
+    id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
+    token: str | None = Field(
+        None,
+        max_length=1024,
+        description="The source's status.mirror.demotionToken, as it is written there",
+    )
+    force: bool = Field(False, description="Promote without a token: the source site is gone")
+
+
 class Requests(ApiModel):
     """Manual operations, declared: each carries an id, and an id is handled only once."""
 
@@ -309,6 +336,8 @@ class Requests(ApiModel):
     recover: RecoverRequest | None = None
     fence: FenceRequest | None = None
     audit: AuditRequest | None = None
+    mirror_demote: MirrorDemoteRequest | None = None
+    mirror_promote: MirrorPromoteRequest | None = None
 
 
 # -- placement and pod template overrides (the Kubernetes core/v1 shapes, as used) ----------
@@ -535,6 +564,7 @@ ConditionType = Literal[
     "Stalled",
     "AuditPassed",
     "BrokerDamaged",
+    "Mirroring",
 ]
 
 
@@ -604,6 +634,12 @@ class MirrorState(ApiModel):
     lag_seconds: float = Field(0.0, description="Age of the oldest unmirrored event")
     flow_control: bool = Field(False, description="Publishers blocked for the mirror's lag")
     sources_connected: int = 0
+    demotion_token: str = Field(
+        "",
+        description="After a mirrorDemote request: the token to give the replica's "
+        "mirrorPromote request (JSON, as is)",
+    )
+    last_switch: str = Field("", description="The last DR switch here: when, what, the RPO")
 
 
 class FailoverRecord(ApiModel):
@@ -653,6 +689,8 @@ class HandledRequests(ApiModel):
     recover: str | None = None
     fence: str | None = None
     audit: str | None = None
+    mirror_demote: str | None = None
+    mirror_promote: str | None = None
 
 
 class SwitchoverProgress(ApiModel):

@@ -94,7 +94,7 @@ def test_usage_errors_exit_2_with_a_clear_message(
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["status", *kubectl.OPERATIONS])
+@pytest.mark.parametrize("command", ["status", "mirror", *kubectl.OPERATIONS])
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         parse_args([command, "--help"])
@@ -276,6 +276,8 @@ def run(kube: FakeKube, argv: list[str]) -> tuple[int, str, str]:
     try:
         if args.command == "status":
             code = kubectl.cmd_status(kube, args, out)
+        elif args.command == "mirror":
+            code = kubectl.cmd_mirror_status(kube, args, out)
         else:
             code = kubectl.cmd_request(
                 kube, args, out, err, sleep=lambda _: None, clock=lambda: float(next(ticks))
@@ -382,3 +384,106 @@ def test_status_prints_the_table_or_json() -> None:
     assert json.loads(out)[0]["status"]["activeBroker"] == "primary"
     code, out, _ = run(FakeKube(None), ["status"])
     assert out == 'No BrokerClusters in namespace "prod".\n'
+
+
+# -- mirror status ------------------------------------------------------------------------
+
+
+def mirrored(**state: Any) -> Obj:
+    """A source BrokerCluster whose active reported `state` (status.mirror)."""
+    obj = cluster_obj(mirror=state) if state else cluster_obj()
+    obj["spec"]["mirror"] = {"role": "source", "secretName": "dr",
+                             "target": {"host": "orders.site-b.svc", "port": 5674}}  # fmt: skip
+    return obj
+
+
+def test_mirror_status_shows_role_link_backlog_and_lag() -> None:
+    kube = FakeKube(mirrored(role="source", state="Connected", epoch=2, queueEvents=12,
+                             lagSeconds=0.25, sourcesConnected=0))  # fmt: skip
+    code, out, _ = run(kube, ["mirror", "status"])
+    assert code == EXIT_OK
+    header, row = out.splitlines()
+    assert header.split() == list(kubectl.MIRROR_COLUMNS)
+    assert row.split() == ["orders", "source", "Connected", "2", "orders.site-b.svc:5674",
+                           "12", "0.2s", "0"]  # fmt: skip
+
+
+def test_mirror_status_of_a_cluster_not_yet_seen_and_without_a_mirror() -> None:
+    (row,) = kubectl.mirror_rows([mirrored()])
+    assert row[:3] == ("orders", "source", "Unknown")
+    assert kubectl.mirror_rows([cluster_obj()]) == []
+    code, out, _ = run(FakeKube(cluster_obj()), ["mirror", "status"])
+    assert code == EXIT_OK and out == 'No BrokerClusters with spec.mirror in namespace "prod".\n'
+
+
+def test_mirror_status_as_json_carries_spec_and_status() -> None:
+    dropped = mirrored(role="source", state="NeedsResync", message="past 10 events")
+    code, out, _ = run(FakeKube(dropped), ["mirror", "status", "-o", "json"])
+    assert code == EXIT_OK
+    (doc,) = json.loads(out)
+    assert doc["mirror"]["role"] == "source" and doc["status"]["state"] == "NeedsResync"
+
+
+class Site(FakeKube):
+    """One site's API for the switch commands: an operator that answers mirror requests
+    (as operator/mirroring.py does: the handled id, the token, an Event)."""
+
+    def __init__(self, obj: Obj, answer: tuple[str, str]) -> None:
+        super().__init__(obj, self.handle)
+        self.answer = answer
+        self.posted: list[Obj] = []
+
+    def handle(self, obj: Obj) -> None:
+        requests = obj.get("spec", {}).get("requests", {})
+        status = obj.setdefault("status", {})
+        handled = status.setdefault("handledRequests", {})
+        for field in ("mirrorDemote", "mirrorPromote"):
+            request = requests.get(field)
+            if request and handled.get(field) != request["id"]:
+                handled[field] = request["id"]
+                if field == "mirrorDemote":
+                    status.setdefault("mirror", {})["demotionToken"] = '{"seq": 7}'
+                self.posted.append({"reason": self.answer[0], "message": self.answer[1]})
+
+    def events(self, namespace: str, name: str) -> list[Obj]:
+        return self.posted
+
+
+def switch(source: Site, replica: Site, argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    ticks = iter(range(10_000))
+    code = kubectl.cmd_mirror_switch(
+        source, replica, parse_args(argv), out, err,
+        sleep=lambda _: None, clock=lambda: float(next(ticks)),
+    )  # fmt: skip
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_mirror_switchover_demotes_then_promotes_with_the_sources_token() -> None:
+    source = Site(mirrored(), ("MirrorDemoted", "demoted to replica at DR epoch 1"))
+    replica_obj = cluster_obj(name="orders-dr", namespace="site-b")
+    replica = Site(replica_obj, ("MirrorPromoted", "promoted to source at DR epoch 1"))
+    code, out, err = switch(source, replica, ["mirror", "switchover", "orders", "site-b/orders-dr"])
+    assert (code, err) == (EXIT_OK, "")
+    assert "demoted prod/orders" in out and "promoted site-b/orders-dr" in out
+    (patch,) = replica.patches
+    promote = patch["spec"]["requests"]["mirrorPromote"]
+    assert promote["token"] == '{"seq": 7}' and promote["force"] is False
+
+
+def test_mirror_switchover_stops_when_the_demotion_is_refused() -> None:
+    source = Site(mirrored(), ("MirrorDemoteRefused", "this BrokerCluster has no spec.mirror"))
+    replica = Site(cluster_obj(name="orders-dr"), ("MirrorPromoted", ""))
+    code, _, err = switch(source, replica, ["mirror", "switchover", "orders", "orders-dr",
+                                            "--timeout", "5"])  # fmt: skip
+    assert code == EXIT_ERROR and not replica.patches
+    assert "refused: demoting prod/orders: this BrokerCluster has no spec.mirror" in err
+
+
+def test_mirror_failover_promotes_by_force_and_reports_the_rpo() -> None:
+    rpo = "promoted to source at DR epoch 2, forced: 40 unacknowledged (may be lost)"
+    replica = Site(cluster_obj(), ("MirrorPromoted", rpo))
+    code, out, _ = switch(replica, replica, ["mirror", "failover", "orders"])
+    assert code == EXIT_OK and "40 unacknowledged" in out
+    (patch,) = replica.patches
+    assert patch["spec"]["requests"]["mirrorPromote"]["force"] is True

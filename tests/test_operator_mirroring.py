@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from mirrorsites import Sites, publish
 from pydantic import ValidationError
 
-from twinmq.broker.api import MirrorStatus
+from twinmq.broker.api import DemotionToken, MirrorStatus
 from twinmq.broker.names import MIRROR_PORT, setting_env
 from twinmq.broker.settings import BrokerSettings
 from twinmq.operator.builders import ClusterRef, build_pod, build_vip_service
-from twinmq.operator.mirroring import state_of
-from twinmq.operator.models import BrokerClusterSpec, Mirror
+from twinmq.operator.mirroring import condition, events, state_of, switch_requests
+from twinmq.operator.models import (
+    BrokerClusterSpec,
+    HandledRequests,
+    Mirror,
+    MirrorState,
+    Requests,
+)
 
 SOURCE = ClusterRef(name="orders", namespace="site-a", uid="u-1")
 REPLICA = ClusterRef(name="orders", namespace="site-b", uid="u-2")
@@ -46,20 +55,25 @@ def test_a_source_mirrors_to_its_target_with_the_token_of_its_secret(broker: str
     }
     assert env[setting_env("mirror_id")] == "site-a/orders"
     settings = settings_from(env)
-    assert (settings.mirror_to, settings.mirror_port, settings.mirror_max_lag) == (
-        f"orders.site-b.svc:{MIRROR_PORT}", None, 5.0,
+    # Both ends on every site (the role says which runs): a switchover can reverse them.
+    assert (settings.mirror_to, settings.mirror_port, settings.mirror_role) == (
+        f"orders.site-b.svc:{MIRROR_PORT}", MIRROR_PORT, "source",
     )  # fmt: skip
-    assert build_vip_service(SOURCE, source.mirror)["spec"]["ports"] == [
-        {"name": "amqp", "port": 5672, "targetPort": "amqp"}
-    ]
+    assert settings.mirror_max_lag == 5.0
+    assert {"name": "mirror", "port": MIRROR_PORT, "targetPort": "mirror"} in build_vip_service(
+        SOURCE, source.mirror
+    )["spec"]["ports"]
 
 
 def test_a_replica_listens_on_the_mirror_port_behind_its_virtual_ip() -> None:
     replica = spec({"role": "replica", "secretName": "dr"})
     pod = build_pod(REPLICA, replica, "primary")
     env = env_of(pod)
-    assert setting_env("mirror_to") not in env
+    assert setting_env("mirror_to") not in env  # not switchable: it names no source
     assert settings_from(env).mirror_port == MIRROR_PORT
+    switchable = spec({"role": "replica", "secretName": "dr", "target": TARGET})
+    settings = settings_from(env_of(build_pod(REPLICA, switchable, "primary")))
+    assert (settings.mirror_role, settings.mirror_to) == ("replica", "orders.site-b.svc:5674")
     (container,) = pod["spec"]["containers"]
     assert {"name": "mirror", "containerPort": MIRROR_PORT} in container["ports"]
     ports = build_vip_service(REPLICA, replica.mirror)["spec"]["ports"]
@@ -108,3 +122,76 @@ def test_the_status_says_connected_lag_and_backlog_from_the_active() -> None:
     linked = listening.model_copy(update={"sources_connected": 1})
     assert state_of(replica, linked).state == "Connected"  # type: ignore[union-attr]
     assert state_of(None, seen) is None
+
+
+def test_the_mirroring_condition_and_events_follow_the_links_state() -> None:
+    up = MirrorState(role="source", state="Connected", target="orders.site-b.svc:5674")
+    down = up.model_copy(update={"state": "Disconnected", "message": "connection refused"})
+    assert condition(None) is None
+    assert condition(up) == ("Mirroring", True, "Connected", "the source's link is up")
+    assert condition(down) == ("Mirroring", False, "Disconnected", "connection refused")
+    assert events(None, MirrorState(role="source")) == []  # nothing heard yet: no Event
+    assert events(up, up) == []
+    ((kind, reason, message),) = events(up, down)
+    assert (kind, reason) == ("Warning", "MirrorDisconnected") and "connection refused" in message
+    ((kind, reason, _),) = events(down, up)
+    assert (kind, reason) == ("Normal", "MirrorConnected")
+    resync = up.model_copy(update={"state": "NeedsResync", "message": "past 10 events"})
+    assert events(up, resync)[0][:2] == ("Warning", "MirrorNeedsResync")
+
+
+# -- declarative DR switchover, against real brokers -----------------------------------------
+
+
+@pytest.fixture
+def sites(tmp_path: Path) -> Iterator[Sites]:
+    with Sites(tmp_path, reversible=True) as both:
+        both.caught_up()
+        yield both
+
+
+def handle(
+    requests: dict[str, Any], handled: HandledRequests, state: MirrorState | None, broker: Any
+) -> list[tuple[str, str, str]]:
+    """One reconcile pass's switch handling, as the operator runs it (the admin client of
+    the active broker)."""
+    spec_requests = Requests.model_validate(requests)
+    return switch_requests(spec_requests, handled, state, broker.admin, "2026-11-24T00:00:00Z")
+
+
+def test_a_declared_switchover_demotes_the_source_and_promotes_the_replica_with_its_token(
+    sites: Sites,
+) -> None:
+    publish(sites.source, "orders", [b"before"])
+    sites.caught_up()
+    a_state, a_handled = MirrorState(role="source"), HandledRequests()
+    ((kind, reason, message),) = handle(
+        {"mirrorDemote": {"id": "dr-1"}}, a_handled, a_state, sites.source
+    )
+    assert (kind, reason, a_handled.mirror_demote) == ("Normal", "MirrorDemoted", "dr-1")
+    assert a_state.role == "replica" and a_state.demotion_token, message
+    assert handle({"mirrorDemote": {"id": "dr-1"}}, a_handled, a_state, sites.source) == []
+    # The replica's request carries the token as the source's status shows it.
+    b_state, b_handled = MirrorState(role="replica"), HandledRequests()
+    promote = {"mirrorPromote": {"id": "dr-1", "token": a_state.demotion_token}}
+    ((kind, reason, _),) = handle(promote, b_handled, b_state, sites.mirror)
+    assert (kind, reason, b_state.role) == ("Normal", "MirrorPromoted", "source")
+    assert "promoted to source at DR epoch 1" in b_state.last_switch
+    publish(sites.mirror, "orders", [b"after"])  # the promoted site takes writes
+
+
+def test_a_bad_token_or_a_site_without_a_mirror_is_refused_once_with_a_warning(
+    sites: Sites,
+) -> None:
+    handled = HandledRequests()
+    bad = {"mirrorPromote": {"id": "p-1", "token": "{not a token"}}
+    ((kind, reason, message),) = handle(bad, handled, MirrorState(role="replica"), sites.mirror)
+    assert (kind, reason, handled.mirror_promote) == ("Warning", "MirrorPromoteRefused", "p-1")
+    assert "not a demotion token" in message
+    stale = DemotionToken(origin="site-a", seq=10**9, epoch=1).model_dump_json()
+    unmet = {"mirrorPromote": {"id": "p-2", "token": stale}}
+    events = handle(unmet, handled, MirrorState(role="replica"), sites.mirror)
+    assert events == [] or events[0][:2] == ("Warning", "MirrorPromoteRefused")
+    none = {"mirrorDemote": {"id": "d-1"}}
+    ((kind, reason, _),) = handle(none, handled, None, sites.source)
+    assert (kind, reason, handled.mirror_demote) == ("Warning", "MirrorDemoteRefused", "d-1")
