@@ -12,13 +12,13 @@ passwords would stall every client): `Authenticator.login` hands it to a small
 thread pool of its own and returns a `Login` to wait for. A password once
 verified is remembered as an HMAC under a key of this process, so a client that
 reconnects costs a hash, not a KDF. As in RabbitMQ, `guest` may log in only over
-loopback. The file is read again when it changes (`watch`): users, passwords and
+loopback. The file is read again when it changes (`reload_if_changed`, every few
+seconds): users, passwords and
 permissions (broker/permissions.py) change without a restart.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import json
@@ -43,7 +43,6 @@ LOOPBACK_ONLY_USERS = frozenset({"guest"})
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 14, 8, 1
 SCRYPT_KEY_BYTES = 32
 KDF_THREADS = 2  # logins verified at once; more wait (the handshake timeout bounds them)
-RELOAD_INTERVAL = 5.0  # seconds between looks at the users file
 
 
 class LoginError(Exception):
@@ -211,12 +210,6 @@ class Authenticator:
                  "everyone may do everything" if data.permissions is None
                  else f"{len(data.permissions)} permissions")  # fmt: skip
         return True
-
-    async def watch(self, interval: float = RELOAD_INTERVAL) -> None:
-        """Reload the users file whenever it changes (a task for the broker's lifetime)."""
-        while True:
-            await asyncio.sleep(interval)
-            self.reload_if_changed()
 
     def login(self, mechanism: str, response: str | bytes, loopback: bool) -> str | Login:
         """The user name, a `Login` to wait for (a KDF to run), or `LoginError` with the

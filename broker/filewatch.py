@@ -3,7 +3,19 @@ settings a broker reloads without a restart: its TLS certificate, its users file
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from pathlib import Path
+
+RELOAD_INTERVAL = 5.0  # seconds between looks at a reloadable file
+
+
+async def reload_every(reload: Callable[[], object], interval: float = RELOAD_INTERVAL) -> None:
+    """Call `reload` (a `reload_if_changed`) every `interval` seconds, for the broker's
+    lifetime."""
+    while True:
+        await asyncio.sleep(interval)
+        reload()
 
 
 class FileWatch:

@@ -31,6 +31,7 @@ from twinmq.broker.connection import Connection, Limits, State
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.epoch import EpochStore, epoch_jump_refusal, first_mid
 from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
+from twinmq.broker.filewatch import reload_every
 from twinmq.broker.journal import Journal, JournalError
 from twinmq.broker.lease import LeaseKeeper
 from twinmq.broker.mirror.site import Mirroring
@@ -522,7 +523,7 @@ class Broker:
         admin_context = admin_tls.context if admin_tls is not None else None
         self._servers.append(await start_admin(self, admin_context))
         if admin_tls is not None:
-            self._tasks.append(self.loop.create_task(admin_tls.watch()))
+            self._tasks.append(self.loop.create_task(reload_every(admin_tls.reload_if_changed)))
         self._servers.append(
             await self.source.start(self.settings.host, self.settings.replication_port)
         )
@@ -537,7 +538,7 @@ class Broker:
                 backlog=1024,
             )
             self._servers.append(self._amqps)
-            self._tasks.append(self.loop.create_task(self.tls.watch()))
+            self._tasks.append(self.loop.create_task(reload_every(self.tls.reload_if_changed)))
         self._tasks.append(self.loop.create_task(self.source.ping_loop()))
         await self.mirroring.start(self.settings.host)
         if self.role == "passive" and self.replicate_from:
@@ -549,7 +550,8 @@ class Broker:
         self._tasks.append(self.loop.create_task(self._save_dedup_periodically()))
         self._tasks.append(self.loop.create_task(self.monitor.run()))
         if self.authenticator.path is not None:
-            self._tasks.append(self.loop.create_task(self.authenticator.watch()))
+            reload = self.authenticator.reload_if_changed
+            self._tasks.append(self.loop.create_task(reload_every(reload)))
         log.info(
             "broker %s %s listening: amqp %s:%d%s, admin %s:%d, replication %s:%d, data %s; "
             "%s in epoch %d",
@@ -627,10 +629,7 @@ class Broker:
         if self.replica is not None:
             await self.replica.stop()
         # Clients before the passive: see set_role.
-        for proto in list(self.protocols):
-            if proto.conn is not None:
-                proto.conn.force_close(ReplyCode.CONNECTION_FORCED, "broker shutdown")
-                proto._flush()
+        self.close_clients("broker shutdown")
         await self.source.close()
         await self.mirroring.stop()
         for task in self._tasks:

@@ -17,7 +17,6 @@ logged and the old certificate stays in use.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import ssl
 from pathlib import Path
@@ -25,8 +24,6 @@ from pathlib import Path
 from twinmq.broker.filewatch import FileWatch
 
 log = logging.getLogger(__name__)
-
-RELOAD_INTERVAL = 5.0  # seconds between looks at the certificate files
 
 
 class TlsListener:
@@ -60,9 +57,3 @@ class TlsListener:
         self.reloads += 1
         log.info("TLS certificate reloaded from %s (new connections use it)", self.cert)
         return True
-
-    async def watch(self, interval: float = RELOAD_INTERVAL) -> None:
-        """Reload the files whenever they change (a task for the broker's lifetime)."""
-        while True:
-            await asyncio.sleep(interval)
-            self.reload_if_changed()
