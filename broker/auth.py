@@ -92,6 +92,11 @@ class UsersFile(BaseModel):
                 raise ValueError(f"a permission of {p.user!r} for unknown vhost {p.vhost!r}")
         return self
 
+    @classmethod
+    def read(cls, path: Path) -> UsersFile:
+        """The file at `path` (OSError, or ValueError for JSON or a model that is wrong)."""
+        return cls.model_validate(json.loads(path.read_text()))
+
 
 def hash_password(password: str, salt: bytes | None = None) -> str:
     """Hash a password for the users file (scrypt)."""
@@ -149,7 +154,6 @@ class Login:
     """A login whose password check runs in the authenticator's threads: `result` gives
     the user name or raises `LoginError`."""
 
-    username: str
     future: Future[bool]
     finish: Callable[[bool], str]
 
@@ -188,7 +192,7 @@ class Authenticator:
         if path is None:
             return cls([User(name="guest", password="guest")])
         watch = FileWatch(path)
-        data = UsersFile.model_validate(json.loads(path.read_text()))
+        data = UsersFile.read(path)
         auth = cls(data.users, data.permissions)
         auth.path, auth._watch = path, watch
         return auth
@@ -199,7 +203,7 @@ class Authenticator:
         if self.path is None or self._watch is None or not self._watch.changed():
             return False
         try:
-            data = UsersFile.model_validate(json.loads(self.path.read_text()))
+            data = UsersFile.read(self.path)
         except (OSError, ValueError) as exc:
             log.error("users file %s changed but does not load (%s): keeping the old users",
                       self.path, exc)  # fmt: skip
@@ -265,7 +269,7 @@ class Authenticator:
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(KDF_THREADS, thread_name_prefix="twinmq-kdf")
-        return Login(username, self._pool.submit(_verify, user, password), finish)
+        return Login(self._pool.submit(_verify, user, password), finish)
 
 
 def hash_password_main(argv: list[str]) -> int:

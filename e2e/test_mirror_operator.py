@@ -63,6 +63,16 @@ def messages_in(url: str, queue: str) -> int:
             conn.close()
 
 
+def publish_some(url: str, queue: str, bodies: range) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(queue, durable=True)
+    for i in bodies:
+        ch.basic_publish("", queue, str(i).encode(), pika.BasicProperties(delivery_mode=2))
+    conn.close()
+
+
 def test_confirmed_traffic_through_the_source_arrives_on_the_replica_site(
     cluster: Cluster, operator: OperatorProcess, namespace: str, dr_namespace: str
 ) -> None:
@@ -78,14 +88,7 @@ def test_confirmed_traffic_through_the_source_arrives_on_the_replica_site(
         spec={"mirror": {"role": "source", "target": target, "secretName": "orders-dr"}},
     )
     wait_for("the source says Connected", lambda: connected(cluster, namespace, source), 60)
-    url = amqp_url(cluster, namespace, source)
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    ch = conn.channel()
-    ch.confirm_delivery()
-    ch.queue_declare("orders", durable=True)
-    for i in range(COUNT):
-        ch.basic_publish("", "orders", str(i).encode(), pika.BasicProperties(delivery_mode=2))
-    conn.close()
+    publish_some(amqp_url(cluster, namespace, source), "orders", range(COUNT))
 
     replica_url = amqp_url(cluster, dr_namespace, replica)
     wait_for(f"{COUNT} messages on the replica site",
@@ -100,16 +103,6 @@ def test_confirmed_traffic_through_the_source_arrives_on_the_replica_site(
     assert (namespace, source, "source", "Connected") in rows, shown.stdout
     assert (dr_namespace, replica, "replica", "Connected") in rows, shown.stdout
     assert sorted(drain(replica_url, "orders")) == list(range(COUNT))
-
-
-def publish_some(url: str, queue: str, bodies: range) -> None:
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    ch = conn.channel()
-    ch.confirm_delivery()
-    ch.queue_declare(queue, durable=True)
-    for i in bodies:
-        ch.basic_publish("", queue, str(i).encode(), pika.BasicProperties(delivery_mode=2))
-    conn.close()
 
 
 def test_a_declared_switchover_makes_the_replica_site_the_source_losing_nothing(
