@@ -29,17 +29,47 @@ class BrokerProcess:
     data_dir: Path
     name: str = "twinmq"
     host: str = "127.0.0.1"
-    port: int = field(default_factory=free_port)
-    admin_port: int = field(default_factory=free_port)
-    replication_port: int = field(default_factory=free_port)
+    # 0: a free port is picked here, and picked again if another process takes it first.
+    port: int = 0
+    admin_port: int = 0
+    replication_port: int = 0
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
     _admin: SyncAdminClient | None = field(default=None, repr=False)
+    _picked: tuple[str, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        self._picked = tuple(
+            f for f in ("port", "admin_port", "replication_port") if getattr(self, f) == 0
+        )
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        for f in self._picked:
+            setattr(self, f, free_port(self.host))
 
     def start(self, timeout: float = 30.0) -> BrokerProcess:
-        """Start the broker and wait for its ready line; raise with its log if it dies."""
+        """Start the broker and wait for its ready line; raise with its log if it dies.
+
+        A free port is only free until someone binds it: when the broker cannot bind a
+        port this launcher picked (another test process took it in between), it picks
+        new ones and starts again, up to three times.
+        """
+        log_path = self.log_path or self.data_dir.parent / f"{self.name}.log"
+        for attempt in range(3):
+            offset = log_path.stat().st_size if log_path.exists() else 0
+            try:
+                return self._start_once(timeout)
+            except RuntimeError:
+                lost_race = b"address already in use" in log_path.read_bytes()[offset:].lower()
+                if not (lost_race and self._picked) or attempt == 2:
+                    raise
+                self._pick_ports()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> BrokerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_path or self.data_dir.parent / f"{self.name}.log"
         self.log_path = log_path
