@@ -16,13 +16,17 @@ has the results.
 
 Cases: `1m` = 1,000,000 x 1 KiB; `2g` = 32,768 x 64 KiB (2 GiB); `200k` and
 `smoke` (50,000) x 1 KiB for quick looks. `--passive-dir` puts the passive's
-data directory on another file system (a second disk, or tmpfs).
+data directory on another file system (a second disk, or tmpfs). `--pin` gives the
+passive a CPU of its own (the last one) and the active, the probe and the filler the
+others, as on a Kubernetes cluster where the pair's pods run on different nodes; the
+disk stays shared.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import signal
@@ -141,6 +145,7 @@ def one_run(
     passive_root: Path | None = None,
     profile: Path | None = None,
     max_rate: float = 0.0,
+    passive_cpus: set[int] | None = None,
 ) -> RunResult:
     """Fill an active, catch a fresh passive up, probe confirms meanwhile and after.
 
@@ -179,7 +184,16 @@ def one_run(
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
-        passive.start(timeout=120)
+        if passive_cpus is None:
+            passive.start(timeout=120)
+        else:
+            # The child inherits the forking thread's mask: only this thread switches.
+            own = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, passive_cpus)
+            try:
+                passive.start(timeout=120)
+            finally:
+                os.sched_setaffinity(0, own)
         attach_at = time.monotonic()  # the passive is up: it attaches at once
 
         def caught_up() -> CatchupStatus | None:
@@ -260,6 +274,11 @@ def main() -> None:
         help="the active's catch-up rate cap, MB/s (--catchup-max-rate; default 0: none)",
     )
     parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the passive on the last CPU alone; the active, probe and filler on the others",
+    )
+    parser.add_argument(
         "--profile-active",
         type=Path,
         help="py-spy the active during each catch-up into this file (run number appended)",
@@ -267,6 +286,14 @@ def main() -> None:
     args = parser.parse_args()
     tree = describe()
     print(f"tree {tree}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    passive_cpus = None
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            parser.error("--pin needs at least 2 CPUs")
+        passive_cpus = {cpus[-1]}
+        os.sched_setaffinity(0, set(cpus[:-1]))  # before any thread or broker starts
+        print(f"pinned: passive on CPU {cpus[-1]}, the rest on {cpus[:-1]}", flush=True)
     results: list[RunResult] = []
     for case in args.cases.split(","):
         for _ in range(args.runs):
@@ -278,7 +305,13 @@ def main() -> None:
                 if args.profile_active is not None:
                     profile = args.profile_active.with_suffix(f".{case}.{len(results)}.txt")
                 result = one_run(
-                    case, Path(tmp), args.probe_interval, passive_root, profile, args.max_rate
+                    case,
+                    Path(tmp),
+                    args.probe_interval,
+                    passive_root,
+                    profile,
+                    args.max_rate,
+                    passive_cpus,
                 )
                 if passive_root is not None:
                     shutil.rmtree(passive_root, ignore_errors=True)
