@@ -34,6 +34,7 @@ from twinmq.broker.api import (
     ErrorBody,
     MirrorDemoteRequest,
     MirrorPromoteRequest,
+    MirrorReseed,
     MirrorSwitch,
     Readiness,
     Role,
@@ -73,6 +74,10 @@ class AdminContext(Protocol):
 
     async def mirror_promote(self, request: MirrorPromoteRequest) -> MirrorSwitch:
         """The DR replica takes over; raises MirrorRefused."""
+        ...
+
+    async def mirror_reseed(self) -> MirrorReseed:
+        """The DR source seeds its mirror again; raises MirrorRefused."""
         ...
 
 
@@ -169,6 +174,13 @@ def make_app(broker: AdminContext) -> web.Application:
             return error(400, INVALID_ROLE_REQUEST, str(exc))
         return await mirror_switch(broker.mirror_promote(wanted))
 
+    async def mirror_reseed(request: web.Request) -> web.Response:
+        try:
+            done = await broker.mirror_reseed()
+        except MirrorRefused as exc:
+            return error(409, MIRROR_REFUSED, str(exc))
+        return web.Response(text=done.model_dump_json(), content_type="application/json")
+
     async def prometheus(request: web.Request) -> web.Response:
         broker.status()  # refreshes the per-queue gauges
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -181,6 +193,7 @@ def make_app(broker: AdminContext) -> web.Application:
     app.router.add_post("/role", set_role)
     app.router.add_post("/mirror/demote", mirror_demote)
     app.router.add_post("/mirror/promote", mirror_promote)
+    app.router.add_post("/mirror/reseed", mirror_reseed)
     return app
 
 

@@ -29,6 +29,7 @@ from twinmq.broker.api import (
     ErrorBody,
     MirrorDemoteRequest,
     MirrorPromoteRequest,
+    MirrorReseed,
     MirrorSwitch,
     Readiness,
     Role,
@@ -125,6 +126,11 @@ def mirror_demote_call(request: MirrorDemoteRequest) -> Call[MirrorSwitch]:
 def mirror_promote_call(request: MirrorPromoteRequest) -> Call[MirrorSwitch]:
     """`POST /mirror/promote` on a DR replica (with a token, or `force`)."""
     return Call("POST", "/mirror/promote", _model(MirrorSwitch), body=request)
+
+
+def mirror_reseed_call() -> Call[MirrorReseed]:
+    """`POST /mirror/reseed` on the DR source's active broker: rebuild the mirror."""
+    return Call("POST", "/mirror/reseed", _model(MirrorReseed))
 
 
 def refusal(response: httpx.Response) -> AdminError:

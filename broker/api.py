@@ -174,6 +174,14 @@ class MirrorSwitch(BaseModel):
     seconds: float = Field(description="Time the switch took here")
 
 
+class MirrorReseed(BaseModel):
+    """The answer of `POST /mirror/reseed`: the seed queued for the mirror."""
+
+    messages: int = Field(description="Messages the seed's snapshot carries")
+    events: int = Field(description="Events now in the replication queue (the seed's included)")
+    reason: str = Field(description="Why, as logged and sent to the mirror")
+
+
 class MirrorStatus(BaseModel):
     """The DR mirror as this broker sees it: its source side, its mirror side, or both."""
 
@@ -194,6 +202,12 @@ class MirrorStatus(BaseModel):
     )
     needs_resync: str | None = Field(
         None, description="Why the backlog was dropped (retention bound): re-seed the mirror"
+    )
+    last_seed: str | None = Field(
+        None, description="Why the last seed was queued for the mirror (since start-up)"
+    )
+    orphans: int = Field(
+        0, description="On a mirror: messages in amq.twinmq.mirror-orphans (kept, not lost)"
     )
     rpo: MirrorRpo | None = Field(None, description="Set by a forced promotion, kept")
     failover_rpo: MirrorRpo | None = Field(

@@ -20,6 +20,7 @@ from twinmq.broker.api import (
     BrokerStatus,
     MirrorDemoteRequest,
     MirrorPromoteRequest,
+    MirrorReseed,
     MirrorSwitch,
     Role,
 )
@@ -346,6 +347,10 @@ class Broker:
     async def mirror_promote(self, request: MirrorPromoteRequest) -> MirrorSwitch:
         """`POST /mirror/promote` (docs/mirror.md, "Switchover" and "Failover")."""
         return await self.mirroring.promote(request)
+
+    async def mirror_reseed(self) -> MirrorReseed:
+        """`POST /mirror/reseed` (docs/mirror.md, "Re-seed and orphans")."""
+        return await self.mirroring.reseed()
 
     def write_refusal(self) -> str | None:
         """Why clients may not publish or change the topology here (a DR replica), or None."""

@@ -183,6 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     failover.add_argument(
         "--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait"
     )
+    reseed = mirror_sub.add_parser(
+        "reseed", parents=[common], help="seed the mirror again from the source site",
+        description="Declare mirrorReseed on SOURCE: its mirror is rebuilt from a new snapshot "
+        "(the way out of NeedsResync). What the mirror holds and the source does not is moved "
+        "to the mirror's orphan queue (amq.twinmq.mirror-orphans), never discarded.",
+    )  # fmt: skip
+    reseed.add_argument("cluster", metavar="SOURCE", help="the source BrokerCluster")
+    reseed.add_argument(
+        "--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait"
+    )
 
     audit = sub.add_parser(
         "audit", parents=[common, waiting], help="run a replication audit now",
@@ -678,11 +688,14 @@ def mirror_request(
         sleep(0.5)  # polling interval of a deadline-bound wait
 
 
-def switch_outcome(kube: Kube, namespace: str, name: str, reason: str) -> tuple[bool, str]:
-    """Whether the cluster's last mirror Event says the switch `reason` succeeded."""
+def switch_outcome(
+    kube: Kube, namespace: str, name: str, reason: str, success: str | None = None
+) -> tuple[bool, str]:
+    """Whether the cluster's last mirror Event about `reason` is its `success` (by default
+    `reason` + "d": MirrorDemote, MirrorDemoted)."""
     for event in reversed(kube.events(namespace, name)):
         if str(event.get("reason", "")).startswith(reason):
-            return event.get("reason") == f"{reason}d", str(event.get("message", ""))
+            return event.get("reason") == (success or f"{reason}d"), str(event.get("message", ""))
     return True, "handled"
 
 
@@ -690,9 +703,18 @@ def cmd_mirror_switch(
     kube: Kube, replica_kube: Kube, args: argparse.Namespace, out: Any, err: Any,
     sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
 ) -> int:  # fmt: skip
-    """`mirror switchover` (demote the source, promote the replica with its token) and
-    `mirror failover` (promote the replica by force)."""
+    """`mirror switchover` (demote the source, promote the replica with its token),
+    `mirror failover` (promote the replica by force) and `mirror reseed` (on the source)."""
     namespace = args.namespace or kube.default_namespace
+    if args.mirror_command == "reseed":
+        reseed: Obj = {"id": new_request_id("mirror-reseed")}
+        mirror_request(kube, namespace, args.cluster, "mirrorReseed", reseed, args.timeout,
+                       sleep, clock)  # fmt: skip
+        ok, message = switch_outcome(
+            kube, namespace, args.cluster, "MirrorReseed", "MirrorReseeded"
+        )
+        (out if ok else err).write(f"{'reseeded' if ok else 'refused'}: {message}\n")
+        return EXIT_OK if ok else EXIT_ERROR
     if args.mirror_command == "failover":
         request = {"id": new_request_id("mirror-promote"), "force": True, "token": None}
         mirror_request(kube, namespace, args.cluster, "mirrorPromote", request, args.timeout,

@@ -21,6 +21,7 @@ from twinmq.broker.admin_client import (
     MirrorNotDrained,
     mirror_demote_call,
     mirror_promote_call,
+    mirror_reseed_call,
 )
 from twinmq.broker.api import DemotionToken, MirrorStatus
 from twinmq.broker.api import MirrorDemoteRequest as DemoteCall
@@ -169,6 +170,9 @@ def switch_requests(
     that cannot answer now, or a demotion still draining, is asked again at the next pass
     (the broker answers a repeated switch with the stored result)."""
     demote, promote = requests.mirror_demote, requests.mirror_promote
+    reseed = requests.mirror_reseed
+    if reseed is not None and reseed.id != handled.mirror_reseed:
+        return _reseed(reseed.id, handled, state, active)
     if demote is not None and demote.id != handled.mirror_demote:
         return _switch(demote.id, "demote", DemoteCall(timeout=DEMOTE_WAIT), handled, state,
                        active, now)  # fmt: skip
@@ -182,6 +186,30 @@ def switch_requests(
         call = PromoteCall(token=token, force=promote.force, timeout=DEMOTE_WAIT)
         return _switch(promote.id, "promote", call, handled, state, active, now)
     return []
+
+
+def _reseed(
+    request_id: str,
+    handled: HandledRequests,
+    state: MirrorState | None,
+    active: SwitchClient | None,
+) -> list[tuple[str, str, str]]:
+    if state is None:
+        handled.mirror_reseed = request_id
+        return [("Warning", "MirrorReseedRefused", f"{request_id}: this BrokerCluster has no "
+                 "spec.mirror")]  # fmt: skip
+    if active is None:
+        return []  # no active broker answers now: the next pass asks again
+    try:
+        seeded = active.send(mirror_reseed_call())
+    except AdminUnreachable:
+        return []
+    except AdminError as exc:
+        handled.mirror_reseed = request_id
+        return [("Warning", "MirrorReseedRefused", f"{request_id}: {exc}")]
+    handled.mirror_reseed = request_id
+    return [("Normal", "MirrorReseeded", f"{request_id}: a seed of {seeded.messages} messages "
+             f"queued for the mirror ({seeded.reason})")]  # fmt: skip
 
 
 def _switch(

@@ -309,6 +309,13 @@ class MirrorDemoteRequest(ApiModel):
     id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
 
 
+class MirrorReseedRequest(ApiModel):
+    """Seed the mirror again from this (source) site: leaves NeedsResync; what the mirror
+    holds and the source does not goes to its orphan queue (docs/mirror.md)."""
+
+    id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
+
+
 class MirrorPromoteRequest(ApiModel):
     """DR switchover, second half (on the replica site), with the source's demotion token;
     or, the source site being gone, a forced DR failover (its RPO reported, not hidden)."""
@@ -338,6 +345,7 @@ class Requests(ApiModel):
     audit: AuditRequest | None = None
     mirror_demote: MirrorDemoteRequest | None = None
     mirror_promote: MirrorPromoteRequest | None = None
+    mirror_reseed: MirrorReseedRequest | None = None
 
 
 # -- placement and pod template overrides (the Kubernetes core/v1 shapes, as used) ----------
@@ -691,6 +699,7 @@ class HandledRequests(ApiModel):
     audit: str | None = None
     mirror_demote: str | None = None
     mirror_promote: str | None = None
+    mirror_reseed: str | None = None
 
 
 class SwitchoverProgress(ApiModel):

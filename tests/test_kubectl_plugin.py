@@ -437,7 +437,7 @@ class Site(FakeKube):
         requests = obj.get("spec", {}).get("requests", {})
         status = obj.setdefault("status", {})
         handled = status.setdefault("handledRequests", {})
-        for field in ("mirrorDemote", "mirrorPromote"):
+        for field in ("mirrorDemote", "mirrorPromote", "mirrorReseed"):
             request = requests.get(field)
             if request and handled.get(field) != request["id"]:
                 handled[field] = request["id"]
@@ -487,3 +487,11 @@ def test_mirror_failover_promotes_by_force_and_reports_the_rpo() -> None:
     assert code == EXIT_OK and "40 unacknowledged" in out
     (patch,) = replica.patches
     assert patch["spec"]["requests"]["mirrorPromote"]["force"] is True
+
+
+def test_mirror_reseed_declares_the_request_on_the_source_and_reports_its_event() -> None:
+    source = Site(mirrored(), ("MirrorReseeded", "a seed of 26 messages queued for the mirror"))
+    code, out, _ = switch(source, source, ["mirror", "reseed", "orders"])
+    assert code == EXIT_OK and "reseeded: a seed of 26 messages" in out
+    (patch,) = source.patches
+    assert patch["spec"]["requests"]["mirrorReseed"]["id"].startswith("mirror-reseed")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mirrorsites import Sites, publish
+from mirrorsites import Sites, mirror_status, publish, queues
 from pydantic import ValidationError
 
 from twinmq.broker.api import DemotionToken, MirrorStatus
@@ -195,3 +195,25 @@ def test_a_bad_token_or_a_site_without_a_mirror_is_refused_once_with_a_warning(
     none = {"mirrorDemote": {"id": "d-1"}}
     ((kind, reason, _),) = handle(none, handled, None, sites.source)
     assert (kind, reason, handled.mirror_demote) == ("Warning", "MirrorDemoteRefused", "d-1")
+
+
+def test_a_declared_reseed_takes_the_source_out_of_needs_resync_once(tmp_path: Path) -> None:
+    with Sites(tmp_path, source_args=["--mirror-retention-events", "3"]) as sites:
+        sites.caught_up()
+        sites.mirror.stop()
+        publish(sites.source, "orders", [b"x"] * 10)
+        sites.mirror.start()
+        assert mirror_status(sites.source)["state"] == "needs-resync"
+        state, handled = MirrorState(role="source"), HandledRequests()
+        ((kind, reason, message),) = handle(
+            {"mirrorReseed": {"id": "rs-1"}}, handled, state, sites.source
+        )
+        assert (kind, reason, handled.mirror_reseed) == ("Normal", "MirrorReseeded", "rs-1")
+        assert "a seed of 10 messages" in message
+        assert handle({"mirrorReseed": {"id": "rs-1"}}, handled, state, sites.source) == []
+        sites.caught_up()
+        assert queues(sites.mirror)["orders"]["messages"] == 10
+        ((kind, reason, _),) = handle(
+            {"mirrorReseed": {"id": "rs-2"}}, handled, state, sites.mirror
+        )
+        assert (kind, reason) == ("Warning", "MirrorReseedRefused")  # a replica does not seed

@@ -15,6 +15,10 @@ with ids far above any the source hands out (`INTERNAL_QID_BASE`):
   a source failover) is recognised and skipped, and a crash re-applies nothing.
 - `amq.twinmq.mirror-dlq`: events that still fail after `retries` attempts, with
   the reason in their headers; the stream goes on past them.
+- `amq.twinmq.mirror-orphans`: messages a (re-)seed's snapshot showed the source does
+  not hold (ones it never mirrored before a forced failover, or settled while this
+  mirror missed events), moved out of their queues with the queue's name in their
+  headers: counted and kept, never discarded.
 
 A settle of a message the mirror does not hold goes to a bounded holding set
 (seed 004's "holding queue"): if the message arrives later it is dropped on
@@ -36,12 +40,13 @@ from pydantic import BaseModel
 from twinmq.broker.commit import Waiter
 from twinmq.broker.definitions import Definitions
 from twinmq.broker.fieldtable import Table, encode_table, long_int, text
-from twinmq.broker.journal import JournalOp, StoredMessage
+from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.events import (
     INTERNAL_PREFIX,
     INTERNAL_QID_BASE,
+    SnapshotRange,
     decode_event,
     is_internal,
     record_header,
@@ -54,11 +59,15 @@ log = logging.getLogger(__name__)
 MARK_PREFIX: Final = INTERNAL_PREFIX + "mirror-applied."
 DLQ_NAME: Final = INTERNAL_PREFIX + "mirror-dlq"
 DLQ_QID: Final = INTERNAL_QID_BASE + 2
+ORPHANS_NAME: Final = INTERNAL_PREFIX + "mirror-orphans"
+ORPHANS_QID: Final = INTERNAL_QID_BASE + 4
 _MARK_QID_BASE: Final = INTERNAL_QID_BASE + (1 << 32)
 
 
 class MirrorState(Protocol):
     """The virtual host as the applier uses it."""
+
+    next_mid: int
 
     def internal_queue(self, name: str, qid: int, *, locked: bool = True) -> Queue:
         """The broker's own durable queue `name`, made if missing."""
@@ -137,6 +146,10 @@ class HoldingSet:
         while len(self._held) > self.limit:
             self._held.popitem(last=False)
 
+    def clear(self) -> None:
+        """Forget every held settle."""
+        self._held.clear()
+
     def take(self, key: tuple[int, int], now: float) -> bool:
         """Whether a settle of (qid, mid) was held (and is now used up)."""
         self._expire(now)
@@ -213,7 +226,13 @@ class MirrorApplier:
                 event = decode_event(seq, body)
                 if event.definitions is not None:
                     self._apply_definitions(event.definitions)
+                elif event.seed is not None:
+                    self.holding.clear()  # settles of a past the seed makes irrelevant
+                    metrics.SEEDS.inc()
+                    log.warning("mirror: seed from %s (%s): rebuilding", origin, event.seed)
                 elif event.ops is not None:
+                    if event.snapshot is not None:
+                        journal += self._orphan(origin, event.snapshot, event.ops)
                     journal += self._apply_ops(event.ops, keys)
                 created = event.created
             except Exception as exc:
@@ -273,6 +292,52 @@ class MirrorApplier:
             else:
                 self.holding.add(key, now)
         keys += self.vhost.apply_ops(out)
+        return out
+
+    def _orphan(self, origin: str, covered: SnapshotRange, ops: list[JournalOp]) -> list[JournalOp]:
+        """Move what this mirror holds in `covered` and the source does not to the orphan
+        queue; the ops that journal it."""
+        queue = self.vhost.queue_by_qid(covered.qid)
+        if queue is None or covered.qid >= INTERNAL_QID_BASE:
+            return []
+        source_has = {op.mid for op in ops}
+
+        def stale(entry: Entry) -> bool:
+            mid = entry.message.mid
+            return covered.lo <= mid <= covered.hi and mid not in source_has
+
+        gone = [e for e in queue.entries if stale(e)]
+        if gone:
+            queue.entries = type(queue.entries)(e for e in queue.entries if not stale(e))
+        for held in (queue.delivered, queue.held_aside):
+            for mid in [mid for mid, e in held.items() if stale(e)]:
+                gone.append(held.pop(mid))  # a replica consumer's ack of it is a no-op
+        if not gone:
+            return []
+        orphans = self.vhost.internal_queue(ORPHANS_NAME, ORPHANS_QID, locked=False)
+        out: list[JournalOp] = []
+        for entry in gone:
+            m = entry.message
+            queue.bytes -= entry.size
+            out.append(Settle(covered.qid, m.mid))
+            table = Table(
+                (
+                    ("x-mirror-origin", text(origin)),
+                    ("x-mirror-orphan-queue", text(queue.name)),
+                    ("x-mirror-orphan-mid", long_int(m.mid)),
+                )
+            )
+            header = record_header(len(m.body))[:-2] + struct.pack(">H", 0x2000)
+            header += encode_table(table)
+            orphan = Message(m.mid, m.exchange, queue.name, header, m.body, True, None, None)
+            orphans.entries.append(Entry(orphan, None, True))
+            orphans.bytes += len(m.body)
+            out.append(
+                StoredMessage(m.mid, ORPHANS_QID, m.exchange, queue.name, header, m.body, None)
+            )
+        metrics.ORPHANED.inc(len(gone))
+        log.warning("mirror: %d messages of queue %r that %s does not hold moved to %s",
+                    len(gone), queue.name, origin, ORPHANS_NAME)  # fmt: skip
         return out
 
     def _new_mark(

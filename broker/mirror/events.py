@@ -11,6 +11,13 @@ mirror's high-water mark per origin makes apply idempotent.
     DEFINITIONS  payload = JSON of `Definitions`: the whole mirrored topology (full
                  state, so declares, deletes and argument changes converge and
                  re-applying is harmless)
+    SEED         payload = UTF-8 reason: a (re-)seed starts here; every event before it is
+                 irrelevant to a mirror (the DEFINITIONS and SNAPSHOT events after it
+                 rebuild the whole state), so any mirror can start from it
+    SNAPSHOT     payload = u64 qid | u64 lo | u64 hi | ops (enqueues only): the source holds
+                 exactly these messages of queue `qid` with lo <= mid <= hi. A mirror that
+                 holds others in that range did not get, or missed, what happened to them:
+                 it moves them to its orphan queue (never discarded)
 """
 
 from __future__ import annotations
@@ -30,7 +37,12 @@ from twinmq.broker.queue import Queue
 
 KIND_OPS: Final = 1
 KIND_DEFINITIONS: Final = 2
+KIND_SEED: Final = 3
+KIND_SNAPSHOT: Final = 4
 _HEAD = struct.Struct("<Bd")
+_RANGE = struct.Struct("<QQQ")
+# The `hi` of a queue's last snapshot event: everything above the previous one.
+TOP_MID: Final = (1 << 64) - 1
 
 # Internal queues (the replication queue, the mirror's applied marks, its DLQ): never
 # mirrored, and left alone when a mirror applies the source's topology.
@@ -50,13 +62,24 @@ def record_header(body_size: int) -> bytes:
 
 
 @dataclass(slots=True, frozen=True)
+class SnapshotRange:
+    """What a SNAPSHOT event covers: queue `qid`, message ids lo..hi inclusive."""
+
+    qid: int
+    lo: int
+    hi: int
+
+
+@dataclass(slots=True, frozen=True)
 class MirrorEvent:
-    """One decoded event: ops or definitions, never both."""
+    """One decoded event: ops (with their range for a snapshot), definitions or a seed."""
 
     seq: int
     created: float
     ops: list[JournalOp] | None = None
     definitions: Definitions | None = None
+    snapshot: SnapshotRange | None = None
+    seed: str | None = None
 
 
 def encode_ops_event(ops: Sequence[JournalOp], created: float) -> bytes:
@@ -76,6 +99,25 @@ def encode_definitions_event(definitions: Definitions, created: float) -> bytes:
     return _HEAD.pack(KIND_DEFINITIONS, created) + definitions.model_dump_json().encode()
 
 
+def encode_seed_event(reason: str, created: float) -> bytes:
+    """The event a (re-)seed starts with."""
+    return _HEAD.pack(KIND_SEED, created) + reason.encode()
+
+
+def encode_snapshot_event(
+    covered: SnapshotRange, ops: Sequence[JournalOp], created: float
+) -> bytes:
+    """A snapshot event: the messages `ops` are all the source holds in `covered`."""
+    buf = bytearray(_RANGE.pack(covered.qid, covered.lo, covered.hi))
+    encode_ops(ops, buf)
+    return _HEAD.pack(KIND_SNAPSHOT, created) + buf
+
+
+def is_seed(body: bytes) -> bool:
+    """Whether an event starts a (re-)seed."""
+    return bool(body) and body[0] == KIND_SEED
+
+
 def event_created(body: bytes) -> float:
     """When an event was made (for the age of the oldest unreplicated one)."""
     return float(_HEAD.unpack_from(body)[1])
@@ -89,6 +131,14 @@ def decode_event(seq: int, body: bytes) -> MirrorEvent:
     payload = body[_HEAD.size :]
     if kind == KIND_OPS:
         return MirrorEvent(seq, created, ops=decode_ops(payload))
+    if kind == KIND_SNAPSHOT:
+        if len(payload) < _RANGE.size:
+            raise ValueError(f"event {seq}: snapshot range truncated")
+        covered = SnapshotRange(*_RANGE.unpack_from(payload))
+        ops = decode_ops(payload[_RANGE.size :])
+        return MirrorEvent(seq, created, ops=ops, snapshot=covered)
+    if kind == KIND_SEED:
+        return MirrorEvent(seq, created, seed=payload.decode(errors="replace"))
     if kind == KIND_DEFINITIONS:
         try:
             return MirrorEvent(seq, created, definitions=Definitions.model_validate_json(payload))

@@ -99,6 +99,7 @@ class MirrorLink:
         epoch: Callable[[], int] = lambda: 0,
         on_fenced: Callable[[int, str], None] | None = None,
         expected_peer: Callable[[], str | None] = lambda: None,
+        on_gap: Callable[[str], object] = lambda reason: None,
     ) -> None:
         host, _, port = address.rpartition(":")
         self.host, self.port = host or "127.0.0.1", int(port)
@@ -112,6 +113,7 @@ class MirrorLink:
         self.epoch = epoch
         self.on_fenced = on_fenced
         self.expected_peer = expected_peer
+        self.on_gap = on_gap
         self.connected = False
         self.last_error: str | None = None
         self.round_trip: float | None = None  # the last heartbeat's, seconds
@@ -164,9 +166,12 @@ class MirrorLink:
         try:
             frames = FrameReader(reader, f"mirror {self.address}")
             async with asyncio.timeout(HANDSHAKE_TIMEOUT):
-                applied = await self._authenticate(frames, writer)
+                applied, peer = await self._authenticate(frames, writer)
             if not self.source.ensure_active():
                 return
+            gap = self.source.gap(applied, peer, self.expected_peer())
+            if gap is not None:
+                self.on_gap(gap)  # a seed: every event the mirror lacks is rebuilt by it
             self.source.acked(applied)
             self.last_error = None
             sender = asyncio.get_running_loop().create_task(self._send(writer, applied))
@@ -181,20 +186,14 @@ class MirrorLink:
             with contextlib.suppress(OSError, ConnectionError):
                 await writer.wait_closed()
 
-    async def _authenticate(self, frames: FrameReader, writer: asyncio.StreamWriter) -> int:
-        """The handshake; returns the mirror's applied mark for this origin."""
+    async def _authenticate(
+        self, frames: FrameReader, writer: asyncio.StreamWriter
+    ) -> tuple[int, str]:
+        """The handshake; returns the mirror's applied mark for this origin and its name."""
         ftype, payload = await frames.next()
         if ftype is not FrameType.CHALLENGE:
             raise ProtocolError(f"expected CHALLENGE, got {ftype.name}")
         challenge = decode_model(Challenge, payload)
-        expected = self.expected_peer()
-        if expected is not None and challenge.name != expected:
-            # Promoted by a switchover without a snapshot: only the demoted site holds
-            # every message this queue's events build on.
-            raise ConnectionError(
-                f"the mirror at {self.address} is {challenge.name!r}, not {expected!r}, the site "
-                f"this one took over from: a new mirror needs a re-seed (not built)"
-            )
         nonce = new_nonce()
         transcript = Transcript(challenge.name, self.origin, challenge.nonce, nonce)
         hello = Hello(
@@ -218,7 +217,7 @@ class MirrorLink:
             self._refused(decode_model(Refuse, payload))
         if ftype is not FrameType.ACK:
             raise ProtocolError(f"expected ACK, got {ftype.name}")
-        return decode_u64(payload)
+        return decode_u64(payload), challenge.name
 
     async def _send(self, writer: asyncio.StreamWriter, after: int) -> None:
         """Stream sendable events, within the window; PING when idle."""

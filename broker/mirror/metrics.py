@@ -44,3 +44,11 @@ NEEDS_RESYNC = Gauge(
 ROUND_TRIP = Gauge(
     "twinmq_mirror_heartbeat_round_trip_seconds", "The last heartbeat's round trip on the link"
 )
+SEEDS = Counter(
+    "twinmq_mirror_seeds_total",
+    "Seeds: on the source, seeds queued (first activation, re-seeds); on the mirror, applied",
+)
+ORPHANED = Counter(
+    "twinmq_mirror_orphaned_total",
+    "On the mirror: messages a snapshot showed the source lacks, moved to the orphan queue",
+)

@@ -27,6 +27,7 @@ from twinmq.broker.api import (
     MirrorDemoteRequest,
     MirrorLinkState,
     MirrorPromoteRequest,
+    MirrorReseed,
     MirrorRpo,
     MirrorStatus,
     MirrorSwitch,
@@ -34,7 +35,7 @@ from twinmq.broker.api import (
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.errors import MirrorNotDrained, MirrorRefused
 from twinmq.broker.mirror import metrics
-from twinmq.broker.mirror.applier import MirrorApplier, MirrorState
+from twinmq.broker.mirror.applier import ORPHANS_NAME, MirrorApplier, MirrorState
 from twinmq.broker.mirror.auth import mirror_key
 from twinmq.broker.mirror.durable import BatchFutures
 from twinmq.broker.mirror.link import Heartbeat, MirrorLink
@@ -106,6 +107,7 @@ class Mirroring:
                 epoch=lambda: self.epoch,
                 on_fenced=self._fenced,
                 expected_peer=lambda: self.roles.current.took_over_from if self.roles else None,
+                on_gap=self._reseed_now,
             )
             monitor.checks.append(self._flow_control)
             metrics.QUEUE_EVENTS.set_function(lambda: self._source_value("depth"))
@@ -180,6 +182,42 @@ class Mirroring:
             lambda: roles.record(roles.current.model_copy(update={"needs_resync": reason}))
         )
         self._metrics()
+
+    # -- re-seeding -------------------------------------------------------------------------
+
+    async def reseed(self) -> MirrorReseed:
+        """`POST /mirror/reseed`: rebuild the mirror from a new seed (leaves NeedsResync).
+
+        Only the DR source's active broker seeds. What the mirror then holds and the
+        source does not goes to its orphan queue (docs/mirror.md, "Re-seed and orphans").
+        """
+        async with self._switching:
+            roles, source = self.roles, self.source
+            name = self.settings.name
+            if roles is None or source is None:
+                raise MirrorRefused(f"{name} is not a DR mirror source (--mirror-to)")
+            if roles.role != "source":
+                raise MirrorRefused(f"{name} is a DR replica: seed from the source site")
+            if self.vhost.replica:
+                raise MirrorRefused(f"{name} is passive: call the source's active broker")
+            reason = "requested (POST /mirror/reseed)"
+            if source.needs_resync is not None:
+                reason += f" after NeedsResync: {source.needs_resync}"
+            messages, batch = self._reseed_now(reason)
+            if not await self.futures.wait(batch):
+                raise MirrorRefused("the journal refused the seed: call again")
+            return MirrorReseed(messages=messages, events=source.depth, reason=reason)
+
+    def _reseed_now(self, reason: str) -> tuple[int, int]:
+        """Queue a seed now (the link's gap, or a request); (messages, its batch)."""
+        roles, source = self.roles, self.source
+        assert roles is not None and source is not None
+        log.warning("mirror: seeding the mirror again: %s", reason)
+        update = {"needs_resync": None, "took_over_from": None}
+        roles.record(roles.current.model_copy(update=update))
+        messages = source.reseed(reason)
+        self._metrics()
+        return messages, self.committer.flush_now()
 
     # -- the listener's site ----------------------------------------------------------------
 
@@ -401,6 +439,7 @@ class Mirroring:
         if link is not None and link.round_trip is not None:
             metrics.ROUND_TRIP.set(link.round_trip)
         roles = self.roles
+        orphans = self.vhost.queues.get(ORPHANS_NAME)
         return MirrorStatus(
             enabled=source is not None and self.is_source,
             role=roles.role if roles is not None else None,
@@ -412,6 +451,8 @@ class Mirroring:
             link_error=link.last_error if link is not None else None,
             queue_lag_events=lag,
             needs_resync=source.needs_resync if source is not None else None,
+            last_seed=source.last_seed if source is not None else None,
+            orphans=orphans.message_count if orphans is not None else 0,
             rpo=roles.current.rpo if roles is not None else None,
             failover_rpo=(
                 self._rpo_now(listener)

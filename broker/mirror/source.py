@@ -24,12 +24,18 @@ from twinmq.broker.commit import Waiter
 from twinmq.broker.definitions import Definitions
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
+from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.events import (
     INTERNAL_PREFIX,
     INTERNAL_QID_BASE,
+    TOP_MID,
+    SnapshotRange,
     encode_definitions_event,
     encode_ops_event,
+    encode_seed_event,
+    encode_snapshot_event,
     event_created,
+    is_seed,
     mirrored_definitions,
     ops_event,
     record_header,
@@ -92,6 +98,8 @@ class MirrorSource:
         self.needs_resync: str | None = None  # the backlog was dropped past `retention`
         self.on_needs_resync: Callable[[str], None] | None = None
         self.on_acked: Callable[[], None] | None = None  # the mirror acknowledged more
+        self.trimmed_seq = 0  # the newest event acknowledged or dropped since start-up
+        self.last_seed: str | None = None  # why the last seed was queued (since start-up)
         self.queue_lag: Counter[int] = Counter()  # qid -> unacknowledged events touching it
         self._lag: dict[int, Counter[int]] = {}  # seq -> its qids, in seq order
         self._queue: Queue | None = None
@@ -112,50 +120,96 @@ class MirrorSource:
         """This broker is (or became) active: take over the queue and re-announce the topology.
 
         Entries already there (recovered, or replicated while passive) are durable. The
-        first activation also snapshots every message, unless `snapshot` is False (a
-        switchover's new source: its mirror, the demoted site, holds them all).
+        first activation also seeds the mirror with every message, unless `snapshot` is
+        False (a switchover's new source: its mirror, the demoted site, holds them all).
         """
         first = snapshot and QUEUE_NAME not in self.vhost.queues
         queue = self._queue = self.vhost.internal_queue(QUEUE_NAME, QUEUE_QID)
         self._unsettled.clear()
         if queue.entries:
             self.durable_seq = max(self.durable_seq, queue.entries[-1].message.mid)
-        self._emit_definitions(self.vhost.definitions())
         if first:
-            self._snapshot()
+            self._seed("first activation as the DR source")
+        else:
+            self._emit_definitions(self.vhost.definitions())
         return queue
 
-    def _snapshot(self) -> None:
-        """Mirror what existed before the mirror was enabled: every journaled message, as
-        events in the same batch as the topology event, in this turn of the loop (a
-        consistent cut: every later change is a later event)."""
-        chunk: list[JournalOp] = []
-        size = 0
+    def reseed(self, reason: str) -> int:
+        """Rebuild the mirror from scratch: drop the backlog (a seed makes it irrelevant),
+        leave NeedsResync, queue a seed; the number of messages it carries."""
+        settles = self._drop_backlog()
+        if settles:
+            self.log.add(settles)
+        self.needs_resync = None
+        if self._queue is None or self._queue.deleted:
+            self.activate(snapshot=False)  # taken over before the seed's events
+        return self._seed(reason)
+
+    def _seed(self, reason: str) -> int:
+        """A SEED event, the topology and every journaled message of every mirrored queue,
+        in this turn of the loop: a consistent cut (every later change is a later event),
+        from which any mirror can start (`gap`)."""
+        self.last_seed = reason
+        metrics.SEEDS.inc()
+        self._emit(encode_seed_event(reason, self.clock()))
+        self._emit_definitions(self.vhost.definitions())
         count = 0
         for queue in list(self.vhost.queues.values()):
             if not queue.durable or queue.definition.qid >= INTERNAL_QID_BASE:
                 continue
-            qid = queue.definition.qid
-            held = [*queue.entries, *queue.delivered.values(), *queue.held_aside.values()]
-            for entry in sorted((e for e in held if e.journaled), key=lambda e: e.message.mid):
-                m = entry.message
-                chunk.append(
-                    StoredMessage(
-                        m.mid, qid, m.exchange, m.routing_key, m.header, m.body, entry.expires_at
-                    )
-                )
-                size += len(m.body) + len(m.header)
-                count += 1
-                if size >= SNAPSHOT_EVENT_BYTES or len(chunk) >= SNAPSHOT_EVENT_OPS:
-                    self._emit_ops(chunk)
-                    chunk, size = [], 0
-        if chunk:
-            self._emit_ops(chunk)
-        if count:
-            log.info("mirror: snapshot of %d existing messages queued for the mirror", count)
+            count += self._snapshot_queue(queue)
+        log.info("mirror: seed (%s): %d messages queued for the mirror", reason, count)
+        return count
 
-    def _emit_ops(self, ops: list[JournalOp]) -> None:
-        op = self._record(encode_ops_event(ops, self.clock()), ops)
+    def _snapshot_queue(self, queue: Queue) -> int:
+        """One queue's messages as SNAPSHOT events covering every message id (the last
+        one's range is open above), so the mirror knows what it holds and should not."""
+        qid = queue.definition.qid
+        held = [*queue.entries, *queue.delivered.values(), *queue.held_aside.values()]
+        journaled = sorted((e for e in held if e.journaled), key=lambda e: e.message.mid)
+        chunk: list[JournalOp] = []
+        size = 0
+        lo = 0
+        now = self.clock()
+        for entry in journaled:
+            m = entry.message
+            chunk.append(
+                StoredMessage(
+                    m.mid, qid, m.exchange, m.routing_key, m.header, m.body, entry.expires_at
+                )
+            )
+            size += len(m.body) + len(m.header)
+            if size >= SNAPSHOT_EVENT_BYTES or len(chunk) >= SNAPSHOT_EVENT_OPS:
+                self._emit(encode_snapshot_event(SnapshotRange(qid, lo, m.mid), chunk, now), chunk)
+                lo = m.mid + 1
+                chunk, size = [], 0
+        self._emit(encode_snapshot_event(SnapshotRange(qid, lo, TOP_MID), chunk, now), chunk)
+        return len(journaled)
+
+    def gap(self, mark: int, peer: str, took_over_from: str | None) -> str | None:
+        """Why a mirror whose applied mark is `mark` cannot resume from the queue (it must
+        be seeded again), or None.
+
+        A queue that starts with a seed rebuilds any mirror. Otherwise a mirror resumes
+        only if it has every event trimmed from the queue: a mark of 0 (a new or wiped
+        mirror) has none, unless it is the site this one took over from by a switchover
+        (it holds everything); a mark below the newest event trimmed since start-up
+        (a mirror restored from an old copy) misses some.
+        """
+        entries = self.queue.entries
+        if entries and is_seed(entries[0].message.body):
+            return None
+        if mark == 0 and peer != took_over_from:
+            return f"the mirror {peer!r} holds nothing of this origin yet"
+        if mark < self.trimmed_seq:
+            return (
+                f"the mirror {peer!r} applied up to event {mark}, but events up to "
+                f"{self.trimmed_seq} were trimmed here"
+            )
+        return None
+
+    def _emit(self, body: bytes, ops: Iterable[JournalOp] = ()) -> None:
+        op = self._record(body, ops)
         self._unsettled.append((self.log.add([op]), op.mid))
 
     @property
@@ -209,14 +263,22 @@ class MirrorSource:
         )
         log.error("mirror: NeedsResync: %s", reason)
         self.needs_resync = reason
+        settles = self._drop_backlog()
+        if self.on_needs_resync is not None:
+            self.on_needs_resync(reason)
+        return settles
+
+    def _drop_backlog(self) -> list[JournalOp]:
+        """Empty the queue (in memory); the settles that journal it."""
+        if self._queue is None:
+            return []
         settles: list[JournalOp] = []
         for entry in self._queue.entries:
             settles.append(Settle(QUEUE_QID, entry.message.mid))
             self._forget(entry.message.mid)
+            self.trimmed_seq = max(self.trimmed_seq, entry.message.mid)
         self._queue.entries.clear()
         self._queue.bytes = 0
-        if self.on_needs_resync is not None:
-            self.on_needs_resync(reason)
         return settles
 
     # -- BatchTap ---------------------------------------------------------------------------
@@ -244,8 +306,7 @@ class MirrorSource:
             self._emit_definitions(definitions)
 
     def _emit_definitions(self, definitions: Definitions) -> None:
-        op = self._record(encode_definitions_event(mirrored_definitions(definitions), self.clock()))
-        self._unsettled.append((self.log.add([op]), op.mid))
+        self._emit(encode_definitions_event(mirrored_definitions(definitions), self.clock()))
 
     # -- Waiter -----------------------------------------------------------------------------
 
@@ -298,6 +359,7 @@ class MirrorSource:
             queue.bytes -= entry.size
             settles.append(Settle(QUEUE_QID, entry.message.mid))
             self._forget(entry.message.mid)
+            self.trimmed_seq = max(self.trimmed_seq, entry.message.mid)
         if settles:
             self.log.add(settles)
         if self.on_acked is not None:
