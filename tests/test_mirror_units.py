@@ -13,11 +13,16 @@ from twinmq.broker.codec import decode_content_header, decode_headers
 from twinmq.broker.definitions import BindingDef, Definitions, ExchangeDef, QueueDef
 from twinmq.broker.fieldtable import as_text
 from twinmq.broker.journal import Settle, StoredMessage
-from twinmq.broker.mirror.applier import DLQ_NAME, HoldingSet, MirrorApplier
+from twinmq.broker.mirror.applier import DLQ_NAME, ORPHANS_NAME, HoldingSet, MirrorApplier
 from twinmq.broker.mirror.events import (
+    TOP_MID,
+    SnapshotRange,
     decode_event,
     encode_definitions_event,
     encode_ops_event,
+    encode_seed_event,
+    encode_snapshot_event,
+    is_seed,
     mirrored_definitions,
     record_header,
 )
@@ -40,6 +45,17 @@ def test_events_decode_to_what_was_encoded_and_garbage_is_refused() -> None:
     for garbage in (b"", b"\x09" + bytes(8), encode_ops_event(ops, 0.0)[:-3]):
         with pytest.raises(ValueError):
             decode_event(7, garbage)
+
+
+def test_seed_and_snapshot_events_decode_with_their_reason_and_range() -> None:
+    seed = encode_seed_event("first activation", 2.0)
+    assert is_seed(seed) and not is_seed(encode_ops_event([], 2.0))
+    assert decode_event(1, seed).seed == "first activation"
+    covered = SnapshotRange(QID, 5, TOP_MID)
+    event = decode_event(2, encode_snapshot_event(covered, [message(6)], 3.0))
+    assert (event.snapshot, event.ops) == (covered, [message(6)])
+    with pytest.raises(ValueError, match="range truncated"):
+        decode_event(3, encode_snapshot_event(covered, [], 3.0)[:20])
 
 
 def test_internal_queues_and_their_bindings_are_never_mirrored() -> None:
@@ -173,3 +189,29 @@ def test_a_sites_first_dr_role_follows_its_ends_or_its_flag(
 ) -> None:
     settings = parse_args([*args, "--mirror-token", "t"] if args else [])
     assert settings.mirror_first_role == role
+
+
+def test_a_snapshot_moves_what_the_mirror_holds_in_its_range_and_the_source_lacks_to_orphans(
+    tmp_path: Path,
+) -> None:
+    h = Harness(tmp_path / "m")
+    apply = applier(h)
+    apply.apply("a", [(1, encode_definitions_event(TOPOLOGY, 0.0))])
+    apply.apply("a", [(2, encode_ops_event([message(m) for m in range(1, 11)], 0.0))])
+    # The source holds 1, 3 and 5 of 0..5, then (open above) 7 and 12.
+    low = encode_snapshot_event(SnapshotRange(QID, 0, 5), [message(1), message(3), message(5)], 0)
+    high = encode_snapshot_event(SnapshotRange(QID, 6, TOP_MID), [message(7), message(12)], 0)
+    apply.apply("a", [(3, encode_seed_event("test", 0.0)), (4, low)])
+    assert ready(h) == [b"m1", b"m3", b"m5", b"m6", b"m7", b"m8", b"m9", b"m10"]
+    apply.apply("a", [(5, high)])
+    h.commit()
+    assert ready(h) == [b"m1", b"m3", b"m5", b"m7", b"m12"]
+    orphans = h.vhost.queues[ORPHANS_NAME].entries
+    assert [e.message.body for e in orphans] == [b"m2", b"m4", b"m6", b"m8", b"m9", b"m10"]
+    headers = decode_headers(orphans[0].message.header)
+    assert as_text(headers.get("x-mirror-orphan-queue")) == "q"
+    h.close()
+    reopened = Harness(tmp_path / "m")  # durable with the mark that covers it
+    assert ready(reopened) == [b"m1", b"m3", b"m5", b"m7", b"m12"]
+    assert len(reopened.vhost.queues[ORPHANS_NAME].entries) == 6
+    reopened.close()
