@@ -16,7 +16,10 @@ format 3): the replication ids of the batch's messages in that queue (one
 message ids (left out when none has one) and body digests (CRC-32 as
 `body_digest`, concatenated in `digests_hex`) for the stored events. The shipper
 expands lines into `AuditRecord`s (`segment_columns`), so the audit job sees one
-record per message as before.
+record per message as before. The broker's own records (internal queues: mirror
+events, applied marks, the DR role) are journaled and replicated but not audited:
+they are not messages, and the mirror event copies the batch's bodies, whose CRC
+would double the audit's work.
 
 Cost. The event loop only queues `(ops, event, time, epoch, queues)` per batch
 (no formatting); `write` runs in the audit's own writer thread (`writer`, a
@@ -54,6 +57,7 @@ from pathlib import Path
 
 from twinmq.audit.records import BATCH_FIELDS, AuditEvent
 from twinmq.broker.journal import JournalOp, StoredMessage
+from twinmq.broker.mirror.events import INTERNAL_QID_BASE
 from twinmq.broker.writerthread import WriterThread
 
 log = logging.getLogger(__name__)
@@ -287,6 +291,8 @@ class AuditLog:
                     groups.setdefault(key, []).extend(run)
             head = f'{{"broker":{self._broker_json},"epoch":{epoch},"queue":'
             for (kind, qid), group in groups.items():
+                if qid >= INTERNAL_QID_BASE:
+                    continue  # the broker's own records (mirror events, marks): no messages
                 ids = _replication_ids_json(list(map(_mid, group)))
                 if kind is not StoredMessage:
                     out.append(f'{head}{names[qid]},"event":"{_DEQUEUED}","time":{now},{ids}}}\n')
