@@ -200,6 +200,9 @@ class MirrorStatus(BaseModel):
     queue_lag_events: dict[str, int] = Field(
         default_factory=dict, description="Per queue: events touching it not yet acknowledged"
     )
+    queue_lag_seconds: dict[str, float] = Field(
+        default_factory=dict, description="Per queue: age of its oldest unacknowledged event"
+    )
     needs_resync: str | None = Field(
         None, description="Why the backlog was dropped (retention bound): re-seed the mirror"
     )

@@ -35,10 +35,23 @@ def test_connected_means_a_heartbeat_came_back_and_lag_is_reported_per_queue(
         assert sum(lag.values()) <= section["queue_events"]  # + topology events
         samples = metric_samples(sites.source.admin.metrics(timeout=5))
         assert samples['twinmq_mirror_queue_lag_events{queue="slow"}'] == lag["slow"]
+        # In seconds too: "slow" got its first event before "fast" did.
+        seconds = section["queue_lag_seconds"]
+        assert set(seconds) == {"slow", "fast"} and seconds["slow"] >= seconds["fast"] >= 0
+        assert samples['twinmq_mirror_queue_lag_seconds{queue="slow"}'] >= seconds["slow"]
+        acked_before = samples["twinmq_mirror_event_lag_seconds_count"]
         sites.mirror.start()
         sites.caught_up()
-        assert mirror_status(sites.source)["queue_lag_events"] == {}
+        section = mirror_status(sites.source)
+        assert section["queue_lag_events"] == {} and section["queue_lag_seconds"] == {}
         assert queues(sites.mirror)["slow"]["messages"] == 30
+        # Every acknowledged event's lag went into the histogram, the backlog's among them.
+        samples = metric_samples(sites.source.admin.metrics(timeout=5))
+        assert samples["twinmq_mirror_event_lag_seconds_count"] >= acked_before + 33
+        assert (
+            samples['twinmq_mirror_event_lag_seconds_bucket{le="0.005"}']
+            < (samples["twinmq_mirror_event_lag_seconds_count"])
+        )  # the backlog waited for the mirror's restart
 
 
 def test_a_backlog_past_its_retention_bound_is_dropped_as_needs_resync_never_silently(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 ENABLED = Gauge("twinmq_mirror_enabled", "1 if this broker mirrors to a DR site (--mirror-to)")
 CONNECTED = Gauge(
@@ -51,4 +51,14 @@ SEEDS = Counter(
 ORPHANED = Counter(
     "twinmq_mirror_orphaned_total",
     "On the mirror: messages a snapshot showed the source lacks, moved to the orphan queue",
+)
+QUEUE_LAG_SECONDS = Gauge(
+    "twinmq_mirror_queue_lag_seconds",
+    "Per queue: age of its oldest event not yet acknowledged by the mirror",
+    ["queue"],
+)
+EVENT_LAG = Histogram(
+    "twinmq_mirror_event_lag_seconds",
+    "On the source: from an event's creation to the mirror's acknowledgement of it",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
 )

@@ -433,9 +433,13 @@ class Mirroring:
         """For `/status` (refreshes the per-queue lag gauges)."""
         source, link, listener = self.source, self.link, self.listener
         lag = source.lag_by_queue() if source is not None else {}
+        lag_seconds = source.lag_seconds_by_queue() if source is not None else {}
         metrics.QUEUE_LAG.clear()
+        metrics.QUEUE_LAG_SECONDS.clear()
         for name, events in lag.items():
             metrics.QUEUE_LAG.labels(name).set(events)
+        for name, seconds in lag_seconds.items():
+            metrics.QUEUE_LAG_SECONDS.labels(name).set(seconds)
         if link is not None and link.round_trip is not None:
             metrics.ROUND_TRIP.set(link.round_trip)
         roles = self.roles
@@ -450,6 +454,7 @@ class Mirroring:
             round_trip_seconds=link.round_trip if link is not None else None,
             link_error=link.last_error if link is not None else None,
             queue_lag_events=lag,
+            queue_lag_seconds=lag_seconds,
             needs_resync=source.needs_resync if source is not None else None,
             last_seed=source.last_seed if source is not None else None,
             orphans=orphans.message_count if orphans is not None else 0,

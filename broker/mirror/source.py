@@ -101,7 +101,7 @@ class MirrorSource:
         self.trimmed_seq = 0  # the newest event acknowledged or dropped since start-up
         self.last_seed: str | None = None  # why the last seed was queued (since start-up)
         self.queue_lag: Counter[int] = Counter()  # qid -> unacknowledged events touching it
-        self._lag: dict[int, Counter[int]] = {}  # seq -> its qids, in seq order
+        self._lag: dict[int, tuple[float, Counter[int]]] = {}  # seq -> (made at, its qids)
         self._queue: Queue | None = None
         self._unsettled: deque[tuple[int, int]] = deque()  # (batch, seq), batch not complete
 
@@ -239,13 +239,14 @@ class MirrorSource:
         )
         queue.bytes += len(body)
         qids = Counter({op.qid for op in ops})  # an event counts once per queue it touches
-        self._lag[seq] = qids
+        self._lag[seq] = (event_created(body), qids)
         self.queue_lag.update(qids)
         return StoredMessage(seq, QUEUE_QID, "", QUEUE_NAME, header, body, None)
 
     def _forget(self, seq: int) -> None:
         """An event left the queue: it no longer lags behind on its queues."""
-        qids = self._lag.pop(seq, None)
+        made = self._lag.pop(seq, None)
+        qids = made[1] if made is not None else None
         if qids:
             self.queue_lag.subtract(qids)
             for qid in qids:
@@ -354,8 +355,10 @@ class MirrorSource:
         self.acked_seq = max(self.acked_seq, seq)
         settles: list[JournalOp] = []
         entries = queue.entries
+        now = self.clock()
         while entries and entries[0].message.mid <= seq:
             entry = entries.popleft()
+            metrics.EVENT_LAG.observe(max(0.0, now - event_created(entry.message.body)))
             queue.bytes -= entry.size
             settles.append(Settle(QUEUE_QID, entry.message.mid))
             self._forget(entry.message.mid)
@@ -381,6 +384,18 @@ class MirrorSource:
             queue = self.vhost.queue_by_qid(qid)
             out[queue.name if queue is not None else f"qid:{qid}"] = count
         return out
+
+    def lag_seconds_by_queue(self) -> dict[str, float]:
+        """Per queue name: the age of its oldest event not yet acknowledged."""
+        out: dict[str, float] = {}
+        now = self.clock()
+        for made, qids in self._lag.values():  # oldest first
+            for qid in qids:
+                queue = self.vhost.queue_by_qid(qid)
+                out.setdefault(queue.name if queue is not None else f"qid:{qid}", now - made)
+            if len(out) >= len(self.queue_lag):
+                break
+        return {name: round(max(0.0, age), 3) for name, age in out.items()}
 
     @property
     def depth(self) -> int:
