@@ -118,6 +118,7 @@ def state_of(mirror: Mirror | None, seen: MirrorStatus | None) -> MirrorState | 
         lag_seconds=round(seen.oldest_event_age_seconds, 3),
         flow_control=seen.flow_control,
         sources_connected=seen.sources_connected,
+        orphans=seen.orphans,
     )
 
 
@@ -135,9 +136,15 @@ def condition(state: MirrorState | None) -> tuple[str, bool, str, str] | None:
 
 def events(old: MirrorState | None, new: MirrorState | None) -> list[tuple[str, str, str]]:
     """(type, reason, message) of the Events for a change of the link's state: a Warning
-    when it goes down, resyncs or is fenced, a Normal one when it comes up."""
+    when it goes down, resyncs or is fenced, a Normal one when it comes up; a Warning
+    when messages were moved to the orphan queue."""
+    out: list[tuple[str, str, str]] = []
+    if new is not None and old is not None and new.orphans > old.orphans:
+        out.append(("Warning", "MirrorOrphans", f"{new.orphans - old.orphans} messages the "
+                    f"source does not hold were kept in amq.twinmq.mirror-orphans ("
+                    f"{new.orphans} now): read or purge them (docs/mirror.md)"))  # fmt: skip
     if new is None or new.state == "Unknown" or (old is not None and old.state == new.state):
-        return []
+        return out
     warning = new.state in ("Disconnected", "NeedsResync", "Fenced")
     text = {
         "Connected": f"the {new.role}'s mirror link is up"
@@ -147,7 +154,7 @@ def events(old: MirrorState | None, new: MirrorState | None) -> list[tuple[str, 
         "NeedsResync": f"the mirror needs a re-seed: {new.message}",
         "Fenced": "a newer site took over: this source is fenced (read-only)",
     }[new.state]
-    return [("Warning" if warning else "Normal", f"Mirror{new.state}", text)]
+    return [*out, ("Warning" if warning else "Normal", f"Mirror{new.state}", text)]
 
 
 class SwitchClient(Protocol):

@@ -642,6 +642,11 @@ class MirrorState(ApiModel):
     lag_seconds: float = Field(0.0, description="Age of the oldest unmirrored event")
     flow_control: bool = Field(False, description="Publishers blocked for the mirror's lag")
     sources_connected: int = 0
+    orphans: int = Field(
+        0,
+        description="A replica: messages a seed showed the source lacks, kept in its queue "
+        "amq.twinmq.mirror-orphans (never discarded: read or purge them)",
+    )
     demotion_token: str = Field(
         "",
         description="After a mirrorDemote request: the token to give the replica's "

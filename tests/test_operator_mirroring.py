@@ -138,6 +138,10 @@ def test_the_mirroring_condition_and_events_follow_the_links_state() -> None:
     assert (kind, reason) == ("Normal", "MirrorConnected")
     resync = up.model_copy(update={"state": "NeedsResync", "message": "past 10 events"})
     assert events(up, resync)[0][:2] == ("Warning", "MirrorNeedsResync")
+    orphaned = up.model_copy(update={"orphans": 4})
+    ((kind, reason, message),) = events(up, orphaned)
+    assert (kind, reason) == ("Warning", "MirrorOrphans") and message.startswith("4 messages")
+    assert events(orphaned, orphaned) == []
 
 
 # -- declarative DR switchover, against real brokers -----------------------------------------
