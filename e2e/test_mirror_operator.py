@@ -102,6 +102,15 @@ def test_confirmed_traffic_through_the_source_arrives_on_the_replica_site(
     rows = {tuple(line.split()[:4]) for line in shown.stdout.splitlines()[1:]}
     assert (namespace, source, "source", "Connected") in rows, shown.stdout
     assert (dr_namespace, replica, "replica", "Connected") in rows, shown.stdout
+    # A declared re-seed (the way out of NeedsResync) rebuilds the replica: nothing in
+    # it changes, nothing is orphaned, and the link is up again.
+    shown = plugin(cluster, "mirror", "reseed", source, "-n", namespace, "--timeout", "60")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert f"a seed of {COUNT} messages" in shown.stdout, shown.stdout
+    wait_for("the source says Connected", lambda: connected(cluster, namespace, source), 60)
+    wait_for("the seed applied", lambda: mirror_state(cluster, namespace, source).get(
+        "queueEvents") == 0, 60)  # fmt: skip
+    assert mirror_state(cluster, dr_namespace, replica).get("orphans", 0) == 0
     assert sorted(drain(replica_url, "orders")) == list(range(COUNT))
 
 
