@@ -143,3 +143,22 @@ def test_only_the_source_sites_active_broker_seeds(tmp_path: Path) -> None:
             assert "not a DR mirror source" in str(exc)
         else:
             raise AssertionError("a replica accepted a seed request")
+
+
+def test_a_source_recreated_empty_refuses_a_mirror_of_its_older_incarnation_loudly(
+    tmp_path: Path,
+) -> None:
+    with Sites(tmp_path) as sites:
+        publish(sites.source, "orders", bodies("old", 200))
+        sites.caught_up()
+        sites.source.stop()
+        shutil.rmtree(sites.source.data_dir)  # same mirror id, new, empty source
+        sites.source.start()
+        publish(sites.source, "orders", [b"new"])
+
+        def refused() -> str:
+            return mirror_status(sites.source)["link_error"] or ""
+
+        wait_for("the link refused", lambda: "older incarnation" in refused(), 30)
+        assert not mirror_status(sites.source)["connected"]
+        assert queues(sites.mirror)["orders"]["messages"] == 200  # nothing skipped silently

@@ -169,6 +169,9 @@ class MirrorLink:
                 applied, peer = await self._authenticate(frames, writer)
             if not self.source.ensure_active():
                 return
+            foreign = self.source.foreign(applied, peer)
+            if foreign is not None:
+                raise ConnectionError(foreign)  # never stream what the mirror would skip
             gap = self.source.gap(applied, peer, self.expected_peer())
             if gap is not None:
                 self.on_gap(gap)  # a seed: every event the mirror lacks is rebuilt by it

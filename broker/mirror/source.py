@@ -186,6 +186,19 @@ class MirrorSource:
         self._emit(encode_snapshot_event(SnapshotRange(qid, lo, TOP_MID), chunk, now), chunk)
         return len(journaled)
 
+    def foreign(self, mark: int, peer: str) -> str | None:
+        """Why a mirror's mark cannot come from this source (it mirrors an older incarnation
+        of the same origin: a source re-created with an empty data directory), or None.
+        Every event this source made has a seq below its next id; a mark at or above it
+        would make the mirror skip this source's events as applied before."""
+        if mark < self.vhost.next_mid:
+            return None
+        return (
+            f"the mirror {peer!r} applied up to event {mark}, beyond anything this source "
+            f"made (next id {self.vhost.next_mid}): it mirrors an older incarnation of this "
+            f"origin; wipe the mirror's data or give this source another mirror id"
+        )
+
     def gap(self, mark: int, peer: str, took_over_from: str | None) -> str | None:
         """Why a mirror whose applied mark is `mark` cannot resume from the queue (it must
         be seeded again), or None.
