@@ -17,6 +17,7 @@ from mirrorsites import TOKEN, Sites, channel, demote, metric, mirror_status, pu
 
 from twinmq.broker.admin_client import MirrorRefused, mirror_reseed_call
 from twinmq.broker.api import MirrorReseed
+from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.launcher import BrokerProcess, free_port
 from twinmq.testing.queues import drain
 from twinmq.testing.waiting import wait_for
@@ -162,3 +163,28 @@ def test_a_source_recreated_empty_refuses_a_mirror_of_its_older_incarnation_loud
         wait_for("the link refused", lambda: "older incarnation" in refused(), 30)
         assert not mirror_status(sites.source)["connected"]
         assert queues(sites.mirror)["orders"]["messages"] == 200  # nothing skipped silently
+
+
+def test_after_a_forced_failover_during_a_partition_new_messages_never_take_the_old_sources_ids(
+    tmp_path: Path,
+) -> None:
+    """B keeps running through the partition (no restart skips ids for it): its new
+    messages must not reuse the ids A gave the messages B never saw, or A, reversed,
+    would keep its own message under the id of B's and lose B's."""
+    with FaultProxy("127.0.0.1:1") as proxy:
+        sites = Sites(tmp_path, reversible=True, source_args=["--mirror-to", proxy.address])
+        proxy.retarget(sites.mirror_address)
+        with sites:
+            publish(sites.source, "orders", bodies("a", 10))
+            sites.caught_up()
+            proxy.partition()
+            publish(sites.source, "orders", bodies("lost", 5))
+            sites.source.kill()
+            sites.promote_mirror(force=True)
+            publish(sites.mirror, "orders", bodies("b", 5))
+            proxy.heal()
+            sites.source.start()
+            wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
+            sites.caught_up(source=sites.mirror)
+            assert drain(sites.source.url, "orders") == [*bodies("a", 10), *bodies("b", 5)]
+            assert sorted(drain(sites.source.url, ORPHANS)) == sorted(bodies("lost", 5))

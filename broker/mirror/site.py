@@ -47,6 +47,11 @@ from twinmq.broker.settings import BrokerSettings
 log = logging.getLogger(__name__)
 
 FLOW_CONTROL_REASON = "mirror-lag"
+# Message ids a forced promotion skips: the old source may have handed out ids this site
+# never saw (its unmirrored messages); reusing one would make the old source, once
+# reversed, keep its own message under the id of one of ours. 2^34 ids: two days at
+# 100,000 messages/s; a pair epoch's 2^40 ids leave room for 64 forced promotions.
+FORCED_MID_GAP = 1 << 34
 
 
 class Host(SourceState, MirrorState, Protocol):
@@ -339,6 +344,9 @@ class Mirroring:
         elif request.force:
             epoch = max(roles.epoch, self.seen_epoch) + 1
             rpo = self._rpo_now(listener)
+            # Before the role record, which takes the next id: its id carries the skip to
+            # the pair's passive and through a restart (recovery resumes above it).
+            self.vhost.next_mid += FORCED_MID_GAP
         else:
             raise MirrorRefused("promote needs the source's demotion token, or force")
         for writer in list(listener.sessions.values()):
