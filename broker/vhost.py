@@ -1064,6 +1064,11 @@ class VirtualHost:
             return
         now = self.clock.time()
         for queue in list(self.queues.values()):
+            # Replicated or mirrored here, each may have been delivered by the broker or
+            # site this one takes over from (deliveries are not replicated): flagged as
+            # recovery flags what it reads from disk, so consumers can tell.
+            for entry in queue.entries:
+                entry.redelivered = True
             queue.expire(now)
             self._schedule_expiry(queue)
             self._touch(queue)

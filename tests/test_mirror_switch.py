@@ -133,6 +133,11 @@ def test_a_forced_failover_reports_its_rpo_and_the_returning_source_is_fenced(
     section = mirror_status(sites.mirror)
     assert section is not None and section["rpo"] == failover.rpo.model_dump(mode="json")
     assert queues(sites.mirror)["orders"]["messages"] == 50
+    # Mirrored, each may have been delivered at A: flagged so consumers can tell.
+    connection, ch = channel(sites.mirror)
+    method, _, _ = ch.basic_get("orders")
+    assert method is not None and method.redelivered
+    connection.close()
     assert publish_refusal(sites.mirror) is None
     # A returns still believing it is the source: its link meets epoch 1 and fences it.
     sites.source.start()

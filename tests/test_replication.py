@@ -139,6 +139,25 @@ def test_confirmed_messages_are_on_the_passive_and_survive_kill_and_promotion(pa
     assert old.name == "a"
 
 
+def test_a_promoted_passive_flags_every_message_redelivered(pair: Pair) -> None:
+    """Deliveries are not replicated: any message the promoted passive holds may have
+    been delivered by the old active (here one was, unacknowledged, when it died), so
+    each is flagged, as recovery from disk flags them."""
+    publish(pair.active, bodies("m", 3))
+    connection, ch = _channel(pair.active)
+    method, _, body = ch.basic_get(QUEUE)
+    assert method is not None and body == b"m-0" and not method.redelivered  # not acked
+    old = pair.active
+    old.kill()
+    promote(pair)
+    connection, ch = _channel(pair.active)
+    flags = []
+    while (got := ch.basic_get(QUEUE, auto_ack=True))[0] is not None:
+        flags.append((got[2], got[0].redelivered))
+    connection.close()
+    assert flags == [(b"m-0", True), (b"m-1", True), (b"m-2", True)]
+
+
 def test_acked_messages_are_removed_on_the_passive(pair: Pair) -> None:
     publish(pair.active, bodies("m", 100))
     taken = drain(pair.active, limit=40)
