@@ -197,6 +197,9 @@ class MirrorStatus(BaseModel):
     )
     round_trip_seconds: float | None = Field(None, description="The last heartbeat's")
     link_error: str | None = Field(None, description="Why the link's last attempt failed")
+    mirror_blocked: str | None = Field(
+        None, description="The mirror's resource alarm (disk, memory): it applies nothing now"
+    )
     queue_lag_events: dict[str, int] = Field(
         default_factory=dict, description="Per queue: events touching it not yet acknowledged"
     )

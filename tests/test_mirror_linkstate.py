@@ -4,6 +4,7 @@ replication queue's retention bound, between two real brokers."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from mirrorsites import Sites, metric, mirror_status, publish, queues
@@ -73,3 +74,32 @@ def test_a_backlog_past_its_retention_bound_is_dropped_as_needs_resync_never_sil
         sites.mirror.start()
         assert not mirror_status(sites.source)["connected"]  # no link: it would diverge
         assert "pile" not in queues(sites.mirror)  # its declare event went with the backlog
+
+
+def test_a_mirror_in_a_resource_alarm_applies_nothing_says_so_and_never_slows_producers(
+    tmp_path: Path,
+) -> None:
+    with Sites(tmp_path, source_args=["--mirror-max-lag", "1"]) as sites:
+        publish(sites.source, "orders", [b"before"])
+        sites.caught_up()
+        sites.mirror.stop()
+        # More free disk asked for than any disk has: the mirror's disk alarm is raised.
+        sites.mirror.extra_args += ["--disk-free-limit", str(1 << 60)]
+        sites.mirror.start()
+        wait_for(
+            "the source hears the mirror is blocked",
+            lambda: mirror_status(sites.source)["mirror_blocked"] == "disk",
+            30,
+        )
+        publish(sites.source, "orders", [b"x"] * 10)
+        time.sleep(2.5)  # past --mirror-max-lag: a consuming mirror would block producers
+        publish(sites.source, "orders", [b"y"] * 10)  # confirmed: producers not blocked
+        section = mirror_status(sites.source)
+        assert not section["flow_control"] and section["queue_events"] >= 20
+        assert queues(sites.mirror)["orders"]["messages"] == 1  # nothing applied meanwhile
+        sites.mirror.stop()
+        sites.mirror.extra_args = sites.mirror.extra_args[:-2]  # room again
+        sites.mirror.start()
+        sites.caught_up()
+        assert mirror_status(sites.source)["mirror_blocked"] is None
+        assert queues(sites.mirror)["orders"]["messages"] == 21

@@ -73,6 +73,22 @@ class Heartbeat(BaseModel):
     epoch: int  # the source's DR epoch
 
 
+class MirrorBeat(BaseModel):
+    """The mirror's own PING's payload (while idle): whether it applies events now."""
+
+    blocked: str | None = None  # its resource alarm (disk, memory): it applies nothing
+
+
+def decode_mirror_beat(payload: bytes) -> MirrorBeat | None:
+    """A mirror's PING payload, or None (a bare PING from an older mirror)."""
+    if not payload:
+        return None
+    try:
+        return MirrorBeat.model_validate_json(payload)
+    except ValidationError:
+        return None
+
+
 def decode_heartbeat(payload: bytes) -> Heartbeat | None:
     """A PING's heartbeat, or None for a bare PING (or one that is not a heartbeat)."""
     if not payload:
@@ -118,6 +134,7 @@ class MirrorLink:
         self.last_error: str | None = None
         self.round_trip: float | None = None  # the last heartbeat's, seconds
         self.heartbeat_at: float | None = None  # monotonic time its echo came back
+        self.mirror_blocked: str | None = None  # the mirror applies nothing: its alarm
         self._beats = 0
         self._wake = asyncio.Event()
         source.on_change = self._wake.set
@@ -154,6 +171,8 @@ class MirrorLink:
             await asyncio.sleep(self.retry)
 
     def _set_connected(self, connected: bool) -> None:
+        if not connected:
+            self.mirror_blocked = None
         if connected != self.connected:
             log.info("mirror link to %s %s", self.address, "up" if connected else "down")
         self.connected = connected
@@ -288,12 +307,20 @@ class MirrorLink:
                 raise ConnectionError("this broker is no longer active")
             if ftype is FrameType.ACK:
                 self.source.acked(decode_u64(payload))
+                self.mirror_blocked = None  # it applies again
                 self._wake.set()
             elif ftype is FrameType.REFUSE:
                 self._refused(decode_model(Refuse, payload))
             elif ftype is FrameType.PING:
                 beat = decode_heartbeat(payload)
-                if beat is not None and beat.n <= self._beats:
+                own = decode_mirror_beat(payload) if beat is None else None
+                if own is not None:
+                    if own.blocked != self.mirror_blocked:
+                        log.warning("mirror link to %s: the mirror %s", self.address,
+                                    f"applies nothing: {own.blocked} alarm" if own.blocked
+                                    else "applies again")  # fmt: skip
+                    self.mirror_blocked = own.blocked
+                elif beat is not None and beat.n <= self._beats:
                     now = time.monotonic()
                     self.round_trip = now - beat.sent
                     self.heartbeat_at = now

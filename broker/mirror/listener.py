@@ -25,7 +25,7 @@ from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.applier import MirrorApplier
 from twinmq.broker.mirror.auth import Transcript
 from twinmq.broker.mirror.durable import BatchFutures
-from twinmq.broker.mirror.link import Heartbeat, decode_heartbeat
+from twinmq.broker.mirror.link import Heartbeat, MirrorBeat, decode_heartbeat
 from twinmq.broker.replication.handshake import new_nonce
 from twinmq.broker.replication.link import FrameReader
 from twinmq.broker.replication.protocol import (
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 10.0
 SILENCE = 15.0
 MAX_APPLY_EVENTS = 4096  # events applied in one group commit, at most
+BLOCKED_POLL = 0.5  # seconds between looks at a raised resource alarm
 
 
 class ListenerSite(Protocol):
@@ -61,6 +62,10 @@ class ListenerSite(Protocol):
 
     def progressed(self) -> None:
         """Events were applied (a promotion may be waiting for them)."""
+        ...
+
+    def blocked(self) -> str | None:
+        """This broker's resource alarm (disk, memory) while it is raised, else None."""
         ...
 
 
@@ -165,6 +170,7 @@ class MirrorListener:
                     writer.write(encode(FrameType.REFUSE, Refuse(reason=why, epoch=epoch)))
                     await writer.drain()
                     raise ConnectionError(why)
+                await self._while_blocked(origin)
                 result = self.applier.apply(origin, events)
                 self.site.progressed()
                 metrics.HELD_ACKS.set(len(self.applier.holding))
@@ -181,6 +187,18 @@ class MirrorListener:
                 acker.cancel()
             with contextlib.suppress(asyncio.CancelledError, OSError, ConnectionError):
                 await acker
+
+    async def _while_blocked(self, origin: str) -> None:
+        """Honour this broker's resource alarms: apply nothing while one is raised (the
+        source's window fills and it stops sending; its idle PINGs say why)."""
+        alarm = self.site.blocked()
+        if alarm is None:
+            return
+        log.warning("mirror: %s alarm: applying nothing from %s until it clears", alarm, origin)
+        # The resource monitor re-checks once a second; no event marks the clearing.
+        while self.site.blocked() is not None:  # noqa: ASYNC110
+            await asyncio.sleep(BLOCKED_POLL)
+        log.info("mirror: alarm cleared: applying %s's events again", origin)
 
     async def _read_events(
         self, origin: str, frames: FrameReader, writer: asyncio.StreamWriter
@@ -213,7 +231,7 @@ class MirrorListener:
             try:
                 future, seq = await asyncio.wait_for(acks.get(), 1.0)
             except TimeoutError:
-                writer.write(encode(FrameType.PING))
+                writer.write(encode(FrameType.PING, MirrorBeat(blocked=self.site.blocked())))
                 await writer.drain()
                 continue
             ok = await future

@@ -123,6 +123,7 @@ class Mirroring:
             applier = MirrorApplier(vhost, committer, clock)
             self.listener = MirrorListener(applier, self.futures, mirror_key(token), origin, self)
         self._server: asyncio.Server | None = None
+        self.monitor = monitor
         self._metrics()
 
     # -- the role ---------------------------------------------------------------------------
@@ -237,6 +238,12 @@ class Mirroring:
             return f"source {origin} at DR epoch {epoch} is fenced: {name} is at {own}", own
         self.seen_epoch = max(self.seen_epoch, epoch)
         return None
+
+    def blocked(self) -> str | None:
+        """This broker's disk or memory alarm while raised (the listener then applies
+        nothing: applying would write and grow)."""
+        reason = self.monitor.reason
+        return reason if reason in ("disk", "memory") else None
 
     def heard(self, origin: str, beat: Heartbeat) -> None:
         """A source's heartbeat: what a forced promotion would report as its RPO."""
@@ -405,6 +412,8 @@ class Mirroring:
         link, source = self.link, self.source
         if limit <= 0 or link is None or source is None or not link.connected:
             on = False
+        elif link.mirror_blocked is not None:
+            on = False  # the mirror is not consuming (its alarm): producers are not slowed
         else:
             age = source.oldest_age()
             on = age > limit or (self.flow_control and age > limit / 2)
@@ -461,6 +470,7 @@ class Mirroring:
             heartbeat_age_seconds=link.heartbeat_age() if link is not None else None,
             round_trip_seconds=link.round_trip if link is not None else None,
             link_error=link.last_error if link is not None else None,
+            mirror_blocked=link.mirror_blocked if link is not None else None,
             queue_lag_events=lag,
             queue_lag_seconds=lag_seconds,
             needs_resync=source.needs_resync if source is not None else None,
