@@ -180,9 +180,6 @@ def build_parser() -> argparse.ArgumentParser:
         "operator reports them (its RPO) in status.mirror.lastSwitch and an Event.",
     )  # fmt: skip
     failover.add_argument("cluster", metavar="REPLICA", help="the replica BrokerCluster")
-    failover.add_argument(
-        "--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait"
-    )
     reseed = mirror_sub.add_parser(
         "reseed", parents=[common], help="seed the mirror again from the source site",
         description="Declare mirrorReseed on SOURCE: its mirror is rebuilt from a new snapshot "
@@ -190,9 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
         "to the mirror's orphan queue (amq.twinmq.mirror-orphans), never discarded.",
     )  # fmt: skip
     reseed.add_argument("cluster", metavar="SOURCE", help="the source BrokerCluster")
-    reseed.add_argument(
-        "--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait"
-    )
+    for one_request in (failover, reseed):
+        one_request.add_argument(
+            "--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait"
+        )
 
     audit = sub.add_parser(
         "audit", parents=[common, waiting], help="run a replication audit now",

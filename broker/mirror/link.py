@@ -34,9 +34,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.auth import Transcript
@@ -73,30 +73,35 @@ class Heartbeat(BaseModel):
     epoch: int  # the source's DR epoch
 
 
+P = TypeVar("P", bound=BaseModel)
+
+
 class MirrorBeat(BaseModel):
     """The mirror's own PING's payload (while idle): whether it applies events now."""
+
+    model_config = ConfigDict(extra="forbid")  # never mistaken for an echoed Heartbeat
 
     blocked: str | None = None  # its resource alarm (disk, memory): it applies nothing
 
 
-def decode_mirror_beat(payload: bytes) -> MirrorBeat | None:
-    """A mirror's PING payload, or None (a bare PING from an older mirror)."""
+def _ping_payload(model: type[P], payload: bytes) -> P | None:
+    """A PING's payload as `model`, or None (a bare PING, or another kind of payload)."""
     if not payload:
         return None
     try:
-        return MirrorBeat.model_validate_json(payload)
+        return model.model_validate_json(payload)
     except ValidationError:
         return None
 
 
 def decode_heartbeat(payload: bytes) -> Heartbeat | None:
     """A PING's heartbeat, or None for a bare PING (or one that is not a heartbeat)."""
-    if not payload:
-        return None
-    try:
-        return Heartbeat.model_validate_json(payload)
-    except ValidationError:
-        return None
+    return _ping_payload(Heartbeat, payload)
+
+
+def decode_mirror_beat(payload: bytes) -> MirrorBeat | None:
+    """A mirror's PING payload, or None (a bare PING from an older mirror)."""
+    return _ping_payload(MirrorBeat, payload)
 
 
 class MirrorLink:
