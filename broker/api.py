@@ -250,7 +250,7 @@ class FederationStatus(BaseModel):
     )
     federation_queues: dict[str, list[FederationBinding]] = Field(
         default_factory=dict,
-        description="Queues of downstream links held here (federation: ...) and their bindings",
+        description="Queues of downstream links held here (federation:...) and their bindings",
     )
 
 

@@ -5,7 +5,7 @@ A link is an AMQP client connection (aiormq) to the upstream with, in order:
 
 1. the handshake: both sides announce their server identifier; a duplicate is refused
    (`identity.py`), here and on the upstream;
-2. the upstream exchange and the link's durable queue (`federation: X -> <our id>`)
+2. the upstream exchange and the link's durable queue (`federation:X:<our id>`)
    declared, the upstream bindings re-synchronised in full from the local exchange's
    bindings (`bindings.py`), then a consumer with manual acks: only then *running*
    (a verified round trip);
@@ -49,6 +49,7 @@ from twinmq.broker.vhost import PublishResult, VirtualHost
 
 log = logging.getLogger(__name__)
 
+QUEUE_PREFIX = "federation:"
 LinkState = Literal["connecting", "running", "refused"]
 BATCH_MAX = 1024  # deliveries republished per local group commit wait at most
 FIRST_PAUSE = 1.0  # seconds before the first reconnect
@@ -67,8 +68,12 @@ class Refused(Exception):
 
 
 def queue_name(upstream_exchange: str, server_id: str) -> str:
-    """The link's queue on the upstream (durable: it holds messages while the link is down)."""
-    return f"federation: {upstream_exchange} -> {server_id}"
+    """The link's queue on the upstream (durable: it holds messages while the link is down).
+
+    `federation:<exchange>:<downstream server id>`: the client library (pamqp) accepts only
+    the spec's name characters (letters, digits, `-_.:`), so no spaces or arrows.
+    """
+    return f"{QUEUE_PREFIX}{upstream_exchange}:{server_id}"
 
 
 class FederationLink:
@@ -231,10 +236,11 @@ class FederationLink:
                 self.fed.exchange, self.upstream_name, self.upstream.shown(), peer,
                 len(self.bound),
             )  # fmt: skip
+            closing = connection.closing
             while True:
                 dirty = asyncio.ensure_future(self._dirty.wait())
                 done, _ = await asyncio.wait(
-                    {dirty, connection.closing, processor}, return_when=asyncio.FIRST_COMPLETED
+                    {dirty, closing, processor}, return_when=asyncio.FIRST_COMPLETED
                 )
                 if dirty not in done:
                     dirty.cancel()

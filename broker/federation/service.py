@@ -14,7 +14,7 @@ from pathlib import Path
 from twinmq.broker.api import FederationBinding, FederationLinkStatus, FederationStatus
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.federation import metrics
-from twinmq.broker.federation.agent import FederationLink
+from twinmq.broker.federation.agent import QUEUE_PREFIX, FederationLink
 from twinmq.broker.federation.config import FederationConfig
 from twinmq.broker.federation.identity import duplicate_refusal
 from twinmq.broker.mirror.durable import BatchFutures
@@ -22,7 +22,6 @@ from twinmq.broker.vhost import VirtualHost
 
 log = logging.getLogger(__name__)
 
-FEDERATION_QUEUE_PREFIX = "federation: "
 REFUSALS_KEPT = 20
 
 
@@ -116,10 +115,12 @@ class Federation:
             )
         held: dict[str, list[FederationBinding]] = {}
         for queue in self.vhost.queues:
-            if queue.startswith(FEDERATION_QUEUE_PREFIX):
+            if queue.startswith(QUEUE_PREFIX):
                 held[queue] = []
         if held:
             for exchange in self.vhost.exchanges.values():
+                if exchange.name == "":
+                    continue  # every queue's implicit binding
                 for binding in exchange.bindings.values():
                     if binding.queue in held:
                         held[binding.queue].append(
