@@ -196,6 +196,12 @@ class Broker:
 
     def __init__(self, settings: BrokerSettings) -> None:
         self.settings = settings
+        # Read first: a bad federation file stops the start before anything is opened.
+        federation = (
+            None
+            if settings.federation_config is None
+            else federation_config.load(settings.federation_config)
+        )
         self.loop = asyncio.get_running_loop()
         self.product_version = _version()
         self.limits = Limits(
@@ -297,9 +303,7 @@ class Broker:
         )
         self.federation = Federation(
             settings.effective_server_id,
-            None
-            if settings.federation_config is None
-            else federation_config.load(settings.federation_config),
+            federation,
             self.vhost,
             self.committer,
             self.alarm,
