@@ -229,7 +229,7 @@ class FederationLinkStatus(BaseModel):
     messages_received: int = Field(0, description="Republished here (since start)")
     duplicates_dropped: int = Field(0, description="Dropped: (origin, seq) seen already")
     loops_dropped: int = Field(0, description="Dropped: this server on their path, or max-hops")
-    dedup_keys: int = Field(0, description="Keys in the link's durable dedup window")
+    dedup_keys: int = Field(0, description="Keys in the server's durable dedup window")
 
 
 class FederationBinding(BaseModel):

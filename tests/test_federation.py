@@ -278,3 +278,79 @@ def test_two_exchanges_federated_both_ways_do_not_bounce_messages_back(tmp_path:
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_message_reaching_a_server_by_two_paths_is_delivered_there_once(
+    tmp_path: Path,
+) -> None:
+    """A triangle: B federates from A; C from A and from B (max-hops 2). Each message
+    published on A reaches C directly and through B: one copy is dropped by its
+    (origin, seq) key, whichever arrives second."""
+    a = site(tmp_path, "a")
+    b = site(tmp_path, "b")
+    c = site(tmp_path, "c")
+    b.extra_args += [
+        "--federation-config",
+        str(
+            federation_file(
+                tmp_path / "b.json",
+                {"a": f"127.0.0.1:{a.port}"},
+                [{"exchange": "t", "upstream": "a", "type": "topic", "max-hops": 2}],
+            )
+        ),
+    ]
+    # C's two links federate two local exchanges, both bound into one sink queue.
+    c.extra_args += [
+        "--federation-config",
+        str(
+            federation_file(
+                tmp_path / "c.json",
+                {"a": f"127.0.0.1:{a.port}", "b": f"127.0.0.1:{b.port}"},
+                [
+                    {"exchange": "t", "upstream": "a", "type": "topic", "max-hops": 2},
+                    {
+                        "exchange": "t-via-b",
+                        "upstream": "b",
+                        "upstream-exchange": "t",
+                        "type": "topic",
+                        "max-hops": 2,
+                    },
+                ],
+            )
+        ),
+    ]
+    for broker in (a, b, c):
+        broker.start()
+    try:
+        wait_running(b, "t")
+        wait_running(c, "t")
+        wait_running(c, "t-via-b")
+        connection, ch = channel(c)
+        ch.queue_declare("sink", durable=True)
+        ch.queue_bind("sink", "t", "price.#")
+        ch.queue_bind("sink", "t-via-b", "price.#")
+        connection.close()
+        connection, ch = channel(b)
+        ch.queue_declare("b-sink", durable=True)
+        ch.queue_bind("b-sink", "t", "price.#")
+        connection.close()
+        wait_upstream_bindings(a, queue_name("t", "c"), {("t", "price.#")})
+        wait_upstream_bindings(b, queue_name("t", "c"), {("t", "price.#")})
+        wait_upstream_bindings(a, queue_name("t", "b"), {("t", "price.#")})
+        publish_confirmed(a, "t", [(f"price.{i}", str(i).encode()) for i in range(50)])
+        wait_for(
+            "both paths delivered to C",
+            lambda: (
+                links(c)["t"]["messages_received"] + links(c)["t"]["duplicates_dropped"] == 50
+                and links(c)["t-via-b"]["messages_received"]
+                + links(c)["t-via-b"]["duplicates_dropped"]
+                == 50
+            ),
+        )
+        bodies = sorted(int(body) for _k, body, _h in get_all(c, "sink"))
+        assert bodies == list(range(50))
+        dropped = links(c)["t"]["duplicates_dropped"] + links(c)["t-via-b"]["duplicates_dropped"]
+        assert dropped == 50
+    finally:
+        for broker in (c, b, a):
+            broker.stop()

@@ -89,7 +89,7 @@ class FederationLink:
         batches: Batches,
         alarm: Callable[[], str | None],
         state_dir: Path,
-        dedup_window: int,
+        keys: DurableKeys,
     ) -> None:
         self.fed = fed
         self.upstream_name = upstream_name
@@ -101,7 +101,7 @@ class FederationLink:
         self.queue = queue_name(fed.source_exchange, server_id)
         stem = quote(fed.exchange, safe="")
         self._record = state_dir / f"{stem}.bindings.json"
-        self.keys = DurableKeys(state_dir / f"{stem}.dedup", dedup_window)
+        self.keys = keys  # the server's window, shared by its links
         # What may be bound upstream (a crash between recording and binding leaves more
         # here than there, never less): unbound at the next resync if not wanted.
         self._maybe_held = fb.decode(self._record.read_text()) if self._record.exists() else set()
@@ -330,7 +330,6 @@ class FederationLink:
     ) -> None:
         settled: list[tuple[int, bool]] = []  # (delivery tag, ack: True / requeue: False)
         waiting: list[tuple[int, str | None, PublishResult]] = []
-        in_batch: set[str] = set()
         assert self.upstream_id is not None
         for message in batch:
             tag = message.delivery_tag or 0
@@ -344,7 +343,7 @@ class FederationLink:
                 metrics.LOOPS.labels(self._label).inc()
                 settled.append((tag, True))
                 continue
-            if key is not None and (key in self.keys or key in in_batch):
+            if key is not None and key in self.keys:  # republished, or in flight (claimed)
                 self.duplicates += 1
                 metrics.DUPLICATES.labels(self._label).inc()
                 settled.append((tag, True))
@@ -368,18 +367,19 @@ class FederationLink:
                 exchange, message.routing_key or "", header, message.body, info, hold=True
             )
             if key is not None:
-                in_batch.add(key)
+                self.keys.claim(key)
             waiting.append((tag, key, result))
-        keys: list[str] = []
+        durable: list[str] = []
+        failed: list[str] = []
         for tag, key, result in waiting:
             ok = True if not result.batch else await self.batches.wait(result.batch)
             settled.append((tag, ok))
             if ok:
                 self.received += 1
                 metrics.RECEIVED.labels(self._label).inc()
-                if key is not None:
-                    keys.append(key)
-        await asyncio.get_running_loop().run_in_executor(None, self.keys.write, keys)
+            if key is not None:
+                (durable if ok else failed).append(key)
+        await self.keys.settle(durable, failed)
         for tag, ok in sorted(settled):
             try:
                 if ok:

@@ -112,7 +112,7 @@ class FederationConfig(_Model):
     upstreams: dict[str, Upstream] = Field(default_factory=dict)
     exchanges: list[FederatedExchange] = Field(default_factory=list)
     dedup_window: int = Field(
-        100_000, ge=1, description="(origin, sequence) keys remembered per link"
+        100_000, ge=1, description="(origin, sequence) keys remembered (one window per server)"
     )
 
     @model_validator(mode="after")

@@ -1,5 +1,11 @@
 """The receiving side's durable dedup window: (origin, seq) keys already republished.
 
+One window per server, shared by all its links: a message that reaches this server by
+two paths (a triangle, a diamond) carries the same key on both and is republished once.
+A key is *claimed* while its republish is in flight, so the other path's copy is dropped
+then too; if the republish fails, the claim is released and the first path's upstream
+re-delivers it (never acknowledged), so dropping the second copy loses nothing.
+
 The keys live in a `DedupWindow` (broker/dedup.py: bounded, oldest forgotten first) and
 in an append-only file, fsynced before the upstream is acknowledged; the file is
 rewritten from the window when it holds twice the window's keys. Order per batch:
@@ -10,6 +16,7 @@ the mirror closes the same gap by journaling its mark in the same group commit).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -22,7 +29,9 @@ class DurableKeys:
     def __init__(self, path: Path, size: int) -> None:
         self.path = path
         self.window = DedupWindow(size)
+        self.claimed: set[str] = set()
         self._lines = 0
+        self._writing = asyncio.Lock()
         if path.exists():
             lines = path.read_text().splitlines()
             # A torn last line (crash mid-append) is a key never acknowledged: harmless.
@@ -31,7 +40,18 @@ class DurableKeys:
             self._lines = len(lines)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.window
+        return key in self.claimed or key in self.window
+
+    def claim(self, key: str) -> None:
+        """A republish of `key` is in flight: copies of it are duplicates meanwhile."""
+        self.claimed.add(key)
+
+    async def settle(self, durable: list[str], failed: list[str]) -> None:
+        """Make the keys of durable republishes durable here, release the failed ones."""
+        async with self._writing:
+            await asyncio.get_running_loop().run_in_executor(None, self.write, durable)
+        self.claimed.difference_update(durable)
+        self.claimed.difference_update(failed)
 
     def __len__(self) -> int:
         return len(self.window)

@@ -16,6 +16,7 @@ from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.federation import metrics
 from twinmq.broker.federation.agent import QUEUE_PREFIX, FederationLink
 from twinmq.broker.federation.config import FederationConfig
+from twinmq.broker.federation.dedup import DurableKeys
 from twinmq.broker.federation.identity import duplicate_refusal
 from twinmq.broker.mirror.durable import BatchFutures
 from twinmq.broker.vhost import VirtualHost
@@ -47,10 +48,12 @@ class Federation:
         state_dir.mkdir(parents=True, exist_ok=True)
         batches = BatchFutures()
         committer.await_durable(batches)
+        # One window for every link: a message arriving by two paths is republished once.
+        keys = DurableKeys(state_dir / "dedup.keys", config.dedup_window)
         for fed in config.exchanges:
             self.links[fed.exchange] = FederationLink(
                 fed, fed.upstream, config.upstreams[fed.upstream], server_id, vhost, batches,
-                alarm, state_dir, config.dedup_window,
+                alarm, state_dir, keys,
             )  # fmt: skip
         vhost.binding_listeners.append(self._bindings_changed)
 
