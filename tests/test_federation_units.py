@@ -41,7 +41,7 @@ def test_a_password_in_the_upstream_uri_is_refused(tmp_path: Path) -> None:
     path = _write(tmp_path, "upstreams:\n  c: {uri: 'amqp://u:secret@h/'}\n")
     with pytest.raises(FederationConfigError, match="password-env or password-file") as err:
         load(path)
-    assert "secret" not in str(err.value).replace("amqp://u:secret@h/", "")
+    assert "secret" not in str(err.value)  # never logged
 
 
 def test_an_exchange_naming_an_unknown_upstream_is_refused_with_both_names(

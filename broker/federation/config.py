@@ -143,4 +143,9 @@ def load(path: Path) -> FederationConfig:
     try:
         return FederationConfig.model_validate(raw or {})
     except ValidationError as exc:
-        raise FederationConfigError(f"federation config {path}: {exc}") from exc
+        # Without the input values: a rejected URI may hold a password.
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or '(top)'}: {error['msg']}"
+            for error in exc.errors(include_input=False, include_url=False)
+        )
+        raise FederationConfigError(f"federation config {path}: {problems}") from None
