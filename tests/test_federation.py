@@ -20,6 +20,7 @@ from federationsites import (
     wait_upstream_bindings,
 )
 
+from twinmq.broker.admin_client import metric_samples
 from twinmq.broker.federation.agent import queue_name
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.waiting import wait_for
@@ -76,6 +77,10 @@ def test_a_remote_subscriber_receives_what_is_published_centrally_and_only_what_
     assert link["upstream_server_id"] == "central"
     assert link["messages_received"] == 2
     assert link["duplicates_dropped"] == 0
+    samples = metric_samples(remote.admin.metrics(timeout=5))
+    assert samples['twinmq_federation_link_running{link="market"}'] == 1
+    assert samples['twinmq_federation_messages_received_total{link="market"}'] == 2
+    assert samples['twinmq_federation_bindings{link="market"}'] == 1
 
 
 def test_many_identical_bindings_downstream_are_one_upstream_binding_until_the_last_goes(
@@ -222,6 +227,14 @@ def test_an_upstream_with_the_downstreams_own_server_id_is_refused_on_both_sides
         assert remote.log_path is not None and twin.log_path is not None
         assert "REFUSED" in remote.log_path.read_text()
         assert "REFUSED" in twin.log_path.read_text()
+        samples = metric_samples(twin.admin.metrics(timeout=5))
+        assert samples["twinmq_federation_peers_refused_total"] >= 1
+        assert (
+            metric_samples(remote.admin.metrics(timeout=5))[
+                'twinmq_federation_link_refused{link="market"}'
+            ]
+            == 1
+        )
     finally:
         remote.stop()
         twin.stop()
