@@ -121,18 +121,35 @@ def publish_confirmed(
         connection.close()
 
 
-def get_all(broker: BrokerProcess, queue: str) -> list[tuple[str, bytes, dict[str, Any]]]:
-    """basic.get until empty: (routing key, body, headers) in order."""
+def get_all(
+    broker: BrokerProcess, queue: str, at_least: int = 0, timeout: float = 60.0
+) -> list[tuple[str, bytes, dict[str, Any]]]:
+    """basic.get until empty, and until `at_least` messages were taken: (routing key, body,
+    headers) in order. A republished message is counted in `/status` as soon as it is
+    queued but visible to consumers only once its batch is durable: hence `at_least`."""
     connection, ch = channel(broker)
-    out = []
-    try:
+    out: list[tuple[str, bytes, dict[str, Any]]] = []
+
+    def drained() -> bool:
         while True:
             method, props, body = ch.basic_get(queue, auto_ack=True)
             if method is None:
-                return out
+                return len(out) >= at_least
             out.append((method.routing_key, body, dict(props.headers or {})))
+
+    try:
+        wait_for(f"{at_least} messages from {queue}", drained, timeout)
+        return out
     finally:
         connection.close()
+
+
+def queue_settled(broker: BrokerProcess, queue: str) -> bool:
+    """`queue` exists on `broker` with nothing ready and nothing delivered unacknowledged."""
+    data = status(broker)
+    return data is not None and any(
+        q["name"] == queue and q["messages"] == 0 and q["unacked"] == 0 for q in data["queues"]
+    )
 
 
 def queue_depth(broker: BrokerProcess, queue: str) -> int:

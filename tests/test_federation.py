@@ -65,7 +65,7 @@ def test_a_remote_subscriber_receives_what_is_published_centrally_and_only_what_
         [("stock.nyse.ibm", b"ibm 1"), ("stock.lse.bp", b"bp 1"), ("stock.nyse.ge", b"ge 1")],
     )
     wait_for("two messages on the remote", lambda: queue_depth(remote, "nyse-watcher") == 2)
-    received = get_all(remote, "nyse-watcher")
+    received = get_all(remote, "nyse-watcher", 2)
     assert [(key, body) for key, body, _ in received] == [
         ("stock.nyse.ibm", b"ibm 1"),
         ("stock.nyse.ge", b"ge 1"),
@@ -285,8 +285,8 @@ def test_two_exchanges_federated_both_ways_do_not_bounce_messages_back(tmp_path:
             "the echoes dropped",
             lambda: links(a)["x"]["loops_dropped"] == 1 and links(b)["x"]["loops_dropped"] == 1,
         )
-        assert sorted(body for _k, body, _h in get_all(a, "sink")) == [b"from a", b"from b"]
-        assert sorted(body for _k, body, _h in get_all(b, "sink")) == [b"from a", b"from b"]
+        assert sorted(body for _k, body, _h in get_all(a, "sink", 2)) == [b"from a", b"from b"]
+        assert sorted(body for _k, body, _h in get_all(b, "sink", 2)) == [b"from a", b"from b"]
         assert upstream_bindings(a, queue_name("x", "b")) == {("x", "")}
     finally:
         a.stop()
@@ -360,7 +360,7 @@ def test_a_message_reaching_a_server_by_two_paths_is_delivered_there_once(
                 == 50
             ),
         )
-        bodies = sorted(int(body) for _k, body, _h in get_all(c, "sink"))
+        bodies = sorted(int(body) for _k, body, _h in get_all(c, "sink", 50))
         assert bodies == list(range(50))
         dropped = links(c)["t"]["duplicates_dropped"] + links(c)["t-via-b"]["duplicates_dropped"]
         assert dropped == 50

@@ -19,6 +19,7 @@ from federationsites import (
     get_all,
     links,
     queue_depth,
+    queue_settled,
     site,
     wait_running,
     wait_upstream_bindings,
@@ -92,11 +93,11 @@ def test_link_cuts_under_traffic_lose_no_confirmed_message_and_deliver_none_twic
             "every confirmed message downstream",
             lambda: (
                 queue_depth(remote, "inbox") >= TOTAL
-                and queue_depth(central, queue_name("orders", "remote")) == 0
+                and queue_settled(central, queue_name("orders", "remote"))
             ),
             timeout=120,
         )
-        bodies = [int(body) for _key, body, _headers in get_all(remote, "inbox")]
+        bodies = [int(body) for _key, body, _headers in get_all(remote, "inbox", TOTAL)]
         assert sorted(bodies) == list(range(TOTAL))  # none lost, none twice
         link = links(remote)["orders"]
         assert link["messages_received"] == TOTAL
@@ -142,12 +143,12 @@ def test_a_redelivery_of_a_message_already_republished_is_dropped_as_a_duplicate
         proxy.cut()
         proxy.heal()
         wait_running(remote, "orders")
-        wait_for("central's link queue drained", lambda: queue_depth(central, link_queue) == 0)
+        wait_for("central's link queue settled", lambda: queue_settled(central, link_queue))
         wait_for(
             "the re-deliveries dropped",
             lambda: links(remote)["orders"]["duplicates_dropped"] > 0,
         )
-        assert sorted(int(b) for _k, b, _h in get_all(remote, "inbox")) == list(range(20))
+        assert sorted(int(b) for _k, b, _h in get_all(remote, "inbox", 20)) == list(range(20))
     finally:
         remote.stop()
         proxy.close()
