@@ -13,7 +13,7 @@ from twinmq.broker import codec, fieldtable
 from twinmq.broker.definitions import BindingDef
 from twinmq.broker.federation import bindings as fb
 from twinmq.broker.federation.config import FederationConfigError, load
-from twinmq.broker.federation.dedup import DurableKeys
+from twinmq.broker.federation.dedup import QUEUE_NAME, DurableKeys
 from twinmq.broker.federation.headers import ORIGIN, ORIGIN_SEQ, arrival, stamp_origin
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, duplicate_refusal
 from twinmq.testing.rawamqp import PROTOCOL_HEADER, decode_frames, encode
@@ -138,13 +138,38 @@ def test_the_upstream_stamps_origin_and_seq_once_and_keeps_every_other_property(
     assert fieldtable.as_int(table.get(ORIGIN_SEQ)) == 1
 
 
-def test_the_dedup_window_survives_a_restart_and_stays_bounded(tmp_path: Path) -> None:
-    keys = DurableKeys(tmp_path / "x.dedup", size=3)
-    keys.write(["a", "b"])
-    keys.write(["c", "d", "e", "f", "g"])  # past twice the window: rewritten
-    again = DurableKeys(tmp_path / "x.dedup", size=3)
-    assert [k in again for k in "abcdefg"] == [False] * 4 + [True] * 3
-    assert len((tmp_path / "x.dedup").read_text().splitlines()) <= 6
+def test_the_dedup_window_is_journaled_and_rebuilt_after_a_restart_and_stays_bounded(
+    tmp_path: Path,
+) -> None:
+    harness = Harness(tmp_path)
+    try:
+        keys = DurableKeys(size=3)
+        keys.load(harness.vhost)
+        for batch in (["a", "b"], ["c", "d"], ["e", "f", "g"]):
+            for key in batch:
+                keys.claim(key)
+            assert all(key in keys for key in batch)  # claimed: in flight
+            harness.committer.add(keys.record(harness.vhost, batch))
+            harness.commit()
+            keys.settle(batch, [])
+    finally:
+        harness.close()
+    again = Harness(tmp_path)  # recovered from the journal
+    try:
+        keys = DurableKeys(size=3)
+        keys.load(again.vhost)
+        # The oldest records were settled once the newer ones held the window's worth.
+        assert [k in keys for k in "abcdefg"] == [False] * 4 + [True] * 3
+        assert len(again.vhost.queues[QUEUE_NAME].entries) == 1
+    finally:
+        again.close()
+
+
+def test_a_failed_republish_releases_its_claim() -> None:
+    keys = DurableKeys(size=10)
+    keys.claim("k")
+    keys.settle([], ["k"])
+    assert "k" not in keys
 
 
 def test_a_peer_announcing_this_servers_identifier_is_refused_at_the_handshake(

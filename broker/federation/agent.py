@@ -10,8 +10,8 @@ A link is an AMQP client connection (aiormq) to the upstream with, in order:
    bindings (`bindings.py`), then a consumer with manual acks: only then *running*
    (a verified round trip);
 3. while running: local binding changes are propagated (incrementally); deliveries are
-   republished into the local exchange and acknowledged upstream only once the local
-   group commit made them durable (`BatchFutures`) and their dedup keys are on disk.
+   republished into the local exchange, their dedup keys recorded in the same group
+   commit, and acknowledged upstream only once that commit is durable (`BatchFutures`).
 
 Any error ends the session; the next one starts after a pause that doubles up to the
 upstream's `reconnect-max-seconds` (reset once a session ran). Sessions never overlap:
@@ -369,17 +369,22 @@ class FederationLink:
             if key is not None:
                 self.keys.claim(key)
             waiting.append((tag, key, result))
+        # The keys' record joins the same group commit as the messages (no await since
+        # their publishes): after a crash both are on disk or neither.
+        record = self.keys.record(self.vhost, [key for _t, key, _r in waiting if key])
+        record_batch = self.vhost.committer.add(record) if record else 0
+        recorded = True if not record_batch else await self.batches.wait(record_batch)
         durable: list[str] = []
         failed: list[str] = []
         for tag, key, result in waiting:
-            ok = True if not result.batch else await self.batches.wait(result.batch)
+            ok = recorded and (True if not result.batch else await self.batches.wait(result.batch))
             settled.append((tag, ok))
             if ok:
                 self.received += 1
                 metrics.RECEIVED.labels(self._label).inc()
             if key is not None:
                 (durable if ok else failed).append(key)
-        await self.keys.settle(durable, failed)
+        self.keys.settle(durable, failed)
         for tag, ok in sorted(settled):
             try:
                 if ok:

@@ -43,13 +43,14 @@ class Federation:
         self.refused: collections.deque[str] = collections.deque(maxlen=REFUSALS_KEPT)
         self.links: dict[str, FederationLink] = {}
         self.running = False
+        self.keys = DurableKeys(1)
         if config is None or not config.exchanges:
             return
         state_dir.mkdir(parents=True, exist_ok=True)
         batches = BatchFutures()
         committer.await_durable(batches)
         # One window for every link: a message arriving by two paths is republished once.
-        keys = DurableKeys(state_dir / "dedup.keys", config.dedup_window)
+        self.keys = keys = DurableKeys(config.dedup_window)
         for fed in config.exchanges:
             self.links[fed.exchange] = FederationLink(
                 fed, fed.upstream, config.upstreams[fed.upstream], server_id, vhost, batches,
@@ -62,6 +63,9 @@ class Federation:
         if self.running:
             return
         self.running = True
+        if self.links:
+            # The records replicated or recovered here are the keys (a promoted passive's too).
+            self.keys.load(self.vhost)
         for link in self.links.values():
             fed = link.fed
             if fed.exchange not in self.vhost.exchanges:
