@@ -3,6 +3,7 @@ passive at a failover (the passive has the replicated topology and messages)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -69,5 +70,57 @@ def test_the_link_runs_on_the_active_only_and_follows_a_failover(tmp_path: Path)
                 ) from None
             bodies = sorted(int(b) for _k, b, _h in get_all(pair.active, "inbox", 200))
             assert bodies == list(range(200))
+    finally:
+        central.stop()
+
+
+@pytest.mark.slow
+def test_a_failover_of_the_downstream_pair_under_traffic_loses_nothing_and_repeats_nothing(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of the downstream's active while deliveries flow: the batches it had
+    republished reached the passive with their dedup keys (same group commit), so their
+    re-deliveries to the promoted passive are dropped, and nothing confirmed upstream is
+    lost."""
+    total = 600
+    central = site(tmp_path, "central")
+    central.start()
+    config = federation_file(
+        tmp_path / "remote.json",
+        {"central": f"127.0.0.1:{central.port}"},
+        [{"exchange": "market", "upstream": "central", "type": "direct", "prefetch": 32}],
+    )
+    pair = Pair(
+        tmp_path / "pair",
+        broker_args=["--server-id", "remote", "--federation-config", str(config)],
+    )
+    for broker in pair.brokers.values():
+        broker.env[PASSWORD_ENV] = "guest"
+    try:
+        with pair:
+            wait_running(pair.active, "market")
+            connection, ch = channel(pair.active)
+            ch.queue_declare("inbox", durable=True)
+            ch.queue_bind("inbox", "market", "k")
+            connection.close()
+            link_queue = queue_name("market", "remote")
+            wait_upstream_bindings(central, link_queue, {("market", "k")})
+            publisher = threading.Thread(
+                target=publish_confirmed,
+                args=(central, "market", [("k", f"{i}".encode()) for i in range(total)]),
+            )
+            publisher.start()
+            try:
+                wait_for(
+                    "deliveries flowing into the active",
+                    lambda: links(pair.active)["market"]["messages_received"] >= 100,
+                )
+                assert pair.failover()
+            finally:
+                publisher.join(120)
+            wait_running(pair.active, "market")
+            wait_for("the link queue settled", lambda: queue_settled(central, link_queue))
+            bodies = sorted(int(b) for _k, b, _h in get_all(pair.active, "inbox", total))
+            assert bodies == list(range(total))
     finally:
         central.stop()
