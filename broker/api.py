@@ -3,7 +3,7 @@ and every caller reads through the one client (`broker/admin_client.py`)."""
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, Field
 
@@ -229,6 +229,51 @@ class MirrorStatus(BaseModel):
     held_acks: int = Field(0, description="Settles held for messages not (yet) here")
 
 
+class FederationLinkStatus(BaseModel):
+    """One federated exchange's link to its upstream (docs/federation.md)."""
+
+    exchange: str = Field(description="The local (downstream) exchange")
+    upstream: str = Field(description="The upstream's name in the federation file")
+    uri: str = Field(description="The upstream's URI (never a password)")
+    upstream_exchange: str
+    upstream_server_id: str | None = Field(None, description="As the upstream announced it")
+    queue: str = Field(description="The link's queue on the upstream")
+    state: Literal["connecting", "running", "refused"] = Field(
+        description="running only after a verified round trip; refused: a duplicate "
+        "server identifier"
+    )
+    error: str | None = Field(None, description="Why the link is not running")
+    running_since: float | None = None
+    bindings: int = Field(0, description="Normalised bindings held on the upstream queue")
+    local_bindings: int = Field(0, description="Bindings on the local exchange they stand for")
+    messages_received: int = Field(0, description="Republished here (since start)")
+    duplicates_dropped: int = Field(0, description="Dropped: (origin, seq) seen already")
+    loops_dropped: int = Field(0, description="Dropped: this server on their path, or max-hops")
+    dedup_keys: int = Field(0, description="Keys in the server's durable dedup window")
+
+
+class FederationBinding(BaseModel):
+    """A binding of a federation queue held here for a downstream (the upstream's view)."""
+
+    exchange: str
+    routing_key: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class FederationStatus(BaseModel):
+    """Federation as this broker sees it: as a downstream (links) and as an upstream."""
+
+    server_id: str
+    links: list[FederationLinkStatus] = Field(default_factory=list)
+    refused_peers: list[str] = Field(
+        default_factory=list, description="The last peers refused for a duplicate identifier"
+    )
+    federation_queues: dict[str, list[FederationBinding]] = Field(
+        default_factory=dict,
+        description="Queues of downstream links held here (federation:...) and their bindings",
+    )
+
+
 class BrokerStatus(BaseModel):
     """`GET /status`."""
 
@@ -245,6 +290,8 @@ class BrokerStatus(BaseModel):
     journal: JournalStatus
     replication: ReplicationStatus
     mirror: MirrorStatus | None = None
+    server_id: str = Field("", description="This server's identifier (--server-id)")
+    federation: FederationStatus | None = None
 
 
 class Readiness(BaseModel):

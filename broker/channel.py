@@ -32,6 +32,7 @@ from twinmq.broker.codec import (
     encode_return,
 )
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
+from twinmq.broker.federation.headers import stamp_origin
 from twinmq.broker.journal import JournalOp
 from twinmq.broker.message import Entry
 from twinmq.broker.mirror.events import is_internal
@@ -361,7 +362,14 @@ class Channel:
                 message.exchange.encode(),
                 message.routing_key.encode(),
             )
-            + encode_content(self.number, message.header, message.body, conn.frame_max)
+            + encode_content(
+                self.number,
+                message.header
+                if conn.origin_stamp is None
+                else stamp_origin(message.header, conn.origin_stamp, message.mid),
+                message.body,
+                conn.frame_max,
+            )
         )
         metrics.DELIVERED.value += 1
         if consumer.no_ack:

@@ -34,6 +34,7 @@ from twinmq.broker.codec import (
     encode_method,
 )
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
+from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
 from twinmq.broker.permissions import Operation, Resource
 from twinmq.broker.vhost import VirtualHost
 
@@ -88,6 +89,15 @@ class ConnectionContext(Protocol):
         """How many of `user`'s connections are open (past connection.open)."""
         ...
 
+    @property
+    def server_id(self) -> str:
+        """This server's identifier (announced at connection.start; federation)."""
+        ...
+
+    def peer_refusal(self, peer: str, announced: object) -> str | None:
+        """Why a federation peer announcing `announced` as its identifier is refused."""
+        ...
+
 
 class State(enum.Enum):
     """Connection states, in the order a connection passes through them."""
@@ -138,6 +148,9 @@ class Connection:
         self.state = State.AWAIT_HEADER
         self.user: str | None = None
         self.client_properties: dict[str, Any] = {}
+        # This server's identifier when the peer is a federation link: deliveries to it
+        # carry their origin and sequence (federation/headers.py); None for clients.
+        self.origin_stamp: str | None = None
         self.capabilities: dict[str, Any] = {}
         self.channels: dict[int, Channel] = {}
         self.frame_max = PRE_TUNE_FRAME_MAX
@@ -322,6 +335,7 @@ class Connection:
                         "copyright": "TwinMQ authors",
                         "information": "https://twinmq.io",
                         "capabilities": SERVER_CAPABILITIES,
+                        SERVER_ID_PROPERTY: self.ctx.server_id,
                     },
                     mechanisms="PLAIN AMQPLAIN",
                     locales="en_US",
@@ -336,6 +350,15 @@ class Connection:
         self.deduplicate = self.ctx.limits.deduplicate_all or bool(
             self.client_properties.get(DEDUP_CLIENT_PROPERTY)
         )
+        announced = self.client_properties.get(SERVER_ID_PROPERTY)
+        if announced is not None:
+            # A federation link (docs/federation.md): refused if it claims our identifier,
+            # else its deliveries carry their origin and sequence (the dedup key).
+            refusal = self.ctx.peer_refusal(self.peer, announced)
+            if refusal is not None:
+                self._connection_error(AMQPError(ReplyCode.NOT_ALLOWED, refusal, 10, 11))
+                return
+            self.origin_stamp = self.ctx.server_id
         try:
             outcome = self.ctx.authenticator.login(m.mechanism, m.response, self.loopback)
         except LoginError as exc:

@@ -14,6 +14,7 @@ import sys
 
 import uvloop
 
+from twinmq.broker.federation.config import FederationConfigError
 from twinmq.broker.settings import BrokerSettings, parse_args
 
 
@@ -68,7 +69,12 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s %(levelname)s [{settings.name}] %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    sys.exit(uvloop.run(serve(settings)))
+    try:
+        sys.exit(uvloop.run(serve(settings)))
+    except FederationConfigError as exc:
+        # A configuration error, not a crash: one line saying where and why.
+        logging.getLogger(__name__).critical("%s", exc)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

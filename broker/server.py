@@ -32,6 +32,8 @@ from twinmq.broker.connection import Connection, Limits, State
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.epoch import EpochStore, epoch_jump_refusal, first_mid
 from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
+from twinmq.broker.federation import config as federation_config
+from twinmq.broker.federation.service import Federation
 from twinmq.broker.filewatch import reload_every
 from twinmq.broker.journal import Journal, JournalError
 from twinmq.broker.lease import LeaseKeeper
@@ -195,6 +197,12 @@ class Broker:
 
     def __init__(self, settings: BrokerSettings) -> None:
         self.settings = settings
+        # Read first: a bad federation file stops the start before anything is opened.
+        federation = (
+            None
+            if settings.federation_config is None
+            else federation_config.load(settings.federation_config)
+        )
         self.loop = asyncio.get_running_loop()
         self.product_version = _version()
         self.limits = Limits(
@@ -294,6 +302,14 @@ class Broker:
         self.mirroring = Mirroring(
             settings, self.vhost, self.committer, self.monitor, close_clients=self.close_clients
         )
+        self.federation = Federation(
+            settings.effective_server_id,
+            federation,
+            self.vhost,
+            self.committer,
+            self.alarm,
+            settings.data_dir / "federation",
+        )
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.tls: TlsListener | None = None
@@ -355,6 +371,15 @@ class Broker:
     def write_refusal(self) -> str | None:
         """Why clients may not publish or change the topology here (a DR replica), or None."""
         return self.mirroring.write_refusal()
+
+    @property
+    def server_id(self) -> str:
+        """This server's identifier (`--server-id`, else the broker name)."""
+        return self.settings.effective_server_id
+
+    def peer_refusal(self, peer: str, announced: object) -> str | None:
+        """Why a federation peer is refused (it announces our identifier), or None."""
+        return self.federation.peer_refusal(peer, announced)
 
     def close_clients(self, reason: str) -> None:
         """Close every client connection (connection.close 320 CONNECTION_FORCED)."""
@@ -487,6 +512,7 @@ class Broker:
                     self.lease.activated()
                 self.vhost.set_replica(False)
                 self.committer.guard(False)
+                self.federation.start()
                 log.warning("promoted to active in epoch %d", self.epoch)
             return
         if previous == "active":
@@ -496,6 +522,7 @@ class Broker:
             self.close_clients(f"{self.settings.name} is now passive (epoch {self.epoch})")
             self.source.detach("demoted")
             self.vhost.set_replica(True)
+            await self.federation.stop()
         if replicate_from != self.replicate_from or self.replica is None:
             if self.replica is not None:
                 await self.replica.stop()
@@ -546,6 +573,8 @@ class Broker:
             self._tasks.append(self.loop.create_task(reload_every(self.tls.reload_if_changed)))
         self._tasks.append(self.loop.create_task(self.source.ping_loop()))
         await self.mirroring.start(self.settings.host)
+        if self.role == "active":
+            self.federation.start()
         if self.role == "passive" and self.replicate_from:
             self.replica = ReplicaClient(self, self.replicate_from)
             self.replica.start()
@@ -637,6 +666,7 @@ class Broker:
         self.close_clients("broker shutdown")
         await self.source.close()
         await self.mirroring.stop()
+        await self.federation.stop()
         for task in self._tasks:
             task.cancel()
         await self._save_dedup()

@@ -213,6 +213,21 @@ class BrokerSettings(BaseSettings):
         "source drops its backlog and reports NeedsResync (0: no bound)",
     )
 
+    server_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="This server's identifier among federated servers, unique across the "
+        "federation (default: the broker name; give both brokers of a pair the same id; "
+        "docs/federation.md)",
+    )
+    federation_config: Path | None = Field(
+        None,
+        description="YAML or JSON file of upstreams and federated exchanges: this broker "
+        "federates them as a downstream (docs/federation.md)",
+    )
+
     @model_validator(mode="after")
     def _mirror_roles(self) -> BrokerSettings:
         """A mirror link needs its token; a site with both ends names its first role."""
@@ -227,6 +242,11 @@ class BrokerSettings(BaseSettings):
         if self.mirror_role == "replica" and self.mirror_port is None:
             raise ValueError("--mirror-role replica needs --mirror-port")
         return self
+
+    @property
+    def effective_server_id(self) -> str:
+        """The server identifier: `--server-id`, else the broker name."""
+        return self.server_id or self.name
 
     @property
     def mirror_first_role(self) -> Literal["source", "replica"] | None:

@@ -113,4 +113,6 @@ def build_status(broker: Broker) -> BrokerStatus:
             quarantined_files=broker.quarantined_files(),
         ),
         mirror=broker.mirroring.status(),
+        server_id=broker.server_id,
+        federation=broker.federation.status(),
     )

@@ -140,6 +140,8 @@ class VirtualHost:
         # A passive broker's state changes only by replication: no timers of its own.
         self.replica = replica
         self.on_topology_change: Callable[[Definitions], None] | None = None
+        # Told the exchange's name whenever its bindings change (federation propagates them).
+        self.binding_listeners: list[Callable[[str], None]] = []
         self._by_qid: dict[int, Queue] | None = None
         self.dedup = dedup if dedup is not None else DedupWindow(0)
         self.visibility = Visibility(committer.await_durable, clock.time, self.requeue)
@@ -358,6 +360,8 @@ class VirtualHost:
                 EXCHANGE_DELETE,
             )
         del self.exchanges[name]
+        if exchange.bindings:
+            self._bindings_changed(name)
         if exchange.definition.durable:
             self._save_or_undo(
                 lambda: self.exchanges.setdefault(name, exchange),
@@ -524,6 +528,9 @@ class VirtualHost:
         ]
         for exchange in auto_deleted:
             del self.exchanges[exchange.name]
+        for exchange, gone in unbound:
+            if gone:
+                self._bindings_changed(exchange.name)
         if queue.durable:
 
             def undo() -> None:
@@ -591,6 +598,8 @@ class VirtualHost:
             exchange=exchange_name, queue=queue.name, routing_key=routing_key, arguments=arguments
         )
         changed = exchange.unbind(binding) if unbind else exchange.bind(binding)
+        if changed:
+            self._bindings_changed(exchange_name)
         if unbind and changed and exchange.definition.auto_delete and not exchange.bindings:
             del self.exchanges[exchange_name]
         if changed and queue.durable and exchange.definition.durable:
@@ -604,6 +613,10 @@ class VirtualHost:
 
             done = "unbound" if unbind else "bound"
             self._save_or_undo(undo, f"queue '{queue.name}' not {done}", method)
+
+    def _bindings_changed(self, exchange: str) -> None:
+        for listener in self.binding_listeners:
+            listener(exchange)
 
     def connection_closed(self, owner: object) -> None:
         """Delete the exclusive queues of a closed connection."""

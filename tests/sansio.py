@@ -19,6 +19,7 @@ from twinmq.broker.auth import Authenticator, User
 from twinmq.broker.channel import Channel
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import Connection, Limits
+from twinmq.broker.federation.identity import duplicate_refusal
 from twinmq.broker.journal import Journal
 from twinmq.broker.vhost import VirtualHost
 from twinmq.testing.rawamqp import decode_frames, handshake_frames
@@ -103,6 +104,15 @@ class Context:
     def open_connections(self, user: str) -> int:
         """Nobody else's connections count here."""
         return 0
+
+    @property
+    def server_id(self) -> str:
+        """The identifier the core announces."""
+        return "sansio"
+
+    def peer_refusal(self, peer: str, announced: object) -> str | None:
+        """A peer announcing our own identifier is refused, as in the broker."""
+        return duplicate_refusal(self.server_id, announced, side="downstream")
 
 
 class Peer:

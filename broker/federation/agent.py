@@ -1,0 +1,410 @@
+"""The exchange federation agent (the seed's EFA): one link from an upstream exchange into
+a local one.
+
+A link is an AMQP client connection (aiormq) to the upstream with, in order:
+
+1. the handshake: both sides announce their server identifier; a duplicate is refused
+   (`identity.py`), here and on the upstream;
+2. the upstream exchange and the link's durable queue (`federation:X:<our id>`)
+   declared, the upstream bindings re-synchronised in full from the local exchange's
+   bindings (`bindings.py`), then a consumer with manual acks: only then *running*
+   (a verified round trip);
+3. while running: local binding changes are propagated (incrementally); deliveries are
+   republished into the local exchange, their dedup keys recorded in the same group
+   commit, and acknowledged upstream only once that commit is durable (`BatchFutures`).
+
+Any error ends the session; the next one starts after a pause that doubles up to the
+upstream's `reconnect-max-seconds` (reset once a session ran). Sessions never overlap:
+the old one's deliveries are all settled locally before the next one consumes, so a
+redelivery always meets the key of its first copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, Protocol
+from urllib.parse import quote
+
+import aiormq
+from aiormq.abc import DeliveredMessage
+
+from twinmq.broker.codec import decode_content_header, encode_header_payload
+from twinmq.broker.federation import bindings as fb
+from twinmq.broker.federation import metrics
+from twinmq.broker.federation.config import FederatedExchange, Upstream
+from twinmq.broker.federation.dedup import DurableKeys
+from twinmq.broker.federation.headers import PATH, arrival
+from twinmq.broker.federation.identity import (
+    DUPLICATE_ID,
+    SERVER_ID_PROPERTY,
+    duplicate_refusal,
+)
+from twinmq.broker.vhost import PublishResult, VirtualHost
+
+log = logging.getLogger(__name__)
+
+QUEUE_PREFIX = "federation:"
+LinkState = Literal["connecting", "running", "refused"]
+BATCH_MAX = 1024  # deliveries republished per local group commit wait at most
+FIRST_PAUSE = 1.0  # seconds before the first reconnect
+
+
+class Batches(Protocol):
+    """Futures for group-commit batches (`broker/mirror/durable.BatchFutures`)."""
+
+    def wait(self, batch: int) -> asyncio.Future[bool]:
+        """A future resolved True once `batch` is durable, False if it failed."""
+        ...
+
+
+class Refused(Exception):
+    """The peering is refused (a duplicate server identifier): not retried quickly."""
+
+
+def queue_name(upstream_exchange: str, server_id: str) -> str:
+    """The link's queue on the upstream (durable: it holds messages while the link is down).
+
+    `federation:<exchange>:<downstream server id>`: the client library (pamqp) accepts only
+    the spec's name characters (letters, digits, `-_.:`), so no spaces or arrows.
+    """
+    return f"{QUEUE_PREFIX}{upstream_exchange}:{server_id}"
+
+
+class FederationLink:
+    """One federated exchange's link to its upstream."""
+
+    def __init__(
+        self,
+        fed: FederatedExchange,
+        upstream_name: str,
+        upstream: Upstream,
+        server_id: str,
+        vhost: VirtualHost,
+        batches: Batches,
+        alarm: Callable[[], str | None],
+        state_dir: Path,
+        keys: DurableKeys,
+    ) -> None:
+        self.fed = fed
+        self.upstream_name = upstream_name
+        self.upstream = upstream
+        self.server_id = server_id
+        self.vhost = vhost
+        self.batches = batches
+        self.alarm = alarm
+        self.queue = queue_name(fed.source_exchange, server_id)
+        stem = quote(fed.exchange, safe="")
+        self._record = state_dir / f"{stem}.bindings.json"
+        self.keys = keys  # the server's window, shared by its links
+        # What may be bound upstream (a crash between recording and binding leaves more
+        # here than there, never less): unbound at the next resync if not wanted.
+        self._maybe_held = fb.decode(self._record.read_text()) if self._record.exists() else set()
+        self.bound: set[fb.UpstreamBinding] = set()
+        self.references: Counter[fb.UpstreamBinding] = Counter()
+        self.state: LinkState = "connecting"
+        self.error: str | None = None
+        self.upstream_id: str | None = None
+        self.running_since: float | None = None
+        self.received = 0
+        self.duplicates = 0
+        self.loops = 0
+        self.unstamped = 0
+        self._dirty = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._label = fed.exchange
+        metrics.LINK_RUNNING.labels(self._label).set(0)
+        metrics.LINK_REFUSED.labels(self._label).set(0)
+        metrics.BINDINGS.labels(self._label).set_function(lambda: len(self.bound))
+
+    # -- control ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start connecting (and reconnecting) in the background."""
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"twinmq-federation-{self.fed.exchange}"
+        )
+
+    async def stop(self) -> None:
+        """Stop the link (its upstream queue stays: it is the link's, across restarts)."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._set_state("connecting", "stopped")
+
+    def bindings_changed(self) -> None:
+        """The local exchange's bindings changed: propagate (the running session does)."""
+        self._dirty.set()
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        pause = FIRST_PAUSE
+        while not self._stopping:
+            metrics.RECONNECTS.labels(self._label).inc()
+            ran = False
+            try:
+                ran = await self._session()
+            except asyncio.CancelledError:
+                raise
+            except Refused as exc:
+                self._refuse(str(exc))
+            except Exception as exc:  # any failure of the session: reconnect later
+                text = _describe(exc)
+                if DUPLICATE_ID in text:
+                    self._refuse(f"refused by the upstream: {text}")
+                else:
+                    self._set_state("connecting", text)
+                    log.warning(
+                        "federation %s <- %s (%s): link down: %s", self.fed.exchange,
+                        self.upstream_name, self.upstream.shown(), text,
+                    )  # fmt: skip
+            if ran:
+                pause = FIRST_PAUSE
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, self.upstream.reconnect_max_seconds)
+
+    def _refuse(self, reason: str) -> None:
+        if self.state != "refused" or self.error != reason:
+            log.error(
+                "federation %s <- %s (%s) REFUSED: %s",
+                self.fed.exchange, self.upstream_name, self.upstream.shown(), reason,
+            )  # fmt: skip
+        self._set_state("refused", reason)
+
+    def _set_state(self, state: LinkState, error: str | None) -> None:
+        self.state = state
+        self.error = error
+        self.running_since = time.time() if state == "running" else None
+        metrics.LINK_RUNNING.labels(self._label).set(1 if state == "running" else 0)
+        metrics.LINK_REFUSED.labels(self._label).set(1 if state == "refused" else 0)
+
+    async def _session(self) -> bool:
+        """One connection, until it fails; True if it reached running."""
+        uri = self.upstream.connect_uri()
+        if "heartbeat=" not in uri:
+            uri += ("&" if "?" in uri else "?") + "heartbeat=10"
+        connection = await aiormq.connect(
+            uri,
+            client_properties={
+                SERVER_ID_PROPERTY: self.server_id,
+                "connection_name": f"federation {self.fed.exchange} -> {self.server_id}",
+            },
+        )
+        inbox: asyncio.Queue[DeliveredMessage | None] = asyncio.Queue()
+        processor: asyncio.Task[None] | None = None
+        ran = False
+        try:
+            peer = connection.server_properties.get(SERVER_ID_PROPERTY)
+            if isinstance(peer, bytes):
+                peer = peer.decode("utf-8", "replace")
+            refusal = duplicate_refusal(self.server_id, peer, side="upstream")
+            if refusal is not None:
+                raise Refused(refusal)
+            if not isinstance(peer, str) or not peer:
+                raise ConnectionError(
+                    "the upstream announces no server identifier (x-twinmq-server-id): "
+                    "federation needs a TwinMQ upstream"
+                )
+            self.upstream_id = peer
+            channel = await connection.channel()
+            kind = self._kind()
+            await channel.exchange_declare(
+                self.fed.source_exchange, exchange_type=kind, durable=True
+            )
+            await channel.queue_declare(self.queue, durable=True)
+            await self._sync(channel, full=True)
+            await channel.basic_qos(prefetch_count=self.fed.prefetch)
+            processor = asyncio.get_running_loop().create_task(self._process(channel, inbox))
+
+            async def deliver(message: DeliveredMessage) -> None:
+                inbox.put_nowait(message)
+
+            await channel.basic_consume(self.queue, deliver, no_ack=False)
+            self._set_state("running", None)
+            ran = True
+            log.info(
+                "federation %s <- %s (%s, server %s): running, %d upstream bindings",
+                self.fed.exchange, self.upstream_name, self.upstream.shown(), peer,
+                len(self.bound),
+            )  # fmt: skip
+            closing = connection.closing
+            while True:
+                dirty = asyncio.ensure_future(self._dirty.wait())
+                done, _ = await asyncio.wait(
+                    {dirty, closing, processor}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if dirty not in done:
+                    dirty.cancel()
+                    if processor in done:
+                        processor.result()  # its error ends the session
+                    raise ConnectionError(f"connection closed: {_closing_reason(connection)}")
+                self._dirty.clear()
+                await self._sync(channel, full=False)
+        finally:
+            if processor is not None:
+                # Settle what was received locally before another session consumes.
+                inbox.put_nowait(None)
+                with contextlib.suppress(Exception):
+                    await processor
+            with contextlib.suppress(Exception):
+                await connection.close()
+            if ran:
+                self._set_state("connecting", self.error)
+        return ran
+
+    def _kind(self) -> str:
+        exchange = self.vhost.exchanges.get(self.fed.exchange)
+        return exchange.type if exchange is not None else self.fed.type
+
+    # -- binding propagation ------------------------------------------------------------
+
+    async def _sync(self, channel: aiormq.abc.AbstractChannel, *, full: bool) -> None:
+        """Make the upstream queue's bindings the normalised set of the local bindings."""
+        exchange = self.vhost.exchanges.get(self.fed.exchange)
+        references = fb.needed(self._kind(), exchange.bindings.values() if exchange else [])
+        wanted = set(references)
+        changes = (
+            fb.resync(self._maybe_held | self.bound, wanted)
+            if full
+            else fb.changes(self.bound, wanted)
+        )
+        self.references = references
+        if not changes and not full:
+            return
+        self._save_record(self._maybe_held | self.bound | wanted)
+        source = self.fed.source_exchange
+        for binding in changes.unbind:
+            await channel.queue_unbind(
+                self.queue, source, routing_key=binding.routing_key, arguments=binding.arguments
+            )
+            self.bound.discard(binding)
+        for binding in changes.bind:
+            await channel.queue_bind(
+                self.queue, source, routing_key=binding.routing_key, arguments=binding.arguments
+            )
+            self.bound.add(binding)
+        self._maybe_held = set(wanted)
+        self._save_record(wanted)
+
+    def _save_record(self, held: set[fb.UpstreamBinding]) -> None:
+        tmp = self._record.with_suffix(".tmp")
+        tmp.write_text(fb.encode(held))
+        tmp.replace(self._record)
+
+    # -- messages -----------------------------------------------------------------------------
+
+    async def _process(
+        self, channel: aiormq.abc.AbstractChannel, inbox: asyncio.Queue[DeliveredMessage | None]
+    ) -> None:
+        """Republish deliveries in batches, in order, until the session's end marker."""
+        while True:
+            first = await inbox.get()
+            if first is None:
+                return
+            batch, last = [first], False
+            while not inbox.empty() and len(batch) < BATCH_MAX:
+                item = inbox.get_nowait()
+                if item is None:
+                    last = True
+                    break
+                batch.append(item)
+            # The local resource alarm blocks this publisher too (as it blocks clients); the
+            # monitor offers no event to wait on.
+            while self.alarm() is not None and not last:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+            await self._republish(channel, batch)
+            if last:
+                return
+
+    async def _republish(
+        self, channel: aiormq.abc.AbstractChannel, batch: list[DeliveredMessage]
+    ) -> None:
+        settled: list[tuple[int, bool]] = []  # (delivery tag, ack: True / requeue: False)
+        waiting: list[tuple[int, str | None, PublishResult]] = []
+        assert self.upstream_id is not None
+        for message in batch:
+            tag = message.delivery_tag or 0
+            properties = message.header.properties
+            verdict = arrival(
+                properties.headers, self.upstream_id, self.server_id, self.fed.max_hops
+            )
+            key = verdict.dedup_key
+            if verdict.verdict in ("loop", "too-many-hops"):
+                self.loops += 1
+                metrics.LOOPS.labels(self._label).inc()
+                settled.append((tag, True))
+                continue
+            if key is not None and key in self.keys:  # republished, or in flight (claimed)
+                self.duplicates += 1
+                metrics.DUPLICATES.labels(self._label).inc()
+                settled.append((tag, True))
+                continue
+            if verdict.verdict == "unstamped":
+                self.unstamped += 1  # no dedup possible (an upstream of another kind)
+            exchange = self.vhost.exchanges.get(self.fed.exchange)
+            if exchange is None:
+                settled.append((tag, False))  # the local exchange is gone: retried later
+                continue
+            path: list[Any] = list(verdict.path)
+            properties.headers = {**(properties.headers or {}), PATH: path}
+            try:
+                header = encode_header_payload(properties, len(message.body))
+                info = decode_content_header(header)
+            except Exception as exc:  # a header this broker would refuse from a client
+                log.error("federation %s: dropping an undecodable message: %r", self._label, exc)
+                settled.append((tag, True))
+                continue
+            result = self.vhost.publish(
+                exchange, message.routing_key or "", header, message.body, info, hold=True
+            )
+            if key is not None:
+                self.keys.claim(key)
+            waiting.append((tag, key, result))
+        # The keys' record joins the same group commit as the messages (no await since
+        # their publishes): after a crash both are on disk or neither.
+        record = self.keys.record(self.vhost, [key for _t, key, _r in waiting if key])
+        record_batch = self.vhost.committer.add(record) if record else 0
+        recorded = True if not record_batch else await self.batches.wait(record_batch)
+        durable: list[str] = []
+        failed: list[str] = []
+        for tag, key, result in waiting:
+            ok = recorded and (True if not result.batch else await self.batches.wait(result.batch))
+            settled.append((tag, ok))
+            if ok:
+                self.received += 1
+                metrics.RECEIVED.labels(self._label).inc()
+            if key is not None:
+                (durable if ok else failed).append(key)
+        self.keys.settle(durable, failed)
+        for tag, ok in sorted(settled):
+            try:
+                if ok:
+                    await channel.basic_ack(tag)
+                else:
+                    await channel.basic_nack(tag, requeue=True)
+            except Exception:
+                # The channel is gone: the upstream redelivers; the keys drop the copies.
+                return
+
+
+def _describe(exc: BaseException) -> str:
+    text = " ".join(str(a) for a in exc.args) if exc.args else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _closing_reason(connection: Any) -> str:
+    closing = connection.closing
+    if closing.done() and not closing.cancelled():
+        exc = closing.exception()
+        if exc is not None:
+            return _describe(exc)
+    return "closed"

@@ -1,0 +1,151 @@
+"""The federation file (`--federation-config`): upstreams and federated exchanges.
+
+Configured on the downstream, as the seed's interclustering configuration is: which
+exchange, which upstream, which exchange there. Credentials never travel on a command
+line: the upstream URI carries at most a user name, the password comes from an
+environment variable or a file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ExchangeKind = Literal["direct", "topic", "fanout", "headers"]
+
+
+def _hyphenated(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=_hyphenated, populate_by_name=True, frozen=True
+    )
+
+
+class Upstream(_Model):
+    """A broker (pair) to federate from: where, and how to log in."""
+
+    uri: str = Field(description="amqp://USER@HOST:PORT/ (no password here)")
+    password_env: str | None = Field(None, description="Environment variable with the password")
+    password_file: Path | None = Field(None, description="File whose content is the password")
+    reconnect_max_seconds: float = Field(
+        30.0, gt=0, description="Longest pause between two connection attempts (backoff)"
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _no_password(cls, uri: str) -> str:
+        parts = urlsplit(uri)
+        if parts.scheme not in ("amqp", "amqps"):
+            raise ValueError(f"upstream uri {uri!r}: the scheme must be amqp or amqps")
+        if not parts.hostname:
+            raise ValueError(f"upstream uri {uri!r} names no host")
+        if parts.password is not None:
+            raise ValueError(
+                "an upstream uri must not carry a password: use password-env or password-file"
+            )
+        return uri
+
+    @model_validator(mode="after")
+    def _one_password_source(self) -> Upstream:
+        if self.password_env is not None and self.password_file is not None:
+            raise ValueError("give password-env or password-file, not both")
+        return self
+
+    def password(self) -> str | None:
+        """The password, read now (a file is re-read at each connection: rotation)."""
+        if self.password_env is not None:
+            value = os.environ.get(self.password_env)
+            if value is None:
+                raise ValueError(f"environment variable {self.password_env} is not set")
+            return value
+        if self.password_file is not None:
+            return self.password_file.read_text().strip()
+        return None
+
+    def connect_uri(self) -> str:
+        """The URI with the password filled in (for the client library only: never logged)."""
+        password = self.password()
+        if password is None:
+            return self.uri
+        parts = urlsplit(self.uri)
+        user = parts.username or "guest"
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+    def shown(self) -> str:
+        """The URI as status and logs show it (never a password: there is none in it)."""
+        return self.uri
+
+
+class FederatedExchange(_Model):
+    """A local exchange that receives what an upstream exchange routes to its bindings."""
+
+    exchange: str = Field(min_length=1, description="The local (downstream) exchange")
+    upstream: str = Field(description="The name of an entry of `upstreams`")
+    upstream_exchange: str | None = Field(None, description="Default: the same name")
+    type: ExchangeKind = Field("topic", description="Declared here and upstream if missing")
+    max_hops: int = Field(1, ge=1, description="Federation links a message may cross at most")
+    prefetch: int = Field(256, ge=1, le=65535, description="Unacknowledged deliveries at most")
+
+    @property
+    def source_exchange(self) -> str:
+        """The exchange on the upstream."""
+        return self.upstream_exchange or self.exchange
+
+
+class FederationConfig(_Model):
+    """The whole federation file."""
+
+    upstreams: dict[str, Upstream] = Field(default_factory=dict)
+    exchanges: list[FederatedExchange] = Field(default_factory=list)
+    dedup_window: int = Field(
+        100_000, ge=1, description="(origin, sequence) keys remembered (one window per server)"
+    )
+
+    @model_validator(mode="after")
+    def _references(self) -> FederationConfig:
+        seen: set[str] = set()
+        for fed in self.exchanges:
+            if fed.upstream not in self.upstreams:
+                raise ValueError(
+                    f"exchange {fed.exchange!r} names upstream {fed.upstream!r}, which is not "
+                    f"among the upstreams ({', '.join(sorted(self.upstreams)) or 'none'})"
+                )
+            if fed.exchange in seen:
+                raise ValueError(f"exchange {fed.exchange!r} is federated twice")
+            seen.add(fed.exchange)
+        return self
+
+
+class FederationConfigError(ValueError):
+    """The federation file cannot be read or is invalid (the message says where and why)."""
+
+
+def load(path: Path) -> FederationConfig:
+    """Read and validate a federation file (YAML or JSON: YAML reads both)."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise FederationConfigError(f"federation config {path}: {exc}") from exc
+    try:
+        return FederationConfig.model_validate(raw or {})
+    except ValidationError as exc:
+        # Without the input values: a rejected URI may hold a password.
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or '(top)'}: {error['msg']}"
+            for error in exc.errors(include_input=False, include_url=False)
+        )
+        raise FederationConfigError(f"federation config {path}: {problems}") from None

@@ -1,0 +1,33 @@
+"""Server identifiers at a peering's handshake (sans-I/O).
+
+Each side names itself in the connection handshake: the downstream in its
+`client-properties`, the upstream in its `server-properties`, both under
+`x-twinmq-server-id`. Two servers with the same identifier would take each other's
+messages for their own (the path check drops them, the dedup keys collide): the seed
+calls this the configuration error users lose most time on, so both sides refuse it,
+loudly, before anything else happens.
+"""
+
+from __future__ import annotations
+
+SERVER_ID_PROPERTY = "x-twinmq-server-id"
+"""The handshake property naming the sender's server identifier."""
+
+DUPLICATE_ID = "duplicate server id"
+"""The words every refusal of a duplicate identifier contains (both sides match on them)."""
+
+
+def duplicate_refusal(own: str, peer: object, *, side: str) -> str | None:
+    """Why a peering with `peer` (its announced identifier) is refused, or None.
+
+    `side` names the other end as this one sees it ("downstream", "upstream").
+    """
+    if isinstance(peer, bytes):
+        peer = peer.decode("utf-8", "replace")
+    if peer == own:
+        return (
+            f"{DUPLICATE_ID} '{own}': the {side} announces this server's own identifier; "
+            "every federated server needs a unique --server-id (a federation with itself or "
+            "two servers configured alike)"
+        )
+    return None

@@ -1,0 +1,163 @@
+"""Federated brokers for the federation tests: real broker processes on loopback.
+
+`Site` is one broker with its server identifier and, when it federates from others, a
+federation file naming them (the upstream URI carries the user only; the password comes
+from an environment variable, as in production). Helpers read each side's `/status`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pika
+from pika.adapters.blocking_connection import BlockingChannel
+
+from twinmq.testing.launcher import BrokerProcess, free_port
+from twinmq.testing.pair import status
+from twinmq.testing.waiting import wait_for
+
+PASSWORD_ENV = "TWINMQ_TEST_FEDERATION_PASSWORD"
+
+
+def federation_file(
+    path: Path,
+    upstreams: dict[str, str],
+    exchanges: list[dict[str, Any]],
+) -> Path:
+    """Write a federation file: upstream name -> host:port, and the federated exchanges."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps(
+            {
+                "upstreams": {
+                    name: {"uri": f"amqp://guest@{address}/", "password-env": PASSWORD_ENV}
+                    for name, address in upstreams.items()
+                },
+                "exchanges": exchanges,
+            }
+        )
+    )
+    return path
+
+
+def site(
+    tmp: Path,
+    server_id: str,
+    *,
+    port: int = 0,
+    federation: Path | None = None,
+    name: str | None = None,
+) -> BrokerProcess:
+    """A broker (not started) with `--server-id` and maybe `--federation-config`."""
+    args = ["--server-id", server_id]
+    if federation is not None:
+        args += ["--federation-config", str(federation)]
+    return BrokerProcess(
+        tmp / (name or server_id) / "data",
+        name=name or server_id,
+        port=port or free_port(),
+        extra_args=args,
+        env={PASSWORD_ENV: "guest"},
+    )
+
+
+def links(broker: BrokerProcess) -> dict[str, dict[str, Any]]:
+    """The broker's federation links by local exchange (empty if it does not answer)."""
+    data = status(broker)
+    if data is None or data["federation"] is None:
+        return {}
+    return {link["exchange"]: link for link in data["federation"]["links"]}
+
+
+def wait_running(broker: BrokerProcess, exchange: str, timeout: float = 60.0) -> dict[str, Any]:
+    """Wait until the link of `exchange` on `broker` reports running; its status."""
+    return wait_for(
+        f"federation link {exchange} running",
+        lambda: (
+            (links(broker).get(exchange) or {}).get("state") == "running"
+            and links(broker)[exchange]
+        ),
+        timeout,
+    )
+
+
+def upstream_bindings(broker: BrokerProcess, queue: str) -> set[tuple[str, str]]:
+    """(exchange, routing key) of the federation queue `queue` on the upstream `broker`."""
+    data = status(broker)
+    assert data is not None
+    held = data["federation"]["federation_queues"].get(queue, [])
+    return {(b["exchange"], b["routing_key"]) for b in held}
+
+
+def wait_upstream_bindings(
+    upstream: BrokerProcess, queue: str, expected: set[tuple[str, str]], timeout: float = 60.0
+) -> None:
+    """Wait until the upstream holds exactly `expected` for the federation queue."""
+    wait_for(
+        f"upstream bindings of {queue} == {sorted(expected)}",
+        lambda: upstream_bindings(upstream, queue) == expected,
+        timeout,
+    )
+
+
+def channel(broker: BrokerProcess) -> tuple[pika.BlockingConnection, BlockingChannel]:
+    """A pika channel on `broker`."""
+    connection = pika.BlockingConnection(pika.URLParameters(broker.url))
+    return connection, connection.channel()
+
+
+def publish_confirmed(
+    broker: BrokerProcess, exchange: str, messages: list[tuple[str, bytes]]
+) -> None:
+    """Publish persistent (routing key, body) pairs with publisher confirms."""
+    connection, ch = channel(broker)
+    try:
+        ch.confirm_delivery()
+        for key, body in messages:
+            ch.basic_publish(exchange, key, body, pika.BasicProperties(delivery_mode=2))
+    finally:
+        connection.close()
+
+
+def get_all(
+    broker: BrokerProcess, queue: str, at_least: int = 0, timeout: float = 60.0
+) -> list[tuple[str, bytes, dict[str, Any]]]:
+    """basic.get until empty, and until `at_least` messages were taken: (routing key, body,
+    headers) in order. A republished message is counted in `/status` as soon as it is
+    queued but visible to consumers only once its batch is durable: hence `at_least`."""
+    connection, ch = channel(broker)
+    out: list[tuple[str, bytes, dict[str, Any]]] = []
+
+    def drained() -> bool:
+        while True:
+            method, props, body = ch.basic_get(queue, auto_ack=True)
+            if method is None:
+                return len(out) >= at_least
+            out.append((method.routing_key, body, dict(props.headers or {})))
+
+    try:
+        wait_for(f"{at_least} messages from {queue}", drained, timeout)
+        return out
+    finally:
+        connection.close()
+
+
+def queue_settled(broker: BrokerProcess, queue: str) -> bool:
+    """`queue` exists on `broker` with nothing ready and nothing delivered unacknowledged."""
+    data = status(broker)
+    return data is not None and any(
+        q["name"] == queue and q["messages"] == 0 and q["unacked"] == 0 for q in data["queues"]
+    )
+
+
+def queue_depth(broker: BrokerProcess, queue: str) -> int:
+    """Ready messages in `queue` per `/status` (-1 if missing)."""
+    data = status(broker)
+    if data is None:
+        return -1
+    for q in data["queues"]:
+        if q["name"] == queue:
+            return int(q["messages"])
+    return -1

@@ -1,0 +1,369 @@
+"""Exchange federation between real brokers, driven through pika (seed 002's pub-sub
+worked example, binding propagation and normalisation, identity refusal, loops)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from federationsites import (
+    channel,
+    federation_file,
+    get_all,
+    links,
+    publish_confirmed,
+    queue_depth,
+    site,
+    upstream_bindings,
+    wait_running,
+    wait_upstream_bindings,
+)
+
+from twinmq.broker.admin_client import metric_samples
+from twinmq.broker.federation.agent import queue_name
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.waiting import wait_for
+
+LINK_QUEUE = queue_name("market", "remote")
+
+
+@pytest.fixture
+def central_and_remote(tmp_path: Path) -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
+    """`central` (upstream) and `remote`, which federates central's topic exchange `market`."""
+    central = site(tmp_path, "central")
+    config = federation_file(
+        tmp_path / "remote.json",
+        {"central": f"127.0.0.1:{central.port}"},
+        [{"exchange": "market", "upstream": "central", "type": "topic"}],
+    )
+    remote = site(tmp_path, "remote", federation=config)
+    central.start()
+    try:
+        remote.start()
+        try:
+            yield central, remote
+        finally:
+            remote.stop()
+    finally:
+        central.stop()
+
+
+def test_a_remote_subscriber_receives_what_is_published_centrally_and_only_what_it_bound(
+    central_and_remote: tuple[BrokerProcess, BrokerProcess],
+) -> None:
+    central, remote = central_and_remote
+    wait_running(remote, "market")
+    connection, ch = channel(remote)
+    ch.queue_declare("nyse-watcher", durable=True)
+    ch.queue_bind("nyse-watcher", "market", "stock.nyse.*")
+    connection.close()
+    wait_upstream_bindings(central, LINK_QUEUE, {("market", "stock.nyse.*")})
+    publish_confirmed(
+        central,
+        "market",
+        [("stock.nyse.ibm", b"ibm 1"), ("stock.lse.bp", b"bp 1"), ("stock.nyse.ge", b"ge 1")],
+    )
+    wait_for("two messages on the remote", lambda: queue_depth(remote, "nyse-watcher") == 2)
+    received = get_all(remote, "nyse-watcher", 2)
+    assert [(key, body) for key, body, _ in received] == [
+        ("stock.nyse.ibm", b"ibm 1"),
+        ("stock.nyse.ge", b"ge 1"),
+    ]
+    headers = received[0][2]
+    assert headers["x-twinmq-origin"] == "central"
+    assert headers["x-twinmq-federation-path"] == ["central", "remote"]
+    link = links(remote)["market"]
+    assert link["upstream_server_id"] == "central"
+    assert link["messages_received"] == 2
+    assert link["duplicates_dropped"] == 0
+    samples = metric_samples(remote.admin.metrics(timeout=5))
+    assert samples['twinmq_federation_link_running{link="market"}'] == 1
+    assert samples['twinmq_federation_messages_received_total{link="market"}'] == 2
+    assert samples['twinmq_federation_bindings{link="market"}'] == 1
+
+
+def test_many_identical_bindings_downstream_are_one_upstream_binding_until_the_last_goes(
+    central_and_remote: tuple[BrokerProcess, BrokerProcess],
+) -> None:
+    central, remote = central_and_remote
+    wait_running(remote, "market")
+    connection, ch = channel(remote)
+    for i in range(10):
+        ch.queue_declare(f"q{i}", durable=True)
+        ch.queue_bind(f"q{i}", "market", "news.#")
+    ch.queue_bind("q0", "market", "sport.*")
+    wait_upstream_bindings(central, LINK_QUEUE, {("market", "news.#"), ("market", "sport.*")})
+    assert links(remote)["market"]["bindings"] == 2
+    publish_confirmed(central, "market", [("news.world", b"one message, ten queues")])
+    wait_for("ten copies", lambda: all(queue_depth(remote, f"q{i}") == 1 for i in range(10)))
+    # Only one message crossed the link for ten downstream queues.
+    assert links(remote)["market"]["messages_received"] == 1
+    for i in range(9):
+        ch.queue_unbind(f"q{i}", "market", "news.#")
+    ch.queue_delete("q0")  # its sport.* binding goes with it
+    wait_upstream_bindings(central, LINK_QUEUE, {("market", "news.#")})
+    ch.queue_unbind("q9", "market", "news.#")
+    wait_upstream_bindings(central, LINK_QUEUE, set())
+    connection.close()
+
+
+def test_binding_churn_leaves_the_upstream_with_exactly_the_normalised_set(
+    central_and_remote: tuple[BrokerProcess, BrokerProcess],
+) -> None:
+    central, remote = central_and_remote
+    wait_running(remote, "market")
+    connection, ch = channel(remote)
+    queues = [f"churn{i}" for i in range(8)]
+    for q in queues:
+        ch.queue_declare(q, durable=False)
+    expected: dict[tuple[str, str], None] = {}
+    bound: set[tuple[str, str]] = set()
+    for round_ in range(25):
+        for n, q in enumerate(queues):
+            key = f"k.{(round_ + n) % 5}"
+            if (q, key) in bound:
+                ch.queue_unbind(q, "market", key)
+                bound.discard((q, key))
+            else:
+                ch.queue_bind(q, "market", key)
+                bound.add((q, key))
+    expected = {("market", key): None for _q, key in bound}
+    wait_upstream_bindings(central, LINK_QUEUE, set(expected))
+    assert links(remote)["market"]["bindings"] == len(expected)
+    connection.close()
+
+
+def test_a_reconnect_resynchronises_the_upstream_bindings_with_no_stale_one(
+    tmp_path: Path,
+) -> None:
+    central = site(tmp_path, "central")
+    config = federation_file(
+        tmp_path / "remote.json",
+        {"central": f"127.0.0.1:{central.port}"},
+        [{"exchange": "market", "upstream": "central", "type": "direct"}],
+    )
+    remote = site(tmp_path, "remote", federation=config)
+    central.start()
+    remote.start()
+    try:
+        wait_running(remote, "market")
+        connection, ch = channel(remote)
+        ch.queue_declare("a", durable=True)
+        ch.queue_bind("a", "market", "old")
+        ch.queue_bind("a", "market", "kept")
+        connection.close()
+        wait_upstream_bindings(central, LINK_QUEUE, {("market", "old"), ("market", "kept")})
+        remote.stop()
+        # While the link is down: the bindings change downstream (on restart) ...
+        remote.extra_args = [*remote.extra_args]
+        remote.start()
+        connection, ch = channel(remote)
+        ch.queue_unbind("a", "market", "old")
+        ch.queue_bind("a", "market", "new")
+        connection.close()
+        wait_running(remote, "market")
+        # ... and the upstream ends with exactly the new set: "old" was unbound.
+        wait_upstream_bindings(central, LINK_QUEUE, {("market", "kept"), ("market", "new")})
+    finally:
+        remote.stop()
+        central.stop()
+
+
+def test_a_fanout_exchange_needs_one_upstream_binding_for_any_number_of_downstream_ones(
+    tmp_path: Path,
+) -> None:
+    central = site(tmp_path, "central")
+    config = federation_file(
+        tmp_path / "remote.json",
+        {"central": f"127.0.0.1:{central.port}"},
+        [{"exchange": "events", "upstream": "central", "type": "fanout"}],
+    )
+    remote = site(tmp_path, "remote", federation=config)
+    central.start()
+    remote.start()
+    try:
+        wait_running(remote, "events")
+        connection, ch = channel(remote)
+        for q in ("f1", "f2", "f3"):
+            ch.queue_declare(q, durable=True)
+            ch.queue_bind(q, "events", q)
+        connection.close()
+        wait_upstream_bindings(central, queue_name("events", "remote"), {("events", "")})
+        publish_confirmed(central, "events", [("anything", b"x")])
+        wait_for(
+            "three copies", lambda: all(queue_depth(remote, q) == 1 for q in ("f1", "f2", "f3"))
+        )
+    finally:
+        remote.stop()
+        central.stop()
+
+
+def test_an_upstream_with_the_downstreams_own_server_id_is_refused_on_both_sides(
+    tmp_path: Path,
+) -> None:
+    twin = site(tmp_path, "same-id", name="central")
+    config = federation_file(
+        tmp_path / "remote.json",
+        {"central": f"127.0.0.1:{twin.port}"},
+        [{"exchange": "market", "upstream": "central"}],
+    )
+    remote = site(tmp_path, "same-id", federation=config, name="remote")
+    twin.start()
+    remote.start()
+    try:
+        link = wait_for(
+            "the link refused",
+            lambda: (
+                (links(remote).get("market") or {}).get("state") == "refused"
+                and links(remote)["market"]
+            ),
+        )
+        assert "duplicate server id 'same-id'" in link["error"]
+        upstream_side = wait_for(
+            "the upstream's refusal", lambda: (status_of(twin) or {}).get("refused_peers")
+        )
+        assert "duplicate server id 'same-id'" in upstream_side[0]
+        assert remote.log_path is not None and twin.log_path is not None
+        assert "REFUSED" in remote.log_path.read_text()
+        assert "REFUSED" in twin.log_path.read_text()
+        samples = metric_samples(twin.admin.metrics(timeout=5))
+        assert samples["twinmq_federation_peers_refused_total"] >= 1
+        assert (
+            metric_samples(remote.admin.metrics(timeout=5))[
+                'twinmq_federation_link_refused{link="market"}'
+            ]
+            == 1
+        )
+    finally:
+        remote.stop()
+        twin.stop()
+
+
+def status_of(broker: BrokerProcess) -> dict[str, object] | None:
+    """The federation section of a broker's status."""
+    from twinmq.testing.pair import status
+
+    data = status(broker)
+    return None if data is None else data["federation"]
+
+
+def test_two_exchanges_federated_both_ways_do_not_bounce_messages_back(tmp_path: Path) -> None:
+    a = site(tmp_path, "a")
+    b = site(tmp_path, "b")
+    a_config = federation_file(
+        tmp_path / "a.json",
+        {"b": f"127.0.0.1:{b.port}"},
+        [{"exchange": "x", "upstream": "b", "type": "fanout", "max-hops": 3}],
+    )
+    b_config = federation_file(
+        tmp_path / "b.json",
+        {"a": f"127.0.0.1:{a.port}"},
+        [{"exchange": "x", "upstream": "a", "type": "fanout", "max-hops": 3}],
+    )
+    a.extra_args += ["--federation-config", str(a_config)]
+    b.extra_args += ["--federation-config", str(b_config)]
+    a.start()
+    b.start()
+    try:
+        wait_running(a, "x")
+        wait_running(b, "x")
+        for broker in (a, b):
+            connection, ch = channel(broker)
+            ch.queue_declare("sink", durable=True)
+            ch.queue_bind("sink", "x", "")
+            connection.close()
+        wait_upstream_bindings(a, queue_name("x", "b"), {("x", "")})
+        wait_upstream_bindings(b, queue_name("x", "a"), {("x", "")})
+        publish_confirmed(a, "x", [("", b"from a")])
+        publish_confirmed(b, "x", [("", b"from b")])
+        wait_for(
+            "each sink holds both", lambda: queue_depth(a, "sink") == queue_depth(b, "sink") == 2
+        )
+        # The copy sent back to its origin is dropped there (its origin is on its path).
+        wait_for(
+            "the echoes dropped",
+            lambda: links(a)["x"]["loops_dropped"] == 1 and links(b)["x"]["loops_dropped"] == 1,
+        )
+        assert sorted(body for _k, body, _h in get_all(a, "sink", 2)) == [b"from a", b"from b"]
+        assert sorted(body for _k, body, _h in get_all(b, "sink", 2)) == [b"from a", b"from b"]
+        assert upstream_bindings(a, queue_name("x", "b")) == {("x", "")}
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_message_reaching_a_server_by_two_paths_is_delivered_there_once(
+    tmp_path: Path,
+) -> None:
+    """A triangle: B federates from A; C from A and from B (max-hops 2). Each message
+    published on A reaches C directly and through B: one copy is dropped by its
+    (origin, seq) key, whichever arrives second."""
+    a = site(tmp_path, "a")
+    b = site(tmp_path, "b")
+    c = site(tmp_path, "c")
+    b.extra_args += [
+        "--federation-config",
+        str(
+            federation_file(
+                tmp_path / "b.json",
+                {"a": f"127.0.0.1:{a.port}"},
+                [{"exchange": "t", "upstream": "a", "type": "topic", "max-hops": 2}],
+            )
+        ),
+    ]
+    # C's two links federate two local exchanges, both bound into one sink queue.
+    c.extra_args += [
+        "--federation-config",
+        str(
+            federation_file(
+                tmp_path / "c.json",
+                {"a": f"127.0.0.1:{a.port}", "b": f"127.0.0.1:{b.port}"},
+                [
+                    {"exchange": "t", "upstream": "a", "type": "topic", "max-hops": 2},
+                    {
+                        "exchange": "t-via-b",
+                        "upstream": "b",
+                        "upstream-exchange": "t",
+                        "type": "topic",
+                        "max-hops": 2,
+                    },
+                ],
+            )
+        ),
+    ]
+    for broker in (a, b, c):
+        broker.start()
+    try:
+        wait_running(b, "t")
+        wait_running(c, "t")
+        wait_running(c, "t-via-b")
+        connection, ch = channel(c)
+        ch.queue_declare("sink", durable=True)
+        ch.queue_bind("sink", "t", "price.#")
+        ch.queue_bind("sink", "t-via-b", "price.#")
+        connection.close()
+        connection, ch = channel(b)
+        ch.queue_declare("b-sink", durable=True)
+        ch.queue_bind("b-sink", "t", "price.#")
+        connection.close()
+        wait_upstream_bindings(a, queue_name("t", "c"), {("t", "price.#")})
+        wait_upstream_bindings(b, queue_name("t", "c"), {("t", "price.#")})
+        wait_upstream_bindings(a, queue_name("t", "b"), {("t", "price.#")})
+        publish_confirmed(a, "t", [(f"price.{i}", str(i).encode()) for i in range(50)])
+        wait_for(
+            "both paths delivered to C",
+            lambda: (
+                links(c)["t"]["messages_received"] + links(c)["t"]["duplicates_dropped"] == 50
+                and links(c)["t-via-b"]["messages_received"]
+                + links(c)["t-via-b"]["duplicates_dropped"]
+                == 50
+            ),
+        )
+        bodies = sorted(int(body) for _k, body, _h in get_all(c, "sink", 50))
+        assert bodies == list(range(50))
+        dropped = links(c)["t"]["duplicates_dropped"] + links(c)["t-via-b"]["duplicates_dropped"]
+        assert dropped == 50
+    finally:
+        for broker in (c, b, a):
+            broker.stop()

@@ -1,0 +1,196 @@
+"""Federation's pure parts: the file's validation, binding normalisation, the path and
+max-hops decision, origin stamping, the durable dedup window, the handshake refusal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pamqp import commands
+from sansio import Harness
+
+from twinmq.broker import codec, fieldtable
+from twinmq.broker.definitions import BindingDef
+from twinmq.broker.federation import bindings as fb
+from twinmq.broker.federation.config import FederationConfigError, load
+from twinmq.broker.federation.dedup import QUEUE_NAME, DurableKeys
+from twinmq.broker.federation.headers import ORIGIN, ORIGIN_SEQ, arrival, stamp_origin
+from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, duplicate_refusal
+from twinmq.testing.rawamqp import PROTOCOL_HEADER, decode_frames, encode
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "federation.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_federation_file_in_yaml_reads_with_its_defaults(tmp_path: Path) -> None:
+    config = load(
+        _write(
+            tmp_path,
+            "upstreams:\n  central: {uri: 'amqp://fed@central:5672/', password-env: PW}\n"
+            "exchanges:\n  - {exchange: market, upstream: central}\n",
+        )
+    )
+    fed = config.exchanges[0]
+    assert (fed.source_exchange, fed.max_hops, fed.type) == ("market", 1, "topic")
+
+
+def test_a_password_in_the_upstream_uri_is_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, "upstreams:\n  c: {uri: 'amqp://u:secret@h/'}\n")
+    with pytest.raises(FederationConfigError, match="password-env or password-file") as err:
+        load(path)
+    assert "secret" not in str(err.value)  # never logged
+
+
+def test_an_exchange_naming_an_unknown_upstream_is_refused_with_both_names(
+    tmp_path: Path,
+) -> None:
+    path = _write(
+        tmp_path,
+        "upstreams:\n  central: {uri: 'amqp://h/'}\n"
+        "exchanges:\n  - {exchange: x, upstream: other}\n",
+    )
+    with pytest.raises(FederationConfigError, match="'other', which is not among the upstreams"):
+        load(path)
+
+
+def test_the_password_comes_from_the_environment_into_the_connect_uri_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FED_PW", "p@ss word")
+    config = load(
+        _write(tmp_path, "upstreams:\n  c: {uri: 'amqp://fed@h:5673/', password-env: FED_PW}\n")
+    )
+    upstream = config.upstreams["c"]
+    assert upstream.connect_uri() == "amqp://fed:p%40ss%20word@h:5673/"
+    assert "p@ss" not in upstream.shown()
+
+
+def _binding(queue: str, key: str, **arguments: object) -> BindingDef:
+    return BindingDef(exchange="x", queue=queue, routing_key=key, arguments=dict(arguments))
+
+
+def test_identical_keys_normalise_to_one_upstream_binding_with_a_reference_count() -> None:
+    counts = fb.needed("topic", [_binding("a", "k.*"), _binding("b", "k.*"), _binding("c", "z")])
+    assert counts == {fb.UpstreamBinding("k.*"): 2, fb.UpstreamBinding("z"): 1}
+
+
+def test_fanout_bindings_normalise_to_one_and_headers_bindings_by_their_arguments() -> None:
+    assert set(fb.needed("fanout", [_binding("a", "1"), _binding("b", "2")])) == {
+        fb.UpstreamBinding("")
+    }
+    headers = fb.needed(
+        "headers",
+        [
+            _binding("a", "1", **{"x-match": "all", "k": "v"}),
+            _binding("b", "2", k="v", **{"x-match": "all"}),
+        ],
+    )
+    assert len(headers) == 1
+    assert next(iter(headers)).arguments == {"k": "v", "x-match": "all"}
+
+
+def test_a_resync_unbinds_whatever_may_be_held_and_is_not_wanted() -> None:
+    old, kept, new = (
+        fb.UpstreamBinding("old"),
+        fb.UpstreamBinding("kept"),
+        fb.UpstreamBinding("new"),
+    )
+    changes = fb.resync({old, kept}, {kept, new})
+    assert (changes.bind, changes.unbind) == ([kept, new], [old])
+    assert fb.decode(fb.encode({old, kept})) == {old, kept}
+
+
+def test_a_message_is_forwarded_with_the_path_extended_and_keyed_by_origin_and_seq() -> None:
+    verdict = arrival({ORIGIN: "a", ORIGIN_SEQ: 7}, "a", "b", max_hops=1)
+    assert (verdict.verdict, verdict.dedup_key, verdict.path) == ("forward", "a\x007", ["a", "b"])
+
+
+def test_a_message_that_crossed_this_server_is_dropped_as_a_loop() -> None:
+    headers = {ORIGIN: "a", ORIGIN_SEQ: 7, "x-twinmq-federation-path": ["a", "b"]}
+    assert arrival(headers, "b", "a", max_hops=5).verdict == "loop"
+
+
+def test_a_message_past_max_hops_is_dropped() -> None:
+    headers = {ORIGIN: "a", ORIGIN_SEQ: 7, "x-twinmq-federation-path": ["a", "b"]}
+    assert arrival(headers, "b", "c", max_hops=1).verdict == "too-many-hops"
+    assert arrival(headers, "b", "c", max_hops=2).verdict == "forward"
+
+
+def test_the_upstream_stamps_origin_and_seq_once_and_keeps_every_other_property() -> None:
+    properties = commands.Basic.Properties(
+        content_type="text/plain", headers={"app": "x"}, message_id="m1", delivery_mode=2
+    )
+    header = codec.encode_header_payload(properties, 5)
+    stamped = stamp_origin(header, "central", 42)
+    decoded = codec.decode_properties(stamped)
+    assert decoded.headers == {"app": "x", ORIGIN: "central", ORIGIN_SEQ: 42}
+    assert (decoded.content_type, decoded.message_id, decoded.delivery_mode) == (
+        "text/plain", "m1", 2,
+    )  # fmt: skip
+    # Stamped already (it came through another link): origin and seq kept.
+    assert stamp_origin(stamped, "other", 99) == stamped
+    table = codec.decode_headers(
+        stamp_origin(codec.encode_header_payload(commands.Basic.Properties(), 0), "c", 1)
+    )
+    assert fieldtable.as_int(table.get(ORIGIN_SEQ)) == 1
+
+
+def test_the_dedup_window_is_journaled_and_rebuilt_after_a_restart_and_stays_bounded(
+    tmp_path: Path,
+) -> None:
+    harness = Harness(tmp_path)
+    try:
+        keys = DurableKeys(size=3)
+        keys.load(harness.vhost)
+        for batch in (["a", "b"], ["c", "d"], ["e", "f", "g"]):
+            for key in batch:
+                keys.claim(key)
+            assert all(key in keys for key in batch)  # claimed: in flight
+            harness.committer.add(keys.record(harness.vhost, batch))
+            harness.commit()
+            keys.settle(batch, [])
+    finally:
+        harness.close()
+    again = Harness(tmp_path)  # recovered from the journal
+    try:
+        keys = DurableKeys(size=3)
+        keys.load(again.vhost)
+        # The oldest records were settled once the newer ones held the window's worth.
+        assert [k in keys for k in "abcdefg"] == [False] * 4 + [True] * 3
+        assert len(again.vhost.queues[QUEUE_NAME].entries) == 1
+    finally:
+        again.close()
+
+
+def test_a_failed_republish_releases_its_claim() -> None:
+    keys = DurableKeys(size=10)
+    keys.claim("k")
+    keys.settle([], ["k"])
+    assert "k" not in keys
+
+
+def test_a_peer_announcing_this_servers_identifier_is_refused_at_the_handshake(
+    tmp_path: Path,
+) -> None:
+    assert duplicate_refusal("a", "b", side="upstream") is None
+    text = duplicate_refusal("a", b"a", side="downstream")
+    assert text is not None and "duplicate server id 'a'" in text
+    harness = Harness(tmp_path)
+    try:
+        peer = harness.connect()
+        started = decode_frames(peer.feed(PROTOCOL_HEADER))
+        assert started[0][1].server_properties[SERVER_ID_PROPERTY] == "sansio"  # type: ignore[union-attr]
+        start_ok = commands.Connection.StartOk(
+            client_properties={SERVER_ID_PROPERTY: "sansio"},
+            mechanism="PLAIN",
+            response="\0guest\0guest",
+        )
+        answer = decode_frames(peer.feed(encode(0, start_ok)))
+        close = answer[-1][1]
+        assert isinstance(close, commands.Connection.Close)
+        assert close.reply_code == 530 and "duplicate server id 'sansio'" in close.reply_text
+    finally:
+        harness.close()
