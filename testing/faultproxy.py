@@ -144,6 +144,14 @@ class FaultProxy:
         if self._server is not None:
             self._server.close()
         await self._drop_all()
+        # Every connection's task ends here: one left pending when the loop stops is
+        # finalised later by the garbage collector on a closed loop, an unraisable error
+        # that crashed pytest's end-of-run summary (CPython 3.11: "AST constructor
+        # recursion depth mismatch").
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1

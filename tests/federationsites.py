@@ -8,12 +8,16 @@ from an environment variable, as in production). Helpers read each side's `/stat
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pika
 from pika.adapters.blocking_connection import BlockingChannel
 
+from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.launcher import BrokerProcess, free_port
 from twinmq.testing.pair import status
 from twinmq.testing.waiting import wait_for
@@ -61,6 +65,43 @@ def site(
         extra_args=args,
         env={PASSWORD_ENV: "guest"},
     )
+
+
+@dataclass
+class Federated:
+    """Two started sites: `remote` federates an exchange of `central` (through `proxy`)."""
+
+    central: BrokerProcess
+    remote: BrokerProcess
+    proxy: FaultProxy | None
+
+
+@contextmanager
+def federated(
+    tmp: Path, exchange: str, kind: str, *, proxied: bool = False, **options: Any
+) -> Iterator[Federated]:
+    """`central` (upstream) and `remote`, which federates central's `exchange` of type
+    `kind` (with the exchange's other `options`), through a FaultProxy if `proxied`;
+    both stopped at the end."""
+    central = site(tmp, "central")
+    central.start()
+    proxy = FaultProxy(f"127.0.0.1:{central.port}").start() if proxied else None
+    try:
+        config = federation_file(
+            tmp / "remote.json",
+            {"central": proxy.address if proxy is not None else f"127.0.0.1:{central.port}"},
+            [{"exchange": exchange, "upstream": "central", "type": kind, **options}],
+        )
+        remote = site(tmp, "remote", federation=config)
+        remote.start()
+        try:
+            yield Federated(central, remote, proxy)
+        finally:
+            remote.stop()
+    finally:
+        if proxy is not None:
+            proxy.close()
+        central.stop()
 
 
 def links(broker: BrokerProcess) -> dict[str, dict[str, Any]]:

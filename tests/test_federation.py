@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from federationsites import (
     channel,
+    federated,
     federation_file,
     get_all,
     links,
@@ -31,22 +32,8 @@ LINK_QUEUE = queue_name("market", "remote")
 @pytest.fixture
 def central_and_remote(tmp_path: Path) -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
     """`central` (upstream) and `remote`, which federates central's topic exchange `market`."""
-    central = site(tmp_path, "central")
-    config = federation_file(
-        tmp_path / "remote.json",
-        {"central": f"127.0.0.1:{central.port}"},
-        [{"exchange": "market", "upstream": "central", "type": "topic"}],
-    )
-    remote = site(tmp_path, "remote", federation=config)
-    central.start()
-    try:
-        remote.start()
-        try:
-            yield central, remote
-        finally:
-            remote.stop()
-    finally:
-        central.stop()
+    with federated(tmp_path, "market", "topic") as sites:
+        yield sites.central, sites.remote
 
 
 def test_a_remote_subscriber_receives_what_is_published_centrally_and_only_what_it_bound(
@@ -137,16 +124,8 @@ def test_binding_churn_leaves_the_upstream_with_exactly_the_normalised_set(
 def test_a_reconnect_resynchronises_the_upstream_bindings_with_no_stale_one(
     tmp_path: Path,
 ) -> None:
-    central = site(tmp_path, "central")
-    config = federation_file(
-        tmp_path / "remote.json",
-        {"central": f"127.0.0.1:{central.port}"},
-        [{"exchange": "market", "upstream": "central", "type": "direct"}],
-    )
-    remote = site(tmp_path, "remote", federation=config)
-    central.start()
-    remote.start()
-    try:
+    with federated(tmp_path, "market", "direct") as sites:
+        central, remote = sites.central, sites.remote
         wait_running(remote, "market")
         connection, ch = channel(remote)
         ch.queue_declare("a", durable=True)
@@ -165,24 +144,13 @@ def test_a_reconnect_resynchronises_the_upstream_bindings_with_no_stale_one(
         wait_running(remote, "market")
         # ... and the upstream ends with exactly the new set: "old" was unbound.
         wait_upstream_bindings(central, LINK_QUEUE, {("market", "kept"), ("market", "new")})
-    finally:
-        remote.stop()
-        central.stop()
 
 
 def test_a_fanout_exchange_needs_one_upstream_binding_for_any_number_of_downstream_ones(
     tmp_path: Path,
 ) -> None:
-    central = site(tmp_path, "central")
-    config = federation_file(
-        tmp_path / "remote.json",
-        {"central": f"127.0.0.1:{central.port}"},
-        [{"exchange": "events", "upstream": "central", "type": "fanout"}],
-    )
-    remote = site(tmp_path, "remote", federation=config)
-    central.start()
-    remote.start()
-    try:
+    with federated(tmp_path, "events", "fanout") as sites:
+        central, remote = sites.central, sites.remote
         wait_running(remote, "events")
         connection, ch = channel(remote)
         for q in ("f1", "f2", "f3"):
@@ -194,9 +162,6 @@ def test_a_fanout_exchange_needs_one_upstream_binding_for_any_number_of_downstre
         wait_for(
             "three copies", lambda: all(queue_depth(remote, q) == 1 for q in ("f1", "f2", "f3"))
         )
-    finally:
-        remote.stop()
-        central.stop()
 
 
 def test_an_upstream_with_the_downstreams_own_server_id_is_refused_on_both_sides(

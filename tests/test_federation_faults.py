@@ -15,18 +15,16 @@ import pika
 import pytest
 from federationsites import (
     channel,
-    federation_file,
+    federated,
     get_all,
     links,
     queue_depth,
     queue_settled,
-    site,
     wait_running,
     wait_upstream_bindings,
 )
 
 from twinmq.broker.federation.agent import queue_name
-from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.waiting import wait_for
 
 TOTAL = 3000
@@ -50,17 +48,9 @@ def _publish(url: str, confirmed: list[int], stop: threading.Event) -> None:
 def test_link_cuts_under_traffic_lose_no_confirmed_message_and_deliver_none_twice(
     tmp_path: Path,
 ) -> None:
-    central = site(tmp_path, "central")
-    central.start()
-    proxy = FaultProxy(f"127.0.0.1:{central.port}").start()
-    config = federation_file(
-        tmp_path / "remote.json",
-        {"central": proxy.address},
-        [{"exchange": "orders", "upstream": "central", "type": "direct", "prefetch": 64}],
-    )
-    remote = site(tmp_path, "remote", federation=config)
-    remote.start()
-    try:
+    with federated(tmp_path, "orders", "direct", proxied=True, prefetch=64) as sites:
+        central, remote, proxy = sites.central, sites.remote, sites.proxy
+        assert proxy is not None
         wait_running(remote, "orders")
         connection, ch = channel(remote)
         ch.queue_declare("inbox", durable=True)
@@ -102,10 +92,6 @@ def test_link_cuts_under_traffic_lose_no_confirmed_message_and_deliver_none_twic
         link = links(remote)["orders"]
         assert link["messages_received"] == TOTAL
         assert link["state"] == "running"
-    finally:
-        remote.stop()
-        proxy.close()
-        central.stop()
 
 
 def test_a_redelivery_of_a_message_already_republished_is_dropped_as_a_duplicate(
@@ -113,17 +99,9 @@ def test_a_redelivery_of_a_message_already_republished_is_dropped_as_a_duplicate
 ) -> None:
     """The gap the window closes: delivered and republished here, its upstream ack lost
     (the link is cut before the ack is sent: the proxy partitions first), re-delivered."""
-    central = site(tmp_path, "central")
-    central.start()
-    proxy = FaultProxy(f"127.0.0.1:{central.port}").start()
-    config = federation_file(
-        tmp_path / "remote.json",
-        {"central": proxy.address},
-        [{"exchange": "orders", "upstream": "central", "type": "direct"}],
-    )
-    remote = site(tmp_path, "remote", federation=config)
-    remote.start()
-    try:
+    with federated(tmp_path, "orders", "direct", proxied=True) as sites:
+        central, remote, proxy = sites.central, sites.remote, sites.proxy
+        assert proxy is not None
         wait_running(remote, "orders")
         connection, ch = channel(remote)
         ch.queue_declare("inbox", durable=True)
@@ -149,7 +127,3 @@ def test_a_redelivery_of_a_message_already_republished_is_dropped_as_a_duplicate
             lambda: links(remote)["orders"]["duplicates_dropped"] > 0,
         )
         assert sorted(int(b) for _k, b, _h in get_all(remote, "inbox", 20)) == list(range(20))
-    finally:
-        remote.stop()
-        proxy.close()
-        central.stop()
