@@ -902,6 +902,7 @@ def main(argv: list[str] | None = None) -> None:
     resource scanning disabled, so it neither lists namespaces nor watches CRDs.
     """
     namespaces = watched_namespaces(argv)
+    builders.broker_token_seconds()  # a bad value stops the start, not every reconcile
     port = int(os.environ.get(OPERATOR_METRICS_PORT_ENV, metrics.DEFAULT_PORT))
     try:
         start_http_server(port)
