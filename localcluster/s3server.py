@@ -59,7 +59,7 @@ def manifests(image: str, name: str = "s3") -> list[dict[str, Any]]:
 
 HOST = GATEWAY_IP
 """Where `host_server` listens: the node's address on the pod bridge (never off the machine)."""
-MANAGER = "twinmq.io/s3server"
+MANAGER = "s3server.twinmq.io"
 """The EndpointSlice's `managed-by`: not the endpoint controller's (it must leave it alone)."""
 
 
