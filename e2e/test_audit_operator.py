@@ -130,6 +130,9 @@ def _events(cluster: Cluster, namespace: str, name: str) -> list[str]:
     return [e["reason"] for e in items if e.get("involvedObject", {}).get("name") == name]
 
 
+# Two Spark audits of up to 300 s each; on the real node the first test also starts the
+# cluster (containerd, image imports) in its setup.
+@pytest.mark.timeout(900)
 def test_the_job_launcher_audits_a_failover_and_reports_pass(
     cluster: Cluster, operator: OperatorProcess, namespace: str, s3_endpoint: str
 ) -> None:
