@@ -7,7 +7,7 @@ import base64
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +29,16 @@ CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 class OperatorProcess:
     """`twinmq-operator` as a local process against the test cluster; killable, restartable."""
 
-    def __init__(self, kubeconfig: str) -> None:
+    def __init__(self, kubeconfig: str, env: Mapping[str, str] | None = None) -> None:
         self.kubeconfig = kubeconfig
+        self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         """Start it (again)."""
         log = open(REPO / ".cluster" / "logs" / "e2e-operator.log", "ab")  # noqa: SIM115
-        env = {**os.environ, "KUBECONFIG": self.kubeconfig, OPERATOR_METRICS_PORT_ENV: "0"}
+        env = {**os.environ, "KUBECONFIG": self.kubeconfig, OPERATOR_METRICS_PORT_ENV: "0",
+               **self.env}  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "twinmq.operator.main"], env=env, stdout=log, stderr=log
         )
@@ -71,12 +73,15 @@ def install_crd(cluster: Cluster) -> None:
     wait_for("the BrokerCluster CRD is established", established, timeout=30)
 
 
-def operator_fixture(cluster: Cluster) -> Iterator[OperatorProcess]:
-    """The CRD installed and `twinmq-operator` running (conftest's module fixture)."""
+def operator_fixture(
+    cluster: Cluster, env: Mapping[str, str] | None = None
+) -> Iterator[OperatorProcess]:
+    """The CRD installed and `twinmq-operator` running, with `env` added to its environment
+    (conftest's module fixture)."""
     if not cluster.local:
         pytest.skip("needs the local cluster's fault tools and pod network from the host")
     install_crd(cluster)
-    proc = OperatorProcess(cluster.kubeconfig)
+    proc = OperatorProcess(cluster.kubeconfig, env)
     proc.start()
     try:
         yield proc

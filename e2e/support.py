@@ -24,6 +24,8 @@ Obj = dict[str, Any]
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "twinmq"
 IMAGE = os.environ.get("TWINMQ_E2E_IMAGE", "twinmq/twinmq:dev")
+AUDIT_IMAGE = os.environ.get("TWINMQ_E2E_AUDIT_IMAGE", "docker.io/twinmq/twinmq-audit:dev")
+"""The Spark audit's image (`make image-audit`; the broker image has no JRE or PySpark)."""
 
 
 class Cluster:

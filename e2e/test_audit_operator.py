@@ -1,14 +1,17 @@
 """Audits launched by the operator, end to end.
 
 The store is an S3-compatible server (moto in server mode, the stand-in for S3 or
-MinIO) running as a pod behind a Service; the brokers' shipper sidecars, the
-audit runs and the operator (a local process) all reach it at the Service's
-cluster IP. The `job` launcher runs the real Spark audit in a pod after a kill -9
-failover. The `sparkApplication` launcher's objects are validated by the API
-server against the Spark Operator's own CRD (from its Go module); no Spark
-Operator runs here, so this test plays its part: it moves the application's
-status through its states and, for the completed run, does the driver's work by
-running the same audit program on the same store.
+MinIO) running as a process of this checkout's venv on the node's address, behind a
+Service without selector whose EndpointSlice names that address
+(`s3server.host_server`): no image carries moto, so the same test runs with the node
+agent and with the real kubelet. The brokers' shipper sidecars, the audit runs and the
+operator (a local process) all reach it at the Service's cluster IP. The `job` launcher
+runs the real Spark audit in a pod of the audit image (`AUDIT_IMAGE`: JRE + PySpark;
+`make image-audit` for the real node) after a kill -9 failover. The `sparkApplication`
+launcher's objects are validated by the API server against the Spark Operator's own CRD
+(from its Go module); no Spark Operator runs here, so this test plays its part: it moves
+the application's status through its states and, for the completed run, does the driver's
+work by running the same audit program on the same store.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from brokerclusters import (
     condition,
     create_cluster,
 )
-from support import IMAGE, Cluster, pod_path, ready_pod
+from support import AUDIT_IMAGE, Cluster, pod_path
 
 from twinmq.audit.store import Store
 from twinmq.audit.summary import AuditSummary
@@ -54,20 +57,25 @@ BUCKET = "audits"
 
 @pytest.fixture(scope="module")
 def s3_endpoint(cluster: Cluster, operator: OperatorProcess) -> Iterator[str]:
-    """An S3-compatible server as a pod and a Service (in its own namespace); its URL."""
+    """An S3-compatible server on the node's address behind a Service (in its own namespace),
+    for the module's tests; its URL (the Service's cluster IP)."""
     namespace = f"e2e-s3-{uuid.uuid4().hex[:6]}"
     kube = cluster.kube
     kube.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
-    wait_for("the default service account", lambda: kube.get(
-        f"/api/v1/namespaces/{namespace}/serviceaccounts/default"), 30)  # fmt: skip
-    pod, service = s3server.manifests(IMAGE)
-    kube.create(pod_path(namespace), pod)
-    url = s3server.endpoint(kube.create(f"/api/v1/namespaces/{namespace}/services", service))
-    wait_for("the S3 server is ready", lambda: ready_pod(kube, namespace, "s3"), 60)
-    wait_for("the S3 API answers through the Service",
-               lambda: s3server.try_create_bucket(url, BUCKET), 30)  # fmt: skip
-    yield url
-    kube.delete(f"/api/v1/namespaces/{namespace}")
+    log = Layout.default().logs / "e2e-s3.log"
+    try:
+        with s3server.host_server(log) as port:
+            service, endpoints = s3server.host_manifests(port)
+            url = s3server.endpoint(
+                kube.create(f"/api/v1/namespaces/{namespace}/services", service)
+            )
+            kube.create(f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+                        endpoints)  # fmt: skip
+            wait_for("the S3 API answers through the Service",
+                     lambda: s3server.try_create_bucket(url, BUCKET), 30)  # fmt: skip
+            yield url
+    finally:
+        kube.delete(f"/api/v1/namespaces/{namespace}")
 
 
 def _store_secret(cluster: Cluster, namespace: str, url: str) -> None:
@@ -79,7 +87,7 @@ def _audit_spec(namespace: str, **fields: Any) -> dict[str, Any]:
     return {
         "enabled": True, "storeUrl": f"s3://{BUCKET}/{namespace}",
         "storeSecretName": "audit-store", "segmentSeconds": 2, "historyLimit": 1,
-        "resources": {"driverMemory": "1g"}, **fields,
+        "resources": {"driverMemory": "1g"}, "image": AUDIT_IMAGE, **fields,
     }  # fmt: skip
 
 
@@ -122,6 +130,9 @@ def _events(cluster: Cluster, namespace: str, name: str) -> list[str]:
     return [e["reason"] for e in items if e.get("involvedObject", {}).get("name") == name]
 
 
+# Two Spark audits of up to 300 s each; on the real node the first test also starts the
+# cluster (containerd, image imports) in its setup.
+@pytest.mark.timeout(900)
 def test_the_job_launcher_audits_a_failover_and_reports_pass(
     cluster: Cluster, operator: OperatorProcess, namespace: str, s3_endpoint: str
 ) -> None:

@@ -1,10 +1,30 @@
-"""An S3-compatible server as a pod and a Service: the audit store of the demo and of the e2e
-tests. It is moto in server mode, standing in for S3 or MinIO (no object-store image can run
-on the process-backed node); everything else talks to it exactly as it would to S3."""
+"""An S3-compatible server behind a Service: the audit store of the demo and of the e2e
+tests. It is moto in server mode, standing in for S3 or MinIO; everything else talks to it
+exactly as it would to S3, at the Service's cluster IP.
+
+Two ways to run it:
+- `host_server` + `host_manifests` (the e2e tests, on both node modes): moto as a process
+  of the checkout's venv on the node's address (10.244.0.1, the bridge the pods reach the
+  API server and DNS through), behind a selector-less Service whose EndpointSlice names that
+  address. No image has to carry moto (the product images must not: nothing test-only in
+  them), so it works the same with the node agent and with the real kubelet.
+- `manifests` (the demo): moto as a pod of the project's image. Only the node agent can run
+  it (it maps the image to the checkout's venv, which has moto); it is also the shape a
+  cluster whose host pods cannot reach (kind) would need, with an S3 image of its own.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+from twinmq.localcluster.layout import GATEWAY_IP
+from twinmq.testing.launcher import free_port
+from twinmq.testing.waiting import accepts, wait_for
 
 PORT = 5000
 CREDENTIALS = {
@@ -17,7 +37,8 @@ LABELS = {"app.kubernetes.io/name": "s3"}
 
 
 def manifests(image: str, name: str = "s3") -> list[dict[str, Any]]:
-    """The server's Pod and Service."""
+    """The server's Pod and Service (the pod runs only where `image` has moto: the node
+    agent's mapping of the project image to the checkout's venv)."""
     return [
         {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": LABELS},
@@ -32,6 +53,61 @@ def manifests(image: str, name: str = "s3") -> list[dict[str, Any]]:
             "apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
             "spec": {"selector": LABELS,
                      "ports": [{"name": "s3", "port": PORT, "targetPort": "s3"}]},
+        },
+    ]  # fmt: skip
+
+
+HOST = GATEWAY_IP
+"""Where `host_server` listens: the node's address on the pod bridge (never off the machine)."""
+MANAGER = "s3server.twinmq.io"
+"""The EndpointSlice's `managed-by`: not the endpoint controller's (it must leave it alone)."""
+
+
+@contextlib.contextmanager
+def host_server(log: Path) -> Iterator[int]:
+    """moto on `HOST` as a process of this venv (output to `log`) until the block ends; yields
+    its port (a free one: the demo's or another suite's server may hold another)."""
+    port = free_port(HOST)
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    try:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto exited with {proc.returncode}: see {log}")
+            return accepts(HOST, port)
+
+        wait_for(f"moto on {HOST}:{port}", up, timeout=60)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def host_manifests(port: int, name: str = "s3") -> list[dict[str, Any]]:
+    """A Service without selector on `PORT` and the EndpointSlice that sends it to
+    `host_server`'s port on the node (kube-proxy DNATs pods' and the host's connections)."""
+    return [
+        {
+            "apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
+            "spec": {"ports": [{"name": "s3", "port": PORT, "targetPort": port}]},
+        },
+        {
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": f"{name}-host", "labels": {
+                "kubernetes.io/service-name": name,
+                "endpointslice.kubernetes.io/managed-by": MANAGER,
+            }},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [HOST], "conditions": {"ready": True}}],
+            "ports": [{"name": "s3", "port": port, "protocol": "TCP"}],
         },
     ]  # fmt: skip
 

@@ -7,7 +7,8 @@
 #   make cluster-status    one line per component
 #   make e2e               unit tests of this tooling, then the e2e suite against $$KUBECONFIG
 #                          (default: the local cluster, started if needed and stopped again
-#                          if the suite started it)
+#                          if the suite started it); tests marked `slow` only when asked:
+#                          E2E_ARGS="-m slow -k ..."
 #   make cluster-demo      chart + confirmed traffic through a Service + kill -9 + report
 # TWINMQ_NODE=kubelet: a real kubelet + containerd instead of the node agent (it also builds
 # the kubelet and the image, and installs containerd and runc); see docs/local-cluster.md.
@@ -41,7 +42,7 @@ cluster-status: $(CLUSTER_DEPS)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.cluster status
 
 e2e: $(CLUSTER_DEPS) $(if $(KUBECONFIG),,cluster-binaries $(CLUSTER_IMAGE))
-	$(CLUSTER_PYTHON) -m pytest localcluster/tests e2e -p no:cacheprovider $(E2E_ARGS)
+	$(CLUSTER_PYTHON) -m pytest localcluster/tests e2e -p no:cacheprovider -m "not slow" $(E2E_ARGS)
 
 # Leaves the cluster running; `make cluster-down` when done.
 cluster-demo: cluster-binaries

@@ -9,7 +9,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,8 +195,51 @@ CONTAINER_SECURITY: Obj = {
 }
 
 
-def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) -> Obj:
-    """A broker pod. It always starts passive: only the operator activates a broker."""
+BROKER_TOKEN_SECONDS_ENV = "TWINMQ_OPERATOR_BROKER_TOKEN_SECONDS"
+"""Operator setting: the lifetime of the broker pods' service-account token (default unset:
+the API server's automatic `kube-api-access` volume)."""
+MIN_TOKEN_SECONDS = 600
+"""The TokenRequest API refuses shorter lifetimes."""
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def broker_token_seconds(env: Mapping[str, str] = os.environ) -> int | None:
+    """$TWINMQ_OPERATOR_BROKER_TOKEN_SECONDS: None when unset; refused below the API's
+    minimum. Meant for proving token rotation (a test can outlive several lifetimes in
+    half an hour), and for clusters whose policy wants short-lived tokens."""
+    raw = env.get(BROKER_TOKEN_SECONDS_ENV, "").strip()
+    if not raw:
+        return None
+    seconds = int(raw)
+    if seconds < MIN_TOKEN_SECONDS:
+        raise ValueError(f"{BROKER_TOKEN_SECONDS_ENV}={seconds}: at least {MIN_TOKEN_SECONDS}")
+    return seconds
+
+
+def token_volume(seconds: int) -> Obj:
+    """The API server's `kube-api-access` volume (token, cluster CA, namespace), but with the
+    token lifetime given (the admission plugin's is fixed: 3607 s)."""
+    return {
+        "name": "kube-api-access",
+        "projected": {"defaultMode": 0o444, "sources": [
+            {"serviceAccountToken": {"path": "token", "expirationSeconds": seconds}},
+            {"configMap": {"name": "kube-root-ca.crt",
+                           "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+            {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {
+                "apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
+        ]},
+    }  # fmt: skip
+
+
+def build_pod(
+    cluster: ClusterRef,
+    spec: BrokerClusterSpec,
+    broker: BrokerName,
+    token_seconds: int | None = None,
+) -> Obj:
+    """A broker pod. It always starts passive: only the operator activates a broker.
+    `token_seconds` (`broker_token_seconds`) replaces the automatic service-account token
+    volume with one of that lifetime."""
     secret = secret_name(cluster, spec)
 
     def from_secret(key: str, optional: bool = False) -> Obj:
@@ -286,6 +331,12 @@ def build_pod(cluster: ClusterRef, spec: BrokerClusterSpec, broker: BrokerName) 
             },
         ],
     }
+    if token_seconds is not None:
+        pod_spec["automountServiceAccountToken"] = False
+        pod_spec["volumes"].append(token_volume(token_seconds))
+        pod_spec["containers"][0]["volumeMounts"].append(
+            {"name": "kube-api-access", "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True}
+        )
     pod_spec.update(build_placement(cluster, spec))
     extra = spec.pod_template.metadata
     extra_labels = (extra.labels if extra else None) or {}

@@ -209,7 +209,7 @@ def reconcile_children(
             memory.storage_refusal = f"{pod_name(cluster, name)}: {exc}"
         pod = pods.get(name)
         if pod is None:
-            k.ensure(builders.build_pod(cluster, spec, name))
+            k.ensure(builders.build_pod(cluster, spec, name, builders.broker_token_seconds()))
             continue
         have = pod.get("metadata", {}).get("labels") or {}
         want = builders.labels(cluster, name)
@@ -528,7 +528,10 @@ def observe_rollout(
 ) -> rollout.RolloutObservation:
     """What `rollout.plan` looks at: which pod runs the desired template, who serves."""
     desired: dict[str, Any] = {
-        n: builders.pod_revision(builders.build_pod(cluster, spec, n)) for n in NAMES
+        n: builders.pod_revision(
+            builders.build_pod(cluster, spec, n, builders.broker_token_seconds())
+        )
+        for n in NAMES
     }
     revision = builders.template_hash(desired)
     pod_views = {
@@ -899,6 +902,7 @@ def main(argv: list[str] | None = None) -> None:
     resource scanning disabled, so it neither lists namespaces nor watches CRDs.
     """
     namespaces = watched_namespaces(argv)
+    builders.broker_token_seconds()  # a bad value stops the start, not every reconcile
     port = int(os.environ.get(OPERATOR_METRICS_PORT_ENV, metrics.DEFAULT_PORT))
     try:
         start_http_server(port)

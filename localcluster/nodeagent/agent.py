@@ -29,6 +29,7 @@ from twinmq.localcluster.layout import (
 from twinmq.localcluster.nodeagent.images import CommandMap
 from twinmq.localcluster.nodeagent.logserver import serve_logs
 from twinmq.localcluster.nodeagent.runtime import Runtime
+from twinmq.localcluster.nodeagent.volumes import IssuedToken, TokenSource
 from twinmq.localcluster.nodeagent.worker import PodWorker
 from twinmq.localcluster.provisioner import provision_loop
 from twinmq.localcluster.versions import KUBERNETES_VERSION
@@ -37,6 +38,16 @@ log = logging.getLogger("twinmq.nodeagent")
 
 LEASE_SECONDS = 40
 HEARTBEAT_SECONDS = 10
+
+
+def issued_token(answer: dict[str, Any]) -> IssuedToken:
+    """The token of a TokenRequest answer, with its expiry and the lifetime granted."""
+    expires = datetime.fromisoformat(answer["status"]["expirationTimestamp"].replace("Z", "+00:00"))
+    return IssuedToken(
+        token=str(answer["status"]["token"]),
+        expires_at=expires.timestamp(),
+        lifetime=float(answer["spec"]["expirationSeconds"]),
+    )
 
 
 def _now() -> datetime:
@@ -150,21 +161,29 @@ class Agent:
         data.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
         return data
 
-    def token(self, namespace: str, account: str, expiry: int, audience: str | None) -> str:
-        """Return a token for a service account (TokenRequest API)."""
+    def token(self, source: TokenSource) -> IssuedToken:
+        """Return a token for a projected volume (TokenRequest API), bound to its pod as the
+        kubelet's are."""
         body = {
             "apiVersion": "authentication.k8s.io/v1",
             "kind": "TokenRequest",
-            "spec": {"audiences": [audience] if audience else [], "expirationSeconds": expiry},
-        }
-        path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token"
+            "spec": {
+                "audiences": [source.audience] if source.audience else [],
+                "expirationSeconds": source.expiration_seconds,
+                "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
+                                   "name": source.pod_name, "uid": source.pod_uid},
+            },
+        }  # fmt: skip
+        path = f"/api/v1/namespaces/{source.namespace}/serviceaccounts/{source.account}/token"
         try:
             result = self.kube.create(path, body)
         except ApiError as error:
             if error.status == 404:
-                raise KeyError(f"serviceaccount {namespace}/{account} not found") from None
+                raise KeyError(
+                    f"serviceaccount {source.namespace}/{source.account} not found"
+                ) from None
             raise
-        return str(result["status"]["token"])
+        return issued_token(result)
 
     def claim_path(self, namespace: str, claim: str) -> Path:
         """Return the folder of the PersistentVolume bound to `claim`; KeyError if unbound."""

@@ -9,6 +9,10 @@ from pathlib import Path
 
 PROJECT_IMAGE = "twinmq/twinmq"
 """The project's image, any tag, optionally behind a registry host (docker.io/twinmq/twinmq)."""
+AUDIT_IMAGE = "twinmq/twinmq-audit"
+"""The Spark audit's image (`make image-audit`: the broker image plus a JRE and PySpark). The
+checkout's venv has PySpark and the audit's console scripts, so it maps there as well."""
+PROJECT_IMAGES = (PROJECT_IMAGE, AUDIT_IMAGE)
 
 EXTRA_COMMANDS = ("python", "python3", "sh", "sleep", "true", "false")
 """Besides the project's console scripts (`twinmq-*`), what the project's image also carries."""
@@ -35,12 +39,12 @@ def image_repository(image: str) -> str:
 
 
 def check_image(image: str) -> None:
-    """Raise ImageError unless `image` is the project's image."""
-    if image_repository(image) != PROJECT_IMAGE:
+    """Raise ImageError unless `image` is one of the project's images."""
+    if image_repository(image) not in PROJECT_IMAGES:
         raise ImageError(
             f'image "{image}" is not available on the process-backed test node '
-            f"(it runs only {PROJECT_IMAGE}:<tag>, whose commands are this checkout's "
-            "console scripts)"
+            f"(it runs only {PROJECT_IMAGE}:<tag> and {AUDIT_IMAGE}:<tag>, whose commands "
+            "are this checkout's console scripts)"
         )
 
 

@@ -16,7 +16,7 @@ from twinmq.localcluster.nodeagent.images import CommandError, CommandMap, Image
 from twinmq.localcluster.nodeagent.podenv import container_env, expand
 from twinmq.localcluster.nodeagent.probes import run_probe
 from twinmq.localcluster.nodeagent.runtime import Exited, Running, Runtime, netns_name
-from twinmq.localcluster.nodeagent.volumes import VolumeBuilder
+from twinmq.localcluster.nodeagent.volumes import IssuedToken, TokenSource, VolumeBuilder
 
 log = logging.getLogger("twinmq.nodeagent")
 
@@ -36,8 +36,8 @@ class Cluster(Protocol):
     def config_map(self, namespace: str, name: str) -> dict[str, bytes]:
         """Return a ConfigMap's data; KeyError if it does not exist."""
 
-    def token(self, namespace: str, account: str, expiry: int, audience: str | None) -> str:
-        """Return a service account token (TokenRequest)."""
+    def token(self, source: TokenSource) -> IssuedToken:
+        """Return a service account token for a projected volume (TokenRequest)."""
 
     def claim_path(self, namespace: str, claim: str) -> Path:
         """Return the folder of the PersistentVolume bound to a claim."""
@@ -99,6 +99,7 @@ class PodWorker:
         self.init_done = False
         self.pod_ip = ""
         self.volumes: dict[str, Path] | None = None
+        self.builder = self._builder()
         self.error: tuple[str, str] | None = None
         self.last_status: dict[str, Any] | None = None
         self.transitions: dict[str, tuple[str, float]] = {}
@@ -185,13 +186,15 @@ class PodWorker:
             self.pod_ip = self.runtime.ensure_sandbox(self.uid, self.namespace, self.name, hostname)
         if self.volumes is None:
             try:
-                self.volumes = self._builder().build(pod)
+                self.volumes = self.builder.build(pod)
                 self.error = None
             except (KeyError, ValueError) as error:
                 self.error = ("CreateContainerConfigError", f"volumes: {error}")
                 self._publish(pod)
                 self.stop.wait(2)
                 return False
+        # Projected service-account tokens expire: renew them as the kubelet does.
+        self.builder.refresh_tokens(time.time())
         if not self.init_done:
             self._run_init(pod)
         if self.init_done:

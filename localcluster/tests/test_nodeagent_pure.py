@@ -36,7 +36,16 @@ def test_project_image_is_accepted_with_any_tag(image: str) -> None:
     assert image_repository(image) == "twinmq/twinmq"
 
 
-@pytest.mark.parametrize("image", ["nginx:1.25", "localhost:5000/twinmq/twinmq:dev", "twinmq"])
+@pytest.mark.parametrize(
+    "image", ["docker.io/twinmq/twinmq-audit:dev", "twinmq/twinmq-audit:0.1.0"]
+)
+def test_the_audit_image_is_accepted_too(image: str) -> None:
+    check_image(image)
+
+
+@pytest.mark.parametrize(
+    "image", ["nginx:1.25", "localhost:5000/twinmq/twinmq:dev", "twinmq", "twinmq/twinmq-other"]
+)
 def test_other_images_fail_like_an_unpullable_image(image: str) -> None:
     with pytest.raises(ImageError, match="not available"):
         check_image(image)

@@ -11,6 +11,7 @@ import pytest
 from twinmq.localcluster.layout import Layout
 from twinmq.localcluster.nodeagent.images import CommandMap
 from twinmq.localcluster.nodeagent.runtime import ContainerState, Exited, Running, Runtime
+from twinmq.localcluster.nodeagent.volumes import IssuedToken, TokenSource
 from twinmq.localcluster.nodeagent.worker import PodWorker
 
 
@@ -57,8 +58,9 @@ class FakeApi:
     def config_map(self, namespace: str, name: str) -> dict[str, bytes]:
         raise KeyError(name)
 
-    def token(self, namespace: str, account: str, expiry: int, audience: str | None) -> str:
-        return "token"
+    def token(self, source: TokenSource) -> IssuedToken:
+        return IssuedToken("token", time.time() + source.expiration_seconds,
+                           source.expiration_seconds)  # fmt: skip
 
     def claim_path(self, namespace: str, claim: str) -> Path:
         raise KeyError(claim)
