@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -45,6 +46,20 @@ def mount_order(specs: list[str]) -> list[str]:
     return sorted(specs, key=shadows)  # stable: the others keep their order
 
 
+def hidden_by_mounts(specs: list[str], keep: list[Path]) -> list[Path]:
+    """The folders of `keep` (the checkout, its venv, this container's state) that a mount
+    would hide, outermost first: a pod's emptyDir over /tmp hides a checkout under /tmp,
+    and with it the commands and the state folder the shim writes to."""
+    targets = [Path(spec.split(":")[1]) for spec in specs]
+    hidden: list[Path] = []
+    for folder in sorted({k.resolve() for k in keep}, key=lambda k: len(k.parts)):
+        if any(folder.is_relative_to(h) for h in hidden):
+            continue  # already kept with its parent
+        if any(folder.is_relative_to(t) for t in targets):
+            hidden.append(folder)
+    return hidden
+
+
 def main() -> int:
     """Entry point: see the module docstring."""
     parser = argparse.ArgumentParser()
@@ -64,6 +79,9 @@ def main() -> int:
     exit_file = args.state / "exit"
     if args.hostname:
         socket.sethostname(args.hostname)  # in the UTS namespace `unshare --uts` gave us
+    # Held open across the mounts (O_PATH), then bound back in place over them.
+    keep = [Path(__file__).resolve().parents[2], Path(sys.prefix), args.state, args.log.parent]
+    held = {folder: os.open(folder, os.O_PATH) for folder in hidden_by_mounts(args.mount, keep)}
     for spec in mount_order(args.mount):
         src, dst, *mode = spec.split(":")
         _record_created(Path(dst), args.record_created)
@@ -75,6 +93,12 @@ def main() -> int:
         subprocess.run(["mount", "--bind", src, dst], check=True)
         if mode == ["ro"]:
             subprocess.run(["mount", "-o", "remount,bind,ro", dst], check=True)
+    for folder, fd in held.items():
+        folder.mkdir(parents=True, exist_ok=True)  # inside the mount that hid it
+        # --no-canonicalize: resolved as a path, the fd's link names the hiding folder.
+        source = f"/proc/{os.getpid()}/fd/{fd}"
+        subprocess.run(["mount", "--bind", "--no-canonicalize", source, str(folder)], check=True)
+        os.close(fd)
     args.log.parent.mkdir(parents=True, exist_ok=True)
     with args.log.open("ab") as log:
         try:

@@ -18,7 +18,7 @@ from twinmq.localcluster.nodeagent.images import (
 )
 from twinmq.localcluster.nodeagent.podenv import container_env, expand, field_ref
 from twinmq.localcluster.nodeagent.runtime import resolv_conf
-from twinmq.localcluster.nodeagent.shim import mount_order
+from twinmq.localcluster.nodeagent.shim import hidden_by_mounts, mount_order
 from twinmq.localcluster.versions import staging_version
 
 
@@ -175,3 +175,14 @@ def test_a_mount_over_a_folder_holding_another_mounts_source_comes_last() -> Non
     data = "/tmp/ci/.cluster/volumes/pvc-1:/var/lib/twinmq/data"
     assert mount_order([tmp, token, data]) == [token, data, tmp]
     assert mount_order([token, data]) == [token, data]
+
+
+def test_a_checkout_under_a_pods_tmp_mount_is_kept_visible_with_its_state(tmp_path: Path) -> None:
+    """A pod's emptyDir over /tmp hides a checkout under /tmp (its venv's commands, the
+    container's state folder): those folders are bound back, outermost only."""
+    checkout = tmp_path / "ck"
+    state = checkout / ".cluster" / "node" / "pods" / "p" / "containers" / "broker"
+    elsewhere = Path("/opt/venv")
+    mounts = [f"/var/empty:{tmp_path}", "/x/token:/var/run/secrets/token"]
+    assert hidden_by_mounts(mounts, [checkout, state, elsewhere]) == [checkout]
+    assert hidden_by_mounts(["/x:/srv/data"], [checkout, state]) == []
