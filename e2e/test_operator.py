@@ -248,7 +248,9 @@ def test_an_operator_killed_mid_failover_finishes_it_after_a_restart(
             s = cluster_status(cluster, namespace, name)
             return s.get("activeBroker") == "backup" and s.get("phase") in ("Ready", "Degraded")
 
-        wait_for("the restarted operator to finish the failover", finished, timeout=60)
+        # 60 s timed out once in a full e2e run (cause not found; the test alone then
+        # passed in 30 s): a bound on the wait, not a claim on its speed.
+        wait_for("the restarted operator to finish the failover", finished, timeout=120)
     finally:
         faults.resume_pod(Layout.default(), namespace, f"{name}-primary")
     status = cluster_status(cluster, namespace, name)
