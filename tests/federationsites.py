@@ -19,7 +19,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.launcher import BrokerProcess, free_port
-from twinmq.testing.pair import status
+from twinmq.testing.pair import Pair, status
 from twinmq.testing.waiting import wait_for
 
 PASSWORD_ENV = "TWINMQ_TEST_FEDERATION_PASSWORD"
@@ -101,6 +101,32 @@ def federated(
     finally:
         if proxy is not None:
             proxy.close()
+        central.stop()
+
+
+@contextmanager
+def federated_pair(
+    tmp: Path, exchange: str, kind: str, **options: Any
+) -> Iterator[tuple[BrokerProcess, Pair]]:
+    """`central` and a started downstream pair (server id `remote`) that federates
+    central's `exchange` of type `kind`; both stopped at the end."""
+    central = site(tmp, "central")
+    central.start()
+    try:
+        config = federation_file(
+            tmp / "remote.json",
+            {"central": f"127.0.0.1:{central.port}"},
+            [{"exchange": exchange, "upstream": "central", "type": kind, **options}],
+        )
+        pair = Pair(
+            tmp / "pair",
+            broker_args=["--server-id", "remote", "--federation-config", str(config)],
+        )
+        for broker in pair.brokers.values():
+            broker.env[PASSWORD_ENV] = "guest"
+        with pair:
+            yield central, pair
+    finally:
         central.stop()
 
 

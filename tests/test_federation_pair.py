@@ -8,70 +8,51 @@ from pathlib import Path
 
 import pytest
 from federationsites import (
-    PASSWORD_ENV,
     channel,
-    federation_file,
+    federated_pair,
     get_all,
     links,
     publish_confirmed,
     queue_depth,
     queue_settled,
-    site,
     wait_running,
     wait_upstream_bindings,
 )
 
 from twinmq.broker.federation.agent import queue_name
-from twinmq.testing.pair import Pair
 from twinmq.testing.waiting import wait_for
 
 
 @pytest.mark.slow
 def test_the_link_runs_on_the_active_only_and_follows_a_failover(tmp_path: Path) -> None:
-    central = site(tmp_path, "central")
-    central.start()
-    config = federation_file(
-        tmp_path / "remote.json",
-        {"central": f"127.0.0.1:{central.port}"},
-        [{"exchange": "market", "upstream": "central", "type": "direct"}],
-    )
-    pair = Pair(
-        tmp_path / "pair",
-        broker_args=["--server-id", "remote", "--federation-config", str(config)],
-    )
-    for broker in pair.brokers.values():
-        broker.env[PASSWORD_ENV] = "guest"
-    try:
-        with pair:
-            wait_running(pair.active, "market")
-            assert links(pair.passive)["market"]["state"] != "running"
-            connection, ch = channel(pair.active)
-            ch.queue_declare("inbox", durable=True)
-            ch.queue_bind("inbox", "market", "k")
-            connection.close()
-            link_queue = queue_name("market", "remote")
-            wait_upstream_bindings(central, link_queue, {("market", "k")})
-            publish_confirmed(central, "market", [("k", f"{i}".encode()) for i in range(100)])
-            wait_for("100 on the active", lambda: queue_depth(pair.active, "inbox") == 100)
-            # Every delivery acknowledged upstream before the kill: the link's dedup keys are
-            # not replicated to the passive yet (docs/federation.md, "Pairs"), so a batch
-            # in flight at the kill would come through twice.
-            wait_for("the link queue settled", lambda: queue_settled(central, link_queue))
-            pair.wait_healthy()
-            assert pair.failover()
-            wait_running(pair.active, "market")
-            publish_confirmed(central, "market", [("k", f"{i}".encode()) for i in range(100, 200)])
-            try:
-                wait_for("200 on the new active", lambda: queue_depth(pair.active, "inbox") == 200)
-            except TimeoutError as exc:
-                raise AssertionError(
-                    f"{exc}: {links(pair.active)} {queue_depth(pair.active, 'inbox')} "
-                    f"{queue_depth(central, link_queue)}"
-                ) from None
-            bodies = sorted(int(b) for _k, b, _h in get_all(pair.active, "inbox", 200))
-            assert bodies == list(range(200))
-    finally:
-        central.stop()
+    with federated_pair(tmp_path, "market", "direct") as (central, pair):
+        wait_running(pair.active, "market")
+        assert links(pair.passive)["market"]["state"] != "running"
+        connection, ch = channel(pair.active)
+        ch.queue_declare("inbox", durable=True)
+        ch.queue_bind("inbox", "market", "k")
+        connection.close()
+        link_queue = queue_name("market", "remote")
+        wait_upstream_bindings(central, link_queue, {("market", "k")})
+        publish_confirmed(central, "market", [("k", f"{i}".encode()) for i in range(100)])
+        wait_for("100 on the active", lambda: queue_depth(pair.active, "inbox") == 100)
+        # Every delivery acknowledged upstream before the kill: the link's dedup keys are
+        # not replicated to the passive yet (docs/federation.md, "Pairs"), so a batch
+        # in flight at the kill would come through twice.
+        wait_for("the link queue settled", lambda: queue_settled(central, link_queue))
+        pair.wait_healthy()
+        assert pair.failover()
+        wait_running(pair.active, "market")
+        publish_confirmed(central, "market", [("k", f"{i}".encode()) for i in range(100, 200)])
+        try:
+            wait_for("200 on the new active", lambda: queue_depth(pair.active, "inbox") == 200)
+        except TimeoutError as exc:
+            raise AssertionError(
+                f"{exc}: {links(pair.active)} {queue_depth(pair.active, 'inbox')} "
+                f"{queue_depth(central, link_queue)}"
+            ) from None
+        bodies = sorted(int(b) for _k, b, _h in get_all(pair.active, "inbox", 200))
+        assert bodies == list(range(200))
 
 
 @pytest.mark.slow
@@ -83,44 +64,28 @@ def test_a_failover_of_the_downstream_pair_under_traffic_loses_nothing_and_repea
     re-deliveries to the promoted passive are dropped, and nothing confirmed upstream is
     lost."""
     total = 600
-    central = site(tmp_path, "central")
-    central.start()
-    config = federation_file(
-        tmp_path / "remote.json",
-        {"central": f"127.0.0.1:{central.port}"},
-        [{"exchange": "market", "upstream": "central", "type": "direct", "prefetch": 32}],
-    )
-    pair = Pair(
-        tmp_path / "pair",
-        broker_args=["--server-id", "remote", "--federation-config", str(config)],
-    )
-    for broker in pair.brokers.values():
-        broker.env[PASSWORD_ENV] = "guest"
-    try:
-        with pair:
-            wait_running(pair.active, "market")
-            connection, ch = channel(pair.active)
-            ch.queue_declare("inbox", durable=True)
-            ch.queue_bind("inbox", "market", "k")
-            connection.close()
-            link_queue = queue_name("market", "remote")
-            wait_upstream_bindings(central, link_queue, {("market", "k")})
-            publisher = threading.Thread(
-                target=publish_confirmed,
-                args=(central, "market", [("k", f"{i}".encode()) for i in range(total)]),
+    with federated_pair(tmp_path, "market", "direct", prefetch=32) as (central, pair):
+        wait_running(pair.active, "market")
+        connection, ch = channel(pair.active)
+        ch.queue_declare("inbox", durable=True)
+        ch.queue_bind("inbox", "market", "k")
+        connection.close()
+        link_queue = queue_name("market", "remote")
+        wait_upstream_bindings(central, link_queue, {("market", "k")})
+        publisher = threading.Thread(
+            target=publish_confirmed,
+            args=(central, "market", [("k", f"{i}".encode()) for i in range(total)]),
+        )
+        publisher.start()
+        try:
+            wait_for(
+                "deliveries flowing into the active",
+                lambda: links(pair.active)["market"]["messages_received"] >= 100,
             )
-            publisher.start()
-            try:
-                wait_for(
-                    "deliveries flowing into the active",
-                    lambda: links(pair.active)["market"]["messages_received"] >= 100,
-                )
-                assert pair.failover()
-            finally:
-                publisher.join(120)
-            wait_running(pair.active, "market")
-            wait_for("the link queue settled", lambda: queue_settled(central, link_queue))
-            bodies = sorted(int(b) for _k, b, _h in get_all(pair.active, "inbox", total))
-            assert bodies == list(range(total))
-    finally:
-        central.stop()
+            assert pair.failover()
+        finally:
+            publisher.join(120)
+        wait_running(pair.active, "market")
+        wait_for("the link queue settled", lambda: queue_settled(central, link_queue))
+        bodies = sorted(int(b) for _k, b, _h in get_all(pair.active, "inbox", total))
+        assert bodies == list(range(total))
