@@ -392,23 +392,23 @@ class MirrorSource:
 
     def lag_by_queue(self) -> dict[str, int]:
         """Unacknowledged events per queue name (queues deleted since under their qid)."""
-        out: dict[str, int] = {}
-        for qid, count in self.queue_lag.items():
-            queue = self.vhost.queue_by_qid(qid)
-            out[queue.name if queue is not None else f"qid:{qid}"] = count
-        return out
+        return {self._label(qid): count for qid, count in self.queue_lag.items()}
+
+    def _label(self, qid: int) -> str:
+        """A queue's name (a queue deleted since: its qid)."""
+        queue = self.vhost.queue_by_qid(qid)
+        return queue.name if queue is not None else f"qid:{qid}"
 
     def lag_seconds_by_queue(self) -> dict[str, float]:
         """Per queue name: the age of its oldest event not yet acknowledged."""
-        out: dict[str, float] = {}
-        now = self.clock()
+        oldest: dict[int, float] = {}  # qid -> when its oldest event was made
         for made, qids in self._lag.values():  # oldest first
             for qid in qids:
-                queue = self.vhost.queue_by_qid(qid)
-                out.setdefault(queue.name if queue is not None else f"qid:{qid}", now - made)
-            if len(out) >= len(self.queue_lag):
+                oldest.setdefault(qid, made)
+            if len(oldest) >= len(self.queue_lag):
                 break
-        return {name: round(max(0.0, age), 3) for name, age in out.items()}
+        now = self.clock()
+        return {self._label(qid): round(max(0.0, now - made), 3) for qid, made in oldest.items()}
 
     @property
     def depth(self) -> int:
