@@ -327,8 +327,7 @@ class MirrorApplier:
                     ("x-mirror-orphan-mid", long_int(m.mid)),
                 )
             )
-            header = record_header(len(m.body))[:-2] + struct.pack(">H", 0x2000)
-            header += encode_table(table)
+            header = _header_with(table, len(m.body))
             orphan = Message(m.mid, m.exchange, queue.name, header, m.body, True, None, None)
             orphans.entries.append(Entry(orphan, None, True))
             orphans.bytes += len(m.body)
@@ -358,12 +357,17 @@ class MirrorApplier:
                 ("x-mirror-reason", text(str(exc)[:1000])),
             )
         )
-        header = record_header(len(body))[:-2] + struct.pack(">H", 0x2000) + encode_table(table)
+        header = _header_with(table, len(body))
         message = Message(seq, "", DLQ_NAME, header, body, True, None, None)
         queue.entries.append(Entry(message, None, True))
         queue.bytes += len(body)
         metrics.DEAD_LETTERED.inc()
         return StoredMessage(seq, DLQ_QID, "", DLQ_NAME, header, body, None)
+
+
+def _header_with(headers: Table, body_size: int) -> bytes:
+    """An internal record's content header carrying `headers` (property flag 0x2000)."""
+    return record_header(body_size)[:-2] + struct.pack(">H", 0x2000) + encode_table(headers)
 
 
 def _may_hold(queue: Queue, mid: int) -> bool:
