@@ -36,9 +36,9 @@ def test_the_link_runs_on_the_active_only_and_follows_a_failover(tmp_path: Path)
         wait_upstream_bindings(central, link_queue, {("market", "k")})
         publish_confirmed(central, "market", [("k", f"{i}".encode()) for i in range(100)])
         wait_for("100 on the active", lambda: queue_depth(pair.active, "inbox") == 100)
-        # Every delivery acknowledged upstream before the kill: the link's dedup keys are
-        # not replicated to the passive yet (docs/federation.md, "Pairs"), so a batch
-        # in flight at the kill would come through twice.
+        # Every delivery acknowledged upstream before the kill: this test is about the
+        # link moving to the promoted passive; redeliveries at a kill under traffic are
+        # the next test's (docs/federation.md, "Pairs").
         wait_for("the link queue settled", lambda: queue_settled(central, link_queue))
         pair.wait_healthy()
         assert pair.failover()
