@@ -292,10 +292,14 @@ class RecordingLink:
     def __init__(self) -> None:
         self.writes: list[tuple[float, int]] = []
         self.sender: CatchupSender | None = None
+        self.dropped = False
 
     @property
     def closed(self) -> bool:
-        return False
+        return self.dropped
+
+    def close(self) -> None:
+        self.dropped = True
 
     def write(self, data: bytes) -> bool:
         self.writes.append((asyncio.get_running_loop().time(), len(data)))
@@ -334,6 +338,36 @@ def test_a_rate_capped_catch_up_writes_no_byte_before_the_cap_allows_it() -> Non
     for at, size in link.writes:
         assert at - first >= sent / rate, "a chunk went out faster than the cap"
         sent += size
+
+
+@pytest.mark.parametrize("packed", ["AAAA", "AAAAAAAAAA==", "!!!!AAAAAAA="])
+def test_a_snapshot_whose_packed_ids_do_not_decode_is_a_protocol_error(packed: str) -> None:
+    """Found by fuzzing (`make fuzz`, replication_frames): a binascii error from the
+    passive's snapshot escaped the catch-up task, which then died without closing the
+    link. A shape that is not whole u64s is refused at once, bad characters when read."""
+    snapshot = Snapshot(packed={1: packed})
+    with pytest.raises(ProtocolError):
+        list(snapshot.ids()[1])
+
+
+def test_a_catch_up_stopped_by_a_malformed_snapshot_closes_the_link() -> None:
+    """The passive attaches again with a fresh snapshot; the catch-up never hangs half done."""
+    stream = CatchupStream(
+        {1: [entry(mid) for mid in range(1, 4)]},
+        Snapshot(packed={1: "!!!!AAAAAAA="}).ids(),
+        4,
+        queue_exists=lambda qid: True,
+    )
+    link = RecordingLink()
+    sender = CatchupSender(stream, link)
+    link.sender = sender
+
+    async def run() -> None:
+        sender.start()
+        await until("the link closed", lambda: link.dropped or None, within=10)
+
+    asyncio.run(run())
+    assert not sender.done
 
 
 def test_the_dedup_window_follows_every_message_and_discard_in_bounded_chunks() -> None:

@@ -53,6 +53,7 @@ from twinmq.broker.replication.protocol import (
     BATCH_CATCHUP,
     BATCH_CATCHUP_LAST,
     FrameType,
+    ProtocolError,
     encode_batch,
     encode_key,
 )
@@ -408,6 +409,10 @@ class ChunkLink(Protocol):
         """Wait until the transport's write buffer is below its high-water mark."""
         ...
 
+    def close(self) -> None:
+        """Drop the link (the passive attaches again)."""
+        ...
+
 
 class Yielding(Protocol):
     """What `CatchupSender` needs of the group committer: confirms go first."""
@@ -518,6 +523,11 @@ class CatchupSender:
         except (ConnectionError, RuntimeError) as exc:
             # The link died under us; its reader notices and drops it.
             log.debug("catch-up stream stopped: %r", exc)
+        except ProtocolError as exc:
+            # The passive's snapshot (read lazily) was malformed: drop the link; it
+            # attaches again with a new one. Never a silently dead catch-up.
+            log.warning("catch-up stopped: %s: replication link closed", exc)
+            self.link.close()
 
     def _write(self, chunk: Chunk, last: bool) -> int:
         """Write one chunk; the bytes written (0 if the link is gone)."""

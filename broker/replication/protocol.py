@@ -127,9 +127,14 @@ class PackedIds(Sequence[int]):
     """The IDs of `pack_ids` text; a slice decodes only the base64 it covers."""
 
     def __init__(self, text: str) -> None:
-        self._text = text
+        # Only the shape is checked here (a full decode of a million IDs holds the
+        # loop); a slice that does not decode raises ProtocolError when read.
         padding = text[-2:].count("=")
-        self._len = (len(text) // 4 * 3 - padding) // 8
+        size = len(text) // 4 * 3 - padding
+        if len(text) % 4 or size % 8:
+            raise ProtocolError(f"packed IDs of {len(text)} characters are not whole u64s")
+        self._text = text
+        self._len = size // 8
 
     def __len__(self) -> int:
         return self._len
@@ -150,9 +155,12 @@ class PackedIds(Sequence[int]):
             return []
         first, end = start * 8, stop * 8  # byte range
         group = first // 3  # base64 encodes 3 bytes as 4 characters
-        raw = binascii.a2b_base64(self._text[group * 4 : (end + 2) // 3 * 4])
-        values = array.array("Q")
-        values.frombytes(raw[first - group * 3 : first - group * 3 + end - first])
+        try:
+            raw = binascii.a2b_base64(self._text[group * 4 : (end + 2) // 3 * 4], strict_mode=True)
+            values = array.array("Q")
+            values.frombytes(raw[first - group * 3 : first - group * 3 + end - first])
+        except ValueError as exc:  # binascii.Error included
+            raise ProtocolError(f"packed IDs do not decode: {exc}") from None
         if sys.byteorder != "little":
             values.byteswap()
         return values.tolist()
