@@ -1,4 +1,4 @@
-"""The broker's protocol core without sockets: bytes in, bytes out.
+"""The broker's protocol core without sockets: bytes in, bytes out (tests and fuzzing).
 
 `Harness` wires `Connection` objects to a real `VirtualHost` over a real
 `Journal` and `GroupCommitter` (on a private, normally idle event loop), with a

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from pamqp import commands
-from sansio import PRODUCT_VERSION, Harness, Peer
 
 from twinmq.broker.connection import State
 from twinmq.testing.rawamqp import (
@@ -23,6 +22,7 @@ from twinmq.testing.rawamqp import (
     publish,
     start_ok,
 )
+from twinmq.testing.sansio import PRODUCT_VERSION, Harness, Peer
 
 FRAME_END = b"\xce"
 

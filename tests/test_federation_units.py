@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from pamqp import commands
-from sansio import Harness
 
 from twinmq.broker import codec, fieldtable
 from twinmq.broker.definitions import BindingDef
@@ -17,6 +16,7 @@ from twinmq.broker.federation.dedup import QUEUE_NAME, DurableKeys
 from twinmq.broker.federation.headers import ORIGIN, ORIGIN_SEQ, arrival, stamp_origin
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, duplicate_refusal
 from twinmq.testing.rawamqp import PROTOCOL_HEADER, decode_frames, encode
+from twinmq.testing.sansio import Harness
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from sansio import Harness
 
 from twinmq.broker.codec import decode_content_header, decode_headers
 from twinmq.broker.definitions import BindingDef, Definitions, ExchangeDef, QueueDef
@@ -27,6 +26,7 @@ from twinmq.broker.mirror.events import (
     record_header,
 )
 from twinmq.broker.settings import parse_args
+from twinmq.testing.sansio import Harness
 
 QID = 3
 TOPOLOGY = Definitions(queues=[QueueDef(name="q", qid=QID)], next_qid=QID + 1)

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from pamqp import commands
 from poison import header_with_table, nested_table
-from sansio import Harness, ManualClock
 
 from twinmq.broker.codec import decode_headers
 from twinmq.broker.definitions import BindingDef, Definitions, ExchangeDef, QueueDef
@@ -23,6 +22,7 @@ from twinmq.broker.fieldtable import to_python
 from twinmq.broker.journal import Journal, StoredMessage
 from twinmq.broker.replication.catchup import capture
 from twinmq.testing.rawamqp import encode
+from twinmq.testing.sansio import Harness, ManualClock
 
 NOW = ManualClock().now
 UNWALKABLE = struct.pack(">HHQH", 60, 0, 4, 0x2000) + b"\x00\x00\xff\xff"  # table overruns

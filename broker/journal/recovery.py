@@ -147,8 +147,13 @@ def read_definitions(directory: Path) -> tuple[Definitions, bool]:
     path = directory / DEFINITIONS
     if not path.exists():
         return Definitions(), True
+    return decode_definitions(path.read_bytes(), path), False
+
+
+def decode_definitions(data: bytes, path: Path) -> Definitions:
+    """The topology in a definitions file's bytes (`read_definitions`; JournalError)."""
     try:
-        topology = json.loads(path.read_bytes())
+        topology = json.loads(data)
         if not isinstance(topology, dict):
             raise ValueError("not a JSON object")
         stored = topology.pop(CHECKSUM_KEY, None)
@@ -164,7 +169,7 @@ def read_definitions(directory: Path) -> tuple[Definitions, bool]:
             "would drop the messages of every queue it misreads; restore the file (a "
             "backup, or rebuild it from the peer's, docs/journal.md)"
         )
-    return defs, False
+    return defs
 
 
 def segment_numbers(directory: Path) -> list[int]:

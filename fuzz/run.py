@@ -1,0 +1,65 @@
+"""Run one fuzz target under atheris (libFuzzer): `python -m twinmq.fuzz.run <target>`.
+
+The broker's modules and pamqp (which decodes most methods) are instrumented for
+coverage; the corpus folder keeps what the fuzzer learnt between runs (seeded from
+the target's valid inputs when empty); a finding is written to the artifacts folder
+and the run stops with libFuzzer's exit code. libFuzzer's own limits make a hang
+(`-timeout`, seconds per input) and unbounded memory (`-rss_limit_mb`) findings too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from pathlib import Path
+
+import atheris
+
+with atheris.instrument_imports(include=["twinmq.broker", "pamqp"]):
+    from twinmq.fuzz.targets import TARGETS
+
+
+def seed_corpus(folder: Path, seeds: list[bytes]) -> None:
+    """Write the target's seeds into an empty corpus folder (named by content)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if any(folder.iterdir()):
+        return
+    for seed in seeds:
+        (folder / f"seed-{hashlib.sha1(seed).hexdigest()}").write_bytes(seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the arguments and fuzz; never returns (libFuzzer exits)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", choices=sorted(TARGETS))
+    parser.add_argument("--runs", type=int, default=10_000_000, help="inputs to try")
+    parser.add_argument("--corpus", type=Path, default=Path(".cache/fuzz/corpus"))
+    parser.add_argument("--artifacts", type=Path, default=Path(".cache/fuzz/findings"))
+    parser.add_argument("--max-len", type=int, default=4096, help="longest input, bytes")
+    parser.add_argument("--timeout", type=int, default=10, help="seconds one input may take")
+    parser.add_argument("--rss-limit-mb", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0, help="libFuzzer's seed (0: random)")
+    args = parser.parse_args(argv)
+    target = TARGETS[args.target]
+    corpus = args.corpus / target.name
+    artifacts = args.artifacts / target.name
+    seed_corpus(corpus, target.seeds())
+    artifacts.mkdir(parents=True, exist_ok=True)
+    libfuzzer = [
+        sys.argv[0],
+        f"-runs={args.runs}",
+        f"-max_len={args.max_len}",
+        f"-timeout={args.timeout}",
+        f"-rss_limit_mb={args.rss_limit_mb}",
+        f"-seed={args.seed}",
+        f"-artifact_prefix={artifacts}/",
+        "-print_final_stats=1",
+        str(corpus),
+    ]
+    atheris.Setup(libfuzzer, target.one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
