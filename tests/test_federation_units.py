@@ -194,3 +194,22 @@ def test_a_peer_announcing_this_servers_identifier_is_refused_at_the_handshake(
         assert close.reply_code == 530 and "duplicate server id 'sansio'" in close.reply_text
     finally:
         harness.close()
+
+
+def test_no_two_internal_queues_share_a_qid() -> None:
+    """The journal files messages by qid: two internal queues with one qid would take each
+    other's records at recovery (the federation's dedup keys and the mirror's orphans once
+    did: both were INTERNAL_QID_BASE + 4)."""
+    from twinmq.broker.federation import dedup
+    from twinmq.broker.mirror import applier, role, source
+
+    qids = {
+        "mirror replication queue": source.QUEUE_QID,
+        "mirror DLQ": applier.DLQ_QID,
+        "mirror role": role.ROLE_QID,
+        "mirror orphans": applier.ORPHANS_QID,
+        "federation dedup": dedup.QUEUE_QID,
+    }
+    assert len(set(qids.values())) == len(qids), qids
+    marks = applier._MARK_QID_BASE
+    assert all(qid < marks for qid in qids.values())

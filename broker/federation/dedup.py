@@ -27,7 +27,9 @@ from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE, reco
 from twinmq.broker.queue import Queue
 
 QUEUE_NAME: Final = INTERNAL_PREFIX + "federation-dedup"
-QUEUE_QID: Final = INTERNAL_QID_BASE + 4
+# Federation's internal qids start at +0x100, clear of the mirror's (+1 ... +4 and the
+# marks'); tests/test_federation_units.py checks that no two internal queues share one.
+QUEUE_QID: Final = INTERNAL_QID_BASE + 0x100
 
 
 class KeyStore(Protocol):
@@ -81,7 +83,9 @@ class DurableKeys:
         mid = store.next_mid
         store.next_mid += 1
         header = record_header(len(body))
-        ops: list[JournalOp] = [StoredMessage(mid, QUEUE_QID, "", QUEUE_NAME, header, body, None)]
+        # The queue's own qid: a queue made by an earlier version may carry another one.
+        qid = queue.definition.qid
+        ops: list[JournalOp] = [StoredMessage(mid, qid, "", QUEUE_NAME, header, body, None)]
         queue.entries.append(
             Entry(Message(mid, "", QUEUE_NAME, header, body, True, None, None), None, True)
         )
@@ -92,7 +96,7 @@ class DurableKeys:
         while len(self._records) > 1 and self._recorded - self._records[0][1] >= self.window.size:
             old_mid, count = self._records.popleft()
             self._recorded -= count
-            ops.append(Settle(QUEUE_QID, old_mid))
+            ops.append(Settle(qid, old_mid))
             for i, entry in enumerate(queue.entries):
                 if entry.message.mid == old_mid:
                     queue.bytes -= len(entry.message.body)
