@@ -249,6 +249,9 @@ class FederationLinkStatus(BaseModel):
     messages_received: int = Field(0, description="Republished here (since start)")
     duplicates_dropped: int = Field(0, description="Dropped: (origin, seq) seen already")
     loops_dropped: int = Field(0, description="Dropped: this server on their path, or max-hops")
+    messages_held: int = Field(
+        0, description="Kept as received in amq.twinmq.federation-held: not republishable here"
+    )
     dedup_keys: int = Field(0, description="Keys in the server's durable dedup window")
 
 

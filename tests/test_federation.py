@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import pika
 import pytest
 from federationsites import (
     channel,
@@ -21,8 +22,9 @@ from federationsites import (
     wait_upstream_bindings,
 )
 
+from twinmq.broker import fieldtable
 from twinmq.broker.admin_client import metric_samples
-from twinmq.broker.federation.agent import queue_name
+from twinmq.broker.federation.agent import HELD_QUEUE, queue_name
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.waiting import wait_for
 
@@ -332,3 +334,70 @@ def test_a_message_reaching_a_server_by_two_paths_is_delivered_there_once(
     finally:
         for broker in (c, b, a):
             broker.stop()
+
+
+def test_a_message_a_client_library_cannot_decode_crosses_the_link_unchanged(
+    central_and_remote: tuple[BrokerProcess, BrokerProcess],
+) -> None:
+    """Found by fuzzing (`make fuzz`, content_header): a timestamp past the year 9999 is
+    valid AMQP (a u64) and the broker accepts it, but pamqp (under aiormq, the link's
+    former client) failed on it and closed the connection; the message was redelivered
+    and failed again, and the link stopped for good. The link now keeps content headers
+    as received and changes only the federation path."""
+    central, remote = central_and_remote
+    wait_running(remote, "market")
+    connection, ch = channel(remote)
+    ch.queue_declare("watcher", durable=True)
+    ch.queue_bind("watcher", "market", "#")
+    connection.close()
+    wait_upstream_bindings(central, LINK_QUEUE, {("market", "#")})
+    odd = pika.BasicProperties(
+        delivery_mode=2, timestamp=2**62, content_type="x/odd", headers={"k": "v"}
+    )
+    connection, ch = channel(central)
+    ch.confirm_delivery()
+    ch.basic_publish("market", "odd", b"odd", odd)
+    connection.close()
+    publish_confirmed(central, "market", [("after", b"after")])
+    wait_for("both messages on the remote", lambda: queue_depth(remote, "watcher") == 2)
+    connection, ch = channel(remote)
+    try:
+        method, properties, body = ch.basic_get("watcher", auto_ack=True)
+        assert method is not None and body == b"odd"
+        assert properties.timestamp == 2**62 and properties.content_type == "x/odd"
+        assert properties.headers["k"] == "v"
+        assert properties.headers["x-twinmq-federation-path"] == ["central", "remote"]
+        method, _properties, body = ch.basic_get("watcher", auto_ack=True)
+        assert method is not None and body == b"after"
+    finally:
+        connection.close()
+    assert links(remote)["market"]["state"] == "running"
+
+
+def test_a_message_past_this_servers_bounds_is_kept_in_the_held_queue_and_the_link_goes_on(
+    central_and_remote: tuple[BrokerProcess, BrokerProcess],
+) -> None:
+    """A headers table at the size limit (accepted upstream) outgrows it with the origin
+    stamps and the path: the downstream cannot republish it. It is kept as received in
+    `amq.twinmq.federation-held`, never dropped nor rewritten; the next message flows."""
+    central, remote = central_and_remote
+    wait_running(remote, "market")
+    connection, ch = channel(remote)
+    ch.queue_declare("watcher", durable=True)
+    ch.queue_bind("watcher", "market", "#")
+    connection.close()
+    wait_upstream_bindings(central, LINK_QUEUE, {("market", "#")})
+    # 4 (table size) + 4 ("pad" as a short string) + 1 ("S") + 4 (its length) + the text.
+    pad = "x" * (fieldtable.MAX_TABLE_BYTES - 13)
+    connection, ch = channel(central)
+    ch.confirm_delivery()
+    ch.basic_publish("market", "big", b"big", pika.BasicProperties(headers={"pad": pad}))
+    connection.close()
+    publish_confirmed(central, "market", [("after", b"after")])
+    wait_for("the next message on the remote", lambda: queue_depth(remote, "watcher") == 1)
+    wait_for("the big one held", lambda: queue_depth(remote, HELD_QUEUE) == 1)
+    (held,) = get_all(remote, HELD_QUEUE, 1)
+    assert held[1] == b"big" and held[2]["pad"] == pad and "x-twinmq-origin" in held[2]
+    assert [body for _key, body, _h in get_all(remote, "watcher", 1)] == [b"after"]
+    assert links(remote)["market"]["messages_held"] == 1
+    assert queue_depth(central, LINK_QUEUE) == 0

@@ -1,7 +1,8 @@
 """The exchange federation agent (the seed's EFA): one link from an upstream exchange into
 a local one.
 
-A link is an AMQP client connection (aiormq) to the upstream with, in order:
+A link is an AMQP client connection (`wire.LinkClient`: content kept as received) to the
+upstream with, in order:
 
 1. the handshake: both sides announce their server identifier; a duplicate is refused
    (`identity.py`), here and on the upstream;
@@ -28,28 +29,33 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 from urllib.parse import quote
 
-import aiormq
-from aiormq.abc import DeliveredMessage
-
-from twinmq.broker.codec import decode_content_header, encode_header_payload
+from twinmq.broker import codec, fieldtable
+from twinmq.broker.errors import AMQPError
 from twinmq.broker.federation import bindings as fb
 from twinmq.broker.federation import metrics
 from twinmq.broker.federation.config import FederatedExchange, Upstream
 from twinmq.broker.federation.dedup import DurableKeys
-from twinmq.broker.federation.headers import PATH, arrival
+from twinmq.broker.federation.headers import HEADERS_FLAG, PATH, arrival
 from twinmq.broker.federation.identity import (
     DUPLICATE_ID,
     SERVER_ID_PROPERTY,
     duplicate_refusal,
 )
+from twinmq.broker.federation.wire import Delivery, LinkClient
+from twinmq.broker.journal import JournalOp, StoredMessage
+from twinmq.broker.message import Entry, Message
+from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE
 from twinmq.broker.vhost import PublishResult, VirtualHost
 
 log = logging.getLogger(__name__)
 
 QUEUE_PREFIX = "federation:"
+HELD_QUEUE: Final = INTERNAL_PREFIX + "federation-held"
+"""Deliveries this server cannot republish (past its bounds with the path added), kept."""
+HELD_QID: Final = INTERNAL_QID_BASE + 0x101
 LinkState = Literal["connecting", "running", "refused"]
 BATCH_MAX = 1024  # deliveries republished per local group commit wait at most
 FIRST_PAUSE = 1.0  # seconds before the first reconnect
@@ -115,6 +121,7 @@ class FederationLink:
         self.duplicates = 0
         self.loops = 0
         self.unstamped = 0
+        self.held = 0
         self._dirty = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -189,17 +196,14 @@ class FederationLink:
 
     async def _session(self) -> bool:
         """One connection, until it fails; True if it reached running."""
-        uri = self.upstream.connect_uri()
-        if "heartbeat=" not in uri:
-            uri += ("&" if "?" in uri else "?") + "heartbeat=10"
-        connection = await aiormq.connect(
-            uri,
-            client_properties={
+        connection = await LinkClient.connect(
+            self.upstream.connect_uri(),
+            {
                 SERVER_ID_PROPERTY: self.server_id,
                 "connection_name": f"federation {self.fed.exchange} -> {self.server_id}",
             },
         )
-        inbox: asyncio.Queue[DeliveredMessage | None] = asyncio.Queue()
+        inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()
         processor: asyncio.Task[None] | None = None
         ran = False
         try:
@@ -215,20 +219,12 @@ class FederationLink:
                     "federation needs a TwinMQ upstream"
                 )
             self.upstream_id = peer
-            channel = await connection.channel()
-            kind = self._kind()
-            await channel.exchange_declare(
-                self.fed.source_exchange, exchange_type=kind, durable=True
-            )
-            await channel.queue_declare(self.queue, durable=True)
-            await self._sync(channel, full=True)
-            await channel.basic_qos(prefetch_count=self.fed.prefetch)
-            processor = asyncio.get_running_loop().create_task(self._process(channel, inbox))
-
-            async def deliver(message: DeliveredMessage) -> None:
-                inbox.put_nowait(message)
-
-            await channel.basic_consume(self.queue, deliver, no_ack=False)
+            await connection.exchange_declare(self.fed.source_exchange, self._kind())
+            await connection.queue_declare(self.queue)
+            await self._sync(connection, full=True)
+            await connection.basic_qos(self.fed.prefetch)
+            processor = asyncio.get_running_loop().create_task(self._process(connection, inbox))
+            await connection.basic_consume(self.queue, inbox.put_nowait)
             self._set_state("running", None)
             ran = True
             log.info(
@@ -239,16 +235,15 @@ class FederationLink:
             closing = connection.closing
             while True:
                 dirty = asyncio.ensure_future(self._dirty.wait())
-                done, _ = await asyncio.wait(
-                    {dirty, closing, processor}, return_when=asyncio.FIRST_COMPLETED
-                )
+                waiters: set[asyncio.Future[Any]] = {dirty, closing, processor}
+                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
                 if dirty not in done:
                     dirty.cancel()
                     if processor in done:
                         processor.result()  # its error ends the session
                     raise ConnectionError(f"connection closed: {_closing_reason(connection)}")
                 self._dirty.clear()
-                await self._sync(channel, full=False)
+                await self._sync(connection, full=False)
         finally:
             if processor is not None:
                 # Settle what was received locally before another session consumes.
@@ -267,7 +262,7 @@ class FederationLink:
 
     # -- binding propagation ------------------------------------------------------------
 
-    async def _sync(self, channel: aiormq.abc.AbstractChannel, *, full: bool) -> None:
+    async def _sync(self, channel: LinkClient, *, full: bool) -> None:
         """Make the upstream queue's bindings the normalised set of the local bindings."""
         exchange = self.vhost.exchanges.get(self.fed.exchange)
         references = fb.needed(self._kind(), exchange.bindings.values() if exchange else [])
@@ -283,14 +278,10 @@ class FederationLink:
         self._save_record(self._maybe_held | self.bound | wanted)
         source = self.fed.source_exchange
         for binding in changes.unbind:
-            await channel.queue_unbind(
-                self.queue, source, routing_key=binding.routing_key, arguments=binding.arguments
-            )
+            await channel.queue_unbind(self.queue, source, binding.routing_key, binding.arguments)
             self.bound.discard(binding)
         for binding in changes.bind:
-            await channel.queue_bind(
-                self.queue, source, routing_key=binding.routing_key, arguments=binding.arguments
-            )
+            await channel.queue_bind(self.queue, source, binding.routing_key, binding.arguments)
             self.bound.add(binding)
         self._maybe_held = set(wanted)
         self._save_record(wanted)
@@ -302,9 +293,7 @@ class FederationLink:
 
     # -- messages -----------------------------------------------------------------------------
 
-    async def _process(
-        self, channel: aiormq.abc.AbstractChannel, inbox: asyncio.Queue[DeliveredMessage | None]
-    ) -> None:
+    async def _process(self, channel: LinkClient, inbox: asyncio.Queue[Delivery | None]) -> None:
         """Republish deliveries in batches, in order, until the session's end marker."""
         while True:
             first = await inbox.get()
@@ -325,18 +314,24 @@ class FederationLink:
             if last:
                 return
 
-    async def _republish(
-        self, channel: aiormq.abc.AbstractChannel, batch: list[DeliveredMessage]
-    ) -> None:
+    async def _republish(self, channel: LinkClient, batch: list[Delivery]) -> None:
         settled: list[tuple[int, bool]] = []  # (delivery tag, ack: True / requeue: False)
-        waiting: list[tuple[int, str | None, PublishResult]] = []
+        # (tag, dedup key, the publish; None: kept in the held queue with the keys' record)
+        waiting: list[tuple[int, str | None, PublishResult | None]] = []
+        held: list[JournalOp] = []
         assert self.upstream_id is not None
         for message in batch:
-            tag = message.delivery_tag or 0
-            properties = message.header.properties
-            verdict = arrival(
-                properties.headers, self.upstream_id, self.server_id, self.fed.max_hops
-            )
+            tag = message.delivery_tag
+            try:
+                table = codec.decode_headers(message.header)
+            except ValueError as exc:
+                # Past this server's bounds (the upstream's stamps grew it, or another
+                # version's): kept as received, never republished with headers rewritten.
+                held.append(self._hold(message, exc))
+                waiting.append((tag, None, None))
+                continue
+            headers = {name: fieldtable.to_python(value) for name, value in table.items}
+            verdict = arrival(headers, self.upstream_id, self.server_id, self.fed.max_hops)
             key = verdict.dedup_key
             if verdict.verdict in ("loop", "too-many-hops"):
                 self.loops += 1
@@ -354,14 +349,22 @@ class FederationLink:
             if exchange is None:
                 settled.append((tag, False))  # the local exchange is gone: retried later
                 continue
-            path: list[Any] = list(verdict.path)
-            properties.headers = {**(properties.headers or {}), PATH: path}
+            # Only the path changes: every other byte of the header goes on as received.
+            path = fieldtable.Array(tuple(fieldtable.text(hop) for hop in verdict.path))
+            stamped = fieldtable.Table((*table.without(PATH).items, (PATH, path)))
             try:
-                header = encode_header_payload(properties, len(message.body))
-                info = decode_content_header(header)
-            except Exception as exc:  # a header this broker would refuse from a client
-                log.error("federation %s: dropping an undecodable message: %r", self._label, exc)
-                settled.append((tag, True))
+                header = codec.rebuild_header(
+                    message.header, {HEADERS_FLAG: fieldtable.encode_table(stamped)}
+                )
+                info = codec.decode_content_header(header)
+            except (AMQPError, ValueError) as exc:
+                # Past this broker's bounds once the path is added (or from another
+                # version): kept as received in the held queue, never dropped; the link
+                # goes on.
+                held.append(self._hold(message, exc))
+                if key is not None:
+                    self.keys.claim(key)
+                waiting.append((tag, key, None))
                 continue
             result = self.vhost.publish(
                 exchange, message.routing_key or "", header, message.body, info, hold=True
@@ -371,13 +374,15 @@ class FederationLink:
             waiting.append((tag, key, result))
         # The keys' record joins the same group commit as the messages (no await since
         # their publishes): after a crash both are on disk or neither.
-        record = self.keys.record(self.vhost, [key for _t, key, _r in waiting if key])
+        record = self.keys.record(self.vhost, [key for _t, key, _r in waiting if key]) + held
         record_batch = self.vhost.committer.add(record) if record else 0
         recorded = True if not record_batch else await self.batches.wait(record_batch)
         durable: list[str] = []
         failed: list[str] = []
-        for tag, key, result in waiting:
-            ok = recorded and (True if not result.batch else await self.batches.wait(result.batch))
+        for tag, key, published in waiting:
+            ok = recorded and (
+                published is None or not published.batch or await self.batches.wait(published.batch)
+            )
             settled.append((tag, ok))
             if ok:
                 self.received += 1
@@ -388,12 +393,31 @@ class FederationLink:
         for tag, ok in sorted(settled):
             try:
                 if ok:
-                    await channel.basic_ack(tag)
+                    channel.basic_ack(tag)
                 else:
-                    await channel.basic_nack(tag, requeue=True)
+                    channel.basic_nack(tag, requeue=True)
             except Exception:
                 # The channel is gone: the upstream redelivers; the keys drop the copies.
                 return
+
+    def _hold(self, message: Delivery, exc: Exception) -> JournalOp:
+        """Keep a delivery that cannot be republished, as received, in `HELD_QUEUE`."""
+        queue = self.vhost.internal_queue(HELD_QUEUE, HELD_QID, locked=False)
+        mid = self.vhost.next_mid
+        self.vhost.next_mid += 1
+        stored = Message(mid, "", HELD_QUEUE, message.header, message.body, True, None, None)
+        queue.entries.append(Entry(stored, None, True))
+        queue.bytes += len(message.body)
+        self.held += 1
+        metrics.HELD.labels(self._label).inc()
+        log.error(
+            "federation %s: a message from %s cannot be republished here (%s): kept as "
+            "received in %s",
+            self._label, self.upstream_name, exc, HELD_QUEUE,
+        )  # fmt: skip
+        return StoredMessage(
+            mid, queue.definition.qid, "", HELD_QUEUE, message.header, message.body, None
+        )
 
 
 def _describe(exc: BaseException) -> str:

@@ -42,3 +42,9 @@ PEERS_REFUSED = Counter(
     "twinmq_federation_peers_refused_total",
     "Federation peers refused here because they announced this server's identifier",
 )
+HELD = Counter(
+    "twinmq_federation_held_total",
+    "Deliveries kept as received in amq.twinmq.federation-held because they could not be "
+    "republished here (past this server's header bounds once the path is added)",
+    ["link"],
+)

@@ -117,6 +117,7 @@ class Federation:
                     messages_received=link.received,
                     duplicates_dropped=link.duplicates,
                     loops_dropped=link.loops,
+                    messages_held=link.held,
                     dedup_keys=len(link.keys),
                 )
             )
