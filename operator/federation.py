@@ -212,6 +212,9 @@ def condition(state: FederationState | None) -> tuple[str, bool, str, str] | Non
     if state is None:
         return None
     down = [link for link in state.links if link.state != "Running"]
+    if not state.links:
+        return ("Federated", True, "UpstreamOnly",
+                f"no federated exchange here; serving as {state.server_id}")  # fmt: skip
     if not down:
         return ("Federated", True, "LinksRunning",
                 f"{len(state.links)} links running as {state.server_id}")  # fmt: skip

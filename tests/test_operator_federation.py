@@ -199,7 +199,10 @@ def test_the_status_condition_and_events_follow_a_real_link_up_and_down(
         upstream = federation.state_of(Federation(), "site-a", "central",
                                        report(central).federation)  # fmt: skip
         assert upstream is not None and upstream.downstream_queues == 1
-        assert federation.condition(upstream)[1] is True  # type: ignore[index]
+        assert federation.condition(upstream) == (
+            "Federated", True, "UpstreamOnly", "no federated exchange here; serving as "
+            "site-a.central",
+        )  # fmt: skip
         central.stop()
         wait_for("the link down", lambda: link_state(remote) == "connecting", 30)
         down = federation.state_of(fed, "site-b", "remote", report(remote).federation)
