@@ -24,7 +24,7 @@ from brokerclusters import (
     events_of,
     in_sync,
 )
-from support import Cluster, new_namespace, plugin
+from support import Cluster, kubectl, new_namespace, plugin
 
 from twinmq.client import ReliablePublisher
 from twinmq.localcluster import faults
@@ -120,6 +120,10 @@ def test_a_downstream_queue_receives_what_is_published_upstream_across_an_upstre
     wait_for("the upstream back in sync",
              lambda: in_sync(cluster_status(cluster, upstream_namespace, central)), 90)  # fmt: skip
 
+    wide = kubectl(cluster, "get", "tmq", remote, "-n", namespace, "-o", "wide")
+    assert wide.returncode == 0, wide.stderr
+    header, row = wide.stdout.splitlines()
+    assert row.split()[header.split().index("FEDERATION")] == "1/1", wide.stdout
     shown = plugin(cluster, "federation", "status", "-A")
     assert shown.returncode == 0, shown.stderr
     rows = {tuple(line.split()[:6]) for line in shown.stdout.splitlines()[1:]}
