@@ -199,8 +199,8 @@ class FederationUpstream(ApiModel):
                 {
                     "rule": "has(self.passwordSecret) || (has(self.clusterRef) && "
                     "!has(self.clusterRef.namespace))",
-                    "message": "passwordSecret is required, except for a BrokerCluster of "
-                    "this namespace (its generated Secret <name>-auth is used then)",
+                    "message": "passwordSecret is required, except for a clusterRef without "
+                    "a namespace (its generated Secret <name>-auth is used then)",
                 },
             ]
         }
@@ -224,7 +224,7 @@ class FederationUpstream(ApiModel):
     password_secret: SecretKeyReference | None = Field(
         None,
         description="The upstream user's password (mounted as a file: a rotated Secret is "
-        "read at the next connection). Default for a clusterRef in this namespace: its "
+        "read at the next connection). Default for a clusterRef without a namespace: its "
         "generated credentials Secret <name>-auth, key password",
     )
     reconnect_max_seconds: int = Field(
