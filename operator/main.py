@@ -39,7 +39,7 @@ from twinmq.broker.names import (
     PASSIVE,
     REPLICATION_PORT,
 )
-from twinmq.operator import builders, drift, leader, metrics, mirroring, rollout
+from twinmq.operator import builders, drift, federation, leader, metrics, mirroring, rollout
 from twinmq.operator.audit_runner import AuditRunner
 from twinmq.operator.builders import ClusterRef, pod_name
 from twinmq.operator.failover import (
@@ -200,6 +200,9 @@ def reconcile_children(
     apply(builders.build_headless_service(cluster))
     apply(builders.build_vip_service(cluster, spec.mirror))
     apply(builders.build_disruption_budget(cluster))
+    # Before the pods: a pod created now reads the federation file its template hashes.
+    if (fed_config := builders.build_federation_config_map(cluster, spec)) is not None:
+        apply(fed_config)
     memory.storage_refusal = None
     for name in NAMES:
         try:
@@ -743,6 +746,10 @@ def reconcile(
         # What only the operator knows: kept until the next switch replaces it.
         new.mirror.demotion_token = status.mirror.demotion_token
         new.mirror.last_switch = status.mirror.last_switch
+    new.federation = federation.state_of(
+        spec.federation, cluster.namespace, cluster.name,
+        active_report.federation if active_report is not None else None,
+    )  # fmt: skip
     serving = (pods.get(new.active_broker) or {}).get("status", {}).get("podIP") if (
         active_report is not None and new.active_broker is not None) else None  # fmt: skip
     for kind, reason, message in mirroring.switch_requests(
@@ -766,12 +773,17 @@ def reconcile(
     damage_events(body, status, new)
     for kind, reason, message in mirroring.events(status.mirror, new.mirror):
         kopf.event(body, type=kind, reason=reason, message=message)
+    for kind, reason, message in federation.events(status.federation, new.federation):
+        log.info("%s/%s: %s: %s", cluster.namespace, cluster.name, reason, message)
+        kopf.event(body, type=kind, reason=reason, message=message)
     extra = [
         *rollout_conditions(new.rollout, memory.storage_refusal),
         damaged_condition(new),
     ]
     if (mirrored := mirroring.condition(new.mirror)) is not None:
         extra.append(mirrored)
+    if (federated := federation.condition(new.federation)) is not None:
+        extra.append(federated)
     new.conditions = conditions(decision, new, views, generation, extra)
     if plan.converged and memory.storage_refusal is None and not deferred:
         # Observed only once the pods run this generation's spec (Argo CD, Flux, kstatus

@@ -40,6 +40,7 @@ OPERATOR_RULES: set[Rule] = {
     ("", "persistentvolumeclaims", ("create", "get", "patch")),
     ("", "services", ("create", "get", "patch")),
     ("", "serviceaccounts", ("create", "get", "patch")),
+    ("", "configmaps", ("create", "get", "patch")),
     ("", "events", ("create",)),
     ("coordination.k8s.io", "leases", ("create", "get", "patch", "update")),
     ("rbac.authorization.k8s.io", "roles", ("create", "get", "patch")),
