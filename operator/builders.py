@@ -30,8 +30,9 @@ from twinmq.broker.names import (
     REPLICATION_PORT,
     REPLICATION_TOKEN_ENV,
 )
+from twinmq.broker.settings import flag
 from twinmq.operator import federation, mirroring
-from twinmq.operator.models import BrokerClusterSpec, BrokerName, Mirror
+from twinmq.operator.models import BrokerClusterSpec, BrokerName, Limits, Mirror
 
 Obj = dict[str, Any]
 
@@ -231,6 +232,12 @@ def token_volume(seconds: int) -> Obj:
     }  # fmt: skip
 
 
+def limit_args(limits: Limits) -> list[str]:
+    """The broker's flags for the limits the spec sets (`--max-connections=100`, ...)."""
+    given = limits.model_dump(exclude_none=True)
+    return [f"{flag(name)}={value}" for name, value in sorted(given.items())]
+
+
 def build_pod(
     cluster: ClusterRef,
     spec: BrokerClusterSpec,
@@ -272,6 +279,7 @@ def build_pod(
                     f"--dedup-window={spec.replication.dedup_window}",
                     f"--audit-segment-seconds={spec.audit.segment_seconds}",
                     *federation.broker_args(spec.federation, cluster.namespace, cluster.name),
+                    *limit_args(spec.limits),
                 ],
                 "env": [
                     {

@@ -327,6 +327,30 @@ class Replication(ApiModel):
     dedup_window: int = Field(100_000, ge=0, description="Message ids kept for deduplication")
 
 
+class Limits(ApiModel):
+    """Limits against exhaustion, per broker: the broker's flags of the same names, set only
+    where given (unset: the broker's default, so adding this section rolls nothing out)."""
+
+    max_connections: int | None = Field(
+        None, ge=0, description="Client connections at most; more are closed at once (0: none)"
+    )
+    max_connections_per_user: int | None = Field(
+        None, ge=0, description="Connections per user at most; more are refused with 530"
+    )
+    max_queues: int | None = Field(
+        None, ge=0, description="Queues at most; a declare beyond is refused with 406 (0: none)"
+    )
+    channel_max: int | None = Field(
+        None, ge=1, le=65535, description="Channels per connection at most (default 2047)"
+    )
+    max_message_size: int | None = Field(
+        None,
+        ge=1,
+        le=512 * 1024 * 1024,
+        description="Largest message body accepted, bytes (default 128 MiB)",
+    )
+
+
 SPARK_MEMORY = r"^[0-9]+[kmgt]$"
 """A Spark memory amount (`512m`, `2g`)."""
 
@@ -685,6 +709,7 @@ class BrokerClusterSpec(ApiModel):
     auth: Auth = Field(default_factory=Auth)
     failover: Failover = Field(default_factory=Failover)
     replication: Replication = Field(default_factory=Replication)
+    limits: Limits = Field(default_factory=Limits)
     audit: Audit = Field(default_factory=Audit)
     update_strategy: UpdateStrategy = Field(default_factory=UpdateStrategy)
     placement: Placement = Field(default_factory=Placement)
