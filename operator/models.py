@@ -351,6 +351,20 @@ class Limits(ApiModel):
     )
 
 
+class NetworkPolicy(ApiModel):
+    """A NetworkPolicy for the broker pods (operator/netpolicy.py): AMQP and the mirror port
+    open, replication between the two brokers only, the admin port for the operator and
+    the namespaces named here. Opt-out."""
+
+    enabled: bool = Field(True, description="Create and keep the brokers' NetworkPolicy")
+    admin_namespaces: list[str] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Namespaces whose pods may also reach the admin port (Prometheus "
+        "scraping /metrics with the metrics token)",
+    )
+
+
 SPARK_MEMORY = r"^[0-9]+[kmgt]$"
 """A Spark memory amount (`512m`, `2g`)."""
 
@@ -710,6 +724,7 @@ class BrokerClusterSpec(ApiModel):
     failover: Failover = Field(default_factory=Failover)
     replication: Replication = Field(default_factory=Replication)
     limits: Limits = Field(default_factory=Limits)
+    network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)
     audit: Audit = Field(default_factory=Audit)
     update_strategy: UpdateStrategy = Field(default_factory=UpdateStrategy)
     placement: Placement = Field(default_factory=Placement)
