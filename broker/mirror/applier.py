@@ -31,11 +31,11 @@ import logging
 import struct
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from twinmq.broker.commit import Waiter
 from twinmq.broker.definitions import Definitions
@@ -43,6 +43,7 @@ from twinmq.broker.fieldtable import Table, encode_table, long_int, text
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror import metrics
+from twinmq.broker.mirror.bidi import BidiMeta, IdMap, TopologyDelta, apply_delta, decode_bidi
 from twinmq.broker.mirror.events import (
     INTERNAL_PREFIX,
     INTERNAL_QID_BASE,
@@ -115,6 +116,26 @@ class AppliedMark(BaseModel):
     seq: int
     applied_at: float
     created: float  # when the source made that event (the mirror's lag)
+    # Bidirectional mode: per event origin, the highest `oseq` applied through this link.
+    origins: dict[str, int] = Field(default_factory=dict)
+
+
+class Forwarder(Protocol):
+    """The site's own mirror source as the bidirectional applier uses it."""
+
+    applying: bool  # set while the applier changes the topology: no event of that
+
+    def exclude(self, ops: Iterable[JournalOp]) -> None:
+        """These ops are applied from a link: never events of this site."""
+        ...
+
+    def forward(self, body: bytes, meta: BidiMeta) -> StoredMessage | None:
+        """The op of the event passed on to this site's mirror (None: not passed on)."""
+        ...
+
+    def forwarded(self, batch: int, seqs: Iterable[int]) -> None:
+        """Those events are journaled in `batch`."""
+        ...
 
 
 @dataclass(slots=True)
@@ -134,13 +155,14 @@ class HoldingSet:
     def __init__(self, limit: int, ttl: float) -> None:
         self.limit = limit
         self.ttl = ttl
-        self._held: OrderedDict[tuple[int, int], float] = OrderedDict()
+        self._held: OrderedDict[Hashable, float] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def add(self, key: tuple[int, int], now: float) -> None:
-        """Hold a settle of (qid, mid) until `now + ttl`; the oldest go when full."""
+    def add(self, key: Hashable, now: float) -> None:
+        """Hold a settle of (qid, mid) (bidirectional: (queue, origin, id)) until
+        `now + ttl`; the oldest go when full."""
         self._expire(now)
         self._held[key] = now + self.ttl
         while len(self._held) > self.limit:
@@ -150,7 +172,7 @@ class HoldingSet:
         """Forget every held settle."""
         self._held.clear()
 
-    def take(self, key: tuple[int, int], now: float) -> bool:
+    def take(self, key: Hashable, now: float) -> bool:
         """Whether a settle of (qid, mid) was held (and is now used up)."""
         self._expire(now)
         return self._held.pop(key, None) is not None
@@ -181,6 +203,8 @@ class MirrorApplier:
         retries: int = 3,
         holding_limit: int = 100_000,
         holding_ttl: float = 600.0,
+        ids: IdMap | None = None,
+        forwarder: Forwarder | None = None,
     ) -> None:
         self.vhost = vhost
         self.log = log
@@ -188,6 +212,8 @@ class MirrorApplier:
         self.retries = retries
         self.holding = HoldingSet(holding_limit, holding_ttl)
         self._failures: dict[tuple[str, int], int] = {}
+        self.ids = ids  # bidirectional mode (`bidi.py`): ids mapped per origin
+        self.forwarder = forwarder
 
     def mark(self, origin: str) -> AppliedMark | None:
         """The last applied mark of `origin`, as durable (or about to be)."""
@@ -212,6 +238,8 @@ class MirrorApplier:
 
     def apply(self, origin: str, events: list[tuple[int, bytes]]) -> Applied:
         """Apply the events after the origin's mark, in order, as one group commit."""
+        if self.ids is not None:
+            return self._apply_bidi(origin, events)
         previous = self.mark(origin)
         done = 0 if previous is None else previous.seq
         created = 0.0 if previous is None else previous.created
@@ -339,12 +367,171 @@ class MirrorApplier:
                     len(gone), queue.name, origin, ORPHANS_NAME)  # fmt: skip
         return out
 
+    # -- the bidirectional mode ------------------------------------------------------------
+
+    def _seen(self) -> dict[str, int]:
+        """Per event origin, the highest `oseq` applied here through any link."""
+        seen: dict[str, int] = {}
+        for name, queue in self.vhost.queues.items():
+            if name.startswith(MARK_PREFIX) and queue.entries:
+                mark = AppliedMark.model_validate_json(queue.entries[-1].message.body)
+                for origin, oseq in mark.origins.items():
+                    seen[origin] = max(seen.get(origin, 0), oseq)
+        return seen
+
+    def _apply_bidi(self, peer: str, events: list[tuple[int, bytes]]) -> Applied:
+        """Apply bidirectional events from the link of `peer`: what came back to its origin
+        (or to a site it went through) or was applied before by another path is counted
+        and skipped; the rest is applied through the id map and passed on, all in one
+        group commit with the link's mark and the per-origin marks."""
+        assert self.ids is not None
+        name = self.ids.name
+        previous = self.mark(peer)
+        done = 0 if previous is None else previous.seq
+        created = 0.0 if previous is None else previous.created
+        origins = {} if previous is None else dict(previous.origins)
+        seen = self._seen()
+        journal: list[JournalOp] = []
+        keys: list[str] = []
+        forwards: list[int] = []
+        touched: set[Queue] = set()
+        applied = 0
+        retry: str | None = None
+        for seq, body in events:
+            if seq <= done:
+                continue  # applied before: a re-sent batch changes nothing
+            try:
+                event = decode_bidi(seq, body)
+                meta = event.meta
+                if (
+                    meta.origin == name
+                    or name in meta.hops
+                    or meta.oseq <= seen.get(meta.origin, 0)
+                ):
+                    metrics.LOOPED.inc()  # its own, or here before: never applied twice
+                else:
+                    if meta.seed is not None:
+                        log.info(
+                            "mirror: %s announces its whole state (%s)", meta.origin, meta.seed
+                        )
+                    if meta.topology is not None:
+                        journal += self._apply_delta(meta.topology)
+                    journal += self._apply_named(meta, event.ops, keys, touched)
+                    seen[meta.origin] = origins[meta.origin] = meta.oseq
+                    if self.forwarder is not None:
+                        forward = self.forwarder.forward(body, meta)
+                        if forward is not None:
+                            journal.append(forward)
+                            forwards.append(forward.mid)
+                created = event.created
+            except Exception as exc:
+                failures = self._failures.get((peer, seq), 0) + 1
+                if failures < self.retries:
+                    self._failures[(peer, seq)] = failures
+                    retry = f"event {seq} of {peer} failed ({exc}); attempt {failures}"
+                    log.warning("mirror: %s: retried after a reconnect", retry)
+                    break
+                self._failures.pop((peer, seq), None)
+                journal.append(self._dead_letter(peer, seq, body, exc))
+                log.error("mirror: event %d of %s dead-lettered after %d attempts: %s",
+                          seq, peer, failures, exc)  # fmt: skip
+            done = seq
+            applied += 1
+        if applied == 0:
+            return Applied(0, done, 0, retry)
+        journal += self._new_mark(peer, previous, done, created, origins)
+        if self.forwarder is not None:
+            self.forwarder.exclude(journal)
+        batch = self.log.add(journal)
+        if self.forwarder is not None and forwards:
+            self.forwarder.forwarded(batch, forwards)
+        if keys:
+            self.vhost.remember_when_durable(keys, batch)
+        now = self.clock()
+        for queue in touched:
+            if not queue.deleted:
+                queue.dispatch(now)  # consumers here get what the other site published
+        metrics.APPLIED.inc(applied)
+        return Applied(batch, done, applied, retry)
+
+    def _apply_delta(self, delta: TopologyDelta) -> list[JournalOp]:
+        """Another site's topology change, by name; the id map's records of queues it
+        deleted go (the ops)."""
+        assert self.ids is not None
+        topology, deleted = apply_delta(self.vhost.definitions(), delta)
+        if self.forwarder is not None:
+            self.forwarder.applying = True
+        try:
+            self.vhost.apply_definitions(topology)
+        finally:
+            if self.forwarder is not None:
+                self.forwarder.applying = False
+        if not deleted:
+            return []
+        return self.ids.prune(q.definition.qid for q in self.vhost.queues.values())
+
+    def _apply_named(
+        self, meta: BidiMeta, ops: list[JournalOp], keys: list[str], touched: set[Queue]
+    ) -> list[JournalOp]:
+        """Apply one bidirectional event's ops (queues by name, messages through the id
+        map); the ops to journal: the effects and the map's records."""
+        ids = self.ids
+        assert ids is not None
+        now = self.clock()
+        out: list[JournalOp] = []
+        records: list[JournalOp] = []
+        added: set[tuple[int, int]] = set()
+        for op in ops:
+            qname, morigin = meta.keys[op.qid]
+            queue = self.vhost.queues.get(qname)
+            if queue is None or is_internal(qname) or not queue.durable:
+                continue  # a queue deleted since (its delete is an event too)
+            qid = queue.definition.qid
+            local = ids.local(morigin, op.mid)
+            held = (qname, morigin, op.mid)
+            if type(op) is StoredMessage:
+                if self.holding.take(held, now):
+                    metrics.HELD_APPLIED.inc()
+                    continue  # its settle came first: taken and settled at once
+                if local is not None and (_holds(queue, local) or (qid, local) in added):
+                    continue  # here already (an announcement overlapping a live event)
+                if local is None:
+                    local = self.vhost.next_mid
+                    self.vhost.next_mid = local + 1
+                added.add((qid, local))
+                out.append(StoredMessage(local, qid, op.exchange, op.routing_key, op.header,
+                                         op.body, op.expires_at))  # fmt: skip
+                record = ids.add(morigin, op.mid, qid, local)
+                if record is not None:
+                    records.append(record)
+                touched.add(queue)
+            elif local is not None and ((qid, local) in added or _holds(queue, local)):
+                delivered = queue.delivered.pop(local, None)
+                if delivered is not None:
+                    queue.bytes -= delivered.size  # a consumer's ack of it here is a no-op
+                out.append(Settle(qid, local))
+                added.discard((qid, local))
+                record = ids.drop(qid, local)
+                if record is not None:
+                    records.append(record)
+            else:
+                self.holding.add(held, now)
+        keys += self.vhost.apply_ops(out)
+        return out + records
+
     def _new_mark(
-        self, origin: str, previous: AppliedMark | None, seq: int, created: float
+        self,
+        origin: str,
+        previous: AppliedMark | None,
+        seq: int,
+        created: float,
+        origins: dict[str, int] | None = None,
     ) -> list[JournalOp]:
         """The ops that replace the origin's mark (and the in-memory record)."""
         queue = self.vhost.internal_queue(*mark_queue(origin))
-        body = AppliedMark(origin=origin, seq=seq, applied_at=self.clock(), created=created)
+        body = AppliedMark(
+            origin=origin, seq=seq, applied_at=self.clock(), created=created, origins=origins or {}
+        )
         return replace_record(queue, seq, body.model_dump_json().encode())
 
     def _dead_letter(self, origin: str, seq: int, body: bytes, exc: Exception) -> JournalOp:
