@@ -193,6 +193,11 @@ def declares_only(delta: TopologyDelta) -> TopologyDelta:
     )
 
 
+def _builtin(exchange: str) -> bool:
+    """The default exchange and the amq.* ones (no client declares or deletes them)."""
+    return exchange == "" or exchange.startswith("amq.")
+
+
 def apply_delta(local: Definitions, delta: TopologyDelta) -> tuple[Definitions, bool]:
     """`local` with `delta` applied: local queue ids kept, new queues get local ids;
     and whether a queue was deleted. A declare of a queue that exists here with another
@@ -209,7 +214,7 @@ def apply_delta(local: Definitions, delta: TopologyDelta) -> tuple[Definitions, 
         if not is_internal(name) and queues.pop(name, None) is not None:
             deleted = True
     for name in delta.delete_exchanges:
-        if name and not name.startswith("amq."):
+        if not _builtin(name):
             exchanges.pop(name, None)
     for e in delta.declare_exchanges:
         exchanges[e.name] = e
@@ -226,7 +231,12 @@ def apply_delta(local: Definitions, delta: TopologyDelta) -> tuple[Definitions, 
         next_qid += 1
     for b in delta.bind:
         bindings[_key(b)] = b
-    kept = [b for b in bindings.values() if b.queue in queues and b.exchange in exchanges]
+    # Built-in exchanges (the default, amq.*) are in no definitions: always there.
+    kept = [
+        b
+        for b in bindings.values()
+        if b.queue in queues and (b.exchange in exchanges or _builtin(b.exchange))
+    ]
     return (
         Definitions(
             exchanges=list(exchanges.values()),
