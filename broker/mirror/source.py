@@ -122,7 +122,9 @@ class MirrorSource:
         self.name = ""  # this site's origin id
         self.peer: str | None = None  # the mirror's origin id, as its last handshake said
         self.applying = False  # the applier is changing the topology: no event of it
-        self._excluded: set[int] = set()  # id() of ops applied from a link, this batch
+        # Ops applied from a link in the open batch, by id(); kept alive until the batch
+        # closes, so no other op can take one of their ids meanwhile.
+        self._excluded: dict[int, JournalOp] = {}
         self._topology: Definitions | None = None  # the mirrored topology last announced
 
     # -- the replication queue --------------------------------------------------------------
@@ -278,7 +280,7 @@ class MirrorSource:
 
     def exclude(self, ops: Iterable[JournalOp]) -> None:
         """These ops were applied from a link: never an event of this site (no echo)."""
-        self._excluded.update(id(op) for op in ops)
+        self._excluded.update((id(op), op) for op in ops)
 
     def forward(self, body: bytes, meta: BidiMeta) -> StoredMessage | None:
         """Pass an applied event on to this site's mirror, its origin and hops kept, this
@@ -431,7 +433,7 @@ class MirrorSource:
         """A closing batch's own ops (not those applied from a link) as a bidirectional
         event, and the id map's changes they make (in the same batch)."""
         assert self.ids is not None
-        excluded, self._excluded = self._excluded, set()
+        excluded, self._excluded = self._excluded, {}
         own = [op for op in ops if op.qid < INTERNAL_QID_BASE and id(op) not in excluded]
         if not own:
             return []
