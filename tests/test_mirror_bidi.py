@@ -27,6 +27,7 @@ from twinmq.broker.mirror.bidi import (
     topology_delta,
 )
 from twinmq.broker.settings import BrokerSettings
+from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.queues import drain
 from twinmq.testing.waiting import wait_for
 
@@ -237,6 +238,48 @@ def test_a_site_killed_mid_stream_keeps_its_id_map_acks_still_settle_both_ways(
     taken = drain(a.url, "durable-map")
     assert len(taken) == 150 and len(set(taken)) == 150
     converged(pair, "durable-map", 0)
+
+
+def test_a_message_published_on_one_site_and_dead_lettered_on_the_other_moves_on_both(
+    pair: Ring,
+) -> None:
+    a, b = pair.sites
+    connection, ch = channel(a)
+    ch.exchange_declare("dlx", "fanout", durable=True)
+    ch.queue_declare("parking", durable=True)
+    ch.queue_bind("parking", "dlx")
+    ch.queue_declare("inbox", durable=True, arguments={"x-dead-letter-exchange": "dlx"})
+    ch.confirm_delivery()
+    for body in bodies("a", 5):
+        ch.basic_publish("", "inbox", body, PERSISTENT)
+    connection.close()
+    converged(pair, "inbox", 5)
+    connection, ch = channel(b)  # B's consumer rejects A's messages
+    for _ in range(2):
+        method, _props, _body = ch.basic_get("inbox", auto_ack=False)
+        assert method is not None
+        ch.basic_reject(method.delivery_tag, requeue=False)
+    connection.close()
+    converged(pair, "parking", 2)
+    converged(pair, "inbox", 3)
+    # The parked messages are still A's on both sites: an ack on A settles B's copy.
+    assert len(drain(a.url, "parking")) == 2
+    converged(pair, "parking", 0)
+
+
+def test_turning_the_mode_on_for_sites_with_messages_mirrors_what_each_held(
+    tmp_path: Path,
+) -> None:
+    for name in ("site-a", "site-b"):
+        with BrokerProcess(tmp_path / name / "data", name=f"{name}-before") as plain:
+            publish(plain, "existing", bodies(name, 50))
+    with Ring(tmp_path, 2) as ring:
+        converged(ring, "existing", 100)
+        expected = sorted(bodies("site-a", 50) + bodies("site-b", 50))
+        for site in ring.sites:
+            assert sorted(browse(site, "existing")) == expected
+        assert len(drain(ring.sites[0].url, "existing")) == 100
+        converged(ring, "existing", 0)
 
 
 def test_a_bidirectional_site_has_no_switchover(pair: Ring) -> None:
