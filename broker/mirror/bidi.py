@@ -273,17 +273,21 @@ class IdMap:
         self._records: dict[tuple[int, int], int] = {}  # (local qid, local mid) -> record mid
         self._refs: Counter[int] = Counter()  # local mid -> queues holding it here
         self._queue: Queue | None = None
+        self._seen: tuple[int, int] = (0, 0)  # the records as this map last left them
 
     @property
     def queue(self) -> Queue:
-        """The records' queue, the map rebuilt from it when it is (again) this one's."""
+        """The records' queue; the map is rebuilt from it when the records changed by
+        other means than this map (recovered, or replicated while this broker was the
+        pair's passive): records are only appended (higher ids) or removed, so their
+        count and last id tell."""
         queue = self.vhost.internal_queue(IDS_NAME, IDS_QID)
-        if queue is not self._queue:
+        if queue is not self._queue or _fingerprint(queue) != self._seen:
             self.load(queue)
         return queue
 
     def load(self, queue: Queue) -> None:
-        """Rebuild the map from the records (recovered, or replicated while passive)."""
+        """Rebuild the map from the records."""
         self._queue = queue
         self._local.clear()
         self._origin.clear()
@@ -293,6 +297,7 @@ class IdMap:
             body = entry.message.body
             qid, mid, omid = _RECORD.unpack_from(body)
             self._remember(body[_RECORD.size :].decode(), omid, qid, mid, entry.message.mid)
+        self._seen = _fingerprint(queue)
 
     def _remember(self, origin: str, omid: int, qid: int, mid: int, record: int) -> None:
         self._local[(origin, omid)] = mid
@@ -330,6 +335,7 @@ class IdMap:
         )
         queue.bytes += len(body)
         self._remember(origin, omid, qid, mid, record)
+        self._seen = _fingerprint(queue)
         return StoredMessage(record, IDS_QID, "", IDS_NAME, header, body, None)
 
     def drop(self, qid: int, mid: int) -> JournalOp | None:
@@ -339,6 +345,7 @@ class IdMap:
         if record is None:
             return None
         queue.remove_mid(record)
+        self._seen = _fingerprint(queue)
         self._refs[mid] -= 1
         if self._refs[mid] <= 0:
             del self._refs[mid]
@@ -352,6 +359,11 @@ class IdMap:
         alive = set(live)
         gone = [(qid, mid) for (qid, mid) in self._records if qid not in alive]
         return [op for qid, mid in gone if (op := self.drop(qid, mid)) is not None]
+
+
+def _fingerprint(queue: Queue) -> tuple[int, int]:
+    entries = queue.entries
+    return len(entries), entries[-1].message.mid if entries else 0
 
 
 def event_keys(

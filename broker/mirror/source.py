@@ -151,7 +151,7 @@ class MirrorSource:
         if queue.entries:
             self.durable_seq = max(self.durable_seq, queue.entries[-1].message.mid)
         if self.ids is not None:
-            self.ids.load(self.ids.queue)  # recovered, or replicated while passive
+            self.ids.queue  # noqa: B018 (the map as recovered, or replicated while passive)
             if first:
                 self._seed("first activation as a bidirectional site")
             else:
