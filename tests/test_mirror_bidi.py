@@ -38,6 +38,19 @@ def bodies(prefix: str, n: int) -> list[bytes]:
     return [f"{prefix}-{i}".encode() for i in range(n)]
 
 
+def settle(site: BrokerProcess, queue: str, n: int, how: str = "ack") -> None:
+    """Take `n` messages of `queue` at `site` and ack them (or reject them, not requeued)."""
+    connection, ch = channel(site)
+    for _ in range(n):
+        method, _props, _body = ch.basic_get(queue, auto_ack=False)
+        assert method is not None
+        if how == "ack":
+            ch.basic_ack(method.delivery_tag)
+        else:
+            ch.basic_reject(method.delivery_tag, requeue=False)
+    connection.close()
+
+
 def converged(ring: Ring, queue: str, expected: int) -> None:
     """Wait until every site holds `expected` messages in `queue` and nothing is in flight."""
     wait_for(
@@ -89,12 +102,7 @@ def test_an_ack_on_one_site_settles_the_message_on_the_other(pair: Ring) -> None
     converged(pair, "work", 0)  # ... is settled on A too, its own and B's
     publish(a, "work", bodies("again", 10))  # the queue goes on working both ways
     converged(pair, "work", 10)
-    connection, ch = channel(a)
-    for _ in range(4):
-        method, _props, _body = ch.basic_get("work", auto_ack=False)
-        assert method is not None
-        ch.basic_ack(method.delivery_tag)
-    connection.close()
+    settle(a, "work", 4)
     converged(pair, "work", 6)
 
 
@@ -228,12 +236,7 @@ def test_a_site_killed_mid_stream_keeps_its_id_map_acks_still_settle_both_ways(
     # on either side settle on the other.
     a.kill()
     a.start()
-    connection, ch = channel(b)
-    for _ in range(300):
-        method, _props, _body = ch.basic_get("durable-map", auto_ack=False)
-        assert method is not None
-        ch.basic_ack(method.delivery_tag)
-    connection.close()
+    settle(b, "durable-map", 300)
     converged(pair, "durable-map", 150)
     taken = drain(a.url, "durable-map")
     assert len(taken) == 150 and len(set(taken)) == 150
@@ -254,12 +257,7 @@ def test_a_message_published_on_one_site_and_dead_lettered_on_the_other_moves_on
         ch.basic_publish("", "inbox", body, PERSISTENT)
     connection.close()
     converged(pair, "inbox", 5)
-    connection, ch = channel(b)  # B's consumer rejects A's messages
-    for _ in range(2):
-        method, _props, _body = ch.basic_get("inbox", auto_ack=False)
-        assert method is not None
-        ch.basic_reject(method.delivery_tag, requeue=False)
-    connection.close()
+    settle(b, "inbox", 2, "reject")  # B's consumer rejects A's messages
     converged(pair, "parking", 2)
     converged(pair, "inbox", 3)
     # The parked messages are still A's on both sites: an ack on A settles B's copy.

@@ -32,7 +32,7 @@ import struct
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from pydantic import BaseModel, Field
@@ -139,6 +139,16 @@ class Forwarder(Protocol):
 
 
 @dataclass(slots=True)
+class _BidiBatch:
+    """What one bidirectional apply batch tracks besides its journal."""
+
+    origins: dict[str, int]  # event origin -> highest oseq applied through this link
+    seen: dict[str, int]  # the same through any link
+    forwards: list[int] = field(default_factory=list)  # seqs of the events passed on
+    touched: set[Queue] = field(default_factory=set)  # queues given messages
+
+
+@dataclass(slots=True)
 class Applied:
     """What one `apply` did: the batch to wait for, the seq to acknowledge then, and why
     it stopped early (an event to retry after a reconnect), if it did."""
@@ -237,12 +247,16 @@ class MirrorApplier:
         return 0 if mark is None else mark.seq
 
     def apply(self, origin: str, events: list[tuple[int, bytes]]) -> Applied:
-        """Apply the events after the origin's mark, in order, as one group commit."""
-        if self.ids is not None:
-            return self._apply_bidi(origin, events)
+        """Apply the events after the origin's mark, in order, as one group commit.
+
+        Bidirectional mode: `origin` is the peer of the link; each event names its own
+        origin (`_apply_bidi`), and the link's mark also keeps the highest event applied
+        per event origin."""
         previous = self.mark(origin)
         done = 0 if previous is None else previous.seq
         created = 0.0 if previous is None else previous.created
+        seen = self._seen() if self.ids is not None else {}
+        bidi = _BidiBatch(dict(previous.origins) if previous else {}, seen)
         journal: list[JournalOp] = []
         keys: list[str] = []
         applied = 0
@@ -251,39 +265,66 @@ class MirrorApplier:
             if seq <= done:
                 continue  # applied before: a re-sent batch changes nothing
             try:
-                event = decode_event(seq, body)
-                if event.definitions is not None:
-                    self._apply_definitions(event.definitions)
-                elif event.seed is not None:
-                    self.holding.clear()  # settles of a past the seed makes irrelevant
-                    metrics.SEEDS.inc()
-                    log.warning("mirror: seed from %s (%s): rebuilding", origin, event.seed)
-                elif event.ops is not None:
-                    if event.snapshot is not None:
-                        journal += self._orphan(origin, event.snapshot, event.ops)
-                    journal += self._apply_ops(event.ops, keys)
-                created = event.created
+                if self.ids is not None:
+                    created = self._apply_bidi(seq, body, journal, keys, bidi)
+                else:
+                    created = self._apply_event(origin, seq, body, journal, keys)
             except Exception as exc:
-                failures = self._failures.get((origin, seq), 0) + 1
-                if failures < self.retries:
-                    self._failures[(origin, seq)] = failures
-                    retry = f"event {seq} of {origin} failed ({exc}); attempt {failures}"
-                    log.warning("mirror: %s: retried after a reconnect", retry)
+                retry = self._failed(origin, seq, body, exc, journal)
+                if retry is not None:
                     break
-                self._failures.pop((origin, seq), None)
-                journal.append(self._dead_letter(origin, seq, body, exc))
-                log.error("mirror: event %d of %s dead-lettered after %d attempts: %s",
-                          seq, origin, failures, exc)  # fmt: skip
             done = seq
             applied += 1
         if applied == 0:
             return Applied(0, done, 0, retry)
-        journal += self._new_mark(origin, previous, done, created)
+        journal += self._new_mark(origin, previous, done, created, bidi.origins)
+        if self.forwarder is not None:
+            self.forwarder.exclude(journal)  # applied here: never this site's own events
         batch = self.log.add(journal)
+        if self.forwarder is not None and bidi.forwards:
+            self.forwarder.forwarded(batch, bidi.forwards)
         if keys:
             self.vhost.remember_when_durable(keys, batch)
+        now = self.clock()
+        for queue in bidi.touched:
+            if not queue.deleted:
+                queue.dispatch(now)  # consumers here get what the other site published
         metrics.APPLIED.inc(applied)
         return Applied(batch, done, applied, retry)
+
+    def _apply_event(
+        self, origin: str, seq: int, body: bytes, journal: list[JournalOp], keys: list[str]
+    ) -> float:
+        """Apply one event of the one-way mode; when it was made."""
+        event = decode_event(seq, body)
+        if event.definitions is not None:
+            self._apply_definitions(event.definitions)
+        elif event.seed is not None:
+            self.holding.clear()  # settles of a past the seed makes irrelevant
+            metrics.SEEDS.inc()
+            log.warning("mirror: seed from %s (%s): rebuilding", origin, event.seed)
+        elif event.ops is not None:
+            if event.snapshot is not None:
+                journal += self._orphan(origin, event.snapshot, event.ops)
+            journal += self._apply_ops(event.ops, keys)
+        return event.created
+
+    def _failed(
+        self, origin: str, seq: int, body: bytes, exc: Exception, journal: list[JournalOp]
+    ) -> str | None:
+        """An event failed to apply: why, if it is to be retried after a reconnect (the
+        batch stops before it); None once it went to the DLQ (the stream goes on)."""
+        failures = self._failures.get((origin, seq), 0) + 1
+        if failures < self.retries:
+            self._failures[(origin, seq)] = failures
+            retry = f"event {seq} of {origin} failed ({exc}); attempt {failures}"
+            log.warning("mirror: %s: retried after a reconnect", retry)
+            return retry
+        self._failures.pop((origin, seq), None)
+        journal.append(self._dead_letter(origin, seq, body, exc))
+        log.error("mirror: event %d of %s dead-lettered after %d attempts: %s",
+                  seq, origin, failures, exc)  # fmt: skip
+        return None
 
     def _apply_definitions(self, defs: Definitions) -> None:
         """The source's topology, plus this broker's internal queues, kept as they are."""
@@ -379,80 +420,32 @@ class MirrorApplier:
                     seen[origin] = max(seen.get(origin, 0), oseq)
         return seen
 
-    def _apply_bidi(self, peer: str, events: list[tuple[int, bytes]]) -> Applied:
-        """Apply bidirectional events from the link of `peer`: what came back to its origin
+    def _apply_bidi(
+        self, seq: int, body: bytes, journal: list[JournalOp], keys: list[str], batch: _BidiBatch
+    ) -> float:
+        """Apply one bidirectional event; when it was made. What came back to its origin
         (or to a site it went through) or was applied before by another path is counted
-        and skipped; the rest is applied through the id map and passed on, all in one
-        group commit with the link's mark and the per-origin marks."""
+        and skipped; the rest is applied through the id map and passed on, in the group
+        commit of the link's mark and the per-origin marks."""
         assert self.ids is not None
         name = self.ids.name
-        previous = self.mark(peer)
-        done = 0 if previous is None else previous.seq
-        created = 0.0 if previous is None else previous.created
-        origins = {} if previous is None else dict(previous.origins)
-        seen = self._seen()
-        journal: list[JournalOp] = []
-        keys: list[str] = []
-        forwards: list[int] = []
-        touched: set[Queue] = set()
-        applied = 0
-        retry: str | None = None
-        for seq, body in events:
-            if seq <= done:
-                continue  # applied before: a re-sent batch changes nothing
-            try:
-                event = decode_bidi(seq, body)
-                meta = event.meta
-                if (
-                    meta.origin == name
-                    or name in meta.hops
-                    or meta.oseq <= seen.get(meta.origin, 0)
-                ):
-                    metrics.LOOPED.inc()  # its own, or here before: never applied twice
-                else:
-                    if meta.seed is not None:
-                        log.info(
-                            "mirror: %s announces its whole state (%s)", meta.origin, meta.seed
-                        )
-                    if meta.topology is not None:
-                        journal += self._apply_delta(meta.topology)
-                    journal += self._apply_named(meta, event.ops, keys, touched)
-                    seen[meta.origin] = origins[meta.origin] = meta.oseq
-                    if self.forwarder is not None:
-                        forward = self.forwarder.forward(body, meta)
-                        if forward is not None:
-                            journal.append(forward)
-                            forwards.append(forward.mid)
-                created = event.created
-            except Exception as exc:
-                failures = self._failures.get((peer, seq), 0) + 1
-                if failures < self.retries:
-                    self._failures[(peer, seq)] = failures
-                    retry = f"event {seq} of {peer} failed ({exc}); attempt {failures}"
-                    log.warning("mirror: %s: retried after a reconnect", retry)
-                    break
-                self._failures.pop((peer, seq), None)
-                journal.append(self._dead_letter(peer, seq, body, exc))
-                log.error("mirror: event %d of %s dead-lettered after %d attempts: %s",
-                          seq, peer, failures, exc)  # fmt: skip
-            done = seq
-            applied += 1
-        if applied == 0:
-            return Applied(0, done, 0, retry)
-        journal += self._new_mark(peer, previous, done, created, origins)
+        event = decode_bidi(seq, body)
+        meta = event.meta
+        if meta.origin == name or name in meta.hops or meta.oseq <= batch.seen.get(meta.origin, 0):
+            metrics.LOOPED.inc()  # its own, or here before: never applied twice
+            return event.created
+        if meta.seed is not None:
+            log.info("mirror: %s announces its whole state (%s)", meta.origin, meta.seed)
+        if meta.topology is not None:
+            journal += self._apply_delta(meta.topology)
+        journal += self._apply_named(meta, event.ops, keys, batch.touched)
+        batch.seen[meta.origin] = batch.origins[meta.origin] = meta.oseq
         if self.forwarder is not None:
-            self.forwarder.exclude(journal)
-        batch = self.log.add(journal)
-        if self.forwarder is not None and forwards:
-            self.forwarder.forwarded(batch, forwards)
-        if keys:
-            self.vhost.remember_when_durable(keys, batch)
-        now = self.clock()
-        for queue in touched:
-            if not queue.deleted:
-                queue.dispatch(now)  # consumers here get what the other site published
-        metrics.APPLIED.inc(applied)
-        return Applied(batch, done, applied, retry)
+            forward = self.forwarder.forward(body, meta)
+            if forward is not None:
+                journal.append(forward)
+                batch.forwards.append(forward.mid)
+        return event.created
 
     def _apply_delta(self, delta: TopologyDelta) -> list[JournalOp]:
         """Another site's topology change, by name; the id map's records of queues it

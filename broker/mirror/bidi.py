@@ -144,16 +144,6 @@ def _key(b: BindingDef) -> str:
     return b.model_dump_json()
 
 
-def mirrored(defs: Definitions) -> Definitions:
-    """The part of a topology a site mirrors: no internal queue."""
-    return Definitions(
-        exchanges=defs.exchanges,
-        queues=[q for q in defs.queues if not is_internal(q.name)],
-        bindings=[b for b in defs.bindings if not is_internal(b.queue)],
-        next_qid=defs.next_qid,
-    )
-
-
 def topology_delta(old: Definitions | None, new: Definitions) -> TopologyDelta:
     """What changed from `old` to `new` (None: everything in `new` is declared).
 

@@ -128,7 +128,8 @@ class Mirroring:
             metrics.OLDEST_AGE.set_function(self._oldest_age)
         metrics.ENABLED.set(1 if self.source is not None else 0)
         if settings.mirror_port is not None and token is not None:
-            applier = MirrorApplier(vhost, committer, clock, ids=self.ids, forwarder=self.source)
+            forwarder = self.source if self.ids is not None else None
+            applier = MirrorApplier(vhost, committer, clock, ids=self.ids, forwarder=forwarder)
             self.listener = MirrorListener(applier, self.futures, mirror_key(token), origin, self)
         self._server: asyncio.Server | None = None
         self.monitor = monitor

@@ -34,7 +34,6 @@ from twinmq.broker.mirror.bidi import (
     event_keys,
     forwarded,
     is_bidi_seed,
-    mirrored,
     topology_delta,
 )
 from twinmq.broker.mirror.events import (
@@ -157,7 +156,7 @@ class MirrorSource:
             else:
                 # Re-announce every object (never a delete): covers a crash between a
                 # topology change and its event.
-                current = mirrored(self.vhost.definitions())
+                current = mirrored_definitions(self.vhost.definitions())
                 self._emit_bidi([], topology=declares_only(topology_delta(None, current)))
                 self._topology = current
             return queue
@@ -224,7 +223,7 @@ class MirrorSource:
     def _announce(self, reason: str) -> int:
         """The bidirectional seed: every object declared and every journaled message
         enqueued, in the origin's terms (a mirror keeps what it has: no orphans)."""
-        current = mirrored(self.vhost.definitions())
+        current = mirrored_definitions(self.vhost.definitions())
         self._topology = current
         self._emit_bidi([], topology=topology_delta(None, current), seed=reason)
         count = 0
@@ -465,7 +464,7 @@ class MirrorSource:
         """A per-object delta of the topology; none while the applier changes it (that
         change is forwarded as the event that made it). Deleted queues' map records go."""
         assert self.ids is not None
-        new = mirrored(definitions)
+        new = mirrored_definitions(definitions)
         old, self._topology = self._topology, new
         if self.applying or old is None or not self.active or self._queue is None:
             return
