@@ -214,6 +214,27 @@ def test_a_three_site_ring_delivers_every_message_once_everywhere_and_settles_ev
         assert sorted(browse(a, "ring")) == sorted(bodies("late", 5))
 
 
+def test_the_middle_site_of_a_ring_killed_while_passing_events_on_loses_and_repeats_nothing(
+    tmp_path: Path,
+) -> None:
+    with Ring(tmp_path, 3) as ring:
+        a, b, c = ring.sites
+        connection, ch = channel(a)
+        ch.queue_declare("relay", durable=True)
+        ch.confirm_delivery()
+        for i, body in enumerate(bodies("a", 400)):
+            if i == 200:
+                b.kill()  # A's events reach C only through B: its forwards as on its disk
+            ch.basic_publish("", "relay", body, PERSISTENT)
+        connection.close()
+        publish(c, "relay", bodies("c", 50))  # C's go to A directly, to B through A
+        b.start()
+        converged(ring, "relay", 450)
+        expected = sorted(bodies("a", 400) + bodies("c", 50))
+        for site in ring.sites:
+            assert sorted(browse(site, "relay")) == expected
+
+
 def test_a_site_killed_mid_stream_keeps_its_id_map_acks_still_settle_both_ways(
     pair: Ring,
 ) -> None:
