@@ -346,6 +346,7 @@ class IdMap:
 
     def prune(self, live: Iterable[int]) -> list[JournalOp]:
         """Drop the records of queues deleted since; the ops."""
+        self.queue  # noqa: B018 (the map as its records now stand)
         alive = set(live)
         gone = [(qid, mid) for (qid, mid) in self._records if qid not in alive]
         return [op for qid, mid in gone if (op := self.drop(qid, mid)) is not None]
