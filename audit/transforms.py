@@ -487,11 +487,19 @@ def find_resends(messages: DataFrame, brokers: Sequence[str]) -> DataFrame:
 
 
 def stream_copies(aggregates: DataFrame, pattern: str) -> DataFrame:
-    """Every stored copy (broker slot, replication id) with its publisher stream and sequence.
+    """Every copy a broker stored as the active (broker slot, replication id), with its
+    publisher stream and sequence: what the reorder check compares.
 
     A message id matching `pattern` (groups: stream, sequence number) puts the
     copy in that publisher's stream; any other message is in its queue's
     unnamed stream "" with its replication id as the sequence.
+
+    A passive's copies (`replicated` only) are left out: a passive stores what it is
+    sent in the order it arrives (a catch-up's chunks beside the live batches of a
+    passive that rejoins during traffic), then sorts its queues by replication id
+    (`VirtualHost.restore_order`): its consumers, after a promotion, get the order its
+    active stored, which the active's own copies prove. Comparing a passive's log order
+    reported every rejoin under traffic as reordered.
     """
     stream = F.regexp_extract(F.col("message_id"), pattern, 1)
     numbered = F.col("message_id").isNotNull() & (stream != "")
@@ -506,7 +514,7 @@ def stream_copies(aggregates: DataFrame, pattern: str) -> DataFrame:
             *[
                 F.struct(
                     F.lit(i).cast("long").alias("slot"),
-                    F.col(f"s{i}").alias("stored"),
+                    (F.col(f"c{i}") + F.col(f"a{i}")).alias("as_active"),
                     F.col(f"p{i}").alias("pos"),
                     F.col(f"t{i}").alias("time"),
                 )
@@ -516,7 +524,7 @@ def stream_copies(aggregates: DataFrame, pattern: str) -> DataFrame:
     )
     return (
         per_message.select("*", F.inline("copies"))
-        .where(F.col("stored") > 0)
+        .where(F.col("as_active") > 0)
         .select("slot", "queue", "stream", "seq", "pos", "replication_id", "message_id", "time")
     )
 
