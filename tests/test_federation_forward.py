@@ -1,0 +1,143 @@
+"""Message forwarding downstream -> upstream and request-response across sites (seed 002's
+second worked example), between real brokers through pika."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pika
+from federationsites import (
+    channel,
+    federated,
+    get_all,
+    links,
+    publish_confirmed,
+    queue_depth,
+    wait_running,
+    wait_upstream_bindings,
+)
+
+from twinmq.broker.admin_client import metric_samples
+from twinmq.broker.federation.agent import queue_name
+from twinmq.testing.pair import status
+from twinmq.testing.waiting import wait_for
+
+
+def test_messages_published_downstream_reach_the_upstream_exchange_once_and_never_echo(
+    tmp_path: Path,
+) -> None:
+    with federated(tmp_path, "requests", "direct", forward=True) as sites:
+        central, remote = sites.central, sites.remote
+        wait_running(remote, "requests")
+        connection, ch = channel(central)
+        ch.queue_declare("service", durable=True)
+        ch.queue_bind("service", "requests", "svc")
+        connection.close()
+        # A local queue downstream wants the same key: the binding goes upstream too, so
+        # central routes each forwarded message back down; it is dropped there (a loop).
+        connection, ch = channel(remote)
+        ch.queue_declare("local-audit", durable=True)
+        ch.queue_bind("local-audit", "requests", "svc")
+        connection.close()
+        wait_upstream_bindings(central, queue_name("requests", "remote"), {("requests", "svc")})
+        publish_confirmed(remote, "requests", [("svc", f"r{i}".encode()) for i in range(20)])
+        wait_for("twenty on central", lambda: queue_depth(central, "service") == 20)
+        received = get_all(central, "service", 20)
+        assert [body for _k, body, _h in received] == [f"r{i}".encode() for i in range(20)]
+        headers = received[0][2]
+        assert headers["x-twinmq-origin"] == "remote"
+        assert headers["x-twinmq-federation-path"] == ["remote", "central"]
+        wait_for(
+            "all confirmed upstream",
+            lambda: (
+                links(remote)["requests"]["messages_forwarded"] == 20
+                and links(remote)["requests"]["forward_pending"] == 0
+            ),
+        )
+        wait_for("the echoes dropped", lambda: links(remote)["requests"]["loops_dropped"] == 20)
+        # The local copies only: nothing came back down twice.
+        assert len(get_all(remote, "local-audit", 20)) == 20
+        assert queue_depth(remote, "local-audit") == 0
+        data = status(central)
+        assert data is not None
+        assert data["federation"]["forwarded_received"] == 20
+        samples = metric_samples(remote.admin.metrics(timeout=5))
+        assert samples['twinmq_federation_messages_forwarded_total{link="requests"}'] == 20
+
+
+def test_forwarding_is_off_unless_the_federation_file_asks_for_it(tmp_path: Path) -> None:
+    with federated(tmp_path, "requests", "direct") as sites:
+        central, remote = sites.central, sites.remote
+        wait_running(remote, "requests")
+        connection, ch = channel(central)
+        ch.queue_declare("service", durable=True)
+        ch.queue_bind("service", "requests", "svc")
+        connection.close()
+        connection, ch = channel(remote)
+        ch.queue_declare("local", durable=True)
+        ch.queue_bind("local", "requests", "svc")
+        connection.close()
+        publish_confirmed(remote, "requests", [("svc", b"stays here")])
+        wait_for("the local copy", lambda: queue_depth(remote, "local") == 1)
+        assert queue_depth(central, "service") == 0
+        assert links(remote)["requests"]["forward"] is False
+
+
+def test_a_request_from_the_remote_site_gets_its_reply_through_the_federated_exchange(
+    tmp_path: Path,
+) -> None:
+    """Seed 002, request-response: the remote client's temporary queue (server-named,
+    so carrying the remote's server id) is bound to the federated direct exchange under
+    its own name; the request, with reply-to that name, is forwarded to the central
+    service; the service replies on the same exchange with the reply-to as routing key;
+    the binding propagated upstream brings the reply back to the remote client."""
+    with federated(tmp_path, "rpc", "direct", forward=True) as sites:
+        central, remote = sites.central, sites.remote
+        wait_running(remote, "rpc")
+        service_connection, service = channel(central)
+        service.queue_declare("calculator", durable=True)
+        service.queue_bind("calculator", "rpc", "calculator")
+        client_connection, client = channel(remote)
+        try:
+            reply_queue = client.queue_declare("", exclusive=True).method.queue
+            assert reply_queue.startswith("amq.gen-remote.")
+            client.queue_bind(reply_queue, "rpc", reply_queue)
+            wait_upstream_bindings(central, queue_name("rpc", "remote"), {("rpc", reply_queue)})
+            client.confirm_delivery()
+            client.basic_publish(
+                "rpc",
+                "calculator",
+                b"6*7",
+                pika.BasicProperties(reply_to=reply_queue, correlation_id="q1", delivery_mode=2),
+            )
+            # The central service: one request, answered on the federated exchange.
+            requests: list[tuple[pika.BasicProperties, bytes]] = []
+
+            def got_request() -> bool:
+                method, props, body = service.basic_get("calculator", auto_ack=True)
+                if method is not None:
+                    requests.append((props, body))
+                return bool(requests)
+
+            wait_for("the request on central", got_request)
+            props, body = requests[0]
+            assert body == b"6*7" and props.reply_to == reply_queue
+            service.basic_publish(
+                "rpc",
+                props.reply_to,
+                b"42",
+                pika.BasicProperties(correlation_id=props.correlation_id, delivery_mode=2),
+            )
+            replies: list[tuple[pika.BasicProperties, bytes]] = []
+
+            def got_reply() -> bool:
+                method, rprops, rbody = client.basic_get(reply_queue, auto_ack=True)
+                if method is not None:
+                    replies.append((rprops, rbody))
+                return bool(replies)
+
+            wait_for("the reply on the remote", got_reply)
+            assert replies[0][1] == b"42" and replies[0][0].correlation_id == "q1"
+        finally:
+            client_connection.close()
+            service_connection.close()
