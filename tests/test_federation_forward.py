@@ -3,9 +3,11 @@ second worked example), between real brokers through pika."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pika
+import pytest
 from federationsites import (
     channel,
     federated,
@@ -141,3 +143,121 @@ def test_a_request_from_the_remote_site_gets_its_reply_through_the_federated_exc
         finally:
             client_connection.close()
             service_connection.close()
+
+
+def test_a_forward_whose_confirm_is_lost_in_a_link_cut_is_sent_again_and_dropped_upstream(
+    tmp_path: Path,
+) -> None:
+    """The upstream's window at work: the forwarded messages reached central, their
+    confirms are held in the proxy and dropped by the cut; the remote sends them again
+    on the next session and central drops the copies by their (origin, seq) key."""
+    with federated(tmp_path, "requests", "direct", proxied=True, forward=True) as sites:
+        central, remote, proxy = sites.central, sites.remote, sites.proxy
+        assert proxy is not None
+        wait_running(remote, "requests")
+        connection, ch = channel(central)
+        ch.queue_declare("service", durable=True)
+        ch.queue_bind("service", "requests", "svc")
+        connection.close()
+        proxy.delay(3.0)
+        publish_confirmed(remote, "requests", [("svc", str(i).encode()) for i in range(20)])
+        wait_for("twenty on central", lambda: queue_depth(central, "service") == 20)
+        proxy.cut()
+        proxy.heal()
+        wait_running(remote, "requests")
+        wait_for(
+            "every forward confirmed",
+            lambda: links(remote)["requests"]["forward_pending"] == 0,
+        )
+        data = status(central)
+        assert data is not None and data["federation"]["forwarded_dropped"] > 0
+        bodies = sorted(int(body) for _k, body, _h in get_all(central, "service", 20))
+        assert bodies == list(range(20))
+
+
+REQUESTS = 300
+
+
+@pytest.mark.slow
+def test_link_cuts_during_request_response_lose_no_request_or_reply_and_repeat_none(
+    tmp_path: Path,
+) -> None:
+    """Seed 002's request-response under three link cuts: a remote client sends 300
+    confirmed requests (reply-to its server-named queue) while a central service answers
+    each one it receives; the service sees each request once and the client gets each
+    reply once."""
+    with federated(tmp_path, "rpc", "direct", proxied=True, forward=True, prefetch=32) as sites:
+        central, remote, proxy = sites.central, sites.remote, sites.proxy
+        assert proxy is not None
+        wait_running(remote, "rpc")
+        connection, ch = channel(central)
+        ch.queue_declare("calculator", durable=True)
+        ch.queue_bind("calculator", "rpc", "calculator")
+        connection.close()
+        connection, ch = channel(remote)
+        reply_queue = ch.queue_declare("", durable=True).method.queue
+        assert reply_queue.startswith("amq.gen-remote.")
+        ch.queue_bind(reply_queue, "rpc", reply_queue)
+        connection.close()
+        wait_upstream_bindings(central, queue_name("rpc", "remote"), {("rpc", reply_queue)})
+        seen: list[int] = []
+        stop = threading.Event()
+        client = threading.Thread(target=_requests, args=(remote.url, reply_queue))
+        service = threading.Thread(target=_service, args=(central.url, seen, stop))
+        service.start()
+        client.start()
+        try:
+            for cut in range(1, 4):
+                done = len(seen)
+                wait_for(
+                    f"requests answered before cut {cut}",
+                    lambda d=done: len(seen) > d + 20 or not client.is_alive(),
+                )
+                proxy.cut()
+                wait_for("the link down", lambda: links(remote)["rpc"]["state"] != "running")
+                proxy.heal()
+                wait_running(remote, "rpc")
+            client.join(120)
+            assert not client.is_alive()
+            wait_for("every request answered", lambda: len(seen) >= REQUESTS, timeout=120)
+        finally:
+            stop.set()
+            service.join(30)
+        assert sorted(seen) == list(range(REQUESTS))  # each request once at the service
+        replies = [int(body) for _k, body, _h in get_all(remote, reply_queue, REQUESTS)]
+        assert sorted(replies) == [2 * i for i in range(REQUESTS)]  # each reply once
+        assert queue_depth(remote, reply_queue) == 0
+
+
+def _requests(url: str, reply_queue: str) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    ch = connection.channel()
+    ch.confirm_delivery()
+    for i in range(REQUESTS):
+        properties = pika.BasicProperties(
+            reply_to=reply_queue, correlation_id=str(i), delivery_mode=2
+        )
+        ch.basic_publish("rpc", "calculator", str(i).encode(), properties)
+    connection.close()
+
+
+def _service(url: str, seen: list[int], stop: threading.Event) -> None:
+    """Answer each request with twice its number, on the federated exchange."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    ch = connection.channel()
+    ch.confirm_delivery()
+    while not stop.is_set():
+        method, properties, body = ch.basic_get("calculator", auto_ack=False)
+        if method is None:
+            connection.sleep(0.05)
+            continue
+        n = int(body)
+        ch.basic_publish(
+            "rpc",
+            properties.reply_to,
+            str(2 * n).encode(),
+            pika.BasicProperties(correlation_id=properties.correlation_id, delivery_mode=2),
+        )
+        ch.basic_ack(method.delivery_tag)  # after the reply is confirmed
+        seen.append(n)
+    connection.close()
