@@ -34,6 +34,7 @@ from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.epoch import EpochStore, epoch_jump_refusal, first_mid
 from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
 from twinmq.broker.federation import config as federation_config
+from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
 from twinmq.broker.federation.service import Federation
 from twinmq.broker.filewatch import reload_every
 from twinmq.broker.journal import Journal, JournalError
@@ -155,6 +156,13 @@ class AMQPProtocol(asyncio.Protocol):
         self.broker.protocols.discard(self)
         if self.conn is not None:
             self.conn.connection_lost()
+            if self.conn.origin_stamp is not None:
+                # A federation peer's connection (upstream side): news on amq.peer.
+                self.broker.federation.peer_event(
+                    "peer-disconnected",
+                    self.conn.peer,
+                    self.conn.client_properties.get(SERVER_ID_PROPERTY),
+                )
             log.debug(
                 "connection from %s closed: %s",
                 self.conn.peer,

@@ -49,6 +49,8 @@ BUILTIN_EXCHANGES: tuple[tuple[str, ExchangeType], ...] = (
     ("amq.topic", "topic"),
     ("amq.headers", "headers"),
     ("amq.match", "headers"),
+    # Peer status messages of federation (broker/federation/peer.py).
+    ("amq.peer", "fanout"),
 )
 
 # (class id, method id) of the methods whose failures name them in channel.close.

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from urllib.parse import quote
 from twinmq.broker import codec, fieldtable
 from twinmq.broker.errors import AMQPError
 from twinmq.broker.federation import bindings as fb
-from twinmq.broker.federation import metrics
+from twinmq.broker.federation import metrics, peer
 from twinmq.broker.federation.config import FederatedExchange, Upstream
 from twinmq.broker.federation.dedup import DurableKeys
 from twinmq.broker.federation.headers import HEADERS_FLAG, PATH, arrival, departure
@@ -48,7 +49,7 @@ from twinmq.broker.federation.identity import (
     SERVER_ID_PROPERTY,
     duplicate_refusal,
 )
-from twinmq.broker.federation.wire import Delivery, LinkClient
+from twinmq.broker.federation.wire import Delivery, LinkClient, LinkClosed
 from twinmq.broker.journal import JournalOp, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE
@@ -228,11 +229,28 @@ class FederationLink:
         self._set_state("refused", reason)
 
     def _set_state(self, state: LinkState, error: str | None) -> None:
+        event: peer.PeerEventName | None = None
+        if state == "running" and self.state != "running":
+            event = "link-up"
+        elif state == "refused" and (self.state != "refused" or self.error != error):
+            event = "link-refused"
+        elif state == "connecting" and self.state == "running":
+            event = "link-down"
         self.state = state
         self.error = error
         self.running_since = time.time() if state == "running" else None
         metrics.LINK_RUNNING.labels(self._label).set(1 if state == "running" else 0)
         metrics.LINK_REFUSED.labels(self._label).set(1 if state == "refused" else 0)
+        if event is not None:
+            peer.publish(
+                self.vhost,
+                peer.PeerEvent(
+                    event=event, server_id=self.server_id, peer=self.upstream_id,
+                    link=self.fed.exchange, upstream=self.upstream_name, reason=error,
+                    forward_pending=self.forward_pending, messages_received=self.received,
+                    messages_forwarded=self.forwarded, time=peer.now(),
+                ),
+            )  # fmt: skip
 
     async def _session(self) -> bool:
         """One connection, until it fails; True if it reached running."""
@@ -305,7 +323,9 @@ class FederationLink:
             with contextlib.suppress(Exception):
                 await connection.close()
             if ran:
-                self._set_state("connecting", self.error)
+                # The reason the session ends (in amq.peer's link-down too).
+                ending = sys.exc_info()[1]
+                self._set_state("connecting", _describe(ending) if ending else self.error)
         return ran
 
     def _kind(self) -> str:
@@ -537,9 +557,15 @@ class Forwarder:
             metrics.LOOPS.labels(link._label).inc()
             link.vhost.settle(queue, [entry])
             return
-        seq = self.connection.basic_publish(
-            link.fed.source_exchange, message.routing_key, verdict.header, message.body
-        )
+        try:
+            seq = self.connection.basic_publish(
+                link.fed.source_exchange, message.routing_key, verdict.header, message.body
+            )
+        except LinkClosed:
+            # Gone since `ready`: back to the outbox for the next session.
+            self._open = False
+            link.vhost.requeue(queue, [entry])
+            return
         self.unconfirmed[seq] = entry
 
     def confirmed(self, seq: int, multiple: bool, ack: bool) -> None:

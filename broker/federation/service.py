@@ -16,6 +16,7 @@ from twinmq.broker.api import FederationBinding, FederationLinkStatus, Federatio
 from twinmq.broker.codec import ContentHeaderInfo, decode_headers
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.federation import metrics
+from twinmq.broker.federation import peer as peer_status
 from twinmq.broker.federation.agent import QUEUE_PREFIX, FederationLink
 from twinmq.broker.federation.config import FederationConfig
 from twinmq.broker.federation.dedup import QUEUE_NAME as DEDUP_QUEUE
@@ -158,7 +159,24 @@ class Federation:
             metrics.PEERS_REFUSED.inc()
             self.refused.append(f"{peer}: {refusal}")
             log.error("federation peer %s REFUSED: %s", peer, refusal)
+        else:
+            self.peer_event("peer-connected", peer, announced)
         return refusal
+
+    def peer_event(self, event: peer_status.PeerEventName, address: str, announced: object) -> None:
+        """Upstream side: a federation peer's connection here, on `amq.peer`."""
+        if isinstance(announced, bytes):
+            announced = announced.decode("utf-8", "replace")
+        peer_status.publish(
+            self.vhost,
+            peer_status.PeerEvent(
+                event=event,
+                server_id=self.server_id,
+                peer=announced if isinstance(announced, str) else None,
+                address=address,
+                time=peer_status.now(),
+            ),
+        )
 
     def status(self) -> FederationStatus:
         """The `federation` section of `/status`."""
