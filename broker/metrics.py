@@ -185,7 +185,7 @@ REPLICATION_DEGRADED = Gauge(
 REPLICATION_REFUSED = Counter(
     "twinmq_replication_refused",
     "Replication connections closed before or at authentication, by reason (over-cap, "
-    "handshake-timeout, protocol-error, bad-proof, unauthenticated-refuse)",
+    "handshake-timeout, protocol-error, bad-proof, unauthenticated-refuse, certificate)",
     ["reason"],
 )
 EPOCH_REFUSED = Counter(

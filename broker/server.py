@@ -45,7 +45,7 @@ from twinmq.broker.replication.source import ReplicationSource
 from twinmq.broker.routing import Exchange
 from twinmq.broker.settings import BrokerSettings
 from twinmq.broker.status import build_status
-from twinmq.broker.tls import TlsListener
+from twinmq.broker.tls import MutualTls, TlsListener
 from twinmq.broker.vhost import PublishResult, VirtualHost
 
 log = logging.getLogger(__name__)
@@ -332,6 +332,12 @@ class Broker:
         self.admin_tls: TlsListener | None = None
         if settings.admin_tls_cert is not None and settings.admin_tls_key is not None:
             self.admin_tls = TlsListener(settings.admin_tls_cert, settings.admin_tls_key)
+        self._replication_tls: MutualTls | None = None
+        cert, key, ca = (
+            settings.replication_tls_cert, settings.replication_tls_key, settings.replication_tls_ca
+        )  # fmt: skip
+        if cert is not None and key is not None and ca is not None:
+            self._replication_tls = MutualTls(cert, key, ca)
         metrics.CONNECTIONS.set_function(lambda: len(self.protocols))
         metrics.BROKER_DAMAGED.set_function(lambda: 1 if self.damaged else 0)
         metrics.JOURNAL_QUARANTINED.set_function(self.quarantined_files)
@@ -480,6 +486,11 @@ class Broker:
         token = self.settings.replication_token or self.settings.admin_token
         return None if token is None else token.get_secret_value()
 
+    @property
+    def replication_tls(self) -> MutualTls | None:
+        """The replication link's mutual TLS, if configured."""
+        return self._replication_tls
+
     def learn_epoch(self, epoch: int, source: str) -> bool:
         """An authenticated peer knows `epoch`: persist it if higher; an active steps down.
 
@@ -582,6 +593,9 @@ class Broker:
         self._servers.append(await start_admin(self, admin_context))
         if admin_tls is not None:
             self._tasks.append(self.loop.create_task(reload_every(admin_tls.reload_if_changed)))
+        if self._replication_tls is not None:
+            reload = self._replication_tls.reload_if_changed
+            self._tasks.append(self.loop.create_task(reload_every(reload)))
         self._servers.append(
             await self.source.start(self.settings.host, self.settings.replication_port)
         )

@@ -113,6 +113,19 @@ class BrokerSettings(BaseSettings):
     replication_token: SecretStr | None = Field(
         None, description="Shared secret of the replication link (default: the admin token)"
     )
+    replication_tls_cert: Path | None = Field(
+        None,
+        description="PEM certificate (chain) of this broker on the replication link; with "
+        "--replication-tls-key and --replication-tls-ca the link is mutual TLS: each end "
+        "presents a certificate the CA signed that names it (--name among its DNS names), "
+        "in addition to the token; reloaded when the files change",
+    )
+    replication_tls_key: Path | None = Field(
+        None, description="PEM private key of --replication-tls-cert"
+    )
+    replication_tls_ca: Path | None = Field(
+        None, description="PEM CA bundle that signed both brokers' replication certificates"
+    )
     dedup_window: int = Field(
         100_000, ge=0, description="Message ids remembered for duplicate detection (0: off)"
     )
@@ -266,6 +279,12 @@ class BrokerSettings(BaseSettings):
             raise ValueError("--tls-ca (client certificates) needs --tls-cert and --tls-key")
         if (self.admin_tls_cert is None) != (self.admin_tls_key is None):
             raise ValueError("--admin-tls-cert and --admin-tls-key go together")
+        replication = (self.replication_tls_cert, self.replication_tls_key, self.replication_tls_ca)
+        if any(f is None for f in replication) and any(f is not None for f in replication):
+            raise ValueError(
+                "--replication-tls-cert, --replication-tls-key and --replication-tls-ca go "
+                "together (mutual TLS needs all three)"
+            )
         return self
 
 

@@ -1,11 +1,14 @@
-"""The broker's TLS listeners (AMQPS, the admin API's HTTPS), reloaded when their files change.
+"""The broker's TLS (AMQPS, the admin API's HTTPS, the replication link), reloaded with its files.
 
 With `--tls-cert` and `--tls-key` the broker also listens for AMQP over TLS on
 `--tls-port` (5671, RabbitMQ's and the IANA's AMQPS port), beside the plain
 port; with `--admin-tls-cert` and `--admin-tls-key` the admin API answers HTTPS
 only. With `--tls-ca` it asks for a client certificate and refuses a client
 without one signed by that CA (mutual TLS, RabbitMQ's `verify_peer` with
-`fail_if_no_peer_cert`). TLS 1.2 is the oldest version spoken.
+`fail_if_no_peer_cert`). With `--replication-tls-cert`, `-key` and `-ca` the
+replication link is mutual TLS (`MutualTls`): each broker presents its certificate,
+verifies the other's against the CA and checks that it names the broker the
+handshake claims. TLS 1.2 is the oldest version spoken.
 
 Rotation: cert-manager and the kubelet replace the files in place; every few
 seconds the broker compares their modification times and sizes and, if they
@@ -17,13 +20,36 @@ logged and the old certificate stays in use.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 from pathlib import Path
+from typing import Any
 
 from twinmq.broker.filewatch import FileWatch
 
 log = logging.getLogger(__name__)
+
+
+def certificate_names(writer: asyncio.StreamWriter) -> set[str] | None:
+    """The DNS names (and the common name) of the peer's verified certificate; None
+    without TLS."""
+    if writer.get_extra_info("sslcontext") is None:
+        return None
+    cert: Any = writer.get_extra_info("peercert") or {}
+    names = {value for kind, value in cert.get("subjectAltName", ()) if kind == "DNS"}
+    for rdn in cert.get("subject", ()):
+        names.update(value for key, value in rdn if key == "commonName")
+    return names
+
+
+def identity_refusal(writer: asyncio.StreamWriter, name: str) -> str | None:
+    """Why a mutual-TLS peer that says it is `name` is refused (its certificate does not
+    name it), or None (it does, or the link is not TLS)."""
+    names = certificate_names(writer)
+    if names is None or name in names:
+        return None
+    return f"its certificate names {sorted(names)}, not {name!r}"
 
 
 class TlsListener:
@@ -57,3 +83,22 @@ class TlsListener:
         self.reloads += 1
         log.info("TLS certificate reloaded from %s (new connections use it)", self.cert)
         return True
+
+
+class MutualTls(TlsListener):
+    """Both ends of a mutual-TLS link (replication): `context` accepts peers, `client`
+    connects to them, over the same files, reloaded together. Each end verifies that the
+    other's certificate was signed by the CA; the client also checks the host name it
+    dialled (`check_hostname`), and both check the broker name the peer claims in the
+    handshake (`identity_refusal`)."""
+
+    def __init__(self, cert: Path, key: Path, ca: Path) -> None:
+        self.client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies, checks host names
+        self.client.minimum_version = ssl.TLSVersion.TLSv1_2
+        super().__init__(cert, key, ca)
+
+    def _load(self) -> None:
+        super()._load()
+        self.client.load_cert_chain(self.cert, self.key)
+        assert self.ca is not None
+        self.client.load_verify_locations(self.ca)

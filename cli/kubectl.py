@@ -6,6 +6,7 @@
     kubectl twinmq fence CLUSTER BROKER [--wait]
     kubectl twinmq unfence CLUSTER BROKER [--wait]
     kubectl twinmq audit CLUSTER [--wait]
+    kubectl twinmq federation status [CLUSTER] [-n NS | -A] [-o table|json]
 
 Every operation is a JSON merge patch of `spec.requests.<op>` carrying a fresh id
 (`<op>-<UTC time>-<4 hex>`): the same mechanism a GitOps pipeline uses, handled once by the
@@ -197,6 +198,30 @@ def build_parser() -> argparse.ArgumentParser:
         description="Request a replication audit now; with --wait, print its verdict.",
     )  # fmt: skip
     cluster_arg(audit)
+
+    fed = sub.add_parser(
+        "federation", help="exchange federation between BrokerClusters",
+        description="Exchange federation (spec.federation) of BrokerClusters.",
+    )  # fmt: skip
+    fed_sub = fed.add_subparsers(dest="federation_command", required=True, metavar="COMMAND")
+    fed_status = fed_sub.add_parser(
+        "status", parents=[common], help="each federated exchange's link",
+        description="One row per federated exchange of each BrokerCluster with "
+        "spec.federation (a cluster that is only an upstream: one row without a link): its "
+        "server id, the upstream, the link's state (Running only after a verified round "
+        "trip; Refused: a duplicate server id), the normalised bindings held upstream and "
+        "the local bindings they stand for, the messages received, the duplicates and "
+        "loops dropped, and why a link is down.",
+    )  # fmt: skip
+    fed_status.add_argument(
+        "cluster", nargs="?", metavar="CLUSTER", help="one cluster (default: all)"
+    )
+    fed_status.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="clusters in every namespace"
+    )
+    fed_status.add_argument(
+        "-o", "--output", choices=("table", "json"), default="table", help="output format"
+    )
     return parser
 
 
@@ -313,6 +338,10 @@ COLUMNS = (
 )  # fmt: skip
 MIRROR_COLUMNS = (
     "CLUSTER", "DR-ROLE", "STATE", "DR-EPOCH", "TARGET", "BACKLOG", "LAG", "SOURCES", "MESSAGE",
+)  # fmt: skip
+FEDERATION_COLUMNS = (
+    "CLUSTER", "SERVER-ID", "EXCHANGE", "UPSTREAM", "STATE", "BINDINGS", "RECEIVED",
+    "DUPLICATES", "LOOPS", "MESSAGE",
 )  # fmt: skip
 
 
@@ -431,6 +460,42 @@ def mirror_rows(
             str(state.get("sourcesConnected", "-")),
             str(state.get("message") or ""),
         ))  # fmt: skip
+    return rows
+
+
+def federation_rows(
+    clusters: Sequence[Mapping[str, Any]], with_namespace: bool = False
+) -> list[tuple[str, ...]]:
+    """One row per federated exchange of each cluster with a `spec.federation`, in the order
+    of `FEDERATION_COLUMNS` (status.federation; one row without a link for a cluster that
+    federates nothing itself: an upstream only)."""
+    rows: list[tuple[str, ...]] = []
+    for cluster in clusters:
+        spec = (cluster.get("spec") or {}).get("federation")
+        if spec is None:
+            continue
+        meta = cluster.get("metadata") or {}
+        first = (str(meta.get("namespace", "")),) if with_namespace else ()
+        state = (cluster.get("status") or {}).get("federation") or {}
+        server = str(state.get("serverId") or spec.get("serverId")
+                     or f"{meta.get('namespace')}.{meta.get('name')}")  # fmt: skip
+        links = state.get("links") or [
+            {"exchange": e.get("exchange"), "upstream": e.get("upstream")}
+            for e in spec.get("exchanges") or []
+        ]
+        refused = state.get("refusedPeers") or []
+        if not links:
+            note = f"refused: {refused[-1]}" if refused else "upstream only"
+            rows.append((*first, str(meta.get("name", "?")), server, "-", "-", "-", "-", "-",
+                         "-", "-", note))  # fmt: skip
+        for link in links:
+            rows.append((
+                *first, str(meta.get("name", "?")), server, str(link.get("exchange", "?")),
+                str(link.get("upstream", "?")), str(link.get("state") or "Unknown"),
+                f"{link.get('bindings', '-')}/{link.get('localBindings', '-')}",
+                str(link.get("messagesReceived", "-")), str(link.get("duplicatesDropped", "-")),
+                str(link.get("loopsDropped", "-")), str(link.get("message") or ""),
+            ))  # fmt: skip
     return rows
 
 
@@ -639,6 +704,18 @@ def cmd_mirror_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
     )  # fmt: skip
 
 
+def cmd_federation_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
+    """`federation status`: the links table (or each cluster's spec and status as JSON)."""
+    namespace, clusters = selected_clusters(kube, args)
+    federated = [c for c in clusters if (c.get("spec") or {}).get("federation") is not None]
+    return write_clusters(
+        out, args.output, namespace, federated, "BrokerClusters with spec.federation",
+        lambda c: {"federation": c["spec"]["federation"],
+                   "status": (c.get("status") or {}).get("federation")},
+        lambda wide: render_table(federation_rows(federated, wide), wide, FEDERATION_COLUMNS),
+    )  # fmt: skip
+
+
 def write_clusters(
     out: Any,
     output: str,
@@ -827,6 +904,8 @@ def run(argv: Sequence[str] | None = None, out: Any = None, err: Any = None) -> 
         kube = Kube.connect(args.kubeconfig, args.context)
         if args.command == "status":
             return cmd_status(kube, args, out)
+        if args.command == "federation":
+            return cmd_federation_status(kube, args, out)
         if args.command == "mirror" and args.mirror_command == "status":
             return cmd_mirror_status(kube, args, out)
         if args.command == "mirror":

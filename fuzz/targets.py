@@ -31,6 +31,7 @@ from twinmq.broker.journal.recovery import decode_definitions, encode_definition
 from twinmq.broker.journal.segment import encode_header, frame, scan
 from twinmq.broker.mirror import events
 from twinmq.broker.replication import protocol
+from twinmq.fuzz import admin
 from twinmq.fuzz.amqp import CORPUS, ConnectionFuzzer, chunked, open_peer, publish_parts
 from twinmq.testing.rawamqp import split_frames
 from twinmq.testing.sansio import Harness
@@ -357,6 +358,19 @@ def _mirror_event_seeds() -> list[bytes]:
     ]
 
 
+# -- the admin API ---------------------------------------------------------------------------
+
+
+@cache
+def _admin_fuzzer() -> admin.AdminFuzzer:
+    return admin.make_fuzzer()
+
+
+def admin_api(data: bytes) -> None:
+    """A raw HTTP request to a real broker's admin app: see `twinmq.fuzz.admin`."""
+    _admin_fuzzer().one_input(data)
+
+
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
@@ -370,6 +384,7 @@ TARGETS: dict[str, Target] = {
         Target("journal_group", journal_group, _journal_seeds),
         Target("definitions_file", definitions_file, _definitions_seeds),
         Target("mirror_event", mirror_event, _mirror_event_seeds),
+        Target("admin_api", admin_api, admin.seeds),
     )
 }
 """Every target by name (the names of `make fuzz` and of the corpus folders)."""

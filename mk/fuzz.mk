@@ -1,7 +1,7 @@
 # Coverage-guided fuzzing (atheris, libFuzzer) of every parser of outside bytes: AMQP
 # frames, methods, content headers and field tables, the connection core, the
 # replication link, journal segments and records, the definitions file, DR mirror
-# events (fuzz/targets.py, docs/security.md "Fuzzing"). FUZZ_RUNS inputs per target
+# events, the admin API (fuzz/targets.py, docs/security.md "Fuzzing"). FUZZ_RUNS inputs per target
 # (default 10 million, hours for the connection core); FUZZ_TARGETS to choose. The
 # corpus stays in .cache/fuzz/corpus between runs; a finding goes to
 # .cache/fuzz/findings/<target>/ and stops the run (copy it to fuzz/regressions/<target>/

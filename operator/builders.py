@@ -30,8 +30,9 @@ from twinmq.broker.names import (
     REPLICATION_PORT,
     REPLICATION_TOKEN_ENV,
 )
-from twinmq.operator import mirroring
-from twinmq.operator.models import BrokerClusterSpec, BrokerName, Mirror
+from twinmq.broker.settings import flag
+from twinmq.operator import federation, mirroring
+from twinmq.operator.models import BrokerClusterSpec, BrokerName, Limits, Mirror
 
 Obj = dict[str, Any]
 
@@ -231,6 +232,12 @@ def token_volume(seconds: int) -> Obj:
     }  # fmt: skip
 
 
+def limit_args(limits: Limits) -> list[str]:
+    """The broker's flags for the limits the spec sets (`--max-connections=100`, ...)."""
+    given = limits.model_dump(exclude_none=True)
+    return [f"{flag(name)}={value}" for name, value in sorted(given.items())]
+
+
 def build_pod(
     cluster: ClusterRef,
     spec: BrokerClusterSpec,
@@ -271,6 +278,8 @@ def build_pod(
                     f"--replication-timeout={spec.replication.timeout_seconds}",
                     f"--dedup-window={spec.replication.dedup_window}",
                     f"--audit-segment-seconds={spec.audit.segment_seconds}",
+                    *federation.broker_args(spec.federation, cluster.namespace, cluster.name),
+                    *limit_args(spec.limits),
                 ],
                 "env": [
                     {
@@ -314,6 +323,7 @@ def build_pod(
                     {"name": "data", "mountPath": DATA_DIR},
                     {"name": "auth", "mountPath": SECRET_DIR, "readOnly": True},
                     TMP_MOUNT,
+                    *federation.mounts(spec.federation),
                 ],
             },
             *sidecars,
@@ -329,6 +339,7 @@ def build_pod(
                     "items": [{"key": "users.json", "path": "users.json"}],
                 },
             },
+            *federation.volumes(spec.federation, cluster.name),
         ],
     }
     if token_seconds is not None:
@@ -341,6 +352,11 @@ def build_pod(
     extra = spec.pod_template.metadata
     extra_labels = (extra.labels if extra else None) or {}
     extra_annotations = (extra.annotations if extra else None) or {}
+    # The broker reads its federation file at start-up only: a change of the file (in its
+    # ConfigMap) must replace the pods, so its hash is part of the template.
+    fed_hash = federation.config_hash(spec.federation, cluster.namespace)
+    if fed_hash is not None:
+        extra_annotations = {**extra_annotations, federation.CONFIG_HASH: fed_hash}
     # The operator's own labels win (the CRD refuses overrides of them already).
     meta["labels"] = {**extra_labels, **meta["labels"]}
     revision = template_hash(
@@ -440,6 +456,19 @@ def build_vip_service(cluster: ClusterRef, mirror: Mirror | None = None) -> Obj:
                 *mirroring.service_ports(mirror),
             ],
         },
+    }
+
+
+def build_federation_config_map(cluster: ClusterRef, spec: BrokerClusterSpec) -> Obj | None:
+    """The ConfigMap with the brokers' federation file (None without `spec.federation`)."""
+    data = federation.config_map(spec.federation, cluster.namespace)
+    if data is None:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": owned_meta(cluster, federation.config_map_name(cluster.name)),
+        "data": data,
     }
 
 

@@ -142,6 +142,13 @@ def crd() -> dict[str, Any]:
                             "jsonPath": ".status.mirror.lagSeconds",
                         },
                         {
+                            "name": "Federation",
+                            "type": "string",
+                            "priority": 1,
+                            "description": "Federation links running / federated exchanges",
+                            "jsonPath": ".status.federation.running",
+                        },
+                        {
                             "name": "Last-Failover",
                             "type": "date",
                             "jsonPath": ".status.lastFailover.time",

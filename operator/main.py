@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -39,7 +40,16 @@ from twinmq.broker.names import (
     PASSIVE,
     REPLICATION_PORT,
 )
-from twinmq.operator import builders, drift, leader, metrics, mirroring, rollout
+from twinmq.operator import (
+    builders,
+    drift,
+    federation,
+    leader,
+    metrics,
+    mirroring,
+    netpolicy,
+    rollout,
+)
 from twinmq.operator.audit_runner import AuditRunner
 from twinmq.operator.builders import ClusterRef, pod_name
 from twinmq.operator.failover import (
@@ -117,6 +127,9 @@ class Memory:
     credentials: dict[str, str] | None = None
     storage_refusal: str | None = None
     applied: dict[str, drift.Applied] = field(default_factory=dict)  # by `drift.key`
+    # The NetworkPolicy's state as last reconciled: applied, absent (deleted or never
+    # made), or refused (RBAC of an older chart); changes are logged once.
+    network_policy: str | None = None
 
 
 @dataclass
@@ -200,6 +213,10 @@ def reconcile_children(
     apply(builders.build_headless_service(cluster))
     apply(builders.build_vip_service(cluster, spec.mirror))
     apply(builders.build_disruption_budget(cluster))
+    reconcile_network_policy(cluster, spec, memory, apply)
+    # Before the pods: a pod created now reads the federation file its template hashes.
+    if (fed_config := builders.build_federation_config_map(cluster, spec)) is not None:
+        apply(fed_config)
     memory.storage_refusal = None
     for name in NAMES:
         try:
@@ -219,6 +236,40 @@ def reconcile_children(
                 "Pod", f"Pod/{pod_name(cluster, name)}'s labels were edited: set back"
             ))  # fmt: skip
     return repaired
+
+
+def reconcile_network_policy(
+    cluster: ClusterRef,
+    spec: BrokerClusterSpec,
+    memory: Memory,
+    apply: Callable[[dict[str, Any]], None],
+) -> None:
+    """Keep the brokers' NetworkPolicy (`operator/netpolicy.py`), or remove it when the spec
+    opts out or the operator does not know its own pods (it would shut itself out)."""
+    operator_pods = netpolicy.OperatorPods.from_env()
+    if spec.network_policy.enabled and operator_pods is not None:
+        try:
+            apply(netpolicy.build_network_policy(cluster, spec, operator_pods))
+        except Refused as exc:
+            if memory.network_policy != "refused":
+                log.warning("%s/%s: NetworkPolicy not applied: %s (the chart's RBAC grants "
+                            "networkpolicies)", cluster.namespace, cluster.name, exc)  # fmt: skip
+            memory.network_policy = "refused"
+            return
+        memory.network_policy = "applied"
+        return
+    if memory.network_policy != "absent":
+        if spec.network_policy.enabled:
+            log.info("%s/%s: no NetworkPolicy: the operator does not know its own pods (%s and "
+                     "%s, set by the chart)", cluster.namespace, cluster.name,
+                     netpolicy.OPERATOR_NAMESPACE_ENV, netpolicy.OPERATOR_SELECTOR_ENV)  # fmt: skip
+        name = netpolicy.policy_name(cluster)
+        try:
+            kube().delete("networking.k8s.io/v1", "NetworkPolicy", cluster.namespace, name)
+        except ForbiddenError:  # RBAC of an older chart: it never made one either
+            log.info("%s/%s: cannot check for a NetworkPolicy to remove (no permission)",
+                     cluster.namespace, cluster.name)  # fmt: skip
+        memory.network_policy = "absent"
 
 
 def credentials_of(
@@ -743,6 +794,10 @@ def reconcile(
         # What only the operator knows: kept until the next switch replaces it.
         new.mirror.demotion_token = status.mirror.demotion_token
         new.mirror.last_switch = status.mirror.last_switch
+    new.federation = federation.state_of(
+        spec.federation, cluster.namespace, cluster.name,
+        active_report.federation if active_report is not None else None,
+    )  # fmt: skip
     serving = (pods.get(new.active_broker) or {}).get("status", {}).get("podIP") if (
         active_report is not None and new.active_broker is not None) else None  # fmt: skip
     for kind, reason, message in mirroring.switch_requests(
@@ -766,12 +821,17 @@ def reconcile(
     damage_events(body, status, new)
     for kind, reason, message in mirroring.events(status.mirror, new.mirror):
         kopf.event(body, type=kind, reason=reason, message=message)
+    for kind, reason, message in federation.events(status.federation, new.federation):
+        log.info("%s/%s: %s: %s", cluster.namespace, cluster.name, reason, message)
+        kopf.event(body, type=kind, reason=reason, message=message)
     extra = [
         *rollout_conditions(new.rollout, memory.storage_refusal),
         damaged_condition(new),
     ]
     if (mirrored := mirroring.condition(new.mirror)) is not None:
         extra.append(mirrored)
+    if (federated := federation.condition(new.federation)) is not None:
+        extra.append(federated)
     new.conditions = conditions(decision, new, views, generation, extra)
     if plan.converged and memory.storage_refusal is None and not deferred:
         # Observed only once the pods run this generation's spec (Argo CD, Flux, kstatus

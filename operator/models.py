@@ -158,6 +158,139 @@ class Mirror(ApiModel):
     )
 
 
+AMQP_NAME = r"^[A-Za-z0-9_.:-]+$"
+"""The AMQP spec's name characters: the only ones a federated exchange (and the server
+identifier in its link queue's name) may use (the client library refuses others)."""
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class ClusterReference(ApiModel):
+    """A BrokerCluster, in this namespace or another one."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL)
+    namespace: str | None = Field(
+        None, min_length=1, max_length=63, pattern=DNS_LABEL,
+        description="Default: this BrokerCluster's namespace",
+    )  # fmt: skip
+
+
+class SecretKeyReference(ApiModel):
+    """A key of a Secret in this BrokerCluster's namespace."""
+
+    name: str = Field(min_length=1, max_length=253)
+    key: str = Field("password", min_length=1, max_length=253)
+
+
+class FederationUpstream(ApiModel):
+    """A broker (pair) this cluster federates exchanges from: another BrokerCluster (reached
+    through its virtual IP, so the link follows its failovers) or any AMQP URI."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.clusterRef) != has(self.uri)",
+                    "message": "an upstream names a clusterRef or a uri, not both",
+                },
+                {
+                    "rule": "!has(self.uri) || !self.uri.matches('^amqps?://[^/@]*:[^/@]*@')",
+                    "message": "an upstream uri must not carry a password: give passwordSecret",
+                },
+                {
+                    "rule": "has(self.passwordSecret) || (has(self.clusterRef) && "
+                    "!has(self.clusterRef.namespace))",
+                    "message": "passwordSecret is required, except for a clusterRef without "
+                    "a namespace (its generated Secret <name>-auth is used then)",
+                },
+            ]
+        }
+    )
+
+    name: str = Field(
+        min_length=1, max_length=63, pattern=DNS_LABEL,
+        description="The upstream's name (exchanges refer to it)",
+    )  # fmt: skip
+    cluster_ref: ClusterReference | None = Field(
+        None, description="A BrokerCluster: its virtual-IP Service's AMQP port"
+    )
+    uri: str | None = Field(
+        None, max_length=1024, pattern=r"^amqps?://",
+        description="amqp://USER@HOST:PORT/ (never a password: passwordSecret holds it)",
+    )  # fmt: skip
+    user: str = Field(
+        "twinmq", min_length=1, max_length=255,
+        description="The user a clusterRef upstream is logged in as (a uri names its own)",
+    )  # fmt: skip
+    password_secret: SecretKeyReference | None = Field(
+        None,
+        description="The upstream user's password (mounted as a file: a rotated Secret is "
+        "read at the next connection). Default for a clusterRef without a namespace: its "
+        "generated credentials Secret <name>-auth, key password",
+    )
+    reconnect_max_seconds: int = Field(
+        30, ge=1, le=3600, description="Longest pause between two connection attempts"
+    )
+
+
+class FederatedExchange(ApiModel):
+    """A local exchange receiving what an upstream exchange routes to its bindings (the
+    local bindings go upstream, normalised: each message crosses the link once)."""
+
+    exchange: str = Field(
+        min_length=1, max_length=127, pattern=AMQP_NAME,
+        description="The local exchange (declared if missing)",
+    )  # fmt: skip
+    upstream: str = Field(min_length=1, max_length=63, description="An upstream's name")
+    upstream_exchange: str | None = Field(
+        None, min_length=1, max_length=127, pattern=AMQP_NAME,
+        description="The exchange on the upstream (default: the same name)",
+    )  # fmt: skip
+    type: Literal["direct", "topic", "fanout", "headers"] = Field(
+        "topic", description="Its type, here and upstream (declared if missing)"
+    )
+    max_hops: int = Field(1, ge=1, le=32, description="Federation links a message may cross")
+    prefetch: int = Field(
+        256, ge=1, le=65535, description="Unacknowledged deliveries on the link at most"
+    )
+
+
+class Federation(ApiModel):
+    """Exchange federation (docs/federation.md): this cluster's server identifier, and the
+    exchanges it federates from upstreams (as a downstream). An upstream needs a section
+    too (`federation: {}` at least): both brokers of its pair then announce one identifier,
+    so a failover there is not taken for another server."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "!has(self.exchanges) || self.exchanges.all(e, has(self.upstreams) && "
+            "self.upstreams.exists(u, u.name == e.upstream))",
+            "every federated exchange names one of spec.federation.upstreams",
+        )
+    )
+
+    server_id: str | None = Field(
+        None, min_length=1, max_length=100, pattern=AMQP_NAME,
+        description="This pair's identifier, unique across the federation (a peer announcing "
+        "the same one is refused). Default: <namespace>.<name>",
+    )  # fmt: skip
+    # Unique by CEL, not as list-type map: a server-side apply of duplicate map keys fails
+    # with an internal error instead of naming the field.
+    upstreams: list[FederationUpstream] = Field(
+        default_factory=list, max_length=16,
+        json_schema_extra=cel("self.all(u, self.exists_one(v, v.name == u.name))",
+                              "each upstream name appears once"),
+    )  # fmt: skip
+    exchanges: list[FederatedExchange] = Field(
+        default_factory=list, max_length=128,
+        json_schema_extra=cel("self.all(e, self.exists_one(f, f.exchange == e.exchange))",
+                              "each exchange is federated once"),
+    )  # fmt: skip
+    dedup_window: int = Field(
+        100_000, ge=1, le=10_000_000,
+        description="(origin, sequence) keys remembered against re-deliveries",
+    )  # fmt: skip
+
+
 class Failover(ApiModel):
     """How the operator decides an automatic failover."""
 
@@ -192,6 +325,44 @@ class Replication(ApiModel):
         "promotable that long after losing the active",
     )
     dedup_window: int = Field(100_000, ge=0, description="Message ids kept for deduplication")
+
+
+class Limits(ApiModel):
+    """Limits against exhaustion, per broker: the broker's flags of the same names, set only
+    where given (unset: the broker's default, so adding this section rolls nothing out)."""
+
+    max_connections: int | None = Field(
+        None, ge=0, description="Client connections at most; more are closed at once (0: none)"
+    )
+    max_connections_per_user: int | None = Field(
+        None, ge=0, description="Connections per user at most; more are refused with 530"
+    )
+    max_queues: int | None = Field(
+        None, ge=0, description="Queues at most; a declare beyond is refused with 406 (0: none)"
+    )
+    channel_max: int | None = Field(
+        None, ge=1, le=65535, description="Channels per connection at most (default 2047)"
+    )
+    max_message_size: int | None = Field(
+        None,
+        ge=1,
+        le=512 * 1024 * 1024,
+        description="Largest message body accepted, bytes (default 128 MiB)",
+    )
+
+
+class NetworkPolicy(ApiModel):
+    """A NetworkPolicy for the broker pods (operator/netpolicy.py): AMQP and the mirror port
+    open, replication between the two brokers only, the admin port for the operator and
+    the namespaces named here. Opt-out."""
+
+    enabled: bool = Field(True, description="Create and keep the brokers' NetworkPolicy")
+    admin_namespaces: list[str] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Namespaces whose pods may also reach the admin port (Prometheus "
+        "scraping /metrics with the metrics token)",
+    )
 
 
 SPARK_MEMORY = r"^[0-9]+[kmgt]$"
@@ -552,12 +723,17 @@ class BrokerClusterSpec(ApiModel):
     auth: Auth = Field(default_factory=Auth)
     failover: Failover = Field(default_factory=Failover)
     replication: Replication = Field(default_factory=Replication)
+    limits: Limits = Field(default_factory=Limits)
+    network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)
     audit: Audit = Field(default_factory=Audit)
     update_strategy: UpdateStrategy = Field(default_factory=UpdateStrategy)
     placement: Placement = Field(default_factory=Placement)
     pod_template: PodTemplate = Field(default_factory=PodTemplate)
     requests: Requests = Field(default_factory=Requests)
     mirror: Mirror | None = Field(None, description="A DR mirror to or from another site")
+    federation: Federation | None = Field(
+        None, description="Exchange federation with other BrokerClusters or brokers"
+    )
 
 
 Phase = Literal[
@@ -573,6 +749,7 @@ ConditionType = Literal[
     "AuditPassed",
     "BrokerDamaged",
     "Mirroring",
+    "Federated",
 ]
 
 
@@ -653,6 +830,50 @@ class MirrorState(ApiModel):
         "mirrorPromote request (JSON, as is)",
     )
     last_switch: str = Field("", description="The last DR switch here: when, what, the RPO")
+
+
+FederationLinkStateName = Literal["Running", "Connecting", "Refused", "Unknown"]
+
+
+class FederationLinkState(ApiModel):
+    """One federated exchange's link as the active broker reports it."""
+
+    exchange: str
+    upstream: str
+    state: FederationLinkStateName = Field(
+        "Unknown",
+        description="Running only after a verified round trip (exchange and queue declared, "
+        "bindings synchronised, consumer registered); Refused: a duplicate server id",
+    )
+    connected: bool = False
+    upstream_server_id: str = ""
+    message: str = Field("", description="Why the link is not running (its last error)")
+    bindings: int = Field(0, description="Normalised bindings held on the upstream")
+    local_bindings: int = Field(0, description="Local bindings they stand for")
+    messages_received: int = Field(0, description="Republished here (since the broker started)")
+    duplicates_dropped: int = 0
+    loops_dropped: int = 0
+
+
+class FederationState(ApiModel):
+    """Federation as the active broker reports it (`GET /status`, `federation`)."""
+
+    server_id: str = ""
+    links: list[FederationLinkState] = Field(
+        default_factory=list,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["exchange"]
+        },
+    )  # fmt: skip
+    running: str = Field("", description="Links running / links (a printer column)")
+    refused_peers: list[str] = Field(
+        default_factory=list,
+        description="Upstream side: the last downstreams refused for announcing this "
+        "cluster's own server id",
+    )
+    downstream_queues: int = Field(
+        0, description="Upstream side: link queues held here for downstreams"
+    )
 
 
 class FailoverRecord(ApiModel):
@@ -762,6 +983,7 @@ class BrokerClusterStatus(ApiModel):
     )
     rollout: RolloutProgress | None = None
     mirror: MirrorState | None = None
+    federation: FederationState | None = None
     unreachable_since: str | None = Field(None, json_schema_extra=DATE_TIME)
     observed_generation: int | None = Field(
         None,

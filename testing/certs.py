@@ -33,14 +33,21 @@ class TestCA:
         _openssl("req", "-x509", "-new", "-key", "ca.key", "-days", "2", "-subj", f"/CN={name}",
                  "-out", "ca.crt", cwd=folder)  # fmt: skip
 
-    def issue(self, name: str, *, client: bool = False, days: int = 2) -> Leaf:
-        """A leaf for `name`: a server certificate for localhost / 127.0.0.1, or a client one."""
-        usage = "clientAuth" if client else "serverAuth"
+    def issue(self, name: str, *, client: bool = False, peer: bool = False, days: int = 2) -> Leaf:
+        """A leaf for `name`: a server certificate for localhost / 127.0.0.1, a client one,
+        or (`peer`) one for both ends of a mutual-TLS link that also names `name` (a
+        replication peer: it serves as the active and connects as the passive)."""
+        if peer:
+            extensions = (
+                "extendedKeyUsage=serverAuth,clientAuth\n"
+                f"subjectAltName=DNS:localhost,IP:127.0.0.1,DNS:{name}\n"
+            )
+        elif client:
+            extensions = "extendedKeyUsage=clientAuth\n"
+        else:
+            extensions = "extendedKeyUsage=serverAuth\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n"
         ext = self.folder / f"{name}.ext"
-        ext.write_text(
-            f"extendedKeyUsage={usage}\n"
-            + ("" if client else "subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-        )
+        ext.write_text(extensions)
         _openssl("genrsa", "-out", f"{name}.key", "2048", cwd=self.folder)
         _openssl("req", "-new", "-key", f"{name}.key", "-subj", f"/CN={name}",
                  "-out", f"{name}.csr", cwd=self.folder)  # fmt: skip

@@ -21,6 +21,7 @@ import yaml
 
 from twinmq.broker.names import OPERATOR_NAMESPACES_ENV
 from twinmq.operator import leader
+from twinmq.operator.netpolicy import OPERATOR_NAMESPACE_ENV, OPERATOR_SELECTOR_ENV, OperatorPods
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "twinmq"
@@ -40,6 +41,8 @@ OPERATOR_RULES: set[Rule] = {
     ("", "persistentvolumeclaims", ("create", "get", "patch")),
     ("", "services", ("create", "get", "patch")),
     ("", "serviceaccounts", ("create", "get", "patch")),
+    ("", "configmaps", ("create", "get", "patch")),
+    ("networking.k8s.io", "networkpolicies", ("create", "delete", "get", "patch")),
     ("", "events", ("create",)),
     ("coordination.k8s.io", "leases", ("create", "get", "patch", "update")),
     ("rbac.authorization.k8s.io", "roles", ("create", "get", "patch")),
@@ -426,3 +429,23 @@ def test_chart_package_makes_a_chart_repository_that_renders_like_the_folder(
     packaged = helm("template", "rel", str(package), "--namespace", "tmq", *args)
     assert packaged == helm("template", "rel", str(CHART), "--namespace", "tmq", *args)
     assert "kind: PrometheusRule" in packaged  # the files under monitoring/ were packaged
+
+
+def test_the_operator_knows_its_own_pods_for_the_brokers_network_policy(
+    helm: Callable[..., str],
+) -> None:
+    """The chart tells the operator its namespace and pod labels; the NetworkPolicy's admin
+    rule (operator/netpolicy.py) selects exactly the chart's operator pods with them."""
+    deployment = one(render(helm, namespace="ops"), "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env[OPERATOR_NAMESPACE_ENV]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.namespace"}
+    }
+    pods = OperatorPods.from_env(
+        {OPERATOR_NAMESPACE_ENV: "ops", OPERATOR_SELECTOR_ENV: env[OPERATOR_SELECTOR_ENV]["value"]}
+    )
+    assert pods is not None
+    template_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pods.labels == deployment["spec"]["selector"]["matchLabels"]
+    assert pods.labels.items() <= template_labels.items()

@@ -336,6 +336,16 @@ def test_a_message_reaching_a_server_by_two_paths_is_delivered_there_once(
             broker.stop()
 
 
+def watch_everything(central: BrokerProcess, remote: BrokerProcess) -> None:
+    """The remote's queue `watcher` bound to every key of `market`, bound upstream too."""
+    wait_running(remote, "market")
+    connection, ch = channel(remote)
+    ch.queue_declare("watcher", durable=True)
+    ch.queue_bind("watcher", "market", "#")
+    connection.close()
+    wait_upstream_bindings(central, LINK_QUEUE, {("market", "#")})
+
+
 def test_a_message_a_client_library_cannot_decode_crosses_the_link_unchanged(
     central_and_remote: tuple[BrokerProcess, BrokerProcess],
 ) -> None:
@@ -345,12 +355,7 @@ def test_a_message_a_client_library_cannot_decode_crosses_the_link_unchanged(
     and failed again, and the link stopped for good. The link now keeps content headers
     as received and changes only the federation path."""
     central, remote = central_and_remote
-    wait_running(remote, "market")
-    connection, ch = channel(remote)
-    ch.queue_declare("watcher", durable=True)
-    ch.queue_bind("watcher", "market", "#")
-    connection.close()
-    wait_upstream_bindings(central, LINK_QUEUE, {("market", "#")})
+    watch_everything(central, remote)
     odd = pika.BasicProperties(
         delivery_mode=2, timestamp=2**62, content_type="x/odd", headers={"k": "v"}
     )
@@ -381,12 +386,7 @@ def test_a_message_past_this_servers_bounds_is_kept_in_the_held_queue_and_the_li
     stamps and the path: the downstream cannot republish it. It is kept as received in
     `amq.twinmq.federation-held`, never dropped nor rewritten; the next message flows."""
     central, remote = central_and_remote
-    wait_running(remote, "market")
-    connection, ch = channel(remote)
-    ch.queue_declare("watcher", durable=True)
-    ch.queue_bind("watcher", "market", "#")
-    connection.close()
-    wait_upstream_bindings(central, LINK_QUEUE, {("market", "#")})
+    watch_everything(central, remote)
     # 4 (table size) + 4 ("pad" as a short string) + 1 ("S") + 4 (its length) + the text.
     pad = "x" * (fieldtable.MAX_TABLE_BYTES - 13)
     connection, ch = channel(central)

@@ -243,7 +243,7 @@ def test_no_two_internal_queues_share_a_qid() -> None:
     """The journal files messages by qid: two internal queues with one qid would take each
     other's records at recovery (the federation's dedup keys and the mirror's orphans once
     did: both were INTERNAL_QID_BASE + 4)."""
-    from twinmq.broker.federation import dedup
+    from twinmq.broker.federation import agent, dedup
     from twinmq.broker.mirror import applier, role, source
 
     qids = {
@@ -252,6 +252,7 @@ def test_no_two_internal_queues_share_a_qid() -> None:
         "mirror role": role.ROLE_QID,
         "mirror orphans": applier.ORPHANS_QID,
         "federation dedup": dedup.QUEUE_QID,
+        "federation held": agent.HELD_QID,
     }
     assert len(set(qids.values())) == len(qids), qids
     marks = applier._MARK_QID_BASE

@@ -94,7 +94,7 @@ def test_usage_errors_exit_2_with_a_clear_message(
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["status", "mirror", *kubectl.OPERATIONS])
+@pytest.mark.parametrize("command", ["status", "mirror", "federation", *kubectl.OPERATIONS])
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         parse_args([command, "--help"])
@@ -278,6 +278,8 @@ def run(kube: FakeKube, argv: list[str]) -> tuple[int, str, str]:
             code = kubectl.cmd_status(kube, args, out)
         elif args.command == "mirror":
             code = kubectl.cmd_mirror_status(kube, args, out)
+        elif args.command == "federation":
+            code = kubectl.cmd_federation_status(kube, args, out)
         else:
             code = kubectl.cmd_request(
                 kube, args, out, err, sleep=lambda _: None, clock=lambda: float(next(ticks))
@@ -422,6 +424,54 @@ def test_mirror_status_as_json_carries_spec_and_status() -> None:
     assert code == EXIT_OK
     (doc,) = json.loads(out)
     assert doc["mirror"]["role"] == "source" and doc["status"]["state"] == "NeedsResync"
+
+
+# -- federation status --------------------------------------------------------------------
+
+
+def federated(**state: Any) -> Obj:
+    """A downstream BrokerCluster federating `market` from `central`, whose active reported
+    `state` (status.federation)."""
+    obj = cluster_obj(federation=state) if state else cluster_obj()
+    obj["spec"]["federation"] = {
+        "upstreams": [{"name": "central", "clusterRef": {"name": "central"}}],
+        "exchanges": [{"exchange": "market", "upstream": "central"}],
+    }
+    return obj
+
+
+def test_federation_status_shows_each_link_with_bindings_and_counts() -> None:
+    link = {"exchange": "market", "upstream": "central", "state": "Running", "bindings": 2,
+            "localBindings": 10, "messagesReceived": 500, "duplicatesDropped": 1,
+            "loopsDropped": 0}  # fmt: skip
+    upstream = cluster_obj("central", federation={"serverId": "eu", "links": []})
+    upstream["spec"]["federation"] = {"serverId": "eu"}
+    downstream = federated(serverId="prod.orders", links=[link])
+    code, out, _ = run(FakeKube(downstream), ["federation", "status"])
+    assert code == EXIT_OK, out
+    header, row = out.splitlines()
+    assert header.split() == list(kubectl.FEDERATION_COLUMNS)
+    assert row.split() == ["orders", "prod.orders", "market", "central", "Running", "2/10",
+                           "500", "1", "0"]  # fmt: skip
+    (_, only) = kubectl.federation_rows([downstream, upstream])
+    assert only == ("central", "eu", "-", "-", "-", "-", "-", "-", "-", "upstream only")
+
+
+def test_federation_status_of_a_cluster_not_yet_seen_a_refusal_and_json() -> None:
+    (row,) = kubectl.federation_rows([federated()])
+    assert row[:5] == ("orders", "prod.orders", "market", "central", "Unknown")
+    assert kubectl.federation_rows([cluster_obj()]) == []
+    refused = cluster_obj("central", federation={"refusedPeers": ["1.2.3.4:5: duplicate"]})
+    refused["spec"]["federation"] = {}
+    (row,) = kubectl.federation_rows([refused])
+    assert row[-1] == "refused: 1.2.3.4:5: duplicate"
+    code, out, _ = run(FakeKube(cluster_obj()), ["federation", "status"])
+    assert out == 'No BrokerClusters with spec.federation in namespace "prod".\n'
+    code, out, _ = run(FakeKube(federated(serverId="x")), ["federation", "status", "-o", "json"])
+    assert code == EXIT_OK
+    (doc,) = json.loads(out)
+    assert doc["federation"]["exchanges"][0]["exchange"] == "market"
+    assert doc["status"]["serverId"] == "x"
 
 
 class Site(FakeKube):

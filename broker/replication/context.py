@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from twinmq.broker.journal import JournalOp
     from twinmq.broker.queue import Queue
     from twinmq.broker.settings import BrokerSettings
+    from twinmq.broker.tls import MutualTls
 
 
 class ReplicatedLog(Protocol):
@@ -137,6 +138,11 @@ class ReplicationContext(Protocol):
 
     def replication_token(self) -> str | None:
         """The link's shared secret (None: none configured, nobody is authenticated)."""
+        ...
+
+    @property
+    def replication_tls(self) -> MutualTls | None:
+        """The link's mutual TLS (None: plain TCP, the token alone)."""
         ...
 
     def stop_passive(self, reason: str) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -45,6 +46,7 @@ from twinmq.broker.replication.protocol import (
     encode_u64,
 )
 from twinmq.broker.replication.source import PING_INTERVAL
+from twinmq.broker.tls import identity_refusal
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +197,19 @@ class ReplicaClient:
         host, _, port = self.address.rpartition(":")
         while not self._stopping:
             try:
+                tls = self.broker.replication_tls
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, int(port)), RETRY_INTERVAL * 3
+                    asyncio.open_connection(
+                        host, int(port), ssl=None if tls is None else tls.client
+                    ),
+                    RETRY_INTERVAL * 3,
                 )
+            except ssl.SSLError as exc:
+                # A certificate refused either way: the operator must hear of it.
+                metrics.REPLICATION_REFUSED.labels("certificate").inc()
+                log.warning("TLS with the active at %s failed: %s", self.address, exc)
+                await asyncio.sleep(RETRY_INTERVAL)
+                continue
             except (TimeoutError, OSError) as exc:
                 log.debug("cannot reach the active at %s: %s", self.address, exc)
                 await asyncio.sleep(RETRY_INTERVAL)
@@ -239,6 +251,11 @@ class ReplicaClient:
                         f"protocol version {challenge.version}, this broker speaks "
                         f"{PROTOCOL_VERSION}: upgrade both brokers of the pair"
                     )
+                if why := identity_refusal(writer, challenge.name):
+                    metrics.REPLICATION_REFUSED.labels("certificate").inc()
+                    log.warning("the active at %s claims to be %r but %s: closed",
+                                self.address, challenge.name, why)  # fmt: skip
+                    return None
                 if challenge.name == settings.name:
                     # Our own listener's challenge, relayed: a proof would authenticate us
                     # to ourselves, with the relay in the middle.

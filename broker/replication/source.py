@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Awaitable
 
@@ -46,6 +47,7 @@ from twinmq.broker.replication.protocol import (
     encode_batch,
     encode_u64,
 )
+from twinmq.broker.tls import identity_refusal
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +344,8 @@ class ReplicationSource:
         frames = FrameReader(reader, f"passive {peer_text}")
         link: SourceLink | None = None
         try:
+            if not await self._start_tls(peer_text, writer):
+                return
             link = await self._handshake(peer_text, frames, writer)
             if link is None:
                 return
@@ -381,6 +385,29 @@ class ReplicationSource:
             with contextlib.suppress(Exception):
                 writer.close()
 
+    async def _start_tls(self, peer: str, writer: asyncio.StreamWriter) -> bool:
+        """With mutual TLS, the TLS handshake (the peer's certificate verified); whether
+        the link may go on. Done here, not by the listener, so a refused certificate is
+        counted and logged (asyncio's listener would drop it silently)."""
+        tls = self.broker.replication_tls
+        if tls is None:
+            return True
+        deadline = self.broker.settings.replication_handshake_timeout
+        try:
+            await writer.start_tls(tls.context, ssl_handshake_timeout=deadline)
+        except ssl.SSLError as exc:
+            metrics.REPLICATION_REFUSED.labels("certificate").inc()
+            log.warning("replication peer %s failed the TLS handshake: %s: closed", peer, exc)
+            return False
+        except TimeoutError:
+            metrics.REPLICATION_REFUSED.labels("handshake-timeout").inc()
+            log.warning("replication peer %s: no TLS handshake in %.1fs: closed", peer, deadline)
+            return False
+        except OSError as exc:  # gone before the handshake completed (a probe, a reset)
+            log.debug("replication peer %s left during the TLS handshake: %r", peer, exc)
+            return False
+        return True
+
     async def _authenticate(
         self, peer: str, frames: FrameReader, writer: asyncio.StreamWriter
     ) -> Hello | None:
@@ -397,6 +424,11 @@ class ReplicationSource:
             async with asyncio.timeout(settings.replication_handshake_timeout):
                 ftype, payload = await frames.next()
                 hello = self._verify_hello(peer, nonce, ftype, payload)
+                if hello is not None and (why := identity_refusal(writer, hello.name)):
+                    metrics.REPLICATION_REFUSED.labels("certificate").inc()
+                    log.warning("replication peer %s claims to be %r but %s: closed",
+                                peer, hello.name, why)  # fmt: skip
+                    hello = None
                 if hello is None:
                     writer.write(
                         encode(FrameType.REFUSE, Refuse(reason="authentication failed", epoch=0))

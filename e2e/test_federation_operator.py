@@ -1,0 +1,134 @@
+"""Two BrokerClusters in two namespaces federated through the operator (spec.federation).
+
+The downstream names the upstream BrokerCluster by reference (its virtual IP, so the link
+follows the upstream pair's failovers) and a Secret with the upstream user's password; a
+queue bound to the federated exchange downstream receives what is published upstream,
+through a kill -9 of the upstream's active: nothing lost, nothing twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pika
+import pytest
+from brokerclusters import (
+    OperatorProcess,
+    amqp_url,
+    cluster_status,
+    condition,
+    create_cluster,
+    drain,
+    events_of,
+    in_sync,
+)
+from support import Cluster, kubectl, new_namespace, plugin
+
+from twinmq.client import ReliablePublisher
+from twinmq.localcluster import faults
+from twinmq.localcluster.layout import Layout
+from twinmq.testing.waiting import wait_for
+
+pytestmark = pytest.mark.e2e
+TOTAL = 400
+KILL_AT = TOTAL // 3
+
+
+@pytest.fixture
+def upstream_namespace(cluster: Cluster) -> Iterator[str]:
+    """A second namespace: the central site."""
+    name = new_namespace(cluster, "e2e-central")
+    yield name
+    cluster.kube.delete(f"/api/v1/namespaces/{name}")
+
+
+def link(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    """The downstream's one federation link as its status shows it ({} before)."""
+    links = (cluster_status(cluster, namespace, name).get("federation") or {}).get("links")
+    return dict(links[0]) if links else {}
+
+
+def login_secret(cluster: Cluster, upstream_ns: str, upstream: str, namespace: str) -> None:
+    """The upstream's app user password, given to the downstream's namespace (a Secret
+    of another namespace cannot be mounted)."""
+    secret = cluster.kube.get(f"/api/v1/namespaces/{upstream_ns}/secrets/{upstream}-auth") or {}
+    body = {"metadata": {"name": "central-login"},
+            "data": {"password": secret["data"]["password"]}}  # fmt: skip
+    cluster.kube.create(f"/api/v1/namespaces/{namespace}/secrets", body)
+
+
+def bind_queue(url: str) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.queue_declare("prices", durable=True)
+    ch.queue_bind("prices", "market", "prices.#")
+    conn.close()
+
+
+def test_a_downstream_queue_receives_what_is_published_upstream_across_an_upstream_failover(
+    cluster: Cluster, operator: OperatorProcess, namespace: str, upstream_namespace: str
+) -> None:
+    central = create_cluster(cluster, upstream_namespace, spec={"federation": {}})
+    login_secret(cluster, upstream_namespace, central, namespace)
+    fed = {
+        "upstreams": [{"name": "central",
+                       "clusterRef": {"name": central, "namespace": upstream_namespace},
+                       "passwordSecret": {"name": "central-login"}}],
+        "exchanges": [{"exchange": "market", "upstream": "central"}],
+    }  # fmt: skip
+    remote = create_cluster(cluster, namespace, spec={"federation": fed})
+    wait_for("the link running", lambda: link(cluster, namespace, remote).get("state")
+             == "Running", 60)  # fmt: skip
+    remote_url = amqp_url(cluster, namespace, remote)
+    bind_queue(remote_url)
+    wait_for("the binding propagated upstream",
+             lambda: link(cluster, namespace, remote).get("bindings") == 1, 30)  # fmt: skip
+    status = cluster_status(cluster, namespace, remote)
+    assert status["federation"]["serverId"] == f"{namespace}.{remote}"
+    assert status["federation"]["links"][0]["upstreamServerId"] == f"{upstream_namespace}.{central}"
+    assert condition(status, "Federated") == "True"
+
+    central_url = amqp_url(cluster, upstream_namespace, central)
+
+    async def traffic() -> int:
+        publisher = ReliablePublisher([central_url], reconnect_delay=0.2, give_up_after=90)
+        for i in range(TOTAL):
+            await publisher.publish(str(i).encode(), f"prices.{i % 7}", exchange="market",
+                                    message_id=f"p-{i}")  # fmt: skip
+            if i == KILL_AT:
+                faults.kill_pod(Layout.default(), upstream_namespace, f"{central}-primary",
+                                "broker")  # fmt: skip
+        await publisher.close()
+        return publisher.reconnects
+
+    assert asyncio.run(traffic()) >= 1  # the publisher saw the upstream's failover
+    upstream = cluster_status(cluster, upstream_namespace, central)
+    assert upstream["activeBroker"] == "backup" and upstream["lastFailover"]["from"] == "primary"
+
+    def all_there() -> bool:
+        received = link(cluster, namespace, remote).get("messagesReceived", 0)
+        return int(received) >= TOTAL
+
+    wait_for(f"{TOTAL} messages received downstream", all_there, 90)
+    assert sorted(drain(remote_url, "prices")) == list(range(TOTAL)), "lost or doubled"
+    wait_for("the link running again", lambda: link(cluster, namespace, remote).get("state")
+             == "Running", 60)  # fmt: skip
+    reasons = [e["reason"] for e in events_of(cluster, namespace)]
+    assert "FederationLinkUp" in reasons, reasons
+    wait_for("the upstream back in sync",
+             lambda: in_sync(cluster_status(cluster, upstream_namespace, central)), 90)  # fmt: skip
+
+    wide = kubectl(cluster, "get", "tmq", remote, "-n", namespace, "-o", "wide")
+    assert wide.returncode == 0, wide.stderr
+    header, row = wide.stdout.splitlines()
+    # By its offset: kubectl aligns the columns, and an empty one may print nothing.
+    assert row[header.index("FEDERATION") :].split()[0] == "1/1", wide.stdout
+    shown = plugin(cluster, "federation", "status", "-A")
+    assert shown.returncode == 0, shown.stderr
+    rows = {tuple(line.split()[:6]) for line in shown.stdout.splitlines()[1:]}
+    assert (namespace, remote, f"{namespace}.{remote}", "market", "central", "Running") in rows, (
+        shown.stdout
+    )
+    assert (upstream_namespace, central, f"{upstream_namespace}.{central}", "-", "-", "-") in rows

@@ -1,0 +1,260 @@
+"""Exchange federation on Kubernetes: what a BrokerCluster's `spec.federation` asks of its
+pods, and what its status says of the links (docs/federation.md, "Operator").
+
+Both brokers of the pair take one server identifier (`--server-id`, default
+`<namespace>.<name>`): a pair is one server to its peers, as its virtual IP is one
+address. The federation file the brokers read (`--federation-config`) is rendered into a
+ConfigMap; upstream passwords never go into it nor onto a command line: each is a Secret
+key mounted as a file, which the broker re-reads at every connection attempt (a rotated
+Secret is picked up without a restart). The file's hash is part of the pod template, so a
+change of `spec.federation` rolls out like any other spec change (the broker reads the
+file at start-up only). Links run on the active broker; the status is its `GET /status`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from twinmq.broker.api import FederationLinkStatus, FederationStatus
+from twinmq.broker.federation.config import FederatedExchange as FileExchange
+from twinmq.broker.federation.config import FederationConfig
+from twinmq.broker.federation.config import Upstream as FileUpstream
+from twinmq.broker.names import AMQP_PORT
+from twinmq.operator.models import (
+    Federation,
+    FederationLinkState,
+    FederationLinkStateName,
+    FederationState,
+    FederationUpstream,
+    SecretKeyReference,
+)
+
+Obj = dict[str, Any]
+CONFIG_DIR = "/etc/twinmq/federation"
+CONFIG_KEY = "federation.yaml"
+PASSWORD_DIR = "/etc/twinmq/federation-passwords"
+CONFIG_VOLUME = "federation-config"
+PASSWORD_VOLUME = "federation-passwords"
+CONFIG_HASH = "twinmq.io/federation-config-hash"
+"""Pod annotation: the hash of the federation file the pod was started with."""
+STATES: dict[str, FederationLinkStateName] = {
+    "running": "Running",
+    "connecting": "Connecting",
+    "refused": "Refused",
+}
+
+
+def server_id(federation: Federation, namespace: str, name: str) -> str:
+    """The pair's server identifier: the spec's, else `<namespace>.<name>` (unique among
+    the BrokerClusters of one Kubernetes cluster)."""
+    return federation.server_id or f"{namespace}.{name}"
+
+
+def config_map_name(cluster_name: str) -> str:
+    """The ConfigMap holding a cluster's federation file."""
+    return f"{cluster_name}-federation"
+
+
+def password_ref(upstream: FederationUpstream) -> SecretKeyReference | None:
+    """The Secret key holding an upstream's password: the spec's, or a same-namespace
+    BrokerCluster's generated credentials."""
+    if upstream.password_secret is not None:
+        return upstream.password_secret
+    ref = upstream.cluster_ref
+    if ref is not None and ref.namespace is None:
+        return SecretKeyReference(name=f"{ref.name}-auth", key="password")
+    return None  # the CRD refuses this; an upstream without a password logs in as given
+
+
+def upstream_uri(upstream: FederationUpstream, namespace: str) -> str:
+    """Where the link connects: a BrokerCluster's virtual-IP Service (it follows the
+    upstream pair's failovers), or the URI given."""
+    ref = upstream.cluster_ref
+    if ref is None:
+        assert upstream.uri is not None  # the CRD requires one of them
+        return upstream.uri
+    return f"amqp://{upstream.user}@{ref.name}.{ref.namespace or namespace}.svc:{AMQP_PORT}/"
+
+
+def render(federation: Federation, namespace: str) -> FederationConfig:
+    """The broker's federation file for `spec.federation` (validated by the broker's own
+    model, so what the operator writes is what the broker accepts)."""
+    upstreams = {
+        u.name: FileUpstream(
+            uri=upstream_uri(u, namespace),
+            password_file=None if password_ref(u) is None else Path(PASSWORD_DIR, u.name),
+            reconnect_max_seconds=float(u.reconnect_max_seconds),
+        )
+        for u in federation.upstreams
+    }
+    exchanges = [FileExchange(
+        exchange=e.exchange, upstream=e.upstream, upstream_exchange=e.upstream_exchange,
+        type=e.type, max_hops=e.max_hops, prefetch=e.prefetch,
+    ) for e in federation.exchanges]  # fmt: skip
+    return FederationConfig(
+        upstreams=upstreams, exchanges=exchanges, dedup_window=federation.dedup_window
+    )
+
+
+def config_text(federation: Federation, namespace: str) -> str:
+    """The federation file as the ConfigMap holds it (YAML, stable order)."""
+    rendered = render(federation, namespace).model_dump(
+        by_alias=True, exclude_none=True, mode="json"
+    )
+    return yaml.safe_dump(rendered, sort_keys=True)
+
+
+def config_hash(federation: Federation | None, namespace: str) -> str | None:
+    """A short hash of the rendered file (None without federation): in the pod template."""
+    if federation is None:
+        return None
+    return hashlib.sha256(config_text(federation, namespace).encode()).hexdigest()[:16]
+
+
+def broker_args(federation: Federation | None, namespace: str, name: str) -> list[str]:
+    """The broker's federation flags (none without `spec.federation`)."""
+    if federation is None:
+        return []
+    return [
+        f"--server-id={server_id(federation, namespace, name)}",
+        f"--federation-config={CONFIG_DIR}/{CONFIG_KEY}",
+    ]
+
+
+def volumes(federation: Federation | None, cluster_name: str) -> list[Obj]:
+    """The federation file's ConfigMap and the upstreams' password Secrets (projected into
+    one directory, a file per upstream)."""
+    if federation is None:
+        return []
+    out: list[Obj] = [{"name": CONFIG_VOLUME, "configMap": {"name": config_map_name(cluster_name)}}]
+    sources = []
+    for upstream in federation.upstreams:
+        ref = password_ref(upstream)
+        if ref is not None:
+            item = {"key": ref.key, "path": upstream.name}
+            sources.append({"secret": {"name": ref.name, "items": [item]}})
+    if sources:
+        out.append({"name": PASSWORD_VOLUME, "projected": {"defaultMode": 0o440,
+                                                           "sources": sources}})  # fmt: skip
+    return out
+
+
+def mounts(federation: Federation | None) -> list[Obj]:
+    """Where the broker container reads them."""
+    if federation is None:
+        return []
+    out: list[Obj] = [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True}]
+    if any(password_ref(u) is not None for u in federation.upstreams):
+        out.append({"name": PASSWORD_VOLUME, "mountPath": PASSWORD_DIR, "readOnly": True})
+    return out
+
+
+def config_map(federation: Federation | None, namespace: str) -> dict[str, str] | None:
+    """The ConfigMap's data (None without federation)."""
+    if federation is None:
+        return None
+    return {CONFIG_KEY: config_text(federation, namespace)}
+
+
+# -- status ----------------------------------------------------------------------------------
+
+
+def link_state(link: FederationLinkStatus) -> FederationLinkState:
+    """One link of the active broker's report, as the status shows it."""
+    state = STATES.get(link.state, "Unknown")
+    return FederationLinkState(
+        exchange=link.exchange,
+        upstream=link.upstream,
+        state=state,
+        connected=state == "Running",
+        upstream_server_id=link.upstream_server_id or "",
+        message="" if state == "Running" else (link.error or ""),
+        bindings=link.bindings,
+        local_bindings=link.local_bindings,
+        messages_received=link.messages_received,
+        duplicates_dropped=link.duplicates_dropped,
+        loops_dropped=link.loops_dropped,
+    )
+
+
+def state_of(
+    federation: Federation | None, namespace: str, name: str, seen: FederationStatus | None
+) -> FederationState | None:
+    """`status.federation` from the active broker's report (each link Unknown while no
+    active broker answers), None without `spec.federation`."""
+    if federation is None:
+        return None
+    if seen is None:
+        links = [
+            FederationLinkState(exchange=e.exchange, upstream=e.upstream)
+            for e in federation.exchanges
+        ]
+        state = FederationState(server_id=server_id(federation, namespace, name), links=links)
+    else:
+        state = FederationState(
+            server_id=seen.server_id,
+            links=[link_state(link) for link in seen.links],
+            refused_peers=list(seen.refused_peers),
+            downstream_queues=len(seen.federation_queues),
+        )
+    running = sum(1 for link in state.links if link.state == "Running")
+    state.running = f"{running}/{len(state.links)}"
+    return state
+
+
+def condition(state: FederationState | None) -> tuple[str, bool, str, str] | None:
+    """The `Federated` condition: True while every link runs (a cluster that is only an
+    upstream has none: True), None without `spec.federation`."""
+    if state is None:
+        return None
+    down = [link for link in state.links if link.state != "Running"]
+    if not state.links:
+        return ("Federated", True, "UpstreamOnly",
+                f"no federated exchange here; serving as {state.server_id}")  # fmt: skip
+    if not down:
+        return ("Federated", True, "LinksRunning",
+                f"{len(state.links)} links running as {state.server_id}")  # fmt: skip
+    refused = [link for link in down if link.state == "Refused"]
+    reason = "PeerRefused" if refused else "LinksDown"
+    why = "; ".join(f"{link.exchange} from {link.upstream}: {link.state}"
+                    + (f" ({link.message})" if link.message else "") for link in down)  # fmt: skip
+    return ("Federated", False, reason, why)
+
+
+def events(old: FederationState | None, new: FederationState | None) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Events for changes of the links: a Normal one when a
+    link comes up, a Warning when it goes down or is refused (a duplicate server id), and a
+    Warning for each downstream refused here (the upstream side of that refusal)."""
+    if new is None:
+        return []
+    out: list[tuple[str, str, str]] = []
+    before = {link.exchange: link for link in (old.links if old is not None else [])}
+    for link in new.links:
+        was = before.get(link.exchange)
+        if link.state == "Unknown" or (was is not None and was.state == link.state):
+            continue
+        if link.state == "Running":
+            out.append(("Normal", "FederationLinkUp", f"{link.exchange}: the link from "
+                        f"{link.upstream} ({link.upstream_server_id}) is running with "
+                        f"{link.bindings} bindings"))  # fmt: skip
+        elif link.state == "Refused":
+            out.append(("Warning", "FederationPeerRefused", f"{link.exchange}: the link from "
+                        f"{link.upstream} is refused: {link.message}"))  # fmt: skip
+        elif was is not None and was.state == "Running":
+            out.append(("Warning", "FederationLinkDown", f"{link.exchange}: the link from "
+                        f"{link.upstream} is down: {link.message or 'reconnecting'}"))  # fmt: skip
+    # A refused downstream retries (with backoff): one Event per reason, not per attempt
+    # (each entry is "<peer address>: <reason>").
+    seen = {_reason(r) for r in old.refused_peers} if old is not None else set()
+    for reason in dict.fromkeys(_reason(r) for r in new.refused_peers):
+        if reason not in seen:
+            out.append(("Warning", "FederationPeerRefused", f"a downstream was refused: {reason}"))
+    return out
+
+
+def _reason(refusal: str) -> str:
+    return refusal.split(": ", 1)[-1]

@@ -1,0 +1,334 @@
+"""spec.federation on Kubernetes: the brokers' server id and federation file, the status,
+conditions and Events from real brokers' reports, and the CRD's rules on a real API server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from federationsites import site
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+from twinmq.broker.api import BrokerStatus
+from twinmq.broker.federation.config import load
+from twinmq.broker.settings import BrokerSettings
+from twinmq.operator import federation
+from twinmq.operator.builders import (
+    ClusterRef,
+    build_federation_config_map,
+    build_pod,
+    pod_revision,
+)
+from twinmq.operator.crd import crd
+from twinmq.operator.kube import Kube, Refused
+from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec, Federation
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import status
+from twinmq.testing.waiting import wait_for
+
+REMOTE = ClusterRef(name="remote", namespace="site-b", uid="u-2")
+CENTRAL_REF = {"name": "central", "namespace": "site-a"}
+
+
+def spec(fed: dict[str, Any] | None) -> BrokerClusterSpec:
+    return BrokerClusterSpec.model_validate({} if fed is None else {"federation": fed})
+
+
+def downstream(**exchange: Any) -> dict[str, Any]:
+    """A downstream's spec.federation: `market` from the BrokerCluster central in site-a."""
+    return {
+        "upstreams": [{"name": "central", "clusterRef": CENTRAL_REF,
+                       "passwordSecret": {"name": "central-login"}}],
+        "exchanges": [{"exchange": "market", "upstream": "central", **exchange}],
+    }  # fmt: skip
+
+
+def container(pod: dict[str, Any]) -> dict[str, Any]:
+    (broker,) = pod["spec"]["containers"]
+    return dict(broker)
+
+
+def flags(pod: dict[str, Any]) -> dict[str, str]:
+    return dict(a.removeprefix("--").split("=", 1) for a in container(pod)["args"])
+
+
+@pytest.mark.parametrize("broker", ["primary", "backup"])
+def test_both_brokers_of_a_pair_announce_one_server_id_defaulting_to_namespace_and_name(
+    broker: str,
+) -> None:
+    pod = build_pod(REMOTE, spec({}), broker)  # type: ignore[arg-type]
+    assert flags(pod)["server-id"] == "site-b.remote"
+    named = build_pod(REMOTE, spec({"serverId": "eu-west"}), broker)  # type: ignore[arg-type]
+    assert flags(named)["server-id"] == "eu-west"
+    settings = BrokerSettings.model_validate({"name": "x", "server_id": "site-b.remote"})
+    assert settings.effective_server_id == "site-b.remote"
+
+
+def test_no_federation_adds_nothing_to_the_pods() -> None:
+    pod = build_pod(REMOTE, spec(None), "primary")
+    assert not [a for a in container(pod)["args"] if "server-id" in a or "federation" in a]
+    assert not [v for v in pod["spec"]["volumes"] if v["name"].startswith("federation")]
+    assert build_federation_config_map(REMOTE, spec(None)) is None
+
+
+def test_the_federation_file_is_a_config_map_the_broker_accepts_and_passwords_are_files(
+    tmp_path: Path,
+) -> None:
+    wanted = spec(downstream(type="fanout", maxHops=2, upstreamExchange="prices"))
+    config_map = build_federation_config_map(REMOTE, wanted)
+    assert config_map is not None and config_map["metadata"]["name"] == "remote-federation"
+    text = config_map["data"]["federation.yaml"]
+    assert "password" not in yaml.safe_load(text)["upstreams"]["central"]["uri"]
+    path = tmp_path / "federation.yaml"
+    path.write_text(text)
+    loaded = load(path)  # what the broker reads at start-up
+    central = loaded.upstreams["central"]
+    assert central.uri == "amqp://twinmq@central.site-a.svc:5672/"
+    assert str(central.password_file) == f"{federation.PASSWORD_DIR}/central"
+    (market,) = loaded.exchanges
+    assert (market.type, market.max_hops, market.source_exchange) == ("fanout", 2, "prices")
+    pod = build_pod(REMOTE, wanted, "primary")
+    assert flags(pod)["federation-config"] == f"{federation.CONFIG_DIR}/federation.yaml"
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["federation-config"]["configMap"]["name"] == "remote-federation"
+    (secret,) = volumes["federation-passwords"]["projected"]["sources"]
+    assert secret["secret"] == {
+        "name": "central-login", "items": [{"key": "password", "path": "central"}]
+    }  # fmt: skip
+    mounts = {m["mountPath"] for m in container(pod)["volumeMounts"]}
+    assert {federation.CONFIG_DIR, federation.PASSWORD_DIR} <= mounts
+    # Never a password in the environment or on the command line.
+    assert not [e for e in container(pod)["env"] if "FEDERATION" in e["name"]]
+
+
+def test_a_same_namespace_upstream_cluster_defaults_to_its_generated_credentials() -> None:
+    fed = Federation.model_validate({
+        "upstreams": [{"name": "central", "clusterRef": {"name": "central"}}],
+        "exchanges": [{"exchange": "market", "upstream": "central"}],
+    })  # fmt: skip
+    (upstream,) = fed.upstreams
+    ref = federation.password_ref(upstream)
+    assert ref is not None and (ref.name, ref.key) == ("central-auth", "password")
+    assert federation.upstream_uri(upstream, "site-b") == "amqp://twinmq@central.site-b.svc:5672/"
+
+
+def test_a_change_of_the_federation_rolls_the_pods_out() -> None:
+    before = pod_revision(build_pod(REMOTE, spec(downstream()), "primary"))
+    same = pod_revision(build_pod(REMOTE, spec(downstream()), "primary"))
+    after = pod_revision(build_pod(REMOTE, spec(downstream(maxHops=3)), "primary"))
+    assert before == same and before != after
+
+
+# -- status, conditions and Events from real brokers ----------------------------------------
+
+
+def report(broker: BrokerProcess) -> BrokerStatus:
+    data = status(broker)
+    assert data is not None
+    return BrokerStatus.model_validate(data)
+
+
+def link_state(broker: BrokerProcess) -> str:
+    seen = report(broker).federation
+    return "" if seen is None or not seen.links else seen.links[0].state
+
+
+@pytest.fixture
+def central(tmp_path: Path) -> Iterator[BrokerProcess]:
+    broker = site(tmp_path, "site-a.central")
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def remote_site(tmp_path: Path, fed: Federation, upstream: BrokerProcess) -> BrokerProcess:
+    """A downstream broker run with the file the operator renders (the upstream's URI and
+    password file pointed at the test's loopback broker and a file of the test)."""
+    password = tmp_path / "central-password"
+    password.write_text("guest\n")
+    rendered = federation.render(fed, "site-b")
+    rendered.upstreams["central"] = rendered.upstreams["central"].model_copy(
+        update={"uri": f"amqp://guest@127.0.0.1:{upstream.port}/", "password_file": password}
+    )
+    path = tmp_path / "federation.yaml"
+    path.write_text(yaml.safe_dump(rendered.model_dump(by_alias=True, mode="json")))
+    server_id = federation.server_id(fed, "site-b", "remote")
+    broker = BrokerProcess(
+        tmp_path / "remote" / "data", name="remote",
+        extra_args=["--server-id", server_id, "--federation-config", str(path)],
+    )  # fmt: skip
+    broker.start()
+    return broker
+
+
+def test_the_status_condition_and_events_follow_a_real_link_up_and_down(
+    tmp_path: Path, central: BrokerProcess
+) -> None:
+    fed = Federation.model_validate({
+        "upstreams": [{"name": "central", "uri": "amqp://guest@x/",
+                       "passwordSecret": {"name": "login"}}],
+        "exchanges": [{"exchange": "market", "upstream": "central"}],
+    })  # fmt: skip
+    assert federation.state_of(None, "site-b", "remote", None) is None
+    unknown = federation.state_of(fed, "site-b", "remote", None)
+    assert unknown is not None and unknown.links[0].state == "Unknown"
+    assert unknown.server_id == "site-b.remote" and unknown.running == "0/1"
+    assert federation.events(None, unknown) == []
+    remote = remote_site(tmp_path, fed, central)
+    try:
+        wait_for("the link running", lambda: link_state(remote) == "running", 30)
+        up = federation.state_of(fed, "site-b", "remote", report(remote).federation)
+        assert up is not None and up.running == "1/1"
+        (link,) = up.links
+        assert (link.state, link.connected, link.upstream_server_id) == (
+            "Running", True, "site-a.central",
+        )  # fmt: skip
+        assert federation.condition(up) == (
+            "Federated", True, "LinksRunning", "1 links running as site-b.remote",
+        )  # fmt: skip
+        ((kind, reason, _),) = federation.events(unknown, up)
+        assert (kind, reason) == ("Normal", "FederationLinkUp")
+        assert federation.events(up, up) == []
+        # The upstream side: the link queue held there for the downstream.
+        upstream = federation.state_of(Federation(), "site-a", "central",
+                                       report(central).federation)  # fmt: skip
+        assert upstream is not None and upstream.downstream_queues == 1
+        assert federation.condition(upstream) == (
+            "Federated", True, "UpstreamOnly", "no federated exchange here; serving as "
+            "site-a.central",
+        )  # fmt: skip
+        central.stop()
+        wait_for("the link down", lambda: link_state(remote) == "connecting", 30)
+        down = federation.state_of(fed, "site-b", "remote", report(remote).federation)
+        assert down is not None and down.links[0].message
+        ctype, ok, reason, why = federation.condition(down)  # type: ignore[misc]
+        assert (ctype, ok, reason) == ("Federated", False, "LinksDown") and "market" in why
+        ((kind, reason, message),) = federation.events(up, down)
+        assert (kind, reason) == ("Warning", "FederationLinkDown") and "central" in message
+    finally:
+        remote.stop()
+
+
+def test_a_duplicate_server_id_is_refused_with_a_warning_on_both_clusters(
+    tmp_path: Path, central: BrokerProcess
+) -> None:
+    fed = Federation.model_validate({
+        "serverId": "site-a.central",  # the upstream's own: a badly configured topology
+        "upstreams": [{"name": "central", "uri": "amqp://guest@x/",
+                       "passwordSecret": {"name": "login"}}],
+        "exchanges": [{"exchange": "market", "upstream": "central"}],
+    })  # fmt: skip
+    remote = remote_site(tmp_path, fed, central)
+    try:
+        wait_for("the link refused", lambda: link_state(remote) == "refused", 30)
+        refused = federation.state_of(fed, "site-b", "remote", report(remote).federation)
+        assert refused is not None and "duplicate server id" in refused.links[0].message
+        assert federation.condition(refused)[2] == "PeerRefused"  # type: ignore[index]
+        ((kind, reason, _),) = federation.events(None, refused)
+        assert (kind, reason) == ("Warning", "FederationPeerRefused")
+        upstream_fed = Federation()
+
+        def upstream_state() -> Any:
+            return federation.state_of(upstream_fed, "site-a", "central",
+                                       report(central).federation)  # fmt: skip
+
+        wait_for("the refusal on the upstream", lambda: upstream_state().refused_peers, 30)
+        time.sleep(1.5)  # a retry (1 s backoff) adds a refusal: still one Event
+        on_upstream = upstream_state()
+        events = federation.events(None, on_upstream)
+        assert [e[:2] for e in events] == [("Warning", "FederationPeerRefused")]
+        assert "duplicate server id" in events[0][2]
+    finally:
+        remote.stop()
+
+
+# -- the CRD's rules on a real API server ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def crd_kube(kube_apiserver: Any) -> Kube:
+    api = Kube(str(kube_apiserver.kubeconfig))
+    api.apply(crd())
+
+    def established() -> bool:
+        try:
+            api.dynamic.resources.invalidate_cache()
+            api.dynamic.resources.get(api_version=f"{GROUP}/{VERSION}", kind=KIND)
+        except ResourceNotFoundError:
+            return False
+        return True
+
+    wait_for("the CRD established", established, 60)
+    return api
+
+
+def create(api: Kube, name: str, fed: dict[str, Any]) -> None:
+    api.apply({
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+        "metadata": {"name": name, "namespace": "default"}, "spec": {"federation": fed},
+    })  # fmt: skip
+
+
+UP = {"name": "central", "clusterRef": {"name": "central"}}
+
+
+@pytest.mark.parametrize(
+    ("fed", "message"),
+    [
+        ({"upstreams": [UP, UP]}, "each upstream name appears once"),
+        (
+            {"upstreams": [UP], "exchanges": [{"exchange": "m", "upstream": "central"}] * 2},
+            "each exchange is federated once",
+        ),
+        (
+            {"upstreams": [UP], "exchanges": [{"exchange": "m", "upstream": "elsewhere"}]},
+            "every federated exchange names one of spec.federation.upstreams",
+        ),
+        ({"upstreams": [{"name": "central"}]}, "names a clusterRef or a uri, not both"),
+        (
+            {
+                "upstreams": [
+                    {"name": "c", "uri": "amqp://u:pw@h/", "passwordSecret": {"name": "s"}}
+                ]
+            },
+            "must not carry a password",
+        ),
+        (
+            {"upstreams": [{"name": "c", "clusterRef": {"name": "c", "namespace": "other"}}]},
+            "passwordSecret is required",
+        ),
+        ({"upstreams": [{"name": "c", "uri": "amqp://u@h/"}]}, "passwordSecret is required"),
+        ({"serverId": "a b"}, "spec.federation.serverId"),
+        (
+            {"upstreams": [UP], "exchanges": [{"exchange": "a b", "upstream": "central"}]},
+            "spec.federation.exchanges[0].exchange",
+        ),
+    ],
+)
+def test_the_crd_refuses_a_bad_federation_with_a_clear_message(
+    crd_kube: Kube, fed: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(Refused) as refused:
+        create(crd_kube, "bad", fed)
+    assert message in str(refused.value)
+
+
+def test_the_crd_accepts_a_downstream_and_an_upstream_only_section(crd_kube: Kube) -> None:
+    create(crd_kube, "remote", {
+        "upstreams": [UP, {"name": "other", "uri": "amqp://fed@other.example:5672/",
+                           "passwordSecret": {"name": "other-login", "key": "pw"}}],
+        "exchanges": [{"exchange": "market", "upstream": "central"},
+                      {"exchange": "orders", "upstream": "other", "type": "direct"}],
+    })  # fmt: skip
+    create(crd_kube, "central", {})
+    found = crd_kube.get(f"{GROUP}/{VERSION}", KIND, "default", "remote")
+    assert found is not None
+    spec_seen = BrokerClusterSpec.model_validate(found["spec"])
+    assert spec_seen.federation is not None
+    assert spec_seen.federation.exchanges[1].max_hops == 1  # defaults filled in
