@@ -263,6 +263,7 @@ class FederationLink:
         )
         inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()
         processor: asyncio.Task[None] | None = None
+        publisher: LinkClient | None = None
         ran = False
         try:
             peer = connection.server_properties.get(SERVER_ID_PROPERTY)
@@ -283,8 +284,24 @@ class FederationLink:
             await connection.basic_qos(self.fed.prefetch)
             forwarder = None
             if self.outbox is not None:
-                forwarder = Forwarder(self, connection, self.outbox, peer)
-                await connection.confirm_select(forwarder.confirmed)
+                # Forwarding has its own connection: a publish during the upstream's
+                # resource alarm blocks the reads of its connection, and the consumer's
+                # acks (which free the upstream's memory) must still go through.
+                publisher = await LinkClient.connect(
+                    self.upstream.connect_uri(),
+                    {
+                        SERVER_ID_PROPERTY: self.server_id,
+                        "connection_name": f"federation {self.fed.exchange} forward "
+                        f"from {self.server_id}",
+                    },
+                )
+                other = _text(publisher.server_properties.get(SERVER_ID_PROPERTY))
+                if other != peer:
+                    raise ConnectionError(
+                        f"the forwarding connection reached server {other!r}, not {peer!r}"
+                    )
+                forwarder = Forwarder(self, publisher, self.outbox, peer)
+                await publisher.confirm_select(forwarder.confirmed)
             processor = asyncio.get_running_loop().create_task(self._process(connection, inbox))
             await connection.basic_consume(self.queue, inbox.put_nowait)
             if forwarder is not None:
@@ -301,11 +318,17 @@ class FederationLink:
             while True:
                 dirty = asyncio.ensure_future(self._dirty.wait())
                 waiters: set[asyncio.Future[Any]] = {dirty, closing, processor}
+                if publisher is not None:
+                    waiters.add(publisher.closing)
                 done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
                 if dirty not in done:
                     dirty.cancel()
                     if processor in done:
                         processor.result()  # its error ends the session
+                    if publisher is not None and publisher.closing in done:
+                        raise ConnectionError(
+                            f"forwarding connection closed: {_closing_reason(publisher)}"
+                        )
                     raise ConnectionError(f"connection closed: {_closing_reason(connection)}")
                 self._dirty.clear()
                 await self._sync(connection, full=False)
@@ -320,6 +343,9 @@ class FederationLink:
                 inbox.put_nowait(None)
                 with contextlib.suppress(Exception):
                     await processor
+            if publisher is not None:
+                with contextlib.suppress(Exception):
+                    await publisher.close()
             with contextlib.suppress(Exception):
                 await connection.close()
             if ran:
@@ -585,6 +611,12 @@ class Forwarder:
             self.queue.dispatch(vhost.clock.time())
         else:
             vhost.requeue(self.queue, entries)  # dispatches: sent again
+
+
+def _text(value: object) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else None
 
 
 def _describe(exc: BaseException) -> str:
