@@ -261,3 +261,33 @@ def _service(url: str, seen: list[int], stop: threading.Event) -> None:
         ch.basic_ack(method.delivery_tag)  # after the reply is confirmed
         seen.append(n)
     connection.close()
+
+
+def test_forwarding_blocked_by_the_upstreams_resource_alarm_does_not_stop_deliveries_down(
+    tmp_path: Path,
+) -> None:
+    """A publish during a resource alarm stops the reads of its connection: forwarding
+    has its own, so the link's consumer still acknowledges (prefetch 10, 50 messages
+    waiting upstream) while the forward waits for the alarm to clear."""
+    with federated(tmp_path, "x", "direct", forward=True, prefetch=10) as sites:
+        central, remote = sites.central, sites.remote
+        wait_running(remote, "x")
+        connection, ch = channel(remote)
+        ch.queue_declare("inbox", durable=True)
+        ch.queue_bind("inbox", "x", "down")
+        connection.close()
+        wait_upstream_bindings(central, queue_name("x", "remote"), {("x", "down")})
+        remote.stop()
+        publish_confirmed(central, "x", [("down", str(i).encode()) for i in range(50)])
+        central.stop()
+        # A free-space limit no disk meets: central's disk alarm is on from the start.
+        central.extra_args = [*central.extra_args, "--disk-free-limit", str(10**18)]
+        central.start()
+        remote.start()
+        # Into the outbox before the link runs: forwarded as soon as it does.
+        publish_confirmed(remote, "x", [("up", b"blocked by the alarm")])
+        wait_running(remote, "x")
+        wait_for("all fifty down", lambda: queue_depth(remote, "inbox") == 50)
+        assert sorted(int(b) for _k, b, _h in get_all(remote, "inbox", 50)) == list(range(50))
+        # The forward itself was read before its connection's reads stopped: confirmed.
+        wait_for("the forward confirmed", lambda: links(remote)["x"]["forward_pending"] == 0)
