@@ -145,6 +145,9 @@ class VirtualHost:
         # `queue.declare` with an empty name: this, then a random token; with --server-id
         # `amq.gen-<server id>.` so the name is unique across a federation (a reply-to).
         self.server_named_prefix = "amq.gen-"
+        # Federation (docs/federation.md): the link queue(s) for a routing key on the
+        # default exchange that names another server's temporary queue.
+        self.reply_router: Callable[[str], list[str]] | None = None
         # Federation forwarding (docs/federation.md): exchange name -> its outbox queue.
         self.forwarding: dict[str, Queue] = {}
         # Told the exchange's name whenever its bindings change (federation propagates them).
@@ -741,6 +744,10 @@ class VirtualHost:
         names = exchange.route(routing_key, headers)
         queues = self.queues
         targets = [queues[n] for n in names if n in queues]
+        if not targets and not exchange.name and self.reply_router is not None:
+            # The default exchange and no such queue here: a reply to another server's
+            # temporary queue, routed to the federation link that asked for it.
+            targets = [queues[n] for n in self.reply_router(routing_key) if n in queues]
         outbox = self.forwarding.get(exchange.name) if forward else None
         if outbox is not None and not outbox.deleted:
             # Federation forwarding: journaled with the local copies, in the same batch.

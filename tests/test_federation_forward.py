@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import pika
+import pika.exceptions
 import pytest
 from federationsites import (
     channel,
@@ -291,3 +292,53 @@ def test_forwarding_blocked_by_the_upstreams_resource_alarm_does_not_stop_delive
         assert sorted(int(b) for _k, b, _h in get_all(remote, "inbox", 50)) == list(range(50))
         # The forward itself was read before its connection's reads stopped: confirmed.
         wait_for("the forward confirmed", lambda: links(remote)["x"]["forward_pending"] == 0)
+
+
+def test_a_service_replying_on_the_default_exchange_reaches_the_remote_temporary_queue(
+    tmp_path: Path,
+) -> None:
+    """The RabbitMQ habit: the service answers on the default exchange with the reply-to
+    as routing key. No queue of that name on central (it names the remote's temporary
+    queue, `amq.gen-remote.…`): central routes it to the remote's link queue that holds
+    the binding the client made, once."""
+    with federated(tmp_path, "rpc", "direct", forward=True) as sites:
+        central, remote = sites.central, sites.remote
+        wait_running(remote, "rpc")
+        service_connection, service = channel(central)
+        service.queue_declare("calculator", durable=True)
+        service.queue_bind("calculator", "rpc", "calculator")
+        client_connection, client = channel(remote)
+        try:
+            reply_queue = client.queue_declare("", exclusive=True).method.queue
+            client.queue_bind(reply_queue, "rpc", reply_queue)
+            wait_upstream_bindings(central, queue_name("rpc", "remote"), {("rpc", reply_queue)})
+            client.basic_publish(
+                "rpc", "calculator", b"1+1", pika.BasicProperties(reply_to=reply_queue)
+            )
+            got: list[tuple[pika.BasicProperties, bytes]] = []
+
+            def request() -> bool:
+                method, props, body = service.basic_get("calculator", auto_ack=True)
+                if method is not None:
+                    got.append((props, body))
+                return bool(got)
+
+            wait_for("the request on central", request)
+            service.confirm_delivery()
+            service.basic_publish("", got[0][0].reply_to, b"2", mandatory=True)  # routed
+            replies: list[bytes] = []
+
+            def reply() -> bool:
+                method, _props, body = client.basic_get(reply_queue, auto_ack=True)
+                if method is not None:
+                    replies.append(body)
+                return bool(replies)
+
+            wait_for("the reply on the remote", reply)
+            assert replies == [b"2"]
+            # Another server's name with no link binding it is unroutable, as anywhere.
+            with pytest.raises(pika.exceptions.UnroutableError):
+                service.basic_publish("", "amq.gen-remote.nobody", b"x", mandatory=True)
+        finally:
+            client_connection.close()
+            service_connection.close()

@@ -17,7 +17,7 @@ from twinmq.broker.codec import ContentHeaderInfo, decode_headers
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.federation import metrics
 from twinmq.broker.federation import peer as peer_status
-from twinmq.broker.federation.agent import QUEUE_PREFIX, FederationLink
+from twinmq.broker.federation.agent import QUEUE_PREFIX, FederationLink, queue_name
 from twinmq.broker.federation.config import FederationConfig
 from twinmq.broker.federation.dedup import QUEUE_NAME as DEDUP_QUEUE
 from twinmq.broker.federation.dedup import DurableKeys
@@ -29,6 +29,8 @@ from twinmq.broker.routing import Exchange
 from twinmq.broker.vhost import PublishResult, VirtualHost
 
 log = logging.getLogger(__name__)
+
+SERVER_NAMED_PREFIX = "amq.gen-"
 
 REFUSALS_KEPT = 20
 
@@ -60,6 +62,7 @@ class Federation:
         self._keys_loaded = False
         self.batches = batches = BatchFutures()
         committer.await_durable(batches)
+        vhost.reply_router = self.reply_queues
         if config is None or not config.exchanges:
             return
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -150,6 +153,26 @@ class Federation:
         link = self.links.get(exchange)
         if link is not None:
             link.bindings_changed()
+
+    def reply_queues(self, routing_key: str) -> list[str]:
+        """Upstream side: where a publish on the default exchange goes when `routing_key`
+        names another server's temporary queue (`amq.gen-<server id>.<token>`) and no
+        queue here has that name: the link queue of that server that holds a binding
+        with this key (the requester bound its reply queue to a federated exchange under
+        its own name), so a service replies as to any RabbitMQ reply-to. One link queue
+        at most (the first federated exchange with the binding): one reply, one copy."""
+        if not routing_key.startswith(SERVER_NAMED_PREFIX):
+            return []
+        server, dot, _token = routing_key[len(SERVER_NAMED_PREFIX) :].rpartition(".")
+        if not dot or not server or server == self.server_id:
+            return []
+        for exchange in self.vhost.exchanges.values():
+            if not exchange.name:
+                continue
+            queue = queue_name(exchange.name, server)
+            if queue in self.vhost.queues and (queue, routing_key, "[]") in exchange.bindings:
+                return [queue]
+        return []
 
     def peer_refusal(self, peer: str, announced: object) -> str | None:
         """Upstream side: why a connecting peer is refused (its identifier is ours), or None;
