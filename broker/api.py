@@ -18,7 +18,8 @@ INVALID_ROLE_REQUEST: Final = "invalid role request"
 MIRROR_REFUSED: Final = "mirror switch refused"  # 409: wrong role, stale token, not applied
 MIRROR_NOT_DRAINED: Final = "mirror not drained"  # 503: demotion under way, retry the same call
 
-MirrorRole = Literal["source", "replica"]
+SwitchRole = Literal["source", "replica"]  # what a switchover makes a site
+MirrorRole = Literal["source", "replica", "bidirectional"]
 MirrorLinkState = Literal["disabled", "connecting", "connected", "needs-resync", "fenced"]
 
 
@@ -166,7 +167,7 @@ class MirrorRpo(BaseModel):
 class MirrorSwitch(BaseModel):
     """The answer of `POST /mirror/demote` and `POST /mirror/promote` (replayed as-is)."""
 
-    role: MirrorRole = Field(description="This site's DR role now")
+    role: SwitchRole = Field(description="This site's DR role now")
     epoch: int = Field(description="This site's DR epoch now")
     token: DemotionToken | None = Field(None, description="Demote: hand it to the mirror")
     forced: bool = False

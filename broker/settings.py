@@ -212,12 +212,15 @@ class BrokerSettings(BaseSettings):
         "(seconds) and the mirror is connected and acknowledging (0: never)",
     )
 
-    mirror_role: Literal["source", "replica"] | None = Field(
+    mirror_role: Literal["source", "replica", "bidirectional"] | None = Field(
         None,
         description="This site's first DR role: source (writable, mirrors to --mirror-to) or "
         "replica (read-only, applies from --mirror-port); default: source with --mirror-to "
         "alone, replica with --mirror-port alone; required with both (a site that can "
-        "switch over). After a switch the role recorded in the journal wins",
+        "switch over). After a switch the role recorded in the journal wins. bidirectional: "
+        "both ends at once (writable, applies from --mirror-port and "
+        "mirrors its own and the applied changes to --mirror-to; every site of the ring "
+        "runs it; no switchover)",
     )
     mirror_retention_events: int = Field(
         0,
@@ -247,13 +250,15 @@ class BrokerSettings(BaseSettings):
         if (self.mirror_to or self.mirror_port is not None) and self.mirror_token is None:
             raise ValueError("--mirror-to and --mirror-port need --mirror-token")
         if self.mirror_to and self.mirror_port is not None and self.mirror_role is None:
-            # Only one end runs at a time (the role says which): applied changes are never
-            # mirrored on, so no loop; both ends at once is the bidirectional mode (not yet).
+            # Only one end runs at a time (the role says which), or both (the
+            # bidirectional mode, whose events carry their origin and hops: no loop).
             raise ValueError("--mirror-to with --mirror-port needs --mirror-role")
         if self.mirror_role == "source" and not self.mirror_to:
             raise ValueError("--mirror-role source needs --mirror-to")
         if self.mirror_role == "replica" and self.mirror_port is None:
             raise ValueError("--mirror-role replica needs --mirror-port")
+        if self.mirror_role == "bidirectional" and (not self.mirror_to or self.mirror_port is None):
+            raise ValueError("--mirror-role bidirectional needs --mirror-to and --mirror-port")
         return self
 
     @property
@@ -262,7 +267,7 @@ class BrokerSettings(BaseSettings):
         return self.server_id or self.name
 
     @property
-    def mirror_first_role(self) -> Literal["source", "replica"] | None:
+    def mirror_first_role(self) -> Literal["source", "replica", "bidirectional"] | None:
         """The DR role this site starts in when its journal records none."""
         if self.mirror_role is not None:
             return self.mirror_role

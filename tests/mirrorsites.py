@@ -5,6 +5,8 @@ mirror's `--mirror-port`. Helpers wait for the source's replication queue to
 drain (every event applied on the mirror and acknowledged) through `/status`.
 `reversible` sites have both ends each (the mirror can be reversed after a
 switchover); the switch helpers call the admin API as an operator would.
+`Ring` runs two or three bidirectional sites, each mirroring to the next
+(A <-> B, or A -> B -> C -> A), optionally through fault proxies.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from twinmq.broker.admin_client import metric_samples, mirror_demote_call, mirror_promote_call
 from twinmq.broker.api import DemotionToken, MirrorDemoteRequest, MirrorPromoteRequest, MirrorSwitch
+from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.launcher import BrokerProcess, free_port
 from twinmq.testing.pair import status
 from twinmq.testing.waiting import wait_for
@@ -140,3 +143,83 @@ def queues(broker: BrokerProcess) -> dict[str, dict[str, Any]]:
     data = status(broker)
     assert data is not None, f"{broker.name} does not answer"
     return {q["name"]: q for q in data["queues"] if not q["name"].startswith("amq.twinmq.")}
+
+
+class Ring:
+    """`n` bidirectional sites (`site-a`, `site-b`, `site-c`), each mirroring to the next;
+    with `proxied`, every link goes through a `FaultProxy` (`links[i]`: site i's link)."""
+
+    def __init__(self, tmp: Path, n: int = 2, *, proxied: bool = False) -> None:
+        names = ["site-a", "site-b", "site-c"][:n]
+        ports = [free_port() for _ in names]
+        upstreams = [f"127.0.0.1:{ports[(i + 1) % n]}" for i in range(n)]
+        self.links = [FaultProxy(u).start() if proxied else None for u in upstreams]
+        self.sites: list[BrokerProcess] = []
+        for i, name in enumerate(names):
+            link = self.links[i]
+            args = [
+                "--mirror-port", str(ports[i]), "--mirror-token", TOKEN,
+                "--mirror-to", link.address if link is not None else upstreams[i],
+                "--mirror-id", name, "--mirror-role", "bidirectional",
+            ]  # fmt: skip
+            self.sites.append(BrokerProcess(tmp / name / "data", name=name, extra_args=args))
+
+    def __enter__(self) -> Ring:
+        started: list[BrokerProcess] = []
+        try:
+            for site in self.sites:
+                site.start()
+                started.append(site)
+        except BaseException:
+            for site in started:
+                site.stop()  # never leave a broker behind a failed start
+            self._close_links()
+            raise
+        # Every link up (a heartbeat came back): each site knows whom it mirrors to, so it
+        # never passes an event back to that event's origin.
+        wait_for(
+            "every site linked",
+            lambda: all((mirror_status(site) or {}).get("connected") for site in self.sites),
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for site in self.sites:
+            site.stop()
+        self._close_links()
+
+    def _close_links(self) -> None:
+        for link in self.links:
+            if link is not None:
+                link.close()
+
+    def caught_up(self, timeout: float = 60.0) -> None:
+        """Wait until every site's mirror acknowledged everything it made or forwarded, seen
+        in two passes in a row (an event forwarded between two looks is seen by the next)."""
+
+        def all_drained() -> bool:
+            return all(_drained(mirror_status(site)) for site in self.sites)
+
+        wait_for("every site caught up", lambda: all_drained() and all_drained(), timeout)
+
+
+def browse(broker: BrokerProcess, queue: str) -> list[bytes]:
+    """Every message of `queue`, left in place: consumed without acknowledging, then the
+    connection closed (requeued, not settled: nothing is mirrored)."""
+    connection, ch = channel(broker)
+    out: list[bytes] = []
+    try:
+        while True:
+            method, _props, body = ch.basic_get(queue, auto_ack=False)
+            if method is None:
+                break
+            out.append(body)
+    finally:
+        connection.close()
+    return out
+
+
+def depth(broker: BrokerProcess, queue: str) -> int | None:
+    """Messages in `queue`, ready or delivered, as `/status` counts them (None: no queue)."""
+    found = queues(broker).get(queue)
+    return None if found is None else int(found["messages"]) + int(found["unacked"])

@@ -177,7 +177,7 @@ def test_defaults_install_the_operator_cluster_wide_and_no_standalone_broker(
     docs = render(helm)
     assert kinds(docs) == [
         "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
-        "ServiceAccount",
+        "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
     ]  # fmt: skip
     role = one(docs, "ClusterRole")
     assert rules(role) == OPERATOR_RULES | CLUSTER_ONLY_RULES

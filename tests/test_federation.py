@@ -402,6 +402,16 @@ def test_a_message_past_this_servers_bounds_is_kept_in_the_held_queue_and_the_li
     assert [body for _key, body, _h in get_all(remote, "watcher", 1)] == [b"after"]
     assert links(remote)["market"]["messages_held"] == 1
     assert queue_depth(central, LINK_QUEUE) == 0
+    # Journaled with the batch it arrived in: a kill -9 keeps it.
+    connection, ch = channel(central)
+    ch.confirm_delivery()
+    ch.basic_publish("market", "big", b"big again", pika.BasicProperties(headers={"pad": pad}))
+    connection.close()
+    wait_for("the second one held", lambda: queue_depth(remote, HELD_QUEUE) == 1)
+    remote.kill()
+    remote.start()
+    wait_for("the link running again", lambda: links(remote)["market"]["state"] == "running")
+    assert queue_depth(remote, HELD_QUEUE) == 1
 
 
 def _get_one(ch: BlockingChannel, queue: str) -> tuple[pika.BasicProperties, bytes]:

@@ -242,18 +242,17 @@ def test_a_peer_announcing_this_servers_identifier_is_refused_at_the_handshake(
 def test_no_two_internal_queues_share_a_qid() -> None:
     """The journal files messages by qid: two internal queues with one qid would take each
     other's records at recovery (the federation's dedup keys and the mirror's orphans once
-    did: both were INTERNAL_QID_BASE + 4)."""
-    from twinmq.broker.federation import agent, dedup
-    from twinmq.broker.mirror import applier, role, source
+    did: both were INTERNAL_QID_BASE + 4). Every `X_QID: Final = INTERNAL_QID_BASE + n`
+    of the broker's source is found and compared, so a new one cannot slip past."""
+    import re
 
-    qids = {
-        "mirror replication queue": source.QUEUE_QID,
-        "mirror DLQ": applier.DLQ_QID,
-        "mirror role": role.ROLE_QID,
-        "mirror orphans": applier.ORPHANS_QID,
-        "federation dedup": dedup.QUEUE_QID,
-        "federation held": agent.HELD_QID,
+    broker = Path(__file__).resolve().parent.parent / "broker"
+    pattern = re.compile(r"^(\w*QID\w*): Final = INTERNAL_QID_BASE \+ (.+)$", re.M)
+    found = {
+        f"{path.relative_to(broker)}:{name}": eval(offset, {})  # our own source: "1", "(1 << 32)"
+        for path in broker.rglob("*.py")
+        for name, offset in pattern.findall(path.read_text())
     }
-    assert len(set(qids.values())) == len(qids), qids
-    marks = applier._MARK_QID_BASE
-    assert all(qid < marks for qid in qids.values())
+    assert len(found) >= 7, found  # the mirror's five, the federation's two
+    offsets = sorted(found.values())
+    assert len(set(offsets)) == len(offsets), found

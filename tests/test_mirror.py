@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pika
 import pytest
-from mirrorsites import Sites, channel, publish, queues
+from mirrorsites import Sites, channel, mirror_status, publish, queues
 
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.queues import drain
@@ -73,6 +73,25 @@ def test_a_queue_redeclared_with_new_arguments_on_the_source_is_replaced_on_the_
     ch.queue_declare("policy", durable=True, arguments={"x-max-length": 50})
     connection.close()
     assert drain(sites.mirror.url, "policy") == [b"new"]
+
+
+def test_a_queue_deleted_at_the_source_is_deleted_on_the_mirror_with_its_messages(
+    sites: Sites,
+) -> None:
+    publish(sites.source, "gone", [b"m1", b"m2", b"m3"])
+    publish(sites.source, "kept", [b"k"])
+    sites.caught_up()
+    assert queues(sites.mirror)["gone"]["messages"] == 3
+    connection, ch = channel(sites.source)
+    ch.queue_delete("gone")
+    connection.close()
+    sites.caught_up()
+    # As RabbitMQ's and Artemis' mirrors do: the user deleted the queue and what it held;
+    # nothing of it is kept aside as an orphan on the mirror.
+    mirrored = queues(sites.mirror)
+    assert "gone" not in mirrored and mirrored["kept"]["messages"] == 1
+    status = mirror_status(sites.mirror)
+    assert status is not None and status["orphans"] == 0
 
 
 def test_acked_messages_leave_the_mirror_and_the_others_stay(sites: Sites) -> None:

@@ -11,8 +11,9 @@ from pydantic import ValidationError
 from twinmq.broker.codec import decode_content_header, decode_headers
 from twinmq.broker.definitions import BindingDef, Definitions, ExchangeDef, QueueDef
 from twinmq.broker.fieldtable import as_text
-from twinmq.broker.journal import Settle, StoredMessage
+from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.mirror.applier import DLQ_NAME, ORPHANS_NAME, HoldingSet, MirrorApplier
+from twinmq.broker.mirror.bidi import BidiMeta, IdMap, TopologyDelta, encode_bidi
 from twinmq.broker.mirror.events import (
     TOP_MID,
     SnapshotRange,
@@ -214,4 +215,38 @@ def test_a_snapshot_moves_what_the_mirror_holds_in_its_range_and_the_source_lack
     reopened = Harness(tmp_path / "m")  # durable with the mark that covers it
     assert ready(reopened) == [b"m1", b"m3", b"m5", b"m7", b"m12"]
     assert len(reopened.vhost.queues[ORPHANS_NAME].entries) == 6
+    reopened.close()
+
+
+def test_the_bidirectional_id_map_is_durable_with_the_messages_it_maps(tmp_path: Path) -> None:
+    def event(oseq: int, ops: list[JournalOp], topology: TopologyDelta | None = None) -> bytes:
+        meta = BidiMeta(
+            origin="site-a", oseq=oseq, hops=["site-a"], keys=[("q", "site-a")], topology=topology
+        )
+        return encode_bidi(meta, ops, 0.0)
+
+    def bidi(h: Harness) -> tuple[IdMap, MirrorApplier]:
+        ids = IdMap(h.vhost, "site-b")
+        return ids, MirrorApplier(h.vhost, h.committer, h.clock.time, ids=ids)
+
+    def sent(mid: int) -> StoredMessage:  # qid 0: the event's first key, ("q", "site-a")
+        body = f"m{mid}".encode()
+        return StoredMessage(mid, 0, "", "q", record_header(len(body)), body, None)
+
+    first = Harness(tmp_path / "m")
+    ids, apply = bidi(first)
+    declare = TopologyDelta(declare_queues=[QueueDef(name="q", qid=77)])
+    events = [(1, event(1, [], declare)), (2, event(2, [sent(500), sent(501)]))]
+    assert apply.apply("site-a", events).applied == 2
+    first.commit()
+    local = ids.local("site-a", 500)
+    assert local is not None and ids.origin_of(local) == ("site-a", 500) and len(ids) == 2
+    first.close()
+    reopened = Harness(tmp_path / "m")  # the map and the mark as on disk
+    ids, apply = bidi(reopened)
+    assert ids.local("site-a", 500) == local
+    assert apply.apply("site-a", events).applied == 0  # re-sent: applied before
+    apply.apply("site-a", [(3, event(3, [Settle(0, 500)]))])  # A's id, settled here
+    reopened.commit()
+    assert ready(reopened) == [b"m501"] and ids.local("site-a", 500) is None and len(ids) == 1
     reopened.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import sys
 import time
@@ -425,8 +426,17 @@ class FederationLink:
             except ValueError as exc:
                 # Past this server's bounds (the upstream's stamps grew it, or another
                 # version's): kept as received, never republished with headers rewritten.
+                # Its (origin, seq) cannot be read; the bytes name it (the upstream's
+                # stamp is among them), so a redelivery after a crash is still a duplicate.
+                held_key = "held\x00" + hashlib.sha256(message.header + message.body).hexdigest()
+                if held_key in self.keys:
+                    self.duplicates += 1
+                    metrics.DUPLICATES.labels(self._label).inc()
+                    settled.append((tag, True))
+                    continue
                 held.append(self._hold(message, exc))
-                waiting.append((tag, None, None))
+                self.keys.claim(held_key)
+                waiting.append((tag, held_key, None))
                 continue
             headers = {name: fieldtable.to_python(value) for name, value in table.items}
             verdict = arrival(headers, self.upstream_id, self.server_id, self.fed.max_hops)

@@ -31,11 +31,11 @@ import logging
 import struct
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from twinmq.broker.commit import Waiter
 from twinmq.broker.definitions import Definitions
@@ -43,6 +43,7 @@ from twinmq.broker.fieldtable import Table, encode_table, long_int, text
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror import metrics
+from twinmq.broker.mirror.bidi import BidiMeta, IdMap, TopologyDelta, apply_delta, decode_bidi
 from twinmq.broker.mirror.events import (
     INTERNAL_PREFIX,
     INTERNAL_QID_BASE,
@@ -115,6 +116,36 @@ class AppliedMark(BaseModel):
     seq: int
     applied_at: float
     created: float  # when the source made that event (the mirror's lag)
+    # Bidirectional mode: per event origin, the highest `oseq` applied through this link.
+    origins: dict[str, int] = Field(default_factory=dict)
+
+
+class Forwarder(Protocol):
+    """The site's own mirror source as the bidirectional applier uses it."""
+
+    applying: bool  # set while the applier changes the topology: no event of that
+
+    def exclude(self, ops: Iterable[JournalOp]) -> None:
+        """These ops are applied from a link: never events of this site."""
+        ...
+
+    def forward(self, body: bytes, meta: BidiMeta) -> StoredMessage | None:
+        """The op of the event passed on to this site's mirror (None: not passed on)."""
+        ...
+
+    def forwarded(self, batch: int, seqs: Iterable[int]) -> None:
+        """Those events are journaled in `batch`."""
+        ...
+
+
+@dataclass(slots=True)
+class _BidiBatch:
+    """What one bidirectional apply batch tracks besides its journal."""
+
+    origins: dict[str, int]  # event origin -> highest oseq applied through this link
+    seen: dict[str, int]  # the same through any link
+    forwards: list[int] = field(default_factory=list)  # seqs of the events passed on
+    touched: set[Queue] = field(default_factory=set)  # queues given messages
 
 
 @dataclass(slots=True)
@@ -134,13 +165,14 @@ class HoldingSet:
     def __init__(self, limit: int, ttl: float) -> None:
         self.limit = limit
         self.ttl = ttl
-        self._held: OrderedDict[tuple[int, int], float] = OrderedDict()
+        self._held: OrderedDict[Hashable, float] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def add(self, key: tuple[int, int], now: float) -> None:
-        """Hold a settle of (qid, mid) until `now + ttl`; the oldest go when full."""
+    def add(self, key: Hashable, now: float) -> None:
+        """Hold a settle of (qid, mid) (bidirectional: (queue, origin, id)) until
+        `now + ttl`; the oldest go when full."""
         self._expire(now)
         self._held[key] = now + self.ttl
         while len(self._held) > self.limit:
@@ -150,7 +182,7 @@ class HoldingSet:
         """Forget every held settle."""
         self._held.clear()
 
-    def take(self, key: tuple[int, int], now: float) -> bool:
+    def take(self, key: Hashable, now: float) -> bool:
         """Whether a settle of (qid, mid) was held (and is now used up)."""
         self._expire(now)
         return self._held.pop(key, None) is not None
@@ -181,6 +213,8 @@ class MirrorApplier:
         retries: int = 3,
         holding_limit: int = 100_000,
         holding_ttl: float = 600.0,
+        ids: IdMap | None = None,
+        forwarder: Forwarder | None = None,
     ) -> None:
         self.vhost = vhost
         self.log = log
@@ -188,6 +222,8 @@ class MirrorApplier:
         self.retries = retries
         self.holding = HoldingSet(holding_limit, holding_ttl)
         self._failures: dict[tuple[str, int], int] = {}
+        self.ids = ids  # bidirectional mode (`bidi.py`): ids mapped per origin
+        self.forwarder = forwarder
 
     def mark(self, origin: str) -> AppliedMark | None:
         """The last applied mark of `origin`, as durable (or about to be)."""
@@ -211,10 +247,16 @@ class MirrorApplier:
         return 0 if mark is None else mark.seq
 
     def apply(self, origin: str, events: list[tuple[int, bytes]]) -> Applied:
-        """Apply the events after the origin's mark, in order, as one group commit."""
+        """Apply the events after the origin's mark, in order, as one group commit.
+
+        Bidirectional mode: `origin` is the peer of the link; each event names its own
+        origin (`_apply_bidi`), and the link's mark also keeps the highest event applied
+        per event origin."""
         previous = self.mark(origin)
         done = 0 if previous is None else previous.seq
         created = 0.0 if previous is None else previous.created
+        seen = self._seen() if self.ids is not None else {}
+        bidi = _BidiBatch(dict(previous.origins) if previous else {}, seen)
         journal: list[JournalOp] = []
         keys: list[str] = []
         applied = 0
@@ -223,39 +265,66 @@ class MirrorApplier:
             if seq <= done:
                 continue  # applied before: a re-sent batch changes nothing
             try:
-                event = decode_event(seq, body)
-                if event.definitions is not None:
-                    self._apply_definitions(event.definitions)
-                elif event.seed is not None:
-                    self.holding.clear()  # settles of a past the seed makes irrelevant
-                    metrics.SEEDS.inc()
-                    log.warning("mirror: seed from %s (%s): rebuilding", origin, event.seed)
-                elif event.ops is not None:
-                    if event.snapshot is not None:
-                        journal += self._orphan(origin, event.snapshot, event.ops)
-                    journal += self._apply_ops(event.ops, keys)
-                created = event.created
+                if self.ids is not None:
+                    created = self._apply_bidi(seq, body, journal, keys, bidi)
+                else:
+                    created = self._apply_event(origin, seq, body, journal, keys)
             except Exception as exc:
-                failures = self._failures.get((origin, seq), 0) + 1
-                if failures < self.retries:
-                    self._failures[(origin, seq)] = failures
-                    retry = f"event {seq} of {origin} failed ({exc}); attempt {failures}"
-                    log.warning("mirror: %s: retried after a reconnect", retry)
+                retry = self._failed(origin, seq, body, exc, journal)
+                if retry is not None:
                     break
-                self._failures.pop((origin, seq), None)
-                journal.append(self._dead_letter(origin, seq, body, exc))
-                log.error("mirror: event %d of %s dead-lettered after %d attempts: %s",
-                          seq, origin, failures, exc)  # fmt: skip
             done = seq
             applied += 1
         if applied == 0:
             return Applied(0, done, 0, retry)
-        journal += self._new_mark(origin, previous, done, created)
+        journal += self._new_mark(origin, previous, done, created, bidi.origins)
+        if self.forwarder is not None:
+            self.forwarder.exclude(journal)  # applied here: never this site's own events
         batch = self.log.add(journal)
+        if self.forwarder is not None and bidi.forwards:
+            self.forwarder.forwarded(batch, bidi.forwards)
         if keys:
             self.vhost.remember_when_durable(keys, batch)
+        now = self.clock()
+        for queue in bidi.touched:
+            if not queue.deleted:
+                queue.dispatch(now)  # consumers here get what the other site published
         metrics.APPLIED.inc(applied)
         return Applied(batch, done, applied, retry)
+
+    def _apply_event(
+        self, origin: str, seq: int, body: bytes, journal: list[JournalOp], keys: list[str]
+    ) -> float:
+        """Apply one event of the one-way mode; when it was made."""
+        event = decode_event(seq, body)
+        if event.definitions is not None:
+            self._apply_definitions(event.definitions)
+        elif event.seed is not None:
+            self.holding.clear()  # settles of a past the seed makes irrelevant
+            metrics.SEEDS.inc()
+            log.warning("mirror: seed from %s (%s): rebuilding", origin, event.seed)
+        elif event.ops is not None:
+            if event.snapshot is not None:
+                journal += self._orphan(origin, event.snapshot, event.ops)
+            journal += self._apply_ops(event.ops, keys)
+        return event.created
+
+    def _failed(
+        self, origin: str, seq: int, body: bytes, exc: Exception, journal: list[JournalOp]
+    ) -> str | None:
+        """An event failed to apply: why, if it is to be retried after a reconnect (the
+        batch stops before it); None once it went to the DLQ (the stream goes on)."""
+        failures = self._failures.get((origin, seq), 0) + 1
+        if failures < self.retries:
+            self._failures[(origin, seq)] = failures
+            retry = f"event {seq} of {origin} failed ({exc}); attempt {failures}"
+            log.warning("mirror: %s: retried after a reconnect", retry)
+            return retry
+        self._failures.pop((origin, seq), None)
+        journal.append(self._dead_letter(origin, seq, body, exc))
+        log.error("mirror: event %d of %s dead-lettered after %d attempts: %s",
+                  seq, origin, failures, exc)  # fmt: skip
+        return None
 
     def _apply_definitions(self, defs: Definitions) -> None:
         """The source's topology, plus this broker's internal queues, kept as they are."""
@@ -339,12 +408,123 @@ class MirrorApplier:
                     len(gone), queue.name, origin, ORPHANS_NAME)  # fmt: skip
         return out
 
+    # -- the bidirectional mode ------------------------------------------------------------
+
+    def _seen(self) -> dict[str, int]:
+        """Per event origin, the highest `oseq` applied here through any link."""
+        seen: dict[str, int] = {}
+        for name, queue in self.vhost.queues.items():
+            if name.startswith(MARK_PREFIX) and queue.entries:
+                mark = AppliedMark.model_validate_json(queue.entries[-1].message.body)
+                for origin, oseq in mark.origins.items():
+                    seen[origin] = max(seen.get(origin, 0), oseq)
+        return seen
+
+    def _apply_bidi(
+        self, seq: int, body: bytes, journal: list[JournalOp], keys: list[str], batch: _BidiBatch
+    ) -> float:
+        """Apply one bidirectional event; when it was made. What came back to its origin
+        (or to a site it went through) or was applied before by another path is counted
+        and skipped; the rest is applied through the id map and passed on, in the group
+        commit of the link's mark and the per-origin marks."""
+        assert self.ids is not None
+        name = self.ids.name
+        event = decode_bidi(seq, body)
+        meta = event.meta
+        if meta.origin == name or name in meta.hops or meta.oseq <= batch.seen.get(meta.origin, 0):
+            metrics.LOOPED.inc()  # its own, or here before: never applied twice
+            return event.created
+        if meta.seed is not None:
+            log.info("mirror: %s announces its whole state (%s)", meta.origin, meta.seed)
+        if meta.topology is not None:
+            journal += self._apply_delta(meta.topology)
+        journal += self._apply_named(meta, event.ops, keys, batch.touched)
+        batch.seen[meta.origin] = batch.origins[meta.origin] = meta.oseq
+        if self.forwarder is not None:
+            forward = self.forwarder.forward(body, meta)
+            if forward is not None:
+                journal.append(forward)
+                batch.forwards.append(forward.mid)
+        return event.created
+
+    def _apply_delta(self, delta: TopologyDelta) -> list[JournalOp]:
+        """Another site's topology change, by name; the id map's records of queues it
+        deleted go (the ops)."""
+        assert self.ids is not None
+        topology, deleted = apply_delta(self.vhost.definitions(), delta)
+        if self.forwarder is not None:
+            self.forwarder.applying = True
+        try:
+            self.vhost.apply_definitions(topology)
+        finally:
+            if self.forwarder is not None:
+                self.forwarder.applying = False
+        if not deleted:
+            return []
+        return self.ids.prune(q.definition.qid for q in self.vhost.queues.values())
+
+    def _apply_named(
+        self, meta: BidiMeta, ops: list[JournalOp], keys: list[str], touched: set[Queue]
+    ) -> list[JournalOp]:
+        """Apply one bidirectional event's ops (queues by name, messages through the id
+        map); the ops to journal: the effects and the map's records."""
+        ids = self.ids
+        assert ids is not None
+        now = self.clock()
+        out: list[JournalOp] = []
+        records: list[JournalOp] = []
+        added: set[tuple[int, int]] = set()
+        for op in ops:
+            qname, morigin = meta.keys[op.qid]
+            queue = self.vhost.queues.get(qname)
+            if queue is None or is_internal(qname) or not queue.durable:
+                continue  # a queue deleted since (its delete is an event too)
+            qid = queue.definition.qid
+            local = ids.local(morigin, op.mid)
+            held = (qname, morigin, op.mid)
+            if type(op) is StoredMessage:
+                if self.holding.take(held, now):
+                    metrics.HELD_APPLIED.inc()
+                    continue  # its settle came first: taken and settled at once
+                if local is not None and (_holds(queue, local) or (qid, local) in added):
+                    continue  # here already (an announcement overlapping a live event)
+                if local is None:
+                    local = self.vhost.next_mid
+                    self.vhost.next_mid = local + 1
+                added.add((qid, local))
+                out.append(StoredMessage(local, qid, op.exchange, op.routing_key, op.header,
+                                         op.body, op.expires_at))  # fmt: skip
+                record = ids.add(morigin, op.mid, qid, local)
+                if record is not None:
+                    records.append(record)
+                touched.add(queue)
+            elif local is not None and ((qid, local) in added or _holds(queue, local)):
+                delivered = queue.delivered.pop(local, None)
+                if delivered is not None:
+                    queue.bytes -= delivered.size  # a consumer's ack of it here is a no-op
+                out.append(Settle(qid, local))
+                added.discard((qid, local))
+                record = ids.drop(qid, local)
+                if record is not None:
+                    records.append(record)
+            else:
+                self.holding.add(held, now)
+        keys += self.vhost.apply_ops(out)
+        return out + records
+
     def _new_mark(
-        self, origin: str, previous: AppliedMark | None, seq: int, created: float
+        self,
+        origin: str,
+        previous: AppliedMark | None,
+        seq: int,
+        created: float,
+        origins: dict[str, int] | None = None,
     ) -> list[JournalOp]:
         """The ops that replace the origin's mark (and the in-memory record)."""
         queue = self.vhost.internal_queue(*mark_queue(origin))
-        body = AppliedMark(origin=origin, seq=seq, applied_at=self.clock(), created=created)
+        body = AppliedMark(
+            origin=origin, seq=seq, applied_at=self.clock(), created=created, origins=origins or {}
+        )
         return replace_record(queue, seq, body.model_dump_json().encode())
 
     def _dead_letter(self, origin: str, seq: int, body: bytes, exc: Exception) -> JournalOp:

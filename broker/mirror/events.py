@@ -146,6 +146,11 @@ def decode_event(seq: int, body: bytes) -> MirrorEvent:
             raise ValueError(
                 f"event {seq}: malformed definitions ({exc.error_count()} errors)"
             ) from None
+    if kind == 5:  # bidi.KIND_BIDI
+        raise ValueError(
+            f"event {seq}: a bidirectional site's event: this site must run "
+            f"--mirror-role bidirectional too"
+        )
     raise ValueError(f"event {seq}: unknown kind {kind}")
 
 

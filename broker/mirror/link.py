@@ -193,6 +193,7 @@ class MirrorLink:
                 applied, peer = await self._authenticate(frames, writer)
             if not self.source.ensure_active():
                 return
+            self.source.peer = peer  # a bidirectional site forwards nothing back to it
             foreign = self.source.foreign(applied, peer)
             if foreign is not None:
                 raise ConnectionError(foreign)  # never stream what the mirror would skip

@@ -144,8 +144,9 @@ class MirrorListener:
         if refused is not None:
             why, epoch = refused
         others = [o for o in self.applier.origins() if o != hello.name]
-        if why is None and others:
-            # Topology events are full state: two origins would delete each other's queues.
+        if why is None and others and self.applier.ids is None:
+            # Topology events are full state: two origins would delete each other's queues
+            # (the bidirectional mode's per-object deltas and id map accept several).
             why = f"{self.name} mirrors origin {others[0]!r}; one origin per mirror"
         if why is not None:
             log.warning("mirror: refusing source %r: %s", hello.name, why)

@@ -62,3 +62,12 @@ EVENT_LAG = Histogram(
     "On the source: from an event's creation to the mirror's acknowledgement of it",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
 )
+FORWARDED = Counter(
+    "twinmq_mirror_forwarded_events_total",
+    "Bidirectional mode: events applied here and passed on to this site's mirror",
+)
+LOOPED = Counter(
+    "twinmq_mirror_looped_events_total",
+    "Bidirectional mode: events that came back to their origin or to a site they went "
+    "through, or arrived twice by another path: counted as applied, never applied again",
+)

@@ -11,6 +11,9 @@ A site configured with both ends (`--mirror-to`, `--mirror-port`,
 listener refuses; as `replica` its listener applies, its link stays down and
 its clients may only read. Applied changes never become events (the source's
 tap is off while a replica), so reversing the mirror makes no loop.
+
+As `bidirectional` (`bidi.py`) both ends run at once and clients write: applied
+events are passed on with their origin and hop list, never made the site's own.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from twinmq.broker.errors import MirrorNotDrained, MirrorRefused
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.applier import ORPHANS_NAME, MirrorApplier, MirrorState
 from twinmq.broker.mirror.auth import mirror_key
+from twinmq.broker.mirror.bidi import IdMap
 from twinmq.broker.mirror.durable import BatchFutures
 from twinmq.broker.mirror.link import Heartbeat, MirrorLink
 from twinmq.broker.mirror.listener import MirrorListener
@@ -95,6 +99,8 @@ class Mirroring:
         self.futures = BatchFutures()  # switches and acknowledgements wait on batches
         committer.await_durable(self.futures)
         self.roles = RoleStore(vhost, committer, self.futures, first) if first and token else None
+        # The bidirectional mode: one id map, kept by the applier and read by the source.
+        self.ids = IdMap(vhost, origin) if first == "bidirectional" else None
         if settings.mirror_to and token is not None and self.roles is not None:
             self.source = MirrorSource(vhost, committer, clock)
             self.source.sending = lambda: self.is_source
@@ -102,6 +108,8 @@ class Mirroring:
             self.source.needs_resync = self.roles.current.needs_resync
             self.source.on_needs_resync = self._needs_resync
             self.source.on_acked = self.progressed
+            self.source.ids = self.ids
+            self.source.name = origin
             committer.tap = self.source
             committer.await_durable(self.source)
             self.link = MirrorLink(
@@ -120,7 +128,8 @@ class Mirroring:
             metrics.OLDEST_AGE.set_function(self._oldest_age)
         metrics.ENABLED.set(1 if self.source is not None else 0)
         if settings.mirror_port is not None and token is not None:
-            applier = MirrorApplier(vhost, committer, clock)
+            forwarder = self.source if self.ids is not None else None
+            applier = MirrorApplier(vhost, committer, clock, ids=self.ids, forwarder=forwarder)
             self.listener = MirrorListener(applier, self.futures, mirror_key(token), origin, self)
         self._server: asyncio.Server | None = None
         self.monitor = monitor
@@ -135,8 +144,8 @@ class Mirroring:
 
     @property
     def is_source(self) -> bool:
-        """Whether this site is the DR source (writable)."""
-        return self.roles is not None and self.roles.role == "source"
+        """Whether this site is the DR source (writable; a bidirectional site is one)."""
+        return self.roles is not None and self.roles.role in ("source", "bidirectional")
 
     def write_refusal(self) -> str | None:
         """Why clients may not publish or change the mirrored topology here, or None."""
@@ -232,7 +241,7 @@ class Mirroring:
         name, own = self.settings.name, self.epoch
         if self.vhost.replica:
             return f"{name} is passive: link to the mirror's active broker", own
-        if self.roles is None or self.roles.role != "replica":
+        if self.roles is None or self.roles.role == "source":
             return f"{name} is the DR source at epoch {own}: it takes no mirror link", own
         if epoch < own:
             return f"source {origin} at DR epoch {epoch} is fenced: {name} is at {own}", own
@@ -279,6 +288,7 @@ class Mirroring:
 
     async def _demote(self, request: MirrorDemoteRequest) -> MirrorSwitch:
         roles, source = self.roles, self.source
+        self._no_switch_when_bidirectional()
         if roles is None or source is None or self.link is None:
             raise MirrorRefused(f"{self.settings.name} is not a DR mirror source (--mirror-to)")
         if roles.role == "replica":
@@ -313,8 +323,14 @@ class Mirroring:
         log.warning("mirror: demoted at DR epoch %d: %s", epoch, token.model_dump_json())
         return switch
 
+    def _no_switch_when_bidirectional(self) -> None:
+        if self.ids is not None:
+            raise MirrorRefused(f"{self.settings.name} is a bidirectional site: every site "
+                                f"is writable, there is nothing to switch over")  # fmt: skip
+
     async def _promote(self, request: MirrorPromoteRequest) -> MirrorSwitch:
         roles, listener = self.roles, self.listener
+        self._no_switch_when_bidirectional()
         if roles is None or listener is None:
             raise MirrorRefused(f"{self.settings.name} is not a DR mirror (--mirror-port)")
         token = request.token

@@ -25,6 +25,17 @@ from twinmq.broker.definitions import Definitions
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror import metrics
+from twinmq.broker.mirror.bidi import (
+    BidiMeta,
+    IdMap,
+    TopologyDelta,
+    declares_only,
+    encode_bidi,
+    event_keys,
+    forwarded,
+    is_bidi_seed,
+    topology_delta,
+)
 from twinmq.broker.mirror.events import (
     INTERNAL_PREFIX,
     INTERNAL_QID_BASE,
@@ -104,6 +115,16 @@ class MirrorSource:
         self._lag: dict[int, tuple[float, Counter[int]]] = {}  # seq -> (made at, its qids)
         self._queue: Queue | None = None
         self._unsettled: deque[tuple[int, int]] = deque()  # (batch, seq), batch not complete
+        # The bidirectional mode (`bidi.py`): events in the origin's terms, through the id
+        # map; ops the applier journals (applied from a link) are never this site's events.
+        self.ids: IdMap | None = None
+        self.name = ""  # this site's origin id
+        self.peer: str | None = None  # the mirror's origin id, as its last handshake said
+        self.applying = False  # the applier is changing the topology: no event of it
+        # Ops applied from a link in the open batch, by id(); kept alive until the batch
+        # closes, so no other op can take one of their ids meanwhile.
+        self._excluded: dict[int, JournalOp] = {}
+        self._topology: Definitions | None = None  # the mirrored topology last announced
 
     # -- the replication queue --------------------------------------------------------------
 
@@ -128,6 +149,17 @@ class MirrorSource:
         self._unsettled.clear()
         if queue.entries:
             self.durable_seq = max(self.durable_seq, queue.entries[-1].message.mid)
+        if self.ids is not None:
+            self.ids.queue  # noqa: B018 (the map as recovered, or replicated while passive)
+            if first:
+                self._seed("first activation as a bidirectional site")
+            else:
+                # Re-announce every object (never a delete): covers a crash between a
+                # topology change and its event.
+                current = mirrored_definitions(self.vhost.definitions())
+                self._emit_bidi([], topology=declares_only(topology_delta(None, current)))
+                self._topology = current
+            return queue
         if first:
             self._seed("first activation as the DR source")
         else:
@@ -151,6 +183,8 @@ class MirrorSource:
         from which any mirror can start (`gap`)."""
         self.last_seed = reason
         metrics.SEEDS.inc()
+        if self.ids is not None:
+            return self._announce(reason)
         self._emit(encode_seed_event(reason, self.clock()))
         self._emit_definitions(self.vhost.definitions())
         count = 0
@@ -186,6 +220,83 @@ class MirrorSource:
         self._emit(encode_snapshot_event(SnapshotRange(qid, lo, TOP_MID), chunk, now), chunk)
         return len(journaled)
 
+    def _announce(self, reason: str) -> int:
+        """The bidirectional seed: every object declared and every journaled message
+        enqueued, in the origin's terms (a mirror keeps what it has: no orphans)."""
+        current = mirrored_definitions(self.vhost.definitions())
+        self._topology = current
+        self._emit_bidi([], topology=topology_delta(None, current), seed=reason)
+        count = 0
+        chunk: list[JournalOp] = []
+        size = 0
+        for queue in list(self.vhost.queues.values()):
+            if not queue.durable or queue.definition.qid >= INTERNAL_QID_BASE:
+                continue
+            qid = queue.definition.qid
+            held = [*queue.entries, *queue.delivered.values(), *queue.held_aside.values()]
+            for entry in sorted((e for e in held if e.journaled), key=lambda e: e.message.mid):
+                m = entry.message
+                chunk.append(StoredMessage(m.mid, qid, m.exchange, m.routing_key, m.header,
+                                           m.body, entry.expires_at))  # fmt: skip
+                size += len(m.body) + len(m.header)
+                count += 1
+                if size >= SNAPSHOT_EVENT_BYTES or len(chunk) >= SNAPSHOT_EVENT_OPS:
+                    self._emit_bidi(chunk)
+                    chunk, size = [], 0
+        if chunk:
+            self._emit_bidi(chunk)
+        log.info("mirror: announcement (%s): %d messages queued for the mirror", reason, count)
+        return count
+
+    def _bidi_event(
+        self,
+        ops: list[JournalOp],
+        topology: TopologyDelta | None = None,
+        seed: str | None = None,
+    ) -> bytes:
+        """A bidirectional event of this site's own `ops` (its seq is the next id)."""
+        assert self.ids is not None
+        self.queue  # noqa: B018 (taking the queue over may record an event first)
+        names = {}
+        for op in ops:
+            if op.qid not in names:
+                queue = self.vhost.queue_by_qid(op.qid)
+                if queue is not None:
+                    names[op.qid] = queue.name
+        keys, translated = event_keys(ops, names, self.ids)
+        meta = BidiMeta(
+            origin=self.name, oseq=self.vhost.next_mid, hops=[self.name], keys=keys,
+            topology=topology, seed=seed,
+        )  # fmt: skip
+        return encode_bidi(meta, translated, self.clock())
+
+    def _emit_bidi(
+        self, ops: list[JournalOp], topology: TopologyDelta | None = None, seed: str | None = None
+    ) -> None:
+        self._emit(self._bidi_event(ops, topology, seed), ops)
+
+    # -- the applier's view (bidirectional) ------------------------------------------------
+
+    def exclude(self, ops: Iterable[JournalOp]) -> None:
+        """These ops were applied from a link: never an event of this site (no echo)."""
+        self._excluded.update((id(op), op) for op in ops)
+
+    def forward(self, body: bytes, meta: BidiMeta) -> StoredMessage | None:
+        """Pass an applied event on to this site's mirror, its origin and hops kept, this
+        site added; the op that journals it (None: not a source now, or the mirror is the
+        event's origin or went through it already)."""
+        if not self.active:
+            return None
+        peer = self.peer
+        if peer is not None and (peer == meta.origin or peer in meta.hops):
+            return None
+        metrics.FORWARDED.inc()
+        return self._record(forwarded(body, meta, self.name))
+
+    def forwarded(self, batch: int, seqs: Iterable[int]) -> None:
+        """The forwarded events are journaled in `batch`: sendable once it is complete."""
+        self._unsettled.extend((batch, seq) for seq in seqs)
+
     def foreign(self, mark: int, peer: str) -> str | None:
         """Why a mirror's mark cannot come from this source (it mirrors an older incarnation
         of the same origin: a source re-created with an empty data directory), or None.
@@ -210,7 +321,7 @@ class MirrorSource:
         (a mirror restored from an old copy) misses some.
         """
         entries = self.queue.entries
-        if entries and is_seed(entries[0].message.body):
+        if entries and (is_seed(entries[0].message.body) or is_bidi_seed(entries[0].message.body)):
             return None
         if mark == 0 and peer != took_over_from:
             return f"the mirror {peer!r} holds nothing of this origin yet"
@@ -301,7 +412,10 @@ class MirrorSource:
         """The event of a closing batch's mirrored ops (none for internal queues); `encoded`
         is the ops' journal encoding, the event's payload when every op is mirrored."""
         if not self.active:
+            self._excluded.clear()
             return []
+        if self.ids is not None:
+            return self._bidi_batch(batch, ops)
         mirrored = [op for op in ops if op.qid < INTERNAL_QID_BASE]
         if not mirrored:
             return []
@@ -314,10 +428,53 @@ class MirrorSource:
         self._unsettled.append((batch, op.mid))
         return [op, *self._beyond_retention()]
 
+    def _bidi_batch(self, batch: int, ops: list[JournalOp]) -> list[JournalOp]:
+        """A closing batch's own ops (not those applied from a link) as a bidirectional
+        event, and the id map's changes they make (in the same batch)."""
+        assert self.ids is not None
+        excluded, self._excluded = self._excluded, {}
+        own = [op for op in ops if op.qid < INTERNAL_QID_BASE and id(op) not in excluded]
+        if not own:
+            return []
+        body = self._bidi_event(own)
+        event = self._record(body, own)
+        self._unsettled.append((batch, event.mid))
+        extra: list[JournalOp] = [event]
+        # The map follows what left or joined a queue here; a message that leaves one
+        # queue and joins another in the batch (dead-lettered) keeps its origin.
+        origins = {op.mid: self.ids.origin_of(op.mid) for op in own if type(op) is StoredMessage}
+        for op in own:
+            if type(op) is StoredMessage:
+                origin, omid = origins[op.mid]
+                change = self.ids.add(origin, omid, op.qid, op.mid)
+            else:
+                change = self.ids.drop(op.qid, op.mid)
+            if change is not None:
+                extra.append(change)
+        return [*extra, *self._beyond_retention()]
+
     def definitions_saved(self, definitions: Definitions) -> None:
         """The topology changed: its event joins the open batch."""
-        if self.active and self._queue is not None:
+        if self.ids is not None:
+            self._bidi_definitions(definitions)
+        elif self.active and self._queue is not None:
             self._emit_definitions(definitions)
+
+    def _bidi_definitions(self, definitions: Definitions) -> None:
+        """A per-object delta of the topology; none while the applier changes it (that
+        change is forwarded as the event that made it). Deleted queues' map records go."""
+        assert self.ids is not None
+        new = mirrored_definitions(definitions)
+        old, self._topology = self._topology, new
+        if self.applying or old is None or not self.active or self._queue is None:
+            return
+        delta = topology_delta(old, new)
+        if not delta.empty():
+            self._emit_bidi([], topology=delta)
+        if delta.delete_queues:
+            pruned = self.ids.prune(q.qid for q in definitions.queues)
+            if pruned:
+                self.log.add(pruned)
 
     def _emit_definitions(self, definitions: Definitions) -> None:
         self._emit(encode_definitions_event(mirrored_definitions(definitions), self.clock()))

@@ -1,0 +1,124 @@
+"""The chart's ValidatingAdmissionPolicy (operator/admission.py) on a real API server: a
+BrokerCluster is admitted only if its author may create pods there and read every
+Secret it names. Authors are impersonated users with Roles of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+from twinmq.operator.admission import binding, chart_template, policy
+from twinmq.operator.crd import crd
+from twinmq.operator.kube import Kube
+from twinmq.operator.models import GROUP, KIND, PLURAL, VERSION
+from twinmq.testing.waiting import wait_for
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "helm/twinmq/templates/admission-policy.yaml"
+NAMESPACE = "admission"
+
+
+def test_the_charts_template_is_the_generated_policy() -> None:
+    assert TEMPLATE.read_text() == chart_template()
+
+
+def role(kube: Kube, user: str, rules: list[dict[str, Any]]) -> None:
+    """A Role with `rules` bound to `user` in the test namespace."""
+    meta = {"name": user, "namespace": NAMESPACE}
+    kube.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                "metadata": meta, "rules": rules})  # fmt: skip
+    kube.apply({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": user},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+    })  # fmt: skip
+
+
+CREATE_CLUSTERS = {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["create", "get"]}
+CREATE_PODS = {"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]}
+
+
+def read_secret(name: str) -> dict[str, Any]:
+    return {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [name], "verbs": ["get"]}
+
+
+@pytest.fixture(scope="module")
+def admin(kube_apiserver: Any) -> Iterator[Kube]:
+    api = Kube(str(kube_apiserver.kubeconfig))
+    api.apply(crd())
+    api.core.create_namespace({"metadata": {"name": NAMESPACE}})
+    role(api, "builder", [CREATE_CLUSTERS, CREATE_PODS, read_secret("builder-creds")])
+    role(api, "no-pods", [CREATE_CLUSTERS, read_secret("builder-creds")])
+    api.apply(policy())
+    api.apply(binding())
+
+    def established() -> bool:
+        try:
+            api.dynamic.resources.invalidate_cache()
+            api.dynamic.resources.get(api_version=f"{GROUP}/{VERSION}", kind=KIND)
+        except ResourceNotFoundError:
+            return False
+        return True
+
+    wait_for("the CRD established", established, 60)
+    yield api
+
+
+def create_as(kube_apiserver: Any, user: str, name: str, spec: dict[str, Any]) -> None:
+    """Create a BrokerCluster as `user` (impersonated; dry run: nothing is stored)."""
+    api = Kube(str(kube_apiserver.kubeconfig))
+    api.api.set_default_header("Impersonate-User", user)
+    resource = api.dynamic.resources.get(api_version=f"{GROUP}/{VERSION}", kind=KIND)
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+            "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec}  # fmt: skip
+    resource.create(body=body, namespace=NAMESPACE, query_params=[("dryRun", "All")])
+
+
+def refusal(kube_apiserver: Any, user: str, spec: dict[str, Any]) -> str:
+    """The API server's refusal of `spec` by `user` (the policy is in force once it refuses)."""
+
+    def refused() -> str | None:
+        try:
+            create_as(kube_apiserver, user, "refused", spec)
+        except ApiException as exc:
+            return str(exc.body)
+        return None
+
+    return wait_for(f"{user}'s BrokerCluster refused", refused, 30)
+
+
+def test_an_author_who_may_create_pods_and_read_the_secret_gets_the_cluster(
+    admin: Kube, kube_apiserver: Any
+) -> None:
+    refusal(kube_apiserver, "no-pods", {})  # the policy is in force
+    create_as(kube_apiserver, "builder", "ok", {"auth": {"secretName": "builder-creds"}})
+
+
+def test_an_author_who_may_not_create_pods_is_refused(admin: Kube, kube_apiserver: Any) -> None:
+    text = refusal(kube_apiserver, "no-pods", {})
+    assert "may not create pods in admission" in text and "no-pods" in text
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"auth": {"secretName": "someone-elses"}},
+        {"audit": {"enabled": True, "storeUrl": "s3://a/b", "storeSecretName": "someone-elses"}},
+        {"mirror": {"role": "replica", "secretName": "someone-elses"}},
+        {"federation": {"upstreams": [{"name": "hq", "uri": "amqp://h/",
+                                       "passwordSecret": {"name": "someone-elses"}}],
+                        "exchanges": [{"exchange": "x", "upstream": "hq"}]}},
+        {"federation": {"upstreams": [{"name": "hq", "clusterRef": {"name": "someone-elses"}}],
+                        "exchanges": [{"exchange": "x", "upstream": "hq"}]}},
+    ],
+    ids=["auth", "audit-store", "mirror", "federation-password", "federation-cluster-ref"],
+)  # fmt: skip
+def test_naming_a_secret_the_author_may_not_read_is_refused(
+    admin: Kube, kube_apiserver: Any, spec: dict[str, Any]
+) -> None:
+    text = refusal(kube_apiserver, "builder", spec)
+    assert "may not read one of: someone-elses" in text, text
