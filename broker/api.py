@@ -254,6 +254,14 @@ class FederationLinkStatus(BaseModel):
         0, description="Kept as received in amq.twinmq.federation-held: not republishable here"
     )
     dedup_keys: int = Field(0, description="Keys in the server's durable dedup window")
+    forward: bool = Field(False, description="Whether local publishes are forwarded upstream")
+    messages_forwarded: int = Field(0, description="Forwarded and confirmed upstream (since start)")
+    forward_pending: int = Field(
+        0, description="In the outbox: not yet forwarded, or not yet confirmed upstream"
+    )
+    forward_loops_dropped: int = Field(
+        0, description="Not forwarded: the upstream already on their path, or past max-hops"
+    )
 
 
 class FederationBinding(BaseModel):
@@ -275,6 +283,12 @@ class FederationStatus(BaseModel):
     federation_queues: dict[str, list[FederationBinding]] = Field(
         default_factory=dict,
         description="Queues of downstream links held here (federation:...) and their bindings",
+    )
+    forwarded_received: int = Field(
+        0, description="Messages downstreams forwarded here, published here (since start)"
+    )
+    forwarded_dropped: int = Field(
+        0, description="Messages downstreams forwarded here, dropped as duplicates or loops"
     )
 
 

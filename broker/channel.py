@@ -240,10 +240,16 @@ class Channel:
                 )
             )
             return
-        result = self.vhost.publish(
-            exchange, publish.routing_key, self._header, body, info,
-            deduplicate=self.connection.deduplicate, hold=self.confirm_mode,
-        )  # fmt: skip
+        if self.connection.origin_stamp is not None:
+            # A federation link forwarding its downstream's messages: deduplicated here.
+            result = self.connection.ctx.receive_forwarded(
+                exchange, publish.routing_key, self._header, body, info, hold=self.confirm_mode
+            )
+        else:
+            result = self.vhost.publish(
+                exchange, publish.routing_key, self._header, body, info,
+                deduplicate=self.connection.deduplicate, hold=self.confirm_mode,
+            )  # fmt: skip
         if not result.routed and publish.mandatory and not result.rejected:
             self._return(exchange.name, publish.routing_key, self._header, body)
         if self.confirm_mode:

@@ -28,6 +28,7 @@ from twinmq.broker.codec import (
     HEARTBEAT_FRAME,
     PROTOCOL_HEADER,
     Ack,
+    ContentHeaderInfo,
     FrameReader,
     Publish,
     decode_method,
@@ -36,7 +37,8 @@ from twinmq.broker.codec import (
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
 from twinmq.broker.permissions import Operation, Resource
-from twinmq.broker.vhost import VirtualHost
+from twinmq.broker.routing import Exchange
+from twinmq.broker.vhost import PublishResult, VirtualHost
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,19 @@ class ConnectionContext(Protocol):
 
     def peer_refusal(self, peer: str, announced: object) -> str | None:
         """Why a federation peer announcing `announced` as its identifier is refused."""
+        ...
+
+    def receive_forwarded(
+        self,
+        exchange: Exchange,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        *,
+        hold: bool,
+    ) -> PublishResult:
+        """Publish what a federation peer forwarded (deduplicated on arrival)."""
         ...
 
 

@@ -27,12 +27,14 @@ from twinmq.broker.api import (
 from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.auth import Authenticator
 from twinmq.broker.channel import Channel
+from twinmq.broker.codec import ContentHeaderInfo
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import Connection, Limits, State
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.epoch import EpochStore, epoch_jump_refusal, first_mid
 from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
 from twinmq.broker.federation import config as federation_config
+from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
 from twinmq.broker.federation.service import Federation
 from twinmq.broker.filewatch import reload_every
 from twinmq.broker.journal import Journal, JournalError
@@ -40,10 +42,11 @@ from twinmq.broker.lease import LeaseKeeper
 from twinmq.broker.mirror.site import Mirroring
 from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.replication.source import ReplicationSource
+from twinmq.broker.routing import Exchange
 from twinmq.broker.settings import BrokerSettings
 from twinmq.broker.status import build_status
 from twinmq.broker.tls import MutualTls, TlsListener
-from twinmq.broker.vhost import VirtualHost
+from twinmq.broker.vhost import PublishResult, VirtualHost
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +156,13 @@ class AMQPProtocol(asyncio.Protocol):
         self.broker.protocols.discard(self)
         if self.conn is not None:
             self.conn.connection_lost()
+            if self.conn.origin_stamp is not None:
+                # A federation peer's connection (upstream side): news on amq.peer.
+                self.broker.federation.peer_event(
+                    "peer-disconnected",
+                    self.conn.peer,
+                    self.conn.client_properties.get(SERVER_ID_PROPERTY),
+                )
             log.debug(
                 "connection from %s closed: %s",
                 self.conn.peer,
@@ -273,6 +283,9 @@ class Broker:
             dedup=DedupWindow(settings.dedup_window, settings.data_dir / "dedup.json"),
             max_queues=settings.max_queues,
         )
+        if settings.server_id:
+            # Server-named queues unique across a federation (global reply-to names).
+            self.vhost.server_named_prefix = f"amq.gen-{settings.server_id}."
         if self.role == "active":
             # A batch is streamed to the passive before its own fdatasync: a previous
             # run in this epoch may have handed out mids that never reached this disk
@@ -386,6 +399,19 @@ class Broker:
     def peer_refusal(self, peer: str, announced: object) -> str | None:
         """Why a federation peer is refused (it announces our identifier), or None."""
         return self.federation.peer_refusal(peer, announced)
+
+    def receive_forwarded(
+        self,
+        exchange: Exchange,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        *,
+        hold: bool,
+    ) -> PublishResult:
+        """Publish what a federation peer forwarded (deduplicated on arrival)."""
+        return self.federation.receive(exchange, routing_key, header, body, info, hold=hold)
 
     def close_clients(self, reason: str) -> None:
         """Close every client connection (connection.close 320 CONNECTION_FORCED)."""

@@ -236,7 +236,7 @@ class BrokerSettings(BaseSettings):
         pattern=r"^[^\x00-\x1f\x7f]+$",
         description="This server's identifier among federated servers, unique across the "
         "federation (default: the broker name; give both brokers of a pair the same id; "
-        "docs/federation.md)",
+        "when set, server-named queues are amq.gen-<id>.<random>; docs/federation.md)",
     )
     federation_config: Path | None = Field(
         None,

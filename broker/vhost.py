@@ -49,6 +49,8 @@ BUILTIN_EXCHANGES: tuple[tuple[str, ExchangeType], ...] = (
     ("amq.topic", "topic"),
     ("amq.headers", "headers"),
     ("amq.match", "headers"),
+    # Peer status messages of federation (broker/federation/peer.py).
+    ("amq.peer", "fanout"),
 )
 
 # (class id, method id) of the methods whose failures name them in channel.close.
@@ -140,6 +142,14 @@ class VirtualHost:
         # A passive broker's state changes only by replication: no timers of its own.
         self.replica = replica
         self.on_topology_change: Callable[[Definitions], None] | None = None
+        # `queue.declare` with an empty name: this, then a random token; with --server-id
+        # `amq.gen-<server id>.` so the name is unique across a federation (a reply-to).
+        self.server_named_prefix = "amq.gen-"
+        # Federation (docs/federation.md): the link queue(s) for a routing key on the
+        # default exchange that names another server's temporary queue.
+        self.reply_router: Callable[[str], list[str]] | None = None
+        # Federation forwarding (docs/federation.md): exchange name -> its outbox queue.
+        self.forwarding: dict[str, Queue] = {}
         # Told the exchange's name whenever its bindings change (federation propagates them).
         self.binding_listeners: list[Callable[[str], None]] = []
         self._by_qid: dict[int, Queue] | None = None
@@ -415,7 +425,7 @@ class VirtualHost:
             # An inspection, not a use: it does not restart the x-expires countdown.
             return self.queue(name, owner, QUEUE_DECLARE)
         if not name:
-            name = "amq.gen-" + secrets.token_urlsafe(16)
+            name = self.server_named_prefix + secrets.token_urlsafe(16)
         elif name.startswith("amq."):
             raise channel_error(
                 ReplyCode.ACCESS_REFUSED,
@@ -666,6 +676,7 @@ class VirtualHost:
         *,
         deduplicate: bool = False,
         hold: bool = False,
+        forward: bool = True,
     ) -> PublishResult:
         """Route a message into its queues; persistent copies in durable queues are journaled.
 
@@ -675,7 +686,9 @@ class VirtualHost:
         with a message id is remembered in the dedup window once durable; only a
         `deduplicate` publisher (one that opted in) has its re-sends dropped, so plain
         clients see RabbitMQ's behaviour. With `hold` (a publisher in confirm mode) the
-        message is visible only once the batch its confirm waits for is complete.
+        message is visible only once the batch its confirm waits for is complete. A
+        message published on an exchange in `forwarding` also goes to that exchange's
+        federation outbox, unless `forward` is False (it came down a federation link).
         """
         message_id = info.message_id
         key = None
@@ -693,7 +706,7 @@ class VirtualHost:
                 # waits for that batch and shares its outcome (a failed write nacks both).
                 metrics.DUPLICATES.inc()
                 return PublishResult(1, False, original, depends_on=original)
-        result = self._route(exchange, routing_key, header, body, info, ops, hold)
+        result = self._route(exchange, routing_key, header, body, info, ops, hold, forward)
         if key is not None and result.routed:
             if ops is None:
                 self.remember_when_durable([key], result.batch)
@@ -717,6 +730,7 @@ class VirtualHost:
         info: ContentHeaderInfo,
         ops: list[JournalOp] | None,
         hold: bool,
+        forward: bool = True,
     ) -> PublishResult:
         headers: dict[str, Any] | None = None
         if isinstance(exchange, EXCHANGE_TYPES["headers"]):
@@ -730,6 +744,14 @@ class VirtualHost:
         names = exchange.route(routing_key, headers)
         queues = self.queues
         targets = [queues[n] for n in names if n in queues]
+        if not targets and not exchange.name and self.reply_router is not None:
+            # The default exchange and no such queue here: a reply to another server's
+            # temporary queue, routed to the federation link that asked for it.
+            targets = [queues[n] for n in self.reply_router(routing_key) if n in queues]
+        outbox = self.forwarding.get(exchange.name) if forward else None
+        if outbox is not None and not outbox.deleted:
+            # Federation forwarding: journaled with the local copies, in the same batch.
+            targets.append(outbox)
         if not targets:
             metrics.UNROUTABLE.inc()
             return PublishResult(0, False, 0)

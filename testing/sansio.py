@@ -17,11 +17,13 @@ from pathlib import Path
 
 from twinmq.broker.auth import Authenticator, User
 from twinmq.broker.channel import Channel
+from twinmq.broker.codec import ContentHeaderInfo
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import Connection, Limits
 from twinmq.broker.federation.identity import duplicate_refusal
 from twinmq.broker.journal import Journal
-from twinmq.broker.vhost import VirtualHost
+from twinmq.broker.routing import Exchange
+from twinmq.broker.vhost import PublishResult, VirtualHost
 from twinmq.testing.rawamqp import decode_frames, handshake_frames
 
 PRODUCT_VERSION = "0.0.0-test"
@@ -113,6 +115,19 @@ class Context:
     def peer_refusal(self, peer: str, announced: object) -> str | None:
         """A peer announcing our own identifier is refused, as in the broker."""
         return duplicate_refusal(self.server_id, announced, side="downstream")
+
+    def receive_forwarded(
+        self,
+        exchange: Exchange,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        *,
+        hold: bool,
+    ) -> PublishResult:
+        """No federation here: published as any message."""
+        return self.vhost.publish(exchange, routing_key, header, body, info, hold=hold)
 
 
 class Peer:

@@ -21,6 +21,7 @@ from federationsites import (
     wait_running,
     wait_upstream_bindings,
 )
+from pika.adapters.blocking_connection import BlockingChannel
 
 from twinmq.broker import fieldtable
 from twinmq.broker.admin_client import metric_samples
@@ -86,8 +87,9 @@ def test_many_identical_bindings_downstream_are_one_upstream_binding_until_the_l
     assert links(remote)["market"]["bindings"] == 2
     publish_confirmed(central, "market", [("news.world", b"one message, ten queues")])
     wait_for("ten copies", lambda: all(queue_depth(remote, f"q{i}") == 1 for i in range(10)))
-    # Only one message crossed the link for ten downstream queues.
-    assert links(remote)["market"]["messages_received"] == 1
+    # Only one message crossed the link for ten downstream queues (counted once its
+    # batch is durable, after the copies are queued: waited for).
+    wait_for("one received", lambda: links(remote)["market"]["messages_received"] == 1)
     for i in range(9):
         ch.queue_unbind(f"q{i}", "market", "news.#")
     ch.queue_delete("q0")  # its sport.* binding goes with it
@@ -367,13 +369,13 @@ def test_a_message_a_client_library_cannot_decode_crosses_the_link_unchanged(
     wait_for("both messages on the remote", lambda: queue_depth(remote, "watcher") == 2)
     connection, ch = channel(remote)
     try:
-        method, properties, body = ch.basic_get("watcher", auto_ack=True)
-        assert method is not None and body == b"odd"
+        # Counted in /status once queued, visible once its batch is durable: wait for each.
+        properties, body = _get_one(ch, "watcher")
+        assert body == b"odd"
         assert properties.timestamp == 2**62 and properties.content_type == "x/odd"
         assert properties.headers["k"] == "v"
         assert properties.headers["x-twinmq-federation-path"] == ["central", "remote"]
-        method, _properties, body = ch.basic_get("watcher", auto_ack=True)
-        assert method is not None and body == b"after"
+        assert _get_one(ch, "watcher")[1] == b"after"
     finally:
         connection.close()
     assert links(remote)["market"]["state"] == "running"
@@ -411,3 +413,17 @@ def test_a_message_past_this_servers_bounds_is_kept_in_the_held_queue_and_the_li
     remote.start()
     wait_for("the link running again", lambda: links(remote)["market"]["state"] == "running")
     assert queue_depth(remote, HELD_QUEUE) == 1
+
+
+def _get_one(ch: BlockingChannel, queue: str) -> tuple[pika.BasicProperties, bytes]:
+    """The next message of `queue` (basic.get until one is visible)."""
+    got: list[tuple[pika.BasicProperties, bytes]] = []
+
+    def take() -> bool:
+        method, properties, body = ch.basic_get(queue, auto_ack=True)
+        if method is not None:
+            got.append((properties, body))
+        return bool(got)
+
+    wait_for(f"a message from {queue}", take)
+    return got[0]

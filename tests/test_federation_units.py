@@ -13,7 +13,15 @@ from twinmq.broker.definitions import BindingDef
 from twinmq.broker.federation import bindings as fb
 from twinmq.broker.federation.config import FederationConfigError, load
 from twinmq.broker.federation.dedup import QUEUE_NAME, DurableKeys
-from twinmq.broker.federation.headers import ORIGIN, ORIGIN_SEQ, arrival, stamp_origin
+from twinmq.broker.federation.headers import (
+    ORIGIN,
+    ORIGIN_SEQ,
+    PATH,
+    arrival,
+    departure,
+    forwarded,
+    stamp_origin,
+)
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, duplicate_refusal
 from twinmq.testing.rawamqp import PROTOCOL_HEADER, decode_frames, encode
 from twinmq.testing.sansio import Harness
@@ -136,6 +144,41 @@ def test_the_upstream_stamps_origin_and_seq_once_and_keeps_every_other_property(
         stamp_origin(codec.encode_header_payload(commands.Basic.Properties(), 0), "c", 1)
     )
     assert fieldtable.as_int(table.get(ORIGIN_SEQ)) == 1
+
+
+def test_a_forwarded_message_is_stamped_here_with_the_path_ending_upstream() -> None:
+    properties = commands.Basic.Properties(
+        content_type="text/plain", headers={"app": "x"}, reply_to="amq.gen-b.r", delivery_mode=2
+    )
+    header = codec.encode_header_payload(properties, 3)
+    verdict = departure(header, "b", 17, "a", max_hops=1)
+    assert verdict.verdict == "forward"
+    decoded = codec.decode_properties(verdict.header)
+    assert decoded.headers == {"app": "x", ORIGIN: "b", ORIGIN_SEQ: 17, PATH: ["b", "a"]}
+    assert (decoded.content_type, decoded.reply_to, decoded.delivery_mode) == (
+        "text/plain", "amq.gen-b.r", 2,
+    )  # fmt: skip
+    # The upstream: keyed by the downstream's origin and seq, not a loop there.
+    arrived = forwarded(decoded.headers, "a")
+    assert (arrived.verdict, arrived.dedup_key) == ("forward", "b\x0017")
+
+
+def test_a_message_that_came_from_the_upstream_is_never_forwarded_back() -> None:
+    properties = commands.Basic.Properties(headers={ORIGIN: "a", ORIGIN_SEQ: 5, PATH: ["a", "b"]})
+    header = codec.encode_header_payload(properties, 0)
+    assert departure(header, "b", 9, "a", max_hops=3).verdict == "loop"
+    # ... and one that did reach the upstream by another path is dropped there.
+    assert forwarded({ORIGIN: "a", ORIGIN_SEQ: 5, PATH: ["a", "c", "a"]}, "a").verdict == "loop"
+
+
+def test_a_forward_past_max_hops_is_not_sent() -> None:
+    header = codec.encode_header_payload(
+        commands.Basic.Properties(headers={ORIGIN: "c", ORIGIN_SEQ: 1, PATH: ["c", "b"]}), 0
+    )
+    assert departure(header, "b", 9, "a", max_hops=1).verdict == "too-many-hops"
+    kept = departure(header, "b", 9, "a", max_hops=2)
+    assert kept.verdict == "forward"
+    assert codec.decode_properties(kept.header).headers[ORIGIN] == "c"  # kept, not restamped
 
 
 def test_the_dedup_window_is_journaled_and_rebuilt_after_a_restart_and_stays_bounded(

@@ -12,7 +12,11 @@ upstream with, in order:
    (a verified round trip);
 3. while running: local binding changes are propagated (incrementally); deliveries are
    republished into the local exchange, their dedup keys recorded in the same group
-   commit, and acknowledged upstream only once that commit is durable (`BatchFutures`).
+   commit, and acknowledged upstream only once that commit is durable (`BatchFutures`);
+4. with `forward`: what this server's clients publish on the exchange (journaled in the
+   exchange's outbox queue in the same batch as the local copies) is published to the
+   upstream exchange in confirm mode, origin and path stamped, and settled here only once
+   the upstream confirms it (durable there, its key in the upstream's window).
 
 Any error ends the session; the next one starts after a pause that doubles up to the
 upstream's `reconnect-max-seconds` (reset once a session ran). Sessions never overlap:
@@ -26,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,19 +41,20 @@ from urllib.parse import quote
 from twinmq.broker import codec, fieldtable
 from twinmq.broker.errors import AMQPError
 from twinmq.broker.federation import bindings as fb
-from twinmq.broker.federation import metrics
+from twinmq.broker.federation import metrics, peer
 from twinmq.broker.federation.config import FederatedExchange, Upstream
 from twinmq.broker.federation.dedup import DurableKeys
-from twinmq.broker.federation.headers import HEADERS_FLAG, PATH, arrival
+from twinmq.broker.federation.headers import HEADERS_FLAG, PATH, arrival, departure
 from twinmq.broker.federation.identity import (
     DUPLICATE_ID,
     SERVER_ID_PROPERTY,
     duplicate_refusal,
 )
-from twinmq.broker.federation.wire import Delivery, LinkClient
+from twinmq.broker.federation.wire import Delivery, LinkClient, LinkClosed
 from twinmq.broker.journal import JournalOp, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE
+from twinmq.broker.queue import Queue
 from twinmq.broker.vhost import PublishResult, VirtualHost
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,8 @@ QUEUE_PREFIX = "federation:"
 HELD_QUEUE: Final = INTERNAL_PREFIX + "federation-held"
 """Deliveries this server cannot republish (past its bounds with the path added), kept."""
 HELD_QID: Final = INTERNAL_QID_BASE + 0x101
+OUTBOX_PREFIX: Final = INTERNAL_PREFIX + "federation-out:"
+"""`<prefix><exchange>`: what waits to be forwarded upstream (a queue per forwarding exchange)."""
 LinkState = Literal["connecting", "running", "refused"]
 BATCH_MAX = 1024  # deliveries republished per local group commit wait at most
 FIRST_PAUSE = 1.0  # seconds before the first reconnect
@@ -123,6 +131,10 @@ class FederationLink:
         self.loops = 0
         self.unstamped = 0
         self.held = 0
+        self.forwarded = 0
+        self.forward_loops = 0
+        self.outbox: Queue | None = None  # set by `open_outbox` (active, `forward` only)
+        self._forwarder: Forwarder | None = None
         self._dirty = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -147,6 +159,35 @@ class FederationLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._set_state("connecting", "stopped")
+
+    @property
+    def forward_pending(self) -> int:
+        """Messages in the outbox: waiting, or sent and not yet confirmed upstream."""
+        if self.outbox is None:
+            return 0
+        return self.outbox.message_count + len(self.outbox.delivered)
+
+    def open_outbox(self) -> None:
+        """With `forward`: make the exchange's outbox (active only) and tap the exchange."""
+        if not self.fed.forward:
+            return
+        name = OUTBOX_PREFIX + self.fed.exchange
+        queue = self.vhost.queues.get(name)
+        if queue is None:
+            # A qid of the ordinary sequence (saved with the definitions): an outbox per
+            # exchange cannot have a fixed one, and a fixed one could meet a removed
+            # exchange's records.
+            qid = self.vhost.next_qid
+            self.vhost.next_qid += 1
+            queue = self.vhost.internal_queue(name, qid)
+        else:
+            queue = self.vhost.internal_queue(name, queue.definition.qid)
+        self.outbox = queue
+        self.vhost.forwarding[self.fed.exchange] = queue
+
+    def close_outbox(self) -> None:
+        """Stop tapping the exchange (demotion, shutdown); the outbox's messages stay."""
+        self.vhost.forwarding.pop(self.fed.exchange, None)
 
     def bindings_changed(self) -> None:
         """The local exchange's bindings changed: propagate (the running session does)."""
@@ -189,11 +230,28 @@ class FederationLink:
         self._set_state("refused", reason)
 
     def _set_state(self, state: LinkState, error: str | None) -> None:
+        event: peer.PeerEventName | None = None
+        if state == "running" and self.state != "running":
+            event = "link-up"
+        elif state == "refused" and (self.state != "refused" or self.error != error):
+            event = "link-refused"
+        elif state == "connecting" and self.state == "running":
+            event = "link-down"
         self.state = state
         self.error = error
         self.running_since = time.time() if state == "running" else None
         metrics.LINK_RUNNING.labels(self._label).set(1 if state == "running" else 0)
         metrics.LINK_REFUSED.labels(self._label).set(1 if state == "refused" else 0)
+        if event is not None:
+            peer.publish(
+                self.vhost,
+                peer.PeerEvent(
+                    event=event, server_id=self.server_id, peer=self.upstream_id,
+                    link=self.fed.exchange, upstream=self.upstream_name, reason=error,
+                    forward_pending=self.forward_pending, messages_received=self.received,
+                    messages_forwarded=self.forwarded, time=peer.now(),
+                ),
+            )  # fmt: skip
 
     async def _session(self) -> bool:
         """One connection, until it fails; True if it reached running."""
@@ -206,6 +264,7 @@ class FederationLink:
         )
         inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()
         processor: asyncio.Task[None] | None = None
+        publisher: LinkClient | None = None
         ran = False
         try:
             peer = connection.server_properties.get(SERVER_ID_PROPERTY)
@@ -224,8 +283,31 @@ class FederationLink:
             await connection.queue_declare(self.queue)
             await self._sync(connection, full=True)
             await connection.basic_qos(self.fed.prefetch)
+            forwarder = None
+            if self.outbox is not None:
+                # Forwarding has its own connection: a publish during the upstream's
+                # resource alarm blocks the reads of its connection, and the consumer's
+                # acks (which free the upstream's memory) must still go through.
+                publisher = await LinkClient.connect(
+                    self.upstream.connect_uri(),
+                    {
+                        SERVER_ID_PROPERTY: self.server_id,
+                        "connection_name": f"federation {self.fed.exchange} forward "
+                        f"from {self.server_id}",
+                    },
+                )
+                other = _text(publisher.server_properties.get(SERVER_ID_PROPERTY))
+                if other != peer:
+                    raise ConnectionError(
+                        f"the forwarding connection reached server {other!r}, not {peer!r}"
+                    )
+                forwarder = Forwarder(self, publisher, self.outbox, peer)
+                await publisher.confirm_select(forwarder.confirmed)
             processor = asyncio.get_running_loop().create_task(self._process(connection, inbox))
             await connection.basic_consume(self.queue, inbox.put_nowait)
+            if forwarder is not None:
+                self._forwarder = forwarder
+                forwarder.open()
             self._set_state("running", None)
             ran = True
             log.info(
@@ -237,24 +319,40 @@ class FederationLink:
             while True:
                 dirty = asyncio.ensure_future(self._dirty.wait())
                 waiters: set[asyncio.Future[Any]] = {dirty, closing, processor}
+                if publisher is not None:
+                    waiters.add(publisher.closing)
                 done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
                 if dirty not in done:
                     dirty.cancel()
                     if processor in done:
                         processor.result()  # its error ends the session
+                    if publisher is not None and publisher.closing in done:
+                        raise ConnectionError(
+                            f"forwarding connection closed: {_closing_reason(publisher)}"
+                        )
                     raise ConnectionError(f"connection closed: {_closing_reason(connection)}")
                 self._dirty.clear()
                 await self._sync(connection, full=False)
         finally:
+            if self._forwarder is not None:
+                # Unconfirmed forwards go back to the outbox: sent again by the next
+                # session, dropped upstream by their key if they had arrived.
+                self._forwarder.close()
+                self._forwarder = None
             if processor is not None:
                 # Settle what was received locally before another session consumes.
                 inbox.put_nowait(None)
                 with contextlib.suppress(Exception):
                     await processor
+            if publisher is not None:
+                with contextlib.suppress(Exception):
+                    await publisher.close()
             with contextlib.suppress(Exception):
                 await connection.close()
             if ran:
-                self._set_state("connecting", self.error)
+                # The reason the session ends (in amq.peer's link-down too).
+                ending = sys.exc_info()[1]
+                self._set_state("connecting", _describe(ending) if ending else self.error)
         return ran
 
     def _kind(self) -> str:
@@ -376,9 +474,11 @@ class FederationLink:
                     self.keys.claim(key)
                 waiting.append((tag, key, None))
                 continue
+            # Never forwarded back up (no echo): it came down this or another link.
             result = self.vhost.publish(
-                exchange, message.routing_key or "", header, message.body, info, hold=True
-            )
+                exchange, message.routing_key or "", header, message.body, info, hold=True,
+                forward=False,
+            )  # fmt: skip
             if key is not None:
                 self.keys.claim(key)
             waiting.append((tag, key, result))
@@ -428,6 +528,105 @@ class FederationLink:
         return StoredMessage(
             mid, queue.definition.qid, "", HELD_QUEUE, message.header, message.body, None
         )
+
+
+class Forwarder:
+    """The link's consumer of its outbox (a `queue.Consumer`): each message is published
+    upstream in confirm mode and settled here once confirmed; at most `prefetch` are
+    unconfirmed. Sans-await: `deliver` and `confirmed` run in the event loop's turn."""
+
+    tag = "federation-forward"
+    exclusive = True
+
+    def __init__(
+        self, link: FederationLink, connection: LinkClient, queue: Queue, upstream_id: str
+    ):
+        self.link = link
+        self.connection = connection
+        self.queue = queue
+        self.upstream_id = upstream_id
+        self.unconfirmed: dict[int, Entry] = {}  # confirm sequence number -> entry
+        self._open = False
+
+    def open(self) -> None:
+        """Start taking the outbox's messages."""
+        self._open = True
+        self.queue.add_consumer(self)
+        self.queue.dispatch(self.link.vhost.clock.time())
+
+    def close(self) -> None:
+        """Stop; unconfirmed messages go back to the head of the outbox."""
+        self._open = False
+        self.queue.remove_consumer(self)
+        entries = list(self.unconfirmed.values())
+        self.unconfirmed.clear()
+        if entries:
+            self.link.vhost.requeue(self.queue, entries)
+
+    def ready(self) -> bool:
+        """`queue.Consumer`: room in the unconfirmed window, and the connection up."""
+        return (
+            self._open
+            and not self.connection.closing.done()
+            and len(self.unconfirmed) < self.link.fed.prefetch
+        )
+
+    def deliver(self, queue: Queue, entry: Entry) -> None:
+        """`queue.Consumer`: forward one message (or drop a loop, hold what cannot go)."""
+        link = self.link
+        message = entry.message
+        queue.delivered[message.mid] = entry
+        try:
+            verdict = departure(
+                message.header, link.server_id, message.mid, self.upstream_id, link.fed.max_hops
+            )
+        except (AMQPError, ValueError) as exc:
+            # Past the bounds once stamped: kept as it is, never sent rewritten or dropped.
+            delivery = Delivery(0, False, message.exchange, message.routing_key, message.header,
+                                message.body)  # fmt: skip
+            link.vhost.committer.add([link._hold(delivery, exc)])
+            link.vhost.settle(queue, [entry])
+            return
+        if verdict.verdict != "forward":
+            # It came from the upstream (or passed through it) already, or too far.
+            link.forward_loops += 1
+            metrics.LOOPS.labels(link._label).inc()
+            link.vhost.settle(queue, [entry])
+            return
+        try:
+            seq = self.connection.basic_publish(
+                link.fed.source_exchange, message.routing_key, verdict.header, message.body
+            )
+        except LinkClosed:
+            # Gone since `ready`: back to the outbox for the next session.
+            self._open = False
+            link.vhost.requeue(queue, [entry])
+            return
+        self.unconfirmed[seq] = entry
+
+    def confirmed(self, seq: int, multiple: bool, ack: bool) -> None:
+        """The upstream's basic.ack / basic.nack: settle, or put back to send again."""
+        if multiple:
+            seqs = [s for s in self.unconfirmed if s <= seq]
+        else:
+            seqs = [seq] if seq in self.unconfirmed else []
+        entries = [self.unconfirmed.pop(s) for s in seqs]
+        if not entries:
+            return
+        vhost = self.link.vhost
+        if ack:
+            vhost.settle(self.queue, entries)
+            self.link.forwarded += len(entries)
+            metrics.FORWARDED.labels(self.link._label).inc(len(entries))
+            self.queue.dispatch(vhost.clock.time())
+        else:
+            vhost.requeue(self.queue, entries)  # dispatches: sent again
+
+
+def _text(value: object) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else None
 
 
 def _describe(exc: BaseException) -> str:

@@ -99,6 +99,12 @@ class FederatedExchange(_Model):
     type: ExchangeKind = Field("topic", description="Declared here and upstream if missing")
     max_hops: int = Field(1, ge=1, description="Federation links a message may cross at most")
     prefetch: int = Field(256, ge=1, le=65535, description="Unacknowledged deliveries at most")
+    forward: bool = Field(
+        False,
+        description="Also forward what this server's clients publish on the exchange to the "
+        "upstream exchange (request-response across sites); `prefetch` bounds the "
+        "unconfirmed forwards too",
+    )
 
     @property
     def source_exchange(self) -> str:

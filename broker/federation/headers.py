@@ -87,3 +87,56 @@ def _text(value: Any) -> str | None:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Departure:
+    """What a downstream decides for one message it would forward to its upstream."""
+
+    verdict: Literal["forward", "loop", "too-many-hops"]
+    header: bytes  # the content header to send (origin stamped, path extended) if forwarded
+
+
+def departure(header: bytes, own_id: str, mid: int, upstream_id: str, max_hops: int) -> Departure:
+    """Forwarding (downstream -> upstream): stamp origin and seq if the message has none
+    (it was published here: this server and its replication ID), extend the path with
+    this server and the upstream (the receiving side appends nothing: the path already
+    ends with it, as a republished message's does), or refuse a loop / too many hops.
+
+    Raises ValueError if the header's table cannot be walked or rebuilt (past the bounds).
+    """
+    table = codec.decode_headers(header)
+    raw_path = table.get(PATH)
+    values = raw_path.items if isinstance(raw_path, fieldtable.Array) else ()
+    path = [_text(fieldtable.to_python(v)) or "" for v in values]
+    if not path or path[-1] != own_id:
+        path.append(own_id)
+    if upstream_id in path:
+        return Departure("loop", header)
+    path.append(upstream_id)
+    if len(path) - 1 > max_hops:
+        return Departure("too-many-hops", header)
+    items = list(table.without(PATH).items)
+    if table.get(ORIGIN) is None:
+        items += [(ORIGIN, fieldtable.text(own_id)), (ORIGIN_SEQ, fieldtable.long_int(mid))]
+    items.append((PATH, fieldtable.Array(tuple(fieldtable.text(hop) for hop in path))))
+    encoded = fieldtable.encode_table(fieldtable.Table(tuple(items)))
+    return Departure("forward", codec.rebuild_header(header, {HEADERS_FLAG: encoded}))
+
+
+def forwarded(headers: dict[str, Any] | None, own_id: str) -> Arrival:
+    """Upstream side: decide on a message a downstream forwarded (its path ends here).
+
+    A loop if this server is earlier on the path; its dedup key from origin and seq.
+    """
+    headers = headers or {}
+    origin = _text(headers.get(ORIGIN))
+    seq = headers.get(ORIGIN_SEQ)
+    raw_path = headers.get(PATH)
+    path = [_text(p) or "" for p in raw_path] if isinstance(raw_path, list) else []
+    if origin is None or not isinstance(seq, int):
+        return Arrival("unstamped", None, path)
+    key = f"{origin}\x00{seq}"
+    if own_id in path[:-1]:
+        return Arrival("loop", key, path)
+    return Arrival("forward", key, path)

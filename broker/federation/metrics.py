@@ -48,3 +48,16 @@ HELD = Counter(
     "republished here (past this server's header bounds once the path is added)",
     ["link"],
 )
+FORWARDED = Counter(
+    "twinmq_federation_messages_forwarded_total",
+    "Messages published here and forwarded to the upstream (confirmed there)",
+    ["link"],
+)
+FORWARDED_RECEIVED = Counter(
+    "twinmq_federation_forwarded_received_total",
+    "Messages forwarded here by downstreams and published here (upstream side)",
+)
+FORWARDED_DUPLICATES = Counter(
+    "twinmq_federation_forwarded_duplicates_total",
+    "Messages forwarded here by downstreams and dropped as duplicates or loops (upstream side)",
+)

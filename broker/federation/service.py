@@ -6,22 +6,31 @@ links run only while the broker is active (a pair's passive takes over at promot
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
 from twinmq.broker.api import FederationBinding, FederationLinkStatus, FederationStatus
+from twinmq.broker.codec import ContentHeaderInfo, decode_headers
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.federation import metrics
-from twinmq.broker.federation.agent import QUEUE_PREFIX, FederationLink
+from twinmq.broker.federation import peer as peer_status
+from twinmq.broker.federation.agent import QUEUE_PREFIX, FederationLink, queue_name
 from twinmq.broker.federation.config import FederationConfig
+from twinmq.broker.federation.dedup import QUEUE_NAME as DEDUP_QUEUE
 from twinmq.broker.federation.dedup import DurableKeys
+from twinmq.broker.federation.headers import forwarded
 from twinmq.broker.federation.identity import duplicate_refusal
+from twinmq.broker.fieldtable import to_python
 from twinmq.broker.mirror.durable import BatchFutures
-from twinmq.broker.vhost import VirtualHost
+from twinmq.broker.routing import Exchange
+from twinmq.broker.vhost import PublishResult, VirtualHost
 
 log = logging.getLogger(__name__)
+
+SERVER_NAMED_PREFIX = "amq.gen-"
 
 REFUSALS_KEPT = 20
 
@@ -43,14 +52,20 @@ class Federation:
         self.refused: collections.deque[str] = collections.deque(maxlen=REFUSALS_KEPT)
         self.links: dict[str, FederationLink] = {}
         self.running = False
-        self.keys = DurableKeys(1)
+        self.forwarded_received = 0
+        self.forwarded_dropped = 0
+        # One window for every link, and for what downstreams forward here: a message
+        # arriving by two paths is published once.
+        self.keys = keys = DurableKeys(
+            config.dedup_window if config is not None else FederationConfig().dedup_window
+        )
+        self._keys_loaded = False
+        self.batches = batches = BatchFutures()
+        committer.await_durable(batches)
+        vhost.reply_router = self.reply_queues
         if config is None or not config.exchanges:
             return
         state_dir.mkdir(parents=True, exist_ok=True)
-        batches = BatchFutures()
-        committer.await_durable(batches)
-        # One window for every link: a message arriving by two paths is republished once.
-        self.keys = keys = DurableKeys(config.dedup_window)
         for fed in config.exchanges:
             self.links[fed.exchange] = FederationLink(
                 fed, fed.upstream, config.upstreams[fed.upstream], server_id, vhost, batches,
@@ -63,9 +78,10 @@ class Federation:
         if self.running:
             return
         self.running = True
-        if self.links:
+        self._keys_loaded = False
+        if self.links or DEDUP_QUEUE in self.vhost.queues:
             # The records replicated or recovered here are the keys (a promoted passive's too).
-            self.keys.load(self.vhost)
+            self._load_keys()
         for link in self.links.values():
             fed = link.fed
             if fed.exchange not in self.vhost.exchanges:
@@ -73,18 +89,90 @@ class Federation:
                     fed.exchange, fed.type, passive=False, durable=True, auto_delete=False,
                     internal=False, arguments={},
                 )  # fmt: skip
+            link.open_outbox()
             link.start()
 
     async def stop(self) -> None:
         """Stop the links (demotion, shutdown)."""
         self.running = False
         for link in self.links.values():
+            link.close_outbox()
             await link.stop()
+
+    def _load_keys(self) -> None:
+        if not self._keys_loaded:
+            self.keys.load(self.vhost)
+            self._keys_loaded = True
+
+    def receive(
+        self,
+        exchange: Exchange,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        *,
+        hold: bool,
+    ) -> PublishResult:
+        """Upstream side: a message a downstream forwarded (a publish on a federation
+        link's connection). A loop or a duplicate (its (origin, seq) already published
+        here, or in flight) is confirmed and dropped; otherwise it is published and its
+        key journaled in the same group commit, which its confirm waits for: a re-send
+        after a lost confirm (a link cut) meets the key."""
+        try:
+            headers = to_python(decode_headers(header))
+        except ValueError:
+            headers = None
+        verdict = forwarded(headers, self.server_id)
+        key = verdict.dedup_key
+        self._load_keys()
+        if verdict.verdict == "loop" or (key is not None and key in self.keys):
+            self.forwarded_dropped += 1
+            metrics.FORWARDED_DUPLICATES.inc()
+            return PublishResult(1, False, self.vhost.committer.confirm_point())
+        result = self.vhost.publish(exchange, routing_key, header, body, info, hold=hold)
+        self.forwarded_received += 1
+        metrics.FORWARDED_RECEIVED.inc()
+        if key is None or result.rejected:
+            return result
+        self.keys.claim(key)
+        ops = self.keys.record(self.vhost, [key])
+        batch = self.vhost.committer.add(ops)
+
+        def settled(done: asyncio.Future[bool]) -> None:
+            ok = not done.cancelled() and done.result()
+            self.keys.settle([key] if ok else [], [] if ok else [key])
+
+        self.batches.wait(batch).add_done_callback(settled)
+        # The record's batch is the messages' or a later one: the confirm covers both.
+        return PublishResult(
+            result.routed, False, max(batch, result.batch), depends_on=result.depends_on
+        )
 
     def _bindings_changed(self, exchange: str) -> None:
         link = self.links.get(exchange)
         if link is not None:
             link.bindings_changed()
+
+    def reply_queues(self, routing_key: str) -> list[str]:
+        """Upstream side: where a publish on the default exchange goes when `routing_key`
+        names another server's temporary queue (`amq.gen-<server id>.<token>`) and no
+        queue here has that name: the link queue of that server that holds a binding
+        with this key (the requester bound its reply queue to a federated exchange under
+        its own name), so a service replies as to any RabbitMQ reply-to. One link queue
+        at most (the first federated exchange with the binding): one reply, one copy."""
+        if not routing_key.startswith(SERVER_NAMED_PREFIX):
+            return []
+        server, dot, _token = routing_key[len(SERVER_NAMED_PREFIX) :].rpartition(".")
+        if not dot or not server or server == self.server_id:
+            return []
+        for exchange in self.vhost.exchanges.values():
+            if not exchange.name:
+                continue
+            queue = queue_name(exchange.name, server)
+            if queue in self.vhost.queues and (queue, routing_key, "[]") in exchange.bindings:
+                return [queue]
+        return []
 
     def peer_refusal(self, peer: str, announced: object) -> str | None:
         """Upstream side: why a connecting peer is refused (its identifier is ours), or None;
@@ -94,7 +182,24 @@ class Federation:
             metrics.PEERS_REFUSED.inc()
             self.refused.append(f"{peer}: {refusal}")
             log.error("federation peer %s REFUSED: %s", peer, refusal)
+        else:
+            self.peer_event("peer-connected", peer, announced)
         return refusal
+
+    def peer_event(self, event: peer_status.PeerEventName, address: str, announced: object) -> None:
+        """Upstream side: a federation peer's connection here, on `amq.peer`."""
+        if isinstance(announced, bytes):
+            announced = announced.decode("utf-8", "replace")
+        peer_status.publish(
+            self.vhost,
+            peer_status.PeerEvent(
+                event=event,
+                server_id=self.server_id,
+                peer=announced if isinstance(announced, str) else None,
+                address=address,
+                time=peer_status.now(),
+            ),
+        )
 
     def status(self) -> FederationStatus:
         """The `federation` section of `/status`."""
@@ -119,6 +224,10 @@ class Federation:
                     loops_dropped=link.loops,
                     messages_held=link.held,
                     dedup_keys=len(link.keys),
+                    forward=link.fed.forward,
+                    messages_forwarded=link.forwarded,
+                    forward_pending=link.forward_pending,
+                    forward_loops_dropped=link.forward_loops,
                 )
             )
         held: dict[str, list[FederationBinding]] = {}
@@ -143,4 +252,6 @@ class Federation:
             links=links,
             refused_peers=list(self.refused),
             federation_queues=held,
+            forwarded_received=self.forwarded_received,
+            forwarded_dropped=self.forwarded_dropped,
         )

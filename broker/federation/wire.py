@@ -10,7 +10,8 @@ the bytes received (the broker's own lossless codec reads what the link needs) a
 uses pamqp only for methods, which the upstream broker itself writes.
 
 What a link needs and nothing more: one channel, synchronous methods one at a time,
-one consumer with manual acknowledgements, heartbeats, PLAIN login, TLS for `amqps`.
+one consumer with manual acknowledgements, publishes in confirm mode (forwarding: the
+content header sent as given, byte for byte), heartbeats, PLAIN login, TLS for `amqps`.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ class LinkClient:
         self._rpc_lock = asyncio.Lock()
         self._reply: asyncio.Future[object] | None = None
         self._on_delivery: Callable[[Delivery], None] | None = None
+        self._on_confirm: Callable[[int, bool, bool], None] | None = None
+        self.publish_seq = 0  # the last publish's confirm sequence number
+        self._frame_max = FRAME_MAX
         self._partial: tuple[commands.Basic.Deliver, bytes, int, list[bytes]] | None = None
         self._heard = time.monotonic()
         self._heartbeat = 0
@@ -158,6 +162,7 @@ class LinkClient:
         )
         tune = await _expect(self._reader, commands.Connection.Tune)
         frame_max = min(tune.frame_max or FRAME_MAX, FRAME_MAX)
+        self._frame_max = frame_max
         wanted = address.heartbeat
         self._heartbeat = min(wanted, tune.heartbeat) if wanted and tune.heartbeat else wanted
         self._send(
@@ -232,6 +237,24 @@ class LinkClient:
         self._on_delivery = on_delivery
         consume = commands.Basic.Consume(queue=queue, consumer_tag="federation")
         await self.call(consume, commands.Basic.ConsumeOk)
+
+    async def confirm_select(self, on_confirm: Callable[[int, bool, bool], None]) -> None:
+        """Publisher confirms: `on_confirm(sequence, multiple, ack)` for each basic.ack/nack."""
+        self._on_confirm = on_confirm
+        await self.call(commands.Confirm.Select(), commands.Confirm.SelectOk)
+
+    def basic_publish(self, exchange: str, routing_key: str, header: bytes, body: bytes) -> int:
+        """Publish with `header` (a content header frame's payload) sent as given; the
+        confirm sequence number (`LinkClosed` once the connection ended)."""
+        if self.closing.done():
+            raise self._closed_error()
+        publish = commands.Basic.Publish(exchange=exchange, routing_key=routing_key)
+        frames = [marshal(publish, CHANNEL), _content_frame(2, header)]
+        step = self._frame_max - 8
+        frames += [_content_frame(3, body[i : i + step]) for i in range(0, len(body), step)]
+        self._writer.write(b"".join(frames))
+        self.publish_seq += 1
+        return self.publish_seq
 
     def basic_ack(self, delivery_tag: int) -> None:
         """Acknowledge one delivery (`LinkClosed` once the connection ended)."""
@@ -317,6 +340,12 @@ class LinkClient:
             self._partial = (method, b"", 0, [])
         elif isinstance(method, commands.Basic.Cancel):
             self._end("the upstream cancelled the link's consumer (its queue was deleted?)")
+        elif isinstance(method, codec.Ack | commands.Basic.Ack | commands.Basic.Nack):
+            # Publisher confirms (the broker's codec decodes basic.ack on its fast path).
+            if self._on_confirm is None:
+                raise LinkClosed(f"a {type(method).__name__} with no publish in confirm mode")
+            ack = not isinstance(method, commands.Basic.Nack)
+            self._on_confirm(method.delivery_tag or 0, bool(method.multiple), ack)
         elif isinstance(method, commands.Connection.Blocked | commands.Connection.Unblocked):
             pass  # the upstream's alarm: our acks still go through
         elif self._reply is not None and not self._reply.done():
@@ -362,6 +391,10 @@ class LinkClient:
                 self._writer.close()
                 return
             self._writer.write(_HEARTBEAT_FRAME)
+
+
+def _content_frame(ftype: int, payload: bytes) -> bytes:
+    return struct.pack(">BHI", ftype, CHANNEL, len(payload)) + payload + b"\xce"
 
 
 async def _expect(reader: asyncio.StreamReader, kind: type[M]) -> M:

@@ -1,0 +1,78 @@
+"""`amq.peer`: peer status messages applications can subscribe to (seed 002, "Status
+Management").
+
+Every server has the fanout exchange `amq.peer` (built in, like `amq.fanout`). The
+federation publishes one message there when something happens between this server and
+a peer: a link of this server (downstream side) comes up, goes down or is refused; a
+federation peer connects here or goes away (upstream side). A JSON body (`PeerEvent`),
+the event's name as routing key and message `type`; transient, as a status is news,
+not data to keep: an application binds a queue and reads what happens from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime
+from typing import Final, Literal
+
+from pamqp import commands
+from pydantic import BaseModel, Field
+
+from twinmq.broker import codec
+from twinmq.broker.vhost import VirtualHost
+
+log = logging.getLogger(__name__)
+
+PEER_EXCHANGE: Final = "amq.peer"
+
+PeerEventName = Literal[
+    "link-up", "link-down", "link-refused", "peer-connected", "peer-disconnected"
+]
+
+
+class PeerEvent(BaseModel):
+    """One peer status message (the body of a message on `amq.peer`, as JSON)."""
+
+    event: PeerEventName = Field(
+        description="link-*: a link of this server (downstream side); peer-*: a federation "
+        "peer's connection here (upstream side; connected: its handshake accepted)"
+    )
+    server_id: str = Field(description="This server's identifier")
+    peer: str | None = Field(None, description="The other side's server identifier, if known")
+    link: str | None = Field(None, description="The link's local exchange (link-* events)")
+    upstream: str | None = Field(None, description="The upstream's name in the federation file")
+    address: str | None = Field(None, description="The peer's address (peer-* events)")
+    reason: str | None = Field(None, description="Why a link went down or was refused")
+    forward_pending: int = Field(
+        0, description="Lag toward the upstream: messages in the link's outbox not yet confirmed"
+    )
+    messages_received: int = Field(0, description="Received over the link since start")
+    messages_forwarded: int = Field(0, description="Forwarded over the link since start")
+    time: float = Field(description="When, in seconds since the epoch")
+
+
+def publish(vhost: VirtualHost, event: PeerEvent) -> None:
+    """Publish `event` on `amq.peer` (not on a passive: nothing is published there)."""
+    exchange = vhost.exchanges.get(PEER_EXCHANGE)
+    if exchange is None or vhost.replica:
+        return
+    try:
+        body = event.model_dump_json().encode()
+        properties = commands.Basic.Properties(
+            content_type="application/json",
+            delivery_mode=1,
+            message_type=event.event,
+            timestamp=datetime.fromtimestamp(int(event.time), UTC),
+            app_id="twinmq-federation",
+        )
+        header = codec.encode_header_payload(properties, len(body))
+        info = codec.decode_content_header(header)
+        vhost.publish(exchange, event.event, header, body, info, forward=False)
+    except Exception as exc:  # a status message never stops the link or the connection
+        log.warning("amq.peer: the %s event was not published: %r", event.event, exc)
+
+
+def now() -> float:
+    """The time an event carries."""
+    return time.time()
