@@ -93,7 +93,7 @@ def render(federation: Federation, namespace: str) -> FederationConfig:
     }
     exchanges = [FileExchange(
         exchange=e.exchange, upstream=e.upstream, upstream_exchange=e.upstream_exchange,
-        type=e.type, max_hops=e.max_hops, prefetch=e.prefetch,
+        type=e.type, max_hops=e.max_hops, prefetch=e.prefetch, forward=e.forward,
     ) for e in federation.exchanges]  # fmt: skip
     return FederationConfig(
         upstreams=upstreams, exchanges=exchanges, dedup_window=federation.dedup_window

@@ -252,6 +252,11 @@ class FederatedExchange(ApiModel):
     prefetch: int = Field(
         256, ge=1, le=65535, description="Unacknowledged deliveries on the link at most"
     )
+    forward: bool = Field(
+        False,
+        description="Also forward what this cluster's clients publish on the exchange to the "
+        "upstream (request-response across sites; docs/federation.md, 'Forwarding')",
+    )
 
 
 class Federation(ApiModel):

@@ -78,7 +78,7 @@ def test_no_federation_adds_nothing_to_the_pods() -> None:
 def test_the_federation_file_is_a_config_map_the_broker_accepts_and_passwords_are_files(
     tmp_path: Path,
 ) -> None:
-    wanted = spec(downstream(type="fanout", maxHops=2, upstreamExchange="prices"))
+    wanted = spec(downstream(type="fanout", maxHops=2, upstreamExchange="prices", forward=True))
     config_map = build_federation_config_map(REMOTE, wanted)
     assert config_map is not None and config_map["metadata"]["name"] == "remote-federation"
     text = config_map["data"]["federation.yaml"]
@@ -91,6 +91,7 @@ def test_the_federation_file_is_a_config_map_the_broker_accepts_and_passwords_ar
     assert str(central.password_file) == f"{federation.PASSWORD_DIR}/central"
     (market,) = loaded.exchanges
     assert (market.type, market.max_hops, market.source_exchange) == ("fanout", 2, "prices")
+    assert market.forward
     pod = build_pod(REMOTE, wanted, "primary")
     assert flags(pod)["federation-config"] == f"{federation.CONFIG_DIR}/federation.yaml"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
