@@ -50,5 +50,5 @@ e2e: $(CLUSTER_DEPS) $(if $(KUBECONFIG),,cluster-binaries $(CLUSTER_IMAGE) $(CLU
 	$(CLUSTER_PYTHON) -m pytest localcluster/tests e2e -p no:cacheprovider -m "not slow" $(E2E_ARGS)
 
 # Leaves the cluster running; `make cluster-down` when done.
-cluster-demo: cluster-binaries
+cluster-demo: cluster-binaries $(CLUSTER_IMAGE)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.demo
