@@ -72,7 +72,7 @@ test: lint typecheck system-deps
 # (built and started by mk/cluster.mk), the chart's operator, a BrokerCluster, a failover.
 demo: $(STAMP)
 	$(VENV)/bin/twinmq-demo
-	$(MAKE) --no-print-directory cluster
+	$(MAKE) --no-print-directory $(CLUSTER_AUDIT_IMAGE) cluster
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m twinmq.demo.kubernetes
 
 clean:

@@ -36,10 +36,15 @@ NAMESPACE = "twinmq-demo"
 API = "/apis/twinmq.io/v1alpha1"
 MESSAGES = 1500
 BUCKET = "twinmq-audits"
-IMAGE = "twinmq/twinmq:0.1.0"
 
 
 STEP_TIMEOUT = 180.0  # one step of the demo on a loaded machine
+
+
+def audit_image(image: str) -> str:
+    """The audit image (JRE + PySpark, `make image-audit`) of the release `image` runs: the
+    broker image has no Spark."""
+    return f"twinmq/twinmq-audit:{image.rpartition(':')[2]}"
 
 
 def say(text: str) -> None:
@@ -57,7 +62,7 @@ class Demo:
         example["spec"]["audit"] = {
             "enabled": True, "storeUrl": f"s3://{BUCKET}/{example['metadata']['name']}",
             "storeSecretName": "audit-store", "segmentSeconds": 5, "afterFailover": True,
-            "launcher": "job",
+            "launcher": "job", "image": audit_image(str(example["spec"]["image"])),
         }  # fmt: skip
         self.example = example
         self.name = str(example["metadata"]["name"])
@@ -92,11 +97,15 @@ class Demo:
                   "--create-namespace", "--set", "operator.rbac.scope=namespace",
                   "--wait", "--timeout", "120s")  # fmt: skip
         say(f"chart installed in namespace {NAMESPACE}: the operator is running")
-        pod, service = s3server.manifests(IMAGE)
-        self.kube.create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
+        # The store: moto as a host process on the node's address (no image carries moto),
+        # behind a Service without selector, as in the e2e suite; `make cluster-down` stops it.
+        port = s3server.start_daemon(self.layout)
+        service, endpoints = s3server.host_manifests(port)
         url = s3server.endpoint(
             self.kube.create(f"/api/v1/namespaces/{NAMESPACE}/services", service)
         )
+        self.kube.create(f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices",
+                         endpoints)  # fmt: skip
         self.kube.create(f"/api/v1/namespaces/{NAMESPACE}/secrets",
                          s3server.store_secret("audit-store", url))  # fmt: skip
         wait_for("the S3 store", lambda: s3server.try_create_bucket(url, BUCKET), timeout=60)

@@ -24,7 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinmq.localcluster import binaries, containerd, daemons, freezer, hostnet, kubelet
+from twinmq.localcluster import (
+    binaries,
+    containerd,
+    daemons,
+    freezer,
+    hostnet,
+    kubelet,
+    s3server,
+)
 from twinmq.localcluster.kubeapi import KubeApi
 from twinmq.localcluster.layout import (
     APISERVER_PORT,
@@ -566,6 +574,8 @@ def down(layout: Layout) -> None:
         for problem in kubelet.stop(layout):
             _say(f"WARNING: {problem}")
         _say("kubelet node: stopped, containers, cgroups and state removed")
+    if s3server.stop_daemon(layout):  # the store `make demo` started (a host process)
+        _say(f"{s3server.DAEMON}: stopped")
     for component in reversed(ALL_COMPONENTS):
         if daemons.stop(layout, component, timeout=10):
             _say(f"{component}: stopped")

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from twinmq.broker.names import AMQP_PORT
 from twinmq.localcluster import binaries, cluster, faults
 from twinmq.localcluster.kubeapi import KubeApi
-from twinmq.localcluster.layout import Layout, repo_root
+from twinmq.localcluster.layout import Layout, node_mode, repo_root
 from twinmq.testing.waiting import wait_for
 
 T = TypeVar("T")
@@ -111,7 +111,7 @@ def run(messages: int) -> Report:
     binaries.main([])
     report.step("build missing binaries", started)
     started = time.monotonic()
-    cluster.up(layout)
+    cluster.up(layout, node_mode())
     report.step("start the local cluster", started)
     kube = KubeApi(str(layout.kubeconfig))
     started = time.monotonic()

@@ -2,15 +2,17 @@
 tests. It is moto in server mode, standing in for S3 or MinIO; everything else talks to it
 exactly as it would to S3, at the Service's cluster IP.
 
-Two ways to run it:
-- `host_server` + `host_manifests` (the e2e tests, on both node modes): moto as a process
-  of the checkout's venv on the node's address (10.244.0.1, the bridge the pods reach the
-  API server and DNS through), behind a selector-less Service whose EndpointSlice names that
-  address. No image has to carry moto (the product images must not: nothing test-only in
-  them), so it works the same with the node agent and with the real kubelet.
-- `manifests` (the demo): moto as a pod of the project's image. Only the node agent can run
-  it (it maps the image to the checkout's venv, which has moto); it is also the shape a
-  cluster whose host pods cannot reach (kind) would need, with an S3 image of its own.
+Two ways to run it, one command (`_command`) and one readiness check (`_wait_until_up`):
+- `host_server` (the e2e tests) and `start_daemon` (`make demo`, on both node modes): moto as
+  a process of the checkout's venv on the node's address (10.244.0.1, the bridge the pods
+  reach the API server and DNS through), behind a selector-less Service whose EndpointSlice
+  (`host_manifests`) names that address. No image has to carry moto (the product images
+  must not: nothing test-only in them), so it works the same with the node agent and with
+  the real kubelet. `host_server` lives as long as its `with` block; the demo's store is a
+  daemon of the cluster (`DAEMON`), so the pair the demo leaves running keeps its store
+  until `make cluster-down` stops it (or the next `make demo` replaces it).
+Where pods cannot reach the host (kind), the store would have to be a pod of an S3 image of
+its own (the project's images have no moto); not written, as kind has not been run here.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from twinmq.localcluster.layout import GATEWAY_IP
+from twinmq.localcluster import daemons
+from twinmq.localcluster.layout import GATEWAY_IP, Layout
 from twinmq.testing.launcher import free_port
 from twinmq.testing.waiting import accepts, wait_for
 
@@ -33,34 +36,32 @@ CREDENTIALS = {
     "AWS_REGION": "us-east-1",
 }
 """What the server accepts (moto accepts any; these name the demo's)."""
-LABELS = {"app.kubernetes.io/name": "s3"}
-
-
-def manifests(image: str, name: str = "s3") -> list[dict[str, Any]]:
-    """The server's Pod and Service (the pod runs only where `image` has moto: the node
-    agent's mapping of the project image to the checkout's venv)."""
-    return [
-        {
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": LABELS},
-            "spec": {"automountServiceAccountToken": False, "containers": [{
-                "name": "s3", "image": image,
-                "command": ["python", "-m", "moto.server", "-H", "0.0.0.0", "-p", str(PORT)],
-                "ports": [{"name": "s3", "containerPort": PORT}],
-                "readinessProbe": {"tcpSocket": {"port": PORT}, "periodSeconds": 1},
-            }]},
-        },
-        {
-            "apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
-            "spec": {"selector": LABELS,
-                     "ports": [{"name": "s3", "port": PORT, "targetPort": "s3"}]},
-        },
-    ]  # fmt: skip
-
 
 HOST = GATEWAY_IP
-"""Where `host_server` listens: the node's address on the pod bridge (never off the machine)."""
+"""Where `host_server` and `start_daemon` listen: the node's address on the pod bridge
+(never off the machine)."""
 MANAGER = "s3server.twinmq.io"
 """The EndpointSlice's `managed-by`: not the endpoint controller's (it must leave it alone)."""
+
+DAEMON = "s3-store"
+"""The demo's store as a daemon of the cluster (`start_daemon`; `make cluster-down` stops it)."""
+
+
+def _command(port: int) -> list[str]:
+    """moto in server mode on `HOST`:`port`, run by this venv's Python (it has moto)."""
+    return [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)]
+
+
+def _wait_until_up(port: int, exit_code: Callable[[], int | None], log: Path) -> None:
+    """Wait until moto accepts on `port`; fail at once if it exited (`exit_code` not None)."""
+
+    def up() -> bool:
+        code = exit_code()
+        if code is not None:
+            raise RuntimeError(f"moto exited with {code}: see {log}")
+        return accepts(HOST, port)
+
+    wait_for(f"moto on {HOST}:{port}", up, timeout=60)
 
 
 @contextlib.contextmanager
@@ -70,17 +71,10 @@ def host_server(log: Path) -> Iterator[int]:
     port = free_port(HOST)
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            _command(port), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
     try:
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto exited with {proc.returncode}: see {log}")
-            return accepts(HOST, port)
-
-        wait_for(f"moto on {HOST}:{port}", up, timeout=60)
+        _wait_until_up(port, proc.poll, log)
         yield port
     finally:
         proc.terminate()
@@ -89,6 +83,26 @@ def host_server(log: Path) -> Iterator[int]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def start_daemon(layout: Layout) -> int:
+    """(Re)start the store as the cluster's daemon `DAEMON` on a free port of `HOST`, empty
+    (a previous one is stopped: its buckets belonged to the previous demo); return the port.
+    It outlives the caller; `make cluster-down` (`stop_daemon`) stops it."""
+    stop_daemon(layout)
+    port = free_port(HOST)
+    pid = daemons.start(layout, DAEMON, _command(port))
+
+    def exit_code() -> int | None:
+        return None if daemons.read_pid(layout, DAEMON) == pid else 1
+
+    _wait_until_up(port, exit_code, layout.logs / f"{DAEMON}.log")
+    return port
+
+
+def stop_daemon(layout: Layout) -> bool:
+    """Stop the demo's store if it runs; return whether it did."""
+    return daemons.stop(layout, DAEMON, timeout=10)
 
 
 def host_manifests(port: int, name: str = "s3") -> list[dict[str, Any]]:

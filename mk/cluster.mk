@@ -29,8 +29,13 @@ cluster-binaries: $(CLUSTER_DEPS)
 
 TWINMQ_NODE ?=
 export TWINMQ_NODE
-# The real node runs the project's image: build it first (seconds when unchanged).
-CLUSTER_IMAGE := $(if $(filter kubelet,$(TWINMQ_NODE)),image)
+# The node `make cluster` runs (localcluster/layout.py's node_mode(): the same default).
+CLUSTER_NODE := $(or $(TWINMQ_NODE),agent)
+# The real node runs the project's image: build it first (seconds when unchanged). The
+# e2e suite's audit tests and `make demo`'s audit also need the audit image (JRE + PySpark):
+# `make cluster` imports it when it exists.
+CLUSTER_IMAGE := $(if $(filter kubelet,$(CLUSTER_NODE)),image)
+CLUSTER_AUDIT_IMAGE := $(if $(filter kubelet,$(CLUSTER_NODE)),image-audit)
 
 cluster: cluster-binaries $(CLUSTER_IMAGE)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.cluster up
@@ -41,9 +46,9 @@ cluster-down: $(CLUSTER_DEPS)
 cluster-status: $(CLUSTER_DEPS)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.cluster status
 
-e2e: $(CLUSTER_DEPS) $(if $(KUBECONFIG),,cluster-binaries $(CLUSTER_IMAGE))
+e2e: $(CLUSTER_DEPS) $(if $(KUBECONFIG),,cluster-binaries $(CLUSTER_IMAGE) $(CLUSTER_AUDIT_IMAGE))
 	$(CLUSTER_PYTHON) -m pytest localcluster/tests e2e -p no:cacheprovider -m "not slow" $(E2E_ARGS)
 
 # Leaves the cluster running; `make cluster-down` when done.
-cluster-demo: cluster-binaries
+cluster-demo: cluster-binaries $(CLUSTER_IMAGE)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.demo
