@@ -16,11 +16,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
 from twinmq.localcluster import binaries
 from twinmq.localcluster.cluster import ControlPlane, _argv, _http_ok
 from twinmq.localcluster.layout import Layout
 from twinmq.localcluster.pki import ADMIN_USER, admin_token, ensure_pki
 from twinmq.localcluster.pki import kubeconfig as pki_kubeconfig
+from twinmq.operator.crd import crd
+from twinmq.operator.kube import Kube
+from twinmq.operator.models import GROUP, KIND, VERSION
 from twinmq.testing.launcher import free_port
 from twinmq.testing.waiting import wait_for
 
@@ -91,3 +96,18 @@ def running_apiserver(root: Path) -> Iterator[KubeApiServer]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def install_crd(api: Kube) -> None:
+    """Apply the BrokerCluster CRD and wait until the API server serves the kind."""
+    api.apply(crd())
+
+    def established() -> bool:
+        try:
+            api.dynamic.resources.invalidate_cache()
+            api.dynamic.resources.get(api_version=f"{GROUP}/{VERSION}", kind=KIND)
+        except ResourceNotFoundError:
+            return False
+        return True
+
+    wait_for("the CRD established", established, 60)

@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from apiserver import install_crd
 from kubernetes.client.exceptions import ApiException
-from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from twinmq.operator.admission import binding, chart_template, policy
-from twinmq.operator.crd import crd
 from twinmq.operator.kube import Kube
 from twinmq.operator.models import GROUP, KIND, PLURAL, VERSION
 from twinmq.testing.waiting import wait_for
@@ -49,22 +48,12 @@ def read_secret(name: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def admin(kube_apiserver: Any) -> Iterator[Kube]:
     api = Kube(str(kube_apiserver.kubeconfig))
-    api.apply(crd())
+    install_crd(api)
     api.core.create_namespace({"metadata": {"name": NAMESPACE}})
     role(api, "builder", [CREATE_CLUSTERS, CREATE_PODS, read_secret("builder-creds")])
     role(api, "no-pods", [CREATE_CLUSTERS, read_secret("builder-creds")])
     api.apply(policy())
     api.apply(binding())
-
-    def established() -> bool:
-        try:
-            api.dynamic.resources.invalidate_cache()
-            api.dynamic.resources.get(api_version=f"{GROUP}/{VERSION}", kind=KIND)
-        except ResourceNotFoundError:
-            return False
-        return True
-
-    wait_for("the CRD established", established, 60)
     yield api
 
 

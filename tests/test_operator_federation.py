@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import yaml
+from apiserver import install_crd
 from federationsites import site
-from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from twinmq.broker.api import BrokerStatus
 from twinmq.broker.federation.config import load
@@ -23,7 +23,6 @@ from twinmq.operator.builders import (
     build_pod,
     pod_revision,
 )
-from twinmq.operator.crd import crd
 from twinmq.operator.kube import Kube, Refused
 from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec, Federation
 from twinmq.testing.launcher import BrokerProcess
@@ -255,17 +254,8 @@ def test_a_duplicate_server_id_is_refused_with_a_warning_on_both_clusters(
 @pytest.fixture(scope="module")
 def crd_kube(kube_apiserver: Any) -> Kube:
     api = Kube(str(kube_apiserver.kubeconfig))
-    api.apply(crd())
+    install_crd(api)
 
-    def established() -> bool:
-        try:
-            api.dynamic.resources.invalidate_cache()
-            api.dynamic.resources.get(api_version=f"{GROUP}/{VERSION}", kind=KIND)
-        except ResourceNotFoundError:
-            return False
-        return True
-
-    wait_for("the CRD established", established, 60)
     return api
 
 
