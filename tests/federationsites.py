@@ -175,6 +175,16 @@ def channel(broker: BrokerProcess) -> tuple[pika.BlockingConnection, BlockingCha
     return connection, connection.channel()
 
 
+def bind_queue(broker: BrokerProcess, queue: str, exchange: str, key: str) -> None:
+    """Declare the durable `queue` on `broker` and bind it to `exchange` with `key`."""
+    connection, ch = channel(broker)
+    try:
+        ch.queue_declare(queue, durable=True)
+        ch.queue_bind(queue, exchange, key)
+    finally:
+        connection.close()
+
+
 def publish_confirmed(
     broker: BrokerProcess, exchange: str, messages: list[tuple[str, bytes]]
 ) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pika
 import pytest
 from federationsites import (
+    bind_queue,
     channel,
     federated,
     federation_file,
@@ -44,10 +45,7 @@ def test_a_remote_subscriber_receives_what_is_published_centrally_and_only_what_
 ) -> None:
     central, remote = central_and_remote
     wait_running(remote, "market")
-    connection, ch = channel(remote)
-    ch.queue_declare("nyse-watcher", durable=True)
-    ch.queue_bind("nyse-watcher", "market", "stock.nyse.*")
-    connection.close()
+    bind_queue(remote, "nyse-watcher", "market", "stock.nyse.*")
     wait_upstream_bindings(central, LINK_QUEUE, {("market", "stock.nyse.*")})
     publish_confirmed(
         central,
@@ -238,10 +236,7 @@ def test_two_exchanges_federated_both_ways_do_not_bounce_messages_back(tmp_path:
         wait_running(a, "x")
         wait_running(b, "x")
         for broker in (a, b):
-            connection, ch = channel(broker)
-            ch.queue_declare("sink", durable=True)
-            ch.queue_bind("sink", "x", "")
-            connection.close()
+            bind_queue(broker, "sink", "x", "")
         wait_upstream_bindings(a, queue_name("x", "b"), {("x", "")})
         wait_upstream_bindings(b, queue_name("x", "a"), {("x", "")})
         publish_confirmed(a, "x", [("", b"from a")])
@@ -312,10 +307,7 @@ def test_a_message_reaching_a_server_by_two_paths_is_delivered_there_once(
         ch.queue_bind("sink", "t", "price.#")
         ch.queue_bind("sink", "t-via-b", "price.#")
         connection.close()
-        connection, ch = channel(b)
-        ch.queue_declare("b-sink", durable=True)
-        ch.queue_bind("b-sink", "t", "price.#")
-        connection.close()
+        bind_queue(b, "b-sink", "t", "price.#")
         wait_upstream_bindings(a, queue_name("t", "c"), {("t", "price.#")})
         wait_upstream_bindings(b, queue_name("t", "c"), {("t", "price.#")})
         wait_upstream_bindings(a, queue_name("t", "b"), {("t", "price.#")})
@@ -341,10 +333,7 @@ def test_a_message_reaching_a_server_by_two_paths_is_delivered_there_once(
 def watch_everything(central: BrokerProcess, remote: BrokerProcess) -> None:
     """The remote's queue `watcher` bound to every key of `market`, bound upstream too."""
     wait_running(remote, "market")
-    connection, ch = channel(remote)
-    ch.queue_declare("watcher", durable=True)
-    ch.queue_bind("watcher", "market", "#")
-    connection.close()
+    bind_queue(remote, "watcher", "market", "#")
     wait_upstream_bindings(central, LINK_QUEUE, {("market", "#")})
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pika
 import pytest
 from federationsites import (
+    bind_queue,
     channel,
     federated,
     get_all,
@@ -52,10 +53,7 @@ def test_link_cuts_under_traffic_lose_no_confirmed_message_and_deliver_none_twic
         central, remote, proxy = sites.central, sites.remote, sites.proxy
         assert proxy is not None
         wait_running(remote, "orders")
-        connection, ch = channel(remote)
-        ch.queue_declare("inbox", durable=True)
-        ch.queue_bind("inbox", "orders", "order.new")
-        connection.close()
+        bind_queue(remote, "inbox", "orders", "order.new")
         wait_upstream_bindings(central, queue_name("orders", "remote"), {("orders", "order.new")})
         confirmed: list[int] = []
         stop = threading.Event()
@@ -103,10 +101,7 @@ def test_a_redelivery_of_a_message_already_republished_is_dropped_as_a_duplicate
         central, remote, proxy = sites.central, sites.remote, sites.proxy
         assert proxy is not None
         wait_running(remote, "orders")
-        connection, ch = channel(remote)
-        ch.queue_declare("inbox", durable=True)
-        ch.queue_bind("inbox", "orders", "k")
-        connection.close()
+        bind_queue(remote, "inbox", "orders", "k")
         link_queue = queue_name("orders", "remote")
         wait_upstream_bindings(central, link_queue, {("orders", "k")})
         # Partition after the deliveries left central: the remote republishes them, its

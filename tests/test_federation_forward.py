@@ -10,6 +10,7 @@ import pika
 import pika.exceptions
 import pytest
 from federationsites import (
+    bind_queue,
     channel,
     federated,
     get_all,
@@ -32,16 +33,10 @@ def test_messages_published_downstream_reach_the_upstream_exchange_once_and_neve
     with federated(tmp_path, "requests", "direct", forward=True) as sites:
         central, remote = sites.central, sites.remote
         wait_running(remote, "requests")
-        connection, ch = channel(central)
-        ch.queue_declare("service", durable=True)
-        ch.queue_bind("service", "requests", "svc")
-        connection.close()
+        bind_queue(central, "service", "requests", "svc")
         # A local queue downstream wants the same key: the binding goes upstream too, so
         # central routes each forwarded message back down; it is dropped there (a loop).
-        connection, ch = channel(remote)
-        ch.queue_declare("local-audit", durable=True)
-        ch.queue_bind("local-audit", "requests", "svc")
-        connection.close()
+        bind_queue(remote, "local-audit", "requests", "svc")
         wait_upstream_bindings(central, queue_name("requests", "remote"), {("requests", "svc")})
         publish_confirmed(remote, "requests", [("svc", f"r{i}".encode()) for i in range(20)])
         wait_for("twenty on central", lambda: queue_depth(central, "service") == 20)
@@ -72,14 +67,8 @@ def test_forwarding_is_off_unless_the_federation_file_asks_for_it(tmp_path: Path
     with federated(tmp_path, "requests", "direct") as sites:
         central, remote = sites.central, sites.remote
         wait_running(remote, "requests")
-        connection, ch = channel(central)
-        ch.queue_declare("service", durable=True)
-        ch.queue_bind("service", "requests", "svc")
-        connection.close()
-        connection, ch = channel(remote)
-        ch.queue_declare("local", durable=True)
-        ch.queue_bind("local", "requests", "svc")
-        connection.close()
+        bind_queue(central, "service", "requests", "svc")
+        bind_queue(remote, "local", "requests", "svc")
         publish_confirmed(remote, "requests", [("svc", b"stays here")])
         wait_for("the local copy", lambda: queue_depth(remote, "local") == 1)
         assert queue_depth(central, "service") == 0
@@ -156,10 +145,7 @@ def test_a_forward_whose_confirm_is_lost_in_a_link_cut_is_sent_again_and_dropped
         central, remote, proxy = sites.central, sites.remote, sites.proxy
         assert proxy is not None
         wait_running(remote, "requests")
-        connection, ch = channel(central)
-        ch.queue_declare("service", durable=True)
-        ch.queue_bind("service", "requests", "svc")
-        connection.close()
+        bind_queue(central, "service", "requests", "svc")
         proxy.delay(3.0)
         publish_confirmed(remote, "requests", [("svc", str(i).encode()) for i in range(20)])
         wait_for("twenty on central", lambda: queue_depth(central, "service") == 20)
@@ -191,10 +177,7 @@ def test_link_cuts_during_request_response_lose_no_request_or_reply_and_repeat_n
         central, remote, proxy = sites.central, sites.remote, sites.proxy
         assert proxy is not None
         wait_running(remote, "rpc")
-        connection, ch = channel(central)
-        ch.queue_declare("calculator", durable=True)
-        ch.queue_bind("calculator", "rpc", "calculator")
-        connection.close()
+        bind_queue(central, "calculator", "rpc", "calculator")
         connection, ch = channel(remote)
         reply_queue = ch.queue_declare("", durable=True).method.queue
         assert reply_queue.startswith("amq.gen-remote.")
@@ -273,10 +256,7 @@ def test_forwarding_blocked_by_the_upstreams_resource_alarm_does_not_stop_delive
     with federated(tmp_path, "x", "direct", forward=True, prefetch=10) as sites:
         central, remote = sites.central, sites.remote
         wait_running(remote, "x")
-        connection, ch = channel(remote)
-        ch.queue_declare("inbox", durable=True)
-        ch.queue_bind("inbox", "x", "down")
-        connection.close()
+        bind_queue(remote, "inbox", "x", "down")
         wait_upstream_bindings(central, queue_name("x", "remote"), {("x", "down")})
         remote.stop()
         publish_confirmed(central, "x", [("down", str(i).encode()) for i in range(50)])

@@ -10,7 +10,7 @@ import pika
 import pika.exceptions
 import pytest
 from federationsites import (
-    channel,
+    bind_queue,
     federated_pair,
     get_all,
     links,
@@ -30,10 +30,7 @@ def test_the_link_runs_on_the_active_only_and_follows_a_failover(tmp_path: Path)
     with federated_pair(tmp_path, "market", "direct") as (central, pair):
         wait_running(pair.active, "market")
         assert links(pair.passive)["market"]["state"] != "running"
-        connection, ch = channel(pair.active)
-        ch.queue_declare("inbox", durable=True)
-        ch.queue_bind("inbox", "market", "k")
-        connection.close()
+        bind_queue(pair.active, "inbox", "market", "k")
         link_queue = queue_name("market", "remote")
         wait_upstream_bindings(central, link_queue, {("market", "k")})
         publish_confirmed(central, "market", [("k", f"{i}".encode()) for i in range(100)])
@@ -68,10 +65,7 @@ def test_a_failover_of_the_downstream_pair_under_traffic_loses_nothing_and_repea
     total = 600
     with federated_pair(tmp_path, "market", "direct", prefetch=32) as (central, pair):
         wait_running(pair.active, "market")
-        connection, ch = channel(pair.active)
-        ch.queue_declare("inbox", durable=True)
-        ch.queue_bind("inbox", "market", "k")
-        connection.close()
+        bind_queue(pair.active, "inbox", "market", "k")
         link_queue = queue_name("market", "remote")
         wait_upstream_bindings(central, link_queue, {("market", "k")})
         publisher = threading.Thread(
@@ -121,10 +115,7 @@ def test_a_failover_of_the_downstream_pair_while_forwarding_loses_nothing_and_re
         central,
         pair,
     ):
-        connection, ch = channel(central)
-        ch.queue_declare("service", durable=True)
-        ch.queue_bind("service", "requests", "svc")
-        connection.close()
+        bind_queue(central, "service", "requests", "svc")
         wait_running(pair.active, "requests")
         confirmed: list[int] = []
         publisher = threading.Thread(

@@ -6,17 +6,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from federationsites import channel, federated, get_all, links, wait_running
+from federationsites import bind_queue, federated, get_all, links, wait_running
 
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.waiting import wait_for
 
 
 def _watch(broker: BrokerProcess) -> None:
-    connection, ch = channel(broker)
-    ch.queue_declare("peer-watch", durable=True)
-    ch.queue_bind("peer-watch", "amq.peer", "")
-    connection.close()
+    bind_queue(broker, "peer-watch", "amq.peer", "")
 
 
 def _events(broker: BrokerProcess, at_least: int) -> list[dict[str, Any]]:
