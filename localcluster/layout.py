@@ -47,12 +47,14 @@ CGROUP_PARENT = "twinmq"
 """The folder under each cgroup v1 controller that holds everything the kubelet runs."""
 
 NODE_MODES = ("agent", "kubelet")
-"""`agent`: the process-backed node agent (default); `kubelet`: a real kubelet + containerd."""
+"""`kubelet`: a real kubelet + containerd running the project's image (default); `agent`:
+the process-backed node agent, the fallback for machines that cannot run them."""
 
 
 def node_mode() -> str:
-    """Return the node `make cluster` runs: `$TWINMQ_NODE` (`agent` or `kubelet`)."""
-    mode = os.environ.get("TWINMQ_NODE") or "agent"
+    """Return the node `make cluster` runs: `$TWINMQ_NODE` (`kubelet`, the default, or the
+    `agent` fallback)."""
+    mode = os.environ.get("TWINMQ_NODE") or "kubelet"
     if mode not in NODE_MODES:
         raise ValueError(f"TWINMQ_NODE={mode!r}: expected one of {', '.join(NODE_MODES)}")
     return mode

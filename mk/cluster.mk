@@ -1,8 +1,9 @@
 # Local Kubernetes for tests and the demo (issue 3). Included by the top-level Makefile;
 # also usable alone: `make -f mk/cluster.mk cluster`. See docs/local-cluster.md.
 #   make cluster-binaries  build missing binaries into $${TWINMQ_CACHE_DIR:-~/.cache/twinmq}/k8s
-#   make cluster           start (idempotently) etcd, the control plane, the node agent,
-#                          kube-proxy and CoreDNS; kubeconfig in .cluster/kubeconfig
+#   make cluster           start (idempotently) etcd, the control plane, the node (a real
+#                          kubelet + containerd), kube-proxy and CoreDNS; kubeconfig in
+#                          .cluster/kubeconfig
 #   make cluster-down      stop all of it and remove the pods, routes and rules it made
 #   make cluster-status    one line per component
 #   make e2e               unit tests of this tooling, then the e2e suite against $$KUBECONFIG
@@ -10,8 +11,9 @@
 #                          if the suite started it); tests marked `slow` only when asked:
 #                          E2E_ARGS="-m slow -k ..."
 #   make cluster-demo      chart + confirmed traffic through a Service + kill -9 + report
-# TWINMQ_NODE=kubelet: a real kubelet + containerd instead of the node agent (it also builds
-# the kubelet and the image, and installs containerd and runc); see docs/local-cluster.md.
+# The node is a real kubelet + containerd running the project's image (TWINMQ_NODE=kubelet,
+# the default: it also builds the kubelet and the images and installs containerd and runc);
+# TWINMQ_NODE=agent is the fallback, the process-backed node agent (docs/local-cluster.md).
 
 # Inside the top-level Makefile, use its venv (and its install stamp); alone, .venv or python3.
 CLUSTER_PYTHON ?= $(or $(PY),$(if $(wildcard .venv/bin/python),.venv/bin/python,python3))
@@ -30,7 +32,7 @@ cluster-binaries: $(CLUSTER_DEPS)
 TWINMQ_NODE ?=
 export TWINMQ_NODE
 # The node `make cluster` runs (localcluster/layout.py's node_mode(): the same default).
-CLUSTER_NODE := $(or $(TWINMQ_NODE),agent)
+CLUSTER_NODE := $(or $(TWINMQ_NODE),kubelet)
 # The real node runs the project's image: build it first (seconds when unchanged). The
 # e2e suite's audit tests and `make demo`'s audit also need the audit image (JRE + PySpark):
 # `make cluster` imports it when it exists.

@@ -115,13 +115,15 @@ def test_mounts_under_a_folder_are_found_and_a_sibling_prefix_is_not() -> None:
     ]
 
 
-def test_the_node_mode_defaults_to_the_agent_and_rejects_unknown_ones(
+def test_the_node_mode_defaults_to_the_kubelet_and_rejects_unknown_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("TWINMQ_NODE", raising=False)
-    assert node_mode() == "agent"
-    monkeypatch.setenv("TWINMQ_NODE", "kubelet")
     assert node_mode() == "kubelet"
+    monkeypatch.setenv("TWINMQ_NODE", "")
+    assert node_mode() == "kubelet"
+    monkeypatch.setenv("TWINMQ_NODE", "agent")
+    assert node_mode() == "agent"
     monkeypatch.setenv("TWINMQ_NODE", "docker")
     with pytest.raises(ValueError, match="TWINMQ_NODE"):
         node_mode()
