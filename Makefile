@@ -8,7 +8,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.twinmq-installed
 TYPECHECK_VIEW := .cache/typecheck
 
-# Component make files (the local cluster, ...) add targets and TEST_EXTRA_TARGETS.
+# Component make files (the local cluster, ...) add targets and, for `make test`,
+# TEST_SETUP_TARGETS (made before the tests), TEST_BACKGROUND_TARGETS (made while the unit
+# tests run: the images, minutes of downloads and compression that need no test) and
+# TEST_EXTRA_TARGETS (made after them: the e2e suite).
+TEST_SETUP_TARGETS ?=
+TEST_BACKGROUND_TARGETS ?=
 TEST_EXTRA_TARGETS ?=
 SYSTEM_PACKAGES ?=
 -include mk/*.mk
@@ -63,9 +68,19 @@ soak: $(STAMP)
 
 # The local cluster's binaries (helm among them) are built first: the chart tests need helm.
 # Every test but the soak runs (see `make soak`), then the e2e suite (mk/cluster.mk).
-test: lint typecheck system-deps
+test: lint typecheck system-deps $(TEST_SETUP_TARGETS)
 	@if $(MAKE) -n cluster-binaries >/dev/null 2>&1; then $(MAKE) --no-print-directory cluster-binaries; fi
-	$(VENV)/bin/pytest -q -m "not soak" tests
+	@bg=""; background="$(strip $(TEST_BACKGROUND_TARGETS))"; \
+	if [ -n "$$background" ]; then \
+	  mkdir -p .cache; echo "make $$background: in the background while the tests run (log: .cache/test-background.log)"; \
+	  $(MAKE) --no-print-directory $$background >.cache/test-background.log 2>&1 & bg=$$!; \
+	fi; \
+	$(VENV)/bin/pytest -q -m "not soak" tests; rc=$$?; \
+	if [ -n "$$bg" ]; then \
+	  if wait $$bg; then tail -n 3 .cache/test-background.log; \
+	  else cat .cache/test-background.log; echo "make $$background failed"; exit 1; fi; \
+	fi; \
+	exit $$rc
 	@for t in $(TEST_EXTRA_TARGETS); do $(MAKE) --no-print-directory $$t || exit 1; done
 
 # The broker and pair story on loopback, then the Kubernetes story: the local cluster

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import email.parser
+import fcntl
 import hashlib
 import json
 import os
@@ -223,10 +224,24 @@ def source_date_epoch() -> str:
     return out.stdout.strip() or "0"
 
 
+@contextlib.contextmanager
+def exclusive() -> Iterator[None]:
+    """One build at a time per cache: `make test` builds the images in the background while
+    tests/test_image.py asks for the same archive, and both use one buildah store."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def build(target: str, force: bool = False) -> dict[str, Any]:
     """Build (or find up to date) the target's image; a description of it."""
+    with exclusive():
+        return _build(target, force)
+
+
+def _build(target: str, force: bool) -> dict[str, Any]:
     started = time.monotonic()
-    CACHE.mkdir(parents=True, exist_ok=True)
     name, tag = IMAGES[target], version()
     archive = CACHE / f"{name}-{tag}.tar"
     sbom = archive.with_suffix(".cdx.json")

@@ -38,6 +38,10 @@ CLUSTER_NODE := $(or $(TWINMQ_NODE),kubelet)
 # `make cluster` imports it when it exists.
 CLUSTER_IMAGE := $(if $(filter kubelet,$(CLUSTER_NODE)),image)
 CLUSTER_AUDIT_IMAGE := $(if $(filter kubelet,$(CLUSTER_NODE)),image-audit)
+# `make test`: the image tools before the unit tests (tests/test_image.py needs them), the
+# images built while the unit tests run (the e2e suite after them needs both).
+TEST_SETUP_TARGETS += $(if $(CLUSTER_IMAGE),image-tools)
+TEST_BACKGROUND_TARGETS += $(CLUSTER_IMAGE) $(CLUSTER_AUDIT_IMAGE)
 
 cluster: cluster-binaries $(CLUSTER_IMAGE)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.cluster up
