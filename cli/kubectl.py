@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     mirror_status = mirror_sub.add_parser(
         "status", parents=[common], help="each mirrored cluster's DR role and link",
         description="One row per BrokerCluster with spec.mirror: its DR role and epoch now, the "
-        "link's state, the target, the backlog of events not yet acknowledged by the mirror, "
+        "link's state (a bidirectional site's outgoing one; INBOUND: its incoming one), the "
+        "target, the backlog of events not yet acknowledged by the mirror, "
         "the age of the oldest (LAG), the sources linked to a replica, and why a link is "
         "down. With -A, both sites when they run in one Kubernetes cluster.",
     )  # fmt: skip
@@ -337,7 +338,8 @@ COLUMNS = (
     "LAST-FAILOVER", "LAST-AUDIT",
 )  # fmt: skip
 MIRROR_COLUMNS = (
-    "CLUSTER", "DR-ROLE", "STATE", "DR-EPOCH", "TARGET", "BACKLOG", "LAG", "SOURCES", "MESSAGE",
+    "CLUSTER", "DR-ROLE", "STATE", "INBOUND", "DR-EPOCH", "TARGET", "BACKLOG", "LAG", "SOURCES",
+    "MESSAGE",
 )  # fmt: skip
 FEDERATION_COLUMNS = (
     "CLUSTER", "SERVER-ID", "EXCHANGE", "UPSTREAM", "STATE", "BINDINGS", "RECEIVED",
@@ -453,6 +455,9 @@ def mirror_rows(
             *first, str(meta.get("name", "?")),
             str(state.get("role") or mirror.get("role") or "-"),
             str(state.get("state") or "Unknown"),
+            # A bidirectional site's incoming direction (a one-way site's is its STATE).
+            str(state.get("inbound") or ("Unknown" if mirror.get("role") == "bidirectional"
+                                         else "-")),
             str(state.get("epoch", "-")),
             str(target or state.get("target") or "-"),
             str(state.get("queueEvents", "-")),

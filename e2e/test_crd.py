@@ -69,7 +69,14 @@ def test_example_is_accepted_and_defaults_match_the_model(
         ),
         ({"placement": {"antiAffinity": "sometimes"}}, "spec.placement.antiAffinity"),
         ({"podTemplate": {"tolerations": [{"effect": "NoRun"}]}}, "tolerations[0].effect"),
-        ({"mirror": {"role": "source", "secretName": "dr"}}, "a mirror source names its target"),
+        (
+            {"mirror": {"role": "source", "secretName": "dr"}},
+            "a mirror source or bidirectional site names its target",
+        ),
+        (
+            {"mirror": {"role": "bidirectional", "secretName": "dr"}},
+            "a mirror source or bidirectional site names its target",
+        ),
         (
             {"requests": {"mirrorPromote": {"id": "p", "token": "{}", "force": True}}},
             "give the source's demotion token, or force",

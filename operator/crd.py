@@ -131,8 +131,17 @@ def crd() -> dict[str, Any]:
                             "name": "Mirror",
                             "type": "string",
                             "priority": 1,
-                            "description": "The DR mirror: Connected, Disconnected, Listening",
+                            "description": "The DR mirror (a bidirectional site's outgoing "
+                            "direction): Connected, Disconnected, Listening",
                             "jsonPath": ".status.mirror.state",
+                        },
+                        {
+                            "name": "Mirror-In",
+                            "type": "string",
+                            "priority": 1,
+                            "description": "A bidirectional site's incoming direction: "
+                            "Connected, Listening",
+                            "jsonPath": ".status.mirror.inbound",
                         },
                         {
                             "name": "Mirror-Lag",

@@ -4,8 +4,11 @@ Services, and what its status says of the link (docs/mirror.md, "On Kubernetes")
 A source's brokers get `--mirror-to` the target's address (the mirror BrokerCluster's
 virtual-IP Service, which exposes the mirror port: only the mirror's active applies);
 a replica's brokers listen on the mirror port. Both take the link's token from the
-Secret the spec names and identify their site as `<namespace>/<name>`. Only the
-active broker of a pair mirrors or applies; the status is read from its `GET /status`.
+Secret the spec names and identify their site as `<namespace>/<name>`. A bidirectional
+site's brokers run both ends at once (`--mirror-role bidirectional`): two sites naming
+each other, or a ring of three each naming the next; its status shows both directions.
+Only the active broker of a pair mirrors or applies; the status is read from its
+`GET /status`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ SOURCE_STATES: dict[str, MirrorStateName] = {
     "connected": "Connected",
     "needs-resync": "NeedsResync",
     "fenced": "Fenced",
+}
+INBOUND_TEXT: dict[str, str] = {
+    "Connected": "the incoming direction is up: the site before this one is linked",
+    "Listening": "the incoming direction is down: no site is linked to this one",
+    "Unknown": "no active broker has reported the mirror",
 }
 TOKEN_KEY = "mirror-token"
 PORT_NAME = "mirror"
@@ -100,16 +108,19 @@ def state_of(mirror: Mirror | None, seen: MirrorStatus | None) -> MirrorState | 
     if mirror is None:
         return None
     if seen is None:
-        return MirrorState(role=mirror.role)
+        bidi = mirror.role == "bidirectional"
+        return MirrorState(role=mirror.role, inbound="Unknown" if bidi else "")
     role = seen.role or mirror.role  # after a switchover, the site's recorded role
-    state: MirrorStateName
-    if role == "replica":
-        state = "Connected" if seen.sources_connected else "Listening"
-    else:
-        state = SOURCE_STATES.get(seen.state, "Disconnected")
+    linked: Literal["Connected", "Listening"] = (
+        "Connected" if seen.sources_connected else "Listening"
+    )
+    # A bidirectional site runs a source's link: its outgoing direction reads the same.
+    outgoing = SOURCE_STATES.get(seen.state, "Disconnected")
+    state: MirrorStateName = linked if role == "replica" else outgoing
     return MirrorState(
         role=role,
         state=state,
+        inbound=linked if role == "bidirectional" else "",
         epoch=seen.epoch,
         message=seen.needs_resync or seen.link_error or "",
         target=seen.target or "",
@@ -123,9 +134,14 @@ def state_of(mirror: Mirror | None, seen: MirrorStatus | None) -> MirrorState | 
 
 
 def condition(state: MirrorState | None) -> tuple[str, bool, str, str] | None:
-    """The `Mirroring` condition (True while the link is up), None without a mirror."""
+    """The `Mirroring` condition (True while the link is up; a bidirectional site's, while
+    both directions are), None without a mirror."""
     if state is None:
         return None
+    if state.role == "bidirectional" and state.state == "Connected" and state.inbound:
+        if state.inbound != "Connected":
+            return ("Mirroring", False, f"Inbound{state.inbound}", INBOUND_TEXT[state.inbound])
+        return ("Mirroring", True, "Connected", "both directions are up")
     why = state.message or {
         "Connected": f"the {state.role}'s link is up",
         "Listening": "no source is linked to this replica",
@@ -143,6 +159,16 @@ def events(old: MirrorState | None, new: MirrorState | None) -> list[tuple[str, 
         out.append(("Warning", "MirrorOrphans", f"{new.orphans - old.orphans} messages the "
                     f"source does not hold were kept in amq.twinmq.mirror-orphans ("
                     f"{new.orphans} now): read or purge them (docs/mirror.md)"))  # fmt: skip
+    unheard = ("", "Unknown")  # one-way, or nothing heard yet: no Event
+    if (
+        new is not None
+        and old is not None
+        and old.inbound not in unheard
+        and new.inbound not in (*unheard, old.inbound)
+    ):
+        up = new.inbound == "Connected"
+        out.append(("Normal" if up else "Warning", f"MirrorInbound{new.inbound}",
+                    INBOUND_TEXT[new.inbound]))  # fmt: skip
     if new is None or new.state == "Unknown" or (old is not None and old.state == new.state):
         return out
     warning = new.state in ("Disconnected", "NeedsResync", "Fenced")

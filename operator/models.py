@@ -120,29 +120,45 @@ class MirrorTarget(ApiModel):
     port: int = Field(MIRROR_PORT, ge=1, le=65535, description="Its mirror port")
 
 
+MirrorRoleName = Literal["source", "replica", "bidirectional"]
+
+
 class Mirror(ApiModel):
     """This BrokerCluster's half of a DR mirror (docs/mirror.md): a source mirrors every
-    durable change to its target; a replica applies them and is read-only for clients."""
+    durable change to its target; a replica applies them and is read-only for clients; a
+    bidirectional site does both at once and stays writable (two sites naming each other,
+    or a ring of three, each naming the next)."""
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
                 {
-                    "rule": "self.role != 'source' || has(self.target)",
-                    "message": "a mirror source names its target",
+                    "rule": "self.role == 'replica' || has(self.target)",
+                    "message": "a mirror source or bidirectional site names its target",
+                },
+                {
+                    # The broker keeps its first role in its journal (a switchover changes
+                    # it there) and a bidirectional site keeps an id map a one-way site has
+                    # not: editing the spec could not turn a running site into the other
+                    # mode, so the change is refused rather than silently ignored.
+                    "rule": "(self.role == 'bidirectional') == (oldSelf.role == 'bidirectional')",
+                    "message": "spec.mirror.role cannot change to or from bidirectional "
+                    "(delete the mirror, or the cluster, and declare it again)",
                 },
             ]
         }
     )
 
-    role: Literal["source", "replica"] = Field(
+    role: MirrorRoleName = Field(
         description="source: writable, mirrors to `target`; replica: applies what a source "
-        "sends (clients may read, not publish)"
+        "sends (clients may read, not publish); bidirectional: both at once, writable, "
+        "mirrors its own and the applied changes to `target` (no DR switchover)"
     )
     target: MirrorTarget | None = Field(
         None,
-        description="The other site: a source mirrors to it; a replica names its source "
-        "here to be switchable (after a switchover it mirrors back there: failback)",
+        description="The other site: a source or bidirectional site mirrors to it (in a ring "
+        "of three, the next site); a replica names its source here to be switchable (after "
+        "a switchover it mirrors back there: failback)",
     )
     secret_name: str = Field(
         min_length=1,
@@ -806,16 +822,21 @@ MirrorStateName = Literal[
 class MirrorState(ApiModel):
     """The DR mirror as the active broker reports it (`GET /status`, `mirror`)."""
 
-    role: Literal["source", "replica"] = Field(
+    role: MirrorRoleName = Field(
         description="The site's DR role now (a switchover changes it; the spec says the first one)"
     )
     state: MirrorStateName = Field(
         "Unknown",
-        description="A source: Connected once a heartbeat came back over its link, "
-        "NeedsResync once its backlog passed the retention bound, Fenced once a newer site "
-        "took over. A replica: Connected while a source is linked, else Listening. Unknown: "
-        "no active broker answered",
+        description="A source or bidirectional site: its outgoing link, Connected once a "
+        "heartbeat came back over it, NeedsResync once its backlog passed the retention bound, "
+        "Fenced once a newer site took over. A replica: Connected while a source is linked, "
+        "else Listening. Unknown: no active broker answered",
     )
+    inbound: Literal["", "Connected", "Listening", "Unknown"] = Field(
+        "",
+        description="A bidirectional site's incoming direction: Connected while the site "
+        "before it is linked, else Listening (empty for a one-way site: `state` says it)",
+    )  # not None: a merge patch's null would delete the key, and kopf warns at every patch
     epoch: int = Field(0, description="The site's DR epoch (the highest one is writable)")
     message: str = Field("", description="Why the link is not connected, when known")
     target: str = ""

@@ -406,8 +406,20 @@ def test_mirror_status_shows_role_link_backlog_and_lag() -> None:
     assert code == EXIT_OK
     header, row = out.splitlines()
     assert header.split() == list(kubectl.MIRROR_COLUMNS)
-    assert row.split() == ["orders", "source", "Connected", "2", "orders.site-b.svc:5674",
+    assert row.split() == ["orders", "source", "Connected", "-", "2", "orders.site-b.svc:5674",
                            "12", "0.2s", "0"]  # fmt: skip
+
+
+def test_mirror_status_shows_both_directions_of_a_bidirectional_site() -> None:
+    site = mirrored(role="bidirectional", state="Connected", inbound="Listening", epoch=0,
+                    queueEvents=3, lagSeconds=0.1, sourcesConnected=0)  # fmt: skip
+    site["spec"]["mirror"]["role"] = "bidirectional"
+    (row,) = kubectl.mirror_rows([site])
+    assert row[:4] == ("orders", "bidirectional", "Connected", "Listening")
+    unseen = mirrored()
+    unseen["spec"]["mirror"]["role"] = "bidirectional"
+    (row,) = kubectl.mirror_rows([unseen])
+    assert row[:4] == ("orders", "bidirectional", "Unknown", "Unknown")
 
 
 def test_mirror_status_of_a_cluster_not_yet_seen_and_without_a_mirror() -> None:

@@ -7,21 +7,28 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mirrorsites import Sites, mirror_status, publish, queues
+from apiserver import install_crd
+from mirrorsites import Ring, Sites, depth, mirror_status, publish, queues
 from pydantic import ValidationError
 
 from twinmq.broker.api import DemotionToken, MirrorStatus
 from twinmq.broker.names import MIRROR_PORT, setting_env
 from twinmq.broker.settings import BrokerSettings
 from twinmq.operator.builders import ClusterRef, build_pod, build_vip_service
+from twinmq.operator.kube import Kube, Refused
 from twinmq.operator.mirroring import condition, events, state_of, switch_requests
 from twinmq.operator.models import (
+    GROUP,
+    KIND,
+    VERSION,
     BrokerClusterSpec,
     HandledRequests,
     Mirror,
     MirrorState,
     Requests,
 )
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.waiting import wait_for
 
 SOURCE = ClusterRef(name="orders", namespace="site-a", uid="u-1")
 REPLICA = ClusterRef(name="orders", namespace="site-b", uid="u-2")
@@ -142,6 +149,129 @@ def test_the_mirroring_condition_and_events_follow_the_links_state() -> None:
     ((kind, reason, message),) = events(up, orphaned)
     assert (kind, reason) == ("Warning", "MirrorOrphans") and message.startswith("4 messages")
     assert events(orphaned, orphaned) == []
+
+
+# -- bidirectional sites: two, or a ring of three ----------------------------------------------
+
+RING = ["site-a", "site-b", "site-c"]
+
+
+def bidirectional(namespace: str, ring: list[str] = RING) -> BrokerClusterSpec:
+    """The spec of `orders` in `namespace`: bidirectional, mirroring to the next site."""
+    after = ring[(ring.index(namespace) + 1) % len(ring)]
+    return spec({"role": "bidirectional", "secretName": "dr",
+                 "target": {"host": f"orders.{after}.svc"}})  # fmt: skip
+
+
+@pytest.mark.parametrize("ring", [RING[:2], RING], ids=["two-sites", "ring-of-three"])
+def test_bidirectional_sites_run_both_ends_each_mirroring_to_the_next(ring: list[str]) -> None:
+    origins = set()
+    for i, namespace in enumerate(ring):
+        ref = ClusterRef(name="orders", namespace=namespace, uid=f"u-{i}")
+        site = bidirectional(namespace, ring)
+        for broker in ("primary", "backup"):
+            settings = settings_from(env_of(build_pod(ref, site, broker)))  # type: ignore[arg-type]
+            after = ring[(i + 1) % len(ring)]
+            assert (settings.mirror_role, settings.mirror_to, settings.mirror_port) == (
+                "bidirectional", f"orders.{after}.svc:{MIRROR_PORT}", MIRROR_PORT,
+            )  # fmt: skip
+            assert settings.mirror_first_role == "bidirectional"
+            origins.add(settings.mirror_id)
+        ports = build_vip_service(ref, site.mirror)["spec"]["ports"]
+        assert {"name": "mirror", "port": MIRROR_PORT, "targetPort": "mirror"} in ports
+    # One origin per site (both brokers of a pair share it), distinct across the ring.
+    assert origins == {f"{namespace}/orders" for namespace in ring}
+
+
+def test_a_bidirectional_sites_status_shows_both_directions_from_real_brokers(
+    tmp_path: Path,
+) -> None:
+    """A ring of three real bidirectional sites, read as the operator reads them: each
+    site's outgoing link and incoming one are Connected; a site stopped shows on the next
+    site as its incoming direction Listening (condition False, a Warning Event), and on
+    the site before it as its outgoing link Disconnected."""
+    mirrors = {name: bidirectional(name).mirror for name in RING}
+
+    def state(site: BrokerProcess) -> MirrorState:
+        seen = mirror_status(site)
+        got = state_of(mirrors[site.name], MirrorStatus.model_validate(seen) if seen else None)
+        assert got is not None
+        return got
+
+    assert state_of(mirrors["site-a"], None) == MirrorState(role="bidirectional",
+                                                             inbound="Unknown")  # fmt: skip
+    with Ring(tmp_path, 3) as ring:
+        a, b, c = ring.sites
+        wait_for("every site linked both ways",
+                 lambda: all(state(s).inbound == "Connected" for s in ring.sites))  # fmt: skip
+        up = {s.name: state(s) for s in ring.sites}
+        for seen in up.values():
+            assert (seen.role, seen.state, seen.inbound) == (
+                "bidirectional", "Connected", "Connected",
+            )  # fmt: skip
+            assert condition(seen) == ("Mirroring", True, "Connected", "both directions are up")
+        publish(a, "orders", [b"from-a"])
+        ring.caught_up()
+        assert depth(c, "orders") == 1  # A -> B -> C: the ring passes it on
+        b.stop()
+        wait_for("site-c's incoming direction down", lambda: state(c).inbound == "Listening")
+        wait_for("site-a's link down", lambda: state(a).state == "Disconnected")
+        lost = state(c)
+        assert condition(lost)[:3] == ("Mirroring", False, "InboundListening")  # type: ignore[index]
+        assert [e[:2] for e in events(up["site-c"], lost)] == [
+            ("Warning", "MirrorInboundListening")
+        ]
+        assert [e[:2] for e in events(up["site-a"], state(a))] == [
+            ("Warning", "MirrorDisconnected")
+        ]
+        assert [e[:2] for e in events(lost, up["site-c"])] == [("Normal", "MirrorInboundConnected")]
+
+
+def test_a_declared_switchover_of_a_bidirectional_site_is_refused_once(tmp_path: Path) -> None:
+    with Ring(tmp_path, 2) as ring:
+        handled, seen = HandledRequests(), MirrorState(role="bidirectional")
+        ((kind, reason, message),) = handle(
+            {"mirrorDemote": {"id": "d-1"}}, handled, seen, ring.sites[0]
+        )
+        assert (kind, reason, handled.mirror_demote) == ("Warning", "MirrorDemoteRefused", "d-1")
+        assert "bidirectional" in message
+        publish(ring.sites[0], "orders", [b"still-writable"])
+
+
+# -- the CRD's rules on a real API server ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def crd_kube(kube_apiserver: Any) -> Kube:
+    api = Kube(str(kube_apiserver.kubeconfig))
+    install_crd(api)
+    return api
+
+
+def apply_mirror(api: Kube, name: str, mirror: dict[str, Any]) -> None:
+    api.apply({
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+        "metadata": {"name": name, "namespace": "default"}, "spec": {"mirror": mirror},
+    })  # fmt: skip
+
+
+def test_the_crd_refuses_a_bidirectional_site_without_target_and_a_change_of_mode(
+    crd_kube: Kube,
+) -> None:
+    with pytest.raises(Refused) as refused:
+        apply_mirror(crd_kube, "no-target", {"role": "bidirectional", "secretName": "dr"})
+    assert "a mirror source or bidirectional site names its target" in str(refused.value)
+    both = {"role": "bidirectional", "secretName": "dr", "target": TARGET}
+    apply_mirror(crd_kube, "both-ways", both)
+    with pytest.raises(Refused) as refused:
+        apply_mirror(crd_kube, "both-ways", {**both, "role": "source"})
+    assert "cannot change to or from bidirectional" in str(refused.value)
+    one_way = {"role": "replica", "secretName": "dr", "target": TARGET}
+    apply_mirror(crd_kube, "one-way", one_way)
+    with pytest.raises(Refused):
+        apply_mirror(crd_kube, "one-way", {**one_way, "role": "bidirectional"})
+    apply_mirror(crd_kube, "one-way", {**one_way, "role": "source"})  # a one-way edit passes
+    apply_mirror(crd_kube, "both-ways", {**both, "maxLagSeconds": 5})  # so does any other
 
 
 # -- declarative DR switchover, against real brokers -----------------------------------------
