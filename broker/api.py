@@ -272,6 +272,18 @@ class FederationBinding(BaseModel):
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
+class StateReplicationStatus(BaseModel):
+    """`amq.twinmq.state`: this server's definitions published to subscribers."""
+
+    seq: int = Field(description="Change counter: the last `changes` message's seq")
+    subscribers: int = Field(description="Queues bound to amq.twinmq.state now")
+    full_states_sent: int = Field(description="Full states sent to new subscribers (since start)")
+    changes_published: int = Field(description="`changes` messages published (since start)")
+    exchanges: int = Field(description="Exchanges in the state (built-in ones left out)")
+    queues: int = Field(description="Queues in the state (internal amq.twinmq.* left out)")
+    bindings: int = Field(description="Bindings in the state")
+
+
 class FederationStatus(BaseModel):
     """Federation as this broker sees it: as a downstream (links) and as an upstream."""
 
@@ -289,6 +301,15 @@ class FederationStatus(BaseModel):
     )
     forwarded_dropped: int = Field(
         0, description="Messages downstreams forwarded here, dropped as duplicates or loops"
+    )
+    global_keys_bound: int = Field(
+        0, description="Temporary queues bound to global-keys exchanges automatically"
+    )
+    reply_to_rewritten: int = Field(
+        0, description="Published messages whose reply-to was made a global key"
+    )
+    state: StateReplicationStatus | None = Field(
+        None, description="State replication (amq.twinmq.state)"
     )
 
 

@@ -12,7 +12,12 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from twinmq.broker.api import FederationBinding, FederationLinkStatus, FederationStatus
+from twinmq.broker.api import (
+    FederationBinding,
+    FederationLinkStatus,
+    FederationStatus,
+    StateReplicationStatus,
+)
 from twinmq.broker.codec import ContentHeaderInfo, decode_headers
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.federation import metrics
@@ -21,8 +26,10 @@ from twinmq.broker.federation.agent import QUEUE_PREFIX, FederationLink, queue_n
 from twinmq.broker.federation.config import FederationConfig
 from twinmq.broker.federation.dedup import QUEUE_NAME as DEDUP_QUEUE
 from twinmq.broker.federation.dedup import DurableKeys
+from twinmq.broker.federation.globalkeys import GlobalKeys
 from twinmq.broker.federation.headers import forwarded
 from twinmq.broker.federation.identity import duplicate_refusal
+from twinmq.broker.federation.state import StatePublisher
 from twinmq.broker.fieldtable import to_python
 from twinmq.broker.mirror.durable import BatchFutures
 from twinmq.broker.routing import Exchange
@@ -46,6 +53,7 @@ class Federation:
         committer: GroupCommitter,
         alarm: Callable[[], str | None],
         state_dir: Path,
+        epoch: Callable[[], int] = lambda: 0,
     ) -> None:
         self.server_id = server_id
         self.vhost = vhost
@@ -63,6 +71,23 @@ class Federation:
         self.batches = batches = BatchFutures()
         committer.await_durable(batches)
         vhost.reply_router = self.reply_queues
+        # Every server publishes its definitions (state replication), links or not.
+        self.state = StatePublisher(server_id, vhost, epoch)
+        self._link_queues: list[str] | None = None
+        vhost.definition_listeners.append(self._forget_link_queues)
+        global_exchanges = [] if config is None else [
+            fed.exchange for fed in config.exchanges if fed.global_keys
+        ]  # fmt: skip
+        self.global_keys = GlobalKeys(
+            server_id,
+            config.global_key_separator if config is not None else ".",
+            vhost,
+            global_exchanges,
+        )
+        if global_exchanges:
+            vhost.queue_listeners.append(self.global_keys.queue_declared)
+            for exchange in global_exchanges:
+                vhost.reply_to_rewriters[exchange] = self.global_keys.rewrite
         if config is None or not config.exchanges:
             return
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -155,24 +180,43 @@ class Federation:
             link.bindings_changed()
 
     def reply_queues(self, routing_key: str) -> list[str]:
-        """Upstream side: where a publish on the default exchange goes when `routing_key`
-        names another server's temporary queue (`amq.gen-<server id>.<token>`) and no
-        queue here has that name: the link queue of that server that holds a binding
-        with this key (the requester bound its reply queue to a federated exchange under
-        its own name), so a service replies as to any RabbitMQ reply-to. One link queue
-        at most (the first federated exchange with the binding): one reply, one copy."""
-        if not routing_key.startswith(SERVER_NAMED_PREFIX):
-            return []
-        server, dot, _token = routing_key[len(SERVER_NAMED_PREFIX) :].rpartition(".")
-        if not dot or not server or server == self.server_id:
+        """Where a publish on the default exchange goes when no queue here is named
+        `routing_key` and the key is a global key (docs/federation.md, "Global routing
+        keys"): with this server's prefix, the temporary queue here it names; naming
+        another server's temporary queue (`amq.gen-<server id><sep><token>`, or
+        `<server id><sep><name>`), the link queue of that server that holds a binding with
+        this key (the requester's queue bound to a federated exchange under it, by hand
+        or by `global-keys`), so a service replies as to any RabbitMQ reply-to. One link
+        queue at most (the first exchange with the binding): one reply, one copy."""
+        local = self.global_keys.local_queue(routing_key)
+        if local is not None:
+            return [local]
+        key = routing_key.removeprefix(SERVER_NAMED_PREFIX)
+        if self._link_queues is None:
+            # Rebuilt after any definition change: this path is every unroutable
+            # default-exchange publish, not worth a scan of every queue each time.
+            self._link_queues = [q for q in self.vhost.queues if q.startswith(QUEUE_PREFIX)]
+        if not self._link_queues:
             return []
         for exchange in self.vhost.exchanges.values():
             if not exchange.name:
                 continue
-            queue = queue_name(exchange.name, server)
-            if queue in self.vhost.queues and (queue, routing_key, "[]") in exchange.bindings:
-                return [queue]
+            prefix = queue_name(exchange.name, "")
+            for queue in self._link_queues:
+                if not queue.startswith(prefix):
+                    continue
+                server = queue[len(prefix) :]
+                if (
+                    server
+                    and server != self.server_id
+                    and key.startswith(server)
+                    and (queue, routing_key, "[]") in exchange.bindings
+                ):
+                    return [queue]
         return []
+
+    def _forget_link_queues(self) -> None:
+        self._link_queues = None
 
     def peer_refusal(self, peer: str, announced: object) -> str | None:
         """Upstream side: why a connecting peer is refused (its identifier is ours), or None;
@@ -254,4 +298,15 @@ class Federation:
             federation_queues=held,
             forwarded_received=self.forwarded_received,
             forwarded_dropped=self.forwarded_dropped,
+            global_keys_bound=self.global_keys.bound,
+            reply_to_rewritten=self.global_keys.rewritten,
+            state=StateReplicationStatus(
+                seq=self.state.seq,
+                subscribers=self.state.subscribers,
+                full_states_sent=self.state.full_states,
+                changes_published=self.state.changes,
+                exchanges=len(self.state.last.exchanges),
+                queues=len(self.state.last.queues),
+                bindings=len(self.state.last.bindings),
+            ),
         )
