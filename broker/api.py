@@ -230,6 +230,21 @@ class MirrorStatus(BaseModel):
     held_acks: int = Field(0, description="Settles held for messages not (yet) here")
 
 
+class PeerStateStatus(BaseModel):
+    """A peer's definitions as a link holds them (from its `amq.twinmq.state`)."""
+
+    server_id: str | None = Field(None, description="The peer that sent them")
+    epoch: int = Field(0, description="The peer's epoch")
+    seq: int = Field(0, description="The peer's change counter, as of the last message applied")
+    exchanges: int = 0
+    queues: int = 0
+    bindings: int = 0
+    link_queue_bindings: list[str] = Field(
+        default_factory=list,
+        description="Routing keys the link's own queue is bound with there, as the peer says",
+    )
+
+
 class FederationLinkStatus(BaseModel):
     """One federated exchange's link to its upstream (docs/federation.md)."""
 
@@ -261,6 +276,14 @@ class FederationLinkStatus(BaseModel):
     )
     forward_loops_dropped: int = Field(
         0, description="Not forwarded: the upstream already on their path, or past max-hops"
+    )
+    upstream_state: PeerStateStatus | None = Field(
+        None, description="The upstream's definitions (state replication; None: not subscribed)"
+    )
+    stale_unbound: int = Field(
+        0,
+        description="Upstream bindings of the link's queue removed at a resync because the "
+        "upstream's state showed them and nothing here wants them (not in the local record)",
     )
 
 

@@ -5,10 +5,20 @@ subscribes again and a new full state leaves nothing stale. Real brokers, pika."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pika
-from federationsites import channel, site
+from federationsites import (
+    bind_queue,
+    channel,
+    federated,
+    links,
+    site,
+    wait_running,
+    wait_upstream_bindings,
+)
 
+from twinmq.broker.federation.agent import queue_name
 from twinmq.broker.federation.state import STATE_EXCHANGE, StateMessage, StateView
 from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.launcher import BrokerProcess
@@ -153,3 +163,73 @@ def test_a_subscriber_cut_off_or_outliving_a_restart_gets_a_full_state_with_noth
     finally:
         proxy.close()
         broker.stop()
+
+
+def _peer_state(remote: BrokerProcess) -> dict[str, Any]:
+    return links(remote)["market"]["upstream_state"] or {}
+
+
+def _central_state(central: BrokerProcess) -> dict[str, Any]:
+    data = status(central)
+    assert data is not None
+    state: dict[str, Any] = data["federation"]["state"]
+    return state
+
+
+def test_a_link_holds_its_upstreams_state_and_its_resync_removes_a_binding_only_the_state_shows(
+    tmp_path: Path,
+) -> None:
+    """The federation link subscribes to its upstream's state at each session: its view
+    follows the upstream's changes, and after a cut (or the upstream's restart) a new full
+    state replaces it. The resync uses it: a binding of the link's queue upstream that
+    the local record does not know (as a pair's old active leaves one) is removed."""
+    with federated(tmp_path, "market", "topic", proxied=True) as sites:
+        central, remote, proxy = sites.central, sites.remote, sites.proxy
+        assert proxy is not None
+        wait_running(remote, "market")
+        bind_queue(remote, "eu", "market", "eu.#")
+        link_queue = queue_name("market", "remote")
+        wait_for("the view", lambda: _peer_state(remote).get("link_queue_bindings") == ["eu.#"])
+        assert _peer_state(remote)["server_id"] == "central"
+        # A binding of the link's queue made behind the link's back: in the view at once.
+        connection, ch = channel(central)
+        try:
+            ch.queue_bind(link_queue, "market", "stale.*")
+            ch.queue_declare("gone-while-cut", durable=True)
+        finally:
+            connection.close()
+        wait_for(
+            "the change in the view",
+            lambda: _peer_state(remote).get("link_queue_bindings") == ["eu.#", "stale.*"],
+        )
+        proxy.cut()
+        wait_for("the link down", lambda: links(remote)["market"]["state"] != "running")
+        connection, ch = channel(central)
+        try:
+            ch.queue_delete("gone-while-cut")
+            ch.queue_declare("made-while-cut", durable=True)
+        finally:
+            connection.close()
+        proxy.heal()
+        wait_running(remote, "market")
+        wait_upstream_bindings(central, link_queue, {("market", "eu.#")})
+        assert links(remote)["market"]["stale_unbound"] == 1
+        wait_for(
+            "the view equal to central's state",
+            lambda: (
+                _peer_state(remote).get("link_queue_bindings") == ["eu.#"]
+                and _peer_state(remote)["queues"] == _central_state(central)["queues"]
+            ),
+        )
+        # The upstream restarted: the next session's view is a new full state from it.
+        central.stop()
+        central.start()
+        wait_running(remote, "market")
+        wait_for(
+            "a full state from the restarted upstream",
+            lambda: (
+                _central_state(central)["full_states_sent"] == 1
+                and _peer_state(remote)["link_queue_bindings"] == ["eu.#"]
+                and _peer_state(remote)["queues"] == _central_state(central)["queues"]
+            ),
+        )

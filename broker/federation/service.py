@@ -16,6 +16,7 @@ from twinmq.broker.api import (
     FederationBinding,
     FederationLinkStatus,
     FederationStatus,
+    PeerStateStatus,
     StateReplicationStatus,
 )
 from twinmq.broker.codec import ContentHeaderInfo, decode_headers
@@ -272,6 +273,8 @@ class Federation:
                     messages_forwarded=link.forwarded,
                     forward_pending=link.forward_pending,
                     forward_loops_dropped=link.forward_loops,
+                    upstream_state=_peer_state(link),
+                    stale_unbound=link.stale_unbound,
                 )
             )
         held: dict[str, list[FederationBinding]] = {}
@@ -310,3 +313,18 @@ class Federation:
                 bindings=len(self.state.last.bindings),
             ),
         )
+
+
+def _peer_state(link: FederationLink) -> PeerStateStatus | None:
+    view = link.upstream_state
+    if view is None or view.state is None:
+        return None
+    return PeerStateStatus(
+        server_id=view.server_id,
+        epoch=view.epoch,
+        seq=view.seq,
+        exchanges=len(view.state.exchanges),
+        queues=len(view.state.queues),
+        bindings=len(view.state.bindings),
+        link_queue_bindings=sorted(b.routing_key for b in link.held_upstream()),
+    )
