@@ -137,6 +137,11 @@ class FederationConfig(_Model):
     dedup_window: int = Field(
         100_000, ge=1, description="(origin, sequence) keys remembered (one window per server)"
     )
+    status_interval_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="A link-status message per link on amq.peer this often (0: none)",
+    )
     global_key_separator: str = Field(
         ".",
         min_length=1,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +75,9 @@ class Federation:
         vhost.reply_router = self.reply_queues
         # Every server publishes its definitions (state replication), links or not.
         self.state = StatePublisher(server_id, vhost, epoch)
+        self.epoch = epoch
+        self.status_interval = config.status_interval_seconds if config is not None else 0.0
+        self._status_task: asyncio.Task[None] | None = None
         self._link_queues: list[str] | None = None
         vhost.definition_listeners.append(self._forget_link_queues)
         global_exchanges = [] if config is None else [
@@ -117,13 +121,44 @@ class Federation:
                 )  # fmt: skip
             link.open_outbox()
             link.start()
+        if self.links and self.status_interval > 0:
+            self._status_task = asyncio.get_running_loop().create_task(
+                self._periodic_status(), name="twinmq-federation-status"
+            )
 
     async def stop(self) -> None:
         """Stop the links (demotion, shutdown)."""
         self.running = False
+        if self._status_task is not None:
+            self._status_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._status_task
+            self._status_task = None
         for link in self.links.values():
             link.close_outbox()
             await link.stop()
+
+    async def _periodic_status(self) -> None:
+        """A `link-status` on amq.peer per running link, every `status-interval-seconds`:
+        its lag and counts while nothing happens, and the epochs of both sides."""
+        while True:
+            await asyncio.sleep(self.status_interval)
+            for link in self.links.values():
+                if link.state != "running":
+                    continue
+                view = link.upstream_state
+                peer_status.publish(
+                    self.vhost,
+                    peer_status.PeerEvent(
+                        event="link-status", server_id=self.server_id, peer=link.upstream_id,
+                        link=link.fed.exchange, upstream=link.upstream_name,
+                        forward_pending=link.forward_pending, messages_received=link.received,
+                        messages_forwarded=link.forwarded, epoch=self.epoch(),
+                        peer_epoch=view.epoch if view is not None and view.state else None,
+                        upstream_state_seq=view.seq if view is not None and view.state else None,
+                        time=peer_status.now(),
+                    ),
+                )  # fmt: skip
 
     def _load_keys(self) -> None:
         if not self._keys_loaded:
