@@ -234,6 +234,8 @@ class LinkClient:
         """Declare a server-named exclusive queue (gone with the connection); its name."""
         declare = commands.Queue.Declare(queue="", exclusive=True, auto_delete=True)
         ok = await self.call(declare, commands.Queue.DeclareOk)
+        if not ok.queue:
+            raise LinkClosed("the upstream named no queue for a server-named declare")
         return ok.queue
 
     async def watch(self, queue: str, tag: str, on_delivery: Callable[[Delivery], None]) -> None:
