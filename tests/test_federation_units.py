@@ -23,13 +23,7 @@ from twinmq.broker.federation.headers import (
     stamp_origin,
 )
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, duplicate_refusal
-from twinmq.broker.federation.state import (
-    QueueState,
-    Snapshot,
-    StateMessage,
-    StateView,
-    difference,
-)
+from twinmq.broker.federation.state import Rows, StateMessage, StateView, difference
 from twinmq.testing.rawamqp import PROTOCOL_HEADER, decode_frames, encode
 from twinmq.testing.sansio import Harness
 
@@ -299,18 +293,10 @@ def test_a_state_view_applies_changes_after_its_full_state_only() -> None:
 
 
 def test_a_state_difference_names_what_appeared_changed_and_went() -> None:
-    old = Snapshot(
-        queues={
-            "a": QueueState(name="a", durable=True, exclusive=False, auto_delete=False),
-            "b": QueueState(name="b", durable=True, exclusive=False, auto_delete=False),
-        }
-    )
-    new = Snapshot(
-        queues={
-            "b": QueueState(name="b", durable=False, exclusive=False, auto_delete=False),
-            "c": QueueState(name="c", durable=True, exclusive=False, auto_delete=False),
-        }
-    )
+    durable = (True, False, False, "{}")
+    old = Rows(queues={"a": durable, "b": durable}, bindings={("x", "a", "k", "{}")})
+    new = Rows(queues={"b": (False, False, False, "{}"), "c": durable})
     added, removed = difference(old, new)
-    assert sorted(added.queues) == ["b", "c"] and removed.queues == ["a"]
-    assert difference(new, new)[0] == Snapshot()
+    assert sorted(added.queues) == ["b", "c"] and sorted(removed.queues) == ["a"]
+    assert removed.bindings == {("x", "a", "k", "{}")} and not added.bindings
+    assert not any(difference(new, new))

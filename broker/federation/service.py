@@ -338,15 +338,19 @@ class Federation:
             forwarded_dropped=self.forwarded_dropped,
             global_keys_bound=self.global_keys.bound,
             reply_to_rewritten=self.global_keys.rewritten,
-            state=StateReplicationStatus(
-                seq=self.state.seq,
-                subscribers=self.state.subscribers,
-                full_states_sent=self.state.full_states,
-                changes_published=self.state.changes,
-                exchanges=len(self.state.last.exchanges),
-                queues=len(self.state.last.queues),
-                bindings=len(self.state.last.bindings),
-            ),
+            state=self._state_status(),
+        )
+
+    def _state_status(self) -> StateReplicationStatus:
+        exchanges, queues, bindings = self.state.counts()
+        return StateReplicationStatus(
+            seq=self.state.seq,
+            subscribers=self.state.subscribers,
+            full_states_sent=self.state.full_states,
+            changes_published=self.state.changes,
+            exchanges=exchanges,
+            queues=queues,
+            bindings=bindings,
         )
 
 

@@ -31,6 +31,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 STATE_EXCHANGE: Final = "amq.twinmq.state"
 INTERNAL_QUEUES: Final = "amq.twinmq."
+_BUILTIN: Final = frozenset(name for name, _ in BUILTIN_EXCHANGES)
 
 
 class ExchangeState(BaseModel):
@@ -103,70 +105,115 @@ class StateMessage(BaseModel):
 
 
 class Snapshot(BaseModel):
-    """The definitions as they stand, keyed for comparison."""
+    """Definitions keyed for lookup (a subscriber's view, `StateView`)."""
 
     exchanges: dict[str, ExchangeState] = Field(default_factory=dict)
     queues: dict[str, QueueState] = Field(default_factory=dict)
     bindings: dict[str, BindingState] = Field(default_factory=dict)
 
 
-def _plain(arguments: dict[str, Any]) -> dict[str, Any]:
+# The publisher compares plain tuples, not models: it compares the whole state at every
+# change (coalesced per turn of the event loop), so that has to be cheap.
+ExchangeRow = tuple[str, bool, bool, bool, str]
+"""type, durable, auto-delete, internal, arguments (JSON)"""
+QueueRow = tuple[bool, bool, bool, str]
+"""durable, exclusive, auto-delete, arguments (JSON)"""
+BindingRow = tuple[str, str, str, str]
+"""exchange, queue, routing key, arguments (JSON)"""
+
+
+@dataclass(slots=True)
+class Rows:
+    """This server's definitions as the publisher compares them."""
+
+    exchanges: dict[str, ExchangeRow] = field(default_factory=dict)
+    queues: dict[str, QueueRow] = field(default_factory=dict)
+    bindings: set[BindingRow] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.exchanges or self.queues or self.bindings)
+
+
+def _json(arguments: dict[str, Any]) -> str:
     # Arguments may hold bytes, decimals or timestamps: as JSON sees them (str otherwise).
-    plain: dict[str, Any] = json.loads(json.dumps(arguments, default=str, sort_keys=True))
-    return plain
+    return json.dumps(arguments, default=str, sort_keys=True) if arguments else "{}"
 
 
-def snapshot(vhost: VirtualHost) -> Snapshot:
+def rows(vhost: VirtualHost) -> Rows:
     """This server's definitions now (built-in exchanges and internal queues left out)."""
-    builtin = {name for name, _ in BUILTIN_EXCHANGES}
-    out = Snapshot()
+    out = Rows()
     for exchange in vhost.exchanges.values():
-        if exchange.name in builtin and exchange.name != "":
-            pass
-        elif exchange.name:
+        name = exchange.name
+        if name not in _BUILTIN:
             d = exchange.definition
-            out.exchanges[d.name] = ExchangeState(
-                name=d.name, type=d.type, durable=d.durable, auto_delete=d.auto_delete,
-                internal=d.internal, arguments=_plain(d.arguments),
-            )  # fmt: skip
-        if exchange.name in ("", STATE_EXCHANGE):
+            out.exchanges[name] = (d.type, d.durable, d.auto_delete, d.internal, _json(d.arguments))
+        if name in ("", STATE_EXCHANGE):
             continue  # the default exchange's bindings are implicit; subscriptions are not state
         for binding in exchange.bindings.values():
-            if binding.queue.startswith(INTERNAL_QUEUES):
-                continue
-            state = BindingState(
-                exchange=exchange.name, queue=binding.queue, routing_key=binding.routing_key,
-                arguments=_plain(binding.arguments),
-            )  # fmt: skip
-            out.bindings[state.model_dump_json()] = state
+            if not binding.queue.startswith(INTERNAL_QUEUES):
+                out.bindings.add(
+                    (name, binding.queue, binding.routing_key, _json(binding.arguments))
+                )
     for queue in vhost.queues.values():
-        if queue.name.startswith(INTERNAL_QUEUES):
-            continue
-        q = queue.definition
-        out.queues[q.name] = QueueState(
-            name=q.name, durable=q.durable, exclusive=q.exclusive, auto_delete=q.auto_delete,
-            arguments=_plain(q.arguments),
-        )  # fmt: skip
+        if not queue.name.startswith(INTERNAL_QUEUES):
+            q = queue.definition
+            out.queues[q.name] = (q.durable, q.exclusive, q.auto_delete, _json(q.arguments))
     return out
 
 
-def difference(old: Snapshot, new: Snapshot) -> tuple[Snapshot, Removed]:
-    """What appeared or changed from `old` to `new`, and what went."""
-    added = Snapshot(
-        exchanges={k: v for k, v in new.exchanges.items() if old.exchanges.get(k) != v},
-        queues={k: v for k, v in new.queues.items() if old.queues.get(k) != v},
-        bindings={k: v for k, v in new.bindings.items() if k not in old.bindings},
+def difference(old: Rows, new: Rows) -> tuple[Rows, Rows]:
+    """(what appeared or changed, what went) from `old` to `new`."""
+    added = Rows(
+        {k: v for k, v in new.exchanges.items() if old.exchanges.get(k) != v},
+        {k: v for k, v in new.queues.items() if old.queues.get(k) != v},
+        new.bindings - old.bindings,
     )
-    removed = Removed(
-        exchanges=sorted(k for k in old.exchanges if k not in new.exchanges),
-        queues=sorted(k for k in old.queues if k not in new.queues),
-        bindings=[v for k, v in old.bindings.items() if k not in new.bindings],
+    removed = Rows(
+        {k: v for k, v in old.exchanges.items() if k not in new.exchanges},
+        {k: v for k, v in old.queues.items() if k not in new.queues},
+        old.bindings - new.bindings,
     )
     return added, removed
 
 
+def _exchanges(part: Rows) -> list[ExchangeState]:
+    return [
+        ExchangeState(
+            name=name,
+            type=t,
+            durable=durable,
+            auto_delete=auto_delete,
+            internal=internal,
+            arguments=json.loads(arguments),
+        )
+        for name, (t, durable, auto_delete, internal, arguments) in sorted(part.exchanges.items())
+    ]
+
+
+def _queues(part: Rows) -> list[QueueState]:
+    return [
+        QueueState(
+            name=name,
+            durable=durable,
+            exclusive=exclusive,
+            auto_delete=auto_delete,
+            arguments=json.loads(arguments),
+        )
+        for name, (durable, exclusive, auto_delete, arguments) in sorted(part.queues.items())
+    ]
+
+
+def _bindings(part: Rows) -> list[BindingState]:
+    return [
+        BindingState(exchange=e, queue=q, routing_key=k, arguments=json.loads(a))
+        for e, q, k, a in sorted(part.bindings)
+    ]
+
+
 class StatePublisher:
-    """Publishes this server's definitions on `amq.twinmq.state` (see the module)."""
+    """Publishes this server's definitions on `amq.twinmq.state` (see the module).
+
+    With no subscriber nothing is compared or kept: a change costs one set lookup."""
 
     def __init__(self, server_id: str, vhost: VirtualHost, epoch: Callable[[], int]) -> None:
         self.server_id = server_id
@@ -175,8 +222,9 @@ class StatePublisher:
         self.seq = 0
         self.full_states = 0  # sent (status)
         self.changes = 0  # `changes` messages published (status)
-        self.last = snapshot(vhost)
-        self._subscribers: set[str] = set(self._bound())
+        self._subscribers: set[str] = self._bound()
+        # The state as the subscribers last heard it (None: no subscriber).
+        self.last: Rows | None = rows(vhost) if self._subscribers else None
         self._pending = False
         vhost.definition_listeners.append(self._changed)
         vhost.binding_listeners.append(self._bindings_changed)
@@ -186,6 +234,11 @@ class StatePublisher:
         """Queues bound to `amq.twinmq.state` now."""
         return len(self._subscribers)
 
+    def counts(self) -> tuple[int, int, int]:
+        """(exchanges, queues, bindings) in the state now (status)."""
+        state = self.last if self.last is not None and not self._pending else rows(self.vhost)
+        return len(state.exchanges), len(state.queues), len(state.bindings)
+
     def _bound(self) -> set[str]:
         exchange = self.vhost.exchanges.get(STATE_EXCHANGE)
         if exchange is None:
@@ -193,21 +246,21 @@ class StatePublisher:
         return {binding.queue for binding in exchange.bindings.values()}
 
     def _changed(self) -> None:
-        if not self._pending:
-            # Coalesced: a queue deleted with its bindings is one message, not five.
-            self._pending = True
-            self.vhost.clock.call_later(0, self.flush)
+        if self.last is None or self._pending:
+            return
+        # Coalesced: a queue deleted with its bindings is one message, not five.
+        self._pending = True
+        self.vhost.clock.call_later(0, self.flush)
 
     def flush(self) -> None:
         """Publish what changed since the last message (nothing if nothing did)."""
         self._pending = False
-        current = snapshot(self.vhost)
+        if self.last is None:
+            return  # no subscriber: nothing to tell
+        current = rows(self.vhost)
         added, removed = difference(self.last, current)
         self.last = current
-        if not (
-            added.exchanges or added.queues or added.bindings
-            or removed.exchanges or removed.queues or removed.bindings
-        ):  # fmt: skip
+        if not (added or removed):
             return
         self.seq += 1
         self.changes += 1
@@ -216,8 +269,12 @@ class StatePublisher:
             "changes",
             StateMessage(
                 kind="changes", server_id=self.server_id, epoch=self.epoch(), seq=self.seq,
-                exchanges=list(added.exchanges.values()), queues=list(added.queues.values()),
-                bindings=list(added.bindings.values()), removed=removed, time=time.time(),
+                exchanges=_exchanges(added), queues=_queues(added), bindings=_bindings(added),
+                removed=Removed(
+                    exchanges=sorted(removed.exchanges), queues=sorted(removed.queues),
+                    bindings=_bindings(removed),
+                ),
+                time=time.time(),
             ),
         )  # fmt: skip
 
@@ -227,16 +284,21 @@ class StatePublisher:
         bound = self._bound()
         new = bound - self._subscribers
         self._subscribers = bound
+        if not bound:
+            self.last = None  # nobody listens: stop comparing
+            return
         if not new or self.vhost.replica:
             return
         # Every change before the subscription goes out first (seq <= the full's), then
         # the full state, into the new queue only: one queue, in order.
         self.flush()
+        if self.last is None:
+            self.last = rows(self.vhost)
         state = self.last
         message = StateMessage(
             kind="full", server_id=self.server_id, epoch=self.epoch(), seq=self.seq,
-            exchanges=list(state.exchanges.values()), queues=list(state.queues.values()),
-            bindings=list(state.bindings.values()), time=time.time(),
+            exchanges=_exchanges(state), queues=_queues(state), bindings=_bindings(state),
+            time=time.time(),
         )  # fmt: skip
         for queue in sorted(new):
             self.full_states += 1
