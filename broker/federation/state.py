@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 STATE_EXCHANGE: Final = "amq.twinmq.state"
 INTERNAL_QUEUES: Final = "amq.twinmq."
+COST_FACTOR: Final = 10.0
+"""A comparison of the whole state starts at most once per this many times its last cost."""
 _BUILTIN: Final = frozenset(name for name, _ in BUILTIN_EXCHANGES)
 
 
@@ -226,6 +228,7 @@ class StatePublisher:
         # The state as the subscribers last heard it (None: no subscriber).
         self.last: Rows | None = rows(vhost) if self._subscribers else None
         self._pending = False
+        self._next_flush = 0.0  # time.monotonic() before which no comparison starts
         vhost.definition_listeners.append(self._changed)
         vhost.binding_listeners.append(self._bindings_changed)
 
@@ -248,18 +251,24 @@ class StatePublisher:
     def _changed(self) -> None:
         if self.last is None or self._pending:
             return
-        # Coalesced: a queue deleted with its bindings is one message, not five.
+        # Coalesced: a queue deleted with its bindings is one message, not five; and
+        # the whole state is compared at most once per COST_FACTOR times what the last
+        # comparison took (about 30 ms for 10,000 queues and bindings here: a `changes`
+        # message at most every 0.3 s under churn, the broker's time spent on it bounded).
         self._pending = True
-        self.vhost.clock.call_later(0, self.flush)
+        delay = max(0.0, self._next_flush - time.monotonic())
+        self.vhost.clock.call_later(delay, self.flush)
 
     def flush(self) -> None:
         """Publish what changed since the last message (nothing if nothing did)."""
         self._pending = False
         if self.last is None:
             return  # no subscriber: nothing to tell
+        started = time.monotonic()
         current = rows(self.vhost)
         added, removed = difference(self.last, current)
         self.last = current
+        self._next_flush = started + COST_FACTOR * (time.monotonic() - started)
         if not (added or removed):
             return
         self.seq += 1
