@@ -230,6 +230,21 @@ class MirrorStatus(BaseModel):
     held_acks: int = Field(0, description="Settles held for messages not (yet) here")
 
 
+class PeerStateStatus(BaseModel):
+    """A peer's definitions as a link holds them (from its `amq.twinmq.state`)."""
+
+    server_id: str | None = Field(None, description="The peer that sent them")
+    epoch: int = Field(0, description="The peer's epoch")
+    seq: int = Field(0, description="The peer's change counter, as of the last message applied")
+    exchanges: int = 0
+    queues: int = 0
+    bindings: int = 0
+    link_queue_bindings: list[str] = Field(
+        default_factory=list,
+        description="Routing keys the link's own queue is bound with there, as the peer says",
+    )
+
+
 class FederationLinkStatus(BaseModel):
     """One federated exchange's link to its upstream (docs/federation.md)."""
 
@@ -262,6 +277,14 @@ class FederationLinkStatus(BaseModel):
     forward_loops_dropped: int = Field(
         0, description="Not forwarded: the upstream already on their path, or past max-hops"
     )
+    upstream_state: PeerStateStatus | None = Field(
+        None, description="The upstream's definitions (state replication; None: not subscribed)"
+    )
+    stale_unbound: int = Field(
+        0,
+        description="Upstream bindings of the link's queue removed at a resync because the "
+        "upstream's state showed them and nothing here wants them (not in the local record)",
+    )
 
 
 class FederationBinding(BaseModel):
@@ -270,6 +293,18 @@ class FederationBinding(BaseModel):
     exchange: str
     routing_key: str
     arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class StateReplicationStatus(BaseModel):
+    """`amq.twinmq.state`: this server's definitions published to subscribers."""
+
+    seq: int = Field(description="Change counter: the last `changes` message's seq")
+    subscribers: int = Field(description="Queues bound to amq.twinmq.state now")
+    full_states_sent: int = Field(description="Full states sent to new subscribers (since start)")
+    changes_published: int = Field(description="`changes` messages published (since start)")
+    exchanges: int = Field(description="Exchanges in the state (built-in ones left out)")
+    queues: int = Field(description="Queues in the state (internal amq.twinmq.* left out)")
+    bindings: int = Field(description="Bindings in the state")
 
 
 class FederationStatus(BaseModel):
@@ -289,6 +324,15 @@ class FederationStatus(BaseModel):
     )
     forwarded_dropped: int = Field(
         0, description="Messages downstreams forwarded here, dropped as duplicates or loops"
+    )
+    global_keys_bound: int = Field(
+        0, description="Temporary queues bound to global-keys exchanges automatically"
+    )
+    reply_to_rewritten: int = Field(
+        0, description="Published messages whose reply-to was made a global key"
+    )
+    state: StateReplicationStatus | None = Field(
+        None, description="State replication (amq.twinmq.state)"
     )
 
 

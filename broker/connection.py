@@ -35,7 +35,7 @@ from twinmq.broker.codec import (
     encode_method,
 )
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
-from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
+from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, STATE_PROPERTY
 from twinmq.broker.permissions import Operation, Resource
 from twinmq.broker.routing import Exchange
 from twinmq.broker.vhost import PublishResult, VirtualHost
@@ -351,6 +351,7 @@ class Connection:
                         "information": "https://twinmq.io",
                         "capabilities": SERVER_CAPABILITIES,
                         SERVER_ID_PROPERTY: self.ctx.server_id,
+                        STATE_PROPERTY: "amq.twinmq.state",
                     },
                     mechanisms="PLAIN AMQPLAIN",
                     locales="en_US",

@@ -285,7 +285,8 @@ class Broker:
         )
         if settings.server_id:
             # Server-named queues unique across a federation (global reply-to names).
-            self.vhost.server_named_prefix = f"amq.gen-{settings.server_id}."
+            separator = federation.global_key_separator if federation is not None else "."
+            self.vhost.server_named_prefix = f"amq.gen-{settings.server_id}{separator}"
         if self.role == "active":
             # A batch is streamed to the passive before its own fdatasync: a previous
             # run in this epoch may have handed out mids that never reached this disk
@@ -322,6 +323,7 @@ class Broker:
             self.committer,
             self.alarm,
             settings.data_dir / "federation",
+            lambda: self.epoch,
         )
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[None]] = []

@@ -51,6 +51,8 @@ BUILTIN_EXCHANGES: tuple[tuple[str, ExchangeType], ...] = (
     ("amq.match", "headers"),
     # Peer status messages of federation (broker/federation/peer.py).
     ("amq.peer", "fanout"),
+    # State replication: this server's definitions for subscribers (broker/federation/state.py).
+    ("amq.twinmq.state", "fanout"),
 )
 
 # (class id, method id) of the methods whose failures name them in channel.close.
@@ -152,6 +154,13 @@ class VirtualHost:
         self.forwarding: dict[str, Queue] = {}
         # Told the exchange's name whenever its bindings change (federation propagates them).
         self.binding_listeners: list[Callable[[str], None]] = []
+        # Told whenever an exchange, a queue or a binding appears or goes (state replication).
+        self.definition_listeners: list[Callable[[], None]] = []
+        # Told each queue a client declares (federation binds temporary queues: global keys).
+        self.queue_listeners: list[Callable[[Queue], None]] = []
+        # Federation global keys: a client's publish on exchange X -> its header with
+        # `reply-to` made global (or the header unchanged).
+        self.reply_to_rewriters: dict[str, Callable[[bytes], bytes]] = {}
         self._by_qid: dict[int, Queue] | None = None
         self.dedup = dedup if dedup is not None else DedupWindow(0)
         self.visibility = Visibility(committer.await_durable, clock.time, self.requeue)
@@ -351,6 +360,7 @@ class VirtualHost:
                 f"exchange '{name}' not declared",
                 EXCHANGE_DECLARE,
             )
+        self._definitions_changed()
 
     def delete_exchange(self, name: str, *, if_unused: bool) -> None:
         """`exchange.delete`; deleting a missing exchange succeeds, as in RabbitMQ."""
@@ -378,6 +388,7 @@ class VirtualHost:
                 f"exchange '{name}' not deleted",
                 EXCHANGE_DELETE,
             )
+        self._definitions_changed()
 
     def exchange_for_publish(self, name: str) -> Exchange:
         """The exchange a publish names (404 when missing, 403 when internal)."""
@@ -488,6 +499,9 @@ class VirtualHost:
             self._save_or_undo(undo, f"queue '{name}' not declared", QUEUE_DECLARE)
         self._touch(queue)
         metrics.QUEUES.set(len(self.queues))
+        self._definitions_changed()
+        for listener in self.queue_listeners:
+            listener(queue)
         return queue
 
     def internal_queue(self, name: str, qid: int, *, locked: bool = True) -> Queue:
@@ -502,6 +516,7 @@ class VirtualHost:
             queue = Queue(QueueDef(name=name, qid=qid), None, self._dropped, self.visibility)
             self.queues[name] = queue
             self._save()
+            self._definitions_changed()
         if locked and queue.owner is not _INTERNAL_OWNER:
             queue.owner = _INTERNAL_OWNER
             self.exchanges[""].unbind(BindingDef(exchange="", queue=name, routing_key=name))
@@ -571,6 +586,7 @@ class VirtualHost:
         if queue.durable:
             self.committer.drop_queue(queue.definition.qid)
         metrics.QUEUES.set(len(self.queues))
+        self._definitions_changed()
         return count
 
     def purge_queue(self, name: str, owner: object) -> int:
@@ -627,6 +643,11 @@ class VirtualHost:
     def _bindings_changed(self, exchange: str) -> None:
         for listener in self.binding_listeners:
             listener(exchange)
+        self._definitions_changed()
+
+    def _definitions_changed(self) -> None:
+        for listener in self.definition_listeners:
+            listener()
 
     def connection_closed(self, owner: object) -> None:
         """Delete the exclusive queues of a closed connection."""
@@ -690,6 +711,10 @@ class VirtualHost:
         message published on an exchange in `forwarding` also goes to that exchange's
         federation outbox, unless `forward` is False (it came down a federation link).
         """
+        if forward:
+            rewrite = self.reply_to_rewriters.get(exchange.name)
+            if rewrite is not None:
+                header = rewrite(header)
         message_id = info.message_id
         key = None
         if message_id is not None and self.dedup.size:

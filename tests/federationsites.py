@@ -29,8 +29,10 @@ def federation_file(
     path: Path,
     upstreams: dict[str, str],
     exchanges: list[dict[str, Any]],
+    settings: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a federation file: upstream name -> host:port, and the federated exchanges."""
+    """Write a federation file: upstream name -> host:port, the federated exchanges, and
+    the file's other top-level `settings`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps(
@@ -40,6 +42,7 @@ def federation_file(
                     for name, address in upstreams.items()
                 },
                 "exchanges": exchanges,
+                **(settings or {}),
             }
         )
     )
@@ -78,11 +81,17 @@ class Federated:
 
 @contextmanager
 def federated(
-    tmp: Path, exchange: str, kind: str, *, proxied: bool = False, **options: Any
+    tmp: Path,
+    exchange: str,
+    kind: str,
+    *,
+    proxied: bool = False,
+    settings: dict[str, Any] | None = None,
+    **options: Any,
 ) -> Iterator[Federated]:
     """`central` (upstream) and `remote`, which federates central's `exchange` of type
-    `kind` (with the exchange's other `options`), through a FaultProxy if `proxied`;
-    both stopped at the end."""
+    `kind` (with the exchange's other `options`, and the file's top-level `settings`),
+    through a FaultProxy if `proxied`; both stopped at the end."""
     central = site(tmp, "central")
     central.start()
     proxy = FaultProxy(f"127.0.0.1:{central.port}").start() if proxied else None
@@ -91,6 +100,7 @@ def federated(
             tmp / "remote.json",
             {"central": proxy.address if proxy is not None else f"127.0.0.1:{central.port}"},
             [{"exchange": exchange, "upstream": "central", "type": kind, **options}],
+            settings,
         )
         remote = site(tmp, "remote", federation=config)
         remote.start()

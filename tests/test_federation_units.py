@@ -23,6 +23,7 @@ from twinmq.broker.federation.headers import (
     stamp_origin,
 )
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, duplicate_refusal
+from twinmq.broker.federation.state import Rows, StateMessage, StateView, difference
 from twinmq.testing.rawamqp import PROTOCOL_HEADER, decode_frames, encode
 from twinmq.testing.sansio import Harness
 
@@ -256,3 +257,46 @@ def test_no_two_internal_queues_share_a_qid() -> None:
     assert len(found) >= 7, found  # the mirror's five, the federation's two
     offsets = sorted(found.values())
     assert len(set(offsets)) == len(offsets), found
+
+
+def test_global_keys_on_an_exchange_that_does_not_route_by_key_are_refused(
+    tmp_path: Path,
+) -> None:
+    path = _write(
+        tmp_path,
+        "upstreams:\n  c: {uri: 'amqp://h/'}\n"
+        "exchanges:\n  - {exchange: e, upstream: c, type: fanout, global-keys: true}\n",
+    )
+    with pytest.raises(FederationConfigError, match="global-keys needs a direct or topic"):
+        load(path)
+
+
+def test_a_state_view_applies_changes_after_its_full_state_only() -> None:
+    def message(kind: str, seq: int, **parts: object) -> StateMessage:
+        return StateMessage.model_validate(
+            {"kind": kind, "server_id": "a", "epoch": 3, "seq": seq, "time": 0.0, **parts}
+        )
+
+    queue = {"name": "q", "durable": True, "exclusive": False, "auto_delete": False}
+    view = StateView()
+    # Before any full state, and at or before its seq: already in it, ignored.
+    assert not view.apply(message("changes", 1, queues=[queue]))
+    assert view.apply(message("full", 2, queues=[queue]))
+    assert not view.apply(message("changes", 2, removed={"queues": ["q"]}))
+    assert view.state is not None and set(view.state.queues) == {"q"}
+    assert view.apply(message("changes", 3, removed={"queues": ["q"]}))
+    assert view.state.queues == {}
+    # A new full state replaces everything (nothing stale after a re-subscribe).
+    exchange = {"name": "x", "type": "topic", "durable": True, "auto_delete": False}
+    view.apply(message("full", 1, exchanges=[{**exchange, "internal": False}]))
+    assert (set(view.state.exchanges), view.state.queues) == ({"x"}, {})
+
+
+def test_a_state_difference_names_what_appeared_changed_and_went() -> None:
+    durable = (True, False, False, "{}")
+    old = Rows(queues={"a": durable, "b": durable}, bindings={("x", "a", "k", "{}")})
+    new = Rows(queues={"b": (False, False, False, "{}"), "c": durable})
+    added, removed = difference(old, new)
+    assert sorted(added.queues) == ["b", "c"] and sorted(removed.queues) == ["a"]
+    assert removed.bindings == {("x", "a", "k", "{}")} and not added.bindings
+    assert not any(difference(new, new))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import sys
 import time
@@ -48,8 +49,10 @@ from twinmq.broker.federation.headers import HEADERS_FLAG, PATH, arrival, depart
 from twinmq.broker.federation.identity import (
     DUPLICATE_ID,
     SERVER_ID_PROPERTY,
+    STATE_PROPERTY,
     duplicate_refusal,
 )
+from twinmq.broker.federation.state import STATE_EXCHANGE, StateMessage, StateView
 from twinmq.broker.federation.wire import Delivery, LinkClient, LinkClosed
 from twinmq.broker.journal import JournalOp, StoredMessage
 from twinmq.broker.message import Entry, Message
@@ -68,6 +71,7 @@ OUTBOX_PREFIX: Final = INTERNAL_PREFIX + "federation-out:"
 LinkState = Literal["connecting", "running", "refused"]
 BATCH_MAX = 1024  # deliveries republished per local group commit wait at most
 FIRST_PAUSE = 1.0  # seconds before the first reconnect
+STATE_WAIT = 10.0  # seconds a resync waits for the upstream's full state at most
 
 
 class Batches(Protocol):
@@ -133,6 +137,10 @@ class FederationLink:
         self.held = 0
         self.forwarded = 0
         self.forward_loops = 0
+        # The upstream's definitions (state replication), renewed by each session.
+        self.upstream_state: StateView | None = None
+        self._state_full = asyncio.Event()
+        self.stale_unbound = 0
         self.outbox: Queue | None = None  # set by `open_outbox` (active, `forward` only)
         self._forwarder: Forwarder | None = None
         self._dirty = asyncio.Event()
@@ -281,6 +289,8 @@ class FederationLink:
             self.upstream_id = peer
             await connection.exchange_declare(self.fed.source_exchange, self._kind())
             await connection.queue_declare(self.queue)
+            if _text(connection.server_properties.get(STATE_PROPERTY)) == STATE_EXCHANGE:
+                await self._subscribe_state(connection)
             await self._sync(connection, full=True)
             await connection.basic_qos(self.fed.prefetch)
             forwarder = None
@@ -355,6 +365,49 @@ class FederationLink:
                 self._set_state("connecting", _describe(ending) if ending else self.error)
         return ran
 
+    async def _subscribe_state(self, connection: LinkClient) -> None:
+        """Subscribe to the upstream's definitions and wait (bounded) for the full state:
+        the resync then also unbinds what the upstream says our queue holds and nothing
+        here wants (a binding made by a pair's old active, whose record is not here)."""
+        self.upstream_state = StateView()
+        self._state_full.clear()
+        queue = await connection.declare_private_queue()
+        await connection.watch(queue, "state", self._state_message)
+        await connection.queue_bind(queue, STATE_EXCHANGE, "", None)
+        try:
+            async with asyncio.timeout(STATE_WAIT):
+                await self._state_full.wait()
+        except TimeoutError:
+            log.warning(
+                "federation %s: no full state from the upstream in %.0f s; resync from the "
+                "local record only", self.fed.exchange, STATE_WAIT,
+            )  # fmt: skip
+
+    def _state_message(self, delivery: Delivery) -> None:
+        view = self.upstream_state
+        if view is None:
+            return
+        try:
+            message = StateMessage.model_validate_json(delivery.body)
+        except ValueError as exc:  # news only: a bad one is skipped, the link goes on
+            log.warning("federation %s: unreadable state message: %s", self.fed.exchange, exc)
+            return
+        view.apply(message)
+        if message.kind == "full":
+            self._state_full.set()
+
+    def held_upstream(self) -> set[fb.UpstreamBinding]:
+        """The bindings of the link's queue upstream, as the upstream's state says."""
+        view = self.upstream_state
+        if view is None or view.state is None:
+            return set()
+        source = self.fed.source_exchange
+        return {
+            fb.UpstreamBinding(b.routing_key, json.dumps(b.arguments, sort_keys=True, default=str))
+            for b in view.state.bindings.values()
+            if b.queue == self.queue and b.exchange == source
+        }
+
     def _kind(self) -> str:
         exchange = self.vhost.exchanges.get(self.fed.exchange)
         return exchange.type if exchange is not None else self.fed.type
@@ -366,11 +419,12 @@ class FederationLink:
         exchange = self.vhost.exchanges.get(self.fed.exchange)
         references = fb.needed(self._kind(), exchange.bindings.values() if exchange else [])
         wanted = set(references)
-        changes = (
-            fb.resync(self._maybe_held | self.bound, wanted)
-            if full
-            else fb.changes(self.bound, wanted)
-        )
+        if full:
+            seen = self.held_upstream()
+            self.stale_unbound += len(seen - wanted - self._maybe_held - self.bound)
+            changes = fb.resync(self._maybe_held | self.bound | seen, wanted)
+        else:
+            changes = fb.changes(self.bound, wanted)
         self.references = references
         if not changes and not full:
             return

@@ -106,6 +106,23 @@ class FederatedExchange(_Model):
         "unconfirmed forwards too",
     )
 
+    global_keys: bool = Field(
+        False,
+        description="Global routing keys for request-response: this server's temporary "
+        "queues are bound to the exchange under their global key (<server id><sep><name>; "
+        "a server-named queue's own name) and a `reply-to` naming one, on a message a client "
+        "publishes here, is made global; direct and topic exchanges",
+    )
+
+    @model_validator(mode="after")
+    def _global_keys_routable(self) -> FederatedExchange:
+        if self.global_keys and self.type not in ("direct", "topic"):
+            raise ValueError(
+                f"exchange {self.exchange!r}: global-keys needs a direct or topic exchange "
+                f"(a {self.type} exchange does not route by the routing key)"
+            )
+        return self
+
     @property
     def source_exchange(self) -> str:
         """The exchange on the upstream."""
@@ -119,6 +136,19 @@ class FederationConfig(_Model):
     exchanges: list[FederatedExchange] = Field(default_factory=list)
     dedup_window: int = Field(
         100_000, ge=1, description="(origin, sequence) keys remembered (one window per server)"
+    )
+    status_interval_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="A link-status message per link on amq.peer this often (0: none)",
+    )
+    global_key_separator: str = Field(
+        ".",
+        min_length=1,
+        max_length=8,
+        pattern=r"^[A-Za-z0-9\-_.:]+$",
+        description="Between the server id and the local name in a global routing key "
+        "(and in server-named queues, amq.gen-<server id><sep><token>)",
     )
 
     @model_validator(mode="after")

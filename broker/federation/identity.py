@@ -13,6 +13,10 @@ from __future__ import annotations
 SERVER_ID_PROPERTY = "x-twinmq-server-id"
 """The handshake property naming the sender's server identifier."""
 
+STATE_PROPERTY = "x-twinmq-state-exchange"
+"""The upstream's server-property naming its state replication exchange (absent on a
+version without one: a link subscribes only where it is announced)."""
+
 DUPLICATE_ID = "duplicate server id"
 """The words every refusal of a duplicate identifier contains (both sides match on them)."""
 

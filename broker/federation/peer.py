@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 PEER_EXCHANGE: Final = "amq.peer"
 
 PeerEventName = Literal[
-    "link-up", "link-down", "link-refused", "peer-connected", "peer-disconnected"
+    "link-up", "link-down", "link-refused", "link-status", "peer-connected", "peer-disconnected"
 ]
 
 
@@ -35,8 +35,9 @@ class PeerEvent(BaseModel):
     """One peer status message (the body of a message on `amq.peer`, as JSON)."""
 
     event: PeerEventName = Field(
-        description="link-*: a link of this server (downstream side); peer-*: a federation "
-        "peer's connection here (upstream side; connected: its handshake accepted)"
+        description="link-*: a link of this server (downstream side; link-status: periodic, "
+        "while it runs); peer-*: a federation peer's connection here (upstream side; "
+        "connected: its handshake accepted)"
     )
     server_id: str = Field(description="This server's identifier")
     peer: str | None = Field(None, description="The other side's server identifier, if known")
@@ -49,6 +50,15 @@ class PeerEvent(BaseModel):
     )
     messages_received: int = Field(0, description="Received over the link since start")
     messages_forwarded: int = Field(0, description="Forwarded over the link since start")
+    epoch: int | None = Field(None, description="This server's (pair's) epoch (link-status)")
+    peer_epoch: int | None = Field(
+        None,
+        description="The upstream's epoch, from its state (link-status; a failover there "
+        "raises it)",
+    )
+    upstream_state_seq: int | None = Field(
+        None, description="The upstream's change counter as the link last applied it (link-status)"
+    )
     time: float = Field(description="When, in seconds since the epoch")
 
 

@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from twinmq.broker.api import FederationBinding, FederationLinkStatus, FederationStatus
+from twinmq.broker.api import (
+    FederationBinding,
+    FederationLinkStatus,
+    FederationStatus,
+    PeerStateStatus,
+    StateReplicationStatus,
+)
 from twinmq.broker.codec import ContentHeaderInfo, decode_headers
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.federation import metrics
@@ -21,8 +28,10 @@ from twinmq.broker.federation.agent import QUEUE_PREFIX, FederationLink, queue_n
 from twinmq.broker.federation.config import FederationConfig
 from twinmq.broker.federation.dedup import QUEUE_NAME as DEDUP_QUEUE
 from twinmq.broker.federation.dedup import DurableKeys
+from twinmq.broker.federation.globalkeys import GlobalKeys
 from twinmq.broker.federation.headers import forwarded
 from twinmq.broker.federation.identity import duplicate_refusal
+from twinmq.broker.federation.state import StatePublisher
 from twinmq.broker.fieldtable import to_python
 from twinmq.broker.mirror.durable import BatchFutures
 from twinmq.broker.routing import Exchange
@@ -46,6 +55,7 @@ class Federation:
         committer: GroupCommitter,
         alarm: Callable[[], str | None],
         state_dir: Path,
+        epoch: Callable[[], int] = lambda: 0,
     ) -> None:
         self.server_id = server_id
         self.vhost = vhost
@@ -63,6 +73,26 @@ class Federation:
         self.batches = batches = BatchFutures()
         committer.await_durable(batches)
         vhost.reply_router = self.reply_queues
+        # Every server publishes its definitions (state replication), links or not.
+        self.state = StatePublisher(server_id, vhost, epoch)
+        self.epoch = epoch
+        self.status_interval = config.status_interval_seconds if config is not None else 0.0
+        self._status_task: asyncio.Task[None] | None = None
+        self._link_queues: list[str] | None = None
+        vhost.definition_listeners.append(self._forget_link_queues)
+        global_exchanges = [] if config is None else [
+            fed.exchange for fed in config.exchanges if fed.global_keys
+        ]  # fmt: skip
+        self.global_keys = GlobalKeys(
+            server_id,
+            config.global_key_separator if config is not None else ".",
+            vhost,
+            global_exchanges,
+        )
+        if global_exchanges:
+            vhost.queue_listeners.append(self.global_keys.queue_declared)
+            for exchange in global_exchanges:
+                vhost.reply_to_rewriters[exchange] = self.global_keys.rewrite
         if config is None or not config.exchanges:
             return
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -91,13 +121,44 @@ class Federation:
                 )  # fmt: skip
             link.open_outbox()
             link.start()
+        if self.links and self.status_interval > 0:
+            self._status_task = asyncio.get_running_loop().create_task(
+                self._periodic_status(), name="twinmq-federation-status"
+            )
 
     async def stop(self) -> None:
         """Stop the links (demotion, shutdown)."""
         self.running = False
+        if self._status_task is not None:
+            self._status_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._status_task
+            self._status_task = None
         for link in self.links.values():
             link.close_outbox()
             await link.stop()
+
+    async def _periodic_status(self) -> None:
+        """A `link-status` on amq.peer per running link, every `status-interval-seconds`:
+        its lag and counts while nothing happens, and the epochs of both sides."""
+        while True:
+            await asyncio.sleep(self.status_interval)
+            for link in self.links.values():
+                if link.state != "running":
+                    continue
+                view = link.upstream_state
+                peer_status.publish(
+                    self.vhost,
+                    peer_status.PeerEvent(
+                        event="link-status", server_id=self.server_id, peer=link.upstream_id,
+                        link=link.fed.exchange, upstream=link.upstream_name,
+                        forward_pending=link.forward_pending, messages_received=link.received,
+                        messages_forwarded=link.forwarded, epoch=self.epoch(),
+                        peer_epoch=view.epoch if view is not None and view.state else None,
+                        upstream_state_seq=view.seq if view is not None and view.state else None,
+                        time=peer_status.now(),
+                    ),
+                )  # fmt: skip
 
     def _load_keys(self) -> None:
         if not self._keys_loaded:
@@ -155,24 +216,43 @@ class Federation:
             link.bindings_changed()
 
     def reply_queues(self, routing_key: str) -> list[str]:
-        """Upstream side: where a publish on the default exchange goes when `routing_key`
-        names another server's temporary queue (`amq.gen-<server id>.<token>`) and no
-        queue here has that name: the link queue of that server that holds a binding
-        with this key (the requester bound its reply queue to a federated exchange under
-        its own name), so a service replies as to any RabbitMQ reply-to. One link queue
-        at most (the first federated exchange with the binding): one reply, one copy."""
-        if not routing_key.startswith(SERVER_NAMED_PREFIX):
-            return []
-        server, dot, _token = routing_key[len(SERVER_NAMED_PREFIX) :].rpartition(".")
-        if not dot or not server or server == self.server_id:
+        """Where a publish on the default exchange goes when no queue here is named
+        `routing_key` and the key is a global key (docs/federation.md, "Global routing
+        keys"): with this server's prefix, the temporary queue here it names; naming
+        another server's temporary queue (`amq.gen-<server id><sep><token>`, or
+        `<server id><sep><name>`), the link queue of that server that holds a binding with
+        this key (the requester's queue bound to a federated exchange under it, by hand
+        or by `global-keys`), so a service replies as to any RabbitMQ reply-to. One link
+        queue at most (the first exchange with the binding): one reply, one copy."""
+        local = self.global_keys.local_queue(routing_key)
+        if local is not None:
+            return [local]
+        key = routing_key.removeprefix(SERVER_NAMED_PREFIX)
+        if self._link_queues is None:
+            # Rebuilt after any definition change: this path is every unroutable
+            # default-exchange publish, not worth a scan of every queue each time.
+            self._link_queues = [q for q in self.vhost.queues if q.startswith(QUEUE_PREFIX)]
+        if not self._link_queues:
             return []
         for exchange in self.vhost.exchanges.values():
             if not exchange.name:
                 continue
-            queue = queue_name(exchange.name, server)
-            if queue in self.vhost.queues and (queue, routing_key, "[]") in exchange.bindings:
-                return [queue]
+            prefix = queue_name(exchange.name, "")
+            for queue in self._link_queues:
+                if not queue.startswith(prefix):
+                    continue
+                server = queue[len(prefix) :]
+                if (
+                    server
+                    and server != self.server_id
+                    and key.startswith(server)
+                    and (queue, routing_key, "[]") in exchange.bindings
+                ):
+                    return [queue]
         return []
+
+    def _forget_link_queues(self) -> None:
+        self._link_queues = None
 
     def peer_refusal(self, peer: str, announced: object) -> str | None:
         """Upstream side: why a connecting peer is refused (its identifier is ours), or None;
@@ -228,6 +308,8 @@ class Federation:
                     messages_forwarded=link.forwarded,
                     forward_pending=link.forward_pending,
                     forward_loops_dropped=link.forward_loops,
+                    upstream_state=_peer_state(link),
+                    stale_unbound=link.stale_unbound,
                 )
             )
         held: dict[str, list[FederationBinding]] = {}
@@ -254,4 +336,34 @@ class Federation:
             federation_queues=held,
             forwarded_received=self.forwarded_received,
             forwarded_dropped=self.forwarded_dropped,
+            global_keys_bound=self.global_keys.bound,
+            reply_to_rewritten=self.global_keys.rewritten,
+            state=self._state_status(),
         )
+
+    def _state_status(self) -> StateReplicationStatus:
+        exchanges, queues, bindings = self.state.counts()
+        return StateReplicationStatus(
+            seq=self.state.seq,
+            subscribers=self.state.subscribers,
+            full_states_sent=self.state.full_states,
+            changes_published=self.state.changes,
+            exchanges=exchanges,
+            queues=queues,
+            bindings=bindings,
+        )
+
+
+def _peer_state(link: FederationLink) -> PeerStateStatus | None:
+    view = link.upstream_state
+    if view is None or view.state is None:
+        return None
+    return PeerStateStatus(
+        server_id=view.server_id,
+        epoch=view.epoch,
+        seq=view.seq,
+        exchanges=len(view.state.exchanges),
+        queues=len(view.state.queues),
+        bindings=len(view.state.bindings),
+        link_queue_bindings=sorted(b.routing_key for b in link.held_upstream()),
+    )

@@ -111,6 +111,8 @@ class LinkClient:
         self._rpc_lock = asyncio.Lock()
         self._reply: asyncio.Future[object] | None = None
         self._on_delivery: Callable[[Delivery], None] | None = None
+        # Other consumers of the channel (no-ack), by consumer tag: the state subscription.
+        self._watchers: dict[str, Callable[[Delivery], None]] = {}
         self._on_confirm: Callable[[int, bool, bool], None] | None = None
         self.publish_seq = 0  # the last publish's confirm sequence number
         self._frame_max = FRAME_MAX
@@ -227,6 +229,21 @@ class LinkClient:
             queue=queue, exchange=exchange, routing_key=routing_key, arguments=arguments
         )
         await self.call(unbind, commands.Queue.UnbindOk)
+
+    async def declare_private_queue(self) -> str:
+        """Declare a server-named exclusive queue (gone with the connection); its name."""
+        declare = commands.Queue.Declare(queue="", exclusive=True, auto_delete=True)
+        ok = await self.call(declare, commands.Queue.DeclareOk)
+        if not ok.queue:
+            raise LinkClosed("the upstream named no queue for a server-named declare")
+        return ok.queue
+
+    async def watch(self, queue: str, tag: str, on_delivery: Callable[[Delivery], None]) -> None:
+        """Consume `queue` without acknowledgements (messages that are news, not data to
+        keep), beside the link's own consumer; each delivery to `on_delivery`."""
+        self._watchers[tag] = on_delivery
+        consume = commands.Basic.Consume(queue=queue, consumer_tag=tag, no_ack=True)
+        await self.call(consume, commands.Basic.ConsumeOk)
 
     async def basic_qos(self, prefetch_count: int) -> None:
         """Limit unacknowledged deliveries."""
@@ -371,6 +388,7 @@ class LinkClient:
         self._partial = (deliver, header, size, parts)
         if size == 0:
             self._partial = None
+            watcher = self._watchers.get(deliver.consumer_tag or "")
             delivery = Delivery(
                 delivery_tag=deliver.delivery_tag or 0,
                 redelivered=bool(deliver.redelivered),
@@ -379,7 +397,9 @@ class LinkClient:
                 header=header,
                 body=b"".join(parts),
             )
-            if self._on_delivery is not None:
+            if watcher is not None:
+                watcher(delivery)
+            elif self._on_delivery is not None:
                 self._on_delivery(delivery)
 
     async def _beat(self) -> None:
