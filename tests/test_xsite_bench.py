@@ -57,12 +57,12 @@ def test_the_federation_benchmark_reports_every_measure_for_both_brokers() -> No
         "cut: confirmed but lost",
         "cut: delivered twice",
     ):
-        assert f"| {row}" in out, out
+        assert row in out, out
     assert "TwinMQ run by run" in out and "RabbitMQ run by run" in out
 
 
 def test_the_mirror_benchmark_reports_every_measure_for_both_brokers() -> None:
     out = run("mirror_vs_shovel.py", "--seconds", "1", "--cut-messages", "300", "--cut-gap", "0.2")
     for row in ("confirms/s on A", "lag p99 ms", "cut: confirmed but lost on B", "cut: twice on B"):
-        assert f"| {row}" in out, out
+        assert row in out, out
     assert "TwinMQ run by run" in out and "RabbitMQ run by run" in out
