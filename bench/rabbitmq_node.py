@@ -21,6 +21,7 @@ from pathlib import Path
 from twinmq.testing.waiting import wait_for
 
 RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+RABBITMQCTL = Path("/usr/lib/rabbitmq/bin/rabbitmqctl")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,6 +70,9 @@ class RabbitNode:
     port: int = field(default_factory=free_port)
     dist_port: int = field(default_factory=free_port)
     epmd_port: int = field(default_factory=free_port)
+    # Plugins enabled at boot (written to the node's own enabled_plugins file), e.g.
+    # ("rabbitmq_federation",): the ones Debian's package ships need no download.
+    plugins: tuple[str, ...] = ()
     base: Path | None = None
     script: subprocess.Popen[bytes] | None = None
     epmd: subprocess.Popen[bytes] | None = None
@@ -112,7 +116,7 @@ class RabbitNode:
         (base / "rabbitmq-env.conf").write_text("")
         (base / "rabbitmq.conf").write_text("loopback_users.guest = true\n")
         (base / "advanced.config").write_text("[].\n")
-        (base / "enabled_plugins").write_text("[].\n")
+        (base / "enabled_plugins").write_text(f"[{','.join(self.plugins)}].\n")
         log = open(base / "server.out", "wb")  # noqa: SIM115 - handed to the children
         self.epmd = subprocess.Popen(
             ["epmd", "-port", str(self.epmd_port), "-address", "127.0.0.1"],
@@ -144,6 +148,22 @@ class RabbitNode:
             self.stop()
             raise
         return self
+
+    def ctl(self, *args: str, timeout: float = 120.0) -> str:
+        """Run `rabbitmqctl <args>` against this node (its name, cookie and epmd); stdout."""
+        if self.base is None:
+            raise RuntimeError("the node is not started")
+        out = subprocess.run(
+            [str(RABBITMQCTL), "-n", self.nodename, *args],
+            env=self._env(self.base),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {out.stdout}{out.stderr}")
+        return out.stdout
 
     def beam_pid(self) -> int | None:
         """The pid of the node's Erlang VM (beam.smp), once it wrote its pid file."""

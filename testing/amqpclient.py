@@ -280,13 +280,17 @@ class AMQPClient:
         """Start a consumer with acks; deliveries arrive in `self.deliveries`."""
         await self._call(commands.Basic.Consume(queue=queue), commands.Basic.ConsumeOk, within)
 
-    def publish(self, routing_key: str, body: bytes, header: bytes | None = None) -> int:
-        """Publish a message to the default exchange; returns its confirm tag.
+    def publish(
+        self, routing_key: str, body: bytes, header: bytes | None = None, *, exchange: str = ""
+    ) -> int:
+        """Publish a message to `exchange` (default: the default exchange); returns its
+        confirm tag.
 
         Persistent, no other property, unless `header` gives the content header
         payload to send as it is (its body size is the caller's to get right)."""
         self.check()
-        data = frame.marshal(commands.Basic.Publish(routing_key=routing_key), CHANNEL)
+        publish = commands.Basic.Publish(exchange=exchange, routing_key=routing_key)
+        data = frame.marshal(publish, CHANNEL)
         if header is None:
             data += frame.marshal(ContentHeader(0, len(body), PERSISTENT), CHANNEL)
         else:

@@ -38,8 +38,12 @@ class Sites:
         source_args: list[str] | None = None,
         reversible: bool = False,
         mirror_to: str | None = None,
+        proxied: bool = False,
     ) -> None:
         self.mirror_port = free_port()
+        # With `proxied`, the source reaches the mirror through `link` (cut, partition, heal).
+        self.link = FaultProxy(f"127.0.0.1:{self.mirror_port}").start() if proxied else None
+        target = self.link.address if self.link is not None else f"127.0.0.1:{self.mirror_port}"
         self.source_port = free_port()  # reversible: site A's own listener
         back_to = mirror_to or f"127.0.0.1:{self.source_port}"  # where B mirrors once promoted
         back = ["--mirror-to", back_to, "--mirror-role", "replica"]
@@ -56,17 +60,21 @@ class Sites:
             tmp / "a" / "data",
             name="site-a-broker",
             extra_args=[
-                "--mirror-to", f"127.0.0.1:{self.mirror_port}", "--mirror-token", TOKEN,
+                "--mirror-to", target, "--mirror-token", TOKEN,
                 "--mirror-id", ORIGIN, *(there if reversible else []), *(source_args or []),
             ],
         )  # fmt: skip
 
     def __enter__(self) -> Sites:
-        self.mirror.start()
         try:
-            self.source.start()
+            self.mirror.start()
+            try:
+                self.source.start()
+            except BaseException:
+                self.mirror.stop()  # never leave a broker behind a failed start
+                raise
         except BaseException:
-            self.mirror.stop()  # never leave a broker behind a failed start
+            self._close_link()
             raise
         return self
 
@@ -78,6 +86,11 @@ class Sites:
     def __exit__(self, *exc: object) -> None:
         self.source.stop()
         self.mirror.stop()
+        self._close_link()
+
+    def _close_link(self) -> None:
+        if self.link is not None:
+            self.link.close()
 
     def caught_up(self, timeout: float = 60.0, *, source: BrokerProcess | None = None) -> None:
         """Wait until the mirror acknowledged every event the source made so far."""
