@@ -155,6 +155,7 @@ def acked_points(messages: DataFrame) -> dict[str, float | None]:
             ),
         ]
     row = messages.agg(*aggs).first()
+    assert row is not None  # a global aggregate has one row, even over no messages
     points: dict[str, float | None] = {}
     for s in SITES:
         values = [v for v in (row[f"{s}_by_copy"], row[f"{s}_by_settle"]) if v is not None]
