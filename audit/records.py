@@ -7,6 +7,7 @@ either one `AuditRecord` (format 1, still read) or, as brokers write since forma
 per-message fields as lists (one line per batch instead of one per message keeps
 the broker's cost per message small). Format 3 packs those lists further (the
 replication ids as runs of consecutive ids, the digests as one hex string).
+Format 4 adds `origin` to the lines a DR mirror writes for what it applied.
 `segment_columns` reads every format into records.
 """
 
@@ -43,6 +44,12 @@ class AuditRecord(BaseModel):
     )
     event: AuditEvent
     time: float = Field(description="Unix time in seconds")
+    origin: str | None = Field(
+        None,
+        description="On a DR mirror: the mirror id of the site whose event this record "
+        "applies (the message keeps its queue and replication id there); None for what "
+        "clients did on this site, and in logs written before format 4",
+    )
 
 
 class AuditBatch(BaseModel):
@@ -54,7 +61,8 @@ class AuditBatch(BaseModel):
     in order, are either listed (`digests`, format 2) or concatenated (`digests_hex`,
     format 3: 8 hex digits each); `message_ids` is listed, and left out when no
     message of the line has one. Digests and message ids are absent for `dequeued`
-    (no message id, digest '').
+    (no message id, digest ''). `origin` (format 4) marks a line a DR mirror applied
+    from another site's events (every record of the line).
     """
 
     broker: str
@@ -67,6 +75,7 @@ class AuditBatch(BaseModel):
     message_ids: list[str | None] | None = None
     digests: list[str] | None = None
     digests_hex: str | None = None
+    origin: str | None = None
 
 
 AUDIT_FIELDS: tuple[str, ...] = tuple(AuditRecord.model_fields)
@@ -119,7 +128,7 @@ def segment_columns(data: bytes) -> dict[str, list[Any]]:
             raise SegmentFormatError(f"line {number}: {exc}") from exc
         cols["replication_id"] += ids
         n = len(ids)
-        for name in ("broker", "epoch", "queue", "event", "time"):
+        for name in ("broker", "epoch", "queue", "event", "time", "origin"):
             cols[name] += [obj.get(name)] * n
     return cols
 

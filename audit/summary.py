@@ -23,11 +23,17 @@ class FindingKind(enum.StrEnum):
     REPLICATED_TWICE = "replicated-twice"  # one replication id stored twice by one broker
     REORDERED = "reordered"  # stored after a later message of the same publisher stream
     DIGEST_MISMATCH = "digest-mismatch"  # the brokers hold different bodies for one message
+    # The cross-site audit (a DR source and its mirror; audit/cross.py):
+    MIRROR_LOST = "mirror-lost"  # confirmed at a site, absent on the other past its acked point
+    MIRROR_IN_FLIGHT = "mirror-in-flight"  # absent on the other site, newer than its acked point
+    MIRROR_DUPLICATE = "mirror-duplicate"  # one message applied twice by a broker of the mirror
+    MIRROR_UNSETTLED = "mirror-unsettled"  # settled at one site, still held by the other
 
 
 FAILING_KINDS = frozenset(
     {FindingKind.LOST, FindingKind.REPLICATED_TWICE, FindingKind.REORDERED,
-     FindingKind.DIGEST_MISMATCH}
+     FindingKind.DIGEST_MISMATCH, FindingKind.MIRROR_LOST, FindingKind.MIRROR_DUPLICATE,
+     FindingKind.MIRROR_UNSETTLED}
 )  # fmt: skip
 """Kinds that make the verdict FAIL; the others are reported and do not."""
 
@@ -201,6 +207,89 @@ def verdict_of(totals: Counts) -> tuple[Verdict, list[str]]:
             (totals.replicated_twice, "copies replicated twice"),
             (totals.reordered, "messages reordered"),
             (totals.digest_mismatch, "bodies differing between the brokers"),
+        )
+        if value
+    ]
+    return (Verdict.FAIL if reasons else Verdict.PASS), reasons
+
+
+# -- the cross-site audit (a DR source and its mirror) ---------------------------------------
+
+
+class CrossSiteCounts(BaseModel):
+    """Counts of the cross-site audit, for one queue or all (docs/audit.md, "Across sites")."""
+
+    messages: int = Field(0, description="Messages confirmed at a site to a client publisher")
+    mirrored: int = Field(0, description="... of which the other site holds (or settled) a copy")
+    lost: int = Field(0, description="... absent on the other site, older than its acked point")
+    in_flight: int = Field(0, description="... absent on the other site, newer than that point")
+    duplicated: int = Field(0, description="Extra copies applied by one broker of a mirror")
+    settled: int = Field(0, description="Messages settled by a client at one site")
+    unsettled_on_mirror: int = Field(
+        0, description="... still held by the other site, settled before its acked point"
+    )
+    settles_in_flight: int = Field(0, description="... still held there, settled after it")
+
+
+class CrossSiteQueue(BaseModel):
+    """One queue of the cross-site audit."""
+
+    queue: str
+    counts: CrossSiteCounts
+    lag: LagStats | None = Field(None, description="Publish at a site -> applied at the other")
+
+
+class SiteInfo(BaseModel):
+    """One site of the cross-site audit: its store and what its logs show."""
+
+    name: str = Field(description="'a' (--store) or 'b' (--mirror-store)")
+    store: str
+    brokers: list[str]
+    segments: int
+    origins: list[str] = Field(description="Mirror ids of the sites whose events it applied")
+    acked_until: float | None = Field(
+        None,
+        description="Confirm or settle time at this site of the newest change the other site "
+        "applied: what is older and absent there is lost, what is newer in flight",
+    )
+
+
+class CrossSiteFinding(BaseModel):
+    """One message the cross-site audit reports."""
+
+    kind: FindingKind
+    queue: str
+    replication_id: int
+    site: str = Field(description="Where it was confirmed (lost, in flight) or settled")
+    time: float | None = None
+    broker: str | None = Field(None, description="The mirror's broker (duplicated)")
+    copies: int | None = None
+
+
+class CrossSiteSummary(BaseModel):
+    """The result of a cross-site audit run (`audit/cross/<run>/summary.json` in --store)."""
+
+    run_id: str
+    verdict: Verdict
+    failures: list[str]
+    sites: list[SiteInfo]
+    totals: CrossSiteCounts
+    queues: list[CrossSiteQueue]
+    lag: LagStats | None = None
+    findings: list[CrossSiteFinding] = Field(
+        default_factory=list, description="The first findings (all counted in totals)"
+    )
+    seconds: float = 0.0
+
+
+def cross_site_verdict(totals: CrossSiteCounts) -> tuple[Verdict, list[str]]:
+    """FAIL with its reasons if a message was lost, duplicated or left unsettled."""
+    reasons = [
+        f"{value} {label}"
+        for value, label in (
+            (totals.lost, "confirmed messages missing on the other site"),
+            (totals.duplicated, "copies applied twice on a mirror"),
+            (totals.unsettled_on_mirror, "settled messages still held by the other site"),
         )
         if value
     ]

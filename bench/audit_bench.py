@@ -102,6 +102,7 @@ def _segment_table(broker: str, cols: dict[str, np.ndarray[Any, Any]], seq: int)
             "digest": pa.array(digests, pa.string()),
             "event": pa.array(EVENTS[cols["event"]], pa.string()),
             "time": cols["time"],
+            "origin": pa.nulls(size, pa.string()),  # a pair's logs: nothing mirrored
             "segment_seq": np.full(size, seq, dtype=np.int64),
             "line": np.arange(size, dtype=np.int64),
         },

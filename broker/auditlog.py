@@ -31,6 +31,10 @@ segment's name is made durable with an fsync of the directory. The writer runs
 in parallel with the journal's writer thread, so a group commit costs one extra
 fdatasync, overlapped with the next batch's journal write.
 
+A DR mirror's lines for what it applied from another site carry that site's
+mirror id (`origin`, format 4): the batch journals the applied mark of that origin
+with the effects, so one look at the batch's queues finds it.
+
 Segments are named `<broker>-e<epoch>-<seq>.jsonl`; the one being written ends
 in `.open` and is renamed when closed (by size, age or epoch), so a shipper
 only ever picks up complete segments. A segment left `.open` by a crash is cut
@@ -57,23 +61,28 @@ from pathlib import Path
 
 from twinmq.audit.records import BATCH_FIELDS, AuditEvent
 from twinmq.broker.journal import JournalOp, StoredMessage
-from twinmq.broker.mirror.events import INTERNAL_QID_BASE
+from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE
 from twinmq.broker.writerthread import WriterThread
 
 log = logging.getLogger(__name__)
 
 assert BATCH_FIELDS == (
     "broker", "epoch", "queue", "event", "time", "replication_ids", "replication_id_runs",
-    "message_ids", "digests", "digests_hex",
+    "message_ids", "digests", "digests_hex", "origin",
 ), "the writer below must follow AuditBatch's fields"  # fmt: skip
 
 # One completed batch waiting to be written: its ops, the event of its stored messages,
-# the time (formatted), the epoch it completed in and the queues (qids) of its ops.
-PendingBatch = tuple[Sequence[JournalOp], str, str, int, set[int]]
+# the time (formatted), the epoch it completed in, the queues (qids) of its ops and the
+# `origin` member of its lines ('' unless a DR mirror applied it).
+PendingBatch = tuple[Sequence[JournalOp], str, str, int, set[int], str]
 
 _json_str: Callable[[str], str] = json.encoder.encode_basestring_ascii
 _U32 = struct.Struct(">I")
 _DEQUEUED = AuditEvent.DEQUEUED.value
+# A DR mirror's apply journals its applied mark (`amq.twinmq.mirror-applied.<origin>`,
+# broker/mirror/applier.py) in the same group commit as the effects: that record names
+# the origin of the batch's messages, at no cost per message.
+_MARK_PREFIX = INTERNAL_PREFIX + "mirror-applied."
 # Per message the writer only maps C functions over a batch's ops (no Python frame per
 # message): these pick the fields.
 _kind_and_queue = operator.attrgetter("__class__", "qid")
@@ -187,6 +196,8 @@ class AuditLog:
         # qid -> the queue's name as JSON, filled on the loop, read by the writer thread;
         # qids (queue incarnations) are never reused, so an entry is never stale.
         self._queue_json: dict[int, str] = {}
+        # internal qid -> the `origin` member its records give a line ('' for most)
+        self._origin_json: dict[int, str] = {}
         self._lock = threading.Lock()
         self._writer: WriterThread | None = None
         self._close_leftovers()
@@ -232,8 +243,18 @@ class AuditLog:
         qids = set(map(_qid, ops))
         for qid in qids.difference(names):
             # Looked up here, on the loop that owns the queues, once per queue.
-            names[qid] = _json_str(self.queue_name(qid))
-        self._pending.append((ops, stored_event, f"{time.time():.6f}", self.epoch(), qids))
+            name = self.queue_name(qid)
+            names[qid] = _json_str(name)
+            if qid >= INTERNAL_QID_BASE:
+                origin = name[len(_MARK_PREFIX) :] if name.startswith(_MARK_PREFIX) else ""
+                self._origin_json[qid] = f',"origin":{_json_str(origin)}' if origin else ""
+        origin_json = ""
+        if len(qids) > 1:  # a client batch on one queue never holds an applied mark
+            marks = self._origin_json
+            origin_json = next((marks[q] for q in qids if marks.get(q)), "")
+        self._pending.append(
+            (ops, stored_event, f"{time.time():.6f}", self.epoch(), qids, origin_json)
+        )
 
     def take(self) -> list[PendingBatch]:
         """The batches queued so far, for one `write` (event loop)."""
@@ -280,7 +301,7 @@ class AuditLog:
         """One line per batch, queue and event (an `AuditBatch`, format 3)."""
         names = self._queue_json
         out: list[str] = []
-        for ops, stored_event, now, epoch, qids in batches:
+        for ops, stored_event, now, epoch, qids, origin in batches:
             groups: dict[tuple[type, int], list[JournalOp]] = {}
             if len(qids) == 1:  # the common case: runs by kind only, no key tuple per op
                 (qid,) = qids
@@ -295,7 +316,9 @@ class AuditLog:
                     continue  # the broker's own records (mirror events, marks): no messages
                 ids = _replication_ids_json(list(map(_mid, group)))
                 if kind is not StoredMessage:
-                    out.append(f'{head}{names[qid]},"event":"{_DEQUEUED}","time":{now},{ids}}}\n')
+                    out.append(
+                        f'{head}{names[qid]},"event":"{_DEQUEUED}","time":{now},{ids}{origin}}}\n'
+                    )
                     continue
                 digests = array("I", map(zlib.crc32, map(_body, group)))
                 if _LITTLE_ENDIAN:
@@ -303,7 +326,7 @@ class AuditLog:
                 out.append(
                     f'{head}{names[qid]},"event":"{stored_event}","time":{now},{ids}'
                     f"{_message_ids(list(map(_header, group)))},"
-                    f'"digests_hex":"{digests.tobytes().hex()}"}}\n'
+                    f'"digests_hex":"{digests.tobytes().hex()}"{origin}}}\n'
                 )
         return out
 

@@ -1,6 +1,7 @@
 """`twinmq audit` runs the replication audit; `twinmq audit-ship` ships a broker's segments.
 
     twinmq audit --store URL [--master local[*]] [--full] [--run-id ID] [--json]
+    twinmq audit --store URL_A --mirror-store URL_B [--json]   # across DR sites
     twinmq audit-ship --store URL --audit-dir DATA_DIR/audit [--every SECONDS]
 
 Exit codes of `audit`: 0 PASS, 1 FAIL, 2 error. The same entry point serves
@@ -18,6 +19,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
@@ -62,6 +64,11 @@ def _audit_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--work-dir", type=Path, help="local copies for an S3 store without s3a")
     parser.add_argument("--run-id", help="name of this run (default: time and a random suffix)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--mirror-store",
+        help="the other DR site's store: audit the two sites against each other (both "
+        "directions) instead of --store's pair",
+    )
     return parser
 
 
@@ -99,6 +106,8 @@ def audit_main(argv: Sequence[str] | None = None) -> int:
             stream_pattern=args.stream_pattern,
         )
         store = Store(args.store)
+        if args.mirror_store:
+            return _cross_site(spark, store, Store(args.mirror_store), args)
         summary = run_audit(
             spark, store, params, full=args.full, work_dir=args.work_dir, run_id=args.run_id
         )
@@ -173,3 +182,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _cross_site(spark: Any, store_a: Any, store_b: Any, args: argparse.Namespace) -> int:
+    """`twinmq audit --store A --mirror-store B`: the cross-site audit; exit code the verdict."""
+    from twinmq.audit.cross import run_cross_site
+    from twinmq.audit.summary import Verdict
+
+    summary = run_cross_site(spark, store_a, store_b, run_id=args.run_id)
+    if args.json:
+        print(summary.model_dump_json(indent=1))
+    else:
+        t = summary.totals
+        print(
+            f"{summary.verdict.value}: {t.messages} messages, mirrored {t.mirrored}, "
+            f"lost {t.lost}, in flight {t.in_flight}, duplicated {t.duplicated}, "
+            f"settled {t.settled}, unsettled on the other site {t.unsettled_on_mirror} "
+            f"(in flight {t.settles_in_flight})"
+        )
+        if summary.lag is not None:
+            lag = summary.lag
+            print(f"lag between sites p50 {lag.p50:.6f}s p99 {lag.p99:.6f}s "
+                  f"max {lag.max:.6f}s over {lag.count} messages")  # fmt: skip
+        for reason in summary.failures:
+            print(f"FAIL: {reason}")
+    return EXIT_PASS if summary.verdict == Verdict.PASS else EXIT_FAIL

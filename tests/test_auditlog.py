@@ -145,3 +145,29 @@ def test_message_ids_are_read_per_message_when_the_headers_of_a_line_differ(
     lines = next(tmp_path.glob("*.jsonl")).read_text().splitlines()
     assert '"message_ids"' not in lines[1]  # one header, without an id: left out
     assert [r.message_id for r in _records(tmp_path)] == [None, "m-1", None, None]
+
+
+def test_a_mirror_marks_what_it_applied_with_the_origin_and_nothing_else(tmp_path: Path) -> None:
+    mark_qid = 2**62 + 5  # the applied mark's internal queue rides in the apply's batch
+    log = AuditLog(
+        tmp_path, "m1", lambda: 1,
+        lambda qid: "amq.twinmq.mirror-applied.site-a" if qid == mark_qid else f"q{qid}",
+        lambda: False, segment_seconds=3600,
+    )  # fmt: skip
+    mark = StoredMessage(mark_qid + 1, mark_qid, "", "", b"", b"mark", None)
+    log.batch_complete([_message(20, b"m"), Settle(7, 3), mark], guarded=True)
+    log.batch_complete([_message(21, b"own")], guarded=True)
+    log.close()
+    records = _records(tmp_path)
+    assert [(r.replication_id, r.event, r.origin) for r in records] == [
+        (20, AuditEvent.CONFIRMED, "site-a"), (3, AuditEvent.DEQUEUED, "site-a"),
+        (21, AuditEvent.CONFIRMED, None),
+    ]  # fmt: skip
+
+
+def test_lines_without_an_origin_still_read(tmp_path: Path) -> None:
+    line = (
+        b'{"broker":"b","epoch":1,"queue":"q","event":"confirmed","time":1.0,'
+        b'"replication_id_runs":[[4,2]],"digests_hex":"0000000100000002"}\n'
+    )
+    assert [r.origin for r in segment_records(line)] == [None, None]
