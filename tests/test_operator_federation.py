@@ -390,8 +390,12 @@ UP = {"name": "central", "clusterRef": {"name": "central"}}
         ({"upstreams": [{"name": "c", "uri": "amqp://u@h/"}]}, "passwordSecret is required"),
         ({"serverId": "a b"}, "spec.federation.serverId"),
         (
-            {"upstreams": [UP], "exchanges": [{"exchange": "m", "upstream": "central",
-                                               "type": "fanout", "globalKeys": True}]},
+            {
+                "upstreams": [UP],
+                "exchanges": [
+                    {"exchange": "m", "upstream": "central", "type": "fanout", "globalKeys": True}
+                ],
+            },
             "globalKeys needs a direct or topic exchange",
         ),
         ({"globalKeySeparator": "a/b"}, "spec.federation.globalKeySeparator"),
