@@ -265,6 +265,19 @@ class ServerIds:
             self._claims.pop(uid, None)
 
 
+def check_server_id(
+    ids: ServerIds, federation: Federation | None, state: FederationState | None,
+    uid: str, namespace: str, name: str, created: str,
+) -> None:  # fmt: skip
+    """One reconcile's part: record the cluster's server id (forget it without
+    `spec.federation`) and set `state.duplicate_of` to the earlier cluster announcing it."""
+    if federation is None or state is None:
+        ids.forget(uid)
+        return
+    claim = Claim(server_id(federation, namespace, name), created, f"{namespace}/{name}")
+    state.duplicate_of = ids.claim(uid, claim)
+
+
 def duplicate_message(state: FederationState) -> str:
     """Why a cluster's server id is refused (the condition's and the Event's message)."""
     return (f"server id {state.server_id} is already announced by BrokerCluster "

@@ -800,14 +800,10 @@ def reconcile(
         spec.federation, cluster.namespace, cluster.name,
         active_report.federation if active_report is not None else None,
     )  # fmt: skip
-    if spec.federation is None or new.federation is None:
-        shared.server_ids.forget(cluster.uid)
-    else:
-        new.federation.duplicate_of = shared.server_ids.claim(cluster.uid, federation.Claim(
-            server_id=federation.server_id(spec.federation, cluster.namespace, cluster.name),
-            created=str(meta.get("creationTimestamp") or ""),
-            name=f"{cluster.namespace}/{cluster.name}",
-        ))  # fmt: skip
+    federation.check_server_id(
+        shared.server_ids, spec.federation, new.federation, cluster.uid, cluster.namespace,
+        cluster.name, str(meta.get("creationTimestamp") or ""),
+    )  # fmt: skip
     serving = (pods.get(new.active_broker) or {}).get("status", {}).get("podIP") if (
         active_report is not None and new.active_broker is not None) else None  # fmt: skip
     for kind, reason, message in mirroring.switch_requests(

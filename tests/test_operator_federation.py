@@ -341,6 +341,23 @@ def test_the_newer_of_two_clusters_with_one_server_id_gets_a_condition_and_a_war
     assert ids.claim("u-2", newer) == ""
 
 
+def test_a_defaulted_server_id_counts_and_a_cluster_leaving_federation_frees_its_id() -> None:
+    ids = federation.ServerIds()
+    # site-a/remote by default is site-a.remote; another cluster names it explicitly.
+    default, named = Federation(), Federation.model_validate({"serverId": "site-a.remote"})
+    first = federation.state_of(default, "site-a", "remote", None)
+    second = federation.state_of(named, "site-b", "other", None)
+    assert first is not None and second is not None
+    federation.check_server_id(
+        ids, default, first, "u-1", "site-a", "remote", "2026-01-01T00:00:00Z"
+    )
+    federation.check_server_id(ids, named, second, "u-2", "site-b", "other", "2026-01-02T00:00:00Z")
+    assert (first.duplicate_of, second.duplicate_of) == ("", "site-a/remote")
+    federation.check_server_id(ids, None, None, "u-1", "site-a", "remote", "2026-01-01T00:00:00Z")
+    federation.check_server_id(ids, named, second, "u-2", "site-b", "other", "2026-01-02T00:00:00Z")
+    assert second.duplicate_of == ""
+
+
 # -- the CRD's rules on a real API server ----------------------------------------------------
 
 
