@@ -211,8 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
         "spec.federation (a cluster that is only an upstream: one row without a link): its "
         "server id, the upstream, the link's state (Running only after a verified round "
         "trip; Refused: a duplicate server id), the normalised bindings held upstream and "
-        "the local bindings they stand for, the messages received, the duplicates and "
-        "loops dropped, and why a link is down.",
+        "the local bindings they stand for, the messages received, the messages "
+        "forwarded upstream (forward: true), the duplicates and loops dropped, and why a "
+        "link is down (or that another BrokerCluster announced the same server id first).",
     )  # fmt: skip
     fed_status.add_argument(
         "cluster", nargs="?", metavar="CLUSTER", help="one cluster (default: all)"
@@ -343,7 +344,7 @@ MIRROR_COLUMNS = (
 )  # fmt: skip
 FEDERATION_COLUMNS = (
     "CLUSTER", "SERVER-ID", "EXCHANGE", "UPSTREAM", "STATE", "BINDINGS", "RECEIVED",
-    "DUPLICATES", "LOOPS", "MESSAGE",
+    "FORWARDED", "DUPLICATES", "LOOPS", "MESSAGE",
 )  # fmt: skip
 
 
@@ -489,17 +490,22 @@ def federation_rows(
             for e in spec.get("exchanges") or []
         ]
         refused = state.get("refusedPeers") or []
+        # Another cluster announced this server id first: said on every row, it is the
+        # cause of whatever the links show.
+        duplicate = state.get("duplicateOf") or ""
+        clash = f"duplicate server id: also {duplicate}" if duplicate else ""
         if not links:
             note = f"refused: {refused[-1]}" if refused else "upstream only"
             rows.append((*first, str(meta.get("name", "?")), server, "-", "-", "-", "-", "-",
-                         "-", "-", note))  # fmt: skip
+                         "-", "-", "-", clash or note))  # fmt: skip
         for link in links:
             rows.append((
                 *first, str(meta.get("name", "?")), server, str(link.get("exchange", "?")),
                 str(link.get("upstream", "?")), str(link.get("state") or "Unknown"),
                 f"{link.get('bindings', '-')}/{link.get('localBindings', '-')}",
-                str(link.get("messagesReceived", "-")), str(link.get("duplicatesDropped", "-")),
-                str(link.get("loopsDropped", "-")), str(link.get("message") or ""),
+                str(link.get("messagesReceived", "-")), str(link.get("forwarded", "-")),
+                str(link.get("duplicatesDropped", "-")), str(link.get("loopsDropped", "-")),
+                clash or str(link.get("message") or ""),
             ))  # fmt: skip
     return rows
 

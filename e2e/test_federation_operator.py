@@ -17,6 +17,7 @@ import pytest
 from brokerclusters import (
     OperatorProcess,
     amqp_url,
+    cluster_path,
     cluster_status,
     condition,
     create_cluster,
@@ -132,3 +133,23 @@ def test_a_downstream_queue_receives_what_is_published_upstream_across_an_upstre
         shown.stdout
     )
     assert (upstream_namespace, central, f"{upstream_namespace}.{central}", "-", "-", "-") in rows
+
+    # The remote given the central's server id: the operator flags the newer cluster at
+    # once (from the spec, before its pods roll and its link is refused at the handshake).
+    duplicate = f"{upstream_namespace}.{central}"
+    cluster.kube.patch(cluster_path(namespace, remote),
+                       {"spec": {"federation": {"serverId": duplicate}}})  # fmt: skip
+
+    def flagged() -> str:
+        status = cluster_status(cluster, namespace, remote)
+        return str((status.get("federation") or {}).get("duplicateOf") or "")
+
+    wait_for("the duplicate server id flagged", lambda: flagged() == f"{upstream_namespace}/"
+             f"{central}", 60)  # fmt: skip
+    status = cluster_status(cluster, namespace, remote)
+    federated = next(c for c in status["conditions"] if c["type"] == "Federated")
+    assert (federated["status"], federated["reason"]) == ("False", "DuplicateServerId")
+    wait_for("the DuplicateServerId Event", lambda: "DuplicateServerId" in [
+        e["reason"] for e in events_of(cluster, namespace)], 30)  # fmt: skip
+    assert not (cluster_status(cluster, upstream_namespace, central).get("federation")
+                or {}).get("duplicateOf")  # the older one keeps its id  # fmt: skip

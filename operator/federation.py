@@ -14,6 +14,8 @@ file at start-up only). Links run on the active broker; the status is its `GET /
 from __future__ import annotations
 
 import hashlib
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,19 +93,30 @@ def render(federation: Federation, namespace: str) -> FederationConfig:
         )
         for u in federation.upstreams
     }
+    # The newer options are passed only when the spec sets them: the file then holds only
+    # what was given (`config_text` leaves unset fields out), and its hash, in the pod
+    # template, stays what it was for a spec that does not use them (no rollout).
     exchanges = [FileExchange(
         exchange=e.exchange, upstream=e.upstream, upstream_exchange=e.upstream_exchange,
         type=e.type, max_hops=e.max_hops, prefetch=e.prefetch, forward=e.forward,
+        **({"global_keys": True} if e.global_keys else {}),
     ) for e in federation.exchanges]  # fmt: skip
+    options: dict[str, Any] = {}
+    if federation.global_key_separator is not None:
+        options["global_key_separator"] = federation.global_key_separator
+    if federation.status_interval_seconds is not None:
+        options["status_interval_seconds"] = float(federation.status_interval_seconds)
     return FederationConfig(
-        upstreams=upstreams, exchanges=exchanges, dedup_window=federation.dedup_window
-    )
+        upstreams=upstreams, exchanges=exchanges, dedup_window=federation.dedup_window,
+        **options,
+    )  # fmt: skip
 
 
 def config_text(federation: Federation, namespace: str) -> str:
-    """The federation file as the ConfigMap holds it (YAML, stable order)."""
+    """The federation file as the ConfigMap holds it (YAML, stable order; the broker's
+    defaults for what the spec leaves unset are the broker's own)."""
     rendered = render(federation, namespace).model_dump(
-        by_alias=True, exclude_none=True, mode="json"
+        by_alias=True, exclude_none=True, exclude_unset=True, mode="json"
     )
     return yaml.safe_dump(rendered, sort_keys=True)
 
@@ -178,6 +191,11 @@ def link_state(link: FederationLinkStatus) -> FederationLinkState:
         messages_received=link.messages_received,
         duplicates_dropped=link.duplicates_dropped,
         loops_dropped=link.loops_dropped,
+        forwarded=link.messages_forwarded,
+        forward_pending=link.forward_pending,
+        stale_unbound=link.stale_unbound,
+        upstream_epoch=None if link.upstream_state is None else link.upstream_state.epoch,
+        upstream_state_seq=None if link.upstream_state is None else link.upstream_state.seq,
     )
 
 
@@ -206,11 +224,75 @@ def state_of(
     return state
 
 
+# -- server ids unique across the BrokerClusters of this operator -----------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A BrokerCluster announcing a server id (its pods' `--server-id`)."""
+
+    server_id: str
+    created: str
+    """Its creationTimestamp (RFC 3339, UTC, one format: ordered as text)."""
+    name: str
+    """namespace/name"""
+
+
+class ServerIds:
+    """The server ids of the federated BrokerClusters this operator reconciles, so a second
+    cluster with the same one is told before its peers' handshakes refuse it (the seed: a
+    duplicate identifier is where users lose the most time). Reconciles run in threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._claims: dict[str, Claim] = {}
+
+    def claim(self, uid: str, claim: Claim) -> str:
+        """Record a cluster's id; the namespace/name of the earliest other cluster created
+        before it with the same id ("" if none: this one keeps it)."""
+        with self._lock:
+            self._claims[uid] = claim
+            earlier = [
+                c for u, c in self._claims.items()
+                if u != uid and c.server_id == claim.server_id
+                and (c.created, c.name) < (claim.created, claim.name)
+            ]  # fmt: skip
+        return min(earlier, key=lambda c: (c.created, c.name)).name if earlier else ""
+
+    def forget(self, uid: str) -> None:
+        """A cluster deleted, or no longer federated."""
+        with self._lock:
+            self._claims.pop(uid, None)
+
+
+def check_server_id(
+    ids: ServerIds, federation: Federation | None, state: FederationState | None,
+    uid: str, namespace: str, name: str, created: str,
+) -> None:  # fmt: skip
+    """One reconcile's part: record the cluster's server id (forget it without
+    `spec.federation`) and set `state.duplicate_of` to the earlier cluster announcing it."""
+    if federation is None or state is None:
+        ids.forget(uid)
+        return
+    claim = Claim(server_id(federation, namespace, name), created, f"{namespace}/{name}")
+    state.duplicate_of = ids.claim(uid, claim)
+
+
+def duplicate_message(state: FederationState) -> str:
+    """Why a cluster's server id is refused (the condition's and the Event's message)."""
+    return (f"server id {state.server_id} is already announced by BrokerCluster "
+            f"{state.duplicate_of} (created earlier): peers will refuse this cluster's links "
+            "at the handshake; give spec.federation.serverId a unique value")  # fmt: skip
+
+
 def condition(state: FederationState | None) -> tuple[str, bool, str, str] | None:
     """The `Federated` condition: True while every link runs (a cluster that is only an
-    upstream has none: True), None without `spec.federation`."""
+    upstream has none: True), False for a server id another cluster announced first, None
+    without `spec.federation`."""
     if state is None:
         return None
+    if state.duplicate_of:
+        return ("Federated", False, "DuplicateServerId", duplicate_message(state))
     down = [link for link in state.links if link.state != "Running"]
     if not state.links:
         return ("Federated", True, "UpstreamOnly",
@@ -228,10 +310,13 @@ def condition(state: FederationState | None) -> tuple[str, bool, str, str] | Non
 def events(old: FederationState | None, new: FederationState | None) -> list[tuple[str, str, str]]:
     """(type, reason, message) of the Events for changes of the links: a Normal one when a
     link comes up, a Warning when it goes down or is refused (a duplicate server id), and a
-    Warning for each downstream refused here (the upstream side of that refusal)."""
+    Warning for each downstream refused here (the upstream side of that refusal), and a
+    Warning when another BrokerCluster announced this one's server id first."""
     if new is None:
         return []
     out: list[tuple[str, str, str]] = []
+    if new.duplicate_of and (old is None or old.duplicate_of != new.duplicate_of):
+        out.append(("Warning", "DuplicateServerId", duplicate_message(new)))
     before = {link.exchange: link for link in (old.links if old is not None else [])}
     for link in new.links:
         was = before.get(link.exchange)

@@ -140,6 +140,8 @@ class OperatorState:
     degraded: set[str] = field(default_factory=set)  # uids of the degraded clusters
     # Each cluster's memory by uid, for the pod watch to wake its cluster's reconcile.
     clusters: dict[str, Memory] = field(default_factory=dict)
+    # The federated clusters' server ids, to warn of a duplicate before the handshake does.
+    server_ids: federation.ServerIds = field(default_factory=federation.ServerIds)
 
 
 def memory_of(memo: Any) -> tuple[Memory, OperatorState]:
@@ -798,6 +800,10 @@ def reconcile(
         spec.federation, cluster.namespace, cluster.name,
         active_report.federation if active_report is not None else None,
     )  # fmt: skip
+    federation.check_server_id(
+        shared.server_ids, spec.federation, new.federation, cluster.uid, cluster.namespace,
+        cluster.name, str(meta.get("creationTimestamp") or ""),
+    )  # fmt: skip
     serving = (pods.get(new.active_broker) or {}).get("status", {}).get("podIP") if (
         active_report is not None and new.active_broker is not None) else None  # fmt: skip
     for kind, reason, message in mirroring.switch_requests(
@@ -934,6 +940,7 @@ def forget(meta: Any, memo: Any, **_: Any) -> None:
     shared = memory_of(memo)[1]
     shared.degraded.discard(meta.get("uid", ""))
     shared.clusters.pop(meta.get("uid", ""), None)
+    shared.server_ids.forget(meta.get("uid", ""))
     metrics.DEGRADED.set(len(shared.degraded))
 
 

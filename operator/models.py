@@ -252,6 +252,17 @@ class FederatedExchange(ApiModel):
     """A local exchange receiving what an upstream exchange routes to its bindings (the
     local bindings go upstream, normalised: each message crosses the link once)."""
 
+    # The broker refuses global-keys on a fanout or headers exchange at start-up (its pods
+    # would crash-loop): refused here, where the type is always known (it defaults to topic).
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "!has(self.globalKeys) || !self.globalKeys || !has(self.type) || "
+            "self.type == 'direct' || self.type == 'topic'",
+            "globalKeys needs a direct or topic exchange (fanout and headers exchanges do "
+            "not route by the routing key)",
+        )
+    )
+
     exchange: str = Field(
         min_length=1, max_length=127, pattern=AMQP_NAME,
         description="The local exchange (declared if missing)",
@@ -272,6 +283,13 @@ class FederatedExchange(ApiModel):
         False,
         description="Also forward what this cluster's clients publish on the exchange to the "
         "upstream (request-response across sites; docs/federation.md, 'Forwarding')",
+    )
+    global_keys: bool = Field(
+        False,
+        description="Global routing keys for request-response: this cluster's temporary "
+        "queues are bound to the exchange under <server id><separator><name>, and a reply-to "
+        "naming one is made global (direct and topic exchanges; docs/federation.md, 'Global "
+        "routing keys')",
     )
 
 
@@ -309,6 +327,18 @@ class Federation(ApiModel):
     dedup_window: int = Field(
         100_000, ge=1, le=10_000_000,
         description="(origin, sequence) keys remembered against re-deliveries",
+    )  # fmt: skip
+    # Optional, not defaulted: only what is set goes into the brokers' file, so an operator
+    # upgrade adding a field leaves an unchanged spec's pods alone.
+    global_key_separator: str | None = Field(
+        None, min_length=1, max_length=8, pattern=r"^[A-Za-z0-9\-_.:]+$",
+        description="Between the server id and the local name in a global routing key (and "
+        "in server-named queues, amq.gen-<server id><separator><token>). Default: .",
+    )  # fmt: skip
+    status_interval_seconds: int | None = Field(
+        None, ge=0, le=86400,
+        description="A link-status message per link on amq.peer this often (0: none). "
+        "Default: 30",
     )  # fmt: skip
 
 
@@ -879,6 +909,22 @@ class FederationLinkState(ApiModel):
     messages_received: int = Field(0, description="Republished here (since the broker started)")
     duplicates_dropped: int = 0
     loops_dropped: int = 0
+    forwarded: int = Field(
+        0, description="Published here and forwarded, confirmed upstream (since the broker "
+        "started; forward: true)",
+    )  # fmt: skip
+    forward_pending: int = Field(0, description="Not yet forwarded or not yet confirmed upstream")
+    stale_unbound: int = Field(
+        0, description="Upstream bindings of the link's queue removed at a resync: nothing "
+        "here wanted them any more",
+    )  # fmt: skip
+    upstream_epoch: int | None = Field(
+        None, description="The upstream's epoch, from its replicated state (a change: it "
+        "failed over)",
+    )  # fmt: skip
+    upstream_state_seq: int | None = Field(
+        None, description="The upstream's change counter as of the last change applied here"
+    )
 
 
 class FederationState(ApiModel):
@@ -899,6 +945,11 @@ class FederationState(ApiModel):
     )
     downstream_queues: int = Field(
         0, description="Upstream side: link queues held here for downstreams"
+    )
+    duplicate_of: str = Field(
+        "",
+        description="Another BrokerCluster (namespace/name) created earlier with the same "
+        "server id: this one's peers will refuse it (change spec.federation.serverId)",
     )
 
 

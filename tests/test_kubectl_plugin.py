@@ -454,8 +454,8 @@ def federated(**state: Any) -> Obj:
 
 def test_federation_status_shows_each_link_with_bindings_and_counts() -> None:
     link = {"exchange": "market", "upstream": "central", "state": "Running", "bindings": 2,
-            "localBindings": 10, "messagesReceived": 500, "duplicatesDropped": 1,
-            "loopsDropped": 0}  # fmt: skip
+            "localBindings": 10, "messagesReceived": 500, "forwarded": 42,
+            "duplicatesDropped": 1, "loopsDropped": 0}  # fmt: skip
     upstream = cluster_obj("central", federation={"serverId": "eu", "links": []})
     upstream["spec"]["federation"] = {"serverId": "eu"}
     downstream = federated(serverId="prod.orders", links=[link])
@@ -464,9 +464,9 @@ def test_federation_status_shows_each_link_with_bindings_and_counts() -> None:
     header, row = out.splitlines()
     assert header.split() == list(kubectl.FEDERATION_COLUMNS)
     assert row.split() == ["orders", "prod.orders", "market", "central", "Running", "2/10",
-                           "500", "1", "0"]  # fmt: skip
+                           "500", "42", "1", "0"]  # fmt: skip
     (_, only) = kubectl.federation_rows([downstream, upstream])
-    assert only == ("central", "eu", "-", "-", "-", "-", "-", "-", "-", "upstream only")
+    assert only == ("central", "eu", "-", "-", "-", "-", "-", "-", "-", "-", "upstream only")
 
 
 def test_federation_status_of_a_cluster_not_yet_seen_a_refusal_and_json() -> None:
@@ -477,6 +477,11 @@ def test_federation_status_of_a_cluster_not_yet_seen_a_refusal_and_json() -> Non
     refused["spec"]["federation"] = {}
     (row,) = kubectl.federation_rows([refused])
     assert row[-1] == "refused: 1.2.3.4:5: duplicate"
+    clash = federated(serverId="prod.orders", duplicateOf="other/orders",
+                      links=[{"exchange": "market", "upstream": "central", "state": "Refused",
+                              "message": "duplicate server id"}])  # fmt: skip
+    (row,) = kubectl.federation_rows([clash])
+    assert row[-1] == "duplicate server id: also other/orders"
     code, out, _ = run(FakeKube(cluster_obj()), ["federation", "status"])
     assert out == 'No BrokerClusters with spec.federation in namespace "prod".\n'
     code, out, _ = run(FakeKube(federated(serverId="x")), ["federation", "status", "-o", "json"])

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from apiserver import install_crd
-from federationsites import site
+from federationsites import channel, publish_confirmed, site
 
 from twinmq.broker.api import BrokerStatus
 from twinmq.broker.federation.config import load
@@ -116,6 +116,37 @@ def test_a_same_namespace_upstream_cluster_defaults_to_its_generated_credentials
     assert federation.upstream_uri(upstream, "site-b") == "amqp://twinmq@central.site-b.svc:5672/"
 
 
+def test_the_global_key_options_reach_the_file_only_when_the_spec_sets_them(
+    tmp_path: Path,
+) -> None:
+    plain = build_federation_config_map(REMOTE, spec(downstream()))
+    assert plain is not None
+    text = plain["data"]["federation.yaml"]
+    # The file a spec without the options had before the broker gained them: an operator
+    # upgrade does not roll such a cluster's pods.
+    assert yaml.safe_load(text) == {
+        "dedup-window": 100000,
+        "exchanges": [{"exchange": "market", "forward": False, "max-hops": 1,
+                       "prefetch": 256, "type": "topic", "upstream": "central"}],
+        "upstreams": {"central": {
+            "password-file": f"{federation.PASSWORD_DIR}/central",
+            "reconnect-max-seconds": 30.0, "uri": "amqp://twinmq@central.site-a.svc:5672/",
+        }},
+    }  # fmt: skip
+    fed = downstream(type="direct", globalKeys=True, forward=True)
+    fed.update(globalKeySeparator=":", statusIntervalSeconds=5)
+    config_map = build_federation_config_map(REMOTE, spec(fed))
+    assert config_map is not None
+    path = tmp_path / "federation.yaml"
+    path.write_text(config_map["data"]["federation.yaml"])
+    loaded = load(path)
+    assert (loaded.global_key_separator, loaded.status_interval_seconds) == (":", 5.0)
+    assert loaded.exchanges[0].global_keys
+    before = pod_revision(build_pod(REMOTE, spec(downstream()), "primary"))
+    after = pod_revision(build_pod(REMOTE, spec(fed), "primary"))
+    assert before != after
+
+
 def test_a_change_of_the_federation_rolls_the_pods_out() -> None:
     before = pod_revision(build_pod(REMOTE, spec(downstream()), "primary"))
     same = pod_revision(build_pod(REMOTE, spec(downstream()), "primary"))
@@ -215,6 +246,43 @@ def test_the_status_condition_and_events_follow_a_real_link_up_and_down(
         remote.stop()
 
 
+def test_the_link_status_shows_forwarded_messages_and_the_upstream_state_of_a_real_link(
+    tmp_path: Path, central: BrokerProcess
+) -> None:
+    fed = Federation.model_validate({
+        "globalKeySeparator": ":",
+        "upstreams": [{"name": "central", "uri": "amqp://guest@x/",
+                       "passwordSecret": {"name": "login"}}],
+        "exchanges": [{"exchange": "market", "upstream": "central", "type": "direct",
+                       "forward": True, "globalKeys": True}],
+    })  # fmt: skip
+    remote = remote_site(tmp_path, fed, central)
+    try:
+        wait_for("the link running", lambda: link_state(remote) == "running", 30)
+        publish_confirmed(remote, "market", [("orders", b"one"), ("orders", b"two")])
+
+        def forwarded() -> int:
+            seen = report(remote).federation
+            return 0 if seen is None else seen.links[0].messages_forwarded
+
+        wait_for("both forwarded", lambda: forwarded() == 2, 30)
+        state = federation.state_of(fed, "site-b", "remote", report(remote).federation)
+        assert state is not None
+        (link,) = state.links
+        assert (link.forwarded, link.forward_pending, link.stale_unbound) == (2, 0, 0)
+        # The upstream's replicated state: its epoch and change counter.
+        assert link.upstream_epoch is not None and link.upstream_state_seq is not None
+        # The separator reached the broker: its server-named queues carry it.
+        connection, ch = channel(remote)
+        try:
+            queue = ch.queue_declare("", exclusive=True).method.queue
+        finally:
+            connection.close()
+        assert queue.startswith("amq.gen-site-b.remote:")
+    finally:
+        remote.stop()
+
+
 def test_a_duplicate_server_id_is_refused_with_a_warning_on_both_clusters(
     tmp_path: Path, central: BrokerProcess
 ) -> None:
@@ -246,6 +314,48 @@ def test_a_duplicate_server_id_is_refused_with_a_warning_on_both_clusters(
         assert "duplicate server id" in events[0][2]
     finally:
         remote.stop()
+
+
+# -- server ids unique across the operator's BrokerClusters ----------------------------------
+
+
+def test_the_newer_of_two_clusters_with_one_server_id_gets_a_condition_and_a_warning() -> None:
+    ids = federation.ServerIds()
+    older = federation.Claim("eu", "2026-11-27T10:00:00Z", "site-a/central")
+    newer = federation.Claim("eu", "2026-11-27T11:00:00Z", "site-b/remote")
+    assert ids.claim("u-1", older) == ""
+    assert ids.claim("u-2", newer) == "site-a/central"
+    assert ids.claim("u-1", older) == ""  # the older one keeps its id, unwarned
+    assert ids.claim("u-3", federation.Claim("us", "2026-11-27T12:00:00Z", "x/y")) == ""
+    fed = Federation.model_validate({"serverId": "eu"})
+    state = federation.state_of(fed, "site-b", "remote", None)
+    assert state is not None
+    state.duplicate_of = ids.claim("u-2", newer)
+    ctype, ok, reason, message = federation.condition(state)  # type: ignore[misc]
+    assert (ctype, ok, reason) == ("Federated", False, "DuplicateServerId")
+    assert "site-a/central" in message and "serverId" in message
+    ((kind, reason, _),) = federation.events(None, state)
+    assert (kind, reason) == ("Warning", "DuplicateServerId")
+    assert federation.events(state, state) == []  # once, not at every pass
+    ids.forget("u-1")  # the older cluster deleted: the id is the newer one's now
+    assert ids.claim("u-2", newer) == ""
+
+
+def test_a_defaulted_server_id_counts_and_a_cluster_leaving_federation_frees_its_id() -> None:
+    ids = federation.ServerIds()
+    # site-a/remote by default is site-a.remote; another cluster names it explicitly.
+    default, named = Federation(), Federation.model_validate({"serverId": "site-a.remote"})
+    first = federation.state_of(default, "site-a", "remote", None)
+    second = federation.state_of(named, "site-b", "other", None)
+    assert first is not None and second is not None
+    federation.check_server_id(
+        ids, default, first, "u-1", "site-a", "remote", "2026-01-01T00:00:00Z"
+    )
+    federation.check_server_id(ids, named, second, "u-2", "site-b", "other", "2026-01-02T00:00:00Z")
+    assert (first.duplicate_of, second.duplicate_of) == ("", "site-a/remote")
+    federation.check_server_id(ids, None, None, "u-1", "site-a", "remote", "2026-01-01T00:00:00Z")
+    federation.check_server_id(ids, named, second, "u-2", "site-b", "other", "2026-01-02T00:00:00Z")
+    assert second.duplicate_of == ""
 
 
 # -- the CRD's rules on a real API server ----------------------------------------------------
@@ -297,6 +407,17 @@ UP = {"name": "central", "clusterRef": {"name": "central"}}
         ({"upstreams": [{"name": "c", "uri": "amqp://u@h/"}]}, "passwordSecret is required"),
         ({"serverId": "a b"}, "spec.federation.serverId"),
         (
+            {
+                "upstreams": [UP],
+                "exchanges": [
+                    {"exchange": "m", "upstream": "central", "type": "fanout", "globalKeys": True}
+                ],
+            },
+            "globalKeys needs a direct or topic exchange",
+        ),
+        ({"globalKeySeparator": "a/b"}, "spec.federation.globalKeySeparator"),
+        ({"statusIntervalSeconds": -1}, "spec.federation.statusIntervalSeconds"),
+        (
             {"upstreams": [UP], "exchanges": [{"exchange": "a b", "upstream": "central"}]},
             "spec.federation.exchanges[0].exchange",
         ),
@@ -315,7 +436,9 @@ def test_the_crd_accepts_a_downstream_and_an_upstream_only_section(crd_kube: Kub
         "upstreams": [UP, {"name": "other", "uri": "amqp://fed@other.example:5672/",
                            "passwordSecret": {"name": "other-login", "key": "pw"}}],
         "exchanges": [{"exchange": "market", "upstream": "central"},
-                      {"exchange": "orders", "upstream": "other", "type": "direct"}],
+                      {"exchange": "orders", "upstream": "other", "type": "direct",
+                       "globalKeys": True}],
+        "globalKeySeparator": ":", "statusIntervalSeconds": 0,
     })  # fmt: skip
     create(crd_kube, "central", {})
     found = crd_kube.get(f"{GROUP}/{VERSION}", KIND, "default", "remote")
@@ -323,3 +446,6 @@ def test_the_crd_accepts_a_downstream_and_an_upstream_only_section(crd_kube: Kub
     spec_seen = BrokerClusterSpec.model_validate(found["spec"])
     assert spec_seen.federation is not None
     assert spec_seen.federation.exchanges[1].max_hops == 1  # defaults filled in
+    assert spec_seen.federation.exchanges[1].global_keys
+    assert (spec_seen.federation.global_key_separator,
+            spec_seen.federation.status_interval_seconds) == (":", 0)  # fmt: skip
