@@ -345,6 +345,10 @@ def spark_operator(real_node: Cluster, namespace: str, spark_operator_crd: None)
     chart = Path(json.loads(found.stdout)["Dir"]) / "charts" / "spark-operator-chart"
     manifests = _spark_operator_manifests(real_node, chart, binary, namespace)
     kube = real_node.kube
+    # Its controller also watches ScheduledSparkApplications and SparkConnects: all three
+    # CRDs of its chart (server-side: too large for kubectl's last-applied annotation),
+    # left installed as the module's SparkApplication CRD is.
+    _kubectl(real_node, "apply", "--server-side", "--force-conflicts", "-f", str(chart / "crds"))
     kube.create("/api/v1/namespaces", {"metadata": {"name": SPARK_OPERATOR_NAMESPACE}})
     try:
         _kubectl(real_node, "apply", "-f", "-", stdin=manifests)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from importlib.metadata import version
 from typing import Any
 
 import pytest
@@ -259,6 +260,7 @@ def test_the_spark_application_carries_the_same_program_and_resources() -> None:
     assert body["arguments"][:4] == ["--store", STORE, "--run-id", "orders-audit-1"]
     # Spark in local mode inside the driver pod (no s3a connector for executors).
     assert "--master=local[1]" in body["arguments"]
+    assert body["sparkVersion"] == version("pyspark")  # the image's PySpark (image/*.lock)
     assert body["restartPolicy"] == {"type": "Never"}
     assert body["executor"]["instances"] == 3 and body["executor"]["memory"] == "2g"
     assert body["driver"]["serviceAccount"] == "spark-operator-spark"
