@@ -322,13 +322,14 @@ def _spark_operator_manifests(
     return yaml.safe_dump_all(docs)
 
 
-def _kubectl(cluster: Cluster, *args: str, stdin: str = "") -> str:
+def _kubectl(cluster: Cluster, *args: str, stdin: str = "", check: bool = True) -> str:
     proc = subprocess.run(
         [kubectl_binary(), *args], input=stdin, capture_output=True, text=True, timeout=120,
         env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
     )  # fmt: skip
-    assert proc.returncode == 0, f"kubectl {' '.join(args)}: {proc.stdout}{proc.stderr}"
-    return proc.stdout
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 or not check, f"kubectl {' '.join(args)}: {out}"
+    return out
 
 
 @pytest.fixture
@@ -351,7 +352,8 @@ def spark_operator(real_node: Cluster, namespace: str, spark_operator_crd: None)
     _kubectl(real_node, "apply", "--server-side", "--force-conflicts", "-f", str(chart / "crds"))
     kube.create("/api/v1/namespaces", {"metadata": {"name": SPARK_OPERATOR_NAMESPACE}})
     try:
-        _kubectl(real_node, "apply", "-f", "-", stdin=manifests)
+        # helm template leaves the release's namespace off some objects (the Deployment).
+        _kubectl(real_node, "apply", "-n", SPARK_OPERATOR_NAMESPACE, "-f", "-", stdin=manifests)
 
         def available() -> bool:
             path = f"/apis/apps/v1/namespaces/{SPARK_OPERATOR_NAMESPACE}/deployments"
@@ -362,11 +364,11 @@ def spark_operator(real_node: Cluster, namespace: str, spark_operator_crd: None)
         wait_for("the Spark Operator's controller is available", available, timeout=180)
         yield
     finally:
-        log = _kubectl(real_node, "logs", "-n", SPARK_OPERATOR_NAMESPACE, "--tail=200",
-                       "deployment/spark-operator-controller")  # fmt: skip
+        log = _kubectl(real_node, "logs", "-n", SPARK_OPERATOR_NAMESPACE, "--tail=300",
+                       "deployment/spark-operator-controller", check=False)  # fmt: skip
         (Layout.default().logs / "e2e-spark-operator.log").write_text(log)
-        _kubectl(real_node, "delete", "--ignore-not-found", "--wait=false", "-f", "-",
-                 stdin=manifests)  # fmt: skip
+        _kubectl(real_node, "delete", "-n", SPARK_OPERATOR_NAMESPACE, "--ignore-not-found",
+                 "--wait=false", "-f", "-", stdin=manifests)  # fmt: skip
         kube.delete(f"/api/v1/namespaces/{SPARK_OPERATOR_NAMESPACE}")
 
 
