@@ -316,6 +316,9 @@ def _spark_operator_manifests(
     )  # fmt: skip
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     for doc in docs:
+        # helm template leaves the release's namespace off some objects (the Deployment).
+        if not doc["kind"].startswith("Cluster"):
+            doc["metadata"].setdefault("namespace", SPARK_OPERATOR_NAMESPACE)
         if doc["kind"] == "Deployment":
             container = doc["spec"]["template"]["spec"]["containers"][0]
             container["command"] = ["/usr/bin/tini", "--", SPARK_OPERATOR_BINARY]
@@ -352,8 +355,7 @@ def spark_operator(real_node: Cluster, namespace: str, spark_operator_crd: None)
     _kubectl(real_node, "apply", "--server-side", "--force-conflicts", "-f", str(chart / "crds"))
     kube.create("/api/v1/namespaces", {"metadata": {"name": SPARK_OPERATOR_NAMESPACE}})
     try:
-        # helm template leaves the release's namespace off some objects (the Deployment).
-        _kubectl(real_node, "apply", "-n", SPARK_OPERATOR_NAMESPACE, "-f", "-", stdin=manifests)
+        _kubectl(real_node, "apply", "-f", "-", stdin=manifests)
 
         def available() -> bool:
             path = f"/apis/apps/v1/namespaces/{SPARK_OPERATOR_NAMESPACE}/deployments"
@@ -367,8 +369,8 @@ def spark_operator(real_node: Cluster, namespace: str, spark_operator_crd: None)
         log = _kubectl(real_node, "logs", "-n", SPARK_OPERATOR_NAMESPACE, "--tail=300",
                        "deployment/spark-operator-controller", check=False)  # fmt: skip
         (Layout.default().logs / "e2e-spark-operator.log").write_text(log)
-        _kubectl(real_node, "delete", "-n", SPARK_OPERATOR_NAMESPACE, "--ignore-not-found",
-                 "--wait=false", "-f", "-", stdin=manifests)  # fmt: skip
+        _kubectl(real_node, "delete", "--ignore-not-found", "--wait=false", "-f", "-",
+                 stdin=manifests)  # fmt: skip
         kube.delete(f"/api/v1/namespaces/{SPARK_OPERATOR_NAMESPACE}")
 
 
