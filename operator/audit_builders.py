@@ -111,6 +111,17 @@ SPARK_DRIVER_SCRIPT = (
 Spark entrypoint): spark-submit in client mode inside the driver pod."""
 
 
+SPARK_CONF = {
+    "spark.kubernetes.driver.pod.excludedFeatureSteps": (
+        "org.apache.spark.deploy.k8s.features.NetworkPolicyFeatureStep"
+    ),
+}
+"""Found on a real Spark Operator (issue 13): Spark 4 creates a NetworkPolicy for every
+driver (ingress from the application's executors only), which the Spark Operator v2.3.0
+chart's Role does not allow its controller to create (spark-submit then deletes the
+driver pod and the application fails). The audit starts no executors."""
+
+
 def _driver_template(spec: BrokerClusterSpec, pod_labels: dict[str, str]) -> Obj:
     """The driver's pod template: the Spark Operator hands it to spark-submit
     (`spark.kubernetes.driver.podTemplateFile`), which keeps its command, environment and
@@ -179,6 +190,7 @@ def build_spark_application(
                 f"--work-dir={SCRATCH}/store",
             ],
             "sparkVersion": SPARK_VERSION,
+            "sparkConf": SPARK_CONF,
             "restartPolicy": {"type": "Never"},
             "driver": driver,
             "executor": executor,

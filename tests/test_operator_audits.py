@@ -261,6 +261,9 @@ def test_the_spark_application_carries_the_same_program_and_resources() -> None:
     # Spark in local mode inside the driver pod (no s3a connector for executors).
     assert "--master=local[1]" in body["arguments"]
     assert body["sparkVersion"] == version("pyspark")  # the image's PySpark (image/*.lock)
+    # Spark 4's driver NetworkPolicy, which the Spark Operator's chart may not create.
+    excluded = body["sparkConf"]["spark.kubernetes.driver.pod.excludedFeatureSteps"]
+    assert excluded.endswith(".NetworkPolicyFeatureStep")
     assert body["restartPolicy"] == {"type": "Never"}
     assert body["executor"]["instances"] == 3 and body["executor"]["memory"] == "2g"
     assert body["driver"]["serviceAccount"] == "spark-operator-spark"
