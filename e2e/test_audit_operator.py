@@ -226,6 +226,9 @@ def _spark_state(cluster: Cluster, namespace: str, run: str, state: str, error: 
     )  # fmt: skip
 
 
+# A local Spark audit (the driver's work) on a loaded machine: past pytest's default 300 s
+# once at load 20 (2026-11-27).
+@pytest.mark.timeout(900)
 def test_the_spark_application_launcher_follows_the_spark_operator_states(
     cluster: Cluster,
     operator: OperatorProcess,
