@@ -129,8 +129,9 @@ def build(binary: Binary, *, force: bool = False) -> Path:
 
 
 def needed(mode: str) -> list[Binary]:
-    """Return the binaries a cluster with node `mode` runs (the kubelet only for `kubelet`)."""
-    return [binary for binary in BINARIES if binary.node_mode in (None, mode)]
+    """Return the binaries a cluster with node `mode` runs (the kubelet only for `kubelet`;
+    none built on demand only)."""
+    return [b for b in BINARIES if b.node_mode in (None, mode) and not b.on_demand]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,8 @@ KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 COREDNS_VERSION = "v1.14.7"
 HELM_VERSION = "v3.22.0"
+SPARK_OPERATOR_VERSION = "v2.3.0"
+"""The Kubeflow Spark Operator (the controller of `spec.audit.launcher: sparkApplication`)."""
 
 
 def staging_version(kubernetes_version: str = KUBERNETES_VERSION) -> str:
@@ -32,6 +34,8 @@ class Binary:
     kubernetes_staging: bool = False
     node_mode: str | None = None
     """Built by default only for a cluster with this node mode (`$TWINMQ_NODE`)."""
+    on_demand: bool = False
+    """Never built by default: only when named (`python -m twinmq.localcluster.binaries NAME`)."""
 
     @property
     def cache_key(self) -> str:
@@ -88,6 +92,20 @@ BINARIES: tuple[Binary, ...] = (
         version=HELM_VERSION,
         package="helm.sh/helm/v3/cmd/helm",
         ldflags=(f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",),
+    ),
+    # The Kubeflow Spark Operator's controller, for the SparkApplication audit on the real
+    # node (`make spark-operator`, e2e/test_audit_spark_operator.py); a few minutes to
+    # build, so only on demand.
+    Binary(
+        name="spark-operator",
+        module="github.com/kubeflow/spark-operator/v2",
+        version=SPARK_OPERATOR_VERSION,
+        package="github.com/kubeflow/spark-operator/v2/cmd/operator",
+        ldflags=(
+            "-X github.com/kubeflow/spark-operator/v2.version=" + SPARK_OPERATOR_VERSION,
+            "-X github.com/kubeflow/spark-operator/v2.gitTreeState=clean",
+        ),
+        on_demand=True,
     ),
 )
 """Build order: the small ones first so a cluster can start as early as possible."""

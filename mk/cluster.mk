@@ -11,6 +11,8 @@
 #                          if the suite started it); tests marked `slow` only when asked:
 #                          E2E_ARGS="-m slow -k ..."
 #   make cluster-demo      chart + confirmed traffic through a Service + kill -9 + report
+#   make spark-operator    build the Kubeflow Spark Operator's controller (on demand only:
+#                          the slow SparkApplication audit test, docs/local-cluster.md)
 # The node is a real kubelet + containerd running the project's image (TWINMQ_NODE=kubelet,
 # the default: it also builds the kubelet and the images and installs containerd and runc);
 # TWINMQ_NODE=agent is the fallback, the process-backed node agent (docs/local-cluster.md).
@@ -24,10 +26,13 @@ SYSTEM_PACKAGES += containernetworking-plugins iproute2 iptables conntrack opens
 # `make test` runs the e2e suite after the unit tests.
 TEST_EXTRA_TARGETS += e2e
 
-.PHONY: cluster-binaries cluster cluster-down cluster-status e2e cluster-demo
+.PHONY: cluster-binaries cluster cluster-down cluster-status e2e cluster-demo spark-operator
 
 cluster-binaries: $(CLUSTER_DEPS)
 	$(CLUSTER_PYTHON) -m twinmq.localcluster.binaries
+
+spark-operator: $(CLUSTER_DEPS)
+	$(CLUSTER_PYTHON) -m twinmq.localcluster.binaries spark-operator
 
 TWINMQ_NODE ?=
 export TWINMQ_NODE

@@ -16,7 +16,7 @@ LABEL_RUN = "twinmq.io/audit-run"
 ANNOTATION_REASON = "twinmq.io/audit-reason"
 SPARK_APP_FILE = "local:///opt/twinmq/spark-apps/replication_audit.py"
 """Where the project's image carries the Spark application."""
-SPARK_VERSION = "4.0.1"
+SPARK_VERSION = "4.3.0"
 """The Spark of the project's image (PySpark's version)."""
 SCRATCH = "/var/run/twinmq-tmp"
 """Scratch space of a local-mode run (Spark's local dirs, copies of S3 objects)."""
@@ -101,18 +101,70 @@ def build_audit_job(cluster: ClusterRef, spec: BrokerClusterSpec, name: str, rea
     }
 
 
+SPARK_DRIVER_CONTAINER = "spark-kubernetes-driver"
+"""The name the Spark Operator gives the driver's container in its pod template."""
+SPARK_DRIVER_SCRIPT = (
+    "shift; exec spark-submit --deploy-mode client "
+    '--conf "spark.driver.bindAddress=$SPARK_DRIVER_BIND_ADDRESS" "$@"'
+)
+"""What Spark's own image entrypoint does for `driver ARGS` (the project's image has no
+Spark entrypoint): spark-submit in client mode inside the driver pod."""
+
+
+SPARK_CONF = {
+    "spark.kubernetes.driver.pod.excludedFeatureSteps": (
+        "org.apache.spark.deploy.k8s.features.NetworkPolicyFeatureStep"
+    ),
+}
+"""Found on a real Spark Operator (issue 13): Spark 4 creates a NetworkPolicy for every
+driver (ingress from the application's executors only), which the Spark Operator v2.3.0
+chart's Role does not allow its controller to create (spark-submit then deletes the
+driver pod and the application fails). The audit starts no executors."""
+
+
+def _driver_template(spec: BrokerClusterSpec, pod_labels: dict[str, str]) -> Obj:
+    """The driver's pod template: the Spark Operator hands it to spark-submit
+    (`spark.kubernetes.driver.podTemplateFile`), which keeps its command, environment and
+    volumes. Found on a real Spark Operator (issue 13): Spark starts the driver container
+    with the arguments `driver --properties-file ...` and the image's entrypoint, so
+    without a command the project's image would run `driver` as a program; `envFrom` on
+    the SparkApplication is applied only by the Spark Operator's mutating webhook, which
+    a cluster may not run, while a template's `envFrom` always reaches the pod."""
+    container: Obj = {
+        "name": SPARK_DRIVER_CONTAINER,
+        "command": ["/usr/bin/tini", "--", "/bin/sh", "-c", SPARK_DRIVER_SCRIPT, "spark-driver"],
+        "env": [{"name": "TMPDIR", "value": SCRATCH}],
+        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH}],
+    }
+    if env_from := _store_env(spec):
+        container["envFrom"] = env_from
+    return {
+        "metadata": {"labels": pod_labels},
+        "spec": {"containers": [container], "volumes": [{"name": "scratch", "emptyDir": {}}]},
+    }
+
+
 def build_spark_application(
     cluster: ClusterRef, spec: BrokerClusterSpec, name: str, reason: str
 ) -> Obj:
-    """A SparkApplication for the Kubeflow Spark Operator (cluster mode, never restarted)."""
+    """A SparkApplication for the Kubeflow Spark Operator (cluster mode, never restarted).
+
+    The audit runs inside the driver pod, Spark in local mode with `driverCores` threads:
+    executors would read the store through the s3a connector (hadoop-aws), which the
+    project's audit image does not carry; without it the driver copies what it reads to
+    its own scratch space, which executor pods cannot see. The executor settings are
+    passed on as given (the Spark Operator requires them); no executor pod starts."""
     res = spec.audit.resources
     pod_labels = {**labels(cluster), LABEL_RUN: name}
-    env_from = _store_env(spec)
     driver: Obj = {
         "cores": res.driver_cores,
         "memory": res.driver_memory,
+        # Python, Arrow and the JVM's own overhead, as for the Job (Spark's default, 10 %
+        # but at least 384 MiB, is too little for the Python side).
+        "memoryOverhead": "768m",
         "serviceAccount": spec.audit.service_account_name,
         "labels": pod_labels,
+        "template": _driver_template(spec, pod_labels),
     }
     executor: Obj = {
         "instances": res.executor_instances,
@@ -120,8 +172,6 @@ def build_spark_application(
         "memory": res.executor_memory,
         "labels": pod_labels,
     }
-    if env_from:
-        driver["envFrom"] = executor["envFrom"] = env_from
     return {
         "apiVersion": SPARK_API,
         "kind": "SparkApplication",
@@ -133,8 +183,14 @@ def build_spark_application(
             "image": spec.audit.image or spec.image,
             "imagePullPolicy": spec.image_pull_policy,
             "mainApplicationFile": SPARK_APP_FILE,
-            "arguments": audit_args(spec, name),
+            "arguments": [
+                *audit_args(spec, name),
+                f"--master=local[{res.driver_cores}]",
+                f"--conf=spark.local.dir={SCRATCH}/spark",
+                f"--work-dir={SCRATCH}/store",
+            ],
             "sparkVersion": SPARK_VERSION,
+            "sparkConf": SPARK_CONF,
             "restartPolicy": {"type": "Never"},
             "driver": driver,
             "executor": executor,

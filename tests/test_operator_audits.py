@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from importlib.metadata import version
 from typing import Any
 
 import pytest
@@ -256,11 +257,31 @@ def test_the_spark_application_carries_the_same_program_and_resources() -> None:
     body = app["spec"]
     assert app["apiVersion"] == "sparkoperator.k8s.io/v1beta2"
     assert (body["type"], body["mode"], body["image"]) == ("Python", "cluster", "spark/twinmq:1")
-    assert body["arguments"] == ["--store", STORE, "--run-id", "orders-audit-1"]
+    assert body["arguments"][:4] == ["--store", STORE, "--run-id", "orders-audit-1"]
+    # Spark in local mode inside the driver pod (no s3a connector for executors).
+    assert "--master=local[1]" in body["arguments"]
+    assert body["sparkVersion"] == version("pyspark")  # the image's PySpark (image/*.lock)
+    # Spark 4's driver NetworkPolicy, which the Spark Operator's chart may not create.
+    excluded = body["sparkConf"]["spark.kubernetes.driver.pod.excludedFeatureSteps"]
+    assert excluded.endswith(".NetworkPolicyFeatureStep")
     assert body["restartPolicy"] == {"type": "Never"}
     assert body["executor"]["instances"] == 3 and body["executor"]["memory"] == "2g"
     assert body["driver"]["serviceAccount"] == "spark-operator-spark"
-    assert body["driver"]["envFrom"] == body["executor"]["envFrom"]
+
+
+def test_the_spark_driver_gets_its_command_and_store_credentials_from_its_pod_template() -> None:
+    """Without the Spark Operator's webhook `envFrom` never reaches the pod, and the image
+    has no Spark entrypoint for the `driver` argument: the pod template carries both."""
+    spec = spec_with(launcher="sparkApplication")
+    driver = build_spark_application(CLUSTER, spec, "orders-audit-1", "schedule")["spec"]["driver"]
+    assert "envFrom" not in driver
+    template = driver["template"]
+    validate({"apiVersion": "v1", "kind": "Pod", **template})
+    container = template["spec"]["containers"][0]
+    assert container["name"] == "spark-kubernetes-driver"
+    assert container["envFrom"] == [{"secretRef": {"name": "s3"}}]
+    command = container["command"]
+    assert command[:2] == ["/usr/bin/tini", "--"] and "--deploy-mode client" in command[-2]
 
 
 def test_brokers_ship_their_segments_only_when_audits_are_enabled() -> None:

@@ -140,8 +140,14 @@ def test_each_mode_runs_its_own_node_daemons_between_control_plane_and_proxy() -
 
 def test_the_kubelet_is_built_by_default_only_for_the_kubelet_mode() -> None:
     assert "kubelet" not in {b.name for b in needed("agent")}
-    assert {b.name for b in needed("kubelet")} == {b.name for b in BINARIES}
+    on_demand = {b.name for b in BINARIES if b.on_demand}
+    assert {b.name for b in needed("kubelet")} == {b.name for b in BINARIES} - on_demand
     assert {b.name for b in needed("agent")} >= {"kube-apiserver", "kube-proxy", "kubectl"}
+
+
+def test_the_spark_operator_is_built_only_when_asked_for() -> None:
+    assert "spark-operator" not in {b.name for b in needed("kubelet") + needed("agent")}
+    assert any(b.name == "spark-operator" and b.on_demand for b in BINARIES)
 
 
 HYBRID_MOUNTINFO = """\
