@@ -96,7 +96,9 @@ def test_messages_expiring_into_a_dead_letter_queue_during_a_catch_up_arrive_the
     channel = connection.channel()
     channel.queue_declare(DEAD, durable=True)
     dead_letter = {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": DEAD}
-    channel.queue_declare(TTL, durable=True, arguments={"x-message-ttl": 8000, **dead_letter})
+    # 20 s: long enough to outlast the catch-up's start on a loaded machine (at 8 s one
+    # expired first there), short enough to expire while the catch-up is frozen.
+    channel.queue_declare(TTL, durable=True, arguments={"x-message-ttl": 20000, **dead_letter})
     channel.confirm_delivery()
     expiring = bodies("expiring", 200)
     for body in expiring:
@@ -109,7 +111,7 @@ def test_messages_expiring_into_a_dead_letter_queue_during_a_catch_up_arrive_the
     pair.link.partition()
     assert messages(active, TTL) == 200, "they expired before the catch-up: nothing proven"
     # They expire on the active while the catch-up is frozen (a passive runs no timers).
-    wait_for("every message dead-lettered", lambda: messages(active, DEAD) == 200, 30)
+    wait_for("every message dead-lettered", lambda: messages(active, DEAD) == 200, 60)
     pair.link.heal()
     pair.wait_healthy(30)
     assert {q: messages(passive, q) for q in (TTL, DEAD)} == {TTL: 0, DEAD: 200}

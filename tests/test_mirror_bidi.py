@@ -53,10 +53,18 @@ def settle(site: BrokerProcess, queue: str, n: int, how: str = "ack") -> None:
 
 def converged(ring: Ring, queue: str, expected: int) -> None:
     """Wait until every site holds `expected` messages in `queue` and nothing is in flight."""
-    wait_for(
-        f"{queue} at {expected} on every site",
-        lambda: all(depth(site, queue) == expected for site in ring.sites),
-    )
+    seen: dict[str, int] = {}
+
+    def done() -> bool:
+        seen.update({site.name: depth(site, queue) for site in ring.sites})
+        return all(n == expected for n in seen.values())
+
+    # 120 s: a healed link reconnects within seconds, but a loaded machine (a CI run
+    # beside other work) stretches the catch-up.
+    try:
+        wait_for(f"{queue} at {expected} on every site", done, timeout=120)
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}; depths seen last: {seen}") from None
     ring.caught_up()
 
 
