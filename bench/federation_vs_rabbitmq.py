@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import json
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -377,20 +376,13 @@ def main() -> None:
     p.add_argument("--cut-gap", type=float, default=1.0, help="seconds between link cuts")
     opts = p.parse_args()
     rabbitmq_node.ensure_installed()
-    results: dict[str, dict[str, list[float]]] = {"TwinMQ": {}, "RabbitMQ": {}}
-    print(f"load average at the start: {xsite.load_average()}", flush=True)
-    for run in range(opts.runs):
-        order = ("TwinMQ", "RabbitMQ") if run % 2 == 0 else ("RabbitMQ", "TwinMQ")
-        print(f"run {run + 1} ({' then '.join(order)}), load {xsite.load_average()}", flush=True)
-        for name in order:
-            with tempfile.TemporaryDirectory(prefix="twinmq-xbench-fed-") as tmp:
-                one_run(name, Path(tmp), opts, results)
-    print(f"load average at the end: {xsite.load_average()}")
+    results = xsite.run_alternated(
+        opts.runs, "twinmq-xbench-fed-", lambda name, tmp, res: one_run(name, tmp, opts, res)
+    )
     report(results, opts)
 
 
 def report(results: dict[str, dict[str, list[float]]], opts: argparse.Namespace) -> None:
-    t, r = results["TwinMQ"], results["RabbitMQ"]
     rows = [
         ("confirms/s upstream", "confirms/s", "{:,.0f}"),
         ("delivered/s downstream (queue 1 of N)", "delivered/s", "{:,.0f}"),
@@ -415,25 +407,7 @@ def report(results: dict[str, dict[str, list[float]]], opts: argparse.Namespace)
         ("cut: confirmed but lost", "lost", "{:,.0f}"),
         ("cut: delivered twice", "duplicates", "{:,.0f}"),
     ]
-    print()
-    print(f"{opts.runs} runs per broker, median (min-max); ratio = TwinMQ / RabbitMQ (medians)")
-    print()
-    print("| measure | TwinMQ | RabbitMQ | ratio |")
-    print("|---|---:|---:|---:|")
-    for label, key, fmt in rows:
-        if key not in t and key not in r:
-            continue
-        tv, rv = t.get(key, []), r.get(key, [])
-        print(
-            f"| {label} | {xsite.cell(tv, fmt)} | {xsite.cell(rv, fmt)} | {xsite.ratio(tv, rv)} |"
-        )
-    print()
-    for name in ("TwinMQ", "RabbitMQ"):
-        runs = results[name]
-        print(
-            f"{name} run by run: "
-            + json.dumps({k: [round(x, 2) for x in v] for k, v in runs.items()})
-        )
+    xsite.print_table(results, rows, opts.runs, ("TwinMQ", "RabbitMQ"))
 
 
 if __name__ == "__main__":

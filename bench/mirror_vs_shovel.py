@@ -30,7 +30,6 @@ import bisect
 import contextlib
 import json
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -301,16 +300,9 @@ def main() -> None:
     p.add_argument("--cut-gap", type=float, default=1.0, help="seconds between link cuts")
     opts = p.parse_args()
     rabbitmq_node.ensure_installed()
-    results: dict[str, dict[str, list[float]]] = {"TwinMQ": {}, "RabbitMQ": {}}
-    print(f"load average at the start: {xsite.load_average()}", flush=True)
-    for run in range(opts.runs):
-        order = ("TwinMQ", "RabbitMQ") if run % 2 == 0 else ("RabbitMQ", "TwinMQ")
-        print(f"run {run + 1} ({' then '.join(order)}), load {xsite.load_average()}", flush=True)
-        for name in order:
-            with tempfile.TemporaryDirectory(prefix="twinmq-xbench-mirror-") as tmp:
-                one_run(name, Path(tmp), opts, results)
-    print(f"load average at the end: {xsite.load_average()}")
-    t, r = results["TwinMQ"], results["RabbitMQ"]
+    results = xsite.run_alternated(
+        opts.runs, "twinmq-xbench-mirror-", lambda name, tmp, res: one_run(name, tmp, opts, res)
+    )
     rows = [
         ("confirms/s on A", "confirms/s", "{:,.0f}"),
         ("lag p50 ms (oldest message not yet on B)", "lag p50 ms", "{:.0f}"),
@@ -320,22 +312,7 @@ def main() -> None:
         ("cut: confirmed but lost on B", "lost", "{:,.0f}"),
         ("cut: twice on B", "duplicates", "{:,.0f}"),
     ]
-    print()
-    print(f"{opts.runs} runs per broker, median (min-max); ratio = TwinMQ / RabbitMQ (medians)")
-    print()
-    print("| measure | TwinMQ mirror | RabbitMQ shovel | ratio |")
-    print("|---|---:|---:|---:|")
-    for label, key, fmt in rows:
-        tv, rv = t.get(key, []), r.get(key, [])
-        print(
-            f"| {label} | {xsite.cell(tv, fmt)} | {xsite.cell(rv, fmt)} | {xsite.ratio(tv, rv)} |"
-        )
-    print()
-    for name in ("TwinMQ", "RabbitMQ"):
-        print(
-            f"{name} run by run: "
-            + json.dumps({k: [round(x, 2) for x in v] for k, v in results[name].items()})
-        )
+    xsite.print_table(results, rows, opts.runs, ("TwinMQ mirror", "RabbitMQ shovel"))
 
 
 if __name__ == "__main__":

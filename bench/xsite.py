@@ -10,11 +10,14 @@ count what was lost or delivered twice. Numbers only: nothing here asserts a tim
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import struct
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pika
 
@@ -238,3 +241,49 @@ def load_average() -> str:
     """The 1/5/15-minute load average."""
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
+
+
+Results = dict[str, dict[str, list[float]]]
+"""Per broker ("TwinMQ", "RabbitMQ"): per measure, one value per run."""
+
+
+def run_alternated(
+    runs: int, prefix: str, one_run: Callable[[str, Path, Results], None]
+) -> Results:
+    """`one_run(broker, folder, results)` `runs` times per broker, the order alternated,
+    each in a fresh temporary folder; the load average printed around it all."""
+    results: Results = {"TwinMQ": {}, "RabbitMQ": {}}
+    print(f"load average at the start: {load_average()}", flush=True)
+    for run in range(runs):
+        order = ("TwinMQ", "RabbitMQ") if run % 2 == 0 else ("RabbitMQ", "TwinMQ")
+        print(f"run {run + 1} ({' then '.join(order)}), load {load_average()}", flush=True)
+        for name in order:
+            with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+                one_run(name, Path(tmp), results)
+    print(f"load average at the end: {load_average()}")
+    return results
+
+
+def print_table(
+    results: Results, rows: list[tuple[str, str, str]], runs: int, columns: tuple[str, str]
+) -> None:
+    """`rows` (label, measure, format) as a Markdown table, median (min-max) per broker
+    under `columns` and their ratio (a measure neither broker has is left out), then
+    every run's values."""
+    t, r = results["TwinMQ"], results["RabbitMQ"]
+    print()
+    print(f"{runs} runs per broker, median (min-max); ratio = TwinMQ / RabbitMQ (medians)")
+    print()
+    print(f"| measure | {columns[0]} | {columns[1]} | ratio |")
+    print("|---|---:|---:|---:|")
+    for label, key, fmt in rows:
+        if key not in t and key not in r:
+            continue
+        tv, rv = t.get(key, []), r.get(key, [])
+        print(f"| {label} | {cell(tv, fmt)} | {cell(rv, fmt)} | {ratio(tv, rv)} |")
+    print()
+    for name in ("TwinMQ", "RabbitMQ"):
+        print(
+            f"{name} run by run: "
+            + json.dumps({k: [round(x, 2) for x in v] for k, v in results[name].items()})
+        )
