@@ -63,24 +63,42 @@ class PeerEvent(BaseModel):
 
 
 def publish(vhost: VirtualHost, event: PeerEvent) -> None:
-    """Publish `event` on `amq.peer` (not on a passive: nothing is published there)."""
-    exchange = vhost.exchanges.get(PEER_EXCHANGE)
+    """Publish `event` on `amq.peer`."""
+    publish_status(
+        vhost, PEER_EXCHANGE, event.event, event, event.event, event.time, "twinmq-federation"
+    )
+
+
+def publish_status(
+    vhost: VirtualHost,
+    exchange_name: str,
+    routing_key: str,
+    message: BaseModel,
+    message_type: str,
+    sent: float,
+    app_id: str,
+) -> None:
+    """Publish `message` as a transient JSON message through a built-in exchange (`""`:
+    the default one), not on a passive (nothing is published there). A failure is logged,
+    never raised: a status message never stops a link, a connection or the broker's work."""
+    exchange = vhost.exchanges.get(exchange_name)
     if exchange is None or vhost.replica:
         return
     try:
-        body = event.model_dump_json().encode()
+        body = message.model_dump_json().encode()
         properties = commands.Basic.Properties(
             content_type="application/json",
             delivery_mode=1,
-            message_type=event.event,
-            timestamp=datetime.fromtimestamp(int(event.time), UTC),
-            app_id="twinmq-federation",
+            message_type=message_type,
+            timestamp=datetime.fromtimestamp(int(sent), UTC),
+            app_id=app_id,
         )
         header = codec.encode_header_payload(properties, len(body))
         info = codec.decode_content_header(header)
-        vhost.publish(exchange, event.event, header, body, info, forward=False)
-    except Exception as exc:  # a status message never stops the link or the connection
-        log.warning("amq.peer: the %s event was not published: %r", event.event, exc)
+        vhost.publish(exchange, routing_key, header, body, info, forward=False)
+    except Exception as exc:
+        where = exchange_name or f"queue {routing_key}"
+        log.warning("%s: a %s message was not published: %r", where, message_type, exc)
 
 
 def now() -> float:

@@ -32,13 +32,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
-from pamqp import commands
 from pydantic import BaseModel, Field
 
-from twinmq.broker import codec
+from twinmq.broker.federation.peer import publish_status
 from twinmq.broker.vhost import BUILTIN_EXCHANGES, VirtualHost
 
 log = logging.getLogger(__name__)
@@ -314,23 +312,10 @@ class StatePublisher:
             self._publish("", queue, message)
 
     def _publish(self, exchange_name: str, routing_key: str, message: StateMessage) -> None:
-        exchange = self.vhost.exchanges.get(exchange_name)
-        if exchange is None or self.vhost.replica:
-            return
-        try:
-            body = message.model_dump_json().encode()
-            properties = commands.Basic.Properties(
-                content_type="application/json",
-                delivery_mode=1,
-                message_type=message.kind,
-                timestamp=datetime.fromtimestamp(int(message.time), UTC),
-                app_id="twinmq-state",
-            )
-            header = codec.encode_header_payload(properties, len(body))
-            info = codec.decode_content_header(header)
-            self.vhost.publish(exchange, routing_key, header, body, info, forward=False)
-        except Exception as exc:  # a state message never stops the broker's work
-            log.warning("amq.twinmq.state: a %s message was not published: %r", message.kind, exc)
+        publish_status(
+            self.vhost, exchange_name, routing_key, message, message.kind, message.time,
+            "twinmq-state",
+        )  # fmt: skip
 
 
 class StateView:
