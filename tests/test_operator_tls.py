@@ -5,15 +5,21 @@ the generated files that a pika client verifies by the virtual IP's DNS name."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import ssl
+import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pika
 import pytest
+import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from twinmq.broker.names import AMQPS_PORT
 from twinmq.operator import certs
@@ -27,6 +33,7 @@ from twinmq.operator.kube import Kube
 from twinmq.operator.models import BrokerClusterSpec
 from twinmq.operator.netpolicy import OperatorPods, build_network_policy
 from twinmq.testing.launcher import BrokerProcess, free_port
+from twinmq.testing.waiting import wait_for
 
 CLUSTER = ClusterRef(namespace="shop", name="orders", uid="uid-1")
 NOW = datetime(2026, 11, 27, 20, 0, tzinfo=UTC)
@@ -262,3 +269,58 @@ def test_a_broker_with_the_operators_certificate_is_verified_by_the_virtual_ips_
             pika.BlockingConnection(params(name)).close()
         with pytest.raises((pika.exceptions.AMQPError, ssl.SSLError, ConnectionError)):
             pika.BlockingConnection(params("someone-else.shop.svc"))
+
+
+# -- cert-manager's Certificate on the real API server, with cert-manager's own CRD ---------
+
+CERT_MANAGER_MODULE = "github.com/cert-manager/cert-manager@v1.16.2"
+CERTIFICATE_CRD = "deploy/crds/crd-certificates.yaml"
+
+
+def cert_manager_crd() -> dict[str, Any]:
+    """cert-manager's Certificate CRD as its Go module publishes it (the Helm chart's copy:
+    its template directives sit in comments and in label values, dropped here)."""
+    if shutil.which("go") is None:
+        pytest.skip("no go: cert-manager's CRD comes from its Go module")
+    found = subprocess.run(
+        ["go", "mod", "download", "-json", CERT_MANAGER_MODULE],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "GOFLAGS": "-mod=mod"},
+    )  # fmt: skip
+    if found.returncode != 0:
+        pytest.fail(f"go mod download {CERT_MANAGER_MODULE}: {found.stdout}{found.stderr}")
+    crd = yaml.safe_load((Path(json.loads(found.stdout)["Dir"]) / CERTIFICATE_CRD).read_text())
+    crd["metadata"] = {"name": crd["metadata"]["name"]}
+    return dict(crd)
+
+
+def test_cert_managers_api_server_takes_the_certificate_as_built(kube: Kube) -> None:
+    kube.apply(cert_manager_crd())
+
+    def served() -> bool:
+        try:
+            kube.dynamic.resources.invalidate_cache()
+            kube.dynamic.resources.get(api_version="cert-manager.io/v1", kind="Certificate")
+        except ResourceNotFoundError:
+            return False
+        return True
+
+    wait_for("cert-manager's Certificate kind served", served, 60)
+    cluster = ClusterRef(namespace="default", name="tls-cm", uid="uid-cm")
+    spec = spec_of(issuerRef={"name": "corp-ca", "kind": "ClusterIssuer"})
+    memory = certs.TlsMemory()
+    certs.reconcile_tls(cluster, spec, memory, kube, kube.apply, clock=0.0)
+    stored = kube.get("cert-manager.io/v1", "Certificate", "default", "tls-cm-tls")
+    assert stored is not None
+    # Nothing pruned or defaulted away: the schema knows every field the operator sets.
+    assert stored["spec"] == certs.build_certificate(cluster, spec.tls)["spec"]
+    assert kube.get_secret_data("default", "tls-cm-tls-ca") is None  # cert-manager's job
+    # Once cert-manager has written the Secret (as it does, with ca.crt), the CA is
+    # published for clients at the next read.
+    ca = certs.new_ca(cluster, NOW)
+    server = certs.issue_server(ca, certs.dns_names(cluster), NOW, 3600)
+    written = certs.build_server_secret(cluster, spec.tls, server, ca)
+    written["metadata"].pop("ownerReferences")
+    kube.apply(written)
+    certs.reconcile_tls(cluster, spec, memory, kube, kube.apply, clock=certs.READ_EVERY)
+    assert config_map_ca(kube, cluster) == ca.cert
