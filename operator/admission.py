@@ -9,9 +9,9 @@ operator. The API server's own authorizer answers for the author at admission (C
 - create pods in its namespace (the brokers' and the audit runs' images are theirs to
   name; the audit's ServiceAccount is one such pod's), and
 - read every Secret it names: `auth.secretName`, `audit.storeSecretName`,
-  `mirror.secretName`, each federation upstream's `passwordSecret`, and the `<name>-auth`
-  Secret of a same-namespace BrokerCluster an upstream refers to without one (the
-  operator would mount that cluster's password).
+  `mirror.secretName`, `tls.secretName`, each federation upstream's `passwordSecret`,
+  and the `<name>-auth` Secret of a same-namespace BrokerCluster an upstream refers to
+  without one (the operator would mount that cluster's password).
 
 `python -m twinmq.operator.admission > helm/twinmq/templates/admission-policy.yaml`
 writes the chart's template (`tests/test_admission.py` keeps it current and proves the
@@ -37,6 +37,8 @@ _SECRETS = (
     " ? [object.spec.audit.storeSecretName] : [])"
     " + (has(object.spec.mirror) && has(object.spec.mirror.secretName)"
     " ? [object.spec.mirror.secretName] : [])"
+    " + (has(object.spec.tls) && has(object.spec.tls.secretName)"
+    " ? [object.spec.tls.secretName] : [])"
     " + (has(object.spec.federation) && has(object.spec.federation.upstreams)"
     " ? object.spec.federation.upstreams.map(u,"
     " has(u.passwordSecret) ? u.passwordSecret.name"

@@ -24,6 +24,7 @@ from twinmq.broker.names import (
     ADMIN_READ_TOKEN_ENV,
     ADMIN_TOKEN_ENV,
     AMQP_PORT,
+    AMQPS_PORT,
     LEASE_NAME_ENV,
     LEASE_SECONDS_ENV,
     PASSIVE,
@@ -32,7 +33,7 @@ from twinmq.broker.names import (
 )
 from twinmq.broker.settings import flag
 from twinmq.operator import federation, mirroring
-from twinmq.operator.models import BrokerClusterSpec, BrokerName, Limits, Mirror
+from twinmq.operator.models import BrokerClusterSpec, BrokerName, Limits, Mirror, Tls
 
 Obj = dict[str, Any]
 
@@ -104,6 +105,43 @@ def pod_name(cluster: ClusterRef, broker: BrokerName) -> str:
 def secret_name(cluster: ClusterRef, spec: BrokerClusterSpec) -> str:
     """The credentials Secret (given in the spec, or the generated one)."""
     return spec.auth.secret_name or f"{cluster.name}-auth"
+
+
+TLS_DIR = "/etc/twinmq/tls"
+"""Where the broker container sees the server certificate's Secret (a whole-Secret volume,
+no subPath: the kubelet's in-place updates must reach the files, `operator/certs.py`)."""
+
+
+def tls_secret_name(cluster: ClusterRef, tls: Tls) -> str:
+    """The server certificate's Secret the pods mount (given, or `<cluster>-tls`)."""
+    return tls.secret_name or f"{cluster.name}-tls"
+
+
+def tls_args(spec: BrokerClusterSpec) -> list[str]:
+    """The broker's flags for AMQPS (its default port, 5671); none without TLS."""
+    if not spec.tls.enabled:
+        return []
+    return [f"--tls-cert={TLS_DIR}/tls.crt", f"--tls-key={TLS_DIR}/tls.key"]
+
+
+def tls_volumes(cluster: ClusterRef, spec: BrokerClusterSpec) -> list[Obj]:
+    """The server certificate's Secret volume (the certificate and key only)."""
+    if not spec.tls.enabled:
+        return []
+    return [{"name": "tls", "secret": {
+        "secretName": tls_secret_name(cluster, spec.tls),
+        "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}],
+    }}]  # fmt: skip
+
+
+def tls_mounts(spec: BrokerClusterSpec) -> list[Obj]:
+    """Where the broker container sees it."""
+    return [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if spec.tls.enabled else []
+
+
+def amqps_ports(spec: BrokerClusterSpec) -> list[Obj]:
+    """The broker container's AMQPS port; none without TLS."""
+    return [{"name": "amqps", "containerPort": AMQPS_PORT}] if spec.tls.enabled else []
 
 
 def lease_name(cluster: ClusterRef) -> str:
@@ -280,6 +318,7 @@ def build_pod(
                     f"--audit-segment-seconds={spec.audit.segment_seconds}",
                     *federation.broker_args(spec.federation, cluster.namespace, cluster.name),
                     *limit_args(spec.limits),
+                    *tls_args(spec),
                 ],
                 "env": [
                     {
@@ -303,6 +342,7 @@ def build_pod(
                 ],
                 "ports": [
                     {"name": "amqp", "containerPort": AMQP_PORT},
+                    *amqps_ports(spec),
                     {"name": "admin", "containerPort": ADMIN_PORT},
                     {"name": "replication", "containerPort": REPLICATION_PORT},
                     *mirroring.container_ports(spec.mirror),
@@ -323,6 +363,7 @@ def build_pod(
                     {"name": "data", "mountPath": DATA_DIR},
                     {"name": "auth", "mountPath": SECRET_DIR, "readOnly": True},
                     TMP_MOUNT,
+                    *tls_mounts(spec),
                     *federation.mounts(spec.federation),
                 ],
             },
@@ -339,6 +380,7 @@ def build_pod(
                     "items": [{"key": "users.json", "path": "users.json"}],
                 },
             },
+            *tls_volumes(cluster, spec),
             *federation.volumes(spec.federation, cluster.name),
         ],
     }
@@ -442,9 +484,11 @@ def build_shipper(spec: BrokerClusterSpec) -> Obj:
     return container
 
 
-def build_vip_service(cluster: ClusterRef, mirror: Mirror | None = None) -> Obj:
+def build_vip_service(
+    cluster: ClusterRef, mirror: Mirror | None = None, amqps: bool = False
+) -> Obj:
     """The virtual IP: it selects the pod labelled active, and only that one (a DR mirror
-    replica's sources reach its active's mirror port there too)."""
+    replica's sources reach its active's mirror port there too; `amqps`: AMQPS on 5671)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -453,6 +497,7 @@ def build_vip_service(cluster: ClusterRef, mirror: Mirror | None = None) -> Obj:
             "selector": {LABEL_CLUSTER: cluster.name, LABEL_ROLE: ACTIVE},
             "ports": [
                 {"name": "amqp", "port": AMQP_PORT, "targetPort": "amqp"},
+                *([{"name": "amqps", "port": AMQPS_PORT, "targetPort": "amqps"}] if amqps else []),
                 *mirroring.service_ports(mirror),
             ],
         },
@@ -472,7 +517,7 @@ def build_federation_config_map(cluster: ClusterRef, spec: BrokerClusterSpec) ->
     }
 
 
-def build_headless_service(cluster: ClusterRef) -> Obj:
+def build_headless_service(cluster: ClusterRef, amqps: bool = False) -> Obj:
     """Stable DNS names for both brokers (the passive replicates through it)."""
     return {
         "apiVersion": "v1",
@@ -484,6 +529,7 @@ def build_headless_service(cluster: ClusterRef) -> Obj:
             "selector": {LABEL_CLUSTER: cluster.name},
             "ports": [
                 {"name": "amqp", "port": AMQP_PORT},
+                *([{"name": "amqps", "port": AMQPS_PORT}] if amqps else []),
                 {"name": "admin", "port": ADMIN_PORT},
                 {"name": "replication", "port": REPLICATION_PORT},
             ],

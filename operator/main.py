@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
-from kubernetes.dynamic.exceptions import ForbiddenError
+from kubernetes.dynamic.exceptions import ForbiddenError, ResourceNotFoundError
 from prometheus_client import start_http_server
 
 from twinmq.broker.admin_client import AdminError
@@ -42,6 +42,7 @@ from twinmq.broker.names import (
 )
 from twinmq.operator import (
     builders,
+    certs,
     drift,
     federation,
     leader,
@@ -130,6 +131,7 @@ class Memory:
     # The NetworkPolicy's state as last reconciled: applied, absent (deleted or never
     # made), or refused (RBAC of an older chart); changes are logged once.
     network_policy: str | None = None
+    tls: certs.TlsMemory = field(default_factory=certs.TlsMemory)
 
 
 @dataclass
@@ -212,8 +214,17 @@ def reconcile_children(
         apply(builders.build_secret(cluster, memory.credentials))
     for obj in builders.build_broker_rbac(cluster):
         apply(obj)
-    apply(builders.build_headless_service(cluster))
-    apply(builders.build_vip_service(cluster, spec.mirror))
+    # Before the pods: a new pod mounts the server certificate's Secret.
+    try:
+        certs.reconcile_tls(cluster, spec, memory.tls, k, apply, clock=time.monotonic())
+    except ResourceNotFoundError:  # spec.tls.issuerRef without cert-manager installed
+        if not memory.tls.no_cert_manager:
+            log.warning("%s/%s: spec.tls.issuerRef names cert-manager, whose Certificate "
+                        "kind this API server does not serve: install cert-manager",
+                        cluster.namespace, cluster.name)  # fmt: skip
+        memory.tls.no_cert_manager = True
+    apply(builders.build_headless_service(cluster, amqps=spec.tls.enabled))
+    apply(builders.build_vip_service(cluster, spec.mirror, amqps=spec.tls.enabled))
     apply(builders.build_disruption_budget(cluster))
     reconcile_network_policy(cluster, spec, memory, apply)
     # Before the pods: a pod created now reads the federation file its template hashes.
@@ -970,6 +981,7 @@ def main(argv: list[str] | None = None) -> None:
     """
     namespaces = watched_namespaces(argv)
     builders.broker_token_seconds()  # a bad value stops the start, not every reconcile
+    certs.cert_seconds()
     port = int(os.environ.get(OPERATOR_METRICS_PORT_ENV, metrics.DEFAULT_PORT))
     try:
         start_http_server(port)

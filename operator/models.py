@@ -420,6 +420,38 @@ SPARK_MEMORY = r"^[0-9]+[kmgt]$"
 """A Spark memory amount (`512m`, `2g`)."""
 
 
+class IssuerReference(ApiModel):
+    """A cert-manager Issuer or ClusterIssuer (`cert-manager.io`)."""
+
+    name: str = Field(min_length=1, max_length=253, description="The issuer's name")
+    kind: Literal["Issuer", "ClusterIssuer"] = Field(
+        "Issuer", description="Issuer (this namespace) or ClusterIssuer"
+    )
+    group: str = Field("cert-manager.io", min_length=1, max_length=253, description="API group")
+
+
+class Tls(ApiModel):
+    """AMQPS (5671) beside AMQP (5672): the brokers' server certificate, from an
+    operator-managed CA per BrokerCluster (the default), a Secret of your own, or
+    cert-manager (docs/security.md, "Certificates")."""
+
+    enabled: bool = Field(True, description="Serve AMQPS on 5671 beside AMQP on 5672")
+    secret_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="A `kubernetes.io/tls` Secret of your own (`tls.crt`, `tls.key`, and "
+        "`ca.crt` to publish the CA to clients); with `issuerRef`, the Secret cert-manager "
+        "writes (default `<cluster>-tls`). Unset and no `issuerRef`: an operator-managed "
+        "CA (`<cluster>-tls-ca`) issues `<cluster>-tls` and renews it before it expires",
+    )
+    issuer_ref: IssuerReference | None = Field(
+        None,
+        description="A cert-manager issuer: the operator creates a cert-manager Certificate "
+        "(`<cluster>-tls`) for the brokers' names instead of issuing one itself",
+    )
+
+
 class SparkResources(ApiModel):
     """Resources of an audit run: the driver (the whole run for the `job` launcher) and,
     on the Spark Operator, the executors."""
@@ -776,6 +808,7 @@ class BrokerClusterSpec(ApiModel):
     replication: Replication = Field(default_factory=Replication)
     limits: Limits = Field(default_factory=Limits)
     network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)
+    tls: Tls = Field(default_factory=Tls)
     audit: Audit = Field(default_factory=Audit)
     update_strategy: UpdateStrategy = Field(default_factory=UpdateStrategy)
     placement: Placement = Field(default_factory=Placement)

@@ -2,8 +2,8 @@
 
 Ingress to the brokers, by port, and nothing else:
 
-- AMQP (5672): from anywhere (the applications, other sites' federation links), as
-  RabbitMQ's operator allows its client ports;
+- AMQP (5672) and, with `spec.tls`, AMQPS (5671): from anywhere (the applications,
+  other sites' federation links), as RabbitMQ's operator allows its client ports;
 - the mirror port, on a mirrored site: from anywhere (the other site; the link has its
   own token);
 - replication (5673): from this cluster's two broker pods only;
@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from twinmq.broker.names import ADMIN_PORT, AMQP_PORT, ENV_PREFIX, REPLICATION_PORT
+from twinmq.broker.names import ADMIN_PORT, AMQP_PORT, AMQPS_PORT, ENV_PREFIX, REPLICATION_PORT
 from twinmq.operator import mirroring
 from twinmq.operator.builders import ClusterRef, broker_selector, owned_meta
 from twinmq.operator.models import BrokerClusterSpec
@@ -78,7 +78,8 @@ def build_network_policy(
         {"namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: namespace}}}
         for namespace in spec.network_policy.admin_namespaces
     ]
-    open_ports = [{"protocol": "TCP", "port": AMQP_PORT}] + [
+    amqps = [{"protocol": "TCP", "port": AMQPS_PORT}] if spec.tls.enabled else []
+    open_ports = [{"protocol": "TCP", "port": AMQP_PORT}, *amqps] + [
         {"protocol": "TCP", "port": port["containerPort"]}
         for port in mirroring.container_ports(spec.mirror)
     ]

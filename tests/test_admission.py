@@ -98,13 +98,15 @@ def test_an_author_who_may_not_create_pods_is_refused(admin: Kube, kube_apiserve
         {"auth": {"secretName": "someone-elses"}},
         {"audit": {"enabled": True, "storeUrl": "s3://a/b", "storeSecretName": "someone-elses"}},
         {"mirror": {"role": "replica", "secretName": "someone-elses"}},
+        {"tls": {"secretName": "someone-elses"}},
         {"federation": {"upstreams": [{"name": "hq", "uri": "amqp://h/",
                                        "passwordSecret": {"name": "someone-elses"}}],
                         "exchanges": [{"exchange": "x", "upstream": "hq"}]}},
         {"federation": {"upstreams": [{"name": "hq", "clusterRef": {"name": "someone-elses"}}],
                         "exchanges": [{"exchange": "x", "upstream": "hq"}]}},
     ],
-    ids=["auth", "audit-store", "mirror", "federation-password", "federation-cluster-ref"],
+    ids=["auth", "audit-store", "mirror", "tls", "federation-password",
+         "federation-cluster-ref"],
 )  # fmt: skip
 def test_naming_a_secret_the_author_may_not_read_is_refused(
     admin: Kube, kube_apiserver: Any, spec: dict[str, Any]

@@ -50,6 +50,7 @@ OPERATOR_RULES: set[Rule] = {
     ("policy", "poddisruptionbudgets", ("create", "get", "patch")),
     ("batch", "jobs", ("create", "delete", "get", "list")),
     ("sparkoperator.k8s.io", "sparkapplications", ("create", "delete", "get", "list")),
+    ("cert-manager.io", "certificates", ("create", "get", "patch")),
 }
 # kopf's CRD watch: cluster-wide mode only (namespace mode disables kopf's scanning).
 CLUSTER_ONLY_RULES: set[Rule] = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from twinmq.broker.names import ADMIN_PORT, AMQP_PORT, MIRROR_PORT, REPLICATION_PORT
+from twinmq.broker.names import ADMIN_PORT, AMQP_PORT, AMQPS_PORT, MIRROR_PORT, REPLICATION_PORT
 from twinmq.operator.builders import ClusterRef
 from twinmq.operator.kube import Kube
 from twinmq.operator.models import BrokerClusterSpec
@@ -35,8 +35,8 @@ def test_clients_reach_amqp_the_brokers_each_other_and_the_operator_the_admin_po
     brokers = policy["spec"]["podSelector"]
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     by_port = rules(BrokerClusterSpec())
-    assert set(by_port) == {AMQP_PORT, REPLICATION_PORT, ADMIN_PORT}
-    assert by_port[AMQP_PORT] is None
+    assert set(by_port) == {AMQP_PORT, AMQPS_PORT, REPLICATION_PORT, ADMIN_PORT}
+    assert by_port[AMQP_PORT] is None and by_port[AMQPS_PORT] is None
     assert by_port[REPLICATION_PORT] == [{"podSelector": brokers}]
     assert by_port[ADMIN_PORT] == [
         {

@@ -1,0 +1,361 @@
+"""The brokers' server certificate for AMQPS (issue 16, "Certificates").
+
+`spec.tls` (on by default) chooses where it comes from:
+
+- an **operator-managed CA per BrokerCluster** (neither `secretName` nor `issuerRef`): the
+  operator makes a CA (`<cluster>-tls-ca`, kept ten years) and issues the brokers' server
+  certificate (`<cluster>-tls`, a `kubernetes.io/tls` Secret with `ca.crt`) whose SANs
+  cover the virtual-IP Service, the headless Service and both pods' names. It issues a new
+  one at two thirds of its lifetime (`CERT_SECONDS_ENV`, 90 days by default), or at once
+  when the names it needs changed or the CA is not its signer. The kubelet updates the
+  Secret volume in place and the broker loads the new files for new handshakes without
+  dropping open connections (`broker/tls.py`);
+- **cert-manager** (`issuerRef`): a cert-manager `Certificate` for the same names, its
+  Secret (`secretName`, default `<cluster>-tls`) mounted as is; cert-manager renews it;
+- **your own Secret** (`secretName` alone): mounted as is; you renew it.
+
+The CA certificate clients verify against is published in the ConfigMap `<cluster>-ca`
+(key `ca.crt`) whenever the Secret holds a `ca.crt`.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from twinmq.broker.names import ENV_PREFIX
+from twinmq.operator.builders import ClusterRef, owned_meta, pod_name, tls_secret_name, vip_name
+from twinmq.operator.models import BrokerClusterSpec, BrokerName, Tls
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+
+CERT_SECONDS_ENV = ENV_PREFIX + "OPERATOR_CERT_SECONDS"
+"""Operator setting: the lifetime of the server certificates it issues (default 90 days)."""
+DEFAULT_CERT_SECONDS = 90 * 86400
+MIN_CERT_SECONDS = 30  # tests prove renewal with a lifetime of seconds
+CA_SECONDS = 10 * 365 * 86400
+RENEW_FRACTION = 2 / 3
+"""A certificate is renewed when this much of its lifetime has passed (cert-manager's
+default too)."""
+BACKDATE = timedelta(minutes=5)  # clocks a little behind the operator's still accept it
+BROKERS: tuple[BrokerName, ...] = ("primary", "backup")
+READ_EVERY = 30.0
+"""Seconds between reads of a Secret the operator does not issue (for its `ca.crt`)."""
+
+
+def cert_seconds(env: Mapping[str, str] = os.environ) -> int:
+    """$TWINMQ_OPERATOR_CERT_SECONDS, or 90 days; refused below 30 s."""
+    raw = env.get(CERT_SECONDS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CERT_SECONDS
+    seconds = int(raw)
+    if seconds < MIN_CERT_SECONDS:
+        raise ValueError(f"{CERT_SECONDS_ENV}={seconds}: at least {MIN_CERT_SECONDS}")
+    return seconds
+
+
+def ca_secret_name(cluster: ClusterRef) -> str:
+    """The operator-managed CA's Secret (its key never leaves it)."""
+    return f"{cluster.name}-tls-ca"
+
+
+def ca_config_map_name(cluster: ClusterRef) -> str:
+    """The ConfigMap publishing the CA certificate for clients."""
+    return f"{cluster.name}-ca"
+
+
+def dns_names(cluster: ClusterRef) -> list[str]:
+    """Every name a client may reach a broker by: the virtual IP's (what applications
+    use), the headless Service's and each pod's, short and qualified."""
+
+    def forms(name: str) -> list[str]:
+        ns = cluster.namespace
+        return [name, f"{name}.{ns}", f"{name}.{ns}.svc", f"{name}.{ns}.svc.cluster.local"]
+
+    headless = f"{cluster.name}-brokers"
+    names = forms(vip_name(cluster)) + forms(headless)
+    for broker in BROKERS:
+        pod = pod_name(cluster, broker)
+        names += [pod, *forms(f"{pod}.{headless}")]
+    return names
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """A PEM certificate and its PEM private key."""
+
+    cert: str
+    key: str
+
+    def certificate(self) -> x509.Certificate:
+        """The parsed certificate."""
+        return x509.load_pem_x509_certificate(self.cert.encode())
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> str:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    ).decode()
+
+
+def new_ca(cluster: ClusterRef, now: datetime) -> KeyPair:
+    """A CA of this BrokerCluster only (it signs server certificates, nothing below)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(
+        NameOID.COMMON_NAME, f"TwinMQ {cluster.namespace}/{cluster.name} CA")])  # fmt: skip
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(now + timedelta(seconds=CA_SECONDS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return KeyPair(cert.public_bytes(serialization.Encoding.PEM).decode(), _key_pem(key))
+
+
+def issue_server(ca: KeyPair, names: list[str], now: datetime, seconds: int) -> KeyPair:
+    """A server certificate for `names`, signed by `ca`, valid `seconds` from `now`."""
+    ca_cert = ca.certificate()
+    ca_key = serialization.load_pem_private_key(ca.key.encode(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        # Backdated a tenth of a short life at most: else it would be due at once.
+        .not_valid_before(now - min(BACKDATE, timedelta(seconds=seconds) / 10))
+        .not_valid_after(now + timedelta(seconds=seconds))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return KeyPair(cert.public_bytes(serialization.Encoding.PEM).decode(), _key_pem(key))
+
+
+def renew_at(cert: x509.Certificate) -> datetime:
+    """When a certificate is renewed: at `RENEW_FRACTION` of its lifetime."""
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    return start + (end - start) * RENEW_FRACTION
+
+
+def sans(cert: x509.Certificate) -> list[str]:
+    """The DNS names a certificate covers."""
+    try:
+        ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except x509.ExtensionNotFound:
+        return []
+    return list(ext.value.get_values_for_type(x509.DNSName))
+
+
+def reissue_reason(
+    server: KeyPair | None, ca: KeyPair, names: list[str], now: datetime
+) -> str | None:
+    """Why the server certificate must be issued again (None: it is good as it is)."""
+    if server is None:
+        return "no server certificate yet"
+    try:
+        cert = server.certificate()
+        cert.verify_directly_issued_by(ca.certificate())
+    except (ValueError, TypeError, InvalidSignature):
+        return "the server certificate is not one this cluster's CA signed"
+    if sorted(sans(cert)) != sorted(names):
+        return "the names the server certificate must cover changed"
+    if now >= renew_at(cert):
+        return f"renewal due (valid until {cert.not_valid_after_utc.isoformat()})"
+    return None
+
+
+def b64(data: Mapping[str, str]) -> dict[str, str]:
+    """Secret `data` of text values (`data`, not `stringData`: compares equal when read back)."""
+    return {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+
+
+def build_ca_secret(cluster: ClusterRef, ca: KeyPair) -> Obj:
+    """The operator-managed CA's Secret."""
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": owned_meta(cluster, ca_secret_name(cluster)),
+        "data": b64({"tls.crt": ca.cert, "tls.key": ca.key}),
+    }  # fmt: skip
+
+
+def build_server_secret(cluster: ClusterRef, tls: Tls, server: KeyPair, ca: KeyPair) -> Obj:
+    """The brokers' server certificate Secret (what cert-manager would write, `ca.crt`
+    included)."""
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": owned_meta(cluster, tls_secret_name(cluster, tls)),
+        "data": b64({"tls.crt": server.cert, "tls.key": server.key, "ca.crt": ca.cert}),
+    }  # fmt: skip
+
+
+def build_ca_config_map(cluster: ClusterRef, ca_cert: str) -> Obj:
+    """`<cluster>-ca`: the CA certificate clients verify the brokers against."""
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": owned_meta(cluster, ca_config_map_name(cluster)),
+        "data": {"ca.crt": ca_cert},
+    }  # fmt: skip
+
+
+def build_certificate(cluster: ClusterRef, tls: Tls) -> Obj:
+    """The cert-manager `Certificate` of the brokers' names (with `spec.tls.issuerRef`)."""
+    assert tls.issuer_ref is not None
+    names = dns_names(cluster)
+    return {
+        "apiVersion": "cert-manager.io/v1",
+        "kind": "Certificate",
+        "metadata": owned_meta(cluster, f"{cluster.name}-tls"),
+        "spec": {
+            "secretName": tls_secret_name(cluster, tls),
+            "commonName": names[0],
+            "dnsNames": names,
+            "usages": ["server auth", "digital signature", "key encipherment"],
+            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+            "issuerRef": tls.issuer_ref.model_dump(by_alias=True),
+            # Owned with the BrokerCluster: the Secret goes with the Certificate.
+            "secretTemplate": {"labels": owned_meta(cluster, "")["labels"]},
+        },
+    }
+
+
+# -- reconcile ------------------------------------------------------------------------------
+
+
+class SecretReader(Protocol):
+    """What reconciling certificates reads from the API server."""
+
+    def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None: ...
+
+
+@dataclass
+class TlsMemory:
+    """What the operator keeps between passes: the managed CA and server certificate (read
+    from their Secrets once per process), or when it last read a Secret it does not issue."""
+
+    ca: KeyPair | None = None
+    server: KeyPair | None = None
+    renew_at: datetime | None = None
+    names: list[str] = field(default_factory=list)
+    ca_cert: str | None = None  # of a Secret the operator does not issue
+    read_at: float = float("-inf")
+    issued: int = 0  # server certificates issued by this process (tests, logs)
+    no_cert_manager: bool = False  # issuerRef given, cert-manager's API absent (logged once)
+
+
+def _pair(data: Mapping[str, str] | None) -> KeyPair | None:
+    if not data or not data.get("tls.crt") or not data.get("tls.key"):
+        return None
+    return KeyPair(data["tls.crt"], data["tls.key"])
+
+
+def reconcile_managed(
+    cluster: ClusterRef,
+    tls: Tls,
+    memory: TlsMemory,
+    secrets: SecretReader,
+    now: datetime,
+    seconds: int,
+) -> tuple[KeyPair, KeyPair]:
+    """The managed CA and server certificate as they must be now: read from their Secrets
+    on the first pass, made when missing, the server certificate issued again when
+    `reissue_reason` says so. Cheap when nothing is due (no parsing, no reads)."""
+    names = dns_names(cluster)
+    if memory.ca is None:
+        memory.ca = _pair(secrets.get_secret_data(cluster.namespace, ca_secret_name(cluster)))
+        if memory.ca is None:
+            memory.ca = new_ca(cluster, now)
+            log.info("%s/%s: made the cluster's CA", cluster.namespace, cluster.name)
+        found = secrets.get_secret_data(cluster.namespace, tls_secret_name(cluster, tls))
+        memory.server, memory.renew_at = _pair(found), None
+    due = memory.renew_at is None or now >= memory.renew_at or memory.names != names
+    if due:
+        reason = reissue_reason(memory.server, memory.ca, names, now)
+        if reason is not None:
+            memory.server = issue_server(memory.ca, names, now, seconds)
+            memory.issued += 1
+            log.info("%s/%s: issued the brokers' server certificate: %s",
+                     cluster.namespace, cluster.name, reason)  # fmt: skip
+        assert memory.server is not None
+        memory.renew_at, memory.names = renew_at(memory.server.certificate()), names
+    assert memory.server is not None
+    return memory.ca, memory.server
+
+
+def reconcile_tls(
+    cluster: ClusterRef,
+    spec: BrokerClusterSpec,
+    memory: TlsMemory,
+    secrets: SecretReader,
+    apply: Callable[[Obj], None],
+    *,
+    now: datetime | None = None,
+    clock: float = 0.0,
+    seconds: int | None = None,
+) -> None:
+    """Keep the brokers' certificate objects: the managed CA and server Secrets, or the
+    cert-manager Certificate; and the `<cluster>-ca` ConfigMap. `clock` is a monotonic
+    time (how often a Secret the operator does not issue is read). Disabling TLS leaves
+    the objects (owned: they go with the cluster)."""
+    tls = spec.tls
+    if not tls.enabled:
+        return
+    if tls.issuer_ref is None and tls.secret_name is None:
+        ca, server = reconcile_managed(
+            cluster, tls, memory, secrets, now or datetime.now(UTC),
+            cert_seconds() if seconds is None else seconds,
+        )  # fmt: skip
+        apply(build_ca_secret(cluster, ca))
+        apply(build_server_secret(cluster, tls, server, ca))
+        apply(build_ca_config_map(cluster, ca.cert))
+        return
+    if tls.issuer_ref is not None:
+        apply(build_certificate(cluster, tls))
+    if clock - memory.read_at >= READ_EVERY:
+        memory.read_at = clock
+        found = secrets.get_secret_data(cluster.namespace, tls_secret_name(cluster, tls)) or {}
+        memory.ca_cert = found.get("ca.crt") or None
+    if memory.ca_cert is not None:
+        apply(build_ca_config_map(cluster, memory.ca_cert))
