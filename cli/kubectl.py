@@ -5,7 +5,7 @@
     kubectl twinmq recover CLUSTER [--wait]
     kubectl twinmq fence CLUSTER BROKER [--wait]
     kubectl twinmq unfence CLUSTER BROKER [--wait]
-    kubectl twinmq audit CLUSTER [--wait]
+    kubectl twinmq audit CLUSTER [--sites] [--wait]
     kubectl twinmq federation status [CLUSTER] [-n NS | -A] [-o table|json]
 
 Every operation is a JSON merge patch of `spec.requests.<op>` carrying a fresh id
@@ -199,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Request a replication audit now; with --wait, print its verdict.",
     )  # fmt: skip
     cluster_arg(audit)
+    audit.add_argument(
+        "--sites", action="store_true",
+        help="audit this DR site against the other (spec.audit.mirrorStoreUrl) instead of "
+        "the pair",
+    )  # fmt: skip
 
     fed = sub.add_parser(
         "federation", help="exchange federation between BrokerClusters",
@@ -252,7 +257,11 @@ def new_request_id(command: str, now: datetime | None = None, suffix: str | None
 
 
 def request_patch(
-    command: str, request_id: str, broker: str | None = None, force: bool = False
+    command: str,
+    request_id: str,
+    broker: str | None = None,
+    force: bool = False,
+    sites: bool = False,
 ) -> Obj:
     """The merge patch declaring the request. Every field of the request is written, so a
     field of an older request (a `force: true`) never survives into the new one."""
@@ -261,7 +270,9 @@ def request_patch(
         request |= {"broker": broker, "force": force}
     elif command in ("fence", "unfence"):
         request |= {"broker": broker, "fenced": command == "fence"}
-    elif command not in ("recover", "audit"):
+    elif command == "audit":
+        request |= {"sites": sites}
+    elif command != "recover":
         raise ValueError(f"not a request: {command}")
     return {"spec": {"requests": {request_field(command): request}}}
 
@@ -871,7 +882,8 @@ def cmd_request(
                   "not handled yet\n")  # fmt: skip
     request_id = new_request_id(command)
     force = bool(getattr(args, "force", False))
-    kube.patch(namespace, args.cluster, request_patch(command, request_id, broker, force))
+    sites = bool(getattr(args, "sites", False))
+    kube.patch(namespace, args.cluster, request_patch(command, request_id, broker, force, sites))
     out.write(f"{RESOURCE}/{args.cluster}: {request_field(command)} request {request_id} "
               "declared\n")  # fmt: skip
     if not args.wait:

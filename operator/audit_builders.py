@@ -10,10 +10,12 @@ from __future__ import annotations
 from datetime import datetime
 
 from twinmq.operator.builders import ClusterRef, Obj, labels, owned_meta
-from twinmq.operator.models import BrokerClusterSpec
+from twinmq.operator.models import AuditScope, BrokerClusterSpec
 
 LABEL_RUN = "twinmq.io/audit-run"
 ANNOTATION_REASON = "twinmq.io/audit-reason"
+ANNOTATION_SCOPE = "twinmq.io/audit-scope"
+"""pair or sites: an adopted run (an operator died before recording it) is read right."""
 SPARK_APP_FILE = "local:///opt/twinmq/spark-apps/replication_audit.py"
 """Where the project's image carries the Spark application."""
 SPARK_VERSION = "4.3.0"
@@ -36,10 +38,10 @@ def memory_quantity(spark_memory: str, overhead_mib: int = 0) -> str:
     return f"{int(mib) + overhead_mib}Mi"
 
 
-def _run_meta(cluster: ClusterRef, name: str, reason: str) -> Obj:
+def _run_meta(cluster: ClusterRef, name: str, reason: str, scope: AuditScope) -> Obj:
     meta = owned_meta(cluster, name)
     meta["labels"][LABEL_RUN] = name
-    meta["annotations"] = {ANNOTATION_REASON: reason}
+    meta["annotations"] = {ANNOTATION_REASON: reason, ANNOTATION_SCOPE: scope}
     return meta
 
 
@@ -48,13 +50,20 @@ def _store_env(spec: BrokerClusterSpec) -> list[Obj]:
     return [{"secretRef": {"name": secret}}] if secret else []
 
 
-def audit_args(spec: BrokerClusterSpec, name: str) -> list[str]:
-    """The program's arguments common to both launchers."""
+def audit_args(spec: BrokerClusterSpec, name: str, scope: AuditScope) -> list[str]:
+    """The program's arguments common to both launchers: the pair's audit, or (`sites`)
+    this DR site's store against the other's (its summary under `audit/cross/<run>/`)."""
     assert spec.audit.store_url is not None  # the CRD requires it when audits are enabled
-    return ["--store", spec.audit.store_url, "--run-id", name]
+    args = ["--store", spec.audit.store_url, "--run-id", name]
+    if scope == "sites":
+        assert spec.audit.mirror_store_url is not None  # the planner checks it
+        args += ["--mirror-store", spec.audit.mirror_store_url]
+    return args
 
 
-def build_audit_job(cluster: ClusterRef, spec: BrokerClusterSpec, name: str, reason: str) -> Obj:
+def build_audit_job(
+    cluster: ClusterRef, spec: BrokerClusterSpec, name: str, reason: str, scope: AuditScope
+) -> Obj:
     """A Job running the audit with Spark in local mode (no Spark Operator needed)."""
     res = spec.audit.resources
     run_labels = {**labels(cluster), LABEL_RUN: name}
@@ -66,7 +75,7 @@ def build_audit_job(cluster: ClusterRef, spec: BrokerClusterSpec, name: str, rea
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["twinmq-audit"],
         "args": [
-            *audit_args(spec, name),
+            *audit_args(spec, name, scope),
             f"--master=local[{res.driver_cores}]",
             f"--conf=spark.driver.memory={res.driver_memory}",
             f"--conf=spark.local.dir={SCRATCH}/spark",
@@ -84,7 +93,7 @@ def build_audit_job(cluster: ClusterRef, spec: BrokerClusterSpec, name: str, rea
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _run_meta(cluster, name, reason),
+        "metadata": _run_meta(cluster, name, reason, scope),
         "spec": {
             # The verdict is the exit code (1: FAIL): a failed audit is never retried.
             "backoffLimit": 0,
@@ -145,7 +154,7 @@ def _driver_template(spec: BrokerClusterSpec, pod_labels: dict[str, str]) -> Obj
 
 
 def build_spark_application(
-    cluster: ClusterRef, spec: BrokerClusterSpec, name: str, reason: str
+    cluster: ClusterRef, spec: BrokerClusterSpec, name: str, reason: str, scope: AuditScope
 ) -> Obj:
     """A SparkApplication for the Kubeflow Spark Operator (cluster mode, never restarted).
 
@@ -175,7 +184,7 @@ def build_spark_application(
     return {
         "apiVersion": SPARK_API,
         "kind": "SparkApplication",
-        "metadata": _run_meta(cluster, name, reason),
+        "metadata": _run_meta(cluster, name, reason, scope),
         "spec": {
             "type": "Python",
             "pythonVersion": "3",
@@ -184,7 +193,7 @@ def build_spark_application(
             "imagePullPolicy": spec.image_pull_policy,
             "mainApplicationFile": SPARK_APP_FILE,
             "arguments": [
-                *audit_args(spec, name),
+                *audit_args(spec, name, scope),
                 f"--master=local[{res.driver_cores}]",
                 f"--conf=spark.local.dir={SCRATCH}/spark",
                 f"--work-dir={SCRATCH}/store",

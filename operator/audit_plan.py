@@ -15,11 +15,12 @@ from typing import Literal
 
 from croniter import croniter
 
-from twinmq.audit.summary import AuditSummary
+from twinmq.audit.summary import AuditSummary, CrossSiteSummary
 from twinmq.operator.models import (
     Audit,
     AuditProgress,
     AuditResult,
+    AuditScope,
     AuditVerdict,
     Condition,
     FailoverRecord,
@@ -57,6 +58,10 @@ class AuditObservation:
     """Since when the passive has held every confirmed message (None: it does not)."""
     request: str | None
     """An audit request id not handled yet."""
+    request_sites: bool = False
+    """That request asks for a cross-site run."""
+    mirror_epoch: int | None = None
+    """The DR epoch the active broker reports (None: no mirror, or no answer)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ class AuditPlan:
 
     launch: str | None = None
     """Start a run, for these reasons (`schedule`, `failover to backup in epoch 3`, ...)."""
+    scope: AuditScope = "pair"
+    """What the run compares: the pair's two brokers, or this DR site with the other."""
     finish: RunPhase | None = None
     """The running run ended (or vanished): read its summary, record the verdict."""
     timed_out: bool = False
@@ -97,6 +104,15 @@ def plan_audit(obs: AuditObservation) -> AuditPlan:
         if obs.request is not None:
             return AuditPlan(handled_request=obs.request, refused_request=True, progress=progress)
         return AuditPlan(progress=progress)
+    if obs.request is not None and obs.request_sites:
+        if audit.mirror_store_url is None:
+            return AuditPlan(handled_request=obs.request, refused_request=True, progress=progress)
+        return AuditPlan(
+            launch="requested", scope="sites", handled_request=obs.request, progress=progress
+        )
+    if (switch := _dr_switch_due(obs, progress)) is not None:
+        # One run at a time: a pair trigger due now waits for the next reconcile after it.
+        return AuditPlan(launch=switch, scope="sites", progress=progress)
     reasons: list[str] = []
     if obs.request is not None:
         reasons.append("requested")
@@ -125,6 +141,37 @@ def plan_audit(obs: AuditObservation) -> AuditPlan:
     return AuditPlan(launch=", ".join(reasons), handled_request=obs.request, progress=progress)
 
 
+def _dr_switch_due(obs: AuditObservation, progress: AuditProgress) -> str | None:
+    """The reason for a cross-site run after a DR switch, once it is due (else None).
+
+    A new DR epoch means a switchover or failover this site took part in (epoch 0: never
+    switched). The run waits as a failover's does (`failover_settle_seconds`) from when the
+    operator first saw the epoch, so both sites' brokers have closed and shipped the
+    segments around the switch; the time is kept in the status (an operator restart
+    neither restarts nor skips the wait).
+    """
+    audit, epoch = obs.audit, obs.mirror_epoch
+    if epoch is None:
+        return None  # no answer from the active now: neither start nor restart the wait
+    if (
+        audit.mirror_store_url is None
+        or not audit.after_mirror_switch
+        or epoch <= progress.audited_dr_epoch
+    ):
+        progress.dr_epoch_seen = None
+        return None
+    if progress.dr_epoch_seen is None:
+        progress.dr_epoch_seen = iso(obs.now)
+        return None
+    if obs.now - parse_iso(progress.dr_epoch_seen) < timedelta(
+        seconds=failover_settle_seconds(audit)
+    ):
+        return None
+    progress.audited_dr_epoch = epoch
+    progress.dr_epoch_seen = None
+    return f"DR switch to epoch {epoch}"
+
+
 def result_of_summary(
     running: AuditResult, summary: AuditSummary, finished: datetime
 ) -> AuditResult:
@@ -144,6 +191,30 @@ def result_of_summary(
             "lost": totals.lost,
             "duplicates": totals.resent + totals.replicated_twice,
             "reordered": totals.reordered,
+            "message": message,
+        }
+    )
+
+
+def result_of_cross_summary(
+    running: AuditResult, summary: CrossSiteSummary, finished: datetime
+) -> AuditResult:
+    """A finished cross-site run's result (`twinmq audit --mirror-store`'s summary)."""
+    totals = summary.totals
+    verdict: AuditVerdict = "PASS" if summary.verdict.value == "PASS" else "FAIL"
+    message = (
+        "; ".join(summary.failures)
+        if summary.failures
+        else f"{totals.messages} messages across sites, {totals.mirrored} mirrored, "
+        f"{totals.in_flight} in flight, none lost or duplicated"
+    )
+    return running.model_copy(
+        update={
+            "verdict": verdict,
+            "finished": iso(finished),
+            "messages": totals.messages,
+            "lost": totals.lost,
+            "duplicates": totals.duplicated,
             "message": message,
         }
     )

@@ -19,7 +19,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from twinmq.audit.store import Store
-from twinmq.audit.summary import AuditSummary
+from twinmq.audit.summary import AuditSummary, CrossSiteSummary
 from twinmq.operator import audit_builders, metrics
 from twinmq.operator.audit_plan import (
     AuditObservation,
@@ -28,6 +28,7 @@ from twinmq.operator.audit_plan import (
     job_phase,
     plan_audit,
     result_error,
+    result_of_cross_summary,
     result_of_summary,
     spark_phase,
 )
@@ -35,6 +36,7 @@ from twinmq.operator.builders import LABEL_CLUSTER, ClusterRef, Obj
 from twinmq.operator.kube import Kube
 from twinmq.operator.models import (
     AuditResult,
+    AuditScope,
     BrokerClusterSpec,
     BrokerClusterStatus,
     iso,
@@ -50,7 +52,7 @@ class Launcher:
 
     api_version: str
     kind: str
-    build: Callable[[ClusterRef, BrokerClusterSpec, str, str], Obj]
+    build: Callable[[ClusterRef, BrokerClusterSpec, str, str, AuditScope], Obj]
     phase: Callable[[Obj | None], RunPhase]
 
 
@@ -86,8 +88,8 @@ def store_options(credentials: dict[str, str]) -> dict[str, Any]:
 
 
 def read_summary(
-    kube: Kube, namespace: str, spec: BrokerClusterSpec, run: str
-) -> AuditSummary | None:
+    kube: Kube, namespace: str, spec: BrokerClusterSpec, run: str, scope: AuditScope
+) -> AuditSummary | CrossSiteSummary | None:
     """The run's summary from the store (None: the run wrote none). Raises OSError when the
     store cannot be reached (the next reconcile tries again)."""
     assert spec.audit.store_url is not None
@@ -96,6 +98,9 @@ def read_summary(
     if credentials is None:
         raise OSError(f'secrets "{secret}" not found')
     store = Store(spec.audit.store_url, store_options(credentials))
+    if scope == "sites":
+        raw = store.read_json(f"audit/cross/{run}/summary.json")
+        return None if raw is None else CrossSiteSummary.model_validate(raw)
     raw = store.read_json(f"audit/runs/{run}/summary.json")
     return None if raw is None else AuditSummary.model_validate(raw)
 
@@ -164,6 +169,7 @@ class AuditRunner:
             else None
         )
         request = spec.requests.audit
+        mirror = new.mirror
         plan = plan_audit(
             AuditObservation(
                 audit=spec.audit,
@@ -177,18 +183,24 @@ class AuditRunner:
                 request=request.id
                 if request is not None and request.id != new.handled_requests.audit
                 else None,
+                request_sites=request is not None and request.sites,
+                mirror_epoch=mirror.epoch
+                if mirror is not None and mirror.state != "Unknown"
+                else None,
             )
         )
         new.audit = plan.progress
         if plan.handled_request is not None:
             new.handled_requests.audit = plan.handled_request
         if plan.refused_request:
+            why = ("spec.audit.enabled is false" if not spec.audit.enabled
+                   else "a cross-site audit needs spec.audit.mirrorStoreUrl")  # fmt: skip
             self._event("AuditNotEnabled", f"audit request {plan.handled_request}: "
-                        "spec.audit.enabled is false, nothing ran", warning=True)  # fmt: skip
+                        f"{why}, nothing ran", warning=True)  # fmt: skip
         if last is not None and (plan.finish is not None or plan.timed_out):
             self._finish(last, plan.finish, run_obj, now)
         if plan.launch is not None:
-            self._launch(plan.launch, now)
+            self._launch(plan.launch, plan.scope, now)
 
     # -- the steps ---------------------------------------------------------------------------
 
@@ -212,7 +224,7 @@ class AuditRunner:
             return []
         return sorted(runs, key=lambda r: str(r["metadata"]["name"]), reverse=True)  # by time
 
-    def _launch(self, reason: str, now: datetime) -> None:
+    def _launch(self, reason: str, scope: AuditScope, now: datetime) -> None:
         spec, cluster = self.spec, self.cluster
         launcher = LAUNCHERS[spec.audit.launcher]
         # A run created by an operator that died before recording it is adopted, never
@@ -220,10 +232,13 @@ class AuditRunner:
         orphan = next((r for r in self._runs(launcher) if launcher.phase(r) == "running"), None)
         if orphan is not None:
             meta = orphan["metadata"]
+            notes = meta.get("annotations") or {}
             self.new.last_audit = AuditResult(
                 time=meta.get("creationTimestamp") or iso(now), verdict="RUNNING",
                 run=meta["name"], launcher=spec.audit.launcher,
-                reason=(meta.get("annotations") or {}).get(audit_builders.ANNOTATION_REASON, ""),
+                reason=notes.get(audit_builders.ANNOTATION_REASON, ""),
+                scope="sites" if notes.get(audit_builders.ANNOTATION_SCOPE) == "sites"
+                else "pair",
             )  # fmt: skip
             log.info("%s/%s: following the unrecorded run %s", cluster.namespace,
                      cluster.name, meta["name"])  # fmt: skip
@@ -231,10 +246,10 @@ class AuditRunner:
         name = audit_builders.run_name(cluster, now)
         running = AuditResult(
             time=iso(now), verdict="RUNNING", run=name, reason=reason,
-            launcher=spec.audit.launcher,
+            launcher=spec.audit.launcher, scope=scope,
         )  # fmt: skip
         try:
-            self.kube.ensure(launcher.build(cluster, spec, name, reason))
+            self.kube.ensure(launcher.build(cluster, spec, name, reason, scope))
         except ResourceNotFoundError:
             message = (
                 "the SparkApplication API (sparkoperator.k8s.io/v1beta2) is not installed: "
@@ -248,7 +263,8 @@ class AuditRunner:
             return
         self.new.last_audit = running
         metrics.AUDITS_STARTED.inc()
-        self._event("AuditStarted", f"audit run {name} started ({reason}) as a {launcher.kind}")
+        what = "cross-site audit" if scope == "sites" else "audit"
+        self._event("AuditStarted", f"{what} run {name} started ({reason}) as a {launcher.kind}")
 
     def _finish(
         self, last: AuditResult, phase: RunPhase | None, run_obj: Obj | None, now: datetime
@@ -260,13 +276,17 @@ class AuditRunner:
             self._record(result_error(last, message, now))
             return
         try:
-            summary = read_summary(self.kube, self.cluster.namespace, self.spec, last.run)
+            summary = read_summary(
+                self.kube, self.cluster.namespace, self.spec, last.run, last.scope
+            )
         except (OSError, ValueError) as exc:
             log.warning("%s/%s: cannot read the summary of %s yet: %s",
                         self.cluster.namespace, self.cluster.name, last.run, exc)  # fmt: skip
             return
         if summary is None:
             self._record(result_error(last, _failure_detail(run_obj, launcher, last.run), now))
+        elif isinstance(summary, CrossSiteSummary):
+            self._record(result_of_cross_summary(last, summary, now))
         else:
             self._record(result_of_summary(last, summary, now))
 

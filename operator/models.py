@@ -478,6 +478,11 @@ class Audit(ApiModel):
                     "message": "audits need a storeUrl (s3://bucket/prefix)",
                 },
                 {
+                    "rule": "!has(self.mirrorStoreUrl) || self.mirrorStoreUrl.startsWith('s3://')",
+                    "message": "mirrorStoreUrl is the other DR site's audit store: "
+                    "it must start with s3://",
+                },
+                {
                     # Brokers (shipping), audit runs and the operator (reading the summary)
                     # all reach an object store wherever they run; a path would be a
                     # different directory in each pod.
@@ -508,6 +513,17 @@ class Audit(ApiModel):
         None,
         description="Secret with the store credentials as environment variables "
         "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, optional AWS_ENDPOINT_URL, AWS_REGION)",
+    )
+    mirror_store_url: str | None = Field(
+        None,
+        max_length=1024,
+        description="The other DR site's audit store (s3://, reachable with the same "
+        "credentials): cross-site audits compare this site with it (docs/audit.md)",
+    )
+    after_mirror_switch: bool = Field(
+        True,
+        description="With mirrorStoreUrl: run a cross-site audit after every DR switchover "
+        "or failover this site takes part in (a new DR epoch), once both sites have shipped",
     )
     resources: SparkResources = Field(default_factory=SparkResources)
     service_account_name: str = Field(
@@ -554,6 +570,11 @@ class AuditRequest(ApiModel):
     """Run an audit now."""
 
     id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
+    sites: bool = Field(
+        False,
+        description="Audit this DR site against the other (spec.audit.mirrorStoreUrl) "
+        "instead of the pair",
+    )
 
 
 class MirrorDemoteRequest(ApiModel):
@@ -791,12 +812,22 @@ class BrokerClusterSpec(ApiModel):
     # active; a dead active's Lease lapses within leaseDurationSeconds, seen within a
     # probe: the first must outlast the other two or automatic failover never happens.
     model_config = ConfigDict(
-        json_schema_extra=cel(
-            "self.replication.timeoutSeconds > "
-            "double(self.failover.leaseDurationSeconds + self.failover.probeIntervalSeconds)",
-            "replication.timeoutSeconds must exceed failover.leaseDurationSeconds + "
-            "failover.probeIntervalSeconds, or a ready backup could never be promoted",
-        )
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.replication.timeoutSeconds > double("
+                    "self.failover.leaseDurationSeconds + self.failover.probeIntervalSeconds)",
+                    "message": "replication.timeoutSeconds must exceed "
+                    "failover.leaseDurationSeconds + failover.probeIntervalSeconds, or a "
+                    "ready backup could never be promoted",
+                },
+                {
+                    "rule": "!has(self.audit) || !has(self.audit.mirrorStoreUrl) "
+                    "|| has(self.mirror)",
+                    "message": "audit.mirrorStoreUrl compares DR sites: it needs spec.mirror",
+                },
+            ]
+        }
     )
 
     image: str = Field(DEFAULT_IMAGE, min_length=1, description="Broker container image")
@@ -998,6 +1029,7 @@ class FailoverRecord(ApiModel):
 
 
 AuditVerdict = Literal["PASS", "FAIL", "ERROR", "RUNNING"]
+AuditScope = Literal["pair", "sites"]
 
 
 class AuditResult(ApiModel):
@@ -1007,6 +1039,9 @@ class AuditResult(ApiModel):
     verdict: AuditVerdict
     run: str = Field("", description="The run (its Job or SparkApplication, and store folder)")
     launcher: Literal["sparkApplication", "job"] = "job"
+    scope: AuditScope = Field(
+        "pair", description="pair: the two brokers; sites: this DR site against the other"
+    )
     reason: str = Field("", description="Why it ran: schedule, failover, request")
     finished: str | None = Field(None, json_schema_extra=DATE_TIME)
     messages: int = 0
@@ -1024,6 +1059,13 @@ class AuditProgress(ApiModel):
         None, description="The last cron time a run started for", json_schema_extra=DATE_TIME
     )
     audited_epoch: int = Field(0, description="The failover epoch last audited")
+    audited_dr_epoch: int = Field(0, description="The DR epoch last audited across sites")
+    dr_epoch_seen: str | None = Field(
+        None,
+        description="When the operator first saw the DR epoch not audited yet (its cross-site "
+        "run waits for both sites to ship)",
+        json_schema_extra=DATE_TIME,
+    )
 
 
 class HandledRequests(ApiModel):

@@ -123,13 +123,21 @@ def test_request_ids_are_fresh_and_fit_the_api() -> None:
         ("recover", None, False, {"recover": {"id": "x"}}),
         ("fence", "primary", False, {"fence": {"id": "x", "broker": "primary", "fenced": True}}),
         ("unfence", "primary", False, {"fence": {"id": "x", "broker": "primary", "fenced": False}}),
-        ("audit", None, False, {"audit": {"id": "x"}}),
+        ("audit", None, False, {"audit": {"id": "x", "sites": False}}),
     ],
 )
 def test_request_patches_are_valid_spec_requests(
     command: str, broker: str | None, force: bool, expected: Obj
 ) -> None:
     patch = request_patch(command, "x", broker, force)
+    assert patch == {"spec": {"requests": expected}}
+    BrokerClusterSpec.model_validate(patch["spec"])  # the operator's model accepts it
+
+
+def test_a_cross_site_audit_request_says_so_and_the_operator_accepts_it() -> None:
+    assert parse_args(["audit", "orders", "--sites"]).sites is True
+    patch = request_patch("audit", "x", sites=True)
+    expected = {"audit": {"id": "x", "sites": True}}
     assert patch == {"spec": {"requests": expected}}
     BrokerClusterSpec.model_validate(patch["spec"])  # the operator's model accepts it
 

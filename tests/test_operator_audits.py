@@ -11,8 +11,16 @@ from typing import Any
 
 import pytest
 
-from twinmq.audit.summary import AuditSummary, Counts, Verdict
+from twinmq.audit.summary import (
+    AuditSummary,
+    Counts,
+    CrossSiteCounts,
+    CrossSiteSummary,
+    SiteInfo,
+    Verdict,
+)
 from twinmq.operator.audit_builders import (
+    ANNOTATION_SCOPE,
     LABEL_RUN,
     build_audit_job,
     build_spark_application,
@@ -26,6 +34,7 @@ from twinmq.operator.audit_plan import (
     job_phase,
     plan_audit,
     result_error,
+    result_of_cross_summary,
     result_of_summary,
     spark_phase,
 )
@@ -182,6 +191,80 @@ def test_job_and_spark_application_phases() -> None:
     assert spark_phase(None) == "missing"
 
 
+MIRROR_STORE = "s3://audits/orders-site-b"
+
+
+def test_a_dr_switch_is_audited_across_sites_once_both_sites_have_shipped() -> None:
+    audit = enabled(mirrorStoreUrl=MIRROR_STORE, segmentSeconds=5)
+    settle = timedelta(seconds=failover_settle_seconds(audit))
+    # Epoch 0: the sites never switched; nothing to audit across them.
+    assert plan_audit(observe(audit, mirror_epoch=0)).launch is None
+    seen = plan_audit(observe(audit, mirror_epoch=1))
+    assert seen.launch is None and seen.progress.dr_epoch_seen == iso(T0)
+    # The wait is kept in the status: an operator restart neither restarts nor skips it.
+    early = plan_audit(observe(audit, T0 + settle / 2, progress=seen.progress, mirror_epoch=1))
+    assert early.launch is None and early.progress.dr_epoch_seen == iso(T0)
+    # No answer from the active (epoch unknown) neither starts a run nor resets the wait.
+    blind = plan_audit(observe(audit, T0 + settle, progress=seen.progress, mirror_epoch=None))
+    assert blind.launch is None and blind.progress.dr_epoch_seen == iso(T0)
+    due = plan_audit(observe(audit, T0 + settle, progress=seen.progress, mirror_epoch=1))
+    assert (due.launch, due.scope) == ("DR switch to epoch 1", "sites")
+    assert (due.progress.audited_dr_epoch, due.progress.dr_epoch_seen) == (1, None)
+    later = T0 + 10 * settle
+    assert plan_audit(observe(audit, later, progress=due.progress, mirror_epoch=1)).launch is None
+    # The next switch (failback) is audited again.
+    again = plan_audit(observe(audit, later, progress=due.progress, mirror_epoch=2))
+    assert again.launch is None and again.progress.dr_epoch_seen == iso(later)
+
+
+@pytest.mark.parametrize(
+    "fields", [{}, {"mirrorStoreUrl": MIRROR_STORE, "afterMirrorSwitch": False}]
+)
+def test_no_cross_site_audit_without_a_mirror_store_or_when_switches_are_not_audited(
+    fields: dict[str, Any],
+) -> None:
+    plan = plan_audit(observe(enabled(**fields), mirror_epoch=3))
+    assert plan.launch is None and plan.progress.dr_epoch_seen is None
+
+
+def test_a_cross_site_request_runs_across_sites_or_is_refused_without_a_mirror_store() -> None:
+    asked = {"request": "r1", "request_sites": True}
+    plan = plan_audit(observe(enabled(mirrorStoreUrl=MIRROR_STORE), **asked))
+    assert (plan.launch, plan.scope, plan.handled_request) == ("requested", "sites", "r1")
+    refused = plan_audit(observe(enabled(), **asked))
+    assert refused.launch is None and refused.refused_request
+    assert refused.handled_request == "r1"
+    # A pair request is still the pair's audit.
+    pair = plan_audit(observe(enabled(mirrorStoreUrl=MIRROR_STORE), request="r2"))
+    assert (pair.launch, pair.scope) == ("requested", "pair")
+
+
+def cross_summary(verdict: Verdict, failures: list[str], **counts: int) -> CrossSiteSummary:
+    sites = [SiteInfo(name=n, store=u, brokers=[], segments=1, origins=[])
+             for n, u in (("a", STORE), ("b", MIRROR_STORE))]  # fmt: skip
+    return CrossSiteSummary(
+        run_id="orders-audit-1", verdict=verdict, failures=failures, sites=sites,
+        totals=CrossSiteCounts(**counts), queues=[],
+    )  # fmt: skip
+
+
+def test_a_cross_site_summary_becomes_the_result_and_the_condition() -> None:
+    end = T0 + timedelta(minutes=1)
+    passed = result_of_cross_summary(
+        running(), cross_summary(Verdict.PASS, [], messages=40, mirrored=38, in_flight=2), end
+    )
+    assert (passed.verdict, passed.messages, passed.lost, passed.duplicates) == ("PASS", 40, 0, 0)
+    assert "38 mirrored, 2 in flight" in passed.message
+    failed = result_of_cross_summary(
+        running(), cross_summary(Verdict.FAIL, ["2 lost"], messages=40, lost=2, duplicated=1),
+        end,
+    )  # fmt: skip
+    assert (failed.verdict, failed.lost, failed.duplicates, failed.message) == (
+        "FAIL", 2, 1, "2 lost",
+    )  # fmt: skip
+    assert audit_condition(failed, None, 1).reason == "AuditFailed"
+
+
 def summary(verdict: Verdict, failures: list[str], **counts: int) -> AuditSummary:
     return AuditSummary(
         run_id="orders-audit-1", verdict=verdict, failures=failures, mode="full", store=STORE,
@@ -234,7 +317,7 @@ def test_run_names_fit_the_pod_names_they_lead_to() -> None:
 
 def test_the_job_runs_the_audit_once_in_local_mode_on_the_store() -> None:
     spec = spec_with(resources={"driverCores": 2, "driverMemory": "3g"})
-    job = build_audit_job(CLUSTER, spec, "orders-audit-1", "requested")
+    job = build_audit_job(CLUSTER, spec, "orders-audit-1", "requested", "pair")
     validate(job)
     assert job["spec"]["backoffLimit"] == 0
     assert job["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
@@ -250,10 +333,27 @@ def test_the_job_runs_the_audit_once_in_local_mode_on_the_store() -> None:
     assert container["resources"]["limits"]["memory"] == memory_quantity("3g", 768) == "3840Mi"
 
 
+def test_a_cross_site_run_names_both_sites_stores_and_says_so() -> None:
+    spec = spec_with(mirrorStoreUrl=MIRROR_STORE)
+    for build in (build_audit_job, build_spark_application):
+        obj = build(CLUSTER, spec, "orders-audit-1", "DR switch to epoch 2", "sites")
+        if obj["kind"] == "Job":
+            validate(obj)
+        body = obj["spec"]
+        args = (body["template"]["spec"]["containers"][0]["args"] if obj["kind"] == "Job"
+                else body["arguments"])  # fmt: skip
+        assert args[:6] == [
+            "--store", STORE, "--run-id", "orders-audit-1", "--mirror-store", MIRROR_STORE,
+        ]  # fmt: skip
+        assert obj["metadata"]["annotations"][ANNOTATION_SCOPE] == "sites"
+    pair = build_audit_job(CLUSTER, spec, "orders-audit-1", "schedule", "pair")
+    assert "--mirror-store" not in pair["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
 def test_the_spark_application_carries_the_same_program_and_resources() -> None:
     spec = spec_with(launcher="sparkApplication", image="spark/twinmq:1",
                      resources={"executorInstances": 3, "executorMemory": "2g"})  # fmt: skip
-    app = build_spark_application(CLUSTER, spec, "orders-audit-1", "schedule")
+    app = build_spark_application(CLUSTER, spec, "orders-audit-1", "schedule", "pair")
     body = app["spec"]
     assert app["apiVersion"] == "sparkoperator.k8s.io/v1beta2"
     assert (body["type"], body["mode"], body["image"]) == ("Python", "cluster", "spark/twinmq:1")
@@ -273,7 +373,9 @@ def test_the_spark_driver_gets_its_command_and_store_credentials_from_its_pod_te
     """Without the Spark Operator's webhook `envFrom` never reaches the pod, and the image
     has no Spark entrypoint for the `driver` argument: the pod template carries both."""
     spec = spec_with(launcher="sparkApplication")
-    driver = build_spark_application(CLUSTER, spec, "orders-audit-1", "schedule")["spec"]["driver"]
+    driver = build_spark_application(CLUSTER, spec, "orders-audit-1", "schedule", "pair")["spec"][
+        "driver"
+    ]
     assert "envFrom" not in driver
     template = driver["template"]
     validate({"apiVersion": "v1", "kind": "Pod", **template})
@@ -367,7 +469,7 @@ def requested(spec: BrokerClusterSpec, request: str) -> BrokerClusterSpec:
 def test_an_unrecorded_running_run_is_adopted_not_doubled(events: list[Any]) -> None:
     kube = MemoryKube()
     spec = requested(spec_with(), "r1")
-    orphan = build_audit_job(CLUSTER, spec, "orders-audit-20261122095959", "schedule")
+    orphan = build_audit_job(CLUSTER, spec, "orders-audit-20261122095959", "schedule", "pair")
     orphan["metadata"]["creationTimestamp"] = "2026-11-22T09:59:59Z"
     kube.ensure(orphan)
     status = BrokerClusterStatus()
@@ -418,3 +520,47 @@ def test_an_audit_problem_never_escapes_and_is_posted_once(events: list[Any]) ->
     assert again == first
     assert [reason for reason, _ in events].count("AuditProblem") == 1
     assert status.last_audit is not None and status.last_audit.verdict == "RUNNING"  # retried
+
+
+class StoreKube(MemoryKube):
+    """MemoryKube whose store Secret is empty (a local store needs no credentials)."""
+
+    def get_secret_data(self, namespace: str, name: str) -> dict[str, str]:
+        return {}
+
+
+def test_a_dr_switch_launches_a_cross_site_run_and_its_summary_is_recorded(
+    events: list[Any], tmp_path: Any
+) -> None:
+    from twinmq.audit.store import Store
+    from twinmq.operator.models import MirrorState
+
+    kube = StoreKube()
+    spec = spec_with(storeUrl=str(tmp_path / "a"), mirrorStoreUrl=MIRROR_STORE)
+    status = BrokerClusterStatus()
+    status.mirror = MirrorState(role="source", state="Connected", epoch=2)
+    runner(kube, spec, status).reconcile(T0, T0)  # the epoch is seen: the wait starts
+    assert status.last_audit is None and status.audit.dr_epoch_seen == iso(T0)
+    settled = T0 + timedelta(seconds=failover_settle_seconds(spec.audit))
+    runner(kube, spec, status).reconcile(T0, settled)
+    run = status.last_audit
+    assert run is not None and (run.verdict, run.scope) == ("RUNNING", "sites")
+    assert events[-1] == ("AuditStarted", f"cross-site audit run {run.run} started (DR switch "
+                          "to epoch 2) as a Job")  # fmt: skip
+    job = kube.objects[("Job", run.run)]
+    assert "--mirror-store" in job["spec"]["template"]["spec"]["containers"][0]["args"]
+    # The program writes its summary where `twinmq audit --mirror-store` does (audit/cross.py).
+    summary = cross_summary(Verdict.FAIL, ["1 confirmed messages missing"], messages=9, lost=1)
+    Store(str(tmp_path / "a")).write_json(
+        f"audit/cross/{run.run}/summary.json", summary.model_dump(mode="json")
+    )
+    job["status"] = {"conditions": [{"type": "Failed", "status": "True"}]}
+    runner(kube, spec, status).reconcile(T0, settled + timedelta(minutes=1))
+    result = status.last_audit
+    assert result is not None and (result.verdict, result.lost, result.scope) == (
+        "FAIL",
+        1,
+        "sites",
+    )
+    assert [c.status for c in status.conditions if c.type == "AuditPassed"] == ["False"]
+    assert status.audit.audited_dr_epoch == 2

@@ -274,6 +274,26 @@ def test_the_crd_refuses_a_bidirectional_site_without_target_and_a_change_of_mod
     apply_mirror(crd_kube, "both-ways", {**both, "maxLagSeconds": 5})  # so does any other
 
 
+def test_the_crd_refuses_a_cross_site_audit_store_without_a_mirror_or_outside_s3(
+    crd_kube: Kube,
+) -> None:
+    def apply(name: str, spec: dict[str, Any]) -> None:
+        crd_kube.apply({
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+            "metadata": {"name": name, "namespace": "default"}, "spec": spec,
+        })  # fmt: skip
+
+    audit = {"enabled": True, "storeUrl": "s3://audits/a", "mirrorStoreUrl": "s3://audits/b"}
+    with pytest.raises(Refused) as refused:
+        apply("no-mirror", {"audit": audit})
+    assert "audit.mirrorStoreUrl compares DR sites: it needs spec.mirror" in str(refused.value)
+    mirror = {"role": "source", "secretName": "dr", "target": TARGET}
+    with pytest.raises(Refused) as refused:
+        apply("not-s3", {"mirror": mirror, "audit": {**audit, "mirrorStoreUrl": "/data/b"}})
+    assert "mirrorStoreUrl is the other DR site's audit store" in str(refused.value)
+    apply("audited-site", {"mirror": mirror, "audit": audit})
+
+
 # -- declarative DR switchover, against real brokers -----------------------------------------
 
 
