@@ -17,6 +17,7 @@ work by running the same audit program on the same store.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import subprocess
@@ -38,10 +39,10 @@ from brokerclusters import (
     condition,
     create_cluster,
 )
-from support import AUDIT_IMAGE, Cluster, helm, kubectl_binary, pod_path
+from support import AUDIT_IMAGE, Cluster, helm, kubectl_binary, new_namespace, plugin, pod_path
 
 from twinmq.audit.store import Store
-from twinmq.audit.summary import AuditSummary
+from twinmq.audit.summary import AuditSummary, CrossSiteSummary
 from twinmq.client import ReliablePublisher
 from twinmq.localcluster import binaries, faults, s3server
 from twinmq.localcluster.layout import Layout
@@ -190,6 +191,86 @@ def test_the_job_launcher_audits_a_failover_and_reports_pass(
         f"/apis/batch/v1/namespaces/{namespace}/jobs", labelSelector="twinmq.io/audit-run"
     )
     assert [j["metadata"]["name"] for j in jobs] == [second]
+
+
+def _publish(url: str, bodies: range) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("orders", durable=True)
+    for i in bodies:
+        ch.basic_publish("", "orders", str(i).encode(), pika.BasicProperties(delivery_mode=2))
+    conn.close()
+
+
+def _depth(url: str) -> int:
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(url))
+    except pika.exceptions.AMQPConnectionError:
+        return -1
+    try:
+        return int(conn.channel().queue_declare("orders", passive=True).method.message_count)
+    except pika.exceptions.ChannelClosedByBroker:
+        return -1
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
+@pytest.mark.timeout(900)
+def test_a_dr_switchover_is_audited_across_the_two_sites_by_the_operator_and_passes(
+    cluster: Cluster, operator: OperatorProcess, namespace: str, s3_endpoint: str
+) -> None:
+    """Two sites (namespaces), each shipping to its own prefix of the store; site B names
+    site A's store as its mirror store. After a declared switchover (A demoted, B
+    promoted) with confirmed traffic on both sides of it, B's operator launches the
+    cross-site audit by itself, and it reports PASS."""
+    site_b = new_namespace(cluster, "e2e-dr")
+    try:
+        token = base64.b64encode(b"a-shared-mirror-token").decode()
+        for ns in (namespace, site_b):
+            _store_secret(cluster, ns, s3_endpoint)
+            secret = {"metadata": {"name": "orders-dr"}, "data": {"mirror-token": token}}
+            cluster.kube.create(f"/api/v1/namespaces/{ns}/secrets", secret)
+
+        def mirror(role: str, other: str) -> dict[str, Any]:
+            return {"role": role, "secretName": "orders-dr",
+                    "target": {"host": f"orders.{other}.svc"}}  # fmt: skip
+
+        b_audit = _audit_spec(site_b, mirrorStoreUrl=f"s3://{BUCKET}/{namespace}")
+        b = create_cluster(cluster, site_b, audit=b_audit,
+                           spec={"mirror": mirror("replica", namespace)})  # fmt: skip
+        a = create_cluster(cluster, namespace, audit=_audit_spec(namespace),
+                           spec={"mirror": mirror("source", site_b)})  # fmt: skip
+        a_url, b_url = amqp_url(cluster, namespace, a), amqp_url(cluster, site_b, b)
+        _publish(a_url, range(60))
+        wait_for("A's messages on B", lambda: _depth(b_url) == 60, 90)
+        shown = plugin(cluster, "mirror", "switchover", a, f"{site_b}/{b}",
+                       "-n", namespace, "--timeout", "120")  # fmt: skip
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        _publish(b_url, range(60, 70))
+        wait_for("B's messages mirrored back to A", lambda: _depth(a_url) == 70, 90)
+
+        def switch_audit() -> str | None:
+            last = _last_audit(cluster, site_b, b)
+            return last.get("run") if last.get("scope") == "sites" else None
+
+        run = str(wait_for("B's operator starts the cross-site audit", switch_audit, 180))
+        assert "DR switch to epoch" in _last_audit(cluster, site_b, b)["reason"]
+        result = _finished(cluster, site_b, b, run, timeout=420)
+        assert result["verdict"] == "PASS", result
+        assert result["lost"] == 0 and result["duplicates"] == 0 and result["messages"] >= 60
+        store = Store(f"s3://{BUCKET}/{site_b}", store_options({**s3server.CREDENTIALS,
+                      "AWS_ENDPOINT_URL": s3_endpoint}))  # fmt: skip
+        summary = CrossSiteSummary.model_validate(
+            store.read_json(f"audit/cross/{run}/summary.json")
+        )
+        assert [site.store for site in summary.sites] == [
+            f"s3://{BUCKET}/{site_b}", f"s3://{BUCKET}/{namespace}",
+        ]  # fmt: skip
+        assert condition(cluster_status(cluster, site_b, b), "AuditPassed") == "True"
+    finally:
+        cluster.kube.delete(f"/api/v1/namespaces/{site_b}")
 
 
 @pytest.fixture(scope="module")
