@@ -167,10 +167,15 @@ class MirrorLink:
             if self.source.ensure_active():
                 try:
                     await self._session()
-                except (OSError, ConnectionError, ProtocolError, TimeoutError) as exc:
+                except (OSError, ConnectionError, ProtocolError, TimeoutError, RuntimeError) as exc:
+                    # RuntimeError: uvloop refuses a write to a transport the mirror (or a
+                    # cut in between) just reset; the link is down, not broken.
                     if self.last_error != str(exc):
                         log.warning("mirror link to %s: %s", self.address, exc)
                     self.last_error = str(exc)
+                except Exception as exc:  # a bug must not stop the link for good: retry
+                    log.exception("mirror link to %s failed", self.address)
+                    self.last_error = f"{type(exc).__name__}: {exc}"
                 finally:
                     self._set_connected(False)
             await asyncio.sleep(self.retry)

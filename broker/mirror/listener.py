@@ -112,7 +112,8 @@ class MirrorListener:
             self.sessions[origin] = writer
             log.info("mirror: source %s linked from %s", origin, peer)
             await self._serve(origin, frames, writer)
-        except (OSError, ConnectionError, ProtocolError, TimeoutError) as exc:
+        except (OSError, ConnectionError, ProtocolError, TimeoutError, RuntimeError) as exc:
+            # RuntimeError: uvloop refuses a write to a transport the source just reset.
             log.info("mirror: link from %s (%s) closed: %s", origin or "?", peer, exc)
         finally:
             if origin is not None and self.sessions.get(origin) is writer:
