@@ -14,13 +14,16 @@ on its data directory; from its ready line the source's `/status` is polled ever
 *reconnect* is the time until the link is connected again (the source retries every 2 s),
 *catch-up* the time from then until the replication queue is empty (every event applied
 and made durable on the mirror, and acknowledged). Rates: backlog events and messages
-over the catch-up time. Numbers only: nothing asserts a timing.
+over the catch-up time; and, less sensitive to a loaded machine than those, the CPU time
+each broker process used over the catch-up (all threads, from /proc), per message.
+Numbers only: nothing asserts a timing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -47,6 +50,13 @@ def queue_messages(broker: BrokerProcess) -> int:
         if queue.name == QUEUE:
             return queue.messages
     return 0
+
+
+def cpu_seconds(broker: BrokerProcess) -> float:
+    """User and system CPU time of the broker's process so far (all threads)."""
+    assert broker.proc is not None
+    fields = Path(f"/proc/{broker.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_until(check: Callable[[], object], poll: float = 0.05, limit: float = 600.0) -> float:
@@ -76,7 +86,9 @@ def one_run(tmp: Path, opts: argparse.Namespace) -> dict[str, float]:
         messages = queue_messages(src)
         mirror.start()
         reconnect = wait_until(lambda: mirror_section(src)["connected"])
+        cpu = cpu_seconds(mirror), cpu_seconds(src)
         catchup = wait_until(lambda: mirror_section(src)["queue_events"] == 0)
+        mirror_cpu, source_cpu = cpu_seconds(mirror) - cpu[0], cpu_seconds(src) - cpu[1]
         mirrored = queue_messages(mirror)
     return {
         "events": backlog["queue_events"],
@@ -87,6 +99,8 @@ def one_run(tmp: Path, opts: argparse.Namespace) -> dict[str, float]:
         "events_s": backlog["queue_events"] / catchup,
         "messages_s": messages / catchup,
         "missing": messages - mirrored,
+        "mirror_us": mirror_cpu / messages * 1e6,
+        "source_us": source_cpu / messages * 1e6,
     }
 
 
@@ -108,7 +122,9 @@ def main() -> None:
             f"run {run + 1}: backlog {row['events']:,.0f} events, {row['messages']:,.0f} "
             f"messages ({row['mbytes']:,.0f} MB); reconnect {row['reconnect']:.2f} s; catch-up "
             f"{row['catchup']:.2f} s: {row['events_s']:,.0f} events/s, "
-            f"{row['messages_s']:,.0f} messages/s; missing on the mirror {row['missing']:.0f}",
+            f"{row['messages_s']:,.0f} messages/s; CPU per message: mirror "
+            f"{row['mirror_us']:.1f} us, source {row['source_us']:.1f} us; missing on the "
+            f"mirror {row['missing']:.0f}",
             flush=True,
         )
 
@@ -121,13 +137,14 @@ def main() -> None:
 
     print()
     print("| backlog events | messages | MB | reconnect s | catch-up s | events/s | messages/s "
-          "| missing |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| mirror CPU us/message | source CPU us/message | missing |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(
         f"| {cell('events', '{:,.0f}')} | {cell('messages', '{:,.0f}')} "
         f"| {cell('mbytes', '{:,.0f}')} | {cell('reconnect', '{:.2f}')} "
         f"| {cell('catchup', '{:.2f}')} | {cell('events_s', '{:,.0f}')} "
-        f"| {cell('messages_s', '{:,.0f}')} | {cell('missing', '{:.0f}')} |"
+        f"| {cell('messages_s', '{:,.0f}')} | {cell('mirror_us', '{:.1f}')} "
+        f"| {cell('source_us', '{:.1f}')} | {cell('missing', '{:.0f}')} |"
     )
 
 
