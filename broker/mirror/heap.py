@@ -5,7 +5,7 @@ objects (the `Message` and `Entry` of each, the source's events too), never in
 a reference cycle: reference counting frees them when they are settled. CPython
 walks all of them at each full collection, which it starts whenever the
 long-lived objects grew by a quarter: with tens of thousands of messages held,
-pauses of 100-300 ms on either side, several a minute, each holding up the
+pauses of 100-640 ms on either side, several a minute, each holding up the
 link (events not sent, not applied, acknowledgements not read). They were the
 largest share of the mirror's lag p99 (docs/benchmarks.md, "DR mirror lag").
 
@@ -14,7 +14,8 @@ So each end calls `HeapFreezer.freeze` once per event made or batch applied:
 generation, which no collection walks. The price is that a garbage cycle present
 at a freeze is not collected then; every `sweep_every` seconds the permanent
 generation is given back and one full collection reclaims them: one pause per
-sweep instead of several per minute, and the memory such cycles can hold stays
+sweep (about 0.5 s per million tracked objects here) instead of several per
+minute, and the memory such cycles can hold stays
 bounded by what the broker makes of them in that time. The pair's passive does
 the same during a catch-up (`broker/replication/replica.py`).
 """
