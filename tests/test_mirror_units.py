@@ -1,8 +1,12 @@
 """The mirror's pure parts without sockets: the event codec, the holding set, and the applier
-on a real virtual host over a real journal (`sansio.Harness`), fed events by hand."""
+on a real virtual host over a real journal (`sansio.Harness`), fed events by hand; the heap
+freezer of both ends with the real garbage collector."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,8 @@ from twinmq.broker.mirror.events import (
     mirrored_definitions,
     record_header,
 )
+from twinmq.broker.mirror.heap import HeapFreezer
+from twinmq.broker.mirror.source import MirrorSource
 from twinmq.broker.settings import parse_args
 from twinmq.testing.sansio import Harness
 
@@ -250,3 +256,113 @@ def test_the_bidirectional_id_map_is_durable_with_the_messages_it_maps(tmp_path:
     reopened.commit()
     assert ready(reopened) == [b"m501"] and ids.local("site-a", 500) is None and len(ids) == 1
     reopened.close()
+
+
+# -- the heap freezer (`heap.py`), with the real garbage collector ----------------------
+
+
+class Node:
+    """A tracked object that can be put in a reference cycle."""
+
+    def __init__(self) -> None:
+        self.other: Node | None = None
+
+
+class Clock:
+    """Seconds that move only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def thawed() -> Iterator[None]:
+    """Each test starts and ends with nothing frozen in this test process."""
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def cycle() -> weakref.ref[Node]:
+    """A two-node reference cycle, unreachable once this returns; a weak reference to it."""
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+
+
+def test_a_freeze_moves_what_is_held_out_of_the_collectors_generations(thawed: None) -> None:
+    held = [Node() for _ in range(1000)]
+    HeapFreezer(clock=Clock()).freeze()
+    assert gc.get_freeze_count() >= len(held)
+    assert all(not any(o is n for o in gc.get_objects()) for n in held[:3])  # none walked
+
+
+def test_a_garbage_cycle_frozen_is_reclaimed_at_the_next_sweep_not_before(thawed: None) -> None:
+    clock = Clock()
+    freezer = HeapFreezer(clock=clock, sweep_every=300.0)
+    doomed = _frozen_cycle(freezer)
+    gc.collect()
+    assert doomed() is not None  # frozen: full collections do not walk it
+    clock.now += 299.0
+    freezer.freeze()
+    gc.collect()
+    assert doomed() is not None and freezer.sweeps == 0
+    clock.now += 1.0
+    freezer.freeze()  # the sweep: unfrozen, collected, then the rest frozen again
+    assert doomed() is None and freezer.sweeps == 1
+    assert gc.get_freeze_count() > 0
+
+
+def _frozen_cycle(freezer: HeapFreezer) -> weakref.ref[Node]:
+    """A cycle still referenced at a freeze, dropped right after it."""
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    freezer.freeze()
+    ref = weakref.ref(a)
+    del a, b
+    return ref
+
+
+def test_an_unfrozen_garbage_cycle_is_still_collected_as_usual(thawed: None) -> None:
+    doomed = cycle()
+    gc.collect()
+    assert doomed() is None
+
+
+def test_the_applier_freezes_the_heap_after_each_batch_it_applies(
+    tmp_path: Path, thawed: None
+) -> None:
+    mirror = Harness(tmp_path / "mirror")
+    applier = MirrorApplier(mirror.vhost, mirror.committer, mirror.clock.time)
+    applier.heap = HeapFreezer(clock=Clock())
+    applier.apply("a", [(1, encode_definitions_event(TOPOLOGY, 0.0))])
+    gc.unfreeze()
+    applier.apply("a", [(2, encode_ops_event([message(1), message(2)], 0.0))])
+    assert gc.get_freeze_count() > 0
+    gc.unfreeze()
+    assert applier.apply("a", [(2, encode_ops_event([message(1)], 0.0))]).applied == 0
+    assert gc.get_freeze_count() == 0  # nothing applied (a re-sent event): nothing new held
+    mirror.commit()
+    assert ready(mirror) == [b"m1", b"m2"]
+    mirror.close()
+
+
+def test_the_source_freezes_the_heap_after_each_event_it_makes(
+    tmp_path: Path, thawed: None
+) -> None:
+    source_site = Harness(tmp_path / "source")
+    source = MirrorSource(source_site.vhost, source_site.committer, source_site.clock.time)
+    source.heap = HeapFreezer(clock=Clock())
+    source_site.committer.tap = source
+    source.activate()  # the first activation's seed and topology: events made
+    assert gc.get_freeze_count() > 0 and source.depth >= 2
+    source_site.commit()
+    gc.unfreeze()
+    source_site.committer.add([message(1)])
+    source_site.commit()
+    assert gc.get_freeze_count() > 0  # the batch's event
+    assert source.depth >= 3
+    source_site.close()

@@ -53,6 +53,7 @@ from twinmq.broker.mirror.events import (
     record_header,
     replace_record,
 )
+from twinmq.broker.mirror.heap import HeapFreezer
 from twinmq.broker.queue import Queue
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,8 @@ class MirrorApplier:
         self._failures: dict[tuple[str, int], int] = {}
         self.ids = ids  # bidirectional mode (`bidi.py`): ids mapped per origin
         self.forwarder = forwarder
+        # Keeps the applied messages out of full collections (`heap.py`).
+        self.heap: HeapFreezer | None = None
 
     def mark(self, origin: str) -> AppliedMark | None:
         """The last applied mark of `origin`, as durable (or about to be)."""
@@ -290,6 +293,8 @@ class MirrorApplier:
             if not queue.deleted:
                 queue.dispatch(now)  # consumers here get what the other site published
         metrics.APPLIED.inc(applied)
+        if self.heap is not None:
+            self.heap.freeze()
         return Applied(batch, done, applied, retry)
 
     def _apply_event(

@@ -51,6 +51,7 @@ from twinmq.broker.mirror.events import (
     ops_event,
     record_header,
 )
+from twinmq.broker.mirror.heap import HeapFreezer
 from twinmq.broker.queue import Queue
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class MirrorSource:
         # closes, so no other op can take one of their ids meanwhile.
         self._excluded: dict[int, JournalOp] = {}
         self._topology: Definitions | None = None  # the mirrored topology last announced
+        # Keeps the queues' messages and the events out of full collections (`heap.py`).
+        self.heap: HeapFreezer | None = None
 
     # -- the replication queue --------------------------------------------------------------
 
@@ -365,6 +368,8 @@ class MirrorSource:
         qids = Counter({op.qid for op in ops})  # an event counts once per queue it touches
         self._lag[seq] = (event_created(body), qids)
         self.queue_lag.update(qids)
+        if self.heap is not None:
+            self.heap.freeze()
         return StoredMessage(seq, QUEUE_QID, "", QUEUE_NAME, header, body, None)
 
     def _forget(self, seq: int) -> None:
