@@ -176,6 +176,30 @@ def publish_confirmed(url: str, queue: str, body: bytes) -> None:
     conn.close()
 
 
+def messages_in(url: str, queue: str) -> int:
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(url))
+    except pika.exceptions.AMQPConnectionError:
+        return -2  # the virtual IP not yet following a new active (a failover)
+    try:
+        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
+    except pika.exceptions.ChannelClosedByBroker:
+        return -1  # not mirrored yet
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
+def publish_some(url: str, queue: str, bodies: range) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(queue, durable=True)
+    for i in bodies:
+        ch.basic_publish("", queue, str(i).encode(), pika.BasicProperties(delivery_mode=2))
+    conn.close()
+
+
 def events_of(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
     """The BrokerClusters' Events in the namespace, oldest first."""
     events = cluster.kube.list(f"/api/v1/namespaces/{namespace}/events")

@@ -38,6 +38,8 @@ from brokerclusters import (
     cluster_status,
     condition,
     create_cluster,
+    messages_in,
+    publish_some,
 )
 from support import AUDIT_IMAGE, Cluster, helm, kubectl_binary, new_namespace, plugin, pod_path
 
@@ -193,30 +195,6 @@ def test_the_job_launcher_audits_a_failover_and_reports_pass(
     assert [j["metadata"]["name"] for j in jobs] == [second]
 
 
-def _publish(url: str, bodies: range) -> None:
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    ch = conn.channel()
-    ch.confirm_delivery()
-    ch.queue_declare("orders", durable=True)
-    for i in bodies:
-        ch.basic_publish("", "orders", str(i).encode(), pika.BasicProperties(delivery_mode=2))
-    conn.close()
-
-
-def _depth(url: str) -> int:
-    try:
-        conn = pika.BlockingConnection(pika.URLParameters(url))
-    except pika.exceptions.AMQPConnectionError:
-        return -1
-    try:
-        return int(conn.channel().queue_declare("orders", passive=True).method.message_count)
-    except pika.exceptions.ChannelClosedByBroker:
-        return -1
-    finally:
-        if conn.is_open:
-            conn.close()
-
-
 @pytest.mark.timeout(900)
 def test_a_dr_switchover_is_audited_across_the_two_sites_by_the_operator_and_passes(
     cluster: Cluster, operator: OperatorProcess, namespace: str, s3_endpoint: str
@@ -237,19 +215,21 @@ def test_a_dr_switchover_is_audited_across_the_two_sites_by_the_operator_and_pas
             return {"role": role, "secretName": "orders-dr",
                     "target": {"host": f"orders.{other}.svc"}}  # fmt: skip
 
+        # Four brokers and the audit's driver core on a two-core node: small requests.
+        small = {"requests": {"cpu": "100m", "memory": "256Mi"}}
         b_audit = _audit_spec(site_b, mirrorStoreUrl=f"s3://{BUCKET}/{namespace}")
-        b = create_cluster(cluster, site_b, audit=b_audit,
-                           spec={"mirror": mirror("replica", namespace)})  # fmt: skip
-        a = create_cluster(cluster, namespace, audit=_audit_spec(namespace),
-                           spec={"mirror": mirror("source", site_b)})  # fmt: skip
+        b_spec = {"mirror": mirror("replica", namespace), "resources": small}
+        b = create_cluster(cluster, site_b, audit=b_audit, spec=b_spec)
+        a_spec = {"mirror": mirror("source", site_b), "resources": small}
+        a = create_cluster(cluster, namespace, audit=_audit_spec(namespace), spec=a_spec)
         a_url, b_url = amqp_url(cluster, namespace, a), amqp_url(cluster, site_b, b)
-        _publish(a_url, range(60))
-        wait_for("A's messages on B", lambda: _depth(b_url) == 60, 90)
+        publish_some(a_url, "orders", range(60))
+        wait_for("A's messages on B", lambda: messages_in(b_url, "orders") == 60, 90)
         shown = plugin(cluster, "mirror", "switchover", a, f"{site_b}/{b}",
                        "-n", namespace, "--timeout", "120")  # fmt: skip
         assert shown.returncode == 0, shown.stdout + shown.stderr
-        _publish(b_url, range(60, 70))
-        wait_for("B's messages mirrored back to A", lambda: _depth(a_url) == 70, 90)
+        publish_some(b_url, "orders", range(60, 70))
+        wait_for("B's messages mirrored back to A", lambda: messages_in(a_url, "orders") == 70, 90)
 
         def switch_audit() -> str | None:
             last = _last_audit(cluster, site_b, b)
@@ -257,7 +237,14 @@ def test_a_dr_switchover_is_audited_across_the_two_sites_by_the_operator_and_pas
 
         run = str(wait_for("B's operator starts the cross-site audit", switch_audit, 180))
         assert "DR switch to epoch" in _last_audit(cluster, site_b, b)["reason"]
-        result = _finished(cluster, site_b, b, run, timeout=420)
+        try:
+            result = _finished(cluster, site_b, b, run, timeout=420)
+        except TimeoutError as exc:
+            job = cluster.kube.get(f"/apis/batch/v1/namespaces/{site_b}/jobs/{run}") or {}
+            pods = cluster.kube.list(pod_path(site_b), labelSelector=f"job-name={run}") or []
+            seen = [(p["metadata"]["name"], p.get("status")) for p in pods]
+            raise AssertionError(f"{exc}; job status {job.get('status')}; pods {seen}; "
+                                 f"events {_events(cluster, site_b, b)}") from exc  # fmt: skip
         assert result["verdict"] == "PASS", result
         assert result["lost"] == 0 and result["duplicates"] == 0 and result["messages"] >= 60
         store = Store(f"s3://{BUCKET}/{site_b}", store_options({**s3server.CREDENTIALS,

@@ -21,6 +21,8 @@ from brokerclusters import (
     cluster_status,
     create_cluster,
     drain,
+    messages_in,
+    publish_some,
     virtual_ip,
 )
 from support import Cluster, new_namespace, plugin
@@ -55,30 +57,6 @@ def mirror_state(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
 
 def connected(cluster: Cluster, namespace: str, name: str) -> bool:
     return mirror_state(cluster, namespace, name).get("state") == "Connected"
-
-
-def messages_in(url: str, queue: str) -> int:
-    try:
-        conn = pika.BlockingConnection(pika.URLParameters(url))
-    except pika.exceptions.AMQPConnectionError:
-        return -2  # the virtual IP not yet following a new active (a failover)
-    try:
-        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
-    except pika.exceptions.ChannelClosedByBroker:
-        return -1  # not mirrored yet
-    finally:
-        if conn.is_open:
-            conn.close()
-
-
-def publish_some(url: str, queue: str, bodies: range) -> None:
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    ch = conn.channel()
-    ch.confirm_delivery()
-    ch.queue_declare(queue, durable=True)
-    for i in bodies:
-        ch.basic_publish("", queue, str(i).encode(), pika.BasicProperties(delivery_mode=2))
-    conn.close()
 
 
 def test_confirmed_traffic_through_the_source_arrives_on_the_replica_site(

@@ -173,50 +173,25 @@ def _dr_switch_due(obs: AuditObservation, progress: AuditProgress) -> str | None
 
 
 def result_of_summary(
-    running: AuditResult, summary: AuditSummary, finished: datetime
+    running: AuditResult, summary: AuditSummary | CrossSiteSummary, finished: datetime
 ) -> AuditResult:
-    """A finished run's result from the summary it wrote to the store."""
-    totals = summary.totals
+    """A finished run's result from the summary it wrote to the store (a pair's, or a
+    cross-site one: `twinmq audit --mirror-store`)."""
+    if isinstance(summary, CrossSiteSummary):
+        cross = summary.totals
+        counts = {"messages": cross.messages, "lost": cross.lost,
+                  "duplicates": cross.duplicated}  # fmt: skip
+        clean = (f"{cross.messages} messages across sites, {cross.mirrored} mirrored, "
+                 f"{cross.in_flight} in flight, none lost or duplicated")  # fmt: skip
+    else:
+        pair = summary.totals
+        counts = {"messages": pair.messages, "lost": pair.lost, "reordered": pair.reordered,
+                  "duplicates": pair.resent + pair.replicated_twice}  # fmt: skip
+        clean = f"{pair.messages} messages audited, none lost, duplicated twice or reordered"
     verdict: AuditVerdict = "PASS" if summary.verdict.value == "PASS" else "FAIL"
-    message = (
-        "; ".join(summary.failures)
-        if summary.failures
-        else f"{totals.messages} messages audited, none lost, duplicated twice or reordered"
-    )
+    message = "; ".join(summary.failures) if summary.failures else clean
     return running.model_copy(
-        update={
-            "verdict": verdict,
-            "finished": iso(finished),
-            "messages": totals.messages,
-            "lost": totals.lost,
-            "duplicates": totals.resent + totals.replicated_twice,
-            "reordered": totals.reordered,
-            "message": message,
-        }
-    )
-
-
-def result_of_cross_summary(
-    running: AuditResult, summary: CrossSiteSummary, finished: datetime
-) -> AuditResult:
-    """A finished cross-site run's result (`twinmq audit --mirror-store`'s summary)."""
-    totals = summary.totals
-    verdict: AuditVerdict = "PASS" if summary.verdict.value == "PASS" else "FAIL"
-    message = (
-        "; ".join(summary.failures)
-        if summary.failures
-        else f"{totals.messages} messages across sites, {totals.mirrored} mirrored, "
-        f"{totals.in_flight} in flight, none lost or duplicated"
-    )
-    return running.model_copy(
-        update={
-            "verdict": verdict,
-            "finished": iso(finished),
-            "messages": totals.messages,
-            "lost": totals.lost,
-            "duplicates": totals.duplicated,
-            "message": message,
-        }
+        update={"verdict": verdict, "finished": iso(finished), "message": message, **counts}
     )
 
 

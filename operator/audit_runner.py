@@ -28,7 +28,6 @@ from twinmq.operator.audit_plan import (
     job_phase,
     plan_audit,
     result_error,
-    result_of_cross_summary,
     result_of_summary,
     spark_phase,
 )
@@ -285,8 +284,6 @@ class AuditRunner:
             return
         if summary is None:
             self._record(result_error(last, _failure_detail(run_obj, launcher, last.run), now))
-        elif isinstance(summary, CrossSiteSummary):
-            self._record(result_of_cross_summary(last, summary, now))
         else:
             self._record(result_of_summary(last, summary, now))
 

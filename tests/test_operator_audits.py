@@ -34,7 +34,6 @@ from twinmq.operator.audit_plan import (
     job_phase,
     plan_audit,
     result_error,
-    result_of_cross_summary,
     result_of_summary,
     spark_phase,
 )
@@ -250,12 +249,12 @@ def cross_summary(verdict: Verdict, failures: list[str], **counts: int) -> Cross
 
 def test_a_cross_site_summary_becomes_the_result_and_the_condition() -> None:
     end = T0 + timedelta(minutes=1)
-    passed = result_of_cross_summary(
+    passed = result_of_summary(
         running(), cross_summary(Verdict.PASS, [], messages=40, mirrored=38, in_flight=2), end
     )
     assert (passed.verdict, passed.messages, passed.lost, passed.duplicates) == ("PASS", 40, 0, 0)
     assert "38 mirrored, 2 in flight" in passed.message
-    failed = result_of_cross_summary(
+    failed = result_of_summary(
         running(), cross_summary(Verdict.FAIL, ["2 lost"], messages=40, lost=2, duplicated=1),
         end,
     )  # fmt: skip
