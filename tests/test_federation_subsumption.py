@@ -67,7 +67,7 @@ def _binding(queue: str, key: str) -> BindingDef:
     return BindingDef(exchange="x", queue=queue, routing_key=key, arguments={})
 
 
-def _expected_roots(keys: set[str]) -> set[str]:
+def expected_roots(keys: set[str]) -> set[str]:
     """From scratch: the patterns no other one covers (the smallest of equivalent ones)."""
     words = {k: tuple(k.split(".")) for k in keys}
 
@@ -115,8 +115,8 @@ def test_the_upstream_set_kept_by_single_changes_equals_the_one_computed_from_sc
         assert before <= during
         upstream -= set(changes.unbind)
         keys = {k for _q, k in local}
-        assert {b.routing_key for b in upstream} == _expected_roots(keys)
-        assert {b.routing_key for b in needed.roots} == _expected_roots(keys)
+        assert {b.routing_key for b in upstream} == expected_roots(keys)
+        assert {b.routing_key for b in needed.roots} == expected_roots(keys)
         rebuilt = fb.UpstreamSet("topic", [_binding(q, k) for q, k in local])
         assert rebuilt.roots == needed.roots
 

@@ -39,7 +39,7 @@ PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 FRAME_MAX = 131072  # what the link asks for (the broker's default)
 CHANNEL = 1
 OPEN_TIMEOUT = 30.0  # seconds for the TCP (and TLS) connection and the handshake
-PIPELINE_WINDOW = 256  # synchronous methods sent ahead of their replies at most
+PIPELINE_WINDOW = 64  # synchronous methods sent ahead of their replies at most (see _sync)
 _HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 _BODY_SIZE = struct.Struct(">Q")
 
