@@ -178,3 +178,14 @@ def test_the_record_is_compacted_when_its_changes_outgrow_it(tmp_path: Path) -> 
             model.add(binding)
     assert fb.Record(path).held == model
     assert len(path.read_text().splitlines()) <= 1 + 1025
+
+
+def test_a_resync_binds_first_only_what_a_binding_about_to_go_covers() -> None:
+    binds = [fb.UpstreamBinding(k) for k in ("a.b", "a.x.c", "b.c", "d")]
+    unbinds = [fb.UpstreamBinding(k) for k in ("a.#", "old", "*.c")]
+    assert fb.covered_by(binds, unbinds) == [
+        fb.UpstreamBinding("a.b"),
+        fb.UpstreamBinding("a.x.c"),
+        fb.UpstreamBinding("b.c"),
+    ]
+    assert fb.covered_by(binds, [fb.UpstreamBinding("a.b")]) == []

@@ -443,7 +443,8 @@ class FederationLink:
         the changes since the last sync (or, `full`, everything: after a reconnect).
 
         Binds go first, then unbinds (a covered pattern is bound before its cover goes:
-        no window where a message has no binding upstream); each list pipelined. The
+        no window where a message has no binding upstream); each list pipelined. A full
+        resync binds first only what an unbind would leave uncovered, the rest last. The
         record gets a binding before it is sent and loses it once its unbind is answered,
         so after a crash anywhere it holds at least what the upstream does."""
         exchange = self.vhost.exchanges.get(self.fed.exchange)
@@ -462,23 +463,36 @@ class FederationLink:
         else:
             changes = self.needed.drain(self.bound)
         self._rebuilt = False
-        source = self.fed.source_exchange
-        if changes.bind:
-            self._record.add(changes.bind)
-            binds = changes.bind
-            await channel.queue_bind_many(
-                self.queue, source, [(b.routing_key, b.arguments) for b in binds],
-                lambda i: self.bound.add(binds[i]),
-            )  # fmt: skip
+        later: list[fb.UpstreamBinding] = []
+        if full:
+            # Only what a binding about to go covers must be bound before it goes; the
+            # rest after the unbinds: a durable bind upstream costs in proportion to the
+            # bindings there today, so the set is kept small while it changes.
+            first = fb.covered_by(changes.bind, changes.unbind) if self.needed.topic else []
+            later = sorted(set(changes.bind) - set(first))
+            changes = fb.Changes(first, changes.unbind)
+        await self._send(channel, changes.bind)
         if changes.unbind:
             unbinds = changes.unbind
             await channel.queue_bind_many(
-                self.queue, source, [(b.routing_key, b.arguments) for b in unbinds],
+                self.queue, self.fed.source_exchange,
+                [(b.routing_key, b.arguments) for b in unbinds],
                 lambda i: self.bound.discard(unbinds[i]), unbind=True,
             )  # fmt: skip
             self._record.remove(unbinds)
+        await self._send(channel, later)
         if full:
             self._record.rewrite(wanted)  # the record compacted: exactly what is bound
+
+    async def _send(self, channel: LinkClient, binds: list[fb.UpstreamBinding]) -> None:
+        """Bind upstream (pipelined), recorded first."""
+        if not binds:
+            return
+        self._record.add(binds)
+        await channel.queue_bind_many(
+            self.queue, self.fed.source_exchange, [(b.routing_key, b.arguments) for b in binds],
+            lambda i: self.bound.add(binds[i]),
+        )  # fmt: skip
 
     # -- messages -----------------------------------------------------------------------------
 

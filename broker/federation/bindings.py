@@ -275,6 +275,17 @@ class UpstreamSet:
                 self._make_root(orphan)
 
 
+def covered_by(
+    binds: Iterable[UpstreamBinding], unbinds: Iterable[UpstreamBinding]
+) -> list[UpstreamBinding]:
+    """Topic: the `binds` some of `unbinds` cover (to bind before those go). Only a
+    pattern with a wildcard covers another key."""
+    covers_some = [words for b in unbinds if WILDCARDS.intersection(words := _words(b.routing_key))]
+    if not covers_some:
+        return []
+    return sorted(b for b in binds if any(covers(w, _words(b.routing_key)) for w in covers_some))
+
+
 def resync(maybe_held: Iterable[UpstreamBinding], wanted: Iterable[UpstreamBinding]) -> Changes:
     """After a reconnect: bind everything wanted (idempotent), unbind everything that may
     be held and is not wanted (an unbind of a missing binding is harmless)."""
