@@ -5,7 +5,7 @@ Plain objects with no I/O; the virtual host owns them and keeps bindings in step
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from twinmq.broker.definitions import BindingDef, ExchangeDef, ExchangeType
@@ -19,6 +19,9 @@ class Exchange:
     def __init__(self, definition: ExchangeDef) -> None:
         self.definition = definition
         self.bindings: dict[tuple[str, str, str], BindingDef] = {}
+        # Told of each binding added (True) or removed (False), as it happens: a
+        # federation link follows the bindings one change at a time, with no rescan.
+        self.watchers: list[Callable[[BindingDef, bool], None]] = []
 
     @property
     def name(self) -> str:
@@ -37,13 +40,18 @@ class Exchange:
             return False
         self.bindings[key] = binding
         self._changed()
+        for watcher in self.watchers:
+            watcher(binding, True)
         return True
 
     def unbind(self, binding: BindingDef) -> bool:
         """Remove a binding; False when it did not exist."""
-        if self.bindings.pop(self.binding_key(binding), None) is None:
+        gone = self.bindings.pop(self.binding_key(binding), None)
+        if gone is None:
             return False
         self._changed()
+        for watcher in self.watchers:
+            watcher(gone, False)
         return True
 
     def unbind_queue(self, queue: str) -> list[BindingDef]:
@@ -53,6 +61,9 @@ class Exchange:
             del self.bindings[self.binding_key(binding)]
         if gone:
             self._changed()
+        for watcher in self.watchers:
+            for binding in gone:
+                watcher(binding, False)
         return gone
 
     def _changed(self) -> None:

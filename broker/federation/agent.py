@@ -33,13 +33,13 @@ import json
 import logging
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Literal, Protocol
 from urllib.parse import quote
 
 from twinmq.broker import codec, fieldtable
+from twinmq.broker.definitions import BindingDef
 from twinmq.broker.errors import AMQPError
 from twinmq.broker.federation import bindings as fb
 from twinmq.broker.federation import metrics, peer
@@ -58,6 +58,7 @@ from twinmq.broker.journal import JournalOp, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE
 from twinmq.broker.queue import Queue
+from twinmq.broker.routing import Exchange
 from twinmq.broker.vhost import PublishResult, VirtualHost
 
 log = logging.getLogger(__name__)
@@ -119,13 +120,16 @@ class FederationLink:
         self.alarm = alarm
         self.queue = queue_name(fed.source_exchange, server_id)
         stem = quote(fed.exchange, safe="")
-        self._record = state_dir / f"{stem}.bindings.json"
         self.keys = keys  # the server's window, shared by its links
         # What may be bound upstream (a crash between recording and binding leaves more
         # here than there, never less): unbound at the next resync if not wanted.
-        self._maybe_held = fb.decode(self._record.read_text()) if self._record.exists() else set()
+        self._record = fb.Record(state_dir / f"{stem}.bindings.json")
         self.bound: set[fb.UpstreamBinding] = set()
-        self.references: Counter[fb.UpstreamBinding] = Counter()
+        # The local exchange's bindings, normalised and reference counted, followed one
+        # change at a time (`Exchange.watchers`) on the exchange object `_watched`.
+        self.needed = fb.UpstreamSet(fed.type)
+        self._watched: Exchange | None = None
+        self._rebuilt = False  # `needed` rebuilt: the next sync compares whole sets
         self.state: LinkState = "connecting"
         self.error: str | None = None
         self.upstream_id: str | None = None
@@ -414,35 +418,81 @@ class FederationLink:
 
     # -- binding propagation ------------------------------------------------------------
 
+    def _watch(self, exchange: Exchange | None) -> None:
+        """Follow `exchange` (the local one now: created, replaced or gone since): the
+        normalised set rebuilt from its bindings, then kept by its change callbacks."""
+        if self._watched is not None and self._on_binding in self._watched.watchers:
+            self._watched.watchers.remove(self._on_binding)
+        self._watched = exchange
+        if exchange is None:
+            self.needed = fb.UpstreamSet(self.fed.type)
+        else:
+            self.needed = fb.UpstreamSet(exchange.type, exchange.bindings.values())
+            exchange.watchers.append(self._on_binding)
+        self._rebuilt = True
+
+    def _on_binding(self, binding: BindingDef, added: bool) -> None:
+        """`Exchange.watchers`: one local binding added or removed (no I/O here)."""
+        if added:
+            self.needed.add(binding)
+        else:
+            self.needed.remove(binding)
+
     async def _sync(self, channel: LinkClient, *, full: bool) -> None:
-        """Make the upstream queue's bindings the normalised set of the local bindings."""
+        """Make the upstream queue's bindings the normalised set of the local bindings:
+        the changes since the last sync (or, `full`, everything: after a reconnect).
+
+        Binds go first, then unbinds (a covered pattern is bound before its cover goes:
+        no window where a message has no binding upstream); each list pipelined. A full
+        resync binds first only what an unbind would leave uncovered, the rest last. The
+        record gets a binding before it is sent and loses it once its unbind is answered,
+        so after a crash anywhere it holds at least what the upstream does."""
         exchange = self.vhost.exchanges.get(self.fed.exchange)
-        references = fb.needed(self._kind(), exchange.bindings.values() if exchange else [])
-        wanted = set(references)
+        if full or exchange is not self._watched:
+            self._watch(exchange)
+        wanted = set(self.needed.roots)
         if full:
             seen = self.held_upstream()
-            self.stale_unbound += len(seen - wanted - self._maybe_held - self.bound)
-            changes = fb.resync(self._maybe_held | self.bound | seen, wanted)
+            held = self._record.held
+            self.stale_unbound += len(seen - wanted - held - self.bound)
+            changes = fb.resync(held | self.bound | seen, wanted)
+            self.needed.drain(self.bound)  # everything is in `changes`
+        elif self._rebuilt:
+            changes = fb.Changes(sorted(wanted - self.bound), sorted(self.bound - wanted))
+            self.needed.drain(self.bound)
         else:
-            changes = fb.changes(self.bound, wanted)
-        self.references = references
-        if not changes and not full:
-            return
-        self._save_record(self._maybe_held | self.bound | wanted)
-        source = self.fed.source_exchange
-        for binding in changes.unbind:
-            await channel.queue_unbind(self.queue, source, binding.routing_key, binding.arguments)
-            self.bound.discard(binding)
-        for binding in changes.bind:
-            await channel.queue_bind(self.queue, source, binding.routing_key, binding.arguments)
-            self.bound.add(binding)
-        self._maybe_held = set(wanted)
-        self._save_record(wanted)
+            changes = self.needed.drain(self.bound)
+        self._rebuilt = False
+        later: list[fb.UpstreamBinding] = []
+        if full:
+            # Only what a binding about to go covers must be bound before it goes; the
+            # rest after the unbinds: a durable bind upstream costs in proportion to the
+            # bindings there today, so the set is kept small while it changes.
+            first = fb.covered_by(changes.bind, changes.unbind) if self.needed.topic else []
+            later = sorted(set(changes.bind) - set(first))
+            changes = fb.Changes(first, changes.unbind)
+        await self._send(channel, changes.bind)
+        if changes.unbind:
+            unbinds = changes.unbind
+            await channel.queue_bind_many(
+                self.queue, self.fed.source_exchange,
+                [(b.routing_key, b.arguments) for b in unbinds],
+                lambda i: self.bound.discard(unbinds[i]), unbind=True,
+            )  # fmt: skip
+            self._record.remove(unbinds)
+        await self._send(channel, later)
+        if full:
+            self._record.rewrite(wanted)  # the record compacted: exactly what is bound
 
-    def _save_record(self, held: set[fb.UpstreamBinding]) -> None:
-        tmp = self._record.with_suffix(".tmp")
-        tmp.write_text(fb.encode(held))
-        tmp.replace(self._record)
+    async def _send(self, channel: LinkClient, binds: list[fb.UpstreamBinding]) -> None:
+        """Bind upstream (pipelined), recorded first."""
+        if not binds:
+            return
+        self._record.add(binds)
+        await channel.queue_bind_many(
+            self.queue, self.fed.source_exchange, [(b.routing_key, b.arguments) for b in binds],
+            lambda i: self.bound.add(binds[i]),
+        )  # fmt: skip
 
     # -- messages -----------------------------------------------------------------------------
 

@@ -17,11 +17,12 @@ content header sent as given, byte for byte), heartbeats, PLAIN login, TLS for `
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ssl
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -38,6 +39,7 @@ PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 FRAME_MAX = 131072  # what the link asks for (the broker's default)
 CHANNEL = 1
 OPEN_TIMEOUT = 30.0  # seconds for the TCP (and TLS) connection and the handshake
+PIPELINE_WINDOW = 64  # synchronous methods sent ahead of their replies at most (see _sync)
 _HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 _BODY_SIZE = struct.Struct(">Q")
 
@@ -109,7 +111,8 @@ class LinkClient:
         """Done when the connection ended, with `LinkClosed` saying why."""
         self._frames = codec.FrameReader(FRAME_MAX)
         self._rpc_lock = asyncio.Lock()
-        self._reply: asyncio.Future[object] | None = None
+        # Replies awaited, in the order their methods were sent (a channel answers in order).
+        self._replies: collections.deque[asyncio.Future[object]] = collections.deque()
         self._on_delivery: Callable[[Delivery], None] | None = None
         # Other consumers of the channel (no-ack), by consumer tag: the state subscription.
         self._watchers: dict[str, Callable[[Delivery], None]] = {}
@@ -190,18 +193,52 @@ class LinkClient:
         async with self._rpc_lock:
             if self.closing.done():
                 raise self._closed_error()
-            future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-            self._reply = future
+            future = self._expect_reply()
             self._send(CHANNEL, method)
-            waiters: set[asyncio.Future[Any]] = {future, self.closing}
-            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            if future not in done:
-                future.cancel()
-                raise self._closed_error()
-            answer = future.result()
-            if not isinstance(answer, reply):
-                raise LinkClosed(f"expected {reply.__name__}, got {type(answer).__name__}")
-            return answer
+            return await self._reply_of(future, reply)
+
+    async def pipeline(
+        self,
+        methods: Iterable[Method],
+        reply: type[Method],
+        done: Callable[[int], None],
+        *,
+        window: int = PIPELINE_WINDOW,
+    ) -> None:
+        """Send synchronous methods without waiting for each reply: at most `window`
+        unanswered, `done(i)` as the i-th is answered (in order). An error reply closes
+        the channel, which ends the connection (`LinkClosed`), as for `call`."""
+        async with self._rpc_lock:
+            pending: collections.deque[tuple[int, asyncio.Future[object]]] = collections.deque()
+            for i, method in enumerate(methods):
+                if self.closing.done():
+                    raise self._closed_error()
+                pending.append((i, self._expect_reply()))
+                self._send(CHANNEL, method)
+                if len(pending) >= window:
+                    n, future = pending.popleft()
+                    await self._reply_of(future, reply)
+                    done(n)
+            while pending:
+                n, future = pending.popleft()
+                await self._reply_of(future, reply)
+                done(n)
+
+    def _expect_reply(self) -> asyncio.Future[object]:
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._replies.append(future)
+        return future
+
+    async def _reply_of(self, future: asyncio.Future[object], reply: type[M]) -> M:
+        waiters: set[asyncio.Future[Any]] = {future, self.closing}
+        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if future not in done:
+            future.cancel()
+            raise self._closed_error()
+        answer = future.result()
+        if not isinstance(answer, reply):
+            raise LinkClosed(f"expected {reply.__name__}, got {type(answer).__name__}")
+        return answer
 
     async def exchange_declare(self, exchange: str, kind: str) -> None:
         """Declare a durable exchange."""
@@ -229,6 +266,32 @@ class LinkClient:
             queue=queue, exchange=exchange, routing_key=routing_key, arguments=arguments
         )
         await self.call(unbind, commands.Queue.UnbindOk)
+
+    async def queue_bind_many(
+        self,
+        queue: str,
+        exchange: str,
+        bindings: Sequence[tuple[str, FieldTable | None]],
+        done: Callable[[int], None],
+        *,
+        unbind: bool = False,
+    ) -> None:
+        """Bind (or unbind) `queue` with each `(routing key, arguments)`, pipelined (queue.unbind
+        has no nowait flag; the replies, in order, say which are done): `done(i)` for each."""
+        if unbind:
+            methods: Iterable[Method] = (
+                commands.Queue.Unbind(queue=queue, exchange=exchange, routing_key=key,
+                                      arguments=args)
+                for key, args in bindings
+            )  # fmt: skip
+            await self.pipeline(methods, commands.Queue.UnbindOk, done)
+        else:
+            methods = (
+                commands.Queue.Bind(queue=queue, exchange=exchange, routing_key=key,
+                                    arguments=args)
+                for key, args in bindings
+            )  # fmt: skip
+            await self.pipeline(methods, commands.Queue.BindOk, done)
 
     async def declare_private_queue(self) -> str:
         """Declare a server-named exclusive queue (gone with the connection); its name."""
@@ -316,8 +379,10 @@ class LinkClient:
         if not self.closing.done():
             self.closing.set_exception(LinkClosed(reason))
             self.closing.exception()  # retrieved: no "never retrieved" warning
-        if self._reply is not None and not self._reply.done():
-            self._reply.cancel()
+        while self._replies:
+            future = self._replies.popleft()
+            if not future.done():
+                future.cancel()
 
     async def _read_loop(self) -> None:
         try:
@@ -365,8 +430,10 @@ class LinkClient:
             self._on_confirm(method.delivery_tag or 0, bool(method.multiple), ack)
         elif isinstance(method, commands.Connection.Blocked | commands.Connection.Unblocked):
             pass  # the upstream's alarm: our acks still go through
-        elif self._reply is not None and not self._reply.done():
-            self._reply.set_result(method)
+        elif self._replies:
+            future = self._replies.popleft()
+            if not future.done():
+                future.set_result(method)
         else:
             raise LinkClosed(f"unexpected {type(method).__name__} from the upstream")
 

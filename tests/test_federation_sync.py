@@ -1,0 +1,181 @@
+"""Binding propagation at scale between real brokers, through pika: churn with topic
+subsumption (every message reaches every matching queue exactly once, no stale binding
+upstream), the resync of a large set after a reconnect, a crash of the downstream in
+the middle of a resync."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pika
+import pytest
+from federationsites import (
+    channel,
+    federated,
+    get_all,
+    links,
+    wait_running,
+    wait_upstream_bindings,
+)
+from test_federation_subsumption import brute_matches, expected_roots
+
+from twinmq.broker.federation.agent import queue_name
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import status
+from twinmq.testing.waiting import wait_for
+
+LINK_QUEUE = queue_name("market", "remote")
+PATTERNS = ("#", "a.#", "a.*", "a.b", "a.b.c", "a.*.c", "*.b.#", "b.c", "#.c", "a.b.#")
+PROBE_KEYS = ("a", "a.b", "a.b.c", "a.x.c", "a.b.d", "b.c", "x.b", "x.b.y", "c", "b.b.c")
+
+
+def _matches(pattern: str, key: str) -> bool:
+    return brute_matches(tuple(pattern.split(".")), tuple(key.split(".")))
+
+
+def test_churn_with_subsumption_delivers_every_message_once_to_every_matching_queue(
+    tmp_path: Path,
+) -> None:
+    with federated(tmp_path, "market", "topic") as sites:
+        central, remote = sites.central, sites.remote
+        wait_running(remote, "market")
+        connection, ch = channel(remote)
+        ch.queue_declare("steady", durable=True)
+        ch.queue_bind("steady", "market", "a.b.c")
+        queues = [f"churn{i}" for i in range(5)]
+        for q in queues:
+            ch.queue_declare(q, durable=True)
+        wait_upstream_bindings(central, LINK_QUEUE, {("market", "a.b.c")})
+        publisher = pika.BlockingConnection(pika.URLParameters(central.url))
+        pub = publisher.channel()
+        pub.confirm_delivery()
+        rng = random.Random(15)
+        bound: set[tuple[str, str]] = set()
+        steady = 0
+        for _ in range(200):
+            q, pattern = rng.choice(queues), rng.choice(PATTERNS)
+            if (q, pattern) in bound:
+                ch.queue_unbind(q, "market", pattern)
+                bound.discard((q, pattern))
+            else:
+                ch.queue_bind(q, "market", pattern)
+                bound.add((q, pattern))
+            # `steady` is bound all along: covers come and go above its key, and not one
+            # of its messages may fall in a window between a cover's unbind and its own
+            # binding's return.
+            pub.basic_publish("market", "a.b.c", f"steady {steady}".encode(),
+                              pika.BasicProperties(delivery_mode=2))  # fmt: skip
+            steady += 1
+        keys = {p for _q, p in bound} | {"a.b.c"}
+        wanted = {("market", k) for k in expected_roots(keys)}
+        wait_upstream_bindings(central, LINK_QUEUE, wanted)
+        assert links(remote)["market"]["bindings"] == len(wanted)
+        got = get_all(remote, "steady", steady)
+        assert [body for _k, body, _h in got] == [f"steady {i}".encode() for i in range(steady)]
+        for q in queues:
+            ch.queue_purge(q)  # copies of the steady messages, whichever bindings were there
+        probes = [(key, f"probe {n} {key}".encode()) for n, key in enumerate(PROBE_KEYS * 3)]
+        for key, body in probes:
+            pub.basic_publish("market", key, body, pika.BasicProperties(delivery_mode=2))
+        publisher.close()
+        for q in [*queues, "steady"]:
+            patterns = {p for bq, p in bound if bq == q} | ({"a.b.c"} if q == "steady" else set())
+            expected = [body for key, body in probes if any(_matches(p, key) for p in patterns)]
+            got = get_all(remote, q, len(expected))
+            assert sorted(body for _k, body, _h in got) == sorted(expected), q
+        # Nothing more comes: each probe crossed the link once, was routed once.
+        assert links(remote)["market"]["duplicates_dropped"] == 0
+        connection.close()
+
+
+def _upstream(central: BrokerProcess) -> set[tuple[str, str]] | None:
+    """As `upstream_bindings`, for an upstream busy enough (hundreds of durable binds,
+    each a save of its topology today) that `/status` may miss 2 s: None then."""
+    data = status(central, timeout=30)
+    if data is None:
+        return None
+    held = data["federation"]["federation_queues"].get(LINK_QUEUE, [])
+    return {(b["exchange"], b["routing_key"]) for b in held}
+
+
+def _wait_upstream(central: BrokerProcess, wanted: set[tuple[str, str]], timeout: float) -> None:
+    """Wait until the upstream holds exactly `wanted` for the link's queue."""
+    wait_for(f"{len(wanted)} upstream bindings", lambda: _upstream(central) == wanted, timeout)
+
+
+def _bind_many(remote_url: str, queue: str, keys: list[str], *, unbind: bool = False) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(remote_url))
+    ch = connection.channel()
+    for key in keys:
+        if unbind:
+            ch.queue_unbind(queue, "market", key)
+        else:
+            ch.queue_bind(queue, "market", key)
+    connection.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # the upstream's durable binds cost O(bindings) each today
+def test_a_reconnect_resynchronises_five_thousand_bindings_with_no_stale_one(
+    tmp_path: Path,
+) -> None:
+    with federated(tmp_path, "market", "direct", proxied=True) as sites:
+        central, remote, proxy = sites.central, sites.remote, sites.proxy
+        assert proxy is not None
+        wait_running(remote, "market")
+        connection, ch = channel(remote)
+        ch.queue_declare("many", durable=False)  # its bindings are the link's load here
+        connection.close()
+        old = [f"old.{i}" for i in range(2500)]
+        kept = [f"kept.{i}" for i in range(2500)]
+        _bind_many(remote.url, "many", old + kept)
+        started = time.monotonic()
+        _wait_upstream(central, {("market", k) for k in old + kept}, 600)
+        print(f"5,000 bindings propagated: {time.monotonic() - started:.1f} s after the binds")
+        proxy.cut()
+        wait_for("the link down", lambda: links(remote)["market"]["state"] != "running")
+        new = [f"new.{i}" for i in range(2500)]
+        _bind_many(remote.url, "many", old, unbind=True)
+        _bind_many(remote.url, "many", new)
+        started = time.monotonic()
+        proxy.heal()
+        _wait_upstream(central, {("market", k) for k in kept + new}, 600)
+        print(f"resync of 5,000 bindings (2,500 changed): {time.monotonic() - started:.1f} s")
+        assert links(remote)["market"]["bindings"] == 5000
+
+
+def test_a_crash_of_the_downstream_in_the_middle_of_a_resync_leaves_no_stale_binding(
+    tmp_path: Path,
+) -> None:
+    with federated(tmp_path, "market", "direct", proxied=True) as sites:
+        central, remote, proxy = sites.central, sites.remote, sites.proxy
+        assert proxy is not None
+        wait_running(remote, "market")
+        connection, ch = channel(remote)
+        ch.queue_declare("kept", durable=True)  # durable: its bindings outlive the crash
+        connection.close()
+        old = [f"old.{i}" for i in range(200)]
+        _bind_many(remote.url, "kept", old)
+        _wait_upstream(central, {("market", k) for k in old}, 300)
+        proxy.cut()
+        wait_for("the link down", lambda: links(remote)["market"]["state"] != "running")
+        new = [f"new.{i}" for i in range(600)]
+        _bind_many(remote.url, "kept", old, unbind=True)
+        _bind_many(remote.url, "kept", new)
+        proxy.heal()
+        proxy.throttle(4000)  # bytes/s each way: the resync takes seconds
+        wanted = {("market", k) for k in new}
+
+        def midway() -> bool:
+            held = _upstream(central)
+            return held is not None and 0 < len(held & wanted) < len(wanted)
+
+        wait_for("the resync half done", midway, 120)
+        remote.kill()  # kill -9 while binds (and then unbinds) are on the wire
+        proxy.heal()
+        remote.start()
+        wait_running(remote, "market")
+        _wait_upstream(central, wanted, 300)
+        assert links(remote)["market"]["bindings"] == len(wanted)
