@@ -263,12 +263,13 @@ class Connection:
                     AMQPError(ReplyCode.INTERNAL_ERROR, "internal error, see the broker log")
                 )
 
-    def heartbeat_due(self, now: float) -> bool:
+    def heartbeat_due(self, now: float, stalled: bool = False) -> bool:
         """Send a heartbeat if idle; return False when the transport should drop the peer.
 
         That is: two missed heartbeats, a handshake not finished within
         `handshake_timeout`, or our connection.close unanswered for `close_timeout`
-        (each timed from the first call that sees the phase).
+        (each timed from the first call that sees the phase). `stalled`: this check comes
+        late, after the broker's loop was busy; what the peer sent meanwhile is unread.
         """
         phase = _TIMED_PHASES.get(self.state)
         if phase is not None:
@@ -283,8 +284,9 @@ class Connection:
             return True
         if not self.heartbeat or self.state is not State.OPEN:
             return True
-        if self.blocked:
-            # We are not reading, so the client's heartbeats are unseen (RabbitMQ's rule too).
+        if self.blocked or stalled:
+            # We are not reading (blocked, or busy: timers run before the reads waiting),
+            # so the client's heartbeats are unseen (RabbitMQ's rule too for blocked).
             self.last_received = now
         elif now - self.last_received > 2 * self.heartbeat:
             log.warning("missed heartbeats from %s, closing", self.peer)

@@ -169,14 +169,18 @@ class AMQPProtocol(asyncio.Protocol):
                 self.conn.close_reason or exc or "socket closed",
             )
 
-    def heartbeat(self, now: float) -> None:
-        """Heartbeat timer tick."""
+    def heartbeat(self, now: float, stalled: bool = False) -> None:
+        """Heartbeat timer tick (`stalled`: a late one, see `Connection.heartbeat_due`)."""
         if self.conn is None or self.transport is None:
             return
-        if not self.conn.heartbeat_due(now):
+        if not self.conn.heartbeat_due(now, stalled):
             self.transport.abort()
             return
         self._flush()
+
+
+HEARTBEAT_TICK = 1.0
+"""Seconds between the checks of every connection's heartbeats."""
 
 
 class WallClock:
@@ -739,11 +743,17 @@ class Broker:
                 log.error("cannot save the dedup window (%s): keeping the previous one", exc)
 
     async def _heartbeats(self) -> None:
+        previous = self.loop.time()
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(HEARTBEAT_TICK)
             now = self.loop.time()
+            # A tick half a tick late found the loop busy with a long step (a large read
+            # of durable binds, a slow disk): the loop runs timers before the reads that
+            # waited meanwhile, so the clients' heartbeats among them are not yet seen.
+            stalled = now - previous > 1.5 * HEARTBEAT_TICK
+            previous = now
             for proto in list(self.protocols):
-                proto.heartbeat(now)
+                proto.heartbeat(now, stalled)
             if self.committer.audit is not None:
                 self.committer.audit.tick()
 

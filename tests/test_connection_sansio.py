@@ -323,6 +323,20 @@ def test_silent_client_is_dropped_after_two_missed_heartbeats(harness: Harness) 
     assert conn.close_reason == "missed heartbeats"
 
 
+def test_a_check_that_comes_late_after_a_busy_loop_does_not_drop_the_client(
+    harness: Harness,
+) -> None:
+    client = harness.connect()
+    client.handshake(heartbeat=1)
+    conn = client.conn
+    conn.receive_data(HEARTBEAT, now=100.0)
+    # The broker was busy for 5 s: the client's heartbeats wait unread behind this check.
+    assert conn.heartbeat_due(105.0, stalled=True)
+    conn.receive_data(HEARTBEAT, now=105.0)  # ... and are read right after it
+    assert conn.heartbeat_due(106.0)
+    assert not conn.heartbeat_due(107.1)  # silence after that is the client's again
+
+
 def test_client_heartbeats_keep_the_connection(harness: Harness) -> None:
     client = harness.connect()
     client.handshake(heartbeat=1)
