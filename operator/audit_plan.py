@@ -246,3 +246,19 @@ def spark_phase(app: dict[str, object] | None) -> RunPhase:
     state = str((status.get("applicationState") or {}).get("state") or "")
     phase = TERMINAL_SPARK_STATES.get(state, "running")
     return phase  # type: ignore[return-value]
+
+
+def unschedulable(pods: list[dict[str, object]]) -> str | None:
+    """Why a run's pod waits for a node (the scheduler's message), or None: a run stuck
+    there would otherwise look like a slow audit until `timeoutSeconds`."""
+    for pod in pods:
+        status = pod.get("status") or {}
+        assert isinstance(status, dict)
+        if status.get("phase") != "Pending":
+            continue
+        for cond in status.get("conditions") or []:
+            if (cond.get("type"), cond.get("status"), cond.get("reason")) == (
+                "PodScheduled", "False", "Unschedulable",
+            ):  # fmt: skip
+                return str(cond.get("message") or "no node fits the pod")
+    return None

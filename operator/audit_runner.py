@@ -30,6 +30,7 @@ from twinmq.operator.audit_plan import (
     result_error,
     result_of_summary,
     spark_phase,
+    unschedulable,
 )
 from twinmq.operator.builders import LABEL_CLUSTER, ClusterRef, Obj
 from twinmq.operator.kube import Kube
@@ -198,6 +199,8 @@ class AuditRunner:
                         f"{why}, nothing ran", warning=True)  # fmt: skip
         if last is not None and (plan.finish is not None or plan.timed_out):
             self._finish(last, plan.finish, run_obj, now)
+        elif last is not None and last.verdict == "RUNNING":
+            self._watch_pending(last)
         if plan.launch is not None:
             self._launch(plan.launch, plan.scope, now)
 
@@ -264,6 +267,18 @@ class AuditRunner:
         metrics.AUDITS_STARTED.inc()
         what = "cross-site audit" if scope == "sites" else "audit"
         self._event("AuditStarted", f"{what} run {name} started ({reason}) as a {launcher.kind}")
+
+    def _watch_pending(self, last: AuditResult) -> None:
+        """A running run whose pod no node takes says so in `lastAudit.message`, with a
+        Warning Event when the scheduler's reason first appears or changes."""
+        selector = f"{audit_builders.LABEL_RUN}={last.run}"
+        waiting = unschedulable(self.kube.list("v1", "Pod", self.cluster.namespace, selector))
+        message = f"waiting for a node: {waiting}" if waiting else ""
+        if message == last.message:
+            return
+        self.new.last_audit = last.model_copy(update={"message": message})
+        if waiting:
+            self._event("AuditPending", f"audit run {last.run}: {message}", warning=True)
 
     def _finish(
         self, last: AuditResult, phase: RunPhase | None, run_obj: Obj | None, now: datetime

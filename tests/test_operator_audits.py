@@ -563,3 +563,27 @@ def test_a_dr_switch_launches_a_cross_site_run_and_its_summary_is_recorded(
     )
     assert [c.status for c in status.conditions if c.type == "AuditPassed"] == ["False"]
     assert status.audit.audited_dr_epoch == 2
+
+
+def test_a_run_whose_pod_no_node_takes_says_why_once(events: list[Any]) -> None:
+    kube = MemoryKube()
+    spec = requested(spec_with(), "r1")
+    status = BrokerClusterStatus()
+    runner(kube, spec, status).reconcile(T0, T0)
+    assert status.last_audit is not None
+    run = status.last_audit.run
+    why = "0/1 nodes are available: 1 Insufficient cpu."
+    kube.ensure({
+        "kind": "Pod", "metadata": {"name": f"{run}-x", "labels": {LABEL_RUN: run}},
+        "status": {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": why}]},
+    })  # fmt: skip
+    for second in (1, 2):
+        runner(kube, spec, status).reconcile(T0, T0 + timedelta(seconds=second))
+    assert status.last_audit.verdict == "RUNNING"
+    assert status.last_audit.message == f"waiting for a node: {why}"
+    assert [r for r, _ in events].count("AuditPending") == 1
+    kube.objects[("Pod", f"{run}-x")]["status"] = {"phase": "Running"}
+    runner(kube, spec, status).reconcile(T0, T0 + timedelta(seconds=3))
+    assert status.last_audit.message == "" and status.last_audit.verdict == "RUNNING"
