@@ -120,6 +120,11 @@ def load(directory: Path) -> LoadedDefinitions:
     if log_gen < generation:
         out.stale_log = True  # the snapshot already holds (or replaced) all of it
         return out
+    if data is None:
+        raise JournalError(
+            f"{snap} is missing but {path} follows it: refusing to start, which would "
+            "drop the messages of every queue in it (restore the snapshot)"
+        )
     if log_gen > generation:
         raise JournalError(
             f"{path} is of generation {log_gen} but {snap} of {generation}: the snapshot "
@@ -259,7 +264,14 @@ class DefinitionsStore:
         if self._broken is not None:
             raise JournalError(f"definitions log failed: {self._broken}") from self._broken
         if self._fd < 0:
-            self._new_log()
+            if self.snapshot_bytes:
+                self._new_log()
+            else:
+                # A log always follows a snapshot: a lost snapshot is then never
+                # mistaken for a new directory (whose messages recovery would drop).
+                self._write_snapshot(self.state.definitions())
+            if self._fd < 0:
+                self._new_log()  # the snapshot's own attempt failed: its error, now
         record = frame(delta.model_dump_json(exclude_defaults=True).encode())
         self._hook("append")
         try:
@@ -288,6 +300,18 @@ class DefinitionsStore:
                 # The change is durable in the log; the snapshot waits for a later change.
                 log.warning("definitions log not compacted (it stays valid): %s", exc)
         return dropped
+
+    def checkpoint(self) -> None:
+        """Fold the log into a new snapshot if it holds any change (a clean shutdown).
+
+        A stopped broker's definitions.json is then its whole topology, readable as it
+        is; a failure leaves the log, which stays valid.
+        """
+        if self.log_records and self._broken is None:
+            try:
+                self._write_snapshot(self.state.definitions())
+            except JournalError as exc:
+                log.warning("definitions log not folded into the snapshot at close: %s", exc)
 
     def replace(self, defs: Definitions) -> list[int]:
         """Durably replace the whole topology (a passive's catch-up); return the qids dropped."""

@@ -576,6 +576,7 @@ class Journal:
             self._kick.set()
             with contextlib.suppress(JournalError):
                 await self._task
+        self._defs.checkpoint()
         self._shutdown()
 
     def _simulate_crash(self) -> None:

@@ -301,7 +301,8 @@ def check(directory: Path) -> CheckReport:
     """
     if not directory.is_dir():
         raise JournalError(f"{directory} is not a directory")
-    definitions, _missing = read_definitions(directory)
+    loaded = deflog.load(directory)
+    definitions = loaded.state.definitions()
     logger = log.disabled
     log.disabled = True  # the report says it all; no error lines from a read-only check
     try:
@@ -317,6 +318,6 @@ def check(directory: Path) -> CheckReport:
         live_messages=live,
         queues=len(qids),
         next_mid=out.recovered.next_mid,
-        torn_bytes=out.recovered.torn_bytes,
+        torn_bytes=out.recovered.torn_bytes + loaded.torn_bytes,
         corruption=out.recovered.corruption,
     )
