@@ -143,15 +143,15 @@ class GroupCommitter:
         if self.tap is not None:
             self.tap.definitions_saved(definitions)
 
-    def save_delta(self, delta: DefinitionsDelta) -> None:
+    def save_delta(self, delta: DefinitionsDelta, current: Callable[[], Definitions]) -> None:
         """Durably record one topology change (one small append to the definitions log).
 
         The mirror's tap still takes the whole topology (its events carry it whole):
-        built from the journal's copy only when a tap is attached.
+        `current()` builds it, only when a tap is attached.
         """
         self.journal.save_delta(delta)
         if self.tap is not None:
-            self.tap.definitions_saved(self.journal.definitions())
+            self.tap.definitions_saved(current())
 
     def drop_queue(self, qid: int) -> None:
         """Tell the journal a queue's messages are garbage."""

@@ -101,8 +101,9 @@ class Committer(Protocol):
         """Durably replace the stored topology."""
         ...
 
-    def save_delta(self, delta: DefinitionsDelta) -> None:
-        """Durably record one change of the stored topology."""
+    def save_delta(self, delta: DefinitionsDelta, current: Callable[[], Definitions]) -> None:
+        """Durably record one change of the stored topology (`current`: the whole of it
+        after the change, for whoever needs it whole)."""
         ...
 
     def drop_queue(self, qid: int) -> None:
@@ -276,7 +277,7 @@ class VirtualHost:
     def _save(self, delta: DefinitionsDelta) -> None:
         """Durably record a topology change the caller already made in memory."""
         self._by_qid = None
-        self.committer.save_delta(delta)
+        self.committer.save_delta(delta, self.definitions)
         if self.on_topology_delta is not None:
             self.on_topology_delta(delta)
         elif self.on_topology_change is not None:
@@ -1086,8 +1087,8 @@ class VirtualHost:
         """Apply one topology change of the active (a passive receiving DEFINITIONS_DELTA).
 
         Queues the delta removes or replaces (another qid under the name) go first, each
-        by `remove_queue` (which records its own removal); then the delta is recorded
-        and the rest applied in memory. A JournalError reaches the caller (the passive
+        by `remove_queue` (which records its own removal); then the rest is applied in
+        memory and the delta recorded. A JournalError reaches the caller (the passive
         stops, as for `apply_definitions`).
         """
         replaced = {q.name for q in delta.add_queues if (old := self.queues.get(q.name))
@@ -1096,8 +1097,6 @@ class VirtualHost:
             queue = self.queues.get(name)
             if queue is not None:
                 self.remove_queue(queue)
-        self._by_qid = None
-        self.committer.save_delta(delta)
         builtin = {name for name, _ in BUILTIN_EXCHANGES}
         for bdef in delta.del_bindings:
             bound = self.exchanges.get(bdef.exchange)
@@ -1127,6 +1126,8 @@ class VirtualHost:
         self.next_qid = max(self.next_qid, delta.next_qid)
         self._by_qid = None
         metrics.QUEUES.set(len(self.queues))
+        # Last, as `apply_definitions` saves: a failure stops this passive (exit 75).
+        self.committer.save_delta(delta, self.definitions)
 
     def apply_ops(
         self, ops: list[JournalOp], *, defer_sort: bool = False, catchup: bool = False
