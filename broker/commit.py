@@ -37,7 +37,7 @@ from typing import Protocol
 
 from twinmq.broker import metrics
 from twinmq.broker.auditlog import AuditLog
-from twinmq.broker.definitions import Definitions
+from twinmq.broker.definitions import Definitions, DefinitionsDelta
 from twinmq.broker.journal import DiskFullError, Journal, JournalError, JournalOp
 from twinmq.broker.journal.ops import encode_ops
 
@@ -142,6 +142,16 @@ class GroupCommitter:
         self.journal.save_definitions(definitions)
         if self.tap is not None:
             self.tap.definitions_saved(definitions)
+
+    def save_delta(self, delta: DefinitionsDelta, current: Callable[[], Definitions]) -> None:
+        """Durably record one topology change (one small append to the definitions log).
+
+        The mirror's tap still takes the whole topology (its events carry it whole):
+        `current()` builds it, only when a tap is attached.
+        """
+        self.journal.save_delta(delta)
+        if self.tap is not None:
+            self.tap.definitions_saved(current())
 
     def drop_queue(self, qid: int) -> None:
         """Tell the journal a queue's messages are garbage."""

@@ -61,3 +61,125 @@ class Definitions(BaseModel):
     queues: list[QueueDef] = Field(default_factory=list)
     bindings: list[BindingDef] = Field(default_factory=list)
     next_qid: int = 1
+
+
+class DefinitionsDelta(BaseModel):
+    """One change of the durable topology: what a declare, bind, unbind or delete did.
+
+    Applied in this order (`TopologyState.apply`): removed bindings, removed exchanges
+    and queues (with every binding that names them, as the broker unbinds them),
+    added exchanges and queues (replacing one of the same name), added bindings,
+    then `next_qid` (only ever raised). Each part sets or removes one object by its
+    identity, so applying a delta twice, or a run of deltas to a topology that
+    already holds them, changes nothing (the definitions log relies on it).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    add_exchanges: list[ExchangeDef] = Field(default_factory=list)
+    del_exchanges: list[str] = Field(default_factory=list)
+    add_queues: list[QueueDef] = Field(default_factory=list)
+    del_queues: list[str] = Field(default_factory=list)
+    add_bindings: list[BindingDef] = Field(default_factory=list)
+    del_bindings: list[BindingDef] = Field(default_factory=list)
+    next_qid: int = 0  # 0: unchanged
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.add_exchanges
+            or self.del_exchanges
+            or self.add_queues
+            or self.del_queues
+            or self.add_bindings
+            or self.del_bindings
+            or self.next_qid
+        )
+
+
+BindingKey = tuple[str, str, str, str]
+
+
+def binding_key(b: BindingDef) -> BindingKey:
+    """A binding's identity: exchange, queue, routing key and its arguments (as routing.py
+    tells two bindings apart)."""
+    return (b.exchange, b.queue, b.routing_key, repr(sorted(b.arguments.items())))
+
+
+class TopologyState:
+    """A `Definitions` kept as dicts, so that a delta applies in time independent of its size."""
+
+    def __init__(self, defs: Definitions | None = None) -> None:
+        self.exchanges: dict[str, ExchangeDef] = {}
+        self.queues: dict[str, QueueDef] = {}
+        self.bindings: dict[BindingKey, BindingDef] = {}
+        # Which bindings name an exchange / a queue: deleting one unbinds them.
+        self._by_exchange: dict[str, set[BindingKey]] = {}
+        self._by_queue: dict[str, set[BindingKey]] = {}
+        self.next_qid = 1
+        if defs is not None:
+            self.apply(
+                DefinitionsDelta(
+                    add_exchanges=defs.exchanges,
+                    add_queues=defs.queues,
+                    add_bindings=defs.bindings,
+                    next_qid=defs.next_qid,
+                )
+            )
+
+    def qids(self) -> set[int]:
+        """The incarnation ids of the queues held."""
+        return {q.qid for q in self.queues.values()}
+
+    def apply(self, delta: DefinitionsDelta) -> list[int]:
+        """Apply `delta`; return the qids of the queues it removed (or replaced)."""
+        dropped: list[int] = []
+        for b in delta.del_bindings:
+            self._unbind(binding_key(b))
+        for name in delta.del_exchanges:
+            self.exchanges.pop(name, None)
+            for key in list(self._by_exchange.get(name, ())):
+                self._unbind(key)
+        for name in delta.del_queues:
+            old = self.queues.pop(name, None)
+            if old is not None:
+                dropped.append(old.qid)
+            for key in list(self._by_queue.get(name, ())):
+                self._unbind(key)
+        for e in delta.add_exchanges:
+            self.exchanges[e.name] = e
+        for q in delta.add_queues:
+            old = self.queues.get(q.name)
+            if old is not None and old.qid != q.qid:
+                dropped.append(old.qid)
+            self.queues[q.name] = q
+        for b in delta.add_bindings:
+            key = binding_key(b)
+            self.bindings[key] = b
+            self._by_exchange.setdefault(b.exchange, set()).add(key)
+            self._by_queue.setdefault(b.queue, set()).add(key)
+        self.next_qid = max(self.next_qid, delta.next_qid)
+        return dropped
+
+    def _unbind(self, key: BindingKey) -> None:
+        if self.bindings.pop(key, None) is None:
+            return
+        exchange, queue = key[0], key[1]
+        self._by_exchange[exchange].discard(key)
+        if not self._by_exchange[exchange]:
+            del self._by_exchange[exchange]
+        self._by_queue[queue].discard(key)
+        if not self._by_queue[queue]:
+            del self._by_queue[queue]
+
+    def definitions(self) -> Definitions:
+        """The whole topology (bindings whose exchange or queue is not held are left out)."""
+        return Definitions(
+            exchanges=list(self.exchanges.values()),
+            queues=list(self.queues.values()),
+            bindings=[
+                b
+                for b in self.bindings.values()
+                if b.exchange in self.exchanges and b.queue in self.queues
+            ],
+            next_qid=self.next_qid,
+        )

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 
 from twinmq.broker import damage
 from twinmq.broker.journal import Journal, JournalError, Recovered
+from twinmq.broker.journal.deflog import LOG
 from twinmq.broker.journal.recovery import DEFINITIONS, CheckReport, check
 from twinmq.broker.journal.segment import SUFFIX
 
@@ -89,7 +90,8 @@ def journal_dir(data_dir: Path) -> Path:
     nested = data_dir / "journal"
     if nested.is_dir():
         return nested
-    if (data_dir / DEFINITIONS).exists() or any(data_dir.glob("*" + SUFFIX)):
+    stored = (data_dir / DEFINITIONS).exists() or (data_dir / LOG).exists()
+    if stored or any(data_dir.glob("*" + SUFFIX)):
         return data_dir
     raise JournalError(f"no journal in {data_dir} (expected {nested})")
 

@@ -39,7 +39,7 @@ class Exchange:
         if key in self.bindings:
             return False
         self.bindings[key] = binding
-        self._changed()
+        self._added(binding)
         for watcher in self.watchers:
             watcher(binding, True)
         return True
@@ -49,7 +49,7 @@ class Exchange:
         gone = self.bindings.pop(self.binding_key(binding), None)
         if gone is None:
             return False
-        self._changed()
+        self._removed([gone])
         for watcher in self.watchers:
             watcher(gone, False)
         return True
@@ -60,11 +60,19 @@ class Exchange:
         for binding in gone:
             del self.bindings[self.binding_key(binding)]
         if gone:
-            self._changed()
+            self._removed(gone)
         for watcher in self.watchers:
             for binding in gone:
                 watcher(binding, False)
         return gone
+
+    def _added(self, binding: BindingDef) -> None:
+        """`binding` was added (by default: rebuild everything, `_changed`)."""
+        self._changed()
+
+    def _removed(self, bindings: list[BindingDef]) -> None:
+        """`bindings` were removed (by default: rebuild everything, `_changed`)."""
+        self._changed()
 
     def _changed(self) -> None:
         """Rebuild lookup structures after the bindings changed."""
@@ -82,14 +90,34 @@ class DirectExchange(Exchange):
     def __init__(self, definition: ExchangeDef) -> None:
         super().__init__(definition)
         self._table: dict[str, list[str]] = {}
+        # Bindings per (routing key, queue): several differ only in their arguments.
+        self._refs: dict[tuple[str, str], int] = {}
+
+    # Kept up to date one binding at a time: a rebuild per bind made building n
+    # bindings (a client's, or recovery's) cost n^2.
+    def _added(self, binding: BindingDef) -> None:
+        pair = (binding.routing_key, binding.queue)
+        count = self._refs.get(pair, 0)
+        self._refs[pair] = count + 1
+        if not count:
+            self._table.setdefault(binding.routing_key, []).append(binding.queue)
+
+    def _removed(self, bindings: list[BindingDef]) -> None:
+        for binding in bindings:
+            pair = (binding.routing_key, binding.queue)
+            count = self._refs.pop(pair) - 1
+            if count:
+                self._refs[pair] = count
+                continue
+            queues = self._table[binding.routing_key]
+            queues.remove(binding.queue)
+            if not queues:
+                del self._table[binding.routing_key]
 
     def _changed(self) -> None:
-        table: dict[str, list[str]] = {}
+        self._table, self._refs = {}, {}
         for binding in self.bindings.values():
-            queues = table.setdefault(binding.routing_key, [])
-            if binding.queue not in queues:
-                queues.append(binding.queue)
-        self._table = table
+            self._added(binding)
 
     def route(self, routing_key: str, headers: Mapping[str, Any] | None) -> Iterable[str]:
         return self._table.get(routing_key, ())

@@ -25,6 +25,7 @@ from twinmq.broker.dedup import DedupWindow, dedup_key
 from twinmq.broker.definitions import (
     BindingDef,
     Definitions,
+    DefinitionsDelta,
     ExchangeDef,
     ExchangeType,
     QueueDef,
@@ -100,6 +101,11 @@ class Committer(Protocol):
         """Durably replace the stored topology."""
         ...
 
+    def save_delta(self, delta: DefinitionsDelta, current: Callable[[], Definitions]) -> None:
+        """Durably record one change of the stored topology (`current`: the whole of it
+        after the change, for whoever needs it whole)."""
+        ...
+
     def drop_queue(self, qid: int) -> None:
         """A durable queue was deleted: its journaled messages are garbage."""
         ...
@@ -143,7 +149,10 @@ class VirtualHost:
         self.clock = clock
         # A passive broker's state changes only by replication: no timers of its own.
         self.replica = replica
+        # Replication: told each saved topology change, as a delta when the passive
+        # understands them (`on_topology_delta`), else whole (`on_topology_change`).
         self.on_topology_change: Callable[[Definitions], None] | None = None
+        self.on_topology_delta: Callable[[DefinitionsDelta], None] | None = None
         # `queue.declare` with an empty name: this, then a random token; with --server-id
         # `amq.gen-<server id>.` so the name is unique across a federation (a reply-to).
         self.server_named_prefix = "amq.gen-"
@@ -265,15 +274,21 @@ class VirtualHost:
             next_qid=self.next_qid,
         )
 
-    def _save(self) -> None:
+    def _save(self, delta: DefinitionsDelta) -> None:
+        """Durably record a topology change the caller already made in memory."""
         self._by_qid = None
-        definitions = self.definitions()
-        self.committer.save_definitions(definitions)
-        if self.on_topology_change is not None:
-            self.on_topology_change(definitions)
+        self.committer.save_delta(delta, self.definitions)
+        if self.on_topology_delta is not None:
+            self.on_topology_delta(delta)
+        elif self.on_topology_change is not None:
+            self.on_topology_change(self.definitions())
 
     def _save_or_undo(
-        self, undo: Callable[[], object], refused: str, method: tuple[int, int]
+        self,
+        delta: DefinitionsDelta,
+        undo: Callable[[], object],
+        refused: str,
+        method: tuple[int, int],
     ) -> None:
         """Save a topology change; if the disk refuses it, `undo` it in memory and refuse it.
 
@@ -284,7 +299,7 @@ class VirtualHost:
         active's, `apply_definitions`) gets the JournalError itself: it stops, exit 75.
         """
         try:
-            self._save()
+            self._save(delta)
         except JournalError as exc:
             undo()
             self._by_qid = None
@@ -356,6 +371,7 @@ class VirtualHost:
         self.exchanges[name] = make_exchange(definition)
         if durable:
             self._save_or_undo(
+                DefinitionsDelta(add_exchanges=[definition]),
                 lambda: self.exchanges.pop(name),
                 f"exchange '{name}' not declared",
                 EXCHANGE_DECLARE,
@@ -384,6 +400,7 @@ class VirtualHost:
             self._bindings_changed(name)
         if exchange.definition.durable:
             self._save_or_undo(
+                DefinitionsDelta(del_exchanges=[name]),
                 lambda: self.exchanges.setdefault(name, exchange),
                 f"exchange '{name}' not deleted",
                 EXCHANGE_DELETE,
@@ -496,7 +513,12 @@ class VirtualHost:
                 del self.queues[name]
                 self.exchanges[""].unbind(default)
 
-            self._save_or_undo(undo, f"queue '{name}' not declared", QUEUE_DECLARE)
+            self._save_or_undo(
+                DefinitionsDelta(add_queues=[definition], next_qid=self.next_qid),
+                undo,
+                f"queue '{name}' not declared",
+                QUEUE_DECLARE,
+            )
         self._touch(queue)
         metrics.QUEUES.set(len(self.queues))
         self._definitions_changed()
@@ -515,7 +537,7 @@ class VirtualHost:
         if queue is None:
             queue = Queue(QueueDef(name=name, qid=qid), None, self._dropped, self.visibility)
             self.queues[name] = queue
-            self._save()
+            self._save(DefinitionsDelta(add_queues=[queue.definition], next_qid=self.next_qid))
             self._definitions_changed()
         if locked and queue.owner is not _INTERNAL_OWNER:
             queue.owner = _INTERNAL_OWNER
@@ -556,7 +578,9 @@ class VirtualHost:
         for exchange, gone in unbound:
             if gone:
                 self._bindings_changed(exchange.name)
-        if queue.durable:
+        # A durable exchange auto-deleted with a transient queue's bindings goes too.
+        gone_exchanges = [e.name for e in auto_deleted if e.definition.durable]
+        if queue.durable or gone_exchanges:
 
             def undo() -> None:
                 self.queues[queue.name] = queue
@@ -566,7 +590,15 @@ class VirtualHost:
                     for binding in gone:
                         exchange.bind(binding)
 
-            self._save_or_undo(undo, f"queue '{queue.name}' not deleted", QUEUE_DELETE)
+            self._save_or_undo(
+                DefinitionsDelta(
+                    del_queues=[queue.name] if queue.durable else [],
+                    del_exchanges=gone_exchanges,
+                ),
+                undo,
+                f"queue '{queue.name}' not deleted",
+                QUEUE_DELETE,
+            )
         queue.deleted = True
         for timer in (
             self._timers.pop(queue.name, None),
@@ -626,9 +658,18 @@ class VirtualHost:
         changed = exchange.unbind(binding) if unbind else exchange.bind(binding)
         if changed:
             self._bindings_changed(exchange_name)
-        if unbind and changed and exchange.definition.auto_delete and not exchange.bindings:
+        auto_deleted = (
+            unbind and changed and exchange.definition.auto_delete and not exchange.bindings
+        )
+        if auto_deleted:
             del self.exchanges[exchange_name]
-        if changed and queue.durable and exchange.definition.durable:
+        stored = queue.durable and exchange.definition.durable
+        if changed and (stored or (auto_deleted and exchange.definition.durable)):
+            delta = DefinitionsDelta(
+                add_bindings=[binding] if stored and not unbind else [],
+                del_bindings=[binding] if stored and unbind else [],
+                del_exchanges=[exchange_name] if auto_deleted else [],
+            )
 
             def undo() -> None:
                 self.exchanges[exchange_name] = exchange  # (auto-deleted by the unbind)
@@ -638,7 +679,7 @@ class VirtualHost:
                     exchange.unbind(binding)
 
             done = "unbound" if unbind else "bound"
-            self._save_or_undo(undo, f"queue '{queue.name}' not {done}", method)
+            self._save_or_undo(delta, undo, f"queue '{queue.name}' not {done}", method)
 
     def _bindings_changed(self, exchange: str) -> None:
         for listener in self.binding_listeners:
@@ -1041,6 +1082,52 @@ class VirtualHost:
         self._by_qid = None
         self.committer.save_definitions(self.definitions())
         metrics.QUEUES.set(len(self.queues))
+
+    def apply_delta(self, delta: DefinitionsDelta) -> None:
+        """Apply one topology change of the active (a passive receiving DEFINITIONS_DELTA).
+
+        Queues the delta removes or replaces (another qid under the name) go first, each
+        by `remove_queue` (which records its own removal); then the rest is applied in
+        memory and the delta recorded. A JournalError reaches the caller (the passive
+        stops, as for `apply_definitions`).
+        """
+        replaced = {q.name for q in delta.add_queues if (old := self.queues.get(q.name))
+                    and old.definition.qid != q.qid}  # fmt: skip
+        for name in [*delta.del_queues, *replaced]:
+            queue = self.queues.get(name)
+            if queue is not None:
+                self.remove_queue(queue)
+        builtin = {name for name, _ in BUILTIN_EXCHANGES}
+        for bdef in delta.del_bindings:
+            bound = self.exchanges.get(bdef.exchange)
+            if bound is not None:
+                bound.unbind(bdef)
+        for name in delta.del_exchanges:
+            if name not in builtin:
+                self.exchanges.pop(name, None)
+        for edef in delta.add_exchanges:
+            old_exchange = self.exchanges.get(edef.name)
+            if old_exchange is None or old_exchange.definition != edef:
+                self.exchanges[edef.name] = exchange = make_exchange(edef)
+                for binding in () if old_exchange is None else old_exchange.bindings.values():
+                    exchange.bind(binding)
+        for qdef in delta.add_queues:
+            if qdef.name not in self.queues:
+                self.queues[qdef.name] = Queue(
+                    qdef, None, self._dropped, self.visibility, lenient=True
+                )
+                self.exchanges[""].bind(
+                    BindingDef(exchange="", queue=qdef.name, routing_key=qdef.name)
+                )
+        for bdef in delta.add_bindings:
+            bound = self.exchanges.get(bdef.exchange)
+            if bound is not None and bdef.queue in self.queues:
+                bound.bind(bdef)
+        self.next_qid = max(self.next_qid, delta.next_qid)
+        self._by_qid = None
+        metrics.QUEUES.set(len(self.queues))
+        # Last, as `apply_definitions` saves: a failure stops this passive (exit 75).
+        self.committer.save_delta(delta, self.definitions)
 
     def apply_ops(
         self, ops: list[JournalOp], *, defer_sort: bool = False, catchup: bool = False

@@ -23,7 +23,7 @@ from pamqp import encode as pamqp_encode
 from pydantic import BaseModel
 
 from twinmq.broker import codec, fieldtable
-from twinmq.broker.definitions import Definitions
+from twinmq.broker.definitions import Definitions, DefinitionsDelta
 from twinmq.broker.errors import AMQPError
 from twinmq.broker.journal import JournalError, JournalOp, StoredMessage
 from twinmq.broker.journal.ops import CorruptRecord, Settle, decode_group, decode_ops, encode_ops
@@ -201,6 +201,7 @@ _CONTROL_MODELS: dict[protocol.FrameType, type[BaseModel]] = {
     protocol.FrameType.REFUSE: protocol.Refuse,
     protocol.FrameType.SNAPSHOT: protocol.Snapshot,
     protocol.FrameType.DEFINITIONS: Definitions,
+    protocol.FrameType.DEFINITIONS_DELTA: DefinitionsDelta,
 }
 
 

@@ -1,21 +1,27 @@
 """Test helpers: a small tmpfs of a test's own, to fill a disk for real, a producer of
-transactions that runs until the full disk refuses one, and a pair whose passive has the
-small disk."""
+transactions that runs until the full disk refuses one, a pair whose passive has the
+small disk, and a definitions log made to end at a page (so a full disk refuses the
+next topology change)."""
 
 from __future__ import annotations
 
 import contextlib
 import subprocess
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
+import pika
 import pytest
 from pika import BasicProperties
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.exceptions import ChannelClosedByBroker
 
+from twinmq.broker.definitions import BindingDef, DefinitionsDelta
+from twinmq.broker.journal.segment import REC
 from twinmq.broker.names import REPLICATION_TOKEN_ENV
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.waiting import wait_for
 
 
 @contextlib.contextmanager
@@ -95,3 +101,53 @@ class PassiveOnSmallDisk:
         """Kill the active and stop the passive."""
         self.active.kill()
         self.passive.stop()
+
+
+PAD_EXCHANGE, PAD_QUEUE = "pad.x", "pad.q"
+
+
+def _bind_record(key: str) -> bytes:
+    """The definitions log's record of binding PAD_QUEUE to PAD_EXCHANGE by `key`, unframed."""
+    delta = DefinitionsDelta(
+        add_bindings=[BindingDef(exchange=PAD_EXCHANGE, queue=PAD_QUEUE, routing_key=key)]
+    )
+    return delta.model_dump_json(exclude_defaults=True).encode()
+
+
+def _ends_with(path: Path, tail: bytes) -> bool:
+    return path.read_bytes().endswith(tail)
+
+
+def end_log_at_a_page(url: str, journal: Path, page: int = 4096) -> None:
+    """Bind a pad queue (through `url`) by routing keys of chosen lengths until the
+    definitions log of `journal` ends exactly at a page boundary.
+
+    A topology change is a small append to that log, and an append that fits in the
+    last page the file already has takes no space: a full tmpfs does not refuse it.
+    A test of a refused change calls this before filling the disk, so that the change
+    needs a new page. `journal` may be a passive's (the pad bindings replicate there,
+    as records of the same bytes): each step waits for the record to land.
+    """
+    log = journal / "definitions.log"
+    overhead = REC.size + len(_bind_record(""))
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        ch = conn.channel()
+        ch.exchange_declare(PAD_EXCHANGE, "direct", durable=True)
+        ch.queue_declare(PAD_QUEUE, durable=True)
+        last = _bind_record("start")
+        ch.queue_bind(PAD_QUEUE, PAD_EXCHANGE, "start")
+        for n in range(100):
+            wait_for("the pad binding in the log", partial(_ends_with, log, last), 10)
+            room = -log.stat().st_size % page
+            if room == 0:
+                return
+            length = room - overhead
+            if not len(str(n)) < length <= 255:
+                length = 200  # into the next page; the room is measured again
+            key = str(n).ljust(length, "p")
+            last = _bind_record(key)
+            ch.queue_bind(PAD_QUEUE, PAD_EXCHANGE, key)
+        raise AssertionError("the definitions log never ended at a page boundary")
+    finally:
+        conn.close()

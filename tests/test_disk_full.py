@@ -10,7 +10,7 @@ from pathlib import Path
 import pika
 import pika.exceptions
 import pytest
-from disks import PassiveOnSmallDisk, commit_until_refused, small_tmpfs
+from disks import PassiveOnSmallDisk, commit_until_refused, end_log_at_a_page, small_tmpfs
 from jepsen import DiskFiller, log_since, log_size, queue_counts
 from pika.adapters.blocking_connection import BlockingChannel
 
@@ -287,6 +287,7 @@ def test_a_passive_that_cannot_save_the_topology_on_a_full_disk_exits_75_not_sil
             ch.queue_declare("defs.q", durable=True)
             ch.queue_declare("gone.q", durable=True)
             wait_for("the passive has it", lambda: queue_counts(status(passive), "gone.q"), 10)
+        end_log_at_a_page(active.url, passive.data_dir / "journal")
         filler = DiskFiller(small_disk)
         try:
             if change == "declare":
@@ -324,6 +325,7 @@ def test_a_queue_declare_the_full_disk_refused_leaves_no_queue_to_confirm_into(
     broker = BrokerProcess(data, name="defsfull", extra_args=args).start()
     conn = pika.BlockingConnection(pika.URLParameters(broker.url))
     conn.channel().queue_declare("first.q", durable=True)  # a topology file exists
+    end_log_at_a_page(broker.url, data / "journal")
     filler = DiskFiller(small_disk)
     try:
         with pytest.raises(pika.exceptions.AMQPError):
@@ -424,6 +426,7 @@ def test_a_topology_change_the_full_disk_refused_is_undone_in_memory_too(
             ch.queue_bind(_Q, _EX, _KEY)
         ch.confirm_delivery()
         ch.basic_publish("", _Q, b"kept", pika.BasicProperties(delivery_mode=2))
+        end_log_at_a_page(broker.url, data / "journal")
         filler = DiskFiller(small_disk)
         try:
             with pytest.raises(pika.exceptions.AMQPError) as refused:

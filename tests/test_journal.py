@@ -382,8 +382,10 @@ def test_queue_missing_from_definitions_is_dropped_at_open(tmp_path: Path) -> No
         await j.close()
 
     asyncio.run(go())
-    # The broker crashed after saving the definitions without queue 2.
+    # The broker crashed after saving the definitions without queue 2 (as an older
+    # version wrote them: a snapshot alone, no definitions log).
     (tmp_path / "definitions.json").write_text(defs(1).model_dump_json())
+    (tmp_path / "definitions.log").unlink()
     assert mids(reopen(tmp_path)) == {1: [1]}
     assert mids(reopen(tmp_path)) == {1: [1]}
 

@@ -4,7 +4,10 @@ Durable queues' persistent messages live here, so that a broker killed with
 `kill -9` loses nothing it confirmed. On-disk layout (one directory per broker)::
 
     LOCK                      flock(2)ed while a Journal has the directory open
-    definitions.json          the durable topology; replaced atomically (tmp, fsync, rename)
+    definitions.json          the durable topology's snapshot; replaced atomically (tmp,
+                              fsync, rename) when the log below is compacted
+    definitions.log           each topology change since the snapshot, appended and
+                              fsynced one by one (format and crash order: deflog.py)
     00000000000000000001.seg  append-only segments, oldest first (format: segment.py)
     00000000000000000002.seg
     ...
@@ -52,19 +55,14 @@ from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 
-from twinmq.broker.definitions import Definitions
+from twinmq.broker.definitions import Definitions, DefinitionsDelta
 from twinmq.broker.journal import compaction
 from twinmq.broker.journal.completion import Completions
-from twinmq.broker.journal.errors import DiskFullError, JournalError, io_error
+from twinmq.broker.journal.deflog import DefinitionsStore
+from twinmq.broker.journal.errors import DiskFullError, JournalError
 from twinmq.broker.journal.index import LiveIndex, SegmentInfo
 from twinmq.broker.journal.ops import JournalOp, StoredMessage, encode_ops
-from twinmq.broker.journal.recovery import (
-    DEFINITIONS,
-    Recovered,
-    encode_definitions,
-    read_definitions,
-    replay,
-)
+from twinmq.broker.journal.recovery import DEFINITIONS, Recovered, replay
 from twinmq.broker.journal.segment import PLACEHOLDER, encode_header, seal_record, segment_name
 from twinmq.broker.journal.writer import SegmentFiles
 
@@ -123,7 +121,7 @@ class Journal:
 
         self._index = LiveIndex()
         self._next_segno = 1
-        self._def_qids: set[int] = set()
+        self._defs = DefinitionsStore(self._dir, lambda: self._files.dir_fd, fsync=fsync)
 
         # Appending: one bytearray per group commit, swapped by the writer.
         self._buf = bytearray()
@@ -170,10 +168,9 @@ class Journal:
 
     def _open_locked(self) -> Recovered:
         defs_path = self._dir / DEFINITIONS
-        with contextlib.suppress(FileNotFoundError):
-            (self._dir / (DEFINITIONS + ".tmp")).unlink()
-        definitions, defs_missing = read_definitions(self._dir)
-        self._def_qids = {q.qid for q in definitions.queues}
+        loaded = self._defs.open()
+        definitions, defs_missing = loaded.state.definitions(), loaded.missing
+        def_qids = loaded.state.qids()
 
         index = self._index
         out = replay(self._dir, index, definitions)
@@ -200,7 +197,7 @@ class Journal:
 
         # Queues deleted before the crash: their messages are garbage.
         for qid in list(index.where):
-            if qid not in self._def_qids:
+            if qid not in def_qids:
                 if defs_missing and index.where[qid]:
                     raise JournalError(
                         f"{defs_path} is missing but the journal holds live messages; "
@@ -210,6 +207,7 @@ class Journal:
                 messages.pop(qid, None)
         recovered.messages = {qid: list(d.values()) for qid, d in messages.items() if d}
         recovered.segments = len(index.segments)
+        recovered.definitions_torn_bytes = loaded.torn_bytes
         self._opened = True
 
         try:
@@ -276,30 +274,30 @@ class Journal:
     # --- definitions --------------------------------------------------------------
 
     def save_definitions(self, defs: Definitions) -> None:
-        """Atomically replace the definitions file (write tmp, fsync, rename, fsync dir).
+        """Durably replace the whole topology (a new snapshot; the log starts empty).
 
         Save a queue's definition before journaling messages for it: recovery
         drops the messages of every qid the definitions do not hold. Queues that
         this save removes count as dropped (see `drop_queue`).
         """
         self._require_open()
-        data = encode_definitions(defs)
-        tmp = self._dir / (DEFINITIONS + ".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._dir / DEFINITIONS)
-            os.fsync(self._files.dir_fd)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise io_error("saving definitions", exc) from exc
-        qids = {q.qid for q in defs.queues}
-        for qid in self._def_qids - qids:
+        for qid in self._defs.replace(defs):
             self.drop_queue(qid)
-        self._def_qids = qids
+
+    def save_delta(self, delta: DefinitionsDelta) -> None:
+        """Durably record one topology change: one append and one fsync of the log.
+
+        The same rules as `save_definitions`; on an error (DiskFullError for a full
+        disk) nothing of the change is stored.
+        """
+        self._require_open()
+        for qid in self._defs.append(delta):
+            self.drop_queue(qid)
+
+    def definitions(self) -> Definitions:
+        """The topology as stored (snapshot and log)."""
+        self._require_open()
+        return self._defs.definitions()
 
     def drop_queue(self, qid: int) -> None:
         """A queue was deleted (definitions already saved without it).
@@ -578,6 +576,7 @@ class Journal:
             self._kick.set()
             with contextlib.suppress(JournalError):
                 await self._task
+        self._defs.checkpoint()
         self._shutdown()
 
     def _simulate_crash(self) -> None:
@@ -596,6 +595,7 @@ class Journal:
         self._opened = False
 
     def _release_fds(self) -> None:
+        self._defs.close()
         self._files.close()
         if self._lock_fd >= 0:
             with contextlib.suppress(OSError):

@@ -29,6 +29,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from twinmq.broker.definitions import Definitions
+from twinmq.broker.journal import deflog
 from twinmq.broker.journal.errors import JournalError
 from twinmq.broker.journal.index import LiveIndex, SegmentInfo
 from twinmq.broker.journal.ops import TAG_MSG, StoredMessage
@@ -43,7 +44,9 @@ __all__ = [
     "Replay",
     "SegmentReport",
     "check",
+    "decode_snapshot",
     "encode_definitions",
+    "encode_snapshot",
     "read_definitions",
     "replay",
     "segment_numbers",
@@ -52,7 +55,8 @@ __all__ = [
 log = logging.getLogger("twinmq.broker.journal")
 
 DEFINITIONS = "definitions.json"
-CHECKSUM_KEY = "crc32"  # the definitions file's checksum (`encode_definitions`)
+CHECKSUM_KEY = "crc32"  # the definitions file's checksum (`encode_snapshot`)
+GENERATION_KEY = "generation"  # the definitions log that follows the snapshot (deflog.py)
 # Mids skipped after corruption in the newest segment: no later header bounds the
 # mids lost in it, and reusing one could make a peer's copy look like a new message.
 MID_MARGIN = 1 << 32
@@ -93,6 +97,8 @@ class Recovered:
     # damaged segment files moved to the quarantine folder by this open
     quarantined: list[Path] = field(default_factory=list)
     reappended: int = 0  # live messages re-appended out of damaged segments
+    # bytes of a torn tail of the definitions log (a change never acknowledged), truncated
+    definitions_torn_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,56 +126,78 @@ class Replay:
     reports: list[SegmentReport] = field(default_factory=list)
 
 
-def _definitions_checksum(defs: Definitions) -> int:
-    return zlib.crc32(defs.model_dump_json().encode())
+def _definitions_checksum(defs: Definitions, generation: int | None = None) -> int:
+    crc = zlib.crc32(defs.model_dump_json().encode())
+    if generation is None:
+        return crc
+    # Covered too: a misread generation would ignore (or wrongly replay) the log.
+    return zlib.crc32(str(generation).encode(), crc)
 
 
 def encode_definitions(defs: Definitions) -> bytes:
-    """The definitions file's bytes: the topology as JSON, with a checksum of it.
+    """A snapshot without a generation (as versions before the definitions log wrote it)."""
+    return _encode(defs, None)
+
+
+def encode_snapshot(defs: Definitions, generation: int) -> bytes:
+    """The definitions file's bytes: the topology as JSON, its log generation, a checksum.
 
     Most bit flips leave valid JSON: a `qid` misread makes recovery drop that queue's
     messages as a deleted queue's. The checksum is of the topology as read back (JSON
     in, model, compact JSON out), so writing and reading compute it the same way.
+    `generation` names the definitions log that follows this snapshot (deflog.py).
     """
+    return _encode(defs, generation)
+
+
+def _encode(defs: Definitions, generation: int | None) -> bytes:
     topology = json.loads(defs.model_dump_json())
-    topology[CHECKSUM_KEY] = _definitions_checksum(Definitions.model_validate(topology))
+    if generation is not None:
+        topology[GENERATION_KEY] = generation
+    topology[CHECKSUM_KEY] = _definitions_checksum(Definitions.model_validate(
+        {k: v for k, v in topology.items() if k != GENERATION_KEY}), generation)  # fmt: skip
     return json.dumps(topology, indent=1, ensure_ascii=False).encode()
 
 
 def read_definitions(directory: Path) -> tuple[Definitions, bool]:
-    """The saved topology, and whether the file is missing.
+    """The stored topology (snapshot and definitions log), and whether none is stored.
 
-    Raises JournalError for a file that does not read back as it was written (its
-    checksum, or any key the topology does not have): never start without the
-    topology, every message would be dropped. A file without a checksum (written by
-    an older version) is read as it is.
+    Raises JournalError for damage (deflog.load): never start without the topology,
+    every message would be dropped. A snapshot without a checksum or generation
+    (written by an older version) is read as it is.
     """
-    path = directory / DEFINITIONS
-    if not path.exists():
-        return Definitions(), True
-    return decode_definitions(path.read_bytes(), path), False
+    loaded = deflog.load(directory)
+    return loaded.state.definitions(), loaded.missing
 
 
 def decode_definitions(data: bytes, path: Path) -> Definitions:
-    """The topology in a definitions file's bytes (`read_definitions`; JournalError)."""
+    """The topology in a snapshot's bytes (JournalError if it does not read back)."""
+    return decode_snapshot(data, path)[0]
+
+
+def decode_snapshot(data: bytes, path: Path) -> tuple[Definitions, int]:
+    """The topology in a snapshot's bytes and its log generation (0 when it has none)."""
     try:
         topology = json.loads(data)
         if not isinstance(topology, dict):
             raise ValueError("not a JSON object")
         stored = topology.pop(CHECKSUM_KEY, None)
+        generation = topology.pop(GENERATION_KEY, None)
+        if generation is not None and (type(generation) is not int or generation < 0):
+            raise ValueError(f"bad generation {generation!r}")
         unknown = set(topology) - set(Definitions.model_fields)
         if unknown:
             raise ValueError(f"unknown keys {sorted(unknown)}")
         defs = Definitions.model_validate(topology)
     except (ValueError, ValidationError) as exc:
         raise JournalError(f"cannot read {path}: {exc}") from exc
-    if stored is not None and stored != _definitions_checksum(defs):
+    if stored is not None and stored != _definitions_checksum(defs, generation):
         raise JournalError(
             f"{path} is damaged (its checksum does not match): refusing to start, which "
             "would drop the messages of every queue it misreads; restore the file (a "
             "backup, or rebuild it from the peer's, docs/journal.md)"
         )
-    return defs
+    return defs, generation or 0
 
 
 def segment_numbers(directory: Path) -> list[int]:
@@ -273,7 +301,8 @@ def check(directory: Path) -> CheckReport:
     """
     if not directory.is_dir():
         raise JournalError(f"{directory} is not a directory")
-    definitions, _missing = read_definitions(directory)
+    loaded = deflog.load(directory)
+    definitions = loaded.state.definitions()
     logger = log.disabled
     log.disabled = True  # the report says it all; no error lines from a read-only check
     try:
@@ -289,6 +318,6 @@ def check(directory: Path) -> CheckReport:
         live_messages=live,
         queues=len(qids),
         next_mid=out.recovered.next_mid,
-        torn_bytes=out.recovered.torn_bytes,
+        torn_bytes=out.recovered.torn_bytes + loaded.torn_bytes,
         corruption=out.recovered.corruption,
     )

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from twinmq.broker.api import Role
     from twinmq.broker.commit import Waiter
     from twinmq.broker.dedup import DedupWindow
-    from twinmq.broker.definitions import Definitions
+    from twinmq.broker.definitions import Definitions, DefinitionsDelta
     from twinmq.broker.journal import JournalOp
     from twinmq.broker.queue import Queue
     from twinmq.broker.settings import BrokerSettings
@@ -66,6 +66,7 @@ class ReplicatedState(Protocol):
     """The virtual host as replication sees it: its messages and topology."""
 
     on_topology_change: Callable[[Definitions], None] | None
+    on_topology_delta: Callable[[DefinitionsDelta], None] | None
 
     def definitions(self) -> Definitions:
         """The durable topology."""
@@ -99,6 +100,10 @@ class ReplicatedState(Protocol):
 
     def apply_definitions(self, defs: Definitions) -> None:
         """Make the topology equal to the active's (passive)."""
+        ...
+
+    def apply_delta(self, delta: DefinitionsDelta) -> None:
+        """Apply one topology change of the active's (passive)."""
         ...
 
 

@@ -50,6 +50,9 @@ class FrameType(enum.IntEnum):
     WELCOME = 10  # active -> passive: Welcome, the active's proof
     CATCHUP_ACK = 11  # passive -> active: u64 catch-up chunk durable on the passive
     DEDUP_KEYS = 12  # active -> passive: chunk number, flags, dedup window keys (catch-up)
+    # active -> passive: DefinitionsDelta, one topology change; only to a passive whose
+    # Snapshot said `definitions_delta` (an older one gets DEFINITIONS, whole, instead)
+    DEFINITIONS_DELTA = 13
 
 
 # BATCH (and DEDUP_KEYS) flags. A catch-up chunk's batch number counts chunks (1, 2, ...),
@@ -102,11 +105,17 @@ class Snapshot(BaseModel):
     packed: dict[int, str] = Field(
         default_factory=dict, description="per qid: base64 of the IDs as little-endian u64"
     )
+    # A capability: this passive applies DEFINITIONS_DELTA frames. Absent (False) from
+    # older passives, which an active then sends the whole topology at every change.
+    definitions_delta: bool = False
 
     @classmethod
-    def of(cls, ids: Mapping[int, Iterable[int]]) -> Snapshot:
-        """The snapshot of `ids` per qid, packed."""
-        return cls(packed={qid: pack_ids(mids) for qid, mids in ids.items()})
+    def of(cls, ids: Mapping[int, Iterable[int]], *, definitions_delta: bool = True) -> Snapshot:
+        """The snapshot of `ids` per qid, packed (with this version's capabilities)."""
+        return cls(
+            packed={qid: pack_ids(mids) for qid, mids in ids.items()},
+            definitions_delta=definitions_delta,
+        )
 
     def ids(self) -> dict[int, Sequence[int]]:
         """The IDs per qid, packed ones decoded lazily."""

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from twinmq.broker import metrics
-from twinmq.broker.definitions import Definitions
+from twinmq.broker.definitions import Definitions, DefinitionsDelta
 from twinmq.broker.journal import JournalError, StoredMessage, decode_ops
 from twinmq.broker.replication.context import ReplicationContext
 from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
@@ -452,6 +452,13 @@ class ReplicaClient:
                 except JournalError as exc:
                     # The topology file is not what memory holds (a full disk): stop, as
                     # for a batch that could not be journaled, never linger unlinked.
+                    broker.stop_passive(f"could not save the topology ({exc})")
+                    return
+            elif ftype is FrameType.DEFINITIONS_DELTA:
+                # One change after the whole topology this link began with (DEFINITIONS).
+                try:
+                    broker.vhost.apply_delta(decode_model(DefinitionsDelta, payload))
+                except JournalError as exc:
                     broker.stop_passive(f"could not save the topology ({exc})")
                     return
             elif ftype is FrameType.CAUGHT_UP:

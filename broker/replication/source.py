@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable
 
 from twinmq.broker import metrics
-from twinmq.broker.definitions import Definitions
+from twinmq.broker.definitions import Definitions, DefinitionsDelta
 from twinmq.broker.journal import JournalOp, encode_ops
 from twinmq.broker.replication.catchup import CatchupSender, CatchupStream, capture
 from twinmq.broker.replication.context import ReplicationContext
@@ -133,8 +133,12 @@ class SourceLink:
         self.write(encode(FrameType.PING, payload))
 
     def send_definitions(self, definitions: Definitions) -> None:
-        """Stream a topology change."""
+        """Stream a topology change, whole (a passive that does not take deltas)."""
         self.write(encode(FrameType.DEFINITIONS, definitions))
+
+    def send_delta(self, delta: DefinitionsDelta) -> None:
+        """Stream a topology change as the change alone."""
+        self.write(encode(FrameType.DEFINITIONS_DELTA, delta))
 
     def on_ack(self, batch: int) -> None:
         """The passive has every live batch up to `batch` on disk."""
@@ -280,6 +284,8 @@ class ReplicationSource:
         vhost = self.broker.vhost
         if vhost.on_topology_change == link.send_definitions:
             vhost.on_topology_change = None
+        if vhost.on_topology_delta == link.send_delta:
+            vhost.on_topology_delta = None
 
     def _lost(self, link: SourceLink, *, degrade_now: bool) -> None:
         """The link is gone: keep guarding for the timeout (it may come back), then degrade."""
@@ -563,6 +569,8 @@ class ReplicationSource:
         self.link = link
         committer.on_batch = link.send_batch
         vhost.on_topology_change = link.send_definitions
+        # A passive of an older version knows no DEFINITIONS_DELTA frame: whole ones.
+        vhost.on_topology_delta = link.send_delta if snapshot.definitions_delta else None
         metrics.REPLICATION_CONNECTED.set(1)
         log.info(
             "passive %s (%s, epoch %d) attached: catch-up from batch %d over %d messages",
