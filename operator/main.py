@@ -842,6 +842,7 @@ def reconcile(
             name=n, pod=pod_name(cluster, n), role=v.role if v.reachable else "unknown",
             reachable=v.reachable, ready=v.ready, epoch=v.epoch,
             link_connected=v.link_connected, fenced=n in new.fenced_brokers,
+            link_tls=(r := reports.get(n)) is not None and r.replication.link_tls,
             lag_messages=lags[n][0], lag_seconds=lags[n][1],
             damaged=n in damage, damage=damage.get(n, ""),
         )

@@ -858,6 +858,9 @@ class BrokerSummary(ApiModel):
     ready: bool = False
     epoch: int = 0
     link_connected: bool = False
+    link_tls: bool = Field(
+        False, description="Its replication link runs mutual TLS (as this broker reports it)"
+    )
     lag_messages: int = Field(
         0,
         description="Replicated messages not yet durable on this broker (0 for the active): "

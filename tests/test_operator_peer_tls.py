@@ -356,3 +356,32 @@ def test_the_operators_admin_client_verifies_the_brokers_https_by_its_pod_name(
         assert stranger is not None
         with pytest.raises(AdminUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
             stranger.status(timeout=5)
+
+
+def test_the_amqps_certificate_naming_both_pods_is_no_replication_identity(
+    tmp_path: Path,
+) -> None:
+    """Both pods mount the AMQPS server certificate, which names both pods: an active
+    presenting it (server use only) is refused by the passive, though the CA signed it and
+    it names the broker claimed."""
+    ca = certs.new_ca(CLUSTER, datetime.now(UTC))
+    amqps = certs.issue_server(ca, certs.dns_names(CLUSTER), datetime.now(UTC), 3600)
+    backup = certs.issue_server(
+        ca, certs.peer_names(CLUSTER, "backup"), datetime.now(UTC), 3600, client=True
+    )
+    pair = peer_pair(tmp_path / "pair", ca, {"orders-primary": amqps, "orders-backup": backup})
+    try:
+        for broker, role in ((pair.active, "active"), (pair.passive, "passive")):
+            broker.extra_args = pair.args(role)
+            broker.start()
+        log = pair.passive.log_path
+        assert log is not None
+        wait_for(
+            "the passive's refusal",
+            lambda: "not for client and server use" in log.read_text(),
+            30,
+        )
+        passive = status(pair.passive)
+        assert passive is not None and not passive["replication"]["ready"]
+    finally:
+        pair.stop()
