@@ -679,9 +679,7 @@ def reconcile(
         raise kopf.TemporaryError(f"secret {spec.auth.secret_name} not found", delay=5)
     token = credentials["admin-token"]
     # The step towards mutual TLS the pods are built for (operator/peertls.py).
-    peer_tls = peertls.current(
-        status.peer_tls, spec, any(p is not None for p in pods.values()) or status.epoch > 0
-    )
+    peer_tls = peertls.current(status.peer_tls, spec, pods.values(), status.epoch > 0)
     ca_pem = certs.brokers_ca(cluster, spec.tls, memory.tls, k) if peer_tls != "Plaintext" else None
     active_ip = (pods.get(status.active_broker) or {}).get("status", {}).get("podIP") if (
         status.active_broker) else None  # fmt: skip

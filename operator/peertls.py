@@ -21,7 +21,8 @@ The operator moves one step only when the pods run the current step's template a
 passive is in sync: the pair is never left unreplicated by the move. The admin API needs
 no such steps: the operator dials each pod as its template says (`builders.ADMIN_SCHEME`),
 and the kubelet's probes are part of that template. New clusters start at their target;
-a cluster whose pods predate this (no phase recorded) starts at `Plaintext`. The target is
+a cluster with no phase recorded but pods starts where its pods are (`observed`: `Plaintext`
+for pods of an older operator). The target is
 `Required` while `spec.tls` is on with certificates the operator can have issued per broker
 (its own CA, or cert-manager with `issuerRef`), else `Plaintext` (TLS off, or your own
 Secret: one certificate for both brokers cannot tell them apart): the walk runs backwards
@@ -30,11 +31,14 @@ too.
 
 from __future__ import annotations
 
-from typing import get_args
+from collections.abc import Iterable, Mapping
+from typing import Any, get_args
 
+from twinmq.operator.builders import PEER_TLS_MODES
 from twinmq.operator.models import BrokerClusterSpec, PeerTlsPhase
 
 PHASES: tuple[PeerTlsPhase, ...] = get_args(PeerTlsPhase)
+MODE_FLAG = "--replication-tls-mode="
 
 
 def target(spec: BrokerClusterSpec) -> PeerTlsPhase:
@@ -44,15 +48,37 @@ def target(spec: BrokerClusterSpec) -> PeerTlsPhase:
     return "Required" if tls.enabled and per_broker else "Plaintext"
 
 
+def observed(pods: Iterable[Mapping[str, Any] | None]) -> PeerTlsPhase:
+    """The phase the existing pods were built for, read from their
+    `--replication-tls-mode` (none: `Plaintext`, as pods of an older operator); the earlier
+    one when they differ (a rollout under way: either is a neighbour of the other)."""
+    modes = {mode: phase for phase, mode in PEER_TLS_MODES.items()}
+    found: list[PeerTlsPhase] = []
+    for pod in pods:
+        if pod is None:
+            continue
+        containers = (pod.get("spec") or {}).get("containers") or [{}]
+        args = [str(a) for a in containers[0].get("args") or []]
+        mode = next((a.split("=", 1)[1] for a in args if a.startswith(MODE_FLAG)), None)
+        found.append(modes.get(mode, "Plaintext") if mode else "Plaintext")
+    return min(found, key=PHASES.index) if found else "Plaintext"
+
+
 def current(
-    recorded: PeerTlsPhase | None, spec: BrokerClusterSpec, pods_exist: bool
+    recorded: PeerTlsPhase | None,
+    spec: BrokerClusterSpec,
+    pods: Iterable[Mapping[str, Any] | None],
+    started: bool,
 ) -> PeerTlsPhase:
-    """The phase the pods are built for: the recorded one; for a cluster with no phase
-    recorded, its target when it has no pods yet (new), else `Plaintext` (pods of an older
-    operator)."""
+    """The phase the pods are built for: the recorded one; with none recorded, the target
+    for a cluster not started yet (no pods, epoch 0), else what its pods run (`observed`:
+    `Plaintext` for pods of an older operator)."""
     if recorded is not None:
         return recorded
-    return "Plaintext" if pods_exist else target(spec)
+    pods = list(pods)
+    if not started and all(p is None for p in pods):
+        return target(spec)
+    return observed(pods)
 
 
 def step(phase: PeerTlsPhase, goal: PeerTlsPhase) -> PeerTlsPhase:

@@ -108,11 +108,19 @@ def test_the_target_is_required_with_certificates_per_broker_else_plaintext() ->
     assert peertls.target(off) == "Plaintext"
 
 
-def test_a_new_cluster_starts_at_its_target_and_an_older_one_at_plaintext() -> None:
+def test_a_new_cluster_starts_at_its_target_and_an_older_one_where_its_pods_are() -> None:
     spec = BrokerClusterSpec()
-    assert peertls.current(None, spec, pods_exist=False) == "Required"
-    assert peertls.current(None, spec, pods_exist=True) == "Plaintext"
-    assert peertls.current("TlsListener", spec, pods_exist=True) == "TlsListener"
+    assert peertls.current(None, spec, [None, None], started=False) == "Required"
+    # Pods of an older operator (no mode flag): Plaintext; an operator that died before it
+    # recorded the step: what its pods run, the earlier step mid-rollout.
+    older = build_pod(CLUSTER, spec, "primary")
+    assert peertls.current(None, spec, [older, None], started=True) == "Plaintext"
+    assert peertls.current(None, spec, [None, None], started=True) == "Plaintext"
+    listening = build_pod(CLUSTER, spec, "primary", peer_tls="TlsListener")
+    required = build_pod(CLUSTER, spec, "backup", peer_tls="Required")
+    assert peertls.current(None, spec, [required, None], started=True) == "Required"
+    assert peertls.current(None, spec, [listening, required], started=True) == "TlsListener"
+    assert peertls.current("TlsListener", spec, [older, older], started=True) == "TlsListener"
 
 
 def test_a_step_is_taken_only_from_a_converged_pair_in_sync_one_at_a_time_either_way() -> None:
