@@ -16,6 +16,11 @@
 
 The CA certificate clients verify against is published in the ConfigMap `<cluster>-ca`
 (key `ca.crt`) whenever the Secret holds a `ca.crt`.
+
+With the managed CA or cert-manager, each broker also has a certificate of its own,
+`<cluster>-<broker>-tls` (server and client use, naming its pod only: `peer_names`), for the
+replication link's mutual TLS and the admin API's HTTPS (`operator/peertls.py`), issued and
+renewed the same way.
 """
 
 from __future__ import annotations
