@@ -680,7 +680,13 @@ def reconcile(
     token = credentials["admin-token"]
     # The step towards mutual TLS the pods are built for (operator/peertls.py).
     peer_tls = peertls.current(status.peer_tls, spec, pods.values(), status.epoch > 0)
-    ca_pem = certs.brokers_ca(cluster, spec.tls, memory.tls, k) if peer_tls != "Plaintext" else None
+    # The CA the brokers' admin HTTPS is verified against, wherever a pod serves it (on the
+    # way back to Plaintext, the pod not yet rolled still does).
+    https = peer_tls != "Plaintext" or any(
+        ((p or {}).get("metadata", {}).get("annotations") or {}).get(builders.ADMIN_SCHEME)
+        == "https" for p in pods.values()
+    )  # fmt: skip
+    ca_pem = certs.brokers_ca(cluster, spec.tls, memory.tls, k) if https else None
     active_ip = (pods.get(status.active_broker) or {}).get("status", {}).get("podIP") if (
         status.active_broker) else None  # fmt: skip
     views: dict[BrokerName, BrokerView] = {}
