@@ -176,6 +176,8 @@ def test_tls_a_plaintext_cluster_moves_to_mutual_tls_under_traffic_losing_nothin
     assert cluster_status(cluster, namespace, name)["peerTls"] == "Plaintext"
     url = amqp_url(cluster, namespace, name)
     path = cluster_path(namespace, name)
+    publish_confirmed(url, "moving", b"-1")  # declares the durable queue
+    drain(url, "moving")
     walked: list[str] = ["Plaintext"]
 
     def done() -> bool:
