@@ -194,9 +194,14 @@ def metric_samples(text: str) -> dict[str, float]:
 class _Client:
     """What both clients share: the broker's URL, the token, building requests."""
 
-    def __init__(self, url: str, token: str | None, timeout: float) -> None:
+    def __init__(
+        self, url: str, token: str | None, timeout: float, server_name: str | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        # HTTPS to an address (a pod IP) whose certificate names the broker instead: the
+        # name the server is verified by (and sent as SNI).
+        self._extensions = {"sni_hostname": server_name} if server_name else None
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._json_headers = {**self._headers, "Content-Type": "application/json"}
 
@@ -209,6 +214,7 @@ class _Client:
             headers=self._headers if call.body is None else self._json_headers,
             content=None if call.body is None else call.body.model_dump_json(),
             timeout=self.timeout if timeout is None else timeout,
+            extensions=self._extensions,
         )
 
     @staticmethod
@@ -291,8 +297,9 @@ class SyncAdminClient(_Client):
         *,
         timeout: float = DEFAULT_TIMEOUT,
         http: httpx.Client | None = None,
+        server_name: str | None = None,
     ) -> None:
-        super().__init__(url, token, timeout)
+        super().__init__(url, token, timeout, server_name)
         self._owned = http is None
         self.http = http if http is not None else httpx.Client()
 

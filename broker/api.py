@@ -96,6 +96,9 @@ class ReplicationStatus(BaseModel):
 
     peer: str | None = Field(description="Passive: the active's address; active: the passive")
     link_connected: bool
+    link_tls: bool = Field(
+        False, description="The link runs over TLS (mutual TLS: `--replication-tls-*`)"
+    )
     ready: bool = Field(
         description="Passive: caught up (promotable without loss); active: a passive in sync"
     )

@@ -126,6 +126,20 @@ class BrokerSettings(BaseSettings):
     replication_tls_ca: Path | None = Field(
         None, description="PEM CA bundle that signed both brokers' replication certificates"
     )
+    replication_tls_mode: Literal["required", "tls-listener", "plain-listener"] = Field(
+        "required",
+        description="With --replication-tls-*: `required` (TLS both ways), or a step of moving "
+        "a running pair to it without a window it cannot pair in: `plain-listener` (the "
+        "listener takes plaintext; the passive dials TLS and, refused, plaintext) then "
+        "`tls-listener` (the listener takes TLS only; the passive still falls back)",
+    )
+    replication_tls_server_name: str | None = Field(
+        None,
+        min_length=1,
+        description="The name the passive checks the active's replication certificate for, "
+        "instead of the address it dials (the operator dials pod IPs: it names the other "
+        "broker's pod)",
+    )
     dedup_window: int = Field(
         100_000, ge=0, description="Message ids remembered for duplicate detection (0: off)"
     )

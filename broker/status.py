@@ -38,6 +38,7 @@ def replication_status(broker: Broker) -> ReplicationStatus:
             )
         return ReplicationStatus(
             peer=replica.address, link_connected=replica.connected, ready=replica.ready,
+            link_tls=replica.connected and replica.tls,
             degraded=False, lag_messages=replica.pending_ops,
             lag_seconds=round(replica.lag_seconds, 3), lost_at=replica.lost_at,
         )  # fmt: skip
@@ -55,6 +56,9 @@ def replication_status(broker: Broker) -> ReplicationStatus:
     return ReplicationStatus(
         peer=None if link is None else f"{link.name} ({link.peer})",
         link_connected=link is not None and not link.closed,
+        link_tls=link is not None
+        and not link.closed
+        and link.writer.get_extra_info("sslcontext") is not None,
         ready=in_sync,
         degraded=not in_sync,
         lag_messages=0 if link is None else link.lag_messages,

@@ -26,6 +26,9 @@ import ssl
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
 from twinmq.broker.filewatch import FileWatch
 
 log = logging.getLogger(__name__)
@@ -43,13 +46,36 @@ def certificate_names(writer: asyncio.StreamWriter) -> set[str] | None:
     return names
 
 
+def both_ends(writer: asyncio.StreamWriter) -> bool:
+    """Whether the peer's certificate is for both ends of a link (client and server use,
+    as each broker's own is): a server-only certificate that happens to name a broker
+    (the AMQPS one names both pods) is no replication identity."""
+    ssl_object: Any = writer.get_extra_info("ssl_object")
+    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    if not der:
+        return False
+    try:
+        usages = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(
+            x509.ExtendedKeyUsage
+        )
+    except (ValueError, x509.ExtensionNotFound):
+        return False
+    wanted = {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    return wanted <= set(usages.value)
+
+
 def identity_refusal(writer: asyncio.StreamWriter, name: str) -> str | None:
     """Why a mutual-TLS peer that says it is `name` is refused (its certificate does not
-    name it), or None (it does, or the link is not TLS)."""
+    name it, or is not for client and server use), or None (it is, or the link is not
+    TLS)."""
     names = certificate_names(writer)
-    if names is None or name in names:
+    if names is None:
         return None
-    return f"its certificate names {sorted(names)}, not {name!r}"
+    if name not in names:
+        return f"its certificate names {sorted(names)}, not {name!r}"
+    if not both_ends(writer):
+        return "its certificate is not for client and server use (not a broker's own)"
+    return None
 
 
 class TlsListener:

@@ -13,11 +13,11 @@ import pika
 from brokerclusters import amqp_url, cluster_status, drain
 from support import Cluster
 
-from twinmq.broker.admin_client import AdminError
+from twinmq.broker.admin_client import AdminError, SyncAdminClient
 from twinmq.client import ReliablePublisher
 from twinmq.localcluster import faults
 from twinmq.localcluster.layout import Layout
-from twinmq.operator.probe import admin
+from twinmq.operator.probe import admin_of
 from twinmq.testing.waiting import wait_for
 
 
@@ -69,29 +69,37 @@ def kill_9_of_the_active_fails_over_losing_nothing(
     return seconds
 
 
-def _admin(cluster: Cluster, namespace: str, name: str) -> tuple[str, dict[str, str]]:
-    """The admin token and the pod IP of each broker."""
+def _admin(
+    cluster: Cluster, namespace: str, name: str
+) -> tuple[dict[str, SyncAdminClient], dict[str, str]]:
+    """Each broker's admin API as the operator reaches it (HTTPS verified against the
+    cluster's CA by the pod's name when the pod serves it), and each broker's pod IP."""
     secret = cluster.kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-auth") or {}
     token = base64.b64decode(secret["data"]["admin-token"]).decode()
-    ips = {}
+    published = cluster.kube.get(f"/api/v1/namespaces/{namespace}/configmaps/{name}-ca") or {}
+    ca = (published.get("data") or {}).get("ca.crt")
+    clients, ips = {}, {}
     for broker in ("primary", "backup"):
         pod = cluster.kube.get(f"/api/v1/namespaces/{namespace}/pods/{name}-{broker}") or {}
         ips[broker] = pod["status"]["podIP"]
-    return token, ips
+        client = admin_of(pod, token, ca)
+        assert client is not None
+        clients[broker] = client
+    return clients, ips
 
 
 class RoleWatch:
     """Polls both brokers' roles from the host, recording each distinct (primary, backup)."""
 
-    def __init__(self, token: str, ips: dict[str, str]) -> None:
-        self.token, self.ips = token, ips
+    def __init__(self, clients: dict[str, SyncAdminClient]) -> None:
+        self.clients = clients
         self.seen: list[tuple[str, str]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def role(self, broker: str) -> str:
         try:
-            return str(admin(self.ips[broker], self.token).status(timeout=1.0).role)
+            return str(self.clients[broker].status(timeout=1.0).role)
         except AdminError:
             return "unreachable"
 
@@ -115,13 +123,13 @@ def cut_off_the_api_server_fences_before_the_backup_is_promoted(
     clients still reach it; it stops confirming and steps down by itself before the
     operator promotes the backup, and no confirmed message is lost."""
     layout = Layout.default()
-    token, ips = _admin(cluster, namespace, name)
+    clients, ips = _admin(cluster, namespace, name)
     direct = amqp_url(cluster, namespace, name, host=ips["primary"])  # not the VIP
     conn = pika.BlockingConnection(pika.URLParameters(direct))
     ch = conn.channel()
     ch.queue_declare("orders", durable=True)
     ch.confirm_delivery()
-    watch = RoleWatch(token, ips)
+    watch = RoleWatch(clients)
     watch.thread.start()
     confirmed: list[int] = []
     faults.cut_api_server(layout, namespace, f"{name}-primary")

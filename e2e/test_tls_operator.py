@@ -2,7 +2,9 @@
 the broker against the CA the operator publishes (`<cluster>-ca`) by the virtual IP's DNS
 name; the server certificate, given a short lifetime here, is renewed and reaches the
 broker through the kubelet's update of the Secret volume while a connection opened
-before stays up.
+before stays up. Between the brokers: a new cluster pairs over mutual TLS (the operator
+reaching the admin API over HTTPS) and fails over; a plaintext cluster moved to mutual TLS
+under confirmed traffic, one rolling update a step, loses nothing.
 
 The client runs on the host (the local cluster routes Service IPs there) and connects to
 the Service's cluster IP, naming `<cluster>.<namespace>.svc` in the TLS handshake as a
@@ -11,9 +13,11 @@ client in the cluster would by DNS.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,14 +26,21 @@ import pytest
 from brokerclusters import (
     OperatorProcess,
     amqp_url,
+    cluster_path,
+    cluster_status,
+    condition,
     create_cluster,
     drain,
+    events_of,
+    in_sync,
     operator_fixture,
+    publish_confirmed,
     virtual_ip,
 )
-from support import Cluster
+from support import Cluster, pod_path
 
 from twinmq.broker.names import AMQPS_PORT
+from twinmq.client import ReliablePublisher
 from twinmq.operator.certs import CERT_SECONDS_ENV
 from twinmq.testing.waiting import accepts, wait_for
 
@@ -114,3 +125,91 @@ def test_tls_a_client_verifies_the_broker_by_the_virtual_ips_name_across_a_renew
     # A client naming something the certificate does not cover is refused.
     with pytest.raises(ssl.SSLCertVerificationError):
         served_certificate(ip, f"elsewhere.{namespace}.svc", ca)
+
+
+def passive_link_tls(status: dict[str, object]) -> bool:
+    """Whether the status says the passive's link to the active runs mutual TLS."""
+    brokers = status.get("brokers") or []
+    assert isinstance(brokers, list)
+    return any(b.get("role") == "passive" and b.get("linkConnected") and b.get("linkTls")
+               for b in brokers)  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_tls_a_new_cluster_pairs_over_mutual_tls_and_fails_over(
+    cluster: Cluster, tls_operator: OperatorProcess, namespace: str
+) -> None:
+    """Created at the last step: the pods' replication link is mutual TLS and the operator
+    reads and sets the brokers over HTTPS from the start (it could not make the cluster
+    Ready otherwise); the certificates (two minutes here) are renewed on the way; a
+    failover pairs the restarted broker over mutual TLS again with every confirmed
+    message."""
+    name = create_cluster(cluster, namespace)
+    status = cluster_status(cluster, namespace, name)
+    assert status["peerTls"] == "Required"
+    wait_for("the passive's link over mutual TLS",
+             lambda: passive_link_tls(cluster_status(cluster, namespace, name)), 60)  # fmt: skip
+    url = amqp_url(cluster, namespace, name)
+    for i in range(50):
+        publish_confirmed(url, "paired", str(i).encode())
+    active = status["activeBroker"]
+    cluster.kube.delete(pod_path(namespace, f"{name}-{active}"), {"gracePeriodSeconds": 0})
+    wait_for(
+        "the other broker active, the restarted one in sync over mutual TLS",
+        lambda: (s := cluster_status(cluster, namespace, name)).get("activeBroker") != active
+        and in_sync(s) and passive_link_tls(s),
+        timeout=240, interval=1,
+    )  # fmt: skip
+    assert drain(amqp_url(cluster, namespace, name), "paired") == list(range(50))
+
+
+@pytest.mark.slow  # four rolling updates (TLS on, then the three steps): minutes
+@pytest.mark.timeout(900)
+def test_tls_a_plaintext_cluster_moves_to_mutual_tls_under_traffic_losing_nothing(
+    cluster: Cluster, tls_operator: OperatorProcess, namespace: str
+) -> None:
+    """A cluster without TLS (its brokers talk in plaintext, as every cluster an older
+    operator made) gets `spec.tls` under confirmed traffic: the operator walks
+    PlainListener, TlsListener, Required, one rolling update each, each from a pair in
+    sync, and no confirmed message is lost."""
+    name = create_cluster(cluster, namespace, spec={"tls": {"enabled": False}})
+    assert cluster_status(cluster, namespace, name)["peerTls"] == "Plaintext"
+    url = amqp_url(cluster, namespace, name)
+    path = cluster_path(namespace, name)
+    publish_confirmed(url, "moving", b"-1")  # declares the durable queue
+    drain(url, "moving")
+    walked: list[str] = ["Plaintext"]
+
+    def done() -> bool:
+        s = cluster_status(cluster, namespace, name)
+        step = s.get("peerTls")
+        if step and step != walked[-1]:
+            walked.append(step)
+        return step == "Required" and (s.get("rollout") or {}).get("step") == "Complete" and (
+            condition(s, "Replicating") == "True") and passive_link_tls(s)  # fmt: skip
+
+    async def traffic() -> tuple[int, ReliablePublisher]:
+        publisher = ReliablePublisher([url], reconnect_delay=0.2, give_up_after=120)
+        sent = 0
+        deadline = time.monotonic() + 780
+        while time.monotonic() < deadline:
+            await publisher.publish(str(sent).encode(), "moving", message_id=f"m-{sent}")
+            sent += 1
+            if sent == 100:
+                cluster.kube.patch(path, {"spec": {"tls": {"enabled": True}}})
+            if sent > 100 and sent % 20 == 0 and done():
+                break
+        await publisher.close()
+        return sent, publisher
+
+    sent, publisher = asyncio.run(traffic())
+    assert done(), f"the move did not finish: {walked}"
+    assert walked == ["Plaintext", "PlainListener", "TlsListener", "Required"]
+    received = drain(url, "moving")
+    lost = sorted(set(range(sent)) - set(received))
+    print(f"moved to mutual TLS under traffic: {sent} confirmed, lost {len(lost)}, "
+          f"client reconnects {publisher.reconnects}; steps {walked}")  # fmt: skip
+    assert not lost, f"confirmed messages lost: {lost[:20]}"
+    reasons = [e["reason"] for e in events_of(cluster, namespace)]
+    assert reasons.count("PeerTlsStep") == 3
+    assert "FailedOver" not in reasons, "switchovers only, never a failover"

@@ -33,7 +33,14 @@ from twinmq.broker.names import (
 )
 from twinmq.broker.settings import flag
 from twinmq.operator import federation, mirroring
-from twinmq.operator.models import BrokerClusterSpec, BrokerName, Limits, Mirror, Tls
+from twinmq.operator.models import (
+    BrokerClusterSpec,
+    BrokerName,
+    Limits,
+    Mirror,
+    PeerTlsPhase,
+    Tls,
+)
 
 Obj = dict[str, Any]
 
@@ -137,6 +144,74 @@ def tls_volumes(cluster: ClusterRef, spec: BrokerClusterSpec) -> list[Obj]:
 def tls_mounts(spec: BrokerClusterSpec) -> list[Obj]:
     """Where the broker container sees it."""
     return [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if spec.tls.enabled else []
+
+
+PEER_TLS_DIR = "/etc/twinmq/peer-tls"
+"""Where the broker container sees its own certificate (`<cluster>-<broker>-tls`: naming
+this broker only, server and client use, with the CA): the replication link's mutual TLS
+and the admin API's HTTPS."""
+ADMIN_SCHEME = "twinmq.io/admin-scheme"
+"""Annotation of a broker pod: `https` when its admin API answers HTTPS only (the operator
+dials each pod as its template says: during a rollout one may still speak HTTP)."""
+PEER_TLS_MODES: dict[PeerTlsPhase, str] = {
+    "PlainListener": "plain-listener",
+    "TlsListener": "tls-listener",
+    "Required": "required",
+}
+"""The broker's `--replication-tls-mode` at each phase (none at Plaintext)."""
+
+
+def other_broker(broker: BrokerName) -> BrokerName:
+    """The pair's other broker."""
+    return "backup" if broker == "primary" else "primary"
+
+
+def peer_secret_name(cluster: ClusterRef, broker: BrokerName) -> str:
+    """The broker's own certificate Secret (`<cluster>-primary-tls`)."""
+    return f"{pod_name(cluster, broker)}-tls"
+
+
+def peer_tls_args(cluster: ClusterRef, broker: BrokerName, phase: PeerTlsPhase) -> list[str]:
+    """The broker's flags for mutual TLS on the replication link and HTTPS on the admin API
+    at `phase`. The passive dials the active's pod IP: it checks the certificate for the
+    other broker's pod name instead (`--replication-tls-server-name`)."""
+    if phase == "Plaintext":
+        return []
+    return [
+        f"--replication-tls-cert={PEER_TLS_DIR}/tls.crt",
+        f"--replication-tls-key={PEER_TLS_DIR}/tls.key",
+        f"--replication-tls-ca={PEER_TLS_DIR}/ca.crt",
+        f"--replication-tls-mode={PEER_TLS_MODES[phase]}",
+        f"--replication-tls-server-name={pod_name(cluster, other_broker(broker))}",
+        f"--admin-tls-cert={PEER_TLS_DIR}/tls.crt",
+        f"--admin-tls-key={PEER_TLS_DIR}/tls.key",
+    ]
+
+
+def peer_tls_volumes(cluster: ClusterRef, broker: BrokerName, phase: PeerTlsPhase) -> list[Obj]:
+    """The broker's own certificate Secret (whole: the kubelet's updates reach the files)."""
+    if phase == "Plaintext":
+        return []
+    return [{"name": "peer-tls", "secret": {
+        "secretName": peer_secret_name(cluster, broker),
+        "items": [{"key": k, "path": k} for k in ("tls.crt", "tls.key", "ca.crt")],
+    }}]  # fmt: skip
+
+
+def peer_tls_mounts(phase: PeerTlsPhase) -> list[Obj]:
+    """Where the broker container sees it."""
+    if phase == "Plaintext":
+        return []
+    return [{"name": "peer-tls", "mountPath": PEER_TLS_DIR, "readOnly": True}]
+
+
+def health_probe(phase: PeerTlsPhase, period: int, failures: int) -> Obj:
+    """The kubelet's probe of `/healthz` (HTTPS once the admin API serves it; the kubelet
+    does not verify the certificate)."""
+    get: Obj = {"path": "/healthz", "port": "admin"}
+    if phase != "Plaintext":
+        get["scheme"] = "HTTPS"
+    return {"httpGet": get, "periodSeconds": period, "failureThreshold": failures}
 
 
 def amqps_ports(spec: BrokerClusterSpec) -> list[Obj]:
@@ -281,10 +356,12 @@ def build_pod(
     spec: BrokerClusterSpec,
     broker: BrokerName,
     token_seconds: int | None = None,
+    peer_tls: PeerTlsPhase = "Plaintext",
 ) -> Obj:
     """A broker pod. It always starts passive: only the operator activates a broker.
     `token_seconds` (`broker_token_seconds`) replaces the automatic service-account token
-    volume with one of that lifetime."""
+    volume with one of that lifetime; `peer_tls` is the cluster's step towards mutual TLS
+    between the brokers (`status.peerTls`, `operator/peertls.py`)."""
     secret = secret_name(cluster, spec)
 
     def from_secret(key: str, optional: bool = False) -> Obj:
@@ -319,6 +396,7 @@ def build_pod(
                     *federation.broker_args(spec.federation, cluster.namespace, cluster.name),
                     *limit_args(spec.limits),
                     *tls_args(spec),
+                    *peer_tls_args(cluster, broker, peer_tls),
                 ],
                 "env": [
                     {
@@ -347,16 +425,8 @@ def build_pod(
                     {"name": "replication", "containerPort": REPLICATION_PORT},
                     *mirroring.container_ports(spec.mirror),
                 ],
-                "readinessProbe": {
-                    "httpGet": {"path": "/healthz", "port": "admin"},
-                    "periodSeconds": 2,
-                    "failureThreshold": 2,
-                },
-                "livenessProbe": {
-                    "httpGet": {"path": "/healthz", "port": "admin"},
-                    "periodSeconds": 5,
-                    "failureThreshold": 6,
-                },
+                "readinessProbe": health_probe(peer_tls, 2, 2),
+                "livenessProbe": health_probe(peer_tls, 5, 6),
                 "resources": spec.resources.model_dump(),
                 "securityContext": CONTAINER_SECURITY,
                 "volumeMounts": [
@@ -364,6 +434,7 @@ def build_pod(
                     {"name": "auth", "mountPath": SECRET_DIR, "readOnly": True},
                     TMP_MOUNT,
                     *tls_mounts(spec),
+                    *peer_tls_mounts(peer_tls),
                     *federation.mounts(spec.federation),
                 ],
             },
@@ -381,6 +452,7 @@ def build_pod(
                 },
             },
             *tls_volumes(cluster, spec),
+            *peer_tls_volumes(cluster, broker, peer_tls),
             *federation.volumes(spec.federation, cluster.name),
         ],
     }
@@ -399,6 +471,10 @@ def build_pod(
     fed_hash = federation.config_hash(spec.federation, cluster.namespace)
     if fed_hash is not None:
         extra_annotations = {**extra_annotations, federation.CONFIG_HASH: fed_hash}
+    # The operator dials the admin API as this says: never the user's to set.
+    extra_annotations = {k: v for k, v in extra_annotations.items() if k != ADMIN_SCHEME}
+    if peer_tls != "Plaintext":
+        extra_annotations[ADMIN_SCHEME] = "https"
     # The operator's own labels win (the CRD refuses overrides of them already).
     meta["labels"] = {**extra_labels, **meta["labels"]}
     revision = template_hash(

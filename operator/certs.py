@@ -16,6 +16,11 @@
 
 The CA certificate clients verify against is published in the ConfigMap `<cluster>-ca`
 (key `ca.crt`) whenever the Secret holds a `ca.crt`.
+
+With the managed CA or cert-manager, each broker also has a certificate of its own,
+`<cluster>-<broker>-tls` (server and client use, naming its pod only: `peer_names`), for the
+replication link's mutual TLS and the admin API's HTTPS (`operator/peertls.py`), issued and
+renewed the same way.
 """
 
 from __future__ import annotations
@@ -35,7 +40,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from twinmq.broker.names import ENV_PREFIX
-from twinmq.operator.builders import ClusterRef, owned_meta, pod_name, tls_secret_name, vip_name
+from twinmq.operator.builders import (
+    ClusterRef,
+    owned_meta,
+    peer_secret_name,
+    pod_name,
+    tls_secret_name,
+    vip_name,
+)
 from twinmq.operator.models import BrokerClusterSpec, BrokerName, Tls
 
 log = logging.getLogger(__name__)
@@ -74,6 +86,16 @@ def ca_secret_name(cluster: ClusterRef) -> str:
 def ca_config_map_name(cluster: ClusterRef) -> str:
     """The ConfigMap publishing the CA certificate for clients."""
     return f"{cluster.name}-ca"
+
+
+def peer_names(cluster: ClusterRef, broker: BrokerName) -> list[str]:
+    """The names of one broker's own certificate: its pod's (the name it claims on the
+    replication link, `--name`) short and through the headless Service; not the other
+    broker's, not the virtual IP's."""
+    pod, headless, ns = pod_name(cluster, broker), f"{cluster.name}-brokers", cluster.namespace
+    qualified = f"{pod}.{headless}"
+    return [pod, qualified, f"{qualified}.{ns}", f"{qualified}.{ns}.svc",
+            f"{qualified}.{ns}.svc.cluster.local"]  # fmt: skip
 
 
 def dns_names(cluster: ClusterRef) -> list[str]:
@@ -146,8 +168,14 @@ def new_ca(cluster: ClusterRef, now: datetime) -> KeyPair:
     return KeyPair(cert.public_bytes(serialization.Encoding.PEM).decode(), _key_pem(key))
 
 
-def issue_server(ca: KeyPair, names: list[str], now: datetime, seconds: int) -> KeyPair:
-    """A server certificate for `names`, signed by `ca`, valid `seconds` from `now`."""
+def issue_server(
+    ca: KeyPair, names: list[str], now: datetime, seconds: int, *, client: bool = False
+) -> KeyPair:
+    """A server certificate for `names`, signed by `ca`, valid `seconds` from `now`; with
+    `client`, for client use too (a broker's own: both ends of the replication link)."""
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH]
+    if client:
+        usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
     ca_cert = ca.certificate()
     ca_key = serialization.load_pem_private_key(ca.key.encode(), password=None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
@@ -165,7 +193,7 @@ def issue_server(ca: KeyPair, names: list[str], now: datetime, seconds: int) -> 
         .add_extension(
             x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False
         )
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
         )
@@ -240,6 +268,37 @@ def build_ca_config_map(cluster: ClusterRef, ca_cert: str) -> Obj:
     }  # fmt: skip
 
 
+def build_peer_secret(cluster: ClusterRef, broker: BrokerName, cert: KeyPair, ca: KeyPair) -> Obj:
+    """A broker's own certificate Secret (`<cluster>-<broker>-tls`, with `ca.crt`)."""
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": owned_meta(cluster, peer_secret_name(cluster, broker), broker),
+        "data": b64({"tls.crt": cert.cert, "tls.key": cert.key, "ca.crt": ca.cert}),
+    }  # fmt: skip
+
+
+def build_peer_certificate(cluster: ClusterRef, tls: Tls, broker: BrokerName) -> Obj:
+    """The cert-manager `Certificate` of one broker's own names, for server and client use
+    (with `spec.tls.issuerRef`)."""
+    assert tls.issuer_ref is not None
+    names = peer_names(cluster, broker)
+    name = peer_secret_name(cluster, broker)
+    return {
+        "apiVersion": "cert-manager.io/v1",
+        "kind": "Certificate",
+        "metadata": owned_meta(cluster, name, broker),
+        "spec": {
+            "secretName": name,
+            "commonName": names[0],
+            "dnsNames": names,
+            "usages": ["server auth", "client auth", "digital signature", "key encipherment"],
+            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+            "issuerRef": tls.issuer_ref.model_dump(by_alias=True),
+            "secretTemplate": {"labels": owned_meta(cluster, "", broker)["labels"]},
+        },
+    }
+
+
 def build_certificate(cluster: ClusterRef, tls: Tls) -> Obj:
     """The cert-manager `Certificate` of the brokers' names (with `spec.tls.issuerRef`)."""
     assert tls.issuer_ref is not None
@@ -271,6 +330,15 @@ class SecretReader(Protocol):
 
 
 @dataclass
+class Issued:
+    """A certificate the operator issued and keeps (read from its Secret once a process)."""
+
+    pair: KeyPair | None = None
+    renew_at: datetime | None = None
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass
 class TlsMemory:
     """What the operator keeps between passes: the managed CA and server certificate (read
     from their Secrets once per process), or when it last read a Secret it does not issue."""
@@ -281,7 +349,9 @@ class TlsMemory:
     names: list[str] = field(default_factory=list)
     ca_cert: str | None = None  # of a Secret the operator does not issue
     read_at: float = float("-inf")
-    issued: int = 0  # server certificates issued by this process (tests, logs)
+    peers: dict[BrokerName, Issued] = field(default_factory=dict)  # each broker's own
+    issued: int = 0  # certificates issued by this process (tests, logs)
+    trusted: str | None = None  # the CA the brokers' own certificates chain to (admin HTTPS)
     no_cert_manager: bool = False  # issuerRef given, cert-manager's API absent (logged once)
 
 
@@ -324,6 +394,35 @@ def reconcile_managed(
     return memory.ca, memory.server
 
 
+def reconcile_peer(
+    cluster: ClusterRef,
+    broker: BrokerName,
+    ca: KeyPair,
+    memory: TlsMemory,
+    secrets: SecretReader,
+    now: datetime,
+    seconds: int,
+) -> KeyPair:
+    """A broker's own certificate as it must be now (like `reconcile_managed`'s server
+    certificate: read once, issued when missing, due, renamed or of another CA)."""
+    names = peer_names(cluster, broker)
+    kept = memory.peers.get(broker)
+    if kept is None:
+        found = secrets.get_secret_data(cluster.namespace, peer_secret_name(cluster, broker))
+        kept = memory.peers[broker] = Issued(_pair(found))
+    if kept.renew_at is None or now >= kept.renew_at or kept.names != names:
+        reason = reissue_reason(kept.pair, ca, names, now)
+        if reason is not None:
+            kept.pair = issue_server(ca, names, now, seconds, client=True)
+            memory.issued += 1
+            log.info("%s/%s: issued %s's own certificate: %s",
+                     cluster.namespace, cluster.name, broker, reason)  # fmt: skip
+        assert kept.pair is not None
+        kept.renew_at, kept.names = renew_at(kept.pair.certificate()), names
+    assert kept.pair is not None
+    return kept.pair
+
+
 def reconcile_tls(
     cluster: ClusterRef,
     spec: BrokerClusterSpec,
@@ -343,19 +442,38 @@ def reconcile_tls(
     if not tls.enabled:
         return
     if tls.issuer_ref is None and tls.secret_name is None:
-        ca, server = reconcile_managed(
-            cluster, tls, memory, secrets, now or datetime.now(UTC),
-            cert_seconds() if seconds is None else seconds,
-        )  # fmt: skip
+        now, seconds = now or datetime.now(UTC), cert_seconds() if seconds is None else seconds
+        ca, server = reconcile_managed(cluster, tls, memory, secrets, now, seconds)
         apply(build_ca_secret(cluster, ca))
         apply(build_server_secret(cluster, tls, server, ca))
+        for broker in BROKERS:
+            own = reconcile_peer(cluster, broker, ca, memory, secrets, now, seconds)
+            apply(build_peer_secret(cluster, broker, own, ca))
         apply(build_ca_config_map(cluster, ca.cert))
         return
     if tls.issuer_ref is not None:
         apply(build_certificate(cluster, tls))
+        for broker in BROKERS:
+            apply(build_peer_certificate(cluster, tls, broker))
     if clock - memory.read_at >= READ_EVERY:
         memory.read_at = clock
         found = secrets.get_secret_data(cluster.namespace, tls_secret_name(cluster, tls)) or {}
         memory.ca_cert = found.get("ca.crt") or None
     if memory.ca_cert is not None:
         apply(build_ca_config_map(cluster, memory.ca_cert))
+
+
+def brokers_ca(
+    cluster: ClusterRef, tls: Tls, memory: TlsMemory, secrets: SecretReader
+) -> str | None:
+    """The CA the operator verifies the brokers' admin HTTPS against: its own CA (from
+    memory, or read from its Secret once: a restarted operator probes before it reconciles
+    the certificates), or the `ca.crt` cert-manager wrote beside a broker's certificate."""
+    if memory.ca is not None:
+        return memory.ca.cert
+    if memory.trusted is None:
+        managed = tls.issuer_ref is None and tls.secret_name is None
+        name = ca_secret_name(cluster) if managed else peer_secret_name(cluster, BROKERS[0])
+        found = secrets.get_secret_data(cluster.namespace, name) or {}
+        memory.trusted = found.get("tls.crt" if managed else "ca.crt") or None
+    return memory.trusted

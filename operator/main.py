@@ -49,6 +49,7 @@ from twinmq.operator import (
     metrics,
     mirroring,
     netpolicy,
+    peertls,
     rollout,
 )
 from twinmq.operator.audit_runner import AuditRunner
@@ -76,12 +77,13 @@ from twinmq.operator.models import (
     BrokerSummary,
     Condition,
     FailoverRecord,
+    PeerTlsPhase,
     RolloutProgress,
     SwitchoverProgress,
     iso,
     parse_iso,
 )
-from twinmq.operator.probe import admin, damage_text, passive_lag, probe, view_of
+from twinmq.operator.probe import admin_of, damage_text, passive_lag, probe, view_of
 from twinmq.operator.processes import broker_process, process_gone
 
 log = logging.getLogger(__name__)
@@ -171,7 +173,11 @@ def kube() -> Kube:
 
 
 def reconcile_children(
-    cluster: ClusterRef, spec: BrokerClusterSpec, memory: Memory, pods: dict[BrokerName, Any]
+    cluster: ClusterRef,
+    spec: BrokerClusterSpec,
+    memory: Memory,
+    pods: dict[BrokerName, Any],
+    peer_tls: PeerTlsPhase = "Plaintext",
 ) -> list[drift.Repaired]:
     """Apply every owned object in its desired state (a deleted one is recreated, an edited
     one set back); create the pods that are missing and set their labels back. Pods are
@@ -239,7 +245,9 @@ def reconcile_children(
             memory.storage_refusal = f"{pod_name(cluster, name)}: {exc}"
         pod = pods.get(name)
         if pod is None:
-            k.ensure(builders.build_pod(cluster, spec, name, builders.broker_token_seconds()))
+            k.ensure(builders.build_pod(
+                cluster, spec, name, builders.broker_token_seconds(), peer_tls
+            ))  # fmt: skip
             continue
         have = pod.get("metadata", {}).get("labels") or {}
         want = builders.labels(cluster, name)
@@ -369,6 +377,7 @@ def apply(
     body: Any,
     memory: Memory,
     views: dict[BrokerName, BrokerView],
+    ca_pem: str | None = None,
 ) -> BrokerClusterStatus:
     """Apply the actions in order; return the new status. A role change a broker
     acknowledged is written into `views` too, so the status reports the brokers as they
@@ -386,18 +395,16 @@ def apply(
 
     for action in decision.actions:
         if isinstance(action, SetRole):
-            target_ip = ip(action.broker)
+            target = admin_of(pods.get(action.broker), token, ca_pem)
             peer_ip = ip(action.replicate_from) if action.replicate_from else None
             replicate_from = f"{peer_ip}:{REPLICATION_PORT}" if peer_ip else None
-            if target_ip is None:
+            if target is None:
                 break
             try:
                 if action.role == ACTIVE:
                     # Whatever process answers now is learned once it is seen serving.
                     memory.serving.pop(action.broker, None)
-                admin(target_ip, token).set_role(
-                    action.role, action.epoch, replicate_from, force=action.force
-                )
+                target.set_role(action.role, action.epoch, replicate_from, force=action.force)
                 views[action.broker] = memory.last_view[action.broker] = replace(
                     views[action.broker], role=action.role, epoch=action.epoch,
                     ready=views[action.broker].ready and action.role == PASSIVE,
@@ -589,11 +596,12 @@ def observe_rollout(
     status: BrokerClusterStatus,
     pods: dict[BrokerName, dict[str, Any] | None],
     views: dict[BrokerName, BrokerView],
+    peer_tls: PeerTlsPhase = "Plaintext",
 ) -> rollout.RolloutObservation:
     """What `rollout.plan` looks at: which pod runs the desired template, who serves."""
     desired: dict[str, Any] = {
         n: builders.pod_revision(
-            builders.build_pod(cluster, spec, n, builders.broker_token_seconds())
+            builders.build_pod(cluster, spec, n, builders.broker_token_seconds(), peer_tls)
         )
         for n in NAMES
     }
@@ -670,11 +678,20 @@ def reconcile(
     if credentials is None:
         raise kopf.TemporaryError(f"secret {spec.auth.secret_name} not found", delay=5)
     token = credentials["admin-token"]
+    # The step towards mutual TLS the pods are built for (operator/peertls.py).
+    peer_tls = peertls.current(status.peer_tls, spec, pods.values(), status.epoch > 0)
+    # The CA the brokers' admin HTTPS is verified against, wherever a pod serves it (on the
+    # way back to Plaintext, the pod not yet rolled still does).
+    https = peer_tls != "Plaintext" or any(
+        ((p or {}).get("metadata", {}).get("annotations") or {}).get(builders.ADMIN_SCHEME)
+        == "https" for p in pods.values()
+    )  # fmt: skip
+    ca_pem = certs.brokers_ca(cluster, spec.tls, memory.tls, k) if https else None
     active_ip = (pods.get(status.active_broker) or {}).get("status", {}).get("podIP") if (
         status.active_broker) else None  # fmt: skip
     views: dict[BrokerName, BrokerView] = {}
     reports: dict[BrokerName, BrokerReport | None] = dict(zip(NAMES, PROBES.map(
-        lambda n: probe(pods[n], token), NAMES), strict=True))  # fmt: skip
+        lambda n: probe(pods[n], token, ca_pem), NAMES), strict=True))  # fmt: skip
     for name in NAMES:
         report = reports[name]
         view = None if report is None else view_of(report, name, active_ip)
@@ -711,7 +728,7 @@ def reconcile(
         n: BrokerView(n, reachable=False) if report is None else view_of(report, n, active_ip)
         for n, report in reports.items()
     }
-    plan = rollout.plan(observe_rollout(cluster, spec, status, pods, fresh))
+    plan = rollout.plan(observe_rollout(cluster, spec, status, pods, fresh, peer_tls))
     promote_request = (promote.id, promote.broker, promote.force) if (
         promote is not None and promote.id != handled.promote) else None  # fmt: skip
     for step in plan.actions:
@@ -757,7 +774,7 @@ def reconcile(
         memory.trouble_since = None
     elif memory.trouble_since is None:
         memory.trouble_since = time.time()
-    new = apply(decision, cluster, spec, status, pods, token, body, memory, views)
+    new = apply(decision, cluster, spec, status, pods, token, body, memory, views, ca_pem)
     active = new.active_broker
     if (
         active is not None
@@ -780,7 +797,7 @@ def reconcile(
     deferred = memory.wake.is_set() and memory.deferred < MAX_DEFERRED
     memory.deferred = memory.deferred + 1 if deferred else 0
     if not deferred:
-        report_drift(body, reconcile_children(cluster, spec, memory, pods))
+        report_drift(body, reconcile_children(cluster, spec, memory, pods, peer_tls))
     for step in plan.actions:
         if isinstance(step, rollout.DeletePod):
             pod = pods[step.broker] or {}
@@ -815,11 +832,10 @@ def reconcile(
         shared.server_ids, spec.federation, new.federation, cluster.uid, cluster.namespace,
         cluster.name, str(meta.get("creationTimestamp") or ""),
     )  # fmt: skip
-    serving = (pods.get(new.active_broker) or {}).get("status", {}).get("podIP") if (
+    serving = admin_of(pods.get(new.active_broker), token, ca_pem) if (
         active_report is not None and new.active_broker is not None) else None  # fmt: skip
     for kind, reason, message in mirroring.switch_requests(
-        spec.requests, new.handled_requests, new.mirror,
-        admin(serving, token) if serving else None, now_iso(),
+        spec.requests, new.handled_requests, new.mirror, serving, now_iso(),
     ):  # fmt: skip
         log.info("%s/%s: %s: %s", cluster.namespace, cluster.name, reason, message)
         kopf.event(body, type=kind, reason=reason, message=message)
@@ -830,6 +846,7 @@ def reconcile(
             name=n, pod=pod_name(cluster, n), role=v.role if v.reachable else "unknown",
             reachable=v.reachable, ready=v.ready, epoch=v.epoch,
             link_connected=v.link_connected, fenced=n in new.fenced_brokers,
+            link_tls=(r := reports.get(n)) is not None and r.replication.link_tls,
             lag_messages=lags[n][0], lag_seconds=lags[n][1],
             damaged=n in damage, damage=damage.get(n, ""),
         )
@@ -850,9 +867,23 @@ def reconcile(
     if (federated := federation.condition(new.federation)) is not None:
         extra.append(federated)
     new.conditions = conditions(decision, new, views, generation, extra)
-    if plan.converged and memory.storage_refusal is None and not deferred:
+    # The next step towards mutual TLS only from a pair running this one, in sync: its
+    # rolling update then never leaves the pair unreplicated (operator/peertls.py).
+    goal = peertls.target(spec)
+    new.peer_tls = peertls.advance(
+        peer_tls, goal, converged=plan.converged and not deferred,
+        in_sync=decision.degraded is None and not decision.failing_over,
+    )  # fmt: skip
+    if new.peer_tls != peer_tls:
+        message = (f"mutual TLS between the brokers: {peer_tls} -> {new.peer_tls} (target "
+                   f"{goal}); the pods roll for it")  # fmt: skip
+        log.info("%s/%s: %s", cluster.namespace, cluster.name, message)
+        if status.peer_tls is not None:
+            kopf.event(body, type="Normal", reason="PeerTlsStep", message=message)
+    if plan.converged and memory.storage_refusal is None and not deferred and peer_tls == goal:
         # Observed only once the pods run this generation's spec (Argo CD, Flux, kstatus
-        # read a spec change as done when observedGeneration reaches it).
+        # read a spec change as done when observedGeneration reaches it), the steps
+        # towards mutual TLS it asks for included.
         new.observed_generation = generation
     if not deferred:  # the audits too wait for the next pass
         created = parse_iso(meta.get("creationTimestamp") or now_iso())

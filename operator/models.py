@@ -889,6 +889,9 @@ class BrokerSummary(ApiModel):
     ready: bool = False
     epoch: int = 0
     link_connected: bool = False
+    link_tls: bool = Field(
+        False, description="Its replication link runs mutual TLS (as this broker reports it)"
+    )
     lag_messages: int = Field(
         0,
         description="Replicated messages not yet durable on this broker (0 for the active): "
@@ -1109,6 +1112,12 @@ class RolloutProgress(ApiModel):
     message: str = ""
 
 
+PeerTlsPhase = Literal["Plaintext", "PlainListener", "TlsListener", "Required"]
+"""Where the pair stands on the way to mutual TLS between its brokers (replication) and
+HTTPS on their admin API (`operator/peertls.py`): each step a rolling update whose brokers
+pair with the step before and after it."""
+
+
 class BrokerClusterStatus(ApiModel):
     """What the operator observed and decided."""
 
@@ -1137,6 +1146,13 @@ class BrokerClusterStatus(ApiModel):
     mirror: MirrorState | None = None
     federation: FederationState | None = None
     unreachable_since: str | None = Field(None, json_schema_extra=DATE_TIME)
+    peer_tls: PeerTlsPhase | None = Field(
+        None,
+        description="The brokers' mutual TLS (replication) and admin HTTPS, one rolling "
+        "update a step: Plaintext, PlainListener (replication listeners take plaintext, "
+        "passives dial TLS first; admin HTTPS), TlsListener (listeners take TLS only), "
+        "Required (TLS only both ways). New clusters start at their target",
+    )
     observed_generation: int | None = Field(
         None,
         description="The generation both pods and volumes run: a spec change is observed "

@@ -8,6 +8,8 @@ uses for `POST /role`; every broker shares one connection pool.
 
 from __future__ import annotations
 
+import hashlib
+import ssl
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,6 +18,7 @@ import httpx
 from twinmq.broker.admin_client import AdminError, SyncAdminClient
 from twinmq.broker.api import BrokerStatus as BrokerReport
 from twinmq.broker.names import ADMIN_PORT, PASSIVE, REPLICATION_PORT
+from twinmq.operator.builders import ADMIN_SCHEME
 from twinmq.operator.failover import BrokerView
 from twinmq.operator.models import BrokerName
 
@@ -24,20 +27,54 @@ PROBE_TIMEOUT = 1.0
 ADMIN_POOL = httpx.Client(limits=httpx.Limits(max_connections=32, max_keepalive_connections=8))
 
 
+# HTTPS pools, one per CA and broker name: a pool verifies against one set of roots, and
+# reuses a connection by address only (a pooled connection verified for one name must not
+# serve a call that expects another).
+_TLS_POOLS: dict[tuple[str, str], httpx.Client] = {}
+
+
+def https_pool(ca_pem: str | None, server_name: str) -> httpx.Client:
+    """The pool verifying the broker `server_name` against `ca_pem` (None: the system's
+    roots)."""
+    key = (hashlib.sha256((ca_pem or "").encode()).hexdigest(), server_name)
+    pool = _TLS_POOLS.get(key)
+    if pool is None:
+        context = ssl.create_default_context(cadata=ca_pem) if ca_pem else True
+        pool = _TLS_POOLS[key] = httpx.Client(
+            verify=context, limits=httpx.Limits(max_connections=4, max_keepalive_connections=2)
+        )
+    return pool
+
+
 def admin(ip: str, token: str) -> SyncAdminClient:
-    """The admin API of the broker at `ip`, on the operator's shared pool."""
+    """The admin API of the broker at `ip` over HTTP, on the operator's shared pool."""
     return SyncAdminClient(f"http://{ip}:{ADMIN_PORT}", token, http=ADMIN_POOL)
 
 
-def probe(pod: dict[str, Any] | None, token: str) -> BrokerReport | None:
-    """The broker's `GET /status`, or None when it does not answer."""
+def admin_of(pod: dict[str, Any] | None, token: str, ca_pem: str | None) -> SyncAdminClient | None:
+    """The admin API of the broker in `pod` (None: no IP yet): HTTPS when its template says
+    so (`builders.ADMIN_SCHEME`), the certificate verified against the cluster's CA and for
+    the pod's name (what the broker's own certificate names), at its IP."""
     ip = (pod or {}).get("status", {}).get("podIP")
-    if not ip or (pod or {}).get("metadata", {}).get("deletionTimestamp"):
+    if not ip:
+        return None
+    meta = (pod or {}).get("metadata", {})
+    if (meta.get("annotations") or {}).get(ADMIN_SCHEME) != "https":
+        return admin(ip, token)
+    name = str(meta.get("name") or "")
+    return SyncAdminClient(f"https://{ip}:{ADMIN_PORT}", token, http=https_pool(ca_pem, name),
+                           server_name=name)  # fmt: skip
+
+
+def probe(pod: dict[str, Any] | None, token: str, ca_pem: str | None = None) -> BrokerReport | None:
+    """The broker's `GET /status`, or None when it does not answer."""
+    client = admin_of(pod, token, ca_pem)
+    if client is None or (pod or {}).get("metadata", {}).get("deletionTimestamp"):
         return None
     try:
         # A short timeout: a cut-off broker must not stall the reconcile, whose timing
         # decides whether the backup is still promotable when the Lease lapses.
-        return admin(ip, token).status(timeout=PROBE_TIMEOUT)
+        return client.status(timeout=PROBE_TIMEOUT)
     except AdminError:
         return None
 

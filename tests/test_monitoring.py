@@ -31,7 +31,8 @@ from test_chart import CHART, KUBERNETES_VERSION, Obj, helm, kinds, one, render
 
 from twinmq.broker.names import ADMIN_READ_TOKEN_ENV
 from twinmq.operator import metrics as operator_metrics
-from twinmq.operator.builders import ClusterRef, build_pod, secret_name
+from twinmq.operator.builders import ADMIN_SCHEME, ClusterRef, build_pod, pod_name, secret_name
+from twinmq.operator.certs import ca_config_map_name, peer_names
 from twinmq.operator.models import BrokerClusterSpec
 from twinmq.testing.launcher import BrokerProcess
 
@@ -54,6 +55,7 @@ EVERYTHING = (
     "monitoring.podMonitor.brokerClusters[0].namespace=shop",
     "monitoring.podMonitor.brokerClusters[1].name=billing",
     "monitoring.podMonitor.brokerClusters[1].secretName=billing-credentials",
+    "monitoring.podMonitor.brokerClusters[1].tls=false",
     "monitoring.prometheusRule.enabled=true",
     "monitoring.grafanaDashboard.enabled=true",
     "monitoring.grafanaDashboard.namespace=grafana",
@@ -315,14 +317,30 @@ def test_broker_pod_monitor_scrapes_the_operators_broker_pods_with_their_read_on
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     spec = monitor["spec"]
     assert spec["namespaceSelector"] == {"matchNames": [CLUSTER.namespace]}
-    pod = build_pod(CLUSTER, BrokerClusterSpec(), broker)  # type: ignore[arg-type]
+    # A cluster with the default spec.tls, at its last step: admin HTTPS, per-broker names.
+    pod = build_pod(CLUSTER, BrokerClusterSpec(), broker, peer_tls="Required")  # type: ignore[arg-type]
     labels = pod["metadata"]["labels"]
     assert matches(spec["selector"], labels)
     assert not matches(spec["selector"], {**labels, "twinmq.io/cluster": "billing"})
-    (endpoint,) = spec["podMetricsEndpoints"]
+    # One endpoint per broker, each keeping that broker's pod only.
+    kept = {
+        r["regex"]: e for e in spec["podMetricsEndpoints"] for r in e["relabelings"]
+        if r.get("action") == "keep"
+    }  # fmt: skip
+    assert set(kept) == {"primary", "backup"} and len(spec["podMetricsEndpoints"]) == 2
+    endpoint = kept[broker]
     (container,) = pod["spec"]["containers"]
     assert endpoint["port"] in {port["name"] for port in container["ports"]}
     assert endpoint["path"] == "/metrics"
+    # HTTPS, verified against the CA the operator publishes, by the name the broker's own
+    # certificate carries (its pod's).
+    assert pod["metadata"]["annotations"][ADMIN_SCHEME] == "https"
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {
+        "ca": {"configMap": {"name": ca_config_map_name(CLUSTER), "key": "ca.crt"}},
+        "serverName": pod_name(CLUSTER, broker),  # type: ignore[arg-type]
+    }
+    assert pod_name(CLUSTER, broker) in peer_names(CLUSTER, broker)  # type: ignore[arg-type]
     # The read-only token: a scrape's credentials cannot change a role.
     token = next(e for e in container["env"] if e["name"] == ADMIN_READ_TOKEN_ENV)
     ref = token["valueFrom"]["secretKeyRef"]
@@ -332,7 +350,9 @@ def test_broker_pod_monitor_scrapes_the_operators_broker_pods_with_their_read_on
     assert ref["name"] == secret_name(CLUSTER, BrokerClusterSpec())
     # brokercluster and broker come from pod labels the operator sets; `brokercluster` is
     # the label the operator's own per-cluster series carry.
-    relabelled = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    relabelled = {
+        r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"] if "targetLabel" in r
+    }
     assert relabelled["brokercluster"] == [relabel_source("twinmq.io/cluster")]
     assert relabelled["broker"] == [relabel_source("twinmq.io/broker")]
     assert labels["twinmq.io/cluster"] == CLUSTER.name and labels["twinmq.io/broker"] == broker
@@ -349,6 +369,8 @@ def test_broker_pod_monitor_uses_the_secret_named_in_the_values(
     assert endpoint["authorization"]["credentials"] == {
         "name": "billing-credentials", "key": "metrics-token",
     }  # fmt: skip
+    # `tls: false` (a cluster with its own Secret or TLS off): its admin API is HTTP.
+    assert "scheme" not in endpoint and "tlsConfig" not in endpoint
 
 
 def test_operator_pod_monitor_scrapes_the_metrics_port_and_keeps_cluster_labels(

@@ -136,3 +136,50 @@ def test_a_peer_whose_certificate_names_another_broker_is_refused(
 def test_replication_tls_needs_all_three_files() -> None:
     with pytest.raises(ValueError, match="go together"):
         parse_args(["--replication-tls-cert", "/x.crt", "--replication-tls-key", "/x.key"])
+
+
+MODES: dict[str, str | None] = {
+    "plaintext": None,
+    "plain-listener": "plain-listener",
+    "tls-listener": "tls-listener",
+    "required": "required",
+}
+# A rolling update runs each step beside the one before (either broker may be the
+# updated one, and either the active): every adjacent pair must pair.
+NEIGHBOURS = [
+    ("plaintext", "plain-listener"),
+    ("plain-listener", "plaintext"),
+    ("plain-listener", "tls-listener"),
+    ("tls-listener", "plain-listener"),
+    ("tls-listener", "required"),
+    ("required", "tls-listener"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("active_mode", "passive_mode"), NEIGHBOURS)
+def test_each_step_of_the_move_to_mutual_tls_pairs_with_the_step_before_and_after(
+    tmp_path: Path, ca: TestCA, active_mode: str, passive_mode: str
+) -> None:
+    """The operator moves a running pair to mutual TLS one rolling update at a time
+    (operator/peertls.py): each step's broker pairs with the one before and after it, so
+    the passive is in sync (and the switchover of the rollout allowed) at every moment.
+    The active's listener decides whether the link is TLS."""
+    leaves = {name: ca.issue(name, peer=True) for name in ("a", "b")}
+    pair = Pair(tmp_path / "pair", replication_timeout=1.0, link=False)
+    for name, mode in (("a", MODES[active_mode]), ("b", MODES[passive_mode])):
+        broker = pair.brokers[name]
+        if mode is None:
+            continue
+        broker.env[setting_env("replication_tls_cert")] = str(leaves[name].cert)
+        broker.env[setting_env("replication_tls_key")] = str(leaves[name].key)
+        broker.env[setting_env("replication_tls_ca")] = str(ca.cert)
+        broker.env[setting_env("replication_tls_mode")] = mode
+    with pair:
+        passive = status(pair.passive)
+        assert passive is not None and passive["replication"]["ready"]
+        tls = active_mode in ("tls-listener", "required")
+        assert passive["replication"]["link_tls"] is tls
+        active = status(pair.active)
+        assert active is not None and active["replication"]["link_tls"] is tls
+        assert refused(pair.active) == 0

@@ -99,6 +99,7 @@ class ReplicaClient:
         self.broker = broker
         self.address = address
         self.connected = False
+        self.tls = False  # the current link runs TLS
         self.caught_up = False
         self.catchup_batch: int | None = None
         self.remote_batch = 0
@@ -197,13 +198,8 @@ class ReplicaClient:
         host, _, port = self.address.rpartition(":")
         while not self._stopping:
             try:
-                tls = self.broker.replication_tls
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(
-                        host, int(port), ssl=None if tls is None else tls.client
-                    ),
-                    RETRY_INTERVAL * 3,
-                )
+                reader, writer = await self._connect(host, int(port))
+                self.tls = writer.get_extra_info("sslcontext") is not None
             except ssl.SSLError as exc:
                 # A certificate refused either way: the operator must hear of it.
                 metrics.REPLICATION_REFUSED.labels("certificate").inc()
@@ -226,6 +222,38 @@ class ReplicaClient:
                 with contextlib.suppress(Exception):
                     writer.close()
             await asyncio.sleep(RETRY_INTERVAL)
+
+    async def _dial(
+        self, host: str, port: int, tls: ssl.SSLContext | None
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        server_name = self.broker.settings.replication_tls_server_name
+        return await asyncio.wait_for(
+            asyncio.open_connection(
+                host, port, ssl=tls,
+                server_hostname=server_name if tls is not None and server_name else None,
+            ),
+            RETRY_INTERVAL * 3,
+        )  # fmt: skip
+
+    async def _connect(
+        self, host: str, port: int
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The link to the active: TLS with `--replication-tls-*`. While a pair moves to
+        mutual TLS (`--replication-tls-mode` other than `required`) the active may still
+        listen in plaintext: a TLS attempt it cannot answer falls back to plaintext at once
+        (the token's proof still authenticates both ends; the listener's mode decides
+        whether plaintext is taken)."""
+        tls = self.broker.replication_tls
+        if tls is None:
+            return await self._dial(host, port, None)
+        if self.broker.settings.replication_tls_mode == "required":
+            return await self._dial(host, port, tls.client)
+        try:
+            return await self._dial(host, port, tls.client)
+        except (ssl.SSLError, TimeoutError, OSError) as exc:
+            log.info("TLS with the active at %s failed (%s): dialling plaintext (the pair is "
+                     "moving to mutual TLS)", self.address, exc)  # fmt: skip
+            return await self._dial(host, port, None)
 
     async def _authenticate(
         self, frames: FrameReader, writer: asyncio.StreamWriter
@@ -442,10 +470,11 @@ class ReplicaClient:
                     metrics.REPLICATION_READY.set(0)
                     self._set_connected(True)
                     log.info(
-                        "replicating from %s at %s (epoch %d)",
+                        "replicating from %s at %s (epoch %d, %s)",
                         self.active_name,
                         self.address,
                         self.broker.epoch,
+                        "mutual TLS" if self.tls else "plaintext",
                     )
                 try:
                     broker.vhost.apply_definitions(Definitions.model_validate_json(payload))

@@ -396,8 +396,8 @@ class ReplicationSource:
         the link may go on. Done here, not by the listener, so a refused certificate is
         counted and logged (asyncio's listener would drop it silently)."""
         tls = self.broker.replication_tls
-        if tls is None:
-            return True
+        if tls is None or self.broker.settings.replication_tls_mode == "plain-listener":
+            return True  # plain-listener: a step of moving a running pair to mutual TLS
         deadline = self.broker.settings.replication_handshake_timeout
         try:
             await writer.start_tls(tls.context, ssl_handshake_timeout=deadline)
