@@ -42,7 +42,7 @@ from pydantic import ValidationError
 
 from twinmq.broker.definitions import Definitions, DefinitionsDelta, TopologyState
 from twinmq.broker.journal.errors import DiskFullError, JournalError, io_error
-from twinmq.broker.journal.segment import REC, frame
+from twinmq.broker.journal.segment import REC, frame, frame_at
 
 __all__ = [
     "COMPACT_MIN_BYTES",
@@ -134,7 +134,7 @@ def load(directory: Path) -> LoadedDefinitions:
     view = memoryview(raw)
     try:
         while pos < size:
-            end, why = _record_at(raw, view, pos, size)
+            end, why = frame_at(raw, view, pos, size)
             if not end:
                 if _intact_record_after(raw, view, pos, size):
                     raise JournalError(
@@ -159,19 +159,6 @@ def load(directory: Path) -> LoadedDefinitions:
     return out
 
 
-def _record_at(data: bytes, view: memoryview, pos: int, size: int) -> tuple[int, str]:
-    """(end, "") if an intact record starts at `pos`, else (0, why not)."""
-    if size - pos < REC.size:
-        return 0, "short record header"
-    length, crc = REC.unpack_from(data, pos)
-    end = pos + REC.size + length
-    if end > size:
-        return 0, "record runs past the end of the file"
-    if zlib.crc32(view[pos + REC.size : end], zlib.crc32(view[pos : pos + 4])) != crc:
-        return 0, "checksum mismatch"
-    return end, ""
-
-
 def _intact_record_after(data: bytes, view: memoryview, pos: int, size: int) -> bool:
     """Whether an intact record starts anywhere after a bad one at `pos` (damage, not a tail).
 
@@ -183,7 +170,7 @@ def _intact_record_after(data: bytes, view: memoryview, pos: int, size: int) -> 
         brace = data.find(b"{", start)
         if brace < 0:
             return False
-        if _record_at(data, view, brace - REC.size, size)[0]:
+        if frame_at(data, view, brace - REC.size, size)[0]:
             return True
         start = brace + 1
 

@@ -172,8 +172,9 @@ class SegmentScan:
         return None, list(self.bad)
 
 
-def _frame_at(data: bytes, view: memoryview, pos: int, size: int) -> tuple[int, str]:
-    """(end, "") if an intact record frame starts at `pos`, else (0, why not)."""
+def frame_at(data: bytes, view: memoryview, pos: int, size: int) -> tuple[int, str]:
+    """(end, "") if an intact record frame starts at `pos`, else (0, why not) (a journal
+    segment's records and the definitions log's are framed alike)."""
     if size - pos < REC.size:
         return 0, "short record header"
     length, crc = REC.unpack_from(data, pos)
@@ -207,7 +208,7 @@ def _resync(data: bytes, view: memoryview, pos: int, size: int) -> int:
 
 
 def _decodable(data: bytes, view: memoryview, pos: int, size: int) -> bool:
-    end, _ = _frame_at(data, view, pos, size)
+    end, _ = frame_at(data, view, pos, size)
     if not end or end == pos + REC.size:
         return False
     try:
@@ -236,7 +237,7 @@ def scan(data: bytes, segno: int) -> SegmentScan:
     try:
         pos = HEADER.size
         while pos < size:
-            end, why = _frame_at(data, view, pos, size)
+            end, why = frame_at(data, view, pos, size)
             if not end:
                 resume = _resync(data, view, pos, size)
                 result.bad.append(Damage(pos, resume - pos, why))
