@@ -113,3 +113,30 @@ def test_naming_a_secret_the_author_may_not_read_is_refused(
 ) -> None:
     text = refusal(kube_apiserver, "builder", spec)
     assert "may not read one of: someone-elses" in text, text
+
+
+def test_with_an_image_allow_list_an_image_from_elsewhere_is_refused(
+    admin: Kube, kube_apiserver: Any
+) -> None:
+    allowed = policy('["docker.io/twinmq/", "registry.example/"]')
+    allowed["metadata"]["name"] = "allow-list"
+    bound = binding()
+    bound["metadata"]["name"] = bound["spec"]["policyName"] = "allow-list"
+    admin.apply(allowed)
+    admin.apply(bound)
+    try:
+        text = refusal(kube_apiserver, "builder", {"image": "evil.example/twinmq:1"})
+        assert "images must come from an allowed registry" in text, text
+        assert "not evil.example/twinmq:1" in text, text
+        audit = {"enabled": True, "storeUrl": "s3://a/b", "image": "evil.example/spark:1"}
+        text = refusal(kube_apiserver, "builder", {"audit": audit})
+        assert "not evil.example/spark:1" in text, text
+        create_as(kube_apiserver, "builder", "ok", {"image": "registry.example/twinmq:2"})
+        create_as(kube_apiserver, "builder", "default", {})  # twinmq/...: docker.io/twinmq/
+        text = refusal(kube_apiserver, "builder", {"image": "evil/twinmq:1"})
+        assert "not docker.io/evil/twinmq:1" in text, text  # no registry: Docker Hub's
+    finally:
+        admin.delete("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding",
+                     None, "allow-list")  # fmt: skip
+        admin.delete("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy", None,
+                     "allow-list")  # fmt: skip

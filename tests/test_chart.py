@@ -450,3 +450,17 @@ def test_the_operator_knows_its_own_pods_for_the_brokers_network_policy(
     template_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert pods.labels == deployment["spec"]["selector"]["matchLabels"]
     assert pods.labels.items() <= template_labels.items()
+
+
+def test_the_admission_policy_carries_the_charts_image_allow_list(
+    helm: Callable[..., str],
+) -> None:
+    def allowed(*sets: str) -> str:
+        docs = render(helm, *sets)
+        (vap,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
+        return next(v["expression"] for v in vap["spec"]["variables"]
+                    if v["name"] == "allowedImages")  # fmt: skip
+
+    assert allowed() == "[]"
+    prefixes = "admissionPolicy.allowedImagePrefixes={docker.io/twinmq/,registry.example/}"
+    assert allowed(prefixes) == '["docker.io/twinmq/","registry.example/"]'
