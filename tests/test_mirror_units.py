@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from twinmq.broker.codec import decode_content_header, decode_headers
 from twinmq.broker.definitions import BindingDef, Definitions, ExchangeDef, QueueDef
 from twinmq.broker.fieldtable import as_text
+from twinmq.broker.heap import HeapFreezer
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.mirror.applier import DLQ_NAME, ORPHANS_NAME, HoldingSet, MirrorApplier
 from twinmq.broker.mirror.bidi import BidiMeta, IdMap, TopologyDelta, encode_bidi
@@ -30,7 +31,6 @@ from twinmq.broker.mirror.events import (
     mirrored_definitions,
     record_header,
 )
-from twinmq.broker.mirror.heap import HeapFreezer
 from twinmq.broker.mirror.source import MirrorSource
 from twinmq.broker.settings import parse_args
 from twinmq.testing.sansio import Harness
@@ -258,7 +258,7 @@ def test_the_bidirectional_id_map_is_durable_with_the_messages_it_maps(tmp_path:
     reopened.close()
 
 
-# -- the heap freezer (`heap.py`), with the real garbage collector ----------------------
+# -- the heap freezer (`broker/heap.py`), with the real garbage collector ----------------------
 
 
 class Node:

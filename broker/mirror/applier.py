@@ -40,6 +40,7 @@ from pydantic import BaseModel, Field
 from twinmq.broker.commit import Waiter
 from twinmq.broker.definitions import Definitions
 from twinmq.broker.fieldtable import Table, encode_table, long_int, text
+from twinmq.broker.heap import HeapFreezer
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror import metrics
@@ -53,7 +54,6 @@ from twinmq.broker.mirror.events import (
     record_header,
     replace_record,
 )
-from twinmq.broker.mirror.heap import HeapFreezer
 from twinmq.broker.queue import Queue
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ class MirrorApplier:
         self._failures: dict[tuple[str, int], int] = {}
         self.ids = ids  # bidirectional mode (`bidi.py`): ids mapped per origin
         self.forwarder = forwarder
-        # Keeps the applied messages out of full collections (`heap.py`).
+        # Keeps the applied messages out of full collections (`broker/heap.py`).
         self.heap: HeapFreezer | None = None
 
     def mark(self, origin: str) -> AppliedMark | None:

@@ -37,12 +37,12 @@ from twinmq.broker.api import (
 )
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.errors import MirrorNotDrained, MirrorRefused
+from twinmq.broker.heap import HEAP
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.applier import ORPHANS_NAME, MirrorApplier, MirrorState
 from twinmq.broker.mirror.auth import mirror_key
 from twinmq.broker.mirror.bidi import IdMap
 from twinmq.broker.mirror.durable import BatchFutures
-from twinmq.broker.mirror.heap import HeapFreezer
 from twinmq.broker.mirror.link import Heartbeat, MirrorLink
 from twinmq.broker.mirror.listener import MirrorListener
 from twinmq.broker.mirror.role import RoleStore, SiteRole
@@ -102,8 +102,6 @@ class Mirroring:
         self.roles = RoleStore(vhost, committer, self.futures, first) if first and token else None
         # The bidirectional mode: one id map, kept by the applier and read by the source.
         self.ids = IdMap(vhost, origin) if first == "bidirectional" else None
-        # Both ends hold every message long-lived: out of the collector's full walks.
-        heap = HeapFreezer()
         if settings.mirror_to and token is not None and self.roles is not None:
             self.source = MirrorSource(vhost, committer, clock)
             self.source.sending = lambda: self.is_source
@@ -113,7 +111,7 @@ class Mirroring:
             self.source.on_acked = self.progressed
             self.source.ids = self.ids
             self.source.name = origin
-            self.source.heap = heap
+            self.source.heap = HEAP  # both ends hold every message long-lived
             committer.tap = self.source
             committer.await_durable(self.source)
             self.link = MirrorLink(
@@ -134,7 +132,7 @@ class Mirroring:
         if settings.mirror_port is not None and token is not None:
             forwarder = self.source if self.ids is not None else None
             applier = MirrorApplier(vhost, committer, clock, ids=self.ids, forwarder=forwarder)
-            applier.heap = heap
+            applier.heap = HEAP
             self.listener = MirrorListener(applier, self.futures, mirror_key(token), origin, self)
         self._server: asyncio.Server | None = None
         self.monitor = monitor

@@ -22,6 +22,7 @@ from typing import Final, Protocol
 
 from twinmq.broker.commit import Waiter
 from twinmq.broker.definitions import Definitions
+from twinmq.broker.heap import HeapFreezer
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror import metrics
@@ -51,7 +52,6 @@ from twinmq.broker.mirror.events import (
     ops_event,
     record_header,
 )
-from twinmq.broker.mirror.heap import HeapFreezer
 from twinmq.broker.queue import Queue
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class MirrorSource:
         # closes, so no other op can take one of their ids meanwhile.
         self._excluded: dict[int, JournalOp] = {}
         self._topology: Definitions | None = None  # the mirrored topology last announced
-        # Keeps the queues' messages and the events out of full collections (`heap.py`).
+        # Keeps the queues' messages and the events out of full collections (`broker/heap.py`).
         self.heap: HeapFreezer | None = None
 
     # -- the replication queue --------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import ssl
 import time
@@ -23,6 +22,7 @@ from collections.abc import Awaitable, Callable
 
 from twinmq.broker import metrics
 from twinmq.broker.definitions import Definitions, DefinitionsDelta
+from twinmq.broker.heap import HEAP
 from twinmq.broker.journal import JournalError, StoredMessage, decode_ops
 from twinmq.broker.replication.context import ReplicationContext
 from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
@@ -426,15 +426,9 @@ class ReplicaClient:
                 if chunk:
                     self.catchup_chunks += 1
                     metrics.CATCHUP_RECEIVED.inc(sum(1 for op in ops if type(op) is StoredMessage))
-                    # The chunk's messages are long-lived and never in a cycle (reference
-                    # counting frees them): out of the collector's generations, so that its
-                    # full collections stop walking the whole backlog again and again
-                    # (1 M messages: 16 of them, up to 0.4 s each, a quarter of the CPU).
-                    # The price: a garbage cycle that exists at a freeze is never collected
-                    # (a few small objects per chunk at most). Not undone at the end: the
-                    # next full collection would walk the backlog once, in sync, holding
-                    # up the active's confirms.
-                    gc.freeze()
+                    # The chunk's messages are long-lived and never in a cycle: out of
+                    # the collector's full walks (`broker/heap.py`, the broker's policy).
+                    HEAP.freeze()
                     if flags & BATCH_CATCHUP_LAST:
                         self._end_catch_up()
                 # `raw` is what `ops` were decoded from, byte for byte: journaled as is.
