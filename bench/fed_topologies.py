@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Exchange federation over several servers with random link flaps (issue 15's proof).
+
+    .venv/bin/python bench/fed_topologies.py [--topologies ring,diamond,mesh]
+        [--servers 3,5] [--messages 1000000] [--flap-every 1.0] [--seed 1]
+
+For each topology and server count (a diamond has 4), fresh servers
+(tests/federationtopologies.py: every link through a proxy, the same `max-hops` on every
+link, no tuning) take `--messages` confirmed messages spread over every server while
+random links are partitioned or reset; every server's `sink` is consumed. Reported per
+run: confirmed, delivered, confirmed messages a server that should have them never got
+(lost), second deliveries (duplicates), flaps, the second copies the dedup window dropped
+and the copies that came back to their origin. No timing is asserted; the exit status is
+1 if anything was lost or delivered twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+import federationtopologies as ft  # noqa: E402
+import xsite  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--topologies", default="ring,diamond,mesh")
+    parser.add_argument("--servers", default="3,5", help="server counts for ring and mesh")
+    parser.add_argument("--messages", type=int, default=1_000_000)
+    parser.add_argument("--flap-every", type=float, default=1.0)
+    parser.add_argument("--flap-for", type=float, default=0.8)
+    parser.add_argument("--window", type=int, default=200)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=1)
+    opts = parser.parse_args()
+    runs: list[tuple[str, int]] = []
+    for name in opts.topologies.split(","):
+        counts = [4] if name == "diamond" else [int(n) for n in opts.servers.split(",")]
+        runs += [(name, n) for n in counts]
+    failed = False
+    print(f"load average at the start: {xsite.load_average()}", flush=True)
+    for name, servers in runs:
+        links = ft.topology(name, servers)
+        print(f"{name} of {servers}: {len(links)} links, {opts.messages} messages", flush=True)
+        started = time.monotonic()
+        with (
+            tempfile.TemporaryDirectory(prefix="twinmq-fedtopo-") as tmp,
+            ft.federated_servers(Path(tmp), links) as mesh,
+        ):
+            outcome = ft.run_traffic(
+                mesh,
+                opts.messages,
+                flap_every=opts.flap_every,
+                flap_for=opts.flap_for,
+                window=opts.window,
+                size=opts.size,
+                seed=opts.seed,
+                progress=True,
+            )
+        record = {"topology": name, "servers": servers, **ft.describe(outcome)}
+        record["load"] = xsite.load_average()
+        record["wall_seconds"] = round(time.monotonic() - started, 1)
+        print(json.dumps(record), flush=True)
+        failed |= outcome.total_lost > 0 or outcome.total_duplicates > 0
+    print(f"load average at the end: {xsite.load_average()}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
