@@ -17,7 +17,9 @@ and the copies that came back to their origin. No timing is asserted; the exit s
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -41,6 +43,7 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=1)
     opts = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1: every thread's stack, for a stall
     runs: list[tuple[str, int]] = []
     for name in opts.topologies.split(","):
         counts = [4] if name == "diamond" else [int(n) for n in opts.servers.split(",")]

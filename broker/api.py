@@ -263,6 +263,11 @@ class FederationLinkStatus(BaseModel):
     )
     error: str | None = Field(None, description="Why the link is not running")
     running_since: float | None = None
+    reconnect_pause: float | None = Field(
+        None,
+        description="While waiting to reconnect: this pause (s), doubled per failed "
+        "attempt up to reconnect-max-seconds, back to 1 s after a session that ran",
+    )
     bindings: int = Field(0, description="Normalised bindings held on the upstream queue")
     local_bindings: int = Field(0, description="Bindings on the local exchange they stand for")
     messages_received: int = Field(0, description="Republished here (since start)")

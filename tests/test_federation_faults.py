@@ -122,3 +122,27 @@ def test_a_redelivery_of_a_message_already_republished_is_dropped_as_a_duplicate
             lambda: links(remote)["orders"]["duplicates_dropped"] > 0,
         )
         assert sorted(int(b) for _k, b, _h in get_all(remote, "inbox", 20)) == list(range(20))
+
+
+def test_a_link_that_ran_reconnects_after_the_first_pause_however_often_it_was_cut(
+    tmp_path: Path,
+) -> None:
+    """The reconnect backoff doubles per failed attempt, and starts over after a session
+    that ran (which also ends by an error: the cut): a link that flaps now and then
+    must not wait `reconnect-max-seconds` after every cut."""
+    with federated(tmp_path, "orders", "direct", proxied=True) as sites:
+        remote, proxy = sites.remote, sites.proxy
+        assert proxy is not None
+        pauses: list[float] = []
+        for _ in range(4):
+            wait_running(remote, "orders")
+            proxy.cut()
+            pauses.append(
+                wait_for(
+                    "the link waiting to reconnect",
+                    lambda: links(remote)["orders"]["reconnect_pause"],
+                    interval=0.05,
+                )
+            )
+            proxy.heal()
+        assert pauses == [1.0, 1.0, 1.0, 1.0]

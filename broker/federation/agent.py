@@ -134,6 +134,8 @@ class FederationLink:
         self.error: str | None = None
         self.upstream_id: str | None = None
         self.running_since: float | None = None
+        self.reconnect_pause: float | None = None  # while waiting to reconnect: how long
+        self._ran = False  # the current (or last) session reached running
         self.received = 0
         self.duplicates = 0
         self.loops = 0
@@ -211,9 +213,10 @@ class FederationLink:
         pause = FIRST_PAUSE
         while not self._stopping:
             metrics.RECONNECTS.labels(self._label).inc()
-            ran = False
+            self.reconnect_pause = None
+            self._ran = False
             try:
-                ran = await self._session()
+                await self._session()
             except asyncio.CancelledError:
                 raise
             except Refused as exc:
@@ -228,8 +231,12 @@ class FederationLink:
                         "federation %s <- %s (%s): link down: %s", self.fed.exchange,
                         self.upstream_name, self.upstream.shown(), text,
                     )  # fmt: skip
-            if ran:
+            if self._ran:
+                # A session that ran ends by an error too (the link cut): start over from
+                # the first pause, or a link that flaps now and then would soon wait
+                # `reconnect-max-seconds` after every cut.
                 pause = FIRST_PAUSE
+            self.reconnect_pause = pause
             await asyncio.sleep(pause)
             pause = min(pause * 2, self.upstream.reconnect_max_seconds)
 
@@ -265,8 +272,8 @@ class FederationLink:
                 ),
             )  # fmt: skip
 
-    async def _session(self) -> bool:
-        """One connection, until it fails; True if it reached running."""
+    async def _session(self) -> None:
+        """One connection, until it fails (`_ran`: it reached running)."""
         connection = await LinkClient.connect(
             self.upstream.connect_uri(),
             {
@@ -323,7 +330,7 @@ class FederationLink:
                 self._forwarder = forwarder
                 forwarder.open()
             self._set_state("running", None)
-            ran = True
+            ran = self._ran = True
             log.info(
                 "federation %s <- %s (%s, server %s): running, %d upstream bindings",
                 self.fed.exchange, self.upstream_name, self.upstream.shown(), peer,
@@ -367,7 +374,6 @@ class FederationLink:
                 # The reason the session ends (in amq.peer's link-down too).
                 ending = sys.exc_info()[1]
                 self._set_state("connecting", _describe(ending) if ending else self.error)
-        return ran
 
     async def _subscribe_state(self, connection: LinkClient) -> None:
         """Subscribe to the upstream's definitions and wait (bounded) for the full state:

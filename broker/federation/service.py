@@ -297,6 +297,7 @@ class Federation:
                     state=link.state,
                     error=link.error,
                     running_since=link.running_since,
+                    reconnect_pause=link.reconnect_pause,
                     bindings=len(link.bound),
                     local_bindings=0 if exchange is None else len(exchange.bindings),
                     messages_received=link.received,
