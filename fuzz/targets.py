@@ -9,8 +9,10 @@ input that once failed, replayed by the unit tests.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
+import shutil
 import struct
 import tempfile
 from collections.abc import Callable, Iterator
@@ -25,7 +27,8 @@ from pydantic import BaseModel
 from twinmq.broker import codec, fieldtable
 from twinmq.broker.definitions import Definitions, DefinitionsDelta
 from twinmq.broker.errors import AMQPError
-from twinmq.broker.journal import JournalError, JournalOp, StoredMessage
+from twinmq.broker.journal import JournalError, JournalOp, StoredMessage, deflog
+from twinmq.broker.journal.deflog import encode_log_header
 from twinmq.broker.journal.ops import CorruptRecord, Settle, decode_group, decode_ops, encode_ops
 from twinmq.broker.journal.recovery import decode_definitions, encode_definitions
 from twinmq.broker.journal.segment import encode_header, frame, scan
@@ -322,6 +325,44 @@ def definitions_file(data: bytes) -> None:
         decode_definitions(data, Path("definitions.json"))
 
 
+def definitions_log(data: bytes) -> None:
+    """The definitions log at start-up: records with valid checksums around fuzzed
+    payloads (`\\xfe\\xfe` separates them), then the same log cut short (a torn tail).
+    `load` raises JournalError only; a topology it accepts saves and loads back the same."""
+    directory = _deflog_directory()
+    log_ = encode_log_header(0) + b"".join(frame(part) for part in data.split(b"\xfe\xfe"))
+    for blob in (log_, log_[: len(log_) - len(data) // 3]):
+        (directory / deflog.LOG).write_bytes(blob)
+        try:
+            loaded = deflog.load(directory)
+        except JournalError:
+            continue
+        assert loaded.log_bytes + loaded.torn_bytes == len(blob)
+        defs = loaded.state.definitions()
+        assert decode_definitions(encode_definitions(defs), Path("definitions.json")) == defs
+
+
+@cache
+def _deflog_directory() -> Path:
+    """One scratch journal directory for the whole run, holding the sample snapshot."""
+    shm = Path("/dev/shm")  # in memory where there is one: a file per input
+    base = shm if shm.is_dir() else None
+    directory = Path(tempfile.mkdtemp(prefix="twinmq-fuzz-deflog-", dir=base))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    (directory / "definitions.json").write_bytes(encode_definitions(_sample_definitions()))
+    return directory
+
+
+def _definitions_log_seeds() -> list[bytes]:
+    sample = _sample_definitions()
+    deltas = [
+        DefinitionsDelta(add_queues=sample.queues[:1], next_qid=sample.next_qid + 1),
+        DefinitionsDelta(add_bindings=sample.bindings[:2], del_exchanges=["gone"]),
+        DefinitionsDelta(del_queues=[q.name for q in sample.queues[1:2]]),
+    ]
+    return [b"\xfe\xfe".join(d.model_dump_json().encode() for d in deltas)]
+
+
 def _definitions_seeds() -> list[bytes]:
     return [encode_definitions(Definitions()), encode_definitions(_sample_definitions())]
 
@@ -384,6 +425,7 @@ TARGETS: dict[str, Target] = {
         Target("journal_segment", journal_segment, _journal_seeds),
         Target("journal_group", journal_group, _journal_seeds),
         Target("definitions_file", definitions_file, _definitions_seeds),
+        Target("definitions_log", definitions_log, _definitions_log_seeds),
         Target("mirror_event", mirror_event, _mirror_event_seeds),
         Target("admin_api", admin_api, admin.seeds),
     )
