@@ -146,3 +146,25 @@ def test_a_link_that_ran_reconnects_after_the_first_pause_however_often_it_was_c
             )
             proxy.heal()
         assert pauses == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_a_cut_while_a_binding_waits_for_its_reply_leaves_the_link_reconnecting(
+    tmp_path: Path,
+) -> None:
+    """A bind sent upstream, its reply held by a partition, then the connection reset:
+    the session ends like any cut and the link comes back (it used to end the link's
+    task for good, the pending reply cancelled under it: `connecting` until a restart)."""
+    with federated(tmp_path, "orders", "direct", proxied=True) as sites:
+        central, remote, proxy = sites.central, sites.remote, sites.proxy
+        assert proxy is not None
+        wait_running(remote, "orders")
+        proxy.partition()
+        bind_queue(remote, "inbox", "orders", "order.new")  # its upstream bind is held
+        wait_for("the bind sent upstream", lambda: links(remote)["orders"]["local_bindings"] == 1)
+        proxy.cut()
+        wait_for(
+            "the link down", lambda: links(remote)["orders"]["state"] == "connecting", timeout=60
+        )
+        proxy.heal()
+        wait_running(remote, "orders")
+        wait_upstream_bindings(central, queue_name("orders", "remote"), {("orders", "order.new")})

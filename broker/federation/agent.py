@@ -218,7 +218,13 @@ class FederationLink:
             try:
                 await self._session()
             except asyncio.CancelledError:
-                raise
+                task = asyncio.current_task()
+                if self._stopping or task is None or task.cancelling():
+                    raise
+                # Not this task's cancellation (a cancelled future awaited somewhere in
+                # the session): a failure like any other, or the link would stay down.
+                self._set_state("connecting", "the session was cancelled")
+                log.warning("federation %s: session cancelled from within", self._label)
             except Refused as exc:
                 self._refuse(str(exc))
             except Exception as exc:  # any failure of the session: reconnect later

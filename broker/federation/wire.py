@@ -232,7 +232,9 @@ class LinkClient:
     async def _reply_of(self, future: asyncio.Future[object], reply: type[M]) -> M:
         waiters: set[asyncio.Future[Any]] = {future, self.closing}
         done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        if future not in done:
+        if future not in done or future.cancelled():
+            # Cancelled: `_end` gave up the replies of a connection that closed (its
+            # CancelledError must not escape: it would end the link's task for good).
             future.cancel()
             raise self._closed_error()
         answer = future.result()
