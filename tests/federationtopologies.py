@@ -236,8 +236,9 @@ def run_traffic(
             )
             for name in names
         }
-        done = asyncio.Event()
-        side = [asyncio.create_task(flapper(done)), asyncio.create_task(reporter(done, received))]
+        done, drained = asyncio.Event(), asyncio.Event()
+        flaps = asyncio.create_task(flapper(done))
+        reports = asyncio.create_task(reporter(drained, received))
         share = [messages // len(names) + (i < messages % len(names)) for i in range(len(names))]
         published = await asyncio.gather(
             *(
@@ -254,8 +255,7 @@ def run_traffic(
             )
         )
         done.set()
-        for task in side:
-            task.cancel()
+        flaps.cancel()
         for proxy in mesh_.proxies.values():
             proxy.heal()
         confirmed = {name: published[i].confirmed for i, name in enumerate(names)}
@@ -277,6 +277,8 @@ def run_traffic(
                 quiet=3.0,
                 limit=600,
             )
+        drained.set()
+        reports.cancel()
         for task in consumers.values():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
