@@ -290,8 +290,13 @@ class Journal:
         The same rules as `save_definitions`; on an error (DiskFullError for a full
         disk) nothing of the change is stored.
         """
+        self.save_deltas([delta])
+
+    def save_deltas(self, deltas: list[DefinitionsDelta]) -> None:
+        """Durably record topology changes in order: one append and one fsync for all
+        (a group commit); on an error none of them is stored."""
         self._require_open()
-        for qid in self._defs.append(delta):
+        for qid in self._defs.append_many(deltas):
             self.drop_queue(qid)
 
     def definitions(self) -> Definitions:
