@@ -297,8 +297,8 @@ class DefinitionsStore:
             if self._fd < 0:
                 self._new_log()  # the snapshot's own attempt failed: its error, now
         record = frame(encode_record(deltas))
-        self._hook("append")
         try:
+            self._hook("append")  # inside: a test's OSError is a write that failed
             written = os.pwrite(self._fd, record, self.log_bytes)
             if written != len(record):
                 raise OSError(28, "No space left on device (short write)")
