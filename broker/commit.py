@@ -101,6 +101,7 @@ class GroupCommitter:
         self._staged: list[tuple[DefinitionsDelta, Callable[[JournalError | None], None]]] = []
         self._staged_current: Callable[[], Definitions] | None = None
         self._topology_scheduled = False
+        self._topology_failure: JournalError | None = None  # fails the open batch
         self._waiters: set[Waiter] = set()
         self._wake = asyncio.Event()
         self._settled = asyncio.Event()  # set while no batch waits for its sync
@@ -202,6 +203,11 @@ class GroupCommitter:
             self.journal.save_deltas([delta for delta, _ in staged])
         except JournalError as exc:
             log.error("topology changes not saved (%s): %d changes refused", exc, len(staged))
+            if self._open:
+                # The batch open in this turn may hold messages routed by these changes
+                # (into a queue whose declare is refused: recovery would drop them):
+                # it fails too, its publishes are nacked, never confirmed.
+                self._topology_failure = exc
             for _, done in reversed(staged):
                 done(exc)
             return
@@ -261,7 +267,10 @@ class GroupCommitter:
             encoded = self._tap(batch, ops)
         metrics.COMMIT_BATCH.observe(len(ops))
         self.last_appended = batch
+        refused, self._topology_failure = self._topology_failure, None
         try:
+            if refused is not None:
+                raise refused
             lsn: int | None = self.journal.append(ops, encoded)
         except (JournalError, ValueError) as exc:
             # Never streamed, never written: the batch fails, its waiters hear it.

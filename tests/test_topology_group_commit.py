@@ -250,3 +250,22 @@ def test_kill_9_in_the_middle_of_pipelined_binds_keeps_a_prefix_and_every_acknow
         } >= set(keys[:m])
     finally:
         broker.stop()
+
+
+def test_a_message_routed_into_a_queue_whose_declare_the_disk_refused_is_nacked(
+    harness: Harness,
+) -> None:
+    """Another channel publishes into the queue in the same read: the declare is refused
+    and undone, so the message, journaled, would be dropped by recovery (its queue is not
+    in the topology): its batch fails with the group, the publish is nacked."""
+    peer = _client(harness, channels=2)
+    peer.feed(encode(2, commands.Confirm.Select()))
+    _disk_full(harness)
+    persistent = commands.Basic.Properties(delivery_mode=2)
+    out = peer.feed(
+        encode(1, commands.Queue.Declare(queue="grp.new", durable=True))
+        + publish(2, "grp.new", b"m", properties=persistent)
+    )
+    harness.commit()
+    out += peer.conn.data_to_send()
+    assert _types(out) == [(1, commands.Channel.Close), (2, commands.Basic.Nack)]

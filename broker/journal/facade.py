@@ -7,7 +7,8 @@ Durable queues' persistent messages live here, so that a broker killed with
     definitions.json          the durable topology's snapshot; replaced atomically (tmp,
                               fsync, rename) when the log below is compacted
     definitions.log           each topology change since the snapshot, appended and
-                              fsynced one by one (format and crash order: deflog.py)
+                              fsynced a group (a loop turn's) at a time (format and
+                              crash order: deflog.py)
     00000000000000000001.seg  append-only segments, oldest first (format: segment.py)
     00000000000000000002.seg
     ...
