@@ -46,7 +46,12 @@ from pathlib import Path
 from pydantic import TypeAdapter, ValidationError
 
 from twinmq.broker.definitions import Definitions, DefinitionsDelta, TopologyState
-from twinmq.broker.journal.errors import DiskFullError, JournalError, io_error
+from twinmq.broker.journal.errors import (
+    DefinitionsDamaged,
+    DiskFullError,
+    JournalError,
+    io_error,
+)
 from twinmq.broker.journal.segment import REC, frame, frame_at
 
 __all__ = [
@@ -160,10 +165,14 @@ def load(directory: Path) -> LoadedDefinitions:
             end, why = frame_at(raw, view, pos, size)
             if not end:
                 if _intact_record_after(raw, view, pos, size):
-                    raise JournalError(
+                    raise DefinitionsDamaged(
                         f"{path} is damaged: {why} at offset {pos} with intact changes after "
                         "it; refusing to start rather than guess the topology (the file is "
-                        "kept; restore it, or rebuild the data directory from the peer)"
+                        "kept; restore it, or rebuild the data directory from the peer)",
+                        file=LOG,
+                        offset=pos,
+                        length=size - pos,
+                        reason=str(why),
                     )
                 out.torn_bytes = size - pos
                 break
