@@ -41,6 +41,7 @@ from twinmq.broker.queue import Queue
 
 if TYPE_CHECKING:
     from twinmq.broker.connection import Connection
+    from twinmq.broker.vhost import StagedChange
 
 BASIC_ACK = (60, 80)
 BASIC_REJECT = (60, 90)
@@ -480,7 +481,16 @@ class Channel:
             raise AMQPError(
                 ReplyCode.COMMAND_INVALID, f"unexpected method {method.name} on a channel"
             )
-        handler(self, method)
+        if handler in _TOPOLOGY:
+            # Its change is staged for the loop turn's group commit; its reply and
+            # what follows on this channel wait for it (Connection.hold).
+            with self.vhost.staging(self._hold):
+                handler(self, method)
+        else:
+            handler(self, method)
+
+    def _hold(self, change: StagedChange) -> None:
+        self.connection.hold(self, change)
 
     def _refuse_write(self, what: str, method: tuple[int, int], durable: bool = True) -> None:
         """On a DR replica, a publish or a change to mirrored (durable) topology is
@@ -766,4 +776,14 @@ _HANDLERS: dict[type[MethodFrame], Callable[[Channel, Any], None]] = {
     commands.Tx.Commit: Channel._tx_commit,
     commands.Tx.Rollback: Channel._tx_rollback,
     commands.Channel.Flow: Channel._channel_flow,
+}
+
+# The methods whose durable change is staged for the group commit (vhost.staging);
+# queue.delete is saved at once (its purge cannot be undone), after what was staged.
+_TOPOLOGY = {
+    Channel._exchange_declare,
+    Channel._exchange_delete,
+    Channel._queue_declare,
+    Channel._queue_bind,
+    Channel._queue_unbind,
 }

@@ -97,6 +97,11 @@ class GroupCommitter:
         self._audit_writing = 0  # the last batch whose audit write is under way, else 0
         self._audit_task: asyncio.Task[None] | None = None
         self._flush_scheduled = False
+        # Topology changes staged for this loop turn's group commit (`stage_delta`).
+        self._staged: list[tuple[DefinitionsDelta, Callable[[JournalError | None], None]]] = []
+        self._staged_current: Callable[[], Definitions] | None = None
+        self._topology_scheduled = False
+        self._topology_failure: JournalError | None = None  # fails the open batch
         self._waiters: set[Waiter] = set()
         self._wake = asyncio.Event()
         self._settled = asyncio.Event()  # set while no batch waits for its sync
@@ -138,20 +143,78 @@ class GroupCommitter:
         return self._audit_writing  # 0 unless a write of audit records is under way
 
     def save_definitions(self, definitions: Definitions) -> None:
-        """Durably replace the topology file (rare: declares and deletes)."""
+        """Durably replace the topology file (a passive's catch-up)."""
+        self.flush_topology()  # what was staged before it, first
         self.journal.save_definitions(definitions)
         if self.tap is not None:
             self.tap.definitions_saved(definitions)
 
     def save_delta(self, delta: DefinitionsDelta, current: Callable[[], Definitions]) -> None:
-        """Durably record one topology change (one small append to the definitions log).
+        """Durably record one topology change now (one small append to the definitions log).
 
-        The mirror's tap still takes the whole topology (its events carry it whole):
-        `current()` builds it, only when a tap is attached.
+        Changes staged before it go in the same write, first (the log keeps the order
+        they were made in memory). The mirror's tap still takes the whole topology (its
+        events carry it whole): `current()` builds it, only when a tap is attached.
         """
-        self.journal.save_delta(delta)
-        if self.tap is not None:
+        failure: list[JournalError] = []
+
+        def done(error: JournalError | None) -> None:
+            if error is not None:
+                failure.append(error)
+
+        self._staged.append((delta, done))
+        self._staged_current = current
+        self.flush_topology()
+        if failure:
+            raise failure[0]
+
+    def stage_delta(
+        self,
+        delta: DefinitionsDelta,
+        current: Callable[[], Definitions],
+        done: Callable[[JournalError | None], None],
+    ) -> None:
+        """Queue a topology change for the group commit of this loop turn.
+
+        Every change staged in one turn of the loop (all the bind/unbind/declare
+        methods of one network read, across connections) is written with one
+        append and one fsync of the definitions log, before any journal batch that
+        follows it (`_flush`: a message is journaled only for a queue the topology
+        holds). `done(None)` is called once it is durable, in staging order;
+        `done(error)` when the write failed, for every change of the group, in the
+        reverse order (each caller undoes its change in memory, the last one first).
+        """
+        self._staged.append((delta, done))
+        self._staged_current = current
+        if not self._topology_scheduled:
+            self._topology_scheduled = True
+            self.loop.call_soon(self.flush_topology)
+
+    def flush_topology(self) -> None:
+        """Write the staged topology changes now (one append, one fsync) and tell their
+        callers; nothing if none is staged."""
+        self._topology_scheduled = False
+        if not self._staged:
+            return
+        staged, self._staged = self._staged, []
+        current, self._staged_current = self._staged_current, None
+        metrics.TOPOLOGY_GROUP.observe(len(staged))
+        try:
+            self.journal.save_deltas([delta for delta, _ in staged])
+        except JournalError as exc:
+            log.error("topology changes not saved (%s): %d changes refused", exc, len(staged))
+            if self._open:
+                # The batch open in this turn may hold messages routed by these changes
+                # (into a queue whose declare is refused: recovery would drop them):
+                # it fails too, its publishes are nacked, never confirmed.
+                self._topology_failure = exc
+            for _, done in reversed(staged):
+                done(exc)
+            return
+        if self.tap is not None and current is not None:
             self.tap.definitions_saved(current())
+        for _, done in staged:
+            done(None)
 
     def drop_queue(self, qid: int) -> None:
         """Tell the journal a queue's messages are garbage."""
@@ -191,6 +254,9 @@ class GroupCommitter:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        # The topology changes of this turn first: a batch may hold messages for a
+        # queue declared in it, and recovery keeps only those of queues it knows.
+        self.flush_topology()
         if not self._open:
             return
         ops, self._open = self._open, []
@@ -201,7 +267,10 @@ class GroupCommitter:
             encoded = self._tap(batch, ops)
         metrics.COMMIT_BATCH.observe(len(ops))
         self.last_appended = batch
+        refused, self._topology_failure = self._topology_failure, None
         try:
+            if refused is not None:
+                raise refused
             lsn: int | None = self.journal.append(ops, encoded)
         except (JournalError, ValueError) as exc:
             # Never streamed, never written: the batch fails, its waiters hear it.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,7 +39,7 @@ from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, STATE_PROPERTY
 from twinmq.broker.permissions import Operation, Resource
 from twinmq.broker.routing import Exchange
-from twinmq.broker.vhost import PublishResult, VirtualHost
+from twinmq.broker.vhost import PublishResult, StagedChange, VirtualHost
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,9 @@ class Connection:
         self._header_buf = b""
         self._out: list[bytes] = []
         self._wake = wake
+        # Per channel: its output held behind topology changes not yet durable, in order
+        # (frames, and the changes' places among them). See `hold`.
+        self._held: dict[int, deque[bytes | tuple[Channel, StagedChange]]] = {}
 
     # -- transport interface -------------------------------------------------------------
 
@@ -200,12 +204,83 @@ class Connection:
         return not self.blocked
 
     def send(self, data: bytes) -> None:
-        """Queue bytes for the client and wake the transport if it was idle."""
+        """Queue bytes for the client and wake the transport if it was idle.
+
+        `data` is whole frames of one channel (every caller sends so); a channel whose
+        output is held (`hold`) keeps them until the changes before them are durable.
+        """
+        if self._held:
+            held = self._held.get(int.from_bytes(data[1:3], "big"))
+            if held is not None:
+                held.append(data)
+                return
+        self._send_now(data)
+
+    def _send_now(self, data: bytes) -> None:
         if not self._out:
             self._out.append(data)
             self._wake()
         else:
             self._out.append(data)
+
+    def hold(self, channel: Channel, change: StagedChange) -> None:
+        """Hold the channel's output from here until `change` is resolved.
+
+        The method's reply (sent next) and whatever the channel sends after it wait
+        for the group commit: AMQP wants the replies of a channel in order, and a
+        later reply (a publish's confirm, a delivery) must not overtake an ok that
+        is not yet allowed out. A refused change closes the channel with its error
+        in the reply's place; what was held behind it is dropped (the client,
+        closing, would discard it).
+        """
+        number = channel.number
+        self._held.setdefault(number, deque()).append((channel, change))
+        change.on_done = lambda: self._release(number)
+
+    def _release(self, number: int) -> None:
+        """Send what a channel holds, up to the first change not yet resolved."""
+        held = self._held.get(number)
+        if held is None:
+            return
+        while held:
+            item = held[0]
+            if isinstance(item, bytes):
+                held.popleft()
+                self._send_now(item)
+                continue
+            channel, change = item
+            if not change.done:
+                return
+            held.popleft()
+            if change.error is not None and self.channels.get(number) is channel:
+                del self._held[number]
+                self._refused_change(channel, change.error)
+                return
+            # Durable, or refused on a channel the client closed since: its close-ok
+            # and anything later (a new channel of the number) still go, in order.
+        del self._held[number]
+
+    def _refused_change(self, channel: Channel, exc: AMQPError) -> None:
+        """Close a channel in place of the ok of a change its group commit refused."""
+        if self.state in (State.CLOSING, State.CLOSED):
+            return
+        metrics.PROTOCOL_ERRORS.labels(str(int(exc.code))).inc()
+        log.info("closing channel %d of %s: %s", channel.number, self.peer, exc.reply_text)
+        if not channel.closing:
+            channel.release()
+        # Even if a later error closed it already: that close was held behind this
+        # change and dropped, and this error came first.
+        self._send_now(
+            encode_method(
+                channel.number,
+                commands.Channel.Close(
+                    reply_code=int(exc.code),
+                    reply_text=exc.reply_text,
+                    class_id=exc.class_id,
+                    method_id=exc.method_id,
+                ),
+            )
+        )
 
     def await_durable(self, channel: Channel) -> None:
         """A channel waits for a journal batch (confirms, tx.commit-ok)."""
@@ -302,6 +377,7 @@ class Connection:
             if not channel.closing:
                 channel.release()
         self.channels.clear()
+        self._held.clear()
         if self.state is not State.CLOSED:
             self.state = State.CLOSED
         self.vhost.connection_closed(self)
@@ -622,6 +698,8 @@ class Connection:
         if exc.connection_level or channel is None or number == 0:
             self._connection_error(exc)
             return
+        if channel.closing:
+            return  # closed already (a refused staged change before this error): one close
         log.info("closing channel %d of %s: %s", number, self.peer, exc.reply_text)
         channel.release()
         self.send(
@@ -660,6 +738,7 @@ class Connection:
         for channel in self.channels.values():
             if not channel.closing:
                 channel.release()
+        self._held.clear()  # nothing of a channel goes after connection.close
         self.state = State.CLOSING
         if exc.code == ReplyCode.ACCESS_REFUSED and self.user is None:
             # RabbitMQ closes the socket right after refusing a login.
@@ -671,6 +750,7 @@ class Connection:
             if not channel.closing:
                 channel.release()
         self.channels.clear()
+        self._held.clear()
         self.close_reason = reason
         self.state = State.CLOSED
         self._wake()

@@ -20,9 +20,18 @@ from pathlib import Path
 from pydantic import BaseModel, Field, ValidationError
 
 from twinmq.broker.api import CorruptionReport
-from twinmq.broker.journal import Recovered
+from twinmq.broker.journal import DefinitionsDamaged, Recovered
 
-__all__ = ["MARKER", "DamageMarker", "clear", "load", "quarantine_dir", "record", "save"]
+__all__ = [
+    "MARKER",
+    "DamageMarker",
+    "clear",
+    "load",
+    "quarantine_dir",
+    "record",
+    "record_definitions",
+    "save",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +83,25 @@ def record(data_dir: Path, recovered: Recovered, now: float) -> DamageMarker:
         )
     marker.healed_by = None  # new damage: any earlier healing is void
     save(data_dir, marker)
+    return marker
+
+
+def record_definitions(data_dir: Path, found: DefinitionsDamaged, now: float) -> DamageMarker:
+    """Add a damaged definitions log (the start it refuses) to the marker, durably, once
+    per place: every refused restart finds the same damage again."""
+    marker = load(data_dir) or DamageMarker(since=now)
+    if not any(c.segment == found.file and c.offset == found.offset for c in marker.corruption):
+        marker.corruption.append(
+            CorruptionReport(
+                segment=found.file,
+                offset=found.offset,
+                length=found.length,
+                reason=found.reason,
+                detected_at=now,
+            )
+        )
+        marker.healed_by = None
+        save(data_dir, marker)
     return marker
 
 

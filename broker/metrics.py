@@ -163,6 +163,11 @@ COMMIT_BATCH = _histogram(
     "Journal operations per group commit",
     (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000),
 )
+TOPOLOGY_GROUP = _histogram(
+    "twinmq_topology_group_changes",
+    "Topology changes (declares, binds, unbinds, deletes) per definitions-log group commit",
+    (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000),
+)
 ALARM = Gauge("twinmq_alarm", "1 while a resource alarm blocks publishers", ["resource"])
 PROTOCOL_ERRORS = Counter(
     "twinmq_protocol_errors", "Channels or connections closed by errors", ["code"]

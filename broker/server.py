@@ -8,6 +8,7 @@ the admin API together; `AMQPProtocol` only moves bytes between a socket and a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import time
@@ -37,7 +38,7 @@ from twinmq.broker.federation import config as federation_config
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
 from twinmq.broker.federation.service import Federation
 from twinmq.broker.filewatch import reload_every
-from twinmq.broker.journal import Journal, JournalError
+from twinmq.broker.journal import DefinitionsDamaged, Journal, JournalError
 from twinmq.broker.lease import LeaseKeeper
 from twinmq.broker.mirror.site import Mirroring
 from twinmq.broker.replication.replica import ReplicaClient
@@ -248,7 +249,14 @@ class Broker:
             quarantine=damage.quarantine_dir(settings.data_dir),
         )
         started = time.perf_counter()
-        recovered = self.journal.open()
+        try:
+            recovered = self.journal.open()
+        except DefinitionsDamaged as exc:
+            # The start is refused all the same; the marker says what was found, as for
+            # a damaged segment (the operator's tools read it: docs/journal.md).
+            with contextlib.suppress(OSError):
+                damage.record_definitions(settings.data_dir, exc, time.time())
+            raise
         log.info(
             "journal recovered: %d segments, %d records, %d live messages in %d queues, "
             "%d torn bytes truncated, %.2fs",

@@ -7,9 +7,10 @@ passed in, so tests and the asyncio server drive the same code.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -106,6 +107,16 @@ class Committer(Protocol):
         after the change, for whoever needs it whole)."""
         ...
 
+    def stage_delta(
+        self,
+        delta: DefinitionsDelta,
+        current: Callable[[], Definitions],
+        done: Callable[[JournalError | None], None],
+    ) -> None:
+        """Record a change with the others of this loop turn (one write, one fsync);
+        `done` hears the outcome: None once durable, the error if the write failed."""
+        ...
+
     def drop_queue(self, qid: int) -> None:
         """A durable queue was deleted: its journaled messages are garbage."""
         ...
@@ -113,6 +124,29 @@ class Committer(Protocol):
     def await_durable(self, waiter: Waiter) -> None:
         """Tell `waiter` as batches complete or fail."""
         ...
+
+
+class StagedChange:
+    """A client's topology change, made in memory, waiting for its group commit.
+
+    The channel holds its reply, and everything it sends after it, until `resolve`
+    (connection.py `hold`): an ok never goes before its change is durable, and a
+    later reply on the channel never overtakes it.
+    """
+
+    __slots__ = ("done", "error", "on_done")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.error: AMQPError | None = None  # what the method gets if the write failed
+        self.on_done: Callable[[], None] | None = None
+
+    def resolve(self, error: AMQPError | None) -> None:
+        """The change is durable (None) or refused and undone (the channel's error)."""
+        self.done = True
+        self.error = error
+        if self.on_done is not None:
+            self.on_done()
 
 
 @dataclass(slots=True)
@@ -171,6 +205,8 @@ class VirtualHost:
         # `reply-to` made global (or the header unchanged).
         self.reply_to_rewriters: dict[str, Callable[[bytes], bytes]] = {}
         self._by_qid: dict[int, Queue] | None = None
+        # While a channel handles a method (`staging`): where its staged changes go.
+        self._stage: Callable[[StagedChange], None] | None = None
         self.dedup = dedup if dedup is not None else DedupWindow(0)
         self.visibility = Visibility(committer.await_durable, clock.time, self.requeue)
         self.exchanges: dict[str, Exchange] = {}
@@ -278,10 +314,25 @@ class VirtualHost:
         """Durably record a topology change the caller already made in memory."""
         self._by_qid = None
         self.committer.save_delta(delta, self.definitions)
+        self._saved(delta)
+
+    def _saved(self, delta: DefinitionsDelta) -> None:
+        """A change is durable here: stream it to the passive (after, never before)."""
         if self.on_topology_delta is not None:
             self.on_topology_delta(delta)
         elif self.on_topology_change is not None:
             self.on_topology_change(self.definitions())
+
+    @contextlib.contextmanager
+    def staging(self, hold: Callable[[StagedChange], None]) -> Iterator[None]:
+        """Within this, a client's declare, bind, unbind or exchange delete is staged for
+        the loop turn's group commit (`Committer.stage_delta`) instead of written at
+        once; `hold` is given each staged change before the method's reply is sent."""
+        previous, self._stage = self._stage, hold
+        try:
+            yield
+        finally:
+            self._stage = previous
 
     def _save_or_undo(
         self,
@@ -289,6 +340,8 @@ class VirtualHost:
         undo: Callable[[], object],
         refused: str,
         method: tuple[int, int],
+        *,
+        stage: bool = True,
     ) -> None:
         """Save a topology change; if the disk refuses it, `undo` it in memory and refuse it.
 
@@ -297,7 +350,36 @@ class VirtualHost:
         deleted there comes back with its messages at the next restart. Undone, the
         client's retry saves it once the disk has room. A passive (its topology is the
         active's, `apply_definitions`) gets the JournalError itself: it stops, exit 75.
+
+        In a channel's method (`staging`) and with `stage`, the change is staged: the
+        write is the loop turn's group commit, the outcome comes later (`StagedChange`;
+        a refused change is undone then, the group's last first). `stage=False` for a
+        change whose caller goes on to do what cannot be undone (a queue's delete
+        purges it): saved at once, with whatever was staged before it.
         """
+        hold = self._stage
+        if stage and hold is not None and not self.replica:
+            change = StagedChange()
+            self._by_qid = None
+
+            def done(error: JournalError | None) -> None:
+                if error is None:
+                    self._saved(delta)
+                    change.resolve(None)
+                    return
+                undo()
+                self._by_qid = None
+                change.resolve(
+                    channel_error(
+                        ReplyCode.INTERNAL_ERROR,
+                        f"{refused}: the topology could not be saved ({error})",
+                        method,
+                    )
+                )
+
+            self.committer.stage_delta(delta, self.definitions, done)
+            hold(change)
+            return
         try:
             self._save(delta)
         except JournalError as exc:
@@ -372,7 +454,7 @@ class VirtualHost:
         if durable:
             self._save_or_undo(
                 DefinitionsDelta(add_exchanges=[definition]),
-                lambda: self.exchanges.pop(name),
+                lambda: self.exchanges.pop(name, None),
                 f"exchange '{name}' not declared",
                 EXCHANGE_DECLARE,
             )
@@ -510,8 +592,15 @@ class VirtualHost:
         if durable:
 
             def undo() -> None:
-                del self.queues[name]
+                if self.queues.get(name) is queue:
+                    del self.queues[name]
                 self.exchanges[""].unbind(default)
+                # A staged declare is undone after `_touch` below: no expiry of it.
+                queue.deleted = True
+                timer = self._expiry_timers.pop(name, None)
+                if timer is not None:
+                    timer.cancel()
+                metrics.QUEUES.set(len(self.queues))
 
             self._save_or_undo(
                 DefinitionsDelta(add_queues=[definition], next_qid=self.next_qid),
@@ -598,6 +687,7 @@ class VirtualHost:
                 undo,
                 f"queue '{queue.name}' not deleted",
                 QUEUE_DELETE,
+                stage=False,  # its purge and consumer cancels below cannot be undone
             )
         queue.deleted = True
         for timer in (

@@ -133,9 +133,12 @@ class Context:
 class Peer:
     """One client connection to the core; `feed` returns what the broker answered."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, end_turn: Callable[[], None] = lambda: None) -> None:
         self.conn = conn
         self.wakes = 0
+        # The end of the broker's loop turn: the topology changes staged by what was fed
+        # are written (group commit) and their replies released.
+        self.end_turn = end_turn
 
     def wake(self) -> None:
         """The transport's wake-up callback (counted, nothing to schedule)."""
@@ -144,6 +147,7 @@ class Peer:
     def feed(self, data: bytes, now: float = 0.0) -> bytes:
         """Give the broker bytes from the client; return every byte it wants to send."""
         self.conn.receive_data(data, now)
+        self.end_turn()
         return self.conn.data_to_send()
 
     def handshake(self, **kwargs: object) -> bytes:
@@ -177,7 +181,7 @@ class Harness:
         """A new connection on the shared virtual host (nothing sent yet)."""
         holder: list[Peer] = []
         conn = Connection(self.ctx, peer, loopback=loopback, wake=lambda: holder[0].wake())
-        client = Peer(conn)
+        client = Peer(conn, self.committer.flush_topology)
         holder.append(client)
         self.peers.append(client)
         return client

@@ -20,6 +20,7 @@ import pika
 import pytest
 from replpeer import hello_for
 
+from twinmq.broker import damage
 from twinmq.broker.definitions import (
     BindingDef,
     Definitions,
@@ -158,6 +159,13 @@ def test_a_flipped_bit_before_the_tail_refuses_the_start_and_keeps_the_file(
     with pytest.raises(RuntimeError, match=r"definitions\.log is damaged: checksum mismatch"):
         BrokerProcess(data, name="flip").start()
     assert path.read_bytes() == bytes(flipped)  # kept as it was
+    # Listed in DAMAGED.json like a damaged segment, once however often the start is tried.
+    with pytest.raises(RuntimeError, match=r"definitions\.log is damaged"):
+        BrokerProcess(data, name="flip").start()
+    marker = damage.load(data)
+    assert marker is not None
+    assert [(c.segment, c.offset) for c in marker.corruption] == [(LOG, _record_offsets(log)[3][0])]
+    assert "checksum" in marker.corruption[0].reason
     path.write_bytes(log)  # the operator restores it
     broker = BrokerProcess(data, name="flip").start()
     try:

@@ -12,6 +12,7 @@ import pika.exceptions
 import pytest
 from disks import PassiveOnSmallDisk, commit_until_refused, end_log_at_a_page, small_tmpfs
 from jepsen import DiskFiller, log_since, log_size, queue_counts
+from pamqp import commands
 from pika.adapters.blocking_connection import BlockingChannel
 
 from twinmq.broker.commit import GroupCommitter
@@ -21,6 +22,7 @@ from twinmq.broker.server import EXIT_JOURNAL_FAILED
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import NoSmallDisk, Pair, post_role, status
 from twinmq.testing.queues import drain
+from twinmq.testing.rawamqp import RawClient, encode
 from twinmq.testing.waiting import wait_for
 
 
@@ -445,3 +447,59 @@ def test_a_topology_change_the_full_disk_refused_is_undone_in_memory_too(
     error = refused.value
     assert isinstance(error, pika.exceptions.ChannelClosedByBroker), repr(error)
     assert error.reply_code == 541 and "the topology could not be saved" in error.reply_text
+
+
+def test_a_group_of_pipelined_changes_the_full_disk_refused_is_refused_and_undone_whole(
+    small_disk: Path,
+) -> None:
+    """The changes of one read are one group commit (one write of the definitions log):
+    a full disk refuses all of them, each channel closed with the error its method would
+    have got alone (541), none of them in memory or on disk, before and after a restart."""
+    data = small_disk / "data"
+    args = ["--disk-free-limit", "0"]
+    broker = BrokerProcess(data, name="groupfull", extra_args=args).start()
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+        ch = conn.channel()
+        ch.exchange_declare(_EX, "direct", durable=True)
+        ch.queue_declare(_Q, durable=True)
+        ch.queue_bind(_Q, _EX, "kept")
+        conn.close()
+        end_log_at_a_page(broker.url, data / "journal")
+        with RawClient(broker.host, broker.port) as client:
+            client.handshake()
+            for number in (1, 2, 3):
+                client.open_channel(number)
+            filler = DiskFiller(small_disk)
+            try:
+                client.send(
+                    b"".join(
+                        encode(n, commands.Queue.Bind(queue=_Q, exchange=_EX, routing_key=key))
+                        for n, key in ((1, "a"), (1, "b"), (2, "c"), (3, "d"))
+                    )
+                )
+                closes = [client.expect(commands.Channel.Close) for _ in range(3)]
+            finally:
+                filler.release()
+        assert all(c.reply_code == 541 for c in closes), closes
+        assert all("the topology could not be saved" in c.reply_text for c in closes)
+
+        def routed_keys(url: str) -> set[str]:
+            conn = pika.BlockingConnection(pika.URLParameters(url))
+            try:
+                ch = conn.channel()
+                ch.queue_purge(_Q)
+                ch.confirm_delivery()
+                for key in ("kept", "a", "b", "c", "d"):
+                    ch.basic_publish(_EX, key, key.encode())
+                return {m.decode() for m in drain(url, _Q)}
+            finally:
+                with contextlib.suppress(pika.exceptions.AMQPError):
+                    conn.close()
+
+        assert routed_keys(broker.url) == {"kept"}
+        broker.kill()
+        broker = BrokerProcess(data, name=broker.name, extra_args=args, port=broker.port).start()
+        assert routed_keys(broker.url) == {"kept"}
+    finally:
+        broker.stop()

@@ -7,7 +7,7 @@ holds each live message), `compaction`, `writer` (the writer thread's file I/O),
 `completion` (which lsns are done or failed, and who waits) and `facade` (`Journal`).
 """
 
-from twinmq.broker.journal.errors import DiskFullError, JournalError
+from twinmq.broker.journal.errors import DefinitionsDamaged, DiskFullError, JournalError
 from twinmq.broker.journal.facade import Journal, JournalStats
 from twinmq.broker.journal.ops import (
     JournalOp,
@@ -22,6 +22,7 @@ from twinmq.broker.journal.recovery import Corruption, Recovered
 
 __all__ = [
     "Corruption",
+    "DefinitionsDamaged",
     "DiskFullError",
     "Journal",
     "JournalError",

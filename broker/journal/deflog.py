@@ -6,11 +6,16 @@ Files (in the journal directory)::
     definitions.log    header: magic "TMQD" | u32 version | u64 generation | u32 crc32
                        (of the 16 bytes before it), then records framed like the
                        journal's (segment.py): u32 length | u32 crc32 | JSON of one
-                       `DefinitionsDelta`
+                       `DefinitionsDelta`, or a JSON array of them (a group commit)
 
 Every declare, bind, unbind or delete appends one record and fsyncs the log (the
 caller blocks, so a declare-ok still means durable): its cost does not grow with
-the topology, where rewriting the whole snapshot did. When the log grows past the
+the topology, where rewriting the whole snapshot did. The changes of one loop turn
+go together (`append_many`, the group commit of commit.py): one record holding all
+of them (a JSON array of deltas; a single change stays one object, as an older
+version wrote it), one write, one fsync. The group has one CRC, so a crash leaves
+all of it or a torn tail (none of it was acknowledged before the fsync): never
+some of a group's changes without the ones before them. When the log grows past the
 snapshot's size (and `COMPACT_MIN_BYTES`), the topology is written as a new
 snapshot of generation g+1 (tmp, fsync, rename, directory fsync) and only then an
 empty log of generation g+1 replaces the old one (tmp, fsync, rename, directory
@@ -38,10 +43,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from twinmq.broker.definitions import Definitions, DefinitionsDelta, TopologyState
-from twinmq.broker.journal.errors import DiskFullError, JournalError, io_error
+from twinmq.broker.journal.errors import (
+    DefinitionsDamaged,
+    DiskFullError,
+    JournalError,
+    io_error,
+)
 from twinmq.broker.journal.segment import REC, frame, frame_at
 
 __all__ = [
@@ -71,6 +81,24 @@ def encode_log_header(generation: int) -> bytes:
     """The header of a log of `generation`."""
     crc = zlib.crc32(_HEADER_CRC.pack(MAGIC, VERSION, generation))
     return _HEADER.pack(MAGIC, VERSION, generation, crc)
+
+
+_GROUP = TypeAdapter(list[DefinitionsDelta])
+
+
+def encode_record(deltas: list[DefinitionsDelta]) -> bytes:
+    """A record's payload: one delta as an object, a group of them as an array."""
+    if len(deltas) == 1:
+        return deltas[0].model_dump_json(exclude_defaults=True).encode()
+    items = b",".join(d.model_dump_json(exclude_defaults=True).encode() for d in deltas)
+    return b"[" + items + b"]"
+
+
+def decode_record(payload: bytes) -> list[DefinitionsDelta]:
+    """The deltas of a record's payload (raises ValidationError if it is not one)."""
+    if payload[:1] == b"[":
+        return _GROUP.validate_json(payload)
+    return [DefinitionsDelta.model_validate_json(payload)]
 
 
 @dataclass
@@ -137,20 +165,25 @@ def load(directory: Path) -> LoadedDefinitions:
             end, why = frame_at(raw, view, pos, size)
             if not end:
                 if _intact_record_after(raw, view, pos, size):
-                    raise JournalError(
+                    raise DefinitionsDamaged(
                         f"{path} is damaged: {why} at offset {pos} with intact changes after "
                         "it; refusing to start rather than guess the topology (the file is "
-                        "kept; restore it, or rebuild the data directory from the peer)"
+                        "kept; restore it, or rebuild the data directory from the peer)",
+                        file=LOG,
+                        offset=pos,
+                        length=size - pos,
+                        reason=str(why),
                     )
                 out.torn_bytes = size - pos
                 break
             try:
-                delta = DefinitionsDelta.model_validate_json(raw[pos + REC.size : end])
+                deltas = decode_record(raw[pos + REC.size : end])
             except ValidationError as exc:
                 raise JournalError(
                     f"{path}: intact record at offset {pos} that does not decode: {exc}"
                 ) from exc
-            state.apply(delta)
+            for delta in deltas:
+                state.apply(delta)
             out.log_records += 1
             pos = end
     finally:
@@ -163,13 +196,15 @@ def _intact_record_after(data: bytes, view: memoryview, pos: int, size: int) -> 
     """Whether an intact record starts anywhere after a bad one at `pos` (damage, not a tail).
 
     A torn append leaves only a prefix of one record, so nothing intact follows it.
-    Records are JSON objects: candidates are the offsets 8 bytes before a '{'.
+    Records are JSON objects or arrays: candidates are the offsets 8 bytes before a
+    '{' or a '['.
     """
     start = pos + 1 + REC.size
     while True:
-        brace = data.find(b"{", start)
-        if brace < 0:
+        found = [i for i in (data.find(b"{", start), data.find(b"[", start)) if i >= 0]
+        if not found:
             return False
+        brace = min(found)
         if frame_at(data, view, brace - REC.size, size)[0]:
             return True
         start = brace + 1
@@ -248,6 +283,17 @@ class DefinitionsStore:
         On failure nothing of it is on disk or in `state`: DiskFullError for a full
         disk (the log is cut back), JournalError otherwise.
         """
+        return self.append_many([delta])
+
+    def append_many(self, deltas: list[DefinitionsDelta]) -> list[int]:
+        """Durably record changes in order, all in one write and one fsync (a group
+        commit); return the qids they dropped.
+
+        All or nothing, as `append`: on failure none of them is in `state` and the
+        log is cut back to where it was.
+        """
+        if not deltas:
+            return []
         if self._broken is not None:
             raise JournalError(f"definitions log failed: {self._broken}") from self._broken
         if self._fd < 0:
@@ -259,9 +305,9 @@ class DefinitionsStore:
                 self._write_snapshot(self.state.definitions())
             if self._fd < 0:
                 self._new_log()  # the snapshot's own attempt failed: its error, now
-        record = frame(delta.model_dump_json(exclude_defaults=True).encode())
-        self._hook("append")
+        record = frame(encode_record(deltas))
         try:
+            self._hook("append")  # inside: a test's OSError is a write that failed
             written = os.pwrite(self._fd, record, self.log_bytes)
             if written != len(record):
                 raise OSError(28, "No space left on device (short write)")
@@ -279,7 +325,7 @@ class DefinitionsStore:
             raise err from exc
         self.log_bytes += len(record)
         self.log_records += 1
-        dropped = self.state.apply(delta)
+        dropped = [qid for d in deltas for qid in self.state.apply(d)]
         if self.log_bytes > max(self.snapshot_bytes, self._compact_min):
             try:
                 self._write_snapshot(self.state.definitions())

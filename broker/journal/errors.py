@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import errno
 
-__all__ = ["DiskFullError", "FatalJournalError", "JournalError", "io_error"]
+__all__ = [
+    "DefinitionsDamaged",
+    "DiskFullError",
+    "FatalJournalError",
+    "JournalError",
+    "io_error",
+]
 
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -19,6 +25,18 @@ class DiskFullError(JournalError):
 
 class FatalJournalError(JournalError):
     """The file could not be put back in a known state: stop writing for good."""
+
+
+class DefinitionsDamaged(JournalError):
+    """The definitions log has an unreadable record with intact ones after it (not a
+    torn tail): the start is refused, and the damage is recorded (DAMAGED.json)."""
+
+    def __init__(self, message: str, *, file: str, offset: int, length: int, reason: str) -> None:
+        super().__init__(message)
+        self.file = file
+        self.offset = offset
+        self.length = length  # bytes from the bad record to the end of the file
+        self.reason = reason
 
 
 def io_error(what: str, exc: OSError) -> JournalError:

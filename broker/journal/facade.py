@@ -7,7 +7,8 @@ Durable queues' persistent messages live here, so that a broker killed with
     definitions.json          the durable topology's snapshot; replaced atomically (tmp,
                               fsync, rename) when the log below is compacted
     definitions.log           each topology change since the snapshot, appended and
-                              fsynced one by one (format and crash order: deflog.py)
+                              fsynced a group (a loop turn's) at a time (format and
+                              crash order: deflog.py)
     00000000000000000001.seg  append-only segments, oldest first (format: segment.py)
     00000000000000000002.seg
     ...
@@ -290,8 +291,13 @@ class Journal:
         The same rules as `save_definitions`; on an error (DiskFullError for a full
         disk) nothing of the change is stored.
         """
+        self.save_deltas([delta])
+
+    def save_deltas(self, deltas: list[DefinitionsDelta]) -> None:
+        """Durably record topology changes in order: one append and one fsync for all
+        (a group commit); on an error none of them is stored."""
         self._require_open()
-        for qid in self._defs.append(delta):
+        for qid in self._defs.append_many(deltas):
             self.drop_queue(qid)
 
     def definitions(self) -> Definitions:
