@@ -824,6 +824,7 @@ def reconcile(
         # What only the operator knows: kept until the next switch replaces it.
         new.mirror.demotion_token = status.mirror.demotion_token
         new.mirror.last_switch = status.mirror.last_switch
+        new.mirror.failback = status.mirror.failback
     new.federation = federation.state_of(
         spec.federation, cluster.namespace, cluster.name,
         active_report.federation if active_report is not None else None,
