@@ -865,6 +865,8 @@ def reconcile(
     ]
     if (mirrored := mirroring.condition(new.mirror)) is not None:
         extra.append(mirrored)
+    if (failing_back := mirroring.failback_condition(new.mirror)) is not None:
+        extra.append(failing_back)
     if (federated := federation.condition(new.federation)) is not None:
         extra.append(federated)
     new.conditions = conditions(decision, new, views, generation, extra)

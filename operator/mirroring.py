@@ -157,6 +157,16 @@ def condition(state: MirrorState | None) -> tuple[str, bool, str, str] | None:
     return ("Mirroring", state.state == "Connected", state.state, why)
 
 
+def failback_condition(state: MirrorState | None) -> tuple[str, bool, str, str] | None:
+    """The `FailingBack` condition: True while a mirrorFailback request is under way here
+    (its reason the phase), False once it is Done or Refused; None if none was asked."""
+    if state is None or not state.failback.id:
+        return None
+    fb = state.failback
+    moving = fb.phase not in ("Done", "Refused")
+    return ("FailingBack", moving, fb.phase or "Reattaching", f"{fb.id}: {fb.message}")
+
+
 def events(old: MirrorState | None, new: MirrorState | None) -> list[tuple[str, str, str]]:
     """(type, reason, message) of the Events for a change of the link's state: a Warning
     when it goes down, resyncs or is fenced, a Normal one when it comes up; a Warning

@@ -875,6 +875,7 @@ ConditionType = Literal[
     "AuditPassed",
     "BrokerDamaged",
     "Mirroring",
+    "FailingBack",
     "Federated",
 ]
 

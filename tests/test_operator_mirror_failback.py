@@ -27,7 +27,12 @@ from twinmq.broker.api import MirrorStatus
 from twinmq.cli import kubectl
 from twinmq.operator.kube import Kube
 from twinmq.operator.main import now_iso
-from twinmq.operator.mirroring import failback_step, state_of, switch_requests
+from twinmq.operator.mirroring import (
+    failback_condition,
+    failback_step,
+    state_of,
+    switch_requests,
+)
 from twinmq.operator.models import (
     GROUP,
     KIND,
@@ -254,6 +259,8 @@ def test_a_failback_asked_of_a_replica_or_a_site_without_a_mirror_is_refused_onc
                                        ("Warning", "MirrorFailbackRefused")]  # fmt: skip
     assert handled.mirror_failback == "fb-1" and state.failback.phase == "Refused"
     assert "a failback is asked of the site that is the source now" in state.failback.message
+    assert failback_condition(state)[:3] == ("FailingBack", False, "Refused")  # type: ignore[index]
+    assert failback_condition(MirrorState(role="source")) is None  # none asked
     assert writable(sites.source) and not writable(sites.mirror)  # nothing changed
     handled = HandledRequests()
     ((kind, reason, _),) = failback_step("fb-2", handled, None, sites.source.admin, now_iso())
@@ -286,6 +293,7 @@ def test_a_failback_waits_while_the_other_site_is_away_and_goes_on_when_it_retur
         assert step(state) == "Reattaching"
     assert handled.mirror_failback is None and writable(sites.mirror)
     assert "waiting for the link" in state.failback.message
+    assert failback_condition(state)[:3] == ("FailingBack", True, "Reattaching")  # type: ignore[index]
     sites.source.start()
     wait_for("demoted", lambda: step(state) == "Promoting", 60)
     assert state.failback.token and not writable(sites.mirror) and not writable(sites.source)
