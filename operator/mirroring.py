@@ -283,11 +283,13 @@ def failback_step(
         handled.mirror_failback = request_id
         return [*out, ("Warning", "MirrorFailbackRefused", f"{request_id}: {why}")]
 
+    if active is None or state.state == "Unknown":
+        # No active broker answers now (the role shown is then the spec's first one, not
+        # the site's): the next pass goes on.
+        return out
     if fb.phase == "Reattaching" and state.role != "source":
         return refuse(f"this site is a DR {state.role}: a failback is asked of the site "
                       "that is the source now")  # fmt: skip
-    if active is None or state.state == "Unknown":
-        return out  # no active broker answers now: the next pass goes on
     if fb.phase in ("Reattaching", "Syncing") and state.role == "source":
         if state.state == "Fenced":
             return refuse("a newer site took over: this site is fenced")

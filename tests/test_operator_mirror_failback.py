@@ -262,6 +262,12 @@ def test_a_failback_asked_of_a_replica_or_a_site_without_a_mirror_is_refused_onc
     assert failback_condition(state)[:3] == ("FailingBack", False, "Refused")  # type: ignore[index]
     assert failback_condition(MirrorState(role="source")) is None  # none asked
     assert writable(sites.source) and not writable(sites.mirror)  # nothing changed
+    # Before any broker answers, the role shown is the spec's first one: wait, not refuse.
+    unheard, handled = MirrorState(role="replica"), HandledRequests()
+    assert [e[:2] for e in failback_step("fb-3", handled, unheard, None, now_iso())] == [
+        ("Normal", "MirrorFailback")
+    ]
+    assert handled.mirror_failback is None and unheard.failback.phase == "Reattaching"
     handled = HandledRequests()
     ((kind, reason, _),) = failback_step("fb-2", handled, None, sites.source.admin, now_iso())
     assert (kind, reason, handled.mirror_failback) == ("Warning", "MirrorFailbackRefused", "fb-2")
