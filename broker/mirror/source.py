@@ -387,8 +387,8 @@ class MirrorSource:
             Entry(Message(seq, "", QUEUE_NAME, header, body, True, None, None), None, True)
         )
         queue.bytes += len(body)
-        qids = Counter({op.qid for op in ops})  # an event counts once per queue it touches
-        sizes = op_bytes_by_queue(ops)
+        sizes = op_bytes_by_queue(ops)  # one pass over the ops for both
+        qids = Counter(dict.fromkeys(sizes, 1))  # an event counts once per queue it touches
         self._lag[seq] = (event_created(body), qids, sizes)
         self.queue_lag.update(qids)
         self.queue_lag_bytes.update(sizes)
