@@ -499,7 +499,7 @@ def mirror_rows(
             str(state.get("queueEvents", "-")),
             f"{float(state.get('lagSeconds') or 0.0):.1f}s" if state else "-",
             str(state.get("sourcesConnected", "-")),
-            failback_text(state) or str(state.get("message") or ""),
+            failback_text(state) or str(state.get("message") or "") or orphans_text(state),
         ))  # fmt: skip
     return rows
 
@@ -511,6 +511,13 @@ def failback_text(state: Mapping[str, Any]) -> str:
     if phase not in ("Reattaching", "Syncing", "Demoting", "Promoting"):
         return ""
     return f"failback {phase}: {fb.get('message', '')}"
+
+
+def orphans_text(state: Mapping[str, Any]) -> str:
+    """Messages a seed moved to this site's orphan queue (after a forced failover: what only
+    the old source held), for the MESSAGE column ("" when none)."""
+    count = int(state.get("orphans") or 0)
+    return f"{count} orphaned messages kept in amq.twinmq.mirror-orphans" if count else ""
 
 
 def federation_rows(

@@ -656,3 +656,11 @@ def test_mirror_status_shows_a_failback_in_progress() -> None:
     code, out, _ = run(kube, ["mirror", "status"])
     assert code == EXIT_OK
     assert out.splitlines()[1].endswith("failback Syncing: 40 events to mirror")
+
+
+def test_mirror_status_shows_the_orphans_a_forced_failover_left_on_the_old_source() -> None:
+    kube = FakeKube(mirrored(role="replica", state="Connected", epoch=2, queueEvents=0,
+                             lagSeconds=0.0, sourcesConnected=1, orphans=5))  # fmt: skip
+    code, out, _ = run(kube, ["mirror", "status"])
+    assert code == EXIT_OK
+    assert out.splitlines()[1].endswith("5 orphaned messages kept in amq.twinmq.mirror-orphans")
