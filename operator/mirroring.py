@@ -344,7 +344,8 @@ def failback_step(
 
 
 def _seconds_between(start: str, end: str) -> str:
-    """`end - start` of two RFC 3339 times, as text ("" when either does not parse)."""
+    """`end - start` of two RFC 3339 times, as text ("time unknown" when either does not
+    parse)."""
     try:
         seconds = (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
     except ValueError:
