@@ -210,6 +210,10 @@ class MirrorStatus(BaseModel):
     queue_lag_seconds: dict[str, float] = Field(
         default_factory=dict, description="Per queue: age of its oldest unacknowledged event"
     )
+    queue_lag_bytes: dict[str, int] = Field(
+        default_factory=dict,
+        description="Per queue: bytes of its ops (messages, settles) in those events",
+    )
     needs_resync: str | None = Field(
         None, description="Why the backlog was dropped (retention bound): re-seed the mirror"
     )

@@ -189,6 +189,30 @@ def build_parser() -> argparse.ArgumentParser:
         "to the mirror's orphan queue (amq.twinmq.mirror-orphans), never discarded.",
     )  # fmt: skip
     reseed.add_argument("cluster", metavar="SOURCE", help="the source BrokerCluster")
+    failback = mirror_sub.add_parser(
+        "failback", parents=[common], help="make SITE the source again (after a switchover "
+        "or a forced failover)",
+        description="A DR failback in one command: declare mirrorFailback on the site that is "
+        "the source now (by default the cluster SITE's spec.mirror.target names, as "
+        "<name>.<namespace>.svc). Its operator waits until SITE is re-attached as its replica "
+        "(after a forced failover SITE fences itself, is re-seeded, and keeps what only it "
+        "held in its orphan queue) and in sync, then demotes it; the plugin declares "
+        "mirrorPromote on SITE with the demotion token and waits until SITE's link is back. "
+        "The phases are printed as they change (status.mirror.failback). Both sites are "
+        "never writable at once.",
+    )  # fmt: skip
+    failback.add_argument("cluster", metavar="SITE", help="the BrokerCluster to make the source")
+    failback.add_argument(
+        "source", nargs="?", metavar="[NAMESPACE/]SOURCE",
+        help="the source BrokerCluster now (default: from SITE's spec.mirror.target.host)",
+    )  # fmt: skip
+    failback.add_argument(
+        "--source-context", help="kubeconfig context of the source's site (default: the same)"
+    )
+    failback.add_argument(
+        "--timeout", type=float, default=600.0, metavar="SECONDS",
+        help="for the re-attachment and sync, then for the promotion",
+    )  # fmt: skip
     for one_request in (failover, reseed):
         one_request.add_argument(
             "--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait"
@@ -475,9 +499,25 @@ def mirror_rows(
             str(state.get("queueEvents", "-")),
             f"{float(state.get('lagSeconds') or 0.0):.1f}s" if state else "-",
             str(state.get("sourcesConnected", "-")),
-            str(state.get("message") or ""),
+            failback_text(state) or str(state.get("message") or "") or orphans_text(state),
         ))  # fmt: skip
     return rows
+
+
+def failback_text(state: Mapping[str, Any]) -> str:
+    """A failback in progress on this site, for the MESSAGE column ("" when none is)."""
+    fb = state.get("failback") or {}
+    phase = fb.get("phase")
+    if phase not in ("Reattaching", "Syncing", "Demoting", "Promoting"):
+        return ""
+    return f"failback {phase}: {fb.get('message', '')}"
+
+
+def orphans_text(state: Mapping[str, Any]) -> str:
+    """Messages a seed moved to this site's orphan queue (after a forced failover: what only
+    the old source held), for the MESSAGE column ("" when none)."""
+    count = int(state.get("orphans") or 0)
+    return f"{count} orphaned messages kept in amq.twinmq.mirror-orphans" if count else ""
 
 
 def federation_rows(
@@ -812,6 +852,8 @@ def cmd_mirror_switch(
         )
         (out if ok else err).write(f"{'reseeded' if ok else 'refused'}: {message}\n")
         return EXIT_OK if ok else EXIT_ERROR
+    if args.mirror_command == "failback":
+        return cmd_mirror_failback(kube, replica_kube, args, out, err, sleep, clock)
     if args.mirror_command == "failover":
         request = {"id": new_request_id("mirror-promote"), "force": True, "token": None}
         mirror_request(kube, namespace, args.cluster, "mirrorPromote", request, args.timeout,
@@ -840,6 +882,85 @@ def cmd_mirror_switch(
         f"{'promoted' if ok else 'refused: promoting'} {replica_ns}/{replica}: {message}\n"
     )
     return EXIT_OK if ok else EXIT_ERROR
+
+
+def failback_source(site: Obj, named: str | None, default_ns: str) -> tuple[str, str]:
+    """(namespace, name) of the source a failback to `site` demotes: as named, else the
+    cluster behind `site`'s target (`<name>.<namespace>.svc[...]`, its virtual IP)."""
+    if named:
+        namespace, _, name = named.rpartition("/")
+        return namespace or default_ns, name
+    host = str((((site.get("spec") or {}).get("mirror") or {}).get("target") or {}).get("host")
+               or "")  # fmt: skip
+    parts = host.split(".")
+    if len(parts) >= 3 and parts[2] == "svc":
+        return parts[1], parts[0]
+    raise PluginError(
+        f"failback: name the source cluster: {site['metadata']['name']}'s spec.mirror.target "
+        f"({host or 'none'}) is not <name>.<namespace>.svc"
+    )
+
+
+def cmd_mirror_failback(
+    kube: Kube, source_kube: Kube, args: argparse.Namespace, out: Any, err: Any,
+    sleep: Callable[[float], None], clock: Callable[[], float],
+) -> int:  # fmt: skip
+    """`mirror failback SITE [SOURCE]`: mirrorFailback on the source, then, with its
+    demotion token, mirrorPromote on SITE; then wait until the source reports it done."""
+    started = clock()
+    namespace = args.namespace or kube.default_namespace
+    site = find_cluster(kube, namespace, args.cluster)
+    src_ns, src = failback_source(
+        site, args.source, namespace if source_kube is kube else source_kube.default_namespace
+    )
+    find_cluster(source_kube, src_ns, src)
+    request_id = new_request_id("mirror-failback")
+    source_kube.patch(src_ns, src, {"spec": {"requests": {"mirrorFailback": {"id": request_id}}}})
+    out.write(f"mirrorFailback {request_id} declared on {src_ns}/{src}\n")
+
+    seen = ""
+
+    def progress(until: tuple[str, ...]) -> Obj:
+        """Print the phases of the request until one of `until` (or Refused)."""
+        nonlocal seen
+        deadline = clock() + args.timeout
+        while True:
+            fb = ((source_kube.get(src_ns, src).get("status") or {}).get("mirror") or {}).get(
+                "failback") or {}  # fmt: skip
+            if fb.get("id") == request_id:
+                phase = str(fb.get("phase") or "")
+                if phase and phase != seen:
+                    seen = phase
+                    out.write(f"{src_ns}/{src}: {phase}: {fb.get('message', '')}\n")
+                if phase in (*until, "Refused"):
+                    return fb
+            if clock() > deadline:
+                raise PluginError(
+                    f"mirrorFailback {request_id} on {src_ns}/{src} still {seen or 'pending'} "
+                    f"after {args.timeout:.0f}s (is its operator running? the request stays "
+                    "declared and goes on)", EXIT_TIMEOUT,
+                )  # fmt: skip
+            sleep(0.5)  # polling interval of a deadline-bound wait
+
+    fb = progress(("Promoting", "Done"))
+    if fb.get("phase") == "Refused" or not fb.get("token"):
+        err.write(f"refused: failback from {src_ns}/{src}: {fb.get('message', '')}\n")
+        return EXIT_ERROR
+    promote = {"id": new_request_id("mirror-promote"), "token": fb["token"], "force": False}
+    mirror_request(kube, namespace, args.cluster, "mirrorPromote", promote, args.timeout,
+                   sleep, clock)  # fmt: skip
+    ok, message = switch_outcome(kube, namespace, args.cluster, "MirrorPromote")
+    if not ok:
+        err.write(f"refused: promoting {namespace}/{args.cluster}: {message} ({src_ns}/{src} "
+                  "stays demoted: promote it again with its token or by force)\n")  # fmt: skip
+        return EXIT_ERROR
+    out.write(f"promoted {namespace}/{args.cluster}: {message}\n")
+    fb = progress(("Done",))
+    if fb.get("phase") != "Done":
+        err.write(f"refused: {src_ns}/{src}: {fb.get('message', '')}\n")
+        return EXIT_ERROR
+    out.write(f"failed back to {namespace}/{args.cluster} in {clock() - started:.1f} s\n")
+    return EXIT_OK
 
 
 def cmd_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
@@ -933,8 +1054,11 @@ def run(argv: Sequence[str] | None = None, out: Any = None, err: Any = None) -> 
             return cmd_mirror_status(kube, args, out)
         if args.command == "mirror":
             other = kube
-            if getattr(args, "replica_context", None):
-                other = Kube.connect(args.kubeconfig, args.replica_context)
+            context = getattr(args, "replica_context", None) or getattr(
+                args, "source_context", None
+            )
+            if context:
+                other = Kube.connect(args.kubeconfig, context)
             return cmd_mirror_switch(kube, other, args, out, err)
         return cmd_request(kube, args, out, err)
     except PluginError as exc:

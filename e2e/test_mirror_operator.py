@@ -105,7 +105,8 @@ def test_a_declared_switchover_makes_the_replica_site_the_source_losing_nothing(
 ) -> None:
     """Both sites switchable (each names the other by its virtual IP's DNS name):
     `kubectl twinmq mirror switchover` demotes the source (drained), promotes the replica
-    with its token; the new source's traffic then flows back to the old one."""
+    with its token; the new source's traffic then flows back to the old one; then
+    `kubectl twinmq mirror failback` makes the old source the source again."""
     mirror_secret(cluster, dr_namespace)
     mirror_secret(cluster, namespace)
 
@@ -129,7 +130,22 @@ def test_a_declared_switchover_makes_the_replica_site_the_source_losing_nothing(
     old_source = amqp_url(cluster, namespace, source)
     wait_for("the new source's messages mirrored back to the old one",
              lambda: messages_in(old_source, "orders") == COUNT + 10, 60)  # fmt: skip
-    assert sorted(drain(new_source, "orders")) == list(range(COUNT + 10))
+    # Failback in one command: the site that is the source now is named by the old
+    # source's target; it waits until in sync, is demoted, and the old source is
+    # promoted with its token (docs/mirror.md, "Failback as one command").
+    shown = plugin(cluster, "mirror", "failback", source, "-n", namespace, "--timeout", "120")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    print(shown.stdout)  # its phases and time, for docs/mirror.md
+    assert f"failed back to {namespace}/{source}" in shown.stdout, shown.stdout
+    wait_for("the old source is the source again",
+             lambda: mirror_state(cluster, namespace, source)["role"] == "source", 30)  # fmt: skip
+    assert mirror_state(cluster, dr_namespace, replica)["role"] == "replica"
+    failback = mirror_state(cluster, dr_namespace, replica)["failback"]
+    assert failback["phase"] == "Done", failback
+    publish_some(old_source, "orders", range(COUNT + 10, COUNT + 20))
+    wait_for("the old source's messages mirrored to the other site again",
+             lambda: messages_in(new_source, "orders") == COUNT + 20, 60)  # fmt: skip
+    assert sorted(drain(old_source, "orders")) == list(range(COUNT + 20))
 
 
 def browse(url: str, queue: str) -> list[int]:

@@ -824,6 +824,7 @@ def reconcile(
         # What only the operator knows: kept until the next switch replaces it.
         new.mirror.demotion_token = status.mirror.demotion_token
         new.mirror.last_switch = status.mirror.last_switch
+        new.mirror.failback = status.mirror.failback
     new.federation = federation.state_of(
         spec.federation, cluster.namespace, cluster.name,
         active_report.federation if active_report is not None else None,
@@ -864,6 +865,8 @@ def reconcile(
     ]
     if (mirrored := mirroring.condition(new.mirror)) is not None:
         extra.append(mirrored)
+    if (failing_back := mirroring.failback_condition(new.mirror)) is not None:
+        extra.append(failing_back)
     if (federated := federation.condition(new.federation)) is not None:
         extra.append(federated)
     new.conditions = conditions(decision, new, views, generation, extra)

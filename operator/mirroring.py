@@ -13,6 +13,7 @@ Only the active broker of a pair mirrors or applies; the status is read from its
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import ValidationError
@@ -31,8 +32,10 @@ from twinmq.broker.api import MirrorDemoteRequest as DemoteCall
 from twinmq.broker.api import MirrorPromoteRequest as PromoteCall
 from twinmq.broker.names import MIRROR_PORT, setting_env
 from twinmq.operator.models import (
+    FailbackPhase,
     HandledRequests,
     Mirror,
+    MirrorFailback,
     MirrorState,
     MirrorStateName,
     Requests,
@@ -40,6 +43,10 @@ from twinmq.operator.models import (
 
 T = TypeVar("T")
 DEMOTE_WAIT = 2.0  # seconds a pass lets a switch wait (a drain, the token's last event)
+# A failback demotes once the backlog's oldest event is younger than this: under traffic
+# the queue is seldom empty at a pass, and what is left drains inside one DEMOTE_WAIT
+# with clients off (the demotion waits for zero, so this bound costs no message).
+SYNC_LAG = 1.0
 
 Obj = dict[str, Any]
 SOURCE_STATES: dict[str, MirrorStateName] = {
@@ -150,6 +157,16 @@ def condition(state: MirrorState | None) -> tuple[str, bool, str, str] | None:
     return ("Mirroring", state.state == "Connected", state.state, why)
 
 
+def failback_condition(state: MirrorState | None) -> tuple[str, bool, str, str] | None:
+    """The `FailingBack` condition: True while a mirrorFailback request is under way here
+    (its reason the phase), False once it is Done or Refused; None if none was asked."""
+    if state is None or not state.failback.id:
+        return None
+    fb = state.failback
+    moving = fb.phase not in ("Done", "Refused")
+    return ("FailingBack", moving, fb.phase or "Reattaching", f"{fb.id}: {fb.message}")
+
+
 def events(old: MirrorState | None, new: MirrorState | None) -> list[tuple[str, str, str]]:
     """(type, reason, message) of the Events for a change of the link's state: a Warning
     when it goes down, resyncs or is fenced, a Normal one when it comes up; a Warning
@@ -203,7 +220,7 @@ def switch_requests(
     that cannot answer now, or a demotion still draining, is asked again at the next pass
     (the broker answers a repeated switch with the stored result)."""
     demote, promote = requests.mirror_demote, requests.mirror_promote
-    reseed = requests.mirror_reseed
+    reseed, failback = requests.mirror_reseed, requests.mirror_failback
     if reseed is not None and reseed.id != handled.mirror_reseed:
         return _reseed(reseed.id, handled, state, active)
     if demote is not None and demote.id != handled.mirror_demote:
@@ -218,7 +235,122 @@ def switch_requests(
                      f"{exc.errors()[0]['msg']}")]  # fmt: skip
         call = PromoteCall(token=token, force=promote.force, timeout=DEMOTE_WAIT)
         return _switch(promote.id, "promote", call, handled, state, active, now)
+    if failback is not None and failback.id != handled.mirror_failback:
+        return failback_step(failback.id, handled, state, active, now)
     return []
+
+
+def failback_step(
+    request_id: str,
+    handled: HandledRequests,
+    state: MirrorState | None,
+    active: SwitchClient | None,
+    now: str,
+) -> list[tuple[str, str, str]]:
+    """One pass of a mirrorFailback request on the site that is the source now; the Events.
+
+    Its phases (`status.mirror.failback.phase`, kept across passes and operator restarts):
+    Reattaching until this site's link is Connected (the other site accepts a source's link
+    only as a replica: after a forced failover the old source fences itself on this site's
+    REFUSE, is reversed and applies this site's seed, keeping what only it held in its
+    orphan queue; a NeedsResync source is re-seeded), Syncing until the backlog is within
+    SYNC_LAG, Demoting (the switchover's first half: clients refused, drained to zero, a
+    demotion token), Promoting until the other site, promoted with that token, has linked
+    back to this one. Both sites are never writable at once: the other site is a replica
+    from Reattaching on, and becomes the source only with the token, which exists only
+    once this site is fenced.
+    """
+    if state is None:
+        handled.mirror_failback = request_id
+        return [("Warning", "MirrorFailbackRefused", f"{request_id}: this BrokerCluster has "
+                 "no spec.mirror")]  # fmt: skip
+    fb = state.failback
+    out: list[tuple[str, str, str]] = []
+    if fb.id != request_id:
+        fb = state.failback = MirrorFailback(id=request_id, phase="Reattaching", started=now,
+                                             since=now)  # fmt: skip
+        out.append(("Normal", "MirrorFailback", f"{request_id}: failing back to "
+                    f"{state.target or 'the mirror'}"))  # fmt: skip
+
+    def to(phase: FailbackPhase, message: str) -> None:
+        if phase != fb.phase:
+            fb.phase, fb.since = phase, now
+            out.append(("Normal", f"MirrorFailback{phase}", f"{request_id}: {message}"))
+        fb.message = message
+
+    def refuse(why: str) -> list[tuple[str, str, str]]:
+        fb.phase, fb.since, fb.message = "Refused", now, why
+        handled.mirror_failback = request_id
+        return [*out, ("Warning", "MirrorFailbackRefused", f"{request_id}: {why}")]
+
+    if active is None or state.state == "Unknown":
+        # No active broker answers now (the role shown is then the spec's first one, not
+        # the site's): the next pass goes on.
+        return out
+    if fb.phase == "Reattaching" and state.role != "source":
+        return refuse(f"this site is a DR {state.role}: a failback is asked of the site "
+                      "that is the source now")  # fmt: skip
+    if fb.phase in ("Reattaching", "Syncing") and state.role == "source":
+        if state.state == "Fenced":
+            return refuse("a newer site took over: this site is fenced")
+        if state.state == "NeedsResync":
+            try:
+                seeded = active.send(mirror_reseed_call())
+            except AdminUnreachable:
+                return out
+            except AdminError as exc:
+                return refuse(f"the mirror needs a re-seed, refused: {exc}")
+            to("Reattaching", f"re-seeding the other site ({seeded.messages} messages)")
+            return out
+        if state.state != "Connected":
+            to("Reattaching", "waiting for the link to the other site (it takes this site's "
+               f"link only as a replica): {state.message or 'not connected yet'}")  # fmt: skip
+            return out
+        if state.queue_events and state.lag_seconds > SYNC_LAG:
+            to("Syncing", f"{state.queue_events} events ({state.queue_bytes} bytes) to "
+               f"mirror, the oldest {state.lag_seconds:.1f} s old")  # fmt: skip
+            return out
+        to("Demoting", f"in sync ({state.queue_events} events to go): demoting, clients "
+           "refused")  # fmt: skip
+    if fb.phase in ("Syncing", "Demoting"):
+        # (Syncing here: a restart lost the Demoting phase after the demotion; the broker
+        # answers a repeated demotion with its token.)
+        try:
+            switch = active.send(mirror_demote_call(DemoteCall(timeout=DEMOTE_WAIT)))
+        except (MirrorNotDrained, AdminUnreachable):
+            return out  # still draining: asked again (replay-safe)
+        except AdminError as exc:
+            return refuse(f"demotion refused: {exc}")
+        if switch.token is None:
+            return refuse("the demotion gave no token")
+        state.role, state.epoch = switch.role, switch.epoch
+        fb.token = state.demotion_token = switch.token.model_dump_json()
+        state.last_switch = (f"{now}: {request_id}: demoted to {switch.role} at DR epoch "
+                             f"{switch.epoch} in {switch.seconds:.2f} s (failback)")  # fmt: skip
+        to("Promoting", f"demoted in {switch.seconds:.2f} s: promote the other site with "
+           "status.mirror.failback.token")  # fmt: skip
+        return out
+    if fb.phase == "Promoting":
+        if state.role == "replica" and state.state == "Connected":
+            fb.phase, fb.since, handled.mirror_failback = "Done", now, request_id
+            took = _seconds_between(fb.started, now)
+            fb.message = f"the other site is the source again, linked back to this one ({took})"
+            out.append(("Normal", "MirrorFailedBack", f"{request_id}: {fb.message}"))
+        elif state.role == "source":
+            return refuse("this site is the source again (promoted by another request)")
+        else:
+            fb.message = "demoted: waiting for the other site's promotion and its link back"
+    return out
+
+
+def _seconds_between(start: str, end: str) -> str:
+    """`end - start` of two RFC 3339 times, as text ("time unknown" when either does not
+    parse)."""
+    try:
+        seconds = (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+    except ValueError:
+        return "time unknown"
+    return f"{seconds:.1f} s in all"
 
 
 def _reseed(

@@ -591,6 +591,16 @@ class MirrorReseedRequest(ApiModel):
     id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
 
 
+class MirrorFailbackRequest(ApiModel):
+    """DR failback, declared on the site that is the source now (after a switchover or a
+    forced failover): wait until the site it mirrors to is re-attached as its replica (the
+    old source fences itself, is reversed and, after a forced failover, re-seeded: what
+    only it held goes to its orphan queue) and in sync, then demote this site with a
+    demotion token for that site's mirrorPromote. Progress in `status.mirror.failback`."""
+
+    id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
+
+
 class MirrorPromoteRequest(ApiModel):
     """DR switchover, second half (on the replica site), with the source's demotion token;
     or, the source site being gone, a forced DR failover (its RPO reported, not hidden)."""
@@ -621,6 +631,7 @@ class Requests(ApiModel):
     mirror_demote: MirrorDemoteRequest | None = None
     mirror_promote: MirrorPromoteRequest | None = None
     mirror_reseed: MirrorReseedRequest | None = None
+    mirror_failback: MirrorFailbackRequest | None = None
 
 
 # -- placement and pod template overrides (the Kubernetes core/v1 shapes, as used) ----------
@@ -864,6 +875,7 @@ ConditionType = Literal[
     "AuditPassed",
     "BrokerDamaged",
     "Mirroring",
+    "FailingBack",
     "Federated",
 ]
 
@@ -914,6 +926,27 @@ class BrokerSummary(ApiModel):
 MirrorStateName = Literal[
     "Connected", "Disconnected", "Listening", "NeedsResync", "Fenced", "Unknown"
 ]
+FailbackPhase = Literal["", "Reattaching", "Syncing", "Demoting", "Promoting", "Done", "Refused"]
+
+
+class MirrorFailback(ApiModel):
+    """A mirrorFailback request's progress on the site that is handing the source role back
+    (docs/mirror.md, "Failback"); empty strings when none was asked (not None: a merge
+    patch's null would delete the key)."""
+
+    id: str = Field("", description="The request's id")
+    phase: FailbackPhase = Field(
+        "",
+        description="Reattaching: waiting for the link to the other site, which accepts it "
+        "only as a replica (re-seeded after a forced failover). Syncing: waiting for the "
+        "backlog to drain. Demoting: clients refused, the rest drained. Promoting: demoted, "
+        "waiting for the other site's promotion with `token`. Done, or Refused (why in "
+        "`message`)",
+    )
+    message: str = Field("", description="What the phase waits for, or the outcome")
+    token: str = Field("", description="From Promoting on: the demotion token (JSON, as is)")
+    started: str = Field("", description="When the request was taken (RFC 3339)")
+    since: str = Field("", description="When the current phase began (RFC 3339)")
 
 
 class MirrorState(ApiModel):
@@ -953,6 +986,9 @@ class MirrorState(ApiModel):
         "mirrorPromote request (JSON, as is)",
     )
     last_switch: str = Field("", description="The last DR switch here: when, what, the RPO")
+    failback: MirrorFailback = Field(
+        default_factory=MirrorFailback, description="The last mirrorFailback request here"
+    )
 
 
 FederationLinkStateName = Literal["Running", "Connecting", "Refused", "Unknown"]
@@ -1081,6 +1117,7 @@ class HandledRequests(ApiModel):
     mirror_demote: str | None = None
     mirror_promote: str | None = None
     mirror_reseed: str | None = None
+    mirror_failback: str | None = None
 
 
 class SwitchoverProgress(ApiModel):

@@ -570,3 +570,97 @@ def test_mirror_reseed_declares_the_request_on_the_source_and_reports_its_event(
     assert code == EXIT_OK and "reseeded: a seed of 26 messages" in out
     (patch,) = source.patches
     assert patch["spec"]["requests"]["mirrorReseed"]["id"].startswith("mirror-reseed")
+
+
+class FailbackSource(Site):
+    """The source's API for `mirror failback`: an operator that walks a mirrorFailback
+    request through its phases (one per get, as operator/mirroring.py does pass by pass)
+    and finishes once the other site was promoted with its token."""
+
+    PHASES = ("Reattaching", "Syncing", "Promoting")
+
+    def __init__(self, obj: Obj, site: Site) -> None:
+        super().__init__(obj, ("", ""))
+        self.site = site
+        self.step = 0
+
+    def handle(self, obj: Obj) -> None:
+        request = obj.get("spec", {}).get("requests", {}).get("mirrorFailback")
+        if not request:
+            return
+        mirror = obj.setdefault("status", {}).setdefault("mirror", {})
+        fb = {"id": request["id"], "message": "", "token": ""}
+        promoted = self.site.obj and self.site.obj.get("status", {}).get(
+            "handledRequests", {}).get("mirrorPromote")  # fmt: skip
+        if promoted:
+            fb["phase"], fb["token"] = "Done", '{"seq": 9}'
+        else:
+            fb["phase"] = self.PHASES[min(self.step, len(self.PHASES) - 1)]
+            if fb["phase"] == "Promoting":
+                fb["token"] = '{"seq": 9}'
+            self.step += 1
+        mirror["failback"] = fb
+
+
+def test_mirror_failback_shows_each_phase_and_promotes_the_site_with_the_token() -> None:
+    site = Site(cluster_obj(name="orders"), ("MirrorPromoted", "promoted to source at epoch 3"))
+    target = {"host": "orders-dr.site-b.svc", "port": 5674}
+    site.obj["spec"]["mirror"] = {"role": "source", "secretName": "dr", "target": target}
+    source = FailbackSource(cluster_obj(name="orders-dr", namespace="site-b"), site)
+    code, out, err = switch(site, source, ["mirror", "failback", "orders"])
+    assert (code, err) == (EXIT_OK, "")
+    (declared,) = source.patches  # found from the site's target: site-b/orders-dr
+    assert declared["spec"]["requests"]["mirrorFailback"]["id"].startswith("mirror-failback")
+    phases = [line.split(": ")[1] for line in out.splitlines() if line.startswith("site-b/")]
+    assert phases == ["Reattaching", "Syncing", "Promoting", "Done"]
+    (promote,) = site.patches
+    assert promote["spec"]["requests"]["mirrorPromote"] == {
+        "id": promote["spec"]["requests"]["mirrorPromote"]["id"], "token": '{"seq": 9}',
+        "force": False,
+    }  # fmt: skip
+    assert "failed back to prod/orders in" in out
+
+
+def test_mirror_failback_stops_when_the_source_refuses_and_promotes_nothing() -> None:
+    site = Site(cluster_obj(name="orders"), ("MirrorPromoted", ""))
+
+    class Refusing(Site):
+        def handle(self, obj: Obj) -> None:
+            request = obj.get("spec", {}).get("requests", {}).get("mirrorFailback")
+            if request:
+                obj.setdefault("status", {})["mirror"] = {"failback": {
+                    "id": request["id"], "phase": "Refused",
+                    "message": "this site is a DR replica: a failback is asked of the site "
+                    "that is the source now"}}  # fmt: skip
+
+    source = Refusing(cluster_obj(name="orders-dr"), ("", ""))
+    code, _, err = switch(site, source, ["mirror", "failback", "orders", "orders-dr"])
+    assert code == EXIT_ERROR and not site.patches
+    assert "refused: failback from prod/orders-dr: this site is a DR replica" in err
+
+
+def test_mirror_failback_needs_a_source_it_can_name() -> None:
+    site = Site(cluster_obj(name="orders"), ("", ""))
+    site.obj["spec"]["mirror"] = {"role": "source", "secretName": "dr",
+                                  "target": {"host": "10.0.0.7"}}  # fmt: skip
+    with pytest.raises(PluginError, match="name the source cluster"):
+        switch(site, site, ["mirror", "failback", "orders"])
+    assert not site.patches
+
+
+def test_mirror_status_shows_a_failback_in_progress() -> None:
+    kube = FakeKube(mirrored(role="source", state="Connected", epoch=2, queueEvents=40,
+                             lagSeconds=3.0, sourcesConnected=0,
+                             failback={"id": "f1", "phase": "Syncing",
+                                       "message": "40 events to mirror"}))  # fmt: skip
+    code, out, _ = run(kube, ["mirror", "status"])
+    assert code == EXIT_OK
+    assert out.splitlines()[1].endswith("failback Syncing: 40 events to mirror")
+
+
+def test_mirror_status_shows_the_orphans_a_forced_failover_left_on_the_old_source() -> None:
+    kube = FakeKube(mirrored(role="replica", state="Connected", epoch=2, queueEvents=0,
+                             lagSeconds=0.0, sourcesConnected=1, orphans=5))  # fmt: skip
+    code, out, _ = run(kube, ["mirror", "status"])
+    assert code == EXIT_OK
+    assert out.splitlines()[1].endswith("5 orphaned messages kept in amq.twinmq.mirror-orphans")

@@ -13,7 +13,7 @@ from twinmq.broker.admin_client import metric_samples
 from twinmq.testing.waiting import wait_for
 
 
-def test_connected_means_a_heartbeat_came_back_and_lag_is_reported_per_queue(
+def test_connected_after_a_heartbeat_and_lag_per_queue_in_events_bytes_and_seconds(
     tmp_path: Path,
 ) -> None:
     with Sites(tmp_path) as sites:
@@ -28,7 +28,7 @@ def test_connected_means_a_heartbeat_came_back_and_lag_is_reported_per_queue(
         sites.mirror.stop()
         wait_for("link down", lambda: not mirror_status(sites.source)["connected"], 30)
         publish(sites.source, "slow", [b"s"] * 30)
-        publish(sites.source, "fast", [b"f"] * 3)
+        publish(sites.source, "fast", [b"f" * 10_000] * 3)  # fewer events, more bytes
         section = mirror_status(sites.source)
         assert section is not None and section["state"] == "connecting"
         lag = section["queue_lag_events"]
@@ -40,11 +40,19 @@ def test_connected_means_a_heartbeat_came_back_and_lag_is_reported_per_queue(
         seconds = section["queue_lag_seconds"]
         assert set(seconds) == {"slow", "fast"} and seconds["slow"] >= seconds["fast"] >= 0
         assert samples['twinmq_mirror_queue_lag_seconds{queue="slow"}'] >= seconds["slow"]
+        # And in bytes: each queue's ops (fixed part, names, properties, body), so the
+        # three 10 kB messages weigh more than the thirty 1-byte ones.
+        size = section["queue_lag_bytes"]
+        assert set(size) == {"slow", "fast"}
+        assert size["fast"] >= 30_000 > size["slow"] >= 30 * (37 + len("slow") + 1)
+        assert samples['twinmq_mirror_queue_lag_bytes{queue="fast"}'] == size["fast"]
+        assert sum(size.values()) <= section["queue_bytes"]  # + each event's own header
         acked_before = samples["twinmq_mirror_event_lag_seconds_count"]
         sites.mirror.start()
         sites.caught_up()
         section = mirror_status(sites.source)
         assert section["queue_lag_events"] == {} and section["queue_lag_seconds"] == {}
+        assert section["queue_lag_bytes"] == {}
         assert queues(sites.mirror)["slow"]["messages"] == 30
         # Every acknowledged event's lag went into the histogram, the backlog's among them.
         samples = metric_samples(sites.source.admin.metrics(timeout=5))

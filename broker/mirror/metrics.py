@@ -57,6 +57,11 @@ QUEUE_LAG_SECONDS = Gauge(
     "Per queue: age of its oldest event not yet acknowledged by the mirror",
     ["queue"],
 )
+QUEUE_LAG_BYTES = Gauge(
+    "twinmq_mirror_queue_lag_bytes",
+    "Per queue: bytes of its ops in the events not yet acknowledged by the mirror",
+    ["queue"],
+)
 EVENT_LAG = Histogram(
     "twinmq_mirror_event_lag_seconds",
     "On the source: from an event's creation to the mirror's acknowledgement of it",

@@ -470,8 +470,12 @@ class Mirroring:
         source, link, listener = self.source, self.link, self.listener
         lag = source.lag_by_queue() if source is not None else {}
         lag_seconds = source.lag_seconds_by_queue() if source is not None else {}
+        lag_bytes = source.lag_bytes_by_queue() if source is not None else {}
         metrics.QUEUE_LAG.clear()
         metrics.QUEUE_LAG_SECONDS.clear()
+        metrics.QUEUE_LAG_BYTES.clear()
+        for name, size in lag_bytes.items():
+            metrics.QUEUE_LAG_BYTES.labels(name).set(size)
         for name, events in lag.items():
             metrics.QUEUE_LAG.labels(name).set(events)
         for name, seconds in lag_seconds.items():
@@ -492,6 +496,7 @@ class Mirroring:
             mirror_blocked=link.mirror_blocked if link is not None else None,
             queue_lag_events=lag,
             queue_lag_seconds=lag_seconds,
+            queue_lag_bytes=lag_bytes,
             needs_resync=source.needs_resync if source is not None else None,
             last_seed=source.last_seed if source is not None else None,
             orphans=orphans.message_count if orphans is not None else 0,

@@ -16,6 +16,7 @@ link (`link.py`) sends only events whose batch is complete here
 from __future__ import annotations
 
 import logging
+import struct
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Final, Protocol
@@ -61,6 +62,9 @@ QUEUE_QID: Final = INTERNAL_QID_BASE + 1
 # Bounds of one snapshot event (an event is applied as one group commit on the mirror).
 SNAPSHOT_EVENT_BYTES: Final = 1024 * 1024
 SNAPSHOT_EVENT_OPS: Final = 4096
+# An op's fixed part in the journal's encoding (broker/journal/ops.py): per-queue lag bytes.
+MESSAGE_OP_BYTES: Final = struct.calcsize("<BQQdHHII")
+SETTLE_OP_BYTES: Final = struct.calcsize("<BQQ")
 
 
 class SourceState(Protocol):
@@ -95,6 +99,22 @@ class SourceLog(Protocol):
         ...
 
 
+def op_bytes_by_queue(ops: Iterable[JournalOp]) -> Counter[int]:
+    """Per qid: the bytes its ops take in an event (a message's fixed part, exchange and
+    routing key (counted in characters: ASCII in practice, and no encode on the hot path),
+    properties and body; a settle's fixed record)."""
+    sizes: Counter[int] = Counter()
+    for op in ops:
+        if type(op) is StoredMessage:
+            sizes[op.qid] += (
+                MESSAGE_OP_BYTES + len(op.exchange) + len(op.routing_key) + len(op.header)
+                + len(op.body)
+            )  # fmt: skip
+        else:
+            sizes[op.qid] += SETTLE_OP_BYTES
+    return sizes
+
+
 class MirrorSource:
     """Fills and trims the replication queue; a `BatchTap` and a `Waiter` of the committer."""
 
@@ -113,7 +133,9 @@ class MirrorSource:
         self.trimmed_seq = 0  # the newest event acknowledged or dropped since start-up
         self.last_seed: str | None = None  # why the last seed was queued (since start-up)
         self.queue_lag: Counter[int] = Counter()  # qid -> unacknowledged events touching it
-        self._lag: dict[int, tuple[float, Counter[int]]] = {}  # seq -> (made at, its qids)
+        self.queue_lag_bytes: Counter[int] = Counter()  # qid -> their ops' bytes for it
+        # seq -> (made at, its qids, its ops' bytes per qid)
+        self._lag: dict[int, tuple[float, Counter[int], Counter[int]]] = {}
         self._queue: Queue | None = None
         self._unsettled: deque[tuple[int, int]] = deque()  # (batch, seq), batch not complete
         # The bidirectional mode (`bidi.py`): events in the origin's terms, through the id
@@ -365,9 +387,11 @@ class MirrorSource:
             Entry(Message(seq, "", QUEUE_NAME, header, body, True, None, None), None, True)
         )
         queue.bytes += len(body)
-        qids = Counter({op.qid for op in ops})  # an event counts once per queue it touches
-        self._lag[seq] = (event_created(body), qids)
+        sizes = op_bytes_by_queue(ops)  # one pass over the ops for both
+        qids = Counter(dict.fromkeys(sizes, 1))  # an event counts once per queue it touches
+        self._lag[seq] = (event_created(body), qids, sizes)
         self.queue_lag.update(qids)
+        self.queue_lag_bytes.update(sizes)
         if self.heap is not None:
             self.heap.freeze()
         return StoredMessage(seq, QUEUE_QID, "", QUEUE_NAME, header, body, None)
@@ -375,12 +399,15 @@ class MirrorSource:
     def _forget(self, seq: int) -> None:
         """An event left the queue: it no longer lags behind on its queues."""
         made = self._lag.pop(seq, None)
-        qids = made[1] if made is not None else None
-        if qids:
-            self.queue_lag.subtract(qids)
-            for qid in qids:
-                if self.queue_lag[qid] <= 0:
-                    del self.queue_lag[qid]
+        if made is None or not made[1]:
+            return
+        qids, sizes = made[1], made[2]
+        self.queue_lag.subtract(qids)
+        self.queue_lag_bytes.subtract(sizes)
+        for qid in qids:
+            if self.queue_lag[qid] <= 0:
+                del self.queue_lag[qid]
+                self.queue_lag_bytes.pop(qid, None)
 
     def _beyond_retention(self) -> list[JournalOp]:
         """Past the retention bound: drop the whole backlog, loudly (NeedsResync): the
@@ -556,6 +583,10 @@ class MirrorSource:
         """Unacknowledged events per queue name (queues deleted since under their qid)."""
         return {self._label(qid): count for qid, count in self.queue_lag.items()}
 
+    def lag_bytes_by_queue(self) -> dict[str, int]:
+        """Per queue name: the bytes of the unacknowledged events' ops on it."""
+        return {self._label(qid): size for qid, size in self.queue_lag_bytes.items()}
+
     def _label(self, qid: int) -> str:
         """A queue's name (a queue deleted since: its qid)."""
         queue = self.vhost.queue_by_qid(qid)
@@ -564,7 +595,7 @@ class MirrorSource:
     def lag_seconds_by_queue(self) -> dict[str, float]:
         """Per queue name: the age of its oldest event not yet acknowledged."""
         oldest: dict[int, float] = {}  # qid -> when its oldest event was made
-        for made, qids in self._lag.values():  # oldest first
+        for made, qids, _ in self._lag.values():  # oldest first
             for qid in qids:
                 oldest.setdefault(qid, made)
             if len(oldest) >= len(self.queue_lag):
