@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing as mp
+import queue
 import random
 import sys
 import time
@@ -190,6 +192,38 @@ class Outcome:
         return sum(self.duplicates.values())
 
 
+def _consume(address: str, stop: Any, distinct: Any, last: Any, out: Any) -> None:
+    """A consumer process: `sink` at `address` until `stop`, then every (origin, seq) it
+    got, in order, into `out`; `distinct` and `last` (arrival, perf_counter s) kept up to date."""
+
+    async def run() -> list[tuple[int, int]]:
+        received = xsite.Received()
+        task = asyncio.create_task(xsite.consume(address, SINK, received))
+        seen: set[tuple[int, int]] = set()
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+            if task.done():
+                task.result()  # raises what stopped it
+            for item in received.seqs[len(seen) :]:
+                seen.add(item)
+            distinct.value = len(seen)
+            last.value = received.last_ns / 1e9
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        return received.seqs
+
+    out.put(asyncio.run(run()))
+
+
+def _publish(address: str, phase: int, count: int, window: int, size: int, out: Any) -> None:
+    """A publisher process: `count` confirmed messages on `x`; the confirmed seqs into `out`."""
+    published = asyncio.run(
+        xsite.publish(address, EXCHANGE, "", phase=phase, window=window, size=size, count=count)
+    )
+    out.put((phase, sorted(published.confirmed)))
+
+
 def run_traffic(
     mesh_: Mesh,
     messages: int,
@@ -202,102 +236,108 @@ def run_traffic(
     progress: bool = False,
 ) -> Outcome:
     """Publish `messages` confirmed messages spread over every server (its origin id is the
-    phase of xsite's stamp) while random links are partitioned (every ~`flap_every` s, for
-    up to `flap_for` s); consume every `sink`; count per server what it should have got
-    (`recipients`, plus its own) but did not, and what it got twice."""
+    phase of xsite's stamp) while random links are partitioned or reset (every
+    ~`flap_every` s, for up to `flap_for` s); consume every `sink`; count per server what
+    it should have got (`recipients`, plus its own) but did not, and what it got twice.
+    Each publisher and consumer is a process of its own (in one process the publishers
+    starved the consumers: tens of deliveries a second)."""
     names = sorted(mesh_.servers)
     phase_of = {name: i + 1 for i, name in enumerate(names)}
+    address = {name: f"127.0.0.1:{mesh_.servers[name].port}" for name in names}
     rng = random.Random(seed)
     outcome = Outcome()
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    distinct = {name: ctx.Value("q", 0) for name in names}
+    last = {name: ctx.Value("d", 0.0) for name in names}
+    seqs_out = {name: ctx.Queue() for name in names}
+    confirmed_out = ctx.Queue()
+    started = time.monotonic()
+    consumers = {
+        name: ctx.Process(
+            target=_consume,
+            args=(address[name], stop, distinct[name], last[name], seqs_out[name]),
+            daemon=True,
+        )
+        for name in names
+    }
+    share = [messages // len(names) + (i < messages % len(names)) for i in range(len(names))]
+    publishers = [
+        ctx.Process(
+            target=_publish,
+            args=(address[name], phase_of[name], share[i], window, size, confirmed_out),
+            daemon=True,
+        )
+        for i, name in enumerate(names)
+    ]
+    for process in [*consumers.values(), *publishers]:
+        process.start()
 
-    async def flapper(done: asyncio.Event) -> None:
-        links = list(mesh_.proxies)
-        while not done.is_set():
-            await asyncio.sleep(rng.uniform(0.2, 2 * flap_every))
-            if done.is_set() or not links:
-                return
+    def report() -> None:
+        got = ", ".join(f"{name} {distinct[name].value}" for name in names)
+        print(f"  {time.monotonic() - started:.0f} s: received {got}", flush=True)
+
+    links = list(mesh_.proxies)
+    reported = time.monotonic()
+
+    def flap() -> None:
+        """Partition or reset a random link for a while (the caller waited ~flap_every)."""
+        nonlocal reported
+        if links:
             proxy = mesh_.proxies[rng.choice(links)]
             proxy.partition() if rng.random() < 0.5 else proxy.cut()
             outcome.flaps += 1
-            await asyncio.sleep(rng.uniform(0.05, flap_for))
+            time.sleep(rng.uniform(0.05, flap_for))
             proxy.heal()
+        if progress and time.monotonic() - reported >= 10:
+            reported = time.monotonic()
+            report()
 
-    async def reporter(done: asyncio.Event, received: dict[str, xsite.Received]) -> None:
-        while progress and not done.is_set():
-            await asyncio.sleep(10)
-            got = ", ".join(f"{name} {len(r.seqs)}" for name, r in received.items())
-            print(f"  {time.monotonic() - started:.0f} s: received {got}", flush=True)
-
-    async def run() -> None:
-        received = {name: xsite.Received() for name in names}
-        consumers = {
-            name: asyncio.create_task(
-                xsite.consume(f"127.0.0.1:{mesh_.servers[name].port}", SINK, received[name])
-            )
-            for name in names
+    confirmed: dict[int, list[int]] = {}
+    while len(confirmed) < len(names):
+        with contextlib.suppress(queue.Empty):
+            phase, seqs = confirmed_out.get(timeout=rng.uniform(0.2, 2 * flap_every))
+            confirmed[phase] = seqs
+            continue
+        flap()
+    for process in publishers:
+        process.join(60)
+    expected = {
+        name: {
+            (phase_of[origin], seq)
+            for origin in names
+            if origin == name or name in recipients(mesh_.links, origin, mesh_.max_hops)
+            for seq in confirmed[phase_of[origin]]
         }
-        done, drained = asyncio.Event(), asyncio.Event()
-        flaps = asyncio.create_task(flapper(done))
-        reports = asyncio.create_task(reporter(drained, received))
-        share = [messages // len(names) + (i < messages % len(names)) for i in range(len(names))]
-        published = await asyncio.gather(
-            *(
-                xsite.publish(
-                    f"127.0.0.1:{mesh_.servers[name].port}",
-                    EXCHANGE,
-                    "",
-                    phase=phase_of[name],
-                    window=window,
-                    size=size,
-                    count=share[i],
-                )
-                for i, name in enumerate(names)
-            )
-        )
-        done.set()
-        flaps.cancel()
-        for proxy in mesh_.proxies.values():
-            proxy.heal()
-        confirmed = {name: published[i].confirmed for i, name in enumerate(names)}
-        expected = {
-            name: {
-                (phase_of[origin], seq)
-                for origin in names
-                if origin == name or name in recipients(mesh_.links, origin, mesh_.max_hops)
-                for seq in confirmed[origin]
-            }
-            for name in names
-        }
-        for name in names:
-            want = expected[name]
-            await xsite.wait_quiet(
-                received[name],
-                lambda r=received[name], w=want: w <= set(r.seqs),
-                consumers[name],
-                quiet=3.0,
-                limit=600,
-            )
-        drained.set()
-        reports.cancel()
-        for task in consumers.values():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        for name in names:
-            got = received[name].seqs
-            outcome.lost[name] = len(expected[name] - set(got))
-            outcome.duplicates[name] = len(got) - len(set(got))
-            outcome.delivered[name] = len(got)
-        outcome.confirmed = {name: len(confirmed[name]) for name in names}
-
-    started = time.monotonic()
-    asyncio.run(run())
+        for name in names
+    }
+    deadline = time.monotonic() + max(600.0, messages / 100)
+    while time.monotonic() < deadline:
+        complete = all(distinct[name].value >= len(expected[name]) for name in names)
+        idle = time.perf_counter() - max(last[name].value for name in names)
+        if complete and idle >= 3.0:
+            break
+        if any(not process.is_alive() for process in consumers.values()):
+            break  # a consumer failed: what it got is still counted (as lost, if short)
+        # Links flap on until everything arrived; then 3 s of quiet for late duplicates.
+        time.sleep(rng.uniform(0.2, 2 * flap_every) if not complete else 0.5)
+        if not complete:
+            flap()
+    stop.set()
+    received = {name: seqs_out[name].get(timeout=120) for name in names}
+    for process in consumers.values():
+        process.join(30)
+    for name in names:
+        got = received[name]
+        outcome.lost[name] = len(expected[name] - set(got))
+        outcome.duplicates[name] = len(got) - len(set(got))
+        outcome.delivered[name] = len(got)
+    outcome.confirmed = {name: len(confirmed[phase_of[name]]) for name in names}
     outcome.seconds = time.monotonic() - started
-    for name, broker in mesh_.servers.items():
+    for broker in mesh_.servers.values():
         for link in federationsites.links(broker).values():
             outcome.dedup_dropped += int(link.get("duplicates_dropped", 0))
             outcome.loops_dropped += int(link.get("loops_dropped", 0))
-        del name
     return outcome
 
 

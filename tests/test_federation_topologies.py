@@ -26,7 +26,7 @@ def test_every_confirmed_message_reaches_every_server_once_under_link_flaps(
     tmp_path: Path, name: str, servers: int
 ) -> None:
     with ft.federated_servers(tmp_path, ft.topology(name, servers)) as mesh:
-        outcome = ft.run_traffic(mesh, 3_000, flap_every=0.25, flap_for=0.5)
+        outcome = ft.run_traffic(mesh, 3_000, flap_every=0.5, flap_for=0.5)
     print(ft.describe(outcome))
     assert outcome.flaps > 0
     assert outcome.total_lost == 0, ft.describe(outcome)
