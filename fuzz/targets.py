@@ -360,7 +360,9 @@ def _definitions_log_seeds() -> list[bytes]:
         DefinitionsDelta(add_bindings=sample.bindings[:2], del_exchanges=["gone"]),
         DefinitionsDelta(del_queues=[q.name for q in sample.queues[1:2]]),
     ]
-    return [b"\xfe\xfe".join(d.model_dump_json().encode() for d in deltas)]
+    records = [d.model_dump_json().encode() for d in deltas]
+    group = b"[" + b",".join(records) + b"]"  # one record for a loop turn's changes
+    return [b"\xfe\xfe".join(records), group + b"\xfe\xfe" + records[0]]
 
 
 def _definitions_seeds() -> list[bytes]:
