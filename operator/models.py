@@ -120,6 +120,36 @@ class MirrorTarget(ApiModel):
     port: int = Field(MIRROR_PORT, ge=1, le=65535, description="Its mirror port")
 
 
+class MirrorTls(ApiModel):
+    """Mutual TLS on the mirror link, in addition to its token (docs/mirror.md, "Mutual TLS
+    on the link"). Each site presents a mirror certificate its own CA issued
+    (`<cluster>-mirror-tls`: named for the site, `<namespace>/<name>`, and for its
+    virtual-IP Service) and verifies the other site's against that site's CA, which you
+    copy into this namespace (the other site's `<cluster>-ca` ConfigMap, as CloudNativePG's
+    replica clusters take their source's `sslRootCert`)."""
+
+    enabled: bool = Field(
+        True,
+        description="Run the link over mutual TLS once `caConfigMap` names the other site's "
+        "CA (needs `spec.tls` on, with the operator's CA or `issuerRef`)",
+    )
+    ca_config_map: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="ConfigMap in this namespace holding the other site's CA certificate "
+        "(a copy of its `<cluster>-ca`; in a ring of three, both other sites' CAs in one "
+        "bundle). Unset: the link stays plaintext (token only)",
+    )
+    ca_key: str = Field("ca.crt", min_length=1, max_length=253, description="Its key")
+    server_names: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="More names for this site's mirror certificate: the addresses the other "
+        "site dials to reach this one, when not this cluster's virtual-IP Service",
+    )
+
+
 MirrorRoleName = Literal["source", "replica", "bidirectional"]
 
 
@@ -171,6 +201,9 @@ class Mirror(ApiModel):
         le=86400,
         description="A source blocks publishers while its oldest unmirrored event is older "
         "than this and the mirror is connected and consuming (0: never)",
+    )
+    tls: MirrorTls = Field(
+        default_factory=MirrorTls, description="Mutual TLS on the link (needs `caConfigMap`)"
     )
 
 
@@ -975,6 +1008,7 @@ class MirrorState(ApiModel):
     lag_seconds: float = Field(0.0, description="Age of the oldest unmirrored event")
     flow_control: bool = Field(False, description="Publishers blocked for the mirror's lag")
     sources_connected: int = 0
+    tls: bool = Field(False, description="The link runs mutual TLS (the active reports it)")
     orphans: int = Field(
         0,
         description="A replica: messages a seed showed the source lacks, kept in its queue "

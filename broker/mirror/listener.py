@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from typing import Protocol
 
 from twinmq.broker.mirror import metrics
@@ -40,10 +41,14 @@ from twinmq.broker.replication.protocol import (
     encode,
     encode_u64,
 )
+from twinmq.broker.tls import MutualTls, certificate_names
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
+# Shorter than a source's handshake deadline (link.py): a plaintext source, which waits
+# for a CHALLENGE as this side waits for a TLS hello, is refused here first, and counted.
+TLS_HANDSHAKE_TIMEOUT = 5.0
 SILENCE = 15.0
 MAX_APPLY_EVENTS = 4096  # events applied in one group commit, at most
 BLOCKED_POLL = 0.5  # seconds between looks at a raised resource alarm
@@ -79,8 +84,10 @@ class MirrorListener:
         key: str,
         name: str,
         site: ListenerSite,
+        tls: MutualTls | None = None,
     ) -> None:
         self.applier = applier
+        self.tls = tls  # mutual TLS: this site's certificate, the sources' CAs
         self.futures = futures
         self.key = key
         self.name = name
@@ -101,6 +108,8 @@ class MirrorListener:
         peer = writer.get_extra_info("peername")
         origin: str | None = None
         try:
+            if not await self._start_tls(writer, peer):
+                return
             frames = FrameReader(reader, f"mirror source {peer}")
             async with asyncio.timeout(HANDSHAKE_TIMEOUT):
                 origin = await self._authenticate(frames, writer)
@@ -122,6 +131,26 @@ class MirrorListener:
             with contextlib.suppress(OSError, ConnectionError):
                 await writer.wait_closed()
 
+    async def _start_tls(self, writer: asyncio.StreamWriter, peer: object) -> bool:
+        """With --mirror-tls-*: the TLS handshake (a certificate the sources' CA signed is
+        required); whether the link may go on. Done here, not by the server, so a refused
+        source is counted and logged (asyncio's listener would drop it silently). A source
+        that dials plaintext is refused the same way: it keeps its backlog."""
+        if self.tls is None:
+            return True
+        try:
+            await writer.start_tls(self.tls.context, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT)
+        except ssl.SSLError as exc:
+            metrics.REFUSED.labels("certificate").inc()
+            log.warning("mirror: source %s failed the TLS handshake: %s: closed", peer, exc)
+            return False
+        except (TimeoutError, ConnectionAbortedError):  # asyncio aborts a late handshake
+            metrics.REFUSED.labels("handshake-timeout").inc()
+            log.warning("mirror: source %s: no TLS handshake in %.0fs (it dials plaintext?): "
+                        "closed", peer, TLS_HANDSHAKE_TIMEOUT)  # fmt: skip
+            return False
+        return True
+
     async def _authenticate(self, frames: FrameReader, writer: asyncio.StreamWriter) -> str | None:
         """The handshake; the authenticated origin, or None (refused)."""
         nonce = new_nonce()
@@ -130,6 +159,17 @@ class MirrorListener:
         if ftype is not FrameType.HELLO:
             raise ProtocolError(f"expected HELLO, got {ftype.name}")
         hello = decode_model(Hello, payload)
+        names = certificate_names(writer)
+        if names is not None and hello.name not in names:
+            # The certificate is the source's identity: a certificate of the other site's
+            # CA that does not name this origin (a broker's own, the AMQPS one) cannot
+            # mirror here, whatever token it holds.
+            why = f"its certificate names {sorted(names)}, not the origin {hello.name!r}"
+            metrics.REFUSED.labels("identity").inc()
+            log.warning("mirror: refusing source %r: %s", hello.name, why)
+            writer.write(encode(FrameType.REFUSE, Refuse(reason=why, epoch=0)))
+            await writer.drain()
+            return None
         transcript = Transcript(self.name, hello.name, nonce, hello.nonce)
         why = transcript.refusal(self.key, hello.proof, "source")
         if why is not None:

@@ -76,3 +76,10 @@ LOOPED = Counter(
     "Bidirectional mode: events that came back to their origin or to a site they went "
     "through, or arrived twice by another path: counted as applied, never applied again",
 )
+REFUSED = Counter(
+    "twinmq_mirror_refused",
+    "Mirror links refused by mutual TLS (--mirror-tls-*): certificate (the peer's failed "
+    "verification against --mirror-tls-ca, or the peer spoke no TLS), identity (a source's "
+    "certificate does not name the origin it claims), handshake-timeout",
+    ["reason"],
+)
