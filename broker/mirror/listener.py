@@ -164,10 +164,10 @@ class MirrorListener:
             # The certificate is the source's identity: a certificate of the other site's
             # CA that does not name this origin (a broker's own, the AMQPS one) cannot
             # mirror here, whatever token it holds.
-            why = f"its certificate names {sorted(names)}, not the origin {hello.name!r}"
+            named = f"its certificate names {sorted(names)}, not the origin {hello.name!r}"
             metrics.REFUSED.labels("identity").inc()
-            log.warning("mirror: refusing source %r: %s", hello.name, why)
-            writer.write(encode(FrameType.REFUSE, Refuse(reason=why, epoch=0)))
+            log.warning("mirror: refusing source %r: %s", hello.name, named)
+            writer.write(encode(FrameType.REFUSE, Refuse(reason=named, epoch=0)))
             await writer.drain()
             return None
         transcript = Transcript(self.name, hello.name, nonce, hello.nonce)
