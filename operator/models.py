@@ -230,6 +230,34 @@ class SecretKeyReference(ApiModel):
     key: str = Field("password", min_length=1, max_length=253)
 
 
+class FederationUpstreamTls(ApiModel):
+    """amqps to the upstream, verified against its CA (docs/federation.md, "TLS to the
+    upstream"): a BrokerCluster upstream's own CA differs from this cluster's."""
+
+    ca_config_map: str = Field(
+        min_length=1,
+        max_length=253,
+        description="ConfigMap in this namespace with the upstream's CA certificate (a "
+        "BrokerCluster upstream publishes it as `<name>-ca`: copy it here, or name it when "
+        "the upstream is in this namespace)",
+    )
+    ca_key: str = Field("ca.crt", min_length=1, max_length=253, description="Its key")
+    client_secret: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="A `kubernetes.io/tls` Secret (`tls.crt`, `tls.key`) with the client "
+        "certificate to present, when the upstream asks for one",
+    )
+    server_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="The name the upstream's certificate is checked for (default: the host "
+        "the link dials, a clusterRef's `<name>.<namespace>.svc`)",
+    )
+
+
 class FederationUpstream(ApiModel):
     """A broker (pair) this cluster federates exchanges from: another BrokerCluster (reached
     through its virtual IP, so the link follows its failovers) or any AMQP URI."""
@@ -244,6 +272,10 @@ class FederationUpstream(ApiModel):
                 {
                     "rule": "!has(self.uri) || !self.uri.matches('^amqps?://[^/@]*:[^/@]*@')",
                     "message": "an upstream uri must not carry a password: give passwordSecret",
+                },
+                {
+                    "rule": "!has(self.tls) || !has(self.uri) || self.uri.startsWith('amqps://')",
+                    "message": "an upstream with tls needs an amqps:// uri",
                 },
                 {
                     "rule": "has(self.passwordSecret) || (has(self.clusterRef) && "
@@ -278,6 +310,11 @@ class FederationUpstream(ApiModel):
     )
     reconnect_max_seconds: int = Field(
         30, ge=1, le=3600, description="Longest pause between two connection attempts"
+    )
+    tls: FederationUpstreamTls | None = Field(
+        None,
+        description="amqps (a clusterRef's AMQPS port, 5671) verified against the upstream's "
+        "CA, with a client certificate if it asks for one",
     )
 
 
