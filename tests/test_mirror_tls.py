@@ -11,6 +11,9 @@ its replication queue, and delivers it once the two agree.
 
 from __future__ import annotations
 
+import shutil
+import socket
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +37,11 @@ def refused(broker: BrokerProcess, reason: str) -> float:
 def log_of(broker: BrokerProcess) -> str:
     assert broker.log_path is not None
     return broker.log_path.read_text()
+
+
+def _link_error(broker: BrokerProcess) -> object:
+    section = mirror_status(broker)
+    return None if section is None else section["link_error"]
 
 
 def use_tls(broker: BrokerProcess, leaf: Leaf, ca: Path, server_name: str | None = None) -> None:
@@ -145,10 +153,9 @@ def test_a_plaintext_source_is_refused_keeps_its_backlog_and_delivers_it_once_it
     until the source dials TLS too, nothing is lost and nothing is applied."""
     with tls_sites(tmp_path, None, ca_b.cert, site_b_leaf, ca_a.cert) as sites:
         # The plaintext source waits for a CHALLENGE, the mirror for a TLS hello: the
-        # mirror gives up at its handshake deadline and closes.
-        wait_for("the mirror's refusal",
-                 lambda: refused(sites.mirror, "handshake-timeout") >= 1, 40)  # fmt: skip
-        assert "no TLS handshake" in log_of(sites.mirror)
+        # mirror gives up at its handshake deadline and closes; the source says why.
+        wait_for("the source's diagnosis",
+                 lambda: "require mutual TLS" in str(_link_error(sites.source)), 40)  # fmt: skip
         held = unlinked(sites)
         assert metric(sites.source, "twinmq_mirror_connected") == 0
         sites.source.stop()
@@ -157,3 +164,51 @@ def test_a_plaintext_source_is_refused_keeps_its_backlog_and_delivers_it_once_it
         sites.caught_up()
         assert browse(sites.mirror, QUEUE) == [b"held-%d" % i for i in range(50)]
         assert int(str(held["queue_events"])) > 0
+
+
+def served_certificate(port: int, ca: Path, client: Leaf) -> bytes:
+    """The DER certificate the mirror listener serves a new handshake now."""
+    context = ssl.create_default_context(cafile=str(ca))
+    context.load_cert_chain(client.cert, client.key)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def der_of(leaf: Leaf) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(leaf.cert.read_text())
+
+
+def test_a_renewed_certificate_serves_new_handshakes_and_the_link_is_not_dropped(
+    tmp_path: Path, ca_a: TestCA, ca_b: TestCA, site_b_leaf: Leaf
+) -> None:
+    live = tmp_path / "live"
+    live.mkdir()
+    shutil.copy(site_b_leaf.cert, live / "tls.crt")
+    shutil.copy(site_b_leaf.key, live / "tls.key")
+    source_leaf = ca_a.issue(ORIGIN, peer=True)
+    sites = tls_sites(tmp_path / "sites", source_leaf, ca_b.cert,
+                      Leaf(live / "tls.crt", live / "tls.key"), ca_a.cert)  # fmt: skip
+    with sites:
+        publish(sites.source, QUEUE, [b"before"])
+        sites.caught_up()
+        assert served_certificate(sites.mirror_port, ca_b.cert, source_leaf) == der_of(site_b_leaf)
+        renewed = ca_b.issue("site-b-renewed", peer=True)
+        # As cert-manager and the kubelet do: the new files replace the old ones in place.
+        for new, name in ((renewed.key, "tls.key"), (renewed.cert, "tls.crt")):
+            shutil.copy(new, live / (name + ".new"))
+            (live / (name + ".new")).replace(live / name)
+        wait_for("the renewed certificate served",
+                 lambda: served_certificate(sites.mirror_port, ca_b.cert, source_leaf)
+                 == der_of(renewed), 30)  # fmt: skip
+        publish(sites.source, QUEUE, [b"after"])
+        sites.caught_up()
+        assert browse(sites.mirror, QUEUE) == [b"before", b"after"]
+        text = log_of(sites.mirror)
+        assert "TLS certificate reloaded" in text
+        # One session from the source all along: the reload did not drop the link.
+        assert text.count(f"source {ORIGIN} linked") == 1

@@ -243,7 +243,15 @@ class MirrorLink:
         self, frames: FrameReader, writer: asyncio.StreamWriter
     ) -> tuple[int, str]:
         """The handshake; returns the mirror's applied mark for this origin and its name."""
-        ftype, payload = await frames.next()
+        try:
+            ftype, payload = await frames.next()
+        except ConnectionError as exc:
+            if self.tls is None:
+                # A mirror that requires mutual TLS waits for a TLS hello and closes at its
+                # deadline: say so (the events stay queued here until both sites agree).
+                raise ConnectionError(f"{exc} before its CHALLENGE: does the mirror require "
+                                      "mutual TLS (--mirror-tls-*)?") from exc  # fmt: skip
+            raise
         if ftype is not FrameType.CHALLENGE:
             raise ProtocolError(f"expected CHALLENGE, got {ftype.name}")
         challenge = decode_model(Challenge, payload)

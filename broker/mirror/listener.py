@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 # Shorter than a source's handshake deadline (link.py): a plaintext source, which waits
-# for a CHALLENGE as this side waits for a TLS hello, is refused here first, and counted.
+# for a CHALLENGE as this side waits for a TLS hello, is closed here first (and says so).
 TLS_HANDSHAKE_TIMEOUT = 5.0
 SILENCE = 15.0
 MAX_APPLY_EVENTS = 4096  # events applied in one group commit, at most
@@ -74,6 +74,25 @@ class ListenerSite(Protocol):
         ...
 
 
+class _CountedHandshake(ssl.SSLObject):
+    """The TLS state of one source's connection: a handshake that fails (a certificate of
+    a CA this site does not trust, none at all, a protocol error) is counted and logged.
+    asyncio and uvloop drop a failed server-side handshake silently (a debug line); their
+    own `start_tls` on an accepted connection stalls under uvloop, so the listener hands
+    the handshake to the server and watches it here."""
+
+    def do_handshake(self) -> None:
+        """One step of the handshake (the transport calls it until it completes)."""
+        try:
+            super().do_handshake()
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise  # not a failure: more bytes needed
+        except ssl.SSLError as exc:
+            metrics.REFUSED.labels("certificate").inc()
+            log.warning("mirror: a source failed the TLS handshake: %s: closed", exc)
+            raise
+
+
 class MirrorListener:
     """Accepts mirror links from sources and feeds their events to the applier."""
 
@@ -96,8 +115,15 @@ class MirrorListener:
         self.epochs: dict[str, int] = {}  # origin -> DR epoch its HELLO announced
 
     async def start(self, host: str, port: int) -> asyncio.Server:
-        """Listen for sources."""
-        return await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        """Listen for sources (over mutual TLS with --mirror-tls-*: a source that dials
+        plaintext, which waits for a CHALLENGE, is closed at the handshake's deadline)."""
+        if self.tls is None:
+            return await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        self.tls.context.sslobject_class = _CountedHandshake
+        return await asyncio.start_server(
+            self._handle, host, port, reuse_address=True,
+            ssl=self.tls.context, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT,
+        )  # fmt: skip
 
     @property
     def connected(self) -> int:
@@ -108,8 +134,6 @@ class MirrorListener:
         peer = writer.get_extra_info("peername")
         origin: str | None = None
         try:
-            if not await self._start_tls(writer, peer):
-                return
             frames = FrameReader(reader, f"mirror source {peer}")
             async with asyncio.timeout(HANDSHAKE_TIMEOUT):
                 origin = await self._authenticate(frames, writer)
@@ -130,26 +154,6 @@ class MirrorListener:
             writer.close()
             with contextlib.suppress(OSError, ConnectionError):
                 await writer.wait_closed()
-
-    async def _start_tls(self, writer: asyncio.StreamWriter, peer: object) -> bool:
-        """With --mirror-tls-*: the TLS handshake (a certificate the sources' CA signed is
-        required); whether the link may go on. Done here, not by the server, so a refused
-        source is counted and logged (asyncio's listener would drop it silently). A source
-        that dials plaintext is refused the same way: it keeps its backlog."""
-        if self.tls is None:
-            return True
-        try:
-            await writer.start_tls(self.tls.context, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT)
-        except ssl.SSLError as exc:
-            metrics.REFUSED.labels("certificate").inc()
-            log.warning("mirror: source %s failed the TLS handshake: %s: closed", peer, exc)
-            return False
-        except (TimeoutError, ConnectionAbortedError):  # asyncio aborts a late handshake
-            metrics.REFUSED.labels("handshake-timeout").inc()
-            log.warning("mirror: source %s: no TLS handshake in %.0fs (it dials plaintext?): "
-                        "closed", peer, TLS_HANDSHAKE_TIMEOUT)  # fmt: skip
-            return False
-        return True
 
     async def _authenticate(self, frames: FrameReader, writer: asyncio.StreamWriter) -> str | None:
         """The handshake; the authenticated origin, or None (refused)."""

@@ -78,8 +78,9 @@ LOOPED = Counter(
 )
 REFUSED = Counter(
     "twinmq_mirror_refused",
-    "Mirror links refused by mutual TLS (--mirror-tls-*): certificate (the peer's failed "
-    "verification against --mirror-tls-ca, or the peer spoke no TLS), identity (a source's "
-    "certificate does not name the origin it claims), handshake-timeout",
+    "Mirror links refused by mutual TLS (--mirror-tls-*): certificate (the TLS handshake "
+    "failed: the peer's certificate did not verify against --mirror-tls-ca or was missing, "
+    "or the peer spoke no TLS), identity (a source's certificate does not name the origin "
+    "it claims)",
     ["reason"],
 )
