@@ -144,11 +144,16 @@ def tls_env(spec: BrokerClusterSpec) -> list[Obj]:
     """The broker container's mirror TLS settings (none while the link is plaintext)."""
     if not tls_on(spec):
         return []
-    return [
+    env = [
         {"name": setting_env("mirror_tls_cert"), "value": f"{TLS_DIR}/tls.crt"},
         {"name": setting_env("mirror_tls_key"), "value": f"{TLS_DIR}/tls.key"},
         {"name": setting_env("mirror_tls_ca"), "value": f"{CA_DIR}/ca.crt"},
     ]
+    assert spec.mirror is not None
+    if spec.mirror.tls.server_name is not None:
+        env.append({"name": setting_env("mirror_tls_server_name"),
+                    "value": spec.mirror.tls.server_name})  # fmt: skip
+    return env
 
 
 def tls_volumes(spec: BrokerClusterSpec, cluster_name: str) -> list[Obj]:

@@ -148,6 +148,13 @@ class MirrorTls(ApiModel):
         description="More names for this site's mirror certificate: the addresses the other "
         "site dials to reach this one, when not this cluster's virtual-IP Service",
     )
+    server_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="The name this site checks the target's certificate for (default: "
+        "`target.host`; give the target's virtual-IP Service name when `host` is an address)",
+    )
 
 
 MirrorRoleName = Literal["source", "replica", "bidirectional"]

@@ -82,6 +82,12 @@ def test_no_mirror_tls_without_certificates_the_operator_can_have_issued(
     assert setting_env("mirror_tls_cert") not in env_of(pod(s))
 
 
+def test_a_target_given_by_address_is_checked_for_the_server_name_given() -> None:
+    s = spec({"caConfigMap": "site-b-ca", "serverName": "orders.site-b.svc"})
+    assert settings_from(env_of(pod(s))).mirror_tls_server_name == "orders.site-b.svc"
+    assert setting_env("mirror_tls_server_name") not in env_of(pod(spec({"caConfigMap": "x"})))
+
+
 def test_mirror_tls_can_be_turned_off() -> None:
     s = spec({"enabled": False, "caConfigMap": "site-b-ca"})
     assert not mirroring.tls_on(s)
