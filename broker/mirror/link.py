@@ -176,8 +176,9 @@ class MirrorLink:
                 except ssl.SSLError as exc:
                     # The mirror's certificate failed verification (another CA, another
                     # name), it refused ours, or it speaks no TLS: nothing is sent, the
-                    # backlog is kept until the two sites agree.
-                    metrics.REFUSED.labels("certificate").inc()
+                    # backlog is kept until the two sites agree. (An EOF is a hang-up.)
+                    if not isinstance(exc, ssl.SSLEOFError):
+                        metrics.REFUSED.labels("certificate").inc()
                     why = f"TLS handshake failed: {exc}"
                     if self.last_error != why:
                         log.warning("mirror link to %s: %s", self.address, why)

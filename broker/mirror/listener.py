@@ -85,8 +85,8 @@ class _CountedHandshake(ssl.SSLObject):
         """One step of the handshake (the transport calls it until it completes)."""
         try:
             super().do_handshake()
-        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            raise  # not a failure: more bytes needed
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError, ssl.SSLEOFError):
+            raise  # more bytes needed, or the peer hung up: no refusal
         except ssl.SSLError as exc:
             metrics.REFUSED.labels("certificate").inc()
             log.warning("mirror: a source failed the TLS handshake: %s: closed", exc)
