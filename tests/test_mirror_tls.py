@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mirrorsites import ORIGIN, Sites, browse, depth, metric, mirror_status, publish
+from mirrorsites import ORIGIN, Sites, browse, demote, depth, metric, mirror_status, publish
 
 from twinmq.broker.admin_client import metric_samples
 from twinmq.broker.names import setting_env
@@ -212,3 +212,24 @@ def test_a_renewed_certificate_serves_new_handshakes_and_the_link_is_not_dropped
         assert "TLS certificate reloaded" in text
         # One session from the source all along: the reload did not drop the link.
         assert text.count(f"source {ORIGIN} linked") == 1
+
+
+def test_a_switchover_over_mutual_tls_reverses_the_link_with_the_same_identities(
+    tmp_path: Path, ca_a: TestCA, ca_b: TestCA, site_b_leaf: Leaf
+) -> None:
+    """After a switchover site B dials site A with its one certificate (client use now)
+    and A's listener verifies it against B's CA: the same files serve both directions."""
+    sites = Sites(tmp_path, reversible=True)
+    use_tls(sites.source, ca_a.issue(ORIGIN, peer=True), ca_b.cert)
+    use_tls(sites.mirror, site_b_leaf, ca_a.cert)
+    with sites:
+        publish(sites.source, QUEUE, [b"from-a"])
+        sites.caught_up()
+        demoted = demote(sites.source)
+        assert demoted.token is not None
+        sites.promote_mirror(demoted.token)
+        publish(sites.mirror, QUEUE, [b"from-b"])
+        sites.caught_up(source=sites.mirror)
+        assert browse(sites.source, QUEUE) == [b"from-a", b"from-b"]
+        section = mirror_status(sites.mirror)
+        assert section is not None and section["tls"] and section["connected"]
