@@ -231,6 +231,7 @@ class MirrorStatus(BaseModel):
     queue_events: int = Field(0, description="Events not yet acknowledged by the mirror")
     queue_bytes: int = Field(0, description="Their bytes")
     oldest_event_age_seconds: float = Field(0.0, description="Age of the oldest of them")
+    tls: bool = Field(False, description="The link runs mutual TLS (--mirror-tls-*)")
     flow_control: bool = Field(False, description="Publishers blocked for the mirror's lag")
     listening: bool = Field(False, description="This broker accepts mirror links (--mirror-port)")
     sources_connected: int = Field(0, description="Sources linked to this mirror now")

@@ -236,6 +236,26 @@ class BrokerSettings(BaseSettings):
         "mirrors its own and the applied changes to --mirror-to; every site of the ring "
         "runs it; no switchover)",
     )
+    mirror_tls_cert: Path | None = Field(
+        None,
+        description="PEM certificate (chain) of this site on the mirror link, for client and "
+        "server use: presented when it dials --mirror-to and by its --mirror-port listener; "
+        "with --mirror-tls-key and --mirror-tls-ca the link is mutual TLS in addition to the "
+        "token (a source's certificate must name its --mirror-id, the listener's the name the "
+        "source dials); reloaded when the files change",
+    )
+    mirror_tls_key: Path | None = Field(None, description="PEM private key of --mirror-tls-cert")
+    mirror_tls_ca: Path | None = Field(
+        None,
+        description="PEM CA bundle of the other site(s): verifies the mirror listener a "
+        "source dials and the certificate a source presents (the sites' CAs differ)",
+    )
+    mirror_tls_server_name: str | None = Field(
+        None,
+        min_length=1,
+        description="The name a source checks the mirror listener's certificate for, "
+        "instead of the host of --mirror-to",
+    )
     mirror_retention_events: int = Field(
         0,
         ge=0,
@@ -303,6 +323,12 @@ class BrokerSettings(BaseSettings):
             raise ValueError(
                 "--replication-tls-cert, --replication-tls-key and --replication-tls-ca go "
                 "together (mutual TLS needs all three)"
+            )
+        mirror = (self.mirror_tls_cert, self.mirror_tls_key, self.mirror_tls_ca)
+        if any(f is None for f in mirror) and any(f is not None for f in mirror):
+            raise ValueError(
+                "--mirror-tls-cert, --mirror-tls-key and --mirror-tls-ca go together "
+                "(mutual TLS needs all three)"
             )
         return self
 

@@ -8,7 +8,9 @@ without one signed by that CA (mutual TLS, RabbitMQ's `verify_peer` with
 `fail_if_no_peer_cert`). With `--replication-tls-cert`, `-key` and `-ca` the
 replication link is mutual TLS (`MutualTls`): each broker presents its certificate,
 verifies the other's against the CA and checks that it names the broker the
-handshake claims. TLS 1.2 is the oldest version spoken.
+handshake claims. With `--mirror-tls-cert`, `-key` and `-ca` the DR mirror link is
+mutual TLS the same way (`broker/mirror/`: one certificate per site, the other site's CA).
+TLS 1.2 is the oldest version spoken.
 
 Rotation: cert-manager and the kubelet replace the files in place; every few
 seconds the broker compares their modification times and sizes and, if they

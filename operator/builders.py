@@ -417,6 +417,7 @@ def build_pod(
                         "value": str(spec.failover.lease_duration_seconds),
                     },
                     *mirroring.broker_env(spec.mirror, cluster.namespace, cluster.name),
+                    *mirroring.tls_env(spec),
                 ],
                 "ports": [
                     {"name": "amqp", "containerPort": AMQP_PORT},
@@ -435,6 +436,7 @@ def build_pod(
                     TMP_MOUNT,
                     *tls_mounts(spec),
                     *peer_tls_mounts(peer_tls),
+                    *mirroring.tls_mounts(spec),
                     *federation.mounts(spec.federation),
                 ],
             },
@@ -453,6 +455,7 @@ def build_pod(
             },
             *tls_volumes(cluster, spec),
             *peer_tls_volumes(cluster, broker, peer_tls),
+            *mirroring.tls_volumes(spec, cluster.name),
             *federation.volumes(spec.federation, cluster.name),
         ],
     }

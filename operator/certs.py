@@ -21,6 +21,11 @@ With the managed CA or cert-manager, each broker also has a certificate of its o
 `<cluster>-<broker>-tls` (server and client use, naming its pod only: `peer_names`), for the
 replication link's mutual TLS and the admin API's HTTPS (`operator/peertls.py`), issued and
 renewed the same way.
+
+A mirrored site (`spec.mirror`, TLS not turned off) has one more, `<cluster>-mirror-tls`:
+the site's identity on the DR mirror link (`operator/mirroring.py`), for client and server
+use, its common name the site's origin (`<namespace>/<name>`), its DNS names the
+virtual-IP Service's (and `spec.mirror.tls.serverNames`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from twinmq.broker.names import ENV_PREFIX
+from twinmq.operator import mirroring
 from twinmq.operator.builders import (
     ClusterRef,
     owned_meta,
@@ -169,10 +175,17 @@ def new_ca(cluster: ClusterRef, now: datetime) -> KeyPair:
 
 
 def issue_server(
-    ca: KeyPair, names: list[str], now: datetime, seconds: int, *, client: bool = False
+    ca: KeyPair,
+    names: list[str],
+    now: datetime,
+    seconds: int,
+    *,
+    client: bool = False,
+    common_name: str | None = None,
 ) -> KeyPair:
     """A server certificate for `names`, signed by `ca`, valid `seconds` from `now`; with
-    `client`, for client use too (a broker's own: both ends of the replication link)."""
+    `client`, for client use too (a broker's own: both ends of the replication link);
+    its common name `common_name` (default: the first name)."""
     usages = [ExtendedKeyUsageOID.SERVER_AUTH]
     if client:
         usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
@@ -182,7 +195,7 @@ def issue_server(
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name or names[0])]))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -277,6 +290,37 @@ def build_peer_secret(cluster: ClusterRef, broker: BrokerName, cert: KeyPair, ca
     }  # fmt: skip
 
 
+def build_mirror_secret(cluster: ClusterRef, cert: KeyPair, ca: KeyPair) -> Obj:
+    """The site's mirror certificate Secret (`<cluster>-mirror-tls`, with `ca.crt`: the CA
+    the other site copies in)."""
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": owned_meta(cluster, mirroring.secret_name(cluster.name)),
+        "data": b64({"tls.crt": cert.cert, "tls.key": cert.key, "ca.crt": ca.cert}),
+    }  # fmt: skip
+
+
+def build_mirror_certificate(cluster: ClusterRef, spec: BrokerClusterSpec) -> Obj:
+    """The cert-manager `Certificate` of the site's mirror identity (with `issuerRef`)."""
+    tls = spec.tls
+    assert tls.issuer_ref is not None
+    name = mirroring.secret_name(cluster.name)
+    return {
+        "apiVersion": "cert-manager.io/v1",
+        "kind": "Certificate",
+        "metadata": owned_meta(cluster, name),
+        "spec": {
+            "secretName": name,
+            "commonName": mirroring.site_id(cluster.namespace, cluster.name),
+            "dnsNames": mirroring.certificate_names(spec, cluster.namespace, vip_name(cluster)),
+            "usages": ["server auth", "client auth", "digital signature", "key encipherment"],
+            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+            "issuerRef": tls.issuer_ref.model_dump(by_alias=True),
+            "secretTemplate": {"labels": owned_meta(cluster, "")["labels"]},
+        },
+    }
+
+
 def build_peer_certificate(cluster: ClusterRef, tls: Tls, broker: BrokerName) -> Obj:
     """The cert-manager `Certificate` of one broker's own names, for server and client use
     (with `spec.tls.issuerRef`)."""
@@ -350,6 +394,7 @@ class TlsMemory:
     ca_cert: str | None = None  # of a Secret the operator does not issue
     read_at: float = float("-inf")
     peers: dict[BrokerName, Issued] = field(default_factory=dict)  # each broker's own
+    mirror: Issued | None = None  # the site's mirror identity (read once, then kept)
     issued: int = 0  # certificates issued by this process (tests, logs)
     trusted: str | None = None  # the CA the brokers' own certificates chain to (admin HTTPS)
     no_cert_manager: bool = False  # issuerRef given, cert-manager's API absent (logged once)
@@ -423,6 +468,45 @@ def reconcile_peer(
     return kept.pair
 
 
+def common_name(cert: x509.Certificate) -> str | None:
+    """A certificate's common name."""
+    found = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    value = found[0].value if found else None
+    return value if isinstance(value, str) else None
+
+
+def reconcile_mirror(
+    cluster: ClusterRef,
+    spec: BrokerClusterSpec,
+    ca: KeyPair,
+    memory: TlsMemory,
+    secrets: SecretReader,
+    now: datetime,
+    seconds: int,
+) -> KeyPair:
+    """The site's mirror certificate as it must be now (read once, issued when missing,
+    due, renamed or of another CA, like a broker's own)."""
+    names = mirroring.certificate_names(spec, cluster.namespace, vip_name(cluster))
+    site = mirroring.site_id(cluster.namespace, cluster.name)
+    kept = memory.mirror
+    if kept is None:
+        found = secrets.get_secret_data(cluster.namespace, mirroring.secret_name(cluster.name))
+        kept = memory.mirror = Issued(_pair(found))
+    if kept.renew_at is None or now >= kept.renew_at or kept.names != names:
+        reason = reissue_reason(kept.pair, ca, names, now)
+        if reason is None and kept.pair and common_name(kept.pair.certificate()) != site:
+            reason = "the mirror certificate names another site"
+        if reason is not None:
+            kept.pair = issue_server(ca, names, now, seconds, client=True, common_name=site)
+            memory.issued += 1
+            log.info("%s/%s: issued the site's mirror certificate: %s",
+                     cluster.namespace, cluster.name, reason)  # fmt: skip
+        assert kept.pair is not None
+        kept.renew_at, kept.names = renew_at(kept.pair.certificate()), names
+    assert kept.pair is not None
+    return kept.pair
+
+
 def reconcile_tls(
     cluster: ClusterRef,
     spec: BrokerClusterSpec,
@@ -449,12 +533,17 @@ def reconcile_tls(
         for broker in BROKERS:
             own = reconcile_peer(cluster, broker, ca, memory, secrets, now, seconds)
             apply(build_peer_secret(cluster, broker, own, ca))
+        if mirroring.certificate_wanted(spec):
+            site = reconcile_mirror(cluster, spec, ca, memory, secrets, now, seconds)
+            apply(build_mirror_secret(cluster, site, ca))
         apply(build_ca_config_map(cluster, ca.cert))
         return
     if tls.issuer_ref is not None:
         apply(build_certificate(cluster, tls))
         for broker in BROKERS:
             apply(build_peer_certificate(cluster, tls, broker))
+        if mirroring.certificate_wanted(spec):
+            apply(build_mirror_certificate(cluster, spec))
     if clock - memory.read_at >= READ_EVERY:
         memory.read_at = clock
         found = secrets.get_secret_data(cluster.namespace, tls_secret_name(cluster, tls)) or {}

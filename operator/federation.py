@@ -25,7 +25,7 @@ from twinmq.broker.api import FederationLinkStatus, FederationStatus
 from twinmq.broker.federation.config import FederatedExchange as FileExchange
 from twinmq.broker.federation.config import FederationConfig
 from twinmq.broker.federation.config import Upstream as FileUpstream
-from twinmq.broker.names import AMQP_PORT
+from twinmq.broker.names import AMQP_PORT, AMQPS_PORT
 from twinmq.operator.models import (
     Federation,
     FederationLinkState,
@@ -41,6 +41,8 @@ CONFIG_KEY = "federation.yaml"
 PASSWORD_DIR = "/etc/twinmq/federation-passwords"
 CONFIG_VOLUME = "federation-config"
 PASSWORD_VOLUME = "federation-passwords"
+TLS_DIR = "/etc/twinmq/federation-tls"  # <upstream>/ca.crt (and tls.crt, tls.key)
+TLS_VOLUME = "federation-tls"
 CONFIG_HASH = "twinmq.io/federation-config-hash"
 """Pod annotation: the hash of the federation file the pod was started with."""
 STATES: dict[str, FederationLinkStateName] = {
@@ -79,7 +81,25 @@ def upstream_uri(upstream: FederationUpstream, namespace: str) -> str:
     if ref is None:
         assert upstream.uri is not None  # the CRD requires one of them
         return upstream.uri
-    return f"amqp://{upstream.user}@{ref.name}.{ref.namespace or namespace}.svc:{AMQP_PORT}/"
+    host = f"{ref.name}.{ref.namespace or namespace}.svc"
+    if upstream.tls is not None:
+        return f"amqps://{upstream.user}@{host}:{AMQPS_PORT}/"
+    return f"amqp://{upstream.user}@{host}:{AMQP_PORT}/"
+
+
+def tls_options(upstream: FederationUpstream) -> dict[str, Any]:
+    """The federation file's `tls-*` settings of an upstream (none without `tls`: the
+    file, and its hash in the pod template, stay as they were)."""
+    tls = upstream.tls
+    if tls is None:
+        return {}
+    folder = Path(TLS_DIR, upstream.name)
+    options: dict[str, Any] = {"tls_ca": folder / "ca.crt"}
+    if tls.client_secret is not None:
+        options.update(tls_cert=folder / "tls.crt", tls_key=folder / "tls.key")
+    if tls.server_name is not None:
+        options["tls_server_name"] = tls.server_name
+    return options
 
 
 def render(federation: Federation, namespace: str) -> FederationConfig:
@@ -90,6 +110,7 @@ def render(federation: Federation, namespace: str) -> FederationConfig:
             uri=upstream_uri(u, namespace),
             password_file=None if password_ref(u) is None else Path(PASSWORD_DIR, u.name),
             reconnect_max_seconds=float(u.reconnect_max_seconds),
+            **tls_options(u),
         )
         for u in federation.upstreams
     }
@@ -153,6 +174,20 @@ def volumes(federation: Federation | None, cluster_name: str) -> list[Obj]:
     if sources:
         out.append({"name": PASSWORD_VOLUME, "projected": {"defaultMode": 0o440,
                                                            "sources": sources}})  # fmt: skip
+    tls_sources: list[Obj] = []
+    for upstream in federation.upstreams:
+        tls = upstream.tls
+        if tls is None:
+            continue
+        name = upstream.name
+        tls_sources.append({"configMap": {"name": tls.ca_config_map, "items": [
+            {"key": tls.ca_key, "path": f"{name}/ca.crt"}]}})  # fmt: skip
+        if tls.client_secret is not None:
+            tls_sources.append({"secret": {"name": tls.client_secret, "items": [
+                {"key": k, "path": f"{name}/{k}"} for k in ("tls.crt", "tls.key")]}})  # fmt: skip
+    if tls_sources:
+        out.append({"name": TLS_VOLUME, "projected": {"defaultMode": 0o440,
+                                                      "sources": tls_sources}})  # fmt: skip
     return out
 
 
@@ -163,6 +198,8 @@ def mounts(federation: Federation | None) -> list[Obj]:
     out: list[Obj] = [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True}]
     if any(password_ref(u) is not None for u in federation.upstreams):
         out.append({"name": PASSWORD_VOLUME, "mountPath": PASSWORD_DIR, "readOnly": True})
+    if any(u.tls is not None for u in federation.upstreams):
+        out.append({"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True})
     return out
 
 

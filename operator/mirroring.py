@@ -9,6 +9,15 @@ site's brokers run both ends at once (`--mirror-role bidirectional`): two sites 
 each other, or a ring of three each naming the next; its status shows both directions.
 Only the active broker of a pair mirrors or applies; the status is read from its
 `GET /status`.
+
+Mutual TLS (`spec.mirror.tls`, on once `caConfigMap` names the other site's CA and
+`spec.tls` is on with certificates the operator issues or asks cert-manager for): both
+brokers of a site mount the site's mirror certificate (`<cluster>-mirror-tls`, client and
+server use, its common name the site's origin, its DNS names the virtual-IP Service's and
+`serverNames`), which they present when dialling the target and on the mirror listener;
+and the other site's CA from the ConfigMap, which verifies the listener a source dials
+(its name: the target's host) and the certificate a source presents (it must name the
+origin the source claims). The two sites' CAs differ: each copies the other's in.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from twinmq.broker.api import MirrorDemoteRequest as DemoteCall
 from twinmq.broker.api import MirrorPromoteRequest as PromoteCall
 from twinmq.broker.names import MIRROR_PORT, setting_env
 from twinmq.operator.models import (
+    BrokerClusterSpec,
     FailbackPhase,
     HandledRequests,
     Mirror,
@@ -61,6 +71,8 @@ INBOUND_TEXT: dict[str, str] = {
 }
 TOKEN_KEY = "mirror-token"
 PORT_NAME = "mirror"
+TLS_DIR = "/etc/twinmq/mirror-tls"  # the site's mirror certificate (tls.crt, tls.key)
+CA_DIR = "/etc/twinmq/mirror-ca"  # the other site's CA (ca.crt)
 
 
 def site_id(namespace: str, name: str) -> str:
@@ -92,6 +104,84 @@ def broker_env(mirror: Mirror | None, namespace: str, name: str) -> list[Obj]:
             {"name": setting_env("mirror_max_lag"), "value": str(mirror.max_lag_seconds)},
         ]
     return env
+
+
+def certificate_wanted(spec: BrokerClusterSpec) -> bool:
+    """Whether this site has a mirror certificate: a mirror with TLS not turned off, and
+    `spec.tls` on with certificates the operator issues (its CA) or asks cert-manager for
+    (one Secret of your own cannot be a site's mirror identity)."""
+    mirror, tls = spec.mirror, spec.tls
+    return (
+        mirror is not None
+        and mirror.tls.enabled
+        and tls.enabled
+        and (tls.issuer_ref is not None or tls.secret_name is None)
+    )
+
+
+def tls_on(spec: BrokerClusterSpec) -> bool:
+    """Whether the brokers run the mirror link over mutual TLS: a certificate, and the
+    other site's CA to verify it with."""
+    mirror = spec.mirror
+    return certificate_wanted(spec) and mirror is not None and bool(mirror.tls.ca_config_map)
+
+
+def secret_name(cluster_name: str) -> str:
+    """The site's mirror certificate Secret."""
+    return f"{cluster_name}-mirror-tls"
+
+
+def certificate_names(spec: BrokerClusterSpec, namespace: str, vip: str) -> list[str]:
+    """The DNS names of the site's mirror certificate: its virtual-IP Service (where the
+    other site reaches its active's mirror port) and `serverNames`."""
+    forms = [vip, f"{vip}.{namespace}", f"{vip}.{namespace}.svc",
+             f"{vip}.{namespace}.svc.cluster.local"]  # fmt: skip
+    extra = spec.mirror.tls.server_names if spec.mirror is not None else []
+    return forms + [n for n in extra if n not in forms]
+
+
+def tls_env(spec: BrokerClusterSpec) -> list[Obj]:
+    """The broker container's mirror TLS settings (none while the link is plaintext)."""
+    if not tls_on(spec):
+        return []
+    env = [
+        {"name": setting_env("mirror_tls_cert"), "value": f"{TLS_DIR}/tls.crt"},
+        {"name": setting_env("mirror_tls_key"), "value": f"{TLS_DIR}/tls.key"},
+        {"name": setting_env("mirror_tls_ca"), "value": f"{CA_DIR}/ca.crt"},
+    ]
+    assert spec.mirror is not None
+    if spec.mirror.tls.server_name is not None:
+        env.append({"name": setting_env("mirror_tls_server_name"),
+                    "value": spec.mirror.tls.server_name})  # fmt: skip
+    return env
+
+
+def tls_volumes(spec: BrokerClusterSpec, cluster_name: str) -> list[Obj]:
+    """The site's mirror certificate and the other site's CA (whole volumes: the kubelet's
+    updates reach the files, which the broker reloads)."""
+    if not tls_on(spec):
+        return []
+    assert spec.mirror is not None and spec.mirror.tls.ca_config_map is not None
+    return [
+        {"name": "mirror-tls", "secret": {
+            "secretName": secret_name(cluster_name),
+            "items": [{"key": k, "path": k} for k in ("tls.crt", "tls.key")],
+        }},
+        {"name": "mirror-ca", "configMap": {
+            "name": spec.mirror.tls.ca_config_map,
+            "items": [{"key": spec.mirror.tls.ca_key, "path": "ca.crt"}],
+        }},
+    ]  # fmt: skip
+
+
+def tls_mounts(spec: BrokerClusterSpec) -> list[Obj]:
+    """Where the broker container sees them."""
+    if not tls_on(spec):
+        return []
+    return [
+        {"name": "mirror-tls", "mountPath": TLS_DIR, "readOnly": True},
+        {"name": "mirror-ca", "mountPath": CA_DIR, "readOnly": True},
+    ]
 
 
 def container_ports(mirror: Mirror | None) -> list[Obj]:
@@ -136,6 +226,7 @@ def state_of(mirror: Mirror | None, seen: MirrorStatus | None) -> MirrorState | 
         lag_seconds=round(seen.oldest_event_age_seconds, 3),
         flow_control=seen.flow_control,
         sources_connected=seen.sources_connected,
+        tls=seen.tls,
         orphans=seen.orphans,
     )
 

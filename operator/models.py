@@ -120,6 +120,43 @@ class MirrorTarget(ApiModel):
     port: int = Field(MIRROR_PORT, ge=1, le=65535, description="Its mirror port")
 
 
+class MirrorTls(ApiModel):
+    """Mutual TLS on the mirror link, in addition to its token (docs/mirror.md, "Mutual TLS
+    on the link"). Each site presents a mirror certificate its own CA issued
+    (`<cluster>-mirror-tls`: named for the site, `<namespace>/<name>`, and for its
+    virtual-IP Service) and verifies the other site's against that site's CA, which you
+    copy into this namespace (the other site's `<cluster>-ca` ConfigMap, as CloudNativePG's
+    replica clusters take their source's `sslRootCert`)."""
+
+    enabled: bool = Field(
+        True,
+        description="Run the link over mutual TLS once `caConfigMap` names the other site's "
+        "CA (needs `spec.tls` on, with the operator's CA or `issuerRef`)",
+    )
+    ca_config_map: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="ConfigMap in this namespace holding the other site's CA certificate "
+        "(a copy of its `<cluster>-ca`; in a ring of three, both other sites' CAs in one "
+        "bundle). Unset: the link stays plaintext (token only)",
+    )
+    ca_key: str = Field("ca.crt", min_length=1, max_length=253, description="Its key")
+    server_names: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="More names for this site's mirror certificate: the addresses the other "
+        "site dials to reach this one, when not this cluster's virtual-IP Service",
+    )
+    server_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="The name this site checks the target's certificate for (default: "
+        "`target.host`; give the target's virtual-IP Service name when `host` is an address)",
+    )
+
+
 MirrorRoleName = Literal["source", "replica", "bidirectional"]
 
 
@@ -172,6 +209,9 @@ class Mirror(ApiModel):
         description="A source blocks publishers while its oldest unmirrored event is older "
         "than this and the mirror is connected and consuming (0: never)",
     )
+    tls: MirrorTls = Field(
+        default_factory=MirrorTls, description="Mutual TLS on the link (needs `caConfigMap`)"
+    )
 
 
 AMQP_NAME = r"^[A-Za-z0-9_.:-]+$"
@@ -197,6 +237,34 @@ class SecretKeyReference(ApiModel):
     key: str = Field("password", min_length=1, max_length=253)
 
 
+class FederationUpstreamTls(ApiModel):
+    """amqps to the upstream, verified against its CA (docs/federation.md, "TLS to the
+    upstream"): a BrokerCluster upstream's own CA differs from this cluster's."""
+
+    ca_config_map: str = Field(
+        min_length=1,
+        max_length=253,
+        description="ConfigMap in this namespace with the upstream's CA certificate (a "
+        "BrokerCluster upstream publishes it as `<name>-ca`: copy it here, or name it when "
+        "the upstream is in this namespace)",
+    )
+    ca_key: str = Field("ca.crt", min_length=1, max_length=253, description="Its key")
+    client_secret: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="A `kubernetes.io/tls` Secret (`tls.crt`, `tls.key`) with the client "
+        "certificate to present, when the upstream asks for one",
+    )
+    server_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="The name the upstream's certificate is checked for (default: the host "
+        "the link dials, a clusterRef's `<name>.<namespace>.svc`)",
+    )
+
+
 class FederationUpstream(ApiModel):
     """A broker (pair) this cluster federates exchanges from: another BrokerCluster (reached
     through its virtual IP, so the link follows its failovers) or any AMQP URI."""
@@ -211,6 +279,10 @@ class FederationUpstream(ApiModel):
                 {
                     "rule": "!has(self.uri) || !self.uri.matches('^amqps?://[^/@]*:[^/@]*@')",
                     "message": "an upstream uri must not carry a password: give passwordSecret",
+                },
+                {
+                    "rule": "!has(self.tls) || !has(self.uri) || self.uri.startsWith('amqps://')",
+                    "message": "an upstream with tls needs an amqps:// uri",
                 },
                 {
                     "rule": "has(self.passwordSecret) || (has(self.clusterRef) && "
@@ -245,6 +317,11 @@ class FederationUpstream(ApiModel):
     )
     reconnect_max_seconds: int = Field(
         30, ge=1, le=3600, description="Longest pause between two connection attempts"
+    )
+    tls: FederationUpstreamTls | None = Field(
+        None,
+        description="amqps (a clusterRef's AMQPS port, 5671) verified against the upstream's "
+        "CA, with a client certificate if it asks for one",
     )
 
 
@@ -975,6 +1052,7 @@ class MirrorState(ApiModel):
     lag_seconds: float = Field(0.0, description="Age of the oldest unmirrored event")
     flow_control: bool = Field(False, description="Publishers blocked for the mirror's lag")
     sources_connected: int = 0
+    tls: bool = Field(False, description="The link runs mutual TLS (the active reports it)")
     orphans: int = Field(
         0,
         description="A replica: messages a seed showed the source lacks, kept in its queue "

@@ -286,6 +286,8 @@ class FederationLink:
                 SERVER_ID_PROPERTY: self.server_id,
                 "connection_name": f"federation {self.fed.exchange} -> {self.server_id}",
             },
+            tls=self.upstream.tls_context(),
+            server_name=self.upstream.tls_server_name,
         )
         inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()
         processor: asyncio.Task[None] | None = None
@@ -322,6 +324,8 @@ class FederationLink:
                         "connection_name": f"federation {self.fed.exchange} forward "
                         f"from {self.server_id}",
                     },
+                    tls=self.upstream.tls_context(),
+                    server_name=self.upstream.tls_server_name,
                 )
                 other = _text(publisher.server_properties.get(SERVER_ID_PROPERTY))
                 if other != peer:

@@ -9,6 +9,7 @@ environment variable or a file.
 from __future__ import annotations
 
 import os
+import ssl
 from pathlib import Path
 from typing import Literal
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -38,6 +39,21 @@ class Upstream(_Model):
     reconnect_max_seconds: float = Field(
         30.0, gt=0, description="Longest pause between two connection attempts (backoff)"
     )
+    tls_ca: Path | None = Field(
+        None,
+        description="amqps: PEM CA bundle the upstream's certificate is verified against "
+        "(default: the system's CAs); an upstream in another BrokerCluster has its own CA",
+    )
+    tls_cert: Path | None = Field(
+        None, description="amqps: PEM client certificate, if the upstream asks for one"
+    )
+    tls_key: Path | None = Field(None, description="amqps: PEM private key of tls-cert")
+    tls_server_name: str | None = Field(
+        None,
+        min_length=1,
+        description="amqps: the name the upstream's certificate is checked for (default: the "
+        "URI's host)",
+    )
 
     @field_validator("uri")
     @classmethod
@@ -58,6 +74,25 @@ class Upstream(_Model):
         if self.password_env is not None and self.password_file is not None:
             raise ValueError("give password-env or password-file, not both")
         return self
+
+    @model_validator(mode="after")
+    def _tls_with_amqps(self) -> Upstream:
+        given = (self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
+        if any(v is not None for v in given) and urlsplit(self.uri).scheme != "amqps":
+            raise ValueError(f"upstream uri {self.uri!r}: tls-* settings need amqps://")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls-cert and tls-key go together")
+        return self
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """amqps: the client's TLS context, made at each connection (renewed files are read
+        again: rotation); None for amqp."""
+        if urlsplit(self.uri).scheme != "amqps":
+            return None
+        context = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert is not None and self.tls_key is not None:
+            context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
 
     def password(self) -> str | None:
         """The password, read now (a file is re-read at each connection: rotation)."""

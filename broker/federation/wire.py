@@ -133,12 +133,19 @@ class LinkClient:
         client_properties: dict[str, Any],
         *,
         heartbeat: int = 10,
+        tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
     ) -> LinkClient:
-        """Open the connection and channel 1; `LinkClosed` with the upstream's reason."""
+        """Open the connection and channel 1; `LinkClosed` with the upstream's reason.
+        With amqps, `tls` (a CA of the upstream's, a client certificate) or the system's
+        CAs verify the upstream, for `server_name` (default: the URI's host)."""
         address = Address.parse(uri, heartbeat)
-        context = ssl.create_default_context() if address.tls else None
+        context = (tls or ssl.create_default_context()) if address.tls else None
         async with asyncio.timeout(OPEN_TIMEOUT):
-            reader, writer = await asyncio.open_connection(address.host, address.port, ssl=context)
+            reader, writer = await asyncio.open_connection(
+                address.host, address.port, ssl=context,
+                server_hostname=(server_name or address.host) if context is not None else None,
+            )  # fmt: skip
             try:
                 writer.write(PROTOCOL_HEADER)
                 start = await _expect(reader, commands.Connection.Start)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from twinmq.broker.replication.protocol import (
     encode,
     encode_batch,
 )
+from twinmq.broker.tls import MutualTls
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,8 @@ class MirrorLink:
         on_fenced: Callable[[int, str], None] | None = None,
         expected_peer: Callable[[], str | None] = lambda: None,
         on_gap: Callable[[str], object] = lambda reason: None,
+        tls: MutualTls | None = None,
+        server_name: str | None = None,
     ) -> None:
         host, _, port = address.rpartition(":")
         self.host, self.port = host or "127.0.0.1", int(port)
@@ -135,6 +139,8 @@ class MirrorLink:
         self.on_fenced = on_fenced
         self.expected_peer = expected_peer
         self.on_gap = on_gap
+        self.tls = tls  # mutual TLS: this site's certificate, the mirror's CA
+        self.server_name = server_name or self.host  # what the mirror's certificate names
         self.connected = False
         self.last_error: str | None = None
         self.round_trip: float | None = None  # the last heartbeat's, seconds
@@ -167,6 +173,16 @@ class MirrorLink:
             if self.source.ensure_active():
                 try:
                     await self._session()
+                except ssl.SSLError as exc:
+                    # The mirror's certificate failed verification (another CA, another
+                    # name), it refused ours, or it speaks no TLS: nothing is sent, the
+                    # backlog is kept until the two sites agree. (An EOF is a hang-up.)
+                    if not isinstance(exc, ssl.SSLEOFError):
+                        metrics.REFUSED.labels("certificate").inc()
+                    why = f"TLS handshake failed: {exc}"
+                    if self.last_error != why:
+                        log.warning("mirror link to %s: %s", self.address, why)
+                    self.last_error = why
                 except (OSError, ConnectionError, ProtocolError, TimeoutError, RuntimeError) as exc:
                     # RuntimeError: uvloop refuses a write to a transport the mirror (or a
                     # cut in between) just reset; the link is down, not broken.
@@ -189,9 +205,14 @@ class MirrorLink:
         metrics.CONNECTED.set(1 if connected else 0)
 
     async def _session(self) -> None:
+        tls = self.tls.client if self.tls is not None else None
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port), HANDSHAKE_TIMEOUT
-        )
+            asyncio.open_connection(
+                self.host, self.port, ssl=tls,
+                server_hostname=self.server_name if tls is not None else None,
+            ),
+            HANDSHAKE_TIMEOUT,
+        )  # fmt: skip
         try:
             frames = FrameReader(reader, f"mirror {self.address}")
             async with asyncio.timeout(HANDSHAKE_TIMEOUT):
@@ -223,7 +244,15 @@ class MirrorLink:
         self, frames: FrameReader, writer: asyncio.StreamWriter
     ) -> tuple[int, str]:
         """The handshake; returns the mirror's applied mark for this origin and its name."""
-        ftype, payload = await frames.next()
+        try:
+            ftype, payload = await frames.next()
+        except ConnectionError as exc:
+            if self.tls is None:
+                # A mirror that requires mutual TLS waits for a TLS hello and closes at its
+                # deadline: say so (the events stay queued here until both sites agree).
+                raise ConnectionError(f"{exc} before its CHALLENGE: does the mirror require "
+                                      "mutual TLS (--mirror-tls-*)?") from exc  # fmt: skip
+            raise
         if ftype is not FrameType.CHALLENGE:
             raise ProtocolError(f"expected CHALLENGE, got {ftype.name}")
         challenge = decode_model(Challenge, payload)

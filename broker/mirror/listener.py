@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from typing import Protocol
 
 from twinmq.broker.mirror import metrics
@@ -40,10 +41,14 @@ from twinmq.broker.replication.protocol import (
     encode,
     encode_u64,
 )
+from twinmq.broker.tls import MutualTls, certificate_names
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
+# Shorter than a source's handshake deadline (link.py): a plaintext source, which waits
+# for a CHALLENGE as this side waits for a TLS hello, is closed here first (and says so).
+TLS_HANDSHAKE_TIMEOUT = 5.0
 SILENCE = 15.0
 MAX_APPLY_EVENTS = 4096  # events applied in one group commit, at most
 BLOCKED_POLL = 0.5  # seconds between looks at a raised resource alarm
@@ -69,6 +74,25 @@ class ListenerSite(Protocol):
         ...
 
 
+class _CountedHandshake(ssl.SSLObject):
+    """The TLS state of one source's connection: a handshake that fails (a certificate of
+    a CA this site does not trust, none at all, a protocol error) is counted and logged.
+    asyncio and uvloop drop a failed server-side handshake silently (a debug line); their
+    own `start_tls` on an accepted connection stalls under uvloop, so the listener hands
+    the handshake to the server and watches it here."""
+
+    def do_handshake(self) -> None:
+        """One step of the handshake (the transport calls it until it completes)."""
+        try:
+            super().do_handshake()
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError, ssl.SSLEOFError):
+            raise  # more bytes needed, or the peer hung up: no refusal
+        except ssl.SSLError as exc:
+            metrics.REFUSED.labels("certificate").inc()
+            log.warning("mirror: a source failed the TLS handshake: %s: closed", exc)
+            raise
+
+
 class MirrorListener:
     """Accepts mirror links from sources and feeds their events to the applier."""
 
@@ -79,8 +103,10 @@ class MirrorListener:
         key: str,
         name: str,
         site: ListenerSite,
+        tls: MutualTls | None = None,
     ) -> None:
         self.applier = applier
+        self.tls = tls  # mutual TLS: this site's certificate, the sources' CAs
         self.futures = futures
         self.key = key
         self.name = name
@@ -89,8 +115,15 @@ class MirrorListener:
         self.epochs: dict[str, int] = {}  # origin -> DR epoch its HELLO announced
 
     async def start(self, host: str, port: int) -> asyncio.Server:
-        """Listen for sources."""
-        return await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        """Listen for sources (over mutual TLS with --mirror-tls-*: a source that dials
+        plaintext, which waits for a CHALLENGE, is closed at the handshake's deadline)."""
+        if self.tls is None:
+            return await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        self.tls.context.sslobject_class = _CountedHandshake
+        return await asyncio.start_server(
+            self._handle, host, port, reuse_address=True,
+            ssl=self.tls.context, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT,
+        )  # fmt: skip
 
     @property
     def connected(self) -> int:
@@ -130,6 +163,17 @@ class MirrorListener:
         if ftype is not FrameType.HELLO:
             raise ProtocolError(f"expected HELLO, got {ftype.name}")
         hello = decode_model(Hello, payload)
+        names = certificate_names(writer)
+        if names is not None and hello.name not in names:
+            # The certificate is the source's identity: a certificate of the other site's
+            # CA that does not name this origin (a broker's own, the AMQPS one) cannot
+            # mirror here, whatever token it holds.
+            named = f"its certificate names {sorted(names)}, not the origin {hello.name!r}"
+            metrics.REFUSED.labels("identity").inc()
+            log.warning("mirror: refusing source %r: %s", hello.name, named)
+            writer.write(encode(FrameType.REFUSE, Refuse(reason=named, epoch=0)))
+            await writer.drain()
+            return None
         transcript = Transcript(self.name, hello.name, nonce, hello.nonce)
         why = transcript.refusal(self.key, hello.proof, "source")
         if why is not None:

@@ -76,3 +76,11 @@ LOOPED = Counter(
     "Bidirectional mode: events that came back to their origin or to a site they went "
     "through, or arrived twice by another path: counted as applied, never applied again",
 )
+REFUSED = Counter(
+    "twinmq_mirror_refused",
+    "Mirror links refused by mutual TLS (--mirror-tls-*): certificate (the TLS handshake "
+    "failed: the peer's certificate did not verify against --mirror-tls-ca or was missing, "
+    "or the peer spoke no TLS), identity (a source's certificate does not name the origin "
+    "it claims)",
+    ["reason"],
+)

@@ -37,6 +37,7 @@ from twinmq.broker.api import (
 )
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.errors import MirrorNotDrained, MirrorRefused
+from twinmq.broker.filewatch import reload_every
 from twinmq.broker.heap import HEAP
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.applier import ORPHANS_NAME, MirrorApplier, MirrorState
@@ -48,6 +49,7 @@ from twinmq.broker.mirror.listener import MirrorListener
 from twinmq.broker.mirror.role import RoleStore, SiteRole
 from twinmq.broker.mirror.source import MirrorSource, SourceState
 from twinmq.broker.settings import BrokerSettings
+from twinmq.broker.tls import MutualTls
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,10 @@ class Mirroring:
         self.roles = RoleStore(vhost, committer, self.futures, first) if first and token else None
         # The bidirectional mode: one id map, kept by the applier and read by the source.
         self.ids = IdMap(vhost, origin) if first == "bidirectional" else None
+        cert, key, ca = settings.mirror_tls_cert, settings.mirror_tls_key, settings.mirror_tls_ca
+        # Mutual TLS on the link, both ends, one identity (the files reloaded together).
+        self.tls = MutualTls(cert, key, ca) if cert and key and ca else None
+        self._reload: asyncio.Task[None] | None = None
         if settings.mirror_to and token is not None and self.roles is not None:
             self.source = MirrorSource(vhost, committer, clock)
             self.source.sending = lambda: self.is_source
@@ -123,6 +129,8 @@ class Mirroring:
                 on_fenced=self._fenced,
                 expected_peer=lambda: self.roles.current.took_over_from if self.roles else None,
                 on_gap=self._reseed_now,
+                tls=self.tls,
+                server_name=settings.mirror_tls_server_name,
             )
             monitor.checks.append(self._flow_control)
             metrics.QUEUE_EVENTS.set_function(lambda: self._source_value("depth"))
@@ -133,7 +141,9 @@ class Mirroring:
             forwarder = self.source if self.ids is not None else None
             applier = MirrorApplier(vhost, committer, clock, ids=self.ids, forwarder=forwarder)
             applier.heap = HEAP
-            self.listener = MirrorListener(applier, self.futures, mirror_key(token), origin, self)
+            self.listener = MirrorListener(
+                applier, self.futures, mirror_key(token), origin, self, tls=self.tls
+            )
         self._server: asyncio.Server | None = None
         self.monitor = monitor
         self._metrics()
@@ -446,6 +456,11 @@ class Mirroring:
         """Start the link and the listener (whichever are configured)."""
         if self.source is not None:
             self.source.ensure_active()
+        if self.tls is not None and (self.link is not None or self.listener is not None):
+            # A renewed certificate serves new handshakes; the running link keeps its own.
+            self._reload = asyncio.get_running_loop().create_task(
+                reload_every(self.tls.reload_if_changed), name="twinmq-mirror-tls-reload"
+            )
         if self.link is not None:
             self.link.start()
         if self.listener is not None and self.settings.mirror_port is not None:
@@ -460,6 +475,8 @@ class Mirroring:
 
     async def stop(self) -> None:
         """Close the link and the listener."""
+        if self._reload is not None:
+            self._reload.cancel()
         if self.link is not None:
             await self.link.stop()
         if self._server is not None:
@@ -514,4 +531,5 @@ class Mirroring:
             listening=listener is not None,
             sources_connected=listener.connected if listener is not None else 0,
             held_acks=len(listener.applier.holding) if listener is not None else 0,
+            tls=self.tls is not None,
         )
