@@ -20,6 +20,7 @@ Everything is removed by `teardown`, which leaves `net.ipv4.ip_forward` as it fo
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -106,8 +107,26 @@ def setup(layout: Layout) -> None:
         nf.write_text("1\n")
 
 
+def kube_jumps(listing: list[str]) -> list[list[str]]:
+    """The rules of an `iptables -S` listing that jump from a chain of someone else's to a
+    `KUBE-*` chain, as the arguments of `-A` (and so of `-D`); pure, for tests."""
+    jumps = []
+    for line in listing:
+        # shlex: a rule's quoted comment (kube-router's "kube-router netpol - ...") must
+        # come back as one argument, or `-D` matches nothing and the chain stays referenced.
+        words = shlex.split(line)
+        if (
+            words[:1] == ["-A"]
+            and not words[1].startswith("KUBE-")
+            and any(w.startswith("KUBE-") for w in words[2:])
+        ):
+            jumps.append(words[1:])
+    return jumps
+
+
 def remove_kube_chains() -> None:
-    """Remove every `KUBE-*` chain (and the jumps to them) that kube-proxy left behind.
+    """Remove every `KUBE-*` chain (and the jumps to them) that kube-proxy and kube-router
+    left behind.
 
     `kube-proxy --cleanup` leaves KUBE-FIREWALL and a few others in place; no
     other Kubernetes runs on a machine that runs this local cluster.
@@ -117,14 +136,8 @@ def remove_kube_chains() -> None:
             continue
         for table in ("filter", "nat", "mangle"):
             listing = _run([tool, "-w", "-t", table, "-S"], check=False).stdout.splitlines()
-            for line in listing:
-                words = line.split()
-                if (
-                    words[:1] == ["-A"]
-                    and not words[1].startswith("KUBE-")
-                    and any(w.startswith("KUBE-") for w in words[2:])
-                ):
-                    _run([tool, "-w", "-t", table, "-D", *words[1:]], check=False)
+            for rule in kube_jumps(listing):
+                _run([tool, "-w", "-t", table, "-D", *rule], check=False)
             chains = [line.split()[1] for line in listing if line.startswith("-N KUBE-")]
             for chain in chains:
                 _run([tool, "-w", "-t", table, "-F", chain], check=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from twinmq.localcluster.hostnet import guard_rules, mangle_guard_rules
+from twinmq.localcluster.hostnet import guard_rules, kube_jumps, mangle_guard_rules
 from twinmq.localcluster.layout import BRIDGE, POD_CIDR, SERVICE_CIDR
 
 
@@ -29,3 +29,20 @@ def test_mangle_guard_drops_forwarded_pod_traffic_leaving_the_bridge() -> None:
         f"-d {POD_CIDR} ! -o {BRIDGE} -j DROP",
         f"-i {BRIDGE} ! -o {BRIDGE} -j DROP",
     ]
+
+
+def test_jumps_to_kube_chains_keep_their_quoted_comment_as_one_argument() -> None:
+    # kube-router's jumps carry a comment with spaces; split naively, `-D` matched nothing
+    # and its chains outlived `make cluster-down`.
+    listing = [
+        "-P FORWARD ACCEPT",
+        "-N KUBE-ROUTER-FORWARD",
+        '-A FORWARD -m comment --comment "kube-router netpol - TEMCG2JMHZYE7H7T" '
+        "-j KUBE-ROUTER-FORWARD",
+        "-A FORWARD -j TWINMQ-GUARD",
+        "-A KUBE-ROUTER-FORWARD -j KUBE-POD-FW-X",
+    ]
+    assert kube_jumps(listing) == [
+        ["FORWARD", "-m", "comment", "--comment", "kube-router netpol - TEMCG2JMHZYE7H7T",
+         "-j", "KUBE-ROUTER-FORWARD"],
+    ]  # fmt: skip
