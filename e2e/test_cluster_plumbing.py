@@ -118,16 +118,21 @@ def _answers(address: str, port: int) -> bool:
 
 @contextlib.contextmanager
 def _guard_bypassed(address: str) -> Iterator[None]:
-    """Accept pod traffic to and from `address` ahead of the guard (FORWARD position 1)."""
+    """Accept pod traffic to and from `address` ahead of the guard (FORWARD position 1 of
+    the filter table and of the mangle table, which holds the guard's drops too)."""
     rules = [["-s", POD_CIDR, "-d", address, "-j", "ACCEPT"],
              ["-s", address, "-d", POD_CIDR, "-j", "ACCEPT"]]  # fmt: skip
-    for rule in rules:
-        _sh("iptables", "-w", "-I", "FORWARD", "1", *rule)
+    tables = ("filter", "mangle")
+    for table in tables:
+        for rule in rules:
+            _sh("iptables", "-w", "-t", table, "-I", "FORWARD", "1", *rule)
     try:
         yield
     finally:
-        for rule in rules:
-            subprocess.run(["iptables", "-w", "-D", "FORWARD", *rule], capture_output=True)
+        for table in tables:
+            for rule in rules:
+                delete = ["iptables", "-w", "-t", table, "-D", "FORWARD", *rule]
+                subprocess.run(delete, capture_output=True)
 
 
 def _run_to_completion(cluster: Cluster, namespace: str, pod: Obj) -> str:

@@ -7,7 +7,9 @@ one at a time, and prints progress while it runs.
 
 Kubernetes' own binaries come from a throw-away main module that requires
 ``k8s.io/kubernetes`` and replaces every ``k8s.io/*`` staging module (read
-from the release's own go.mod) with the matching ``v0.X.Y``.
+from the release's own go.mod) with the matching ``v0.X.Y``. A binary with
+``upgrades`` gets those modules required on top of its own go.mod (the wrapper module
+bumps vulnerable dependencies).
 
 Run ``python -m twinmq.localcluster.binaries [NAME ...]``.
 """
@@ -115,6 +117,8 @@ def build(binary: Binary, *, force: bool = False) -> Path:
             with (workdir / "go.mod").open("a") as gomod:
                 gomod.write(f"\nreplace (\n{replaces})\n")
         _run(["go", "get", f"{binary.module}@{binary.version}"], workdir, env, log)
+        if binary.upgrades:
+            _run(["go", "get", *binary.upgrades], workdir, env, log)
         tmp = target.with_name(f".{binary.name}.tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)
         ldflags = " ".join(("-s", "-w", *binary.ldflags))

@@ -65,6 +65,11 @@ from twinmq.localcluster.versions import BINARIES
 from twinmq.testing import waiting
 
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+POLICY_ENGINE = "kube-router"
+"""The NetworkPolicy engine: kube-router's firewall controller (iptables + ipset on the
+host), started last: it reads its Node object at start and exits without it."""
+POLICY_ENGINE_CHAIN = "KUBE-ROUTER-FORWARD"
+"""kube-router's chain in FORWARD: there once its first sync has run."""
 NODES = {
     "agent": ("node-agent",),
     "kubelet": (kubelet.NS_COMPONENT, "containerd", "kubelet", "volume-provisioner"),
@@ -74,7 +79,7 @@ NODES = {
 
 def components(mode: str) -> tuple[str, ...]:
     """Return the daemons of a cluster with node `mode`, in start order (`down`: reverse)."""
-    return (*CONTROL_PLANE, *NODES[mode], "kube-proxy", "coredns")
+    return (*CONTROL_PLANE, *NODES[mode], "kube-proxy", "coredns", POLICY_ENGINE)
 
 
 COMPONENTS = components("agent")
@@ -264,6 +269,26 @@ def _argv(layout: Layout, component: str, plane: ControlPlane = LOCAL_PLANE) -> 
         ]
     if component == "coredns":
         return [str(binaries.find("coredns")), "-conf", str(layout.etc / "Corefile")]
+    if component == POLICY_ENGINE:
+        return [
+            str(binaries.find(POLICY_ENGINE)),
+            f"--kubeconfig={kubeconfig}",
+            f"--hostname-override={NODE_NAME}",
+            # Only the NetworkPolicy firewall: the bridge plugin routes, kube-proxy proxies.
+            # (Its reported flaws are in the other two: docs/security.md.)
+            "--run-firewall=true",
+            "--run-router=false",
+            "--run-service-proxy=false",
+            "--run-loadbalancer=false",
+            "--enable-cni=false",
+            "--enable-ipv6=false",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # Its health server listens on every address (":port"): off. Readiness is its
+            # chain in FORWARD (`_policy_engine_ready`); the metrics port is off by default.
+            "--health-port=0",
+            "--iptables-sync-period=1m",
+            "--v=1",
+        ]
     if component == kubelet.NS_COMPONENT:
         return kubelet.namespace_argv(layout)
     if component == "containerd":
@@ -403,9 +428,9 @@ def preflight(mode: str = "agent") -> list[str]:
                 problems.append(f"`{tool}` not found (apt-get install containerd runc)")
     if os.geteuid() != 0:
         problems.append("must run as root (network namespaces, bridge, iptables)")
-    for tool in ("ip", "iptables", "openssl", "conntrack", "unshare", "setsid"):
+    for tool in ("ip", "iptables", "ipset", "openssl", "conntrack", "unshare", "setsid"):
         if shutil.which(tool) is None:
-            problems.append(f"`{tool}` not found (apt-get install iproute2 iptables openssl)")
+            problems.append(f"`{tool}` not found (apt-get install iproute2 iptables ipset openssl)")
     for plugin in ("bridge", "host-local", "loopback"):
         if not (Path("/usr/lib/cni") / plugin).exists():
             problems.append(
@@ -450,7 +475,14 @@ def write_env(layout: Layout) -> None:
     )
 
 
-HOST_PACKAGES = ("containernetworking-plugins", "iproute2", "iptables", "conntrack", "openssl")
+HOST_PACKAGES = (
+    "containernetworking-plugins",
+    "iproute2",
+    "iptables",
+    "ipset",
+    "conntrack",
+    "openssl",
+)
 """Debian packages the local cluster needs on the host."""
 
 
@@ -524,10 +556,20 @@ def up(layout: Layout, mode: str = "agent") -> None:
         "volume-provisioner": lambda: True,
         "kube-proxy": lambda: _http_ok(f"http://127.0.0.1:{KUBE_PROXY_HEALTHZ_PORT}/healthz"),
         "coredns": lambda: _http_ok(f"http://127.0.0.1:{COREDNS_READY_PORT}/ready"),
+        POLICY_ENGINE: _policy_engine_ready,
     }
+    kube = KubeApi(str(layout.kubeconfig))
     for component in components(mode):
         if component == node[0]:
             _apply_bootstrap(layout)
+        if component == POLICY_ENGINE:
+            wait_for(
+                f"node {NODE_NAME} registered (the policy engine reads it at start)",
+                lambda: kube.get(f"/api/v1/nodes/{NODE_NAME}") is not None,
+                120,
+                layout,
+                node[-1],
+            )
         t0 = time.monotonic()
         was_running = daemons.read_pid(layout, component) is not None
         daemons.start(layout, component, _argv(layout, component))
@@ -537,7 +579,6 @@ def up(layout: Layout, mode: str = "agent") -> None:
             kubelet.after_ready(layout, component, repo_root())
         verb = "already running" if was_running else f"ready in {time.monotonic() - t0:.1f}s"
         _say(f"{component}: {verb}")
-    kube = KubeApi(str(layout.kubeconfig))
     wait_for(
         "the default namespace's service account and root CA (controller-manager)",
         lambda: (
@@ -551,6 +592,14 @@ def up(layout: Layout, mode: str = "agent") -> None:
     if mode == "kubelet":
         wait_for(f"node {NODE_NAME} Ready", lambda: _node_ready(kube), 120, layout, "kubelet")
     _say(f"cluster up in {time.monotonic() - started:.1f}s; export KUBECONFIG={layout.kubeconfig}")
+
+
+def _policy_engine_ready() -> bool:
+    return _ok_quietly(["iptables", "-w", "-S", POLICY_ENGINE_CHAIN])
+
+
+def _ok_quietly(cmd: Sequence[str]) -> bool:
+    return subprocess.run(list(cmd), capture_output=True, check=False).returncode == 0
 
 
 def _node_ready(kube: KubeApi) -> bool:
@@ -596,6 +645,7 @@ def down(layout: Layout) -> None:
             check=False,
         )
     hostnet.remove_kube_chains()
+    hostnet.remove_policy_engine_sets()
     hostnet.teardown(layout)
     for folder in (layout.etcd_data, layout.node, layout.cni, layout.volumes, layout.pids):
         shutil.rmtree(folder, ignore_errors=True)

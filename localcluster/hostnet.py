@@ -8,7 +8,11 @@
   kube-proxy's OUTPUT DNAT runs: measured EINVAL on this machine.) Any packet
   still addressed to a service IP after kube-proxy's DNAT is rejected;
 - an iptables chain `TWINMQ-GUARD` in FORWARD and OUTPUT that drops anything
-  from a pod or service address that would leave through another interface.
+  from a pod or service address that would leave through another interface;
+- the same drops in the **mangle** table's FORWARD (`mangle_guard_rules`). The NetworkPolicy
+  engine (kube-router) keeps its own jump first in the filter table's FORWARD and ACCEPTs
+  there whatever complies with the policies, so a pod's packet would never reach the filter
+  guard; the mangle table runs before the filter table and kube-router leaves it alone.
 
 Everything is removed by `teardown`, which leaves `net.ipv4.ip_forward` as it found it.
 """
@@ -16,6 +20,7 @@ Everything is removed by `teardown`, which leaves `net.ipv4.ip_forward` as it fo
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -56,6 +61,14 @@ def guard_rules() -> list[tuple[str, list[str]]]:
     ]
 
 
+def mangle_guard_rules() -> list[tuple[str, list[str]]]:
+    """The guard's drops for forwarded packets, in the mangle table (see the module).
+
+    No REJECT (the mangle table cannot): a pod's packet to a service address without
+    endpoints goes back onto the bridge, where nothing answers it."""
+    return [(chain, rule) for chain, rule in guard_rules() if rule[-1] == "DROP"]
+
+
 def setup(layout: Layout) -> None:
     """Create the bridge, the routes and the guard (idempotent)."""
     state = layout.root / "hostnet.json"
@@ -79,6 +92,14 @@ def setup(layout: Layout) -> None:
     for parent in ("FORWARD", "OUTPUT"):
         if not _ok(["iptables", "-w", "-C", parent, "-j", GUARD_CHAIN]):
             _run(["iptables", "-w", "-I", parent, "1", "-j", GUARD_CHAIN])
+    mangle = ["iptables", "-w", "-t", "mangle"]
+    if not _ok([*mangle, "-L", GUARD_CHAIN, "-n"]):
+        _run([*mangle, "-N", GUARD_CHAIN])
+    _run([*mangle, "-F", GUARD_CHAIN])
+    for chain, rule in mangle_guard_rules():
+        _run([*mangle, "-A", chain, *rule])
+    if not _ok([*mangle, "-C", "FORWARD", "-j", GUARD_CHAIN]):
+        _run([*mangle, "-I", "FORWARD", "1", "-j", GUARD_CHAIN])
     # Let pods and the host reach each other's service traffic through the bridge.
     _IP_FORWARD.write_text("1\n")
     nf = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
@@ -86,8 +107,26 @@ def setup(layout: Layout) -> None:
         nf.write_text("1\n")
 
 
+def kube_jumps(listing: list[str]) -> list[list[str]]:
+    """The rules of an `iptables -S` listing that jump from a chain of someone else's to a
+    `KUBE-*` chain, as the arguments of `-A` (and so of `-D`); pure, for tests."""
+    jumps = []
+    for line in listing:
+        # shlex: a rule's quoted comment (kube-router's "kube-router netpol - ...") must
+        # come back as one argument, or `-D` matches nothing and the chain stays referenced.
+        words = shlex.split(line)
+        if (
+            words[:1] == ["-A"]
+            and not words[1].startswith("KUBE-")
+            and any(w.startswith("KUBE-") for w in words[2:])
+        ):
+            jumps.append(words[1:])
+    return jumps
+
+
 def remove_kube_chains() -> None:
-    """Remove every `KUBE-*` chain (and the jumps to them) that kube-proxy left behind.
+    """Remove every `KUBE-*` chain (and the jumps to them) that kube-proxy and kube-router
+    left behind.
 
     `kube-proxy --cleanup` leaves KUBE-FIREWALL and a few others in place; no
     other Kubernetes runs on a machine that runs this local cluster.
@@ -97,19 +136,28 @@ def remove_kube_chains() -> None:
             continue
         for table in ("filter", "nat", "mangle"):
             listing = _run([tool, "-w", "-t", table, "-S"], check=False).stdout.splitlines()
-            for line in listing:
-                words = line.split()
-                if (
-                    words[:1] == ["-A"]
-                    and not words[1].startswith("KUBE-")
-                    and any(w.startswith("KUBE-") for w in words[2:])
-                ):
-                    _run([tool, "-w", "-t", table, "-D", *words[1:]], check=False)
+            for rule in kube_jumps(listing):
+                _run([tool, "-w", "-t", table, "-D", *rule], check=False)
             chains = [line.split()[1] for line in listing if line.startswith("-N KUBE-")]
             for chain in chains:
                 _run([tool, "-w", "-t", table, "-F", chain], check=False)
             for chain in chains:
                 _run([tool, "-w", "-t", table, "-X", chain], check=False)
+
+
+POLICY_ENGINE_SET_PREFIXES = ("KUBE-", "kube-router")
+"""Prefixes of the ipsets kube-router (the NetworkPolicy engine) creates."""
+
+
+def remove_policy_engine_sets() -> None:
+    """Destroy the ipsets kube-router left (after `remove_kube_chains`: a set still
+    referenced by a rule cannot be destroyed). Nothing else here makes ipsets."""
+    if shutil.which("ipset") is None:
+        return
+    names = _run(["ipset", "list", "-n"], check=False).stdout.split()
+    for name in names:
+        if name.startswith(POLICY_ENGINE_SET_PREFIXES):
+            _run(["ipset", "destroy", name], check=False)
 
 
 def teardown(layout: Layout) -> None:
@@ -121,6 +169,12 @@ def teardown(layout: Layout) -> None:
     if _ok(["iptables", "-w", "-L", GUARD_CHAIN, "-n"]):
         _run(["iptables", "-w", "-F", GUARD_CHAIN])
         _run(["iptables", "-w", "-X", GUARD_CHAIN])
+    mangle = ["iptables", "-w", "-t", "mangle"]
+    while _ok([*mangle, "-D", "FORWARD", "-j", GUARD_CHAIN]):
+        pass
+    if _ok([*mangle, "-L", GUARD_CHAIN, "-n"]):
+        _run([*mangle, "-F", GUARD_CHAIN])
+        _run([*mangle, "-X", GUARD_CHAIN])
     _run(["ip", "route", "del", SERVICE_CIDR, "dev", BRIDGE], check=False)
     _run(["ip", "link", "del", BRIDGE], check=False)
     _run(["ip", "route", "del", "blackhole", POD_CIDR], check=False)

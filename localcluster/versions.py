@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 KUBERNETES_VERSION = "v1.36.3"
@@ -11,6 +12,19 @@ ETCD_VERSION = "v3.6.16"
 COREDNS_VERSION = "v1.14.7"
 HELM_VERSION = "v3.22.0"
 SPARK_OPERATOR_VERSION = "v2.3.0"
+KUBE_ROUTER_VERSION = "v2.1.0"
+"""kube-router, run only as the NetworkPolicy engine (its firewall controller); the only
+version the Go module proxy serves here. Its vulnerable dependencies are bumped by the
+build's wrapper module (`KUBE_ROUTER_UPGRADES`); docs/security.md says what is left."""
+KUBE_ROUTER_UPGRADES = (
+    # HTTP/2 (CONTINUATION flood, CVE-2023-45288, and later), html and idna parsing.
+    "golang.org/x/net@v0.62.0",
+    "golang.org/x/sys@v0.50.0",
+    # gRPC and protobuf (protojson's infinite loop, CVE-2024-24786); linked, not served:
+    # the gRPC server is GoBGP's, and the router does not run.
+    "google.golang.org/grpc@v1.85.0",
+    "google.golang.org/protobuf@v1.36.12",
+)
 """The Kubeflow Spark Operator (the controller of `spec.audit.launcher: sparkApplication`)."""
 
 
@@ -36,12 +50,19 @@ class Binary:
     """Built by default only for a cluster with this node mode (`$TWINMQ_NODE`)."""
     on_demand: bool = False
     """Never built by default: only when named (`python -m twinmq.localcluster.binaries NAME`)."""
+    upgrades: tuple[str, ...] = ()
+    """`module@version`s the build's wrapper module requires over the binary's own go.mod
+    (dependency bumps for known vulnerabilities)."""
 
     @property
     def cache_key(self) -> str:
         """The folder (under the cache's `k8s/`) that holds this binary."""
         if self.kubernetes_staging:
             return self.version
+        if self.upgrades:
+            # Other bumps are another binary: rebuilt, not taken from the cache.
+            digest = hashlib.sha256("\n".join(self.upgrades).encode()).hexdigest()[:8]
+            return f"{self.name}-{self.version}-{digest}"
         return f"{self.name}-{self.version}"
 
 
@@ -106,6 +127,19 @@ BINARIES: tuple[Binary, ...] = (
             "-X github.com/kubeflow/spark-operator/v2.gitTreeState=clean",
         ),
         on_demand=True,
+    ),
+    # The NetworkPolicy engine: kube-router's firewall controller only (cluster.py runs it
+    # with the router and the service proxy off). Built after the cluster's own binaries.
+    Binary(
+        name="kube-router",
+        module="github.com/cloudnativelabs/kube-router/v2",
+        version=KUBE_ROUTER_VERSION,
+        package="github.com/cloudnativelabs/kube-router/v2/cmd/kube-router",
+        ldflags=(
+            "-X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version="
+            + KUBE_ROUTER_VERSION,
+        ),
+        upgrades=KUBE_ROUTER_UPGRADES,
     ),
 )
 """Build order: the small ones first so a cluster can start as early as possible."""

@@ -22,7 +22,7 @@ CLUSTER_PYTHON ?= $(or $(PY),$(if $(wildcard .venv/bin/python),.venv/bin/python,
 CLUSTER_DEPS ?= $(STAMP)
 
 # Debian packages the local cluster needs (installed by the top-level `system-deps`).
-SYSTEM_PACKAGES += containernetworking-plugins iproute2 iptables conntrack openssl
+SYSTEM_PACKAGES += containernetworking-plugins iproute2 iptables ipset conntrack openssl
 # `make test` runs the e2e suite after the unit tests.
 TEST_EXTRA_TARGETS += e2e
 
