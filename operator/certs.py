@@ -455,13 +455,31 @@ def reconcile_peer(
     if kept is None:
         found = secrets.get_secret_data(cluster.namespace, peer_secret_name(cluster, broker))
         kept = memory.peers[broker] = Issued(_pair(found))
+    what = f"{cluster.namespace}/{cluster.name}: {broker}'s own certificate"
+    return _kept_current(kept, ca, names, now, seconds, memory, what)
+
+
+def _kept_current(
+    kept: Issued,
+    ca: KeyPair,
+    names: list[str],
+    now: datetime,
+    seconds: int,
+    memory: TlsMemory,
+    what: str,
+    site: str | None = None,
+) -> KeyPair:
+    """`kept` (a client + server certificate) as it must be now: issued again when
+    missing, due, renamed, of another CA, or (`site`) naming another common name."""
     if kept.renew_at is None or now >= kept.renew_at or kept.names != names:
         reason = reissue_reason(kept.pair, ca, names, now)
+        named = None if kept.pair is None else common_name(kept.pair.certificate())
+        if reason is None and site is not None and named != site:
+            reason = f"it names another site than {site}"
         if reason is not None:
-            kept.pair = issue_server(ca, names, now, seconds, client=True)
+            kept.pair = issue_server(ca, names, now, seconds, client=True, common_name=site)
             memory.issued += 1
-            log.info("%s/%s: issued %s's own certificate: %s",
-                     cluster.namespace, cluster.name, broker, reason)  # fmt: skip
+            log.info("%s issued: %s", what, reason)
         assert kept.pair is not None
         kept.renew_at, kept.names = renew_at(kept.pair.certificate()), names
     assert kept.pair is not None
@@ -492,19 +510,8 @@ def reconcile_mirror(
     if kept is None:
         found = secrets.get_secret_data(cluster.namespace, mirroring.secret_name(cluster.name))
         kept = memory.mirror = Issued(_pair(found))
-    if kept.renew_at is None or now >= kept.renew_at or kept.names != names:
-        reason = reissue_reason(kept.pair, ca, names, now)
-        if reason is None and kept.pair and common_name(kept.pair.certificate()) != site:
-            reason = "the mirror certificate names another site"
-        if reason is not None:
-            kept.pair = issue_server(ca, names, now, seconds, client=True, common_name=site)
-            memory.issued += 1
-            log.info("%s/%s: issued the site's mirror certificate: %s",
-                     cluster.namespace, cluster.name, reason)  # fmt: skip
-        assert kept.pair is not None
-        kept.renew_at, kept.names = renew_at(kept.pair.certificate()), names
-    assert kept.pair is not None
-    return kept.pair
+    what = f"{cluster.namespace}/{cluster.name}: the site's mirror certificate"
+    return _kept_current(kept, ca, names, now, seconds, memory, what, site)
 
 
 def reconcile_tls(
