@@ -45,6 +45,7 @@ class Published:
     status: bytearray = field(default_factory=bytearray)  # per seq: 0 open, 1 ack, 2 nack
     floor: int = 0  # every seq <= floor is settled
     measured: float = 0.0  # confirms per second over the measured span
+    answered: int = 0  # seqs settled (ack or nack): `settled()` is asked per publish round
 
     @property
     def confirmed(self) -> set[int]:
@@ -58,14 +59,17 @@ class Published:
             for seq in range(self.floor + 1, tag + 1):
                 if self.status[seq - 1] == 0:
                     self.status[seq - 1] = mark
+                    self.answered += 1
         elif self.status[tag - 1] == 0:
             self.status[tag - 1] = mark
+            self.answered += 1
         while self.floor < len(self.status) and self.status[self.floor]:
             self.floor += 1
 
     def settled(self) -> int:
-        """How many publishes were answered (ack or nack)."""
-        return sum(1 for s in self.status if s)
+        """How many publishes were answered (ack or nack); constant time (it was a
+        count over every publish: a million-message run slowed to tens a second)."""
+        return self.answered
 
 
 async def publish(
