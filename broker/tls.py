@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,26 @@ class MutualTls(TlsListener):
         self.client.load_cert_chain(self.cert, self.key)
         assert self.ca is not None
         self.client.load_verify_locations(self.ca)
+
+
+def report_refused_handshakes(
+    context: ssl.SSLContext, refused: Callable[[ssl.SSLError], None]
+) -> None:
+    """Have a listener's `context` call `refused` for each handshake a peer fails (a
+    certificate of a CA not trusted, none at all, a protocol error). asyncio and uvloop
+    drop a failed server-side handshake silently (a debug line), and a link's own
+    `start_tls` on an accepted connection is no way round it: under uvloop it stalls
+    until its deadline when the peer's ClientHello came in first. So the listener does
+    the handshake and its SSL objects report here."""
+
+    class Reported(ssl.SSLObject):
+        def do_handshake(self) -> None:
+            try:
+                super().do_handshake()
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError, ssl.SSLEOFError):
+                raise  # more bytes needed, or the peer hung up: no refusal
+            except ssl.SSLError as exc:
+                refused(exc)
+                raise
+
+    context.sslobject_class = Reported

@@ -41,7 +41,7 @@ from twinmq.broker.replication.protocol import (
     encode,
     encode_u64,
 )
-from twinmq.broker.tls import MutualTls, certificate_names
+from twinmq.broker.tls import MutualTls, certificate_names, report_refused_handshakes
 
 log = logging.getLogger(__name__)
 
@@ -74,23 +74,9 @@ class ListenerSite(Protocol):
         ...
 
 
-class _CountedHandshake(ssl.SSLObject):
-    """The TLS state of one source's connection: a handshake that fails (a certificate of
-    a CA this site does not trust, none at all, a protocol error) is counted and logged.
-    asyncio and uvloop drop a failed server-side handshake silently (a debug line); their
-    own `start_tls` on an accepted connection stalls under uvloop, so the listener hands
-    the handshake to the server and watches it here."""
-
-    def do_handshake(self) -> None:
-        """One step of the handshake (the transport calls it until it completes)."""
-        try:
-            super().do_handshake()
-        except (ssl.SSLWantReadError, ssl.SSLWantWriteError, ssl.SSLEOFError):
-            raise  # more bytes needed, or the peer hung up: no refusal
-        except ssl.SSLError as exc:
-            metrics.REFUSED.labels("certificate").inc()
-            log.warning("mirror: a source failed the TLS handshake: %s: closed", exc)
-            raise
+def _refused(exc: ssl.SSLError) -> None:
+    metrics.REFUSED.labels("certificate").inc()
+    log.warning("mirror: a source failed the TLS handshake: %s: closed", exc)
 
 
 class MirrorListener:
@@ -119,7 +105,7 @@ class MirrorListener:
         plaintext, which waits for a CHALLENGE, is closed at the handshake's deadline)."""
         if self.tls is None:
             return await asyncio.start_server(self._handle, host, port, reuse_address=True)
-        self.tls.context.sslobject_class = _CountedHandshake
+        report_refused_handshakes(self.tls.context, _refused)
         return await asyncio.start_server(
             self._handle, host, port, reuse_address=True,
             ssl=self.tls.context, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT,

@@ -47,7 +47,7 @@ from twinmq.broker.replication.protocol import (
     encode_batch,
     encode_u64,
 )
-from twinmq.broker.tls import identity_refusal
+from twinmq.broker.tls import identity_refusal, report_refused_handshakes
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +225,19 @@ class ReplicationSource:
         self._over_cap_logged = 0.0  # time.monotonic() of that line
 
     async def start(self, host: str, port: int) -> asyncio.AbstractServer:
-        """Listen for passives."""
-        self._server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        """Listen for passives (over mutual TLS with --replication-tls-*, unless the
+        listener is still plaintext: `plain-listener`, a step of moving a running pair to
+        mutual TLS). The listener does the TLS handshake: a passive's certificate is
+        verified before `_handle` runs, and a refused one counted and logged."""
+        tls = self.broker.replication_tls
+        if tls is None or self.broker.settings.replication_tls_mode == "plain-listener":
+            self._server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+            return self._server
+        report_refused_handshakes(tls.context, _refused_handshake)
+        self._server = await asyncio.start_server(
+            self._handle, host, port, reuse_address=True, ssl=tls.context,
+            ssl_handshake_timeout=self.broker.settings.replication_handshake_timeout,
+        )  # fmt: skip
         return self._server
 
     def detach(self, reason: str) -> None:
@@ -350,8 +361,6 @@ class ReplicationSource:
         frames = FrameReader(reader, f"passive {peer_text}")
         link: SourceLink | None = None
         try:
-            if not await self._start_tls(peer_text, writer):
-                return
             link = await self._handshake(peer_text, frames, writer)
             if link is None:
                 return
@@ -390,29 +399,6 @@ class ReplicationSource:
                 self._lost(link, degrade_now=False)
             with contextlib.suppress(Exception):
                 writer.close()
-
-    async def _start_tls(self, peer: str, writer: asyncio.StreamWriter) -> bool:
-        """With mutual TLS, the TLS handshake (the peer's certificate verified); whether
-        the link may go on. Done here, not by the listener, so a refused certificate is
-        counted and logged (asyncio's listener would drop it silently)."""
-        tls = self.broker.replication_tls
-        if tls is None or self.broker.settings.replication_tls_mode == "plain-listener":
-            return True  # plain-listener: a step of moving a running pair to mutual TLS
-        deadline = self.broker.settings.replication_handshake_timeout
-        try:
-            await writer.start_tls(tls.context, ssl_handshake_timeout=deadline)
-        except ssl.SSLError as exc:
-            metrics.REPLICATION_REFUSED.labels("certificate").inc()
-            log.warning("replication peer %s failed the TLS handshake: %s: closed", peer, exc)
-            return False
-        except TimeoutError:
-            metrics.REPLICATION_REFUSED.labels("handshake-timeout").inc()
-            log.warning("replication peer %s: no TLS handshake in %.1fs: closed", peer, deadline)
-            return False
-        except OSError as exc:  # gone before the handshake completed (a probe, a reset)
-            log.debug("replication peer %s left during the TLS handshake: %r", peer, exc)
-            return False
-        return True
 
     async def _authenticate(
         self, peer: str, frames: FrameReader, writer: asyncio.StreamWriter
@@ -620,3 +606,8 @@ class ReplicationSource:
         self.detach("shutdown")
         if self._server is not None:
             self._server.close()
+
+
+def _refused_handshake(exc: ssl.SSLError) -> None:
+    metrics.REPLICATION_REFUSED.labels("certificate").inc()
+    log.warning("replication peer failed the TLS handshake: %s: closed", exc)
