@@ -292,7 +292,6 @@ class FederationLink:
         inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()
         processor: asyncio.Task[None] | None = None
         publisher: LinkClient | None = None
-        ran = False
         try:
             peer = connection.server_properties.get(SERVER_ID_PROPERTY)
             if isinstance(peer, bytes):
@@ -340,7 +339,7 @@ class FederationLink:
                 self._forwarder = forwarder
                 forwarder.open()
             self._set_state("running", None)
-            ran = self._ran = True
+            self._ran = True
             log.info(
                 "federation %s <- %s (%s, server %s): running, %d upstream bindings",
                 self.fed.exchange, self.upstream_name, self.upstream.shown(), peer,
@@ -380,7 +379,7 @@ class FederationLink:
                     await publisher.close()
             with contextlib.suppress(Exception):
                 await connection.close()
-            if ran:
+            if self._ran:
                 # The reason the session ends (in amq.peer's link-down too).
                 ending = sys.exc_info()[1]
                 self._set_state("connecting", _describe(ending) if ending else self.error)
