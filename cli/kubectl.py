@@ -7,6 +7,7 @@
     kubectl twinmq unfence CLUSTER BROKER [--wait]
     kubectl twinmq audit CLUSTER [--sites] [--wait]
     kubectl twinmq federation status [CLUSTER] [-n NS | -A] [-o table|json]
+    kubectl twinmq mirror trust SITE --from-context CTX --from-namespace NS --from-cluster NAME
 
 Every operation is a JSON merge patch of `spec.requests.<op>` carrying a fresh id
 (`<op>-<UTC time>-<4 hex>`): the same mechanism a GitOps pipeline uses, handled once by the
@@ -213,6 +214,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=600.0, metavar="SECONDS",
         help="for the re-attachment and sync, then for the promotion",
     )  # fmt: skip
+    trust = mirror_sub.add_parser(
+        "trust", parents=[common], help="copy the other site's CA here (mutual TLS on the link)",
+        description="Read the other site's published CA (ConfigMap <from-cluster>-ca, key "
+        "ca.crt) through another kubeconfig context, write it into the ConfigMap "
+        "<SITE>-mirror-trust in SITE's namespace and set SITE's spec.mirror.tls.caConfigMap "
+        "to it: SITE's link then runs over mutual TLS (its pods roll once). For sites in "
+        "two Kubernetes clusters, where the operator cannot copy it itself; run it on both "
+        "sites (the other one with --from-context naming this one). Idempotent: run it "
+        "again after the other site's CA was rotated. Prints what it did.",
+    )  # fmt: skip
+    trust.add_argument("cluster", metavar="SITE", help="the BrokerCluster here that trusts")
+    trust.add_argument(
+        "--from-context", help="kubeconfig context of the other site (default: the same)"
+    )
+    trust.add_argument(
+        "--from-namespace", help="the other site's namespace (default: the context's)"
+    )
+    trust.add_argument(
+        "--from-cluster", required=True, help="the other site's BrokerCluster (its name)"
+    )
     for one_request in (failover, reseed):
         one_request.add_argument(
             "--timeout", type=float, default=120.0, metavar="SECONDS", help="how long to wait"
@@ -691,6 +712,33 @@ class Kube:
             )
         )  # fmt: skip
 
+    def config_map(self, namespace: str, name: str) -> Obj | None:
+        """A ConfigMap, or None when there is none."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            found = self.core.read_namespaced_config_map(name, namespace, _request_timeout=30)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise PluginError(f"cannot read ConfigMap {namespace}/{name}: HTTP {exc.status} "
+                              f"{exc.reason}", exc.status) from exc  # fmt: skip
+        return dict(self.api.sanitize_for_serialization(found))
+
+    def write_config_map(self, namespace: str, body: Obj, exists: bool) -> None:
+        """Create or replace a ConfigMap."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = body["metadata"]["name"]
+        try:
+            if exists:
+                self.core.patch_namespaced_config_map(name, namespace, body, _request_timeout=30)
+            else:
+                self.core.create_namespaced_config_map(namespace, body, _request_timeout=30)
+        except ApiException as exc:
+            raise PluginError(f"cannot write ConfigMap {namespace}/{name}: HTTP {exc.status} "
+                              f"{exc.reason}", exc.status) from exc  # fmt: skip
+
     def events(self, namespace: str, name: str) -> list[Obj]:
         """The cluster's Events, oldest first ([] when not permitted: they are optional)."""
         from kubernetes.client.exceptions import ApiException
@@ -823,6 +871,64 @@ def mirror_request(
                 EXIT_TIMEOUT,
             )
         sleep(0.5)  # polling interval of a deadline-bound wait
+
+
+TRUST_KEY = "ca.crt"
+
+
+def trust_config_map(site: str) -> str:
+    """The ConfigMap `mirror trust` writes: the other site's CA, in SITE's namespace."""
+    return f"{site}-mirror-trust"
+
+
+def cmd_mirror_trust(kube: Kube, other: Kube, args: argparse.Namespace, out: Any) -> int:
+    """`mirror trust`: the other site's CA (read through its context) into a ConfigMap
+    here, named by SITE's `spec.mirror.tls.caConfigMap`. Each step says what it did."""
+    namespace = args.namespace or kube.default_namespace
+    site = find_cluster(kube, namespace, args.cluster)
+    mirror = (site.get("spec") or {}).get("mirror")
+    if not mirror:
+        raise PluginError(f"{namespace}/{args.cluster} has no spec.mirror: nothing to trust")
+    from_ns = args.from_namespace or other.default_namespace
+    published = f"{args.from_cluster}-ca"
+    where = f"ConfigMap {from_ns}/{published}" + (
+        f" (context {args.from_context})" if args.from_context else "")  # fmt: skip
+    found = other.config_map(from_ns, published)
+    bundle = ((found or {}).get("data") or {}).get(TRUST_KEY)
+    if not bundle:
+        raise PluginError(
+            f"{where} " + ("holds no ca.crt" if found else "does not exist") + ": is "
+            f"{from_ns}/{args.from_cluster} a BrokerCluster with spec.tls on (the operator "
+            "publishes its CA there)?"
+        )
+    name = trust_config_map(args.cluster)
+    mine = kube.config_map(namespace, name)
+    body = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": {"app.kubernetes.io/managed-by": "kubectl-twinmq"},
+                     "annotations": {"twinmq.io/copied-from": where}},
+        "data": {TRUST_KEY: bundle},
+    }  # fmt: skip
+    if mine is not None and (mine.get("data") or {}).get(TRUST_KEY) == bundle:
+        out.write(f"configmap/{name} unchanged: it holds the CA of {where}\n")
+    else:
+        kube.write_config_map(namespace, body, exists=mine is not None)
+        verb = "updated" if mine is not None else "created"
+        out.write(f"configmap/{name} {verb} in {namespace}: the CA of {where}\n")
+    tls = mirror.get("tls") or {}
+    if tls.get("caConfigMap") == name and tls.get("caKey", TRUST_KEY) == TRUST_KEY:
+        out.write(f"{RESOURCE}/{args.cluster}: spec.mirror.tls.caConfigMap already {name}\n")
+    else:
+        if tls.get("caConfigMap"):
+            out.write(f"{RESOURCE}/{args.cluster}: spec.mirror.tls.caConfigMap was "
+                      f"{tls['caConfigMap']}, replaced\n")  # fmt: skip
+        patch = {"spec": {"mirror": {"tls": {"caConfigMap": name, "caKey": TRUST_KEY}}}}
+        kube.patch(namespace, args.cluster, patch)
+        out.write(f"{RESOURCE}/{args.cluster}: spec.mirror.tls.caConfigMap set to {name} (the "
+                  "pods roll; the link runs mutual TLS once the other site trusts this "
+                  "one's CA too)\n")  # fmt: skip
+    return EXIT_OK
 
 
 def switch_outcome(
@@ -1052,6 +1158,10 @@ def run(argv: Sequence[str] | None = None, out: Any = None, err: Any = None) -> 
             return cmd_federation_status(kube, args, out)
         if args.command == "mirror" and args.mirror_command == "status":
             return cmd_mirror_status(kube, args, out)
+        if args.command == "mirror" and args.mirror_command == "trust":
+            other = Kube.connect(args.kubeconfig, args.from_context) if (
+                args.from_context) else kube  # fmt: skip
+            return cmd_mirror_trust(kube, other, args, out)
         if args.command == "mirror":
             other = kube
             context = getattr(args, "replica_context", None) or getattr(

@@ -49,6 +49,7 @@ from twinmq.operator import (
     metrics,
     mirroring,
     netpolicy,
+    peerca,
     peertls,
     rollout,
 )
@@ -134,6 +135,7 @@ class Memory:
     # made), or refused (RBAC of an older chart); changes are logged once.
     network_policy: str | None = None
     tls: certs.TlsMemory = field(default_factory=certs.TlsMemory)
+    peer_ca: peerca.PeerCaMemory = field(default_factory=peerca.PeerCaMemory)
 
 
 @dataclass
@@ -178,6 +180,7 @@ def reconcile_children(
     memory: Memory,
     pods: dict[BrokerName, Any],
     peer_tls: PeerTlsPhase = "Plaintext",
+    peer_ca: dict[str, Any] | None = None,
 ) -> list[drift.Repaired]:
     """Apply every owned object in its desired state (a deleted one is recreated, an edited
     one set back); create the pods that are missing and set their labels back. Pods are
@@ -229,6 +232,8 @@ def reconcile_children(
                         "kind this API server does not serve: install cert-manager",
                         cluster.namespace, cluster.name)  # fmt: skip
         memory.tls.no_cert_manager = True
+    if peer_ca is not None:  # before the pods too: they mount it (operator/peerca.py)
+        apply(peer_ca)
     apply(builders.build_headless_service(cluster, amqps=spec.tls.enabled))
     apply(builders.build_vip_service(cluster, spec.mirror, amqps=spec.tls.enabled))
     apply(builders.build_disruption_budget(cluster))
@@ -673,6 +678,14 @@ def reconcile(
         # A step of a crash failover's timeline (bench/failover_time.py reads it).
         log.info("%s/%s: woken by a pod change", cluster.namespace, cluster.name)
     k = kube()
+    # The other DR site's CA, copied when the operator can read it: from here on the spec
+    # is the one the pods are built from (`caConfigMap` naming the copy).
+    trust = peerca.reconcile(
+        cluster, spec, memory.peer_ca, k, now,
+        lambda kind, reason, message: kopf.event(body, type=kind, reason=reason,
+                                                 message=message),
+    )  # fmt: skip
+    spec = peerca.effective(spec, trust)
     pods = {n: k.get_pod(cluster.namespace, pod_name(cluster, n)) for n in NAMES}
     credentials = credentials_of(cluster, spec, memory)
     if credentials is None:
@@ -797,7 +810,8 @@ def reconcile(
     deferred = memory.wake.is_set() and memory.deferred < MAX_DEFERRED
     memory.deferred = memory.deferred + 1 if deferred else 0
     if not deferred:
-        report_drift(body, reconcile_children(cluster, spec, memory, pods, peer_tls))
+        peer_ca = None if trust is None else peerca.build_config_map(cluster, trust)
+        report_drift(body, reconcile_children(cluster, spec, memory, pods, peer_tls, peer_ca))
     for step in plan.actions:
         if isinstance(step, rollout.DeletePod):
             pod = pods[step.broker] or {}
@@ -867,6 +881,8 @@ def reconcile(
         extra.append(mirrored)
     if (failing_back := mirroring.failback_condition(new.mirror)) is not None:
         extra.append(failing_back)
+    if (mirror_tls := peerca.condition(trust)) is not None:
+        extra.append(mirror_tls)
     if (federated := federation.condition(new.federation)) is not None:
         extra.append(federated)
     new.conditions = conditions(decision, new, views, generation, extra)

@@ -1,0 +1,296 @@
+"""Mutual TLS on the DR mirror by default (issues 14 and 16): the operator learns the other
+site's CA when the target is a BrokerCluster it can read (`operator/peerca.py`), keeps the
+copy current, says why a link stays plaintext; `kubectl twinmq mirror trust` copies it when
+the operator cannot (another Kubernetes cluster). Builders and rules here; the copy, its
+update and the plugin on a real API server, two namespaces standing in for two sites."""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from apiserver import install_crd
+from test_operator_mirroring import env_of, settings_from
+
+from twinmq.cli.kubectl import run, trust_config_map
+from twinmq.operator import certs, mirroring, peerca
+from twinmq.operator.builders import ClusterRef, build_pod
+from twinmq.operator.kube import Kube
+from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec
+
+NOW = datetime(2026, 11, 28, tzinfo=UTC)
+
+
+def mirror_spec(role: str, target: str | None, **tls: Any) -> dict[str, Any]:
+    mirror: dict[str, Any] = {"role": role, "secretName": "orders-dr"}
+    if target is not None:
+        mirror["target"] = {"host": target}
+    if tls:
+        mirror["tls"] = tls
+    return {"mirror": mirror}
+
+
+def spec_of(raw: dict[str, Any]) -> BrokerClusterSpec:
+    return BrokerClusterSpec.model_validate(raw)
+
+
+# -- rules -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("host", "found"),
+    [
+        ("orders.site-b.svc", ("site-b", "orders")),
+        ("orders.site-b.svc.cluster.local", ("site-b", "orders")),
+        ("Orders.Site-B.svc.cluster.local.", ("site-b", "orders")),
+        ("orders.site-b", None),  # could be another cluster's DNS: not guessed
+        ("10.0.0.7", None),
+        ("dr.example.com", None),
+        ("orders.site-b.svc.example.com", None),
+    ],
+)
+def test_only_a_services_cluster_dns_name_names_a_brokercluster_here(
+    host: str, found: tuple[str, str] | None
+) -> None:
+    assert peerca.service_of(host) == found
+
+
+def test_the_operators_copy_makes_the_pods_run_the_link_over_mutual_tls() -> None:
+    site = ClusterRef("orders", "site-a", "u-a")
+    spec = spec_of(mirror_spec("source", "orders.site-b.svc"))
+    assert not mirroring.tls_on(spec)
+    trust = peerca.Trust(True, "PeerCACopied", "m", "orders-mirror-peer-ca", "PEM", "site-b/orders")
+    mounted = peerca.effective(spec, trust)
+    assert mirroring.tls_on(mounted)
+    pod = build_pod(site, mounted, "primary")
+    assert settings_from(env_of(pod)).mirror_tls_ca == Path(f"{mirroring.CA_DIR}/ca.crt")
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "mirror-ca"]
+    assert volume["configMap"]["name"] == "orders-mirror-peer-ca"
+    built = peerca.build_config_map(site, trust)
+    assert built is not None and built["data"] == {"ca.crt": "PEM"}
+    assert built["metadata"]["ownerReferences"][0]["uid"] == "u-a"
+    # Nothing copied: the spec as written (plaintext, no ConfigMap).
+    unknown = peerca.Trust(False, "PeerCAUnknown", "m")
+    assert peerca.effective(spec, unknown) == spec
+    assert peerca.build_config_map(site, unknown) is None
+
+
+def test_an_explicit_ca_config_map_wins_over_the_copy() -> None:
+    spec = spec_of(mirror_spec("source", "orders.site-b.svc", caConfigMap="mine"))
+    trust = peerca.resolve(ClusterRef("orders", "site-a", "u"), spec, Unreadable())
+    assert trust is not None and trust.reason == "CAConfigMap" and trust.tls
+    assert peerca.effective(spec, trust).mirror.tls.ca_config_map == "mine"  # type: ignore[union-attr]
+
+
+class Unreadable:
+    """An API server that answers nothing (never reached when the spec decides)."""
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any]:
+        raise AssertionError(f"read {kind} {namespace}/{name}")
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason", "says"),
+    [
+        ({**mirror_spec("source", "orders.b.svc"), "tls": {"enabled": False}},
+         "NoSiteCertificate", "spec.tls is off"),
+        (mirror_spec("source", "orders.b.svc", enabled=False), "Disabled", "enabled is false"),
+        (mirror_spec("source", "10.1.2.3"), "PeerCAUnknown", "kubectl twinmq mirror trust"),
+        (mirror_spec("replica", None), "PeerCAUnknown", "names no target"),
+    ],
+)  # fmt: skip
+def test_a_plaintext_link_says_why_and_how_to_fix_it(
+    raw: dict[str, Any], reason: str, says: str
+) -> None:
+    trust = peerca.resolve(ClusterRef("orders", "a", "u"), spec_of(raw), Unreadable())
+    assert trust is not None and not trust.tls and trust.reason == reason
+    assert says in trust.message
+    assert peerca.condition(trust) == ("MirrorTls", False, reason, trust.message)
+    assert peerca.resolve(ClusterRef("orders", "a", "u"), spec_of({}), Unreadable()) is None
+
+
+def test_an_event_when_the_copy_is_made_and_when_the_other_ca_changes() -> None:
+    trust = peerca.Trust(True, "PeerCACopied", "m", "x-mirror-peer-ca", "NEW", "b/orders")
+    ((_, copied, _),) = peerca.events(None, trust)
+    ((_, updated, text),) = peerca.events("OLD", trust)
+    assert (copied, updated) == ("MirrorPeerCACopied", "MirrorPeerCAUpdated")
+    assert "rotation" in text
+    assert peerca.events("NEW", trust) == []
+
+
+# -- a real API server: the copy, its update ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def api(kube_apiserver: Any) -> Kube:
+    found = Kube(str(kube_apiserver.kubeconfig))
+    install_crd(found)
+    return found
+
+
+def site(api: Kube, namespace: str, name: str, raw: dict[str, Any]) -> ClusterRef:
+    """A namespace with a BrokerCluster whose CA is published, as its operator does."""
+    api.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    made = api.apply({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+                      "metadata": {"name": name, "namespace": namespace}, "spec": raw})  # fmt: skip
+    ref = ClusterRef(name, namespace, made["metadata"]["uid"])
+    certs.reconcile_tls(ref, spec_of(raw), certs.TlsMemory(), api, api.apply, now=NOW,
+                        seconds=3600)  # fmt: skip
+    return ref
+
+
+def published_ca(api: Kube, ref: ClusterRef) -> str:
+    found = api.get("v1", "ConfigMap", ref.namespace, f"{ref.name}-ca")
+    assert found is not None
+    return str(found["data"]["ca.crt"])
+
+
+class Operator:
+    """One site's operator pass, as `operator/main.py` runs it: the answer, the copy
+    applied, the Events posted."""
+
+    def __init__(self, api: Kube, ref: ClusterRef, raw: dict[str, Any]) -> None:
+        self.api, self.ref, self.raw = api, ref, raw
+        self.memory = peerca.PeerCaMemory()
+        self.events: list[tuple[str, str, str]] = []
+
+    def reconcile(self, clock: float) -> peerca.Trust:
+        trust = peerca.reconcile(self.ref, spec_of(self.raw), self.memory, self.api, clock,
+                                 lambda *e: self.events.append(e))  # fmt: skip
+        assert trust is not None
+        if (copy := peerca.build_config_map(self.ref, trust)) is not None:
+            self.api.apply(copy)
+        return trust
+
+
+def test_two_sites_naming_each_other_copy_each_others_ca_and_follow_its_rotation(
+    api: Kube,
+) -> None:
+    a_raw = mirror_spec("source", "orders.pca-b.svc")
+    b_raw = mirror_spec("replica", "orders.pca-a.svc.cluster.local")
+    a, b = site(api, "pca-a", "orders", a_raw), site(api, "pca-b", "orders", b_raw)
+    at_a, at_b = Operator(api, a, a_raw), Operator(api, b, b_raw)
+    for here, there, operator in ((a, b, at_a), (b, a, at_b)):
+        trust = operator.reconcile(0.0)
+        assert trust.tls and trust.reason == "PeerCACopied", trust.message
+        copy = api.get("v1", "ConfigMap", here.namespace, f"{here.name}-mirror-peer-ca")
+        assert copy is not None and copy["data"]["ca.crt"] == published_ca(api, there)
+        assert [e[1] for e in operator.events] == ["MirrorPeerCACopied"]
+    assert published_ca(api, a) != published_ca(api, b)  # a CA each, each trusts the other
+    # Nothing new to copy: no Event, no read before READ_EVERY.
+    at_a.reconcile(1.0)
+    assert len(at_a.events) == 1
+
+    # B's CA is rotated (its operator publishes the new one): A's copy follows.
+    rotated = certs.new_ca(b, NOW).cert
+    api.apply({"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": "orders-ca", "namespace": "pca-b"},
+               "data": {"ca.crt": rotated}})  # fmt: skip
+    at_a.reconcile(2.0)
+    assert len(at_a.events) == 1  # not read again yet
+    at_a.reconcile(2.0 + peerca.READ_EVERY)
+    assert at_a.events[-1][1] == "MirrorPeerCAUpdated"
+    copy = api.get("v1", "ConfigMap", "pca-a", "orders-mirror-peer-ca")
+    assert copy is not None and copy["data"]["ca.crt"] == rotated
+
+    # A restarted operator finds its copy current: no Event.
+    again = Operator(api, a, a_raw)
+    assert again.reconcile(100.0).tls and again.events == []
+
+    # B goes away: A keeps its last copy (its pods do not roll back to plaintext).
+    api.delete(f"{GROUP}/{VERSION}", KIND, "pca-b", "orders")
+    kept = again.reconcile(200.0)
+    assert kept.tls and kept.reason == "PeerCACopied" and "last copy" in kept.message
+
+
+def test_a_site_whose_target_does_not_name_it_back_stays_plaintext_and_says_so(
+    api: Kube,
+) -> None:
+    # A replica naming no target cannot learn the source's CA: the source must not
+    # require TLS the replica cannot speak (the link would never come up).
+    r_raw = mirror_spec("replica", None)
+    s_raw = mirror_spec("source", "orders.pcb-r.svc")
+    site(api, "pcb-r", "orders", r_raw)
+    source = site(api, "pcb-s", "orders", s_raw)
+    trust = Operator(api, source, s_raw).reconcile(0.0)
+    assert not trust.tls and trust.reason == "PeerCAUnknown"
+    assert "does not name this site" in trust.message
+    assert api.get("v1", "ConfigMap", "pcb-s", "orders-mirror-peer-ca") is None
+    # No such BrokerCluster: said, with the fix.
+    lost_raw = mirror_spec("source", "nothing.pcb-r.svc")
+    lost = Operator(api, source, lost_raw).reconcile(0.0)
+    assert not lost.tls and "no BrokerCluster pcb-r/nothing" in lost.message
+    assert "mirror trust" in lost.message
+
+
+# -- kubectl twinmq mirror trust ------------------------------------------------------------
+
+
+def two_contexts(kubeconfig: Path, folder: Path) -> Path:
+    """The admin kubeconfig with a context per site (one API server stands in for two)."""
+    config = json.loads(kubeconfig.read_text())
+    base = config["contexts"][0]["context"]
+    config["contexts"] = [
+        {"name": "here", "context": {**base, "namespace": "trust-a"}},
+        {"name": "there", "context": {**base, "namespace": "trust-b"}},
+    ]
+    config["current-context"] = "here"
+    path = folder / "kubeconfig"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_mirror_trust_copies_the_other_sites_ca_through_its_context_idempotently(
+    api: Kube, kube_apiserver: Any, tmp_path: Path
+) -> None:
+    kubeconfig = two_contexts(kube_apiserver.kubeconfig, tmp_path)
+    here = site(api, "trust-a", "orders", mirror_spec("source", "dr.example.com"))
+    there = site(api, "trust-b", "orders", mirror_spec("replica", None))
+    argv = ["mirror", "trust", "orders", "--kubeconfig", str(kubeconfig),
+            "--from-context", "there", "--from-cluster", "orders"]  # fmt: skip
+
+    def trust() -> str:
+        out, err = io.StringIO(), io.StringIO()
+        assert run(argv, out, err) == 0, err.getvalue()
+        return out.getvalue()
+
+    said = trust()
+    name = trust_config_map("orders")
+    assert f"configmap/{name} created in trust-a" in said
+    assert "caConfigMap set to orders-mirror-trust" in said
+    copy = api.get("v1", "ConfigMap", "trust-a", name)
+    assert copy is not None and copy["data"]["ca.crt"] == published_ca(api, there)
+    cluster = api.get(f"{GROUP}/{VERSION}", KIND, "trust-a", "orders")
+    assert cluster is not None
+    assert cluster["spec"]["mirror"]["tls"]["caConfigMap"] == name
+    # What the operator then makes of it: the link over mutual TLS from that ConfigMap.
+    trusted = peerca.resolve(here, spec_of(cluster["spec"]), Unreadable())
+    assert trusted is not None and trusted.tls and trusted.reason == "CAConfigMap"
+
+    again = trust()
+    assert "unchanged" in again and "already orders-mirror-trust" in again
+
+    rotated = certs.new_ca(there, NOW).cert
+    api.apply({"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": "orders-ca", "namespace": "trust-b"},
+               "data": {"ca.crt": rotated}})  # fmt: skip
+    assert f"configmap/{name} updated" in trust()
+    copy = api.get("v1", "ConfigMap", "trust-a", name)
+    assert copy is not None and copy["data"]["ca.crt"] == rotated
+
+
+def test_mirror_trust_says_when_the_other_site_published_no_ca(
+    api: Kube, kube_apiserver: Any, tmp_path: Path
+) -> None:
+    kubeconfig = two_contexts(kube_apiserver.kubeconfig, tmp_path)
+    site(api, "trust-a", "plain", mirror_spec("source", "dr.example.com"))
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["mirror", "trust", "plain", "--kubeconfig", str(kubeconfig),
+            "--from-context", "there", "--from-cluster", "absent"]  # fmt: skip
+    assert run(argv, out, err) == 1
+    assert "ConfigMap trust-b/absent-ca (context there) does not exist" in err.getvalue()
+    assert api.get("v1", "ConfigMap", "trust-a", trust_config_map("plain")) is None
