@@ -59,6 +59,17 @@ def connected(cluster: Cluster, namespace: str, name: str) -> bool:
     return mirror_state(cluster, namespace, name).get("state") == "Connected"
 
 
+def mirror_tls(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    """The `MirrorTls` condition: whether the brokers are built for mutual TLS, and why."""
+    conditions = cluster_status(cluster, namespace, name).get("conditions") or []
+    return next((c for c in conditions if c.get("type") == "MirrorTls"), {})
+
+
+def connected_over_tls(cluster: Cluster, namespace: str, name: str) -> bool:
+    state = mirror_state(cluster, namespace, name)
+    return state.get("state") == "Connected" and bool(state.get("tls"))
+
+
 def test_confirmed_traffic_through_the_source_arrives_on_the_replica_site(
     cluster: Cluster, operator: OperatorProcess, namespace: str, dr_namespace: str
 ) -> None:
@@ -74,6 +85,11 @@ def test_confirmed_traffic_through_the_source_arrives_on_the_replica_site(
         spec={"mirror": {"role": "source", "target": target, "secretName": "orders-dr"}},
     )
     wait_for("the source says Connected", lambda: connected(cluster, namespace, source), 60)
+    # A target given by address: the operator cannot learn the other site's CA, and says
+    # so (the link runs plaintext with its token; `kubectl twinmq mirror trust` fixes it).
+    why = mirror_tls(cluster, namespace, source)
+    assert why.get("status") == "False" and why.get("reason") == "PeerCAUnknown", why
+    assert "mirror trust" in why.get("message", ""), why
     publish_some(amqp_url(cluster, namespace, source), "orders", range(COUNT))
 
     replica_url = amqp_url(cluster, dr_namespace, replica)
@@ -116,7 +132,16 @@ def test_a_declared_switchover_makes_the_replica_site_the_source_losing_nothing(
 
     replica = create_cluster(cluster, dr_namespace, spec=mirror("replica", namespace))
     source = create_cluster(cluster, namespace, spec=mirror("source", dr_namespace))
-    wait_for("the source says Connected", lambda: connected(cluster, namespace, source), 60)
+    # No TLS field in either spec: each operator copies the other site's CA (the site
+    # created first rolls its pods once it is published) and the link runs mutual TLS.
+    wait_for("the source Connected over mutual TLS",
+             lambda: connected_over_tls(cluster, namespace, source), 240)  # fmt: skip
+    for ns, name in ((namespace, source), (dr_namespace, replica)):
+        why = mirror_tls(cluster, ns, name)
+        assert why.get("status") == "True" and why.get("reason") == "PeerCACopied", why
+        # A switchover asked in the middle of a site's rolling update would race it.
+        wait_for(f"{ns} Ready (its pods rolled)",
+                 lambda: cluster_status(cluster, ns, name).get("phase") == "Ready", 240)  # noqa: B023  # fmt: skip
     publish_some(amqp_url(cluster, namespace, source), "orders", range(COUNT))
 
     shown = plugin(cluster, "mirror", "switchover", source, f"{dr_namespace}/{replica}",
@@ -145,6 +170,7 @@ def test_a_declared_switchover_makes_the_replica_site_the_source_losing_nothing(
     publish_some(old_source, "orders", range(COUNT + 10, COUNT + 20))
     wait_for("the old source's messages mirrored to the other site again",
              lambda: messages_in(new_source, "orders") == COUNT + 20, 60)  # fmt: skip
+    assert mirror_state(cluster, namespace, source).get("tls"), "switched back over TLS"
     assert sorted(drain(old_source, "orders")) == list(range(COUNT + 20))
 
 
@@ -185,7 +211,10 @@ def test_two_bidirectional_sites_both_writable_keep_every_confirmed_message_once
     site_b = create_cluster(cluster, dr_namespace, spec=mirror(namespace))
     site_a = create_cluster(cluster, namespace, spec=mirror(dr_namespace))
     for ns, name in ((namespace, site_a), (dr_namespace, site_b)):
-        wait_for(f"{ns} linked both ways", lambda: both_ways(cluster, ns, name), 90)  # noqa: B023
+        # Over mutual TLS by default (the site made first rolls once it has the other's CA).
+        wait_for(f"{ns} linked both ways over TLS",
+                 lambda: both_ways(cluster, ns, name) and connected_over_tls(cluster, ns, name),  # noqa: B023
+                 240)  # fmt: skip
     url_a, url_b = amqp_url(cluster, namespace, site_a), amqp_url(cluster, dr_namespace, site_b)
     publish_some(url_a, "orders", range(0))  # the queue, declared on A, mirrored to B
     wait_for("the queue on site B", lambda: messages_in(url_b, "orders") == 0, 60)

@@ -10,9 +10,10 @@ rotation publishes a new bundle there: read again every `READ_EVERY` seconds) an
 as if `spec.mirror.tls.caConfigMap` named it. An explicit `caConfigMap` wins.
 
 The link only comes up when both sites agree, so a site turns TLS on by itself only when
-the other site will too: the other BrokerCluster names this one as its target (or has a
-`caConfigMap` of its own) and has a mirror certificate. Both operators judge the same
-facts, so two sites naming each other move together. A site that cannot learn the other's
+the other site will too: the other BrokerCluster names this one as its target and has a
+mirror certificate (a `caConfigMap` given to the other site does not count: it may not
+hold this site's CA). Both operators judge the same facts, so two sites naming each other
+move together. A site that cannot learn the other's
 CA (another Kubernetes cluster, a namespace the operator may not read, a replica naming no
 target, a ring of three) stays plaintext with the reason `PeerCAUnknown` and the fix
 (`kubectl twinmq mirror trust`) in its `MirrorTls` condition.
@@ -153,14 +154,12 @@ def resolve(cluster: ClusterRef, spec: BrokerClusterSpec, reader: Reader) -> Tru
         return Trust(False, "PeerCAUnknown", f"plaintext: BrokerCluster {peer} has no mirror "
                      "certificate (no spec.mirror, spec.mirror.tls.enabled false, or spec.tls "
                      "off or of your own): it would not speak TLS", peer=peer)  # fmt: skip
-    if other_mirror.tls.ca_config_map is None and not _names(
-        other_spec, cluster.namespace, cluster.name
-    ):
+    if not _names(other_spec, cluster.namespace, cluster.name):
         return Trust(False, "PeerCAUnknown", f"plaintext: BrokerCluster {peer} does not name "
                      f"this site ({cluster.name}.{cluster.namespace}.svc) as its "
                      "spec.mirror.target, so it cannot learn this site's CA and would not "
                      "speak TLS: name this site there (a switchable replica does), or give "
-                     f"both sites a caConfigMap ({fix})", peer=peer)  # fmt: skip
+                     f"both sites a caConfigMap: {fix}", peer=peer)  # fmt: skip
     try:
         published = reader.get("v1", "ConfigMap", namespace, f"{name}-ca")
     except Exception as exc:
