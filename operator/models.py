@@ -124,14 +124,18 @@ class MirrorTls(ApiModel):
     """Mutual TLS on the mirror link, in addition to its token (docs/mirror.md, "Mutual TLS
     on the link"). Each site presents a mirror certificate its own CA issued
     (`<cluster>-mirror-tls`: named for the site, `<namespace>/<name>`, and for its
-    virtual-IP Service) and verifies the other site's against that site's CA, which you
-    copy into this namespace (the other site's `<cluster>-ca` ConfigMap, as CloudNativePG's
-    replica clusters take their source's `sslRootCert`)."""
+    virtual-IP Service) and verifies the other site's against that site's CA (its
+    `<cluster>-ca` ConfigMap, as CloudNativePG's replica clusters take their source's
+    `sslRootCert`): copied by the operator when `target.host` names a BrokerCluster here
+    that names this site back (`operator/peerca.py`), else from `caConfigMap`."""
 
     enabled: bool = Field(
         True,
-        description="Run the link over mutual TLS once `caConfigMap` names the other site's "
-        "CA (needs `spec.tls` on, with the operator's CA or `issuerRef`)",
+        description="Run the link over mutual TLS once the other site's CA is known: copied "
+        "by the operator (`<cluster>-mirror-peer-ca`) when `target.host` is the Service of a "
+        "BrokerCluster it can read that names this site as its target, else `caConfigMap` "
+        "(needs `spec.tls` on, with the operator's CA or `issuerRef`; the `MirrorTls` "
+        "condition says which, or why the link is plaintext)",
     )
     ca_config_map: str | None = Field(
         None,
@@ -139,7 +143,9 @@ class MirrorTls(ApiModel):
         max_length=253,
         description="ConfigMap in this namespace holding the other site's CA certificate "
         "(a copy of its `<cluster>-ca`; in a ring of three, both other sites' CAs in one "
-        "bundle). Unset: the link stays plaintext (token only)",
+        "bundle; `kubectl twinmq mirror trust` writes one from another cluster's context). "
+        "Wins over the operator's copy. Unset, with no copy: the link stays plaintext "
+        "(token only)",
     )
     ca_key: str = Field("ca.crt", min_length=1, max_length=253, description="Its key")
     server_names: list[str] = Field(
@@ -210,7 +216,8 @@ class Mirror(ApiModel):
         "than this and the mirror is connected and consuming (0: never)",
     )
     tls: MirrorTls = Field(
-        default_factory=MirrorTls, description="Mutual TLS on the link (needs `caConfigMap`)"
+        default_factory=MirrorTls,
+        description="Mutual TLS on the link (on when the other site's CA is known)",
     )
 
 
