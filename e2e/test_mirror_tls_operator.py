@@ -1,7 +1,9 @@
 """A plaintext DR mirror between two BrokerClusters (two namespaces, a CA each) moved to
 mutual TLS the documented way: each site's `<cluster>-ca` copied into the other's
 namespace, then `spec.mirror.tls.caConfigMap` set on the replica site, then on the source.
-Between the two rollouts the source holds what it cannot send; nothing is lost.
+Between the two rollouts the source holds what it cannot send; nothing is lost. And the
+default: two sites naming each other, their link's TLS turned on, move to it by
+themselves (each operator copies the other's CA), losing nothing.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from brokerclusters import (
     cluster_status,
     create_cluster,
     drain,
+    events_of,
     messages_in,
     publish_some,
 )
 from support import Cluster, new_namespace
-from test_mirror_operator import mirror_secret, mirror_state
+from test_mirror_operator import connected_over_tls, mirror_secret, mirror_state, mirror_tls
 
 from twinmq.testing.waiting import wait_for
 
@@ -101,6 +104,51 @@ def test_a_plaintext_mirror_moves_to_mutual_tls_site_by_site_losing_nothing(
         return state.get("state") == "Connected" and bool(state.get("tls"))
 
     wait_for("the link up over mutual TLS", over_tls, 240)
+    replica_url = amqp_url(cluster, dr_namespace, replica)
+    wait_for(f"{2 * COUNT} messages on the replica site",
+             lambda: messages_in(replica_url, "orders") == 2 * COUNT, 120)  # fmt: skip
+    assert cluster_status(cluster, dr_namespace, replica)["mirror"].get("tls")
+    assert sorted(drain(replica_url, "orders")) == list(range(2 * COUNT))
+
+
+def test_a_running_plaintext_mirror_of_sites_naming_each_other_moves_to_tls_by_itself(
+    cluster: Cluster, operator: OperatorProcess, namespace: str, dr_namespace: str
+) -> None:
+    """Two sites naming each other, TLS off on the link (as an older operator left them):
+    turned on, with no CA copied by anyone, each operator copies the other's and rolls
+    its pods; the messages mirrored before and after are all on the replica, once."""
+    mirror_secret(cluster, dr_namespace)
+    mirror_secret(cluster, namespace)
+
+    def mirror(role: str, other: str) -> dict[str, Any]:
+        return {"mirror": {"role": role, "secretName": "orders-dr", "tls": {"enabled": False},
+                           "target": {"host": f"orders.{other}.svc"}}}  # fmt: skip
+
+    replica = create_cluster(cluster, dr_namespace, spec=mirror("replica", namespace))
+    source = create_cluster(cluster, namespace, spec=mirror("source", dr_namespace))
+    wait_for("the plaintext link up",
+             lambda: mirror_state(cluster, namespace, source).get("state") == "Connected",
+             60)  # fmt: skip
+    assert not mirror_state(cluster, namespace, source).get("tls")
+    assert mirror_tls(cluster, namespace, source).get("reason") == "Disabled"
+    source_url = amqp_url(cluster, namespace, source)
+    publish_some(source_url, "orders", range(COUNT))
+
+    for ns, name in ((dr_namespace, replica), (namespace, source)):
+        cluster.kube.patch(cluster_path(ns, name),
+                           {"spec": {"mirror": {"tls": {"enabled": True}}}})  # fmt: skip
+    for ns, name in ((namespace, source), (dr_namespace, replica)):
+        wait_for(f"{ns}'s operator copied the other site's CA",
+                 lambda: mirror_tls(cluster, ns, name).get("reason") == "PeerCACopied",  # noqa: B023
+                 60)  # fmt: skip
+    wait_for("the link up over mutual TLS",
+             lambda: connected_over_tls(cluster, namespace, source), 300)  # fmt: skip
+    for ns, name in ((namespace, source), (dr_namespace, replica)):
+        wait_for(f"{ns} Ready (its pods rolled)",
+                 lambda: cluster_status(cluster, ns, name).get("phase") == "Ready", 240)  # noqa: B023  # fmt: skip
+    copied = [e for e in events_of(cluster, namespace) if e["reason"] == "MirrorPeerCACopied"]
+    assert copied, "an Event says the CA was copied"
+    publish_some(source_url, "orders", range(COUNT, 2 * COUNT))
     replica_url = amqp_url(cluster, dr_namespace, replica)
     wait_for(f"{2 * COUNT} messages on the replica site",
              lambda: messages_in(replica_url, "orders") == 2 * COUNT, 120)  # fmt: skip
