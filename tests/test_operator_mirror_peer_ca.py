@@ -21,6 +21,7 @@ from twinmq.operator import certs, mirroring, peerca
 from twinmq.operator.builders import ClusterRef, build_pod
 from twinmq.operator.kube import Kube
 from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec
+from twinmq.testing.waiting import wait_for
 
 NOW = datetime(2026, 11, 28, tzinfo=UTC)
 
@@ -294,3 +295,38 @@ def test_mirror_trust_says_when_the_other_site_published_no_ca(
     assert run(argv, out, err) == 1
     assert "ConfigMap trust-b/absent-ca (context there) does not exist" in err.getvalue()
     assert api.get("v1", "ConfigMap", "trust-a", trust_config_map("plain")) is None
+
+
+def test_an_operator_that_may_not_read_the_other_namespace_says_so(
+    api: Kube, kube_apiserver: Any
+) -> None:
+    """A namespace-scoped operator (the chart's Role: BrokerClusters and ConfigMaps of its
+    own namespace only) is refused the other site's: reported, not guessed."""
+    b_raw = mirror_spec("replica", "orders.nsop-a.svc")
+    a_raw = mirror_spec("source", "orders.nsop-b.svc")
+    site(api, "nsop-b", "orders", b_raw)
+    a = site(api, "nsop-a", "orders", a_raw)
+    rules = [
+        {"apiGroups": [GROUP], "resources": ["brokerclusters"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]},
+    ]
+    api.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+               "metadata": {"name": "ns-operator", "namespace": "nsop-a"},
+               "rules": rules})  # fmt: skip
+    api.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": "ns-operator", "namespace": "nsop-a"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                           "name": "ns-operator"},
+               "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                             "name": "ns-operator"}]})  # fmt: skip
+    scoped = Kube(str(kube_apiserver.kubeconfig))
+    scoped.api.set_default_header("Impersonate-User", "ns-operator")
+
+    def answer() -> peerca.Trust | None:
+        trust = peerca.resolve(a, spec_of(a_raw), scoped)
+        return trust if trust is not None and "HTTP 403" in trust.message else None
+
+    trust = wait_for("the Role in force", answer, 30)
+    assert not trust.tls and trust.reason == "PeerCAUnknown"
+    assert "cannot read BrokerCluster nsop-b/orders" in trust.message
+    assert "mirror trust" in trust.message
