@@ -10,8 +10,10 @@ each other, or a ring of three each naming the next; its status shows both direc
 Only the active broker of a pair mirrors or applies; the status is read from its
 `GET /status`.
 
-Mutual TLS (`spec.mirror.tls`, on once `caConfigMap` names the other site's CA and
-`spec.tls` is on with certificates the operator issues or asks cert-manager for): both
+Mutual TLS (`spec.mirror.tls`, on once the other site's CA is known, from the operator's
+copy (`operator/peerca.py`, by default between BrokerClusters naming each other) or
+`caConfigMap`, and `spec.tls` is on with certificates the operator issues or asks
+cert-manager for; the spec seen here names the copy in `caConfigMap`): both
 brokers of a site mount the site's mirror certificate (`<cluster>-mirror-tls`, client and
 server use, its common name the site's origin, its DNS names the virtual-IP Service's and
 `serverNames`), which they present when dialling the target and on the mirror listener;
