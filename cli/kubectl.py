@@ -396,7 +396,7 @@ COLUMNS = (
 )  # fmt: skip
 MIRROR_COLUMNS = (
     "CLUSTER", "DR-ROLE", "STATE", "INBOUND", "DR-EPOCH", "TARGET", "BACKLOG", "LAG", "SOURCES",
-    "MESSAGE",
+    "TLS", "MESSAGE",
 )  # fmt: skip
 FEDERATION_COLUMNS = (
     "CLUSTER", "SERVER-ID", "EXCHANGE", "UPSTREAM", "STATE", "BINDINGS", "RECEIVED",
@@ -520,9 +520,23 @@ def mirror_rows(
             str(state.get("queueEvents", "-")),
             f"{float(state.get('lagSeconds') or 0.0):.1f}s" if state else "-",
             str(state.get("sourcesConnected", "-")),
+            tls_text(cluster, state),
             failback_text(state) or str(state.get("message") or "") or orphans_text(state),
         ))  # fmt: skip
     return rows
+
+
+def tls_text(cluster: Mapping[str, Any], state: Mapping[str, Any]) -> str:
+    """The TLS column: `yes` when the active reports the link over mutual TLS; else the
+    `MirrorTls` condition's reason when it keeps the link plaintext (`PeerCAUnknown`:
+    `kubectl twinmq mirror trust`), `pending` while the pods are not there yet."""
+    if state.get("tls"):
+        return "yes"
+    conditions = (cluster.get("status") or {}).get("conditions") or []
+    why = next((c for c in conditions if c.get("type") == "MirrorTls"), None)
+    if why is None:
+        return "-"
+    return "pending" if why.get("status") == "True" else str(why.get("reason") or "no")
 
 
 def failback_text(state: Mapping[str, Any]) -> str:

@@ -415,7 +415,18 @@ def test_mirror_status_shows_role_link_backlog_and_lag() -> None:
     header, row = out.splitlines()
     assert header.split() == list(kubectl.MIRROR_COLUMNS)
     assert row.split() == ["orders", "source", "Connected", "-", "2", "orders.site-b.svc:5674",
-                           "12", "0.2s", "0"]  # fmt: skip
+                           "12", "0.2s", "0", "-"]  # fmt: skip
+
+
+def test_mirror_status_says_whether_the_link_runs_tls_and_why_not() -> None:
+    over_tls = mirrored(role="source", state="Connected", tls=True)
+    assert kubectl.mirror_rows([over_tls])[0][9] == "yes"
+    plain = mirrored(role="source", state="Connected")
+    plain["status"]["conditions"] = [{"type": "MirrorTls", "status": "False",
+                                      "reason": "PeerCAUnknown", "message": "..."}]  # fmt: skip
+    assert kubectl.mirror_rows([plain])[0][9] == "PeerCAUnknown"
+    plain["status"]["conditions"][0].update(status="True", reason="PeerCACopied")
+    assert kubectl.mirror_rows([plain])[0][9] == "pending"
 
 
 def test_mirror_status_shows_both_directions_of_a_bidirectional_site() -> None:
