@@ -959,6 +959,7 @@ ConditionType = Literal[
     "AuditPassed",
     "BrokerDamaged",
     "Mirroring",
+    "MirrorTls",
     "FailingBack",
     "Federated",
 ]

@@ -20,7 +20,7 @@ from twinmq.cli.kubectl import run, trust_config_map
 from twinmq.operator import certs, mirroring, peerca
 from twinmq.operator.builders import ClusterRef, build_pod
 from twinmq.operator.kube import Kube
-from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec
+from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec, Condition
 from twinmq.testing.waiting import wait_for
 
 NOW = datetime(2026, 11, 28, tzinfo=UTC)
@@ -111,6 +111,10 @@ def test_a_plaintext_link_says_why_and_how_to_fix_it(
     assert trust is not None and not trust.tls and trust.reason == reason
     assert says in trust.message
     assert peerca.condition(trust) == ("MirrorTls", False, reason, trust.message)
+    # What the status carries (a condition type the status model knows).
+    found = Condition(type="MirrorTls", status="False", reason=reason, message=trust.message,
+                      last_transition_time="2026-11-28T00:00:00Z")  # fmt: skip
+    assert found.type == "MirrorTls"
     assert peerca.resolve(ClusterRef("orders", "a", "u"), spec_of({}), Unreadable()) is None
 
 
