@@ -30,6 +30,7 @@ referenced, so never read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -165,11 +166,7 @@ class Store:
                 os.replace(tmp, final)
             finally:
                 tmp.unlink(missing_ok=True)
-            fd = os.open(final.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _sync_dir(final.parent)
         else:
             self.fs.pipe_file(self.path(key), data)
 
@@ -284,6 +281,7 @@ class ShipReport:
     shipped: list[str] = dataclasses.field(default_factory=list)
     already: list[str] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)  # open or foreign files
+    deleted: list[str] = dataclasses.field(default_factory=list)  # shipped, past retention
 
 
 LEDGER = ".shipped"
@@ -354,3 +352,54 @@ def ship(audit_dir: Path, store: Store, *, broker: str | None = None) -> ShipRep
             f.write(f"{name.stem} {store.location}\n")
         ledger.add(name.stem)
     return report
+
+
+def prune_shipped(
+    audit_dir: Path, store: Store, keep_seconds: float, report: ShipReport, now: float
+) -> None:
+    """Delete the local segments shipped to `store` more than `keep_seconds` ago (by the
+    time they were closed), so a broker's audit directory does not grow without bound.
+
+    A segment not in the ledger for this store is never deleted (an audit needs it, and
+    only shipping puts it there). Each broker's newest segment is always kept: a
+    broker numbers its next segment after the highest it finds in the directory
+    (`AuditLog`), and a number used again would collide with a shipped segment. The
+    ledger is then rewritten without the lines of segments no longer here.
+    """
+    shipped = read_ledger(audit_dir / LEDGER, store)
+    segments = list(closed_segments(audit_dir))
+    newest: dict[str, int] = {}
+    for name, _path in segments:
+        newest[name.broker] = max(newest.get(name.broker, 0), name.seq)
+    for name, path in segments:
+        if name.stem not in shipped or name.seq == newest[name.broker]:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if now - path.stat().st_mtime < keep_seconds:
+                continue
+            path.unlink()
+            report.deleted.append(name.stem)
+    if not report.deleted:
+        return
+    _sync_dir(audit_dir)
+    ledger_path = audit_dir / LEDGER
+    present = {name.stem for name, _path in closed_segments(audit_dir)}
+    kept = [
+        line for line in ledger_path.read_text().splitlines() if line.partition(" ")[0] in present
+    ]
+    tmp = audit_dir / f"{LEDGER}.tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(f"{line}\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ledger_path)
+    _sync_dir(audit_dir)
+    log.info("deleted %d shipped segments older than %ss", len(report.deleted), keep_seconds)
+
+
+def _sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,13 @@ def _ship_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--broker", help="ship only this broker's segments")
     parser.add_argument("--every", type=float, default=0.0, help="repeat every N seconds (0: once)")
+    parser.add_argument(
+        "--keep-shipped",
+        type=float,
+        metavar="SECONDS",
+        help="delete local segments shipped to this store more than SECONDS ago, each "
+        "broker's newest excepted (default: keep them all)",
+    )
     return parser
 
 
@@ -146,7 +154,7 @@ def ship_main(argv: Sequence[str] | None = None) -> int:
     """`twinmq audit-ship`: ship closed segments (once, or every N seconds)."""
     args = _ship_parser(argparse.ArgumentParser(prog="twinmq audit-ship")).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from twinmq.audit.store import Store, ship
+    from twinmq.audit.store import Store, prune_shipped, ship
 
     store = Store(args.store)
     # A sidecar is PID 1 of its container when the pod sets `command` (no init): without a
@@ -159,6 +167,8 @@ def ship_main(argv: Sequence[str] | None = None) -> int:
         try:
             report = ship(args.audit_dir, store, broker=args.broker)
             log.info("shipped %d segments (%d already)", len(report.shipped), len(report.already))
+            if args.keep_shipped is not None:
+                prune_shipped(args.audit_dir, store, args.keep_shipped, report, time.time())
         except Exception:
             log.exception("shipping failed")
             if not args.every:

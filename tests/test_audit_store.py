@@ -18,7 +18,15 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from twinmq.audit.records import AuditBatch, AuditEvent, AuditRecord  # noqa: E402
 from twinmq.audit.schema import arrow_schema  # noqa: E402
-from twinmq.audit.store import SegmentName, ShipError, Store, ship  # noqa: E402
+from twinmq.audit.store import (  # noqa: E402
+    LEDGER,
+    SegmentName,
+    ShipError,
+    ShipReport,
+    Store,
+    prune_shipped,
+    ship,
+)
 from twinmq.testing.waiting import wait_for  # noqa: E402
 
 
@@ -44,6 +52,53 @@ def _read(store: Store, name: SegmentName) -> Any:
 
 
 # -- a filesystem store ---------------------------------------------------------------------
+def test_shipped_segments_past_retention_are_deleted_and_nothing_else(tmp_path: Path) -> None:
+    audit = tmp_path / "audit"
+    for seq in (1, 2, 3):
+        _write_segment(audit, "a", 1, seq, range(seq * 10, seq * 10 + 3))
+    (audit / "a-e000001-00000004.jsonl.open").write_text(_line("a", 1, 99))
+    store = Store(str(tmp_path / "store"))
+    other = Store(str(tmp_path / "other"))
+    assert len(ship(audit, store).shipped) == 3
+    _write_segment(audit, "a", 1, 5, range(50, 52))  # closed after the pass: not shipped
+    now = (audit / "a-e000001-00000005.jsonl").stat().st_mtime
+
+    young = ShipReport()
+    prune_shipped(audit, store, 3600, young, now)
+    assert young.deleted == []  # all within the retention
+    unknown = ShipReport()
+    prune_shipped(audit, other, 0, unknown, now)
+    assert unknown.deleted == []  # nothing shipped to that store: an audit needs them all
+
+    report = ShipReport()
+    prune_shipped(audit, store, 0, report, now + 1)
+    assert report.deleted == ["a-e000001-00000001", "a-e000001-00000002", "a-e000001-00000003"]
+    assert sorted(p.name for p in audit.iterdir() if not p.name.startswith(".")) == [
+        "a-e000001-00000004.jsonl.open", "a-e000001-00000005.jsonl",
+    ]  # fmt: skip
+    assert (audit / LEDGER).read_text() == ""  # no line for a segment no longer here
+    # The store keeps everything; shipping again ships the new one only, and the newest
+    # segment stays once shipped: the broker's next number comes after it, never one
+    # already taken in the store.
+    assert len(store.segments()) == 3
+    assert ship(audit, store).shipped == ["a-e000001-00000005"]
+    again = ShipReport()
+    prune_shipped(audit, store, 0, again, now + 1)
+    assert again.deleted == []
+    assert (audit / "a-e000001-00000005.jsonl").exists()
+
+
+def test_a_broker_numbers_segments_after_the_newest_kept_one(tmp_path: Path) -> None:
+    from twinmq.broker.auditlog import AuditLog
+
+    audit = tmp_path / "audit"
+    for seq in (1, 2, 3):
+        _write_segment(audit, "a", 1, seq, range(seq, seq + 1))
+    store = Store(str(tmp_path / "store"))
+    ship(audit, store)
+    prune_shipped(audit, store, 0, ShipReport(), 1e12)
+    log = AuditLog(audit, "a", lambda: 1, lambda _qid: "q", lambda: False)
+    assert log._seq == 4  # not 1: that name is taken in the store
 
 
 def test_segments_are_shipped_once_as_parquet_with_provenance(tmp_path: Path) -> None:
