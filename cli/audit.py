@@ -125,11 +125,6 @@ def audit_main(argv: Sequence[str] | None = None) -> int:
             f"unreplicated at end {t.unreplicated_at_end} "
             f"(by design {t.unreplicated_by_design})"
         )
-        for d in summary.directions:
-            c = d.counts
-            print(f"  {d.source} -> {d.target}: {c.messages} messages, lost {c.lost}, "
-                  f"in flight {c.in_flight}, duplicated {c.duplicated}, unsettled "
-                  f"{c.unsettled_on_mirror}")  # fmt: skip
         if summary.lag is not None:
             lag = summary.lag
             print(

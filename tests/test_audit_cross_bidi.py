@@ -190,7 +190,8 @@ def _without_a_copy(store: Store, home: str, root: Path) -> tuple[Store, int]:
     local, hid = applied[len(applied) // 3]  # a first-stage message: long acknowledged
     altered = Store(str(root / f"{store.location.rsplit('/', 1)[-1]}-altered"))
     for key, table in tables.items():
-        table = table.filter(pa.array([r != local for r in table["replication_id"].to_pylist()]))
+        keep = [r != local for r in table["replication_id"].to_pylist()]
+        table = table.filter(pa.array(keep, type=pa.bool_()))
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink)
         altered.write_bytes(key, sink.getvalue().to_pybytes())
