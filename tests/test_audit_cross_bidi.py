@@ -212,3 +212,13 @@ def test_a_copy_lost_in_each_direction_is_found_and_nothing_else(
     found = {(f.kind, f.home, f.replication_id) for f in summary.findings}
     assert found == {(FindingKind.MIRROR_LOST, "a", from_a), (FindingKind.MIRROR_LOST, "b", from_b)}
     assert [d.counts.lost for d in summary.directions] == [1, 1]
+
+
+def test_empty_stores_audit_pass_and_their_empty_state_carries(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    a, b = Store(str(tmp_path / "a")), Store(str(tmp_path / "b"))
+    first = run_cross_site(spark, a, b)
+    second = run_cross_site(spark, a, b)
+    assert (first.incremental, second.incremental) == (False, True)
+    assert second.verdict == Verdict.PASS and second.totals.messages == 0
