@@ -314,6 +314,10 @@ class Broker:
                 lambda: self.role == "passive",
                 segment_seconds=settings.audit_segment_seconds,
                 fsync=settings.fsync,
+                # ids are mapped per origin only in the bidirectional mode (format 5 lines)
+                mirror_id=(settings.mirror_id or settings.name)
+                if settings.mirror_first_role == "bidirectional"
+                else "",
             )
         self.source = ReplicationSource(self)
         self.lease = LeaseKeeper.from_environment(self)

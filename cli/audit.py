@@ -1,7 +1,7 @@
 """`twinmq audit` runs the replication audit; `twinmq audit-ship` ships a broker's segments.
 
     twinmq audit --store URL [--master local[*]] [--full] [--run-id ID] [--json]
-    twinmq audit --store URL_A --mirror-store URL_B [--json]   # across DR sites
+    twinmq audit --store URL_A --mirror-store URL_B [--full] [--json]   # across DR sites
     twinmq audit-ship --store URL --audit-dir DATA_DIR/audit [--every SECONDS]
 
 Exit codes of `audit`: 0 PASS, 1 FAIL, 2 error. The same entry point serves
@@ -199,7 +199,7 @@ def _cross_site(spark: Any, store_a: Any, store_b: Any, args: argparse.Namespace
     from twinmq.audit.cross import run_cross_site
     from twinmq.audit.summary import Verdict
 
-    summary = run_cross_site(spark, store_a, store_b, run_id=args.run_id)
+    summary = run_cross_site(spark, store_a, store_b, run_id=args.run_id, full=args.full)
     if args.json:
         print(summary.model_dump_json(indent=1))
     else:
@@ -210,6 +210,11 @@ def _cross_site(spark: Any, store_a: Any, store_b: Any, args: argparse.Namespace
             f"settled {t.settled}, unsettled on the other site {t.unsettled_on_mirror} "
             f"(in flight {t.settles_in_flight})"
         )
+        for d in summary.directions:
+            c = d.counts
+            print(f"  {d.source} -> {d.target}: {c.messages} messages, lost {c.lost}, "
+                  f"in flight {c.in_flight}, duplicated {c.duplicated}, unsettled "
+                  f"{c.unsettled_on_mirror}")  # fmt: skip
         if summary.lag is not None:
             lag = summary.lag
             print(f"lag between sites p50 {lag.p50:.6f}s p99 {lag.p99:.6f}s "
