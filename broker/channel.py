@@ -33,6 +33,7 @@ from twinmq.broker.codec import (
 )
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
 from twinmq.broker.federation.headers import stamp_origin
+from twinmq.broker.federation.identity import PEER_EXCHANGE
 from twinmq.broker.journal import JournalOp
 from twinmq.broker.message import Entry
 from twinmq.broker.mirror.events import is_internal
@@ -230,6 +231,20 @@ class Channel:
         self._publish = None
         self._info = None
         self._body = []
+        if (
+            self.connection.origin_stamp is not None
+            and publish.exchange == PEER_EXCHANGE
+            and not self.confirm_mode
+            and not self.tx_mode
+        ):
+            # A federation link's status for this server's amq.peer (seed 002: status is
+            # sent to the peer's exchange): news, never worth the link's channel, so a
+            # user without write access there has it dropped and counted, not a 403.
+            self.connection.ctx.receive_peer_status(
+                publish.routing_key, self._header, body, info,
+                allowed=self.connection.allows("write", "exchange", PEER_EXCHANGE),
+            )  # fmt: skip
+            return
         self.connection.authorize(
             "write", "exchange", publish.exchange or DEFAULT_EXCHANGE, (60, 40)
         )

@@ -129,6 +129,17 @@ class Context:
         """No federation here: published as any message."""
         return self.vhost.publish(exchange, routing_key, header, body, info, hold=hold)
 
+    def receive_peer_status(
+        self,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        *,
+        allowed: bool,
+    ) -> None:
+        """No federation here: a peer's status goes nowhere."""
+
 
 class Peer:
     """One client connection to the core; `feed` returns what the broker answered."""
