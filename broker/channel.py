@@ -181,9 +181,21 @@ class Channel:
         """`basic.publish`: wait for its content."""
         if publish.immediate:
             raise AMQPError(ReplyCode.NOT_IMPLEMENTED, "immediate=true", 60, 40)
-        self._refuse_write("publish", (60, 40))
+        # A peer's status is transient news, not the source site's data: not refused on a
+        # DR replica (a 403 would close the link's channel; its deliveries go on there).
+        self._refuse_write("publish", (60, 40), durable=not self._peer_status(publish))
         self._publish = publish
         self._info = None
+
+    def _peer_status(self, publish: Publish) -> bool:
+        """Whether `publish` is a federation link's status for this server's amq.peer
+        (seed 002: status is sent to the peer's exchange, through the peering)."""
+        return (
+            self.connection.origin_stamp is not None
+            and publish.exchange == PEER_EXCHANGE
+            and not self.confirm_mode
+            and not self.tx_mode
+        )
 
     def on_header(self, payload: bytes) -> None:
         """A content header frame."""
@@ -231,15 +243,9 @@ class Channel:
         self._publish = None
         self._info = None
         self._body = []
-        if (
-            self.connection.origin_stamp is not None
-            and publish.exchange == PEER_EXCHANGE
-            and not self.confirm_mode
-            and not self.tx_mode
-        ):
-            # A federation link's status for this server's amq.peer (seed 002: status is
-            # sent to the peer's exchange): news, never worth the link's channel, so a
-            # user without write access there has it dropped and counted, not a 403.
+        if self._peer_status(publish):
+            # News, never worth the link's channel: a user without write access to
+            # amq.peer has it dropped and counted there, not a 403.
             self.connection.ctx.receive_peer_status(
                 publish.routing_key, self._header, body, info,
                 allowed=self.connection.allows("write", "exchange", PEER_EXCHANGE),

@@ -141,7 +141,6 @@ class FederationLink:
         # The running session's connection, when the upstream takes our status on its
         # amq.peer (announced at the handshake): link-up and link-status go there too.
         self._status_to: LinkClient | None = None
-        self.status_sent = 0  # status messages sent to the upstream's amq.peer
         self.received = 0
         self.duplicates = 0
         self.loops = 0
@@ -274,24 +273,15 @@ class FederationLink:
         metrics.LINK_RUNNING.labels(self._label).set(1 if state == "running" else 0)
         metrics.LINK_REFUSED.labels(self._label).set(1 if state == "refused" else 0)
         if event is not None:
-            peer.publish(
-                self.vhost,
-                peer.PeerEvent(
-                    event=event, server_id=self.server_id, peer=self.upstream_id,
-                    link=self.fed.exchange, upstream=self.upstream_name, reason=error,
-                    forward_pending=self.forward_pending, messages_received=self.received,
-                    messages_forwarded=self.forwarded, time=peer.now(),
-                ),
+            message = peer.PeerEvent(
+                event=event, server_id=self.server_id, peer=self.upstream_id,
+                link=self.fed.exchange, upstream=self.upstream_name, reason=error,
+                forward_pending=self.forward_pending, messages_received=self.received,
+                messages_forwarded=self.forwarded, time=peer.now(),
             )  # fmt: skip
-            if event == "link-up":
-                self.send_status(
-                    peer.PeerEvent(
-                        event=event, server_id=self.server_id, peer=self.upstream_id,
-                        link=self.fed.exchange, upstream=self.upstream_name,
-                        forward_pending=self.forward_pending, messages_received=self.received,
-                        messages_forwarded=self.forwarded, time=peer.now(),
-                    )
-                )  # fmt: skip
+            peer.publish(self.vhost, message)
+            if event == "link-up":  # the only one a running session can carry upstream
+                self.send_status(message)
 
     def send_status(self, event: peer.PeerEvent) -> None:
         """Send a copy of `event` to the upstream's `amq.peer` on the running session's
@@ -307,8 +297,6 @@ class FederationLink:
             connection.basic_publish(PEER_EXCHANGE, event.event, header, body)
         except (LinkClosed, OSError) as exc:  # the session ends on its own
             log.debug("federation %s: status not sent upstream: %r", self.fed.exchange, exc)
-        else:
-            self.status_sent += 1
 
     async def _session(self) -> None:
         """One connection, until it fails (`_ran`: it reached running)."""
