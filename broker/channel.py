@@ -183,11 +183,11 @@ class Channel:
             raise AMQPError(ReplyCode.NOT_IMPLEMENTED, "immediate=true", 60, 40)
         # A peer's status is transient news, not the source site's data: not refused on a
         # DR replica (a 403 would close the link's channel; its deliveries go on there).
-        self._refuse_write("publish", (60, 40), durable=not self._peer_status(publish))
+        self._refuse_write("publish", (60, 40), durable=not self.peer_status(publish))
         self._publish = publish
         self._info = None
 
-    def _peer_status(self, publish: Publish) -> bool:
+    def peer_status(self, publish: Publish) -> bool:
         """Whether `publish` is a federation link's status for this server's amq.peer
         (seed 002: status is sent to the peer's exchange, through the peering)."""
         return (
@@ -243,7 +243,7 @@ class Channel:
         self._publish = None
         self._info = None
         self._body = []
-        if self._peer_status(publish):
+        if self.peer_status(publish):
             # News, never worth the link's channel: a user without write access to
             # amq.peer has it dropped and counted there, not a 403.
             self.connection.ctx.receive_peer_status(

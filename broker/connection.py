@@ -631,9 +631,11 @@ class Connection:
                 )
             if isinstance(method, Publish):
                 alarm = self.ctx.alarm()
-                if alarm is not None:
+                if alarm is not None and not channel.peer_status(method):
                     # RabbitMQ's rule: stop reading from a connection that publishes
-                    # while an alarm is on; this publish itself is still taken.
+                    # while an alarm is on; this publish itself is still taken. Not for
+                    # a federation link's status for amq.peer (transient, tiny): its
+                    # connection's reads carry the acks that free this server's queues.
                     self.blocked = True
                     self._tell_blocked(alarm)
                 channel.on_publish(method)

@@ -413,3 +413,19 @@ def test_a_federation_links_status_for_amq_peer_is_taken_even_where_publishes_ar
     assert harness.ctx.peer_statuses == [("link-status", b"{}", True)]
     [(_, refused)] = link.exchange(publish(1, "k", b"data", "amq.fanout"))
     assert isinstance(refused, commands.Channel.Close) and refused.reply_code == 403
+
+
+def test_a_federation_links_status_for_amq_peer_does_not_block_it_during_a_resource_alarm(
+    harness: Harness,
+) -> None:
+    """A publish during an alarm stops its connection's reads (RabbitMQ's rule), but a
+    link's status is tiny and transient, and that connection's reads carry the link's
+    acks, which free this server's queues: not blocked. Any other publish still is."""
+    harness.ctx.alarm_reason = "disk"
+    link = _federation_link(harness)
+    transient = commands.Basic.Properties(delivery_mode=1)
+    link.feed(publish(1, "link-up", b"{}", "amq.peer", transient))
+    assert harness.ctx.peer_statuses == [("link-up", b"{}", True)]
+    assert not link.conn.blocked
+    link.feed(publish(1, "k", b"data", "amq.fanout"))
+    assert link.conn.blocked
