@@ -431,6 +431,18 @@ class Broker:
         """Publish what a federation peer forwarded (deduplicated on arrival)."""
         return self.federation.receive(exchange, routing_key, header, body, info, hold=hold)
 
+    def receive_peer_status(
+        self,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        *,
+        allowed: bool,
+    ) -> None:
+        """A federation peer's status message for `amq.peer`."""
+        self.federation.receive_peer_status(routing_key, header, body, info, allowed=allowed)
+
     def close_clients(self, reason: str) -> None:
         """Close every client connection (connection.close 320 CONNECTION_FORCED)."""
         for proto in list(self.protocols):
