@@ -272,8 +272,9 @@ class Tracker:
         last = self.rows
         for name in exchanges:
             exchange = self.vhost.exchanges.get(name)
-            row = _exchange_row(exchange) if exchange is not None and name not in _BUILTIN else None
-            _compare(last.exchanges, name, row, added.exchanges, removed.exchanges)
+            stated = exchange is not None and name not in _BUILTIN
+            erow = _exchange_row(exchange) if exchange is not None and stated else None
+            _compare(last.exchanges, name, erow, added.exchanges, removed.exchanges)
             if exchange is not self._exchange_objects.get(name):
                 self._recheck(self._by_exchange.get(name, ()), bindings)
                 if exchange is None:
@@ -286,24 +287,24 @@ class Tracker:
         for name in queues:
             queue = self.vhost.queues.get(name)
             internal = name.startswith(INTERNAL_QUEUES)
-            row = _queue_row(queue) if queue is not None and not internal else None
-            _compare(last.queues, name, row, added.queues, removed.queues)
+            qrow = _queue_row(queue) if queue is not None and not internal else None
+            _compare(last.queues, name, qrow, added.queues, removed.queues)
             if queue is not self._queue_objects.get(name):
                 self._recheck(self._by_queue.get(name, ()), bindings)
                 if queue is None:
                     self._queue_objects.pop(name, None)
                 else:
                     self._queue_objects[name] = queue
-        for row, binding in bindings.items():
+        for brow, binding in bindings.items():
             held = self._holds(binding)
-            if held and row not in last.bindings:
-                last.bindings.add(row)
-                self._hold(row, binding)
-                added.bindings.add(row)
-            elif not held and row in last.bindings:
-                last.bindings.discard(row)
-                self._release(row)
-                removed.bindings.add(row)
+            if held and brow not in last.bindings:
+                last.bindings.add(brow)
+                self._hold(brow, binding)
+                added.bindings.add(brow)
+            elif not held and brow in last.bindings:
+                last.bindings.discard(brow)
+                self._release(brow)
+                removed.bindings.add(brow)
         return added, removed
 
     def _recheck(self, held: Iterable[BindingRow], into: dict[BindingRow, BindingDef]) -> None:
