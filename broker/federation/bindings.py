@@ -213,7 +213,8 @@ class Changes:
 class UpstreamSet:
     """The normalised bindings the local exchange needs, reference counted, and which of
     them go upstream (`roots`): all of them, except on a topic exchange the ones another
-    needed pattern covers.
+    needed pattern covers, and on a headers exchange the tables another needed table
+    implies (`implies`).
 
     Changed one local binding at a time (`add`, `remove`: no scan of the others, except
     a wildcard pattern becoming a root or going away, which looks at what it may cover).
