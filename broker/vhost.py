@@ -1215,13 +1215,22 @@ class VirtualHost:
         metrics.QUEUES.set(len(self.queues))
         self._state_changed(EVERYTHING)  # (nothing is published on a passive)
 
-    def apply_delta(self, delta: DefinitionsDelta) -> None:
+    def apply_delta(
+        self,
+        delta: DefinitionsDelta,
+        staged: Callable[[JournalError | None], None] | None = None,
+    ) -> None:
         """Apply one topology change of the active (a passive receiving DEFINITIONS_DELTA).
 
         Queues the delta removes or replaces (another qid under the name) go first, each
         by `remove_queue` (which records its own removal); then the rest is applied in
         memory and the delta recorded. A JournalError reaches the caller (the passive
         stops, as for `apply_definitions`).
+
+        `staged`: the delta is staged for the group commit instead (`Committer.stage_delta`:
+        the changes staged together are one append and one fsync of the definitions
+        log), and `staged` is told its outcome; the caller writes the group
+        (`flush_topology`) before it acknowledges anything after it.
         """
         replaced = {q.name for q in delta.add_queues if (old := self.queues.get(q.name))
                     and old.definition.qid != q.qid}  # fmt: skip
@@ -1260,7 +1269,10 @@ class VirtualHost:
         metrics.QUEUES.set(len(self.queues))
         self._state_changed(EVERYTHING)  # (nothing is published on a passive)
         # Last, as `apply_definitions` saves: a failure stops this passive (exit 75).
-        self.committer.save_delta(delta, self.definitions)
+        if staged is not None:
+            self.committer.stage_delta(delta, self.definitions, staged)
+        else:
+            self.committer.save_delta(delta, self.definitions)
 
     def apply_ops(
         self, ops: list[JournalOp], *, defer_sort: bool = False, catchup: bool = False
