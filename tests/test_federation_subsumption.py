@@ -51,7 +51,13 @@ def test_coverage_agrees_with_brute_force_for_every_pair_of_short_patterns() -> 
 def test_coverage_agrees_with_brute_force_for_generated_patterns(
     cover: tuple[str, ...], pattern: tuple[str, ...]
 ) -> None:
-    assert fb.covers(cover, pattern) == brute_covers(cover, pattern)
+    expected = brute_covers(cover, pattern)
+    if expected and not fb.covers(cover, pattern):
+        # Keys of up to 5 words are too few for two 4-token patterns: `#.a.*.*` misses
+        # `a.a.a.#` first at `a.a.a.b.c.d`. Looked at again with keys of up to 8 words.
+        longer = [k for n in range(1, 9) for k in itertools.product(("a", "b", "c"), repeat=n)]
+        expected = all(brute_matches(cover, k) for k in longer if brute_matches(pattern, k))
+    assert fb.covers(cover, pattern) == expected
 
 
 def test_the_briefs_examples_of_coverage_hold_and_their_converses_do_not() -> None:
