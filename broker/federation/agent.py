@@ -506,7 +506,11 @@ class FederationLink:
             # Only what a binding about to go covers must be bound before it goes; the
             # rest after the unbinds: a durable bind upstream costs in proportion to the
             # bindings there today, so the set is kept small while it changes.
-            first = fb.covered_by(changes.bind, changes.unbind) if self.needed.topic else []
+            first = (
+                fb.covered_by(changes.bind, changes.unbind, self.needed.kind)
+                if self.needed.subsumes
+                else []
+            )
             later = sorted(set(changes.bind) - set(first))
             changes = fb.Changes(first, changes.unbind)
         await self._send(channel, changes.bind)
