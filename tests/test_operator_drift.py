@@ -24,7 +24,7 @@ from twinmq.operator.drift import (
 )
 from twinmq.operator.kube import Kube, Obj
 from twinmq.operator.main import NAMES
-from twinmq.operator.models import BrokerClusterSpec
+from twinmq.operator.models import BrokerClusterSpec, BrokerName
 
 MANAGER = "twinmq-operator"
 DESIRED = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "orders"}, "spec": {}}
@@ -146,12 +146,12 @@ def test_a_restart_with_nothing_edited_reports_nothing(kube: Kube) -> None:
 
 
 # -- the virtual IP's labels on a pod the operator serves by name ----------------------------
-def broker_pod(cluster: ClusterRef, broker: str, role: str, owner_uid: str | None) -> Obj:
+def broker_pod(cluster: ClusterRef, broker: BrokerName, role: str, owner_uid: str | None) -> Obj:
     """A broker pod as the API server stores it (no node runs it here); `owner_uid`
     None: no owner, as the garbage collector leaves a pod whose BrokerCluster was deleted
     with `--cascade=orphan`."""
     meta: Obj = {
-        "name": pod_name(cluster, broker),  # type: ignore[arg-type]
+        "name": pod_name(cluster, broker),
         "namespace": cluster.namespace,
         "labels": {LABEL_CLUSTER: cluster.name, LABEL_BROKER: broker, LABEL_ROLE: role},
     }
