@@ -282,6 +282,8 @@ class ShipReport:
     already: list[str] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)  # open or foreign files
     deleted: list[str] = dataclasses.field(default_factory=list)  # shipped, past retention
+    # in the ledger, not in the store (emptied, replaced): kept, and shipped again
+    missing: list[str] = dataclasses.field(default_factory=list)
 
 
 LEDGER = ".shipped"
@@ -365,6 +367,12 @@ def prune_shipped(
     broker numbers its next segment after the highest it finds in the directory
     (`AuditLog`), and a number used again would collide with a shipped segment. The
     ledger is then rewritten without the lines of segments no longer here.
+
+    The ledger is not trusted alone: a segment is deleted only once the store is seen to
+    hold it, with this content (its source digest). A store emptied or replaced at the
+    same location (a bucket re-created, another endpoint) would otherwise lose the only
+    copy; such a segment's ledger line is dropped instead, so the next pass ships it
+    again (`ShipReport.missing`).
     """
     shipped = read_ledger(audit_dir / LEDGER, store)
     segments = list(closed_segments(audit_dir))
@@ -377,15 +385,23 @@ def prune_shipped(
         with contextlib.suppress(FileNotFoundError):
             if now - path.stat().st_mtime < keep_seconds:
                 continue
+            if not _store_holds(store, name, path):
+                log.warning("%s: in the ledger but not in %s (or other content there): "
+                            "kept, and shipped again", name.stem, store.location)  # fmt: skip
+                report.missing.append(name.stem)
+                continue
             path.unlink()
             report.deleted.append(name.stem)
-    if not report.deleted:
+    if not report.deleted and not report.missing:
         return
     _sync_dir(audit_dir)
     ledger_path = audit_dir / LEDGER
     present = {name.stem for name, _path in closed_segments(audit_dir)}
+    missing = {f"{stem} {store.location}" for stem in report.missing}
     kept = [
-        line for line in ledger_path.read_text().splitlines() if line.partition(" ")[0] in present
+        line
+        for line in ledger_path.read_text().splitlines()
+        if line.partition(" ")[0] in present and line not in missing
     ]
     tmp = audit_dir / f"{LEDGER}.tmp"
     with open(tmp, "w") as f:
@@ -395,6 +411,17 @@ def prune_shipped(
     os.replace(tmp, ledger_path)
     _sync_dir(audit_dir)
     log.info("deleted %d shipped segments older than %ss", len(report.deleted), keep_seconds)
+
+
+def _store_holds(store: Store, name: SegmentName, path: Path) -> bool:
+    """Whether the store holds this local segment (its name, with this content)."""
+    if not store.exists(name.key):
+        return False
+    try:
+        stored = stored_source_digest(store, name)
+    except FileNotFoundError:
+        return False
+    return stored == hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
 
 
 def _sync_dir(directory: Path) -> None:

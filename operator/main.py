@@ -347,16 +347,21 @@ def repair_routing(
 
 def strip_foreign_endpoints(cluster: ClusterRef) -> list[drift.Repaired]:
     """Remove the role label from every pod that carries the virtual IP's selector but is
-    not one of this cluster's brokers (by name and owner), so the Service stops routing
-    clients to it; each one is reported (a DriftRepaired Event names the pod)."""
+    not one of this cluster's brokers, so the Service stops routing clients to it; each
+    one is reported (a DriftRepaired Event names the pod).
+
+    A broker is told by its name alone, as the reconcile reads its pods: a broker pod
+    without this cluster's owner reference (its BrokerCluster deleted with
+    `--cascade=orphan` and created again, a new uid) is still the one probed, rolled and
+    labelled active, and stripping it here would take the active off the virtual IP
+    every other pass (the role repair puts the label back the next)."""
     k = kube()
     selector = f"{builders.LABEL_CLUSTER}={cluster.name},{builders.LABEL_ROLE}={ACTIVE}"
     ours = {pod_name(cluster, n) for n in NAMES}
     repaired: list[drift.Repaired] = []
     for pod in k.list("v1", "Pod", cluster.namespace, selector):
         meta = pod.get("metadata") or {}
-        owners = {o.get("uid") for o in meta.get("ownerReferences") or []}
-        if meta.get("name") in ours and cluster.uid in owners:
+        if meta.get("name") in ours:
             continue
         name = str(meta.get("name"))
         log.warning("%s/%s: pod %s is not a broker of this cluster but carried the virtual "

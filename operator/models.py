@@ -624,8 +624,9 @@ class Audit(ApiModel):
         ge=0,
         le=30 * 86400,
         description="The shipper deletes a broker's local audit segments this long after "
-        "they reached the store (each broker's newest kept); unshipped ones are never "
-        "deleted. Without audits (`enabled: false`) brokers write no audit log at all",
+        "the broker closed them, once the store holds them (each broker's newest kept); "
+        "unshipped ones are never deleted. Without audits (`enabled: false`) brokers "
+        "write no audit log at all",
     )
 
 

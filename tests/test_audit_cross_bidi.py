@@ -222,3 +222,44 @@ def test_empty_stores_audit_pass_and_their_empty_state_carries(
     second = run_cross_site(spark, a, b)
     assert (first.incremental, second.incremental) == (False, True)
     assert second.verdict == Verdict.PASS and second.totals.messages == 0
+
+
+def test_a_copy_dead_lettered_by_a_consumer_of_the_other_site_is_no_loss(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    # A's messages, rejected by a consumer on B into a dead-letter queue: the dead-lettered
+    # copy is a new message of B's (docs/audit.md), confirmed there and mirrored to A,
+    # and the rejects are B's settles of A's messages; nothing is lost or left unsettled.
+    stores = (Store(str(tmp_path / "store-a")), Store(str(tmp_path / "store-b")))
+    with Ring(tmp_path, 2, extra_args=["--audit-segment-seconds", "1"]) as ring:
+        a, b = ring.sites
+        connection, ch = channel(a)
+        ch.queue_declare("dead", durable=True)
+        ch.queue_declare("work", durable=True, arguments={
+            "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "dead",
+        })  # fmt: skip
+        ch.confirm_delivery()
+        for i in range(10):
+            ch.basic_publish("", "work", f"w-{i}".encode(), _PERSISTENT)
+        connection.close()
+        ring.caught_up()
+        connection, ch = channel(b)
+        rejected = 0
+        while (got := ch.basic_get("work"))[0] is not None:
+            ch.basic_reject(got[0].delivery_tag, requeue=False)
+            rejected += 1
+        connection.close()
+        assert rejected == 10
+        ring.caught_up()
+        # Later traffic both ways: each site's acknowledged point passes the moves.
+        counts = {"a": 0, "b": 0, "consumed": 0}
+        _traffic(ring, 1, counts)
+        time.sleep(2.5)
+    for name, store in zip(("site-a", "site-b"), stores, strict=True):
+        ship(tmp_path / name / "data" / "audit", store)
+    summary = run_cross_site(spark, *stores)
+    _show(summary)
+    t = summary.totals
+    assert summary.verdict == Verdict.PASS, summary.failures
+    assert (t.lost, t.duplicated, t.unsettled_on_mirror, t.in_flight) == (0, 0, 0, 0)
+    assert t.messages == t.mirrored == counts["a"] + counts["b"] + 2 * rejected
