@@ -304,10 +304,15 @@ class AuditLog:
         """Format, append and fdatasync the records of `batches`; return how many.
 
         On an OSError the segment is put back as it was (no partial line) and the
-        error raised: nothing of `batches` counts as written.
+        error raised: nothing of `batches` counts as written (of one epoch's run: a write
+        spanning two epochs that fails in the second has written the first). Any other
+        error (a record it cannot format) is raised before anything is written.
         """
         count = 0  # records (messages), not lines
         with self._lock:
+            # Every line formatted before the first is written: an error formatting
+            # one (a bug) then leaves nothing of `batches` on disk, to be retried whole.
+            runs: list[tuple[int, bytes]] = []
             start = 0
             while start < len(batches):
                 # A segment holds one epoch's records.
@@ -315,9 +320,11 @@ class AuditLog:
                 end = start + 1
                 while end < len(batches) and batches[end][3] == epoch:
                     end += 1
-                self._append("".join(self._format(batches[start:end])).encode(), epoch)
+                runs.append((epoch, "".join(self._format(batches[start:end])).encode()))
                 count += sum(len(b[0]) for b in batches[start:end])
                 start = end
+            for epoch, data in runs:
+                self._append(data, epoch)
         return count
 
     def _format(self, batches: Sequence[PendingBatch]) -> list[str]:
