@@ -8,6 +8,9 @@ per-message fields as lists (one line per batch instead of one per message keeps
 the broker's cost per message small). Format 3 packs those lists further (the
 replication ids as runs of consecutive ids, the digests as one hex string).
 Format 4 adds `origin` to the lines a DR mirror writes for what it applied.
+Format 5 adds, on the stored lines a bidirectional site applied, the messages'
+own origin and their ids there (`message_origin`, `origin_id_runs`/`origin_ids`):
+with ids mapped per origin the applying site's replication id is its own.
 `segment_columns` reads every format into records.
 """
 
@@ -50,6 +53,17 @@ class AuditRecord(BaseModel):
         "applies (the message keeps its queue and replication id there); None for what "
         "clients did on this site, and in logs written before format 4",
     )
+    message_origin: str | None = Field(
+        None,
+        description="Bidirectional mirror (format 5), on a stored copy applied from another "
+        "site: the mirror id of the site where a client published the message (not always "
+        "`origin`, the link's neighbour); None otherwise",
+    )
+    origin_id: int | None = Field(
+        None,
+        description="With `message_origin`: the message's replication id at that site (this "
+        "site's `replication_id` is its own, ids being mapped per origin)",
+    )
 
 
 class AuditBatch(BaseModel):
@@ -76,6 +90,9 @@ class AuditBatch(BaseModel):
     digests: list[str] | None = None
     digests_hex: str | None = None
     origin: str | None = None
+    message_origin: str | None = None
+    origin_ids: list[int] | None = None
+    origin_id_runs: list[tuple[int, int]] | None = None
 
 
 AUDIT_FIELDS: tuple[str, ...] = tuple(AuditRecord.model_fields)
@@ -122,36 +139,49 @@ def segment_columns(data: bytes) -> dict[str, list[Any]]:
             raise SegmentFormatError(f"line {number}: unknown fields {obj.keys() - batch_fields}")
         try:
             ids = _replication_ids(obj)
+            cols["origin_id"] += _origin_ids(obj, len(ids))
             cols["message_id"] += _per_record(obj.get("message_ids"), len(ids), None, "message_ids")
             cols["digest"] += _per_record(_digests(obj), len(ids), "", "digests")
         except (TypeError, ValueError) as exc:
             raise SegmentFormatError(f"line {number}: {exc}") from exc
         cols["replication_id"] += ids
         n = len(ids)
-        for name in ("broker", "epoch", "queue", "event", "time", "origin"):
+        for name in ("broker", "epoch", "queue", "event", "time", "origin", "message_origin"):
             cols[name] += [obj.get(name)] * n
     return cols
 
 
-def _replication_ids(obj: dict[str, Any]) -> list[Any]:
+def _replication_ids(obj: dict[str, Any], name: str = "replication_ids") -> list[Any]:
     """A batch line's replication ids, listed or as runs (exactly one of the two)."""
-    listed, runs = obj.get("replication_ids"), obj.get("replication_id_runs")
+    listed, runs = obj.get(name), obj.get(name[:-1] + "_runs")
     if (listed is None) == (runs is None):
-        raise ValueError("needs exactly one of replication_ids and replication_id_runs")
+        raise ValueError(f"needs exactly one of {name} and {name[:-1]}_runs")
     if listed is not None:
         if not isinstance(listed, list):
-            raise TypeError("replication_ids is not a list")
+            raise TypeError(f"{name} is not a list")
         return listed
     if not isinstance(runs, list):
-        raise TypeError("replication_id_runs is not a list")
+        raise TypeError(f"{name[:-1]}_runs is not a list")
     ids: list[Any] = []
     for run in runs:
         if (
             not (isinstance(run, list) and len(run) == 2 and all(type(v) is int for v in run))
             or run[1] < 1
         ):
-            raise ValueError(f"replication_id_runs: {run!r} is not a [first, count] pair")
+            raise ValueError(f"{name[:-1]}_runs: {run!r} is not a [first, count] pair")
         ids += range(run[0], run[0] + run[1])
+    return ids
+
+
+def _origin_ids(obj: dict[str, Any], n: int) -> list[Any]:
+    """A line's ids at the messages' origin (format 5), one per record; None each if absent."""
+    if obj.get("origin_ids") is None and obj.get("origin_id_runs") is None:
+        return [None] * n
+    if obj.get("message_origin") is None:
+        raise ValueError("origin ids without message_origin")
+    ids = _replication_ids(obj, "origin_ids")
+    if len(ids) != n:
+        raise ValueError("origin ids do not match replication_ids")
     return ids
 
 

@@ -30,6 +30,7 @@ referenced, so never read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -165,11 +166,7 @@ class Store:
                 os.replace(tmp, final)
             finally:
                 tmp.unlink(missing_ok=True)
-            fd = os.open(final.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _sync_dir(final.parent)
         else:
             self.fs.pipe_file(self.path(key), data)
 
@@ -284,6 +281,9 @@ class ShipReport:
     shipped: list[str] = dataclasses.field(default_factory=list)
     already: list[str] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)  # open or foreign files
+    deleted: list[str] = dataclasses.field(default_factory=list)  # shipped, past retention
+    # in the ledger, not in the store (emptied, replaced): kept, and shipped again
+    missing: list[str] = dataclasses.field(default_factory=list)
 
 
 LEDGER = ".shipped"
@@ -354,3 +354,79 @@ def ship(audit_dir: Path, store: Store, *, broker: str | None = None) -> ShipRep
             f.write(f"{name.stem} {store.location}\n")
         ledger.add(name.stem)
     return report
+
+
+def prune_shipped(
+    audit_dir: Path, store: Store, keep_seconds: float, report: ShipReport, now: float
+) -> None:
+    """Delete the local segments shipped to `store` more than `keep_seconds` ago (by the
+    time they were closed), so a broker's audit directory does not grow without bound.
+
+    A segment not in the ledger for this store is never deleted (an audit needs it, and
+    only shipping puts it there). Each broker's newest segment is always kept: a
+    broker numbers its next segment after the highest it finds in the directory
+    (`AuditLog`), and a number used again would collide with a shipped segment. The
+    ledger is then rewritten without the lines of segments no longer here.
+
+    The ledger is not trusted alone: a segment is deleted only once the store is seen to
+    hold it, with this content (its source digest). A store emptied or replaced at the
+    same location (a bucket re-created, another endpoint) would otherwise lose the only
+    copy; such a segment's ledger line is dropped instead, so the next pass ships it
+    again (`ShipReport.missing`).
+    """
+    shipped = read_ledger(audit_dir / LEDGER, store)
+    segments = list(closed_segments(audit_dir))
+    newest: dict[str, int] = {}
+    for name, _path in segments:
+        newest[name.broker] = max(newest.get(name.broker, 0), name.seq)
+    for name, path in segments:
+        if name.stem not in shipped or name.seq == newest[name.broker]:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if now - path.stat().st_mtime < keep_seconds:
+                continue
+            if not _store_holds(store, name, path):
+                log.warning("%s: in the ledger but not in %s (or other content there): "
+                            "kept, and shipped again", name.stem, store.location)  # fmt: skip
+                report.missing.append(name.stem)
+                continue
+            path.unlink()
+            report.deleted.append(name.stem)
+    if not report.deleted and not report.missing:
+        return
+    _sync_dir(audit_dir)
+    ledger_path = audit_dir / LEDGER
+    present = {name.stem for name, _path in closed_segments(audit_dir)}
+    missing = {f"{stem} {store.location}" for stem in report.missing}
+    kept = [
+        line
+        for line in ledger_path.read_text().splitlines()
+        if line.partition(" ")[0] in present and line not in missing
+    ]
+    tmp = audit_dir / f"{LEDGER}.tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(f"{line}\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ledger_path)
+    _sync_dir(audit_dir)
+    log.info("deleted %d shipped segments older than %ss", len(report.deleted), keep_seconds)
+
+
+def _store_holds(store: Store, name: SegmentName, path: Path) -> bool:
+    """Whether the store holds this local segment (its name, with this content)."""
+    if not store.exists(name.key):
+        return False
+    try:
+        stored = stored_source_digest(store, name)
+    except FileNotFoundError:
+        return False
+    return stored == hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+
+
+def _sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -239,13 +239,27 @@ class CrossSiteQueue(BaseModel):
     lag: LagStats | None = Field(None, description="Publish at a site -> applied at the other")
 
 
+class CrossSiteDirection(BaseModel):
+    """One direction of the cross-site audit: what `source` did, checked at `target`.
+
+    Messages are counted at their home site (where a client published them), settles
+    where a client made them, extra copies at their home (the copies are at `target`).
+    """
+
+    source: str = Field(description="'a' or 'b'")
+    target: str
+    counts: CrossSiteCounts
+    lag: LagStats | None = Field(None, description="Publish at source -> applied at target")
+
+
 class SiteInfo(BaseModel):
     """One site of the cross-site audit: its store and what its logs show."""
 
     name: str = Field(description="'a' (--store) or 'b' (--mirror-store)")
     store: str
     brokers: list[str]
-    segments: int
+    segments: int = Field(description="Segments audited so far (this run and carried state)")
+    segments_read: int = Field(0, description="... of which this run read (new ones)")
     origins: list[str] = Field(description="Mirror ids of the sites whose events it applied")
     acked_until: float | None = Field(
         None,
@@ -259,8 +273,12 @@ class CrossSiteFinding(BaseModel):
 
     kind: FindingKind
     queue: str
-    replication_id: int
-    site: str = Field(description="Where it was confirmed (lost, in flight) or settled")
+    replication_id: int = Field(description="The message's replication id at its home site")
+    home: str | None = Field(None, description="Its home site: where a client published it")
+    site: str = Field(
+        description="Where it was confirmed (lost, in flight), settled (unsettled) or "
+        "copied twice (duplicate)"
+    )
     time: float | None = None
     broker: str | None = Field(None, description="The mirror's broker (duplicated)")
     copies: int | None = None
@@ -274,11 +292,15 @@ class CrossSiteSummary(BaseModel):
     failures: list[str]
     sites: list[SiteInfo]
     totals: CrossSiteCounts
+    directions: list[CrossSiteDirection] = Field(
+        default_factory=list, description="Per direction (a -> b, b -> a)"
+    )
     queues: list[CrossSiteQueue]
     lag: LagStats | None = None
     findings: list[CrossSiteFinding] = Field(
         default_factory=list, description="The first findings (all counted in totals)"
     )
+    incremental: bool = Field(False, description="Whether the run carried earlier state")
     seconds: float = 0.0
 
 

@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/fed_topologies.py [--topologies ring,diamond,mesh]
         [--servers 3,5] [--messages 1000000] [--flap-every 1.0] [--seed 1]
+        [--pairs s1 --failovers 2]
 
 For each topology and server count (a diamond has 4), fresh servers
 (tests/federationtopologies.py: every link through a proxy, the same `max-hops` on every
@@ -10,8 +11,10 @@ link, no tuning) take `--messages` confirmed messages spread over every server w
 random links are partitioned or reset; every server's `sink` is consumed. Reported per
 run: confirmed, delivered, confirmed messages a server that should have them never got
 (lost), second deliveries (duplicates), flaps, the second copies the dedup window dropped
-and the copies that came back to their origin. No timing is asserted; the exit status is
-1 if anything was lost or delivered twice.
+and the copies that came back to their origin. With `--pairs`, those servers are pairs
+(active + passive) and `--failovers` kill -9s of their actives (in turn) happen while
+the messages flow. No timing is asserted; the exit status is 1 if anything was lost or
+delivered twice.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=200)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--pairs", default="", help="servers that are pairs, e.g. s1,s3")
+    parser.add_argument("--failovers", type=int, default=0, help="kill -9s of a pair's active")
     opts = parser.parse_args()
     faulthandler.register(signal.SIGUSR1)  # kill -USR1: every thread's stack, for a stall
     runs: list[tuple[str, int]] = []
@@ -52,11 +57,16 @@ def main() -> int:
     print(f"load average at the start: {xsite.load_average()}", flush=True)
     for name, servers in runs:
         links = ft.topology(name, servers)
-        print(f"{name} of {servers}: {len(links)} links, {opts.messages} messages", flush=True)
+        pairs = [p for p in opts.pairs.split(",") if p]
+        print(
+            f"{name} of {servers}: {len(links)} links, {opts.messages} messages, "
+            f"pairs {pairs or 'none'}, {opts.failovers} failovers",
+            flush=True,
+        )
         started = time.monotonic()
         with (
             tempfile.TemporaryDirectory(prefix="twinmq-fedtopo-") as tmp,
-            ft.federated_servers(Path(tmp), links) as mesh,
+            ft.federated_servers(Path(tmp), links, pairs) as mesh,
         ):
             outcome = ft.run_traffic(
                 mesh,
@@ -67,8 +77,9 @@ def main() -> int:
                 size=opts.size,
                 seed=opts.seed,
                 progress=True,
+                failovers=opts.failovers,
             )
-        record = {"topology": name, "servers": servers, **ft.describe(outcome)}
+        record = {"topology": name, "servers": servers, "pairs": pairs, **ft.describe(outcome)}
         record["load"] = xsite.load_average()
         record["wall_seconds"] = round(time.monotonic() - started, 1)
         print(json.dumps(record), flush=True)

@@ -66,6 +66,15 @@ class Published:
         while self.floor < len(self.status) and self.status[self.floor]:
             self.floor += 1
 
+    def abandon(self) -> None:
+        """Count every publish still unanswered as not confirmed (its connection is gone:
+        it may or may not have reached the broker)."""
+        for index, state in enumerate(self.status):
+            if state == 0:
+                self.status[index] = 2
+                self.answered += 1
+        self.floor = len(self.status)
+
     def settled(self) -> int:
         """How many publishes were answered (ack or nack); constant time (it was a
         count over every publish: a million-message run slowed to tens a second)."""
@@ -83,16 +92,20 @@ async def publish(
     seconds: float | None = None,
     count: int | None = None,
     warmup: float = 1.0,
+    out: Published | None = None,
 ) -> Published:
     """Publish persistent messages with confirms, at most `window` unconfirmed, for
     `warmup` + `seconds` (confirms/s measured over `seconds`) or `count` messages; waits
-    for the last confirms (up to 60 s) before returning."""
+    for the last confirms (up to 60 s) before returning. With `out` (a publisher going on
+    after its broker went away: `Published.abandon` first), the sequence numbers go on
+    from what it holds and `count` counts them all."""
     client = await AMQPClient.connect(address, heartbeat=10, within=10)
-    out = Published()
+    out = out if out is not None else Published()
+    base = len(out.sent_ns)  # this connection's delivery tags start after what was sent
     more = asyncio.Event()
 
     def on_confirm(tag: int, multiple: bool, ack: bool) -> None:
-        out.settle(tag, multiple, ack)
+        out.settle(base + tag, multiple, ack)
         more.set()
 
     client.on_confirm = on_confirm
@@ -134,6 +147,7 @@ async def publish(
             more.clear()
             with _quiet():
                 await asyncio.wait_for(more.wait(), 1.0)
+            client.check()  # a closed connection answers nothing more
     finally:
         await client.close()
     return out

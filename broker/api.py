@@ -338,6 +338,14 @@ class FederationStatus(BaseModel):
     forwarded_dropped: int = Field(
         0, description="Messages downstreams forwarded here, dropped as duplicates or loops"
     )
+    peer_status_received: int = Field(
+        0, description="Status messages downstream links sent to this server's amq.peer"
+    )
+    peer_status_dropped: int = Field(
+        0,
+        description="Status messages of downstream links not published on amq.peer (the "
+        "link's user may not write there, or persistent)",
+    )
     global_keys_bound: int = Field(
         0, description="Temporary queues bound to global-keys exchanges automatically"
     )

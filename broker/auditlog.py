@@ -33,7 +33,14 @@ fdatasync, overlapped with the next batch's journal write.
 
 A DR mirror's lines for what it applied from another site carry that site's
 mirror id (`origin`, format 4): the batch journals the applied mark of that origin
-with the effects, so one look at the batch's queues finds it.
+with the effects, so one look at the batch's queues finds it. A bidirectional site
+maps message ids per origin, so its stored lines with `origin` also say where the
+messages were published and their ids there (`message_origin`, `origin_id_runs`,
+format 5): the batch journals the id map's record of each copy it applies
+(`amq.twinmq.mirror-ids`), which the writer reads (a message of its own, for
+example one another site dead-lettered, has no record: this site's id and name).
+That costs a dictionary entry per applied copy, in the writer thread, on applied
+batches only; a site's client traffic pays nothing more.
 
 Segments are named `<broker>-e<epoch>-<seq>.jsonl`; the one being written ends
 in `.open` and is renamed when closed (by size, age or epoch), so a shipper
@@ -61,6 +68,7 @@ from pathlib import Path
 
 from twinmq.audit.records import BATCH_FIELDS, AuditEvent
 from twinmq.broker.journal import JournalOp, StoredMessage
+from twinmq.broker.mirror.bidi import IDS_QID, id_record
 from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE
 from twinmq.broker.writerthread import WriterThread
 
@@ -68,7 +76,8 @@ log = logging.getLogger(__name__)
 
 assert BATCH_FIELDS == (
     "broker", "epoch", "queue", "event", "time", "replication_ids", "replication_id_runs",
-    "message_ids", "digests", "digests_hex", "origin",
+    "message_ids", "digests", "digests_hex", "origin", "message_origin", "origin_ids",
+    "origin_id_runs",
 ), "the writer below must follow AuditBatch's fields"  # fmt: skip
 
 # One completed batch waiting to be written: its ops, the event of its stored messages,
@@ -132,15 +141,26 @@ def message_id_json(header: bytes) -> str:
         return "null"
 
 
-def _replication_ids_json(mids: list[int]) -> str:
+def _replication_ids_json(mids: list[int], name: str = "replication_id") -> str:
     """The replication ids of a line: one run when consecutive (the common case), else listed.
 
     A run costs the same for 1 or 500 ids; listing formats every id.
     """
     first, count = mids[0], len(mids)
     if mids[-1] - first == count - 1 and mids == list(range(first, first + count)):
-        return f'"replication_id_runs":[[{first},{count}]]'
-    return f'"replication_ids":[{",".join(map(str, mids))}]'
+        return f'"{name}_runs":[[{first},{count}]]'
+    return f'"{name}s":[{",".join(map(str, mids))}]'
+
+
+def _mapped_ids(ops: Sequence[JournalOp]) -> dict[tuple[int, int], tuple[str, int]]:
+    """(local qid, local mid) -> (message origin, id there) of the id map records in a
+    batch (a bidirectional apply journals one per copy, beside the copy)."""
+    out: dict[tuple[int, int], tuple[str, int]] = {}
+    for op in ops:
+        if op.qid == IDS_QID and type(op) is StoredMessage:
+            qid, mid, omid, origin = id_record(op.body)
+            out[(qid, mid)] = (origin, omid)
+    return out
 
 
 def _message_ids(headers: list[bytes]) -> str:
@@ -175,8 +195,11 @@ class AuditLog:
         segment_bytes: int = 16 * 1024 * 1024,
         segment_seconds: float = 60.0,
         fsync: bool = True,
+        mirror_id: str = "",
     ) -> None:
         self.directory = directory
+        # A bidirectional site's mirror id: its applied lines say where messages come from.
+        self.mirror_id = mirror_id
         self.broker = broker
         self.epoch = epoch
         self.queue_name = queue_name
@@ -281,10 +304,15 @@ class AuditLog:
         """Format, append and fdatasync the records of `batches`; return how many.
 
         On an OSError the segment is put back as it was (no partial line) and the
-        error raised: nothing of `batches` counts as written.
+        error raised: nothing of `batches` counts as written (of one epoch's run: a write
+        spanning two epochs that fails in the second has written the first). Any other
+        error (a record it cannot format) is raised before anything is written.
         """
         count = 0  # records (messages), not lines
         with self._lock:
+            # Every line formatted before the first is written: an error formatting
+            # one (a bug) then leaves nothing of `batches` on disk, to be retried whole.
+            runs: list[tuple[int, bytes]] = []
             start = 0
             while start < len(batches):
                 # A segment holds one epoch's records.
@@ -292,9 +320,11 @@ class AuditLog:
                 end = start + 1
                 while end < len(batches) and batches[end][3] == epoch:
                     end += 1
-                self._append("".join(self._format(batches[start:end])).encode(), epoch)
+                runs.append((epoch, "".join(self._format(batches[start:end])).encode()))
                 count += sum(len(b[0]) for b in batches[start:end])
                 start = end
+            for epoch, data in runs:
+                self._append(data, epoch)
         return count
 
     def _format(self, batches: Sequence[PendingBatch]) -> list[str]:
@@ -302,6 +332,8 @@ class AuditLog:
         names = self._queue_json
         out: list[str] = []
         for ops, stored_event, now, epoch, qids, origin in batches:
+            # A bidirectional apply: its copies' own origin and ids, from the id map records.
+            mapped = _mapped_ids(ops) if origin and self.mirror_id else None
             groups: dict[tuple[type, int], list[JournalOp]] = {}
             if len(qids) == 1:  # the common case: runs by kind only, no key tuple per op
                 (qid,) = qids
@@ -320,6 +352,10 @@ class AuditLog:
                         f'{head}{names[qid]},"event":"{_DEQUEUED}","time":{now},{ids}{origin}}}\n'
                     )
                     continue
+                if mapped is not None:
+                    out += self._format_mapped(head + names[qid], stored_event, now, group,
+                                               origin, mapped)  # fmt: skip
+                    continue
                 digests = array("I", map(zlib.crc32, map(_body, group)))
                 if _LITTLE_ENDIAN:
                     digests.byteswap()  # big-endian bytes: each digest's hex as `body_digest`
@@ -328,6 +364,38 @@ class AuditLog:
                     f"{_message_ids(list(map(_header, group)))},"
                     f'"digests_hex":"{digests.tobytes().hex()}"{origin}}}\n'
                 )
+        return out
+
+    def _format_mapped(
+        self,
+        head: str,
+        stored_event: str,
+        now: str,
+        group: list[JournalOp],
+        origin: str,
+        mapped: dict[tuple[int, int], tuple[str, int]],
+    ) -> list[str]:
+        """A bidirectional apply's stored line(s) for one queue: one per message origin,
+        each with the ids there (format 5)."""
+        by_origin: dict[str, list[tuple[JournalOp, int]]] = {}
+        own = self.mirror_id
+        for op in group:
+            morigin, omid = mapped.get((op.qid, op.mid), (own, op.mid))
+            by_origin.setdefault(morigin, []).append((op, omid))
+        out = []
+        for morigin, pairs in by_origin.items():
+            ops = [op for op, _ in pairs]
+            digests = array("I", map(zlib.crc32, map(_body, ops)))
+            if _LITTLE_ENDIAN:
+                digests.byteswap()
+            out.append(
+                f'{head},"event":"{stored_event}","time":{now},'
+                f"{_replication_ids_json(list(map(_mid, ops)))}"
+                f"{_message_ids(list(map(_header, ops)))},"
+                f'"digests_hex":"{digests.tobytes().hex()}"{origin},'
+                f'"message_origin":{_json_str(morigin)},'
+                f"{_replication_ids_json([o for _, o in pairs], 'origin_id')}}}\n"
+            )
         return out
 
     def _append(self, data: bytes, epoch: int) -> None:

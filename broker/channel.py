@@ -33,6 +33,7 @@ from twinmq.broker.codec import (
 )
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
 from twinmq.broker.federation.headers import stamp_origin
+from twinmq.broker.federation.identity import PEER_EXCHANGE
 from twinmq.broker.journal import JournalOp
 from twinmq.broker.message import Entry
 from twinmq.broker.mirror.events import is_internal
@@ -180,9 +181,21 @@ class Channel:
         """`basic.publish`: wait for its content."""
         if publish.immediate:
             raise AMQPError(ReplyCode.NOT_IMPLEMENTED, "immediate=true", 60, 40)
-        self._refuse_write("publish", (60, 40))
+        # A peer's status is transient news, not the source site's data: not refused on a
+        # DR replica (a 403 would close the link's channel; its deliveries go on there).
+        self._refuse_write("publish", (60, 40), durable=not self.peer_status(publish))
         self._publish = publish
         self._info = None
+
+    def peer_status(self, publish: Publish) -> bool:
+        """Whether `publish` is a federation link's status for this server's amq.peer
+        (seed 002: status is sent to the peer's exchange, through the peering)."""
+        return (
+            self.connection.origin_stamp is not None
+            and publish.exchange == PEER_EXCHANGE
+            and not self.confirm_mode
+            and not self.tx_mode
+        )
 
     def on_header(self, payload: bytes) -> None:
         """A content header frame."""
@@ -230,6 +243,14 @@ class Channel:
         self._publish = None
         self._info = None
         self._body = []
+        if self.peer_status(publish):
+            # News, never worth the link's channel: a user without write access to
+            # amq.peer has it dropped and counted there, not a 403.
+            self.connection.ctx.receive_peer_status(
+                publish.routing_key, self._header, body, info,
+                allowed=self.connection.allows("write", "exchange", PEER_EXCHANGE),
+            )  # fmt: skip
+            return
         self.connection.authorize(
             "write", "exchange", publish.exchange or DEFAULT_EXCHANGE, (60, 40)
         )

@@ -110,7 +110,7 @@ class GroupCommitter:
         self.failure: JournalError | None = None
         # The last audit write's error while outcomes wait for a retry, else None: the
         # confirms are held, so the disk alarm tells publishers why (alarms.py).
-        self.audit_failure: OSError | None = None
+        self.audit_failure: Exception | None = None
 
     # -- Committer protocol ----------------------------------------------------------------
 
@@ -415,14 +415,19 @@ class GroupCommitter:
             while self._held:
                 try:
                     await self._write_audit()
-                except OSError as exc:
+                except Exception as exc:
                     # Never confirm what the audit does not hold: the confirms wait, the
                     # records are written again, and the disk alarm blocks publishers
                     # meanwhile (a full disk can refuse the audit write before any
-                    # journal write fails: without the alarm nobody was told why).
+                    # journal write fails: without the alarm nobody was told why). Not
+                    # only OSError: any other error would end this task, and every
+                    # confirm after it would wait for good with nobody told why.
                     self.audit_failure = exc
                     metrics.AUDIT_WRITE_FAILURES.inc()
-                    log.error("audit write failed (%s): confirms held, retrying in 1 s", exc)
+                    if isinstance(exc, OSError):
+                        log.error("audit write failed (%s): confirms held, retrying in 1 s", exc)
+                    else:
+                        log.exception("audit write failed: confirms held, retrying in 1 s")
                     await asyncio.sleep(1.0)
                 else:
                     self.audit_failure = None
@@ -438,7 +443,7 @@ class GroupCommitter:
             started = self.loop.time()
             try:
                 records = await audit.writer.call(audit.write, batches)
-            except OSError:
+            except Exception:
                 # Rolled back: nothing of it counts; written again by the next round.
                 audit.give_back(batches)
                 self._held[:0] = held

@@ -36,7 +36,12 @@ from twinmq.broker.codec import (
     encode_method,
 )
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
-from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, STATE_PROPERTY
+from twinmq.broker.federation.identity import (
+    PEER_EXCHANGE,
+    PEER_PROPERTY,
+    SERVER_ID_PROPERTY,
+    STATE_PROPERTY,
+)
 from twinmq.broker.permissions import Operation, Resource
 from twinmq.broker.routing import Exchange
 from twinmq.broker.vhost import PublishResult, StagedChange, VirtualHost
@@ -112,6 +117,19 @@ class ConnectionContext(Protocol):
         hold: bool,
     ) -> PublishResult:
         """Publish what a federation peer forwarded (deduplicated on arrival)."""
+        ...
+
+    def receive_peer_status(
+        self,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        *,
+        allowed: bool,
+    ) -> None:
+        """A federation peer's status message for `amq.peer` (published if `allowed`: its
+        user may write there; else dropped and counted, never a channel error)."""
         ...
 
 
@@ -430,6 +448,7 @@ class Connection:
                         "capabilities": SERVER_CAPABILITIES,
                         SERVER_ID_PROPERTY: self.ctx.server_id,
                         STATE_PROPERTY: "amq.twinmq.state",
+                        PEER_PROPERTY: PEER_EXCHANGE,
                     },
                     mechanisms="PLAIN AMQPLAIN",
                     locales="en_US",
@@ -550,14 +569,12 @@ class Connection:
 
     # -- permissions ---------------------------------------------------------------------
 
-    def authorize(
-        self, op: Operation, resource: Resource, name: str, method: tuple[int, int]
-    ) -> None:
-        """Raise 403 ACCESS_REFUSED (a channel error) unless the user may do `op` on the
-        resource (RabbitMQ's words). Answers are cached until the users file reloads."""
+    def allows(self, op: Operation, resource: Resource, name: str) -> bool:
+        """Whether the user may do `op` on the resource. Answers are cached until the
+        users file reloads."""
         auth = self.ctx.authenticator
         if auth.access.unrestricted:
-            return
+            return True
         if self._grants_generation != auth.generation:
             self._grants.clear()
             self._grants_generation = auth.generation
@@ -567,7 +584,14 @@ class Connection:
             allowed = auth.access.allows(self.user or "", "/", op, name)
             if len(self._grants) < GRANTS_CACHED:
                 self._grants[key] = allowed
-        if not allowed:
+        return allowed
+
+    def authorize(
+        self, op: Operation, resource: Resource, name: str, method: tuple[int, int]
+    ) -> None:
+        """Raise 403 ACCESS_REFUSED (a channel error) unless the user may do `op` on the
+        resource (RabbitMQ's words)."""
+        if not self.allows(op, resource, name):
             raise channel_error(
                 ReplyCode.ACCESS_REFUSED,
                 f"{op} access to {resource} '{name}' in vhost '/' refused for user '{self.user}'",
@@ -607,9 +631,11 @@ class Connection:
                 )
             if isinstance(method, Publish):
                 alarm = self.ctx.alarm()
-                if alarm is not None:
+                if alarm is not None and not channel.peer_status(method):
                     # RabbitMQ's rule: stop reading from a connection that publishes
-                    # while an alarm is on; this publish itself is still taken.
+                    # while an alarm is on; this publish itself is still taken. Not for
+                    # a federation link's status for amq.peer (transient, tiny): its
+                    # connection's reads carry the acks that free this server's queues.
                     self.blocked = True
                     self._tell_blocked(alarm)
                 channel.on_publish(method)

@@ -188,7 +188,13 @@ class HeadersExchange(Exchange):
 
     def route(self, routing_key: str, headers: Mapping[str, Any] | None) -> Iterable[str]:
         headers = headers or {}
-        return [b.queue for b in self.bindings.values() if headers_match(b.arguments, headers)]
+        # A queue bound with two tables that both match gets the message once, as with
+        # every other exchange type (and RabbitMQ).
+        return list(
+            dict.fromkeys(
+                b.queue for b in self.bindings.values() if headers_match(b.arguments, headers)
+            )
+        )
 
 
 def headers_match(arguments: Mapping[str, Any], headers: Mapping[str, Any]) -> bool:

@@ -314,6 +314,10 @@ class Broker:
                 lambda: self.role == "passive",
                 segment_seconds=settings.audit_segment_seconds,
                 fsync=settings.fsync,
+                # ids are mapped per origin only in the bidirectional mode (format 5 lines)
+                mirror_id=(settings.mirror_id or settings.name)
+                if settings.mirror_first_role == "bidirectional"
+                else "",
             )
         self.source = ReplicationSource(self)
         self.lease = LeaseKeeper.from_environment(self)
@@ -426,6 +430,18 @@ class Broker:
     ) -> PublishResult:
         """Publish what a federation peer forwarded (deduplicated on arrival)."""
         return self.federation.receive(exchange, routing_key, header, body, info, hold=hold)
+
+    def receive_peer_status(
+        self,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        *,
+        allowed: bool,
+    ) -> None:
+        """A federation peer's status message for `amq.peer`."""
+        self.federation.receive_peer_status(routing_key, header, body, info, allowed=allowed)
 
     def close_clients(self, reason: str) -> None:
         """Close every client connection (connection.close 320 CONNECTION_FORCED)."""

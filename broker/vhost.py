@@ -149,6 +149,24 @@ class StagedChange:
             self.on_done()
 
 
+@dataclass(frozen=True, slots=True)
+class Touched:
+    """What one change of the definitions touched, by name, so that state replication
+    follows the definitions one change at a time (O(change), not O(state)).
+
+    An exchange or queue named here may have appeared, gone, been replaced or changed;
+    a binding named here may have been added or removed. `everything`: not said (a
+    passive's replicated topology, an undone change): compare the whole state."""
+
+    exchanges: tuple[str, ...] = ()
+    queues: tuple[str, ...] = ()
+    bindings: tuple[BindingDef, ...] = ()
+    everything: bool = False
+
+
+EVERYTHING = Touched(everything=True)
+
+
 @dataclass(slots=True)
 class PublishResult:
     """Where a publish went: the number of queues, whether a limit refused it, its batch."""
@@ -199,6 +217,8 @@ class VirtualHost:
         self.binding_listeners: list[Callable[[str], None]] = []
         # Told whenever an exchange, a queue or a binding appears or goes (state replication).
         self.definition_listeners: list[Callable[[], None]] = []
+        # Told what each such change touched, undone changes too (state replication).
+        self.state_listeners: list[Callable[[Touched], None]] = []
         # Told each queue a client declares (federation binds temporary queues: global keys).
         self.queue_listeners: list[Callable[[Queue], None]] = []
         # Federation global keys: a client's publish on exchange X -> its header with
@@ -358,6 +378,7 @@ class VirtualHost:
         purges it): saved at once, with whatever was staged before it.
         """
         hold = self._stage
+        undo = self._told_undo(undo)
         if stage and hold is not None and not self.replica:
             change = StagedChange()
             self._by_qid = None
@@ -392,6 +413,15 @@ class VirtualHost:
                 f"{refused}: the topology could not be saved ({exc})",
                 method,
             ) from exc
+
+    def _told_undo(self, undo: Callable[[], object]) -> Callable[[], None]:
+        # An undone change is a change too (rare: a disk refused it): the state's
+        # subscribers compare everything rather than each undo saying what it restores.
+        def undone() -> None:
+            undo()
+            self._state_changed(EVERYTHING)
+
+        return undone
 
     # -- exchanges --------------------------------------------------------------------------
 
@@ -458,7 +488,7 @@ class VirtualHost:
                 f"exchange '{name}' not declared",
                 EXCHANGE_DECLARE,
             )
-        self._definitions_changed()
+        self._definitions_changed(Touched(exchanges=(name,)))
 
     def delete_exchange(self, name: str, *, if_unused: bool) -> None:
         """`exchange.delete`; deleting a missing exchange succeeds, as in RabbitMQ."""
@@ -478,8 +508,9 @@ class VirtualHost:
                 EXCHANGE_DELETE,
             )
         del self.exchanges[name]
+        touched = Touched(exchanges=(name,))
         if exchange.bindings:
-            self._bindings_changed(name)
+            self._bindings_changed(name, touched)
         if exchange.definition.durable:
             self._save_or_undo(
                 DefinitionsDelta(del_exchanges=[name]),
@@ -487,7 +518,7 @@ class VirtualHost:
                 f"exchange '{name}' not deleted",
                 EXCHANGE_DELETE,
             )
-        self._definitions_changed()
+        self._definitions_changed(touched)
 
     def exchange_for_publish(self, name: str) -> Exchange:
         """The exchange a publish names (404 when missing, 403 when internal)."""
@@ -610,7 +641,7 @@ class VirtualHost:
             )
         self._touch(queue)
         metrics.QUEUES.set(len(self.queues))
-        self._definitions_changed()
+        self._definitions_changed(Touched(queues=(name,)))
         for listener in self.queue_listeners:
             listener(queue)
         return queue
@@ -627,7 +658,7 @@ class VirtualHost:
             queue = Queue(QueueDef(name=name, qid=qid), None, self._dropped, self.visibility)
             self.queues[name] = queue
             self._save(DefinitionsDelta(add_queues=[queue.definition], next_qid=self.next_qid))
-            self._definitions_changed()
+            self._definitions_changed(Touched(queues=(name,)))
         if locked and queue.owner is not _INTERNAL_OWNER:
             queue.owner = _INTERNAL_OWNER
             self.exchanges[""].unbind(BindingDef(exchange="", queue=name, routing_key=name))
@@ -664,9 +695,11 @@ class VirtualHost:
         ]
         for exchange in auto_deleted:
             del self.exchanges[exchange.name]
+        # The queue's bindings: those the subscribers last heard of under its name.
+        touched = Touched(exchanges=tuple(e.name for e in auto_deleted), queues=(queue.name,))
         for exchange, gone in unbound:
             if gone:
-                self._bindings_changed(exchange.name)
+                self._bindings_changed(exchange.name, touched)
         # A durable exchange auto-deleted with a transient queue's bindings goes too.
         gone_exchanges = [e.name for e in auto_deleted if e.definition.durable]
         if queue.durable or gone_exchanges:
@@ -708,7 +741,7 @@ class VirtualHost:
         if queue.durable:
             self.committer.drop_queue(queue.definition.qid)
         metrics.QUEUES.set(len(self.queues))
-        self._definitions_changed()
+        self._definitions_changed(touched)
         return count
 
     def purge_queue(self, name: str, owner: object) -> int:
@@ -746,11 +779,14 @@ class VirtualHost:
             exchange=exchange_name, queue=queue.name, routing_key=routing_key, arguments=arguments
         )
         changed = exchange.unbind(binding) if unbind else exchange.bind(binding)
-        if changed:
-            self._bindings_changed(exchange_name)
         auto_deleted = (
             unbind and changed and exchange.definition.auto_delete and not exchange.bindings
         )
+        if changed:
+            self._bindings_changed(
+                exchange_name,
+                Touched(exchanges=(exchange_name,) if auto_deleted else (), bindings=(binding,)),
+            )
         if auto_deleted:
             del self.exchanges[exchange_name]
         stored = queue.durable and exchange.definition.durable
@@ -771,14 +807,19 @@ class VirtualHost:
             done = "unbound" if unbind else "bound"
             self._save_or_undo(delta, undo, f"queue '{queue.name}' not {done}", method)
 
-    def _bindings_changed(self, exchange: str) -> None:
+    def _bindings_changed(self, exchange: str, touched: Touched) -> None:
         for listener in self.binding_listeners:
             listener(exchange)
-        self._definitions_changed()
+        self._definitions_changed(touched)
 
-    def _definitions_changed(self) -> None:
+    def _definitions_changed(self, touched: Touched) -> None:
         for listener in self.definition_listeners:
             listener()
+        self._state_changed(touched)
+
+    def _state_changed(self, touched: Touched) -> None:
+        for listener in self.state_listeners:
+            listener(touched)
 
     def connection_closed(self, owner: object) -> None:
         """Delete the exclusive queues of a closed connection."""
@@ -1172,14 +1213,24 @@ class VirtualHost:
         self._by_qid = None
         self.committer.save_definitions(self.definitions())
         metrics.QUEUES.set(len(self.queues))
+        self._state_changed(EVERYTHING)  # (nothing is published on a passive)
 
-    def apply_delta(self, delta: DefinitionsDelta) -> None:
+    def apply_delta(
+        self,
+        delta: DefinitionsDelta,
+        staged: Callable[[JournalError | None], None] | None = None,
+    ) -> None:
         """Apply one topology change of the active (a passive receiving DEFINITIONS_DELTA).
 
         Queues the delta removes or replaces (another qid under the name) go first, each
         by `remove_queue` (which records its own removal); then the rest is applied in
         memory and the delta recorded. A JournalError reaches the caller (the passive
         stops, as for `apply_definitions`).
+
+        `staged`: the delta is staged for the group commit instead (`Committer.stage_delta`:
+        the changes staged together are one append and one fsync of the definitions
+        log), and `staged` is told its outcome; the caller writes the group
+        (`flush_topology`) before it acknowledges anything after it.
         """
         replaced = {q.name for q in delta.add_queues if (old := self.queues.get(q.name))
                     and old.definition.qid != q.qid}  # fmt: skip
@@ -1216,8 +1267,12 @@ class VirtualHost:
         self.next_qid = max(self.next_qid, delta.next_qid)
         self._by_qid = None
         metrics.QUEUES.set(len(self.queues))
+        self._state_changed(EVERYTHING)  # (nothing is published on a passive)
         # Last, as `apply_definitions` saves: a failure stops this passive (exit 75).
-        self.committer.save_delta(delta, self.definitions)
+        if staged is not None:
+            self.committer.stage_delta(delta, self.definitions, staged)
+        else:
+            self.committer.save_delta(delta, self.definitions)
 
     def apply_ops(
         self, ops: list[JournalOp], *, defer_sort: bool = False, catchup: bool = False

@@ -1,7 +1,7 @@
 """`twinmq audit` runs the replication audit; `twinmq audit-ship` ships a broker's segments.
 
     twinmq audit --store URL [--master local[*]] [--full] [--run-id ID] [--json]
-    twinmq audit --store URL_A --mirror-store URL_B [--json]   # across DR sites
+    twinmq audit --store URL_A --mirror-store URL_B [--full] [--json]   # across DR sites
     twinmq audit-ship --store URL --audit-dir DATA_DIR/audit [--every SECONDS]
 
 Exit codes of `audit`: 0 PASS, 1 FAIL, 2 error. The same entry point serves
@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,13 @@ def _ship_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--broker", help="ship only this broker's segments")
     parser.add_argument("--every", type=float, default=0.0, help="repeat every N seconds (0: once)")
+    parser.add_argument(
+        "--keep-shipped",
+        type=float,
+        metavar="SECONDS",
+        help="delete local segments shipped to this store more than SECONDS ago, each "
+        "broker's newest excepted (default: keep them all)",
+    )
     return parser
 
 
@@ -146,7 +154,7 @@ def ship_main(argv: Sequence[str] | None = None) -> int:
     """`twinmq audit-ship`: ship closed segments (once, or every N seconds)."""
     args = _ship_parser(argparse.ArgumentParser(prog="twinmq audit-ship")).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from twinmq.audit.store import Store, ship
+    from twinmq.audit.store import Store, prune_shipped, ship
 
     store = Store(args.store)
     # A sidecar is PID 1 of its container when the pod sets `command` (no init): without a
@@ -159,6 +167,8 @@ def ship_main(argv: Sequence[str] | None = None) -> int:
         try:
             report = ship(args.audit_dir, store, broker=args.broker)
             log.info("shipped %d segments (%d already)", len(report.shipped), len(report.already))
+            if args.keep_shipped is not None:
+                prune_shipped(args.audit_dir, store, args.keep_shipped, report, time.time())
         except Exception:
             log.exception("shipping failed")
             if not args.every:
@@ -189,7 +199,7 @@ def _cross_site(spark: Any, store_a: Any, store_b: Any, args: argparse.Namespace
     from twinmq.audit.cross import run_cross_site
     from twinmq.audit.summary import Verdict
 
-    summary = run_cross_site(spark, store_a, store_b, run_id=args.run_id)
+    summary = run_cross_site(spark, store_a, store_b, run_id=args.run_id, full=args.full)
     if args.json:
         print(summary.model_dump_json(indent=1))
     else:
@@ -200,6 +210,11 @@ def _cross_site(spark: Any, store_a: Any, store_b: Any, args: argparse.Namespace
             f"settled {t.settled}, unsettled on the other site {t.unsettled_on_mirror} "
             f"(in flight {t.settles_in_flight})"
         )
+        for d in summary.directions:
+            c = d.counts
+            print(f"  {d.source} -> {d.target}: {c.messages} messages, lost {c.lost}, "
+                  f"in flight {c.in_flight}, duplicated {c.duplicated}, unsettled "
+                  f"{c.unsettled_on_mirror}")  # fmt: skip
         if summary.lag is not None:
             lag = summary.lag
             print(f"lag between sites p50 {lag.p50:.6f}s p99 {lag.p99:.6f}s "

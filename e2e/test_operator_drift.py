@@ -19,7 +19,7 @@ from brokerclusters import (
     publish_confirmed,
 )
 from pika.exceptions import AMQPError
-from support import Cluster, pod_path
+from support import IMAGE, Cluster, pod_path
 
 from twinmq.localcluster.kubeapi import ApiError
 from twinmq.testing.waiting import wait_for
@@ -105,6 +105,53 @@ def test_a_deleted_secret_an_edited_pod_label_and_a_deleted_lease_are_restored(
 
     wait_for("the Lease restored, held by the active", lease_back, timeout=60)
     wait_for("a confirm through the virtual IP", lambda: confirms(cluster, namespace, name))
+
+
+def test_a_pod_that_copies_the_virtual_ips_labels_loses_them_and_is_reported(
+    cluster: Cluster, operator: OperatorProcess, namespace: str
+) -> None:
+    name = create_cluster(cluster, namespace)
+    wait_for(
+        "the pair serving",
+        lambda: condition(cluster_status(cluster, namespace, name), "Ready") == "True",
+        timeout=120,
+    )
+    impostor = "impostor"
+    cluster.kube.create(pod_path(namespace), {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": impostor,
+                     "labels": {"twinmq.io/cluster": name, "twinmq.io/role": "active"}},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 65534,
+                                "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{
+                "name": "impostor", "image": IMAGE, "command": ["sleep", "3600"],
+                "securityContext": {"allowPrivilegeEscalation": False,
+                                    "capabilities": {"drop": ["ALL"]}},
+            }],
+        },
+    })  # fmt: skip
+
+    def unlabelled() -> bool:
+        labels = ((cluster.kube.get(pod_path(namespace, impostor)) or {}).get("metadata")
+                  or {}).get("labels") or {}  # fmt: skip
+        return "twinmq.io/role" not in labels
+
+    wait_for("the impostor's role label removed", unlabelled, timeout=30)
+
+    def reported() -> bool:
+        return any(
+            e["reason"] == "DriftRepaired" and f"Pod/{impostor}" in e["message"]
+            for e in events_of(cluster, namespace)
+        )
+
+    wait_for("a DriftRepaired Event naming the impostor", reported, timeout=15)
+    labels = (cluster.kube.get(pod_path(namespace, f"{name}-primary")) or {})["metadata"]["labels"]
+    assert labels.get("twinmq.io/role") == "active", "the real active keeps its label"
+    wait_for("a confirm through the virtual IP", lambda: confirms(cluster, namespace, name))
+    assert cluster_status(cluster, namespace, name)["epoch"] == 1, "no failover was needed"
 
 
 def test_storage_grows_where_the_class_can_expand_and_never_shrinks(

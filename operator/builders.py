@@ -392,7 +392,13 @@ def build_pod(
                     f"--role={PASSIVE}",
                     f"--replication-timeout={spec.replication.timeout_seconds}",
                     f"--dedup-window={spec.replication.dedup_window}",
-                    f"--audit-segment-seconds={spec.audit.segment_seconds}",
+                    # Nothing ships or reads a log no audit asks for: it would only
+                    # fill the volume (and cost a sync per batch).
+                    *(
+                        [f"--audit-segment-seconds={spec.audit.segment_seconds}"]
+                        if spec.audit.enabled
+                        else ["--no-audit"]
+                    ),
                     *federation.broker_args(spec.federation, cluster.namespace, cluster.name),
                     *limit_args(spec.limits),
                     *tls_args(spec),
@@ -552,6 +558,7 @@ def build_shipper(spec: BrokerClusterSpec) -> Obj:
             f"--store={spec.audit.store_url}",
             f"--audit-dir={DATA_DIR}/data/audit",
             f"--every={spec.audit.segment_seconds}",
+            f"--keep-shipped={spec.audit.keep_shipped_seconds}",
         ],
         "resources": {"requests": {"cpu": "20m", "memory": "96Mi"}},
         "securityContext": CONTAINER_SECURITY,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -153,8 +153,9 @@ class Kube:
             return None
         return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
 
-    def label_pod(self, namespace: str, name: str, labels: dict[str, str]) -> None:
-        """Merge labels into a pod (the Service selectors follow at once)."""
+    def label_pod(self, namespace: str, name: str, labels: Mapping[str, str | None]) -> None:
+        """Merge labels into a pod, None removing one (the Service selectors follow at
+        once)."""
         self.core.patch_namespaced_pod(name, namespace, {"metadata": {"labels": labels}})
 
     def get_lease(self, namespace: str, name: str, timeout: float | None = None) -> Obj | None:

@@ -323,9 +323,11 @@ def repair_routing(
 ) -> list[drift.Repaired]:
     """In the steady state (the recorded active serving, no role moving): the virtual IP
     selects the active and only it, and the active holds the Lease. Sets back an edited
-    role label and restores a deleted or edited Lease; returns what it repaired."""
+    role label, takes the virtual IP's labels off a pod that is not this cluster's (one
+    that copied them would receive clients' connections) and restores a deleted or
+    edited Lease; returns what it repaired."""
     k = kube()
-    repaired: list[drift.Repaired] = []
+    repaired = strip_foreign_endpoints(cluster)
     for name in NAMES:
         labels = ((pods.get(name) or {}).get("metadata") or {}).get("labels") or {}
         want = "active" if name == active else "passive"
@@ -345,6 +347,37 @@ def repair_routing(
         ))  # fmt: skip
         repaired.append(drift.Repaired("Lease", f"Lease/{builders.lease_name(cluster)} was "
                                        f"not held by the active {active}: restored"))  # fmt: skip
+    return repaired
+
+
+def strip_foreign_endpoints(cluster: ClusterRef) -> list[drift.Repaired]:
+    """Remove the role label from every pod that carries the virtual IP's selector but is
+    not one of this cluster's brokers, so the Service stops routing clients to it; each
+    one is reported (a DriftRepaired Event names the pod).
+
+    A broker is told by its name alone, as the reconcile reads its pods: a broker pod
+    without this cluster's owner reference (its BrokerCluster deleted with
+    `--cascade=orphan` and created again, a new uid) is still the one probed, rolled and
+    labelled active, and stripping it here would take the active off the virtual IP
+    every other pass (the role repair puts the label back the next)."""
+    k = kube()
+    selector = f"{builders.LABEL_CLUSTER}={cluster.name},{builders.LABEL_ROLE}={ACTIVE}"
+    ours = {pod_name(cluster, n) for n in NAMES}
+    repaired: list[drift.Repaired] = []
+    for pod in k.list("v1", "Pod", cluster.namespace, selector):
+        meta = pod.get("metadata") or {}
+        if meta.get("name") in ours:
+            continue
+        name = str(meta.get("name"))
+        log.warning("%s/%s: pod %s is not a broker of this cluster but carried the virtual "
+                    "IP's labels: role label removed", cluster.namespace, cluster.name,
+                    name)  # fmt: skip
+        k.label_pod(cluster.namespace, name, {builders.LABEL_ROLE: None})
+        repaired.append(drift.Repaired("ForeignPod", (
+            f"Pod/{name} is not a broker of this cluster but carried the virtual IP's labels "
+            f"({selector}): its role label was removed so clients are not routed to it; "
+            "find out who created it"
+        )))  # fmt: skip
     return repaired
 
 

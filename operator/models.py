@@ -626,6 +626,15 @@ class Audit(ApiModel):
         le=3600,
         description="Brokers close (and make shippable) audit segments this often",
     )
+    keep_shipped_seconds: int = Field(
+        3600,
+        ge=0,
+        le=30 * 86400,
+        description="The shipper deletes a broker's local audit segments this long after "
+        "the broker closed them, once the store holds them (each broker's newest kept); "
+        "unshipped ones are never deleted. Without audits (`enabled: false`) brokers "
+        "write no audit log at all",
+    )
 
 
 class PromoteRequest(ApiModel):

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -266,13 +267,17 @@ class Pair:
                 + "\n".join(self.events[-10:])
             ) from None
 
-    def failover(self, ready_timeout: float = 10.0) -> bool:
+    def failover(
+        self, ready_timeout: float = 10.0, on_promoted: Callable[[], None] | None = None
+    ) -> bool:
         """kill -9 the active; promote the passive if it is ready, else restart the active.
 
         The operator's procedure: only a passive whose status says `ready` is
         promoted (epoch+1) and the old active comes back as its passive; with
         no ready passive the old active is started again, active, same epoch.
-        Returns whether the passive was promoted.
+        `on_promoted` runs right after the promotion, before the old active comes
+        back (a virtual IP moving to the new active: clients must not reach the
+        rejoining passive on the old address). Returns whether the passive was promoted.
         """
         old, new = self.active, self.passive
         old.kill()
@@ -291,6 +296,8 @@ class Pair:
             old.start()
             return False
         self.promote_passive()
+        if on_promoted is not None:
+            on_promoted()
         self.rejoin(old)
         return True
 

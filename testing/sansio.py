@@ -86,6 +86,9 @@ class Context:
         self.product_version = PRODUCT_VERSION
         self.alarm_reason: str | None = None
         self.refusal_reason: str | None = None
+        self.write_refusal_reason: str | None = None
+        # Federation peers' status messages for amq.peer: (routing key, body, allowed).
+        self.peer_statuses: list[tuple[str, bytes, bool]] = []
 
     def await_durable(self, channel: Channel) -> None:
         """Channels wait on the group committer, as in the broker."""
@@ -100,8 +103,8 @@ class Context:
         return self.refusal_reason
 
     def write_refusal(self) -> str | None:
-        """Why clients may only read (a DR replica): never, in these tests."""
-        return None
+        """Why clients may only read (a DR replica), if the test says so."""
+        return self.write_refusal_reason
 
     def open_connections(self, user: str) -> int:
         """Nobody else's connections count here."""
@@ -128,6 +131,18 @@ class Context:
     ) -> PublishResult:
         """No federation here: published as any message."""
         return self.vhost.publish(exchange, routing_key, header, body, info, hold=hold)
+
+    def receive_peer_status(
+        self,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        *,
+        allowed: bool,
+    ) -> None:
+        """No federation here: recorded for the test."""
+        self.peer_statuses.append((routing_key, body, allowed))
 
 
 class Peer:

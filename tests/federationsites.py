@@ -8,13 +8,15 @@ from an environment variable, as in production). Helpers read each side's `/stat
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pika
+import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from twinmq.testing.faultproxy import FaultProxy
@@ -138,6 +140,103 @@ def federated_pair(
             yield central, pair
     finally:
         central.stop()
+
+
+@dataclass
+class UpstreamPair:
+    """A central pair (server id `central`) behind `vip`, the stand-in for its virtual IP
+    (a proxy moved to the new active at a failover), and `remote`, a single server that
+    federates central's exchange through the vip."""
+
+    pair: Pair
+    vip: FaultProxy
+    remote: BrokerProcess
+
+    @property
+    def central(self) -> BrokerProcess:
+        """The central pair's active broker."""
+        return self.pair.active
+
+    @property
+    def vip_url(self) -> str:
+        """An AMQP URL (guest) for central's virtual IP."""
+        return f"amqp://guest:guest@{self.vip.address}/%2F"
+
+    def failover(self) -> bool:
+        """kill -9 central's active, promote its passive and move the vip to it (before
+        the old active rejoins as passive); whether the passive was promoted."""
+
+        def move_vip() -> None:
+            self.vip.retarget(f"{self.pair.active.host}:{self.pair.active.port}")
+
+        return self.pair.failover(on_promoted=move_vip)
+
+
+@contextmanager
+def federated_upstream_pair(
+    tmp: Path, exchange: str, kind: str, **options: Any
+) -> Iterator[UpstreamPair]:
+    """A started central pair (both brokers with server id `central`: the pair is one
+    server to its peers) behind a vip, and a started `remote` that federates central's
+    `exchange` of type `kind` through the vip; all stopped at the end."""
+    pair = Pair(tmp / "central", broker_args=["--server-id", "central"])
+    with pair:
+        vip = FaultProxy(f"{pair.active.host}:{pair.active.port}").start()
+        try:
+            config = federation_file(
+                tmp / "remote.json",
+                {"central": vip.address},
+                [{"exchange": exchange, "upstream": "central", "type": kind, **options}],
+            )
+            remote = site(tmp, "remote", federation=config)
+            remote.start()
+            try:
+                yield UpstreamPair(pair, vip, remote)
+            finally:
+                remote.stop()
+        finally:
+            vip.close()
+
+
+def publish_counted(
+    url: str,
+    exchange: str,
+    key: str,
+    total: int,
+    confirmed: list[int],
+    *,
+    stop: Callable[[], bool] = lambda: False,
+    deadline_seconds: float = 180.0,
+) -> None:
+    """Publish persistent messages with bodies 0..total-1 on `exchange` with publisher
+    confirms, reconnecting whenever the broker goes away (a failover), until all were
+    sent, `stop()` or the deadline; the confirmed bodies go to `confirmed`. A message
+    whose confirm was lost is not sent again (its copy, if any, may arrive once): so a
+    body seen twice downstream is the system's duplicate, never the publisher's."""
+    deadline = time.monotonic() + deadline_seconds
+    i = 0
+    while i < total and not stop() and time.monotonic() < deadline:
+        try:
+            connection = pika.BlockingConnection(pika.URLParameters(url))
+        except pika.exceptions.AMQPError:
+            time.sleep(0.2)
+            continue
+        try:
+            ch = connection.channel()
+            ch.confirm_delivery()
+            while i < total and not stop():
+                body = i
+                i += 1  # never sent again, confirmed or not
+                ch.basic_publish(
+                    exchange, key, str(body).encode(), pika.BasicProperties(delivery_mode=2)
+                )
+                confirmed.append(body)
+        except pika.exceptions.AMQPError:
+            time.sleep(0.2)  # the broker went away (or nacked): carry on with the next body
+        finally:
+            if connection.is_open:
+                with suppress(pika.exceptions.AMQPError):
+                    connection.close()
 
 
 def links(broker: BrokerProcess) -> dict[str, dict[str, Any]]:

@@ -11,6 +11,11 @@ allows one upstream per exchange; seed 002's triangle does the same) bound into
 any path, so nothing is tuned to the topology and only the origin id + message id
 dedup window keeps a message that arrives by two paths (or comes back round a ring)
 from being delivered twice.
+
+Any server can be a pair (active + passive, replicated; both with the server's id):
+its clients and the links from it reach it through a proxy moved to the new active at a
+failover (the virtual IP's stand-in), and `run_traffic` kills its active (kill -9) while
+the messages flow.
 """
 
 from __future__ import annotations
@@ -22,17 +27,27 @@ import queue
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import federationsites
-from federationsites import channel, federation_file, site, upstream_bindings, wait_running
+from federationsites import (
+    PASSWORD_ENV,
+    channel,
+    federation_file,
+    queue_depth,
+    site,
+    upstream_bindings,
+    wait_running,
+)
 
 from twinmq.broker.federation.agent import queue_name
+from twinmq.testing.amqpclient import ClientError
 from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair
 from twinmq.testing.waiting import wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -93,23 +108,79 @@ def recipients(links: list[Link], origin: str, max_hops: int) -> set[str]:
 
 @dataclass
 class Mesh:
-    """Started servers (by name) and the proxy of each link."""
+    """Started servers (by name: a single broker or a pair) and the proxy of each link."""
 
     links: list[Link]
-    servers: dict[str, BrokerProcess]
+    singles: dict[str, BrokerProcess]
     proxies: dict[Link, FaultProxy]
     max_hops: int
+    pairs: dict[str, Pair] = field(default_factory=dict)
+    vips: dict[str, FaultProxy] = field(default_factory=dict)  # a pair's virtual IP
+
+    @property
+    def names(self) -> list[str]:
+        """Every server, sorted."""
+        return sorted([*self.singles, *self.pairs])
+
+    @property
+    def servers(self) -> dict[str, BrokerProcess]:
+        """The broker serving each server's clients now (a pair's active)."""
+        return {name: self.broker(name) for name in self.names}
+
+    def broker(self, name: str) -> BrokerProcess:
+        """The broker serving `name`'s clients now (a pair's active)."""
+        return self.pairs[name].active if name in self.pairs else self.singles[name]
+
+    def address(self, name: str) -> str:
+        """host:port for `name`'s clients (a pair's virtual IP)."""
+        if name in self.vips:
+            return self.vips[name].address
+        broker = self.singles[name]
+        return f"{broker.host}:{broker.port}"
+
+    def failover(self, name: str) -> bool:
+        """kill -9 the active of the pair `name`, promote its passive and move its virtual
+        IP and the links from it (their proxies) there; whether it was promoted (a passive
+        not ready is not: the old active restarts, on the same address)."""
+        pair = self.pairs[name]
+        pair.wait_healthy(timeout=300)  # caught up since the last failover
+
+        def move() -> None:
+            target = f"{pair.active.host}:{pair.active.port}"
+            self.vips[name].retarget(target)
+            for link, proxy in self.proxies.items():
+                if link[1] == name:
+                    proxy.retarget(target)
+
+        return pair.failover(ready_timeout=60, on_promoted=move)
 
 
 @contextlib.contextmanager
-def federated_servers(tmp: Path, links: list[Link]) -> Iterator[Mesh]:
-    """Start every server of `links` with its federation file, each link through a proxy;
-    wait until every link runs and `sink` is bound everywhere; stop everything after."""
+def federated_servers(tmp: Path, links: list[Link], pairs: Collection[str] = ()) -> Iterator[Mesh]:
+    """Start every server of `links` with its federation file (those named in `pairs` as
+    a pair), each link through a proxy; wait until every link runs and `sink` is bound
+    everywhere; stop everything after."""
     names = sorted({name for link in links for name in link})
     max_hops = len(names)
-    servers = {name: site(tmp, name) for name in names}
+    singles = {name: site(tmp, name) for name in names if name not in pairs}
+    pair_of = {
+        name: Pair(tmp / name, broker_args=["--server-id", name], names=(f"{name}a", f"{name}b"))
+        for name in names
+        if name in pairs
+    }
+    for pair in pair_of.values():
+        for broker in pair.brokers.values():
+            broker.env[PASSWORD_ENV] = "guest"
+    # Every port is known before anything starts (`site` and `Pair` pick free ones).
+    port = {name: broker.port for name, broker in singles.items()}
+    port.update({name: pair.active.port for name, pair in pair_of.items()})
     proxies: dict[Link, FaultProxy] = {}
+    vips: dict[str, FaultProxy] = {}
+    mesh = Mesh(links, singles, proxies, max_hops, pair_of, vips)
+    started: list[Pair] = []
     try:
+        for name in pair_of:
+            vips[name] = FaultProxy(f"127.0.0.1:{port[name]}").start()
         for name in names:
             upstream_links = [link for link in links if link[0] == name]
             if not upstream_links:
@@ -126,17 +197,21 @@ def federated_servers(tmp: Path, links: list[Link]) -> Iterator[Mesh]:
             ]
             upstreams: dict[str, str] = {}
             for link in upstream_links:
-                # The upstream's port is known before it starts (`site` picks a free one).
-                proxies[link] = FaultProxy(f"127.0.0.1:{servers[link[1]].port}").start()
+                proxies[link] = FaultProxy(f"127.0.0.1:{port[link[1]]}").start()
                 upstreams[link[1]] = proxies[link].address
             path = federation_file(tmp / f"{name}.json", upstreams, exchanges)
-            servers[name].extra_args += ["--federation-config", str(path)]
-        for broker in servers.values():
+            if name in pair_of:
+                pair_of[name].broker_args += ["--federation-config", str(path)]
+            else:
+                singles[name].extra_args += ["--federation-config", str(path)]
+        for broker in singles.values():
             broker.start()
+        for pair in pair_of.values():
+            started.append(pair.start())
         for link in links:
-            wait_running(servers[link[0]], local_exchange(links, link), timeout=120)
+            wait_running(mesh.broker(link[0]), local_exchange(links, link), timeout=120)
         # Every exchange exists now (a link declares its own and the upstream's).
-        for name, broker in servers.items():
+        for name, broker in mesh.servers.items():
             connection, ch = channel(broker)
             try:
                 ch.queue_declare(SINK, durable=True)
@@ -148,14 +223,18 @@ def federated_servers(tmp: Path, links: list[Link]) -> Iterator[Mesh]:
             queue = queue_name(EXCHANGE, down)
             wait_for(
                 f"{down}'s binding on {up}",
-                lambda up=up, queue=queue: bool(upstream_bindings(servers[up], queue)),
+                lambda up=up, queue=queue: bool(upstream_bindings(mesh.broker(up), queue)),
                 120,
             )
-        yield Mesh(links, servers, proxies, max_hops)
+        for pair in pair_of.values():
+            pair.wait_healthy(timeout=120)
+        yield mesh
     finally:
-        for broker in servers.values():
+        for broker in singles.values():
             broker.stop()
-        for proxy in proxies.values():
+        for pair in started:
+            pair.stop()
+        for proxy in [*proxies.values(), *vips.values()]:
             proxy.close()
 
 
@@ -177,9 +256,11 @@ class Outcome:
     duplicates: dict[str, int] = field(default_factory=dict)  # per receiving server
     delivered: dict[str, int] = field(default_factory=dict)
     flaps: int = 0
+    failovers: int = 0  # a pair's active killed and its passive promoted
     seconds: float = 0.0
     dedup_dropped: int = 0
     loops_dropped: int = 0
+    missing: dict[str, str] = field(default_factory=dict)  # per server: (origin, seq) ranges
 
     @property
     def total_lost(self) -> int:
@@ -192,21 +273,38 @@ class Outcome:
         return sum(self.duplicates.values())
 
 
-def _consume(address: str, stop: Any, distinct: Any, last: Any, out: Any) -> None:
+def _consume(
+    address: str, stop: Any, expected_in: Any, distinct: Any, judged: Any, last: Any, out: Any
+) -> None:
     """A consumer process: `sink` at `address` until `stop`, then every (origin, seq) it
-    got, in order, into `out`; `distinct` and `last` (arrival, perf_counter s) kept up to date."""
+    got, in order, into `out`; `distinct` and `last` (arrival, perf_counter s) kept up to
+    date. `distinct` counts the distinct messages got, and once the set this server must
+    get arrives on `expected_in` (`judged` then set) only those of it: a message whose
+    confirm a failover lost may arrive too, and counting it would call a server complete
+    that still misses a confirmed one."""
 
     async def run() -> list[tuple[int, int]]:
         received = xsite.Received()
         task = asyncio.create_task(xsite.consume(address, SINK, received))
         seen: set[tuple[int, int]] = set()
+        wanted: set[tuple[int, int]] | None = None
+        got_wanted = 0
+        done = 0  # received.seqs[:done] are in `seen`
         while not stop.is_set():
             await asyncio.sleep(0.2)
             if task.done():
                 task.result()  # raises what stopped it
-            for item in received.seqs[len(seen) :]:
-                seen.add(item)
-            distinct.value = len(seen)
+            if wanted is None:
+                with contextlib.suppress(queue.Empty):
+                    wanted = expected_in.get_nowait()
+                    got_wanted = len(seen & wanted)
+            for item in received.seqs[done:]:
+                if item not in seen:
+                    seen.add(item)
+                    got_wanted += wanted is not None and item in wanted
+            done = len(received.seqs)
+            distinct.value = len(seen) if wanted is None else got_wanted
+            judged.value = wanted is not None
             last.value = received.last_ns / 1e9
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -216,11 +314,29 @@ def _consume(address: str, stop: Any, distinct: Any, last: Any, out: Any) -> Non
     out.put(asyncio.run(run()))
 
 
+async def _publish_through(
+    address: str, phase: int, count: int, window: int, size: int
+) -> xsite.Published:
+    """`count` confirmed messages on `x` at `address`, connecting again when the broker goes
+    away (a pair's failover): what was unconfirmed then counts as not confirmed (it may
+    arrive, once), and the sequence numbers go on."""
+    out = xsite.Published()
+    deadline = time.monotonic() + max(600.0, count / 20)
+    while time.monotonic() < deadline:
+        try:
+            await xsite.publish(
+                address, EXCHANGE, "", phase=phase, window=window, size=size, count=count, out=out
+            )
+            return out
+        except (ClientError, OSError):
+            out.abandon()
+            await asyncio.sleep(0.2)
+    return out
+
+
 def _publish(address: str, phase: int, count: int, window: int, size: int, out: Any) -> None:
     """A publisher process: `count` confirmed messages on `x`; the confirmed seqs into `out`."""
-    published = asyncio.run(
-        xsite.publish(address, EXCHANGE, "", phase=phase, window=window, size=size, count=count)
-    )
+    published = asyncio.run(_publish_through(address, phase, count, window, size))
     out.put((phase, sorted(published.confirmed)))
 
 
@@ -234,21 +350,31 @@ def run_traffic(
     size: int = 256,
     seed: int = 1,
     progress: bool = False,
+    failovers: int = 0,
 ) -> Outcome:
     """Publish `messages` confirmed messages spread over every server (its origin id is the
     phase of xsite's stamp) while random links are partitioned or reset (every
     ~`flap_every` s, for up to `flap_for` s); consume every `sink`; count per server what
     it should have got (`recipients`, plus its own) but did not, and what it got twice.
     Each publisher and consumer is a process of its own (in one process the publishers
-    starved the consumers: tens of deliveries a second)."""
-    names = sorted(mesh_.servers)
+    starved the consumers: tens of deliveries a second).
+
+    With `failovers` (and pairs in the mesh), the pairs' actives are killed in turn that
+    many times while the messages flow (the k-th once the pair's `sink` holds k/(n+1) of
+    its share), and a pair's `sink` is consumed only after the last failover: a consumer
+    cut by a kill gets what it had not acknowledged again (AMQP's redelivery to a
+    consumer, flagged `redelivered`), which would hide or fake a second copy; left in the
+    queue, every copy counted is a message the servers made."""
+    names = mesh_.names
     phase_of = {name: i + 1 for i, name in enumerate(names)}
-    address = {name: f"127.0.0.1:{mesh_.servers[name].port}" for name in names}
+    address = {name: mesh_.address(name) for name in names}
     rng = random.Random(seed)
     outcome = Outcome()
     ctx = mp.get_context("fork")
     stop = ctx.Event()
     distinct = {name: ctx.Value("q", 0) for name in names}
+    judged = {name: ctx.Value("b", False) for name in names}
+    expected_in = {name: ctx.Queue() for name in names}
     last = {name: ctx.Value("d", 0.0) for name in names}
     seqs_out = {name: ctx.Queue() for name in names}
     confirmed_out = ctx.Queue()
@@ -256,7 +382,15 @@ def run_traffic(
     consumers = {
         name: ctx.Process(
             target=_consume,
-            args=(address[name], stop, distinct[name], last[name], seqs_out[name]),
+            args=(
+                address[name],
+                stop,
+                expected_in[name],
+                distinct[name],
+                judged[name],
+                last[name],
+                seqs_out[name],
+            ),
             daemon=True,
         )
         for name in names
@@ -270,8 +404,29 @@ def run_traffic(
         )
         for i, name in enumerate(names)
     ]
-    for process in [*consumers.values(), *publishers]:
+    killed = sorted(mesh_.pairs) if failovers else []
+    for name, process in consumers.items():
+        if name not in killed:
+            process.start()
+    for process in publishers:
         process.start()
+    done_failovers = 0
+
+    def failover_due() -> str | None:
+        """The pair to fail over now, if its `sink` has grown past the next mark."""
+        if done_failovers >= failovers or not killed:
+            return None
+        name = killed[done_failovers % len(killed)]
+        mark = (done_failovers + 1) * messages // (len(names) * (failovers + 1))
+        return name if queue_depth(mesh_.broker(name), SINK) >= mark else None
+
+    def fail_over(name: str) -> None:
+        nonlocal done_failovers
+        done_failovers += 1
+        promoted = mesh_.failover(name)
+        outcome.failovers += int(promoted)
+        if progress:
+            print(f"  {time.monotonic() - started:.0f} s: failover of {name}: {promoted}")
 
     def report() -> None:
         got = ", ".join(f"{name} {distinct[name].value}" for name in names)
@@ -299,9 +454,16 @@ def run_traffic(
             phase, seqs = confirmed_out.get(timeout=rng.uniform(0.2, 2 * flap_every))
             confirmed[phase] = seqs
             continue
+        if (due := failover_due()) is not None:
+            fail_over(due)
         flap()
     for process in publishers:
         process.join(60)
+    while done_failovers < failovers and killed:  # the publishers were quicker than the marks
+        fail_over(killed[done_failovers % len(killed)])
+    for name in killed:
+        mesh_.pairs[name].wait_healthy(timeout=300)
+        consumers[name].start()
     expected = {
         name: {
             (phase_of[origin], seq)
@@ -311,9 +473,13 @@ def run_traffic(
         }
         for name in names
     }
+    for name in names:
+        expected_in[name].put(expected[name])
     deadline = time.monotonic() + max(600.0, messages / 100)
     while time.monotonic() < deadline:
-        complete = all(distinct[name].value >= len(expected[name]) for name in names)
+        complete = all(
+            judged[name].value and distinct[name].value >= len(expected[name]) for name in names
+        )
         idle = time.perf_counter() - max(last[name].value for name in names)
         if complete and idle >= 3.0:
             break
@@ -329,7 +495,10 @@ def run_traffic(
         process.join(30)
     for name in names:
         got = received[name]
-        outcome.lost[name] = len(expected[name] - set(got))
+        missing = sorted(expected[name] - set(got))
+        outcome.lost[name] = len(missing)
+        if missing:
+            outcome.missing[name] = _ranges(missing)
         outcome.duplicates[name] = len(got) - len(set(got))
         outcome.delivered[name] = len(got)
     outcome.confirmed = {name: len(confirmed[phase_of[name]]) for name in names}
@@ -341,6 +510,18 @@ def run_traffic(
     return outcome
 
 
+def _ranges(keys: list[tuple[int, int]], at_most: int = 10) -> str:
+    """(phase, seq) keys, sorted, as `phase:first-last` runs (the first `at_most`)."""
+    runs: list[list[int]] = []
+    for phase, seq in keys:
+        if runs and runs[-1][0] == phase and runs[-1][2] == seq - 1:
+            runs[-1][2] = seq
+        else:
+            runs.append([phase, seq, seq])
+    shown = [f"{p}:{a}-{b}" if a != b else f"{p}:{a}" for p, a, b in runs[:at_most]]
+    return " ".join(shown) + (f" (+{len(runs) - at_most} runs)" if len(runs) > at_most else "")
+
+
 def describe(outcome: Outcome) -> dict[str, Any]:
     """The outcome as one JSON-friendly record."""
     return {
@@ -349,7 +530,9 @@ def describe(outcome: Outcome) -> dict[str, Any]:
         "lost": outcome.total_lost,
         "duplicates": outcome.total_duplicates,
         "flaps": outcome.flaps,
+        "failovers": outcome.failovers,
         "seconds": round(outcome.seconds, 1),
         "second_copies_dropped": outcome.dedup_dropped,
         "loops_dropped": outcome.loops_dropped,
+        **({"missing": outcome.missing} if outcome.missing else {}),
     }

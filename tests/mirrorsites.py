@@ -162,7 +162,9 @@ class Ring:
     """`n` bidirectional sites (`site-a`, `site-b`, `site-c`), each mirroring to the next;
     with `proxied`, every link goes through a `FaultProxy` (`links[i]`: site i's link)."""
 
-    def __init__(self, tmp: Path, n: int = 2, *, proxied: bool = False) -> None:
+    def __init__(
+        self, tmp: Path, n: int = 2, *, proxied: bool = False, extra_args: list[str] | None = None
+    ) -> None:
         names = ["site-a", "site-b", "site-c"][:n]
         ports = [free_port() for _ in names]
         upstreams = [f"127.0.0.1:{ports[(i + 1) % n]}" for i in range(n)]
@@ -173,7 +175,7 @@ class Ring:
             args = [
                 "--mirror-port", str(ports[i]), "--mirror-token", TOKEN,
                 "--mirror-to", link.address if link is not None else upstreams[i],
-                "--mirror-id", name, "--mirror-role", "bidirectional",
+                "--mirror-id", name, "--mirror-role", "bidirectional", *(extra_args or []),
             ]  # fmt: skip
             self.sites.append(BrokerProcess(tmp / name / "data", name=name, extra_args=args))
 

@@ -139,8 +139,10 @@ def test_a_clean_log_passes(tmp_path: Path, spark: SparkSession) -> None:
 def _events(spark: SparkSession, rows: list[tuple[Any, ...]]) -> Any:
     from twinmq.audit.schema import spark_schema
 
-    # Rows give the record's fields before `origin` (a pair's logs have none) and provenance.
-    return spark.createDataFrame([(*r[:-2], None, *r[-2:]) for r in rows], spark_schema())
+    # Rows give the record's fields before `origin` and provenance: a pair's logs have no
+    # DR fields (`origin`, `message_origin`, `origin_id`).
+    return spark.createDataFrame([(*r[:-2], None, None, None, *r[-2:]) for r in rows],
+                                 spark_schema())  # fmt: skip
 
 
 def test_stream_copies_and_reorders(spark: SparkSession) -> None:

@@ -18,7 +18,17 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from twinmq.audit.records import AuditBatch, AuditEvent, AuditRecord  # noqa: E402
 from twinmq.audit.schema import arrow_schema  # noqa: E402
-from twinmq.audit.store import SegmentName, ShipError, Store, ship  # noqa: E402
+from twinmq.audit.store import (  # noqa: E402
+    LEDGER,
+    SegmentName,
+    ShipError,
+    ShipReport,
+    Store,
+    prune_shipped,
+    read_ledger,
+    segment_to_parquet,
+    ship,
+)
 from twinmq.testing.waiting import wait_for  # noqa: E402
 
 
@@ -44,6 +54,93 @@ def _read(store: Store, name: SegmentName) -> Any:
 
 
 # -- a filesystem store ---------------------------------------------------------------------
+def test_shipped_segments_past_retention_are_deleted_and_nothing_else(tmp_path: Path) -> None:
+    audit = tmp_path / "audit"
+    for seq in (1, 2, 3):
+        _write_segment(audit, "a", 1, seq, range(seq * 10, seq * 10 + 3))
+    (audit / "a-e000001-00000004.jsonl.open").write_text(_line("a", 1, 99))
+    store = Store(str(tmp_path / "store"))
+    other = Store(str(tmp_path / "other"))
+    assert len(ship(audit, store).shipped) == 3
+    _write_segment(audit, "a", 1, 5, range(50, 52))  # closed after the pass: not shipped
+    now = (audit / "a-e000001-00000005.jsonl").stat().st_mtime
+
+    young = ShipReport()
+    prune_shipped(audit, store, 3600, young, now)
+    assert young.deleted == []  # all within the retention
+    unknown = ShipReport()
+    prune_shipped(audit, other, 0, unknown, now)
+    assert unknown.deleted == []  # nothing shipped to that store: an audit needs them all
+
+    report = ShipReport()
+    prune_shipped(audit, store, 0, report, now + 1)
+    assert report.deleted == ["a-e000001-00000001", "a-e000001-00000002", "a-e000001-00000003"]
+    assert sorted(p.name for p in audit.iterdir() if not p.name.startswith(".")) == [
+        "a-e000001-00000004.jsonl.open", "a-e000001-00000005.jsonl",
+    ]  # fmt: skip
+    assert (audit / LEDGER).read_text() == ""  # no line for a segment no longer here
+    # The store keeps everything; shipping again ships the new one only, and the newest
+    # segment stays once shipped: the broker's next number comes after it, never one
+    # already taken in the store.
+    assert len(store.segments()) == 3
+    assert ship(audit, store).shipped == ["a-e000001-00000005"]
+    again = ShipReport()
+    prune_shipped(audit, store, 0, again, now + 1)
+    assert again.deleted == []
+    assert (audit / "a-e000001-00000005.jsonl").exists()
+
+
+def test_a_segment_the_store_no_longer_holds_is_kept_and_shipped_again(
+    tmp_path: Path,
+) -> None:
+    # The ledger says shipped, but the store at that location was emptied (a bucket
+    # re-created, a store volume lost) or now holds other content under the name: the
+    # local copy is the only one and must not be deleted.
+    audit = tmp_path / "audit"
+    for seq in (1, 2, 3, 4):
+        _write_segment(audit, "a", 1, seq, range(seq * 10, seq * 10 + 3))
+    store = Store(str(tmp_path / "store"))
+    assert len(ship(audit, store).shipped) == 4
+    store.fs.rm(store.path(SegmentName("a", seq=1, epoch=1).key))  # lost
+    other = tmp_path / "elsewhere"
+    _write_segment(other, "a", 1, 2, range(77, 78))
+    store.write_bytes(
+        SegmentName("a", seq=2, epoch=1).key,
+        segment_to_parquet(SegmentName("a", seq=2, epoch=1), (other / "a-e000001-00000002.jsonl")
+                           .read_bytes()),
+    )  # fmt: skip
+
+    report = ShipReport()
+    prune_shipped(audit, store, 0, report, 1e12)
+    assert report.deleted == ["a-e000001-00000003"]  # held by the store; 4 is the newest
+    assert report.missing == ["a-e000001-00000001", "a-e000001-00000002"]
+    assert (audit / "a-e000001-00000001.jsonl").exists()
+    assert (audit / "a-e000001-00000002.jsonl").exists()
+    # Their ledger lines are gone: the next pass ships the lost one again and refuses the
+    # one whose name holds other content (as for a reset data directory) until resolved.
+    assert read_ledger(audit / LEDGER, store) == {"a-e000001-00000004"}
+    with pytest.raises(ShipError, match="other content"):
+        ship(audit, store)  # after shipping the lost one
+    assert store.exists(SegmentName("a", seq=1, epoch=1).key)
+    store.fs.rm(store.path(SegmentName("a", seq=2, epoch=1).key))
+    assert ship(audit, store).shipped == ["a-e000001-00000002"]
+    again = ShipReport()
+    prune_shipped(audit, store, 0, again, 1e12)
+    assert again.deleted == ["a-e000001-00000001", "a-e000001-00000002"]
+    assert again.missing == []
+
+
+def test_a_broker_numbers_segments_after_the_newest_kept_one(tmp_path: Path) -> None:
+    from twinmq.broker.auditlog import AuditLog
+
+    audit = tmp_path / "audit"
+    for seq in (1, 2, 3):
+        _write_segment(audit, "a", 1, seq, range(seq, seq + 1))
+    store = Store(str(tmp_path / "store"))
+    ship(audit, store)
+    prune_shipped(audit, store, 0, ShipReport(), 1e12)
+    log = AuditLog(audit, "a", lambda: 1, lambda _qid: "q", lambda: False)
+    assert log._seq == 4  # not 1: that name is taken in the store
 
 
 def test_segments_are_shipped_once_as_parquet_with_provenance(tmp_path: Path) -> None:
@@ -264,7 +361,7 @@ def test_s3_store_ships_lists_and_is_idempotent(tmp_path: Path, s3_store: Store)
 
 def test_s3_an_interrupted_multipart_upload_is_never_visible(s3_store: Store) -> None:
     """What a crash mid-upload leaves on S3: an incomplete multipart upload, not an object."""
-    name = SegmentName("a", 1, 1)
+    name = SegmentName("a", seq=1, epoch=1)
     bucket, prefix = s3_store.root.split("/", 1)
     client = _s3_client(s3_store.storage_options["client_kwargs"]["endpoint_url"])
     key = f"{prefix}/{name.key}"

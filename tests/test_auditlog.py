@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
-from twinmq.audit.records import AuditEvent, AuditRecord, body_digest, segment_records
+import pytest
+
+from twinmq.audit.records import (
+    AuditEvent,
+    AuditRecord,
+    SegmentFormatError,
+    body_digest,
+    segment_records,
+)
 from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.journal import Settle, StoredMessage
+from twinmq.broker.mirror.bidi import IDS_NAME, IDS_QID
 
 
 def _log(tmp_path: Path, epoch: list[int], replica: bool = False) -> AuditLog:
@@ -171,3 +181,46 @@ def test_lines_without_an_origin_still_read(tmp_path: Path) -> None:
         b'"replication_id_runs":[[4,2]],"digests_hex":"0000000100000002"}\n'
     )
     assert [r.origin for r in segment_records(line)] == [None, None]
+
+
+def test_a_bidirectional_apply_names_each_copys_origin_and_id_there(tmp_path: Path) -> None:
+    mark_qid = IDS_QID + 100  # an applied mark's internal queue
+    log = AuditLog(
+        tmp_path, "b1", lambda: 1,
+        lambda qid: {mark_qid: "amq.twinmq.mirror-applied.site-c", IDS_QID: IDS_NAME}.get(
+            qid, f"q{qid}"),
+        lambda: False, segment_seconds=3600, mirror_id="site-b",
+    )  # fmt: skip
+    mark = StoredMessage(mark_qid + 1, mark_qid, "", "", b"", b"mark", None)
+
+    def record(mid: int, omid: int, origin: str) -> StoredMessage:
+        body = struct.pack("<QQQ", 7, mid, omid) + origin.encode()
+        return StoredMessage(900 + mid, IDS_QID, "", IDS_NAME, b"", body, None)
+
+    # Copies of site-a's messages 40, 41 (forwarded by site-c), one of site-c's, and a
+    # message of this site's own (no id map record), in one apply; then a client's batch.
+    applied = [_message(20, b"x"), _message(21, b"y"), _message(22, b"z"), _message(23, b"own")]
+    ids = [record(20, 40, "site-a"), record(21, 41, "site-a"), record(22, 5, "site-c")]
+    log.batch_complete([*applied, *ids, mark, Settle(7, 19)], guarded=True)
+    log.batch_complete([_message(24, b"client")], guarded=True)
+    log.close()
+    assert [
+        (r.replication_id, r.event.value, r.origin, r.message_origin, r.origin_id)
+        for r in _records(tmp_path)
+    ] == [
+        (20, "confirmed", "site-c", "site-a", 40), (21, "confirmed", "site-c", "site-a", 41),
+        (22, "confirmed", "site-c", "site-c", 5), (23, "confirmed", "site-c", "site-b", 23),
+        (19, "dequeued", "site-c", None, None), (24, "confirmed", None, None, None),
+    ]  # fmt: skip
+    text = "".join(p.read_text() for p in tmp_path.glob("*.jsonl"))
+    assert '"origin_id_runs":[[40,2]]' in text  # ids there packed as runs too
+
+
+def test_format_5_origin_ids_must_match_the_replication_ids() -> None:
+    line = (
+        b'{"broker":"b","epoch":1,"queue":"q","event":"confirmed","time":1.0,'
+        b'"replication_id_runs":[[4,2]],"digests_hex":"0000000100000002","origin":"x",'
+        b'"message_origin":"x","origin_ids":[9]}\n'
+    )
+    with pytest.raises(SegmentFormatError, match="origin ids"):
+        segment_records(line)

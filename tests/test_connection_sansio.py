@@ -19,6 +19,7 @@ from twinmq.testing.rawamqp import (
     content,
     decode_frames,
     encode,
+    plain_response,
     publish,
     start_ok,
 )
@@ -373,3 +374,58 @@ def test_closing_a_connection_deletes_only_its_own_exclusive_queues(harness: Har
     owner.conn.connection_lost()
     assert "mine" not in harness.vhost.queues
     assert "theirs" in harness.vhost.queues
+
+
+# -- a federation link's status for amq.peer -------------------------------------------------
+
+
+def _federation_link(harness: Harness) -> Peer:
+    """A connection that announces a server identifier (a federation link), channel 1 open."""
+    link = harness.connect()
+    link.feed(PROTOCOL_HEADER)
+    start_ok_frame = encode(
+        0,
+        commands.Connection.StartOk(
+            client_properties={"product": "twinmq-testing", "x-twinmq-server-id": "remote"},
+            mechanism="PLAIN",
+            response=plain_response("guest", "guest"),
+        ),
+    )
+    link.feed(start_ok_frame)
+    link.feed(
+        encode(0, commands.Connection.TuneOk(channel_max=2047, frame_max=131072, heartbeat=0))
+        + encode(0, commands.Connection.Open(virtual_host="/"))
+    )
+    assert link.feed(encode(1, commands.Channel.Open())) == CHANNEL_OPEN_OK
+    return link
+
+
+def test_a_federation_links_status_for_amq_peer_is_taken_even_where_publishes_are_refused(
+    harness: Harness,
+) -> None:
+    """On a DR replica (publishes refused, 403) a downstream link's status for amq.peer
+    is transient news, not the source site's data: taken, and the link's channel stays
+    open; its other publishes are refused as any client's."""
+    harness.ctx.write_refusal_reason = "a DR replica"
+    link = _federation_link(harness)
+    transient = commands.Basic.Properties(delivery_mode=1)
+    assert link.feed(publish(1, "link-status", b"{}", "amq.peer", transient)) == b""
+    assert harness.ctx.peer_statuses == [("link-status", b"{}", True)]
+    [(_, refused)] = link.exchange(publish(1, "k", b"data", "amq.fanout"))
+    assert isinstance(refused, commands.Channel.Close) and refused.reply_code == 403
+
+
+def test_a_federation_links_status_for_amq_peer_does_not_block_it_during_a_resource_alarm(
+    harness: Harness,
+) -> None:
+    """A publish during an alarm stops its connection's reads (RabbitMQ's rule), but a
+    link's status is tiny and transient, and that connection's reads carry the link's
+    acks, which free this server's queues: not blocked. Any other publish still is."""
+    harness.ctx.alarm_reason = "disk"
+    link = _federation_link(harness)
+    transient = commands.Basic.Properties(delivery_mode=1)
+    link.feed(publish(1, "link-up", b"{}", "amq.peer", transient))
+    assert harness.ctx.peer_statuses == [("link-up", b"{}", True)]
+    assert not link.conn.blocked
+    link.feed(publish(1, "k", b"data", "amq.fanout"))
+    assert link.conn.blocked

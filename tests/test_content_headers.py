@@ -31,6 +31,7 @@ from twinmq.broker.codec import (
     rebuild_header,
 )
 from twinmq.broker.deadletter import dead_letter_header, is_cycle
+from twinmq.broker.definitions import BindingDef, ExchangeDef
 from twinmq.broker.errors import AMQPError, ReplyCode
 from twinmq.broker.fieldtable import (
     MAX_DEPTH,
@@ -44,7 +45,7 @@ from twinmq.broker.fieldtable import (
     encode_table,
     to_python,
 )
-from twinmq.broker.routing import headers_match
+from twinmq.broker.routing import HeadersExchange, headers_match
 
 # TWINMQ_FUZZ_EXAMPLES=5000 for a long hunt; the default keeps the file a few seconds.
 EXAMPLES = int(os.environ.get("TWINMQ_FUZZ_EXAMPLES", "60"))
@@ -387,6 +388,15 @@ def test_a_method_argument_pamqp_cannot_represent_is_a_protocol_error() -> None:
 
 
 # -- headers-exchange matching on decoded values ------------------------------------------------
+
+
+def test_a_queue_bound_with_two_matching_tables_is_routed_to_once() -> None:
+    exchange = HeadersExchange(ExchangeDef(name="h", type="headers"))
+    for table in ({}, {"x-match": "all", "a": 1}, {"x-match": "any", "a": 2}):
+        exchange.bind(BindingDef(exchange="h", queue="q", routing_key="", arguments=table))
+    exchange.bind(BindingDef(exchange="h", queue="r", routing_key="", arguments={"a": 1}))
+    assert list(exchange.route("", {"a": 1})) == ["q", "r"]
+    assert list(exchange.route("", {"a": 2})) == ["q"]
 
 
 def test_headers_match_compares_text_and_bytes_by_their_bytes() -> None:

@@ -1,9 +1,13 @@
-"""A downstream pair: its link runs on the active broker only and moves to the promoted
-passive at a failover (the passive has the replicated topology and messages)."""
+"""Pairs on either side of a federation link. A downstream pair: its link runs on the
+active broker only and moves to the promoted passive at a failover (the passive has the
+replicated topology and messages). An upstream pair: the link reaches it through its
+virtual IP (a proxy here) and a failover there is a reconnect to the promoted passive,
+which has the link queue, the outbox's arrivals and the dedup window replicated."""
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from pathlib import Path
 
 import pika
@@ -12,9 +16,11 @@ import pytest
 from federationsites import (
     bind_queue,
     federated_pair,
+    federated_upstream_pair,
     get_all,
     links,
     publish_confirmed,
+    publish_counted,
     queue_depth,
     queue_settled,
     wait_running,
@@ -22,6 +28,7 @@ from federationsites import (
 )
 
 from twinmq.broker.federation.agent import queue_name
+from twinmq.testing.pair import status
 from twinmq.testing.waiting import wait_for
 
 
@@ -140,3 +147,83 @@ def test_a_failover_of_the_downstream_pair_while_forwarding_loses_nothing_and_re
         bodies = [int(b) for _k, b, _h in get_all(central, "service", len(confirmed))]
         assert len(bodies) == len(set(bodies))  # none twice
         assert set(confirmed) <= set(bodies)  # none confirmed lost
+
+
+@pytest.mark.slow
+def test_a_failover_of_the_upstream_pair_under_traffic_both_ways_loses_nothing_and_repeats_nothing(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of central's active while central's clients publish to a remote queue
+    (deliveries down the link) and the remote's clients publish to a central queue
+    (forwarded up the link): every confirmed message once at its queue. Down: the link
+    queue and central's stamps (origin `central`, the replication ID) are the same on the
+    promoted passive, so what the old active delivered but never had acknowledged comes
+    again and is dropped by the remote's window. Up: central's window is journaled and
+    replicated, so a forward confirmed by nobody (the confirm lost with the old active)
+    and sent again is dropped by the promoted passive."""
+    total = 2000
+    with federated_upstream_pair(tmp_path, "market", "direct", forward=True, prefetch=32) as (
+        sites
+    ):
+        bind_queue(sites.central, "service", "market", "up")
+        wait_running(sites.remote, "market")
+        bind_queue(sites.remote, "inbox", "market", "down")
+        link_queue = queue_name("market", "remote")
+        wait_upstream_bindings(sites.central, link_queue, {("market", "down")})
+        sites.pair.wait_healthy()
+        down: list[int] = []
+        up: list[int] = []
+        publishers = [
+            threading.Thread(
+                target=publish_counted, args=(sites.vip_url, "market", "down", total, down)
+            ),
+            threading.Thread(
+                target=publish_counted, args=(sites.remote.url, "market", "up", total, up)
+            ),
+        ]
+        for publisher in publishers:
+            publisher.start()
+        try:
+            wait_for(
+                "deliveries and forwards flowing through central's active",
+                lambda: (
+                    (link := links(sites.remote).get("market")) is not None
+                    and link["messages_received"] >= 200
+                    and link["messages_forwarded"] >= 200
+                ),
+                timeout=120,
+            )
+            assert sites.failover()
+        finally:
+            for publisher in publishers:
+                publisher.join(240)
+        wait_running(sites.remote, "market", timeout=120)
+        wait_for(
+            "the outbox forwarded",
+            lambda: links(sites.remote)["market"]["forward_pending"] == 0,
+            timeout=120,
+        )
+        wait_for(
+            "the link queue settled",
+            lambda: queue_settled(sites.central, link_queue),
+            timeout=120,
+        )
+        received_down = [int(b) for _k, b, _h in get_all(sites.remote, "inbox", len(down))]
+        received_up = [int(b) for _k, b, _h in get_all(sites.central, "service", len(up))]
+        remote_link = links(sites.remote)["market"]
+        central_status = status(sites.central)
+        assert central_status is not None
+        print(
+            f"down: {len(down)} confirmed, {len(received_down)} received, "
+            f"{remote_link['duplicates_dropped']} re-deliveries dropped; "
+            f"up: {len(up)} confirmed, {len(received_up)} received, "
+            f"{central_status['federation']['forwarded_dropped']} re-sends dropped"
+        )
+        for name, confirmed, received in (
+            ("down", down, received_down),
+            ("up", up, received_up),
+        ):
+            twice = sorted(b for b, n in Counter(received).items() if n > 1)
+            lost = sorted(set(confirmed) - set(received))
+            assert not twice, f"{name}: {len(twice)} delivered twice: {twice[:20]}"
+            assert not lost, f"{name}: {len(lost)} confirmed lost: {lost[:20]}"

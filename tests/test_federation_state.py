@@ -4,10 +4,12 @@ subscribes again and a new full state leaves nothing stale. Real brokers, pika."
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
 import pika
+import pytest
 from federationsites import (
     bind_queue,
     channel,
@@ -29,12 +31,14 @@ from twinmq.testing.waiting import wait_for
 class Subscriber:
     """An operator's tool: its own exclusive queue bound to `amq.twinmq.state`."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, arguments: dict[str, Any] | None = None) -> None:
         self.connection = pika.BlockingConnection(
             pika.URLParameters(f"amqp://guest:guest@{address}/")
         )
         self.channel = self.connection.channel()
-        self.queue = self.channel.queue_declare("", exclusive=True).method.queue
+        self.queue = self.channel.queue_declare(
+            "", exclusive=True, arguments=arguments
+        ).method.queue
         self.channel.queue_bind(self.queue, STATE_EXCHANGE)
         self.view = StateView()
         self.kinds: list[str] = []
@@ -49,6 +53,11 @@ class Subscriber:
             assert props.type == message.kind == method.routing_key or message.kind == "full"
             self.kinds.append(message.kind)
             self.view.apply(message)
+
+    def ask_full_state(self) -> None:
+        """After a gap: unbound and bound again, the queue gets a full state."""
+        self.channel.queue_unbind(self.queue, STATE_EXCHANGE)
+        self.channel.queue_bind(self.queue, STATE_EXCHANGE)
 
     def names(self) -> tuple[set[str], set[str], set[tuple[str, str, str]]]:
         """(exchanges, queues other than this subscriber's, bindings) in the view."""
@@ -163,6 +172,94 @@ def test_a_subscriber_cut_off_or_outliving_a_restart_gets_a_full_state_with_noth
     finally:
         proxy.close()
         broker.stop()
+
+
+def _churn(broker: BrokerProcess, rng: random.Random, steps: int, follow: Subscriber) -> None:
+    """`steps` declares, binds, unbinds and deletes (valid ones: a model of what exists),
+    `follow` reading its messages as they come."""
+    exchanges = {"t": "topic", "h": "headers", "d": "direct"}
+    queues: set[str] = set()
+    bound: set[tuple[str, str, str, str]] = set()
+    tables = [{"x-match": "all", "k": "1"}, {"x-match": "any", "k": "1", "j": "2"}]
+    connection, ch = channel(broker)
+    try:
+        for name, kind in exchanges.items():
+            ch.exchange_declare(name, kind, durable=True)
+        for step in range(steps):
+            roll = rng.random()
+            if roll < 0.15 or not queues:
+                number = rng.randrange(60)
+                ch.queue_declare(f"q{number}", durable=number % 2 == 0)  # a redeclare agrees
+                name = f"q{number}"
+                queues.add(name)
+            elif roll < 0.6:
+                queue, exchange = rng.choice(sorted(queues)), rng.choice(sorted(exchanges))
+                table = rng.randrange(len(tables))
+                key = "" if exchange == "h" else rng.choice(("a", "b", "a.*", "#"))
+                args = tables[table] if exchange == "h" else None
+                ch.queue_bind(queue, exchange, key, arguments=args)
+                bound.add((queue, exchange, key, str(table)))
+            elif roll < 0.85 and bound:
+                queue, exchange, key, table = rng.choice(sorted(bound))
+                args = tables[int(table)] if exchange == "h" else None
+                ch.queue_unbind(queue, exchange, key, arguments=args)
+                bound.discard((queue, exchange, key, table))
+            elif roll < 0.97:
+                name = rng.choice(sorted(queues))
+                ch.queue_delete(name)
+                queues.discard(name)
+                bound = {b for b in bound if b[0] != name}
+            else:  # an exchange deleted with its bindings, declared again
+                name = rng.choice(sorted(exchanges))
+                ch.exchange_delete(name)
+                ch.exchange_declare(name, exchanges[name], durable=True)
+                bound = {b for b in bound if b[1] != name}
+            if step % 100 == 0:
+                follow.read()
+    finally:
+        connection.close()
+
+
+@pytest.mark.slow
+def test_a_subscriber_following_thousands_of_changes_holds_the_state_and_a_gap_gets_a_full_one(
+    tmp_path: Path,
+) -> None:
+    with site(tmp_path, "a") as broker:
+        address = f"127.0.0.1:{broker.port}"
+        follower = Subscriber(address)
+        # Its queue keeps only the last message: the churn's changes overflow it.
+        lossy = Subscriber(address, {"x-max-length": 1})
+        try:
+            lossy.read()  # its full state, before anything overflows it
+            assert lossy.kinds == ["full"]
+            _churn(broker, random.Random(15), 3000, follower)
+            fresh = Subscriber(address)
+            try:
+
+                def same() -> bool:
+                    for sub in (follower, fresh):
+                        sub.read()
+                    return follower.view.state == fresh.view.state
+
+                wait_for("the follower's view equals a full state", same)
+                assert follower.view.seq == fresh.view.seq and not follower.view.gaps
+                assert follower.kinds[0] == "full" and len(follower.kinds) > 1000
+                lossy.read()
+                assert lossy.view.gap and lossy.view.gaps == 1
+                lossy.ask_full_state()
+
+                def repaired() -> bool:
+                    for sub in (lossy, fresh):
+                        sub.read()
+                    return not lossy.view.gap and lossy.view.state == fresh.view.state
+
+                wait_for("a full state after the gap", repaired)
+                assert lossy.kinds.count("full") == 2
+            finally:
+                fresh.close()
+        finally:
+            follower.close()
+            lossy.close()
 
 
 def _peer_state(remote: BrokerProcess) -> dict[str, Any]:

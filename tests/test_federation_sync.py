@@ -5,9 +5,11 @@ the middle of a resync."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pika
 import pytest
@@ -19,9 +21,12 @@ from federationsites import (
     wait_running,
     wait_upstream_bindings,
 )
-from test_federation_subsumption import brute_matches, expected_roots
+from test_federation_subsumption import brute_matches, expected_header_roots, expected_roots
 
+from twinmq.broker.definitions import BindingDef
+from twinmq.broker.federation import bindings as fb
 from twinmq.broker.federation.agent import queue_name
+from twinmq.broker.routing import headers_match
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import status
 from twinmq.testing.waiting import wait_for
@@ -86,6 +91,90 @@ def test_churn_with_subsumption_delivers_every_message_once_to_every_matching_qu
             got = get_all(remote, q, len(expected))
             assert sorted(body for _k, body, _h in got) == sorted(expected), q
         # Nothing more comes: each probe crossed the link once, was routed once.
+        assert links(remote)["market"]["duplicates_dropped"] == 0
+        connection.close()
+
+
+HEADER_TABLES: tuple[dict[str, Any], ...] = (
+    {},  # every message
+    {"x-match": "all", "a": 1},
+    {"x-match": "all", "a": 1, "b": 2},  # steady's
+    {"x-match": "any", "a": 1, "c": 3},
+    {"x-match": "any", "b": 2},
+    {"x-match": "all", "b": 2, "c": 3},
+    {"x-match": "all-with-x", "x-k": 1, "a": 1},  # covered, never a cover
+    {"x-match": "any", "c": 3},
+    {"x-match": "all", "x-k": 1},  # an x- name: reference counted only
+)
+HEADER_PROBES: tuple[dict[str, Any], ...] = (
+    {"a": 1}, {"a": 1, "b": 2}, {"b": 2}, {"c": 3}, {"a": 2, "b": 2, "c": 3},
+    {"x-k": 1, "a": 1}, {}, {"a": 1, "c": 3}, {"a": "1"},
+)  # fmt: skip
+
+
+def _upstream_tables(central: BrokerProcess) -> set[str]:
+    data = status(central)
+    assert data is not None
+    held = data["federation"]["federation_queues"].get(LINK_QUEUE, [])
+    return {json.dumps(b["arguments"], sort_keys=True) for b in held}
+
+
+def test_churn_with_headers_subsumption_delivers_every_message_once_to_every_matching_queue(
+    tmp_path: Path,
+) -> None:
+    with federated(tmp_path, "market", "headers") as sites:
+        central, remote = sites.central, sites.remote
+        wait_running(remote, "market")
+        connection, ch = channel(remote)
+        steady_table = HEADER_TABLES[2]
+        ch.queue_declare("steady", durable=True)
+        ch.queue_bind("steady", "market", "", arguments=steady_table)
+        queues = [f"churn{i}" for i in range(5)]
+        for q in queues:
+            ch.queue_declare(q, durable=True)
+        steady_json = json.dumps(steady_table, sort_keys=True)
+        wait_for("steady's table upstream", lambda: _upstream_tables(central) == {steady_json})
+        publisher = pika.BlockingConnection(pika.URLParameters(central.url))
+        pub = publisher.channel()
+        pub.confirm_delivery()
+        rng = random.Random(15)
+        bound: set[tuple[str, int]] = set()
+        steady = 0
+        for _ in range(200):
+            q, n = rng.choice(queues), rng.randrange(len(HEADER_TABLES))
+            if (q, n) in bound:
+                ch.queue_unbind(q, "market", "", arguments=HEADER_TABLES[n])
+                bound.discard((q, n))
+            else:
+                ch.queue_bind(q, "market", "", arguments=HEADER_TABLES[n])
+                bound.add((q, n))
+            # Covers of steady's table come and go; not one of its messages may fall in
+            # a window between a cover's unbind and its own table's return.
+            properties = pika.BasicProperties(delivery_mode=2, headers={"a": 1, "b": 2})
+            pub.basic_publish("market", "", f"steady {steady}".encode(), properties)
+            steady += 1
+        tables = {n for _q, n in bound} | {2}
+        normal = {fb.normalise("headers", BindingDef(exchange="market", queue="q", routing_key="",
+                                                     arguments=HEADER_TABLES[n]))
+                  for n in tables}  # fmt: skip
+        wanted = {b.arguments_json for b in expected_header_roots(normal)}
+        wait_for(f"upstream tables {wanted}", lambda: _upstream_tables(central) == wanted)
+        assert links(remote)["market"]["bindings"] == len(wanted) < len(tables) or len(tables) == 1
+        got = get_all(remote, "steady", steady)
+        assert [body for _k, body, _h in got] == [f"steady {i}".encode() for i in range(steady)]
+        for q in queues:
+            ch.queue_purge(q)
+        probes = [(h, f"probe {n}".encode()) for n, h in enumerate(HEADER_PROBES * 3)]
+        for headers, body in probes:
+            pub.basic_publish("market", "", body,
+                              pika.BasicProperties(delivery_mode=2, headers=headers))  # fmt: skip
+        publisher.close()
+        for q in [*queues, "steady"]:
+            mine = {n for bq, n in bound if bq == q} | ({2} if q == "steady" else set())
+            expected = [body for headers, body in probes
+                        if any(headers_match(HEADER_TABLES[n], headers) for n in mine)]  # fmt: skip
+            got = get_all(remote, q, len(expected))
+            assert sorted(body for _k, body, _h in got) == sorted(expected), q
         assert links(remote)["market"]["duplicates_dropped"] == 0
         connection.close()
 

@@ -33,3 +33,23 @@ def test_every_confirmed_message_reaches_every_server_once_under_link_flaps(
     assert outcome.total_duplicates == 0, ft.describe(outcome)
     if name != "ring":
         assert outcome.dedup_dropped > 0  # the second paths were there, and dropped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "servers", "pairs"), [("ring", 3, ["s1"]), ("diamond", 4, ["s1", "s3"])]
+)
+def test_every_confirmed_message_reaches_every_server_once_across_pair_failovers(
+    tmp_path: Path, name: str, servers: int, pairs: list[str]
+) -> None:
+    """Some servers are pairs and their actives are killed (kill -9) twice while the
+    messages flow and the links flap: a pair is a server both upstream (its clients'
+    messages and what it carries on) and downstream (its links move to the promoted
+    passive), and its dedup window, journaled and replicated, drops what the old active
+    had republished but not acknowledged upstream."""
+    with ft.federated_servers(tmp_path, ft.topology(name, servers), pairs) as mesh:
+        outcome = ft.run_traffic(mesh, 20_000, flap_every=0.5, flap_for=0.5, failovers=2)
+    print(ft.describe(outcome))
+    assert outcome.failovers == 2, ft.describe(outcome)
+    assert outcome.total_lost == 0, ft.describe(outcome)
+    assert outcome.total_duplicates == 0, ft.describe(outcome)

@@ -385,14 +385,17 @@ def test_the_spark_driver_gets_its_command_and_store_credentials_from_its_pod_te
     assert command[:2] == ["/usr/bin/tini", "--"] and "--deploy-mode client" in command[-2]
 
 
-def test_brokers_ship_their_segments_only_when_audits_are_enabled() -> None:
+def test_brokers_write_and_ship_their_audit_log_only_when_audits_are_enabled() -> None:
     plain = build_pod(CLUSTER, BrokerClusterSpec(), "primary")
     assert [c["name"] for c in plain["spec"]["containers"]] == ["broker"]
-    pod = build_pod(CLUSTER, spec_with(segmentSeconds=7), "primary")
+    assert "--no-audit" in plain["spec"]["containers"][0]["args"]  # nothing would ship it
+    pod = build_pod(CLUSTER, spec_with(segmentSeconds=7, keepShippedSeconds=60), "primary")
     validate(pod)
-    shipper = pod["spec"]["containers"][1]
+    broker, shipper = pod["spec"]["containers"][:2]
+    assert "--audit-segment-seconds=7" in broker["args"] and "--no-audit" not in broker["args"]
     assert shipper["command"] == ["twinmq-audit-ship"]
     assert f"--store={STORE}" in shipper["args"] and "--every=7" in shipper["args"]
+    assert "--keep-shipped=60" in shipper["args"]
     assert "--audit-dir=/var/lib/twinmq/data/audit" in shipper["args"]
     assert shipper["envFrom"] == [{"secretRef": {"name": "s3"}}]
 

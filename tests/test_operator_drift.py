@@ -8,6 +8,10 @@ import itertools
 import time
 from typing import Any
 
+import pytest
+
+from twinmq.operator import main as operator_main
+from twinmq.operator.builders import LABEL_BROKER, LABEL_CLUSTER, LABEL_ROLE, ClusterRef, pod_name
 from twinmq.operator.drift import (
     DIGEST_ANNOTATION,
     Applied,
@@ -18,7 +22,9 @@ from twinmq.operator.drift import (
     repair,
     stamped,
 )
-from twinmq.operator.kube import Kube
+from twinmq.operator.kube import Kube, Obj
+from twinmq.operator.main import NAMES
+from twinmq.operator.models import BrokerClusterSpec, BrokerName
 
 MANAGER = "twinmq-operator"
 DESIRED = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "orders"}, "spec": {}}
@@ -137,3 +143,51 @@ def test_a_restart_with_nothing_edited_reports_nothing(kube: Kube) -> None:
     assert first_apply_of_a_new_process(kube, desired) is None
     changed = {**desired, "spec": {**desired["spec"], "ports": [{"name": "amqp", "port": 5673}]}}
     assert first_apply_of_a_new_process(kube, changed) is None  # an upgrade's new spec
+
+
+# -- the virtual IP's labels on a pod the operator serves by name ----------------------------
+def broker_pod(cluster: ClusterRef, broker: BrokerName, role: str, owner_uid: str | None) -> Obj:
+    """A broker pod as the API server stores it (no node runs it here); `owner_uid`
+    None: no owner, as the garbage collector leaves a pod whose BrokerCluster was deleted
+    with `--cascade=orphan`."""
+    meta: Obj = {
+        "name": pod_name(cluster, broker),
+        "namespace": cluster.namespace,
+        "labels": {LABEL_CLUSTER: cluster.name, LABEL_BROKER: broker, LABEL_ROLE: role},
+    }
+    if owner_uid is not None:
+        meta["ownerReferences"] = [{
+            "apiVersion": "twinmq.io/v1alpha1", "kind": "BrokerCluster", "name": cluster.name,
+            "uid": owner_uid, "controller": True,
+        }]  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"automountServiceAccountToken": False,
+                 "containers": [{"name": "broker", "image": "twinmq:test"}]},
+    }  # fmt: skip
+
+
+def test_the_active_a_re_created_cluster_serves_keeps_the_virtual_ips_label(
+    kube: Kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A BrokerCluster deleted with `--cascade=orphan` and created again (new uid): its
+    # pods run on without owner, and the operator serves them by name (probes, rollout,
+    # role labels). The foreign-pod repair must not take the active off the virtual IP
+    # each pass while the role repair puts it back the next.
+    cluster = ClusterRef("recreated", "default", "uid-of-the-new-one")
+    monkeypatch.setattr(operator_main, "KUBE", kube)
+    # No controller manager here creates the namespace's default service account.
+    kube.ensure({"apiVersion": "v1", "kind": "ServiceAccount",
+                 "metadata": {"name": "default", "namespace": cluster.namespace}})  # fmt: skip
+    kube.ensure(broker_pod(cluster, "primary", "active", owner_uid=None))
+    kube.ensure(broker_pod(cluster, "backup", "passive", owner_uid="uid-of-the-old-one"))
+    for _ in range(3):  # three steady-state reconcile passes
+        pods = {n: kube.get_pod(cluster.namespace, pod_name(cluster, n)) for n in NAMES}
+        repaired = operator_main.repair_routing(
+            cluster, BrokerClusterSpec(), "primary", pods, "primary"
+        )
+        assert [r.kind for r in repaired] == []
+        live = kube.get_pod(cluster.namespace, pod_name(cluster, "primary")) or {}
+        assert live["metadata"]["labels"].get(LABEL_ROLE) == "active"

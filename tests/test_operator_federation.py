@@ -52,7 +52,7 @@ def container(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def flags(pod: dict[str, Any]) -> dict[str, str]:
-    return dict(a.removeprefix("--").split("=", 1) for a in container(pod)["args"])
+    return dict(a.removeprefix("--").partition("=")[::2] for a in container(pod)["args"])
 
 
 @pytest.mark.parametrize("broker", ["primary", "backup"])

@@ -48,6 +48,8 @@ from twinmq.broker.federation.dedup import DurableKeys
 from twinmq.broker.federation.headers import HEADERS_FLAG, PATH, arrival, departure
 from twinmq.broker.federation.identity import (
     DUPLICATE_ID,
+    PEER_EXCHANGE,
+    PEER_PROPERTY,
     SERVER_ID_PROPERTY,
     STATE_PROPERTY,
     duplicate_refusal,
@@ -136,6 +138,9 @@ class FederationLink:
         self.running_since: float | None = None
         self.reconnect_pause: float | None = None  # while waiting to reconnect: how long
         self._ran = False  # the current (or last) session reached running
+        # The running session's connection, when the upstream takes our status on its
+        # amq.peer (announced at the handshake): link-up and link-status go there too.
+        self._status_to: LinkClient | None = None
         self.received = 0
         self.duplicates = 0
         self.loops = 0
@@ -268,15 +273,30 @@ class FederationLink:
         metrics.LINK_RUNNING.labels(self._label).set(1 if state == "running" else 0)
         metrics.LINK_REFUSED.labels(self._label).set(1 if state == "refused" else 0)
         if event is not None:
-            peer.publish(
-                self.vhost,
-                peer.PeerEvent(
-                    event=event, server_id=self.server_id, peer=self.upstream_id,
-                    link=self.fed.exchange, upstream=self.upstream_name, reason=error,
-                    forward_pending=self.forward_pending, messages_received=self.received,
-                    messages_forwarded=self.forwarded, time=peer.now(),
-                ),
+            message = peer.PeerEvent(
+                event=event, server_id=self.server_id, peer=self.upstream_id,
+                link=self.fed.exchange, upstream=self.upstream_name, reason=error,
+                forward_pending=self.forward_pending, messages_received=self.received,
+                messages_forwarded=self.forwarded, time=peer.now(),
             )  # fmt: skip
+            peer.publish(self.vhost, message)
+            if event == "link-up":  # the only one a running session can carry upstream
+                self.send_status(message)
+
+    def send_status(self, event: peer.PeerEvent) -> None:
+        """Send a copy of `event` to the upstream's `amq.peer` on the running session's
+        connection (seed 002: status goes to the peer's exchange, through the peering), if
+        the upstream announced it takes them. Transient, unconfirmed, never an error of
+        the link: a status is news (a link that is down sends nothing; its upstream sees
+        `peer-disconnected` of its own)."""
+        connection = self._status_to
+        if connection is None:
+            return
+        try:
+            header, body = peer.encode(event.model_copy(update={"to_peer": True}))
+            connection.basic_publish(PEER_EXCHANGE, event.event, header, body)
+        except (LinkClosed, OSError) as exc:  # the session ends on its own
+            log.debug("federation %s: status not sent upstream: %r", self.fed.exchange, exc)
 
     async def _session(self) -> None:
         """One connection, until it fails (`_ran`: it reached running)."""
@@ -338,6 +358,8 @@ class FederationLink:
             if forwarder is not None:
                 self._forwarder = forwarder
                 forwarder.open()
+            if _text(connection.server_properties.get(PEER_PROPERTY)) == PEER_EXCHANGE:
+                self._status_to = connection
             self._set_state("running", None)
             self._ran = True
             log.info(
@@ -364,6 +386,7 @@ class FederationLink:
                 self._dirty.clear()
                 await self._sync(connection, full=False)
         finally:
+            self._status_to = None
             if self._forwarder is not None:
                 # Unconfirmed forwards go back to the outbox: sent again by the next
                 # session, dropped upstream by their key if they had arrived.
@@ -483,7 +506,11 @@ class FederationLink:
             # Only what a binding about to go covers must be bound before it goes; the
             # rest after the unbinds: a durable bind upstream costs in proportion to the
             # bindings there today, so the set is kept small while it changes.
-            first = fb.covered_by(changes.bind, changes.unbind) if self.needed.topic else []
+            first = (
+                fb.covered_by(changes.bind, changes.unbind, self.needed.kind)
+                if self.needed.subsumes
+                else []
+            )
             later = sorted(set(changes.bind) - set(first))
             changes = fb.Changes(first, changes.unbind)
         await self._send(channel, changes.bind)

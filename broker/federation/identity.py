@@ -17,6 +17,14 @@ STATE_PROPERTY = "x-twinmq-state-exchange"
 """The upstream's server-property naming its state replication exchange (absent on a
 version without one: a link subscribes only where it is announced)."""
 
+PEER_EXCHANGE = "amq.peer"
+"""The built-in fanout exchange of peer status messages (seed 002's "status management")."""
+
+PEER_PROPERTY = "x-twinmq-peer-exchange"
+"""The upstream's server-property naming the exchange its peers' status messages go to
+(`amq.peer`; absent on a version that takes none: a link sends its status only where it
+is announced, as a publish to a missing exchange would close the link's channel)."""
+
 DUPLICATE_ID = "duplicate server id"
 """The words every refusal of a duplicate identifier contains (both sides match on them)."""
 

@@ -14,17 +14,17 @@ from __future__ import annotations
 import logging
 import time
 from datetime import UTC, datetime
-from typing import Final, Literal
+from typing import Literal
 
 from pamqp import commands
 from pydantic import BaseModel, Field
 
 from twinmq.broker import codec
+from twinmq.broker.federation.identity import PEER_EXCHANGE
 from twinmq.broker.vhost import VirtualHost
 
 log = logging.getLogger(__name__)
 
-PEER_EXCHANGE: Final = "amq.peer"
 
 PeerEventName = Literal[
     "link-up", "link-down", "link-refused", "link-status", "peer-connected", "peer-disconnected"
@@ -59,6 +59,11 @@ class PeerEvent(BaseModel):
     upstream_state_seq: int | None = Field(
         None, description="The upstream's change counter as the link last applied it (link-status)"
     )
+    to_peer: bool = Field(
+        False,
+        description="Sent by a downstream link to its upstream's amq.peer (link-up, "
+        "link-status): `server_id` is the sender's, `peer` the receiving server's",
+    )
     time: float = Field(description="When, in seconds since the epoch")
 
 
@@ -85,20 +90,33 @@ def publish_status(
     if exchange is None or vhost.replica:
         return
     try:
-        body = message.model_dump_json().encode()
-        properties = commands.Basic.Properties(
-            content_type="application/json",
-            delivery_mode=1,
-            message_type=message_type,
-            timestamp=datetime.fromtimestamp(int(sent), UTC),
-            app_id=app_id,
-        )
-        header = codec.encode_header_payload(properties, len(body))
+        header, body = encode_status(message, message_type, sent, app_id)
         info = codec.decode_content_header(header)
         vhost.publish(exchange, routing_key, header, body, info, forward=False)
     except Exception as exc:
         where = exchange_name or f"queue {routing_key}"
         log.warning("%s: a %s message was not published: %r", where, message_type, exc)
+
+
+def encode_status(
+    message: BaseModel, message_type: str, sent: float, app_id: str
+) -> tuple[bytes, bytes]:
+    """(content header payload, body) of a transient JSON status message."""
+    body = message.model_dump_json().encode()
+    properties = commands.Basic.Properties(
+        content_type="application/json",
+        delivery_mode=1,
+        message_type=message_type,
+        timestamp=datetime.fromtimestamp(int(sent), UTC),
+        app_id=app_id,
+    )
+    return codec.encode_header_payload(properties, len(body)), body
+
+
+def encode(event: PeerEvent) -> tuple[bytes, bytes]:
+    """(content header payload, body) of `event` as `publish` sends it (a link sends its
+    copy for the upstream's amq.peer so)."""
+    return encode_status(event, event.event, event.time, "twinmq-federation")
 
 
 def now() -> float:

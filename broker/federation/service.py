@@ -30,7 +30,7 @@ from twinmq.broker.federation.dedup import QUEUE_NAME as DEDUP_QUEUE
 from twinmq.broker.federation.dedup import DurableKeys
 from twinmq.broker.federation.globalkeys import GlobalKeys
 from twinmq.broker.federation.headers import forwarded
-from twinmq.broker.federation.identity import duplicate_refusal
+from twinmq.broker.federation.identity import PEER_EXCHANGE, duplicate_refusal
 from twinmq.broker.federation.state import StatePublisher
 from twinmq.broker.fieldtable import to_python
 from twinmq.broker.mirror.durable import BatchFutures
@@ -64,6 +64,9 @@ class Federation:
         self.running = False
         self.forwarded_received = 0
         self.forwarded_dropped = 0
+        self.peer_status_received = 0  # downstreams' status messages published on amq.peer
+        self.peer_status_dropped = 0
+        self._peer_drop_logged = False
         # One window for every link, and for what downstreams forward here: a message
         # arriving by two paths is published once.
         self.keys = keys = DurableKeys(
@@ -147,18 +150,17 @@ class Federation:
                 if link.state != "running":
                     continue
                 view = link.upstream_state
-                peer_status.publish(
-                    self.vhost,
-                    peer_status.PeerEvent(
-                        event="link-status", server_id=self.server_id, peer=link.upstream_id,
-                        link=link.fed.exchange, upstream=link.upstream_name,
-                        forward_pending=link.forward_pending, messages_received=link.received,
-                        messages_forwarded=link.forwarded, epoch=self.epoch(),
-                        peer_epoch=view.epoch if view is not None and view.state else None,
-                        upstream_state_seq=view.seq if view is not None and view.state else None,
-                        time=peer_status.now(),
-                    ),
+                event = peer_status.PeerEvent(
+                    event="link-status", server_id=self.server_id, peer=link.upstream_id,
+                    link=link.fed.exchange, upstream=link.upstream_name,
+                    forward_pending=link.forward_pending, messages_received=link.received,
+                    messages_forwarded=link.forwarded, epoch=self.epoch(),
+                    peer_epoch=view.epoch if view is not None and view.state else None,
+                    upstream_state_seq=view.seq if view is not None and view.state else None,
+                    time=peer_status.now(),
                 )  # fmt: skip
+                peer_status.publish(self.vhost, event)
+                link.send_status(event)  # and to the upstream's amq.peer (seed 002)
 
     def _load_keys(self) -> None:
         if not self._keys_loaded:
@@ -209,6 +211,36 @@ class Federation:
         return PublishResult(
             result.routed, False, max(batch, result.batch), depends_on=result.depends_on
         )
+
+    def receive_peer_status(
+        self,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        info: ContentHeaderInfo,
+        *,
+        allowed: bool,
+    ) -> None:
+        """Upstream side: a downstream link's status message for this server's `amq.peer`
+        (seed 002: a peer's status is published on the other side's exchange). Published
+        as it came, never forwarded on; dropped and counted (logged once) when the link's
+        user may not write to `amq.peer` or the message is persistent (a status is news,
+        never data to keep)."""
+        exchange = self.vhost.exchanges.get(PEER_EXCHANGE)
+        why = (
+            "the link's user may not write to it" if not allowed
+            else "persistent (status messages are transient)" if info.persistent
+            else None if exchange is not None
+            else "no such exchange"
+        )  # fmt: skip
+        if why is not None or exchange is None:
+            self.peer_status_dropped += 1
+            if not self._peer_drop_logged:
+                self._peer_drop_logged = True
+                log.warning("a federation peer's status for %s dropped: %s", PEER_EXCHANGE, why)
+            return
+        self.vhost.publish(exchange, routing_key, header, body, info, forward=False)
+        self.peer_status_received += 1
 
     def _bindings_changed(self, exchange: str) -> None:
         link = self.links.get(exchange)
@@ -337,6 +369,8 @@ class Federation:
             federation_queues=held,
             forwarded_received=self.forwarded_received,
             forwarded_dropped=self.forwarded_dropped,
+            peer_status_received=self.peer_status_received,
+            peer_status_dropped=self.peer_status_dropped,
             global_keys_bound=self.global_keys.bound,
             reply_to_rewritten=self.global_keys.rewritten,
             state=self._state_status(),

@@ -7,19 +7,23 @@ operator's tool, another broker) binds a queue to it and receives, **in that one
    (the built-in exchanges and the broker's internal `amq.twinmq.*` queues left out);
 2. then `changes` messages, each the difference since the previous one (what appeared or
    changed, what went), published after each change (coalesced within one turn of the
-   event loop).
+   event loop) and computed from what the changes touched (`Tracker`: O(change), not
+   O(state)).
 
 One queue for both, as the seed asks ("state changes ... must be serialised with
 respect to the receiving server; it is not suitable to create two channels"): the full
 state is enqueued into the new subscriber's queue in the same turn of the event loop as
 its binding, after every change before it was flushed to the exchange; every message
 carries `seq` (this server's change counter) and a `changes` message with `seq` at most
-the last `full`'s is already in that full state. A subscriber applies changes with a
-greater `seq` and ignores the others. After a lost connection (its exclusive queue gone)
-it subscribes again and gets a full state again, which replaces what it held: no stale
-object survives a cut. `epoch` (the pair's epoch) and `seq` together order the
-messages of one active broker; a new active (failover, restart) starts `seq` again,
-and the subscriber's connection to the old one ended anyway.
+the last `full`'s is already in that full state; each `changes` message's `seq` is the
+previous one's plus one. A subscriber applies the next one, ignores those at or before
+its `seq`, and on a gap (a message missed: a length limit on its queue, a publish that
+failed) unbinds its queue and binds it again, and so gets a full state again. After a
+lost connection (its exclusive queue gone) it subscribes again and gets a full state
+again, which replaces what it held: no stale object survives a cut. `epoch` (the
+pair's epoch) and `seq` together order the messages of one active broker; a new active
+(failover, restart) starts `seq` again, and the subscriber's connection to the old one
+ended anyway.
 
 Messages are JSON (`StateMessage`), transient, routing key and `type` the kind; nothing
 is published on a passive.
@@ -30,21 +34,22 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
+from twinmq.broker.definitions import BindingDef
 from twinmq.broker.federation.peer import publish_status
-from twinmq.broker.vhost import BUILTIN_EXCHANGES, VirtualHost
+from twinmq.broker.queue import Queue
+from twinmq.broker.routing import Exchange
+from twinmq.broker.vhost import BUILTIN_EXCHANGES, Touched, VirtualHost
 
 log = logging.getLogger(__name__)
 
 STATE_EXCHANGE: Final = "amq.twinmq.state"
 INTERNAL_QUEUES: Final = "amq.twinmq."
-COST_FACTOR: Final = 10.0
-"""A comparison of the whole state starts at most once per this many times its last cost."""
 _BUILTIN: Final = frozenset(name for name, _ in BUILTIN_EXCHANGES)
 
 
@@ -112,8 +117,8 @@ class Snapshot(BaseModel):
     bindings: dict[str, BindingState] = Field(default_factory=dict)
 
 
-# The publisher compares plain tuples, not models: it compares the whole state at every
-# change (coalesced per turn of the event loop), so that has to be cheap.
+# The publisher keeps plain tuples, not models: what the subscribers last heard, brought
+# up to date one touched name at a time (`Tracker`), so that has to be cheap.
 ExchangeRow = tuple[str, bool, bool, bool, str]
 """type, durable, auto-delete, internal, arguments (JSON)"""
 QueueRow = tuple[bool, bool, bool, str]
@@ -124,7 +129,7 @@ BindingRow = tuple[str, str, str, str]
 
 @dataclass(slots=True)
 class Rows:
-    """This server's definitions as the publisher compares them."""
+    """This server's definitions as the publisher keeps them."""
 
     exchanges: dict[str, ExchangeRow] = field(default_factory=dict)
     queues: dict[str, QueueRow] = field(default_factory=dict)
@@ -139,26 +144,48 @@ def _json(arguments: dict[str, Any]) -> str:
     return json.dumps(arguments, default=str, sort_keys=True) if arguments else "{}"
 
 
-def rows(vhost: VirtualHost) -> Rows:
-    """This server's definitions now (built-in exchanges and internal queues left out)."""
+def _exchange_row(exchange: Exchange) -> ExchangeRow:
+    d = exchange.definition
+    return (d.type, d.durable, d.auto_delete, d.internal, _json(d.arguments))
+
+
+def _queue_row(queue: Queue) -> QueueRow:
+    q = queue.definition
+    return (q.durable, q.exclusive, q.auto_delete, _json(q.arguments))
+
+
+def _binding_row(binding: BindingDef) -> BindingRow:
+    return (binding.exchange, binding.queue, binding.routing_key, _json(binding.arguments))
+
+
+def _stated_bindings(name: str) -> bool:
+    # The default exchange's bindings are implicit; subscriptions are not state.
+    return name not in ("", STATE_EXCHANGE)
+
+
+def _scan(vhost: VirtualHost) -> tuple[Rows, dict[BindingRow, BindingDef]]:
     out = Rows()
+    defs: dict[BindingRow, BindingDef] = {}
     for exchange in vhost.exchanges.values():
         name = exchange.name
         if name not in _BUILTIN:
-            d = exchange.definition
-            out.exchanges[name] = (d.type, d.durable, d.auto_delete, d.internal, _json(d.arguments))
-        if name in ("", STATE_EXCHANGE):
-            continue  # the default exchange's bindings are implicit; subscriptions are not state
+            out.exchanges[name] = _exchange_row(exchange)
+        if not _stated_bindings(name):
+            continue
         for binding in exchange.bindings.values():
             if not binding.queue.startswith(INTERNAL_QUEUES):
-                out.bindings.add(
-                    (name, binding.queue, binding.routing_key, _json(binding.arguments))
-                )
+                row = _binding_row(binding)
+                out.bindings.add(row)
+                defs[row] = binding
     for queue in vhost.queues.values():
         if not queue.name.startswith(INTERNAL_QUEUES):
-            q = queue.definition
-            out.queues[q.name] = (q.durable, q.exclusive, q.auto_delete, _json(q.arguments))
-    return out
+            out.queues[queue.name] = _queue_row(queue)
+    return out, defs
+
+
+def rows(vhost: VirtualHost) -> Rows:
+    """This server's definitions now (built-in exchanges and internal queues left out)."""
+    return _scan(vhost)[0]
 
 
 def difference(old: Rows, new: Rows) -> tuple[Rows, Rows]:
@@ -174,6 +201,146 @@ def difference(old: Rows, new: Rows) -> tuple[Rows, Rows]:
         old.bindings - new.bindings,
     )
     return added, removed
+
+
+_R = TypeVar("_R")
+
+
+class Tracker:
+    """The state as the subscribers last heard it (`rows`), kept up to date from what
+    each change touched (`VirtualHost.state_listeners`): `changes` compares only the
+    touched names with what they were, so a change costs O(change), not O(state).
+
+    A touched exchange or queue is compared by its row; when its *object* is not the one
+    last seen (created, deleted, replaced), every binding last heard under its name is
+    checked again too (a deleted queue's bindings go with it, without a binding change
+    each). A touched binding is looked up in its exchange now. `Touched.everything`
+    (a passive's replicated topology, an undone change: rare) compares the whole state.
+    """
+
+    def __init__(self, vhost: VirtualHost) -> None:
+        self.vhost = vhost
+        self.rows = Rows()
+        self._defs: dict[BindingRow, BindingDef] = {}
+        self._by_exchange: dict[str, set[BindingRow]] = {}
+        self._by_queue: dict[str, set[BindingRow]] = {}
+        self._exchange_objects: dict[str, Exchange] = {}
+        self._queue_objects: dict[str, Queue] = {}
+        self._exchanges: set[str] = set()
+        self._queues: set[str] = set()
+        self._bindings: dict[BindingRow, BindingDef] = {}
+        self._everything = False
+        self._load()
+
+    def _load(self) -> None:
+        self.rows, defs = _scan(self.vhost)
+        self._defs, self._by_exchange, self._by_queue = {}, {}, {}
+        for row, binding in defs.items():
+            self._hold(row, binding)
+        self._exchange_objects = dict(self.vhost.exchanges)
+        self._queue_objects = dict(self.vhost.queues)
+
+    def touch(self, touched: Touched) -> None:
+        """Note what a change touched (compared at the next `changes`)."""
+        if touched.everything:
+            self._everything = True
+            return
+        self._exchanges.update(touched.exchanges)
+        self._queues.update(touched.queues)
+        for binding in touched.bindings:
+            self._bindings[_binding_row(binding)] = binding
+
+    @property
+    def pending(self) -> bool:
+        """Whether something was touched since the last `changes`."""
+        return bool(self._everything or self._exchanges or self._queues or self._bindings)
+
+    def changes(self) -> tuple[Rows, Rows]:
+        """(what appeared or changed, what went) since the last call; `rows` made current."""
+        if self._everything:
+            old = self.rows
+            self._everything = False
+            self._exchanges.clear()
+            self._queues.clear()
+            self._bindings.clear()
+            self._load()
+            return difference(old, self.rows)
+        added, removed = Rows(), Rows()
+        exchanges, self._exchanges = self._exchanges, set()
+        queues, self._queues = self._queues, set()
+        bindings, self._bindings = self._bindings, {}
+        last = self.rows
+        for name in exchanges:
+            exchange = self.vhost.exchanges.get(name)
+            stated = exchange is not None and name not in _BUILTIN
+            erow = _exchange_row(exchange) if exchange is not None and stated else None
+            _compare(last.exchanges, name, erow, added.exchanges, removed.exchanges)
+            if exchange is not self._exchange_objects.get(name):
+                self._recheck(self._by_exchange.get(name, ()), bindings)
+                if exchange is None:
+                    self._exchange_objects.pop(name, None)
+                else:
+                    self._exchange_objects[name] = exchange
+                    if _stated_bindings(name):
+                        for binding in exchange.bindings.values():
+                            bindings.setdefault(_binding_row(binding), binding)
+        for name in queues:
+            queue = self.vhost.queues.get(name)
+            internal = name.startswith(INTERNAL_QUEUES)
+            qrow = _queue_row(queue) if queue is not None and not internal else None
+            _compare(last.queues, name, qrow, added.queues, removed.queues)
+            if queue is not self._queue_objects.get(name):
+                self._recheck(self._by_queue.get(name, ()), bindings)
+                if queue is None:
+                    self._queue_objects.pop(name, None)
+                else:
+                    self._queue_objects[name] = queue
+        for brow, binding in bindings.items():
+            held = self._holds(binding)
+            if held and brow not in last.bindings:
+                last.bindings.add(brow)
+                self._hold(brow, binding)
+                added.bindings.add(brow)
+            elif not held and brow in last.bindings:
+                last.bindings.discard(brow)
+                self._release(brow)
+                removed.bindings.add(brow)
+        return added, removed
+
+    def _recheck(self, held: Iterable[BindingRow], into: dict[BindingRow, BindingDef]) -> None:
+        for row in held:
+            into.setdefault(row, self._defs[row])
+
+    def _holds(self, binding: BindingDef) -> bool:
+        """Whether `binding` is state now (its exchange has it)."""
+        if not _stated_bindings(binding.exchange) or binding.queue.startswith(INTERNAL_QUEUES):
+            return False
+        exchange = self.vhost.exchanges.get(binding.exchange)
+        return exchange is not None and Exchange.binding_key(binding) in exchange.bindings
+
+    def _hold(self, row: BindingRow, binding: BindingDef) -> None:
+        self._defs[row] = binding
+        self._by_exchange.setdefault(binding.exchange, set()).add(row)
+        self._by_queue.setdefault(binding.queue, set()).add(row)
+
+    def _release(self, row: BindingRow) -> None:
+        binding = self._defs.pop(row)
+        for index, name in ((self._by_exchange, binding.exchange), (self._by_queue, binding.queue)):
+            rows_of = index[name]
+            rows_of.discard(row)
+            if not rows_of:
+                del index[name]
+
+
+def _compare(
+    last: dict[str, _R], name: str, row: _R | None, added: dict[str, _R], removed: dict[str, _R]
+) -> None:
+    if row == last.get(name):
+        return
+    if row is None:
+        removed[name] = last.pop(name)
+    else:
+        added[name] = last[name] = row
 
 
 def _exchanges(part: Rows) -> list[ExchangeState]:
@@ -213,7 +380,8 @@ def _bindings(part: Rows) -> list[BindingState]:
 class StatePublisher:
     """Publishes this server's definitions on `amq.twinmq.state` (see the module).
 
-    With no subscriber nothing is compared or kept: a change costs one set lookup."""
+    With no subscriber nothing is kept: a change costs one attribute lookup. With
+    subscribers a change costs what it touched (`Tracker`), whatever the state's size."""
 
     def __init__(self, server_id: str, vhost: VirtualHost, epoch: Callable[[], int]) -> None:
         self.server_id = server_id
@@ -224,10 +392,9 @@ class StatePublisher:
         self.changes = 0  # `changes` messages published (status)
         self._subscribers: set[str] = self._bound()
         # The state as the subscribers last heard it (None: no subscriber).
-        self.last: Rows | None = rows(vhost) if self._subscribers else None
+        self.tracker: Tracker | None = Tracker(vhost) if self._subscribers else None
         self._pending = False
-        self._next_flush = 0.0  # time.monotonic() before which no comparison starts
-        vhost.definition_listeners.append(self._changed)
+        vhost.state_listeners.append(self._touched)
         vhost.binding_listeners.append(self._bindings_changed)
 
     @property
@@ -237,7 +404,8 @@ class StatePublisher:
 
     def counts(self) -> tuple[int, int, int]:
         """(exchanges, queues, bindings) in the state now (status)."""
-        state = self.last if self.last is not None and not self._pending else rows(self.vhost)
+        tracker = self.tracker
+        state = tracker.rows if tracker is not None and not tracker.pending else rows(self.vhost)
         return len(state.exchanges), len(state.queues), len(state.bindings)
 
     def _bound(self) -> set[str]:
@@ -246,27 +414,23 @@ class StatePublisher:
             return set()
         return {binding.queue for binding in exchange.bindings.values()}
 
-    def _changed(self) -> None:
-        if self.last is None or self._pending:
+    def _touched(self, touched: Touched) -> None:
+        if self.tracker is None:
             return
-        # Coalesced: a queue deleted with its bindings is one message, not five; and
-        # the whole state is compared at most once per COST_FACTOR times what the last
-        # comparison took (about 30 ms for 10,000 queues and bindings here: a `changes`
-        # message at most every 0.3 s under churn, the broker's time spent on it bounded).
+        self.tracker.touch(touched)
+        if self._pending:
+            return
+        # Coalesced within one turn of the event loop: a queue deleted with its bindings
+        # is one message, not five.
         self._pending = True
-        delay = max(0.0, self._next_flush - time.monotonic())
-        self.vhost.clock.call_later(delay, self.flush)
+        self.vhost.clock.call_later(0.0, self.flush)
 
     def flush(self) -> None:
         """Publish what changed since the last message (nothing if nothing did)."""
         self._pending = False
-        if self.last is None:
+        if self.tracker is None:
             return  # no subscriber: nothing to tell
-        started = time.monotonic()
-        current = rows(self.vhost)
-        added, removed = difference(self.last, current)
-        self.last = current
-        self._next_flush = started + COST_FACTOR * (time.monotonic() - started)
+        added, removed = self.tracker.changes()
         if not (added or removed):
             return
         self.seq += 1
@@ -292,16 +456,16 @@ class StatePublisher:
         new = bound - self._subscribers
         self._subscribers = bound
         if not bound:
-            self.last = None  # nobody listens: stop comparing
+            self.tracker = None  # nobody listens: keep nothing
             return
         if not new or self.vhost.replica:
             return
         # Every change before the subscription goes out first (seq <= the full's), then
         # the full state, into the new queue only: one queue, in order.
         self.flush()
-        if self.last is None:
-            self.last = rows(self.vhost)
-        state = self.last
+        if self.tracker is None:
+            self.tracker = Tracker(self.vhost)
+        state = self.tracker.rows
         message = StateMessage(
             kind="full", server_id=self.server_id, epoch=self.epoch(), seq=self.seq,
             exchanges=_exchanges(state), queues=_queues(state), bindings=_bindings(state),
@@ -321,14 +485,19 @@ class StatePublisher:
 class StateView:
     """A subscriber's copy of a peer's definitions, built from its `amq.twinmq.state`
     messages (an ops tool's, a test's): a full state replaces everything; a `changes`
-    message applies if its `seq` is past the last full state's, and is ignored before
-    the first full state."""
+    message applies if its `seq` is the next after the view's, is ignored before the
+    first full state and at or before the view's `seq` (already in it), and past the
+    next one is a **gap** (a message missed: `gap` set, nothing applied until a full
+    state). On a gap, ask for a full state: unbind the queue from `amq.twinmq.state`
+    and bind it again; the full state follows in the same queue."""
 
     def __init__(self) -> None:
         self.state: Snapshot | None = None
         self.server_id: str | None = None
         self.epoch = 0
         self.seq = 0
+        self.gap = False
+        self.gaps = 0  # seen (status, tests)
 
     def apply(self, message: StateMessage) -> bool:
         """Apply one message in queue order; whether it changed the view."""
@@ -339,8 +508,17 @@ class StateView:
                 bindings={b.model_dump_json(): b for b in message.bindings},
             )
             self.server_id, self.epoch, self.seq = message.server_id, message.epoch, message.seq
+            self.gap = False
             return True
-        if self.state is None or message.epoch != self.epoch or message.seq <= self.seq:
+        if self.state is None or self.gap or message.epoch != self.epoch:
+            return False
+        if message.seq <= self.seq:
+            return False
+        if message.seq != self.seq + 1:
+            # A message missed (its queue's length limit, a publish that failed): what
+            # this view holds can no longer be brought up to date by changes.
+            self.gap = True
+            self.gaps += 1
             return False
         self.seq = message.seq
         for name in message.removed.exchanges:

@@ -352,6 +352,13 @@ class IdMap:
         return [op for qid, mid in gone if (op := self.drop(qid, mid)) is not None]
 
 
+def id_record(body: bytes) -> tuple[int, int, int, str]:
+    """An id map record's (local qid, local mid, id at the message origin, message origin);
+    the audit log reads the records a batch journals (broker/auditlog.py)."""
+    qid, mid, omid = _RECORD.unpack_from(body)
+    return qid, mid, omid, body[_RECORD.size :].decode()
+
+
 def _fingerprint(queue: Queue) -> tuple[int, int]:
     entries = queue.entries
     return len(entries), entries[-1].message.mid if entries else 0

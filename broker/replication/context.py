@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from twinmq.broker.commit import Waiter
     from twinmq.broker.dedup import DedupWindow
     from twinmq.broker.definitions import Definitions, DefinitionsDelta
-    from twinmq.broker.journal import JournalOp
+    from twinmq.broker.journal import JournalError, JournalOp
     from twinmq.broker.queue import Queue
     from twinmq.broker.settings import BrokerSettings
     from twinmq.broker.tls import MutualTls
@@ -38,6 +38,10 @@ class ReplicatedLog(Protocol):
 
     def flush_now(self) -> int:
         """Close the open batch now; its number."""
+        ...
+
+    def flush_topology(self) -> None:
+        """Write the staged topology changes now (one append, one fsync)."""
         ...
 
     def replica_acked(self, batch: int) -> None:
@@ -102,8 +106,13 @@ class ReplicatedState(Protocol):
         """Make the topology equal to the active's (passive)."""
         ...
 
-    def apply_delta(self, delta: DefinitionsDelta) -> None:
-        """Apply one topology change of the active's (passive)."""
+    def apply_delta(
+        self,
+        delta: DefinitionsDelta,
+        staged: Callable[[JournalError | None], None] | None = None,
+    ) -> None:
+        """Apply one topology change of the active's (passive); with `staged`, its write
+        staged for the group commit (`flush_topology`), `staged` told the outcome."""
         ...
 
 

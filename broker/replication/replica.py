@@ -114,6 +114,8 @@ class ReplicaClient:
         self.pending_ops = 0
         self.catchup_chunks = 0  # catch-up chunks received on the current link
         self._catching_up = False
+        # A staged topology change the disk refused: the passive is stopping (exit 75).
+        self._topology_failed = False
         self._oldest_pending: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -401,6 +403,12 @@ class ReplicaClient:
         self._catching_up = False
         self.broker.vhost.restore_order()
 
+    def _topology_refused(self, error: JournalError | None) -> None:
+        """A staged topology change's outcome: refused by the disk, the passive stops."""
+        if error is not None:
+            self._topology_failed = True
+            self.broker.stop_passive(f"could not save the topology ({error})")
+
     def _acknowledge(self, session: _Session, local: int, remote: int, chunk: bool) -> None:
         """Acknowledge the active's batch or chunk `remote` once local batch `local` is durable."""
         session.pending.append((local, remote, chunk))
@@ -416,6 +424,15 @@ class ReplicaClient:
         committer = broker.committer
         while True:
             ftype, payload = await next_frame()
+            if ftype is not FrameType.DEFINITIONS_DELTA:
+                # The run of topology changes before this frame, staged as they came
+                # (the active sends one per change, a group commit's worth in a burst):
+                # one append and one fsync of the definitions log for the run, done
+                # before this frame is handled, so before anything after them is
+                # acknowledged (an acknowledgement says all before it is durable).
+                committer.flush_topology()
+                if self._topology_failed:
+                    return  # the write failed: the passive stops (`_topology_refused`)
             if ftype is FrameType.BATCH:
                 remote, flags, raw = decode_batch(payload)
                 ops = decode_ops(raw)
@@ -478,9 +495,13 @@ class ReplicaClient:
                     broker.stop_passive(f"could not save the topology ({exc})")
                     return
             elif ftype is FrameType.DEFINITIONS_DELTA:
-                # One change after the whole topology this link began with (DEFINITIONS).
+                # One change after the whole topology this link began with (DEFINITIONS),
+                # staged: written with the rest of its run (above, or at the end of the
+                # loop turn if the next frame is not here yet).
                 try:
-                    broker.vhost.apply_delta(decode_model(DefinitionsDelta, payload))
+                    broker.vhost.apply_delta(
+                        decode_model(DefinitionsDelta, payload), self._topology_refused
+                    )
                 except JournalError as exc:
                     broker.stop_passive(f"could not save the topology ({exc})")
                     return
