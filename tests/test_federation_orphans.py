@@ -139,3 +139,49 @@ def test_an_upstream_removed_from_the_file_is_reported_with_the_queues_it_keeps(
         remote.stop()
         other.stop()
         central.stop()
+
+
+def test_an_upstream_unreachable_at_start_has_the_orphan_queue_deleted_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    central = site(tmp_path, "central")
+    central.start()
+    address = {"central": f"127.0.0.1:{central.port}"}
+    exchanges = [
+        {"exchange": "market", "upstream": "central", "type": "direct"},
+        {"exchange": "news", "upstream": "central", "type": "direct"},
+    ]
+    remote = site(
+        tmp_path,
+        "remote",
+        federation=federation_file(tmp_path / "remote.json", address, exchanges),
+    )
+    removed = queue_name("market", "remote")
+    try:
+        remote.start()
+        wait_running(remote, "market")
+        wait_running(remote, "news")
+        remote.stop()
+        central.stop()
+        federation_file(tmp_path / "remote.json", address, exchanges[1:])
+        remote.start()
+        wait_for(
+            "the orphan queue pending",
+            lambda: (
+                federation_status(remote).get("upstream_queues_pending") == [f"central/{removed}"]
+            ),
+        )
+        assert removed in (tmp_path / "remote" / "data" / "federation" / "links.json").read_text()
+        central.start()
+        wait_for(
+            f"{removed} deleted on central",
+            lambda: (
+                federation_status(remote).get("upstream_queues_deleted") == [f"central/{removed}"]
+            ),
+        )
+        assert federation_status(remote)["upstream_queues_pending"] == []
+        assert removed not in upstream_queues(central)
+        assert queue_name("news", "remote") in upstream_queues(central)
+    finally:
+        remote.stop()
+        central.stop()
