@@ -355,6 +355,21 @@ class FederationStatus(BaseModel):
     state: StateReplicationStatus | None = Field(
         None, description="State replication (amq.twinmq.state)"
     )
+    upstream_queues_deleted: list[str] = Field(
+        default_factory=list,
+        description="upstream/queue: link queues of exchanges no longer federated, deleted "
+        "on their upstream (since start)",
+    )
+    upstream_queues_pending: list[str] = Field(
+        default_factory=list,
+        description="upstream/queue: link queues of exchanges no longer federated, to be "
+        "deleted on their upstream (it is not reachable yet)",
+    )
+    upstream_queues_left: list[str] = Field(
+        default_factory=list,
+        description="upstream/queue: link queues of an upstream removed from the federation "
+        "file, not deleted (no address nor credentials: delete them by hand)",
+    )
 
 
 class BrokerStatus(BaseModel):

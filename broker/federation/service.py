@@ -31,6 +31,7 @@ from twinmq.broker.federation.dedup import DurableKeys
 from twinmq.broker.federation.globalkeys import GlobalKeys
 from twinmq.broker.federation.headers import forwarded
 from twinmq.broker.federation.identity import PEER_EXCHANGE, duplicate_refusal
+from twinmq.broker.federation.orphans import LinkQueue, Orphans
 from twinmq.broker.federation.state import StatePublisher
 from twinmq.broker.fieldtable import to_python
 from twinmq.broker.mirror.durable import BatchFutures
@@ -96,14 +97,24 @@ class Federation:
             vhost.queue_listeners.append(self.global_keys.queue_declared)
             for exchange in global_exchanges:
                 vhost.reply_to_rewriters[exchange] = self.global_keys.rewrite
-        if config is None or not config.exchanges:
+        self.upstreams = dict(config.upstreams) if config is not None else {}
+        if config is not None:
+            for fed in config.exchanges:
+                self.links[fed.exchange] = FederationLink(
+                    fed, fed.upstream, config.upstreams[fed.upstream], server_id, vhost,
+                    batches, alarm, state_dir, keys,
+                )  # fmt: skip
+        # The link queues upstream of links removed from the file (issue 15): found at
+        # each start (the file may have been there before this broker was a downstream).
+        self.orphans = Orphans(
+            state_dir,
+            server_id,
+            (LinkQueue(upstream=link.upstream_name, queue=link.queue, exchange=exchange)
+             for exchange, link in self.links.items()),
+        )  # fmt: skip
+        if not self.links:
             return
         state_dir.mkdir(parents=True, exist_ok=True)
-        for fed in config.exchanges:
-            self.links[fed.exchange] = FederationLink(
-                fed, fed.upstream, config.upstreams[fed.upstream], server_id, vhost, batches,
-                alarm, state_dir, keys,
-            )  # fmt: skip
         vhost.binding_listeners.append(self._bindings_changed)
 
     def start(self) -> None:
@@ -124,6 +135,9 @@ class Federation:
                 )  # fmt: skip
             link.open_outbox()
             link.start()
+        if self.links or self.orphans.path.exists():
+            self.orphans.find(self.upstreams)
+            self.orphans.start(self.upstreams.get)
         if self.links and self.status_interval > 0:
             self._status_task = asyncio.get_running_loop().create_task(
                 self._periodic_status(), name="twinmq-federation-status"
@@ -137,6 +151,7 @@ class Federation:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._status_task
             self._status_task = None
+        await self.orphans.stop()
         for link in self.links.values():
             link.close_outbox()
             await link.stop()
@@ -374,6 +389,9 @@ class Federation:
             global_keys_bound=self.global_keys.bound,
             reply_to_rewritten=self.global_keys.rewritten,
             state=self._state_status(),
+            upstream_queues_deleted=list(self.orphans.deleted),
+            upstream_queues_pending=[link.shown() for link in self.orphans.pending],
+            upstream_queues_left=list(self.orphans.left),
         )
 
     def _state_status(self) -> StateReplicationStatus:

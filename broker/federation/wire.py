@@ -258,6 +258,12 @@ class LinkClient:
         """Declare a durable queue."""
         await self.call(commands.Queue.Declare(queue=queue, durable=True), commands.Queue.DeclareOk)
 
+    async def queue_delete(self, queue: str) -> int:
+        """Delete `queue` (in use or not, empty or not); the ready messages dropped with it
+        (0 for a queue that does not exist)."""
+        ok = await self.call(commands.Queue.Delete(queue=queue), commands.Queue.DeleteOk)
+        return int(ok.message_count or 0)
+
     async def queue_bind(
         self, queue: str, exchange: str, routing_key: str, arguments: FieldTable | None
     ) -> None:

@@ -1,0 +1,200 @@
+"""Upstream queues of links no longer configured (issue 15): deleted, or reported.
+
+Each link has a durable queue on its upstream (`agent.queue_name`) that keeps collecting
+what the upstream routes to it while the link is down. When the federation file stops
+federating an exchange, nothing consumes that queue any more: it would grow without bound
+upstream. So the links a server runs are remembered in `links.json` of its federation
+state directory; at the next start (a restart with another file, a promotion) the links
+remembered and not configured any more are its orphans:
+
+- its upstream still named in the file: the queue is deleted there, once, by a
+  connection of its own (the upstream may have no link left), retried with the
+  upstream's backoff until it is done; remembered until then (a crash retries it);
+- its upstream gone from the file: no address nor credentials to delete it with, so it is
+  logged and listed in `/status` (`upstream_queues_left`) and forgotten (delete it by
+  hand).
+
+Only queues this server's links declared are ever deleted (names recorded here, which
+carry this server's identifier), and never one a configured link uses: a queue of
+another downstream, or of a link still in the file, is not touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from twinmq.broker.federation.config import Upstream
+from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, duplicate_refusal
+from twinmq.broker.federation.wire import LinkClient
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "links.json"
+FIRST_PAUSE = 1.0  # seconds before the first retry of a failed clean-up
+
+
+class LinkQueue(BaseModel):
+    """A link's queue on its upstream, as remembered: which upstream (by its name in the
+    federation file), which queue, for which local exchange."""
+
+    model_config = ConfigDict(frozen=True)
+
+    upstream: str
+    queue: str
+    exchange: str
+
+    def shown(self) -> str:
+        """`upstream/queue`, as `/status` and the logs name it."""
+        return f"{self.upstream}/{self.queue}"
+
+
+class KnownLinks(BaseModel):
+    """`links.json`: the link queues this server has upstream (configured, or orphans not
+    yet deleted)."""
+
+    links: list[LinkQueue] = []
+
+
+class Orphans:
+    """The orphan queues of one start: found, deleted upstream, or left."""
+
+    def __init__(self, state_dir: Path, server_id: str, configured: Iterable[LinkQueue]) -> None:
+        self.path = state_dir / FILE_NAME
+        self.server_id = server_id
+        self.configured = list(dict.fromkeys(configured))
+        self.pending: list[LinkQueue] = []
+        self.deleted: list[str] = []
+        self.left: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def _remembered(self) -> list[LinkQueue]:
+        try:
+            return KnownLinks.model_validate_json(self.path.read_text()).links
+        except FileNotFoundError:
+            return []
+        except (OSError, ValidationError) as exc:
+            # Only a clean-up is lost (the queues stay, as before this existed).
+            log.warning("federation: %s unreadable, no orphan queue cleaned: %s", self.path, exc)
+            return []
+
+    def find(self, upstreams: Iterable[str]) -> None:
+        """Compare what is remembered with what is configured: the orphans to delete
+        (`pending`) and those that cannot be (`left`, logged); the record rewritten."""
+        named = set(upstreams)
+        configured = set(self.configured)
+        # Never a queue a configured link uses: two upstream names may be one server
+        # (an exchange moved from one to the other keeps its queue there).
+        used = {link.queue: link.upstream for link in self.configured}
+        pending: list[LinkQueue] = []
+        for link in self._remembered():
+            if link in configured or link in pending or link.shown() in self.left:
+                continue
+            if link.upstream in named and link.queue not in used:
+                pending.append(link)
+                continue
+            self.left.append(link.shown())
+            why = (
+                f"a configured link uses the same queue name (upstream {used[link.queue]}): "
+                "delete it by hand if that is another server"
+                if link.queue in used
+                else f"upstream {link.upstream} is no longer in the federation file (no "
+                "address nor credentials): delete it by hand"
+            )
+            log.warning(
+                "federation: upstream queue %s (exchange %s no longer federated) NOT "
+                "deleted: %s", link.shown(), link.exchange, why,
+            )  # fmt: skip
+        self.pending = pending
+        self._save()
+
+    def _save(self) -> None:
+        known = KnownLinks(links=[*self.configured, *self.pending])
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(known.model_dump_json(indent=1) + "\n")
+        os.replace(temporary, self.path)
+
+    def start(self, upstreams: Callable[[str], Upstream | None]) -> None:
+        """Delete the pending orphans upstream, in the background (active only)."""
+        if self.pending and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._clean(upstreams), name="twinmq-federation-orphans"
+            )
+
+    async def stop(self) -> None:
+        """Stop cleaning (demotion, shutdown): what is left is retried at the next start."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _clean(self, upstreams: Callable[[str], Upstream | None]) -> None:
+        by_upstream: dict[str, list[LinkQueue]] = {}
+        for link in self.pending:
+            by_upstream.setdefault(link.upstream, []).append(link)
+        await asyncio.gather(
+            *(
+                self._clean_upstream(name, links, upstreams(name))
+                for name, links in by_upstream.items()
+            )
+        )
+
+    async def _clean_upstream(
+        self, name: str, links: list[LinkQueue], upstream: Upstream | None
+    ) -> None:
+        if upstream is None:
+            return
+        pause = FIRST_PAUSE
+        while True:
+            try:
+                await self._delete(name, links, upstream)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure is retried, as a link's session is
+                log.warning(
+                    "federation: orphan queues on upstream %s not deleted yet (retry in "
+                    "%.0f s): %s", name, pause, exc,
+                )  # fmt: skip
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, upstream.reconnect_max_seconds)
+
+    async def _delete(self, name: str, links: list[LinkQueue], upstream: Upstream) -> None:
+        connection = await LinkClient.connect(
+            upstream.connect_uri(),
+            {
+                SERVER_ID_PROPERTY: self.server_id,
+                "connection_name": f"federation clean-up from {self.server_id}",
+            },
+            tls=upstream.tls_context(),
+            server_name=upstream.tls_server_name,
+        )
+        try:
+            refusal = duplicate_refusal(
+                self.server_id, connection.server_properties.get(SERVER_ID_PROPERTY),
+                side="upstream",
+            )  # fmt: skip
+            if refusal is not None:
+                raise ConnectionError(refusal)
+            for link in list(links):
+                dropped = await connection.queue_delete(link.queue)
+                links.remove(link)
+                self.pending.remove(link)
+                self.deleted.append(link.shown())
+                self._save()
+                log.info(
+                    "federation: upstream queue %s on %s deleted (exchange %s no longer "
+                    "federated; %d messages dropped with it)",
+                    link.queue, name, link.exchange, dropped,
+                )  # fmt: skip
+        finally:
+            with contextlib.suppress(Exception):
+                await connection.close()
