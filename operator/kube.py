@@ -120,13 +120,16 @@ class Kube:
         ]
         return items
 
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        """Delete an object and, in the background, what it owns (a Job's pods)."""
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete an object and, in the background, what it owns (a Job's pods); whether
+        there was one."""
         resource = self.dynamic.resources.get(api_version=api_version, kind=kind)
-        absent_as_none(
+        found = absent_as_none(
             lambda: resource.delete(name=name, namespace=namespace, propagation_policy="Background")
         )
-        log.info("deleted %s %s/%s", kind, namespace, name)
+        if found is not None:
+            log.info("deleted %s %s/%s", kind, namespace, name)
+        return found is not None
 
     def get_pod(self, namespace: str, name: str) -> Obj | None:
         """A pod as a dict, or None."""

@@ -134,6 +134,9 @@ class Memory:
     # The NetworkPolicy's state as last reconciled: applied, absent (deleted or never
     # made), or refused (RBAC of an older chart); changes are logged once.
     network_policy: str | None = None
+    # The federation file's ConfigMap after `spec.federation` went: "absent" once deleted
+    # (or found gone); None: not looked at by this process yet.
+    federation_config: str | None = None
     tls: certs.TlsMemory = field(default_factory=certs.TlsMemory)
     peer_ca: peerca.PeerCaMemory = field(default_factory=peerca.PeerCaMemory)
 
@@ -241,6 +244,9 @@ def reconcile_children(
     # Before the pods: a pod created now reads the federation file its template hashes.
     if (fed_config := builders.build_federation_config_map(cluster, spec)) is not None:
         apply(fed_config)
+        memory.federation_config = None
+    else:
+        remove_federation_config(cluster, memory, pods)
     memory.storage_refusal = None
     for name in NAMES:
         try:
@@ -296,6 +302,32 @@ def reconcile_network_policy(
             log.info("%s/%s: cannot check for a NetworkPolicy to remove (no permission)",
                      cluster.namespace, cluster.name)  # fmt: skip
         memory.network_policy = "absent"
+
+
+def remove_federation_config(
+    cluster: ClusterRef, memory: Memory, pods: dict[BrokerName, Any]
+) -> None:
+    """Delete the federation file's ConfigMap once `spec.federation` is gone and no pod
+    mounts it any more (the rollout replaces them first: a pod of the old template
+    restarted in place still needs it)."""
+    if memory.federation_config == "absent":
+        return
+    name = federation.config_map_name(cluster.name)
+    for pod in pods.values():
+        volumes = ((pod or {}).get("spec") or {}).get("volumes") or []
+        if any((v.get("configMap") or {}).get("name") == name for v in volumes):
+            return
+    k = kube()
+    try:
+        found = k.get("v1", "ConfigMap", cluster.namespace, name)
+        owners = {o.get("uid") for o in ((found or {}).get("metadata") or {}).get(
+            "ownerReferences") or []}  # fmt: skip
+        if cluster.uid in owners:  # never a ConfigMap of someone else's under that name
+            k.delete("v1", "ConfigMap", cluster.namespace, name)
+    except ForbiddenError:  # RBAC of an older chart: no delete; the cluster's deletion does it
+        log.info("%s/%s: cannot delete ConfigMap %s (no permission)", cluster.namespace,
+                 cluster.name, name)  # fmt: skip
+    memory.federation_config = "absent"
 
 
 def credentials_of(

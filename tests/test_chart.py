@@ -41,7 +41,7 @@ OPERATOR_RULES: set[Rule] = {
     ("", "persistentvolumeclaims", ("create", "get", "patch")),
     ("", "services", ("create", "get", "patch")),
     ("", "serviceaccounts", ("create", "get", "patch")),
-    ("", "configmaps", ("create", "get", "patch")),
+    ("", "configmaps", ("create", "delete", "get", "patch")),
     ("networking.k8s.io", "networkpolicies", ("create", "delete", "get", "patch")),
     ("", "events", ("create",)),
     ("coordination.k8s.io", "leases", ("create", "get", "patch", "update")),

@@ -191,3 +191,40 @@ def test_the_active_a_re_created_cluster_serves_keeps_the_virtual_ips_label(
         assert [r.kind for r in repaired] == []
         live = kube.get_pod(cluster.namespace, pod_name(cluster, "primary")) or {}
         assert live["metadata"]["labels"].get(LABEL_ROLE) == "active"
+
+
+# -- the federation file after spec.federation is removed -----------------------------------
+def test_the_federation_file_goes_once_no_pod_mounts_it_and_only_if_the_cluster_owns_it(
+    kube: Kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(operator_main, "KUBE", kube)
+    kube.ensure({"apiVersion": "v1", "kind": "ServiceAccount",
+                 "metadata": {"name": "default", "namespace": "default"}})  # fmt: skip
+    cluster = ClusterRef("unfederated", "default", "uid-unfederated")
+    name = f"{cluster.name}-federation"
+
+    def config_map(owner_uid: str) -> Obj:
+        return {
+            "apiVersion": "v1", "kind": "ConfigMap", "data": {"federation.yaml": "{}"},
+            "metadata": {"name": name, "namespace": "default", "ownerReferences": [{
+                "apiVersion": "twinmq.io/v1alpha1", "kind": "BrokerCluster",
+                "name": cluster.name, "uid": owner_uid, "controller": True,
+            }]},
+        }  # fmt: skip
+
+    kube.ensure(config_map(cluster.uid))
+    old = broker_pod(cluster, "primary", "active", owner_uid=cluster.uid)
+    old["spec"]["volumes"] = [{"name": "federation", "configMap": {"name": name}}]
+    pods: dict[BrokerName, Any] = {"primary": old, "backup": None}
+    memory = operator_main.Memory()
+    operator_main.remove_federation_config(cluster, memory, pods)
+    assert kube.get("v1", "ConfigMap", "default", name) is not None, "a pod still mounts it"
+    pods["primary"] = broker_pod(cluster, "primary", "active", owner_uid=cluster.uid)
+    operator_main.remove_federation_config(cluster, memory, pods)
+    assert kube.get("v1", "ConfigMap", "default", name) is None, "rolled out: deleted"
+    assert memory.federation_config == "absent"
+
+    other = ClusterRef("unfederated", "default", "uid-of-another")
+    kube.ensure(config_map("uid-of-someone-else"))
+    operator_main.remove_federation_config(other, operator_main.Memory(), pods)
+    assert kube.get("v1", "ConfigMap", "default", name) is not None, "not this cluster's"
