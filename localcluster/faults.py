@@ -78,10 +78,17 @@ def heal_network(layout: Layout, namespace: str, name: str) -> str:
     return _set_link(layout, namespace, name, "up")
 
 
+_CUT = ["iptables", "-w", "-t", "mangle"]
+
+
 def _api_server_rule(layout: Layout, namespace: str, name: str) -> list[str]:
     _veth, ip = _pod_eth0(layout, namespace, name)
     # After kube-proxy's DNAT of the `kubernetes` Service, the pod's requests reach the
-    # host's INPUT addressed to the API server itself. DROP, not REJECT: a cut hangs.
+    # host's INPUT addressed to the API server itself. DROP, not REJECT: a cut hangs. In
+    # the mangle table's INPUT (`_CUT`), which runs before the filter table's: the
+    # NetworkPolicy engine keeps its own jump first in the filter INPUT and ACCEPTs
+    # there, so a rule inserted above it was bypassed from its next sync on (a cut that
+    # silently healed itself: the e2e saw a cut-off primary renew its Lease).
     return ["INPUT", "-s", ip, "-d", GATEWAY_IP, "-p", "tcp",
             "--dport", str(APISERVER_PORT), "-j", "DROP"]  # fmt: skip
 
@@ -90,14 +97,14 @@ def cut_api_server(layout: Layout, namespace: str, name: str) -> str:
     """Drop a pod's traffic to the API server (its requests hang, established connections
     too); clients, the operator and the other broker still reach it. Returns the pod IP."""
     rule = _api_server_rule(layout, namespace, name)
-    subprocess.run(["iptables", "-w", "-I", *rule], check=True, capture_output=True)
+    subprocess.run([*_CUT, "-I", *rule], check=True, capture_output=True)
     return rule[2]
 
 
 def heal_api_server(layout: Layout, namespace: str, name: str) -> str:
     """Undo `cut_api_server`."""
     rule = _api_server_rule(layout, namespace, name)
-    while subprocess.run(["iptables", "-w", "-D", *rule], capture_output=True).returncode == 0:
+    while subprocess.run([*_CUT, "-D", *rule], capture_output=True).returncode == 0:
         pass
     return rule[2]
 
