@@ -45,6 +45,7 @@ from typing import Any
 
 from twinmq.audit.records import AuditEvent, SegmentFormatError, segment_columns
 from twinmq.audit.schema import arrow_schema, record_arrow_schema
+from twinmq.broker.atomicfile import replace_file, sync_dir
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class Store:
                 os.replace(tmp, final)
             finally:
                 tmp.unlink(missing_ok=True)
-            _sync_dir(final.parent)
+            sync_dir(final.parent)
         else:
             self.fs.pipe_file(self.path(key), data)
 
@@ -394,7 +395,7 @@ def prune_shipped(
             report.deleted.append(name.stem)
     if not report.deleted and not report.missing:
         return
-    _sync_dir(audit_dir)
+    sync_dir(audit_dir)
     ledger_path = audit_dir / LEDGER
     present = {name.stem for name, _path in closed_segments(audit_dir)}
     missing = {f"{stem} {store.location}" for stem in report.missing}
@@ -403,13 +404,7 @@ def prune_shipped(
         for line in ledger_path.read_text().splitlines()
         if line.partition(" ")[0] in present and line not in missing
     ]
-    tmp = audit_dir / f"{LEDGER}.tmp"
-    with open(tmp, "w") as f:
-        f.write("".join(f"{line}\n" for line in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ledger_path)
-    _sync_dir(audit_dir)
+    replace_file(ledger_path, "".join(f"{line}\n" for line in kept).encode())
     log.info("deleted %d shipped segments older than %ss", len(report.deleted), keep_seconds)
 
 
@@ -422,11 +417,3 @@ def _store_holds(store: Store, name: SegmentName, path: Path) -> bool:
     except FileNotFoundError:
         return False
     return stored == hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
-
-
-def _sync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

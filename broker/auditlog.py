@@ -67,6 +67,7 @@ from itertools import groupby
 from pathlib import Path
 
 from twinmq.audit.records import BATCH_FIELDS, AuditEvent
+from twinmq.broker.atomicfile import sync_dir
 from twinmq.broker.journal import JournalOp, StoredMessage
 from twinmq.broker.mirror.bidi import IDS_QID, id_record
 from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE
@@ -458,13 +459,8 @@ class AuditLog:
         self._path = None
 
     def _sync_dir(self) -> None:
-        if not self.fsync:
-            return
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if self.fsync:
+            sync_dir(self.directory)
 
     # -- anywhere, when no write runs ----------------------------------------------------------
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
 from twinmq.broker.api import CorruptionReport
+from twinmq.broker.atomicfile import replace_file, sync_dir
 from twinmq.broker.journal import DefinitionsDamaged, Recovered
 
 __all__ = [
@@ -107,14 +107,7 @@ def record_definitions(data_dir: Path, found: DefinitionsDamaged, now: float) ->
 
 def save(data_dir: Path, marker: DamageMarker) -> None:
     """Replace the marker atomically (tmp, fsync, rename, fsync dir)."""
-    path = data_dir / MARKER
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(marker.model_dump_json(indent=1).encode())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _sync_dir(data_dir)
+    replace_file(data_dir / MARKER, marker.model_dump_json(indent=1).encode())
 
 
 def clear(data_dir: Path) -> bool:
@@ -125,13 +118,5 @@ def clear(data_dir: Path) -> bool:
     except FileNotFoundError:
         return False
     with contextlib.suppress(OSError):
-        _sync_dir(data_dir)
+        sync_dir(data_dir)
     return True
-
-
-def _sync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from twinmq.broker.atomicfile import replace_file
 
 # A replication ID is (epoch << EPOCH_SHIFT) | sequence: IDs assigned in different
 # epochs never collide, even when an old active assigned some that never replicated.
@@ -55,15 +56,5 @@ class EpochStore:
 
     def write(self, epoch: int) -> None:
         """Persist `epoch`, lower or not: only the operator's recovery (`epoch set`) lowers one."""
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"epoch": epoch}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        replace_file(self.path, json.dumps({"epoch": epoch}).encode())
         self.epoch = epoch
