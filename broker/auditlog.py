@@ -153,6 +153,15 @@ def _replication_ids_json(mids: list[int], name: str = "replication_id") -> str:
     return f'"{name}s":[{",".join(map(str, mids))}]'
 
 
+def _digests_hex(ops: Sequence[JournalOp]) -> str:
+    """The CRC-32 of each message's body, as 8 hex digits each (big-endian bytes: each
+    digest's hex reads as `body_digest`)."""
+    digests = array("I", map(zlib.crc32, map(_body, ops)))
+    if _LITTLE_ENDIAN:
+        digests.byteswap()
+    return digests.tobytes().hex()
+
+
 def _mapped_ids(ops: Sequence[JournalOp]) -> dict[tuple[int, int], tuple[str, int]]:
     """(local qid, local mid) -> (message origin, id there) of the id map records in a
     batch (a bidirectional apply journals one per copy, beside the copy)."""
@@ -357,13 +366,10 @@ class AuditLog:
                     out += self._format_mapped(head + names[qid], stored_event, now, group,
                                                origin, mapped)  # fmt: skip
                     continue
-                digests = array("I", map(zlib.crc32, map(_body, group)))
-                if _LITTLE_ENDIAN:
-                    digests.byteswap()  # big-endian bytes: each digest's hex as `body_digest`
                 out.append(
                     f'{head}{names[qid]},"event":"{stored_event}","time":{now},{ids}'
                     f"{_message_ids(list(map(_header, group)))},"
-                    f'"digests_hex":"{digests.tobytes().hex()}"{origin}}}\n'
+                    f'"digests_hex":"{_digests_hex(group)}"{origin}}}\n'
                 )
         return out
 
@@ -386,14 +392,11 @@ class AuditLog:
         out = []
         for morigin, pairs in by_origin.items():
             ops = [op for op, _ in pairs]
-            digests = array("I", map(zlib.crc32, map(_body, ops)))
-            if _LITTLE_ENDIAN:
-                digests.byteswap()
             out.append(
                 f'{head},"event":"{stored_event}","time":{now},'
                 f"{_replication_ids_json(list(map(_mid, ops)))}"
                 f"{_message_ids(list(map(_header, ops)))},"
-                f'"digests_hex":"{digests.tobytes().hex()}"{origin},'
+                f'"digests_hex":"{_digests_hex(ops)}"{origin},'
                 f'"message_origin":{_json_str(morigin)},'
                 f"{_replication_ids_json([o for _, o in pairs], 'origin_id')}}}\n"
             )
