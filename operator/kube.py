@@ -120,16 +120,15 @@ class Kube:
         ]
         return items
 
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
-        """Delete an object and, in the background, what it owns (a Job's pods); whether
-        there was one."""
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        """Delete an object and, in the background, what it owns (a Job's pods); logged
+        when there was one."""
         resource = self.dynamic.resources.get(api_version=api_version, kind=kind)
         found = absent_as_none(
             lambda: resource.delete(name=name, namespace=namespace, propagation_policy="Background")
         )
         if found is not None:
             log.info("deleted %s %s/%s", kind, namespace, name)
-        return found is not None
 
     def get_pod(self, namespace: str, name: str) -> Obj | None:
         """A pod as a dict, or None."""

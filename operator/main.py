@@ -134,9 +134,9 @@ class Memory:
     # The NetworkPolicy's state as last reconciled: applied, absent (deleted or never
     # made), or refused (RBAC of an older chart); changes are logged once.
     network_policy: str | None = None
-    # The federation file's ConfigMap after `spec.federation` went: "absent" once deleted
-    # (or found gone); None: not looked at by this process yet.
-    federation_config: str | None = None
+    # The federation file's ConfigMap is gone (deleted, or found gone, by this process)
+    # since `spec.federation` went.
+    federation_config_gone: bool = False
     tls: certs.TlsMemory = field(default_factory=certs.TlsMemory)
     peer_ca: peerca.PeerCaMemory = field(default_factory=peerca.PeerCaMemory)
 
@@ -244,7 +244,7 @@ def reconcile_children(
     # Before the pods: a pod created now reads the federation file its template hashes.
     if (fed_config := builders.build_federation_config_map(cluster, spec)) is not None:
         apply(fed_config)
-        memory.federation_config = None
+        memory.federation_config_gone = False
     else:
         remove_federation_config(cluster, memory, pods)
     memory.storage_refusal = None
@@ -310,7 +310,7 @@ def remove_federation_config(
     """Delete the federation file's ConfigMap once `spec.federation` is gone and no pod
     mounts it any more (the rollout replaces them first: a pod of the old template
     restarted in place still needs it)."""
-    if memory.federation_config == "absent":
+    if memory.federation_config_gone:
         return
     name = federation.config_map_name(cluster.name)
     for pod in pods.values():
@@ -327,7 +327,7 @@ def remove_federation_config(
     except ForbiddenError:  # RBAC of an older chart: no delete; the cluster's deletion does it
         log.info("%s/%s: cannot delete ConfigMap %s (no permission)", cluster.namespace,
                  cluster.name, name)  # fmt: skip
-    memory.federation_config = "absent"
+    memory.federation_config_gone = True
 
 
 def credentials_of(

@@ -222,7 +222,7 @@ def test_the_federation_file_goes_once_no_pod_mounts_it_and_only_if_the_cluster_
     pods["primary"] = broker_pod(cluster, "primary", "active", owner_uid=cluster.uid)
     operator_main.remove_federation_config(cluster, memory, pods)
     assert kube.get("v1", "ConfigMap", "default", name) is None, "rolled out: deleted"
-    assert memory.federation_config == "absent"
+    assert memory.federation_config_gone
 
     other = ClusterRef("unfederated", "default", "uid-of-another")
     kube.ensure(config_map("uid-of-someone-else"))
