@@ -94,6 +94,15 @@ def _trust_cmd(cluster: ClusterRef) -> str:
             "spec.mirror.tls.caConfigMap to a copy of the other site's `<cluster>-ca`")  # fmt: skip
 
 
+def copied_bundle(cluster: ClusterRef, reader: Reader) -> str | None:
+    """The CA bundle in this site's copy (None: no copy, or it cannot be read now)."""
+    try:
+        mine = reader.get("v1", "ConfigMap", cluster.namespace, config_map_name(cluster.name))
+    except Exception:
+        return None
+    return ((mine or {}).get("data") or {}).get(CA_KEY) or None
+
+
 def resolve(cluster: ClusterRef, spec: BrokerClusterSpec, reader: Reader) -> Trust | None:
     """Where the other site's CA comes from for this pass (None without `spec.mirror`)."""
     mirror = spec.mirror
@@ -127,11 +136,7 @@ def resolve(cluster: ClusterRef, spec: BrokerClusterSpec, reader: Reader) -> Tru
 
     def kept(why: str) -> Trust:
         """The last copy, if there is one: a read that fails does not roll the pods."""
-        try:
-            mine = reader.get("v1", "ConfigMap", cluster.namespace, copy)
-        except Exception:
-            mine = None
-        bundle = ((mine or {}).get("data") or {}).get(CA_KEY)
+        bundle = copied_bundle(cluster, reader)
         if bundle:
             return Trust(True, "PeerCACopied", f"mutual TLS with the last copy of {peer}'s "
                          f"CA in ConfigMap {copy} ({why})", config_map=copy, bundle=bundle,
@@ -259,12 +264,7 @@ def reconcile(
     trust = memory.trust = resolve(cluster, spec, reader)
     if trust is not None and trust.reason == "PeerCACopied":
         if not memory.known:
-            try:
-                mine = reader.get("v1", "ConfigMap", cluster.namespace,
-                                  config_map_name(cluster.name))  # fmt: skip
-            except Exception:
-                mine = None
-            memory.written = ((mine or {}).get("data") or {}).get(CA_KEY) or None
+            memory.written = copied_bundle(cluster, reader)
             memory.known = True
         for kind, reason, message in events(memory.written, trust):
             post(kind, reason, message)
