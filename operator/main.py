@@ -1035,7 +1035,8 @@ async def tick(
     await settled(meta, memory)
     due = memory.last_probe + memory.probe_interval - 0.05 - time.monotonic()
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(memory.wake.wait(), max(due, 0.0))
+        async with asyncio.timeout(max(due, 0.0)):
+            await memory.wake.wait()
     woken = memory.wake.is_set()
     memory.wake.clear()
     version = meta.get("resourceVersion")
