@@ -598,7 +598,7 @@ def reconcile_tls(
         if mirroring.certificate_wanted(spec):
             site = reconcile_mirror(cluster, spec, ca, memory, secrets, now, seconds)
             apply(build_mirror_secret(cluster, site, ca))
-        if federationtls.client_certificate_wanted(spec):
+        if federationtls.client_certificate_wanted(spec, cluster.name):
             client = reconcile_federation_client(cluster, ca, memory, secrets, now, seconds)
             apply(build_federation_client_secret(cluster, client, ca))
         apply(build_ca_config_map(cluster, ca.cert))
@@ -609,7 +609,7 @@ def reconcile_tls(
             apply(build_peer_certificate(cluster, tls, broker))
         if mirroring.certificate_wanted(spec):
             apply(build_mirror_certificate(cluster, spec))
-        if federationtls.client_certificate_wanted(spec):
+        if federationtls.client_certificate_wanted(spec, cluster.name):
             apply(build_federation_client_certificate(cluster, spec))
     if clock - memory.read_at >= READ_EVERY:
         memory.read_at = clock

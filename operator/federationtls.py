@@ -145,11 +145,16 @@ def own_ca(spec: BrokerClusterSpec) -> bool:
     return tls.enabled and (tls.issuer_ref is not None or tls.secret_name is None)
 
 
-def client_certificate_wanted(spec: BrokerClusterSpec) -> bool:
-    """Whether the cluster has `<cluster>-federation-tls`."""
+def client_certificate_wanted(spec: BrokerClusterSpec, cluster_name: str) -> bool:
+    """Whether the cluster has `<cluster>-federation-tls`: an upstream presents it, in the
+    spec as written (`presents_own_certificate`) or as `effective` made it (naming it)."""
     fed = spec.federation
-    return (
-        fed is not None and own_ca(spec) and any(presents_own_certificate(u) for u in fed.upstreams)
+    if fed is None or not own_ca(spec):
+        return False
+    issued = client_secret_name(cluster_name)
+    return any(
+        presents_own_certificate(u) or (u.tls is not None and u.tls.client_secret == issued)
+        for u in fed.upstreams
     )
 
 
@@ -238,7 +243,8 @@ def names_as_upstream(item: Obj, cluster: ClusterRef) -> BrokerClusterSpec | Non
     except ValidationError:
         return None
     fed = spec.federation
-    if fed is None or not client_certificate_wanted(spec):
+    name = str(meta.get("name") or "")
+    if fed is None or not client_certificate_wanted(spec, name):
         return None
     for upstream in fed.upstreams:
         ref = upstream.cluster_ref
@@ -345,7 +351,7 @@ def effective(
             upstreams.append(upstream)
             continue
         given = upstream.tls or FederationUpstreamTls()
-        own = client_certificate_wanted(spec) and given.client_secret is None
+        own = client_certificate_wanted(spec, cluster.name) and given.client_secret is None
         tls = given.model_copy(update={
             "ca_config_map": peer_ca_name(cluster.name),
             "ca_key": upstream_key(upstream.name),

@@ -58,7 +58,7 @@ def test_a_cluster_ref_upstream_is_dialled_on_amqps_with_the_copied_ca_and_an_is
     raw = spec(downstream())
     # No copy yet: the spec as written dials the plain port.
     assert rendered_upstream(raw, tmp_path).uri.startswith("amqp://")
-    assert federationtls.client_certificate_wanted(raw)
+    assert federationtls.client_certificate_wanted(raw, REMOTE.name)
     wanted = federationtls.effective(REMOTE, raw, copied())
     central = rendered_upstream(wanted, tmp_path)
     assert central.uri == "amqps://twinmq@central.site-a.svc:5671/"
@@ -86,23 +86,23 @@ def test_turned_off_or_given_by_hand_the_operator_copies_nothing() -> None:
     off = downstream()
     off["upstreams"][0]["tls"] = {"enabled": False}
     assert not federationtls.automatic(spec(off).federation.upstreams[0])  # type: ignore[union-attr]
-    assert not federationtls.client_certificate_wanted(spec(off))
+    assert not federationtls.client_certificate_wanted(spec(off), REMOTE.name)
     assert federationtls.effective(REMOTE, spec(off), copied()) == spec(off)
     config_map = build_federation_config_map(REMOTE, spec(off))
     assert config_map is not None and "amqp://" in config_map["data"]["federation.yaml"]
     given = downstream()
     given["upstreams"][0]["tls"] = {"caConfigMap": "central-ca", "clientSecret": "mine"}
     assert federationtls.effective(REMOTE, spec(given), copied()) == spec(given)
-    # A CA given by hand and no client Secret: this cluster's own client certificate.
+    # A CA given by hand: nothing copied nor issued (a clientSecret of yours, if needed).
     ca_only = downstream()
     ca_only["upstreams"][0]["tls"] = {"caConfigMap": "central-ca"}
-    assert not federationtls.client_certificate_wanted(spec(ca_only))
+    assert not federationtls.client_certificate_wanted(spec(ca_only), REMOTE.name)
     # A cluster without a CA of its own (its own Secret, or TLS off) has no client
     # certificate to present: amqps all the same, verified against the copied CA.
     own_secret = BrokerClusterSpec.model_validate(
         {"federation": downstream(), "tls": {"secretName": "mine"}}
     )
-    assert not federationtls.client_certificate_wanted(own_secret)
+    assert not federationtls.client_certificate_wanted(own_secret, REMOTE.name)
     mounted = federationtls.effective(REMOTE, own_secret, copied())
     tls = mounted.federation.upstreams[0].tls  # type: ignore[union-attr]
     assert tls is not None and tls.client_secret is None
@@ -141,7 +141,11 @@ def test_the_operator_issues_the_client_certificate_with_its_own_ca() -> None:
         def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
             return None
 
-    certs.reconcile_tls(REMOTE, spec(downstream()), memory, NoSecrets(),
+    # Given the spec the pods are built from (`effective`, as `operator/main.py` does),
+    # which names the Secret: found in e2e, where the pods waited for a Secret never made.
+    mounted = federationtls.effective(REMOTE, spec(downstream()), copied())
+    assert federationtls.client_certificate_wanted(mounted, REMOTE.name)
+    certs.reconcile_tls(REMOTE, mounted, memory, NoSecrets(),
                         lambda o: applied.__setitem__(o["metadata"]["name"], o), now=NOW,
                         seconds=3600)  # fmt: skip
     secret = applied["remote-federation-tls"]
