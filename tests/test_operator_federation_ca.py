@@ -198,6 +198,37 @@ def test_an_upstream_with_downstreams_cas_asks_for_optional_client_certificates(
     assert built["data"] == {"ca.crt": "CAS"}
 
 
+class Scoped:
+    """A namespace-scoped operator's reads: BrokerClusters of its own namespace only
+    (a cluster-wide list is refused), and `failing` whatever it lists."""
+
+    def __init__(self, items: list[dict[str, Any]], failing: bool = False) -> None:
+        self.items, self.failing = items, failing
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
+        return {"data": {"ca.crt": f"CA of {namespace}/{name}\n"}}
+
+    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> Any:
+        if self.failing or namespace == "":
+            raise PermissionError("HTTP 403")
+        return [i for i in self.items if i["metadata"]["namespace"] == namespace]
+
+
+def test_the_downstreams_are_found_in_the_own_namespace_when_listing_all_is_refused() -> None:
+    near = downstream()
+    near["upstreams"][0]["clusterRef"] = {"name": "central"}
+    items = [{"metadata": {"namespace": "site-a", "name": "near"}, "spec": {"federation": near}}]
+    found = federationtls.resolve_downstreams(CENTRAL, spec({}), Scoped(items), {})
+    assert found is not None and found.downstreams == ("site-a/near",)
+    assert found.bundle == "CA of site-a/near-ca\n"
+    # Nothing can be listed: the last copy is kept (its brokers do not roll back).
+    kept = federationtls.resolve_downstreams(CENTRAL, spec({}), Scoped(items, True),
+                                             {"ca.crt": "LAST"})  # fmt: skip
+    assert kept is not None and kept.bundle == "LAST" and "cannot list" in kept.message
+    none = federationtls.resolve_downstreams(CENTRAL, spec({}), Scoped(items, True), {})
+    assert none is not None and none.bundle is None
+
+
 # -- a real API server -----------------------------------------------------------------------
 
 
