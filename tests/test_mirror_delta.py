@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from mirrorsites import Sites, channel, metric, mirror_status, publish, queues
+from mirrorsites import Sites, channel, demote, metric, mirror_status, promote, publish, queues
 from test_mirror_reseed import ORPHANS, bodies, orphans
 
 from twinmq.broker.journal import StoredMessage
@@ -195,6 +195,34 @@ def test_a_reversal_sends_bytes_for_the_k_messages_that_differ_not_the_n_in_comm
         assert lost is not None and lost["promoted"] == "site-b"
         assert (lost["messages"], lost["settles"]) == (5, 5)
         assert lost["events"] >= 6  # the 5 acks, the publishes (batched), maybe a topology
+
+
+def test_failing_back_after_a_forced_failover_never_replays_what_the_old_source_lost(
+    tmp_path: Path,
+) -> None:
+    """The old source's events the promoted site never applied are counted once it is
+    back, and dropped: their effects are its orphans; sent after a failback, they would
+    put back on the other site the messages it never had."""
+    with Sites(tmp_path, reversible=True) as sites:
+        publish(sites.source, "orders", bodies("a", 10))
+        sites.caught_up()
+        sites.mirror.stop()
+        publish(sites.source, "orders", bodies("lost", 5))
+        fence_and_reverse(sites)
+        sites.source.start()
+        wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
+        sites.caught_up(source=sites.mirror)
+        lost = mirror_status(sites.source)["unmirrored"]
+        assert lost is not None and (lost["messages"], lost["settles"]) == (5, 0)
+        back = demote(sites.mirror)
+        assert back.token is not None
+        assert promote(sites.source, back.token).role == "source"
+        publish(sites.source, "orders", [b"after"])
+        sites.caught_up()
+        expected = [*bodies("a", 10), *bodies("b", 5), b"after"]
+        assert drain(sites.mirror.url, "orders") == expected
+        assert drain(sites.source.url, "orders") == expected
+        assert sorted(drain(sites.source.url, ORPHANS)) == sorted(bodies("lost", 5))
 
 
 @pytest.mark.slow

@@ -176,22 +176,27 @@ class _Probe:
     mids: list[int]
 
 
-def pending_snapshots(events: Iterable[tuple[int, bytes]]) -> list[Chunk]:
+def pending_snapshots(events: Iterable[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
     """The seed's snapshot events among `events` (the queue after the mirror's mark):
     those before the first event that is not part of a seed (an OPS event changes the
     mirror between the comparison and the snapshot's apply: never compared past it)."""
-    chunks: list[Chunk] = []
+    found: list[tuple[int, bytes]] = []
     for seq, body in events:
         kind = body[0] if body else 0
         if kind in (KIND_SEED, KIND_DEFINITIONS):
             continue
         if kind != KIND_SNAPSHOT:
             break
-        found = snapshot_of(body)
-        assert found is not None
-        covered, ops = found
-        chunks.append(Chunk(seq, body, covered, sorted(op.mid for op in ops)))
-    return chunks
+        found.append((seq, body))
+    return found
+
+
+def chunk_of(seq: int, body: bytes) -> Chunk:
+    """A snapshot event, to compare."""
+    found = snapshot_of(body)
+    assert found is not None
+    covered, ops = found
+    return Chunk(seq, body, covered, sorted(op.mid for op in ops))
 
 
 class Reconciler:

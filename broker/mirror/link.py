@@ -51,6 +51,7 @@ from twinmq.broker.mirror.delta import (
     RECONCILE_VERSION,
     Reconciler,
     ReconcileReply,
+    chunk_of,
     pending_snapshots,
     wire,
 )
@@ -362,9 +363,13 @@ class MirrorLink:
             for e in source.queue.entries
             if applied < e.message.mid <= durable
         )
-        chunks = pending_snapshots(events)
-        if not chunks:
+        pending = pending_snapshots(events)
+        if not pending:
             return {}
+        chunks = []
+        for seq, body in pending:
+            chunks.append(chunk_of(seq, body))
+            await asyncio.sleep(0)  # a million messages to read: clients get turns between
         reconciler = Reconciler(chunks, self.marks())
         exchanged = 0
         while (request := reconciler.request()) is not None:

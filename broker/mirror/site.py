@@ -288,13 +288,16 @@ class Mirroring:
     def marks_seen(self, origin: str, marks: dict[str, int]) -> None:
         """The site that fenced this one applied its events up to `marks[self.origin]`:
         count, from this site's replication queue, what it journaled after that and the
-        other site never applied (the forced failover's RPO, as a count), and keep it."""
+        other site never applied (the forced failover's RPO, as a count), keep the count
+        and drop that backlog (`MirrorSource.drop_unsent`), in one batch."""
         roles, mark = self.roles, marks.get(self.origin)
         if roles is None or mark is None or roles.current.fenced_by is None:
             return  # a switchover drained everything: nothing to count
         queue = self.vhost.queues.get(QUEUE_NAME)
+        if queue is None or not queue.entries:
+            return  # counted (and dropped) at an earlier session already
         events = messages = settles = 0
-        for entry in queue.entries if queue is not None else ():
+        for entry in queue.entries:
             if entry.message.mid <= mark:
                 continue
             events += 1
@@ -313,15 +316,12 @@ class Mirroring:
             promoted=origin, applied_seq=mark, events=events, messages=messages,
             settles=settles, counted_at=self.clock(),
         )  # fmt: skip
-        old = roles.current.unmirrored
-        if old is not None and old.model_copy(update={"counted_at": 0.0}) == counted.model_copy(
-            update={"counted_at": 0.0}
-        ):
-            return  # counted at an earlier session already
         log.error("mirror: forced failover to %s: %d events of this site (%d messages, %d "
                   "settles) after its event %d were never applied there", origin, events,
                   messages, settles, mark)  # fmt: skip
         roles.record(roles.current.model_copy(update={"unmirrored": counted}))
+        if self.source is not None:
+            self.source.drop_unsent()
 
     def progressed(self) -> None:
         """Events were acknowledged (source) or applied (replica): wake a waiting switch."""
