@@ -167,6 +167,21 @@ class MirrorRpo(BaseModel):
     seen_at: float | None = Field(description="When the source last reported (unix time)")
 
 
+class MirrorUnmirrored(BaseModel):
+    """On an old source reversed after a forced failover: what it journaled and the
+    promoted site never applied (the RPO as a count, known once this site is back)."""
+
+    promoted: str = Field(description="The site that took over (the mirror id it announced)")
+    applied_seq: int = Field(description="This site's last event the promoted site applied")
+    events: int = Field(description="This site's events after it: never applied there")
+    messages: int = Field(
+        description="Messages those events enqueued: lost to the promoted site (kept here "
+        "in the orphan queue unless settled since)"
+    )
+    settles: int = Field(description="Settles (acks, expiries...) in them, never seen there")
+    counted_at: float = Field(description="When this site counted them (unix time)")
+
+
 class MirrorSwitch(BaseModel):
     """The answer of `POST /mirror/demote` and `POST /mirror/promote` (replayed as-is)."""
 
@@ -226,6 +241,11 @@ class MirrorStatus(BaseModel):
     rpo: MirrorRpo | None = Field(None, description="Set by a forced promotion, kept")
     failover_rpo: MirrorRpo | None = Field(
         None, description="On a replica: what a forced promotion would report now"
+    )
+    unmirrored: MirrorUnmirrored | None = Field(
+        None,
+        description="On an old source reversed after a forced failover: its events the "
+        "promoted site never applied (the RPO, counted), kept",
     )
     target: str | None = Field(None, description="The mirror's address")
     queue_events: int = Field(0, description="Events not yet acknowledged by the mirror")

@@ -309,8 +309,16 @@ class MirrorApplier:
             metrics.SEEDS.inc()
             log.warning("mirror: seed from %s (%s): rebuilding", origin, event.seed)
         elif event.ops is not None:
-            if event.snapshot is not None:
-                journal += self._orphan(origin, event.snapshot, event.ops)
+            if event.fixes is not None and event.snapshot is not None:
+                # A seed's snapshot as this mirror's delta (`delta.py`): the messages it
+                # lacked, and the few ranges where it holds others.
+                qid = event.snapshot.qid
+                for fix in event.fixes:
+                    if fix.keep is not None:
+                        covered = SnapshotRange(qid, fix.lo, fix.hi)
+                        journal += self._orphan(origin, covered, set(fix.keep))
+            elif event.snapshot is not None:
+                journal += self._orphan(origin, event.snapshot, {op.mid for op in event.ops})
             journal += self._apply_ops(event.ops, keys)
         return event.created
 
@@ -368,13 +376,12 @@ class MirrorApplier:
         keys += self.vhost.apply_ops(out)
         return out
 
-    def _orphan(self, origin: str, covered: SnapshotRange, ops: list[JournalOp]) -> list[JournalOp]:
-        """Move what this mirror holds in `covered` and the source does not to the orphan
-        queue; the ops that journal it."""
+    def _orphan(self, origin: str, covered: SnapshotRange, source_has: set[int]) -> list[JournalOp]:
+        """Move what this mirror holds in `covered` and the source does not (`source_has`
+        are the source's message ids there) to the orphan queue; the ops that journal it."""
         queue = self.vhost.queue_by_qid(covered.qid)
         if queue is None or covered.qid >= INTERNAL_QID_BASE:
             return []
-        source_has = {op.mid for op in ops}
 
         def stale(entry: Entry) -> bool:
             mid = entry.message.mid

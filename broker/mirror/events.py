@@ -18,6 +18,12 @@ mirror's high-water mark per origin makes apply idempotent.
                  exactly these messages of queue `qid` with lo <= mid <= hi. A mirror that
                  holds others in that range did not get, or missed, what happened to them:
                  it moves them to its orphan queue (never discarded)
+    DELTA        payload = u64 qid | u64 lo | u64 hi | u32 n | n fixes | ops (enqueues only):
+                 a SNAPSHOT event of the same seq, rewritten for one mirror by the link
+                 (`delta.py`; never journaled): the ops are the messages the mirror lacked;
+                 each fix = u64 lo | u64 hi | u32 k | k u64 mids: in lo..hi the source holds
+                 exactly these (the mirror orphans the rest; k = KEEP_ANY: orphan nothing).
+                 Outside the fixes the mirror held exactly the snapshot's messages
 """
 
 from __future__ import annotations
@@ -39,8 +45,14 @@ KIND_OPS: Final = 1
 KIND_DEFINITIONS: Final = 2
 KIND_SEED: Final = 3
 KIND_SNAPSHOT: Final = 4
+KIND_DELTA: Final = 6  # 5 is bidi.KIND_BIDI
 _HEAD = struct.Struct("<Bd")
 _RANGE = struct.Struct("<QQQ")
+_COUNT = struct.Struct("<I")
+_FIX = struct.Struct("<QQI")
+_MID = struct.Struct("<Q")
+# A fix's count when it lists no mids: the mirror orphans nothing in its range.
+KEEP_ANY: Final = 0xFFFFFFFF
 # The `hi` of a queue's last snapshot event: everything above the previous one.
 TOP_MID: Final = (1 << 64) - 1
 
@@ -71,6 +83,16 @@ class SnapshotRange:
 
 
 @dataclass(slots=True, frozen=True)
+class SnapshotFix:
+    """Part of a DELTA event: in `lo..hi` the source holds exactly `keep` (None: the mirror
+    holds nothing there the source lacks; it orphans nothing)."""
+
+    lo: int
+    hi: int
+    keep: tuple[int, ...] | None
+
+
+@dataclass(slots=True, frozen=True)
 class MirrorEvent:
     """One decoded event: ops (with their range for a snapshot), definitions or a seed."""
 
@@ -80,6 +102,7 @@ class MirrorEvent:
     definitions: Definitions | None = None
     snapshot: SnapshotRange | None = None
     seed: str | None = None
+    fixes: list[SnapshotFix] | None = None  # a DELTA event's (`snapshot` is its range then)
 
 
 def encode_ops_event(ops: Sequence[JournalOp], created: float) -> bytes:
@@ -113,6 +136,31 @@ def encode_snapshot_event(
     return _HEAD.pack(KIND_SNAPSHOT, created) + buf
 
 
+def encode_delta_event(
+    covered: SnapshotRange, fixes: Sequence[SnapshotFix], ops: Sequence[JournalOp], created: float
+) -> bytes:
+    """A DELTA event: a snapshot event's messages the mirror lacks, and where it holds
+    others (`fixes`)."""
+    buf = bytearray(_RANGE.pack(covered.qid, covered.lo, covered.hi))
+    buf += _COUNT.pack(len(fixes))
+    for fix in fixes:
+        keep = fix.keep
+        buf += _FIX.pack(fix.lo, fix.hi, KEEP_ANY if keep is None else len(keep))
+        if keep:
+            buf += struct.pack(f"<{len(keep)}Q", *keep)
+    encode_ops(ops, buf)
+    return _HEAD.pack(KIND_DELTA, created) + buf
+
+
+def snapshot_of(body: bytes) -> tuple[SnapshotRange, list[JournalOp]] | None:
+    """A SNAPSHOT event's range and messages (None: another kind of event)."""
+    if not body or body[0] != KIND_SNAPSHOT:
+        return None
+    event = decode_event(0, body)
+    assert event.snapshot is not None and event.ops is not None
+    return event.snapshot, event.ops
+
+
 def is_seed(body: bytes) -> bool:
     """Whether an event starts a (re-)seed."""
     return bool(body) and body[0] == KIND_SEED
@@ -137,6 +185,8 @@ def decode_event(seq: int, body: bytes) -> MirrorEvent:
         covered = SnapshotRange(*_RANGE.unpack_from(payload))
         ops = decode_ops(payload[_RANGE.size :])
         return MirrorEvent(seq, created, ops=ops, snapshot=covered)
+    if kind == KIND_DELTA:
+        return _decode_delta(seq, created, payload)
     if kind == KIND_SEED:
         return MirrorEvent(seq, created, seed=payload.decode(errors="replace"))
     if kind == KIND_DEFINITIONS:
@@ -152,6 +202,25 @@ def decode_event(seq: int, body: bytes) -> MirrorEvent:
             f"--mirror-role bidirectional too"
         )
     raise ValueError(f"event {seq}: unknown kind {kind}")
+
+
+def _decode_delta(seq: int, created: float, payload: bytes) -> MirrorEvent:
+    try:
+        covered = SnapshotRange(*_RANGE.unpack_from(payload))
+        (n,) = _COUNT.unpack_from(payload, _RANGE.size)
+        at = _RANGE.size + _COUNT.size
+        fixes: list[SnapshotFix] = []
+        for _ in range(n):
+            lo, hi, k = _FIX.unpack_from(payload, at)
+            at += _FIX.size
+            keep: tuple[int, ...] | None = None
+            if k != KEEP_ANY:
+                keep = struct.unpack_from(f"<{k}Q", payload, at)
+                at += k * _MID.size
+            fixes.append(SnapshotFix(lo, hi, keep))
+    except struct.error:
+        raise ValueError(f"event {seq}: delta truncated") from None
+    return MirrorEvent(seq, created, ops=decode_ops(payload[at:]), snapshot=covered, fixes=fixes)
 
 
 def is_internal(name: str) -> bool:

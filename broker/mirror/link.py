@@ -5,6 +5,8 @@
     HELLO {origin, nonce, proof}       ->
                                        <-     WELCOME {proof} (or REFUSE)
                                        <-     ACK u64: the origin's applied mark
+    RECONCILE {probes} ...             ->     only when a seed's snapshot is pending
+                                       <-     RECONCILE {answers}: what it lacks (delta.py)
     BATCH seq|0|event ... (pipelined)  ->
                                        <-     ACK u64 once applied and durable there
     PING {beat}                        ->     every second: a heartbeat (Heartbeat JSON)
@@ -24,6 +26,10 @@ behind everything sent before it. The heartbeat also tells the mirror what a
 forced promotion would lose (the source's newest event and backlog). HELLO and
 REFUSE carry DR epochs (`role.py`): a REFUSE from a site at a higher epoch
 fences this one (`on_fenced`).
+
+A seed's snapshot events the mirror has not applied are compared with what it
+holds first (`delta.py`, a mirror that announces CHALLENGE version 3) and sent
+as DELTA events of the same seqs: only what it lacks crosses the link.
 """
 
 from __future__ import annotations
@@ -41,6 +47,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.auth import Transcript
+from twinmq.broker.mirror.delta import (
+    RECONCILE_VERSION,
+    Reconciler,
+    ReconcileReply,
+    chunk_of,
+    pending_snapshots,
+    wire,
+)
 from twinmq.broker.mirror.source import MirrorSource
 from twinmq.broker.replication.handshake import new_nonce
 from twinmq.broker.replication.link import FrameReader
@@ -126,6 +140,7 @@ class MirrorLink:
         on_gap: Callable[[str], object] = lambda reason: None,
         tls: MutualTls | None = None,
         server_name: str | None = None,
+        marks: Callable[[], dict[str, int]] = dict,
     ) -> None:
         host, _, port = address.rpartition(":")
         self.host, self.port = host or "127.0.0.1", int(port)
@@ -142,6 +157,9 @@ class MirrorLink:
         self.on_gap = on_gap
         self.tls = tls  # mutual TLS: this site's certificate, the mirror's CA
         self.server_name = server_name or self.host  # what the mirror's certificate names
+        self.marks = marks  # this site's applied marks per origin (its listener's)
+        self._mirror_version = 0  # the mirror's CHALLENGE version (3: it answers RECONCILE)
+        self._delta: dict[int, bytes] = {}  # seq -> a snapshot event as its DELTA event
         self.connected = False
         self.last_error: str | None = None
         self.round_trip: float | None = None  # the last heartbeat's, seconds
@@ -226,6 +244,7 @@ class MirrorLink:
             if gap is not None:
                 self.on_gap(gap)  # a seed: every event the mirror lacks is rebuilt by it
             self.source.acked(applied)
+            self._delta = await self._reconcile(frames, writer, applied)
             self.last_error = None
             sender = asyncio.get_running_loop().create_task(self._send(writer, applied))
             try:
@@ -253,6 +272,7 @@ class MirrorLink:
         if ftype is not FrameType.CHALLENGE:
             raise ProtocolError(f"expected CHALLENGE, got {ftype.name}")
         challenge = decode_model(Challenge, payload)
+        self._mirror_version = challenge.version
         nonce = new_nonce()
         transcript = Transcript(challenge.name, self.origin, challenge.nonce, nonce)
         hello = Hello(
@@ -298,12 +318,16 @@ class MirrorLink:
             if room > 0 and inflight_bytes < self.window_bytes:
                 events = self.source.sendable(sent, room, self.window_bytes - inflight_bytes)
             if events:
+                if self._delta:
+                    events = self._as_delta(events)
+                before = inflight_bytes
                 for seq, body in events:
                     writer.write(encode_batch(seq, 0, body))
                     inflight.append((seq, len(body)))
                     inflight_bytes += len(body)
                 sent = events[-1][0]
                 metrics.SENT.inc(len(events))
+                metrics.SENT_BYTES.inc(inflight_bytes - before)
                 await writer.drain()
                 if loop.time() - last_beat >= PING_EVERY:
                     writer.write(self._heartbeat())  # also under load: lag is visible
@@ -317,6 +341,65 @@ class MirrorLink:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(PING_EVERY):
                     await self._wake.wait()
+
+    def _as_delta(self, events: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        """Snapshot events the mirror compared this session, as their DELTA events."""
+        delta = self._delta
+        return [(seq, delta.pop(seq, body)) for seq, body in events]
+
+    async def _reconcile(
+        self, frames: FrameReader, writer: asyncio.StreamWriter, applied: int
+    ) -> dict[int, bytes]:
+        """Compare the seed's snapshot events after `applied` with what the mirror holds
+        (`delta.py`); each one as the DELTA event to send instead, by seq."""
+        source = self.source
+        if self._mirror_version < RECONCILE_VERSION or source.ids is not None:
+            return {}  # an older mirror, or a bidirectional site (no snapshot events)
+        durable = source.durable_seq
+        events = (
+            (e.message.mid, e.message.body)
+            for e in source.queue.entries
+            if applied < e.message.mid <= durable
+        )
+        pending = pending_snapshots(events)
+        if not pending:
+            return {}
+        chunks = []
+        for seq, body in pending:
+            chunks.append(chunk_of(seq, body))
+            await asyncio.sleep(0)  # a million messages to read: clients get turns between
+        reconciler = Reconciler(chunks, self.marks())
+        exchanged = 0
+        while (request := reconciler.request()) is not None:
+            frame = encode(FrameType.RECONCILE, wire(request))
+            writer.write(frame)
+            await writer.drain()
+            payload = await self._reconcile_reply(frames)
+            exchanged += len(frame) + len(payload) + 5
+            try:
+                reconciler.answered(decode_model(ReconcileReply, payload))
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
+        metrics.RECONCILE_BYTES.inc(exchanged)
+        skipped = reconciler.skipped()
+        metrics.SEED_SKIPPED.inc(skipped)
+        delta = reconciler.bodies()
+        log.info("mirror link to %s: the seed's %d snapshot events compared in %d round "
+                 "trips (%d bytes): %d messages held there already, %d to send",
+                 self.address, len(chunks), reconciler.rounds, exchanged, skipped,
+                 sum(len(c.send) for c in chunks))  # fmt: skip
+        return delta
+
+    async def _reconcile_reply(self, frames: FrameReader) -> bytes:
+        """The mirror's RECONCILE answer (its idle PINGs on the way are skipped)."""
+        while True:
+            ftype, payload = await frames.next(SILENCE)
+            if ftype is FrameType.RECONCILE:
+                return payload
+            if ftype is FrameType.REFUSE:
+                self._refused(decode_model(Refuse, payload))
+            if ftype is not FrameType.PING:
+                raise ProtocolError(f"expected RECONCILE, got {ftype.name}")
 
     def _heartbeat(self) -> bytes:
         """The next heartbeat's PING frame."""

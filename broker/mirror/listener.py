@@ -11,7 +11,8 @@ refused, the REFUSE carrying this site's epoch). A source whose proof holds is
 refused only after this side's WELCOME proved it too: a REFUSE that can fence
 the source (a higher epoch) never comes from an unauthenticated peer. Heartbeats (`link.Heartbeat`)
 are echoed as received and reported to the site (`heard`): the RPO a forced
-promotion reports.
+promotion reports. Before its first event a source may compare a pending seed with
+what this mirror holds (RECONCILE, `delta.py`): answered from the queues as they are.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Protocol
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.applier import MirrorApplier
 from twinmq.broker.mirror.auth import Transcript
+from twinmq.broker.mirror.delta import RECONCILE_VERSION, ReconcileRequest, answer, wire
 from twinmq.broker.mirror.durable import BatchFutures
 from twinmq.broker.mirror.link import Heartbeat, MirrorBeat, decode_heartbeat
 from twinmq.broker.replication.handshake import new_nonce
@@ -72,6 +74,11 @@ class ListenerSite(Protocol):
 
     def blocked(self) -> str | None:
         """This broker's resource alarm (disk, memory) while it is raised, else None."""
+        ...
+
+    def marks_seen(self, origin: str, marks: dict[str, int]) -> None:
+        """A source said how far it applied each origin it mirrored (this one's, if this
+        site was its source before a forced failover: what never reached it)."""
         ...
 
 
@@ -145,7 +152,8 @@ class MirrorListener:
     async def _authenticate(self, frames: FrameReader, writer: asyncio.StreamWriter) -> str | None:
         """The handshake; the authenticated origin, or None (refused)."""
         nonce = new_nonce()
-        writer.write(encode(FrameType.CHALLENGE, Challenge(version=2, name=self.name, nonce=nonce)))
+        challenge = Challenge(version=RECONCILE_VERSION, name=self.name, nonce=nonce)
+        writer.write(encode(FrameType.CHALLENGE, challenge))
         ftype, payload = await frames.next()
         if ftype is not FrameType.HELLO:
             raise ProtocolError(f"expected HELLO, got {ftype.name}")
@@ -246,6 +254,8 @@ class MirrorListener:
             if ftype is FrameType.BATCH:
                 seq, _flags, body = decode_batch(payload)
                 events.append((seq, body))
+            elif ftype is FrameType.RECONCILE and not events and self.applier.ids is None:
+                self._reconcile(origin, payload, writer)
             elif ftype is FrameType.PING:
                 beat = decode_heartbeat(payload)
                 if beat is not None:
@@ -254,6 +264,14 @@ class MirrorListener:
             else:
                 raise ProtocolError(f"unexpected {ftype.name} from a mirror source")
         return events
+
+    def _reconcile(self, origin: str, payload: bytes, writer: asyncio.StreamWriter) -> None:
+        """Answer a source's comparison of its pending seed with what this mirror holds
+        now (every event read before it is applied: the source sends none before)."""
+        request = decode_model(ReconcileRequest, payload)
+        if request.marks:
+            self.site.marks_seen(origin, request.marks)
+        writer.write(encode(FrameType.RECONCILE, wire(answer(self.applier.vhost, request))))
 
     async def _acknowledge(
         self, acks: asyncio.Queue[tuple[asyncio.Future[bool], int]], writer: asyncio.StreamWriter

@@ -18,6 +18,18 @@ FLOW_CONTROL = Gauge(
     "1 while publishers are blocked because the connected mirror lags past --mirror-max-lag",
 )
 SENT = Counter("twinmq_mirror_sent_events_total", "Events sent to the mirror (re-sends included)")
+SENT_BYTES = Counter(
+    "twinmq_mirror_sent_bytes_total",
+    "Bytes of the events sent to the mirror, as sent (a seed's snapshot as its delta)",
+)
+RECONCILE_BYTES = Counter(
+    "twinmq_mirror_reconcile_bytes_total",
+    "On the source: bytes of the RECONCILE frames that compared a seed with the mirror (both ways)",
+)
+SEED_SKIPPED = Counter(
+    "twinmq_mirror_seed_skipped_messages_total",
+    "On the source: messages of a seed the mirror held already, so not sent (the delta)",
+)
 APPLIED = Counter("twinmq_mirror_applied_events_total", "Events applied on this mirror")
 LAST_APPLIED_AGE = Gauge(
     "twinmq_mirror_last_applied_event_age_seconds",

@@ -21,7 +21,7 @@ from typing import Final, Protocol
 
 from pydantic import BaseModel
 
-from twinmq.broker.api import MirrorRole, MirrorRpo, MirrorSwitch
+from twinmq.broker.api import MirrorRole, MirrorRpo, MirrorSwitch, MirrorUnmirrored
 from twinmq.broker.journal import JournalOp
 from twinmq.broker.mirror.durable import BatchFutures
 from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE, replace_record
@@ -43,6 +43,7 @@ class SiteRole(BaseModel):
     needs_resync: str | None = None  # the backlog was dropped: why
     fenced_by: str | None = None  # demoted by a higher epoch (not by a switchover): why
     took_over_from: str | None = None  # promoted with this origin's token: its site only
+    unmirrored: MirrorUnmirrored | None = None  # fenced by a forced failover: what was lost
 
 
 class RoleHost(Protocol):

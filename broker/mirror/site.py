@@ -34,20 +34,23 @@ from twinmq.broker.api import (
     MirrorRpo,
     MirrorStatus,
     MirrorSwitch,
+    MirrorUnmirrored,
 )
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.errors import MirrorNotDrained, MirrorRefused
 from twinmq.broker.filewatch import reload_every
 from twinmq.broker.heap import HEAP
+from twinmq.broker.journal import StoredMessage
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.applier import ORPHANS_NAME, MirrorApplier, MirrorState
 from twinmq.broker.mirror.auth import mirror_key
 from twinmq.broker.mirror.bidi import IdMap
 from twinmq.broker.mirror.durable import BatchFutures
+from twinmq.broker.mirror.events import INTERNAL_QID_BASE, decode_event
 from twinmq.broker.mirror.link import Heartbeat, MirrorLink
 from twinmq.broker.mirror.listener import MirrorListener
 from twinmq.broker.mirror.role import RoleStore, SiteRole
-from twinmq.broker.mirror.source import MirrorSource, SourceState
+from twinmq.broker.mirror.source import QUEUE_NAME, MirrorSource, SourceState
 from twinmq.broker.settings import BrokerSettings
 from twinmq.broker.tls import MutualTls
 
@@ -131,6 +134,7 @@ class Mirroring:
                 on_gap=self._reseed_now,
                 tls=self.tls,
                 server_name=settings.mirror_tls_server_name,
+                marks=self._applied_marks,
             )
             monitor.checks.append(self._flow_control)
             metrics.QUEUE_EVENTS.set_function(lambda: self._source_value("depth"))
@@ -271,6 +275,53 @@ class Mirroring:
         """A source's heartbeat: what a forced promotion would report as its RPO."""
         self.beat, self.beat_at = beat, self.clock()
         self.seen_epoch = max(self.seen_epoch, beat.epoch)
+
+    def _applied_marks(self) -> dict[str, int]:
+        """How far this site applied each origin it mirrored (told to the site it mirrors
+        to when they compare a seed: an old source counts what never reached this one)."""
+        listener = self.listener
+        if listener is None or self.ids is not None:
+            return {}
+        applier = listener.applier
+        return {origin: applier.applied(origin) for origin in applier.origins()}
+
+    def marks_seen(self, origin: str, marks: dict[str, int]) -> None:
+        """The site that fenced this one applied its events up to `marks[self.origin]`:
+        count, from this site's replication queue, what it journaled after that and the
+        other site never applied (the forced failover's RPO, as a count), keep the count
+        and drop that backlog (`MirrorSource.drop_unsent`), in one batch."""
+        roles, mark = self.roles, marks.get(self.origin)
+        if roles is None or mark is None or roles.current.fenced_by is None:
+            return  # a switchover drained everything: nothing to count
+        queue = self.vhost.queues.get(QUEUE_NAME)
+        if queue is None or not queue.entries:
+            return  # counted (and dropped) at an earlier session already
+        events = messages = settles = 0
+        for entry in queue.entries:
+            if entry.message.mid <= mark:
+                continue
+            events += 1
+            try:
+                ops = decode_event(entry.message.mid, entry.message.body).ops or []
+            except ValueError:
+                continue
+            for op in ops:
+                if op.qid >= INTERNAL_QID_BASE:
+                    continue
+                if type(op) is StoredMessage:
+                    messages += 1
+                else:
+                    settles += 1
+        counted = MirrorUnmirrored(
+            promoted=origin, applied_seq=mark, events=events, messages=messages,
+            settles=settles, counted_at=self.clock(),
+        )  # fmt: skip
+        log.error("mirror: forced failover to %s: %d events of this site (%d messages, %d "
+                  "settles) after its event %d were never applied there", origin, events,
+                  messages, settles, mark)  # fmt: skip
+        roles.record(roles.current.model_copy(update={"unmirrored": counted}))
+        if self.source is not None:
+            self.source.drop_unsent()
 
     def progressed(self) -> None:
         """Events were acknowledged (source) or applied (replica): wake a waiting switch."""
@@ -523,6 +574,7 @@ class Mirroring:
                 if listener is not None and roles is not None and roles.role == "replica"
                 else None
             ),
+            unmirrored=roles.current.unmirrored if roles is not None else None,
             target=self.settings.mirror_to,
             queue_events=source.depth if source is not None else 0,
             queue_bytes=source.depth_bytes if source is not None else 0,

@@ -425,6 +425,23 @@ class MirrorSource:
             self.on_needs_resync(reason)
         return settles
 
+    def drop_unsent(self) -> int:
+        """This site was fenced by a forced failover and reversed: the promoted site will
+        never apply its backlog (what it holds of those events' effects is orphaned by the
+        promoted site's seed). Drop it, journaled, so a later promotion (a failback) never
+        sends it to put those messages back there; the number of events dropped."""
+        queue = self.vhost.queues.get(QUEUE_NAME)
+        if queue is None or self.active or not queue.entries:
+            return 0
+        settles: list[JournalOp] = []
+        for entry in queue.entries:
+            settles.append(Settle(QUEUE_QID, entry.message.mid))
+            self._forget(entry.message.mid)
+        queue.entries.clear()
+        queue.bytes = 0
+        self.log.add(settles)
+        return len(settles)
+
     def _drop_backlog(self) -> list[JournalOp]:
         """Empty the queue (in memory); the settles that journal it."""
         if self._queue is None:

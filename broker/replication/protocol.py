@@ -53,6 +53,9 @@ class FrameType(enum.IntEnum):
     # active -> passive: DefinitionsDelta, one topology change; only to a passive whose
     # Snapshot said `definitions_delta` (an older one gets DEFINITIONS, whole, instead)
     DEFINITIONS_DELTA = 13
+    # The DR mirror link only (broker/mirror/delta.py), both ways: a source's
+    # ReconcileRequest, a mirror's ReconcileReply, before any event of the session
+    RECONCILE = 14
 
 
 # BATCH (and DEDUP_KEYS) flags. A catch-up chunk's batch number counts chunks (1, 2, ...),
