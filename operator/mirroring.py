@@ -38,7 +38,7 @@ from twinmq.broker.admin_client import (
     mirror_promote_call,
     mirror_reseed_call,
 )
-from twinmq.broker.api import DemotionToken, MirrorStatus
+from twinmq.broker.api import DemotionToken, MirrorStatus, MirrorUnmirrored
 from twinmq.broker.api import MirrorDemoteRequest as DemoteCall
 from twinmq.broker.api import MirrorPromoteRequest as PromoteCall
 from twinmq.broker.names import MIRROR_PORT, setting_env
@@ -230,6 +230,17 @@ def state_of(mirror: Mirror | None, seen: MirrorStatus | None) -> MirrorState | 
         sources_connected=seen.sources_connected,
         tls=seen.tls,
         orphans=seen.orphans,
+        unmirrored=unmirrored_text(seen.unmirrored),
+    )
+
+
+def unmirrored_text(lost: MirrorUnmirrored | None) -> str:
+    """`status.mirror.unmirrored`: a forced failover's loss as the old source counted it."""
+    if lost is None:
+        return ""
+    return (
+        f"{lost.messages} messages and {lost.settles} settles ({lost.events} events after "
+        f"event {lost.applied_seq}) never reached {lost.promoted}, which took over by force"
     )
 
 
@@ -263,12 +274,17 @@ def failback_condition(state: MirrorState | None) -> tuple[str, bool, str, str] 
 def events(old: MirrorState | None, new: MirrorState | None) -> list[tuple[str, str, str]]:
     """(type, reason, message) of the Events for a change of the link's state: a Warning
     when it goes down, resyncs or is fenced, a Normal one when it comes up; a Warning
-    when messages were moved to the orphan queue."""
+    when messages were moved to the orphan queue, and when an old source counted what a
+    forced failover lost."""
     out: list[tuple[str, str, str]] = []
     if new is not None and old is not None and new.orphans > old.orphans:
         out.append(("Warning", "MirrorOrphans", f"{new.orphans - old.orphans} messages the "
                     f"source does not hold were kept in amq.twinmq.mirror-orphans ("
                     f"{new.orphans} now): read or purge them (docs/mirror.md)"))  # fmt: skip
+    if new is not None and old is not None and new.unmirrored not in ("", old.unmirrored):
+        out.append(("Warning", "MirrorUnmirrored", f"the forced failover's loss, counted by "
+                    f"this old source: {new.unmirrored} (kept here in "
+                    "amq.twinmq.mirror-orphans unless settled since)"))  # fmt: skip
     unheard = ("", "Unknown")  # one-way, or nothing heard yet: no Event
     if (
         new is not None

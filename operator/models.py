@@ -1099,6 +1099,11 @@ class MirrorState(ApiModel):
         description="A replica: messages a seed showed the source lacks, kept in its queue "
         "amq.twinmq.mirror-orphans (never discarded: read or purge them)",
     )
+    unmirrored: str = Field(
+        "",
+        description="An old source reversed after a forced failover: what it had journaled "
+        "that the promoted site never applied (the RPO as a count, known once it is back)",
+    )
     demotion_token: str = Field(
         "",
         description="After a mirrorDemote request: the token to give the replica's "

@@ -11,7 +11,7 @@ from apiserver import install_crd
 from mirrorsites import Ring, Sites, depth, mirror_status, publish, queues
 from pydantic import ValidationError
 
-from twinmq.broker.api import DemotionToken, MirrorStatus
+from twinmq.broker.api import DemotionToken, MirrorStatus, MirrorUnmirrored
 from twinmq.broker.names import MIRROR_PORT, setting_env
 from twinmq.broker.settings import BrokerSettings
 from twinmq.operator.builders import ClusterRef, build_pod, build_vip_service
@@ -149,6 +149,15 @@ def test_the_mirroring_condition_and_events_follow_the_links_state() -> None:
     ((kind, reason, message),) = events(up, orphaned)
     assert (kind, reason) == ("Warning", "MirrorOrphans") and message.startswith("4 messages")
     assert events(orphaned, orphaned) == []
+    lost = MirrorUnmirrored(promoted="site-b", applied_seq=40, events=7, messages=5,
+                            settles=2, counted_at=0.0)  # fmt: skip
+    seen = MirrorStatus(enabled=False, role="replica", listening=True, unmirrored=lost)
+    back = state_of(spec({"role": "source", "target": TARGET, "secretName": "dr"}).mirror, seen)
+    assert back is not None and back.unmirrored.startswith("5 messages and 2 settles")
+    assert "never reached site-b" in back.unmirrored
+    ((kind, reason, message),) = events(up, back.model_copy(update={"state": "Connected"}))
+    assert (kind, reason) == ("Warning", "MirrorUnmirrored") and "5 messages" in message
+    assert events(back, back) == []
 
 
 # -- bidirectional sites: two, or a ring of three ----------------------------------------------
