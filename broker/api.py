@@ -27,6 +27,7 @@ class QueueStatus(BaseModel):
     """One queue as `GET /status` reports it."""
 
     name: str
+    vhost: str = Field("/", description="The virtual host the queue belongs to")
     durable: bool
     exclusive: bool
     messages: int = Field(description="Ready messages")
@@ -184,6 +185,19 @@ class MirrorReseed(BaseModel):
     messages: int = Field(description="Messages the seed's snapshot carries")
     events: int = Field(description="Events now in the replication queue (the seed's included)")
     reason: str = Field(description="Why, as logged and sent to the mirror")
+
+
+class VhostStatus(BaseModel):
+    """One virtual host as `GET /status` reports it."""
+
+    name: str
+    served: bool = Field(
+        description="Declared by the users file: clients may open it (else retired: "
+        "connections refused, content kept)"
+    )
+    queues: int
+    mirrored: bool = Field(description="The DR mirror carries its changes (`/` only, today)")
+    federated: bool = Field(description="Federation links and state cover it (`/` only, today)")
 
 
 class MirrorStatus(BaseModel):
@@ -385,6 +399,7 @@ class BrokerStatus(BaseModel):
     channels: int
     alarms: list[str]
     queues: list[QueueStatus]
+    vhosts: list[VhostStatus] = Field(default_factory=list)
     journal: JournalStatus
     replication: ReplicationStatus
     mirror: MirrorStatus | None = None
