@@ -18,6 +18,15 @@ ExchangeType = Literal["direct", "fanout", "topic", "headers"]
 DEFAULT_VHOST = "/"
 
 
+def _is_default_vhost(vhost: str) -> bool:
+    return vhost == DEFAULT_VHOST
+
+
+# Left out of the JSON when `/`: what `/` stores is byte for byte what was stored before
+# vhosts (the definitions snapshot's checksum is of that JSON; old files keep matching).
+VhostField = Field(DEFAULT_VHOST, exclude_if=_is_default_vhost)
+
+
 class ExchangeDef(BaseModel):
     """A declared exchange."""
 
@@ -25,7 +34,7 @@ class ExchangeDef(BaseModel):
 
     name: str
     type: ExchangeType
-    vhost: str = DEFAULT_VHOST
+    vhost: str = VhostField
     durable: bool = True
     auto_delete: bool = False
     internal: bool = False
@@ -43,7 +52,7 @@ class QueueDef(BaseModel):
 
     name: str
     qid: int
-    vhost: str = DEFAULT_VHOST
+    vhost: str = VhostField
     durable: bool = True
     exclusive: bool = False
     auto_delete: bool = False
@@ -59,7 +68,7 @@ class BindingDef(BaseModel):
     queue: str
     routing_key: str
     arguments: dict[str, Any] = Field(default_factory=dict)
-    vhost: str = DEFAULT_VHOST
+    vhost: str = VhostField
 
 
 class Definitions(BaseModel):
@@ -110,7 +119,7 @@ class DefinitionsDelta(BaseModel):
     add_bindings: list[BindingDef] = Field(default_factory=list)
     del_bindings: list[BindingDef] = Field(default_factory=list)
     next_qid: int = 0  # 0: unchanged
-    vhost: str = DEFAULT_VHOST
+    vhost: str = VhostField
 
     def __bool__(self) -> bool:
         return bool(
