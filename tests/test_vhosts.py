@@ -19,6 +19,7 @@ import pika
 import pika.exceptions
 import pytest
 
+from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import Pair, status
 from twinmq.testing.waiting import wait_for
@@ -158,6 +159,25 @@ def test_connection_open_without_permission_on_the_vhost_is_refused(
     connect(broker, "alice", "tenant-a").close()  # where she has permissions
 
 
+def test_a_federation_link_opening_another_vhost_is_refused(broker: BrokerProcess) -> None:
+    """Federation serves `/` only: a connection announcing a server id (a federation
+    link) is refused at connection.open in any other vhost, and served in `/`."""
+
+    def link(vhost: str) -> pika.BlockingConnection:
+        return pika.BlockingConnection(
+            pika.ConnectionParameters(
+                host="127.0.0.1", port=broker.port, virtual_host=vhost,
+                credentials=pika.PlainCredentials("admin", "admin-pw"), connection_attempts=1,
+                client_properties={SERVER_ID_PROPERTY: "some-other-server"},
+            )
+        )  # fmt: skip
+
+    with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as caught:
+        link("tenant-a")
+    assert "federation links use the vhost '/' only" in str(caught.value)
+    link("/").close()
+
+
 def test_permissions_are_those_of_the_vhost_opened(broker: BrokerProcess) -> None:
     publish(broker, "tenant-a", "orders", [b"for-bob"])
     conn = connect(broker, "bob", "tenant-a")
@@ -186,7 +206,7 @@ def test_aio_pika_works_in_a_vhost_and_sees_the_refusals(broker: BrokerProcess) 
         await connection.close()
         # aiormq reports the connection.close in reply to open without its text (pika's
         # test above checks the words).
-        with pytest.raises(Exception, match="Connection.Close"):
+        with pytest.raises(Exception, match=r"Connection\.Close"):
             await aio_pika.connect(f"amqp://alice:alice-pw@{base}/")
 
     asyncio.run(run())
