@@ -17,6 +17,8 @@ BROKER_DAMAGED: Final = "broker damaged"
 INVALID_ROLE_REQUEST: Final = "invalid role request"
 MIRROR_REFUSED: Final = "mirror switch refused"  # 409: wrong role, stale token, not applied
 MIRROR_NOT_DRAINED: Final = "mirror not drained"  # 503: demotion under way, retry the same call
+VHOST_REFUSED: Final = "vhost deletion refused"  # 409: `/`, still served, or a passive
+VHOST_NOT_FOUND: Final = "vhost not found"  # 404
 
 SwitchRole = Literal["source", "replica"]  # what a switchover makes a site
 MirrorRole = Literal["source", "replica", "bidirectional"]
@@ -185,6 +187,16 @@ class MirrorReseed(BaseModel):
     messages: int = Field(description="Messages the seed's snapshot carries")
     events: int = Field(description="Events now in the replication queue (the seed's included)")
     reason: str = Field(description="Why, as logged and sent to the mirror")
+
+
+class VhostDeleted(BaseModel):
+    """The answer of `DELETE /vhosts/{name}`: a retired vhost's content, deleted."""
+
+    name: str
+    queues: int = Field(description="Queues deleted (durable ones with their messages)")
+    exchanges: int = Field(description="Exchanges deleted (its own `amq.*` set not counted)")
+    messages: int = Field(description="Ready messages deleted with the queues")
+    connections: int = Field(description="Connections still open to it, closed (320)")
 
 
 class VhostStatus(BaseModel):

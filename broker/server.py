@@ -24,6 +24,7 @@ from twinmq.broker.api import (
     MirrorReseed,
     MirrorSwitch,
     Role,
+    VhostDeleted,
 )
 from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.auth import Authenticator
@@ -33,7 +34,13 @@ from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import Connection, Limits, State
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.epoch import EpochStore, epoch_jump_refusal, first_mid
-from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
+from twinmq.broker.errors import (
+    DamagedBroker,
+    ReplyCode,
+    StaleEpoch,
+    VhostNotFound,
+    VhostRefused,
+)
 from twinmq.broker.federation import config as federation_config
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
 from twinmq.broker.federation.service import Federation
@@ -395,6 +402,35 @@ class Broker:
         if changed:
             self._serve_vhosts()
         return changed
+
+    def delete_vhost(self, name: str) -> VhostDeleted:
+        """`DELETE /vhosts/{name}`: delete a retired vhost's content (docs/security.md)."""
+        if name == "/":
+            raise VhostRefused("the vhost '/' is never deleted")
+        vhost = self.vhost.vhosts.get(name)
+        if vhost is None:
+            raise VhostNotFound(f"no vhost '{name}' on {self.settings.name}")
+        if name in self.authenticator.vhosts:
+            raise VhostRefused(
+                f"vhost '{name}' is in the users file: remove it there first (new "
+                "connections are refused then), then delete its content"
+            )
+        if self.role != "active":
+            raise VhostRefused(
+                f"{self.settings.name} is the passive broker: delete the vhost on the active "
+                "(the passive follows)"
+            )
+        closed = 0
+        for proto in list(self.protocols):
+            conn = proto.conn
+            if conn is not None and conn.vhost is vhost and conn.state is State.OPEN:
+                conn.force_close(ReplyCode.CONNECTION_FORCED, f"vhost '{name}' is deleted")
+                proto._flush()
+                closed += 1
+        queues, exchanges, messages = vhost.delete_content()
+        return VhostDeleted(
+            name=name, queues=queues, exchanges=exchanges, messages=messages, connections=closed
+        )
 
     def served_vhost(self, name: str) -> VirtualHost | None:
         """The vhost `name` if the users file declares it (`/` always), else None."""

@@ -320,6 +320,31 @@ class VirtualHost:
             log.info("vhost %r: %d queues", name, len(vhost.queues))
         return vhost
 
+    def delete_content(self) -> tuple[int, int, int]:
+        """Delete every queue (with its messages) and exchange of this vhost other than `/`,
+        and the vhost itself: the admin API's `DELETE /vhosts/{name}` for a vhost retired
+        from the users file. Returns (queues, exchanges, ready messages) deleted."""
+        assert self.root is not self, "the vhost '/' is never deleted"
+        queues = list(self.queues.values())
+        messages = sum(self.remove_queue(queue) for queue in queues)
+        builtin = {name for name, _ in BUILTIN_EXCHANGES}
+        exchanges = [e for e in self.exchanges.values() if e.name not in builtin]
+        for exchange in exchanges:
+            del self.exchanges[exchange.name]
+        durable = [e.name for e in exchanges if e.definition.durable]
+        if durable:
+            self._save(self._delta(del_exchanges=durable))
+        for timer in [*self._timers.values(), *self._expiry_timers.values()]:
+            timer.cancel()
+        del self.root.vhosts[self.name]
+        self.root._by_qid = None
+        self._queues_changed()
+        log.warning(
+            "vhost %r deleted: %d queues with %d ready messages, %d exchanges",
+            self.name, len(queues), messages, len(exchanges),
+        )  # fmt: skip
+        return len(queues), len(exchanges), messages
+
     def _batch_withdrawn(self, batch: int) -> None:
         told = self.root.visibility.on_failed
         if told is not None:

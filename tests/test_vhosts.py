@@ -19,6 +19,7 @@ import pika
 import pika.exceptions
 import pytest
 
+from twinmq.broker.admin_client import AdminError
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import Pair, status
@@ -326,3 +327,42 @@ def test_a_failover_keeps_every_vhost(tmp_path: Path) -> None:
         assert drain(pair.active, "tenant-b", "other") == [b"b-1", b"b-2", b"b-3"]
         assert drain(pair.active, "tenant-a", "orders") == [b"a-1"]
         assert drain(pair.active, "/", "orders") == [b"root-1", b"root-2"]
+
+
+def test_a_retired_vhost_keeps_its_content_until_the_admin_deletes_it(tmp_path: Path) -> None:
+    users = users_file(tmp_path / "users.json")
+    broker = BrokerProcess(
+        tmp_path / "data", name="vh-delete", extra_args=["--users-file", str(users)]
+    )
+    with broker.start():
+        publish(broker, "tenant-b", "orders", [b"b-1", b"b-2"])
+        publish(broker, "tenant-a", "orders", [b"a-1"])
+        conn = connect(broker, "admin", "tenant-b")
+        ch = conn.channel()
+        ch.exchange_declare("b-events", "fanout", durable=True)
+        with pytest.raises(AdminError) as caught:
+            broker.admin.delete_vhost("tenant-b")
+        assert caught.value.status == 409 and "is in the users file" in str(caught.value)
+        users_file(users, ["/", "tenant-a"])
+        wait_for("tenant-b refused", lambda: not _opens(broker, "tenant-b"), timeout=30)
+        # Open before the retirement: not closed (its permissions went with the vhost).
+        assert conn.is_open
+        for name, status_code in (("/", 409), ("nowhere", 404)):
+            with pytest.raises(AdminError) as caught:
+                broker.admin.delete_vhost(name)
+            assert caught.value.status == status_code
+        done = broker.admin.delete_vhost("tenant-b")
+        assert (done.queues, done.exchanges, done.messages, done.connections) == (1, 1, 2, 1)
+        with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
+            conn.process_data_events(time_limit=5)
+        assert closed.value.reply_code == 320 and "is deleted" in closed.value.reply_text
+        assert ("tenant-b", "orders") not in queues_by_vhost(broker)
+    with broker.start():  # the deletion is durable
+        assert ("tenant-b", "orders") not in queues_by_vhost(broker)
+        assert queues_by_vhost(broker)[("tenant-a", "orders")] == 1
+        users_file(users, VHOSTS)  # declared again: a new, empty vhost
+        wait_for("tenant-b served again", lambda: _opens(broker, "tenant-b"), timeout=30)
+        again = connect(broker, "admin", "tenant-b")
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker):
+            again.channel().exchange_declare("b-events", "fanout", passive=True)
+        again.close()
