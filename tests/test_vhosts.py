@@ -20,6 +20,13 @@ import pika.exceptions
 import pytest
 
 from twinmq.broker.admin_client import AdminError
+from twinmq.broker.definitions import (
+    BindingDef,
+    DefinitionsDelta,
+    ExchangeDef,
+    QueueDef,
+    TopologyState,
+)
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import Pair, status
@@ -366,3 +373,54 @@ def test_a_retired_vhost_keeps_its_content_until_the_admin_deletes_it(tmp_path: 
         with pytest.raises(pika.exceptions.ChannelClosedByBroker):
             again.channel().exchange_declare("b-events", "fanout", passive=True)
         again.close()
+
+
+def test_a_passive_catches_up_on_every_vhost_and_a_failover_keeps_them(tmp_path: Path) -> None:
+    """The catch-up (not the live stream) carries other vhosts' topology and messages."""
+    users = users_file(tmp_path / "users.json")
+    with Pair(tmp_path / "pair", broker_args=["--users-file", str(users)]) as pair:
+        publish(pair.active, "tenant-a", "orders", [b"a-before"])
+        passive = pair.passive
+        passive.kill()
+        publish(pair.active, "tenant-a", "orders", [b"a-during"])
+        publish(pair.active, "tenant-b", "orders", [b"b-during"])
+        publish(pair.active, "/", "orders", [b"root-during"])
+        passive.start()
+        pair.wait_healthy(10)
+        counts = queues_by_vhost(passive)
+        assert counts[("tenant-a", "orders")] == 2
+        assert counts[("tenant-b", "orders")] == 1
+        assert counts[("/", "orders")] == 1
+        pair.active.kill()
+        pair.promote_passive()
+        assert drain(pair.active, "tenant-a", "orders") == [b"a-before", b"a-during"]
+        assert drain(pair.active, "tenant-b", "orders") == [b"b-during"]
+        assert drain(pair.active, "/", "orders") == [b"root-during"]
+
+
+def test_a_delta_without_a_vhost_is_of_slash_and_names_are_unique_per_vhost() -> None:
+    """The definitions log's records written before vhosts (no `vhost`) apply to `/`; the
+    same names in two vhosts are two objects; `/` is stored as before (no field)."""
+    old = DefinitionsDelta.model_validate_json(
+        '{"add_queues":[{"name":"q","qid":1}],"add_exchanges":[{"name":"x","type":"fanout"}],'
+        '"add_bindings":[{"exchange":"x","queue":"q","routing_key":""}],"next_qid":2}'
+    )
+    assert old.vhost == "/" and old.add_queues[0].vhost == "/"
+    state = TopologyState()
+    state.apply(old)
+    state.apply(
+        DefinitionsDelta(
+            vhost="t",
+            add_queues=[QueueDef(name="q", qid=2, vhost="t")],
+            add_exchanges=[ExchangeDef(name="x", type="fanout", vhost="t")],
+            add_bindings=[BindingDef(exchange="x", queue="q", routing_key="", vhost="t")],
+            next_qid=3,
+        )
+    )
+    defs = state.definitions()
+    assert sorted((q.vhost, q.qid) for q in defs.queues) == [("/", 1), ("t", 2)]
+    assert len(defs.bindings) == 2
+    assert state.apply(DefinitionsDelta(vhost="t", del_queues=["q"])) == [2]  # t's only
+    assert [b.vhost for b in state.definitions().bindings] == ["/"]
+    assert '"vhost"' not in old.model_dump_json()
+    assert '"vhost":"t"' in QueueDef(name="q", qid=2, vhost="t").model_dump_json()
