@@ -18,6 +18,7 @@ import aio_pika
 import pika
 import pika.exceptions
 import pytest
+from mirrorsites import Sites
 
 from twinmq.broker.admin_client import AdminError
 from twinmq.broker.definitions import (
@@ -424,3 +425,27 @@ def test_a_delta_without_a_vhost_is_of_slash_and_names_are_unique_per_vhost() ->
     assert [b.vhost for b in state.definitions().bindings] == ["/"]
     assert '"vhost"' not in old.model_dump_json()
     assert '"vhost":"t"' in QueueDef(name="q", qid=2, vhost="t").model_dump_json()
+
+
+def test_the_dr_mirror_carries_slash_and_skips_other_vhosts_loudly(tmp_path: Path) -> None:
+    users = users_file(tmp_path / "users.json")
+    with Sites(tmp_path, source_args=["--users-file", str(users)]) as sites:
+        publish(sites.source, "/", "orders", [b"root-1", b"root-2"])
+        publish(sites.source, "tenant-a", "orders", [b"a-1", b"a-2", b"a-3"])
+        publish(sites.source, "tenant-a", "only-in-a", [b"a-4"])
+        publish(sites.source, "/", "orders", [b"root-3"])
+        sites.caught_up()
+        data = status(sites.mirror)
+        assert data is not None
+        mirrored = {
+            (q["vhost"], q["name"]): q["messages"]
+            for q in data["queues"]
+            if not q["name"].startswith("amq.twinmq.")
+        }
+        assert mirrored == {("/", "orders"): 3}
+        log = sites.source.log_path
+        assert log is not None
+        assert "skipping the changes of vhosts other than '/'" in log.read_text()
+        data = status(sites.source)
+        assert data is not None
+        assert {v["name"]: v["mirrored"] for v in data["vhosts"]}["tenant-a"] is False
