@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
+import amqp.exceptions
+import kombu
 import pika
 import pika.exceptions
 import pytest
@@ -220,6 +222,20 @@ def test_aio_pika_works_in_a_vhost_and_sees_the_refusals(broker: BrokerProcess) 
 
     asyncio.run(run())
     assert ("/", "aio") not in queues_by_vhost(broker)
+
+
+def test_kombu_works_in_a_vhost_and_sees_the_refusal(broker: BrokerProcess) -> None:
+    url = f"amqp://alice:alice-pw@127.0.0.1:{broker.port}/tenant-a"
+    with kombu.Connection(url) as conn:
+        queue = kombu.Queue("kombu-q", durable=True, channel=conn.channel())
+        queue.declare()
+        conn.Producer().publish(b"via-kombu", routing_key="kombu-q", delivery_mode=2)
+        got = queue.get(no_ack=True)
+        assert got is not None and got.body == b"via-kombu"
+    bob = kombu.Connection(f"amqp://bob:bob-pw@127.0.0.1:{broker.port}/tenant-a")
+    with bob, pytest.raises(amqp.exceptions.AccessRefused, match="vhost 'tenant-a'"):
+        kombu.Queue("bobs-kombu", channel=bob.channel()).declare()
+    assert ("/", "kombu-q") not in queues_by_vhost(broker)
 
 
 def test_status_lists_the_vhosts_and_what_the_mirror_and_federation_cover(
