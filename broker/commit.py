@@ -243,7 +243,8 @@ class GroupCommitter:
             # Release what the audit can still record (its task may be mid-write: wait).
             self._ensure_audit_task()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.audit_written(), 10.0)
+                async with asyncio.timeout(10.0):
+                    await self.audit_written()
             if self._held:
                 log.error("audit: %d outcomes never recorded at shutdown", len(self._held))
         for task in (self._task, self._audit_task):

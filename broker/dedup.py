@@ -27,9 +27,10 @@ the new active's replicated batches still wait, creates no duplicate.
 from __future__ import annotations
 
 import json
-import os
 from collections import OrderedDict, deque
 from pathlib import Path
+
+from twinmq.broker.atomicfile import replace_file
 
 
 def dedup_key(exchange: str, routing_key: str, message_id: str) -> str:
@@ -122,13 +123,9 @@ class DedupWindow:
         """Atomically replace the snapshot file (runs in a worker thread)."""
         if self.path is None:
             return
-        tmp = self.path.with_suffix(".tmp")
         try:
-            with open(tmp, "w") as f:
-                json.dump(ids, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            replace_file(self.path, json.dumps(ids).encode())
         except OSError:
-            tmp.unlink(missing_ok=True)  # a full disk: do not leave half a file taking space
+            # A full disk: do not leave half a file taking space.
+            self.path.with_suffix(".tmp").unlink(missing_ok=True)
             raise

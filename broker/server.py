@@ -68,6 +68,14 @@ def _version() -> str:
         return "0.0.0"
 
 
+# What the start-up line says of the AMQPS port's client certificates.
+CLIENT_CERTS_LOG = {
+    "none": "",
+    "optional": " (client certificates verified when presented)",
+    "required": " (client certificates required)",
+}
+
+
 class AMQPProtocol(asyncio.Protocol):
     """Feeds a socket's bytes to a `Connection` and writes back what it produces."""
 
@@ -356,7 +364,13 @@ class Broker:
         self.tls: TlsListener | None = None
         self._amqps: asyncio.AbstractServer | None = None
         if settings.tls_cert is not None and settings.tls_key is not None:
-            self.tls = TlsListener(settings.tls_cert, settings.tls_key, settings.tls_ca)
+            client_certs = settings.effective_tls_client_certs
+            self.tls = TlsListener(
+                settings.tls_cert,
+                settings.tls_key,
+                None if client_certs == "none" else settings.tls_ca,
+                optional=client_certs == "optional",
+            )
         self.admin_tls: TlsListener | None = None
         if settings.admin_tls_cert is not None and settings.admin_tls_key is not None:
             self.admin_tls = TlsListener(settings.admin_tls_cert, settings.admin_tls_key)
@@ -739,7 +753,7 @@ class Broker:
             "%s in epoch %d",
             self.settings.name, self.product_version, self.settings.host, self.amqp_port,
             "" if self.amqps_port is None else f", amqps {self.settings.host}:{self.amqps_port}"
-            + (" (client certificates required)" if self.settings.tls_ca else ""),
+            + CLIENT_CERTS_LOG[self.settings.effective_tls_client_certs],
             self.settings.host, self.admin_port, self.settings.host, self.replication_port,
             self.settings.data_dir, self.role, self.epoch,
         )  # fmt: skip

@@ -46,8 +46,15 @@ class BrokerSettings(BaseSettings):
     tls_key: Path | None = Field(None, description="PEM private key of --tls-cert")
     tls_ca: Path | None = Field(
         None,
-        description="PEM CA bundle: AMQPS clients must present a certificate it signed "
-        "(mutual TLS)",
+        description="PEM CA bundle that signs the AMQPS clients' certificates (mutual TLS; "
+        "whether one is required: --tls-client-certs)",
+    )
+    tls_client_certs: Literal["none", "optional", "required"] | None = Field(
+        None,
+        description="AMQPS client certificates: `none` (not asked for), `optional` (asked for; "
+        "a client may present none, one presented must verify against --tls-ca), `required` "
+        "(a client without one signed by --tls-ca is refused); default `required` with "
+        "--tls-ca, else `none`",
     )
     admin_port: int = Field(ADMIN_PORT, ge=0, le=65535, description="Admin HTTP port")
     data_dir: Path = Field(Path("./twinmq-data"), description="Journal and state directory")
@@ -303,6 +310,14 @@ class BrokerSettings(BaseSettings):
         return self.server_id or self.name
 
     @property
+    def effective_tls_client_certs(self) -> Literal["none", "optional", "required"]:
+        """Whether AMQPS asks for client certificates: `--tls-client-certs`, else
+        `required` with `--tls-ca` (its meaning before the option existed), else `none`."""
+        if self.tls_client_certs is not None:
+            return self.tls_client_certs
+        return "required" if self.tls_ca is not None else "none"
+
+    @property
     def mirror_first_role(self) -> Literal["source", "replica", "bidirectional"] | None:
         """The DR role this site starts in when its journal records none."""
         if self.mirror_role is not None:
@@ -318,6 +333,13 @@ class BrokerSettings(BaseSettings):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-ca (client certificates) needs --tls-cert and --tls-key")
+        if self.tls_client_certs in ("optional", "required") and self.tls_ca is None:
+            raise ValueError(
+                f"--tls-client-certs {self.tls_client_certs} needs --tls-ca (the CA that "
+                "verifies them)"
+            )
+        if self.tls_client_certs == "none" and self.tls_ca is not None:
+            raise ValueError("--tls-client-certs none with --tls-ca: the CA would not be used")
         if (self.admin_tls_cert is None) != (self.admin_tls_key is None):
             raise ValueError("--admin-tls-cert and --admin-tls-key go together")
         replication = (self.replication_tls_cert, self.replication_tls_key, self.replication_tls_ca)

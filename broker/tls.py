@@ -3,9 +3,12 @@
 With `--tls-cert` and `--tls-key` the broker also listens for AMQP over TLS on
 `--tls-port` (5671, RabbitMQ's and the IANA's AMQPS port), beside the plain
 port; with `--admin-tls-cert` and `--admin-tls-key` the admin API answers HTTPS
-only. With `--tls-ca` it asks for a client certificate and refuses a client
-without one signed by that CA (mutual TLS, RabbitMQ's `verify_peer` with
-`fail_if_no_peer_cert`). With `--replication-tls-cert`, `-key` and `-ca` the
+only. With `--tls-ca` it asks for a client certificate: with `--tls-client-certs
+required` (the default with a CA) it refuses a client without one signed by that CA
+(mutual TLS, RabbitMQ's `verify_peer` with `fail_if_no_peer_cert` true); with
+`optional` a client may present none, and one it presents is verified all the same
+(`fail_if_no_peer_cert` false: ordinary clients log in with a password, a federation
+link presents its site's certificate). With `--replication-tls-cert`, `-key` and `-ca` the
 replication link is mutual TLS (`MutualTls`): each broker presents its certificate,
 verifies the other's against the CA and checks that it names the broker the
 handshake claims. With `--mirror-tls-cert`, `-key` and `-ca` the DR mirror link is
@@ -84,12 +87,17 @@ def identity_refusal(writer: asyncio.StreamWriter, name: str) -> str | None:
 class TlsListener:
     """The server-side TLS context of a listener, kept current with its files."""
 
-    def __init__(self, cert: Path, key: Path, ca: Path | None = None) -> None:
+    def __init__(
+        self, cert: Path, key: Path, ca: Path | None = None, *, optional: bool = False
+    ) -> None:
+        """`ca`: verify client certificates against it, required unless `optional`
+        (OpenSSL's SSL_VERIFY_PEER without FAIL_IF_NO_PEER_CERT: a certificate presented
+        that does not verify still fails the handshake)."""
         self.cert, self.key, self.ca = cert, key, ca
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
         if ca is not None:
-            self.context.verify_mode = ssl.CERT_REQUIRED
+            self.context.verify_mode = ssl.CERT_OPTIONAL if optional else ssl.CERT_REQUIRED
         self.reloads = 0
         self._watch = FileWatch(cert, key, ca)
         self._load()  # raises at start-up: a broker does not start with files it cannot use

@@ -68,10 +68,10 @@ class ReliablePublisher:
                 url = self.urls[self._next_url % len(self.urls)]
                 self._next_url += 1
                 try:
-                    conn = await asyncio.wait_for(
-                        aio_pika.connect(url, client_properties={DEDUP_CLIENT_PROPERTY: True}),
-                        10,
-                    )
+                    async with asyncio.timeout(10):
+                        conn = await aio_pika.connect(
+                            url, client_properties={DEDUP_CLIENT_PROPERTY: True}
+                        )
                     channel = await conn.channel(publisher_confirms=True)
                 except RETRYABLE as exc:
                     if loop.time() > deadline:
@@ -91,7 +91,8 @@ class ReliablePublisher:
                 return
             conn, self._conn, self._channel = self._conn, None, None
         with contextlib.suppress(Exception):  # the connection is already broken
-            await asyncio.wait_for(conn.close(), 2)
+            async with asyncio.timeout(2):
+                await conn.close()
 
     async def publish(
         self,

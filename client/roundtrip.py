@@ -17,7 +17,7 @@ import asyncio
 import os
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from urllib.parse import quote
 
 import aio_pika
@@ -69,6 +69,11 @@ async def roundtrip(url: str, count: int) -> list[bytes]:
         await connection.close()
 
 
+async def _within(seconds: float, work: Awaitable[list[bytes]]) -> list[bytes]:
+    async with asyncio.timeout(seconds):
+        return await work
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the round trip against the environment's broker; print what happened."""
     parser = argparse.ArgumentParser(prog="python3 -m twinmq.client.roundtrip")
@@ -78,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     url = amqp_url(os.environ)
     where = f"{os.environ[ENV_PREFIX + 'HOST']}:{os.environ.get(ENV_PREFIX + 'PORT', '5672')}"
     try:
-        received = asyncio.run(asyncio.wait_for(roundtrip(url, args.count), args.timeout))
+        received = asyncio.run(_within(args.timeout, roundtrip(url, args.count)))
     except (TimeoutError, aio_pika.exceptions.AMQPError, OSError) as exc:
         print(f"FAIL {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -3,13 +3,20 @@
 The downstream names the upstream BrokerCluster by reference (its virtual IP, so the link
 follows the upstream pair's failovers) and a Secret with the upstream user's password; a
 queue bound to the federated exchange downstream receives what is published upstream,
-through a kill -9 of the upstream's active: nothing lost, nothing twice.
+through a kill -9 of the upstream's active: nothing lost, nothing twice. The link runs over
+amqps, as by default (`operator/federationtls.py`): the downstream verifies the upstream's
+certificate against the CA the operator copied and presents a client certificate its own
+CA issued; the upstream verifies it against the downstream's CA, client certificates
+optional (an ordinary client presents none; a certificate of another CA is refused).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import ssl
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pika
@@ -24,12 +31,15 @@ from brokerclusters import (
     drain,
     events_of,
     in_sync,
+    virtual_ip,
 )
-from support import Cluster, kubectl, new_namespace, plugin
+from support import Cluster, kubectl, new_namespace, plugin, read_pod
 
+from twinmq.broker.names import AMQPS_PORT
 from twinmq.client import ReliablePublisher
 from twinmq.localcluster import faults
 from twinmq.localcluster.layout import Layout
+from twinmq.testing.certs import Leaf, TestCA
 from twinmq.testing.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -60,6 +70,42 @@ def login_secret(cluster: Cluster, upstream_ns: str, upstream: str, namespace: s
     cluster.kube.create(f"/api/v1/namespaces/{namespace}/secrets", body)
 
 
+def args_of(cluster: Cluster, namespace: str, pod: str) -> list[str]:
+    found = read_pod(cluster.kube, namespace, pod) or {}
+    containers = (found.get("spec") or {}).get("containers") or [{}]
+    return list(containers[0].get("args") or [])
+
+
+def trusts_downstreams(cluster: Cluster, namespace: str, name: str) -> bool:
+    """Both upstream brokers rolled to optional client certificates, the pair in sync."""
+    rolled = all("--tls-client-certs=optional" in args_of(cluster, namespace, f"{name}-{b}")
+                 for b in ("primary", "backup"))  # fmt: skip
+    status = cluster_status(cluster, namespace, name)
+    done = (status.get("rollout") or {}).get("step") in (None, "Complete")
+    return rolled and done and in_sync(status)
+
+
+def amqps_params(
+    cluster: Cluster, namespace: str, name: str, folder: Path, client: Leaf | None = None
+) -> pika.ConnectionParameters:
+    """The app user on the upstream's AMQPS port through its virtual IP, verifying it by
+    its Service's name against its published CA; with `client`'s certificate."""
+    found = cluster.kube.get(f"/api/v1/namespaces/{namespace}/configmaps/{name}-ca") or {}
+    ca = folder / "ca.crt"
+    ca.write_text(found["data"]["ca.crt"])
+    secret = cluster.kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-auth") or {}
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    context = ssl.create_default_context(cafile=str(ca))
+    if client is not None:
+        context.load_cert_chain(client.cert, client.key)
+    return pika.ConnectionParameters(
+        host=virtual_ip(cluster, namespace, name), port=AMQPS_PORT,
+        ssl_options=pika.SSLOptions(context, server_hostname=f"{name}.{namespace}.svc"),
+        credentials=pika.PlainCredentials(data["username"], data["password"]),
+        connection_attempts=1,
+    )  # fmt: skip
+
+
 def bind_queue(url: str) -> None:
     conn = pika.BlockingConnection(pika.URLParameters(url))
     ch = conn.channel()
@@ -68,8 +114,12 @@ def bind_queue(url: str) -> None:
     conn.close()
 
 
-def test_a_downstream_queue_receives_what_is_published_upstream_across_an_upstream_failover(
-    cluster: Cluster, operator: OperatorProcess, namespace: str, upstream_namespace: str
+def test_a_downstream_queue_receives_over_amqps_what_is_published_upstream_across_a_failover(
+    cluster: Cluster,
+    operator: OperatorProcess,
+    namespace: str,
+    upstream_namespace: str,
+    tmp_path: Path,
 ) -> None:
     central = create_cluster(cluster, upstream_namespace, spec={"federation": {}})
     login_secret(cluster, upstream_namespace, central, namespace)
@@ -80,8 +130,36 @@ def test_a_downstream_queue_receives_what_is_published_upstream_across_an_upstre
         "exchanges": [{"exchange": "market", "upstream": "central"}],
     }  # fmt: skip
     remote = create_cluster(cluster, namespace, spec={"federation": fed})
+    # The upstream learns the downstream's CA and rolls (passive first, a switchover) to
+    # ask for client certificates, optional.
+    wait_for("the upstream trusting the downstream's CA",
+             lambda: trusts_downstreams(cluster, upstream_namespace, central), 240)  # fmt: skip
     wait_for("the link running", lambda: link(cluster, namespace, remote).get("state")
-             == "Running", 60)  # fmt: skip
+             == "Running", 90)  # fmt: skip
+    # Over amqps, with the copied CA and the downstream's own client certificate.
+    configmaps = f"/api/v1/namespaces/{namespace}/configmaps"
+    rendered = (cluster.kube.get(f"{configmaps}/{remote}-federation") or {})["data"][
+        "federation.yaml"
+    ]
+    assert f"amqps://twinmq@{central}.{upstream_namespace}.svc:5671/" in rendered, rendered
+    assert "tls-cert:" in rendered, rendered
+    copy = cluster.kube.get(f"{configmaps}/{remote}-federation-peer-ca") or {}
+    central_ca = cluster.kube.get(f"/api/v1/namespaces/{upstream_namespace}/configmaps/"
+                                  f"{central}-ca") or {}  # fmt: skip
+    assert copy["data"]["central.crt"] == central_ca["data"]["ca.crt"]
+    assert condition(cluster_status(cluster, namespace, remote), "FederationTls") == "True"
+    upstream_tls = next(c for c in cluster_status(cluster, upstream_namespace, central)[
+        "conditions"] if c["type"] == "FederationTls")  # fmt: skip
+    assert f"{namespace}/{remote}" in upstream_tls["message"], upstream_tls
+    # The upstream's AMQPS: an ordinary client presents no certificate and logs in; one
+    # presenting a certificate of a CA the upstream does not trust is refused.
+    plain = pika.BlockingConnection(amqps_params(cluster, upstream_namespace, central, tmp_path))
+    plain.close()
+    stranger = TestCA(tmp_path / "stranger", name="stranger").issue("app", client=True)
+    with pytest.raises((pika.exceptions.AMQPError, ssl.SSLError, ConnectionError)):
+        pika.BlockingConnection(
+            amqps_params(cluster, upstream_namespace, central, tmp_path, stranger)
+        )
     remote_url = amqp_url(cluster, namespace, remote)
     bind_queue(remote_url)
     wait_for("the binding propagated upstream",
@@ -92,6 +170,8 @@ def test_a_downstream_queue_receives_what_is_published_upstream_across_an_upstre
     assert condition(status, "Federated") == "True"
 
     central_url = amqp_url(cluster, upstream_namespace, central)
+    # The active after the upstream's rollout (its switchover moved it).
+    active = cluster_status(cluster, upstream_namespace, central)["activeBroker"]
 
     async def traffic() -> int:
         publisher = ReliablePublisher([central_url], reconnect_delay=0.2, give_up_after=90)
@@ -99,14 +179,15 @@ def test_a_downstream_queue_receives_what_is_published_upstream_across_an_upstre
             await publisher.publish(str(i).encode(), f"prices.{i % 7}", exchange="market",
                                     message_id=f"p-{i}")  # fmt: skip
             if i == KILL_AT:
-                faults.kill_pod(Layout.default(), upstream_namespace, f"{central}-primary",
+                faults.kill_pod(Layout.default(), upstream_namespace, f"{central}-{active}",
                                 "broker")  # fmt: skip
         await publisher.close()
         return publisher.reconnects
 
     assert asyncio.run(traffic()) >= 1  # the publisher saw the upstream's failover
     upstream = cluster_status(cluster, upstream_namespace, central)
-    assert upstream["activeBroker"] == "backup" and upstream["lastFailover"]["from"] == "primary"
+    other = "backup" if active == "primary" else "primary"
+    assert upstream["activeBroker"] == other and upstream["lastFailover"]["from"] == active
 
     def all_there() -> bool:
         received = link(cluster, namespace, remote).get("messagesReceived", 0)

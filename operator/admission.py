@@ -9,9 +9,10 @@ operator. The API server's own authorizer answers for the author at admission (C
 - create pods in its namespace (the brokers' and the audit runs' images are theirs to
   name; the audit's ServiceAccount is one such pod's), and
 - read every Secret it names: `auth.secretName`, `audit.storeSecretName`,
-  `mirror.secretName`, `tls.secretName`, each federation upstream's `passwordSecret`,
-  and the `<name>-auth` Secret of a same-namespace BrokerCluster an upstream refers to
-  without one (the operator would mount that cluster's password);
+  `mirror.secretName`, `tls.secretName`, each federation upstream's `passwordSecret`
+  and `tls.clientSecret` (a client certificate's key is a credential too), and the
+  `<name>-auth` Secret of a same-namespace BrokerCluster an upstream refers to without
+  one (the operator would mount that cluster's password);
 
 and, when the chart lists allowed image prefixes (`admissionPolicy.allowedImagePrefixes`),
 only if the brokers' and the audit's images start with one of them.
@@ -46,6 +47,10 @@ _SECRETS = (
     " ? object.spec.federation.upstreams.map(u,"
     " has(u.passwordSecret) ? u.passwordSecret.name"
     " : (has(u.clusterRef) && !has(u.clusterRef.namespace) ? u.clusterRef.name + '-auth' : ''))"
+    " : [])"
+    " + (has(object.spec.federation) && has(object.spec.federation.upstreams)"
+    " ? object.spec.federation.upstreams.map(u,"
+    " has(u.tls) && has(u.tls.clientSecret) ? u.tls.clientSecret : '')"
     " : [])"
 )
 

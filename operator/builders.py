@@ -399,7 +399,9 @@ def build_pod(
                         if spec.audit.enabled
                         else ["--no-audit"]
                     ),
-                    *federation.broker_args(spec.federation, cluster.namespace, cluster.name),
+                    *federation.broker_args(
+                        spec.federation, cluster.namespace, cluster.name, spec.tls.enabled
+                    ),
                     *limit_args(spec.limits),
                     *tls_args(spec),
                     *peer_tls_args(cluster, broker, peer_tls),
@@ -443,7 +445,7 @@ def build_pod(
                     *tls_mounts(spec),
                     *peer_tls_mounts(peer_tls),
                     *mirroring.tls_mounts(spec),
-                    *federation.mounts(spec.federation),
+                    *federation.mounts(spec.federation, spec.tls.enabled),
                 ],
             },
             *sidecars,
@@ -462,7 +464,7 @@ def build_pod(
             *tls_volumes(cluster, spec),
             *peer_tls_volumes(cluster, broker, peer_tls),
             *mirroring.tls_volumes(spec, cluster.name),
-            *federation.volumes(spec.federation, cluster.name),
+            *federation.volumes(spec.federation, cluster.name, spec.tls.enabled),
         ],
     }
     if token_seconds is not None:

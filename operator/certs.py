@@ -26,6 +26,10 @@ A mirrored site (`spec.mirror`, TLS not turned off) has one more, `<cluster>-mir
 the site's identity on the DR mirror link (`operator/mirroring.py`), for client and server
 use, its common name the site's origin (`<namespace>/<name>`), its DNS names the
 virtual-IP Service's (and `spec.mirror.tls.serverNames`).
+
+A downstream of federation over amqps (a `clusterRef` upstream, TLS not turned off) has
+`<cluster>-federation-tls`: the client certificate its links present upstream
+(`operator/federationtls.py`), its common name the cluster's `<namespace>/<name>`.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from twinmq.broker.names import ENV_PREFIX
-from twinmq.operator import mirroring
+from twinmq.operator import federationtls, mirroring
 from twinmq.operator.builders import (
     ClusterRef,
     owned_meta,
@@ -395,6 +399,7 @@ class TlsMemory:
     read_at: float = float("-inf")
     peers: dict[BrokerName, Issued] = field(default_factory=dict)  # each broker's own
     mirror: Issued | None = None  # the site's mirror identity (read once, then kept)
+    federation: Issued | None = None  # the federation links' client certificate (likewise)
     issued: int = 0  # certificates issued by this process (tests, logs)
     trusted: str | None = None  # the CA the brokers' own certificates chain to (admin HTTPS)
     no_cert_manager: bool = False  # issuerRef given, cert-manager's API absent (logged once)
@@ -514,6 +519,56 @@ def reconcile_mirror(
     return _kept_current(kept, ca, names, now, seconds, memory, what, site)
 
 
+def reconcile_federation_client(
+    cluster: ClusterRef,
+    ca: KeyPair,
+    memory: TlsMemory,
+    secrets: SecretReader,
+    now: datetime,
+    seconds: int,
+) -> KeyPair:
+    """The federation links' client certificate as it must be now (read once, issued when
+    missing, due or of another CA, like a broker's own)."""
+    names = federationtls.client_names(cluster.namespace, cluster.name)
+    site = mirroring.site_id(cluster.namespace, cluster.name)
+    kept = memory.federation
+    if kept is None:
+        name = federationtls.client_secret_name(cluster.name)
+        kept = memory.federation = Issued(_pair(secrets.get_secret_data(cluster.namespace, name)))
+    what = f"{cluster.namespace}/{cluster.name}: the federation client certificate"
+    return _kept_current(kept, ca, names, now, seconds, memory, what, site)
+
+
+def build_federation_client_secret(cluster: ClusterRef, cert: KeyPair, ca: KeyPair) -> Obj:
+    """`<cluster>-federation-tls`: what the federation links present to their upstreams."""
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": owned_meta(cluster, federationtls.client_secret_name(cluster.name)),
+        "data": b64({"tls.crt": cert.cert, "tls.key": cert.key, "ca.crt": ca.cert}),
+    }  # fmt: skip
+
+
+def build_federation_client_certificate(cluster: ClusterRef, spec: BrokerClusterSpec) -> Obj:
+    """The cert-manager `Certificate` of the federation links' client certificate."""
+    tls = spec.tls
+    assert tls.issuer_ref is not None
+    name = federationtls.client_secret_name(cluster.name)
+    return {
+        "apiVersion": "cert-manager.io/v1",
+        "kind": "Certificate",
+        "metadata": owned_meta(cluster, name),
+        "spec": {
+            "secretName": name,
+            "commonName": mirroring.site_id(cluster.namespace, cluster.name),
+            "dnsNames": federationtls.client_names(cluster.namespace, cluster.name),
+            "usages": ["client auth", "digital signature", "key encipherment"],
+            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+            "issuerRef": tls.issuer_ref.model_dump(by_alias=True),
+            "secretTemplate": {"labels": owned_meta(cluster, "")["labels"]},
+        },
+    }
+
+
 def reconcile_tls(
     cluster: ClusterRef,
     spec: BrokerClusterSpec,
@@ -543,6 +598,9 @@ def reconcile_tls(
         if mirroring.certificate_wanted(spec):
             site = reconcile_mirror(cluster, spec, ca, memory, secrets, now, seconds)
             apply(build_mirror_secret(cluster, site, ca))
+        if federationtls.client_certificate_wanted(spec, cluster.name):
+            client = reconcile_federation_client(cluster, ca, memory, secrets, now, seconds)
+            apply(build_federation_client_secret(cluster, client, ca))
         apply(build_ca_config_map(cluster, ca.cert))
         return
     if tls.issuer_ref is not None:
@@ -551,6 +609,8 @@ def reconcile_tls(
             apply(build_peer_certificate(cluster, tls, broker))
         if mirroring.certificate_wanted(spec):
             apply(build_mirror_certificate(cluster, spec))
+        if federationtls.client_certificate_wanted(spec, cluster.name):
+            apply(build_federation_client_certificate(cluster, spec))
     if clock - memory.read_at >= READ_EVERY:
         memory.read_at = clock
         found = secrets.get_secret_data(cluster.namespace, tls_secret_name(cluster, tls)) or {}

@@ -32,6 +32,7 @@ from twinmq.operator.models import (
     FederationLinkStateName,
     FederationState,
     FederationUpstream,
+    FederationUpstreamTls,
     SecretKeyReference,
 )
 
@@ -43,6 +44,8 @@ CONFIG_VOLUME = "federation-config"
 PASSWORD_VOLUME = "federation-passwords"
 TLS_DIR = "/etc/twinmq/federation-tls"  # <upstream>/ca.crt (and tls.crt, tls.key)
 TLS_VOLUME = "federation-tls"
+DOWNSTREAM_CA_DIR = "/etc/twinmq/federation-downstream-ca"  # ca.crt: downstreams' CAs
+DOWNSTREAM_CA_VOLUME = "federation-downstream-ca"
 CONFIG_HASH = "twinmq.io/federation-config-hash"
 """Pod annotation: the hash of the federation file the pod was started with."""
 STATES: dict[str, FederationLinkStateName] = {
@@ -74,6 +77,16 @@ def password_ref(upstream: FederationUpstream) -> SecretKeyReference | None:
     return None  # the CRD refuses this; an upstream without a password logs in as given
 
 
+def tls_of(upstream: FederationUpstream) -> FederationUpstreamTls | None:
+    """The upstream's TLS as the pods use it: None (plaintext) when turned off, or while
+    no CA is known (a clusterRef's copy not made yet: `federationtls.effective` names it
+    once it is)."""
+    tls = upstream.tls
+    if tls is None or not tls.enabled or tls.ca_config_map is None:
+        return None
+    return tls
+
+
 def upstream_uri(upstream: FederationUpstream, namespace: str) -> str:
     """Where the link connects: a BrokerCluster's virtual-IP Service (it follows the
     upstream pair's failovers), or the URI given."""
@@ -82,7 +95,7 @@ def upstream_uri(upstream: FederationUpstream, namespace: str) -> str:
         assert upstream.uri is not None  # the CRD requires one of them
         return upstream.uri
     host = f"{ref.name}.{ref.namespace or namespace}.svc"
-    if upstream.tls is not None:
+    if tls_of(upstream) is not None:
         return f"amqps://{upstream.user}@{host}:{AMQPS_PORT}/"
     return f"amqp://{upstream.user}@{host}:{AMQP_PORT}/"
 
@@ -90,7 +103,7 @@ def upstream_uri(upstream: FederationUpstream, namespace: str) -> str:
 def tls_options(upstream: FederationUpstream) -> dict[str, Any]:
     """The federation file's `tls-*` settings of an upstream (none without `tls`: the
     file, and its hash in the pod template, stay as they were)."""
-    tls = upstream.tls
+    tls = tls_of(upstream)
     if tls is None:
         return {}
     folder = Path(TLS_DIR, upstream.name)
@@ -149,19 +162,28 @@ def config_hash(federation: Federation | None, namespace: str) -> str | None:
     return hashlib.sha256(config_text(federation, namespace).encode()).hexdigest()[:16]
 
 
-def broker_args(federation: Federation | None, namespace: str, name: str) -> list[str]:
-    """The broker's federation flags (none without `spec.federation`)."""
+def broker_args(
+    federation: Federation | None, namespace: str, name: str, amqps: bool = True
+) -> list[str]:
+    """The broker's federation flags (none without `spec.federation`); as an upstream with
+    downstreams' CAs (and AMQPS on), client certificates optional and verified against them
+    (RabbitMQ's `verify_peer` without `fail_if_no_peer_cert`: an ordinary client presents
+    none and logs in with its password as before)."""
     if federation is None:
         return []
-    return [
+    args = [
         f"--server-id={server_id(federation, namespace, name)}",
         f"--federation-config={CONFIG_DIR}/{CONFIG_KEY}",
     ]
+    if amqps and federation.downstream_ca_config_map is not None:
+        args += [f"--tls-ca={DOWNSTREAM_CA_DIR}/ca.crt", "--tls-client-certs=optional"]
+    return args
 
 
-def volumes(federation: Federation | None, cluster_name: str) -> list[Obj]:
+def volumes(federation: Federation | None, cluster_name: str, amqps: bool = True) -> list[Obj]:
     """The federation file's ConfigMap and the upstreams' password Secrets (projected into
-    one directory, a file per upstream)."""
+    one directory, a file per upstream), their CAs and client certificates, and (as an
+    upstream, AMQPS on) the downstreams' CAs."""
     if federation is None:
         return []
     out: list[Obj] = [{"name": CONFIG_VOLUME, "configMap": {"name": config_map_name(cluster_name)}}]
@@ -176,7 +198,7 @@ def volumes(federation: Federation | None, cluster_name: str) -> list[Obj]:
                                                            "sources": sources}})  # fmt: skip
     tls_sources: list[Obj] = []
     for upstream in federation.upstreams:
-        tls = upstream.tls
+        tls = tls_of(upstream)
         if tls is None:
             continue
         name = upstream.name
@@ -188,18 +210,25 @@ def volumes(federation: Federation | None, cluster_name: str) -> list[Obj]:
     if tls_sources:
         out.append({"name": TLS_VOLUME, "projected": {"defaultMode": 0o440,
                                                       "sources": tls_sources}})  # fmt: skip
+    if amqps and federation.downstream_ca_config_map is not None:
+        out.append({"name": DOWNSTREAM_CA_VOLUME, "configMap": {
+            "name": federation.downstream_ca_config_map,
+            "items": [{"key": "ca.crt", "path": "ca.crt"}]}})  # fmt: skip
     return out
 
 
-def mounts(federation: Federation | None) -> list[Obj]:
+def mounts(federation: Federation | None, amqps: bool = True) -> list[Obj]:
     """Where the broker container reads them."""
     if federation is None:
         return []
     out: list[Obj] = [{"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True}]
     if any(password_ref(u) is not None for u in federation.upstreams):
         out.append({"name": PASSWORD_VOLUME, "mountPath": PASSWORD_DIR, "readOnly": True})
-    if any(u.tls is not None for u in federation.upstreams):
+    if any(tls_of(u) is not None for u in federation.upstreams):
         out.append({"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True})
+    if amqps and federation.downstream_ca_config_map is not None:
+        out.append({"name": DOWNSTREAM_CA_VOLUME, "mountPath": DOWNSTREAM_CA_DIR,
+                    "readOnly": True})  # fmt: skip
     return out
 
 

@@ -195,7 +195,8 @@ class LeaderElector:
         loop = asyncio.get_running_loop()
         # The request has its own timeout; this one also covers a queued call.
         timeout = 2 * self.settings.request_timeout
-        return await asyncio.wait_for(loop.run_in_executor(self._io, fn, *args), timeout)
+        async with asyncio.timeout(timeout):
+            return await loop.run_in_executor(self._io, fn, *args)
 
     def _lease(self, record: LeaseRecord | None, current: Obj | None) -> Obj:
         s, now = self.settings, now_rfc3339()

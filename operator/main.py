@@ -45,6 +45,7 @@ from twinmq.operator import (
     certs,
     drift,
     federation,
+    federationtls,
     leader,
     metrics,
     mirroring,
@@ -139,6 +140,9 @@ class Memory:
     federation_config_gone: bool = False
     tls: certs.TlsMemory = field(default_factory=certs.TlsMemory)
     peer_ca: peerca.PeerCaMemory = field(default_factory=peerca.PeerCaMemory)
+    federation_tls: federationtls.FederationTlsMemory = field(
+        default_factory=federationtls.FederationTlsMemory
+    )
 
 
 @dataclass
@@ -184,6 +188,7 @@ def reconcile_children(
     pods: dict[BrokerName, Any],
     peer_tls: PeerTlsPhase = "Plaintext",
     peer_ca: dict[str, Any] | None = None,
+    federation_cas: list[dict[str, Any]] | None = None,
 ) -> list[drift.Repaired]:
     """Apply every owned object in its desired state (a deleted one is recreated, an edited
     one set back); create the pods that are missing and set their labels back. Pods are
@@ -237,6 +242,8 @@ def reconcile_children(
         memory.tls.no_cert_manager = True
     if peer_ca is not None:  # before the pods too: they mount it (operator/peerca.py)
         apply(peer_ca)
+    for copy in federation_cas or []:  # likewise (operator/federationtls.py)
+        apply(copy)
     apply(builders.build_headless_service(cluster, amqps=spec.tls.enabled))
     apply(builders.build_vip_service(cluster, spec.mirror, amqps=spec.tls.enabled))
     apply(builders.build_disruption_budget(cluster))
@@ -751,6 +758,13 @@ def reconcile(
                                                  message=message),
     )  # fmt: skip
     spec = peerca.effective(spec, trust)
+    # Likewise the CAs of federation upstreams and downstreams (amqps between clusters).
+    fed_trust = federationtls.reconcile(
+        cluster, spec, memory.federation_tls, k, now,
+        lambda kind, reason, message: kopf.event(body, type=kind, reason=reason,
+                                                 message=message),
+    )  # fmt: skip
+    spec = federationtls.effective(cluster, spec, fed_trust)
     pods = {n: k.get_pod(cluster.namespace, pod_name(cluster, n)) for n in NAMES}
     credentials = credentials_of(cluster, spec, memory)
     if credentials is None:
@@ -876,7 +890,10 @@ def reconcile(
     memory.deferred = memory.deferred + 1 if deferred else 0
     if not deferred:
         peer_ca = None if trust is None else peerca.build_config_map(cluster, trust)
-        report_drift(body, reconcile_children(cluster, spec, memory, pods, peer_tls, peer_ca))
+        report_drift(body, reconcile_children(
+            cluster, spec, memory, pods, peer_tls, peer_ca,
+            federationtls.build_config_maps(cluster, fed_trust),
+        ))  # fmt: skip
     for step in plan.actions:
         if isinstance(step, rollout.DeletePod):
             pod = pods[step.broker] or {}
@@ -950,6 +967,8 @@ def reconcile(
         extra.append(mirror_tls)
     if (federated := federation.condition(new.federation)) is not None:
         extra.append(federated)
+    if (federated_tls := federationtls.condition(fed_trust)) is not None:
+        extra.append(federated_tls)
     new.conditions = conditions(decision, new, views, generation, extra)
     # The next step towards mutual TLS only from a pair running this one, in sync: its
     # rolling update then never leaves the pair unreplicated (operator/peertls.py).
@@ -1035,7 +1054,8 @@ async def tick(
     await settled(meta, memory)
     due = memory.last_probe + memory.probe_interval - 0.05 - time.monotonic()
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(memory.wake.wait(), max(due, 0.0))
+        async with asyncio.timeout(max(due, 0.0)):
+            await memory.wake.wait()
     woken = memory.wake.is_set()
     memory.wake.clear()
     version = meta.get("resourceVersion")

@@ -246,14 +246,22 @@ class SecretKeyReference(ApiModel):
 
 class FederationUpstreamTls(ApiModel):
     """amqps to the upstream, verified against its CA (docs/federation.md, "TLS to the
-    upstream"): a BrokerCluster upstream's own CA differs from this cluster's."""
+    upstream"): a BrokerCluster upstream's own CA differs from this cluster's. On by default
+    for a `clusterRef` upstream: the operator copies its CA and issues this cluster's
+    client certificate (`operator/federationtls.py`)."""
 
-    ca_config_map: str = Field(
+    enabled: bool = Field(
+        True,
+        description="false: a clusterRef upstream is dialled on its plain AMQP port (5672). "
+        "A clusterRef upstream without `tls` is dialled on AMQPS",
+    )
+    ca_config_map: str | None = Field(
+        None,
         min_length=1,
         max_length=253,
-        description="ConfigMap in this namespace with the upstream's CA certificate (a "
-        "BrokerCluster upstream publishes it as `<name>-ca`: copy it here, or name it when "
-        "the upstream is in this namespace)",
+        description="ConfigMap in this namespace with the upstream's CA certificate. Default "
+        "for a clusterRef: the operator's copy of the upstream's published `<name>-ca` (in "
+        "`<cluster>-federation-peer-ca`); required for a uri",
     )
     ca_key: str = Field("ca.crt", min_length=1, max_length=253, description="Its key")
     client_secret: str | None = Field(
@@ -261,7 +269,8 @@ class FederationUpstreamTls(ApiModel):
         min_length=1,
         max_length=253,
         description="A `kubernetes.io/tls` Secret (`tls.crt`, `tls.key`) with the client "
-        "certificate to present, when the upstream asks for one",
+        "certificate to present. Default for a clusterRef: `<cluster>-federation-tls`, "
+        "issued by this cluster's CA (operator-managed or spec.tls.issuerRef)",
     )
     server_name: str | None = Field(
         None,
@@ -290,6 +299,11 @@ class FederationUpstream(ApiModel):
                 {
                     "rule": "!has(self.tls) || !has(self.uri) || self.uri.startsWith('amqps://')",
                     "message": "an upstream with tls needs an amqps:// uri",
+                },
+                {
+                    "rule": "!has(self.tls) || !has(self.uri) || has(self.tls.caConfigMap)",
+                    "message": "an upstream uri with tls needs tls.caConfigMap (the operator "
+                    "copies the CA of a clusterRef upstream only)",
                 },
                 {
                     "rule": "has(self.passwordSecret) || (has(self.clusterRef) && "
@@ -328,7 +342,8 @@ class FederationUpstream(ApiModel):
     tls: FederationUpstreamTls | None = Field(
         None,
         description="amqps (a clusterRef's AMQPS port, 5671) verified against the upstream's "
-        "CA, with a client certificate if it asks for one",
+        "CA, with a client certificate. Unset for a clusterRef: on, the CA copied and the "
+        "client certificate issued by the operator; unset for a uri: plaintext",
     )
 
 
@@ -423,6 +438,14 @@ class Federation(ApiModel):
         None, ge=0, le=86400,
         description="A link-status message per link on amq.peer this often (0: none). "
         "Default: 30",
+    )  # fmt: skip
+    downstream_ca_config_map: str | None = Field(
+        None, min_length=1, max_length=253,
+        description="As an upstream: a ConfigMap of this namespace (key ca.crt) with the CAs "
+        "of downstream sites; AMQPS then asks clients for a certificate, optional (an "
+        "ordinary client presents none), verified against these CAs when presented. Default: "
+        "the operator's copy of the CAs of the BrokerClusters naming this one as a clusterRef "
+        "upstream (`<cluster>-federation-downstream-ca`), when there are any",
     )  # fmt: skip
 
 
@@ -971,6 +994,7 @@ ConditionType = Literal[
     "MirrorTls",
     "FailingBack",
     "Federated",
+    "FederationTls",
 ]
 
 

@@ -54,8 +54,9 @@ class BrokerProcess:
         """Start the broker and wait for its ready line; raise with its log if it dies.
 
         A free port is only free until someone binds it: when the broker cannot bind a
-        port this launcher picked (another test process took it in between), it picks
-        new ones and starts again, up to three times.
+        port (another process took it in between), it starts again, up to three times,
+        with new ports where this launcher picked them (a port in `extra_args` is tried
+        again: its holder may be a passing outgoing connection).
         """
         log_path = self.log_path or self.data_dir.parent / f"{self.name}.log"
         for attempt in range(3):
@@ -64,9 +65,10 @@ class BrokerProcess:
                 return self._start_once(timeout)
             except RuntimeError:
                 lost_race = b"address already in use" in log_path.read_bytes()[offset:].lower()
-                if not (lost_race and self._picked) or attempt == 2:
+                if not lost_race or attempt == 2:
                     raise
                 self._pick_ports()
+                time.sleep(0.5)
         raise AssertionError("unreachable")
 
     def _start_once(self, timeout: float) -> BrokerProcess:

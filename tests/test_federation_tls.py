@@ -35,14 +35,17 @@ def remote_ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
     return TestCA(tmp_path_factory.mktemp("remote-ca"), name="remote site CA")
 
 
-def central(tmp: Path, ca: TestCA, clients: TestCA) -> tuple[BrokerProcess, int]:
+def central(
+    tmp: Path, ca: TestCA, clients: TestCA, client_certs: str = "required"
+) -> tuple[BrokerProcess, int]:
     """The upstream: AMQPS with its own CA's certificate, asking for a client certificate
-    of the `clients` CA (the downstream site's)."""
+    of the `clients` CA (the downstream site's), `required` or `optional`."""
     server = ca.issue("central-server")
     port = free_port()
     broker = site(tmp, "central")
     broker.extra_args += ["--tls-cert", str(server.cert), "--tls-key", str(server.key),
-                          "--tls-ca", str(clients.cert), "--tls-port", str(port)]  # fmt: skip
+                          "--tls-ca", str(clients.cert), "--tls-port", str(port),
+                          "--tls-client-certs", client_certs]  # fmt: skip
     return broker, port
 
 
@@ -101,3 +104,27 @@ def test_a_downstream_without_the_client_certificate_the_upstream_asks_for_never
     with upstream.start(), remote(tmp_path, port, tls_ca=central_ca.cert).start() as downstream:
         wait_for("the link's error", lambda: link_error(downstream) != "", 60)
         assert links(downstream)["market"]["state"] != "running"
+
+
+def test_optional_client_certificates_let_a_trusted_one_or_none_link_never_a_stranger(
+    tmp_path: Path, central_ca: TestCA, remote_ca: TestCA
+) -> None:
+    # What the operator sets on a BrokerCluster upstream: client certificates optional,
+    # verified against the downstreams' CAs when presented.
+    upstream, port = central(tmp_path, central_ca, remote_ca, "optional")
+    client = remote_ca.issue("remote-federation", client=True)
+    stranger = TestCA(tmp_path / "stranger-ca", name="stranger CA").issue("x", client=True)
+    for name in ("trusted", "stranger", "none"):
+        (tmp_path / name).mkdir()
+    with upstream.start():
+        with remote(tmp_path / "trusted", port, tls_ca=central_ca.cert, tls_cert=client.cert,
+                    tls_key=client.key).start() as downstream:  # fmt: skip
+            wait_running(downstream, "market")
+        with remote(tmp_path / "stranger", port, tls_ca=central_ca.cert, tls_cert=stranger.cert,
+                    tls_key=stranger.key).start() as downstream:  # fmt: skip
+            wait_for("the stranger's certificate refused", lambda: link_error(downstream) != "",
+                     60)  # fmt: skip
+            assert links(downstream)["market"]["state"] != "running"
+        # No certificate at all: optional, the login is the password's.
+        with remote(tmp_path / "none", port, tls_ca=central_ca.cert).start() as downstream:
+            wait_running(downstream, "market")

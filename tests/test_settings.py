@@ -59,3 +59,23 @@ def test_readme_documents_every_setting() -> None:
     for field in BrokerSettings.model_fields:
         assert f"`{flag(field)}" in text, f"README lacks {flag(field)}"
         assert f"`TWINMQ_{field.upper()}`" in text, f"README lacks TWINMQ_{field.upper()}"
+
+
+def test_client_certificates_are_required_with_a_ca_unless_made_optional(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = ["--tls-cert", "c.pem", "--tls-key", "k.pem"]
+    assert parse_args(files).effective_tls_client_certs == "none"
+    with_ca = [*files, "--tls-ca", "ca.pem"]
+    assert parse_args(with_ca).effective_tls_client_certs == "required"  # as before the option
+    config = tmp_path / "broker.json"
+    config.write_text(json.dumps({"tls_client_certs": "optional"}))
+    monkeypatch.setenv(names.CONFIG_ENV, str(config))
+    assert parse_args(with_ca).effective_tls_client_certs == "optional"
+    # The environment is validated on its own (parse_args): the TLS files go with it.
+    for field, value in (("tls_cert", "c.pem"), ("tls_key", "k.pem"), ("tls_ca", "ca.pem"),
+                         ("tls_client_certs", "required")):  # fmt: skip
+        monkeypatch.setenv(names.setting_env(field), value)
+    assert parse_args([]).effective_tls_client_certs == "required"
+    with pytest.raises(ValueError, match="tls_client_certs"):
+        parse_args([*with_ca, "--tls-client-certs", "sometimes"])

@@ -132,6 +132,52 @@ def test_with_a_ca_given_only_clients_with_a_certificate_it_signed_get_in(
         conn.close()
 
 
+def test_with_optional_client_certificates_a_client_may_present_none_but_never_a_stranger(
+    tmp_path: Path, ca: TestCA
+) -> None:
+    broker = tls_broker(
+        tmp_path, ca.issue("server"), "--tls-ca", str(ca.cert), "--tls-client-certs", "optional"
+    )
+    with broker.process.start():
+        # An ordinary client: no certificate, its password is its login.
+        plain = pika.BlockingConnection(tls_params(broker, client_context(ca)))
+        plain.channel().queue_declare("optional-mtls", durable=True)
+        plain.close()
+        # A certificate presented is verified all the same: another CA's is refused.
+        stranger = TestCA(tmp_path / "other", name="someone else").issue("app", client=True)
+        with pytest.raises(REFUSED):
+            pika.BlockingConnection(tls_params(broker, client_context(ca, stranger)))
+        app = ca.issue("app", client=True)
+        conn = pika.BlockingConnection(tls_params(broker, client_context(ca, app)))
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.basic_publish("", "optional-mtls", b"with a certificate")
+        conn.close()
+        assert drain(broker.process.url, "optional-mtls") == [b"with a certificate"]
+    log = broker.process.log_path
+    assert log is not None and "client certificates verified when presented" in log.read_text()
+
+
+def test_client_certificates_optional_or_required_without_a_ca_are_refused_at_start_up(
+    tmp_path: Path, ca: TestCA
+) -> None:
+    leaf = ca.issue("server")
+    common = [sys.executable, "-m", "twinmq.broker.main", "--data-dir", str(tmp_path / "d"),
+              "--port", "0", "--admin-port", "0", "--replication-port", "0",
+              "--tls-cert", str(leaf.cert), "--tls-key", str(leaf.key)]  # fmt: skip
+    done = subprocess.run(
+        [*common, "--tls-client-certs", "optional"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert "--tls-client-certs optional needs --tls-ca" in done.stderr
+    done = subprocess.run(
+        [*common, "--tls-client-certs", "none", "--tls-ca", str(ca.cert)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "--tls-client-certs none with --tls-ca" in done.stderr
+
+
 def test_a_rotated_certificate_serves_new_connections_and_keeps_the_open_ones(
     broker: TlsBroker, ca: TestCA
 ) -> None:

@@ -24,12 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from twinmq.broker.atomicfile import replace_file
 from twinmq.broker.federation.config import Upstream
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, duplicate_refusal
 from twinmq.broker.federation.wire import LinkClient
@@ -117,9 +117,7 @@ class Orphans:
     def _save(self) -> None:
         known = KnownLinks(links=[*self.configured, *self.pending])
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(known.model_dump_json(indent=1) + "\n")
-        os.replace(temporary, self.path)
+        replace_file(self.path, (known.model_dump_json(indent=1) + "\n").encode())
 
     def start(self, upstreams: Callable[[str], Upstream | None]) -> None:
         """Delete the pending orphans upstream, in the background (active only)."""

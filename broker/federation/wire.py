@@ -364,7 +364,8 @@ class LinkClient:
         if not self.closing.done():
             self._send(0, commands.Connection.Close(reply_code=200, reply_text="link stopped"))
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self.closing), 1.0)
+                async with asyncio.timeout(1.0):
+                    await asyncio.shield(self.closing)
             self._end("closed by this server")
         for task in self._tasks:
             task.cancel()

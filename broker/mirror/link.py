@@ -56,6 +56,7 @@ from twinmq.broker.replication.protocol import (
     encode,
     encode_batch,
 )
+from twinmq.broker.tasks import cancel_and_wait
 from twinmq.broker.tls import MutualTls
 
 log = logging.getLogger(__name__)
@@ -206,13 +207,11 @@ class MirrorLink:
 
     async def _session(self) -> None:
         tls = self.tls.client if self.tls is not None else None
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(
+        async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+            reader, writer = await asyncio.open_connection(
                 self.host, self.port, ssl=tls,
                 server_hostname=self.server_name if tls is not None else None,
-            ),
-            HANDSHAKE_TIMEOUT,
-        )  # fmt: skip
+            )  # fmt: skip
         try:
             frames = FrameReader(reader, f"mirror {self.address}")
             async with asyncio.timeout(HANDSHAKE_TIMEOUT):
@@ -232,9 +231,7 @@ class MirrorLink:
             try:
                 await self._receive(frames)
             finally:
-                sender.cancel()
-                with contextlib.suppress(asyncio.CancelledError, ConnectionError, OSError):
-                    await sender
+                await cancel_and_wait(sender)
         finally:
             writer.close()
             with contextlib.suppress(OSError, ConnectionError):
@@ -318,7 +315,8 @@ class MirrorLink:
                 await writer.drain()
                 last_beat = loop.time()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), PING_EVERY)
+                async with asyncio.timeout(PING_EVERY):
+                    await self._wake.wait()
 
     def _heartbeat(self) -> bytes:
         """The next heartbeat's PING frame."""

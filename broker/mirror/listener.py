@@ -41,6 +41,7 @@ from twinmq.broker.replication.protocol import (
     encode,
     encode_u64,
 )
+from twinmq.broker.tasks import cancel_and_wait
 from twinmq.broker.tls import MutualTls, certificate_names, report_refused_handshakes
 
 log = logging.getLogger(__name__)
@@ -215,10 +216,9 @@ class MirrorListener:
                     await acks.join()  # acknowledge what was applied, then let it re-send
                     raise ConnectionError(result.retry)
         finally:
-            if not acker.done():
-                acker.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError, ConnectionError):
-                await acker
+            failed = await cancel_and_wait(acker)
+            if failed is not None and not isinstance(failed, (OSError, ConnectionError)):
+                raise failed
 
     async def _while_blocked(self, origin: str) -> None:
         """Honour this broker's resource alarms: apply nothing while one is raised (the
@@ -261,7 +261,8 @@ class MirrorListener:
         """ACK each applied seq once its batch is complete, in order; PING when idle."""
         while True:
             try:
-                future, seq = await asyncio.wait_for(acks.get(), 1.0)
+                async with asyncio.timeout(1.0):
+                    future, seq = await acks.get()
             except TimeoutError:
                 writer.write(encode(FrameType.PING, MirrorBeat(blocked=self.site.blocked())))
                 await writer.drain()

@@ -36,7 +36,8 @@ class FrameReader:
         a malformed or oversized frame (before its payload is read).
         """
         while (frame := self._decoder.next()) is None:
-            data = await asyncio.wait_for(self._reader.read(self._chunk), silence)
+            async with asyncio.timeout(silence):
+                data = await self._reader.read(self._chunk)
             if not data:
                 raise ConnectionError(f"{self.peer} closed the link")
             self._decoder.push(data)

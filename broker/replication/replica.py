@@ -229,13 +229,11 @@ class ReplicaClient:
         self, host: str, port: int, tls: ssl.SSLContext | None
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         server_name = self.broker.settings.replication_tls_server_name
-        return await asyncio.wait_for(
-            asyncio.open_connection(
+        async with asyncio.timeout(RETRY_INTERVAL * 3):
+            return await asyncio.open_connection(
                 host, port, ssl=tls,
                 server_hostname=server_name if tls is not None and server_name else None,
-            ),
-            RETRY_INTERVAL * 3,
-        )  # fmt: skip
+            )  # fmt: skip
 
     async def _connect(
         self, host: str, port: int
