@@ -30,6 +30,8 @@ from twinmq.broker.api import (
     MIRROR_REFUSED,
     STALE_EPOCH,
     UNAUTHORIZED,
+    VHOST_NOT_FOUND,
+    VHOST_REFUSED,
     BrokerStatus,
     ErrorBody,
     MirrorDemoteRequest,
@@ -39,8 +41,16 @@ from twinmq.broker.api import (
     Readiness,
     Role,
     RoleRequest,
+    VhostDeleted,
 )
-from twinmq.broker.errors import DamagedBroker, MirrorNotDrained, MirrorRefused, StaleEpoch
+from twinmq.broker.errors import (
+    DamagedBroker,
+    MirrorNotDrained,
+    MirrorRefused,
+    StaleEpoch,
+    VhostNotFound,
+    VhostRefused,
+)
 
 if TYPE_CHECKING:
     from twinmq.broker.settings import BrokerSettings
@@ -78,6 +88,10 @@ class AdminContext(Protocol):
 
     async def mirror_reseed(self) -> MirrorReseed:
         """The DR source seeds its mirror again; raises MirrorRefused."""
+        ...
+
+    def delete_vhost(self, name: str) -> VhostDeleted:
+        """Delete a retired vhost's content; raises VhostRefused or VhostNotFound."""
         ...
 
 
@@ -181,6 +195,15 @@ def make_app(broker: AdminContext) -> web.Application:
             return error(409, MIRROR_REFUSED, str(exc))
         return web.Response(text=done.model_dump_json(), content_type="application/json")
 
+    async def delete_vhost(request: web.Request) -> web.Response:
+        try:
+            done = broker.delete_vhost(request.match_info["name"])
+        except VhostRefused as exc:
+            return error(409, VHOST_REFUSED, str(exc))
+        except VhostNotFound as exc:
+            return error(404, VHOST_NOT_FOUND, str(exc))
+        return web.Response(text=done.model_dump_json(), content_type="application/json")
+
     async def prometheus(request: web.Request) -> web.Response:
         broker.status()  # refreshes the per-queue gauges
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -194,6 +217,8 @@ def make_app(broker: AdminContext) -> web.Application:
     app.router.add_post("/mirror/demote", mirror_demote)
     app.router.add_post("/mirror/promote", mirror_promote)
     app.router.add_post("/mirror/reseed", mirror_reseed)
+    # `{name:.+}`: a vhost's name may hold `/` (sent percent-encoded).
+    app.router.add_delete("/vhosts/{name:.+}", delete_vhost)
     return app
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -34,6 +35,7 @@ from twinmq.broker.api import (
     Readiness,
     Role,
     RoleRequest,
+    VhostDeleted,
 )
 
 T = TypeVar("T")
@@ -131,6 +133,11 @@ def mirror_promote_call(request: MirrorPromoteRequest) -> Call[MirrorSwitch]:
 def mirror_reseed_call() -> Call[MirrorReseed]:
     """`POST /mirror/reseed` on the DR source's active broker: rebuild the mirror."""
     return Call("POST", "/mirror/reseed", _model(MirrorReseed))
+
+
+def vhost_delete_call(name: str) -> Call[VhostDeleted]:
+    """`DELETE /vhosts/{name}` on the active broker: a retired vhost's content, deleted."""
+    return Call("DELETE", f"/vhosts/{quote(name, safe='')}", _model(VhostDeleted))
 
 
 def refusal(response: httpx.Response) -> AdminError:
@@ -334,6 +341,10 @@ class SyncAdminClient(_Client):
     def metrics(self, *, timeout: float | None = None) -> str:
         """`GET /metrics`."""
         return self.send(metrics_call(), timeout)
+
+    def delete_vhost(self, name: str, *, timeout: float | None = None) -> VhostDeleted:
+        """`DELETE /vhosts/{name}`; AdminError (409, 404) when the broker refuses."""
+        return self.send(vhost_delete_call(name), timeout)
 
     def close(self) -> None:
         """Close the pool, if this client made it."""

@@ -17,6 +17,8 @@ BROKER_DAMAGED: Final = "broker damaged"
 INVALID_ROLE_REQUEST: Final = "invalid role request"
 MIRROR_REFUSED: Final = "mirror switch refused"  # 409: wrong role, stale token, not applied
 MIRROR_NOT_DRAINED: Final = "mirror not drained"  # 503: demotion under way, retry the same call
+VHOST_REFUSED: Final = "vhost deletion refused"  # 409: `/`, still served, or a passive
+VHOST_NOT_FOUND: Final = "vhost not found"  # 404
 
 SwitchRole = Literal["source", "replica"]  # what a switchover makes a site
 MirrorRole = Literal["source", "replica", "bidirectional"]
@@ -27,6 +29,7 @@ class QueueStatus(BaseModel):
     """One queue as `GET /status` reports it."""
 
     name: str
+    vhost: str = Field("/", description="The virtual host the queue belongs to")
     durable: bool
     exclusive: bool
     messages: int = Field(description="Ready messages")
@@ -199,6 +202,29 @@ class MirrorReseed(BaseModel):
     messages: int = Field(description="Messages the seed's snapshot carries")
     events: int = Field(description="Events now in the replication queue (the seed's included)")
     reason: str = Field(description="Why, as logged and sent to the mirror")
+
+
+class VhostDeleted(BaseModel):
+    """The answer of `DELETE /vhosts/{name}`: a retired vhost's content, deleted."""
+
+    name: str
+    queues: int = Field(description="Queues deleted (durable ones with their messages)")
+    exchanges: int = Field(description="Exchanges deleted (its own `amq.*` set not counted)")
+    messages: int = Field(description="Ready messages deleted with the queues")
+    connections: int = Field(description="Connections still open to it, closed (320)")
+
+
+class VhostStatus(BaseModel):
+    """One virtual host as `GET /status` reports it."""
+
+    name: str
+    served: bool = Field(
+        description="Declared by the users file: clients may open it (else retired: "
+        "connections refused, content kept)"
+    )
+    queues: int
+    mirrored: bool = Field(description="The DR mirror carries its changes (`/` only, today)")
+    federated: bool = Field(description="Federation links and state cover it (`/` only, today)")
 
 
 class MirrorStatus(BaseModel):
@@ -405,6 +431,7 @@ class BrokerStatus(BaseModel):
     channels: int
     alarms: list[str]
     queues: list[QueueStatus]
+    vhosts: list[VhostStatus] = Field(default_factory=list)
     journal: JournalStatus
     replication: ReplicationStatus
     mirror: MirrorStatus | None = None

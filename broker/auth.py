@@ -66,14 +66,15 @@ class User(BaseModel):
 
 
 class VHost(BaseModel):
-    """A vhost entry of the users file (only `/` is served)."""
+    """A vhost entry of the users file (RabbitMQ's definitions shape: `{"name": ...}`)."""
 
     name: str
 
 
 class UsersFile(BaseModel):
     """The `--users-file` (JSON): `{"users": [{"name": ..., "password_hash": ...}]}`, and
-    optionally RabbitMQ's `vhosts` and `permissions` (broker/permissions.py)."""
+    optionally RabbitMQ's `vhosts` (the vhosts served; `/` always is) and `permissions`
+    (broker/permissions.py)."""
 
     users: list[User] = Field(default_factory=list)
     vhosts: list[VHost] = Field(default_factory=lambda: [VHost(name="/")])
@@ -81,9 +82,10 @@ class UsersFile(BaseModel):
 
     @model_validator(mode="after")
     def _known_names(self) -> UsersFile:
-        served = {v.name for v in self.vhosts}
-        if served != {"/"}:
-            raise ValueError(f"vhosts {sorted(served)}: this broker serves the vhost '/' only")
+        served = self.served()
+        for name in served:
+            if not name or len(name.encode()) > 255:
+                raise ValueError(f"vhost {name!r}: a name of 1 to 255 bytes (connection.open's)")
         names = {u.name for u in self.users}
         for p in self.permissions or []:
             if p.user not in names:
@@ -91,6 +93,10 @@ class UsersFile(BaseModel):
             if p.vhost not in served:
                 raise ValueError(f"a permission of {p.user!r} for unknown vhost {p.vhost!r}")
         return self
+
+    def served(self) -> frozenset[str]:
+        """The vhosts this file declares, and `/` (always served)."""
+        return frozenset({"/", *(v.name for v in self.vhosts)})
 
     @classmethod
     def read(cls, path: Path) -> UsersFile:
@@ -165,10 +171,16 @@ class Login:
 class Authenticator:
     """Checks SASL responses against the configured users."""
 
-    def __init__(self, users: list[User], permissions: list[Permission] | None = None) -> None:
+    def __init__(
+        self,
+        users: list[User],
+        permissions: list[Permission] | None = None,
+        vhosts: frozenset[str] = frozenset({"/"}),
+    ) -> None:
         self.path: Path | None = None
         self._watch: FileWatch | None = None
         self.generation = 0  # bumped by every reload: connections drop their cached checks
+        self.vhosts = vhosts  # the vhosts the file declares (and `/`)
         self._set(users, permissions)
         self._key = secrets.token_bytes(32)  # for the remembered passwords; this process only
         self._pool: ThreadPoolExecutor | None = None
@@ -193,7 +205,7 @@ class Authenticator:
             return cls([User(name="guest", password="guest")])
         watch = FileWatch(path)
         data = UsersFile.read(path)
-        auth = cls(data.users, data.permissions)
+        auth = cls(data.users, data.permissions, data.served())
         auth.path, auth._watch = path, watch
         return auth
 
@@ -209,6 +221,7 @@ class Authenticator:
                       self.path, exc)  # fmt: skip
             return False
         self._set(data.users, data.permissions)
+        self.vhosts = data.served()
         self.generation += 1
         log.info("users file %s reloaded: %d users, %s", self.path, len(data.users),
                  "everyone may do everything" if data.permissions is None

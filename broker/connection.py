@@ -77,6 +77,11 @@ class ConnectionContext(Protocol):
     limits: Limits
     product_version: str
 
+    def served_vhost(self, name: str) -> VirtualHost | None:
+        """The vhost `name` if clients may open it now (the users file declares it), else
+        None."""
+        ...
+
     def await_durable(self, channel: Channel) -> None:
         """Call `channel.durable(batch)` as batches become durable."""
         ...
@@ -543,12 +548,23 @@ class Connection:
         self.state = State.AWAIT_OPEN
 
     def _open(self, m: commands.Connection.Open) -> None:
-        if m.virtual_host != "/":
+        vhost = self.ctx.served_vhost(m.virtual_host)
+        if vhost is None:
             raise AMQPError(ReplyCode.NOT_ALLOWED, f"vhost '{m.virtual_host}' not found", 10, 40)
         if not self.ctx.authenticator.access.may_open(self.user or "", m.virtual_host):
             raise AMQPError(
                 ReplyCode.NOT_ALLOWED,
                 f"access to vhost '{m.virtual_host}' refused for user '{self.user}'",
+                10,
+                40,
+            )
+        if self.origin_stamp is not None and vhost is not self.ctx.vhost:
+            # Federation keeps its links, outboxes and state in `/` (docs/federation.md).
+            log.warning("federation link from %s refused: it opened vhost %r, federation "
+                        "serves the vhost '/' only", self.peer, vhost.name)  # fmt: skip
+            raise AMQPError(
+                ReplyCode.NOT_ALLOWED,
+                f"vhost '{vhost.name}': federation links use the vhost '/' only",
                 10,
                 40,
             )
@@ -564,6 +580,7 @@ class Connection:
                 10,
                 40,
             )
+        self.vhost = vhost
         self.send(encode_method(0, commands.Connection.OpenOk()))
         self.state = State.OPEN
 
@@ -581,7 +598,7 @@ class Connection:
         key = (op, resource, name)
         allowed = self._grants.get(key)
         if allowed is None:
-            allowed = auth.access.allows(self.user or "", "/", op, name)
+            allowed = auth.access.allows(self.user or "", self.vhost.name, op, name)
             if len(self._grants) < GRANTS_CACHED:
                 self._grants[key] = allowed
         return allowed
@@ -594,7 +611,8 @@ class Connection:
         if not self.allows(op, resource, name):
             raise channel_error(
                 ReplyCode.ACCESS_REFUSED,
-                f"{op} access to {resource} '{name}' in vhost '/' refused for user '{self.user}'",
+                f"{op} access to {resource} '{name}' in vhost '{self.vhost.name}' refused for "
+                f"user '{self.user}'",
                 method,
             )
 

@@ -93,5 +93,13 @@ class MirrorRefused(Exception):
     """A DR switch that cannot happen (wrong role, stale or unmet token): 409."""
 
 
+class VhostRefused(Exception):
+    """A vhost deletion that must not happen (`/`, a vhost still served, a passive): 409."""
+
+
+class VhostNotFound(Exception):
+    """A vhost deletion of a vhost the broker does not have: 404."""
+
+
 class MirrorNotDrained(Exception):
     """A demotion whose replication queue did not drain in time: 503, call again."""

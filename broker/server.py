@@ -24,6 +24,7 @@ from twinmq.broker.api import (
     MirrorReseed,
     MirrorSwitch,
     Role,
+    VhostDeleted,
 )
 from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.auth import Authenticator
@@ -33,7 +34,13 @@ from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import Connection, Limits, State
 from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.epoch import EpochStore, epoch_jump_refusal, first_mid
-from twinmq.broker.errors import DamagedBroker, ReplyCode, StaleEpoch
+from twinmq.broker.errors import (
+    DamagedBroker,
+    ReplyCode,
+    StaleEpoch,
+    VhostNotFound,
+    VhostRefused,
+)
 from twinmq.broker.federation import config as federation_config
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
 from twinmq.broker.federation.service import Federation
@@ -307,6 +314,9 @@ class Broker:
             # Server-named queues unique across a federation (global reply-to names).
             separator = federation.global_key_separator if federation is not None else "."
             self.vhost.server_named_prefix = f"amq.gen-{settings.server_id}{separator}"
+            for other in self.vhost.vhosts.values():
+                other.server_named_prefix = self.vhost.server_named_prefix
+        self._serve_vhosts()
         if self.role == "active":
             # A batch is streamed to the passive before its own fdatasync: a previous
             # run in this epoch may have handed out mids that never reached this disk
@@ -376,6 +386,71 @@ class Broker:
         metrics.CHANNELS.set_function(
             lambda: sum(len(p.conn.channels) for p in self.protocols if p.conn is not None)
         )
+
+    # -- vhosts --------------------------------------------------------------------------
+
+    def _serve_vhosts(self) -> None:
+        """Make the vhosts the users file declares (empty; their content comes with use or
+        replication), and say which ones it no longer declares."""
+        served = self.authenticator.vhosts
+        for name in sorted(served):
+            vhost = self.vhost.add_vhost(name)
+            if vhost.retired:
+                vhost.retired = False
+                log.info("vhost %r is in the users file again: served", name)
+        for vhost in self.vhost.vhosts.values():
+            if vhost.name not in served and not vhost.retired:
+                # The safe side of RabbitMQ's delete_vhost: nothing is deleted (docs/security.md).
+                vhost.retired = True
+                log.warning(
+                    "vhost %r is not in the users file: new connections to it are refused; "
+                    "its %d queues and their messages are kept (connections open to it stay "
+                    "until they close)",
+                    vhost.name,
+                    len(vhost.queues),
+                )
+
+    def _reload_users(self) -> bool:
+        """Read the users file again if it changed; serve its vhosts."""
+        changed = self.authenticator.reload_if_changed()
+        if changed:
+            self._serve_vhosts()
+        return changed
+
+    def delete_vhost(self, name: str) -> VhostDeleted:
+        """`DELETE /vhosts/{name}`: delete a retired vhost's content (docs/security.md)."""
+        if name == "/":
+            raise VhostRefused("the vhost '/' is never deleted")
+        vhost = self.vhost.vhosts.get(name)
+        if vhost is None:
+            raise VhostNotFound(f"no vhost '{name}' on {self.settings.name}")
+        if name in self.authenticator.vhosts:
+            raise VhostRefused(
+                f"vhost '{name}' is in the users file: remove it there first (new "
+                "connections are refused then), then delete its content"
+            )
+        if self.role != "active":
+            raise VhostRefused(
+                f"{self.settings.name} is the passive broker: delete the vhost on the active "
+                "(the passive follows)"
+            )
+        closed = 0
+        for proto in list(self.protocols):
+            conn = proto.conn
+            if conn is not None and conn.vhost is vhost and conn.state is State.OPEN:
+                conn.force_close(ReplyCode.CONNECTION_FORCED, f"vhost '{name}' is deleted")
+                proto._flush()
+                closed += 1
+        queues, exchanges, messages = vhost.delete_content()
+        return VhostDeleted(
+            name=name, queues=queues, exchanges=exchanges, messages=messages, connections=closed
+        )
+
+    def served_vhost(self, name: str) -> VirtualHost | None:
+        """The vhost `name` if the users file declares it (`/` always), else None."""
+        if name not in self.authenticator.vhosts:
+            return None
+        return self.vhost.add_vhost(name)
 
     # -- ConnectionContext ---------------------------------------------------------------
 
@@ -466,7 +541,11 @@ class Broker:
 
     def _queue_name(self, qid: int) -> str:
         queue = self.vhost.queue_by_qid(qid)
-        return queue.name if queue is not None else f"qid:{qid}"
+        if queue is None:
+            return f"qid:{qid}"
+        vhost = queue.definition.vhost
+        # The audit names a queue of another vhost with it (docs/security.md "Not yet").
+        return queue.name if vhost == "/" else f"{queue.name} (vhost {vhost})"
 
     # -- damage (journal corruption) ------------------------------------------------------
 
@@ -668,8 +747,7 @@ class Broker:
         self._tasks.append(self.loop.create_task(self._save_dedup_periodically()))
         self._tasks.append(self.loop.create_task(self.monitor.run()))
         if self.authenticator.path is not None:
-            reload = self.authenticator.reload_if_changed
-            self._tasks.append(self.loop.create_task(reload_every(reload)))
+            self._tasks.append(self.loop.create_task(reload_every(self._reload_users)))
         log.info(
             "broker %s %s listening: amqp %s:%d%s, admin %s:%d, replication %s:%d, data %s; "
             "%s in epoch %d",

@@ -91,7 +91,9 @@ class BrokerSettings(BaseSettings):
         "connection.open with 530 (0: no limit)",
     )
     max_queues: int = Field(
-        0, ge=0, description="Queues at most; a declare beyond is refused with 406 (0: no limit)"
+        0,
+        ge=0,
+        description="Queues at most per vhost; a declare beyond is refused with 406 (0: no limit)",
     )
     segment_bytes: int = Field(
         64 * 1024 * 1024, ge=4096, description="Journal segment size before rolling over"

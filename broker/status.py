@@ -16,6 +16,7 @@ from twinmq.broker.api import (
     JournalStatus,
     QueueStatus,
     ReplicationStatus,
+    VhostStatus,
 )
 from twinmq.broker.names import ACTIVE, PASSIVE
 
@@ -76,10 +77,11 @@ def build_status(broker: Broker) -> BrokerStatus:
     metrics.REPLICATION_LAG_SECONDS.set(replication.lag_seconds)
     queue_state = "ready" if replication.ready else "catching-up"
     queues = []
-    for q in vhost.queues.values():
+    for q in vhost.all_queues():
         queues.append(
             QueueStatus(
                 name=q.name,
+                vhost=q.definition.vhost,
                 durable=q.durable,
                 exclusive=q.definition.exclusive,
                 messages=q.message_count,
@@ -104,6 +106,16 @@ def build_status(broker: Broker) -> BrokerStatus:
         channels=sum(len(p.conn.channels) for p in broker.protocols if p.conn is not None),
         alarms=[broker.monitor.reason] if broker.monitor.reason else [],
         queues=queues,
+        vhosts=[
+            VhostStatus(
+                name=v.name,
+                served=v.name in broker.authenticator.vhosts,
+                queues=len(v.queues),
+                mirrored=v is vhost,
+                federated=v is vhost,
+            )
+            for v in vhost.vhosts.values()
+        ],
         replication=replication,
         journal=JournalStatus(
             segments=stats.segments,

@@ -1,4 +1,12 @@
-"""The virtual host: exchanges, queues and bindings, and what happens to a message in them.
+"""Virtual hosts: exchanges, queues and bindings, and what happens to a message in them.
+
+A broker has the vhost `/` (the `VirtualHost` the server holds: the root) and any others
+the users file declares (`add_vhost`), each with its own exchanges (its own `amq.*`),
+queues and bindings: the same name in two vhosts is two objects. They share the
+broker's journal, its message ids and queue incarnation ids (`qid`, unique across
+vhosts, so journal records of messages need no vhost), the dedup window (keys scoped by
+vhost) and the clock. The root answers for all of them where the broker acts as a whole:
+recovery, the journal's whole topology, replication to the passive.
 
 Pure broker logic with no I/O of its own: durability goes through a `Committer`
 (journal group commit, later replication too) and time through a `Clock`, both
@@ -24,6 +32,7 @@ from twinmq.broker.codec import (
 from twinmq.broker.deadletter import dead_letter_header, is_cycle
 from twinmq.broker.dedup import DedupWindow, dedup_key
 from twinmq.broker.definitions import (
+    DEFAULT_VHOST,
     BindingDef,
     Definitions,
     DefinitionsDelta,
@@ -183,8 +192,27 @@ class PublishResult:
     depends_on: int = 0
 
 
+class _Ids:
+    """The ids the vhosts of one broker share (one journal): message ids and queue
+    incarnation ids."""
+
+    __slots__ = ("mid", "qid")
+
+    def __init__(self) -> None:
+        self.mid = 1
+        self.qid = 1
+
+
+def scoped_dedup_key(vhost: str, exchange: str, routing_key: str, message_id: str) -> str:
+    """A dedup key scoped by vhost (the window is the broker's); `/`'s keys are those
+    written before vhosts existed."""
+    if vhost != DEFAULT_VHOST:
+        exchange = f"{vhost}\x00{exchange}"
+    return dedup_key(exchange, routing_key, message_id)
+
+
 class VirtualHost:
-    """The broker's single virtual host ("/")."""
+    """One virtual host; the root (`/`, `root is self`) also holds the others (`vhosts`)."""
 
     def __init__(
         self,
@@ -195,7 +223,16 @@ class VirtualHost:
         replica: bool = False,
         dedup: DedupWindow | None = None,
         max_queues: int = 0,
+        name: str = DEFAULT_VHOST,
+        root: VirtualHost | None = None,
     ) -> None:
+        self.name = name
+        self.root: VirtualHost = self if root is None else root
+        # Every vhost of the broker by name, the root's dict (shared by all of them).
+        self.vhosts: dict[str, VirtualHost] = {name: self} if root is None else root.vhosts
+        self._ids: _Ids = _Ids() if root is None else root._ids
+        # A vhost removed from the users file: new connections refused, content kept.
+        self.retired = False
         self.committer = committer
         self.max_queues = max_queues  # clients' declares only (0: no limit)
         self.clock = clock
@@ -224,30 +261,123 @@ class VirtualHost:
         # Federation global keys: a client's publish on exchange X -> its header with
         # `reply-to` made global (or the header unchanged).
         self.reply_to_rewriters: dict[str, Callable[[bytes], bytes]] = {}
-        self._by_qid: dict[int, Queue] | None = None
+        self._by_qid: dict[int, Queue] | None = None  # the root's: every vhost's queues
+        self._other_qids: frozenset[int] = frozenset()  # built with `_by_qid`
         # While a channel handles a method (`staging`): where its staged changes go.
         self._stage: Callable[[StagedChange], None] | None = None
         self.dedup = dedup if dedup is not None else DedupWindow(0)
         self.visibility = Visibility(committer.await_durable, clock.time, self.requeue)
+        if root is not None:
+            # The server hears of withdrawn batches from the root's (set after this).
+            self.visibility.on_failed = self._batch_withdrawn
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
-        self.next_mid = 1
-        self.next_qid = 1
         self._timers: dict[str, Cancellable] = {}
         self._expiry_timers: dict[str, Cancellable] = {}
         self._unordered: set[Queue] = set()  # replicated out of replication ID order
         for name, etype in BUILTIN_EXCHANGES:
-            self.exchanges[name] = make_exchange(ExchangeDef(name=name, type=etype))
+            self.exchanges[name] = make_exchange(
+                ExchangeDef(name=name, type=etype, vhost=self.name)
+            )
         if recovered is not None:
             self._recover(recovered)
+            if root is None:
+                for other in sorted(recovered.definitions.vhost_names() - {self.name}):
+                    self.add_vhost(other, recovered)
+
+    @property
+    def next_mid(self) -> int:
+        """The next message id (the broker's, shared by its vhosts)."""
+        return self._ids.mid
+
+    @next_mid.setter
+    def next_mid(self, value: int) -> None:
+        self._ids.mid = value
+
+    @property
+    def next_qid(self) -> int:
+        """The next queue incarnation id (the broker's, shared by its vhosts)."""
+        return self._ids.qid
+
+    @next_qid.setter
+    def next_qid(self, value: int) -> None:
+        self._ids.qid = value
+
+    # -- vhosts -----------------------------------------------------------------------------
+
+    def add_vhost(self, name: str, recovered: Recovered | None = None) -> VirtualHost:
+        """The vhost `name`, made (empty, or from `recovered`) if the broker has none yet."""
+        root = self.root
+        vhost = root.vhosts.get(name)
+        if vhost is None:
+            vhost = VirtualHost(
+                root.committer, root.clock, recovered, replica=root.replica, dedup=root.dedup,
+                max_queues=root.max_queues, name=name, root=root,
+            )  # fmt: skip
+            vhost.server_named_prefix = root.server_named_prefix
+            root.vhosts[name] = vhost
+            root._by_qid = None
+            log.info("vhost %r: %d queues", name, len(vhost.queues))
+        return vhost
+
+    def delete_content(self) -> tuple[int, int, int]:
+        """Delete every queue (with its messages) and exchange of this vhost other than `/`,
+        and the vhost itself: the admin API's `DELETE /vhosts/{name}` for a vhost retired
+        from the users file. Returns (queues, exchanges, ready messages) deleted."""
+        assert self.root is not self, "the vhost '/' is never deleted"
+        queues = list(self.queues.values())
+        messages = sum(self.remove_queue(queue) for queue in queues)
+        builtin = {name for name, _ in BUILTIN_EXCHANGES}
+        exchanges = [e for e in self.exchanges.values() if e.name not in builtin]
+        for exchange in exchanges:
+            del self.exchanges[exchange.name]
+        durable = [e.name for e in exchanges if e.definition.durable]
+        if durable:
+            self._save(self._delta(del_exchanges=durable))
+        for timer in [*self._timers.values(), *self._expiry_timers.values()]:
+            timer.cancel()
+        del self.root.vhosts[self.name]
+        self.root._by_qid = None
+        self._queues_changed()
+        log.warning(
+            "vhost %r deleted: %d queues with %d ready messages, %d exchanges",
+            self.name, len(queues), messages, len(exchanges),
+        )  # fmt: skip
+        return len(queues), len(exchanges), messages
+
+    def _batch_withdrawn(self, batch: int) -> None:
+        told = self.root.visibility.on_failed
+        if told is not None:
+            told(batch)
+
+    def all_queues(self) -> list[Queue]:
+        """The queues of every vhost of the broker."""
+        return [q for v in self.root.vhosts.values() for q in v.queues.values()]
+
+    def all_definitions(self) -> Definitions:
+        """The durable topology of every vhost (the journal's, the passive's)."""
+        parts = [v.definitions() for v in self.root.vhosts.values()]
+        return Definitions(
+            exchanges=[e for d in parts for e in d.exchanges],
+            queues=[q for d in parts for q in d.queues],
+            bindings=[b for d in parts for b in d.bindings],
+            next_qid=self.next_qid,
+        )
+
+    def _delta(self, **parts: Any) -> DefinitionsDelta:
+        return DefinitionsDelta(vhost=self.name, **parts)
+
+    def _queues_changed(self) -> None:
+        metrics.QUEUES.set(sum(len(v.queues) for v in self.root.vhosts.values()))
 
     # -- recovery and persistence ---------------------------------------------------------
 
     def _recover(self, recovered: Recovered) -> None:
-        defs = recovered.definitions
+        defs = recovered.definitions.of_vhost(self.name)
         replica_mode = self.replica
-        self.next_qid = max(defs.next_qid, 1)
-        self.next_mid = max(recovered.next_mid, 1)
+        if self.root is self:
+            self.next_qid = max(defs.next_qid, 1)
+            self.next_mid = max(recovered.next_mid, 1)
         for edef in defs.exchanges:
             if edef.name not in self.exchanges:
                 self.exchanges[edef.name] = make_exchange(edef)
@@ -257,7 +387,7 @@ class VirtualHost:
             queue = Queue(qdef, None, self._dropped, self.visibility, lenient=True)
             self.queues[qdef.name] = queue
             # The default exchange's bindings are implicit (not in the definitions file).
-            self.exchanges[""].bind(BindingDef(exchange="", queue=qdef.name, routing_key=qdef.name))
+            self.exchanges[""].bind(self._default_binding(qdef.name))
             opaque: list[int] = []
             for stored in recovered.messages.get(qdef.qid, ()):
                 message_id, why = _recovered_header(stored.header)
@@ -276,7 +406,9 @@ class VirtualHost:
                 )
                 if message.message_id is not None:
                     self.dedup.add(
-                        dedup_key(stored.exchange, stored.routing_key, message.message_id)
+                        scoped_dedup_key(
+                            self.name, stored.exchange, stored.routing_key, message.message_id
+                        )
                     )
                 # A message recovered from disk may have been delivered before the crash.
                 entry = Entry(message, stored.expires_at, True, redelivered=True)
@@ -330,18 +462,23 @@ class VirtualHost:
             next_qid=self.next_qid,
         )
 
+    def _default_binding(self, queue: str) -> BindingDef:
+        # Every queue is bound to its vhost's default exchange under its own name.
+        return BindingDef(exchange="", queue=queue, routing_key=queue, vhost=self.name)
+
     def _save(self, delta: DefinitionsDelta) -> None:
         """Durably record a topology change the caller already made in memory."""
-        self._by_qid = None
-        self.committer.save_delta(delta, self.definitions)
+        self.root._by_qid = None
+        self.committer.save_delta(delta, self.all_definitions)
         self._saved(delta)
 
     def _saved(self, delta: DefinitionsDelta) -> None:
         """A change is durable here: stream it to the passive (after, never before)."""
-        if self.on_topology_delta is not None:
-            self.on_topology_delta(delta)
-        elif self.on_topology_change is not None:
-            self.on_topology_change(self.definitions())
+        root = self.root
+        if root.on_topology_delta is not None:
+            root.on_topology_delta(delta)
+        elif root.on_topology_change is not None:
+            root.on_topology_change(root.all_definitions())
 
     @contextlib.contextmanager
     def staging(self, hold: Callable[[StagedChange], None]) -> Iterator[None]:
@@ -381,7 +518,7 @@ class VirtualHost:
         undo = self._told_undo(undo)
         if stage and hold is not None and not self.replica:
             change = StagedChange()
-            self._by_qid = None
+            self.root._by_qid = None
 
             def done(error: JournalError | None) -> None:
                 if error is None:
@@ -389,7 +526,7 @@ class VirtualHost:
                     change.resolve(None)
                     return
                 undo()
-                self._by_qid = None
+                self.root._by_qid = None
                 change.resolve(
                     channel_error(
                         ReplyCode.INTERNAL_ERROR,
@@ -398,14 +535,14 @@ class VirtualHost:
                     )
                 )
 
-            self.committer.stage_delta(delta, self.definitions, done)
+            self.committer.stage_delta(delta, self.all_definitions, done)
             hold(change)
             return
         try:
             self._save(delta)
         except JournalError as exc:
             undo()
-            self._by_qid = None
+            self.root._by_qid = None
             if self.replica:
                 raise
             raise channel_error(
@@ -441,7 +578,9 @@ class VirtualHost:
         if passive:
             if existing is None:
                 raise channel_error(
-                    ReplyCode.NOT_FOUND, f"no exchange '{name}' in vhost '/'", EXCHANGE_DECLARE
+                    ReplyCode.NOT_FOUND,
+                    f"no exchange '{name}' in vhost '{self.name}'",
+                    EXCHANGE_DECLARE,
                 )
             return
         if name.startswith("amq.") and existing is None:
@@ -466,7 +605,8 @@ class VirtualHost:
             ):
                 raise channel_error(
                     ReplyCode.PRECONDITION_FAILED,
-                    f"inequivalent arg 'type' or flags for exchange '{name}' in vhost '/': "
+                    f"inequivalent arg 'type' or flags for exchange '{name}' in vhost "
+                    f"'{self.name}': "
                     f"received '{etype}' durable={durable} but current is '{d.type}' "
                     f"durable={d.durable}",
                     EXCHANGE_DECLARE,
@@ -475,6 +615,7 @@ class VirtualHost:
         definition = ExchangeDef(
             name=name,
             type=etype,
+            vhost=self.name,
             durable=durable,
             auto_delete=auto_delete,
             internal=internal,
@@ -483,7 +624,7 @@ class VirtualHost:
         self.exchanges[name] = make_exchange(definition)
         if durable:
             self._save_or_undo(
-                DefinitionsDelta(add_exchanges=[definition]),
+                self._delta(add_exchanges=[definition]),
                 lambda: self.exchanges.pop(name, None),
                 f"exchange '{name}' not declared",
                 EXCHANGE_DECLARE,
@@ -504,7 +645,7 @@ class VirtualHost:
         if if_unused and exchange.bindings:
             raise channel_error(
                 ReplyCode.PRECONDITION_FAILED,
-                f"exchange '{name}' in vhost '/' in use",
+                f"exchange '{name}' in vhost '{self.name}' in use",
                 EXCHANGE_DELETE,
             )
         del self.exchanges[name]
@@ -513,7 +654,7 @@ class VirtualHost:
             self._bindings_changed(name, touched)
         if exchange.definition.durable:
             self._save_or_undo(
-                DefinitionsDelta(del_exchanges=[name]),
+                self._delta(del_exchanges=[name]),
                 lambda: self.exchanges.setdefault(name, exchange),
                 f"exchange '{name}' not deleted",
                 EXCHANGE_DELETE,
@@ -525,12 +666,12 @@ class VirtualHost:
         exchange = self.exchanges.get(name)
         if exchange is None:
             raise channel_error(
-                ReplyCode.NOT_FOUND, f"no exchange '{name}' in vhost '/'", BASIC_PUBLISH
+                ReplyCode.NOT_FOUND, f"no exchange '{name}' in vhost '{self.name}'", BASIC_PUBLISH
             )
         if exchange.definition.internal:
             raise channel_error(
                 ReplyCode.ACCESS_REFUSED,
-                f"cannot publish to internal exchange '{name}' in vhost '/'",
+                f"cannot publish to internal exchange '{name}' in vhost '{self.name}'",
                 BASIC_PUBLISH,
             )
         return exchange
@@ -541,11 +682,13 @@ class VirtualHost:
         """Look up a queue for `owner`'s connection (404 missing, 405 exclusive elsewhere)."""
         queue = self.queues.get(name)
         if queue is None:
-            raise channel_error(ReplyCode.NOT_FOUND, f"no queue '{name}' in vhost '/'", method)
+            raise channel_error(
+                ReplyCode.NOT_FOUND, f"no queue '{name}' in vhost '{self.name}'", method
+            )
         if queue.owner is not None and queue.owner is not owner:
             raise channel_error(
                 ReplyCode.RESOURCE_LOCKED,
-                f"cannot obtain exclusive access to locked queue '{name}' in vhost '/'",
+                f"cannot obtain exclusive access to locked queue '{name}' in vhost '{self.name}'",
                 method,
             )
         return queue
@@ -585,7 +728,7 @@ class VirtualHost:
                 if have != want:
                     raise channel_error(
                         ReplyCode.PRECONDITION_FAILED,
-                        f"inequivalent arg '{flag}' for queue '{name}' in vhost '/': "
+                        f"inequivalent arg '{flag}' for queue '{name}' in vhost '{self.name}': "
                         f"received '{str(want).lower()}' but current is '{str(have).lower()}'",
                         QUEUE_DECLARE,
                     )
@@ -593,7 +736,7 @@ class VirtualHost:
                 if key.startswith("x-") and d.arguments.get(key) != arguments.get(key):
                     raise channel_error(
                         ReplyCode.PRECONDITION_FAILED,
-                        f"inequivalent arg '{key}' for queue '{name}' in vhost '/': "
+                        f"inequivalent arg '{key}' for queue '{name}' in vhost '{self.name}': "
                         f"received {arguments.get(key)!r} but current is {d.arguments.get(key)!r}",
                         QUEUE_DECLARE,
                     )
@@ -602,13 +745,14 @@ class VirtualHost:
         if self.max_queues and len(self.queues) >= self.max_queues:
             raise channel_error(
                 ReplyCode.PRECONDITION_FAILED,
-                f"cannot declare queue '{name}' in vhost '/': queue limit "
+                f"cannot declare queue '{name}' in vhost '{self.name}': queue limit "
                 f"({self.max_queues}) is reached",
                 QUEUE_DECLARE,
             )
         definition = QueueDef(
             name=name,
             qid=self.next_qid,
+            vhost=self.name,
             durable=durable,
             exclusive=exclusive,
             auto_delete=auto_delete,
@@ -618,7 +762,7 @@ class VirtualHost:
         self.next_qid += 1
         self.queues[name] = queue
         # Every queue is bound to the default exchange under its own name.
-        default = BindingDef(exchange="", queue=name, routing_key=name)
+        default = self._default_binding(name)
         self.exchanges[""].bind(default)
         if durable:
 
@@ -631,16 +775,16 @@ class VirtualHost:
                 timer = self._expiry_timers.pop(name, None)
                 if timer is not None:
                     timer.cancel()
-                metrics.QUEUES.set(len(self.queues))
+                self._queues_changed()
 
             self._save_or_undo(
-                DefinitionsDelta(add_queues=[definition], next_qid=self.next_qid),
+                self._delta(add_queues=[definition], next_qid=self.next_qid),
                 undo,
                 f"queue '{name}' not declared",
                 QUEUE_DECLARE,
             )
         self._touch(queue)
-        metrics.QUEUES.set(len(self.queues))
+        self._queues_changed()
         self._definitions_changed(Touched(queues=(name,)))
         for listener in self.queue_listeners:
             listener(queue)
@@ -655,13 +799,15 @@ class VirtualHost:
         """
         queue = self.queues.get(name)
         if queue is None:
-            queue = Queue(QueueDef(name=name, qid=qid), None, self._dropped, self.visibility)
+            queue = Queue(
+                QueueDef(name=name, qid=qid, vhost=self.name), None, self._dropped, self.visibility
+            )
             self.queues[name] = queue
-            self._save(DefinitionsDelta(add_queues=[queue.definition], next_qid=self.next_qid))
+            self._save(self._delta(add_queues=[queue.definition], next_qid=self.next_qid))
             self._definitions_changed(Touched(queues=(name,)))
         if locked and queue.owner is not _INTERNAL_OWNER:
             queue.owner = _INTERNAL_OWNER
-            self.exchanges[""].unbind(BindingDef(exchange="", queue=name, routing_key=name))
+            self.exchanges[""].unbind(self._default_binding(name))
         return queue
 
     def delete_queue(self, name: str, *, if_unused: bool, if_empty: bool, owner: object) -> int:
@@ -671,12 +817,14 @@ class VirtualHost:
         queue = self.queue(name, owner, QUEUE_DELETE)
         if if_unused and queue.consumers:
             raise channel_error(
-                ReplyCode.PRECONDITION_FAILED, f"queue '{name}' in vhost '/' in use", QUEUE_DELETE
+                ReplyCode.PRECONDITION_FAILED,
+                f"queue '{name}' in vhost '{self.name}' in use",
+                QUEUE_DELETE,
             )
         if if_empty and queue.message_count:
             raise channel_error(
                 ReplyCode.PRECONDITION_FAILED,
-                f"queue '{name}' in vhost '/' is not empty",
+                f"queue '{name}' in vhost '{self.name}' is not empty",
                 QUEUE_DELETE,
             )
         return self.remove_queue(queue)
@@ -713,7 +861,7 @@ class VirtualHost:
                         exchange.bind(binding)
 
             self._save_or_undo(
-                DefinitionsDelta(
+                self._delta(
                     del_queues=[queue.name] if queue.durable else [],
                     del_exchanges=gone_exchanges,
                 ),
@@ -740,7 +888,7 @@ class VirtualHost:
             queue.held_aside.clear()
         if queue.durable:
             self.committer.drop_queue(queue.definition.qid)
-        metrics.QUEUES.set(len(self.queues))
+        self._queues_changed()
         self._definitions_changed(touched)
         return count
 
@@ -767,7 +915,7 @@ class VirtualHost:
         exchange = self.exchanges.get(exchange_name)
         if exchange is None:
             raise channel_error(
-                ReplyCode.NOT_FOUND, f"no exchange '{exchange_name}' in vhost '/'", method
+                ReplyCode.NOT_FOUND, f"no exchange '{exchange_name}' in vhost '{self.name}'", method
             )
         if exchange_name == "":
             raise channel_error(
@@ -776,7 +924,11 @@ class VirtualHost:
                 method,
             )
         binding = BindingDef(
-            exchange=exchange_name, queue=queue.name, routing_key=routing_key, arguments=arguments
+            exchange=exchange_name,
+            queue=queue.name,
+            routing_key=routing_key,
+            arguments=arguments,
+            vhost=self.name,
         )
         changed = exchange.unbind(binding) if unbind else exchange.bind(binding)
         auto_deleted = (
@@ -791,7 +943,7 @@ class VirtualHost:
             del self.exchanges[exchange_name]
         stored = queue.durable and exchange.definition.durable
         if changed and (stored or (auto_deleted and exchange.definition.durable)):
-            delta = DefinitionsDelta(
+            delta = self._delta(
                 add_bindings=[binding] if stored and not unbind else [],
                 del_bindings=[binding] if stored and unbind else [],
                 del_exchanges=[exchange_name] if auto_deleted else [],
@@ -890,7 +1042,7 @@ class VirtualHost:
         message_id = info.message_id
         key = None
         if message_id is not None and self.dedup.size:
-            key = dedup_key(exchange.name, routing_key, message_id)
+            key = scoped_dedup_key(self.name, exchange.name, routing_key, message_id)
             if deduplicate and key in self.dedup:
                 # A re-send of a message we have, durably: confirm it, do not enqueue it.
                 metrics.DUPLICATES.inc()
@@ -1167,9 +1319,21 @@ class VirtualHost:
         return self._qid_index().get(qid)
 
     def _qid_index(self) -> dict[int, Queue]:
-        if self._by_qid is None:
-            self._by_qid = {q.definition.qid: q for q in self.queues.values()}
-        return self._by_qid
+        root = self.root
+        if root._by_qid is None:
+            root._by_qid = {q.definition.qid: q for q in self.all_queues()}
+            root._other_qids = frozenset(
+                qid for qid, q in root._by_qid.items() if q.definition.vhost != root.name
+            )
+        return root._by_qid
+
+    def other_vhost_qids(self) -> frozenset[int]:
+        """The qids of the queues in vhosts other than `/`: what the DR mirror skips."""
+        root = self.root
+        if len(root.vhosts) == 1:
+            return frozenset()
+        self._qid_index()
+        return root._other_qids
 
     def replication_snapshot(self) -> dict[int, list[int]]:
         """The replication IDs this broker holds per durable queue (journaled messages)."""
@@ -1177,12 +1341,20 @@ class VirtualHost:
             q.definition.qid: [e.message.mid for e in q.entries if e.journaled]
             + [mid for mid, e in q.delivered.items() if e.journaled]
             + [mid for mid, e in q.held_aside.items() if e.journaled]
-            for q in self.queues.values()
+            for q in self.all_queues()
             if q.durable
         }
 
     def apply_definitions(self, defs: Definitions) -> None:
-        """Make the topology equal to the active's (a passive receiving its definitions)."""
+        """Make the topology of every vhost equal to the active's (a passive receiving its
+        definitions); a vhost the active has and this broker not yet is made."""
+        root = self.root
+        for name in sorted(defs.vhost_names() | set(root.vhosts)):
+            root.add_vhost(name)._replace_topology(defs.of_vhost(name))
+        self.committer.save_definitions(root.all_definitions())
+        self._queues_changed()
+
+    def _replace_topology(self, defs: Definitions) -> None:
         wanted = {q.name: q for q in defs.queues}
         for queue in list(self.queues.values()):
             target = wanted.get(queue.name)
@@ -1193,9 +1365,7 @@ class VirtualHost:
                 self.queues[qdef.name] = Queue(
                     qdef, None, self._dropped, self.visibility, lenient=True
                 )
-                self.exchanges[""].bind(
-                    BindingDef(exchange="", queue=qdef.name, routing_key=qdef.name)
-                )
+                self.exchanges[""].bind(self._default_binding(qdef.name))
         builtin = {name for name, _ in BUILTIN_EXCHANGES}
         for name in [n for n in self.exchanges if n not in builtin]:
             del self.exchanges[name]
@@ -1210,9 +1380,7 @@ class VirtualHost:
             if bound is not None and bdef.queue in self.queues:
                 bound.bind(bdef)
         self.next_qid = max(self.next_qid, defs.next_qid)
-        self._by_qid = None
-        self.committer.save_definitions(self.definitions())
-        metrics.QUEUES.set(len(self.queues))
+        self.root._by_qid = None
         self._state_changed(EVERYTHING)  # (nothing is published on a passive)
 
     def apply_delta(
@@ -1232,6 +1400,9 @@ class VirtualHost:
         log), and `staged` is told its outcome; the caller writes the group
         (`flush_topology`) before it acknowledges anything after it.
         """
+        if delta.vhost != self.name:
+            self.add_vhost(delta.vhost).apply_delta(delta, staged)
+            return
         replaced = {q.name for q in delta.add_queues if (old := self.queues.get(q.name))
                     and old.definition.qid != q.qid}  # fmt: skip
         for name in [*delta.del_queues, *replaced]:
@@ -1257,22 +1428,20 @@ class VirtualHost:
                 self.queues[qdef.name] = Queue(
                     qdef, None, self._dropped, self.visibility, lenient=True
                 )
-                self.exchanges[""].bind(
-                    BindingDef(exchange="", queue=qdef.name, routing_key=qdef.name)
-                )
+                self.exchanges[""].bind(self._default_binding(qdef.name))
         for bdef in delta.add_bindings:
             bound = self.exchanges.get(bdef.exchange)
             if bound is not None and bdef.queue in self.queues:
                 bound.bind(bdef)
         self.next_qid = max(self.next_qid, delta.next_qid)
-        self._by_qid = None
-        metrics.QUEUES.set(len(self.queues))
+        self.root._by_qid = None
+        self._queues_changed()
         self._state_changed(EVERYTHING)  # (nothing is published on a passive)
         # Last, as `apply_definitions` saves: a failure stops this passive (exit 75).
         if staged is not None:
-            self.committer.stage_delta(delta, self.definitions, staged)
+            self.committer.stage_delta(delta, self.all_definitions, staged)
         else:
-            self.committer.save_delta(delta, self.definitions)
+            self.committer.save_delta(delta, self.all_definitions)
 
     def apply_ops(
         self, ops: list[JournalOp], *, defer_sort: bool = False, catchup: bool = False
@@ -1316,7 +1485,11 @@ class VirtualHost:
                     mid, op.exchange, op.routing_key, header, body, True, None, message_id
                 )
                 if message_id is not None and dedup:
-                    keys.append(dedup_key(op.exchange, op.routing_key, message_id))
+                    keys.append(
+                        scoped_dedup_key(
+                            queue.definition.vhost, op.exchange, op.routing_key, message_id
+                        )
+                    )
                 if last > mid:
                     unordered.add(queue)
                 last = mid
@@ -1330,7 +1503,12 @@ class VirtualHost:
                     settled = gone.message
                     if settled.message_id is not None:
                         self.dedup.forget(
-                            dedup_key(settled.exchange, settled.routing_key, settled.message_id)
+                            scoped_dedup_key(
+                                queue.definition.vhost,
+                                settled.exchange,
+                                settled.routing_key,
+                                settled.message_id,
+                            )
                         )
         self.next_mid = next_mid
         self._unordered |= unordered
@@ -1345,7 +1523,12 @@ class VirtualHost:
         self._unordered.clear()
 
     def set_replica(self, replica: bool) -> None:
-        """Become a passive (no timers, state from replication) or an active broker."""
+        """Become a passive (no timers, state from replication) or an active broker (the
+        root: with every vhost)."""
+        if self.root is self:
+            for other in list(self.vhosts.values()):
+                if other is not self:
+                    other.set_replica(replica)
         self.replica = replica
         self.restore_order()  # a catch-up cut short leaves its queues unsorted
         if replica:

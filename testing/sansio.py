@@ -94,6 +94,12 @@ class Context:
         """Channels wait on the group committer, as in the broker."""
         self.committer.await_durable(channel)
 
+    def served_vhost(self, name: str) -> VirtualHost | None:
+        """The vhost `name` if the authenticator's users file declares it, as the broker."""
+        if name not in self.authenticator.vhosts:
+            return None
+        return self.vhost.add_vhost(name)
+
     def alarm(self) -> str | None:
         """The resource alarm the test has raised, if any."""
         return self.alarm_reason

@@ -35,7 +35,7 @@ from typing import Final
 
 from pydantic import ValidationError
 
-from twinmq.broker.definitions import Definitions
+from twinmq.broker.definitions import DEFAULT_VHOST, Definitions
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.journal.ops import decode_ops, encode_ops
 from twinmq.broker.message import Entry, Message
@@ -229,11 +229,16 @@ def is_internal(name: str) -> bool:
 
 
 def mirrored_definitions(definitions: Definitions) -> Definitions:
-    """The topology a mirror receives: everything durable but the internal queues."""
+    """The topology a mirror receives: everything durable of the vhost `/` (the mirror
+    carries no other: docs/mirror.md) but the internal queues."""
     return Definitions(
-        exchanges=definitions.exchanges,
-        queues=[q for q in definitions.queues if not is_internal(q.name)],
-        bindings=[b for b in definitions.bindings if not is_internal(b.queue)],
+        exchanges=[e for e in definitions.exchanges if e.vhost == DEFAULT_VHOST],
+        queues=[
+            q for q in definitions.queues if q.vhost == DEFAULT_VHOST and not is_internal(q.name)
+        ],
+        bindings=[
+            b for b in definitions.bindings if b.vhost == DEFAULT_VHOST and not is_internal(b.queue)
+        ],
         next_qid=definitions.next_qid,
     )
 

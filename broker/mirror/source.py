@@ -86,6 +86,10 @@ class SourceState(Protocol):
         """The durable topology."""
         ...
 
+    def other_vhost_qids(self) -> frozenset[int]:
+        """The qids of the queues in vhosts other than `/` (the mirror skips them)."""
+        ...
+
 
 class SourceLog(Protocol):
     """The group committer as the mirror source uses it."""
@@ -137,6 +141,7 @@ class MirrorSource:
         # seq -> (made at, its qids, its ops' bytes per qid)
         self._lag: dict[int, tuple[float, Counter[int], Counter[int]]] = {}
         self._queue: Queue | None = None
+        self._warned_vhosts = False  # the skipping of other vhosts' ops was logged
         self._unsettled: deque[tuple[int, int]] = deque()  # (batch, seq), batch not complete
         # The bidirectional mode (`bidi.py`): events in the origin's terms, through the id
         # map; ops the applier journals (applied from a link) are never this site's events.
@@ -466,6 +471,9 @@ class MirrorSource:
         if self.ids is not None:
             return self._bidi_batch(batch, ops)
         mirrored = [op for op in ops if op.qid < INTERNAL_QID_BASE]
+        skipped = self.vhost.other_vhost_qids()
+        if skipped:
+            mirrored = self._only_root_vhost(mirrored, skipped)
         if not mirrored:
             return []
         now = self.clock()
@@ -477,12 +485,28 @@ class MirrorSource:
         self._unsettled.append((batch, op.mid))
         return [op, *self._beyond_retention()]
 
+    def _only_root_vhost(self, ops: list[JournalOp], skipped: frozenset[int]) -> list[JournalOp]:
+        """`ops` without those of other vhosts than `/`: the mirror carries `/` only
+        (docs/mirror.md); logged the first time, counted in /status (`vhosts`)."""
+        kept = [op for op in ops if op.qid not in skipped]
+        if len(kept) != len(ops) and not self._warned_vhosts:
+            self._warned_vhosts = True
+            log.warning(
+                "mirror: skipping the changes of vhosts other than '/' (the DR mirror "
+                "carries the vhost '/' only): %d ops in this batch not mirrored",
+                len(ops) - len(kept),
+            )
+        return kept
+
     def _bidi_batch(self, batch: int, ops: list[JournalOp]) -> list[JournalOp]:
         """A closing batch's own ops (not those applied from a link) as a bidirectional
         event, and the id map's changes they make (in the same batch)."""
         assert self.ids is not None
         excluded, self._excluded = self._excluded, {}
         own = [op for op in ops if op.qid < INTERNAL_QID_BASE and id(op) not in excluded]
+        skipped = self.vhost.other_vhost_qids()
+        if skipped:
+            own = self._only_root_vhost(own, skipped)
         if not own:
             return []
         body = self._bidi_event(own)

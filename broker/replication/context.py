@@ -76,6 +76,14 @@ class ReplicatedState(Protocol):
         """The durable topology."""
         ...
 
+    def all_definitions(self) -> Definitions:
+        """The durable topology of every vhost (what the passive is sent)."""
+        ...
+
+    def all_queues(self) -> list[Queue]:
+        """The queues of every vhost (what the catch-up reads)."""
+        ...
+
     queues: dict[str, Queue]
     next_mid: int
     dedup: DedupWindow  # the active's window travels with every catch-up

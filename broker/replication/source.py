@@ -533,7 +533,7 @@ class ReplicationSource:
         last = committer.flush_now()
         link = SourceLink(peer, hello.name, writer, last)
         stream = CatchupStream(
-            capture(vhost.queues.values()),
+            capture(vhost.all_queues()),
             snapshot.ids(),
             vhost.next_mid,
             queue_exists=lambda qid: vhost.queue_by_qid(qid) is not None,
@@ -551,7 +551,7 @@ class ReplicationSource:
             committer=committer,
             max_rate=broker.settings.catchup_max_rate,
         )
-        link.write(encode(FrameType.DEFINITIONS, vhost.definitions()))
+        link.write(encode(FrameType.DEFINITIONS, vhost.all_definitions()))
         self.link = link
         committer.on_batch = link.send_batch
         vhost.on_topology_change = link.send_definitions
