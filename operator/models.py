@@ -496,7 +496,9 @@ class Limits(ApiModel):
         None, ge=0, description="Connections per user at most; more are refused with 530"
     )
     max_queues: int | None = Field(
-        None, ge=0, description="Queues at most; a declare beyond is refused with 406 (0: none)"
+        None,
+        ge=0,
+        description="Queues at most per vhost; a declare beyond is refused with 406 (0: none)",
     )
     channel_max: int | None = Field(
         None, ge=1, le=65535, description="Channels per connection at most (default 2047)"
