@@ -31,6 +31,7 @@ from twinmq.broker.api import (
     STALE_EPOCH,
     UNAUTHORIZED,
     VHOST_NOT_FOUND,
+    VHOST_NOT_RECORDED,
     VHOST_REFUSED,
     BrokerStatus,
     ErrorBody,
@@ -44,6 +45,7 @@ from twinmq.broker.api import (
     VhostDeleted,
 )
 from twinmq.broker.errors import (
+    AMQPError,
     DamagedBroker,
     MirrorNotDrained,
     MirrorRefused,
@@ -51,6 +53,7 @@ from twinmq.broker.errors import (
     VhostNotFound,
     VhostRefused,
 )
+from twinmq.broker.journal import JournalError
 
 if TYPE_CHECKING:
     from twinmq.broker.settings import BrokerSettings
@@ -202,6 +205,11 @@ def make_app(broker: AdminContext) -> web.Application:
             return error(409, VHOST_REFUSED, str(exc))
         except VhostNotFound as exc:
             return error(404, VHOST_NOT_FOUND, str(exc))
+        except (JournalError, AMQPError) as exc:
+            # A full disk refused a deletion's record (a queue's deletion is undone then):
+            # what was recorded before it is deleted, the rest is kept, the vhost stays
+            # listed until a retry deletes it.
+            return error(507, VHOST_NOT_RECORDED, f"{exc}: free space, then delete it again")
         return web.Response(text=done.model_dump_json(), content_type="application/json")
 
     async def prometheus(request: web.Request) -> web.Response:

@@ -19,6 +19,7 @@ MIRROR_REFUSED: Final = "mirror switch refused"  # 409: wrong role, stale token,
 MIRROR_NOT_DRAINED: Final = "mirror not drained"  # 503: demotion under way, retry the same call
 VHOST_REFUSED: Final = "vhost deletion refused"  # 409: `/`, still served, or a passive
 VHOST_NOT_FOUND: Final = "vhost not found"  # 404
+VHOST_NOT_RECORDED: Final = "vhost deletion not recorded"  # 507: the journal refused it
 
 SwitchRole = Literal["source", "replica"]  # what a switchover makes a site
 MirrorRole = Literal["source", "replica", "bidirectional"]

@@ -20,6 +20,8 @@ import kombu
 import pika
 import pika.exceptions
 import pytest
+from disks import end_log_at_a_page, small_tmpfs
+from jepsen import DiskFiller
 from mirrorsites import Sites
 
 from twinmq.broker.admin_client import AdminError
@@ -465,3 +467,32 @@ def test_the_dr_mirror_carries_slash_and_skips_other_vhosts_loudly(tmp_path: Pat
         data = status(sites.source)
         assert data is not None
         assert {v["name"]: v["mirrored"] for v in data["vhosts"]}["tenant-a"] is False
+
+
+def test_deleting_a_vhost_on_a_full_disk_answers_507_and_loses_nothing_recorded(
+    tmp_path: Path,
+) -> None:
+    with small_tmpfs(tmp_path / "disk", "16m") as disk:
+        users = users_file(tmp_path / "users.json")
+        args = ["--users-file", str(users), "--disk-free-limit", "0"]
+        broker = BrokerProcess(
+            disk / "data", name="vh-full", extra_args=args, log_path=tmp_path / "vh-full.log"
+        )
+        with broker.start():
+            publish(broker, "tenant-b", "orders", [b"b-1", b"b-2"])
+            users_file(users, ["/", "tenant-a"])
+            wait_for("tenant-b retired", lambda: not _opens(broker, "tenant-b"), timeout=30)
+            admin_url = f"amqp://admin:admin-pw@127.0.0.1:{broker.port}/%2F"
+            end_log_at_a_page(admin_url, disk / "data" / "journal")  # the delete needs a page
+            filler = DiskFiller(disk)
+            try:
+                with pytest.raises(AdminError) as caught:
+                    broker.admin.delete_vhost("tenant-b")
+            finally:
+                filler.release()
+            assert caught.value.status == 507 and "delete it again" in str(caught.value)
+            assert broker.proc is not None and broker.proc.poll() is None  # still serving
+        with broker.start():  # nothing recorded was lost: the vhost's queue is whole
+            assert queues_by_vhost(broker)[("tenant-b", "orders")] == 2
+            done = broker.admin.delete_vhost("tenant-b")
+            assert (done.queues, done.messages) == (1, 2)
