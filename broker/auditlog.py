@@ -95,7 +95,6 @@ _DEQUEUED = AuditEvent.DEQUEUED.value
 _MARK_PREFIX = INTERNAL_PREFIX + "mirror-applied."
 # Per message the writer only maps C functions over a batch's ops (no Python frame per
 # message): these pick the fields.
-_kind_and_queue = operator.attrgetter("__class__", "qid")
 _qid = operator.attrgetter("qid")
 _mid = operator.attrgetter("mid")
 _body = operator.attrgetter("body")
@@ -350,8 +349,14 @@ class AuditLog:
                 for kind, run in groupby(ops, type):
                     groups.setdefault((kind, qid), []).extend(run)
             else:
-                for key, run in groupby(ops, _kind_and_queue):  # runs of one kind and queue
-                    groups.setdefault(key, []).extend(run)
+                # Runs of one queue, then of one kind: two int and type keys per op are
+                # cheaper than a (class, qid) tuple each; the broker's own records (the
+                # mirror's event in most client batches) are left out at once.
+                for qid, run in groupby(ops, _qid):
+                    if qid >= INTERNAL_QID_BASE:
+                        continue
+                    for kind, same in groupby(run, type):
+                        groups.setdefault((kind, qid), []).extend(same)
             head = f'{{"broker":{self._broker_json},"epoch":{epoch},"queue":'
             for (kind, qid), group in groups.items():
                 if qid >= INTERNAL_QID_BASE:

@@ -39,7 +39,6 @@ from twinmq.broker import metrics
 from twinmq.broker.auditlog import AuditLog
 from twinmq.broker.definitions import Definitions, DefinitionsDelta
 from twinmq.broker.journal import DiskFullError, Journal, JournalError, JournalOp
-from twinmq.broker.journal.ops import encode_ops
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +54,34 @@ class Waiter(Protocol):
 class BatchTap(Protocol):
     """Adds ops to a batch as it closes (the mirror's replication queue: same group commit)."""
 
-    def batch_closing(self, batch: int, ops: list[JournalOp], encoded: bytes) -> list[JournalOp]:
-        """Ops to journal in `batch` with `ops` (`encoded`: their journal encoding; the tap
-        changes neither)."""
+    def batch_closing(
+        self, batch: int, ops: list[JournalOp], encoded: memoryview
+    ) -> list[JournalOp]:
+        """Ops to journal in `batch` with `ops` (`encoded`: their journal encoding, valid
+        during the call only; the tap changes neither)."""
         ...
 
     def definitions_saved(self, definitions: Definitions) -> None:
         """The durable topology was just replaced."""
         ...
+
+
+class _Tapped:
+    """The tap's part of a closing batch: called by `Journal.append` with the batch's own
+    ops as just encoded into the journal's record (encoded once, for the journal and the
+    mirror's event alike: the event carries the same bytes); its ops join that record."""
+
+    __slots__ = ("batch", "extra", "ops", "tap")
+
+    def __init__(self, tap: BatchTap, batch: int, ops: list[JournalOp]) -> None:
+        self.tap = tap
+        self.batch = batch
+        self.ops = ops
+        self.extra: list[JournalOp] = []
+
+    def __call__(self, encoded: memoryview) -> list[JournalOp]:
+        self.extra = self.tap.batch_closing(self.batch, self.ops, encoded)
+        return self.extra
 
 
 class GroupCommitter:
@@ -264,15 +283,18 @@ class GroupCommitter:
         encoded, self._open_encoded = self._open_encoded, None
         batch = self._open_batch
         self._open_batch += 1
+        tapped: _Tapped | None = None
         if self.tap is not None and encoded is None:
-            encoded = self._tap(batch, ops)
+            tapped = _Tapped(self.tap, batch, ops)
         metrics.COMMIT_BATCH.observe(len(ops))
         self.last_appended = batch
         refused, self._topology_failure = self._topology_failure, None
         try:
             if refused is not None:
                 raise refused
-            lsn: int | None = self.journal.append(ops, encoded)
+            lsn: int | None = self.journal.append(ops, encoded, tapped)
+            if tapped is not None:
+                ops.extend(tapped.extra)  # the record holds them: the audit and passive too
         except (JournalError, ValueError) as exc:
             # Never streamed, never written: the batch fails, its waiters hear it.
             log.error("journal refused batch %d (%s): failing it", batch, exc)
@@ -288,24 +310,6 @@ class GroupCommitter:
             self._audit_batches.append((batch, ops))
         if self.on_batch is not None:
             self.on_batch(batch, ops)
-
-    def _tap(self, batch: int, ops: list[JournalOp]) -> list[bytes] | None:
-        """Add the tap's ops to a closing batch; encode the batch's own ops once, for the
-        journal and the tap alike (the mirror's event carries the same bytes)."""
-        assert self.tap is not None
-        buf = bytearray()
-        try:
-            encode_ops(ops, buf)
-        except ValueError:
-            return None  # the journal refuses this batch (it fails): nothing to add
-        own = bytes(buf)
-        extra = self.tap.batch_closing(batch, ops, own)
-        if not extra:
-            return [own]
-        tail = bytearray()
-        encode_ops(extra, tail)
-        ops.extend(extra)
-        return [own, bytes(tail)]
 
     async def idle(self, limit: float) -> None:
         """Wait (at most `limit` seconds) until no batch waits for its sync or its audit.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path
 
@@ -112,6 +113,29 @@ def test_a_batch_is_one_line_per_queue_and_event_and_its_records_keep_their_orde
     assert settled == [("q7", 1), ("q7", 3), ("q8", 2)]
     assert [r.digest for r in records[:2]] == [body_digest(b"a"), body_digest(b"c")]
     assert {r.message_id for r in records} == {None}
+
+
+def test_the_brokers_own_records_in_a_batch_change_none_of_its_lines(tmp_path: Path) -> None:
+    """A client batch with the mirror's event (an internal queue's record, after the
+    batch's ops or among them) is written as the same batch without it."""
+    internal = 2**62 + 1
+    event = StoredMessage(90, internal, "", "amq.twinmq.mirror", b"", b"event", None)
+    ops = [_message(1, b"a"), _message(2, b"b"), Settle(7, 1), Settle(8, 5), _message(3, b"c")]
+    batches = {
+        "without": [ops, [Settle(7, 2)]],
+        "with": [[*ops, event], [Settle(7, 2), Settle(internal, 90)]],
+        "among": [[*ops[:2], event, *ops[2:]], [Settle(internal, 90), Settle(7, 2)]],
+    }
+    lines = {}
+    for name, each in batches.items():
+        log = _log(tmp_path / name, [1])
+        for batch in each:
+            log.batch_complete(batch, guarded=True)
+        log.close()
+        text = next((tmp_path / name).glob("*.jsonl")).read_text()
+        lines[name] = [re.sub(r'"time":[0-9.]+', "", line) for line in text.splitlines()]
+    assert lines["with"] == lines["without"] == lines["among"]
+    assert len(lines["without"]) == 4  # q7 stored and dequeued, q8 dequeued, q7 dequeued
 
 
 def test_consecutive_ids_are_one_run_and_others_are_listed_with_their_digests_in_order(

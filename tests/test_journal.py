@@ -175,6 +175,43 @@ def test_bad_op_leaves_buffer_intact_and_misuse_errors(tmp_path: Path) -> None:
     assert mids(reopen(tmp_path)) == {1: [1]}
 
 
+def test_ops_added_by_more_share_the_record_and_see_its_encoding(tmp_path: Path) -> None:
+    """`append(more=)`: the callback sees the ops' encoding (the bytes recorded for them),
+    its ops land in the same record after them; if it raises, nothing of the group is
+    written and the journal goes on."""
+    seen: list[bytes] = []
+
+    def more(encoded: memoryview) -> list[JournalOp]:
+        seen.append(bytes(encoded))  # a copy: the view is valid during the call only
+        return [msg(50, qid=2, size=len(encoded))]
+
+    def refuse(encoded: memoryview) -> list[JournalOp]:
+        raise ValueError("no")
+
+    async def go() -> None:
+        j = Journal(tmp_path, fsync=False)
+        j.open()
+        j.save_definitions(defs(1, 2))
+        await publish(j, msg(1))
+        await j.sync(j.append([msg(2), msg(3), Settle(1, 1)], more=more))
+        appended = j.stats.appended_lsn
+        with pytest.raises(ValueError):
+            j.append([msg(4)], more=refuse)
+        assert j.stats.appended_lsn == appended
+        await publish(j, msg(5))
+        await j.close()
+
+    asyncio.run(go())
+    expected = bytearray()
+    ops.encode_ops([msg(2), msg(3), Settle(1, 1)], expected)
+    assert seen == [bytes(expected)]
+    [_, (_, _, group), _] = records(segment_files(tmp_path)[0])
+    assert [(tag, qid, mid) for tag, qid, mid, _, _ in group] == [
+        (ops.TAG_MSG, 1, 2), (ops.TAG_MSG, 1, 3), (ops.TAG_SETTLE, 1, 1), (ops.TAG_MSG, 2, 50)
+    ]  # fmt: skip
+    assert mids(reopen(tmp_path)) == {1: [2, 3, 5], 2: [50]}
+
+
 def test_directory_is_locked(tmp_path: Path) -> None:
     j = Journal(tmp_path)
     j.open()

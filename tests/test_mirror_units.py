@@ -17,6 +17,7 @@ from twinmq.broker.definitions import BindingDef, Definitions, ExchangeDef, Queu
 from twinmq.broker.fieldtable import as_text
 from twinmq.broker.heap import HeapFreezer
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
+from twinmq.broker.journal.ops import encode_ops
 from twinmq.broker.mirror.applier import DLQ_NAME, ORPHANS_NAME, HoldingSet, MirrorApplier
 from twinmq.broker.mirror.bidi import BidiMeta, IdMap, TopologyDelta, encode_bidi
 from twinmq.broker.mirror.events import (
@@ -31,7 +32,7 @@ from twinmq.broker.mirror.events import (
     mirrored_definitions,
     record_header,
 )
-from twinmq.broker.mirror.source import MirrorSource
+from twinmq.broker.mirror.source import MirrorSource, op_bytes_by_queue
 from twinmq.broker.settings import parse_args
 from twinmq.testing.sansio import Harness
 
@@ -366,3 +367,35 @@ def test_the_source_freezes_the_heap_after_each_event_it_makes(
     assert gc.get_freeze_count() > 0  # the batch's event
     assert source.depth >= 3
     source_site.close()
+
+
+def test_a_batchs_event_carries_its_journal_encoding_and_its_queues_lag_bytes(
+    tmp_path: Path,
+) -> None:
+    """The event of a batch is its ops' journal encoding (taken from the journal's own
+    record); the bytes it lags by per queue are that encoding's length for a one-queue
+    batch, and each queue's ops' bytes otherwise."""
+    site = Harness(tmp_path / "source")
+    source = MirrorSource(site.vhost, site.committer, site.clock.time)
+    site.committer.tap = source
+    source.activate()
+    site.commit()
+    one: list[JournalOp] = [message(1), message(2), Settle(QID, 1)]
+    site.committer.add(one)
+    site.commit()
+    encoded = bytearray()
+    encode_ops(one, encoded)
+    body = source.queue.entries[-1].message.body
+    assert body.endswith(encoded) and decode_event(0, body).ops == one
+    assert source.queue_lag_bytes == {QID: len(encoded)} == op_bytes_by_queue(one)
+    other = StoredMessage(4, QID + 1, "", "r", record_header(1), b"r", None)
+    site.committer.add([message(3), other])
+    site.commit()
+    assert decode_event(0, source.queue.entries[-1].message.body).ops == [message(3), other]
+    assert source.queue_lag_bytes == {
+        QID: len(encoded) + op_bytes_by_queue([message(3)])[QID],
+        QID + 1: op_bytes_by_queue([other])[QID + 1],
+    }
+    source.acked(source.head)
+    assert source.queue_lag_bytes == {} and source.depth == 0
+    site.close()

@@ -317,7 +317,12 @@ class Journal:
 
     # --- the hot path -------------------------------------------------------------
 
-    def append(self, ops: Sequence[JournalOp], encoded: Sequence[bytes] | None = None) -> int:
+    def append(
+        self,
+        ops: Sequence[JournalOp],
+        encoded: Sequence[bytes] | None = None,
+        more: Callable[[memoryview], Sequence[JournalOp]] | None = None,
+    ) -> int:
         """Buffer one atomic group of ops and return its lsn (no syscall).
 
         All ops of a group are recovered or none. Pass the lsn to `sync` to wait
@@ -329,6 +334,13 @@ class Journal:
         whose concatenation is `encode_ops(ops)` (a passive's replicated batches,
         decoded into `ops` from these very bytes): written as they are, not
         encoded again.
+
+        `more` (with `encoded` None), if given, is called once `ops` are encoded,
+        with their encoding (a view into the journal's buffer, valid during the call
+        only: it must not be kept); the ops it returns join the same record, after
+        `ops` (the mirror's event of the batch, made of those very bytes: no other
+        copy of them). An exception from it fails the whole group, as one from the
+        encoding does.
         """
         if self._broken is not None:
             raise JournalError(f"journal failed: {self._broken}") from self._broken
@@ -339,9 +351,17 @@ class Journal:
         buf = self._buf
         start = len(buf)
         buf += PLACEHOLDER
+        extra: Sequence[JournalOp] = ()
         try:
             if encoded is None:
                 next_mid = max(self._next_mid, encode_ops(ops, buf))
+                if more is not None:
+                    # Released before the buffer grows again (a bytearray with a view
+                    # exported cannot be resized).
+                    with memoryview(buf) as whole, whole[start + len(PLACEHOLDER) :] as own:
+                        extra = more(own)
+                    if extra:
+                        next_mid = max(next_mid, encode_ops(extra, buf))
             else:
                 for piece in encoded:
                     buf += piece
@@ -351,7 +371,7 @@ class Journal:
             raise
         seal_record(buf, start)
         self._next_mid = next_mid
-        self._buf_groups.append(tuple(ops))
+        self._buf_groups.append((*ops, *extra))
         lsn = self._lsns.next()
         self._kick_writer()
         return lsn

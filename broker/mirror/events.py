@@ -112,8 +112,8 @@ def encode_ops_event(ops: Sequence[JournalOp], created: float) -> bytes:
     return ops_event(buf, created)
 
 
-def ops_event(encoded: bytes | bytearray, created: float) -> bytes:
-    """The event of ops already in the journal's encoding."""
+def ops_event(encoded: bytes | bytearray | memoryview, created: float) -> bytes:
+    """The event of ops already in the journal's encoding (copied once, into the event)."""
     return _HEAD.pack(KIND_OPS, created) + encoded
 
 

@@ -19,6 +19,7 @@ import logging
 import struct
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from operator import attrgetter
 from typing import Final, Protocol
 
 from twinmq.broker.commit import Waiter
@@ -65,6 +66,7 @@ SNAPSHOT_EVENT_OPS: Final = 4096
 # An op's fixed part in the journal's encoding (broker/journal/ops.py): per-queue lag bytes.
 MESSAGE_OP_BYTES: Final = struct.calcsize("<BQQdHHII")
 SETTLE_OP_BYTES: Final = struct.calcsize("<BQQ")
+_QID = attrgetter("qid")
 
 
 class SourceState(Protocol):
@@ -321,7 +323,7 @@ class MirrorSource:
         if peer is not None and (peer == meta.origin or peer in meta.hops):
             return None
         metrics.FORWARDED.inc()
-        return self._record(forwarded(body, meta, self.name))
+        return self._record(forwarded(body, meta, self.name), Counter())
 
     def forwarded(self, batch: int, seqs: Iterable[int]) -> None:
         """The forwarded events are journaled in `batch`: sendable once it is complete."""
@@ -363,7 +365,7 @@ class MirrorSource:
         return None
 
     def _emit(self, body: bytes, ops: Iterable[JournalOp] = ()) -> None:
-        op = self._record(body, ops)
+        op = self._record(body, op_bytes_by_queue(ops))
         self._unsettled.append((self.log.add([op]), op.mid))
 
     @property
@@ -379,8 +381,9 @@ class MirrorSource:
             return self.activate()
         return self._queue
 
-    def _record(self, body: bytes, ops: Iterable[JournalOp] = ()) -> StoredMessage:
-        """Append one event (of `ops`) to the queue (in memory); the op that journals it."""
+    def _record(self, body: bytes, sizes: Counter[int]) -> StoredMessage:
+        """Append one event to the queue (in memory); the op that journals it. `sizes`:
+        the bytes of its ops per queue (`op_bytes_by_queue`)."""
         # The queue first: taking it over after a promotion records the topology event,
         # which must come before this one in sequence as in the queue (an event queued
         # behind a higher sequence number is skipped by the mirror as applied before).
@@ -392,7 +395,6 @@ class MirrorSource:
             Entry(Message(seq, "", QUEUE_NAME, header, body, True, None, None), None, True)
         )
         queue.bytes += len(body)
-        sizes = op_bytes_by_queue(ops)  # one pass over the ops for both
         qids = Counter(dict.fromkeys(sizes, 1))  # an event counts once per queue it touches
         self._lag[seq] = (event_created(body), qids, sizes)
         self.queue_lag.update(qids)
@@ -462,26 +464,40 @@ class MirrorSource:
 
     # -- BatchTap ---------------------------------------------------------------------------
 
-    def batch_closing(self, batch: int, ops: list[JournalOp], encoded: bytes) -> list[JournalOp]:
+    def batch_closing(
+        self, batch: int, ops: list[JournalOp], encoded: memoryview
+    ) -> list[JournalOp]:
         """The event of a closing batch's mirrored ops (none for internal queues); `encoded`
-        is the ops' journal encoding, the event's payload when every op is mirrored."""
+        is the ops' journal encoding (a view into the journal's record, not kept), the
+        event's payload when every op is mirrored."""
         if not self.active:
             self._excluded.clear()
             return []
         if self.ids is not None:
             return self._bidi_batch(batch, ops)
-        mirrored = [op for op in ops if op.qid < INTERNAL_QID_BASE]
-        skipped = self.vhost.other_vhost_qids()
-        if skipped:
-            mirrored = self._only_root_vhost(mirrored, skipped)
-        if not mirrored:
+        # The batch's queues in one pass in C: most batches are all mirrored, and on one
+        # queue (a publisher's, a consumer's acks), with no per-op Python work left.
+        qids = set(map(_QID, ops))
+        if not qids:
             return []
         now = self.clock()
-        if len(mirrored) == len(ops):
+        skipped = self.vhost.other_vhost_qids()  # empty unless other vhosts hold queues
+        if max(qids) < INTERNAL_QID_BASE and (not skipped or qids.isdisjoint(skipped)):
+            # Every op is mirrored.
             body = ops_event(encoded, now)
+            if len(qids) == 1:
+                # One queue's bytes are the whole encoding (`op_bytes_by_queue`'s count
+                # with names in bytes: the same for ASCII names).
+                op = self._record(body, Counter({qids.pop(): len(encoded)}))
+            else:
+                op = self._record(body, op_bytes_by_queue(ops))
         else:
-            body = encode_ops_event(mirrored, now)
-        op = self._record(body, mirrored)
+            mirrored = [op for op in ops if op.qid < INTERNAL_QID_BASE]
+            if skipped:
+                mirrored = self._only_root_vhost(mirrored, skipped)
+            if not mirrored:
+                return []
+            op = self._record(encode_ops_event(mirrored, now), op_bytes_by_queue(mirrored))
         self._unsettled.append((batch, op.mid))
         return [op, *self._beyond_retention()]
 
@@ -510,7 +526,7 @@ class MirrorSource:
         if not own:
             return []
         body = self._bidi_event(own)
-        event = self._record(body, own)
+        event = self._record(body, op_bytes_by_queue(own))
         self._unsettled.append((batch, event.mid))
         extra: list[JournalOp] = [event]
         # The map follows what left or joined a queue here; a message that leaves one
