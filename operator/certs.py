@@ -257,23 +257,63 @@ def b64(data: Mapping[str, str]) -> dict[str, str]:
     return {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
 
 
-def build_ca_secret(cluster: ClusterRef, ca: KeyPair) -> Obj:
-    """The operator-managed CA's Secret."""
+def _tls_secret(
+    cluster: ClusterRef,
+    name: str,
+    cert: KeyPair,
+    ca: KeyPair | None,
+    broker: BrokerName | None = None,
+) -> Obj:
+    """A `kubernetes.io/tls` Secret the BrokerCluster owns (with `ca.crt`, as cert-manager
+    writes it, unless it is the CA's own)."""
+    data = {"tls.crt": cert.cert, "tls.key": cert.key}
+    if ca is not None:
+        data["ca.crt"] = ca.cert
     return {
         "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-        "metadata": owned_meta(cluster, ca_secret_name(cluster)),
-        "data": b64({"tls.crt": ca.cert, "tls.key": ca.key}),
+        "metadata": owned_meta(cluster, name, broker), "data": b64(data),
     }  # fmt: skip
+
+
+def _certificate(
+    cluster: ClusterRef,
+    tls: Tls,
+    secret_name: str,
+    names: list[str],
+    usages: list[str],
+    *,
+    common_name: str | None = None,
+    name: str | None = None,
+    broker: BrokerName | None = None,
+) -> Obj:
+    """A cert-manager `Certificate` the BrokerCluster owns (with `spec.tls.issuerRef`); its
+    Secret is owned too (`secretTemplate`: it goes with the Certificate)."""
+    assert tls.issuer_ref is not None
+    return {
+        "apiVersion": "cert-manager.io/v1",
+        "kind": "Certificate",
+        "metadata": owned_meta(cluster, name or secret_name, broker),
+        "spec": {
+            "secretName": secret_name,
+            "commonName": common_name or names[0],
+            "dnsNames": names,
+            "usages": [*usages, "digital signature", "key encipherment"],
+            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+            "issuerRef": tls.issuer_ref.model_dump(by_alias=True),
+            "secretTemplate": {"labels": owned_meta(cluster, "", broker)["labels"]},
+        },
+    }  # fmt: skip
+
+
+def build_ca_secret(cluster: ClusterRef, ca: KeyPair) -> Obj:
+    """The operator-managed CA's Secret."""
+    return _tls_secret(cluster, ca_secret_name(cluster), ca, None)
 
 
 def build_server_secret(cluster: ClusterRef, tls: Tls, server: KeyPair, ca: KeyPair) -> Obj:
     """The brokers' server certificate Secret (what cert-manager would write, `ca.crt`
     included)."""
-    return {
-        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-        "metadata": owned_meta(cluster, tls_secret_name(cluster, tls)),
-        "data": b64({"tls.crt": server.cert, "tls.key": server.key, "ca.crt": ca.cert}),
-    }  # fmt: skip
+    return _tls_secret(cluster, tls_secret_name(cluster, tls), server, ca)
 
 
 def build_ca_config_map(cluster: ClusterRef, ca_cert: str) -> Obj:
@@ -287,85 +327,40 @@ def build_ca_config_map(cluster: ClusterRef, ca_cert: str) -> Obj:
 
 def build_peer_secret(cluster: ClusterRef, broker: BrokerName, cert: KeyPair, ca: KeyPair) -> Obj:
     """A broker's own certificate Secret (`<cluster>-<broker>-tls`, with `ca.crt`)."""
-    return {
-        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-        "metadata": owned_meta(cluster, peer_secret_name(cluster, broker), broker),
-        "data": b64({"tls.crt": cert.cert, "tls.key": cert.key, "ca.crt": ca.cert}),
-    }  # fmt: skip
+    return _tls_secret(cluster, peer_secret_name(cluster, broker), cert, ca, broker)
 
 
 def build_mirror_secret(cluster: ClusterRef, cert: KeyPair, ca: KeyPair) -> Obj:
     """The site's mirror certificate Secret (`<cluster>-mirror-tls`, with `ca.crt`: the CA
     the other site copies in)."""
-    return {
-        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-        "metadata": owned_meta(cluster, mirroring.secret_name(cluster.name)),
-        "data": b64({"tls.crt": cert.cert, "tls.key": cert.key, "ca.crt": ca.cert}),
-    }  # fmt: skip
+    return _tls_secret(cluster, mirroring.secret_name(cluster.name), cert, ca)
 
 
 def build_mirror_certificate(cluster: ClusterRef, spec: BrokerClusterSpec) -> Obj:
     """The cert-manager `Certificate` of the site's mirror identity (with `issuerRef`)."""
-    tls = spec.tls
-    assert tls.issuer_ref is not None
-    name = mirroring.secret_name(cluster.name)
-    return {
-        "apiVersion": "cert-manager.io/v1",
-        "kind": "Certificate",
-        "metadata": owned_meta(cluster, name),
-        "spec": {
-            "secretName": name,
-            "commonName": mirroring.site_id(cluster.namespace, cluster.name),
-            "dnsNames": mirroring.certificate_names(spec, cluster.namespace, vip_name(cluster)),
-            "usages": ["server auth", "client auth", "digital signature", "key encipherment"],
-            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
-            "issuerRef": tls.issuer_ref.model_dump(by_alias=True),
-            "secretTemplate": {"labels": owned_meta(cluster, "")["labels"]},
-        },
-    }
+    return _certificate(
+        cluster, spec.tls, mirroring.secret_name(cluster.name),
+        mirroring.certificate_names(spec, cluster.namespace, vip_name(cluster)),
+        ["server auth", "client auth"],
+        common_name=mirroring.site_id(cluster.namespace, cluster.name),
+    )  # fmt: skip
 
 
 def build_peer_certificate(cluster: ClusterRef, tls: Tls, broker: BrokerName) -> Obj:
     """The cert-manager `Certificate` of one broker's own names, for server and client use
     (with `spec.tls.issuerRef`)."""
-    assert tls.issuer_ref is not None
-    names = peer_names(cluster, broker)
-    name = peer_secret_name(cluster, broker)
-    return {
-        "apiVersion": "cert-manager.io/v1",
-        "kind": "Certificate",
-        "metadata": owned_meta(cluster, name, broker),
-        "spec": {
-            "secretName": name,
-            "commonName": names[0],
-            "dnsNames": names,
-            "usages": ["server auth", "client auth", "digital signature", "key encipherment"],
-            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
-            "issuerRef": tls.issuer_ref.model_dump(by_alias=True),
-            "secretTemplate": {"labels": owned_meta(cluster, "", broker)["labels"]},
-        },
-    }
+    return _certificate(
+        cluster, tls, peer_secret_name(cluster, broker), peer_names(cluster, broker),
+        ["server auth", "client auth"], broker=broker,
+    )  # fmt: skip
 
 
 def build_certificate(cluster: ClusterRef, tls: Tls) -> Obj:
     """The cert-manager `Certificate` of the brokers' names (with `spec.tls.issuerRef`)."""
-    assert tls.issuer_ref is not None
-    names = dns_names(cluster)
-    return {
-        "apiVersion": "cert-manager.io/v1",
-        "kind": "Certificate",
-        "metadata": owned_meta(cluster, f"{cluster.name}-tls"),
-        "spec": {
-            "secretName": tls_secret_name(cluster, tls),
-            "commonName": names[0],
-            "dnsNames": names,
-            "usages": ["server auth", "digital signature", "key encipherment"],
-            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
-            "issuerRef": tls.issuer_ref.model_dump(by_alias=True),
-            # Owned with the BrokerCluster: the Secret goes with the Certificate.
-            "secretTemplate": {"labels": owned_meta(cluster, "")["labels"]},
-        },
-    }
+    return _certificate(
+        cluster, tls, tls_secret_name(cluster, tls), dns_names(cluster), ["server auth"],
+        name=f"{cluster.name}-tls",
+    )  # fmt: skip
 
 
 # -- reconcile ------------------------------------------------------------------------------
@@ -541,32 +536,16 @@ def reconcile_federation_client(
 
 def build_federation_client_secret(cluster: ClusterRef, cert: KeyPair, ca: KeyPair) -> Obj:
     """`<cluster>-federation-tls`: what the federation links present to their upstreams."""
-    return {
-        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-        "metadata": owned_meta(cluster, federationtls.client_secret_name(cluster.name)),
-        "data": b64({"tls.crt": cert.cert, "tls.key": cert.key, "ca.crt": ca.cert}),
-    }  # fmt: skip
+    return _tls_secret(cluster, federationtls.client_secret_name(cluster.name), cert, ca)
 
 
 def build_federation_client_certificate(cluster: ClusterRef, spec: BrokerClusterSpec) -> Obj:
     """The cert-manager `Certificate` of the federation links' client certificate."""
-    tls = spec.tls
-    assert tls.issuer_ref is not None
-    name = federationtls.client_secret_name(cluster.name)
-    return {
-        "apiVersion": "cert-manager.io/v1",
-        "kind": "Certificate",
-        "metadata": owned_meta(cluster, name),
-        "spec": {
-            "secretName": name,
-            "commonName": mirroring.site_id(cluster.namespace, cluster.name),
-            "dnsNames": federationtls.client_names(cluster.namespace, cluster.name),
-            "usages": ["client auth", "digital signature", "key encipherment"],
-            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
-            "issuerRef": tls.issuer_ref.model_dump(by_alias=True),
-            "secretTemplate": {"labels": owned_meta(cluster, "")["labels"]},
-        },
-    }
+    return _certificate(
+        cluster, spec.tls, federationtls.client_secret_name(cluster.name),
+        federationtls.client_names(cluster.namespace, cluster.name), ["client auth"],
+        common_name=mirroring.site_id(cluster.namespace, cluster.name),
+    )  # fmt: skip
 
 
 def reconcile_tls(
