@@ -235,6 +235,20 @@ def test_the_window_keeps_keys_a_lagging_link_has_not_passed_up_to_its_stretch()
     assert len(window) == 2 * STRETCH
 
 
+def test_a_links_mark_counts_only_once_it_brought_more_than_a_cut_can_bring_again() -> None:
+    window = LagWindow(size=1)
+    window.passed("direct", ["a\x001", "a\x002"], delay=2)
+    window.passed("via-b", ["a\x001", "a\x002"], delay=2)
+    window.add("a\x001")
+    window.add("a\x002")
+    assert "a\x001" in window  # neither link's mark is in force yet: 1 may come again
+    window.passed("direct", ["a\x003", "a\x004"], delay=2)
+    window.passed("via-b", ["a\x003"], delay=2)
+    assert "a\x001" in window  # via b has brought only one more key since
+    window.passed("via-b", ["a\x004"], delay=2)
+    assert "a\x001" not in window and "a\x002" in window
+
+
 def test_a_peer_announcing_this_servers_identifier_is_refused_at_the_handshake(
     tmp_path: Path,
 ) -> None:

@@ -652,7 +652,8 @@ class FederationLink:
             if key is not None:
                 (durable if ok else failed).append(key)
         self.keys.settle(durable, failed)
-        self.keys.passed(self.fed.exchange, passed + durable)
+        # In force once 4 prefetch windows later: a cut's re-deliveries come before that.
+        self.keys.passed(self.fed.exchange, passed + durable, max(4096, 4 * self.fed.prefetch))
         for tag, ok in sorted(settled):
             try:
                 if ok:

@@ -72,8 +72,11 @@ class LagWindow:
     def __init__(self, size: int) -> None:
         self.size = size
         self._keys: OrderedDict[str, None] = OrderedDict()
-        # link -> origin -> the highest seq of that origin the link has brought.
+        # link -> origin -> the highest seq of that origin the link has passed for good.
         self._passed: dict[str, dict[str, int]] = {}
+        # link -> (keys brought up to that batch, its marks): marks not in force yet.
+        self._pending: dict[str, deque[tuple[int, dict[str, int]]]] = {}
+        self._brought: dict[str, int] = {}  # link -> keys brought
 
     def __contains__(self, key: str) -> bool:
         return key in self._keys
@@ -89,13 +92,24 @@ class LagWindow:
         self._keys.move_to_end(key)
         self._forget()
 
-    def passed(self, link: str, keys: list[str]) -> None:
-        """`link` brought these keys (republished or dropped as copies): it has passed them."""
-        marks = self._passed.setdefault(link, {})
+    def passed(self, link: str, keys: list[str], delay: int = 0) -> None:
+        """`link` brought these keys (republished or dropped as copies). Its marks count
+        once it has brought `delay` more keys: what it delivered just before a cut comes
+        again at the next session's start (its acks lost), and must still be known then."""
+        marks: dict[str, int] = {}
         for key in keys:
             named = _origin_seq(key)
             if named is not None and named[1] > marks.get(named[0], -1):
                 marks[named[0]] = named[1]
+        passed = self._passed.setdefault(link, {})
+        for origin in marks:
+            passed.setdefault(origin, -1)  # this link brings the origin: its keys wait
+        pending = self._pending.setdefault(link, deque())
+        brought = self._brought[link] = self._brought.get(link, 0) + len(keys)
+        pending.append((brought, marks))
+        while pending and brought - pending[0][0] >= delay:
+            for origin, seq in pending.popleft()[1].items():
+                passed[origin] = max(passed[origin], seq)
         self._forget()
 
     def _forget(self) -> None:
@@ -187,9 +201,9 @@ class DurableKeys:
         self.claimed.difference_update(durable)
         self.claimed.difference_update(failed)
 
-    def passed(self, link: str, keys: list[str]) -> None:
-        """`link` brought these keys (republished, failed or dropped as copies)."""
-        self.window.passed(link, keys)
+    def passed(self, link: str, keys: list[str], delay: int = 0) -> None:
+        """`link` brought these keys (republished or dropped as copies); see `LagWindow`."""
+        self.window.passed(link, keys, delay)
 
 
 def _keys(body: bytes) -> list[str]:
