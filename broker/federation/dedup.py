@@ -23,8 +23,9 @@ brought, copies dropped included); the window forgets its oldest key, beyond its
 only once every link that has brought that origin's messages has passed the key's seq.
 Along one link an origin's messages come in seq order (queues are FIFO, and the first
 copies at an upstream of two in-order paths are in order too), so a link that has passed
-a seq brings no copy of it later, save a reordering within a batch or a re-delivery
-after a cut, whose key the window keeps anyway (it is a link's newest). Bounded still:
+a seq brings no copy of it later, save a re-delivery after a cut (its ack lost) or a
+reordering within a few batches: a link's mark is in force only once it has brought 4
+prefetch windows (at least 4,096 keys) more, and those come before that. Bounded still:
 past `STRETCH` times its size, the window forgets its oldest keys whatever lags (a link
 down for good). Forgetting never loses a message, it can only let a copy through.
 """
