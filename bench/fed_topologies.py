@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/fed_topologies.py [--topologies ring,diamond,mesh]
         [--servers 3,5] [--messages 1000000] [--flap-every 1.0] [--seed 1]
-        [--pairs s1 --failovers 2]
+        [--pairs s1 --failovers 2] [--dedup-window 10000]
 
 For each topology and server count (a diamond has 4), fresh servers
 (tests/federationtopologies.py: every link through a proxy, the same `max-hops` on every
@@ -13,8 +13,10 @@ run: confirmed, delivered, confirmed messages a server that should have them nev
 (lost), second deliveries (duplicates), flaps, the second copies the dedup window dropped
 and the copies that came back to their origin. With `--pairs`, those servers are pairs
 (active + passive) and `--failovers` kill -9s of their actives (in turn) happen while
-the messages flow. No timing is asserted; the exit status is 1 if anything was lost or
-delivered twice.
+the messages flow. `--dedup-window` sets every server's window (the broker's default,
+100,000, if not given): a tenth of it at 100,000 messages puts the window under the
+pressure a million puts the default one under. No timing is asserted; the exit status
+is 1 if anything was lost or delivered twice.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--pairs", default="", help="servers that are pairs, e.g. s1,s3")
     parser.add_argument("--failovers", type=int, default=0, help="kill -9s of a pair's active")
+    parser.add_argument("--dedup-window", type=int, default=None, help="every server's window")
     opts = parser.parse_args()
     faulthandler.register(signal.SIGUSR1)  # kill -USR1: every thread's stack, for a stall
     runs: list[tuple[str, int]] = []
@@ -66,7 +69,7 @@ def main() -> int:
         started = time.monotonic()
         with (
             tempfile.TemporaryDirectory(prefix="twinmq-fedtopo-") as tmp,
-            ft.federated_servers(Path(tmp), links, pairs) as mesh,
+            ft.federated_servers(Path(tmp), links, pairs, opts.dedup_window) as mesh,
         ):
             outcome = ft.run_traffic(
                 mesh,
@@ -80,6 +83,7 @@ def main() -> int:
                 failovers=opts.failovers,
             )
         record = {"topology": name, "servers": servers, "pairs": pairs, **ft.describe(outcome)}
+        record["dedup_window"] = opts.dedup_window
         record["load"] = xsite.load_average()
         record["wall_seconds"] = round(time.monotonic() - started, 1)
         print(json.dumps(record), flush=True)

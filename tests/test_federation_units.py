@@ -12,7 +12,7 @@ from twinmq.broker import codec, fieldtable
 from twinmq.broker.definitions import BindingDef
 from twinmq.broker.federation import bindings as fb
 from twinmq.broker.federation.config import FederationConfigError, load
-from twinmq.broker.federation.dedup import QUEUE_NAME, DurableKeys
+from twinmq.broker.federation.dedup import QUEUE_NAME, STRETCH, DurableKeys, LagWindow
 from twinmq.broker.federation.headers import (
     ORIGIN,
     ORIGIN_SEQ,
@@ -214,6 +214,39 @@ def test_a_failed_republish_releases_its_claim() -> None:
     keys.claim("k")
     keys.settle([], ["k"])
     assert "k" not in keys
+
+
+def test_the_window_keeps_keys_a_lagging_link_has_not_passed_up_to_its_stretch() -> None:
+    window = LagWindow(size=2)
+    window.passed("direct", ["a\x001"])
+    window.passed("via-b", ["a\x001"])
+    for seq in range(2, 6):  # come by the direct link; the one via b is behind
+        window.add(f"a\x00{seq}")
+        window.passed("direct", [f"a\x00{seq}"])
+    assert all(f"a\x00{seq}" in window for seq in range(2, 6))
+    window.passed("via-b", ["a\x003"])  # it caught up to 3: 2 and 3 may go
+    assert [f"a\x00{seq}" in window for seq in range(2, 6)] == [False, False, True, True]
+    # An origin a link never brought does not wait for it; held keys wait for nothing.
+    window.add("b\x007")
+    window.add("held\x00ff")
+    assert "b\x007" in window and len(window) == 4
+    for seq in range(100, 100 + 2 * STRETCH):  # a link behind for good: bounded still
+        window.add(f"a\x00{seq}")
+    assert len(window) == 2 * STRETCH
+
+
+def test_a_links_mark_counts_only_once_it_brought_more_than_a_cut_can_bring_again() -> None:
+    window = LagWindow(size=1)
+    window.passed("direct", ["a\x001", "a\x002"], delay=2)
+    window.passed("via-b", ["a\x001", "a\x002"], delay=2)
+    window.add("a\x001")
+    window.add("a\x002")
+    assert "a\x001" in window  # neither link's mark is in force yet: 1 may come again
+    window.passed("direct", ["a\x003", "a\x004"], delay=2)
+    window.passed("via-b", ["a\x003"], delay=2)
+    assert "a\x001" in window  # via b has brought only one more key since
+    window.passed("via-b", ["a\x004"], delay=2)
+    assert "a\x001" not in window and "a\x002" in window
 
 
 def test_a_peer_announcing_this_servers_identifier_is_refused_at_the_handshake(

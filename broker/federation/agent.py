@@ -564,6 +564,9 @@ class FederationLink:
         # (tag, dedup key, the publish; None: kept in the held queue with the keys' record)
         waiting: list[tuple[int, str | None, PublishResult | None]] = []
         held: list[JournalOp] = []
+        # Keys this link brought and settled (republished, or dropped as copies): how far
+        # it has got per origin, which the window waits for before forgetting a key.
+        passed: list[str] = []
         assert self.upstream_id is not None
         for message in batch:
             tag = message.delivery_tag
@@ -591,11 +594,14 @@ class FederationLink:
                 self.loops += 1
                 metrics.LOOPS.labels(self._label).inc()
                 settled.append((tag, True))
+                if key is not None:
+                    passed.append(key)
                 continue
             if key is not None and key in self.keys:  # republished, or in flight (claimed)
                 self.duplicates += 1
                 metrics.DUPLICATES.labels(self._label).inc()
                 settled.append((tag, True))
+                passed.append(key)
                 continue
             if verdict.verdict == "unstamped":
                 self.unstamped += 1  # no dedup possible (an upstream of another kind)
@@ -646,6 +652,8 @@ class FederationLink:
             if key is not None:
                 (durable if ok else failed).append(key)
         self.keys.settle(durable, failed)
+        # In force once 4 prefetch windows later: a cut's re-deliveries come before that.
+        self.keys.passed(self.fed.exchange, passed + durable, max(4096, 4 * self.fed.prefetch))
         for tag, ok in sorted(settled):
             try:
                 if ok:

@@ -170,7 +170,10 @@ class FederationConfig(_Model):
     upstreams: dict[str, Upstream] = Field(default_factory=dict)
     exchanges: list[FederatedExchange] = Field(default_factory=list)
     dedup_window: int = Field(
-        100_000, ge=1, description="(origin, sequence) keys remembered (one window per server)"
+        100_000,
+        ge=1,
+        description="(origin, sequence) keys remembered (one window per server; up to 10x"
+        " while a lagging link has not passed them)",
     )
     status_interval_seconds: float = Field(
         30.0,

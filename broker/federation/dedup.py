@@ -13,14 +13,28 @@ turn of the event loop as their publishes). After a crash either both are on dis
 neither; the pair's passive receives the record like any op, so a promoted passive knows
 the keys too. The window is rebuilt from the queue's records at every activation
 (`load`); the oldest records are settled once the window holds more keys than its size.
+
+**A lagging path holds the window open.** A path into this server can lag another by
+more keys than the window holds (the topology runs at a million messages back their
+link queues up by 100,000s; a link down a while), and a count-bounded window had
+forgotten the first copy's key when the late copy came: delivered twice. Each link tells
+the window how far it has got per origin (`passed`: the highest seq of that origin it
+brought, copies dropped included); the window forgets its oldest key, beyond its size,
+only once every link that has brought that origin's messages has passed the key's seq.
+Along one link an origin's messages come in seq order (queues are FIFO, and the first
+copies at an upstream of two in-order paths are in order too), so a link that has passed
+a seq brings no copy of it later, save a re-delivery after a cut (its ack lost) or a
+reordering within a few batches: a link's mark is in force only once it has brought 4
+prefetch windows (at least 4,096 keys) more, and those come before that. Bounded still:
+past `STRETCH` times its size, the window forgets its oldest keys whatever lags (a link
+down for good). Forgetting never loses a message, it can only let a copy through.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Final, Protocol
 
-from twinmq.broker.dedup import DedupWindow
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE, record_header
@@ -30,6 +44,8 @@ QUEUE_NAME: Final = INTERNAL_PREFIX + "federation-dedup"
 # Federation's internal qids start at +0x100, clear of the mirror's (+1 ... +4 and the
 # marks'); tests/test_federation_units.py checks that no two internal queues share one.
 QUEUE_QID: Final = INTERNAL_QID_BASE + 0x100
+# How far past its size the window stretches for a lagging link (memory: ~150 bytes a key).
+STRETCH: Final = 10
 
 
 class KeyStore(Protocol):
@@ -42,11 +58,83 @@ class KeyStore(Protocol):
         ...
 
 
+def _origin_seq(key: str) -> tuple[str, int] | None:
+    """(origin, seq) of a key made by `headers.arrival`; None for another kind (held)."""
+    origin, sep, seq = key.rpartition("\x00")
+    if not sep or not seq.isdigit():
+        return None
+    return origin, int(seq)
+
+
+class LagWindow:
+    """The newest `size` keys, and older ones while a link that may bring them again lags
+    behind them (up to `STRETCH` times `size`)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        # link -> origin -> the highest seq of that origin the link has passed for good.
+        self._passed: dict[str, dict[str, int]] = {}
+        # link -> (keys brought up to that batch, its marks): marks not in force yet.
+        self._pending: dict[str, deque[tuple[int, dict[str, int]]]] = {}
+        self._brought: dict[str, int] = {}  # link -> keys brought
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: str) -> None:
+        """Remember a key; forget the oldest beyond the size that no link lags behind."""
+        if not self.size:
+            return
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        self._forget()
+
+    def passed(self, link: str, keys: list[str], delay: int = 0) -> None:
+        """`link` brought these keys (republished or dropped as copies). Its marks count
+        once it has brought `delay` more keys: what it delivered just before a cut comes
+        again at the next session's start (its acks lost), and must still be known then."""
+        marks: dict[str, int] = {}
+        for key in keys:
+            named = _origin_seq(key)
+            if named is not None and named[1] > marks.get(named[0], -1):
+                marks[named[0]] = named[1]
+        passed = self._passed.setdefault(link, {})
+        for origin in marks:
+            passed.setdefault(origin, -1)  # this link brings the origin: its keys wait
+        pending = self._pending.setdefault(link, deque())
+        brought = self._brought[link] = self._brought.get(link, 0) + len(keys)
+        pending.append((brought, marks))
+        while pending and brought - pending[0][0] >= delay:
+            for origin, seq in pending.popleft()[1].items():
+                passed[origin] = max(passed[origin], seq)
+        self._forget()
+
+    def _forget(self) -> None:
+        keys = self._keys
+        while len(keys) > self.size:
+            oldest = next(iter(keys))
+            if len(keys) <= self.size * STRETCH and self._awaited(oldest):
+                return  # the oldest is still awaited on a link: newer ones wait behind it
+            keys.popitem(last=False)
+
+    def _awaited(self, key: str) -> bool:
+        """Some link that brings the key's origin has not passed its seq yet."""
+        named = _origin_seq(key)
+        if named is None:
+            return False
+        origin, seq = named
+        return any(marks.get(origin, seq) < seq for marks in self._passed.values())
+
+
 class DurableKeys:
     """A bounded window of keys whose records ride in the republished messages' commits."""
 
     def __init__(self, size: int) -> None:
-        self.window = DedupWindow(size)
+        self.window = LagWindow(size)
         self.claimed: set[str] = set()
         self._records: deque[tuple[int, int]] = deque()  # (mid, keys in it), oldest first
         self._recorded = 0  # keys in the queue's records
@@ -92,8 +180,10 @@ class DurableKeys:
         queue.bytes += len(body)
         self._records.append((mid, len(keys)))
         self._recorded += len(keys)
-        # Keep at least the window's worth of keys on disk; settle the oldest records.
-        while len(self._records) > 1 and self._recorded - self._records[0][1] >= self.window.size:
+        # Keep at least the window's worth of keys on disk (stretched by a lagging link, its
+        # keys too); settle the oldest records.
+        keep = max(self.window.size, len(self.window))
+        while len(self._records) > 1 and self._recorded - self._records[0][1] >= keep:
             old_mid, count = self._records.popleft()
             self._recorded -= count
             ops.append(Settle(qid, old_mid))
@@ -111,6 +201,10 @@ class DurableKeys:
             self.window.add(key)
         self.claimed.difference_update(durable)
         self.claimed.difference_update(failed)
+
+    def passed(self, link: str, keys: list[str], delay: int = 0) -> None:
+        """`link` brought these keys (republished or dropped as copies); see `LagWindow`."""
+        self.window.passed(link, keys, delay)
 
 
 def _keys(body: bytes) -> list[str]:
