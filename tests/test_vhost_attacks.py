@@ -82,3 +82,85 @@ def test_a_publish_in_one_vhost_never_deduplicates_a_publish_in_another(
     method, _, body = tch.basic_get("work", auto_ack=True)
     tenant.close()
     assert method is not None and body == b"real order"
+
+
+def _closed_with(code: int, call: object) -> str:
+    """`call()` must close its channel with `code`; the reply text."""
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as caught:
+        call()  # type: ignore[operator]
+    assert caught.value.reply_code == code
+    return str(caught.value.reply_text)
+
+
+def test_a_user_of_one_vhost_cannot_reach_another_vhosts_queue_by_its_name(
+    broker: BrokerProcess,
+) -> None:
+    """The tenant's queue (a plain one, a server-named one, an exclusive one) is not found
+    from `/` by passive declare, basic.get, purge, bind, consume or delete; `/`'s
+    exclusive queue of the same name is its own; nothing published in `/`, in a
+    transaction or not, reaches the tenant's queue."""
+    tenant = connect(broker, "tenant", "orders")
+    tch = tenant.channel()
+    tch.confirm_delivery()
+    tch.queue_declare("secret", durable=True)
+    tch.basic_publish("", "secret", b"tenant's", pika.BasicProperties(delivery_mode=2))
+    generated = tch.queue_declare("", exclusive=True).method.queue
+    tch.queue_declare("mine-only", exclusive=True)
+
+    attacker = connect(broker, "root-user", "/")
+    for name in ("secret", generated):
+        assert "in vhost '/'" in _closed_with(
+            404, lambda n=name: attacker.channel().queue_declare(n, passive=True)
+        )
+        _closed_with(404, lambda n=name: attacker.channel().basic_get(n, auto_ack=True))
+        _closed_with(404, lambda n=name: attacker.channel().queue_purge(n))
+        _closed_with(404, lambda n=name: attacker.channel().queue_bind(n, "amq.fanout"))
+        _closed_with(404, lambda n=name: attacker.channel().basic_consume(n, lambda *a: None))
+    ach = attacker.channel()
+    ach.queue_delete("secret")  # RabbitMQ: deleting a missing queue is ok; it is `/`'s
+    ach.queue_declare("mine-only", exclusive=True)  # not locked by the tenant's
+    ach.tx_select()
+    ach.basic_publish("", "secret", b"from root")
+    ach.basic_publish("amq.direct", "secret", b"from root")
+    ach.tx_commit()
+    attacker.close()
+
+    tch.queue_declare("mine-only", passive=True)  # still the tenant's own
+    method, _, body = tch.basic_get("secret", auto_ack=True)
+    assert method is not None and body == b"tenant's"
+    assert tch.basic_get("secret", auto_ack=True)[0] is None
+    tenant.close()
+
+
+def test_a_dead_letter_exchange_names_an_exchange_of_its_own_vhost(
+    broker: BrokerProcess,
+) -> None:
+    """A `/` queue whose x-dead-letter-exchange is the name of the tenant's exchange
+    dead-letters into `/`'s exchange of that name (missing: dropped), never the tenant's."""
+    tenant = connect(broker, "tenant", "orders")
+    tch = tenant.channel()
+    tch.exchange_declare("tenant-dlx", "fanout", durable=True)
+    tch.queue_declare("tenant-dead", durable=True)
+    tch.queue_bind("tenant-dead", "tenant-dlx")
+
+    attacker = connect(broker, "root-user", "/")
+    ach = attacker.channel()
+    ach.confirm_delivery()
+    ach.queue_declare("doomed", arguments={"x-dead-letter-exchange": "tenant-dlx"})
+    ach.basic_publish("", "doomed", b"injected")
+    method, _, _ = ach.basic_get("doomed")
+    assert method is not None
+    ach.basic_reject(method.delivery_tag, requeue=False)
+    ach.queue_declare("doomed", passive=True)  # the reject is processed
+    attacker.close()
+
+    assert tch.basic_get("tenant-dead", auto_ack=True)[0] is None
+    tenant.close()
+
+
+def test_a_vhost_name_is_matched_exactly(broker: BrokerProcess) -> None:
+    """Neither `%2F` nor `Orders` nor `orders/` opens `orders` or `/`."""
+    for name in ("%2F", "Orders", "orders/", "orders\x00"):
+        with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as caught:
+            connect(broker, "tenant", name)
+        assert "NOT_ALLOWED" in str(caught.value)
