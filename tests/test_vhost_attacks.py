@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pika
 import pytest
@@ -164,3 +165,47 @@ def test_a_vhost_name_is_matched_exactly(broker: BrokerProcess) -> None:
         with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as caught:
             connect(broker, "tenant", name)
         assert "NOT_ALLOWED" in str(caught.value)
+
+
+def test_a_tenant_flooding_message_ids_does_not_evict_another_vhosts_dedup_keys(
+    tmp_path: Path,
+) -> None:
+    """The dedup window is the broker's and bounded (`--dedup-window`): a tenant that
+    publishes more distinct message ids than it holds must not push `/`'s keys out, or
+    a `/` publisher's re-send (after a lost confirm) is enqueued twice. Fails on main:
+    one window, evicted oldest first, shared by every vhost (a fix: a window per vhost,
+    or a share of it per vhost)."""
+    users = tmp_path / "users.json"
+    users.write_text(
+        json.dumps(
+            {
+                "users": [{"name": n, "password": f"{n}-pw"} for n in USERS],
+                "vhosts": [{"name": "/"}, {"name": "orders"}],
+                "permissions": GRANTS,
+            }
+        )
+    )
+    with BrokerProcess(
+        tmp_path / "data",
+        name="vhd",
+        extra_args=["--users-file", str(users), "--dedup-window", "8"],
+    ).start() as broker:
+        root = connect(broker, "root-user", "/")
+        rch = root.channel()
+        rch.confirm_delivery()
+        rch.queue_declare("payments", durable=True)
+        resend = pika.BasicProperties(message_id="pay-1", delivery_mode=2)
+        rch.basic_publish("", "payments", b"pay", resend)
+
+        tenant = connect(broker, "tenant", "orders")
+        tch = tenant.channel()
+        tch.confirm_delivery()
+        tch.queue_declare("flood")
+        for n in range(8):
+            tch.basic_publish("", "flood", b"x", pika.BasicProperties(message_id=f"f-{n}"))
+        tenant.close()
+
+        rch.basic_publish("", "payments", b"pay", resend)  # the re-send
+        got = [rch.basic_get("payments", auto_ack=True)[0] is not None for _ in range(3)]
+        root.close()
+        assert got == [True, False, False]
