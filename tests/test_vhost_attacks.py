@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pika
 import pytest
+from mirrorsites import Sites, mirror_status
 
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import status
 
 # `/` has a user whose rights stop at `/`; the vhost `orders` has its own tenant.
 USERS = ["root-user", "tenant"]
@@ -209,3 +211,53 @@ def test_a_tenant_flooding_message_ids_does_not_evict_another_vhosts_dedup_keys(
         got = [rch.basic_get("payments", auto_ack=True)[0] is not None for _ in range(3)]
         root.close()
         assert got == [True, False, False]
+
+
+def test_a_tenant_deleting_and_purging_its_queues_sends_nothing_to_the_dr_mirror(
+    tmp_path: Path,
+) -> None:
+    """The mirror carries `/` only: a tenant's queue deleted with its messages, purged,
+    or expiring them (their settles, in batches where the queue may be gone already)
+    reaches the mirror neither as data nor as an error, and `/` keeps mirroring."""
+    users = tmp_path / "users.json"
+    users.write_text(
+        json.dumps(
+            {
+                "users": [{"name": n, "password": f"{n}-pw"} for n in USERS],
+                "vhosts": [{"name": "/"}, {"name": "orders"}],
+                "permissions": GRANTS,
+            }
+        )
+    )
+    with Sites(tmp_path, source_args=["--users-file", str(users)]) as sites:
+        tenant = connect(sites.source, "tenant", "orders")
+        tch = tenant.channel()
+        tch.confirm_delivery()
+        for name in ("gone", "purged", "expiring"):
+            args = {"x-message-ttl": 1} if name == "expiring" else None
+            tch.queue_declare(name, durable=True, arguments=args)
+            for _ in range(5):
+                tch.basic_publish("", name, b"t", pika.BasicProperties(delivery_mode=2))
+        tch.queue_delete("gone")
+        tch.queue_purge("purged")
+        tenant.close()
+        root = connect(sites.source, "root-user", "/")
+        rch = root.channel()
+        rch.confirm_delivery()
+        rch.queue_declare("after", durable=True)
+        rch.basic_publish("", "after", b"r", pika.BasicProperties(delivery_mode=2))
+        root.close()
+        sites.caught_up()
+        data = status(sites.mirror)
+        assert data is not None
+        mirrored = {
+            (q["vhost"], q["name"]): q["messages"]
+            for q in data["queues"]
+            if not q["name"].startswith("amq.twinmq.")
+        }
+        assert mirrored == {("/", "after"): 1}
+        mirror = mirror_status(sites.source)
+        assert mirror is not None and not mirror.get("link_error")
+        log = sites.mirror.log_path
+        assert log is not None
+        assert " ERROR " not in log.read_text() and "Traceback" not in log.read_text()
