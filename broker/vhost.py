@@ -16,6 +16,7 @@ passed in, so tests and the asyncio server drive the same code.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Iterator
@@ -205,9 +206,14 @@ class _Ids:
 
 def scoped_dedup_key(vhost: str, exchange: str, routing_key: str, message_id: str) -> str:
     """A dedup key scoped by vhost (the window is the broker's); `/`'s keys are those
-    written before vhosts existed."""
+    written before vhosts existed.
+
+    Another vhost's key is the JSON list of the four names: JSON escapes NUL, so it has
+    none, while every `/` key has two (its separators); and a list's encoding is
+    unambiguous. Joining with NUL instead let a client of `/` forge another vhost's key
+    (names and message ids may hold NUL), making that vhost's publish a duplicate."""
     if vhost != DEFAULT_VHOST:
-        exchange = f"{vhost}\x00{exchange}"
+        return json.dumps([vhost, exchange, routing_key, message_id])
     return dedup_key(exchange, routing_key, message_id)
 
 
