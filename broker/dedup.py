@@ -32,37 +32,76 @@ from pathlib import Path
 
 from twinmq.broker.atomicfile import replace_file
 
+ROOT_SCOPE = "/"
+
 
 def dedup_key(exchange: str, routing_key: str, message_id: str) -> str:
-    """What identifies a publish for duplicate detection."""
+    """What identifies a publish in the vhost `/` for duplicate detection."""
     return f"{exchange}\x00{routing_key}\x00{message_id}"
 
 
+def scoped_dedup_key(vhost: str, exchange: str, routing_key: str, message_id: str) -> str:
+    """A dedup key scoped by vhost; `/`'s keys are those written before vhosts existed.
+
+    Another vhost's key is the JSON list of the four names: JSON escapes NUL, so it has
+    none, while every `/` key has two (its separators); and a list's encoding is
+    unambiguous. Joining with NUL instead let a client of `/` forge another vhost's key
+    (names and message ids may hold NUL), making that vhost's publish a duplicate."""
+    if vhost != ROOT_SCOPE:
+        return json.dumps([vhost, exchange, routing_key, message_id])
+    return dedup_key(exchange, routing_key, message_id)
+
+
+def key_scope(key: str) -> str:
+    """The vhost whose publish `key` identifies (`scoped_dedup_key`'s inverse)."""
+    if "\x00" in key or not key.startswith("["):
+        return ROOT_SCOPE
+    try:
+        scope = json.loads(key)[0]
+    except (ValueError, IndexError, KeyError, TypeError):
+        return ROOT_SCOPE
+    return scope if isinstance(scope, str) else ROOT_SCOPE
+
+
 class DedupWindow:
-    """The newest `size` message ids (0 disables deduplication)."""
+    """The newest `size` message ids of each vhost (0 disables deduplication).
+
+    Each vhost has a window of its own size: a tenant that publishes more distinct ids
+    than the window holds pushes out only its own keys, never another vhost's (a
+    shared window let one tenant make another's re-sends after a lost confirm new
+    messages)."""
 
     def __init__(self, size: int, path: Path | None = None) -> None:
         self.size = size
         self.path = path
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._scopes: dict[str, OrderedDict[str, None]] = {ROOT_SCOPE: OrderedDict()}
         self._pending: deque[tuple[int, str]] = deque()  # (batch, key), batches ascending
         self._pending_batch: dict[str, int] = {}  # key -> the newest batch it waits for
         self.dirty = False
         if path is not None and path.exists() and size:
-            for message_id in json.loads(path.read_text())[-size:]:
-                self._ids[message_id] = None
+            for message_id in json.loads(path.read_text()):
+                self.add(message_id)  # each vhost keeps its newest `size`
+            self.dirty = False
+
+    def _window(self, key: str) -> OrderedDict[str, None]:
+        scope = key_scope(key)
+        window = self._scopes.get(scope)
+        if window is None:
+            window = self._scopes[scope] = OrderedDict()
+        return window
 
     def __contains__(self, message_id: str) -> bool:
-        return message_id in self._ids
+        window = self._scopes.get(key_scope(message_id))
+        return window is not None and message_id in window
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return sum(map(len, self._scopes.values()))
 
     def add(self, message_id: str) -> None:
-        """Remember an id, forgetting the oldest beyond the window."""
+        """Remember an id, forgetting its vhost's oldest beyond the window."""
         if not self.size:
             return
-        ids = self._ids
+        ids = self._window(message_id)
         if message_id in ids:
             ids.move_to_end(message_id)
         else:
@@ -73,8 +112,9 @@ class DedupWindow:
 
     def forget(self, key: str) -> None:
         """Drop a key, admitted or waiting (its message was discarded: never taken)."""
-        if key in self._ids:
-            del self._ids[key]
+        window = self._scopes.get(key_scope(key))
+        if window is not None and key in window:
+            del window[key]
             self.dirty = True
         if self._pending_batch.pop(key, None) is not None:
             self._pending = deque(p for p in self._pending if p[1] != key)
@@ -111,8 +151,11 @@ class DedupWindow:
         return bool(pending)
 
     def keys(self) -> list[str]:
-        """The admitted keys, oldest first (a copy at C speed: what a catch-up carries)."""
-        return list(self._ids)
+        """The admitted keys, each vhost's oldest first (a copy at C speed: what a catch-up
+        carries)."""
+        if len(self._scopes) == 1:
+            return list(self._scopes[ROOT_SCOPE])
+        return [key for window in self._scopes.values() for key in window]
 
     def snapshot(self) -> list[str]:
         """The ids, oldest first (taken on the loop; written off it)."""

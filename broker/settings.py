@@ -150,7 +150,9 @@ class BrokerSettings(BaseSettings):
         "broker's pod)",
     )
     dedup_window: int = Field(
-        100_000, ge=0, description="Message ids remembered for duplicate detection (0: off)"
+        100_000,
+        ge=0,
+        description="Message ids remembered for duplicate detection, per vhost (0: off)",
     )
     audit: bool = Field(True, description="Write the audit log of replication events")
     audit_segment_seconds: float = Field(

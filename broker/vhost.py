@@ -16,7 +16,6 @@ passed in, so tests and the asyncio server drive the same code.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Iterator
@@ -31,7 +30,7 @@ from twinmq.broker.codec import (
     header_message_id,
 )
 from twinmq.broker.deadletter import dead_letter_header, is_cycle
-from twinmq.broker.dedup import DedupWindow, dedup_key
+from twinmq.broker.dedup import DedupWindow, scoped_dedup_key
 from twinmq.broker.definitions import (
     DEFAULT_VHOST,
     BindingDef,
@@ -202,19 +201,6 @@ class _Ids:
     def __init__(self) -> None:
         self.mid = 1
         self.qid = 1
-
-
-def scoped_dedup_key(vhost: str, exchange: str, routing_key: str, message_id: str) -> str:
-    """A dedup key scoped by vhost (the window is the broker's); `/`'s keys are those
-    written before vhosts existed.
-
-    Another vhost's key is the JSON list of the four names: JSON escapes NUL, so it has
-    none, while every `/` key has two (its separators); and a list's encoding is
-    unambiguous. Joining with NUL instead let a client of `/` forge another vhost's key
-    (names and message ids may hold NUL), making that vhost's publish a duplicate."""
-    if vhost != DEFAULT_VHOST:
-        return json.dumps([vhost, exchange, routing_key, message_id])
-    return dedup_key(exchange, routing_key, message_id)
 
 
 class VirtualHost:

@@ -482,7 +482,9 @@ class Replication(ApiModel):
         description="A silent passive holds up confirms at most this long; a passive stays "
         "promotable that long after losing the active",
     )
-    dedup_window: int = Field(100_000, ge=0, description="Message ids kept for deduplication")
+    dedup_window: int = Field(
+        100_000, ge=0, description="Message ids kept for deduplication, per vhost"
+    )
 
 
 class Limits(ApiModel):

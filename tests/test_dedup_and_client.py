@@ -14,7 +14,7 @@ from pamqp import commands
 
 from twinmq.broker.channel import Channel
 from twinmq.broker.connection import DEDUP_CLIENT_PROPERTY, Connection
-from twinmq.broker.dedup import DedupWindow
+from twinmq.broker.dedup import DedupWindow, scoped_dedup_key
 from twinmq.broker.names import ACTIVE, REPLICATION_TOKEN_ENV
 from twinmq.client import ReliablePublisher
 from twinmq.testing.launcher import BrokerProcess
@@ -32,6 +32,20 @@ def test_window_forgets_the_oldest_ids_beyond_its_size(tmp_path: Path) -> None:
     window.write(window.snapshot())
     reloaded = DedupWindow(2, tmp_path / "dedup.json")
     assert list(reloaded.snapshot()) == ["c", "d"]
+
+
+def test_each_vhost_forgets_only_its_own_oldest_ids_also_after_a_reload(tmp_path: Path) -> None:
+    window = DedupWindow(2, tmp_path / "dedup.json")
+    root = [scoped_dedup_key("/", "", "q", m) for m in "ab"]
+    tenant = [scoped_dedup_key("t", "", "q", m) for m in "abcde"]
+    for key in [*root, *tenant]:
+        window.add(key)
+    assert all(k in window for k in root)  # five tenant ids pushed out no `/` id
+    assert [k in window for k in tenant] == [False, False, False, True, True]
+    assert scoped_dedup_key("t", "", "q", "a") != scoped_dedup_key("/", "", "q", "a")
+    window.write(window.snapshot())
+    reloaded = DedupWindow(1, tmp_path / "dedup.json")
+    assert reloaded.snapshot() == [root[1], tenant[4]]
 
 
 def test_disabled_window_remembers_nothing() -> None:
