@@ -1,8 +1,9 @@
 """A link's silence timers against this broker's own stalls: a loop busy past a deadline
 (a long synchronous step, a full garbage collection, SIGSTOP) must not read as the
-peer's silence. The replication and mirror links time their reads with `wait_for`
-(`FrameReader.next`), which after a stall sees the bytes that came meanwhile before
-its timeout (checked under uvloop, the broker's loop); the AMQP heartbeat, a periodic
+peer's silence. The replication and mirror links time their reads with
+`asyncio.timeout` (`FrameReader.next`), which after a stall may fire with the bytes that
+came meanwhile unread: the reader then reads what is already there before calling it
+silence (checked under uvloop, the broker's loop); the AMQP heartbeat, a periodic
 check, needed `Connection.heartbeat_due(stalled=...)` instead. These keep it so.
 Real sockets on loopback, real uvloop loops."""
 

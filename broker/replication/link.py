@@ -36,8 +36,15 @@ class FrameReader:
         a malformed or oversized frame (before its payload is read).
         """
         while (frame := self._decoder.next()) is None:
-            async with asyncio.timeout(silence):
-                data = await self._reader.read(self._chunk)
+            try:
+                async with asyncio.timeout(silence):
+                    data = await self._reader.read(self._chunk)
+            except TimeoutError:
+                # After this loop stalled (a long step, a full collection, SIGSTOP) the
+                # timer and the peer's bytes come in the same turn, and the timer may win:
+                # bytes already here are read (without waiting), not taken for silence.
+                async with asyncio.timeout(0):
+                    data = await self._reader.read(self._chunk)
             if not data:
                 raise ConnectionError(f"{self.peer} closed the link")
             self._decoder.push(data)
