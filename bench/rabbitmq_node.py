@@ -109,7 +109,22 @@ class RabbitNode:
         return env
 
     def start(self, timeout: float = 90.0, parent: Path | None = None) -> RabbitNode:
-        """Start epmd and the node; return once the AMQP port answers."""
+        """Start epmd and the node; return once the AMQP port answers.
+
+        A free port is only free until someone binds it: a node that finds one of its
+        ports taken meanwhile (`dist_port_already_used`, `eaddrinuse`) is started again on
+        new ports, up to three times."""
+        for attempt in range(3):
+            try:
+                return self._start_once(timeout, parent)
+            except RuntimeError as exc:
+                lost_race = "already_used" in str(exc) or "eaddrinuse" in str(exc).lower()
+                if not lost_race or attempt == 2:
+                    raise
+                self.port, self.dist_port, self.epmd_port = free_port(), free_port(), free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float, parent: Path | None) -> RabbitNode:
         ensure_installed()
         base = Path(tempfile.mkdtemp(prefix="twinmq-bench-rabbit-", dir=parent))
         self.base = base
