@@ -93,6 +93,7 @@ class RabbitNode:
             HOME=str(base),  # the Erlang cookie goes here, not into ~/.erlang.cookie
             ERL_EPMD_PORT=str(self.epmd_port),
             ERL_EPMD_ADDRESS="127.0.0.1",
+            ERL_CRASH_DUMP=str(base / "erl_crash.dump"),  # not into the caller's directory
             RABBITMQ_NODENAME=self.nodename,
             RABBITMQ_NODE_IP_ADDRESS=self.host,
             RABBITMQ_NODE_PORT=str(self.port),
