@@ -26,11 +26,9 @@ GRANTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    root = tmp_path_factory.mktemp("vhost-attacks")
-    users = root / "users.json"
-    users.write_text(
+def users_file(path: Path) -> Path:
+    """The users file of these attacks: `/` and `orders`, USERS with GRANTS."""
+    path.write_text(
         json.dumps(
             {
                 "users": [{"name": n, "password": f"{n}-pw"} for n in USERS],
@@ -39,6 +37,13 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
             }
         )
     )
+    return path
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    root = tmp_path_factory.mktemp("vhost-attacks")
+    users = users_file(root / "users.json")
     with BrokerProcess(
         root / "data", name="vha", extra_args=["--users-file", str(users)]
     ).start() as started:
@@ -177,16 +182,7 @@ def test_a_tenant_flooding_message_ids_does_not_evict_another_vhosts_dedup_keys(
     a `/` publisher's re-send (after a lost confirm) is enqueued twice. Fails on main:
     one window, evicted oldest first, shared by every vhost (a fix: a window per vhost,
     or a share of it per vhost)."""
-    users = tmp_path / "users.json"
-    users.write_text(
-        json.dumps(
-            {
-                "users": [{"name": n, "password": f"{n}-pw"} for n in USERS],
-                "vhosts": [{"name": "/"}, {"name": "orders"}],
-                "permissions": GRANTS,
-            }
-        )
-    )
+    users = users_file(tmp_path / "users.json")
     with BrokerProcess(
         tmp_path / "data",
         name="vhd",
@@ -219,16 +215,7 @@ def test_a_tenant_deleting_and_purging_its_queues_sends_nothing_to_the_dr_mirror
     """The mirror carries `/` only: a tenant's queue deleted with its messages, purged,
     or expiring them (their settles, in batches where the queue may be gone already)
     reaches the mirror neither as data nor as an error, and `/` keeps mirroring."""
-    users = tmp_path / "users.json"
-    users.write_text(
-        json.dumps(
-            {
-                "users": [{"name": n, "password": f"{n}-pw"} for n in USERS],
-                "vhosts": [{"name": "/"}, {"name": "orders"}],
-                "permissions": GRANTS,
-            }
-        )
-    )
+    users = users_file(tmp_path / "users.json")
     with Sites(tmp_path, source_args=["--users-file", str(users)]) as sites:
         tenant = connect(sites.source, "tenant", "orders")
         tch = tenant.channel()

@@ -138,9 +138,10 @@ class ReplicaClient:
         self._stopping = True
         task = self._task  # a concurrent stop (a self-fencing demotion) may clear it
         if task is not None:
-            # On Python 3.11 asyncio.wait_for can swallow a cancellation that races with
-            # the operation it waits for: cancel again until the task is really done
-            # (else a promotion waits here as long as the active stays unreachable).
+            # A cancellation that races with the operation it interrupts can be lost
+            # (3.11's wait_for did it; the broker's own timeouts are asyncio.timeout now,
+            # but not every library below is): cancel again until the task is really
+            # done (else a promotion waits here as long as the active stays unreachable).
             while not task.done():
                 task.cancel()
                 await asyncio.wait({task}, timeout=0.1)
