@@ -2,7 +2,7 @@
 """Source confirm throughput with the DR mirror on vs off, and the mirror's lag meanwhile.
 
     .venv/bin/python bench/mirror_overhead.py [--runs 3] [--seconds 6] [--window 500]
-        [--mirror-only]
+        [--mirror-only] [--rtt 0]
 
 Per run, alternating: "off" is one broker; "on" is the same broker with
 `--mirror-to` a second broker (`--mirror-port`, the mirror site) on loopback.
@@ -17,24 +17,32 @@ Prometheus' `histogram_quantile` and as the share of events at or under 250 ms
 (a bucket bound: exact); and the source's `/status`, sampled every 0.2 s for the
 age of its oldest unacknowledged event. After the publisher stops, the time
 until the mirror has acknowledged everything is measured. `--mirror-only` skips
-the "off" runs. Numbers only: nothing asserts a timing.
+the "off" runs. `--rtt MS` puts the link through a proxy that delays every chunk
+MS/2 each way (`twinmq.testing.faultproxy` in a process of its own, pipelined: a
+long link, not a slow one), since netem is not in this machine's kernel. Numbers
+only: nothing asserts a timing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from audit_cost import percentile, publish
 from mirror_bidi import GOAL, buckets, quantile, within
 
+from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.launcher import BrokerProcess, free_port
 
 TOKEN = "bench-mirror-token"
@@ -46,6 +54,27 @@ def mirror_section(broker: BrokerProcess) -> dict[str, float]:
     return section
 
 
+def _serve_delayed(upstream: str, rtt: float, conn: Connection) -> None:
+    with FaultProxy(upstream) as link:
+        link.delay(rtt / 2)  # each way
+        conn.send(link.address)
+        conn.recv()  # until the bench is done with it
+
+
+@contextlib.contextmanager
+def delayed_link(upstream: str, rtt: float) -> Iterator[str]:
+    """A proxy to `upstream` adding `rtt` seconds of round trip, in a process of its own
+    (in this one it would take the publisher's interpreter lock); yields its address."""
+    ours, theirs = multiprocessing.Pipe()
+    proxy = multiprocessing.Process(target=_serve_delayed, args=(upstream, rtt, theirs))
+    proxy.start()
+    try:
+        yield str(ours.recv())
+    finally:
+        ours.send("done")
+        proxy.join(10)
+
+
 def run_on(
     tmp: Path, opts: argparse.Namespace
 ) -> tuple[float, list[float], float, dict[str, float]]:
@@ -53,12 +82,21 @@ def run_on(
     the lag histogram's p50, p99, share within 250 ms and event count over the run."""
     port = free_port()
     mirror_args = ["--mirror-port", str(port), "--mirror-token", TOKEN]
-    source_args = ["--mirror-to", f"127.0.0.1:{port}", "--mirror-token", TOKEN]
     ages: list[float] = []
-    with (
-        BrokerProcess(tmp / "mirror", name="bench-mirror", extra_args=mirror_args),
-        BrokerProcess(tmp / "source", name="bench-source", extra_args=source_args) as source,
-    ):
+    with contextlib.ExitStack() as stack:
+        target = f"127.0.0.1:{port}"
+        if opts.rtt:
+            target = stack.enter_context(delayed_link(target, opts.rtt / 1000))
+        stack.enter_context(
+            BrokerProcess(tmp / "mirror", name="bench-mirror", extra_args=mirror_args)
+        )
+        source = stack.enter_context(
+            BrokerProcess(
+                tmp / "source",
+                name="bench-source",
+                extra_args=["--mirror-to", target, "--mirror-token", TOKEN],
+            )
+        )
         while not mirror_section(source)["connected"]:
             time.sleep(0.1)  # the link is up (a heartbeat came back) before the clock starts
         before = buckets(source)
@@ -100,6 +138,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=500, help="unconfirmed messages in flight")
     p.add_argument("--size", type=int, default=1000)
     p.add_argument("--mirror-only", action="store_true", help="skip the runs without a mirror")
+    p.add_argument("--rtt", type=float, default=0.0, help="round trip added to the link, ms")
     opts = p.parse_args()
     off: list[float] = []
     on: list[float] = []

@@ -8,7 +8,8 @@ The proxy runs its own event loop on a daemon thread, so a synchronous test
 - `partition()`: keep the sockets open but stop moving bytes either way, as a
   network partition that drops packets does: nobody sees a reset, the peers
   see silence;
-- `delay(seconds)`: hold every chunk that long before passing it on;
+- `delay(seconds)`: a one-way latency: every chunk arrives that long after it was
+  read, chunks pipelined (a long link, not a slow one);
 - `throttle(bytes_per_second)`: a thin pipe (a catch-up that takes a while);
 - `heal()`: back to a plain pipe (bytes held by a partition flow again);
 - `retarget(address)`: new connections go to another upstream.
@@ -23,6 +24,10 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+# Chunks read and not yet written, per direction (up to 64 KiB each): a long link's
+# bytes in flight, bounded so a stalled reader still pushes back on the sender.
+_IN_FLIGHT_CHUNKS = 64
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -188,19 +193,50 @@ class FaultProxy:
                     end.close()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Move one direction's bytes: a reader and a writer with the chunks in flight
+        between them, so a delay is a latency (every chunk arrives `latency` after it was
+        read, chunks pipelined as on a long link) rather than a pause between chunks."""
+        in_flight: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(_IN_FLIGHT_CHUNKS)
+        sender = asyncio.ensure_future(self._send(in_flight, writer))
+        try:
+            await self._receive(reader, in_flight)
+            await sender
+        finally:
+            sender.cancel()
+
+    async def _receive(
+        self, reader: asyncio.StreamReader, in_flight: asyncio.Queue[tuple[float, bytes]]
+    ) -> None:
         flowing = self._flowing
         assert flowing is not None
+        loop = asyncio.get_running_loop()
         with contextlib.suppress(OSError, ConnectionError):
             while True:
                 data = await reader.read(8192 if self.rate else 1 << 16)
                 if not data and self.mode != "partition":
+                    break
+                # A partition stops reading too, so the sender's socket fills and it
+                # feels the stall (and a FIN is held as bytes are).
+                await flowing.wait()
+                await in_flight.put((loop.time() + self.latency, data))
+                if not data:
                     return
-                await flowing.wait()  # a partition holds a FIN as it holds bytes
+        await in_flight.put((loop.time(), b""))
+
+    async def _send(
+        self, in_flight: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter
+    ) -> None:
+        flowing = self._flowing
+        assert flowing is not None
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(OSError, ConnectionError):
+            while True:
+                due, data = await in_flight.get()
+                if due > loop.time():
+                    await asyncio.sleep(due - loop.time())
+                await flowing.wait()
                 if not data or writer.is_closing():
                     return
-                if self.latency:
-                    await asyncio.sleep(self.latency)
-                    await flowing.wait()
                 writer.write(data)
                 self.bytes_forwarded += len(data)
                 await writer.drain()
