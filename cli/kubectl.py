@@ -6,6 +6,7 @@
     kubectl twinmq fence CLUSTER BROKER [--wait]
     kubectl twinmq unfence CLUSTER BROKER [--wait]
     kubectl twinmq audit CLUSTER [--sites] [--wait]
+    kubectl twinmq rotate-ca CLUSTER [--wait]
     kubectl twinmq federation status [CLUSTER] [-n NS | -A] [-o table|json]
     kubectl twinmq mirror trust SITE --from-context CTX --from-namespace NS --from-cluster NAME
 
@@ -38,9 +39,11 @@ from twinmq.operator.models import GROUP, PLURAL, VERSION
 
 Obj = dict[str, Any]
 BROKERS = ("primary", "backup")
-OPERATIONS = ("promote", "recover", "fence", "unfence", "audit")
+OPERATIONS = ("promote", "recover", "fence", "unfence", "audit", "rotate-ca")
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
-DEFAULT_TIMEOUT = {"promote": 120.0, "recover": 300.0, "fence": 120.0, "audit": 1800.0}
+DEFAULT_TIMEOUT = {
+    "promote": 120.0, "recover": 300.0, "fence": 120.0, "audit": 1800.0, "rotateCa": 120.0,
+}  # fmt: skip
 RESOURCE = f"{PLURAL}.{GROUP}"
 
 
@@ -250,6 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the pair",
     )  # fmt: skip
 
+    rotate = sub.add_parser(
+        "rotate-ca", parents=[common, waiting], help="rotate the operator-managed CA",
+        description="Rotate the operator-managed CA: a new CA is published beside the old "
+        "one, signs every certificate after the operator's grace period, and the old one "
+        "leaves the bundle after another (status.caRotation). --wait returns once the "
+        "rotation has started.",
+    )  # fmt: skip
+    cluster_arg(rotate)
+
     fed = sub.add_parser(
         "federation", help="exchange federation between BrokerClusters",
         description="Exchange federation (spec.federation) of BrokerClusters.",
@@ -292,7 +304,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def request_field(command: str) -> str:
     """The `spec.requests` field a command writes (unfence is a fence request)."""
-    return "fence" if command == "unfence" else command
+    return {"unfence": "fence", "rotate-ca": "rotateCa"}.get(command, command)
 
 
 def new_request_id(command: str, now: datetime | None = None, suffix: str | None = None) -> str:
@@ -317,7 +329,7 @@ def request_patch(
         request |= {"broker": broker, "fenced": command == "fence"}
     elif command == "audit":
         request |= {"sites": sites}
-    elif command != "recover":
+    elif command not in ("recover", "rotate-ca"):
         raise ValueError(f"not a request: {command}")
     return {"spec": {"requests": {request_field(command): request}}}
 
@@ -372,6 +384,11 @@ def outcome(
         return False, f"{broker} is {'fenced' if fenced else 'not fenced'}" + (
             f": {said}" if said else ""
         )
+    if command == "rotate-ca":
+        rotation = status.get("caRotation") or {}
+        return True, (f"CA rotation {rotation.get('phase', '?')} since "
+                      f"{rotation.get('since', '?')}; next step at "
+                      f"{rotation.get('nextStepAt') or '-'}")  # fmt: skip
     if said:  # the operator refused the request (audits not enabled)
         return False, said
     last = status.get("lastAudit") or {}

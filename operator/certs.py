@@ -35,9 +35,10 @@ A downstream of federation over amqps (a `clusterRef` upstream, TLS not turned o
 from __future__ import annotations
 
 import base64
+import ipaddress
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -49,7 +50,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from twinmq.broker.names import ENV_PREFIX
-from twinmq.operator import federationtls, mirroring
+from twinmq.operator import carotation, federationtls, mirroring
 from twinmq.operator.builders import (
     ClusterRef,
     owned_meta,
@@ -58,7 +59,7 @@ from twinmq.operator.builders import (
     tls_secret_name,
     vip_name,
 )
-from twinmq.operator.models import BrokerClusterSpec, BrokerName, Tls
+from twinmq.operator.models import BrokerClusterSpec, BrokerName, CaRotation, Tls
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -186,10 +187,12 @@ def issue_server(
     *,
     client: bool = False,
     common_name: str | None = None,
+    addresses: Sequence[str] = (),
 ) -> KeyPair:
-    """A server certificate for `names`, signed by `ca`, valid `seconds` from `now`; with
-    `client`, for client use too (a broker's own: both ends of the replication link);
-    its common name `common_name` (default: the first name)."""
+    """A server certificate for `names` (and IP `addresses`: tests on loopback), signed by
+    `ca`, valid `seconds` from `now`; with `client`, for client use too (a broker's own:
+    both ends of the replication link); its common name `common_name` (default: the first
+    name)."""
     usages = [ExtendedKeyUsageOID.SERVER_AUTH]
     if client:
         usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
@@ -208,7 +211,13 @@ def issue_server(
         .not_valid_after(now + timedelta(seconds=seconds))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False
+            x509.SubjectAlternativeName(
+                [
+                    *(x509.DNSName(n) for n in names),
+                    *(x509.IPAddress(ipaddress.ip_address(a)) for a in addresses),
+                ]
+            ),
+            critical=False,
         )
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(
@@ -261,14 +270,15 @@ def _tls_secret(
     cluster: ClusterRef,
     name: str,
     cert: KeyPair,
-    ca: KeyPair | None,
+    trust: str | None,
     broker: BrokerName | None = None,
+    extra: Mapping[str, str] | None = None,
 ) -> Obj:
-    """A `kubernetes.io/tls` Secret the BrokerCluster owns (with `ca.crt`, as cert-manager
-    writes it, unless it is the CA's own)."""
-    data = {"tls.crt": cert.cert, "tls.key": cert.key}
-    if ca is not None:
-        data["ca.crt"] = ca.cert
+    """A `kubernetes.io/tls` Secret the BrokerCluster owns (with `ca.crt`, the trust
+    bundle, as cert-manager writes it, unless it is the CA's own)."""
+    data = {"tls.crt": cert.cert, "tls.key": cert.key, **(extra or {})}
+    if trust is not None:
+        data["ca.crt"] = trust
     return {
         "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
         "metadata": owned_meta(cluster, name, broker), "data": b64(data),
@@ -305,15 +315,17 @@ def _certificate(
     }  # fmt: skip
 
 
-def build_ca_secret(cluster: ClusterRef, ca: KeyPair) -> Obj:
-    """The operator-managed CA's Secret."""
-    return _tls_secret(cluster, ca_secret_name(cluster), ca, None)
+def build_ca_secret(cluster: ClusterRef, memory: TlsMemory) -> Obj:
+    """The operator-managed CA's Secret: the signing CA, and a rotation's state."""
+    assert memory.ca is not None
+    extra = carotation.secret_data(memory)
+    return _tls_secret(cluster, ca_secret_name(cluster), memory.ca, None, extra=extra)
 
 
-def build_server_secret(cluster: ClusterRef, tls: Tls, server: KeyPair, ca: KeyPair) -> Obj:
+def build_server_secret(cluster: ClusterRef, tls: Tls, server: KeyPair, trust: str) -> Obj:
     """The brokers' server certificate Secret (what cert-manager would write, `ca.crt`
     included)."""
-    return _tls_secret(cluster, tls_secret_name(cluster, tls), server, ca)
+    return _tls_secret(cluster, tls_secret_name(cluster, tls), server, trust)
 
 
 def build_ca_config_map(cluster: ClusterRef, ca_cert: str) -> Obj:
@@ -325,15 +337,15 @@ def build_ca_config_map(cluster: ClusterRef, ca_cert: str) -> Obj:
     }  # fmt: skip
 
 
-def build_peer_secret(cluster: ClusterRef, broker: BrokerName, cert: KeyPair, ca: KeyPair) -> Obj:
+def build_peer_secret(cluster: ClusterRef, broker: BrokerName, cert: KeyPair, trust: str) -> Obj:
     """A broker's own certificate Secret (`<cluster>-<broker>-tls`, with `ca.crt`)."""
-    return _tls_secret(cluster, peer_secret_name(cluster, broker), cert, ca, broker)
+    return _tls_secret(cluster, peer_secret_name(cluster, broker), cert, trust, broker)
 
 
-def build_mirror_secret(cluster: ClusterRef, cert: KeyPair, ca: KeyPair) -> Obj:
+def build_mirror_secret(cluster: ClusterRef, cert: KeyPair, trust: str) -> Obj:
     """The site's mirror certificate Secret (`<cluster>-mirror-tls`, with `ca.crt`: the CA
     the other site copies in)."""
-    return _tls_secret(cluster, mirroring.secret_name(cluster.name), cert, ca)
+    return _tls_secret(cluster, mirroring.secret_name(cluster.name), cert, trust)
 
 
 def build_mirror_certificate(cluster: ClusterRef, spec: BrokerClusterSpec) -> Obj:
@@ -386,7 +398,11 @@ class TlsMemory:
     """What the operator keeps between passes: the managed CA and server certificate (read
     from their Secrets once per process), or when it last read a Secret it does not issue."""
 
-    ca: KeyPair | None = None
+    ca: KeyPair | None = None  # the managed CA that signs
+    ca_next: KeyPair | None = None  # a rotation's new CA, trusted, not signing yet
+    ca_previous: str | None = None  # a rotation's old CA, still trusted
+    rotation: CaRotation | None = None  # where the last rotation stands (operator/carotation.py)
+    events: list[str] = field(default_factory=list)  # rotation steps, for Events (drained)
     server: KeyPair | None = None
     renew_at: datetime | None = None
     names: list[str] = field(default_factory=list)
@@ -413,18 +429,37 @@ def reconcile_managed(
     secrets: SecretReader,
     now: datetime,
     seconds: int,
+    rotate: str | None = None,
+    grace: int = carotation.DEFAULT_CA_GRACE,
 ) -> tuple[KeyPair, KeyPair]:
     """The managed CA and server certificate as they must be now: read from their Secrets
-    on the first pass, made when missing, the server certificate issued again when
+    on the first pass, made when missing, the CA rotated when `rotate` (a request id) or
+    its age asks (`operator/carotation.py`), the server certificate issued again when
     `reissue_reason` says so. Cheap when nothing is due (no parsing, no reads)."""
     names = dns_names(cluster)
     if memory.ca is None:
-        memory.ca = _pair(secrets.get_secret_data(cluster.namespace, ca_secret_name(cluster)))
+        data = secrets.get_secret_data(cluster.namespace, ca_secret_name(cluster))
+        memory.ca = _pair(data)
         if memory.ca is None:
             memory.ca = new_ca(cluster, now)
             log.info("%s/%s: made the cluster's CA", cluster.namespace, cluster.name)
+        else:
+            carotation.read(memory, data or {}, KeyPair)
         found = secrets.get_secret_data(cluster.namespace, tls_secret_name(cluster, tls))
         memory.server, memory.renew_at = _pair(found), None
+    signer = memory.ca
+    step = carotation.advance(
+        memory, rotate, now >= renew_at(signer.certificate()), now, grace,
+        lambda: new_ca(cluster, now),
+    )  # fmt: skip
+    if step is not None:
+        log.info("%s/%s: %s", cluster.namespace, cluster.name, step)
+        memory.events.append(step)
+    if memory.ca is not signer:  # a new CA signs: every certificate is issued again now
+        memory.renew_at = None
+        for kept in (*memory.peers.values(), memory.mirror, memory.federation):
+            if kept is not None:
+                kept.renew_at = None
     due = memory.renew_at is None or now >= memory.renew_at or memory.names != names
     if due:
         reason = reissue_reason(memory.server, memory.ca, names, now)
@@ -534,9 +569,9 @@ def reconcile_federation_client(
     return _kept_current(kept, ca, names, now, seconds, memory, what, site)
 
 
-def build_federation_client_secret(cluster: ClusterRef, cert: KeyPair, ca: KeyPair) -> Obj:
+def build_federation_client_secret(cluster: ClusterRef, cert: KeyPair, trust: str) -> Obj:
     """`<cluster>-federation-tls`: what the federation links present to their upstreams."""
-    return _tls_secret(cluster, federationtls.client_secret_name(cluster.name), cert, ca)
+    return _tls_secret(cluster, federationtls.client_secret_name(cluster.name), cert, trust)
 
 
 def build_federation_client_certificate(cluster: ClusterRef, spec: BrokerClusterSpec) -> Obj:
@@ -558,29 +593,37 @@ def reconcile_tls(
     now: datetime | None = None,
     clock: float = 0.0,
     seconds: int | None = None,
+    grace: int | None = None,
 ) -> None:
-    """Keep the brokers' certificate objects: the managed CA and server Secrets, or the
-    cert-manager Certificate; and the `<cluster>-ca` ConfigMap. `clock` is a monotonic
-    time (how often a Secret the operator does not issue is read). Disabling TLS leaves
-    the objects (owned: they go with the cluster)."""
+    """Keep the brokers' certificate objects: the managed CA (rotated on request or with
+    age: `operator/carotation.py`) and server Secrets, or the cert-manager Certificate;
+    and the `<cluster>-ca` ConfigMap (the trust bundle). `clock` is a monotonic time (how
+    often a Secret the operator does not issue is read); `grace` a rotation's phase length
+    (default: the operator setting). Disabling TLS leaves the objects (owned: they go with
+    the cluster)."""
     tls = spec.tls
     if not tls.enabled:
         return
     if tls.issuer_ref is None and tls.secret_name is None:
         now, seconds = now or datetime.now(UTC), cert_seconds() if seconds is None else seconds
-        ca, server = reconcile_managed(cluster, tls, memory, secrets, now, seconds)
-        apply(build_ca_secret(cluster, ca))
-        apply(build_server_secret(cluster, tls, server, ca))
+        rotate = spec.requests.rotate_ca.id if spec.requests.rotate_ca is not None else None
+        ca, server = reconcile_managed(
+            cluster, tls, memory, secrets, now, seconds, rotate,
+            carotation.grace_seconds() if grace is None else grace,
+        )  # fmt: skip
+        trust = carotation.bundle(memory)
+        apply(build_ca_secret(cluster, memory))
+        apply(build_server_secret(cluster, tls, server, trust))
         for broker in BROKERS:
             own = reconcile_peer(cluster, broker, ca, memory, secrets, now, seconds)
-            apply(build_peer_secret(cluster, broker, own, ca))
+            apply(build_peer_secret(cluster, broker, own, trust))
         if mirroring.certificate_wanted(spec):
             site = reconcile_mirror(cluster, spec, ca, memory, secrets, now, seconds)
-            apply(build_mirror_secret(cluster, site, ca))
+            apply(build_mirror_secret(cluster, site, trust))
         if federationtls.client_certificate_wanted(spec, cluster.name):
             client = reconcile_federation_client(cluster, ca, memory, secrets, now, seconds)
-            apply(build_federation_client_secret(cluster, client, ca))
-        apply(build_ca_config_map(cluster, ca.cert))
+            apply(build_federation_client_secret(cluster, client, trust))
+        apply(build_ca_config_map(cluster, trust))
         return
     if tls.issuer_ref is not None:
         apply(build_certificate(cluster, tls))
@@ -605,7 +648,7 @@ def brokers_ca(
     memory, or read from its Secret once: a restarted operator probes before it reconciles
     the certificates), or the `ca.crt` cert-manager wrote beside a broker's certificate."""
     if memory.ca is not None:
-        return memory.ca.cert
+        return carotation.bundle(memory)  # a pod not yet given a rotated certificate too
     if memory.trusted is None:
         managed = tls.issuer_ref is None and tls.secret_name is None
         name = ca_secret_name(cluster) if managed else peer_secret_name(cluster, BROKERS[0])

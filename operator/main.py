@@ -894,6 +894,12 @@ def reconcile(
             cluster, spec, memory, pods, peer_tls, peer_ca,
             federationtls.build_config_maps(cluster, fed_trust),
         ))  # fmt: skip
+        for rotated in memory.tls.events:
+            kopf.event(body, type="Normal", reason="CaRotation", message=rotated)
+        memory.tls.events.clear()
+    if memory.tls.rotation is not None:
+        new.ca_rotation = memory.tls.rotation
+        new.handled_requests.rotate_ca = memory.tls.rotation.request
     for step in plan.actions:
         if isinstance(step, rollout.DeletePod):
             pod = pods[step.broker] or {}

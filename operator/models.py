@@ -741,6 +741,31 @@ class MirrorPromoteRequest(ApiModel):
     force: bool = Field(False, description="Promote without a token: the source site is gone")
 
 
+class RotateCaRequest(ApiModel):
+    """Rotate the operator-managed CA (a leaked key, a policy): a new CA is published
+    beside the old one, signs after the grace period, and the old one leaves the bundle
+    after another (docs/security.md, "Rotating the managed CA"). Progress in
+    `status.caRotation`."""
+
+    id: str = Field(min_length=1, max_length=63, description="Unique id; handled once")
+
+
+class CaRotation(ApiModel):
+    """Where a rotation of the operator-managed CA stands (`operator/carotation.py`)."""
+
+    phase: Literal["Staged", "Switched", "Complete"] = Field(
+        description="Staged: a new CA is trusted beside the old one, signing nothing yet; "
+        "Switched: the new CA signs, the old one is still trusted; Complete: the old CA is "
+        "no longer published"
+    )
+    since: str = Field(description="When this phase began", json_schema_extra=DATE_TIME)
+    next_step_at: str | None = Field(
+        None, description="When the next phase begins", json_schema_extra=DATE_TIME
+    )
+    request: str | None = Field(None, description="The last rotateCa request id handled")
+    reason: str = Field("", description="Why the rotation started")
+
+
 class Requests(ApiModel):
     """Manual operations, declared: each carries an id, and an id is handled only once."""
 
@@ -752,6 +777,7 @@ class Requests(ApiModel):
     mirror_promote: MirrorPromoteRequest | None = None
     mirror_reseed: MirrorReseedRequest | None = None
     mirror_failback: MirrorFailbackRequest | None = None
+    rotate_ca: RotateCaRequest | None = None
 
 
 # -- placement and pod template overrides (the Kubernetes core/v1 shapes, as used) ----------
@@ -956,6 +982,13 @@ class BrokerClusterSpec(ApiModel):
                     "rule": "!has(self.audit) || !has(self.audit.mirrorStoreUrl) "
                     "|| has(self.mirror)",
                     "message": "audit.mirrorStoreUrl compares DR sites: it needs spec.mirror",
+                },
+                {
+                    "rule": "!has(self.requests) || !has(self.requests.rotateCa) || "
+                    "!has(self.tls) || ((!has(self.tls.enabled) || self.tls.enabled) && "
+                    "!has(self.tls.secretName) && !has(self.tls.issuerRef))",
+                    "message": "requests.rotateCa rotates the operator-managed CA: not with "
+                    "tls.secretName, tls.issuerRef or TLS off",
                 },
             ]
         }
@@ -1246,6 +1279,7 @@ class HandledRequests(ApiModel):
     mirror_promote: str | None = None
     mirror_reseed: str | None = None
     mirror_failback: str | None = None
+    rotate_ca: str | None = None
 
 
 class SwitchoverProgress(ApiModel):
@@ -1311,6 +1345,9 @@ class BrokerClusterStatus(ApiModel):
     mirror: MirrorState | None = None
     federation: FederationState | None = None
     unreachable_since: str | None = Field(None, json_schema_extra=DATE_TIME)
+    ca_rotation: CaRotation | None = Field(
+        None, description="The operator-managed CA's last rotation (spec.requests.rotateCa)"
+    )
     peer_tls: PeerTlsPhase | None = Field(
         None,
         description="The brokers' mutual TLS (replication) and admin HTTPS, one rolling "

@@ -124,6 +124,7 @@ def test_request_ids_are_fresh_and_fit_the_api() -> None:
         ("fence", "primary", False, {"fence": {"id": "x", "broker": "primary", "fenced": True}}),
         ("unfence", "primary", False, {"fence": {"id": "x", "broker": "primary", "fenced": False}}),
         ("audit", None, False, {"audit": {"id": "x", "sites": False}}),
+        ("rotate-ca", None, False, {"rotateCa": {"id": "x"}}),
     ],
 )
 def test_request_patches_are_valid_spec_requests(
@@ -316,6 +317,21 @@ def test_promote_and_wait_reports_the_new_active() -> None:
     assert request["broker"] == "backup" and request["force"] is False
     assert f"promote request {request['id']} declared" in out
     assert "done: backup is active in epoch 2" in out
+
+
+def test_rotate_ca_and_wait_reports_where_the_rotation_stands() -> None:
+    def rotate(obj: Obj) -> None:
+        request = obj.get("spec", {}).get("requests", {}).get("rotateCa")
+        if request:
+            obj["status"].setdefault("handledRequests", {})["rotateCa"] = request["id"]
+            obj["status"]["caRotation"] = {"phase": "Staged", "since": "2026-11-28T12:00:00Z",
+                                           "nextStepAt": "2026-11-29T12:00:00Z"}  # fmt: skip
+
+    kube = FakeKube(cluster_obj(activeBroker="primary", epoch=1, brokers=pair()), rotate)
+    code, out, err = run(kube, ["rotate-ca", "orders", "--wait"])
+    assert (code, err) == (EXIT_OK, "")
+    assert kube.patches[0]["spec"]["requests"]["rotateCa"]["id"].startswith("rotateCa-")
+    assert "done: CA rotation Staged since 2026-11-28T12:00:00Z; next step at" in out
 
 
 def test_wait_times_out_when_no_operator_handles_the_request() -> None:

@@ -221,7 +221,7 @@ def test_the_ca_of_a_secret_of_your_own_is_published(kube: Kube) -> None:
     cluster = ClusterRef(namespace="default", name="tls-own", uid="uid-own")
     ca = certs.new_ca(cluster, NOW)
     server = certs.issue_server(ca, certs.dns_names(cluster), NOW, 3600)
-    own = certs.build_server_secret(cluster, spec_of(secretName="mine").tls, server, ca)
+    own = certs.build_server_secret(cluster, spec_of(secretName="mine").tls, server, ca.cert)
     own["metadata"].pop("ownerReferences")
     kube.apply(own)
     memory = certs.TlsMemory()
@@ -320,7 +320,7 @@ def test_cert_managers_api_server_takes_the_certificate_as_built(kube: Kube) -> 
     # published for clients at the next read.
     ca = certs.new_ca(cluster, NOW)
     server = certs.issue_server(ca, certs.dns_names(cluster), NOW, 3600)
-    written = certs.build_server_secret(cluster, spec.tls, server, ca)
+    written = certs.build_server_secret(cluster, spec.tls, server, ca.cert)
     written["metadata"].pop("ownerReferences")
     kube.apply(written)
     certs.reconcile_tls(cluster, spec, memory, kube, kube.apply, clock=certs.READ_EVERY)
