@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -257,7 +258,7 @@ def test_a_hostile_reconcile_is_answered_in_slices_or_refused_while_clients_are_
 
 
 @pytest.fixture
-def fenced(tmp_path: Path):  # type: ignore[no-untyped-def]
+def fenced(tmp_path: Path) -> Iterator[tuple[Sites, FaultProxy, int]]:
     """A forced failover to B during a partition (A has 5 confirmed messages B never
     got); A, back, is fenced by B, whose link to A is cut (a proxy to nowhere) so the test
     speaks as B first. Yields (sites, proxy, B's epoch)."""
