@@ -184,6 +184,13 @@ class MirrorUnmirrored(BaseModel):
     )
     settles: int = Field(description="Settles (acks, expiries...) in them, never seen there")
     counted_at: float = Field(description="When this site counted them (unix time)")
+    unverified_events: int = Field(
+        0,
+        description="Events up to `applied_seq` with a message the promoted site's seed "
+        "did not show it holds: kept in this site's backlog, not dropped on its word",
+    )
+    unverified_messages: int = Field(0, description="Those messages (kept here as well)")
+    epoch: int = Field(0, description="This site's DR epoch when it counted (once per fence)")
 
 
 class MirrorSwitch(BaseModel):

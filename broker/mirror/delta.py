@@ -30,6 +30,15 @@ when the request arrives, before any event of the session; the end state is the
 full seed's (same messages, same orphans), except where a client of the mirror (a
 replica: it may consume) settles a message between the comparison and the apply
 (its copy is settled, as any replica consumer's is).
+
+A source holding only the mirror token may send anything, so a RECONCILE is bounded
+(`refusal`: its bytes, its probes, each probe's range and ids, the ids of the whole
+frame, its marks) and refused as a protocol error beyond that; within the bounds it is
+answered in slices of work (`answering` yields between them: the mirror's loop serves
+its clients meanwhile). The legitimate source cuts its requests to those bounds
+(`Reconciler.request`). The marks of the first request, on an old source fenced by a
+forced failover, are checked against what that source made and verified against the
+probes of the comparison (`LossClaim`) before any of its backlog is dropped.
 """
 
 from __future__ import annotations
@@ -37,17 +46,19 @@ from __future__ import annotations
 import bisect
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Final, Protocol
 
 from pydantic import BaseModel, Field
 
-from twinmq.broker.journal import JournalOp
+from twinmq.broker.journal import JournalOp, StoredMessage
 from twinmq.broker.mirror.events import (
     KIND_DEFINITIONS,
     KIND_SEED,
     KIND_SNAPSHOT,
+    TOP_MID,
     SnapshotFix,
     SnapshotRange,
     encode_delta_event,
@@ -63,6 +74,18 @@ LEAF: Final = 32
 FANOUT: Final = 8
 # A mirror that answers RECONCILE announces this CHALLENGE version (older ones: 2).
 RECONCILE_VERSION: Final = 3
+# What one RECONCILE may ask (a source cuts its requests to these; a mirror refuses a
+# frame beyond them): its bytes (1,024 listed probes of 20-digit ids are ~800 KB), its
+# probes, a probe's ids (a snapshot event's at most: source.SNAPSHOT_EVENT_OPS), the ids
+# of all its probes, the origins of its marks.
+MAX_RECONCILE_BYTES: Final = 1 << 20
+MAX_PROBES: Final = 1024
+MAX_PROBE_IDS: Final = 4096
+MAX_FRAME_IDS: Final = 1 << 20
+MAX_MARKS: Final = 64
+# Units of work (ids read, compared or digested) the mirror does between two turns of
+# its loop while it answers: a few milliseconds.
+SLICE: Final = 16_384
 
 
 def wire(model: BaseModel) -> bytes:
@@ -131,26 +154,158 @@ def held_mids(queue: Queue) -> list[int]:
     return mids
 
 
-def answer(vhost: Holdings, request: ReconcileRequest) -> ReconcileReply:
-    """Compare each probe with what this mirror holds now."""
-    held: dict[int, list[int]] = {}
-    answers: list[RangeAnswer] = []
+def refusal(payload: bytes) -> tuple[ReconcileRequest | None, str | None]:
+    """A RECONCILE frame's request, or why it is refused (beyond the bounds above or not
+    a request a source makes: a range upside down, ids listed out of it or out of order,
+    a count its range cannot hold)."""
+    if len(payload) > MAX_RECONCILE_BYTES:
+        return None, f"a RECONCILE of {len(payload)} bytes (at most {MAX_RECONCILE_BYTES})"
+    try:
+        request = ReconcileRequest.model_validate_json(payload)
+    except ValueError as exc:
+        return None, f"a malformed RECONCILE: {str(exc).splitlines()[0]}"
+    if len(request.probes) > MAX_PROBES:
+        return None, f"a RECONCILE of {len(request.probes)} probes (at most {MAX_PROBES})"
+    if len(request.marks) > MAX_MARKS:
+        return None, f"a RECONCILE with {len(request.marks)} marks (at most {MAX_MARKS})"
+    total = 0
+    for n, probe in enumerate(request.probes):
+        why = _probe_refusal(probe)
+        if why is not None:
+            return None, f"RECONCILE probe {n}: {why}"
+        total += probe.count
+    if total > MAX_FRAME_IDS:
+        return None, f"a RECONCILE asking about {total} ids (at most {MAX_FRAME_IDS})"
+    return request, None
+
+
+def _probe_refusal(probe: RangeProbe) -> str | None:
+    if not 0 <= probe.lo <= probe.hi <= TOP_MID or probe.qid < 0:
+        return f"range {probe.lo}..{probe.hi} of queue {probe.qid}"
+    if not 0 <= probe.count <= min(MAX_PROBE_IDS, probe.hi - probe.lo + 1):
+        return f"{probe.count} ids in {probe.lo}..{probe.hi} (at most {MAX_PROBE_IDS})"
+    mids = probe.mids
+    if mids is None:
+        return None
+    if len(mids) != probe.count or len(mids) > LEAF:
+        return f"{len(mids)} ids listed for a count of {probe.count} (at most {LEAF})"
+    if mids and not (probe.lo <= mids[0] and mids[-1] <= probe.hi):
+        return f"ids listed outside {probe.lo}..{probe.hi}"
+    if any(a >= b for a, b in pairwise(mids)):
+        return "ids listed out of order"
+    return None
+
+
+def answering(
+    vhost: Holdings,
+    request: ReconcileRequest,
+    held: dict[int, list[int]] | None = None,
+    claim: LossClaim | None = None,
+) -> Iterator[RangeAnswer | None]:
+    """Compare each probe with what this mirror holds now: its answers in order, and a
+    None after each `SLICE` units of work (the caller gives its loop a turn there).
+    `held`: each queue's sorted ids, read once per session (kept by the caller); `claim`:
+    what the probes prove the source holds of a backlog the mirror must verify."""
+    if held is None:
+        held = {}
+    work = 0
     for probe in request.probes:
         mids = held.get(probe.qid)
         if mids is None:
             queue = vhost.queue_by_qid(probe.qid)
-            mids = held[probe.qid] = held_mids(queue) if queue is not None else []
-        mine = mids[bisect.bisect_left(mids, probe.lo) : bisect.bisect_right(mids, probe.hi)]
-        if len(mine) == probe.count and digest(mine) == probe.digest:
-            answers.append(RangeAnswer(same=True, count=len(mine)))
+            if queue is None:
+                mids = []
+            else:
+                # One cut of the queue (copied at C speed), its ids read in slices.
+                entries = list(queue.entries)
+                mids = [*queue.delivered, *queue.held_aside]
+                for start in range(0, len(entries), SLICE):
+                    mids += [e.message.mid for e in entries[start : start + SLICE]]
+                    yield None
+                mids.sort()
+                yield None
+            held[probe.qid] = mids
+        i = bisect.bisect_left(mids, probe.lo)
+        j = bisect.bisect_right(mids, probe.hi, i)
+        n = j - i
+        work += 8 + (n if n == probe.count else 0) + (len(probe.mids) if probe.mids else 0)
+        if n == probe.count and digest(mids[i:j]) == probe.digest:
+            said = RangeAnswer(same=True, count=n)
+            if claim is not None:
+                claim.held_alike(probe.qid, mids[i:j])
         elif probe.mids is not None:
-            have = set(mine)
-            lacking = [mid for mid in probe.mids if mid not in have]
-            extra = len(mine) > len(probe.mids) - len(lacking)
-            answers.append(RangeAnswer(same=False, count=len(mine), lacking=lacking, extra=extra))
+            lacking = [m for m in probe.mids if not _holds(mids, i, j, m)]
+            extra = n > len(probe.mids) - len(lacking)
+            said = RangeAnswer(same=False, count=n, lacking=lacking, extra=extra)
+            if claim is not None:
+                claim.listed(probe.qid, probe.mids)
         else:
-            answers.append(RangeAnswer(same=False, count=len(mine)))
-    return ReconcileReply(answers=answers)
+            said = RangeAnswer(same=False, count=n)
+        yield said
+        if work >= SLICE:
+            work = 0
+            yield None
+
+
+def _holds(mids: list[int], i: int, j: int, mid: int) -> bool:
+    """Whether `mid` is among the sorted `mids[i:j]` (no copy of the slice)."""
+    k = bisect.bisect_left(mids, mid, i, j)
+    return k < j and mids[k] == mid
+
+
+def answer(vhost: Holdings, request: ReconcileRequest) -> ReconcileReply:
+    """Compare each probe with what this mirror holds now (in one go)."""
+    return ReconcileReply(answers=[a for a in answering(vhost, request) if a is not None])
+
+
+class LossClaim:
+    """An old source's check of the mark the site that fenced it sends (its applied mark
+    of this origin): the events up to it are those that site claims it applied. Each
+    message they enqueued and did not settle is verified held there only if a probe of
+    the comparison shows it (a range held alike, or listed); an event with a message not
+    shown stays in the backlog (counted), never dropped on that site's word."""
+
+    def __init__(self, mark: int, claimed: Iterable[tuple[int, Sequence[JournalOp]]]) -> None:
+        self.mark = mark
+        self.seqs: list[int] = []  # the claimed events, in order
+        self._wanted: dict[int, dict[int, int]] = {}  # qid -> mid -> the event's seq
+        for seq, ops in claimed:
+            self.seqs.append(seq)
+            for op in ops:
+                if type(op) is StoredMessage:
+                    self._wanted.setdefault(op.qid, {})[op.mid] = seq
+                else:
+                    self._wanted.get(op.qid, {}).pop(op.mid, None)  # settled there too
+        self._sorted = {qid: sorted(m) for qid, m in self._wanted.items() if m}
+
+    def held_alike(self, qid: int, mine: Sequence[int]) -> None:
+        """A range where the source holds exactly `mine` (this mirror's ids there)."""
+        wanted = self._wanted.get(qid)
+        if not wanted or not mine:
+            return
+        order = self._sorted[qid]
+        lo = bisect.bisect_left(order, mine[0])
+        hi = bisect.bisect_right(order, mine[-1], lo)
+        for mid in order[lo:hi]:
+            k = bisect.bisect_left(mine, mid)
+            if k < len(mine) and mine[k] == mid:
+                wanted.pop(mid, None)
+
+    def listed(self, qid: int, theirs: Sequence[int]) -> None:
+        """A range where the source listed the ids it holds."""
+        wanted = self._wanted.get(qid)
+        if wanted:
+            for mid in theirs:
+                wanted.pop(mid, None)
+
+    def unverified(self) -> tuple[set[int], int]:
+        """The claimed events with a message not shown held there, and those messages."""
+        seqs: set[int] = set()
+        messages = 0
+        for wanted in self._wanted.values():
+            seqs.update(wanted.values())
+            messages += len(wanted)
+        return seqs, messages
 
 
 # -- the source's end ---------------------------------------------------------------------
@@ -206,31 +361,42 @@ class Reconciler:
         self.chunks = chunks
         self.marks = marks or {}
         self._probes = [_Probe(c, c.covered.lo, c.covered.hi, c.mids) for c in chunks]
-        self.rounds = 0
+        self._asked: list[_Probe] = []
+        self._following: list[_Probe] = []  # the next round's, once this one is asked
+        self.rounds = 0  # round trips
 
     def request(self) -> ReconcileRequest | None:
-        """The next question (None: the comparison is complete)."""
+        """The next question (None: the comparison is complete), within the bounds a
+        mirror accepts in one frame (`MAX_PROBES`, `MAX_FRAME_IDS`)."""
+        if not self._probes:
+            self._probes, self._following = self._following, []
         if not self._probes:
             return None
+        take = ids = 0
+        for probe in self._probes[:MAX_PROBES]:
+            if take and ids + len(probe.mids) > MAX_FRAME_IDS:
+                break
+            ids += len(probe.mids)
+            take += 1
+        self._asked, self._probes = self._probes[:take], self._probes[take:]
         probes = [
             RangeProbe(
                 qid=p.chunk.covered.qid, lo=p.lo, hi=p.hi, count=len(p.mids), digest=digest(p.mids),
                 mids=p.mids if len(p.mids) <= LEAF else None,
             )
-            for p in self._probes
+            for p in self._asked
         ]  # fmt: skip
         marks, self.marks = self.marks, {}  # said once
         return ReconcileRequest(probes=probes, marks=marks)
 
     def answered(self, reply: ReconcileReply) -> None:
         """Take the mirror's answers to the last request."""
-        if len(reply.answers) != len(self._probes):
+        if len(reply.answers) != len(self._asked):
             raise ValueError(
-                f"{len(reply.answers)} answers to {len(self._probes)} probes in a RECONCILE"
+                f"{len(reply.answers)} answers to {len(self._asked)} probes in a RECONCILE"
             )
         self.rounds += 1
-        following: list[_Probe] = []
-        for probe, said in zip(self._probes, reply.answers, strict=True):
+        for probe, said in zip(self._asked, reply.answers, strict=True):
             chunk = probe.chunk
             if said.same:
                 continue
@@ -243,8 +409,8 @@ class Reconciler:
                 if keep is not None or lacking:
                     chunk.fixes.append(SnapshotFix(probe.lo, probe.hi, keep))
             else:
-                following += _split(probe)
-        self._probes = following
+                self._following += _split(probe)
+        self._asked = []
 
     def bodies(self) -> dict[int, bytes]:
         """Each compared snapshot event as its DELTA event, by seq."""

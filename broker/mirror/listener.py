@@ -12,7 +12,13 @@ refused only after this side's WELCOME proved it too: a REFUSE that can fence
 the source (a higher epoch) never comes from an unauthenticated peer. Heartbeats (`link.Heartbeat`)
 are echoed as received and reported to the site (`heard`): the RPO a forced
 promotion reports. Before its first event a source may compare a pending seed with
-what this mirror holds (RECONCILE, `delta.py`): answered from the queues as they are.
+what this mirror holds (RECONCILE, `delta.py`): answered from the queues as they are,
+in slices of work with turns of the loop between them; a RECONCILE beyond the bounds
+of `delta.refusal`, or after the session's first event, is refused (REFUSE with the
+reason, the link closed, `twinmq_mirror_reconcile_refused_total`). The marks its first
+RECONCILE carries are checked by the site (`marks_seen`): a forged one is refused the
+same way; a plausible one is verified against the comparison's probes and settled at
+the session's first event (`settle_loss`).
 """
 
 from __future__ import annotations
@@ -21,12 +27,21 @@ import asyncio
 import contextlib
 import logging
 import ssl
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.applier import MirrorApplier
 from twinmq.broker.mirror.auth import Transcript
-from twinmq.broker.mirror.delta import RECONCILE_VERSION, ReconcileRequest, answer, wire
+from twinmq.broker.mirror.delta import (
+    RECONCILE_VERSION,
+    LossClaim,
+    RangeAnswer,
+    ReconcileReply,
+    answering,
+    refusal,
+    wire,
+)
 from twinmq.broker.mirror.durable import BatchFutures
 from twinmq.broker.mirror.link import Heartbeat, MirrorBeat, decode_heartbeat
 from twinmq.broker.replication.handshake import new_nonce
@@ -76,10 +91,28 @@ class ListenerSite(Protocol):
         """This broker's resource alarm (disk, memory) while it is raised, else None."""
         ...
 
-    def marks_seen(self, origin: str, marks: dict[str, int]) -> None:
+    def marks_seen(self, origin: str, marks: dict[str, int]) -> LossClaim | str | None:
         """A source said how far it applied each origin it mirrored (this one's, if this
-        site was its source before a forced failover: what never reached it)."""
+        site was its source before a forced failover: what never reached it). A claim to
+        verify against the comparison, why the marks are refused (a lie), or None."""
         ...
+
+    def settle_loss(self, origin: str, claim: LossClaim) -> None:
+        """The comparison is complete: count and drop what `claim` allows."""
+        ...
+
+
+class ReconcileRefused(ProtocolError):
+    """A source's RECONCILE is refused (its reason is said to the source)."""
+
+
+@dataclass(slots=True)
+class _Session:
+    """What one source session's comparison keeps between its RECONCILE frames."""
+
+    held: dict[int, list[int]] = field(default_factory=dict)  # qid -> sorted ids
+    claim: LossClaim | None = None
+    compared: bool = False  # an event arrived: no comparison any more
 
 
 def _refused(exc: ssl.SSLError) -> None:
@@ -139,6 +172,12 @@ class MirrorListener:
             self.sessions[origin] = writer
             log.info("mirror: source %s linked from %s", origin, peer)
             await self._serve(origin, frames, writer)
+        except ReconcileRefused as exc:
+            metrics.RECONCILE_REFUSED.inc()
+            log.warning("mirror: refusing source %r (%s): %s", origin, peer, exc)
+            with contextlib.suppress(OSError, ConnectionError, RuntimeError):
+                writer.write(encode(FrameType.REFUSE, Refuse(reason=str(exc), epoch=0)))
+                await writer.drain()
         except (OSError, ConnectionError, ProtocolError, TimeoutError, RuntimeError) as exc:
             # RuntimeError: uvloop refuses a write to a transport the source just reset.
             log.info("mirror: link from %s (%s) closed: %s", origin or "?", peer, exc)
@@ -201,9 +240,15 @@ class MirrorListener:
     async def _serve(self, origin: str, frames: FrameReader, writer: asyncio.StreamWriter) -> None:
         acks: asyncio.Queue[tuple[asyncio.Future[bool], int]] = asyncio.Queue()
         acker = asyncio.get_running_loop().create_task(self._acknowledge(acks, writer))
+        session = _Session()
         try:
             while not acker.done():
-                events = await self._read_events(origin, frames, writer)
+                events = await self._read_events(origin, frames, writer, session)
+                session.compared, session.held = True, {}
+                if session.claim is not None:
+                    # The comparison is complete (a source sends its events after it).
+                    claim, session.claim = session.claim, None
+                    self.site.settle_loss(origin, claim)
                 refused = self.site.link_refusal(origin, self.epochs.get(origin, 0))
                 if refused is not None:
                     # Promoted (or passive) since: apply nothing more, say why.
@@ -241,7 +286,7 @@ class MirrorListener:
         log.info("mirror: alarm cleared: applying %s's events again", origin)
 
     async def _read_events(
-        self, origin: str, frames: FrameReader, writer: asyncio.StreamWriter
+        self, origin: str, frames: FrameReader, writer: asyncio.StreamWriter, session: _Session
     ) -> list[tuple[int, bytes]]:
         """The next events: at least one, and every one already received (up to a bound).
         Heartbeats on the way are echoed."""
@@ -255,7 +300,7 @@ class MirrorListener:
                 seq, _flags, body = decode_batch(payload)
                 events.append((seq, body))
             elif ftype is FrameType.RECONCILE and not events and self.applier.ids is None:
-                self._reconcile(origin, payload, writer)
+                await self._reconcile(origin, payload, writer, session)
             elif ftype is FrameType.PING:
                 beat = decode_heartbeat(payload)
                 if beat is not None:
@@ -265,13 +310,29 @@ class MirrorListener:
                 raise ProtocolError(f"unexpected {ftype.name} from a mirror source")
         return events
 
-    def _reconcile(self, origin: str, payload: bytes, writer: asyncio.StreamWriter) -> None:
+    async def _reconcile(
+        self, origin: str, payload: bytes, writer: asyncio.StreamWriter, session: _Session
+    ) -> None:
         """Answer a source's comparison of its pending seed with what this mirror holds
-        now (every event read before it is applied: the source sends none before)."""
-        request = decode_model(ReconcileRequest, payload)
+        now (every event read before it is applied: the source sends none before), in
+        slices of work: the loop serves clients between them whatever the frame asks."""
+        if session.compared:
+            raise ReconcileRefused("a RECONCILE after the session's first event")
+        request, why = refusal(payload)
+        if request is None:
+            raise ReconcileRefused(why or "a RECONCILE refused")
         if request.marks:
-            self.site.marks_seen(origin, request.marks)
-        writer.write(encode(FrameType.RECONCILE, wire(answer(self.applier.vhost, request))))
+            seen = self.site.marks_seen(origin, request.marks)
+            if isinstance(seen, str):
+                raise ReconcileRefused(seen)
+            session.claim = seen
+        answers: list[RangeAnswer] = []
+        for said in answering(self.applier.vhost, request, session.held, session.claim):
+            if said is None:
+                await asyncio.sleep(0)  # a slice of work done: the loop's other tasks
+            else:
+                answers.append(said)
+        writer.write(encode(FrameType.RECONCILE, wire(ReconcileReply(answers=answers))))
 
     async def _acknowledge(
         self, acks: asyncio.Queue[tuple[asyncio.Future[bool], int]], writer: asyncio.StreamWriter

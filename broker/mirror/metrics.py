@@ -26,6 +26,12 @@ RECONCILE_BYTES = Counter(
     "twinmq_mirror_reconcile_bytes_total",
     "On the source: bytes of the RECONCILE frames that compared a seed with the mirror (both ways)",
 )
+RECONCILE_REFUSED = Counter(
+    "twinmq_mirror_reconcile_refused_total",
+    "On the mirror: source links refused for their RECONCILE (beyond the bounds of one "
+    "frame, malformed, after the session's first event, or marks above anything this "
+    "site made); the reason is in the log and in the source's link error",
+)
 SEED_SKIPPED = Counter(
     "twinmq_mirror_seed_skipped_messages_total",
     "On the source: messages of a seed the mirror held already, so not sent (the delta)",

@@ -40,11 +40,12 @@ from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.errors import MirrorNotDrained, MirrorRefused
 from twinmq.broker.filewatch import reload_every
 from twinmq.broker.heap import HEAP
-from twinmq.broker.journal import StoredMessage
+from twinmq.broker.journal import JournalOp, StoredMessage
 from twinmq.broker.mirror import metrics
 from twinmq.broker.mirror.applier import ORPHANS_NAME, MirrorApplier, MirrorState
 from twinmq.broker.mirror.auth import mirror_key
 from twinmq.broker.mirror.bidi import IdMap
+from twinmq.broker.mirror.delta import LossClaim
 from twinmq.broker.mirror.durable import BatchFutures
 from twinmq.broker.mirror.events import INTERNAL_QID_BASE, decode_event
 from twinmq.broker.mirror.link import Heartbeat, MirrorLink
@@ -285,43 +286,71 @@ class Mirroring:
         applier = listener.applier
         return {origin: applier.applied(origin) for origin in applier.origins()}
 
-    def marks_seen(self, origin: str, marks: dict[str, int]) -> None:
-        """The site that fenced this one applied its events up to `marks[self.origin]`:
-        count, from this site's replication queue, what it journaled after that and the
-        other site never applied (the forced failover's RPO, as a count), keep the count
-        and drop that backlog (`MirrorSource.drop_unsent`), in one batch."""
+    def marks_seen(self, origin: str, marks: dict[str, int]) -> LossClaim | str | None:
+        """The site that fenced this one says it applied its events up to
+        `marks[self.origin]`. Checked against what this site made: a mark above its newest
+        event is a lie (refused: the link is closed, nothing counted, nothing dropped); up
+        to it, the events it claims are to be verified against the comparison's probes
+        (the claim, settled by `settle_loss` once the comparison is complete)."""
         roles, mark = self.roles, marks.get(self.origin)
         if roles is None or mark is None or roles.current.fenced_by is None:
-            return  # a switchover drained everything: nothing to count
+            return None  # a switchover drained everything: nothing to count
+        done = roles.current.unmirrored
+        if done is not None and done.promoted == origin and done.epoch == roles.current.epoch:
+            return None  # counted (and dropped) at an earlier session already
         queue = self.vhost.queues.get(QUEUE_NAME)
         if queue is None or not queue.entries:
-            return  # counted (and dropped) at an earlier session already
+            return None  # nothing left to count or drop
+        newest = queue.entries[-1].message.mid
+        if mark > newest:
+            why = (f"{origin} says it applied {self.origin}'s events up to {mark}, but "
+                   f"{self.settings.name} made none after {newest}: refused, its backlog "
+                   f"of {len(queue.entries)} events kept")  # fmt: skip
+            log.error("mirror: %s", why)
+            return why
+        claimed: list[tuple[int, list[JournalOp]]] = []
+        for entry in queue.entries:
+            if entry.message.mid > mark:
+                break
+            claimed.append((entry.message.mid, _user_ops(entry.message.mid, entry.message.body)))
+        return LossClaim(mark, claimed)
+
+    def settle_loss(self, origin: str, claim: LossClaim) -> None:
+        """The comparison is complete: count this site's events after the mark (the
+        forced failover's RPO, as a count), keep the count, and drop (in one batch,
+        `MirrorSource.drop_unsent`) those and the claimed events whose messages the
+        probes showed held there; a claimed event with a message not shown stays in the
+        backlog, counted as unverified."""
+        roles, mark = self.roles, claim.mark
+        queue = self.vhost.queues.get(QUEUE_NAME)
+        if roles is None or queue is None or not queue.entries:
+            return
+        keep, unverified = claim.unverified()
         events = messages = settles = 0
         for entry in queue.entries:
             if entry.message.mid <= mark:
                 continue
             events += 1
-            try:
-                ops = decode_event(entry.message.mid, entry.message.body).ops or []
-            except ValueError:
-                continue
-            for op in ops:
-                if op.qid >= INTERNAL_QID_BASE:
-                    continue
+            for op in _user_ops(entry.message.mid, entry.message.body):
                 if type(op) is StoredMessage:
                     messages += 1
                 else:
                     settles += 1
         counted = MirrorUnmirrored(
             promoted=origin, applied_seq=mark, events=events, messages=messages,
-            settles=settles, counted_at=self.clock(),
+            settles=settles, counted_at=self.clock(), unverified_events=len(keep),
+            unverified_messages=unverified, epoch=roles.current.epoch,
         )  # fmt: skip
         log.error("mirror: forced failover to %s: %d events of this site (%d messages, %d "
                   "settles) after its event %d were never applied there", origin, events,
                   messages, settles, mark)  # fmt: skip
+        if keep:
+            log.error("mirror: %s says it applied this site's events up to %d; %d of them "
+                      "carry %d messages its seed does not show: those events are kept in "
+                      "the backlog, not dropped", origin, mark, len(keep), unverified)  # fmt: skip
         roles.record(roles.current.model_copy(update={"unmirrored": counted}))
         if self.source is not None:
-            self.source.drop_unsent()
+            self.source.drop_unsent(keep)
 
     def progressed(self) -> None:
         """Events were acknowledged (source) or applied (replica): wake a waiting switch."""
@@ -585,3 +614,12 @@ class Mirroring:
             held_acks=len(listener.applier.holding) if listener is not None else 0,
             tls=self.tls is not None,
         )
+
+
+def _user_ops(seq: int, body: bytes) -> list[JournalOp]:
+    """An event's ops on clients' queues (none for a malformed or topology event)."""
+    try:
+        ops = decode_event(seq, body).ops or []
+    except ValueError:
+        return []
+    return [op for op in ops if op.qid < INTERNAL_QID_BASE]

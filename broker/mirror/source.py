@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from operator import attrgetter
 from typing import Final, Protocol
 
@@ -432,20 +432,24 @@ class MirrorSource:
             self.on_needs_resync(reason)
         return settles
 
-    def drop_unsent(self) -> int:
+    def drop_unsent(self, keep: Collection[int] = ()) -> int:
         """This site was fenced by a forced failover and reversed: the promoted site will
         never apply its backlog (what it holds of those events' effects is orphaned by the
         promoted site's seed). Drop it, journaled, so a later promotion (a failback) never
-        sends it to put those messages back there; the number of events dropped."""
+        sends it to put those messages back there; the events of seqs in `keep` stay (the
+        promoted site claims it applied them, unverified); the number of events dropped."""
         queue = self.vhost.queues.get(QUEUE_NAME)
         if queue is None or self.active or not queue.entries:
             return 0
         settles: list[JournalOp] = []
+        kept = [entry for entry in queue.entries if entry.message.mid in keep]
         for entry in queue.entries:
-            settles.append(Settle(QUEUE_QID, entry.message.mid))
-            self._forget(entry.message.mid)
+            if entry.message.mid not in keep:
+                settles.append(Settle(QUEUE_QID, entry.message.mid))
+                self._forget(entry.message.mid)
         queue.entries.clear()
-        queue.bytes = 0
+        queue.entries.extend(kept)
+        queue.bytes = sum(entry.size for entry in kept)
         self.log.add(settles)
         return len(settles)
 
