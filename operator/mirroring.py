@@ -238,10 +238,14 @@ def unmirrored_text(lost: MirrorUnmirrored | None) -> str:
     """`status.mirror.unmirrored`: a forced failover's loss as the old source counted it."""
     if lost is None:
         return ""
-    return (
+    text = (
         f"{lost.messages} messages and {lost.settles} settles ({lost.events} events after "
         f"event {lost.applied_seq}) never reached {lost.promoted}, which took over by force"
     )
+    if lost.unverified_messages:
+        text += (f"; {lost.unverified_messages} more messages it claims to hold were not "
+                 f"found in its seed and are kept here")  # fmt: skip
+    return text
 
 
 def condition(state: MirrorState | None) -> tuple[str, bool, str, str] | None:

@@ -158,6 +158,10 @@ def test_the_mirroring_condition_and_events_follow_the_links_state() -> None:
     ((kind, reason, message),) = events(up, back.model_copy(update={"state": "Connected"}))
     assert (kind, reason) == ("Warning", "MirrorUnmirrored") and "5 messages" in message
     assert events(back, back) == []
+    doubted = lost.model_copy(update={"unverified_events": 1, "unverified_messages": 3})
+    seen = seen.model_copy(update={"unmirrored": doubted})
+    back = state_of(spec({"role": "source", "target": TARGET, "secretName": "dr"}).mirror, seen)
+    assert back is not None and "3 more messages it claims to hold" in back.unmirrored
 
 
 # -- bidirectional sites: two, or a ring of three ----------------------------------------------
