@@ -25,8 +25,13 @@ from brokerclusters import (
     in_sync,
     operator_fixture,
 )
-from support import Cluster, pod_path
-from test_tls_operator import passive_link_tls, published_ca, tls_params
+from support import Cluster
+from test_tls_operator import (
+    fail_over_over_mutual_tls,
+    passive_link_tls,
+    published_ca,
+    tls_params,
+)
 
 from twinmq.client import ReliablePublisher
 from twinmq.operator.carotation import CA_GRACE_ENV
@@ -112,14 +117,7 @@ def test_ca_rotation_under_traffic_keeps_the_pair_and_its_clients_trusting_each_
     wait_for("a certificate of the new CA served", lambda: _verifies(
         cluster, namespace, name, after), timeout=180, interval=5)  # fmt: skip
     # A failover: the restarted broker pairs again over mutual TLS under the new CA.
-    active = status["activeBroker"]
-    cluster.kube.delete(pod_path(namespace, f"{name}-{active}"), {"gracePeriodSeconds": 0})
-    wait_for(
-        "the other broker active, the restarted one in sync over mutual TLS",
-        lambda: (s := cluster_status(cluster, namespace, name)).get("activeBroker") != active
-        and in_sync(s) and passive_link_tls(s),
-        timeout=240, interval=1,
-    )  # fmt: skip
+    fail_over_over_mutual_tls(cluster, namespace, name, status["activeBroker"])
     received = drain(url, "rotating")
     lost = sorted(set(range(sent)) - set(received))
     print(f"CA rotated under traffic: {sent} confirmed, lost {len(lost)}, client reconnects "

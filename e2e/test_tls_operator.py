@@ -152,7 +152,13 @@ def test_tls_a_new_cluster_pairs_over_mutual_tls_and_fails_over(
     url = amqp_url(cluster, namespace, name)
     for i in range(50):
         publish_confirmed(url, "paired", str(i).encode())
-    active = status["activeBroker"]
+    fail_over_over_mutual_tls(cluster, namespace, name, status["activeBroker"])
+    assert drain(amqp_url(cluster, namespace, name), "paired") == list(range(50))
+
+
+def fail_over_over_mutual_tls(cluster: Cluster, namespace: str, name: str, active: str) -> None:
+    """Delete the active's pod; wait until the other broker is active and the restarted
+    one is in sync again over mutual TLS."""
     cluster.kube.delete(pod_path(namespace, f"{name}-{active}"), {"gracePeriodSeconds": 0})
     wait_for(
         "the other broker active, the restarted one in sync over mutual TLS",
@@ -160,7 +166,6 @@ def test_tls_a_new_cluster_pairs_over_mutual_tls_and_fails_over(
         and in_sync(s) and passive_link_tls(s),
         timeout=240, interval=1,
     )  # fmt: skip
-    assert drain(amqp_url(cluster, namespace, name), "paired") == list(range(50))
 
 
 @pytest.mark.slow  # four rolling updates (TLS on, then the three steps): minutes

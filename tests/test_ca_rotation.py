@@ -251,15 +251,17 @@ def log_count(pair: Pair, name: str, text: str) -> int:
     return path.read_text().count(text)
 
 
-def reloaded(pair: Pair, before: dict[str, int], names: tuple[str, ...]) -> None:
-    """Wait until each of `names` loaded its changed TLS files (it checks every 5 s)."""
-    for name in names:
-        wait_for(f"{name} reloaded its TLS files", lambda n=name: log_count(
-            pair, n, "TLS certificate reloaded") > before[n], 30)  # fmt: skip
-
-
-def counts(pair: Pair) -> dict[str, int]:
-    return {name: log_count(pair, name, "TLS certificate reloaded") for name in pair.brokers}
+def delivered(pair: Pair, volumes: list[Volume], bundle: str, signer: certs.KeyPair | None) -> None:
+    """The kubelet updates these pods' volumes (the bundle, and with `signer` a new
+    certificate); each broker loads its changed files (it looks every 5 s); then the
+    replication link is cut so both ends meet in new TLS handshakes."""
+    before = {v.name: log_count(pair, v.name, "TLS certificate reloaded") for v in volumes}
+    for volume in volumes:
+        volume.write(bundle, signer)
+    for volume in volumes:
+        wait_for(f"{volume.name} reloaded its TLS files", lambda v=volume: log_count(
+            pair, v.name, "TLS certificate reloaded") > before[v.name], 30)  # fmt: skip
+    relinked(pair)
 
 
 def relinked(pair: Pair) -> None:
@@ -300,34 +302,22 @@ def test_a_pair_and_its_clients_keep_trusting_each_other_through_a_rotation(
         client = carotation.bundle(cas)  # what an application mounted at the start
         amqps_round_trip(ports[active], client)
         now = datetime.now(UTC)
+        both = list(volumes.values())
         # Staged: both pods get the bundle with the new CA; their certificates unchanged.
         carotation.advance(cas, "r1", False, now, 1, cas.make)
-        before = counts(pair)
-        for volume in volumes.values():
-            volume.write(carotation.bundle(cas))
-        reloaded(pair, before, (active, passive))
-        relinked(pair)
+        delivered(pair, both, carotation.bundle(cas), None)
         amqps_round_trip(ports[active], client)
         client = carotation.bundle(cas)  # applications refresh their copy meanwhile
-        # Switched: the new CA signs. The active's volume is updated first.
+        # Switched: the new CA signs. The active's volume is updated first: a new-signed
+        # active meets an old-signed passive.
         carotation.advance(cas, "r1", False, now + timedelta(seconds=1), 1, cas.make)
         assert cas.ca is not None
-        before = counts(pair)
-        volumes[active].write(carotation.bundle(cas), cas.ca)
-        reloaded(pair, before, (active,))
-        relinked(pair)  # a new-signed active, an old-signed passive
+        delivered(pair, [volumes[active]], carotation.bundle(cas), cas.ca)
         amqps_round_trip(ports[active], client)
-        before = counts(pair)
-        volumes[passive].write(carotation.bundle(cas), cas.ca)
-        reloaded(pair, before, (passive,))
-        relinked(pair)
+        delivered(pair, [volumes[passive]], carotation.bundle(cas), cas.ca)
         # Complete: the old CA leaves the bundle.
         carotation.advance(cas, "r1", False, now + timedelta(seconds=2), 1, cas.make)
-        before = counts(pair)
-        for volume in volumes.values():
-            volume.write(carotation.bundle(cas))
-        reloaded(pair, before, (active, passive))
-        relinked(pair)
+        delivered(pair, both, carotation.bundle(cas), None)
         amqps_round_trip(ports[active], client)
         amqps_round_trip(ports[active], carotation.bundle(cas))
         for name, broker in pair.brokers.items():
