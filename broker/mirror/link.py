@@ -253,7 +253,9 @@ class MirrorLink:
             if not self.source.ensure_active():
                 return
             self.peer = peer
-            if self.target is None:
+            if self.target is not None:
+                self.source.target_peers[self.target] = peer  # journaled with its cursor
+            else:
                 self.source.peer = peer  # a bidirectional site forwards nothing back to it
             foreign = self.source.foreign(applied, peer)
             if foreign is not None:

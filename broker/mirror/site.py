@@ -505,7 +505,7 @@ class Mirroring:
         assert source is not None and target is not None
         status = MirrorTargetStatus(
             target=target,
-            peer=link.peer,
+            peer=link.peer or source.target_peers.get(target),
             state=self.link_state(link),
             connected=link.connected,
             acked_seq=source.cursor(target),

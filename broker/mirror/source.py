@@ -87,6 +87,7 @@ class TargetCursor(BaseModel):
 
     target: str  # the address as configured (`--mirror-to`)
     acked: int  # the newest event it acknowledged
+    peer: str | None = None  # its mirror id, as its last handshake said
     needs_resync: str | None = None  # it fell past the retention bound: why
 
 
@@ -185,6 +186,7 @@ class MirrorSource:
         self.targets: list[str] = []
         self.cursors: dict[str, int] = {}
         self.target_resync: dict[str, str] = {}  # target -> why it needs a re-seed
+        self.target_peers: dict[str, str] = {}  # target -> its mirror id (last handshake)
         self.watchers: list[Callable[[], None]] = []  # each link's wake-up (several)
 
     # -- the replication queue --------------------------------------------------------------
@@ -706,6 +708,7 @@ class MirrorSource:
         target without a record (new) starts at 0: nothing is trimmed until it acknowledges."""
         self.cursors.clear()
         self.target_resync.clear()
+        self.target_peers.clear()
         for target in self.targets:
             queue = self.vhost.internal_queue(*cursor_queue(target))
             if not queue.entries:
@@ -713,6 +716,8 @@ class MirrorSource:
                 continue
             record = TargetCursor.model_validate_json(queue.entries[-1].message.body)
             self.cursors[target] = record.acked
+            if record.peer is not None:
+                self.target_peers[target] = record.peer
             if record.needs_resync is not None:
                 self.target_resync[target] = record.needs_resync
 
@@ -722,6 +727,7 @@ class MirrorSource:
         record = TargetCursor(
             target=target,
             acked=self.cursors.get(target, 0),
+            peer=self.target_peers.get(target),
             needs_resync=self.target_resync.get(target),
         )
         mid = self.vhost.next_mid
