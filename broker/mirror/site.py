@@ -142,7 +142,7 @@ class Mirroring:
                     epoch=lambda: self.epoch,
                     on_fenced=self._fenced,
                     expected_peer=lambda: self.roles.current.took_over_from if self.roles else None,
-                    on_gap=lambda reason, target=target: self._reseed_now(reason, target),
+                    on_gap=self._on_gap(target),
                     tls=self.tls,
                     server_name=settings.mirror_tls_server_name,
                     marks=self._applied_marks,
@@ -253,6 +253,14 @@ class Mirroring:
             if not await self.futures.wait(batch):
                 raise MirrorRefused("the journal refused the seed: call again")
             return MirrorReseed(messages=messages, events=source.depth, reason=reason)
+
+    def _on_gap(self, target: str | None) -> Callable[[str], object]:
+        """A link's gap handler: a seed for its target (a mesh), or for the one mirror."""
+
+        def gap(reason: str) -> object:
+            return self._reseed_now(reason, target)
+
+        return gap
 
     def _reseed_now(self, reason: str, target: str | None = None) -> tuple[int, int]:
         """Queue a seed now (the link's gap, or a request); (messages, its batch). A mesh:
