@@ -15,12 +15,22 @@ import pytest
 from mirrorsites import Mesh, browse, channel, depth, metric, mirror_status, publish
 
 from twinmq.broker.admin_client import metric_samples, mirror_reseed_call
+from twinmq.broker.journal import StoredMessage
+from twinmq.broker.mirror.bidi import BidiMeta, IdMap
+from twinmq.broker.mirror.events import record_header
+from twinmq.broker.mirror.source import MirrorSource
 from twinmq.broker.settings import BrokerSettings, parse_args
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.queues import drain
+from twinmq.testing.sansio import Harness
 from twinmq.testing.waiting import wait_for
 
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
+
+
+def message(mid: int) -> StoredMessage:
+    body = f"m{mid}".encode()
+    return StoredMessage(mid, 3, "", "q", record_header(len(body)), body, None)
 
 
 def bodies(prefix: str, n: int) -> list[bytes]:
@@ -240,3 +250,57 @@ def test_several_targets_need_the_bidirectional_role() -> None:
     with pytest.raises(ValueError, match="several --mirror-to targets need"):
         BrokerSettings(mirror_to="h1:1,h2:2", mirror_port=3, mirror_token="t",
                        mirror_role="source")  # fmt: skip
+
+
+def test_a_mesh_source_trims_once_every_target_acknowledged_and_journals_each_cursor(
+    tmp_path: Path,
+) -> None:
+    """Sans-I/O over a real journal: one queue, a cursor per target; an event leaves the
+    queue only once both targets have it; the cursors come back from the journal; one
+    target past the retention bound goes to NeedsResync alone and stops holding the queue."""
+
+    def mesh_source(h: Harness) -> MirrorSource:
+        source = MirrorSource(h.vhost, h.committer, h.clock.time)
+        source.ids = IdMap(h.vhost, "site-a")
+        source.name = "site-a"
+        source.targets = ["b:1", "c:1"]
+        h.committer.tap = source
+        h.committer.await_durable(source)
+        source.activate()
+        return source
+
+    first = Harness(tmp_path / "a")
+    source = mesh_source(first)
+    for mid in (1, 2, 3):
+        first.committer.add([message(mid)])
+        first.commit()
+    depth = source.depth
+    assert depth >= 4  # the first activation's announcement and three batches
+    source.acked(source.head, "b:1")
+    assert source.depth == depth and source.backlog("b:1") == 0 and source.backlog("c:1") == depth
+    source.acked(source.head, "c:1")
+    assert source.depth == 0
+    first.committer.add([message(4)])
+    first.commit()
+    source.acked(source.head, "b:1")
+    first.commit()
+    cursors = dict(source.cursors)
+    first.close()
+
+    reopened = Harness(tmp_path / "a")  # the cursors as journaled
+    source = mesh_source(reopened)
+    # Message 4's event (b:1 had it, c:1 not) and this activation's re-announcement.
+    assert source.cursors == cursors and source.depth == 2
+    assert source.backlog("b:1") == 1 and source.backlog("c:1") == 2
+    assert source.forward(b"", BidiMeta(origin="site-c", oseq=1, hops=["site-c"])) is None
+    source.retention = 2
+    for mid in (5, 6, 7):
+        reopened.committer.add([message(mid)])
+        reopened.commit()
+        source.acked(source.head, "b:1")
+    assert source.target_resync.keys() == {"c:1"}  # alone: b:1 keeps up
+    assert source.depth == 0  # the backlog is no longer kept for c:1
+    reopened.committer.add([message(8)])
+    reopened.commit()
+    assert source.backlog("b:1") == 1 and source.depth == 1
+    reopened.close()

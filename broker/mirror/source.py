@@ -21,6 +21,7 @@ import struct
 import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from itertools import islice
 from operator import attrgetter
 from typing import Final, Protocol
 
@@ -764,9 +765,9 @@ class MirrorSource:
         """Their bytes (walks them: for `/status`)."""
         if self._queue is None:
             return 0
-        entries = self._queue.entries
         start = self._first_after(self.cursor(target))
-        return sum(len(entries[i].message.body) for i in range(start, len(entries)))
+        # islice walks the deque once (indexing each entry would walk it per entry).
+        return sum(len(e.message.body) for e in islice(self._queue.entries, start, None))
 
     def target_oldest_age(self, target: str) -> float:
         """Seconds since the oldest event `target` has not acknowledged was made."""
