@@ -656,10 +656,11 @@ class MirrorSource:
         size = 0
         if self._queue is None:
             return out
-        for entry in self._queue.entries:
+        # From the first event after `after` (found by bisection): in a mesh the queue
+        # also holds what a lagging target lacks, which a leading one must not walk.
+        start = self._first_after(after)
+        for entry in islice(self._queue.entries, start, None):
             seq = entry.message.mid
-            if seq <= after:
-                continue
             if seq > self.durable_seq or len(out) >= max_events or (out and size >= max_bytes):
                 break
             out.append((seq, entry.message.body))
