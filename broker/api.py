@@ -235,6 +235,27 @@ class VhostStatus(BaseModel):
     federated: bool = Field(description="Federation links and state cover it (`/` only, today)")
 
 
+class MirrorTargetStatus(BaseModel):
+    """One target of a full-mesh site (several --mirror-to): its link and its cursor."""
+
+    target: str = Field(description="The target's address, as configured")
+    peer: str | None = Field(None, description="Its mirror id, as its last handshake said")
+    state: MirrorLinkState = Field(description="This target's link, honestly")
+    connected: bool = Field(False, description="A heartbeat came back over this link")
+    acked_seq: int = Field(0, description="The newest event it acknowledged (its cursor)")
+    queue_events: int = Field(0, description="Events of this site it has not acknowledged")
+    queue_bytes: int = Field(0, description="Their bytes")
+    oldest_event_age_seconds: float = Field(0.0, description="Age of the oldest of them")
+    round_trip_seconds: float | None = Field(None, description="The last heartbeat's")
+    link_error: str | None = Field(None, description="Why its link's last attempt failed")
+    mirror_blocked: str | None = Field(
+        None, description="Its resource alarm (disk, memory): it applies nothing now"
+    )
+    needs_resync: str | None = Field(
+        None, description="Past the retention bound: its backlog dropped, re-seed it"
+    )
+
+
 class MirrorStatus(BaseModel):
     """The DR mirror as this broker sees it: its source side, its mirror side, or both."""
 
@@ -281,7 +302,15 @@ class MirrorStatus(BaseModel):
         description="On an old source reversed after a forced failover: its events the "
         "promoted site never applied (the RPO, counted), kept",
     )
-    target: str | None = Field(None, description="The mirror's address")
+    target: str | None = Field(
+        None, description="The mirror's address (a mesh: the addresses, comma-separated)"
+    )
+    mesh: bool = Field(
+        False, description="A full-mesh member (bidirectional with several --mirror-to)"
+    )
+    targets: list[MirrorTargetStatus] = Field(
+        default_factory=list, description="A mesh: each target's link and cursor"
+    )
     queue_events: int = Field(0, description="Events not yet acknowledged by the mirror")
     queue_bytes: int = Field(0, description="Their bytes")
     oldest_event_age_seconds: float = Field(0.0, description="Age of the oldest of them")

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from twinmq.broker.names import (
@@ -213,7 +213,9 @@ class BrokerSettings(BaseSettings):
     mirror_to: str | None = Field(
         None,
         description="HOST:PORT of a DR mirror's mirror listener: mirror every durable change "
-        "there (docs/mirror.md)",
+        "there (docs/mirror.md); a bidirectional site may name several (the flag repeated, "
+        "a list in the settings file, comma-separated in the environment): a full mesh, "
+        "each target with its own cursor, only this site's own events sent",
     )
     mirror_token: SecretStr | None = Field(
         None, description="Shared secret of the mirror link (the same on both sites)"
@@ -289,6 +291,29 @@ class BrokerSettings(BaseSettings):
         "federates them as a downstream (docs/federation.md)",
     )
 
+    @field_validator("mirror_to", mode="before")
+    @classmethod
+    def _mirror_targets(cls, value: object) -> object:
+        """Several targets (a repeated flag, a list in the settings file) as one
+        comma-separated value, the environment's form."""
+        if isinstance(value, list | tuple):
+            return ",".join(str(v).strip() for v in value if str(v).strip()) or None
+        return value
+
+    @property
+    def mirror_targets(self) -> list[str]:
+        """The `--mirror-to` addresses, in order, each once (empty: no source side)."""
+        if not self.mirror_to:
+            return []
+        return list(dict.fromkeys(t.strip() for t in self.mirror_to.split(",") if t.strip()))
+
+    @property
+    def mirror_mesh(self) -> bool:
+        """A full-mesh member: bidirectional with several targets (docs/mirror.md, "Full
+        mesh"): each target has its own cursor, and only this site's own events are sent
+        (nothing forwarded)."""
+        return self.mirror_role == "bidirectional" and len(self.mirror_targets) > 1
+
     @model_validator(mode="after")
     def _mirror_roles(self) -> BrokerSettings:
         """A mirror link needs its token; a site with both ends names its first role."""
@@ -304,6 +329,9 @@ class BrokerSettings(BaseSettings):
             raise ValueError("--mirror-role replica needs --mirror-port")
         if self.mirror_role == "bidirectional" and (not self.mirror_to or self.mirror_port is None):
             raise ValueError("--mirror-role bidirectional needs --mirror-to and --mirror-port")
+        if len(self.mirror_targets) > 1 and self.mirror_role != "bidirectional":
+            # A one-way source's switchover drains to one mirror and hands over one token.
+            raise ValueError("several --mirror-to targets need --mirror-role bidirectional")
         return self
 
     @property
@@ -359,6 +387,10 @@ class BrokerSettings(BaseSettings):
         return self
 
 
+# Flags that may be given several times (their values make a list).
+REPEATABLE = frozenset({"mirror_to"})
+
+
 def flag(field: str) -> str:
     """The command-line flag of a settings field (`data_dir` -> `--data-dir`)."""
     return "--" + field.replace("_", "-")
@@ -381,6 +413,10 @@ def parse_args(argv: list[str] | None = None) -> BrokerSettings:
                 default=None,
                 action=argparse.BooleanOptionalAction,
                 help=info.description,
+            )
+        elif field in REPEATABLE:
+            parser.add_argument(
+                flag(field), dest=field, default=None, action="append", help=info.description
             )
         else:
             parser.add_argument(flag(field), dest=field, default=None, help=info.description)

@@ -6,7 +6,8 @@ drain (every event applied on the mirror and acknowledged) through `/status`.
 `reversible` sites have both ends each (the mirror can be reversed after a
 switchover); the switch helpers call the admin API as an operator would.
 `Ring` runs two or three bidirectional sites, each mirroring to the next
-(A <-> B, or A -> B -> C -> A), optionally through fault proxies.
+(A <-> B, or A -> B -> C -> A), optionally through fault proxies; `Mesh` runs n
+bidirectional sites, each mirroring to every other (several `--mirror-to`).
 """
 
 from __future__ import annotations
@@ -216,6 +217,30 @@ class Ring:
             return all(_drained(mirror_status(site)) for site in self.sites)
 
         wait_for("every site caught up", lambda: all_drained() and all_drained(), timeout)
+
+
+class Mesh(Ring):
+    """`n` bidirectional sites (`site-a` ...), each naming every other as a target (a full
+    mesh: `--mirror-to` repeated); `extra_args` go to every site."""
+
+    def __init__(self, tmp: Path, n: int = 3, *, extra_args: list[str] | None = None) -> None:
+        names = [f"site-{chr(ord('a') + i)}" for i in range(n)]
+        ports = [free_port() for _ in names]
+        self.links = []
+        self.sites = []
+        for i, name in enumerate(names):
+            targets = [
+                arg for j in range(n) if j != i for arg in ("--mirror-to", f"127.0.0.1:{ports[j]}")
+            ]
+            args = [
+                "--mirror-port", str(ports[i]), "--mirror-token", TOKEN, *targets,
+                "--mirror-id", name, "--mirror-role", "bidirectional", *(extra_args or []),
+            ]  # fmt: skip
+            self.sites.append(BrokerProcess(tmp / name / "data", name=name, extra_args=args))
+
+    def __enter__(self) -> Mesh:
+        super().__enter__()
+        return self
 
 
 def browse(broker: BrokerProcess, queue: str) -> list[bytes]:

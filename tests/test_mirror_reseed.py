@@ -17,7 +17,6 @@ from mirrorsites import TOKEN, Sites, channel, demote, metric, mirror_status, pu
 
 from twinmq.broker.admin_client import MirrorRefused, mirror_reseed_call
 from twinmq.broker.api import MirrorReseed
-from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.launcher import BrokerProcess, free_port
 from twinmq.testing.queues import drain
 from twinmq.testing.waiting import wait_for
@@ -173,20 +172,21 @@ def test_after_a_forced_failover_during_a_partition_new_messages_never_take_the_
     """B keeps running through the partition (no restart skips ids for it): its new
     messages must not reuse the ids A gave the messages B never saw, or A, reversed,
     would keep its own message under the id of B's and lose B's."""
-    with FaultProxy("127.0.0.1:1") as proxy:
-        sites = Sites(tmp_path, reversible=True, source_args=["--mirror-to", proxy.address])
-        proxy.retarget(sites.mirror_address)
-        with sites:
-            publish(sites.source, "orders", bodies("a", 10))
-            sites.caught_up()
-            proxy.partition()
-            publish(sites.source, "orders", bodies("lost", 5))
-            sites.source.kill()
-            sites.promote_mirror(force=True)
-            publish(sites.mirror, "orders", bodies("b", 5))
-            proxy.heal()
-            sites.source.start()
-            wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
-            sites.caught_up(source=sites.mirror)
-            assert drain(sites.source.url, "orders") == [*bodies("a", 10), *bodies("b", 5)]
-            assert sorted(drain(sites.source.url, ORPHANS)) == sorted(bodies("lost", 5))
+    # A's link to B goes through a fault proxy (`proxied`): partitioned, then healed.
+    sites = Sites(tmp_path, reversible=True, proxied=True)
+    proxy = sites.link
+    assert proxy is not None
+    with sites:
+        publish(sites.source, "orders", bodies("a", 10))
+        sites.caught_up()
+        proxy.partition()
+        publish(sites.source, "orders", bodies("lost", 5))
+        sites.source.kill()
+        sites.promote_mirror(force=True)
+        publish(sites.mirror, "orders", bodies("b", 5))
+        proxy.heal()
+        sites.source.start()
+        wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
+        sites.caught_up(source=sites.mirror)
+        assert drain(sites.source.url, "orders") == [*bodies("a", 10), *bodies("b", 5)]
+        assert sorted(drain(sites.source.url, ORPHANS)) == sorted(bodies("lost", 5))

@@ -141,6 +141,7 @@ class MirrorLink:
         tls: MutualTls | None = None,
         server_name: str | None = None,
         marks: Callable[[], dict[str, int]] = dict,
+        target: str | None = None,
     ) -> None:
         host, _, port = address.rpartition(":")
         self.host, self.port = host or "127.0.0.1", int(port)
@@ -158,6 +159,10 @@ class MirrorLink:
         self.tls = tls  # mutual TLS: this site's certificate, the mirror's CA
         self.server_name = server_name or self.host  # what the mirror's certificate names
         self.marks = marks  # this site's applied marks per origin (its listener's)
+        # A full mesh: the target this link serves (its own cursor on the source's one
+        # queue, `MirrorSource.cursor`); None: the site's one mirror.
+        self.target = target
+        self.peer: str | None = None  # the mirror's name, as its last CHALLENGE said
         self._mirror_version = 0  # the mirror's CHALLENGE version (3: it answers RECONCILE)
         self._delta: dict[int, bytes] = {}  # seq -> a snapshot event as its DELTA event
         self.connected = False
@@ -167,12 +172,16 @@ class MirrorLink:
         self.mirror_blocked: str | None = None  # the mirror applies nothing: its alarm
         self._beats = 0
         self._wake = asyncio.Event()
-        source.on_change = self._wake.set
+        if target is None:
+            source.on_change = self._wake.set
+        else:
+            source.watchers.append(self._wake.set)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         """Start connecting (and reconnecting) in the background."""
-        self._task = asyncio.get_running_loop().create_task(self.run(), name="twinmq-mirror-link")
+        name = "twinmq-mirror-link" if self.target is None else f"twinmq-mirror-link-{self.target}"
+        self._task = asyncio.get_running_loop().create_task(self.run(), name=name)
 
     async def stop(self) -> None:
         """Close the link."""
@@ -221,9 +230,16 @@ class MirrorLink:
         if connected != self.connected:
             log.info("mirror link to %s %s", self.address, "up" if connected else "down")
         self.connected = connected
-        metrics.CONNECTED.set(1 if connected else 0)
+        if self.target is None:
+            metrics.CONNECTED.set(1 if connected else 0)
+        else:
+            metrics.TARGET_CONNECTED.labels(self.target).set(1 if connected else 0)
 
     async def _session(self) -> None:
+        resync = self.source.target_resync.get(self.target) if self.target is not None else None
+        if resync is not None:
+            # Its backlog is no longer kept: nothing is sent until it is re-seeded.
+            raise ConnectionError(f"NeedsResync: {resync}")
         tls = self.tls.client if self.tls is not None else None
         async with asyncio.timeout(HANDSHAKE_TIMEOUT):
             reader, writer = await asyncio.open_connection(
@@ -236,14 +252,18 @@ class MirrorLink:
                 applied, peer = await self._authenticate(frames, writer)
             if not self.source.ensure_active():
                 return
-            self.source.peer = peer  # a bidirectional site forwards nothing back to it
+            self.peer = peer
+            if self.target is not None:
+                self.source.target_peers[self.target] = peer  # journaled with its cursor
+            else:
+                self.source.peer = peer  # a bidirectional site forwards nothing back to it
             foreign = self.source.foreign(applied, peer)
             if foreign is not None:
                 raise ConnectionError(foreign)  # never stream what the mirror would skip
-            gap = self.source.gap(applied, peer, self.expected_peer())
+            gap = self.source.gap(applied, peer, self.expected_peer(), self.target)
             if gap is not None:
                 self.on_gap(gap)  # a seed: every event the mirror lacks is rebuilt by it
-            self.source.acked(applied)
+            self.source.acked(applied, self.target)
             self._delta = await self._reconcile(frames, writer, applied)
             self.last_error = None
             sender = asyncio.get_running_loop().create_task(self._send(writer, applied))
@@ -309,7 +329,9 @@ class MirrorLink:
         while True:
             if not self.source.active:
                 raise ConnectionError("this broker is no longer active")
-            acked = self.source.acked_seq
+            if self.target is not None and self.target in self.source.target_resync:
+                raise ConnectionError(f"NeedsResync: {self.source.target_resync[self.target]}")
+            acked = self.source.cursor(self.target)
             while inflight and inflight[0][0] <= acked:
                 inflight_bytes -= inflight.popleft()[1]
             sent = max(sent, acked)
@@ -408,7 +430,7 @@ class MirrorLink:
             n=self._beats,
             sent=time.monotonic(),
             head=self.source.head,
-            backlog=self.source.depth,
+            backlog=self.source.backlog(self.target),
             epoch=self.epoch(),
         )
         return encode(FrameType.PING, beat)
@@ -427,7 +449,7 @@ class MirrorLink:
             if not self.source.active:
                 raise ConnectionError("this broker is no longer active")
             if ftype is FrameType.ACK:
-                self.source.acked(decode_u64(payload))
+                self.source.acked(decode_u64(payload), self.target)
                 self.mirror_blocked = None  # it applies again
                 self._wake.set()
             elif ftype is FrameType.REFUSE:

@@ -102,3 +102,25 @@ REFUSED = Counter(
     "it claims)",
     ["reason"],
 )
+
+# A full mesh (several --mirror-to): per target.
+TARGET_CONNECTED = Gauge(
+    "twinmq_mirror_target_connected",
+    "1 while the link to this mesh target is connected (a heartbeat came back)",
+    ["target"],
+)
+TARGET_QUEUE_EVENTS = Gauge(
+    "twinmq_mirror_target_queue_events",
+    "Events of this site not yet acknowledged by this mesh target",
+    ["target"],
+)
+TARGET_OLDEST_AGE = Gauge(
+    "twinmq_mirror_target_oldest_event_age_seconds",
+    "Age of the oldest event this mesh target has not acknowledged (0: none)",
+    ["target"],
+)
+TARGET_NEEDS_RESYNC = Gauge(
+    "twinmq_mirror_target_needs_resync",
+    "1 while this mesh target is past the retention bound (its backlog dropped)",
+    ["target"],
+)

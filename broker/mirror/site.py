@@ -14,6 +14,10 @@ tap is off while a replica), so reversing the mirror makes no loop.
 
 As `bidirectional` (`bidi.py`) both ends run at once and clients write: applied
 events are passed on with their origin and hop list, never made the site's own.
+With several targets (`--mirror-to` repeated) the site is a full-mesh member: one
+link per target, each with its own cursor on the one replication queue
+(`MirrorSource.cursor`), and nothing forwarded (every site sends its own events
+to every other).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from twinmq.broker.api import (
     MirrorRpo,
     MirrorStatus,
     MirrorSwitch,
+    MirrorTargetStatus,
     MirrorUnmirrored,
 )
 from twinmq.broker.commit import GroupCommitter
@@ -91,7 +96,8 @@ class Mirroring:
         self.clock = clock
         self.close_clients = close_clients
         self.source: MirrorSource | None = None
-        self.link: MirrorLink | None = None
+        self.link: MirrorLink | None = None  # the one link (not a mesh)
+        self.links: list[MirrorLink] = []  # every link: the one, or a mesh's, per target
         self.listener: MirrorListener | None = None
         self.flow_control = False
         self.demoting = False  # a demotion waits for its queue to drain: clients refused
@@ -124,19 +130,26 @@ class Mirroring:
             self.source.heap = HEAP  # both ends hold every message long-lived
             committer.tap = self.source
             committer.await_durable(self.source)
-            self.link = MirrorLink(
-                self.source,
-                settings.mirror_to,
-                mirror_key(token),
-                origin,
-                epoch=lambda: self.epoch,
-                on_fenced=self._fenced,
-                expected_peer=lambda: self.roles.current.took_over_from if self.roles else None,
-                on_gap=self._reseed_now,
-                tls=self.tls,
-                server_name=settings.mirror_tls_server_name,
-                marks=self._applied_marks,
-            )
+            mesh = settings.mirror_mesh
+            if mesh:
+                self.source.targets = settings.mirror_targets
+            for address in settings.mirror_targets:
+                target = address if mesh else None
+                self.links.append(MirrorLink(
+                    self.source,
+                    address,
+                    mirror_key(token),
+                    origin,
+                    epoch=lambda: self.epoch,
+                    on_fenced=self._fenced,
+                    expected_peer=lambda: self.roles.current.took_over_from if self.roles else None,
+                    on_gap=self._on_gap(target),
+                    tls=self.tls,
+                    server_name=settings.mirror_tls_server_name,
+                    marks=self._applied_marks,
+                    target=target,
+                ))  # fmt: skip
+            self.link = None if mesh else self.links[0]
             monitor.checks.append(self._flow_control)
             metrics.QUEUE_EVENTS.set_function(lambda: self._source_value("depth"))
             metrics.QUEUE_BYTES.set_function(lambda: self._source_value("depth_bytes"))
@@ -229,7 +242,8 @@ class Mirroring:
             name = self.settings.name
             if roles is None or source is None:
                 raise MirrorRefused(f"{name} is not a DR mirror source (--mirror-to)")
-            if roles.role != "source":
+            mesh = self.settings.mirror_mesh and roles.role == "bidirectional"
+            if roles.role != "source" and not mesh:
                 raise MirrorRefused(f"{name} is a DR replica: seed from the source site")
             if self.vhost.replica:
                 raise MirrorRefused(f"{name} is passive: call the source's active broker")
@@ -241,14 +255,23 @@ class Mirroring:
                 raise MirrorRefused("the journal refused the seed: call again")
             return MirrorReseed(messages=messages, events=source.depth, reason=reason)
 
-    def _reseed_now(self, reason: str) -> tuple[int, int]:
-        """Queue a seed now (the link's gap, or a request); (messages, its batch)."""
+    def _on_gap(self, target: str | None) -> Callable[[str], object]:
+        """A link's gap handler: a seed for its target (a mesh), or for the one mirror."""
+
+        def gap(reason: str) -> object:
+            return self._reseed_now(reason, target)
+
+        return gap
+
+    def _reseed_now(self, reason: str, target: str | None = None) -> tuple[int, int]:
+        """Queue a seed now (the link's gap, or a request); (messages, its batch). A mesh:
+        for `target` (a gap) and the targets in NeedsResync only."""
         roles, source = self.roles, self.source
         assert roles is not None and source is not None
         log.warning("mirror: seeding the mirror again: %s", reason)
         update = {"needs_resync": None, "took_over_from": None}
         roles.record(roles.current.model_copy(update=update))
-        messages = source.reseed(reason)
+        messages = source.reseed(reason, target)
         self._metrics()
         return messages, self.committer.flush_now()
 
@@ -499,15 +522,42 @@ class Mirroring:
             seen_at=self.beat_at,
         )
 
-    def link_state(self) -> MirrorLinkState:
-        """The source link's state, honestly."""
+    def link_state(self, link: MirrorLink | None = None) -> MirrorLinkState:
+        """The source link's state, honestly (a mesh: the worst of its targets', or
+        `link`'s)."""
         if self.roles is not None and self.roles.current.fenced_by is not None:
             return "fenced"
-        if self.source is None or self.link is None or not self.is_source:
+        if self.source is None or not self.links or not self.is_source:
             return "disabled"
         if self.source.needs_resync is not None:
             return "needs-resync"
-        return "connected" if self.link.connected else "connecting"
+        links = self.links if link is None else [link]
+        if any(each.target in self.source.target_resync for each in links):
+            return "needs-resync"
+        return "connected" if all(each.connected for each in links) else "connecting"
+
+    def _target_status(self, link: MirrorLink) -> MirrorTargetStatus:
+        """One mesh target, for `/status` (refreshes its gauges)."""
+        source, target = self.source, link.target
+        assert source is not None and target is not None
+        status = MirrorTargetStatus(
+            target=target,
+            peer=link.peer or source.target_peers.get(target),
+            state=self.link_state(link),
+            connected=link.connected,
+            acked_seq=source.cursor(target),
+            queue_events=source.backlog(target),
+            queue_bytes=source.backlog_bytes(target),
+            oldest_event_age_seconds=round(source.target_oldest_age(target), 3),
+            round_trip_seconds=link.round_trip,
+            link_error=link.last_error,
+            mirror_blocked=link.mirror_blocked,
+            needs_resync=source.target_resync.get(target),
+        )
+        metrics.TARGET_QUEUE_EVENTS.labels(target).set(status.queue_events)
+        metrics.TARGET_OLDEST_AGE.labels(target).set(status.oldest_event_age_seconds)
+        metrics.TARGET_NEEDS_RESYNC.labels(target).set(1 if status.needs_resync else 0)
+        return status
 
     def _source_value(self, name: str) -> float:
         return float(getattr(self.source, name)) if self.source is not None else 0.0
@@ -519,7 +569,17 @@ class Mirroring:
         """The flow-control rule: only while the mirror is connected and acknowledging."""
         limit = self.settings.mirror_max_lag
         link, source = self.link, self.source
-        if limit <= 0 or link is None or source is None or not link.connected:
+        if limit > 0 and source is not None and source.targets:
+            # A mesh: only the targets connected and consuming count; one down (its
+            # backlog growing) never slows producers.
+            ages = [
+                source.target_oldest_age(each.target)
+                for each in self.links
+                if each.target is not None and each.connected and each.mirror_blocked is None
+            ]
+            age = max(ages, default=0.0)
+            on = bool(ages) and (age > limit or (self.flow_control and age > limit / 2))
+        elif limit <= 0 or link is None or source is None or not link.connected:
             on = False
         elif link.mirror_blocked is not None:
             on = False  # the mirror is not consuming (its alarm): producers are not slowed
@@ -541,8 +601,8 @@ class Mirroring:
             self._reload = asyncio.get_running_loop().create_task(
                 reload_every(self.tls.reload_if_changed), name="twinmq-mirror-tls-reload"
             )
-        if self.link is not None:
-            self.link.start()
+        for link in self.links:
+            link.start()
         if self.listener is not None and self.settings.mirror_port is not None:
             self._server = await self.listener.start(host, self.settings.mirror_port)
 
@@ -557,8 +617,8 @@ class Mirroring:
         """Close the link and the listener."""
         if self._reload is not None:
             self._reload.cancel()
-        if self.link is not None:
-            await self.link.stop()
+        for link in self.links:
+            await link.stop()
         if self._server is not None:
             self._server.close()
 
@@ -579,6 +639,10 @@ class Mirroring:
             metrics.QUEUE_LAG_SECONDS.labels(name).set(seconds)
         if link is not None and link.round_trip is not None:
             metrics.ROUND_TRIP.set(link.round_trip)
+        targets = [self._target_status(each) for each in self.links if each.target is not None]
+        mesh_error = next((f"{t.target}: {t.link_error}" for t in targets if t.link_error), None)
+        if targets:
+            metrics.CONNECTED.set(1 if all(t.connected for t in targets) else 0)
         roles = self.roles
         orphans = self.vhost.queues.get(ORPHANS_NAME)
         return MirrorStatus(
@@ -586,10 +650,11 @@ class Mirroring:
             role=roles.role if roles is not None else None,
             epoch=self.epoch,
             state=self.link_state(),
-            connected=link is not None and link.connected,
+            connected=(link is not None and link.connected)
+            or (bool(targets) and all(t.connected for t in targets)),
             heartbeat_age_seconds=link.heartbeat_age() if link is not None else None,
             round_trip_seconds=link.round_trip if link is not None else None,
-            link_error=link.last_error if link is not None else None,
+            link_error=link.last_error if link is not None else mesh_error,
             mirror_blocked=link.mirror_blocked if link is not None else None,
             queue_lag_events=lag,
             queue_lag_seconds=lag_seconds,
@@ -605,6 +670,8 @@ class Mirroring:
             ),
             unmirrored=roles.current.unmirrored if roles is not None else None,
             target=self.settings.mirror_to,
+            mesh=bool(targets),
+            targets=targets,
             queue_events=source.depth if source is not None else 0,
             queue_bytes=source.depth_bytes if source is not None else 0,
             oldest_event_age_seconds=self._oldest_age(),

@@ -15,12 +15,17 @@ link (`link.py`) sends only events whose batch is complete here
 
 from __future__ import annotations
 
+import bisect
 import logging
 import struct
+import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable
+from itertools import islice
 from operator import attrgetter
 from typing import Final, Protocol
+
+from pydantic import BaseModel
 
 from twinmq.broker.commit import Waiter
 from twinmq.broker.definitions import Definitions
@@ -53,6 +58,7 @@ from twinmq.broker.mirror.events import (
     mirrored_definitions,
     ops_event,
     record_header,
+    replace_record,
 )
 from twinmq.broker.queue import Queue
 
@@ -67,6 +73,23 @@ SNAPSHOT_EVENT_OPS: Final = 4096
 MESSAGE_OP_BYTES: Final = struct.calcsize("<BQQdHHII")
 SETTLE_OP_BYTES: Final = struct.calcsize("<BQQ")
 _QID = attrgetter("qid")
+# A full mesh (several targets): each target's cursor, one record per target.
+CURSOR_PREFIX: Final = INTERNAL_PREFIX + "mirror-cursor."
+_CURSOR_QID_BASE: Final = INTERNAL_QID_BASE + (2 << 32)
+
+
+def cursor_queue(target: str) -> tuple[str, int]:
+    """The name and queue id of a mesh target's cursor record."""
+    return CURSOR_PREFIX + target, _CURSOR_QID_BASE + zlib.crc32(target.encode())
+
+
+class TargetCursor(BaseModel):
+    """A mesh target's cursor on the replication queue, as its record's body holds it."""
+
+    target: str  # the address as configured (`--mirror-to`)
+    acked: int  # the newest event it acknowledged
+    peer: str | None = None  # its mirror id, as its last handshake said
+    needs_resync: str | None = None  # it fell past the retention bound: why
 
 
 class SourceState(Protocol):
@@ -157,6 +180,15 @@ class MirrorSource:
         self._topology: Definitions | None = None  # the mirrored topology last announced
         # Keeps the queues' messages and the events out of full collections (`broker/heap.py`).
         self.heap: HeapFreezer | None = None
+        # A full mesh (`targets` set): one cursor per target on this one queue, each
+        # journaled (a record per target); an event leaves the queue once every target in
+        # good standing acknowledged it, and only this site's own events are made (no
+        # forwarding). Without targets: one mirror, `acked_seq` is its cursor (as ever).
+        self.targets: list[str] = []
+        self.cursors: dict[str, int] = {}
+        self.target_resync: dict[str, str] = {}  # target -> why it needs a re-seed
+        self.target_peers: dict[str, str] = {}  # target -> its mirror id (last handshake)
+        self.watchers: list[Callable[[], None]] = []  # each link's wake-up (several)
 
     # -- the replication queue --------------------------------------------------------------
 
@@ -181,6 +213,7 @@ class MirrorSource:
         self._unsettled.clear()
         if queue.entries:
             self.durable_seq = max(self.durable_seq, queue.entries[-1].message.mid)
+        self._load_cursors()
         if self.ids is not None:
             self.ids.queue  # noqa: B018 (the map as recovered, or replicated while passive)
             if first:
@@ -198,9 +231,18 @@ class MirrorSource:
             self._emit_definitions(self.vhost.definitions())
         return queue
 
-    def reseed(self, reason: str) -> int:
+    def reseed(self, reason: str, target: str | None = None) -> int:
         """Rebuild the mirror from scratch: drop the backlog (a seed makes it irrelevant),
-        leave NeedsResync, queue a seed; the number of messages it carries."""
+        leave NeedsResync, queue a seed; the number of messages it carries. In a mesh only
+        the targets in NeedsResync and `target` skip their backlog (`_reseed_targets`)."""
+        if self.targets:
+            if self._queue is None or self._queue.deleted:
+                self.activate(snapshot=False)
+            ops = self._reseed_targets(target)
+            if ops:
+                self.log.add(ops)
+            self.needs_resync = None
+            return self._seed(reason)
         settles = self._drop_backlog()
         if settles:
             self.log.add(settles)
@@ -317,8 +359,8 @@ class MirrorSource:
         """Pass an applied event on to this site's mirror, its origin and hops kept, this
         site added; the op that journals it (None: not a source now, or the mirror is the
         event's origin or went through it already)."""
-        if not self.active:
-            return None
+        if not self.active or self.targets:
+            return None  # a mesh: every origin sends its own events to every site
         peer = self.peer
         if peer is not None and (peer == meta.origin or peer in meta.hops):
             return None
@@ -342,7 +384,9 @@ class MirrorSource:
             f"origin; wipe the mirror's data or give this source another mirror id"
         )
 
-    def gap(self, mark: int, peer: str, took_over_from: str | None) -> str | None:
+    def gap(
+        self, mark: int, peer: str, took_over_from: str | None, target: str | None = None
+    ) -> str | None:
         """Why a mirror whose applied mark is `mark` cannot resume from the queue (it must
         be seeded again), or None.
 
@@ -353,6 +397,18 @@ class MirrorSource:
         (a mirror restored from an old copy) misses some.
         """
         entries = self.queue.entries
+        if self.targets and target is not None:
+            # A mesh target resumes after its own cursor: a seed next for it rebuilds it
+            # (it was re-seeded); a mark below what it acknowledged lost applied events.
+            cursor = self.cursor(target)
+            index = self._first_after(cursor)
+            if index < len(entries) and is_bidi_seed(entries[index].message.body):
+                return None
+            if mark < cursor:
+                return (
+                    f"the mirror {peer!r} applied up to event {mark}, but acknowledged "
+                    f"{cursor} before (restored from an older copy, or wiped)"
+                )
         if entries and (is_seed(entries[0].message.body) or is_bidi_seed(entries[0].message.body)):
             return None
         if mark == 0 and peer != took_over_from:
@@ -419,6 +475,8 @@ class MirrorSource:
     def _beyond_retention(self) -> list[JournalOp]:
         """Past the retention bound: drop the whole backlog, loudly (NeedsResync): the
         mirror misses these events, so it must be re-seeded rather than go on."""
+        if self.targets:
+            return self._targets_beyond_retention()
         if not self.retention or self._queue is None or self.depth <= self.retention:
             return []
         reason = (
@@ -590,6 +648,8 @@ class MirrorSource:
                 self._forget(seq)
         if self.on_change is not None:
             self.on_change()
+        for watcher in self.watchers:
+            watcher()
         return True
 
     # -- the link's view --------------------------------------------------------------------
@@ -600,21 +660,40 @@ class MirrorSource:
         size = 0
         if self._queue is None:
             return out
-        for entry in self._queue.entries:
+        # From the first event after `after` (found by bisection): in a mesh the queue
+        # also holds what a lagging target lacks, which a leading one must not walk.
+        start = self._first_after(after)
+        for entry in islice(self._queue.entries, start, None):
             seq = entry.message.mid
-            if seq <= after:
-                continue
             if seq > self.durable_seq or len(out) >= max_events or (out and size >= max_bytes):
                 break
             out.append((seq, entry.message.body))
             size += len(entry.message.body)
         return out
 
-    def acked(self, seq: int) -> None:
-        """The mirror applied everything up to `seq`: those events leave the queue."""
+    def acked(self, seq: int, target: str | None = None) -> None:
+        """The mirror applied everything up to `seq`: those events leave the queue. In a
+        mesh, `target`'s cursor moves (journaled) and events leave once every target in
+        good standing has them."""
         queue = self._queue
         if queue is None or not self.active:
             return  # a passive's queue changes by replication only
+        ops: list[JournalOp] = []
+        if self.targets and target is not None:
+            if seq > self.cursors.get(target, 0):
+                self.cursors[target] = seq
+                ops += self._cursor_record(target)
+            seq = self.floor()
+        ops += self._trim(seq)
+        if ops:
+            self.log.add(ops)
+        if self.on_acked is not None:
+            self.on_acked()
+
+    def _trim(self, seq: int) -> list[JournalOp]:
+        """Events up to `seq` leave the queue (in memory); the settles that journal it."""
+        queue = self._queue
+        assert queue is not None
         self.acked_seq = max(self.acked_seq, seq)
         settles: list[JournalOp] = []
         entries = queue.entries
@@ -626,10 +705,119 @@ class MirrorSource:
             settles.append(Settle(QUEUE_QID, entry.message.mid))
             self._forget(entry.message.mid)
             self.trimmed_seq = max(self.trimmed_seq, entry.message.mid)
-        if settles:
-            self.log.add(settles)
-        if self.on_acked is not None:
-            self.on_acked()
+        return settles
+
+    # -- a full mesh: one cursor per target -----------------------------------------------
+
+    def _load_cursors(self) -> None:
+        """The targets' cursors as journaled (recovered, or replicated while passive); a
+        target without a record (new) starts at 0: nothing is trimmed until it acknowledges."""
+        self.cursors.clear()
+        self.target_resync.clear()
+        self.target_peers.clear()
+        for target in self.targets:
+            queue = self.vhost.internal_queue(*cursor_queue(target))
+            if not queue.entries:
+                self.cursors[target] = 0
+                continue
+            record = TargetCursor.model_validate_json(queue.entries[-1].message.body)
+            self.cursors[target] = record.acked
+            if record.peer is not None:
+                self.target_peers[target] = record.peer
+            if record.needs_resync is not None:
+                self.target_resync[target] = record.needs_resync
+
+    def _cursor_record(self, target: str) -> list[JournalOp]:
+        """Replace `target`'s cursor record (in memory); the ops that journal it."""
+        queue = self.vhost.internal_queue(*cursor_queue(target))
+        record = TargetCursor(
+            target=target,
+            acked=self.cursors.get(target, 0),
+            peer=self.target_peers.get(target),
+            needs_resync=self.target_resync.get(target),
+        )
+        mid = self.vhost.next_mid
+        self.vhost.next_mid = mid + 1
+        return replace_record(queue, mid, record.model_dump_json().encode())
+
+    def floor(self) -> int:
+        """The newest event every target in good standing acknowledged (a mesh); with all
+        of them in NeedsResync, the newest event (none will take the backlog)."""
+        live = [self.cursors.get(t, 0) for t in self.targets if t not in self.target_resync]
+        return min(live) if live else self.head
+
+    def cursor(self, target: str | None) -> int:
+        """The newest event `target` acknowledged (None, or not a mesh: the one mirror's)."""
+        if target is None or not self.targets:
+            return self.acked_seq
+        return max(self.cursors.get(target, 0), self.acked_seq)
+
+    def _first_after(self, seq: int) -> int:
+        """The index in the queue of the first event after `seq`."""
+        if self._queue is None:
+            return 0
+        return bisect.bisect_right(self._queue.entries, seq, key=lambda e: e.message.mid)
+
+    def backlog(self, target: str | None = None) -> int:
+        """Events `target` has not acknowledged (None: the queue's depth)."""
+        if self._queue is None:
+            return 0
+        if target is None or not self.targets:
+            return self.depth
+        return len(self._queue.entries) - self._first_after(self.cursor(target))
+
+    def backlog_bytes(self, target: str) -> int:
+        """Their bytes (walks them: for `/status`)."""
+        if self._queue is None:
+            return 0
+        start = self._first_after(self.cursor(target))
+        # islice walks the deque once (indexing each entry would walk it per entry).
+        return sum(len(e.message.body) for e in islice(self._queue.entries, start, None))
+
+    def target_oldest_age(self, target: str) -> float:
+        """Seconds since the oldest event `target` has not acknowledged was made."""
+        if self._queue is None:
+            return 0.0
+        index = self._first_after(self.cursor(target))
+        if index >= len(self._queue.entries):
+            return 0.0
+        body = self._queue.entries[index].message.body
+        return max(0.0, self.clock() - event_created(body))
+
+    def _targets_beyond_retention(self) -> list[JournalOp]:
+        """A mesh: each target past the retention bound goes to NeedsResync on its own
+        (journaled in its record); its backlog is no longer kept for it, the others go on."""
+        if not self.retention or self._queue is None:
+            return []
+        ops: list[JournalOp] = []
+        for target in self.targets:
+            if target in self.target_resync or self.backlog(target) <= self.retention:
+                continue
+            reason = (
+                f"target {target}: {self.backlog(target)} events unacknowledged passed the "
+                f"retention bound ({self.retention}): its backlog is dropped, it needs a re-seed"
+            )
+            log.error("mirror: NeedsResync: %s", reason)
+            self.target_resync[target] = reason
+            ops += self._cursor_record(target)
+        if not ops:
+            return []
+        return ops + self._trim(self.floor())
+
+    def _reseed_targets(self, target: str | None) -> list[JournalOp]:
+        """A mesh re-seed: the targets in NeedsResync (and `target`) skip their backlog
+        (their cursor moves to the newest event); the announcement that follows rebuilds
+        them. Nothing is dropped for the others (they get the announcement too: applying
+        it twice changes nothing)."""
+        ops: list[JournalOp] = []
+        head = self.vhost.next_mid - 1
+        for each in {*self.target_resync, *([target] if target is not None else [])}:
+            self.target_resync.pop(each, None)
+            self.cursors[each] = max(self.cursors.get(each, 0), head)
+            ops += self._cursor_record(each)
+        if self._queue is not None:
+            ops += self._trim(self.floor())
+        return ops
 
     # -- metrics ----------------------------------------------------------------------------
 
