@@ -400,7 +400,7 @@ MIRROR_COLUMNS = (
 )  # fmt: skip
 FEDERATION_COLUMNS = (
     "CLUSTER", "SERVER-ID", "EXCHANGE", "UPSTREAM", "STATE", "BINDINGS", "RECEIVED",
-    "FORWARDED", "DUPLICATES", "LOOPS", "MESSAGE",
+    "FORWARDED", "DUPLICATES", "LOOPS", "PEER-STATUS", "MESSAGE",
 )  # fmt: skip
 
 
@@ -580,10 +580,14 @@ def federation_rows(
         # cause of whatever the links show.
         duplicate = state.get("duplicateOf") or ""
         clash = f"duplicate server id: also {duplicate}" if duplicate else ""
+        # The cluster's amq.peer (as an upstream): its downstreams' status messages
+        # published there / dropped; the cluster's, so on each of its rows.
+        peer = (f"{state.get('peerStatusReceived', 0)}/{state.get('peerStatusDropped', 0)}"
+                if state else "-")  # fmt: skip
         if not links:
             note = f"refused: {refused[-1]}" if refused else "upstream only"
             rows.append((*first, str(meta.get("name", "?")), server, "-", "-", "-", "-", "-",
-                         "-", "-", "-", clash or note))  # fmt: skip
+                         "-", "-", "-", peer, clash or note))  # fmt: skip
         for link in links:
             rows.append((
                 *first, str(meta.get("name", "?")), server, str(link.get("exchange", "?")),
@@ -591,7 +595,7 @@ def federation_rows(
                 f"{link.get('bindings', '-')}/{link.get('localBindings', '-')}",
                 str(link.get("messagesReceived", "-")), str(link.get("forwarded", "-")),
                 str(link.get("duplicatesDropped", "-")), str(link.get("loopsDropped", "-")),
-                clash or str(link.get("message") or ""),
+                peer, clash or str(link.get("message") or ""),
             ))  # fmt: skip
     return rows
 
