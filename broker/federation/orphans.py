@@ -179,10 +179,18 @@ class Orphans:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any failure is retried, as a link's session is
-                log.warning(
-                    "federation: orphan queues on upstream %s not deleted yet (retry in "
-                    "%.0f s): %s", name, pause, exc,
-                )  # fmt: skip
+                if any(link.upstream == name for link in self.pending):
+                    log.warning(
+                        "federation: orphan queues on upstream %s not deleted yet (retry in "
+                        "%.0f s): %s", name, pause, exc,
+                    )  # fmt: skip
+                else:
+                    # Only the look in its state: the links say loudly enough that it is
+                    # not reachable.
+                    log.info(
+                        "federation: upstream %s not searched for orphan queues yet (retry "
+                        "in %.0f s): %s", name, pause, exc,
+                    )  # fmt: skip
             await asyncio.sleep(pause)
             pause = min(pause * 2, upstream.reconnect_max_seconds)
 
