@@ -448,6 +448,12 @@ class FederationStatus(BaseModel):
         description="upstream/queue: link queues of exchanges no longer federated, to be "
         "deleted on their upstream (it is not reachable yet)",
     )
+    upstream_queues_found: list[str] = Field(
+        default_factory=list,
+        description="upstream/queue: link queues named for this server in an upstream's "
+        "state (amq.twinmq.state) that no configured link uses and no record here named "
+        "(a wiped data dir): orphans, deleted as the others (since start)",
+    )
     upstream_queues_left: list[str] = Field(
         default_factory=list,
         description="upstream/queue: link queues of an upstream removed from the federation "

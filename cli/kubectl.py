@@ -8,6 +8,8 @@
     kubectl twinmq audit CLUSTER [--sites] [--wait]
     kubectl twinmq rotate-ca CLUSTER [--wait]
     kubectl twinmq federation status [CLUSTER] [-n NS | -A] [-o table|json]
+    kubectl twinmq federation trust CLUSTER --from-context CTX --from-namespace NS
+        --from-cluster NAME [--upstream NAME]
     kubectl twinmq mirror trust SITE --from-context CTX --from-namespace NS --from-cluster NAME
 
 Every operation is a JSON merge patch of `spec.requests.<op>` carrying a fresh id
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import sys
 import time
@@ -280,6 +283,38 @@ def build_parser() -> argparse.ArgumentParser:
     fed_status.add_argument(
         "cluster", nargs="?", metavar="CLUSTER", help="one cluster (default: all)"
     )
+    fed_trust = fed_sub.add_parser(
+        "trust", parents=[common],
+        help="TLS between a downstream here and its upstream in another Kubernetes cluster",
+        description="For a downstream CLUSTER here whose upstream is a BrokerCluster of "
+        "another Kubernetes cluster (reached through --from-context), where the operator "
+        "cannot copy the CAs itself: copy the upstream's published CA (ConfigMap "
+        "<from-cluster>-ca, key ca.crt) into the ConfigMap <CLUSTER>-federation-trust here "
+        "(key <upstream>.crt) and set that upstream's spec.federation.upstreams[].tls "
+        "(caConfigMap, and clientSecret <CLUSTER>-federation-tls, issued by CLUSTER's CA, "
+        "when none is named); and add CLUSTER's CA (ConfigMap <CLUSTER>-ca) to the bundle "
+        "<from-cluster>-federation-downstream-trust in the upstream's namespace (keeping "
+        "the CAs its current bundle holds) and set the upstream's "
+        "spec.federation.downstreamCaConfigMap to it. Both clusters' pods roll once. The "
+        "upstream entry needs an amqps:// uri. Idempotent: run it again after either CA was "
+        "rotated (a replaced downstream CA stays in the bundle until removed by hand). "
+        "Prints what it did.",
+    )  # fmt: skip
+    fed_trust.add_argument("cluster", metavar="CLUSTER", help="the downstream BrokerCluster here")
+    fed_trust.add_argument(
+        "--from-context", help="kubeconfig context of the upstream's cluster (default: the same)"
+    )
+    fed_trust.add_argument(
+        "--from-namespace", help="the upstream's namespace (default: the context's)"
+    )
+    fed_trust.add_argument(
+        "--from-cluster", required=True, help="the upstream BrokerCluster (its name)"
+    )
+    fed_trust.add_argument(
+        "--upstream", metavar="NAME",
+        help="the entry of CLUSTER's spec.federation.upstreams that is it (default: the only "
+        "one, else the one named as --from-cluster)",
+    )  # fmt: skip
     fed_status.add_argument(
         "-A", "--all-namespaces", action="store_true", help="clusters in every namespace"
     )
@@ -417,7 +452,7 @@ MIRROR_COLUMNS = (
 )  # fmt: skip
 FEDERATION_COLUMNS = (
     "CLUSTER", "SERVER-ID", "EXCHANGE", "UPSTREAM", "STATE", "BINDINGS", "RECEIVED",
-    "FORWARDED", "DUPLICATES", "LOOPS", "MESSAGE",
+    "FORWARDED", "DUPLICATES", "LOOPS", "PEER-STATUS", "MESSAGE",
 )  # fmt: skip
 
 
@@ -597,10 +632,14 @@ def federation_rows(
         # cause of whatever the links show.
         duplicate = state.get("duplicateOf") or ""
         clash = f"duplicate server id: also {duplicate}" if duplicate else ""
+        # The cluster's amq.peer (as an upstream): its downstreams' status messages
+        # published there / dropped; the cluster's, so on each of its rows.
+        peer = (f"{state.get('peerStatusReceived', 0)}/{state.get('peerStatusDropped', 0)}"
+                if state else "-")  # fmt: skip
         if not links:
             note = f"refused: {refused[-1]}" if refused else "upstream only"
             rows.append((*first, str(meta.get("name", "?")), server, "-", "-", "-", "-", "-",
-                         "-", "-", "-", clash or note))  # fmt: skip
+                         "-", "-", "-", peer, clash or note))  # fmt: skip
         for link in links:
             rows.append((
                 *first, str(meta.get("name", "?")), server, str(link.get("exchange", "?")),
@@ -608,7 +647,7 @@ def federation_rows(
                 f"{link.get('bindings', '-')}/{link.get('localBindings', '-')}",
                 str(link.get("messagesReceived", "-")), str(link.get("forwarded", "-")),
                 str(link.get("duplicatesDropped", "-")), str(link.get("loopsDropped", "-")),
-                clash or str(link.get("message") or ""),
+                peer, clash or str(link.get("message") or ""),
             ))  # fmt: skip
     return rows
 
@@ -962,6 +1001,155 @@ def cmd_mirror_trust(kube: Kube, other: Kube, args: argparse.Namespace, out: Any
     return EXIT_OK
 
 
+FEDERATION_CLIENT_SECRET = "{cluster}-federation-tls"
+"""The client certificate the operator issues for a cluster's links (federationtls.py)."""
+_PEM = re.compile(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.DOTALL)
+
+
+def federation_trust_config_map(cluster: str) -> str:
+    """The ConfigMap `federation trust` writes in the downstream's namespace: its upstreams'
+    CAs, a key `<upstream>.crt` each."""
+    return f"{cluster}-federation-trust"
+
+
+def downstream_trust_config_map(cluster: str) -> str:
+    """The ConfigMap `federation trust` writes in the upstream's namespace: its downstreams'
+    CAs, one bundle (`ca.crt`)."""
+    return f"{cluster}-federation-downstream-trust"
+
+
+def pem_certificates(bundle: str) -> list[str]:
+    """The PEM certificates of a bundle, in order, each once."""
+    return list(dict.fromkeys(m.group(0).strip() for m in _PEM.finditer(bundle)))
+
+
+def published_ca(kube: Kube, namespace: str, cluster: str, context: str | None) -> str:
+    """A BrokerCluster's CA as its operator publishes it (`<cluster>-ca`, `ca.crt`)."""
+    where = f"ConfigMap {namespace}/{cluster}-ca" + (
+        f" (context {context})" if context else "")  # fmt: skip
+    found = kube.config_map(namespace, f"{cluster}-ca")
+    bundle = ((found or {}).get("data") or {}).get(TRUST_KEY)
+    if not bundle:
+        raise PluginError(
+            f"{where} " + ("holds no ca.crt" if found else "does not exist") + f": is "
+            f"{namespace}/{cluster} a BrokerCluster with spec.tls on (the operator publishes "
+            "its CA there)?"
+        )
+    return str(bundle)
+
+
+def write_trust(
+    kube: Kube, namespace: str, name: str, data: dict[str, str], where: str, out: Any
+) -> None:
+    """Create or update a ConfigMap of CAs written by the plugin; says what it did."""
+    mine = kube.config_map(namespace, name)
+    if mine is not None and (mine.get("data") or {}) == data:
+        out.write(f"configmap/{name} unchanged in {namespace}: {where}\n")
+        return
+    body = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": {"app.kubernetes.io/managed-by": "kubectl-twinmq"}},
+        "data": data,
+    }  # fmt: skip
+    if mine is not None:
+        # A merge patch: keys dropped from `data` must be null to go (none are here).
+        body["data"] = {**{k: None for k in mine.get("data") or {}}, **data}
+    kube.write_config_map(namespace, body, exists=mine is not None)
+    out.write(f"configmap/{name} {'updated' if mine is not None else 'created'} in "
+              f"{namespace}: {where}\n")  # fmt: skip
+
+
+def chosen_upstream(federation: Mapping[str, Any], args: argparse.Namespace, here: str) -> int:
+    """The index in `upstreams` that `federation trust` sets."""
+    upstreams = list(federation.get("upstreams") or [])
+    names = [str(u.get("name")) for u in upstreams]
+    wanted = args.upstream or (None if len(upstreams) == 1 else args.from_cluster)
+    if wanted is None:
+        return 0
+    if wanted not in names:
+        raise PluginError(
+            f"{here} has no upstream named {wanted} in spec.federation.upstreams (it has: "
+            f"{', '.join(names) or 'none'}); name it with --upstream"
+        )
+    return names.index(wanted)
+
+
+def cmd_federation_trust(kube: Kube, other: Kube, args: argparse.Namespace, out: Any) -> int:
+    """`federation trust`: the upstream's CA into the downstream's `upstreams[].tls`, the
+    downstream's CA into the upstream's `downstreamCaConfigMap` bundle. Everything is read
+    before anything is written; each step says what it did."""
+    namespace = args.namespace or kube.default_namespace
+    here = f"{namespace}/{args.cluster}"
+    site = find_cluster(kube, namespace, args.cluster)
+    federation = (site.get("spec") or {}).get("federation")
+    if not federation or not federation.get("upstreams"):
+        raise PluginError(f"{here} has no spec.federation.upstreams: nothing to trust")
+    index = chosen_upstream(federation, args, here)
+    upstreams = [dict(u) for u in federation["upstreams"]]
+    entry = upstreams[index]
+    uri = entry.get("uri")
+    if uri is not None and not str(uri).startswith("amqps://"):
+        raise PluginError(
+            f"{here}'s upstream {entry['name']} dials {uri}: give it an amqps:// uri (the "
+            "upstream's AMQPS port, 5671) first; TLS needs it"
+        )
+    from_ns = args.from_namespace or other.default_namespace
+    there = f"{from_ns}/{args.from_cluster}"
+    upstream_ca = published_ca(other, from_ns, args.from_cluster, args.from_context)
+    own_ca = published_ca(kube, namespace, args.cluster, None)
+    upstream = find_cluster(other, from_ns, args.from_cluster)
+    serving = (upstream.get("spec") or {}).get("federation") or {}
+    bundle_name = downstream_trust_config_map(args.from_cluster)
+    # The downstreams the upstream trusts now: its named bundle, else the operator's copy
+    # of its own Kubernetes cluster's downstreams (`downstreamCaConfigMap` replaces it).
+    current_name = serving.get("downstreamCaConfigMap") or (
+        f"{args.from_cluster}-federation-downstream-ca")  # fmt: skip
+    current = other.config_map(from_ns, current_name)
+    trusted = pem_certificates(str(((current or {}).get("data") or {}).get(TRUST_KEY) or ""))
+
+    # The downstream side: the upstream's CA, and the upstream entry's tls naming it.
+    name = federation_trust_config_map(args.cluster)
+    mine = kube.config_map(namespace, name)
+    data = dict((mine or {}).get("data") or {})
+    key = f"{entry['name']}.crt"
+    data[key] = upstream_ca
+    write_trust(kube, namespace, name, data, f"the CA of {there} (key {key})", out)
+    tls = dict(entry.get("tls") or {})
+    wanted = {**tls, "enabled": True, "caConfigMap": name, "caKey": key}
+    secret = FEDERATION_CLIENT_SECRET.format(cluster=args.cluster)
+    if not tls.get("clientSecret"):
+        # Issued by this cluster's CA, which the upstream is told to trust below.
+        wanted["clientSecret"] = secret
+    field = f"spec.federation.upstreams[{entry['name']}].tls"
+    if wanted == tls:
+        out.write(f"{RESOURCE}/{args.cluster}: {field} already names {name}\n")
+    else:
+        entry["tls"] = wanted
+        kube.patch(namespace, args.cluster, {"spec": {"federation": {"upstreams": upstreams}}})
+        out.write(f"{RESOURCE}/{args.cluster}: {field} set (caConfigMap {name}, key {key}, "
+                  f"clientSecret {wanted['clientSecret']}); the pods roll\n")  # fmt: skip
+
+    # The upstream side: this cluster's CA added to the bundle of downstream CAs.
+    ours = pem_certificates(own_ca)
+    bundle = "\n".join([*trusted, *(c for c in ours if c not in trusted)]) + "\n"
+    kept = f"; {len(trusted)} CAs kept from {current_name}" if trusted else ""
+    write_trust(other, from_ns, bundle_name, {TRUST_KEY: bundle},
+                f"the CA of {here} among the downstreams' CAs{kept}", out)  # fmt: skip
+    if serving.get("downstreamCaConfigMap") == bundle_name:
+        out.write(f"{RESOURCE}/{args.from_cluster}: spec.federation.downstreamCaConfigMap "
+                  f"already {bundle_name}\n")  # fmt: skip
+    else:
+        patch = {"spec": {"federation": {"downstreamCaConfigMap": bundle_name}}}
+        other.patch(from_ns, args.from_cluster, patch)
+        was = serving.get("downstreamCaConfigMap")
+        out.write(f"{RESOURCE}/{args.from_cluster}: spec.federation.downstreamCaConfigMap set "
+                  f"to {bundle_name}" + (f" (was {was}, its CAs kept)" if was else "")
+                  + "; the pods roll: AMQPS there asks for client certificates, verified "
+                  "against it\n")  # fmt: skip
+    return EXIT_OK
+
+
 def switch_outcome(
     kube: Kube, namespace: str, name: str, reason: str, success: str | None = None
 ) -> tuple[bool, str]:
@@ -1185,6 +1373,10 @@ def run(argv: Sequence[str] | None = None, out: Any = None, err: Any = None) -> 
         kube = Kube.connect(args.kubeconfig, args.context)
         if args.command == "status":
             return cmd_status(kube, args, out)
+        if args.command == "federation" and args.federation_command == "trust":
+            other = Kube.connect(args.kubeconfig, args.from_context) if (
+                args.from_context) else kube  # fmt: skip
+            return cmd_federation_trust(kube, other, args, out)
         if args.command == "federation":
             return cmd_federation_status(kube, args, out)
         if args.command == "mirror" and args.mirror_command == "status":

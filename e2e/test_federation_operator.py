@@ -215,6 +215,20 @@ def test_a_downstream_queue_receives_over_amqps_what_is_published_upstream_acros
     )
     assert (upstream_namespace, central, f"{upstream_namespace}.{central}", "-", "-", "-") in rows
 
+    # The upstream's amq.peer counts: the remote link's link-up after the failover reached
+    # the new active's amq.peer (received, or dropped if the link's user may not write it).
+    def peer_status() -> str:
+        wide = kubectl(cluster, "get", "tmq", central, "-n", upstream_namespace, "-o", "wide")
+        header, row = wide.stdout.splitlines()
+        return row[header.index("PEER-STATUS") :].split()[0]
+
+    wait_for("central's Peer-Status column counting the remote's link-up",
+             lambda: sum(map(int, peer_status().split("/"))) >= 1, 60)  # fmt: skip
+    shown = plugin(cluster, "federation", "status", "-A")
+    (central_row,) = [line.split() for line in shown.stdout.splitlines()[1:]
+                      if line.split()[:2] == [upstream_namespace, central]]  # fmt: skip
+    assert central_row[11] == peer_status(), shown.stdout
+
     # The remote given the central's server id: the operator flags the newer cluster at
     # once (from the spec, before its pods roll and its link is refused at the handshake).
     duplicate = f"{upstream_namespace}.{central}"

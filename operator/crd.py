@@ -158,6 +158,14 @@ def crd() -> dict[str, Any]:
                             "jsonPath": ".status.federation.running",
                         },
                         {
+                            "name": "Peer-Status",
+                            "type": "string",
+                            "priority": 1,
+                            "description": "Downstream links' status messages on this "
+                            "cluster's amq.peer: received/dropped",
+                            "jsonPath": ".status.federation.peerStatus",
+                        },
+                        {
                             "name": "Last-Failover",
                             "type": "date",
                             "jsonPath": ".status.lastFailover.time",

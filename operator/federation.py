@@ -284,9 +284,12 @@ def state_of(
             links=[link_state(link) for link in seen.links],
             refused_peers=list(seen.refused_peers),
             downstream_queues=len(seen.federation_queues),
+            peer_status_received=seen.peer_status_received,
+            peer_status_dropped=seen.peer_status_dropped,
         )
     running = sum(1 for link in state.links if link.state == "Running")
     state.running = f"{running}/{len(state.links)}"
+    state.peer_status = f"{state.peer_status_received}/{state.peer_status_dropped}"
     return state
 
 

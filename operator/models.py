@@ -1210,6 +1210,20 @@ class FederationState(ApiModel):
     downstream_queues: int = Field(
         0, description="Upstream side: link queues held here for downstreams"
     )
+    peer_status_received: int = Field(
+        0,
+        description="Upstream side: downstream links' status messages published on this "
+        "cluster's amq.peer (since its active started)",
+    )
+    peer_status_dropped: int = Field(
+        0,
+        description="Upstream side: downstream links' status messages dropped (the link's "
+        "user may not write to amq.peer, or the message was persistent)",
+    )
+    peer_status: str = Field(
+        "", description="amq.peer status messages from downstreams: received/dropped "
+        "(a printer column)",
+    )  # fmt: skip
     duplicate_of: str = Field(
         "",
         description="Another BrokerCluster (namespace/name) created earlier with the same "

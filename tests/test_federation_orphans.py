@@ -4,6 +4,7 @@ never a queue of another downstream or of a link still configured."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from federationsites import (
 )
 
 from twinmq.broker.federation.agent import queue_name
+from twinmq.broker.federation.orphans import link_exchange
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import status
 from twinmq.testing.waiting import wait_for
@@ -185,3 +187,72 @@ def test_an_upstream_unreachable_at_start_has_the_orphan_queue_deleted_once_it_i
     finally:
         remote.stop()
         central.stop()
+
+
+def test_a_wiped_downstream_finds_its_orphan_queue_in_the_upstreams_state_and_no_other(
+    tmp_path: Path,
+) -> None:
+    central = site(tmp_path, "central")
+    central.start()
+    address = {"central": f"127.0.0.1:{central.port}"}
+    both = [
+        {"exchange": "market", "upstream": "central", "type": "direct"},
+        {"exchange": "news", "upstream": "central", "type": "direct"},
+    ]
+    remote = site(
+        tmp_path, "remote", federation=federation_file(tmp_path / "remote.json", address, both)
+    )
+    # Another downstream federating the same exchange: its queue on central must stay.
+    branch = site(
+        tmp_path,
+        "branch",
+        federation=federation_file(tmp_path / "branch.json", address, both[:1]),
+    )
+    removed, kept = queue_name("market", "remote"), queue_name("news", "remote")
+    others = queue_name("market", "branch")
+    try:
+        remote.start()
+        branch.start()
+        wait_running(remote, "market")
+        wait_running(remote, "news")
+        wait_running(branch, "market")
+        remote.stop()
+        # The data dir wiped (links.json with it), and restarted with fewer links: nothing
+        # here remembers the market link, central's state still names its queue.
+        shutil.rmtree(tmp_path / "remote" / "data")
+        federation_file(tmp_path / "remote.json", address, both[1:])
+        remote.start()
+        wait_for(
+            f"{removed} deleted on central",
+            lambda: (
+                federation_status(remote).get("upstream_queues_deleted") == [f"central/{removed}"]
+            ),
+        )
+        fed = federation_status(remote)
+        assert fed["upstream_queues_found"] == [f"central/{removed}"]
+        assert fed["upstream_queues_pending"] == []
+        queues = upstream_queues(central)
+        assert removed not in queues
+        assert {kept, others} <= queues
+        wait_running(remote, "news")
+        # Found once: the next start finds nothing more.
+        remote.stop()
+        remote.start()
+        wait_running(remote, "news")
+        fed = federation_status(remote)
+        assert fed["upstream_queues_found"] == [] and fed["upstream_queues_deleted"] == []
+        assert {kept, others} <= upstream_queues(central)
+    finally:
+        branch.stop()
+        remote.stop()
+        central.stop()
+
+
+def test_only_a_link_queue_name_that_splits_one_way_is_taken_for_this_servers() -> None:
+    assert link_exchange(queue_name("market", "remote"), "remote") == "market"
+    assert link_exchange(queue_name("market", "branch"), "remote") is None
+    assert link_exchange("market-in", "remote") is None
+    # A server "eu:remote" federating market, or an exchange "a:market": not ours to take.
+    assert link_exchange(queue_name("market", "eu:remote"), "remote") is None
+    assert link_exchange(queue_name("a:market", "remote"), "remote") is None
+    assert link_exchange(queue_name("market", "eu:remote"), "eu:remote") is None

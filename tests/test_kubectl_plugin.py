@@ -493,15 +493,17 @@ def test_federation_status_shows_each_link_with_bindings_and_counts() -> None:
             "duplicatesDropped": 1, "loopsDropped": 0}  # fmt: skip
     upstream = cluster_obj("central", federation={"serverId": "eu", "links": []})
     upstream["spec"]["federation"] = {"serverId": "eu"}
+    upstream["status"]["federation"].update(peerStatusReceived=7, peerStatusDropped=2)
     downstream = federated(serverId="prod.orders", links=[link])
     code, out, _ = run(FakeKube(downstream), ["federation", "status"])
     assert code == EXIT_OK, out
     header, row = out.splitlines()
     assert header.split() == list(kubectl.FEDERATION_COLUMNS)
     assert row.split() == ["orders", "prod.orders", "market", "central", "Running", "2/10",
-                           "500", "42", "1", "0"]  # fmt: skip
+                           "500", "42", "1", "0", "0/0"]  # fmt: skip
     (_, only) = kubectl.federation_rows([downstream, upstream])
-    assert only == ("central", "eu", "-", "-", "-", "-", "-", "-", "-", "-", "upstream only")
+    assert only == ("central", "eu", "-", "-", "-", "-", "-", "-", "-", "-", "7/2",
+                    "upstream only")  # fmt: skip
 
 
 def test_federation_status_of_a_cluster_not_yet_seen_a_refusal_and_json() -> None:

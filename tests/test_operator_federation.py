@@ -226,10 +226,18 @@ def test_the_status_condition_and_events_follow_a_real_link_up_and_down(
         ((kind, reason, _),) = federation.events(unknown, up)
         assert (kind, reason) == ("Normal", "FederationLinkUp")
         assert federation.events(up, up) == []
-        # The upstream side: the link queue held there for the downstream.
+        # The upstream side: the link queue held there for the downstream, and the
+        # link's link-up on its amq.peer (the status's peer counts, a printer column).
+        wait_for(
+            "the link-up on central's amq.peer",
+            lambda: report(central).federation.peer_status_received >= 1,  # type: ignore[union-attr]
+        )
         upstream = federation.state_of(Federation(), "site-a", "central",
                                        report(central).federation)  # fmt: skip
         assert upstream is not None and upstream.downstream_queues == 1
+        assert upstream.peer_status_received >= 1 and upstream.peer_status_dropped == 0
+        assert upstream.peer_status == f"{upstream.peer_status_received}/0"
+        assert unknown.peer_status == "0/0"
         assert federation.condition(upstream) == (
             "Federated", True, "UpstreamOnly", "no federated exchange here; serving as "
             "site-a.central",

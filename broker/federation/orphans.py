@@ -14,8 +14,17 @@ remembered and not configured any more are its orphans:
   logged and listed in `/status` (`upstream_queues_left`) and forgotten (delete it by
   hand).
 
-Only queues this server's links declared are ever deleted (names recorded here, which
-carry this server's identifier), and never one a configured link uses: a queue of
+A wiped data dir (or a pair's passive promoted, never active with the links) has no
+record: the upstream's state replication then says what is there. At each start a
+connection to each upstream in the file subscribes to its `amq.twinmq.state`, and every
+queue of its full state named as a link queue of this server (`federation:<exchange>:
+<server id>`, `agent.queue_name`) that no configured link uses is an orphan found there:
+pending, deleted and reported by the same rule as a remembered one. Only names that
+split one way are taken (no `:` in the exchange name nor in the server id): otherwise a
+queue of a server whose id ends with `:<this id>` could be taken for one of ours.
+
+Only queues this server's links declared are ever deleted (names recorded here, or named
+for this server's identifier upstream), and never one a configured link uses: a queue of
 another downstream, or of a link still in the file, is not touched.
 """
 
@@ -24,20 +33,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from twinmq.broker.atomicfile import replace_file
+from twinmq.broker.federation.agent import QUEUE_PREFIX
 from twinmq.broker.federation.config import Upstream
-from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, duplicate_refusal
-from twinmq.broker.federation.wire import LinkClient
+from twinmq.broker.federation.identity import (
+    SERVER_ID_PROPERTY,
+    STATE_PROPERTY,
+    duplicate_refusal,
+)
+from twinmq.broker.federation.state import STATE_EXCHANGE, StateMessage, StateView
+from twinmq.broker.federation.wire import Delivery, LinkClient
 
 log = logging.getLogger(__name__)
 
 FILE_NAME = "links.json"
 FIRST_PAUSE = 1.0  # seconds before the first retry of a failed clean-up
+STATE_WAIT = 10.0  # seconds a scan waits for the upstream's full state (then retried)
+
+
+def link_exchange(queue: str, server_id: str) -> str | None:
+    """The upstream exchange of `queue` if it is a link queue of `server_id`
+    (`federation:<exchange>:<server id>`), else None; None too when the name could split
+    another way (a `:` in the exchange or the id: then it may be another server's)."""
+    if ":" in server_id or not queue.startswith(QUEUE_PREFIX):
+        return None
+    exchange, sep, owner = queue[len(QUEUE_PREFIX) :].rpartition(":")
+    if not sep or not exchange or ":" in exchange or owner != server_id:
+        return None
+    return exchange
 
 
 class LinkQueue(BaseModel):
@@ -72,6 +100,7 @@ class Orphans:
         self.pending: list[LinkQueue] = []
         self.deleted: list[str] = []
         self.left: list[str] = []
+        self.found: list[str] = []  # pending ones found by the upstreams' state, not the record
         self._task: asyncio.Task[None] | None = None
 
     def _remembered(self) -> list[LinkQueue]:
@@ -119,11 +148,12 @@ class Orphans:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         replace_file(self.path, (known.model_dump_json(indent=1) + "\n").encode())
 
-    def start(self, upstreams: Callable[[str], Upstream | None]) -> None:
-        """Delete the pending orphans upstream, in the background (active only)."""
-        if self.pending and self._task is None:
+    def start(self, upstreams: Mapping[str, Upstream]) -> None:
+        """Look for orphans in each upstream's state and delete the pending ones there, in
+        the background (active only)."""
+        if (self.pending or upstreams) and self._task is None:
             self._task = asyncio.get_running_loop().create_task(
-                self._clean(upstreams), name="twinmq-federation-orphans"
+                self._clean(dict(upstreams)), name="twinmq-federation-orphans"
             )
 
     async def stop(self) -> None:
@@ -134,38 +164,37 @@ class Orphans:
                 await self._task
             self._task = None
 
-    async def _clean(self, upstreams: Callable[[str], Upstream | None]) -> None:
-        by_upstream: dict[str, list[LinkQueue]] = {}
-        for link in self.pending:
-            by_upstream.setdefault(link.upstream, []).append(link)
+    async def _clean(self, upstreams: dict[str, Upstream]) -> None:
+        # `find` left pending only orphans of upstreams in the file.
         await asyncio.gather(
-            *(
-                self._clean_upstream(name, links, upstreams(name))
-                for name, links in by_upstream.items()
-            )
+            *(self._clean_upstream(name, upstream) for name, upstream in upstreams.items())
         )
 
-    async def _clean_upstream(
-        self, name: str, links: list[LinkQueue], upstream: Upstream | None
-    ) -> None:
-        if upstream is None:
-            return
+    async def _clean_upstream(self, name: str, upstream: Upstream) -> None:
         pause = FIRST_PAUSE
         while True:
             try:
-                await self._delete(name, links, upstream)
+                await self._delete(name, upstream)
                 return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any failure is retried, as a link's session is
-                log.warning(
-                    "federation: orphan queues on upstream %s not deleted yet (retry in "
-                    "%.0f s): %s", name, pause, exc,
-                )  # fmt: skip
+                if any(link.upstream == name for link in self.pending):
+                    log.warning(
+                        "federation: orphan queues on upstream %s not deleted yet (retry in "
+                        "%.0f s): %s", name, pause, exc,
+                    )  # fmt: skip
+                else:
+                    # Only the look in its state: the links say loudly enough that it is
+                    # not reachable.
+                    log.info(
+                        "federation: upstream %s not searched for orphan queues yet (retry "
+                        "in %.0f s): %s", name, pause, exc,
+                    )  # fmt: skip
             await asyncio.sleep(pause)
             pause = min(pause * 2, upstream.reconnect_max_seconds)
 
-    async def _delete(self, name: str, links: list[LinkQueue], upstream: Upstream) -> None:
+    async def _delete(self, name: str, upstream: Upstream) -> None:
         connection = await LinkClient.connect(
             upstream.connect_uri(),
             {
@@ -182,9 +211,11 @@ class Orphans:
             )  # fmt: skip
             if refusal is not None:
                 raise ConnectionError(refusal)
-            for link in list(links):
+            announced = connection.server_properties.get(STATE_PROPERTY)
+            if announced in (STATE_EXCHANGE, STATE_EXCHANGE.encode()):
+                self._add_found(name, await _link_queues(connection, self.server_id))
+            for link in [link for link in self.pending if link.upstream == name]:
                 dropped = await connection.queue_delete(link.queue)
-                links.remove(link)
                 self.pending.remove(link)
                 self.deleted.append(link.shown())
                 self._save()
@@ -196,3 +227,51 @@ class Orphans:
         finally:
             with contextlib.suppress(Exception):
                 await connection.close()
+
+    def _add_found(self, name: str, queues: Mapping[str, str]) -> None:
+        """Pending: the link queues of this server on upstream `name` (queue -> exchange,
+        from its state) that no configured link uses nor the record already holds."""
+        known = {link.queue for link in (*self.configured, *self.pending)}
+        found = [LinkQueue(upstream=name, queue=queue, exchange=exchange)
+                 for queue, exchange in sorted(queues.items()) if queue not in known]  # fmt: skip
+        if not found:
+            return
+        for link in found:
+            self.found.append(link.shown())
+            log.warning(
+                "federation: upstream queue %s (exchange %s upstream) is named for this server "
+                "and no configured link uses it: an orphan (found in the upstream's state, "
+                "not in %s); deleting it", link.shown(), link.exchange, self.path,
+            )  # fmt: skip
+        self.pending.extend(found)
+        self._save()
+
+
+async def _link_queues(connection: LinkClient, server_id: str) -> dict[str, str]:
+    """The link queues of `server_id` on the upstream (queue -> upstream exchange), from
+    a full state of its `amq.twinmq.state` (a private queue, gone with the connection)."""
+    view = StateView()
+    full = asyncio.Event()
+
+    def received(delivery: Delivery) -> None:
+        try:
+            message = StateMessage.model_validate_json(delivery.body)
+        except ValueError as exc:
+            log.warning("federation: unreadable state message from an upstream: %s", exc)
+            return
+        view.apply(message)
+        if message.kind == "full":
+            full.set()
+
+    queue = await connection.declare_private_queue()
+    await connection.watch(queue, "state", received)
+    await connection.queue_bind(queue, STATE_EXCHANGE, "", None)
+    async with asyncio.timeout(STATE_WAIT):  # a TimeoutError is retried with the backoff
+        await full.wait()
+    assert view.state is not None
+    out: dict[str, str] = {}
+    for name in view.state.queues:
+        exchange = link_exchange(name, server_id)
+        if exchange is not None:
+            out[name] = exchange
+    return out

@@ -135,9 +135,11 @@ class Federation:
                 )  # fmt: skip
             link.open_outbox()
             link.start()
-        if self.links or self.orphans.path.exists():
+        if self.upstreams or self.orphans.path.exists():
+            # With upstreams, even without a record (a wiped data dir): their state says
+            # which link queues named for this server are there.
             self.orphans.find(self.upstreams)
-            self.orphans.start(self.upstreams.get)
+            self.orphans.start(self.upstreams)
         if self.links and self.status_interval > 0:
             self._status_task = asyncio.get_running_loop().create_task(
                 self._periodic_status(), name="twinmq-federation-status"
@@ -392,6 +394,7 @@ class Federation:
             upstream_queues_deleted=list(self.orphans.deleted),
             upstream_queues_pending=[link.shown() for link in self.orphans.pending],
             upstream_queues_left=list(self.orphans.left),
+            upstream_queues_found=list(self.orphans.found),
         )
 
     def _state_status(self) -> StateReplicationStatus:

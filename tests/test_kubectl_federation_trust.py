@@ -1,0 +1,193 @@
+"""`kubectl twinmq federation trust` (issue 15): TLS between a downstream BrokerCluster and
+its upstream in another Kubernetes cluster, where the operator cannot copy the CAs itself.
+On a real API server, two namespaces and two kubeconfig contexts standing in for the two
+Kubernetes clusters (as `mirror trust` is tested), and what the operator then makes of
+the specs the command wrote (`operator/federationtls.py`)."""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from apiserver import install_crd
+
+from twinmq.cli.kubectl import (
+    downstream_trust_config_map,
+    federation_trust_config_map,
+    pem_certificates,
+    run,
+)
+from twinmq.operator import certs, federationtls
+from twinmq.operator.builders import ClusterRef
+from twinmq.operator.kube import Kube
+from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec
+
+NOW = datetime(2026, 11, 28, tzinfo=UTC)
+HERE, THERE = "ftrust-a", "ftrust-b"
+
+
+@pytest.fixture(scope="module")
+def api(kube_apiserver: Any) -> Kube:
+    found = Kube(str(kube_apiserver.kubeconfig))
+    install_crd(found)
+    return found
+
+
+def site(api: Kube, namespace: str, name: str, raw: dict[str, Any]) -> ClusterRef:
+    """A namespace with a BrokerCluster whose CA is published, as its operator does."""
+    api.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    made = api.apply({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+                      "metadata": {"name": name, "namespace": namespace}, "spec": raw})  # fmt: skip
+    ref = ClusterRef(name, namespace, made["metadata"]["uid"])
+    certs.reconcile_tls(ref, BrokerClusterSpec.model_validate(raw), certs.TlsMemory(), api,
+                        api.apply, now=NOW, seconds=3600)  # fmt: skip
+    return ref
+
+
+def published_ca(api: Kube, ref: ClusterRef) -> str:
+    found = api.get("v1", "ConfigMap", ref.namespace, f"{ref.name}-ca")
+    assert found is not None
+    return str(found["data"]["ca.crt"])
+
+
+def cluster_spec(api: Kube, ref: ClusterRef) -> dict[str, Any]:
+    found = api.get(f"{GROUP}/{VERSION}", KIND, ref.namespace, ref.name)
+    assert found is not None
+    return dict(found["spec"])
+
+
+def two_contexts(kubeconfig: Path, folder: Path) -> Path:
+    """The admin kubeconfig with a context per Kubernetes cluster (one API server)."""
+    config = json.loads(kubeconfig.read_text())
+    base = config["contexts"][0]["context"]
+    config["contexts"] = [
+        {"name": "here", "context": {**base, "namespace": HERE}},
+        {"name": "there", "context": {**base, "namespace": THERE}},
+    ]
+    config["current-context"] = "here"
+    path = folder / "kubeconfig"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def downstream(uri: str = "amqps://fed@central.example.com:5671/", **more: Any) -> dict[str, Any]:
+    upstreams = [{"name": "central", "uri": uri, "passwordSecret": {"name": "central-login"}}]
+    upstreams += more.get("upstreams", [])
+    exchanges = [{"exchange": "market", "upstream": "central"}]
+    return {"federation": {"upstreams": upstreams, "exchanges": exchanges}}
+
+
+class Unreadable:
+    """A reader that may read nothing (the other Kubernetes cluster)."""
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
+        raise PermissionError(name)
+
+    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> Any:
+        raise PermissionError(kind)
+
+
+def trust(kubeconfig: Path, cluster: str, *more: str, code: int = 0) -> tuple[str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["federation", "trust", cluster, "--kubeconfig", str(kubeconfig),
+            "--from-context", "there", "--from-cluster", "central", *more]  # fmt: skip
+    assert run(argv, out, err) == code, err.getvalue()
+    return out.getvalue(), err.getvalue()
+
+
+def test_federation_trust_copies_each_sides_ca_to_the_other_and_keeps_the_trusted_ones(
+    api: Kube, kube_apiserver: Any, tmp_path: Path
+) -> None:
+    kubeconfig = two_contexts(kube_apiserver.kubeconfig, tmp_path)
+    central = site(api, THERE, "central", {"federation": {}})
+    orders = site(api, HERE, "orders", downstream())
+    # A downstream in central's own Kubernetes cluster, trusted by the operator's copy:
+    # it must stay trusted once downstreamCaConfigMap replaces the copy.
+    local_ca = certs.new_ca(ClusterRef("branch", THERE, "u-branch"), NOW).cert
+    api.apply({"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": "central-federation-downstream-ca", "namespace": THERE},
+               "data": {"ca.crt": local_ca}})  # fmt: skip
+
+    said, _ = trust(kubeconfig, "orders")
+    copy_name, bundle_name = (
+        federation_trust_config_map("orders"),
+        downstream_trust_config_map("central"),
+    )
+    assert f"configmap/{copy_name} created in {HERE}" in said
+    assert "spec.federation.upstreams[central].tls set" in said
+    assert f"configmap/{bundle_name} created in {THERE}" in said and "1 CAs kept" in said
+    assert f"downstreamCaConfigMap set to {bundle_name}" in said
+    # The downstream: the upstream's CA copied, its upstream entry over TLS with it and a
+    # client certificate of its own CA.
+    copy = api.get("v1", "ConfigMap", HERE, copy_name)
+    assert copy is not None and copy["data"] == {"central.crt": published_ca(api, central)}
+    spec = BrokerClusterSpec.model_validate(cluster_spec(api, orders))
+    assert spec.federation is not None
+    (upstream,) = spec.federation.upstreams
+    assert upstream.tls is not None
+    assert (upstream.tls.ca_config_map, upstream.tls.ca_key, upstream.tls.client_secret) == (
+        copy_name, "central.crt", "orders-federation-tls",
+    )  # fmt: skip
+    link = federationtls.resolve_link(orders, upstream, Unreadable(), {})
+    assert link.tls and link.reason == "CAConfigMap"
+    assert federationtls.client_certificate_wanted(spec, "orders")
+    # The upstream: the downstream's CA added to what it trusted, named by its spec.
+    bundle = api.get("v1", "ConfigMap", THERE, bundle_name)
+    assert bundle is not None
+    assert pem_certificates(bundle["data"]["ca.crt"]) == [
+        *pem_certificates(local_ca), *pem_certificates(published_ca(api, orders)),
+    ]  # fmt: skip
+    upstream_spec = BrokerClusterSpec.model_validate(cluster_spec(api, central))
+    down = federationtls.resolve_downstreams(central, upstream_spec, Unreadable(), {})
+    assert down is not None and down.config_map == bundle_name
+
+    # Idempotent.
+    again, _ = trust(kubeconfig, "orders")
+    assert f"configmap/{copy_name} unchanged" in again
+    assert f"configmap/{bundle_name} unchanged" in again
+    assert "already names" in again and f"downstreamCaConfigMap already {bundle_name}" in again
+
+    # A second downstream: added to the bundle, the first one kept.
+    shop = site(api, HERE, "shop", downstream())
+    trust(kubeconfig, "shop")
+    bundle = api.get("v1", "ConfigMap", THERE, bundle_name)
+    assert bundle is not None
+    assert pem_certificates(bundle["data"]["ca.crt"]) == [
+        *pem_certificates(local_ca), *pem_certificates(published_ca(api, orders)),
+        *pem_certificates(published_ca(api, shop)),
+    ]  # fmt: skip
+
+    # The upstream's CA rotated: the copy follows.
+    rotated = certs.new_ca(central, NOW).cert
+    api.apply({"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": "central-ca", "namespace": THERE},
+               "data": {"ca.crt": rotated}})  # fmt: skip
+    assert f"configmap/{copy_name} updated" in trust(kubeconfig, "orders")[0]
+    copy = api.get("v1", "ConfigMap", HERE, copy_name)
+    assert copy is not None and copy["data"]["central.crt"] == rotated
+
+
+def test_federation_trust_refuses_a_plain_uri_and_an_ambiguous_upstream_before_writing(
+    api: Kube, kube_apiserver: Any, tmp_path: Path
+) -> None:
+    kubeconfig = two_contexts(kube_apiserver.kubeconfig, tmp_path)
+    site(api, THERE, "central", {"federation": {}})
+    site(api, HERE, "plain", downstream("amqp://fed@central.example.com:5672/"))
+    _, err = trust(kubeconfig, "plain", code=1)
+    assert "give it an amqps:// uri" in err
+    assert api.get("v1", "ConfigMap", HERE, federation_trust_config_map("plain")) is None
+    other = {"name": "eu", "uri": "amqps://fed@eu.example.com:5671/",
+             "passwordSecret": {"name": "eu-login"}}  # fmt: skip
+    site(api, HERE, "two", downstream(upstreams=[other]))
+    _, err = trust(kubeconfig, "two", "--upstream", "us", code=1)
+    assert "no upstream named us" in err and "central, eu" in err
+    # Without --upstream, the entry named as the upstream BrokerCluster.
+    said, _ = trust(kubeconfig, "two")
+    assert "upstreams[central].tls set" in said
+    site(api, HERE, "bare", {})
+    _, err = trust(kubeconfig, "bare", code=1)
+    assert "has no spec.federation.upstreams" in err
