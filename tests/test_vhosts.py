@@ -250,6 +250,41 @@ def test_status_lists_the_vhosts_and_what_the_mirror_and_federation_cover(
     assert vhosts["/"]["mirrored"] and vhosts["/"]["federated"]
     assert not vhosts["tenant-a"]["mirrored"] and not vhosts["tenant-a"]["federated"]
     assert all(v["served"] for v in vhosts.values())
+    # The same on /metrics.
+    samples = broker.admin.metrics().splitlines()
+    for name in ("twinmq_vhost_mirrored", "twinmq_vhost_federated"):
+        assert f'{name}{{vhost="/"}} 1.0' in samples
+        assert f'{name}{{vhost="tenant-a"}} 0.0' in samples
+
+
+def _queue_gauges(broker: BrokerProcess, queue: str) -> dict[tuple[str, str], float]:
+    """The per-queue gauges of `queue` on `/metrics`: (series name, vhost) -> value."""
+    found = {}
+    for line in broker.admin.metrics().splitlines():
+        if line.startswith("twinmq_queue_messages_") and f'queue="{queue}"' in line:
+            series, value = line.rsplit(" ", 1)
+            name, labels = series.split("{", 1)
+            vhost = labels.split('vhost="', 1)[1].split('"', 1)[0]
+            found[(name, vhost)] = float(value)
+    return found
+
+
+def test_two_vhosts_queues_of_one_name_are_two_prometheus_series(broker: BrokerProcess) -> None:
+    publish(broker, "/", "metered", [b"root-1"])
+    publish(broker, "tenant-a", "metered", [b"a-1", b"a-2"])
+    gauges = _queue_gauges(broker, "metered")
+    assert gauges[("twinmq_queue_messages_ready", "/")] == 1
+    assert gauges[("twinmq_queue_messages_ready", "tenant-a")] == 2
+    assert gauges[("twinmq_queue_messages_unacknowledged", "tenant-a")] == 0
+    drain(broker, "tenant-a", "metered")
+    conn = connect(broker, "admin", "tenant-a")
+    conn.channel().queue_delete("metered")
+    conn.close()
+    # The deleted queue's series goes; `/`'s of that name stays.
+    gauges = _queue_gauges(broker, "metered")
+    assert ("twinmq_queue_messages_ready", "tenant-a") not in gauges
+    assert gauges[("twinmq_queue_messages_ready", "/")] == 1
+    assert drain(broker, "/", "metered") == [b"root-1"]
 
 
 def test_vhosts_survive_a_restart_and_follow_the_users_file_without_one(tmp_path: Path) -> None:
@@ -392,6 +427,50 @@ def test_a_retired_vhost_keeps_its_content_until_the_admin_deletes_it(tmp_path: 
         with pytest.raises(pika.exceptions.ChannelClosedByBroker):
             again.channel().exchange_declare("b-events", "fanout", passive=True)
         again.close()
+
+
+def _vhost_names(broker: BrokerProcess) -> list[str]:
+    data = status(broker)
+    assert data is not None
+    return sorted(v["name"] for v in data["vhosts"])
+
+
+def test_the_passive_drops_a_vhost_the_active_deleted_without_a_restart(tmp_path: Path) -> None:
+    users = users_file(tmp_path / "users.json")
+    with Pair(tmp_path / "pair", broker_args=["--users-file", str(users)]) as pair:
+        publish(pair.active, "tenant-b", "orders", [b"b-1", b"b-2"])
+        publish(pair.active, "tenant-a", "orders", [b"a-1"])
+        conn = connect(pair.active, "admin", "tenant-b")
+        conn.channel().exchange_declare("b-events", "fanout", durable=True)
+        conn.close()
+        wait_for(
+            "tenant-b on the passive",
+            lambda: ("tenant-b", "orders") in queues_by_vhost(pair.passive),
+            10,
+        )
+        users_file(users, ["/", "tenant-a"])  # both brokers read this file
+        wait_for("tenant-b retired", lambda: not _opens(pair.active, "tenant-b"), timeout=30)
+        done = pair.active.admin.delete_vhost("tenant-b")
+        assert (done.queues, done.exchanges, done.messages) == (1, 1, 2)
+        assert "tenant-b" not in _vhost_names(pair.active)
+        wait_for(
+            "the passive's vhosts are the active's",
+            lambda: _vhost_names(pair.passive) == _vhost_names(pair.active),
+            10,
+        )
+        assert "tenant-b" not in _vhost_names(pair.passive)
+        assert queues_by_vhost(pair.passive) == queues_by_vhost(pair.active)
+        # Still in sync after it: a failover keeps the rest.
+        publish(pair.active, "tenant-a", "orders", [b"a-2"])
+        pair.active.kill()
+        wait_for(
+            "passive ready",
+            lambda: (status(pair.passive) or {}).get("replication", {}).get("ready"),
+            10,
+        )
+        pair.promote_passive()
+        assert "tenant-b" not in _vhost_names(pair.active)
+        assert drain(pair.active, "tenant-a", "orders") == [b"a-1", b"a-2"]
 
 
 def test_a_passive_catches_up_on_every_vhost_and_a_failover_keeps_them(tmp_path: Path) -> None:
