@@ -10,6 +10,7 @@ open unchanged. Names are unique within a vhost only.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -123,7 +124,7 @@ class DefinitionsDelta(BaseModel):
     # The vhost itself is deleted (`DELETE /vhosts/{name}`), after the deltas that deleted
     # its content: a passive drops it then, as the active did. Left out when false, so
     # what is stored and sent without it is what versions before it wrote.
-    drop_vhost: bool = False
+    drop_vhost: bool = Field(False, exclude_if=operator.not_)
 
     def __bool__(self) -> bool:
         return bool(
@@ -209,12 +210,12 @@ class TopologyState:
 
     def _drop_vhost(self, vhost: str) -> list[int]:
         dropped = [q.qid for key, q in self.queues.items() if key[0] == vhost]
-        for key in [k for k in self.bindings if k[0] == vhost]:
-            self._unbind(key)
-        for key in [k for k in self.exchanges if k[0] == vhost]:
-            del self.exchanges[key]
-        for key in [k for k in self.queues if k[0] == vhost]:
-            del self.queues[key]
+        for binding in [k for k in self.bindings if k[0] == vhost]:
+            self._unbind(binding)
+        for named in [k for k in self.exchanges if k[0] == vhost]:
+            del self.exchanges[named]
+        for named in [k for k in self.queues if k[0] == vhost]:
+            del self.queues[named]
         return dropped
 
     def _unbind(self, key: BindingKey) -> None:

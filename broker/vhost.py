@@ -1404,8 +1404,8 @@ class VirtualHost:
             # this broker's vhosts are the active's, not only after a restart.
             gone = self.root.vhosts.get(delta.vhost)
             if gone is not None and gone is not self.root:
-                for queue in list(gone.queues.values()):
-                    gone.remove_queue(queue)  # none: their deltas came first
+                for left in list(gone.queues.values()):
+                    gone.remove_queue(left)  # none: their deltas came first
                 gone._drop()
                 log.warning("vhost %r deleted on the active: dropped", delta.vhost)
             self._record_applied(delta, staged)

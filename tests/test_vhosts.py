@@ -524,6 +524,29 @@ def test_a_delta_without_a_vhost_is_of_slash_and_names_are_unique_per_vhost() ->
     assert '"vhost":"t"' in QueueDef(name="q", qid=2, vhost="t").model_dump_json()
 
 
+def test_a_vhost_deletion_record_drops_only_that_vhost_and_older_records_lack_it() -> None:
+    """`drop_vhost` (the last record of `DELETE /vhosts/{name}`) takes what is left of the
+    vhost out of the topology, never another's; records without it are stored as before."""
+    state = TopologyState()
+    for vhost, qid in (("/", 1), ("t", 2)):
+        state.apply(
+            DefinitionsDelta(
+                vhost=vhost,
+                add_queues=[QueueDef(name="q", qid=qid, vhost=vhost)],
+                add_exchanges=[ExchangeDef(name="x", type="fanout", vhost=vhost)],
+                add_bindings=[BindingDef(exchange="x", queue="q", routing_key="", vhost=vhost)],
+            )
+        )
+    dropped = DefinitionsDelta(vhost="t", drop_vhost=True)
+    assert dropped  # not an empty delta: it is recorded and sent
+    assert state.apply(dropped) == [2]
+    defs = state.definitions()
+    assert {(o.vhost, o.name) for o in [*defs.queues, *defs.exchanges]} == {("/", "q"), ("/", "x")}
+    assert [b.vhost for b in defs.bindings] == ["/"]
+    assert "drop_vhost" not in DefinitionsDelta(del_queues=["q"]).model_dump_json()
+    assert DefinitionsDelta.model_validate_json(dropped.model_dump_json()) == dropped
+
+
 def test_the_dr_mirror_carries_slash_and_skips_other_vhosts_loudly(tmp_path: Path) -> None:
     users = users_file(tmp_path / "users.json")
     with Sites(tmp_path, source_args=["--users-file", str(users)]) as sites:
