@@ -447,6 +447,10 @@ class Broker:
             name=name, queues=queues, exchanges=exchanges, messages=messages, connections=closed
         )
 
+    def served_vhosts(self) -> frozenset[str]:
+        """The vhosts the users file declares (and `/`)."""
+        return self.authenticator.vhosts
+
     def served_vhost(self, name: str) -> VirtualHost | None:
         """The vhost `name` if the users file declares it (`/` always), else None."""
         if name not in self.authenticator.vhosts:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -1344,12 +1344,21 @@ class VirtualHost:
             if q.durable
         }
 
-    def apply_definitions(self, defs: Definitions) -> None:
+    def apply_definitions(self, defs: Definitions, served: Collection[str] | None = None) -> None:
         """Make the topology of every vhost equal to the active's (a passive receiving its
-        definitions); a vhost the active has and this broker not yet is made."""
+        definitions); a vhost the active has and this broker not yet is made.
+
+        With `served` (the vhosts this broker's users file declares): a vhost that `defs`
+        does not name and `served` does not hold, emptied here, is dropped: the active
+        deleted it while this passive was not linked (`DELETE /vhosts/{name}`)."""
         root = self.root
-        for name in sorted(defs.vhost_names() | set(root.vhosts)):
-            root.add_vhost(name)._replace_topology(defs.of_vhost(name))
+        named = defs.vhost_names()
+        for name in sorted(named | set(root.vhosts)):
+            vhost = root.add_vhost(name)
+            vhost._replace_topology(defs.of_vhost(name))
+            if served is not None and vhost is not root and name not in named | set(served):
+                vhost._drop()
+                log.warning("vhost %r is not on the active nor in the users file: dropped", name)
         self.committer.save_definitions(root.all_definitions())
         self._queues_changed()
 

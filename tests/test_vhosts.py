@@ -429,6 +429,12 @@ def test_a_retired_vhost_keeps_its_content_until_the_admin_deletes_it(tmp_path: 
         again.close()
 
 
+def _served(broker: BrokerProcess, vhost: str) -> bool:
+    data = status(broker)
+    assert data is not None
+    return any(v["name"] == vhost and v["served"] for v in data["vhosts"])
+
+
 def _vhost_names(broker: BrokerProcess) -> list[str]:
     data = status(broker)
     assert data is not None
@@ -471,6 +477,44 @@ def test_the_passive_drops_a_vhost_the_active_deleted_without_a_restart(tmp_path
         pair.promote_passive()
         assert "tenant-b" not in _vhost_names(pair.active)
         assert drain(pair.active, "tenant-a", "orders") == [b"a-1", b"a-2"]
+
+
+def test_a_passive_unlinked_during_a_vhost_deletion_drops_it_when_it_links_again(
+    tmp_path: Path,
+) -> None:
+    """Unlinked, the passive misses the deletion's records; the topology it gets whole when
+    it links again does not name the vhost, which its users file no longer declares."""
+    users = users_file(tmp_path / "users.json")
+    with Pair(tmp_path / "pair", broker_args=["--users-file", str(users)]) as pair:
+        publish(pair.active, "tenant-b", "orders", [b"b-1"])
+        publish(pair.active, "tenant-a", "orders", [b"a-1"])
+        wait_for(
+            "tenant-b on the passive",
+            lambda: ("tenant-b", "orders") in queues_by_vhost(pair.passive),
+            10,
+        )
+        users_file(users, ["/", "tenant-a"])
+        wait_for("tenant-b retired", lambda: not _opens(pair.active, "tenant-b"), timeout=30)
+        # The passive reads the file on its own: it must have retired tenant-b too.
+        wait_for(
+            "tenant-b retired on the passive", lambda: not _served(pair.passive, "tenant-b"), 30
+        )
+        pair.link.cut()  # every connection reset, new ones too
+        wait_for(
+            "the link is down",
+            lambda: not (status(pair.passive) or {}).get("replication", {}).get("link_connected"),
+            30,
+        )
+        pair.active.admin.delete_vhost("tenant-b")
+        assert "tenant-b" in _vhost_names(pair.passive)
+        pair.link.heal()
+        pair.wait_healthy(30)
+        wait_for(
+            "the passive's vhosts are the active's",
+            lambda: _vhost_names(pair.passive) == _vhost_names(pair.active),
+            10,
+        )
+        assert queues_by_vhost(pair.passive) == queues_by_vhost(pair.active)
 
 
 def test_a_passive_catches_up_on_every_vhost_and_a_failover_keeps_them(tmp_path: Path) -> None:
