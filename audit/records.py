@@ -49,11 +49,6 @@ class AuditRecord(BaseModel):
     broker: str = Field(description="Name of the broker that wrote the record")
     epoch: int = Field(description="The broker's epoch when it wrote the record")
     queue: str = Field(description="Queue name")
-    vhost: str | None = Field(
-        None,
-        description="The queue's vhost (format 6); None for `/` (and `/` in logs before "
-        "format 6, whose other vhosts' queues are read from their `<name> (vhost <vhost>)`)",
-    )
     replication_id: int = Field(description="The message's replication ID (same on both brokers)")
     message_id: str | None = Field(description="The publisher's message-id property, if set")
     digest: str = Field(
@@ -79,6 +74,11 @@ class AuditRecord(BaseModel):
         description="With `message_origin`: the message's replication id at that site (this "
         "site's `replication_id` is its own, ids being mapped per origin)",
     )
+    vhost: str | None = Field(
+        None,
+        description="The queue's vhost (format 6); None for `/` (and `/` in logs before "
+        "format 6, whose other vhosts' queues are read from their `<name> (vhost <vhost>)`)",
+    )
 
 
 class AuditBatch(BaseModel):
@@ -97,7 +97,6 @@ class AuditBatch(BaseModel):
     broker: str
     epoch: int
     queue: str
-    vhost: str | None = None
     event: AuditEvent
     time: float
     replication_ids: list[int] | None = None
@@ -109,6 +108,7 @@ class AuditBatch(BaseModel):
     message_origin: str | None = None
     origin_ids: list[int] | None = None
     origin_id_runs: list[tuple[int, int]] | None = None
+    vhost: str | None = None  # format 6: the queue's vhost (left out for `/`)
 
 
 DEFAULT_VHOST = "/"

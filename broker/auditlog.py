@@ -79,9 +79,9 @@ from twinmq.broker.writerthread import WriterThread
 log = logging.getLogger(__name__)
 
 assert BATCH_FIELDS == (
-    "broker", "epoch", "queue", "vhost", "event", "time", "replication_ids", "replication_id_runs",
+    "broker", "epoch", "queue", "event", "time", "replication_ids", "replication_id_runs",
     "message_ids", "digests", "digests_hex", "origin", "message_origin", "origin_ids",
-    "origin_id_runs",
+    "origin_id_runs", "vhost",
 ), "the writer below must follow AuditBatch's fields"  # fmt: skip
 
 # One completed batch waiting to be written: its ops, the event of its stored messages,
