@@ -29,6 +29,7 @@ from pyspark.sql import functions as F
 
 from twinmq.audit import transforms as T
 from twinmq.audit.job import SparkIO, _read
+from twinmq.audit.records import split_queue_key
 from twinmq.audit.schema import spark_schema
 from twinmq.audit.store import SegmentName, Store
 from twinmq.audit.summary import (
@@ -311,7 +312,9 @@ def run_cross_site(
             manifest, new = None, listed
         frames = []
         for site, io in ios.items():
-            frame = _read(spark, [io.read(s.key) for s in new[site]], spark_schema())
+            frame = T.with_queue_keys(
+                _read(spark, [io.read(s.key) for s in new[site]], spark_schema())
+            )
             frames.append(frame.withColumn("site", F.lit(site)))
         records = frames[0].unionByName(frames[1]).cache()
         origins = {
@@ -479,10 +482,12 @@ def _summarize(
         index = 0 if keep == "queue" else 1
         return _stats([x for key, rows in lag_rows.items() if key[index] == value for x in rows])
 
-    queues = [
-        CrossSiteQueue(queue=name, counts=per_queue[name], lag=lag_of("queue", name))
-        for name in sorted(per_queue)
-    ]
+    queues = []
+    for key in sorted(per_queue):
+        vhost, name = split_queue_key(key)
+        queues.append(
+            CrossSiteQueue(queue=name, vhost=vhost, counts=per_queue[key], lag=lag_of("queue", key))
+        )
     directions = [
         CrossSiteDirection(source=s, target=_other(s), counts=per_site[s], lag=lag_of("site", s))
         for s in SITES
@@ -491,7 +496,8 @@ def _summarize(
     findings = [
         CrossSiteFinding(
             kind=FindingKind.MIRROR_DUPLICATE,
-            queue=r["queue"],
+            queue=split_queue_key(r["queue"])[1],
+            vhost=split_queue_key(r["queue"])[0],
             replication_id=r["replication_id"],
             home=r["home"],
             site=r["site"],
@@ -505,12 +511,14 @@ def _summarize(
     for r in listed.orderBy("queue", "replication_id").limit(MAX_FINDINGS).collect():
         if r["kind"] is not None:
             findings.append(CrossSiteFinding(
-                kind=FindingKind(r["kind"]), queue=r["queue"], replication_id=r["replication_id"],
+                kind=FindingKind(r["kind"]), queue=split_queue_key(r["queue"])[1],
+                vhost=split_queue_key(r["queue"])[0], replication_id=r["replication_id"],
                 home=r["home"], site=r["home"], time=r["t_confirm"],
             ))  # fmt: skip
         if r["settle_kind"] == FindingKind.MIRROR_UNSETTLED.value:
             findings.append(CrossSiteFinding(
-                kind=FindingKind.MIRROR_UNSETTLED, queue=r["queue"],
+                kind=FindingKind.MIRROR_UNSETTLED, queue=split_queue_key(r["queue"])[1],
+                vhost=split_queue_key(r["queue"])[0],
                 replication_id=r["replication_id"], home=r["home"], site=r["settled_at"],
                 time=r["t_settle"],
             ))  # fmt: skip

@@ -42,9 +42,10 @@ from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import StructType
+from pyspark.sql.types import StringType, StructField, StructType
 
 from twinmq.audit import transforms as T
+from twinmq.audit.records import queue_key, split_queue_key
 from twinmq.audit.schema import spark_schema
 from twinmq.audit.store import SegmentName, Store
 from twinmq.audit.summary import (
@@ -329,7 +330,7 @@ def _run(
     previous_globals = manifest.globals_run
 
     # Extract: the segments not audited yet.
-    events = _read(spark, [io.read(s.key) for s in new_segments], spark_schema())
+    events = T.with_queue_keys(_read(spark, [io.read(s.key) for s in new_segments], spark_schema()))
 
     # Per replication id: fold the new events into the state blocks they touch.
     partial = T.message_aggregates(events, brokers).persist()
@@ -531,6 +532,10 @@ def peer_last_epochs(brokers: list[str], epochs: list[dict[str, Any]]) -> dict[s
     return {name: last[peer] for name, peer in ((a, b), (b, a)) if peer in last}
 
 
+# A run's findings as written: each queue's name and its vhost (the state keeps keys).
+_WRITTEN_FINDINGS = StructType([*T.FINDINGS_SCHEMA.fields, StructField("vhost", StringType())])
+
+
 def _summarize(
     spark: SparkSession,
     io: SparkIO,
@@ -550,13 +555,14 @@ def _summarize(
             _read(spark, _global_path(io, run, table), T.FINDINGS_SCHEMA)
         )
     findings_key = f"audit/runs/{run}/findings.parquet"
-    findings.coalesce(1).write.parquet(io.write(findings_key))
+    # Written with each queue's name and vhost (the state keeps queue keys).
+    T.split_queue_keys(findings).coalesce(1).write.parquet(io.write(findings_key))
     io.flush()
-    written = _read(spark, [io.read(findings_key)], T.FINDINGS_SCHEMA)
+    written = _read(spark, [io.read(findings_key)], _WRITTEN_FINDINGS)
     kind = F.col("kind")
     by_queue = {
-        r["queue"]: r.asDict()
-        for r in written.groupBy("queue")
+        queue_key(r["queue"], r["vhost"]): r.asDict()
+        for r in written.groupBy("queue", "vhost")
         .agg(
             F.sum((kind == FindingKind.LOST.value).cast("long")).alias("lost"),
             F.sum(
@@ -608,7 +614,8 @@ def _summarize(
         for field in Counts.model_fields:
             setattr(totals, field, getattr(totals, field) + getattr(counts, field))
         rows = [x for (q, _), xs in lag_by.items() if q == queue for x in xs]
-        per_queue.append(QueueSummary(queue=queue, counts=counts, lag=_stats(rows)))
+        vhost, name = split_queue_key(queue)
+        per_queue.append(QueueSummary(queue=name, vhost=vhost, counts=counts, lag=_stats(rows)))
     overall = _stats([x for xs in lag_by.values() for x in xs])
     buckets: dict[float, list[tuple[int, int, float, float]]] = defaultdict(list)
     for (_, bucket), xs in lag_by.items():
@@ -667,9 +674,13 @@ def _write_lag_table(
     for (queue, bucket), xs in sorted(lag_by.items()):
         stats = _stats(xs)
         if stats is not None:
-            rows.append({"queue": queue, "bucket_start": bucket, **stats.model_dump()})
+            vhost, name = split_queue_key(queue)
+            rows.append(
+                {"queue": name, "vhost": vhost, "bucket_start": bucket, **stats.model_dump()}
+            )
     schema = pa.schema(
-        [("queue", pa.string()), ("bucket_start", pa.float64()), ("count", pa.int64())]
+        [("queue", pa.string()), ("vhost", pa.string())]
+        + [("bucket_start", pa.float64()), ("count", pa.int64())]
         + [(n, pa.float64()) for n in ("p50", "p95", "p99", "max", "min")]
     )
     out = io_.BytesIO()

@@ -11,13 +11,23 @@ Format 4 adds `origin` to the lines a DR mirror writes for what it applied.
 Format 5 adds, on the stored lines a bidirectional site applied, the messages'
 own origin and their ids there (`message_origin`, `origin_id_runs`/`origin_ids`):
 with ids mapped per origin the applying site's replication id is its own.
-`segment_columns` reads every format into records.
+Format 6 names the vhost of a queue of another vhost than `/` (`vhost`; `queue` is the
+queue's own name): before it, such a queue was written `<name> (vhost <vhost>)`, which
+a `/` queue of that literal name would also write. A line without `vhost` is of `/`,
+unless its queue name has that old shape: then it is read as the old writer meant it
+(a format 6 writer gives such a `/` queue `"vhost": "/"`, so it cannot be taken for
+another vhost's). `segment_columns` reads every format into records.
+
+The audit job tells queues apart by one string (`queue_key`): the queue's name for `/`,
+and for another vhost (or a `/` name beginning with NUL) NUL followed by the JSON list
+of vhost and name, which no `/` queue's key can be; `split_queue_key` reverses it.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import re
 import zlib
 from typing import Any
 
@@ -64,6 +74,11 @@ class AuditRecord(BaseModel):
         description="With `message_origin`: the message's replication id at that site (this "
         "site's `replication_id` is its own, ids being mapped per origin)",
     )
+    vhost: str | None = Field(
+        None,
+        description="The queue's vhost (format 6); None for `/` (and `/` in logs before "
+        "format 6, whose other vhosts' queues are read from their `<name> (vhost <vhost>)`)",
+    )
 
 
 class AuditBatch(BaseModel):
@@ -93,6 +108,55 @@ class AuditBatch(BaseModel):
     message_origin: str | None = None
     origin_ids: list[int] | None = None
     origin_id_runs: list[tuple[int, int]] | None = None
+    vhost: str | None = None  # format 6: the queue's vhost (left out for `/`)
+
+
+DEFAULT_VHOST = "/"
+# How writers before format 6 named a queue of another vhost (broker/server.py then).
+_LEGACY_QUALIFIED = re.compile(r"(?s)(.*) \(vhost (.+)\)")
+
+
+def legacy_qualified(queue: str) -> tuple[str, str] | None:
+    """(name, vhost) of a queue name of the shape writers before format 6 gave a queue
+    of another vhost (`<name> (vhost <vhost>)`), else None."""
+    match = _LEGACY_QUALIFIED.fullmatch(queue)
+    return None if match is None else (match.group(1), match.group(2))
+
+
+def line_vhost(queue: str, vhost: str) -> str | None:
+    """The `vhost` member a format 6 line gives a queue: None (left out) for a `/` queue
+    whose name a reader cannot take for an old writer's name of another vhost's queue."""
+    if vhost == DEFAULT_VHOST and legacy_qualified(queue) is None:
+        return None
+    return vhost
+
+
+def read_queue(queue: str, vhost: str | None) -> tuple[str, str | None]:
+    """A line's (queue, vhost) as records hold them (vhost None: `/`)."""
+    if vhost is None:
+        legacy = legacy_qualified(queue)
+        if legacy is not None:
+            return legacy
+        return queue, None
+    return queue, None if vhost == DEFAULT_VHOST else vhost
+
+
+QUEUE_KEY_MARK = "\x00"
+
+
+def queue_key(queue: str, vhost: str | None) -> str:
+    """The one string that names a queue of a vhost in the audit job (module doc)."""
+    if (vhost is None or vhost == DEFAULT_VHOST) and not queue.startswith(QUEUE_KEY_MARK):
+        return queue
+    return QUEUE_KEY_MARK + json.dumps([vhost or DEFAULT_VHOST, queue])
+
+
+def split_queue_key(key: str) -> tuple[str, str]:
+    """(vhost, queue) of a `queue_key`."""
+    if not key.startswith(QUEUE_KEY_MARK):
+        return DEFAULT_VHOST, key
+    vhost, queue = json.loads(key[len(QUEUE_KEY_MARK) :])
+    return vhost, queue
 
 
 AUDIT_FIELDS: tuple[str, ...] = tuple(AuditRecord.model_fields)
@@ -134,6 +198,7 @@ def segment_columns(data: bytes) -> dict[str, list[Any]]:
                 raise SegmentFormatError(f"line {number}: unknown fields {unknown}")
             for name in AUDIT_FIELDS:
                 cols[name].append(obj.get(name))
+            _read_queue_of_last(cols)
             continue
         if not obj.keys() <= batch_fields:
             raise SegmentFormatError(f"line {number}: unknown fields {obj.keys() - batch_fields}")
@@ -146,9 +211,21 @@ def segment_columns(data: bytes) -> dict[str, list[Any]]:
             raise SegmentFormatError(f"line {number}: {exc}") from exc
         cols["replication_id"] += ids
         n = len(ids)
-        for name in ("broker", "epoch", "queue", "event", "time", "origin", "message_origin"):
+        for name in ("broker", "epoch", "event", "time", "origin", "message_origin"):
             cols[name] += [obj.get(name)] * n
+        queue, vhost = obj.get("queue"), obj.get("vhost")
+        if isinstance(queue, str) and (vhost is None or isinstance(vhost, str)):
+            queue, vhost = read_queue(queue, vhost)
+        cols["queue"] += [queue] * n
+        cols["vhost"] += [vhost] * n
     return cols
+
+
+def _read_queue_of_last(cols: dict[str, list[Any]]) -> None:
+    """A format 1 record's queue and vhost, read as a batch line's are."""
+    queue, vhost = cols["queue"][-1], cols["vhost"][-1]
+    if isinstance(queue, str) and (vhost is None or isinstance(vhost, str)):
+        cols["queue"][-1], cols["vhost"][-1] = read_queue(queue, vhost)
 
 
 def _replication_ids(obj: dict[str, Any], name: str = "replication_ids") -> list[Any]:

@@ -137,6 +137,7 @@ class QueueSummary(BaseModel):
     """One queue's counts and replication lag."""
 
     queue: str
+    vhost: str = Field("/", description="The queue's vhost")
     counts: Counts
     lag: LagStats | None = None
 
@@ -235,6 +236,7 @@ class CrossSiteQueue(BaseModel):
     """One queue of the cross-site audit."""
 
     queue: str
+    vhost: str = Field("/", description="The queue's vhost")
     counts: CrossSiteCounts
     lag: LagStats | None = Field(None, description="Publish at a site -> applied at the other")
 
@@ -273,6 +275,7 @@ class CrossSiteFinding(BaseModel):
 
     kind: FindingKind
     queue: str
+    vhost: str = Field("/", description="The queue's vhost")
     replication_id: int = Field(description="The message's replication id at its home site")
     home: str | None = Field(None, description="Its home site: where a client published it")
     site: str = Field(

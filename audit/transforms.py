@@ -28,7 +28,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from twinmq.audit.records import AuditEvent
+from twinmq.audit.records import DEFAULT_VHOST, QUEUE_KEY_MARK, AuditEvent
 from twinmq.audit.summary import LAG_GROWTH, LAG_RESOLUTION, FindingKind
 
 if TYPE_CHECKING:
@@ -108,6 +108,28 @@ ID_INDEX_SCHEMA = StructType(
     [StructField("replication_id", LongType(), False), StructField("id_key", LongType())]
 )
 """The stored state's per-message columns the re-send check scans: id_key (see id_key())."""
+
+
+def with_queue_keys(events: DataFrame) -> DataFrame:
+    """Shipped records with `queue` replaced by the queue's key (`records.queue_key`: its
+    name for `/`, NUL and the JSON list of vhost and name otherwise), so that every step
+    after it, keyed by `queue`, tells two vhosts' queues of one name apart."""
+    queue, vhost = F.col("queue"), F.col("vhost")
+    qualified = (vhost.isNotNull() & (vhost != DEFAULT_VHOST)) | queue.startswith(QUEUE_KEY_MARK)
+    key = F.concat(
+        F.lit(QUEUE_KEY_MARK), F.to_json(F.array(F.coalesce(vhost, F.lit(DEFAULT_VHOST)), queue))
+    )
+    return events.withColumn("queue", F.when(qualified, key).otherwise(queue))
+
+
+def split_queue_keys(frame: DataFrame) -> DataFrame:
+    """`queue` keys back to the queue's name, with its `vhost` (`/` for a plain name)."""
+    queue = F.col("queue")
+    qualified = queue.startswith(QUEUE_KEY_MARK)
+    parts = F.from_json(F.substring(queue, 2, 1 << 20), "array<string>")
+    return frame.withColumn(
+        "vhost", F.when(qualified, parts.getItem(0)).otherwise(F.lit(DEFAULT_VHOST))
+    ).withColumn("queue", F.when(qualified, parts.getItem(1)).otherwise(queue))
 
 
 def id_key() -> Column:

@@ -103,6 +103,9 @@ def _segment_table(broker: str, cols: dict[str, np.ndarray[Any, Any]], seq: int)
             "event": pa.array(EVENTS[cols["event"]], pa.string()),
             "time": cols["time"],
             "origin": pa.nulls(size, pa.string()),  # a pair's logs: nothing mirrored
+            "message_origin": pa.nulls(size, pa.string()),
+            "origin_id": pa.nulls(size, pa.int64()),
+            "vhost": pa.nulls(size, pa.string()),  # every queue `/`'s
             "segment_seq": np.full(size, seq, dtype=np.int64),
             "line": np.arange(size, dtype=np.int64),
         },

@@ -42,6 +42,9 @@ example one another site dead-lettered, has no record: this site's id and name).
 That costs a dictionary entry per applied copy, in the writer thread, on applied
 batches only; a site's client traffic pays nothing more.
 
+A queue of another vhost than `/` is named by its own name and the line's `vhost`
+(format 6; `/`'s lines are as before).
+
 Segments are named `<broker>-e<epoch>-<seq>.jsonl`; the one being written ends
 in `.open` and is renamed when closed (by size, age or epoch), so a shipper
 only ever picks up complete segments. A segment left `.open` by a crash is cut
@@ -66,7 +69,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby
 from pathlib import Path
 
-from twinmq.audit.records import BATCH_FIELDS, AuditEvent
+from twinmq.audit.records import BATCH_FIELDS, DEFAULT_VHOST, AuditEvent, line_vhost
 from twinmq.broker.atomicfile import sync_dir
 from twinmq.broker.journal import JournalOp, StoredMessage
 from twinmq.broker.mirror.bidi import IDS_QID, id_record
@@ -78,7 +81,7 @@ log = logging.getLogger(__name__)
 assert BATCH_FIELDS == (
     "broker", "epoch", "queue", "event", "time", "replication_ids", "replication_id_runs",
     "message_ids", "digests", "digests_hex", "origin", "message_origin", "origin_ids",
-    "origin_id_runs",
+    "origin_id_runs", "vhost",
 ), "the writer below must follow AuditBatch's fields"  # fmt: skip
 
 # One completed batch waiting to be written: its ops, the event of its stored messages,
@@ -201,6 +204,7 @@ class AuditLog:
         queue_name: Callable[[int], str],
         is_replica: Callable[[], bool],
         *,
+        queue_vhost: Callable[[int], str] = lambda _qid: DEFAULT_VHOST,
         segment_bytes: int = 16 * 1024 * 1024,
         segment_seconds: float = 60.0,
         fsync: bool = True,
@@ -212,6 +216,7 @@ class AuditLog:
         self.broker = broker
         self.epoch = epoch
         self.queue_name = queue_name
+        self.queue_vhost = queue_vhost
         self.is_replica = is_replica
         self.segment_bytes = segment_bytes
         self.segment_seconds = segment_seconds
@@ -225,7 +230,8 @@ class AuditLog:
         self._size = 0  # bytes written and kept in the open segment
         self._pending: list[PendingBatch] = []
         self._broker_json = _json_str(broker)
-        # qid -> the queue's name as JSON, filled on the loop, read by the writer thread;
+        # qid -> the queue's name as JSON (with the `vhost` member after it, for a queue
+        # of another vhost: format 6), filled on the loop, read by the writer thread;
         # qids (queue incarnations) are never reused, so an entry is never stale.
         self._queue_json: dict[int, str] = {}
         # internal qid -> the `origin` member its records give a line ('' for most)
@@ -276,7 +282,8 @@ class AuditLog:
         for qid in qids.difference(names):
             # Looked up here, on the loop that owns the queues, once per queue.
             name = self.queue_name(qid)
-            names[qid] = _json_str(name)
+            vhost = line_vhost(name, self.queue_vhost(qid))
+            names[qid] = _json_str(name) + ("" if vhost is None else f',"vhost":{_json_str(vhost)}')
             if qid >= INTERNAL_QID_BASE:
                 origin = name[len(_MARK_PREFIX) :] if name.startswith(_MARK_PREFIX) else ""
                 self._origin_json[qid] = f',"origin":{_json_str(origin)}' if origin else ""

@@ -10,6 +10,7 @@ open unchanged. Names are unique within a vhost only.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -120,10 +121,15 @@ class DefinitionsDelta(BaseModel):
     del_bindings: list[BindingDef] = Field(default_factory=list)
     next_qid: int = 0  # 0: unchanged
     vhost: str = VhostField
+    # The vhost itself is deleted (`DELETE /vhosts/{name}`), after the deltas that deleted
+    # its content: a passive drops it then, as the active did. Left out when false, so
+    # what is stored and sent without it is what versions before it wrote.
+    drop_vhost: bool = Field(False, exclude_if=operator.not_)
 
     def __bool__(self) -> bool:
         return bool(
-            self.add_exchanges
+            self.drop_vhost
+            or self.add_exchanges
             or self.del_exchanges
             or self.add_queues
             or self.del_queues
@@ -172,6 +178,9 @@ class TopologyState:
         """Apply `delta`; return the qids of the queues it removed (or replaced)."""
         dropped: list[int] = []
         vhost = delta.vhost
+        if delta.drop_vhost:
+            # Its content went by the deltas before; whatever is left of it goes too.
+            return self._drop_vhost(vhost)
         for b in delta.del_bindings:
             self._unbind(binding_key(b))
         for name in delta.del_exchanges:
@@ -197,6 +206,16 @@ class TopologyState:
             self._by_exchange.setdefault((b.vhost, b.exchange), set()).add(key)
             self._by_queue.setdefault((b.vhost, b.queue), set()).add(key)
         self.next_qid = max(self.next_qid, delta.next_qid)
+        return dropped
+
+    def _drop_vhost(self, vhost: str) -> list[int]:
+        dropped = [q.qid for key, q in self.queues.items() if key[0] == vhost]
+        for binding in [k for k in self.bindings if k[0] == vhost]:
+            self._unbind(binding)
+        for named in [k for k in self.exchanges if k[0] == vhost]:
+            del self.exchanges[named]
+        for named in [k for k in self.queues if k[0] == vhost]:
+            del self.queues[named]
         return dropped
 
     def _unbind(self, key: BindingKey) -> None:

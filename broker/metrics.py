@@ -129,11 +129,25 @@ class HotPathCollector(Collector):
 CONNECTIONS = Gauge("twinmq_connections", "Open client connections")
 CHANNELS = Gauge("twinmq_channels", "Open channels")
 QUEUES = Gauge("twinmq_queues", "Declared queues")
-QUEUE_MESSAGES = Gauge("twinmq_queue_messages_ready", "Ready messages per queue", ["queue"])
+# Per queue, labelled by `vhost` too: two vhosts' queues of one name are two series (a
+# selector on `queue` alone still matches `/`'s queue, and the other vhosts' of that name).
+QUEUE_MESSAGES = Gauge(
+    "twinmq_queue_messages_ready", "Ready messages per queue", ["queue", "vhost"]
+)
 QUEUE_UNACKED = Gauge(
     "twinmq_queue_messages_unacknowledged",
     "Delivered, unacknowledged messages per queue",
-    ["queue"],
+    ["queue", "vhost"],
+)
+VHOST_MIRRORED = Gauge(
+    "twinmq_vhost_mirrored",
+    "Per vhost: 1 if the DR mirror carries it (`/`), 0 if it skips it (as /status says)",
+    ["vhost"],
+)
+VHOST_FEDERATED = Gauge(
+    "twinmq_vhost_federated",
+    "Per vhost: 1 if federation serves it (`/`), 0 if not (as /status says)",
+    ["vhost"],
 )
 PUBLISHED = _counter(
     "twinmq_messages_published", "Messages routed to at least one queue or dropped"

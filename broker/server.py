@@ -330,6 +330,7 @@ class Broker:
                 lambda: self.epoch,
                 self._queue_name,
                 lambda: self.role == "passive",
+                queue_vhost=self._queue_vhost,
                 segment_seconds=settings.audit_segment_seconds,
                 fsync=settings.fsync,
                 # ids are mapped per origin only in the bidirectional mode (format 5 lines)
@@ -446,6 +447,10 @@ class Broker:
             name=name, queues=queues, exchanges=exchanges, messages=messages, connections=closed
         )
 
+    def served_vhosts(self) -> frozenset[str]:
+        """The vhosts the users file declares (and `/`)."""
+        return self.authenticator.vhosts
+
     def served_vhost(self, name: str) -> VirtualHost | None:
         """The vhost `name` if the users file declares it (`/` always), else None."""
         if name not in self.authenticator.vhosts:
@@ -543,9 +548,12 @@ class Broker:
         queue = self.vhost.queue_by_qid(qid)
         if queue is None:
             return f"qid:{qid}"
-        vhost = queue.definition.vhost
-        # The audit names a queue of another vhost with it (docs/security.md "Not yet").
-        return queue.name if vhost == "/" else f"{queue.name} (vhost {vhost})"
+        return queue.name
+
+    def _queue_vhost(self, qid: int) -> str:
+        # The audit line's `vhost` (format 6): two vhosts' queues of one name stay two.
+        queue = self.vhost.queue_by_qid(qid)
+        return "/" if queue is None else queue.definition.vhost
 
     # -- damage (journal corruption) ------------------------------------------------------
 

@@ -77,6 +77,9 @@ def build_status(broker: Broker) -> BrokerStatus:
     metrics.REPLICATION_LAG_SECONDS.set(replication.lag_seconds)
     queue_state = "ready" if replication.ready else "catching-up"
     queues = []
+    # Set afresh at each scrape: a deleted queue's (or vhost's) series goes with it.
+    metrics.QUEUE_MESSAGES.clear()
+    metrics.QUEUE_UNACKED.clear()
     for q in vhost.all_queues():
         queues.append(
             QueueStatus(
@@ -91,8 +94,24 @@ def build_status(broker: Broker) -> BrokerStatus:
                 replication=queue_state if q.durable else "unreplicated",
             )
         )
-        metrics.QUEUE_MESSAGES.labels(q.name).set(q.message_count)
-        metrics.QUEUE_UNACKED.labels(q.name).set(q.unacked)
+        metrics.QUEUE_MESSAGES.labels(q.name, q.definition.vhost).set(q.message_count)
+        metrics.QUEUE_UNACKED.labels(q.name, q.definition.vhost).set(q.unacked)
+    vhosts = [
+        VhostStatus(
+            name=v.name,
+            served=v.name in broker.authenticator.vhosts,
+            queues=len(v.queues),
+            mirrored=v is vhost,
+            federated=v is vhost,
+        )
+        for v in vhost.vhosts.values()
+    ]
+    # The same per vhost on /metrics (a deleted vhost's series goes with it).
+    metrics.VHOST_MIRRORED.clear()
+    metrics.VHOST_FEDERATED.clear()
+    for v in vhosts:
+        metrics.VHOST_MIRRORED.labels(v.name).set(1 if v.mirrored else 0)
+        metrics.VHOST_FEDERATED.labels(v.name).set(1 if v.federated else 0)
     stats = broker.journal.stats
     damage = broker.damage
     return BrokerStatus(
@@ -106,16 +125,7 @@ def build_status(broker: Broker) -> BrokerStatus:
         channels=sum(len(p.conn.channels) for p in broker.protocols if p.conn is not None),
         alarms=[broker.monitor.reason] if broker.monitor.reason else [],
         queues=queues,
-        vhosts=[
-            VhostStatus(
-                name=v.name,
-                served=v.name in broker.authenticator.vhosts,
-                queues=len(v.queues),
-                mirrored=v is vhost,
-                federated=v is vhost,
-            )
-            for v in vhost.vhosts.values()
-        ],
+        vhosts=vhosts,
         replication=replication,
         journal=JournalStatus(
             segments=stats.segments,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -326,16 +326,23 @@ class VirtualHost:
         durable = [e.name for e in exchanges if e.definition.durable]
         if durable:
             self._save(self._delta(del_exchanges=durable))
-        for timer in [*self._timers.values(), *self._expiry_timers.values()]:
-            timer.cancel()
-        del self.root.vhosts[self.name]
-        self.root._by_qid = None
-        self._queues_changed()
+        # The vhost itself, last: streamed to the passive, which drops it too (a disk
+        # that refuses the record raises here, and the vhost, empty, stays until a retry).
+        self._save(self._delta(drop_vhost=True))
+        self._drop()
         log.warning(
             "vhost %r deleted: %d queues with %d ready messages, %d exchanges",
             self.name, len(queues), messages, len(exchanges),
         )  # fmt: skip
         return len(queues), len(exchanges), messages
+
+    def _drop(self) -> None:
+        """Take this (emptied) vhost out of the broker."""
+        for timer in [*self._timers.values(), *self._expiry_timers.values()]:
+            timer.cancel()
+        self.root.vhosts.pop(self.name, None)
+        self.root._by_qid = None
+        self._queues_changed()
 
     def _batch_withdrawn(self, batch: int) -> None:
         told = self.root.visibility.on_failed
@@ -1337,12 +1344,21 @@ class VirtualHost:
             if q.durable
         }
 
-    def apply_definitions(self, defs: Definitions) -> None:
+    def apply_definitions(self, defs: Definitions, served: Collection[str] | None = None) -> None:
         """Make the topology of every vhost equal to the active's (a passive receiving its
-        definitions); a vhost the active has and this broker not yet is made."""
+        definitions); a vhost the active has and this broker not yet is made.
+
+        With `served` (the vhosts this broker's users file declares): a vhost that `defs`
+        does not name and `served` does not hold, emptied here, is dropped: the active
+        deleted it while this passive was not linked (`DELETE /vhosts/{name}`)."""
         root = self.root
-        for name in sorted(defs.vhost_names() | set(root.vhosts)):
-            root.add_vhost(name)._replace_topology(defs.of_vhost(name))
+        named = defs.vhost_names()
+        for name in sorted(named | set(root.vhosts)):
+            vhost = root.add_vhost(name)
+            vhost._replace_topology(defs.of_vhost(name))
+            if served is not None and vhost is not root and name not in named | set(served):
+                vhost._drop()
+                log.warning("vhost %r is not on the active nor in the users file: dropped", name)
         self.committer.save_definitions(root.all_definitions())
         self._queues_changed()
 
@@ -1392,6 +1408,17 @@ class VirtualHost:
         log), and `staged` is told its outcome; the caller writes the group
         (`flush_topology`) before it acknowledges anything after it.
         """
+        if delta.drop_vhost:
+            # The active deleted the vhost (`delete_content`): drop it here too, so that
+            # this broker's vhosts are the active's, not only after a restart.
+            gone = self.root.vhosts.get(delta.vhost)
+            if gone is not None and gone is not self.root:
+                for left in list(gone.queues.values()):
+                    gone.remove_queue(left)  # none: their deltas came first
+                gone._drop()
+                log.warning("vhost %r deleted on the active: dropped", delta.vhost)
+            self._record_applied(delta, staged)
+            return
         if delta.vhost != self.name:
             self.add_vhost(delta.vhost).apply_delta(delta, staged)
             return
@@ -1430,6 +1457,12 @@ class VirtualHost:
         self._queues_changed()
         self._state_changed(EVERYTHING)  # (nothing is published on a passive)
         # Last, as `apply_definitions` saves: a failure stops this passive (exit 75).
+        self._record_applied(delta, staged)
+
+    def _record_applied(
+        self, delta: DefinitionsDelta, staged: Callable[[JournalError | None], None] | None
+    ) -> None:
+        """Record a delta a passive applied: staged for the group commit, or now."""
         if staged is not None:
             self.committer.stage_delta(delta, self.all_definitions, staged)
         else:

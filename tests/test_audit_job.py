@@ -140,8 +140,8 @@ def _events(spark: SparkSession, rows: list[tuple[Any, ...]]) -> Any:
     from twinmq.audit.schema import spark_schema
 
     # Rows give the record's fields before `origin` and provenance: a pair's logs have no
-    # DR fields (`origin`, `message_origin`, `origin_id`).
-    return spark.createDataFrame([(*r[:-2], None, None, None, *r[-2:]) for r in rows],
+    # DR fields (`origin`, `message_origin`, `origin_id`), and their queues are `/`'s.
+    return spark.createDataFrame([(*r[:-2], None, None, None, None, *r[-2:]) for r in rows],
                                  spark_schema())  # fmt: skip
 
 

@@ -250,6 +250,41 @@ def test_status_lists_the_vhosts_and_what_the_mirror_and_federation_cover(
     assert vhosts["/"]["mirrored"] and vhosts["/"]["federated"]
     assert not vhosts["tenant-a"]["mirrored"] and not vhosts["tenant-a"]["federated"]
     assert all(v["served"] for v in vhosts.values())
+    # The same on /metrics.
+    samples = broker.admin.metrics().splitlines()
+    for name in ("twinmq_vhost_mirrored", "twinmq_vhost_federated"):
+        assert f'{name}{{vhost="/"}} 1.0' in samples
+        assert f'{name}{{vhost="tenant-a"}} 0.0' in samples
+
+
+def _queue_gauges(broker: BrokerProcess, queue: str) -> dict[tuple[str, str], float]:
+    """The per-queue gauges of `queue` on `/metrics`: (series name, vhost) -> value."""
+    found = {}
+    for line in broker.admin.metrics().splitlines():
+        if line.startswith("twinmq_queue_messages_") and f'queue="{queue}"' in line:
+            series, value = line.rsplit(" ", 1)
+            name, labels = series.split("{", 1)
+            vhost = labels.split('vhost="', 1)[1].split('"', 1)[0]
+            found[(name, vhost)] = float(value)
+    return found
+
+
+def test_two_vhosts_queues_of_one_name_are_two_prometheus_series(broker: BrokerProcess) -> None:
+    publish(broker, "/", "metered", [b"root-1"])
+    publish(broker, "tenant-a", "metered", [b"a-1", b"a-2"])
+    gauges = _queue_gauges(broker, "metered")
+    assert gauges[("twinmq_queue_messages_ready", "/")] == 1
+    assert gauges[("twinmq_queue_messages_ready", "tenant-a")] == 2
+    assert gauges[("twinmq_queue_messages_unacknowledged", "tenant-a")] == 0
+    drain(broker, "tenant-a", "metered")
+    conn = connect(broker, "admin", "tenant-a")
+    conn.channel().queue_delete("metered")
+    conn.close()
+    # The deleted queue's series goes; `/`'s of that name stays.
+    gauges = _queue_gauges(broker, "metered")
+    assert ("twinmq_queue_messages_ready", "tenant-a") not in gauges
+    assert gauges[("twinmq_queue_messages_ready", "/")] == 1
+    assert drain(broker, "/", "metered") == [b"root-1"]
 
 
 def test_vhosts_survive_a_restart_and_follow_the_users_file_without_one(tmp_path: Path) -> None:
@@ -394,6 +429,94 @@ def test_a_retired_vhost_keeps_its_content_until_the_admin_deletes_it(tmp_path: 
         again.close()
 
 
+def _served(broker: BrokerProcess, vhost: str) -> bool:
+    data = status(broker)
+    assert data is not None
+    return any(v["name"] == vhost and v["served"] for v in data["vhosts"])
+
+
+def _vhost_names(broker: BrokerProcess) -> list[str]:
+    data = status(broker)
+    assert data is not None
+    return sorted(v["name"] for v in data["vhosts"])
+
+
+def test_the_passive_drops_a_vhost_the_active_deleted_without_a_restart(tmp_path: Path) -> None:
+    users = users_file(tmp_path / "users.json")
+    with Pair(tmp_path / "pair", broker_args=["--users-file", str(users)]) as pair:
+        publish(pair.active, "tenant-b", "orders", [b"b-1", b"b-2"])
+        publish(pair.active, "tenant-a", "orders", [b"a-1"])
+        conn = connect(pair.active, "admin", "tenant-b")
+        conn.channel().exchange_declare("b-events", "fanout", durable=True)
+        conn.close()
+        wait_for(
+            "tenant-b on the passive",
+            lambda: ("tenant-b", "orders") in queues_by_vhost(pair.passive),
+            10,
+        )
+        users_file(users, ["/", "tenant-a"])  # both brokers read this file
+        wait_for("tenant-b retired", lambda: not _opens(pair.active, "tenant-b"), timeout=30)
+        done = pair.active.admin.delete_vhost("tenant-b")
+        assert (done.queues, done.exchanges, done.messages) == (1, 1, 2)
+        assert "tenant-b" not in _vhost_names(pair.active)
+        wait_for(
+            "the passive's vhosts are the active's",
+            lambda: _vhost_names(pair.passive) == _vhost_names(pair.active),
+            10,
+        )
+        assert "tenant-b" not in _vhost_names(pair.passive)
+        assert queues_by_vhost(pair.passive) == queues_by_vhost(pair.active)
+        # Still in sync after it: a failover keeps the rest.
+        publish(pair.active, "tenant-a", "orders", [b"a-2"])
+        pair.active.kill()
+        wait_for(
+            "passive ready",
+            lambda: (status(pair.passive) or {}).get("replication", {}).get("ready"),
+            10,
+        )
+        pair.promote_passive()
+        assert "tenant-b" not in _vhost_names(pair.active)
+        assert drain(pair.active, "tenant-a", "orders") == [b"a-1", b"a-2"]
+
+
+def test_a_passive_unlinked_during_a_vhost_deletion_drops_it_when_it_links_again(
+    tmp_path: Path,
+) -> None:
+    """Unlinked, the passive misses the deletion's records; the topology it gets whole when
+    it links again does not name the vhost, which its users file no longer declares."""
+    users = users_file(tmp_path / "users.json")
+    with Pair(tmp_path / "pair", broker_args=["--users-file", str(users)]) as pair:
+        publish(pair.active, "tenant-b", "orders", [b"b-1"])
+        publish(pair.active, "tenant-a", "orders", [b"a-1"])
+        wait_for(
+            "tenant-b on the passive",
+            lambda: ("tenant-b", "orders") in queues_by_vhost(pair.passive),
+            10,
+        )
+        users_file(users, ["/", "tenant-a"])
+        wait_for("tenant-b retired", lambda: not _opens(pair.active, "tenant-b"), timeout=30)
+        # The passive reads the file on its own: it must have retired tenant-b too.
+        wait_for(
+            "tenant-b retired on the passive", lambda: not _served(pair.passive, "tenant-b"), 30
+        )
+        pair.link.cut()  # every connection reset, new ones too
+        wait_for(
+            "the link is down",
+            lambda: not (status(pair.passive) or {}).get("replication", {}).get("link_connected"),
+            30,
+        )
+        pair.active.admin.delete_vhost("tenant-b")
+        assert "tenant-b" in _vhost_names(pair.passive)
+        pair.link.heal()
+        pair.wait_healthy(30)
+        wait_for(
+            "the passive's vhosts are the active's",
+            lambda: _vhost_names(pair.passive) == _vhost_names(pair.active),
+            10,
+        )
+        assert queues_by_vhost(pair.passive) == queues_by_vhost(pair.active)
+
+
 def test_a_passive_catches_up_on_every_vhost_and_a_failover_keeps_them(tmp_path: Path) -> None:
     """The catch-up (not the live stream) carries other vhosts' topology and messages."""
     users = users_file(tmp_path / "users.json")
@@ -443,6 +566,29 @@ def test_a_delta_without_a_vhost_is_of_slash_and_names_are_unique_per_vhost() ->
     assert [b.vhost for b in state.definitions().bindings] == ["/"]
     assert '"vhost"' not in old.model_dump_json()
     assert '"vhost":"t"' in QueueDef(name="q", qid=2, vhost="t").model_dump_json()
+
+
+def test_a_vhost_deletion_record_drops_only_that_vhost_and_older_records_lack_it() -> None:
+    """`drop_vhost` (the last record of `DELETE /vhosts/{name}`) takes what is left of the
+    vhost out of the topology, never another's; records without it are stored as before."""
+    state = TopologyState()
+    for vhost, qid in (("/", 1), ("t", 2)):
+        state.apply(
+            DefinitionsDelta(
+                vhost=vhost,
+                add_queues=[QueueDef(name="q", qid=qid, vhost=vhost)],
+                add_exchanges=[ExchangeDef(name="x", type="fanout", vhost=vhost)],
+                add_bindings=[BindingDef(exchange="x", queue="q", routing_key="", vhost=vhost)],
+            )
+        )
+    dropped = DefinitionsDelta(vhost="t", drop_vhost=True)
+    assert dropped  # not an empty delta: it is recorded and sent
+    assert state.apply(dropped) == [2]
+    defs = state.definitions()
+    assert {(o.vhost, o.name) for o in [*defs.queues, *defs.exchanges]} == {("/", "q"), ("/", "x")}
+    assert [b.vhost for b in defs.bindings] == ["/"]
+    assert "drop_vhost" not in DefinitionsDelta(del_queues=["q"]).model_dump_json()
+    assert DefinitionsDelta.model_validate_json(dropped.model_dump_json()) == dropped
 
 
 def test_the_dr_mirror_carries_slash_and_skips_other_vhosts_loudly(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ another host can satisfy them with anything of the same shape.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -110,8 +110,9 @@ class ReplicatedState(Protocol):
         """Sort queues the deferred batches left out of replication ID order (passive)."""
         ...
 
-    def apply_definitions(self, defs: Definitions) -> None:
-        """Make the topology equal to the active's (passive)."""
+    def apply_definitions(self, defs: Definitions, served: Collection[str] | None = None) -> None:
+        """Make the topology equal to the active's (passive); with `served`, drop the vhosts
+        neither `defs` nor `served` names."""
         ...
 
     def apply_delta(
@@ -165,6 +166,10 @@ class ReplicationContext(Protocol):
     @property
     def replication_tls(self) -> MutualTls | None:
         """The link's mutual TLS (None: plain TCP, the token alone)."""
+        ...
+
+    def served_vhosts(self) -> frozenset[str]:
+        """The vhosts this broker's users file declares (and `/`)."""
         ...
 
     def stop_passive(self, reason: str) -> None:

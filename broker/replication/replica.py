@@ -487,7 +487,9 @@ class ReplicaClient:
                         "mutual TLS" if self.tls else "plaintext",
                     )
                 try:
-                    broker.vhost.apply_definitions(Definitions.model_validate_json(payload))
+                    broker.vhost.apply_definitions(
+                        Definitions.model_validate_json(payload), broker.served_vhosts()
+                    )
                 except JournalError as exc:
                     # The topology file is not what memory holds (a full disk): stop, as
                     # for a batch that could not be journaled, never linger unlinked.
