@@ -218,7 +218,7 @@ def test_a_hostile_reconcile_is_answered_in_slices_or_refused_while_clients_are_
         heavy = ReconcileRequest(
             probes=[probe(q, held_mids(4096, 1), 1, 4096) for q in range(MAX_FRAME_IDS // 4096)]
         )
-        done = threading.Event()
+        done, connected, sent = threading.Event(), threading.Event(), threading.Event()
         answered: list[int] = []
         served_while_answering: list[int] = []
 
@@ -227,6 +227,8 @@ def test_a_hostile_reconcile_is_answered_in_slices_or_refused_while_clients_are_
                 payload = wire(heavy)
                 for _ in range(frames):
                     link.writer.write(encode(FrameType.RECONCILE, payload))
+                await link.writer.drain()
+                sent.set()
                 for _ in range(frames):
                     ftype, reply = await link.next()
                     assert ftype is FrameType.RECONCILE
@@ -238,7 +240,8 @@ def test_a_hostile_reconcile_is_answered_in_slices_or_refused_while_clients_are_
             try:
                 while not done.is_set():
                     ch.queue_declare("big", passive=True)  # an AMQP round trip
-                    if len(answered) < frames:
+                    connected.set()
+                    if sent.is_set() and len(answered) < frames:
                         served_while_answering.append(len(answered))
             finally:
                 connection.close()
@@ -246,6 +249,8 @@ def test_a_hostile_reconcile_is_answered_in_slices_or_refused_while_clients_are_
         reader = threading.Thread(target=client)
         reader.start()
         try:
+            # Connected first: a slow connection set-up is not what the race is about.
+            assert connected.wait(60), "the AMQP client never got a round trip"
             asyncio.run(hostile())
         finally:
             done.set()
