@@ -24,8 +24,9 @@ only once **every link of the server** has passed the key's seq: any link may br
 origin's messages (in a mesh a link carries on an origin's message only when its
 upstream got that one first by the link's own path, i.e. now and then), so a link that
 has brought nothing of an origin yet, or not since a restart, has passed none of it.
-Along one link an origin's messages come in seq order (queues are FIFO, and the first
-copies at an upstream of two in-order paths are in order too), so a link that has passed
+Along one link an origin's messages come in seq order (queues are FIFO, the first copies
+at an upstream of two in-order paths are in order too, and the link consumes exclusively,
+so a cut's unacknowledged deliveries come back before anything newer), so a link that has passed
 a seq brings no copy of it later, save a re-delivery after a cut (its ack lost) or a
 reordering within a few batches: a link's mark is in force only once it has brought 4
 prefetch windows (at least 4,096 keys) more, and those come before that. Bounded still:
