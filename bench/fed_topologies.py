@@ -10,13 +10,14 @@ For each topology and server count (a diamond has 4), fresh servers
 link, no tuning) take `--messages` confirmed messages spread over every server while
 random links are partitioned or reset; every server's `sink` is consumed. Reported per
 run: confirmed, delivered, confirmed messages a server that should have them never got
-(lost), second deliveries (duplicates), flaps, the second copies the dedup window dropped
-and the copies that came back to their origin. With `--pairs`, those servers are pairs
-(active + passive) and `--failovers` kill -9s of their actives (in turn) happen while
-the messages flow. `--dedup-window` sets every server's window (the broker's default,
-100,000, if not given): a tenth of it at 100,000 messages puts the window under the
-pressure a million puts the default one under. No timing is asserted; the exit status
-is 1 if anything was lost or delivered twice.
+(lost), second deliveries (duplicates), flaps, the second copies the dedup window dropped,
+the copies that came back to their origin, and per server the keys its window forgot at
+its stretch while a link had not passed them (`dedup_forced`). With `--pairs`, those
+servers are pairs (active + passive) and `--failovers` kill -9s of their actives (in
+turn) happen while the messages flow. `--dedup-window` sets every server's window (the
+broker's default, 100,000, if not given): a tenth of it at 100,000 messages puts the
+window under the pressure a million puts the default one under. No timing is asserted;
+the exit status is 1 if anything was lost or delivered twice.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 import federationtopologies as ft  # noqa: E402
 import xsite  # noqa: E402
+
+from twinmq.broker.admin_client import metric_samples  # noqa: E402
+from twinmq.testing.launcher import BrokerProcess  # noqa: E402
+
+
+def dedup_forced(broker: BrokerProcess) -> int:
+    """Keys the server's dedup window forgot at its stretch while a link had not passed
+    them (a count of where a copy could have come twice; 0 when the window never filled)."""
+    samples = metric_samples(broker.admin.metrics(timeout=10))
+    return int(samples.get("twinmq_federation_dedup_forced_total", 0))
 
 
 def main() -> int:
@@ -82,8 +93,10 @@ def main() -> int:
                 progress=True,
                 failovers=opts.failovers,
             )
+            forced = {server: dedup_forced(mesh.broker(server)) for server in mesh.names}
         record = {"topology": name, "servers": servers, "pairs": pairs, **ft.describe(outcome)}
         record["dedup_window"] = opts.dedup_window
+        record["dedup_forced"] = forced
         record["load"] = xsite.load_average()
         record["wall_seconds"] = round(time.monotonic() - started, 1)
         print(json.dumps(record), flush=True)

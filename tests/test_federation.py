@@ -4,7 +4,10 @@ worked example, binding propagation and normalisation, identity refusal, loops).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pika
 import pytest
@@ -258,101 +261,45 @@ def test_two_exchanges_federated_both_ways_do_not_bounce_messages_back(tmp_path:
         b.stop()
 
 
-def test_a_message_reaching_a_server_by_two_paths_is_delivered_there_once(
-    tmp_path: Path,
-) -> None:
-    """A triangle: B federates from A; C from A and from B (max-hops 2). Each message
-    published on A reaches C directly and through B: one copy is dropped by its
-    (origin, seq) key, whichever arrives second."""
+@dataclass
+class Triangle:
+    """Started A, B and C: B federates A's `t`; C federates A's `t` directly and B's `t`
+    as `t-via-b` (max-hops 2), its link to B through `to_b`; C's `sink` bound to both."""
+
+    a: BrokerProcess
+    b: BrokerProcess
+    c: BrokerProcess
+    to_b: FaultProxy
+
+    def through(self, link: str) -> int:
+        """Deliveries C's link `link` has settled: republished or dropped as copies."""
+        state = links(self.c)[link]
+        return int(state["messages_received"] + state["duplicates_dropped"])
+
+
+@contextmanager
+def triangle(
+    tmp_path: Path, exchange_type: str, key: str, settings: dict[str, Any] | None = None
+) -> Iterator[Triangle]:
+    """The triangle A -> B -> C and A -> C, started, `sink` on C bound with `key` to both
+    of C's exchanges and every binding propagated upstream; `settings`: C's file's (its
+    `dedup-window`). Every broker stopped after."""
     a = site(tmp_path, "a")
     b = site(tmp_path, "b")
     c = site(tmp_path, "c")
+    fed = {"type": exchange_type, "max-hops": 2}
     b.extra_args += [
         "--federation-config",
         str(
             federation_file(
                 tmp_path / "b.json",
                 {"a": f"127.0.0.1:{a.port}"},
-                [{"exchange": "t", "upstream": "a", "type": "topic", "max-hops": 2}],
-            )
-        ),
-    ]
-    # C's two links federate two local exchanges, both bound into one sink queue.
-    c.extra_args += [
-        "--federation-config",
-        str(
-            federation_file(
-                tmp_path / "c.json",
-                {"a": f"127.0.0.1:{a.port}", "b": f"127.0.0.1:{b.port}"},
-                [
-                    {"exchange": "t", "upstream": "a", "type": "topic", "max-hops": 2},
-                    {
-                        "exchange": "t-via-b",
-                        "upstream": "b",
-                        "upstream-exchange": "t",
-                        "type": "topic",
-                        "max-hops": 2,
-                    },
-                ],
-            )
-        ),
-    ]
-    for broker in (a, b, c):
-        broker.start()
-    try:
-        wait_running(b, "t")
-        wait_running(c, "t")
-        wait_running(c, "t-via-b")
-        connection, ch = channel(c)
-        ch.queue_declare("sink", durable=True)
-        ch.queue_bind("sink", "t", "price.#")
-        ch.queue_bind("sink", "t-via-b", "price.#")
-        connection.close()
-        bind_queue(b, "b-sink", "t", "price.#")
-        wait_upstream_bindings(a, queue_name("t", "c"), {("t", "price.#")})
-        wait_upstream_bindings(b, queue_name("t", "c"), {("t", "price.#")})
-        wait_upstream_bindings(a, queue_name("t", "b"), {("t", "price.#")})
-        publish_confirmed(a, "t", [(f"price.{i}", str(i).encode()) for i in range(50)])
-        wait_for(
-            "both paths delivered to C",
-            lambda: (
-                links(c)["t"]["messages_received"] + links(c)["t"]["duplicates_dropped"] == 50
-                and links(c)["t-via-b"]["messages_received"]
-                + links(c)["t-via-b"]["duplicates_dropped"]
-                == 50
-            ),
-        )
-        bodies = sorted(int(body) for _k, body, _h in get_all(c, "sink", 50))
-        assert bodies == list(range(50))
-        dropped = links(c)["t"]["duplicates_dropped"] + links(c)["t-via-b"]["duplicates_dropped"]
-        assert dropped == 50
-    finally:
-        for broker in (c, b, a):
-            broker.stop()
-
-
-def test_a_second_path_lagging_past_the_window_brings_no_second_copy(tmp_path: Path) -> None:
-    """Seen in the topology runs at a million messages: the link queues back up by more
-    than the window's 100,000 keys, and the window forgot a key once `dedup-window`
-    newer keys had come, however far another path into the server still lagged behind:
-    that path's copy was delivered again (here: 81 of 100). A triangle as above with a
-    window of 20: B -> C is partitioned while 100 messages published on A reach C
-    directly, then heals; the window keeps the keys the lagging link has not passed
-    yet, and each of B's 100 late copies is dropped."""
-    a = site(tmp_path, "a")
-    b = site(tmp_path, "b")
-    c = site(tmp_path, "c")
-    b.extra_args += [
-        "--federation-config",
-        str(
-            federation_file(
-                tmp_path / "b.json",
-                {"a": f"127.0.0.1:{a.port}"},
-                [{"exchange": "t", "upstream": "a", "type": "fanout", "max-hops": 2}],
+                [{"exchange": "t", "upstream": "a", **fed}],
             )
         ),
     ]
     with FaultProxy(f"127.0.0.1:{b.port}") as to_b:
+        # C's two links federate two local exchanges, both bound into one sink queue.
         c.extra_args += [
             "--federation-config",
             str(
@@ -360,52 +307,111 @@ def test_a_second_path_lagging_past_the_window_brings_no_second_copy(tmp_path: P
                     tmp_path / "c.json",
                     {"a": f"127.0.0.1:{a.port}", "b": to_b.address},
                     [
-                        {"exchange": "t", "upstream": "a", "type": "fanout", "max-hops": 2},
-                        {
-                            "exchange": "t-via-b",
-                            "upstream": "b",
-                            "upstream-exchange": "t",
-                            "type": "fanout",
-                            "max-hops": 2,
-                        },
+                        {"exchange": "t", "upstream": "a", **fed},
+                        {"exchange": "t-via-b", "upstream": "b", "upstream-exchange": "t", **fed},
                     ],
-                    {"dedup-window": 20},
+                    settings,
                 )
             ),
         ]
         for broker in (a, b, c):
             broker.start()
         try:
+            shape = Triangle(a, b, c, to_b)
             wait_running(b, "t")
             wait_running(c, "t")
             wait_running(c, "t-via-b")
             connection, ch = channel(c)
             ch.queue_declare("sink", durable=True)
-            ch.queue_bind("sink", "t", "")
-            ch.queue_bind("sink", "t-via-b", "")
+            ch.queue_bind("sink", "t", key)
+            ch.queue_bind("sink", "t-via-b", key)
             connection.close()
-            wait_upstream_bindings(a, queue_name("t", "c"), {("t", "")})
-            wait_upstream_bindings(b, queue_name("t", "c"), {("t", "")})
-            wait_upstream_bindings(a, queue_name("t", "b"), {("t", "")})
-
-            def through(link: str) -> int:
-                state = links(c)[link]
-                return int(state["messages_received"] + state["duplicates_dropped"])
-
-            # Both paths carry A's messages first: each link has passed some of them.
-            publish_confirmed(a, "t", [("", str(i).encode()) for i in range(10)])
-            wait_for("both paths delivered", lambda: through("t") + through("t-via-b") == 20)
-            to_b.partition()
-            publish_confirmed(a, "t", [("", str(i).encode()) for i in range(10, 110)])
-            wait_for("the direct path delivered", lambda: through("t") == 110)
-            to_b.heal()
-            wait_for("the lagging path delivered", lambda: through("t-via-b") == 110, 60)
-            bodies = sorted(int(body) for _k, body, _h in get_all(c, "sink", 110))
-            assert bodies == list(range(110))
-            assert queue_depth(c, "sink") == 0
+            # C's link queue on B is a binding of B's `t`: B's link propagates it to A.
+            wait_upstream_bindings(a, queue_name("t", "c"), {("t", key)})
+            wait_upstream_bindings(b, queue_name("t", "c"), {("t", key)})
+            wait_upstream_bindings(a, queue_name("t", "b"), {("t", key)})
+            yield shape
         finally:
             for broker in (c, b, a):
                 broker.stop()
+
+
+def test_a_message_reaching_a_server_by_two_paths_is_delivered_there_once(
+    tmp_path: Path,
+) -> None:
+    """Each message published on A reaches C directly and through B: one copy is dropped
+    by its (origin, seq) key, whichever arrives second."""
+    with triangle(tmp_path, "topic", "price.#") as shape:
+        publish_confirmed(shape.a, "t", [(f"price.{i}", str(i).encode()) for i in range(50)])
+        wait_for(
+            "both paths delivered to C",
+            lambda: shape.through("t") == 50 and shape.through("t-via-b") == 50,
+        )
+        bodies = sorted(int(body) for _k, body, _h in get_all(shape.c, "sink", 50))
+        assert bodies == list(range(50))
+        dropped = links(shape.c)["t"]["duplicates_dropped"]
+        assert dropped + links(shape.c)["t-via-b"]["duplicates_dropped"] == 50
+
+
+def lag_path_via_b(shape: Triangle, warm_up: int, late: int = 100, restart_c: bool = False) -> None:
+    """`warm_up` messages from A by both paths, then B -> C partitioned while `late` more
+    reach C directly (C restarted then if `restart_c`), then healed: C's `sink` must hold
+    each of them once."""
+    if warm_up:
+        publish_confirmed(shape.a, "t", [("", str(i).encode()) for i in range(warm_up)])
+        wait_for("both paths delivered", lambda: shape.through("t-via-b") == warm_up)
+        wait_for("the direct path delivered", lambda: shape.through("t") == warm_up)
+    total = warm_up + late
+    shape.to_b.partition()
+    publish_confirmed(shape.a, "t", [("", str(i).encode()) for i in range(warm_up, total)])
+    wait_for("the direct path delivered", lambda: shape.through("t") == total, 60)
+    if restart_c:
+        shape.c.stop()
+        shape.c.start()
+        wait_running(shape.c, "t")  # the link via B cannot connect before the heal
+    shape.to_b.heal()
+    # After a restart the links' counts start again from 0: only the late copies come.
+    brought = late if restart_c else total
+    wait_for("the lagging path delivered", lambda: shape.through("t-via-b") == brought, 120)
+    bodies = sorted(int(body) for _k, body, _h in get_all(shape.c, "sink", total))
+    assert bodies == list(range(total))
+    assert queue_depth(shape.c, "sink") == 0
+
+
+def test_a_second_path_lagging_past_the_window_brings_no_second_copy(tmp_path: Path) -> None:
+    """Seen in the topology runs at a million messages: the link queues back up by more
+    than the window's 100,000 keys, and the window forgot a key once `dedup-window`
+    newer keys had come, however far another path into the server still lagged behind:
+    that path's copy was delivered again (here: 81 of 100). With a window of 20, B -> C
+    is partitioned while 100 messages published on A reach C directly, then heals; the
+    window keeps the keys the lagging link has not passed yet, and each of B's 100 late
+    copies is dropped."""
+    with triangle(tmp_path, "fanout", "", {"dedup-window": 20}) as shape:
+        lag_path_via_b(shape, warm_up=10)
+
+
+def test_a_path_that_never_brought_an_origin_before_it_lagged_brings_no_second_copy(
+    tmp_path: Path,
+) -> None:
+    """Traced in the mesh at 100,000 messages with a window of 10,000 (docs/federation.md):
+    a link that brings an origin's messages only now and then was not waited for until
+    it had brought that origin once, and its late copies were delivered again. Here
+    B -> C is partitioned before it has brought anything of A while 5,000 messages reach
+    C directly (enough for the direct link's marks to be in force: it has brought 4,096
+    keys more), with a window of 1,000: the window waits for the link via B all the
+    same, and each of its 5,000 late copies is dropped."""
+    with triangle(tmp_path, "fanout", "", {"dedup-window": 1000}) as shape:
+        lag_path_via_b(shape, warm_up=0, late=5000)
+
+
+def test_a_restart_between_the_two_copies_of_a_lagging_path_brings_no_second_copy(
+    tmp_path: Path,
+) -> None:
+    """As the lagging path above, with C restarted while B -> C is partitioned: the window
+    rebuilt from its records must still wait for the lagging link (a restart, as a pair's
+    promotion, had forgotten how far each link had got and kept `dedup-window` keys)."""
+    with triangle(tmp_path, "fanout", "", {"dedup-window": 20}) as shape:
+        lag_path_via_b(shape, warm_up=10, restart_c=True)
 
 
 def watch_everything(central: BrokerProcess, remote: BrokerProcess) -> None:

@@ -226,13 +226,28 @@ def test_the_window_keeps_keys_a_lagging_link_has_not_passed_up_to_its_stretch()
     assert all(f"a\x00{seq}" in window for seq in range(2, 6))
     window.passed("via-b", ["a\x003"])  # it caught up to 3: 2 and 3 may go
     assert [f"a\x00{seq}" in window for seq in range(2, 6)] == [False, False, True, True]
-    # An origin a link never brought does not wait for it; held keys wait for nothing.
     window.add("b\x007")
     window.add("held\x00ff")
     assert "b\x007" in window and len(window) == 4
     for seq in range(100, 100 + 2 * STRETCH):  # a link behind for good: bounded still
         window.add(f"a\x00{seq}")
     assert len(window) == 2 * STRETCH
+    assert window.forced > 0  # forgotten while a link had not passed them: counted
+
+
+def test_the_window_waits_for_every_link_even_one_that_never_brought_the_origin() -> None:
+    window = LagWindow(size=1)
+    window.register("direct")
+    window.register("via-b")  # has brought nothing yet: may still bring any origin
+    for seq in range(1, 4):
+        window.add(f"a\x00{seq}")
+        window.passed("direct", [f"a\x00{seq}"])
+    assert all(f"a\x00{seq}" in window for seq in range(1, 4))
+    window.passed("via-b", ["b\x009"])  # another origin: says nothing of a's keys
+    assert all(f"a\x00{seq}" in window for seq in range(1, 4))
+    window.passed("via-b", ["a\x002"])  # it has passed 2 of a: 1 and 2 may go
+    assert [f"a\x00{seq}" in window for seq in range(1, 4)] == [False, False, True]
+    assert window.forced == 0
 
 
 def test_a_links_mark_counts_only_once_it_brought_more_than_a_cut_can_bring_again() -> None:

@@ -123,6 +123,7 @@ class FederationLink:
         self.queue = queue_name(fed.source_exchange, server_id)
         stem = quote(fed.exchange, safe="")
         self.keys = keys  # the server's window, shared by its links
+        keys.register(fed.exchange)  # it waits for this link from the start (any origin)
         # What may be bound upstream (a crash between recording and binding leaves more
         # here than there, never less): unbound at the next resync if not wanted.
         self._record = fb.Record(state_dir / f"{stem}.bindings.json")
@@ -354,7 +355,14 @@ class FederationLink:
                 forwarder = Forwarder(self, publisher, self.outbox, peer)
                 await publisher.confirm_select(forwarder.confirmed)
             processor = asyncio.get_running_loop().create_task(self._process(connection, inbox))
-            await connection.basic_consume(self.queue, inbox.put_nowait)
+            # Exclusive: after a cut the upstream may hold the old session's consumer, with
+            # its unacknowledged deliveries, until it notices the connection is gone (a
+            # partition: its heartbeat timeout). Consuming beside it, this session would
+            # get newer messages first and the old ones, requeued later, thousands of keys
+            # behind the link's marks (traced: blocks of up to a prefetch window delivered
+            # twice in a mesh); refused instead (403) and retried until the old one is gone
+            # and its deliveries are back at the head of the queue, in order.
+            await connection.basic_consume(self.queue, inbox.put_nowait, exclusive=True)
             if forwarder is not None:
                 self._forwarder = forwarder
                 forwarder.open()

@@ -20,25 +20,36 @@ link queues up by 100,000s; a link down a while), and a count-bounded window had
 forgotten the first copy's key when the late copy came: delivered twice. Each link tells
 the window how far it has got per origin (`passed`: the highest seq of that origin it
 brought, copies dropped included); the window forgets its oldest key, beyond its size,
-only once every link that has brought that origin's messages has passed the key's seq.
-Along one link an origin's messages come in seq order (queues are FIFO, and the first
-copies at an upstream of two in-order paths are in order too), so a link that has passed
+only once **every link of the server** has passed the key's seq: any link may bring any
+origin's messages (in a mesh a link carries on an origin's message only when its
+upstream got that one first by the link's own path, i.e. now and then), so a link that
+has brought nothing of an origin yet, or not since a restart, has passed none of it.
+Along one link an origin's messages come in seq order (queues are FIFO, the first copies
+at an upstream of two in-order paths are in order too, and the link consumes exclusively,
+so a cut's unacknowledged deliveries come back before anything newer), so a link that has passed
 a seq brings no copy of it later, save a re-delivery after a cut (its ack lost) or a
 reordering within a few batches: a link's mark is in force only once it has brought 4
 prefetch windows (at least 4,096 keys) more, and those come before that. Bounded still:
 past `STRETCH` times its size, the window forgets its oldest keys whatever lags (a link
-down for good). Forgetting never loses a message, it can only let a copy through.
+down for good, a link that never brings some origin: a diamond's), counted in `forced`.
+Forgetting never loses a message, it can only let a copy through. The marks are not
+journaled: after a restart or a promotion every link has passed nothing, which holds
+more keys (up to the stretch), never fewer.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from typing import Final, Protocol
 
+from twinmq.broker.federation import metrics
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE, record_header
 from twinmq.broker.queue import Queue
+
+log = logging.getLogger(__name__)
 
 QUEUE_NAME: Final = INTERNAL_PREFIX + "federation-dedup"
 # Federation's internal qids start at +0x100, clear of the mirror's (+1 ... +4 and the
@@ -78,6 +89,14 @@ class LagWindow:
         # link -> (keys brought up to that batch, its marks): marks not in force yet.
         self._pending: dict[str, deque[tuple[int, dict[str, int]]]] = {}
         self._brought: dict[str, int] = {}  # link -> keys brought
+        # Every link of the server: each may bring any origin's messages, so each is
+        # waited for, whether it has brought that origin yet or not.
+        self._links: set[str] = set()
+        self.forced = 0  # keys forgotten at the stretch while a link had not passed them
+
+    def register(self, link: str) -> None:
+        """`link` is one of the server's links: the window waits for it from now on."""
+        self._links.add(link)
 
     def __contains__(self, key: str) -> bool:
         return key in self._keys
@@ -102,32 +121,34 @@ class LagWindow:
             named = _origin_seq(key)
             if named is not None and named[1] > marks.get(named[0], -1):
                 marks[named[0]] = named[1]
+        self._links.add(link)
         passed = self._passed.setdefault(link, {})
-        for origin in marks:
-            passed.setdefault(origin, -1)  # this link brings the origin: its keys wait
         pending = self._pending.setdefault(link, deque())
         brought = self._brought[link] = self._brought.get(link, 0) + len(keys)
         pending.append((brought, marks))
         while pending and brought - pending[0][0] >= delay:
             for origin, seq in pending.popleft()[1].items():
-                passed[origin] = max(passed[origin], seq)
+                passed[origin] = max(passed.get(origin, -1), seq)
         self._forget()
 
     def _forget(self) -> None:
         keys = self._keys
         while len(keys) > self.size:
             oldest = next(iter(keys))
-            if len(keys) <= self.size * STRETCH and self._awaited(oldest):
+            awaited = self._awaited(oldest)
+            if awaited and len(keys) <= self.size * STRETCH:
                 return  # the oldest is still awaited on a link: newer ones wait behind it
+            self.forced += awaited
             keys.popitem(last=False)
 
     def _awaited(self, key: str) -> bool:
-        """Some link that brings the key's origin has not passed its seq yet."""
+        """Some link of the server has not passed the key's seq of its origin yet."""
         named = _origin_seq(key)
         if named is None:
             return False
         origin, seq = named
-        return any(marks.get(origin, seq) < seq for marks in self._passed.values())
+        passed = self._passed
+        return any(passed.get(link, {}).get(origin, -1) < seq for link in self._links)
 
 
 class DurableKeys:
@@ -138,12 +159,17 @@ class DurableKeys:
         self.claimed: set[str] = set()
         self._records: deque[tuple[int, int]] = deque()  # (mid, keys in it), oldest first
         self._recorded = 0  # keys in the queue's records
+        self._forced = 0  # the window's `forced` already counted in the metric
 
     def __contains__(self, key: str) -> bool:
         return key in self.claimed or key in self.window
 
     def __len__(self) -> int:
         return len(self.window)
+
+    def register(self, link: str) -> None:
+        """`link` is one of the server's links; see `LagWindow.register`."""
+        self.window.register(link)
 
     def load(self, store: KeyStore) -> None:
         """Rebuild the window from the queue's records (start-up, promotion)."""
@@ -156,6 +182,7 @@ class DurableKeys:
                 self.window.add(key)
             self._records.append((entry.message.mid, len(keys)))
             self._recorded += len(keys)
+        self._count_forced()
 
     def claim(self, key: str) -> None:
         """A republish of `key` is in flight: copies of it are duplicates meanwhile."""
@@ -201,10 +228,28 @@ class DurableKeys:
             self.window.add(key)
         self.claimed.difference_update(durable)
         self.claimed.difference_update(failed)
+        self._count_forced()
 
     def passed(self, link: str, keys: list[str], delay: int = 0) -> None:
         """`link` brought these keys (republished or dropped as copies); see `LagWindow`."""
         self.window.passed(link, keys, delay)
+        self._count_forced()
+
+    def _count_forced(self) -> None:
+        forced = self.window.forced - self._forced
+        if not forced:
+            return
+        if not self._forced:
+            # Once: the stretch is full for as long as some link lags for good (or never
+            # brings some origin, as a diamond's), and every key then would log.
+            log.warning(
+                "federation: the dedup window reached %d keys (%d times dedup-window) while "
+                "a link had not passed its oldest keys: forgetting them (a copy that link "
+                "brings later is delivered again); counted in %s",
+                self.window.size * STRETCH, STRETCH, "twinmq_federation_dedup_forced_total",
+            )  # fmt: skip
+        self._forced = self.window.forced
+        metrics.DEDUP_FORCED.inc(forced)
 
 
 def _keys(body: bytes) -> list[str]:

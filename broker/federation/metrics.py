@@ -61,3 +61,8 @@ FORWARDED_DUPLICATES = Counter(
     "twinmq_federation_forwarded_duplicates_total",
     "Messages forwarded here by downstreams and dropped as duplicates or loops (upstream side)",
 )
+DEDUP_FORCED = Counter(
+    "twinmq_federation_dedup_forced_total",
+    "Dedup keys forgotten at the window's stretch (10 times dedup-window) while a link of "
+    "this server had not passed them yet: a copy that link brings later is delivered again",
+)

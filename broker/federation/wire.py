@@ -327,10 +327,15 @@ class LinkClient:
         """Limit unacknowledged deliveries."""
         await self.call(commands.Basic.Qos(prefetch_count=prefetch_count), commands.Basic.QosOk)
 
-    async def basic_consume(self, queue: str, on_delivery: Callable[[Delivery], None]) -> None:
-        """Consume `queue` with manual acknowledgements; each delivery to `on_delivery`."""
+    async def basic_consume(
+        self, queue: str, on_delivery: Callable[[Delivery], None], *, exclusive: bool = False
+    ) -> None:
+        """Consume `queue` with manual acknowledgements; each delivery to `on_delivery`.
+        `exclusive`: refused (403) while another consumer has the queue."""
         self._on_delivery = on_delivery
-        consume = commands.Basic.Consume(queue=queue, consumer_tag="federation")
+        consume = commands.Basic.Consume(
+            queue=queue, consumer_tag="federation", exclusive=exclusive
+        )
         await self.call(consume, commands.Basic.ConsumeOk)
 
     async def confirm_select(self, on_confirm: Callable[[int, bool, bool], None]) -> None:
