@@ -24,6 +24,7 @@ from brokerclusters import (
     events_of,
     in_sync,
     operator_fixture,
+    publish_confirmed,
 )
 from support import Cluster
 from test_tls_operator import (
@@ -72,6 +73,8 @@ def test_ca_rotation_under_traffic_keeps_the_pair_and_its_clients_trusting_each_
              lambda: passive_link_tls(cluster_status(cluster, namespace, name)), 60)  # fmt: skip
     before = published_ca(cluster, namespace, name, tmp_path / "before")
     round_trip(cluster, namespace, name, before)
+    publish_confirmed(url, "rotating", b"-1")  # declares the durable queue
+    drain(url, "rotating")
     phases: list[str] = []
 
     def phase() -> str:
