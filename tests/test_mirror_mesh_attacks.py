@@ -8,7 +8,8 @@ from pathlib import Path
 from mirrorsites import Mesh, browse, mirror_status, publish
 from test_mirror_mesh import at, bodies, converged, targets
 
-from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.launcher import BrokerProcess, free_port
+from twinmq.testing.queues import drain
 from twinmq.testing.waiting import wait_for
 
 
@@ -52,3 +53,60 @@ def test_a_target_dropped_then_named_again_gets_what_was_trimmed_while_it_was_no
         for site in mesh.sites:
             # ...so C holds every message A confirmed, once.
             assert sorted(browse(site, "relisted")) == expected, site.name
+
+
+def test_settles_made_on_one_site_while_another_is_away_reach_it_when_it_returns(
+    tmp_path: Path,
+) -> None:
+    """C away; A's messages published and consumed on B (B's settles name A's ids); C back
+    gets A's publishes from A's backlog and B's settles from B's, over two links in any
+    order (a settle first is held), and holds none of them; a kill -9 of C while it
+    catches up changes nothing."""
+    with Mesh(tmp_path, 3) as mesh:
+        a, b, c = mesh.sites
+        publish(a, "settled", bodies("kept", 5))
+        converged(mesh, "settled", 5)
+        c.stop()
+        publish(a, "settled", bodies("gone", 300))
+        at([a, b], "settled", 305)
+        consumed = drain(b.url, "settled")
+        assert sorted(consumed) == sorted(bodies("kept", 5) + bodies("gone", 300))
+        at([a, b], "settled", 0)
+        publish(a, "settled", bodies("after", 3))
+        c.start()
+        c.kill()  # mid catch-up, maybe
+        c.start()
+        converged(mesh, "settled", 3)
+        for site in mesh.sites:
+            assert sorted(browse(site, "settled")) == sorted(bodies("after", 3)), site.name
+
+
+def test_a_target_moved_to_a_new_address_while_behind_gets_its_backlog_once(
+    tmp_path: Path,
+) -> None:
+    """C away and behind (A's events kept for it), then moved: a new mirror port, named so
+    in A's and B's lists (both restarted). C's new address has no cursor record: nothing is
+    trimmed until it acknowledges, and it resumes after its own mark, without duplicates."""
+    with Mesh(tmp_path, 3) as mesh:
+        a, b, c = mesh.sites
+        publish(a, "moved", bodies("before", 10))
+        converged(mesh, "moved", 10)
+        old = targets(a)["site-c"]["target"]
+        c.stop()
+        publish(a, "moved", bodies("behind", 50))
+        publish(b, "moved", bodies("b", 7))
+        at([a, b], "moved", 67)
+        new = f"127.0.0.1:{free_port()}"
+        args = c.extra_args
+        args[args.index("--mirror-port") + 1] = new.rsplit(":", 1)[1]
+        for site in (a, b):
+            site.stop()
+            site.extra_args = [new if arg == old else arg for arg in site.extra_args]
+            site.start()
+        c.start()
+        converged(mesh, "moved", 67)
+        expected = sorted(bodies("before", 10) + bodies("behind", 50) + bodies("b", 7))
+        for site in mesh.sites:
+            assert sorted(browse(site, "moved")) == expected, site.name
+        section = mirror_status(a)
+        assert section is not None and new in {t["target"] for t in section["targets"]}
