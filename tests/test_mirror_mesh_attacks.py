@@ -6,12 +6,16 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 from mirrorsites import Mesh, browse, mirror_status, publish
-from test_mirror_mesh import at, bodies, converged, targets
+from test_mirror_mesh import at, bodies, converged, message, targets
 
 from twinmq.broker.admin_client import mirror_reseed_call
+from twinmq.broker.mirror.bidi import IdMap
+from twinmq.broker.mirror.source import MirrorSource
 from twinmq.testing.launcher import BrokerProcess, free_port
 from twinmq.testing.queues import drain
+from twinmq.testing.sansio import Harness
 from twinmq.testing.waiting import wait_for
 
 
@@ -162,3 +166,53 @@ def test_a_target_reseeded_while_the_others_publish_leaves_every_site_holding_ea
         assert len(held["site-a"]) == len(set(held["site-a"])) == total
         assert held["site-c"] == held["site-a"]
         assert held["site-b"] == held["site-a"]
+
+
+def mesh_source(h: Harness, targets: list[str]) -> MirrorSource:
+    """Site A's source over a real journal, naming `targets` (one: not a mesh)."""
+    source = MirrorSource(h.vhost, h.committer, h.clock.time)
+    source.ids = IdMap(h.vhost, "site-a")
+    source.name = "site-a"
+    source.targets = targets if len(targets) > 1 else []
+    h.committer.tap = source
+    h.committer.await_durable(source)
+    source.activate()
+    return source
+
+
+@pytest.mark.parametrize("left", [["b:1", "d:1"], ["b:1"]], ids=["mesh", "one-target"])
+def test_what_was_trimmed_while_a_target_was_not_listed_survives_restarts(
+    tmp_path: Path, left: list[str]
+) -> None:
+    """Sans-I/O over a real journal: C acknowledges, is dropped from the list (the others
+    still a mesh, or one target left), events are trimmed without it, then it is named
+    again: after the restarts its mark is still known to be below what was trimmed (a gap:
+    the announcement), where a target that had everything resumes."""
+    listed = ["b:1", "c:1", "d:1"]
+    h = Harness(tmp_path / "a")
+    source = mesh_source(h, listed)
+    h.committer.add([message(1)])
+    h.commit()
+    for target in listed:
+        source.acked(source.head, target)
+    h.commit()
+    c_mark = source.head
+    h.close()
+
+    h = Harness(tmp_path / "a")  # C dropped from the list
+    source = mesh_source(h, left)
+    for mid in (2, 3):
+        h.committer.add([message(mid)])
+        h.commit()
+    for target in left:
+        source.acked(source.head, target if source.targets else None)
+    h.commit()
+    assert source.depth == 0 and source.trimmed_seq > c_mark
+    b_mark = source.head
+    h.close()
+
+    h = Harness(tmp_path / "a")  # C named again
+    source = mesh_source(h, listed)
+    assert source.gap(c_mark, "site-c", None, "c:1") is not None
+    assert source.gap(b_mark, "site-b", None, "b:1") is None
+    h.close()
