@@ -90,6 +90,11 @@ class TargetCursor(BaseModel):
     acked: int  # the newest event it acknowledged
     peer: str | None = None  # its mirror id, as its last handshake said
     needs_resync: str | None = None  # it fell past the retention bound: why
+    # The newest event trimmed from the queue when this record was written: recovered
+    # (the highest of every record, listed targets or not) so that a target whose mark is
+    # below it gets the announcement after a restart too (`gap`): a target dropped from
+    # --mirror-to and named again lacks what was trimmed while it was not listed.
+    trimmed: int = 0
 
 
 class SourceState(Protocol):
@@ -189,6 +194,9 @@ class MirrorSource:
         self.target_resync: dict[str, str] = {}  # target -> why it needs a re-seed
         self.target_peers: dict[str, str] = {}  # target -> its mirror id (last handshake)
         self.watchers: list[Callable[[], None]] = []  # each link's wake-up (several)
+        # One target now, a mesh before (cursor records left): its trims are recorded too
+        # (the record of the target "", `acked`), see `acked`.
+        self._was_mesh = False
 
     # -- the replication queue --------------------------------------------------------------
 
@@ -680,11 +688,21 @@ class MirrorSource:
             return  # a passive's queue changes by replication only
         ops: list[JournalOp] = []
         if self.targets and target is not None:
-            if seq > self.cursors.get(target, 0):
+            moved = seq > self.cursors.get(target, 0)
+            if moved:
                 self.cursors[target] = seq
+            ops += self._trim(self.floor())
+            if moved or ops:
+                # After the trim, so that the record keeps `trimmed` (a trim without a move:
+                # the floor rose as a target left the list, or at a restart).
                 ops += self._cursor_record(target)
-            seq = self.floor()
-        ops += self._trim(seq)
+        else:
+            ops += self._trim(seq)
+            if ops and self._was_mesh:
+                # One target left of a former mesh: the targets dropped from the list keep
+                # their records; what is trimmed now is recorded too, so that one of them
+                # named again later gets the announcement (`gap`), not a resume.
+                ops += self._cursor_record("")
         if ops:
             self.log.add(ops)
         if self.on_acked is not None:
@@ -715,6 +733,15 @@ class MirrorSource:
         self.cursors.clear()
         self.target_resync.clear()
         self.target_peers.clear()
+        records = 0
+        for name, queue in list(self.vhost.queues.items()):
+            # Every record, a target's no longer listed too: what was trimmed is a fact of
+            # the queue, whichever target's acknowledgement trimmed it.
+            if name.startswith(CURSOR_PREFIX) and queue.entries:
+                record = TargetCursor.model_validate_json(queue.entries[-1].message.body)
+                self.trimmed_seq = max(self.trimmed_seq, record.trimmed)
+                records += 1
+        self._was_mesh = records > 0 and not self.targets
         for target in self.targets:
             queue = self.vhost.internal_queue(*cursor_queue(target))
             if not queue.entries:
@@ -735,6 +762,7 @@ class MirrorSource:
             acked=self.cursors.get(target, 0),
             peer=self.target_peers.get(target),
             needs_resync=self.target_resync.get(target),
+            trimmed=self.trimmed_seq,
         )
         mid = self.vhost.next_mid
         self.vhost.next_mid = mid + 1
@@ -789,7 +817,7 @@ class MirrorSource:
         (journaled in its record); its backlog is no longer kept for it, the others go on."""
         if not self.retention or self._queue is None:
             return []
-        ops: list[JournalOp] = []
+        fallen: list[str] = []
         for target in self.targets:
             if target in self.target_resync or self.backlog(target) <= self.retention:
                 continue
@@ -799,10 +827,13 @@ class MirrorSource:
             )
             log.error("mirror: NeedsResync: %s", reason)
             self.target_resync[target] = reason
-            ops += self._cursor_record(target)
-        if not ops:
+            fallen.append(target)
+        if not fallen:
             return []
-        return ops + self._trim(self.floor())
+        ops = self._trim(self.floor())
+        for target in fallen:
+            ops += self._cursor_record(target)  # after the trim: it keeps `trimmed`
+        return ops
 
     def _reseed_targets(self, target: str | None) -> list[JournalOp]:
         """A mesh re-seed: the targets in NeedsResync (and `target`) skip their backlog
@@ -811,12 +842,14 @@ class MirrorSource:
         it twice changes nothing)."""
         ops: list[JournalOp] = []
         head = self.vhost.next_mid - 1
-        for each in {*self.target_resync, *([target] if target is not None else [])}:
+        moved = {*self.target_resync, *([target] if target is not None else [])}
+        for each in moved:
             self.target_resync.pop(each, None)
             self.cursors[each] = max(self.cursors.get(each, 0), head)
-            ops += self._cursor_record(each)
         if self._queue is not None:
             ops += self._trim(self.floor())
+        for each in moved:
+            ops += self._cursor_record(each)  # after the trim: it keeps `trimmed`
         return ops
 
     # -- metrics ----------------------------------------------------------------------------
