@@ -402,6 +402,7 @@ class TlsMemory:
     ca_next: KeyPair | None = None  # a rotation's new CA, trusted, not signing yet
     ca_previous: str | None = None  # a rotation's old CA, still trusted
     rotation: CaRotation | None = None  # where the last rotation stands (operator/carotation.py)
+    ca_renew_at: datetime | None = None  # when the signing CA is due to be rotated by age
     events: list[str] = field(default_factory=list)  # rotation steps, for Events (drained)
     server: KeyPair | None = None
     renew_at: datetime | None = None
@@ -448,15 +449,16 @@ def reconcile_managed(
         found = secrets.get_secret_data(cluster.namespace, tls_secret_name(cluster, tls))
         memory.server, memory.renew_at = _pair(found), None
     signer = memory.ca
+    if memory.ca_renew_at is None:
+        memory.ca_renew_at = renew_at(signer.certificate())
     step = carotation.advance(
-        memory, rotate, now >= renew_at(signer.certificate()), now, grace,
-        lambda: new_ca(cluster, now),
-    )  # fmt: skip
+        memory, rotate, now >= memory.ca_renew_at, now, grace, lambda: new_ca(cluster, now)
+    )
     if step is not None:
         log.info("%s/%s: %s", cluster.namespace, cluster.name, step)
         memory.events.append(step)
     if memory.ca is not signer:  # a new CA signs: every certificate is issued again now
-        memory.renew_at = None
+        memory.renew_at = memory.ca_renew_at = None
         for kept in (*memory.peers.values(), memory.mirror, memory.federation):
             if kept is not None:
                 kept.renew_at = None
