@@ -42,6 +42,7 @@ from twinmq.broker.names import (
 )
 from twinmq.operator import (
     builders,
+    carotation,
     certs,
     drift,
     federation,
@@ -1123,6 +1124,7 @@ def main(argv: list[str] | None = None) -> None:
     namespaces = watched_namespaces(argv)
     builders.broker_token_seconds()  # a bad value stops the start, not every reconcile
     certs.cert_seconds()
+    carotation.grace_seconds()
     port = int(os.environ.get(OPERATOR_METRICS_PORT_ENV, metrics.DEFAULT_PORT))
     try:
         start_http_server(port)
