@@ -143,21 +143,27 @@ def test_an_upstream_removed_from_the_file_is_reported_with_the_queues_it_keeps(
         central.stop()
 
 
-def test_an_upstream_unreachable_at_start_has_the_orphan_queue_deleted_once_it_is_back(
-    tmp_path: Path,
-) -> None:
+MARKET_AND_NEWS = [
+    {"exchange": "market", "upstream": "central", "type": "direct"},
+    {"exchange": "news", "upstream": "central", "type": "direct"},
+]
+
+
+def central_and_remote(tmp_path: Path) -> tuple[BrokerProcess, dict[str, str], BrokerProcess]:
+    """Central, started; its address; and a remote (not started) federating market and
+    news from it."""
     central = site(tmp_path, "central")
     central.start()
     address = {"central": f"127.0.0.1:{central.port}"}
-    exchanges = [
-        {"exchange": "market", "upstream": "central", "type": "direct"},
-        {"exchange": "news", "upstream": "central", "type": "direct"},
-    ]
-    remote = site(
-        tmp_path,
-        "remote",
-        federation=federation_file(tmp_path / "remote.json", address, exchanges),
-    )
+    config = federation_file(tmp_path / "remote.json", address, MARKET_AND_NEWS)
+    return central, address, site(tmp_path, "remote", federation=config)
+
+
+def test_an_upstream_unreachable_at_start_has_the_orphan_queue_deleted_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    central, address, remote = central_and_remote(tmp_path)
+    exchanges = MARKET_AND_NEWS
     removed = queue_name("market", "remote")
     try:
         remote.start()
@@ -192,16 +198,8 @@ def test_an_upstream_unreachable_at_start_has_the_orphan_queue_deleted_once_it_i
 def test_a_wiped_downstream_finds_its_orphan_queue_in_the_upstreams_state_and_no_other(
     tmp_path: Path,
 ) -> None:
-    central = site(tmp_path, "central")
-    central.start()
-    address = {"central": f"127.0.0.1:{central.port}"}
-    both = [
-        {"exchange": "market", "upstream": "central", "type": "direct"},
-        {"exchange": "news", "upstream": "central", "type": "direct"},
-    ]
-    remote = site(
-        tmp_path, "remote", federation=federation_file(tmp_path / "remote.json", address, both)
-    )
+    central, address, remote = central_and_remote(tmp_path)
+    both = MARKET_AND_NEWS
     # Another downstream federating the same exchange: its queue on central must stay.
     branch = site(
         tmp_path,
