@@ -216,3 +216,44 @@ def test_what_was_trimmed_while_a_target_was_not_listed_survives_restarts(
     assert source.gap(c_mark, "site-c", None, "c:1") is not None
     assert source.gap(b_mark, "site-b", None, "b:1") is None
     h.close()
+
+
+def sent_to(source: MirrorSource, target: str) -> list[int]:
+    """The events the link to `target` would send now (from its cursor)."""
+    return [seq for seq, _ in source.sendable(source.cursor(target), 1000, 1 << 24, target)]
+
+
+def test_a_reseed_for_one_target_is_never_sent_to_a_target_that_has_every_event(
+    tmp_path: Path,
+) -> None:
+    """Sans-I/O over a real journal: C is re-seeded while B has every event. The
+    announcement goes to C only (sent to B, a message B's consumer took meanwhile would
+    come back there), B's backlog never counts it, it leaves the queue once C has it, and
+    B goes on with what follows; a restart keeps B's skip (journaled in its record)."""
+    listed = ["b:1", "c:1"]
+    h = Harness(tmp_path / "a")
+    source = mesh_source(h, listed)
+    h.committer.add([message(1)])
+    h.commit()
+    source.acked(source.head, "b:1")
+    h.commit()
+    source.reseed("c was wiped", target="c:1")
+    h.commit()
+    announcement = sent_to(source, "c:1")
+    assert announcement, "the announcement is for C"
+    assert sent_to(source, "b:1") == [] and source.backlog("b:1") == 0
+    h.committer.add([message(2)])
+    h.commit()
+    following = sent_to(source, "b:1")
+    assert following and not set(following) & set(announcement)
+    h.close()
+
+    h = Harness(tmp_path / "a")
+    source = mesh_source(h, listed)
+    assert not set(sent_to(source, "b:1")) & set(announcement)
+    assert set(announcement) <= set(sent_to(source, "c:1"))
+    source.acked(source.head, "c:1")
+    source.acked(source.head, "b:1")
+    h.commit()
+    assert source.depth == 0
+    h.close()

@@ -338,7 +338,9 @@ class MirrorLink:
             room = self.window_events - len(inflight)
             events = []
             if room > 0 and inflight_bytes < self.window_bytes:
-                events = self.source.sendable(sent, room, self.window_bytes - inflight_bytes)
+                events = self.source.sendable(
+                    sent, room, self.window_bytes - inflight_bytes, self.target
+                )
             if events:
                 if self._delta:
                     events = self._as_delta(events)

@@ -95,6 +95,10 @@ class TargetCursor(BaseModel):
     # below it gets the announcement after a restart too (`gap`): a target dropped from
     # --mirror-to and named again lacks what was trimmed while it was not listed.
     trimmed: int = 0
+    # Re-seed announcements made for other targets, as (first, last) event ranges: this
+    # target has every event, so it is never sent them (a message it consumed meanwhile
+    # would come back).
+    skips: list[tuple[int, int]] = []
 
 
 class SourceState(Protocol):
@@ -193,6 +197,7 @@ class MirrorSource:
         self.cursors: dict[str, int] = {}
         self.target_resync: dict[str, str] = {}  # target -> why it needs a re-seed
         self.target_peers: dict[str, str] = {}  # target -> its mirror id (last handshake)
+        self.target_skips: dict[str, list[tuple[int, int]]] = {}  # target -> ranges not sent
         self.watchers: list[Callable[[], None]] = []  # each link's wake-up (several)
         # One target now, a mesh before (cursor records left): its trims are recorded too
         # (the record of the target "", `acked`), see `acked`.
@@ -246,11 +251,15 @@ class MirrorSource:
         if self.targets:
             if self._queue is None or self._queue.deleted:
                 self.activate(snapshot=False)
+            rebuilt = {*self.target_resync, *([target] if target is not None else [])}
             ops = self._reseed_targets(target)
             if ops:
                 self.log.add(ops)
             self.needs_resync = None
-            return self._seed(reason)
+            before = self.head
+            count = self._seed(reason)
+            self._skip_announcement(before, rebuilt)
+            return count
         settles = self._drop_backlog()
         if settles:
             self.log.add(settles)
@@ -662,12 +671,16 @@ class MirrorSource:
 
     # -- the link's view --------------------------------------------------------------------
 
-    def sendable(self, after: int, max_events: int, max_bytes: int) -> list[tuple[int, bytes]]:
-        """Complete events after `after`, oldest first, within the limits (at least one)."""
+    def sendable(
+        self, after: int, max_events: int, max_bytes: int, target: str | None = None
+    ) -> list[tuple[int, bytes]]:
+        """Complete events after `after`, oldest first, within the limits (at least one);
+        in a mesh, not those of a re-seed announcement made for other targets."""
         out: list[tuple[int, bytes]] = []
         size = 0
         if self._queue is None:
             return out
+        skips = self.target_skips.get(target or "", [])
         # From the first event after `after` (found by bisection): in a mesh the queue
         # also holds what a lagging target lacks, which a leading one must not walk.
         start = self._first_after(after)
@@ -675,6 +688,8 @@ class MirrorSource:
             seq = entry.message.mid
             if seq > self.durable_seq or len(out) >= max_events or (out and size >= max_bytes):
                 break
+            if skips and any(lo <= seq <= hi for lo, hi in skips):
+                continue
             out.append((seq, entry.message.body))
             size += len(entry.message.body)
         return out
@@ -733,6 +748,7 @@ class MirrorSource:
         self.cursors.clear()
         self.target_resync.clear()
         self.target_peers.clear()
+        self.target_skips.clear()
         records = 0
         for name, queue in list(self.vhost.queues.items()):
             # Every record, a target's no longer listed too: what was trimmed is a fact of
@@ -753,16 +769,22 @@ class MirrorSource:
                 self.target_peers[target] = record.peer
             if record.needs_resync is not None:
                 self.target_resync[target] = record.needs_resync
+            if record.skips:
+                self.target_skips[target] = list(record.skips)
 
     def _cursor_record(self, target: str) -> list[JournalOp]:
         """Replace `target`'s cursor record (in memory); the ops that journal it."""
         queue = self.vhost.internal_queue(*cursor_queue(target))
+        if target in self.target_skips:  # a range wholly trimmed concerns nobody now
+            live = [(lo, hi) for lo, hi in self.target_skips[target] if hi > self.trimmed_seq]
+            self.target_skips[target] = live
         record = TargetCursor(
             target=target,
             acked=self.cursors.get(target, 0),
             peer=self.target_peers.get(target),
             needs_resync=self.target_resync.get(target),
             trimmed=self.trimmed_seq,
+            skips=self.target_skips.get(target, []),
         )
         mid = self.vhost.next_mid
         self.vhost.next_mid = mid + 1
@@ -771,8 +793,39 @@ class MirrorSource:
     def floor(self) -> int:
         """The newest event every target in good standing acknowledged (a mesh); with all
         of them in NeedsResync, the newest event (none will take the backlog)."""
-        live = [self.cursors.get(t, 0) for t in self.targets if t not in self.target_resync]
+        live = [self.reach(t) for t in self.targets if t not in self.target_resync]
         return min(live) if live else self.head
+
+    def reach(self, target: str) -> int:
+        """How far `target` is served: its cursor, and past the events right after it that
+        it is never sent (an announcement for other targets), which it need not
+        acknowledge for them to leave the queue."""
+        seq = self.cursor(target)
+        skips = self.target_skips.get(target)
+        if not skips or self._queue is None:
+            return seq
+        for entry in islice(self._queue.entries, self._first_after(seq), None):
+            mid = entry.message.mid
+            if not any(lo <= mid <= hi for lo, hi in skips):
+                break
+            seq = mid
+        return seq
+
+    def _skip_announcement(self, before: int, rebuilt: set[str]) -> None:
+        """A mesh re-seed's announcement (the events after `before`) is for the targets
+        `rebuilt`; the others have every event and are never sent it (journaled in their
+        cursor records)."""
+        if self._queue is None:
+            return
+        made = [e.message.mid for e in islice(self._queue.entries, self._first_after(before), None)]
+        healthy = [t for t in self.targets if t not in rebuilt]
+        if not made or not healthy:
+            return
+        ops: list[JournalOp] = []
+        for target in healthy:
+            self.target_skips.setdefault(target, []).append((made[0], made[-1]))
+            ops += self._cursor_record(target)
+        self.log.add(ops)
 
     def cursor(self, target: str | None) -> int:
         """The newest event `target` acknowledged (None, or not a mesh: the one mirror's)."""
@@ -792,13 +845,13 @@ class MirrorSource:
             return 0
         if target is None or not self.targets:
             return self.depth
-        return len(self._queue.entries) - self._first_after(self.cursor(target))
+        return len(self._queue.entries) - self._first_after(self.reach(target))
 
     def backlog_bytes(self, target: str) -> int:
         """Their bytes (walks them: for `/status`)."""
         if self._queue is None:
             return 0
-        start = self._first_after(self.cursor(target))
+        start = self._first_after(self.reach(target))
         # islice walks the deque once (indexing each entry would walk it per entry).
         return sum(len(e.message.body) for e in islice(self._queue.entries, start, None))
 
@@ -806,7 +859,7 @@ class MirrorSource:
         """Seconds since the oldest event `target` has not acknowledged was made."""
         if self._queue is None:
             return 0.0
-        index = self._first_after(self.cursor(target))
+        index = self._first_after(self.reach(target))
         if index >= len(self._queue.entries):
             return 0.0
         body = self._queue.entries[index].message.body
