@@ -251,7 +251,10 @@ class MirrorSource:
         if self.targets:
             if self._queue is None or self._queue.deleted:
                 self.activate(snapshot=False)
+            # A request naming no target while none needs it: every target gets it (a
+            # repair asked by hand), as before there were targets to tell apart.
             rebuilt = {*self.target_resync, *([target] if target is not None else [])}
+            rebuilt = rebuilt or set(self.targets)
             ops = self._reseed_targets(target)
             if ops:
                 self.log.add(ops)
