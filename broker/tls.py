@@ -17,10 +17,12 @@ TLS 1.2 is the oldest version spoken.
 
 Rotation: cert-manager and the kubelet replace the files in place; every few
 seconds the broker compares their modification times and sizes and, if they
-changed, loads them into the same `SSLContext`. New handshakes use the new
-certificate; established connections keep theirs and are not dropped. A pair of
-files that does not load (half-written, or a key that does not match) is
-logged and the old certificate stays in use.
+changed, builds new `SSLContext`s from them; each new handshake is moved to the
+newest one (the listening context's server-name callback), so new handshakes use
+the new certificate and the new CA bundle, a CA removed from it included;
+established connections keep theirs and are not dropped. A pair of files that
+does not load (half-written, or a key that does not match) is logged and the old
+certificate stays in use.
 """
 
 from __future__ import annotations
@@ -93,30 +95,48 @@ class TlsListener:
         """`ca`: verify client certificates against it, required unless `optional`
         (OpenSSL's SSL_VERIFY_PEER without FAIL_IF_NO_PEER_CERT: a certificate presented
         that does not verify still fails the handshake)."""
-        self.cert, self.key, self.ca = cert, key, ca
-        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
-        if ca is not None:
-            self.context.verify_mode = ssl.CERT_OPTIONAL if optional else ssl.CERT_REQUIRED
+        self.cert, self.key, self.ca, self.optional = cert, key, ca, optional
         self.reloads = 0
         self._watch = FileWatch(cert, key, ca)
-        self._load()  # raises at start-up: a broker does not start with files it cannot use
+        # Raises at start-up: a broker does not start with files it cannot use.
+        self.context = self._server_context()  # the one the listening socket holds
+        self._current = self.context
+        # Each handshake is moved to the newest context (its server-name callback runs at
+        # every ClientHello, SNI or not): a reload that drops a CA from the bundle drops it
+        # from verification too, which adding files to the listening context never could
+        # (OpenSSL's certificate store only grows).
+        self.context.sni_callback = self._newest
+        self._load_more()
 
-    def _load(self) -> None:
-        self.context.load_cert_chain(self.cert, self.key)
+    def _server_context(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
         if self.ca is not None:
-            self.context.load_verify_locations(self.ca)
+            context.verify_mode = ssl.CERT_OPTIONAL if self.optional else ssl.CERT_REQUIRED
+        context.load_cert_chain(self.cert, self.key)
+        if self.ca is not None:
+            context.load_verify_locations(self.ca)
+        return context
+
+    def _newest(self, conn: ssl.SSLObject, _name: str | None, held: ssl.SSLContext) -> None:
+        if self._current is not held:
+            conn.context = self._current
+
+    def _load_more(self) -> None:
+        """What a subclass builds from the same files (after the server context)."""
 
     def reload_if_changed(self) -> bool:
         """Load the files again if they changed since the last look; whether it did."""
         if not self._watch.changed():
             return False
         try:
-            self._load()
+            fresh = self._server_context()
+            self._load_more()
         except (OSError, ssl.SSLError) as exc:
             log.error("TLS files %s, %s changed but do not load (%s): keeping the old ones",
                       self.cert, self.key, exc)  # fmt: skip
             return False
+        self._current = fresh
         self.reloads += 1
         log.info("TLS certificate reloaded from %s (new connections use it)", self.cert)
         return True
@@ -130,15 +150,15 @@ class MutualTls(TlsListener):
     handshake (`identity_refusal`)."""
 
     def __init__(self, cert: Path, key: Path, ca: Path) -> None:
-        self.client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies, checks host names
-        self.client.minimum_version = ssl.TLSVersion.TLSv1_2
         super().__init__(cert, key, ca)
 
-    def _load(self) -> None:
-        super()._load()
-        self.client.load_cert_chain(self.cert, self.key)
+    def _load_more(self) -> None:
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies, checks host names
+        client.minimum_version = ssl.TLSVersion.TLSv1_2
+        client.load_cert_chain(self.cert, self.key)
         assert self.ca is not None
-        self.client.load_verify_locations(self.ca)
+        client.load_verify_locations(self.ca)
+        self.client = client  # read at each dial
 
 
 def report_refused_handshakes(

@@ -5,6 +5,7 @@ kubelet's lag between the two pods' volumes."""
 
 from __future__ import annotations
 
+import socket
 import ssl
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -285,6 +286,7 @@ def test_a_pair_and_its_clients_keep_trusting_each_other_through_a_rotation(
     the bundle published before the step still verifies the broker."""
     cas = Cas(certs.new_ca(CLUSTER, datetime.now(UTC)))
     assert cas.ca is not None
+    first = cas.ca
     volumes = {name: Volume(tmp_path / "tls" / name, name) for name in ("a", "b")}
     for volume in volumes.values():
         volume.write(carotation.bundle(cas), cas.ca)
@@ -323,3 +325,30 @@ def test_a_pair_and_its_clients_keep_trusting_each_other_through_a_rotation(
         for name, broker in pair.brokers.items():
             samples = metric_samples(broker.admin.metrics(timeout=5))
             assert samples.get(REFUSED, 0.0) == 0, name
+        # And the brokers no longer trust it, without a restart: a certificate the old CA
+        # signs (its key leaked, say) is refused on the replication port.
+        forged = certs.issue_server(first, ["b"], datetime.now(UTC), 3600, client=True,
+                                    common_name="b", addresses=["127.0.0.1"])  # fmt: skip
+        present(pair.brokers[active].replication_address, forged, carotation.bundle(cas),
+                tmp_path / "forged")  # fmt: skip
+        wait_for("the old CA's certificate refused", lambda: metric_samples(
+            pair.brokers[active].admin.metrics(timeout=5)).get(REFUSED, 0.0) == 1, 30)  # fmt: skip
+
+
+def present(address: str, leaf: certs.KeyPair, trust: str, folder: Path) -> None:
+    """Open a TLS connection to `address` presenting `leaf` (its files written in
+    `folder`; the server verified against `trust`); read until the server ends it."""
+    folder.mkdir()
+    (folder / "c.pem").write_text(leaf.cert)
+    (folder / "k.pem").write_text(leaf.key)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.load_verify_locations(cadata=trust)
+    context.load_cert_chain(folder / "c.pem", folder / "k.pem")
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        try:
+            with context.wrap_socket(raw) as tls:
+                tls.recv(1)  # TLS 1.3: the refusal comes as an alert after the handshake
+        except (ssl.SSLError, OSError):
+            pass
