@@ -120,6 +120,50 @@ def test_naming_a_secret_the_author_may_not_read_is_refused(
     assert "someone-elses" in text.split("may not read one of: ")[1], text
 
 
+def many_secrets(upstreams: int) -> dict[str, Any]:
+    """A spec naming auth, mirror and, per federation upstream, a password and a client
+    certificate Secret (each `builder-<n>`)."""
+    ups = [{"name": f"u{i}", "uri": f"amqps://u@h{i}/",
+            "passwordSecret": {"name": f"builder-pw-{i}"},
+            "tls": {"caConfigMap": "ca", "clientSecret": f"builder-cert-{i}"}}
+           for i in range(upstreams)]  # fmt: skip
+    return {
+        "auth": {"secretName": "builder-creds"},
+        "mirror": {"role": "replica", "secretName": "builder-dr"},
+        "federation": {"upstreams": ups, "exchanges": [{"exchange": "x", "upstream": "u0"}]},
+    }
+
+
+def test_a_spec_naming_many_secrets_stays_within_the_policys_cel_budget(
+    admin: Kube, kube_apiserver: Any
+) -> None:
+    """Each Secret is checked in an expression of its own (an authorizer check costs about
+    a third of one expression's budget): a spec naming eight Secrets (two upstreams over
+    TLS) is admitted for an author who may read exactly those, and refused when one is
+    not among them; a namespace-wide reader's sixteen upstreams cost one check."""
+    spec = many_secrets(2)
+    names = ["builder-creds", "builder-dr", *(f"builder-{k}-{i}" for i in range(2)
+                                              for k in ("pw", "cert"))]  # fmt: skip
+    role(admin, "exact", [CREATE_CLUSTERS, CREATE_PODS, *map(read_secret, names)])
+    refusal(kube_apiserver, "no-pods", {})  # the policy is in force
+    wait_for("admitted", lambda: _admitted(kube_apiserver, "exact", spec), 30)
+    role(admin, "one-short", [CREATE_CLUSTERS, CREATE_PODS, *map(read_secret, names[:-1])])
+    text = refusal(kube_apiserver, "one-short", spec)
+    assert "builder-cert-1" in text and "cost" not in text, text
+    reader = {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}
+    role(admin, "reader", [CREATE_CLUSTERS, CREATE_PODS, reader])
+    wait_for("admitted", lambda: _admitted(kube_apiserver, "reader", many_secrets(16)), 30)
+
+
+def _admitted(kube_apiserver: Any, user: str, spec: dict[str, Any]) -> bool:
+    try:
+        create_as(kube_apiserver, user, "many", spec)
+    except ApiException as exc:
+        print(exc.body)
+        return False
+    return True
+
+
 def test_with_an_image_allow_list_an_image_from_elsewhere_is_refused(
     admin: Kube, kube_apiserver: Any
 ) -> None:
