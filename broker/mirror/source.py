@@ -83,6 +83,11 @@ def cursor_queue(target: str) -> tuple[str, int]:
     return CURSOR_PREFIX + target, _CURSOR_QID_BASE + zlib.crc32(target.encode())
 
 
+def _within(seq: int, ranges: list[tuple[int, int]]) -> bool:
+    """Whether `seq` lies in one of the (first, last) `ranges`."""
+    return any(lo <= seq <= hi for lo, hi in ranges)
+
+
 class TargetCursor(BaseModel):
     """A mesh target's cursor on the replication queue, as its record's body holds it."""
 
@@ -691,7 +696,7 @@ class MirrorSource:
             seq = entry.message.mid
             if seq > self.durable_seq or len(out) >= max_events or (out and size >= max_bytes):
                 break
-            if skips and any(lo <= seq <= hi for lo, hi in skips):
+            if skips and _within(seq, skips):
                 continue
             out.append((seq, entry.message.body))
             size += len(entry.message.body)
@@ -809,7 +814,7 @@ class MirrorSource:
             return seq
         for entry in islice(self._queue.entries, self._first_after(seq), None):
             mid = entry.message.mid
-            if not any(lo <= mid <= hi for lo, hi in skips):
+            if not _within(mid, skips):
                 break
             seq = mid
         return seq
@@ -818,15 +823,15 @@ class MirrorSource:
         """A mesh re-seed's announcement (the events after `before`) is for the targets
         `rebuilt`; the others have every event and are never sent it (journaled in their
         cursor records)."""
-        if self._queue is None:
-            return
-        made = [e.message.mid for e in islice(self._queue.entries, self._first_after(before), None)]
+        queue = self._queue
+        start = self._first_after(before)
         healthy = [t for t in self.targets if t not in rebuilt]
-        if not made or not healthy:
+        if queue is None or start >= len(queue.entries) or not healthy:
             return
+        made = (queue.entries[start].message.mid, self.head)
         ops: list[JournalOp] = []
         for target in healthy:
-            self.target_skips.setdefault(target, []).append((made[0], made[-1]))
+            self.target_skips.setdefault(target, []).append(made)
             ops += self._cursor_record(target)
         self.log.add(ops)
 
