@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import io
 import json
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 from apiserver import install_crd
+from test_operator_mirror_peer_ca import NOW, site
 
 from twinmq.cli.kubectl import (
     downstream_trust_config_map,
@@ -26,7 +26,6 @@ from twinmq.operator.builders import ClusterRef
 from twinmq.operator.kube import Kube
 from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec
 
-NOW = datetime(2026, 11, 28, tzinfo=UTC)
 HERE, THERE = "ftrust-a", "ftrust-b"
 
 
@@ -35,17 +34,6 @@ def api(kube_apiserver: Any) -> Kube:
     found = Kube(str(kube_apiserver.kubeconfig))
     install_crd(found)
     return found
-
-
-def site(api: Kube, namespace: str, name: str, raw: dict[str, Any]) -> ClusterRef:
-    """A namespace with a BrokerCluster whose CA is published, as its operator does."""
-    api.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
-    made = api.apply({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
-                      "metadata": {"name": name, "namespace": namespace}, "spec": raw})  # fmt: skip
-    ref = ClusterRef(name, namespace, made["metadata"]["uid"])
-    certs.reconcile_tls(ref, BrokerClusterSpec.model_validate(raw), certs.TlsMemory(), api,
-                        api.apply, now=NOW, seconds=3600)  # fmt: skip
-    return ref
 
 
 def published_ca(api: Kube, ref: ClusterRef) -> str:
