@@ -679,6 +679,10 @@ class MirrorSource:
 
     # -- the link's view --------------------------------------------------------------------
 
+    def settled_through(self, seq: int) -> bool:
+        """Whether every event up to `seq` is complete or withdrawn (its batch closed)."""
+        return not self._unsettled or self._unsettled[0][1] > seq
+
     def sendable(
         self, after: int, max_events: int, max_bytes: int, target: str | None = None
     ) -> list[tuple[int, bytes]]:
