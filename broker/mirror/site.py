@@ -503,6 +503,12 @@ class Mirroring:
         if self.source is not None and token is not None:
             # Failback needs no snapshot: the demoted site holds every message here.
             self.source.activate(snapshot=False)
+        elif self.source is not None:
+            # Forced: the old source holds what never came here. A seed (compared as a
+            # delta: cheap) rebuilds it and carries the marks its loss count rides on,
+            # also when this site was a source before (its queue exists: its activation
+            # would seed nothing).
+            self._reseed_now(f"forced promotion at DR epoch {epoch}")
         if rpo is not None:
             log.error("mirror: FORCED promotion at DR epoch %d; RPO: %s", epoch,
                       rpo.model_dump_json())  # fmt: skip
