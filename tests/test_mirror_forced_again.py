@@ -30,12 +30,8 @@ def test_a_second_forced_failover_counts_and_orphans_what_the_old_source_lost(
         # A partition, A confirms 5 that B never gets, A is lost: B forced.
         sites.mirror.stop()
         publish(sites.source, "orders", bodies("lost", 5))
-        sites.source.kill()
-        sites.mirror.start()
-        assert sites.promote_mirror(force=True).forced
-        sites.source.start()
-        wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
-        sites.caught_up(source=sites.mirror)
+        sites.fail_over_by_force()
+        sites.old_source_back()
         lost = wait_for("the loss counted", lambda: mirror_status(sites.source)["unmirrored"], 30)
         assert lost["messages"] == 5
         assert mirror_status(sites.source)["queue_events"] == 0
