@@ -7,6 +7,9 @@ a replica's brokers listen on the mirror port. Both take the link's token from t
 Secret the spec names and identify their site as `<namespace>/<name>`. A bidirectional
 site's brokers run both ends at once (`--mirror-role bidirectional`): two sites naming
 each other, or a ring of three each naming the next; its status shows both directions.
+A full mesh (`spec.mirror.targets`, bidirectional) gives the brokers every other site,
+comma-separated (one link and one journaled cursor each); `status.mirror.targets` shows
+each target's link, and `state` is the worst of them.
 Only the active broker of a pair mirrors or applies; the status is read from its
 `GET /status`.
 

@@ -7,7 +7,9 @@ cluster (`<name>.<namespace>.svc[.cluster.local]`) and the operator may read it,
 operator copies that cluster's published CA (`<name>-ca`, key `ca.crt`) into a ConfigMap
 of its own in this namespace, `<cluster>-mirror-peer-ca`, keeps it current (the other CA's
 rotation publishes a new bundle there: read again every `READ_EVERY` seconds) and uses it
-as if `spec.mirror.tls.caConfigMap` named it. An explicit `caConfigMap` wins.
+as if `spec.mirror.tls.caConfigMap` named it. An explicit `caConfigMap` wins. A full mesh
+(`spec.mirror.targets`) needs every target's CA (its brokers run all links over TLS or
+none): each target is judged so, and the copy is their bundle.
 
 The link only comes up when both sites agree, so a site turns TLS on by itself only when
 the other site will too: the other BrokerCluster names this one as its target and has a

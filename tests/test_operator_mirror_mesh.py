@@ -23,7 +23,15 @@ from twinmq.operator import certs, peerca
 from twinmq.operator.builders import ClusterRef, build_pod, build_vip_service
 from twinmq.operator.kube import Kube, Refused
 from twinmq.operator.mirroring import condition, events, state_of
-from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec, Mirror, MirrorState
+from twinmq.operator.models import (
+    GROUP,
+    KIND,
+    VERSION,
+    BrokerClusterSpec,
+    BrokerName,
+    Mirror,
+    MirrorState,
+)
 from twinmq.operator.netpolicy import OperatorPods, build_network_policy
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.waiting import wait_for
@@ -33,8 +41,8 @@ SITES = ["site-a", "site-b", "site-c"]
 
 def mesh_mirror(namespace: str, sites: list[str] = SITES) -> dict[str, Any]:
     """`spec.mirror` of `orders` in `namespace`: a mesh naming every other site."""
-    return {"role": "bidirectional", "secretName": "dr",
-            "targets": [{"host": f"orders.{other}.svc"} for other in sites if other != namespace]}  # fmt: skip
+    targets = [{"host": f"orders.{other}.svc"} for other in sites if other != namespace]
+    return {"role": "bidirectional", "secretName": "dr", "targets": targets}
 
 
 def spec(mirror: dict[str, Any]) -> BrokerClusterSpec:
@@ -46,12 +54,13 @@ def spec(mirror: dict[str, Any]) -> BrokerClusterSpec:
 
 def test_each_site_of_a_three_site_mesh_runs_one_link_per_other_site() -> None:
     origins = set()
+    brokers: list[BrokerName] = ["primary", "backup"]
     for i, namespace in enumerate(SITES):
         ref = ClusterRef(name="orders", namespace=namespace, uid=f"u-{i}")
         declared = spec(mesh_mirror(namespace))
         others = [f"orders.{other}.svc:{MIRROR_PORT}" for other in SITES if other != namespace]
-        for broker in ("primary", "backup"):
-            pod = build_pod(ref, declared, broker)  # type: ignore[arg-type]
+        for broker in brokers:
+            pod = build_pod(ref, declared, broker)
             settings = settings_from(env_of(pod))
             assert settings.mirror_targets == others
             assert settings.mirror_mesh and settings.mirror_port == MIRROR_PORT
@@ -97,8 +106,12 @@ def apply_mirror(api: Kube, name: str, mirror: dict[str, Any]) -> None:
         ({"targets": [{"host": "orders.site-b.svc"}]}, "should have at least 2 items"),
         ({"target": {"host": "orders.site-b.svc"}}, "one target or a mesh's targets, not both"),
         (
-            {"targets": [{"host": "orders.site-b.svc"}, {"host": "orders.site-b.svc",
-                                                          "port": MIRROR_PORT}]},
+            {
+                "targets": [
+                    {"host": "orders.site-b.svc"},
+                    {"host": "orders.site-b.svc", "port": MIRROR_PORT},
+                ]
+            },
             "spec.mirror.targets must be unique (host and port)",
         ),
         ({"tls": {"serverName": "orders"}}, "name each target's Service in targets[].host"),
@@ -231,8 +244,8 @@ def test_a_mesh_sites_status_shows_each_target_from_real_brokers(tmp_path: Path)
         for seen in up.values():
             assert seen.state == "Connected"
             assert [(t.state, t.connected) for t in seen.targets] == [("Connected", True)] * 2
-            assert condition(seen) == ("Mirroring", True, "Connected",
-                                       "all 2 targets are linked, and 2 sites are linked in")  # fmt: skip
+            linked_text = "all 2 targets are linked, and 2 sites are linked in"
+            assert condition(seen) == ("Mirroring", True, "Connected", linked_text)
         c_address = next(t.target for t in up["site-a"].targets
                          if t.target.endswith(f":{c.extra_args[1]}"))  # fmt: skip
         c.stop()
