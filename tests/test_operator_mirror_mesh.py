@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from apiserver import install_crd
 from mirrorsites import Mesh, mirror_status
 from test_kubectl_plugin import FakeKube, run
 from test_operator_mirror_peer_ca import NOW, Operator, published_ca, site
@@ -85,13 +84,6 @@ def test_one_target_is_still_one_link_and_a_mesh_lists_every_target() -> None:
 # -- the CRD's rules on a real API server ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def crd_kube(kube_apiserver: Any) -> Kube:
-    api = Kube(str(kube_apiserver.kubeconfig))
-    install_crd(api)
-    return api
-
-
 def apply_mirror(api: Kube, name: str, mirror: dict[str, Any]) -> None:
     api.apply({
         "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
@@ -119,18 +111,18 @@ def apply_mirror(api: Kube, name: str, mirror: dict[str, Any]) -> None:
     ids=["one-way", "one-target", "target-and-targets", "duplicate", "server-name"],
 )
 def test_the_crd_refuses_a_mesh_that_the_brokers_could_not_run(
-    crd_kube: Kube, change: dict[str, Any], refusal: str
+    api: Kube, change: dict[str, Any], refusal: str
 ) -> None:
     with pytest.raises(Refused) as refused:
-        apply_mirror(crd_kube, "bad-mesh", {**mesh_mirror("site-a"), **change})
+        apply_mirror(api, "bad-mesh", {**mesh_mirror("site-a"), **change})
     assert refusal in str(refused.value)
 
 
-def test_the_crd_takes_a_mesh_and_the_same_host_on_two_ports(crd_kube: Kube) -> None:
-    apply_mirror(crd_kube, "mesh", mesh_mirror("site-a", [*SITES, "site-d"]))
+def test_the_crd_takes_a_mesh_and_the_same_host_on_two_ports(api: Kube) -> None:
+    apply_mirror(api, "mesh", mesh_mirror("site-a", [*SITES, "site-d"]))
     two_ports = [{"host": "dr.example.com", "port": 5674}, {"host": "dr.example.com", "port": 5675}]
-    apply_mirror(crd_kube, "mesh-ports", {**mesh_mirror("site-a"), "targets": two_ports})
-    got = crd_kube.get(f"{GROUP}/{VERSION}", KIND, "default", "mesh")
+    apply_mirror(api, "mesh-ports", {**mesh_mirror("site-a"), "targets": two_ports})
+    got = api.get(f"{GROUP}/{VERSION}", KIND, "default", "mesh")
     assert got is not None
     assert len(spec(got["spec"]["mirror"]).mirror.all_targets()) == 3  # type: ignore[union-attr]
 
@@ -147,7 +139,7 @@ def mirror_rule(policy: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_a_mesh_sites_policy_admits_the_mirror_port_from_its_listed_sites_only(
-    crd_kube: Kube,
+    api: Kube,
 ) -> None:
     ref = ClusterRef(name="orders", namespace="default", uid="u-1")
     policy = build_network_policy(ref, spec(mesh_mirror("default", ["default", *SITES[1:]])),
@@ -160,7 +152,7 @@ def test_a_mesh_sites_policy_admits_the_mirror_port_from_its_listed_sites_only(
                                                "operator": "Exists"}]}}
         for other in SITES[1:]
     ]  # fmt: skip
-    crd_kube.apply(policy)  # a shape the API server takes
+    api.apply(policy)  # a shape the API server takes
     # A target outside this Kubernetes cluster: the port stays open (its source is unknown).
     outside = mesh_mirror("default")
     outside["targets"][0]["host"] = "dr.example.com"
@@ -175,19 +167,19 @@ def test_a_mesh_sites_policy_admits_the_mirror_port_from_its_listed_sites_only(
 # -- mutual TLS: every other site's CA in one bundle ------------------------------------------
 
 
-def test_a_mesh_site_copies_every_other_sites_ca_into_one_bundle(crd_kube: Kube) -> None:
+def test_a_mesh_site_copies_every_other_sites_ca_into_one_bundle(api: Kube) -> None:
     names = ["pcm-a", "pcm-b", "pcm-c"]
     raws = {ns: {"mirror": mesh_mirror(ns, names)} for ns in names}
-    refs = {ns: site(crd_kube, ns, "orders", raws[ns]) for ns in names}
-    at_a = Operator(crd_kube, refs["pcm-a"], raws["pcm-a"])
+    refs = {ns: site(api, ns, "orders", raws[ns]) for ns in names}
+    at_a = Operator(api, refs["pcm-a"], raws["pcm-a"])
     trust = at_a.reconcile(0.0)
     assert trust.tls and trust.reason == "PeerCACopied", trust.message
-    copy = crd_kube.get("v1", "ConfigMap", "pcm-a", "orders-mirror-peer-ca")
+    copy = api.get("v1", "ConfigMap", "pcm-a", "orders-mirror-peer-ca")
     assert copy is not None
     bundle = copy["data"]["ca.crt"]
-    assert published_ca(crd_kube, refs["pcm-b"]) in bundle
-    assert published_ca(crd_kube, refs["pcm-c"]) in bundle
-    assert published_ca(crd_kube, refs["pcm-a"]) not in bundle
+    assert published_ca(api, refs["pcm-b"]) in bundle
+    assert published_ca(api, refs["pcm-c"]) in bundle
+    assert published_ca(api, refs["pcm-a"]) not in bundle
     assert copy["metadata"]["annotations"]["twinmq.io/copied-from"] == (
         "pcm-b/orders-ca, pcm-c/orders-ca"
     )
@@ -200,19 +192,19 @@ def test_a_mesh_site_copies_every_other_sites_ca_into_one_bundle(crd_kube: Kube)
 
     # C's CA rotates: the bundle follows.
     rotated = certs.new_ca(refs["pcm-c"], NOW).cert
-    crd_kube.apply({"apiVersion": "v1", "kind": "ConfigMap",
+    api.apply({"apiVersion": "v1", "kind": "ConfigMap",
                     "metadata": {"name": "orders-ca", "namespace": "pcm-c"},
                     "data": {"ca.crt": rotated}})  # fmt: skip
     at_a.reconcile(peerca.READ_EVERY)
     assert at_a.events[-1][1] == "MirrorPeerCAUpdated"
-    copy = crd_kube.get("v1", "ConfigMap", "pcm-a", "orders-mirror-peer-ca")
+    copy = api.get("v1", "ConfigMap", "pcm-a", "orders-mirror-peer-ca")
     assert copy is not None and rotated in copy["data"]["ca.crt"]
 
     # A site that does not name A back: every link stays plaintext (one CA bundle for all
     # of them), and the condition names that target.
     lone = {"mirror": mesh_mirror("pcm-d", ["pcm-d", "pcm-a", "pcm-b"])}
-    lone_ref = site(crd_kube, "pcm-d", "orders", lone)
-    told = Operator(crd_kube, lone_ref, lone).reconcile(0.0)
+    lone_ref = site(api, "pcm-d", "orders", lone)
+    told = Operator(api, lone_ref, lone).reconcile(0.0)
     assert not told.tls and told.reason == "PeerCAUnknown"
     assert told.message.startswith("target orders.pcm-a.svc: ") and "does not name" in told.message
 
