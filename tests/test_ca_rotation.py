@@ -213,11 +213,15 @@ class Volume:
                 common_name=self.name, addresses=["127.0.0.1"],
             )  # fmt: skip
         assert self.leaf is not None
+        self.write_files(self.leaf.cert, self.leaf.key, bundle)
+
+    def write_files(self, cert: str, key: str, bundle: str) -> None:
+        """The three files as given, swapped in at once (a bad one included)."""
         self.version += 1
         data = self.folder / f"..{self.version}"
         data.mkdir()
-        (data / "tls.crt").write_text(self.leaf.cert)
-        (data / "tls.key").write_text(self.leaf.key)
+        (data / "tls.crt").write_text(cert)
+        (data / "tls.key").write_text(key)
         (data / "ca.crt").write_text(bundle)
         link = self.folder / "..data.tmp"
         link.symlink_to(data.name)
