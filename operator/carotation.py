@@ -138,20 +138,22 @@ def behind(cas: CaSet[P], loaded: Loaded) -> list[str]:
             lines.append(f"{pod}: reports no TLS files loaded (a broker older than this "
                          "operator?)")  # fmt: skip
             continue
-        why = []
+        why: list[str] = []
         for f in files:
+            lacking = []
             held = set(f.ca_fingerprints)
             if held & published.keys():
                 missing = [f"the {role} CA ({fp[:16]})" for fp, role in published.items()
                            if fp not in held]  # fmt: skip
                 if missing:
-                    why.append(f"its {f.listener} trust bundle lacks {', '.join(missing)}")
+                    lacking.append(f"its {f.listener} trust bundle lacks {', '.join(missing)}")
             role = signers.get(f.certificate.authority_key_id or "")
             if role is not None and f.certificate.authority_key_id != signing:
-                why.append(f"its {f.listener} certificate (serial {f.certificate.serial}) is "
-                           f"signed by the {role} CA")  # fmt: skip
-            if why and f.load_error is not None:
-                why.append(f"its {f.listener} files do not load: {f.load_error}")
+                lacking.append(f"its {f.listener} certificate (serial {f.certificate.serial}) "
+                               f"is signed by the {role} CA")  # fmt: skip
+            if lacking and f.load_error is not None:  # the files it was given do not load
+                lacking.append(f"its {f.listener} files do not load: {f.load_error}")
+            why += lacking
         if why:
             lines.append(f"{pod}: {'; '.join(why)}")
     return lines
@@ -221,5 +223,5 @@ def advance(
     cas.rotation = state.model_copy(
         update={"phase": "Complete", "since": iso(now), "next_step_at": None, "waiting": None}
     )
-    return ("CA rotation complete: the old CA is no longer published (brokers still hold "
-            "it until they restart)")  # fmt: skip
+    return ("CA rotation complete: the old CA is no longer published (each broker stops "
+            "trusting it as its volume is updated)")  # fmt: skip
