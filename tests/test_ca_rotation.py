@@ -428,7 +428,9 @@ def test_a_phase_waits_past_its_time_for_the_pod_still_holding_the_previous_file
     assert carotation.bundle(cas) == new.cert
 
 
-@pytest.mark.slow
+LOADING = ClusterRef(namespace="default", name="loading", uid="uid-loading")
+
+
 def test_the_operator_holds_each_phase_until_both_brokers_loaded_its_files(
     kube: Kube, tmp_path: Path
 ) -> None:
@@ -438,7 +440,7 @@ def test_the_operator_holds_each_phase_until_both_brokers_loaded_its_files(
     memory, start = certs.TlsMemory(), datetime.now(UTC)
 
     def reconcile(at: datetime, request: str | None, loaded: carotation.Loaded | None) -> None:
-        certs.reconcile_tls(CLUSTER, requested(request), memory, kube, kube.apply, now=at,
+        certs.reconcile_tls(LOADING, requested(request), memory, kube, kube.apply, now=at,
                             seconds=30 * 86400, grace=GRACE, loaded=loaded)  # fmt: skip
 
     reconcile(start, None, None)
@@ -448,7 +450,7 @@ def test_the_operator_holds_each_phase_until_both_brokers_loaded_its_files(
 
     def deliver(name: str) -> None:
         """The kubelet writes this pod's two Secrets' current content into its volumes."""
-        mine, shared = secret(kube, f"rotating-{name}-tls"), secret(kube, "rotating-tls")
+        mine, shared = secret(kube, f"loading-{name}-tls"), secret(kube, "loading-tls")
         own[name].write_files(mine["tls.crt"], mine["tls.key"], mine["ca.crt"])
         server[name].write_files(shared["tls.crt"], shared["tls.key"], shared["ca.crt"])
 
@@ -489,7 +491,7 @@ def test_the_operator_holds_each_phase_until_both_brokers_loaded_its_files(
         assert "backup: its replication trust bundle lacks the staged CA" in (
             memory.rotation.waiting
         )
-        state = CaRotation.model_validate_json(secret(kube, "rotating-tls-ca")[carotation.STATE])
+        state = CaRotation.model_validate_json(secret(kube, "loading-tls-ca")[carotation.STATE])
         assert state.waiting == memory.rotation.waiting  # a restarted operator knows why
         delivered("backup")
         reconcile(due, "r1", loaded())
