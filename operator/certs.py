@@ -453,8 +453,9 @@ def reconcile_managed(
     signer = memory.ca
     if memory.ca_renew_at is None:
         memory.ca_renew_at = renew_at(signer.certificate())
-    ca_due = now >= memory.ca_renew_at
-    step = carotation.advance(memory, rotate, ca_due, now, grace, lambda: new_ca(cluster, now), loaded)
+    aged = now >= memory.ca_renew_at
+    step = carotation.advance(memory, rotate, aged, now, grace, lambda: new_ca(cluster, now),
+                              loaded)  # fmt: skip
     if step is not None:
         log.info("%s/%s: %s", cluster.namespace, cluster.name, step)
         memory.events.append(step)
