@@ -18,6 +18,7 @@ from twinmq.broker.api import TlsFilesStatus
 from twinmq.broker.names import setting_env
 from twinmq.broker.tls import fingerprint, key_id
 from twinmq.operator import certs
+from twinmq.operator.builders import ClusterRef
 from twinmq.testing.launcher import BrokerProcess, free_port
 from twinmq.testing.waiting import wait_for
 
@@ -36,12 +37,21 @@ def volume(tmp_path: Path) -> Volume:
 
 
 @pytest.fixture
-def broker(tmp_path: Path, volume: Volume) -> Iterator[BrokerProcess]:
+def site(tmp_path: Path) -> Volume:
+    return Volume(tmp_path / "mirror", "primary")
+
+
+@pytest.fixture
+def broker(tmp_path: Path, volume: Volume, site: Volume) -> Iterator[BrokerProcess]:
     """A broker whose AMQPS and replication listeners use `volume`'s files (as a pod's
-    own certificate Secret), first signed by a CA of their own."""
+    own certificate Secret), first signed by a CA of their own; its mirror listener,
+    `site`'s (a certificate of the same CA, the other site's CA as its bundle)."""
     first = certs.new_ca(CLUSTER, datetime.now(UTC))
     volume.write(first.cert, first)
+    site.write(certs.new_ca(ClusterRef("far", "away", "uid-far"), datetime.now(UTC)).cert, first)
     process = BrokerProcess(tmp_path / "data", name="primary")
+    for setting, path in (("cert", site.cert), ("key", site.key), ("ca", site.ca)):
+        process.env[setting_env(f"mirror_tls_{setting}")] = str(path)
     for setting, path in (("cert", volume.cert), ("key", volume.key), ("ca", volume.ca)):
         process.env[setting_env(f"replication_tls_{setting}")] = str(path)
     process.env[setting_env("tls_cert")] = str(volume.cert)
@@ -52,14 +62,21 @@ def broker(tmp_path: Path, volume: Volume) -> Iterator[BrokerProcess]:
 
 
 def loaded(broker: BrokerProcess) -> dict[str, TlsFilesStatus]:
-    return {files.listener: files for files in broker.admin.status(timeout=5).tls}
+    """The listeners' files as the broker reports them, but the mirror's (not changed)."""
+    return {f.listener: f for f in reported(broker) if f.listener != "mirror"}
+
+
+def reported(broker: BrokerProcess) -> list[TlsFilesStatus]:
+    return broker.admin.status(timeout=5).tls
 
 
 def test_status_reports_the_certificate_and_bundle_loaded_after_each_change(
-    broker: BrokerProcess, volume: Volume
+    broker: BrokerProcess, volume: Volume, site: Volume
 ) -> None:
+    assert [f.listener for f in reported(broker)] == ["amqps", "replication", "mirror"]
+    mirror = reported(broker)[-1]
+    assert mirror.ca_fingerprints == [fp(site.ca.read_text())]  # the other site's CA
     first = loaded(broker)
-    assert sorted(first) == ["amqps", "replication"]
     assert volume.leaf is not None
     leaf, bundle = volume.leaf.cert, volume.ca.read_text()
     for files in first.values():
