@@ -811,6 +811,12 @@ class CaRotation(ApiModel):
     )
     request: str | None = Field(None, description="The last rotateCa request id handled")
     reason: str = Field("", description="Why the rotation started")
+    waiting: str | None = Field(
+        None,
+        description="Why the next phase waits past its time: the broker pods that have not "
+        "loaded this phase's files (each pod's trust bundle and certificate, as its /status "
+        "reports them), and why",
+    )
 
 
 class Requests(ApiModel):
