@@ -423,9 +423,11 @@ def outcome(
         )
     if command == "rotate-ca":
         rotation = status.get("caRotation") or {}
-        return True, (f"CA rotation {rotation.get('phase', '?')} since "
-                      f"{rotation.get('since', '?')}; next step at "
-                      f"{rotation.get('nextStepAt') or '-'}")  # fmt: skip
+        text = (f"CA rotation {rotation.get('phase', '?')} since {rotation.get('since', '?')}; "
+                f"next step at {rotation.get('nextStepAt') or '-'}")  # fmt: skip
+        if rotation.get("waiting"):  # time alone does not move it: a pod has not loaded
+            text += f"; waiting: {rotation['waiting']}"
+        return True, text
     if said:  # the operator refused the request (audits not enabled)
         return False, said
     last = status.get("lastAudit") or {}

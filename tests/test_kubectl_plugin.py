@@ -325,13 +325,15 @@ def test_rotate_ca_and_wait_reports_where_the_rotation_stands() -> None:
         if request:
             obj["status"].setdefault("handledRequests", {})["rotateCa"] = request["id"]
             obj["status"]["caRotation"] = {"phase": "Staged", "since": "2026-11-28T12:00:00Z",
-                                           "nextStepAt": "2026-11-29T12:00:00Z"}  # fmt: skip
+                                           "nextStepAt": "2026-11-29T12:00:00Z",
+                                           "waiting": "backup: no report"}  # fmt: skip
 
     kube = FakeKube(cluster_obj(activeBroker="primary", epoch=1, brokers=pair()), rotate)
     code, out, err = run(kube, ["rotate-ca", "orders", "--wait"])
     assert (code, err) == (EXIT_OK, "")
     assert kube.patches[0]["spec"]["requests"]["rotateCa"]["id"].startswith("rotateCa-")
     assert "done: CA rotation Staged since 2026-11-28T12:00:00Z; next step at" in out
+    assert "; waiting: backup: no report" in out  # why time alone does not move it
 
 
 def test_wait_times_out_when_no_operator_handles_the_request() -> None:
