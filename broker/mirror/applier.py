@@ -38,7 +38,7 @@ from typing import Final, Protocol
 from pydantic import BaseModel, Field
 
 from twinmq.broker.commit import Waiter
-from twinmq.broker.definitions import Definitions
+from twinmq.broker.definitions import Definitions, QueueDef
 from twinmq.broker.fieldtable import Table, encode_table, long_int, text
 from twinmq.broker.heap import HeapFreezer
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
@@ -48,6 +48,7 @@ from twinmq.broker.mirror.bidi import BidiMeta, IdMap, TopologyDelta, apply_delt
 from twinmq.broker.mirror.events import (
     INTERNAL_PREFIX,
     INTERNAL_QID_BASE,
+    TOP_MID,
     SnapshotRange,
     decode_event,
     is_internal,
@@ -225,6 +226,9 @@ class MirrorApplier:
         self._failures: dict[tuple[str, int], int] = {}
         self.ids = ids  # bidirectional mode (`bidi.py`): ids mapped per origin
         self.forwarder = forwarder
+        # Origins whose SEED event came and whose seed's topology has not yet: that one
+        # deletes the queues the source does not have, and their messages are orphans.
+        self._seeding: set[str] = set()
         # Keeps the applied messages out of full collections (`broker/heap.py`).
         self.heap: HeapFreezer | None = None
 
@@ -303,8 +307,13 @@ class MirrorApplier:
         """Apply one event of the one-way mode; when it was made."""
         event = decode_event(seq, body)
         if event.definitions is not None:
-            self._apply_definitions(event.definitions)
+            emptied: list[QueueDef] = []
+            if origin in self._seeding:
+                self._seeding.discard(origin)
+                emptied = self._orphan_dropped_queues(origin, event.definitions, journal)
+            self._apply_definitions(event.definitions, emptied)
         elif event.seed is not None:
+            self._seeding.add(origin)
             self.holding.clear()  # settles of a past the seed makes irrelevant
             metrics.SEEDS.inc()
             log.warning("mirror: seed from %s (%s): rebuilding", origin, event.seed)
@@ -339,13 +348,14 @@ class MirrorApplier:
                   seq, origin, failures, exc)  # fmt: skip
         return None
 
-    def _apply_definitions(self, defs: Definitions) -> None:
-        """The source's topology, plus this broker's internal queues, kept as they are."""
+    def _apply_definitions(self, defs: Definitions, emptied: Iterable[QueueDef] = ()) -> None:
+        """The source's topology, plus this broker's internal queues, kept as they are
+        (and `emptied`: queues whose messages a seed just orphaned)."""
         own = [q for q in self.vhost.definitions().queues if is_internal(q.name)]
         self.vhost.apply_definitions(
             Definitions(
                 exchanges=defs.exchanges,
-                queues=[*(q for q in defs.queues if not is_internal(q.name)), *own],
+                queues=[*(q for q in defs.queues if not is_internal(q.name)), *own, *emptied],
                 bindings=[b for b in defs.bindings if not is_internal(b.queue)],
                 next_qid=defs.next_qid,
             )
@@ -375,6 +385,29 @@ class MirrorApplier:
                 self.holding.add(key, now)
         keys += self.vhost.apply_ops(out)
         return out
+
+    def _orphan_dropped_queues(
+        self, origin: str, defs: Definitions, journal: list[JournalOp]
+    ) -> list[QueueDef]:
+        """A seed's topology deletes the queues here the source does not have (by queue
+        id: one of the same name and another id is another queue): the messages they hold
+        are orphans, kept, never deleted with them (a forced failover's old source holds
+        queues it declared while the promoted site could not see it, with confirmed
+        messages in them; a NeedsResync mirror, queues the source deleted meanwhile).
+        Returns those that held messages: kept, emptied, until the source's next topology
+        (the topology is written before the batch of its turn: deleted now, a crash
+        before the batch would take the messages with the queue)."""
+        kept = {q.qid for q in defs.queues}
+        emptied: list[QueueDef] = []
+        for queue in list(self.vhost.queues.values()):
+            qid = queue.definition.qid
+            if qid in kept or qid >= INTERNAL_QID_BASE or is_internal(queue.name):
+                continue
+            moved = self._orphan(origin, SnapshotRange(qid, 0, TOP_MID), set())
+            if moved:
+                journal += moved
+                emptied.append(queue.definition)
+        return emptied
 
     def _orphan(self, origin: str, covered: SnapshotRange, source_has: set[int]) -> list[JournalOp]:
         """Move what this mirror holds in `covered` and the source does not (`source_has`

@@ -219,12 +219,13 @@ class MirrorSource:
             self.activate()
         return True
 
-    def activate(self, *, snapshot: bool = True) -> Queue:
+    def activate(self, *, snapshot: bool = True, announce: bool = True) -> Queue:
         """This broker is (or became) active: take over the queue and re-announce the topology.
 
         Entries already there (recovered, or replicated while passive) are durable. The
         first activation also seeds the mirror with every message, unless `snapshot` is
-        False (a switchover's new source: its mirror, the demoted site, holds them all).
+        False (a switchover's new source: its mirror, the demoted site, holds them all);
+        `announce` False: no topology event either (a seed follows at once).
         """
         first = snapshot and QUEUE_NAME not in self.vhost.queues
         queue = self._queue = self.vhost.internal_queue(QUEUE_NAME, QUEUE_QID)
@@ -245,7 +246,7 @@ class MirrorSource:
             return queue
         if first:
             self._seed("first activation as the DR source")
-        else:
+        elif announce:
             self._emit_definitions(self.vhost.definitions())
         return queue
 
@@ -268,12 +269,15 @@ class MirrorSource:
             count = self._seed(reason)
             self._skip_announcement(before, rebuilt)
             return count
+        if self._queue is None or self._queue.deleted:
+            # Taken over first, its backlog dropped, nothing announced: the SEED heads
+            # the queue (a mirror must meet it before the seed's topology, which deletes
+            # queues: the seed orphans their messages first; `applier.py`).
+            self.activate(snapshot=False, announce=False)
         settles = self._drop_backlog()
         if settles:
             self.log.add(settles)
         self.needs_resync = None
-        if self._queue is None or self._queue.deleted:
-            self.activate(snapshot=False)  # taken over before the seed's events
         return self._seed(reason)
 
     def _seed(self, reason: str) -> int:
