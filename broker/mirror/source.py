@@ -268,12 +268,17 @@ class MirrorSource:
             count = self._seed(reason)
             self._skip_announcement(before, rebuilt)
             return count
+        if self._queue is None or self._queue.deleted:
+            # Taken over before the seed's events. Its activation queues a DEFINITIONS
+            # event, dropped below with the backlog (the seed carries the definitions):
+            # the queue must start with the seed, or `gap` finds none and a mirror that
+            # links later is seeded again from the state then (a site promoted by force
+            # for the first time: the old source orphaned what B's consumers had acked).
+            self.activate(snapshot=False)
         settles = self._drop_backlog()
         if settles:
             self.log.add(settles)
         self.needs_resync = None
-        if self._queue is None or self._queue.deleted:
-            self.activate(snapshot=False)  # taken over before the seed's events
         return self._seed(reason)
 
     def _seed(self, reason: str) -> int:
