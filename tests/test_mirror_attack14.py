@@ -9,11 +9,12 @@ delivered twice, and a consumed one never back.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pika
 import pytest
-from mirrorsites import Sites, channel, demote, mirror_status, promote, publish
+from mirrorsites import Sites, browse, channel, demote, mirror_status, promote, publish
 from test_mirror_reseed import ORPHANS, bodies
 
 from twinmq.broker.admin_client import MirrorNotDrained
@@ -181,3 +182,119 @@ def test_a_failback_while_the_promoted_site_holds_unacked_deliveries_loses_none(
         assert sorted(got) == sorted(bodies("a", 20))
         assert sum(redelivered) >= 10
         assert mirror_status(sites.mirror)["orphans"] == 0
+
+
+def orphaned(url: str) -> list[bytes]:
+    """The orphan queue of the broker at `url`, read empty ([]: a site that never
+    orphaned anything has none)."""
+    try:
+        return drain(url, ORPHANS)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        assert exc.reply_code == 404
+        return []
+
+
+def accounted(*parts: list[bytes]) -> list[bytes]:
+    """Every body of `parts`, sorted (a multiset: a body twice shows twice)."""
+    return sorted(body for part in parts for body in part)
+
+
+@pytest.mark.slow
+def test_two_forced_failovers_in_a_row_account_for_every_confirmed_message(
+    tmp_path: Path,
+) -> None:
+    """A -> B forced; B confirms messages, A returns and is fenced, then B dies (kill -9)
+    before A is known to be rebuilt, and A is forced back (B -> A). B returns, is fenced
+    and reversed. Every confirmed message is on A or in an orphan queue, exactly once,
+    and both sites hold the same live messages."""
+    with Sites(tmp_path, reversible=True) as sites:
+        publish(sites.source, "orders", bodies("a", 10))
+        sites.caught_up()
+        sites.mirror.stop()
+        publish(sites.source, "orders", bodies("lost", 5))  # only A has them
+        sites.fail_over_by_force()
+        publish(sites.mirror, "orders", bodies("b", 3))
+        sites.source.start()
+        wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
+        sites.mirror.kill()
+        second = promote(sites.source, force=True)
+        assert second.forced and second.epoch == 2
+        publish(sites.source, "orders", bodies("c", 2))
+        sites.mirror.start()
+        wait_for("B fenced", lambda: mirror_status(sites.mirror)["role"] == "replica", 30)
+        sites.caught_up()
+        orphans_b = orphaned(sites.mirror.url)
+        # What B confirmed and A never got is counted on B, as its RPO.
+        unmirrored_b = (mirror_status(sites.mirror) or {}).get("unmirrored") or {}
+        # A failback to B (a switchover): B streams only what A lacks, nothing of before.
+        assert promote(sites.mirror, demote(sites.source).token).role == "source"
+        sites.caught_up(source=sites.mirror)
+        assert browse(sites.source, "orders") == browse(sites.mirror, "orders")
+        live_b = drain(sites.mirror.url, "orders")
+        orphans_a = orphaned(sites.source.url)
+        every = [*bodies("a", 10), *bodies("lost", 5), *bodies("b", 3), *bodies("c", 2)]
+        assert accounted(live_b, orphans_a, orphans_b) == sorted(every)
+        assert [b for b in live_b if b.startswith(b"a-")] == bodies("a", 10)
+        assert live_b[-2:] == bodies("c", 2)
+        assert unmirrored_b.get("messages", 0) == len(orphans_b)
+
+
+@pytest.mark.slow
+def test_a_kill_9_of_the_source_in_the_middle_of_its_demotion_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """The source dies (kill -9) while its demotion drains a backlog to an unreachable
+    mirror; it restarts, the demotion is asked again and completes, B is promoted with
+    the token: every confirmed message on B, once; A a replica of B."""
+    with Sites(tmp_path, reversible=True) as sites:
+        sites.mirror.stop()
+        publish(sites.source, "orders", bodies("a", 200))
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(demote, sites.source, 30)
+            wait_for("demoting", lambda: "mirror: demoting" in sites.source.log_path.read_text())
+            sites.source.kill()
+            with pytest.raises(Exception):  # noqa: B017 (the connection dies with the broker)
+                pending.result()
+        sites.source.start()
+        sites.mirror.start()
+        token = demote(sites.source).token
+        assert token is not None
+        assert sites.promote_mirror(token).role == "source"
+        publish(sites.mirror, "orders", bodies("b", 5))
+        sites.caught_up(source=sites.mirror)
+        expected = [*bodies("a", 200), *bodies("b", 5)]
+        assert drain(sites.mirror.url, "orders") == expected
+        sites.caught_up(source=sites.mirror)
+        assert drain(sites.source.url, "orders") == []
+        assert mirror_status(sites.source)["orphans"] == 0
+
+
+@pytest.mark.slow
+def test_a_kill_9_of_the_replica_in_the_middle_of_its_promotion_then_a_replay(
+    tmp_path: Path,
+) -> None:
+    """B dies (kill -9) while it is being promoted with a token; the operator restarts it
+    and sends the same promotion again: one promoted source, every message once, and A
+    its mirror."""
+    with Sites(tmp_path, reversible=True) as sites:
+        publish(sites.source, "orders", bodies("a", 100))
+        token = demote(sites.source).token
+        assert token is not None
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(sites.promote_mirror, token)
+            sites.mirror.kill()
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 (the promotion may or may not have answered)
+                pass
+        sites.mirror.start()
+        again = sites.promote_mirror(token)
+        assert again.role == "source" and again.epoch == token.epoch
+        assert sites.promote_mirror(token) == again
+        assert mirror_status(sites.source)["role"] == "replica"
+        publish(sites.mirror, "orders", bodies("b", 5))
+        sites.caught_up(source=sites.mirror)
+        expected = [*bodies("a", 100), *bodies("b", 5)]
+        assert drain(sites.mirror.url, "orders") == expected
+        sites.caught_up(source=sites.mirror)
+        assert drain(sites.source.url, "orders") == []
