@@ -298,3 +298,57 @@ def test_a_kill_9_of_the_replica_in_the_middle_of_its_promotion_then_a_replay(
         assert drain(sites.mirror.url, "orders") == expected
         sites.caught_up(source=sites.mirror)
         assert drain(sites.source.url, "orders") == []
+
+
+@pytest.mark.slow
+def test_the_old_source_killed_while_it_is_rebuilt_counts_and_orphans_once(
+    tmp_path: Path,
+) -> None:
+    """After a forced failover the old source returns, is fenced, and dies (kill -9) while
+    the promoted site's seed is compared and applied; back again, it ends as if nothing
+    had happened: its 5 lost messages counted once and orphaned once, the rest the
+    promoted site's, each once."""
+    with Sites(tmp_path, reversible=True) as sites:
+        publish(sites.source, "orders", bodies("a", 500))
+        sites.caught_up()
+        sites.mirror.stop()
+        publish(sites.source, "orders", bodies("lost", 5))
+        sites.fail_over_by_force()
+        take(sites.mirror.url, "orders", 100)
+        publish(sites.mirror, "orders", bodies("b", 5))
+        sites.source.start()
+        wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
+        sites.source.kill()
+        sites.source.start()
+        sites.caught_up(source=sites.mirror)
+        lost = wait_for("the loss counted", lambda: mirror_status(sites.source)["unmirrored"], 30)
+        assert lost["messages"] == 5
+        expected = [*bodies("a", 500)[100:], *bodies("b", 5)]
+        assert browse(sites.source, "orders") == expected
+        assert drain(sites.mirror.url, "orders") == expected
+        assert sorted(orphaned(sites.source.url)) == sorted(bodies("lost", 5))
+
+
+@pytest.mark.slow
+def test_a_forced_promotion_replayed_answers_the_same_and_seeds_once(tmp_path: Path) -> None:
+    """The operator's forced promotion times out on its side and is sent again (once
+    more after a restart of the promoted site): the same epoch, no second skip of ids, one
+    seed, and the old source rebuilt with its lost messages orphaned once."""
+    with Sites(tmp_path, reversible=True) as sites:
+        publish(sites.source, "orders", bodies("a", 10))
+        sites.caught_up()
+        sites.mirror.stop()
+        publish(sites.source, "orders", bodies("lost", 3))
+        sites.source.kill()
+        sites.mirror.start()
+        first = sites.promote_mirror(force=True)
+        assert sites.promote_mirror(force=True) == first
+        sites.mirror.kill()
+        sites.mirror.start()
+        assert sites.promote_mirror(force=True) == first
+        publish(sites.mirror, "orders", bodies("b", 2))
+        sites.old_source_back()
+        assert mirror_status(sites.source)["unmirrored"]["messages"] == 3
+        assert sites.mirror.log_path.read_text().count("mirror: seed (") == 1
+        assert drain(sites.source.url, "orders") == [*bodies("a", 10), *bodies("b", 2)]
+        assert sorted(orphaned(sites.source.url)) == sorted(bodies("lost", 3))
