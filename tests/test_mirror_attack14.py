@@ -115,7 +115,6 @@ def test_a_kill_9_of_the_old_source_after_its_demotion_keeps_it_a_replica(
         assert drain(sites.mirror.url, "orders") == expected
 
 
-@pytest.mark.slow
 def test_messages_consumed_on_the_promoted_site_never_come_back_with_the_old_source(
     tmp_path: Path,
 ) -> None:
@@ -200,7 +199,6 @@ def accounted(*parts: list[bytes]) -> list[bytes]:
     return sorted(body for part in parts for body in part)
 
 
-@pytest.mark.slow
 def test_two_forced_failovers_in_a_row_account_for_every_confirmed_message(
     tmp_path: Path,
 ) -> None:
