@@ -393,7 +393,14 @@ class MirrorLink:
         for seq, body in pending:
             chunks.append(chunk_of(seq, body))
             await asyncio.sleep(0)  # a million messages to read: clients get turns between
-        reconciler = Reconciler(chunks, self.marks())
+        marks = self.marks()
+        if self.peer is not None:
+            # No mark of the mirror's own origin: this site applied none of its events
+            # (forced before it ever heard from it). Said as 0, so a fenced old source
+            # counts and drops its whole backlog; without a mark it kept it, and a
+            # failback replayed it here: messages it had orphaned came back live.
+            marks.setdefault(self.peer, 0)
+        reconciler = Reconciler(chunks, marks)
         exchanged = 0
         while (request := reconciler.request()) is not None:
             frame = encode(FrameType.RECONCILE, wire(request))

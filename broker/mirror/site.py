@@ -52,7 +52,7 @@ from twinmq.broker.mirror.auth import mirror_key
 from twinmq.broker.mirror.bidi import IdMap
 from twinmq.broker.mirror.delta import LossClaim
 from twinmq.broker.mirror.durable import BatchFutures
-from twinmq.broker.mirror.events import INTERNAL_QID_BASE, decode_event
+from twinmq.broker.mirror.events import INTERNAL_QID_BASE, KIND_SNAPSHOT, decode_event
 from twinmq.broker.mirror.link import Heartbeat, MirrorLink
 from twinmq.broker.mirror.listener import MirrorListener
 from twinmq.broker.mirror.role import RoleStore, SiteRole
@@ -354,6 +354,11 @@ class Mirroring:
             if entry.message.mid <= mark:
                 continue
             events += 1
+            if entry.message.body[:1] == bytes([KIND_SNAPSHOT]):
+                # A seed restates what this site held (mostly mirrored from the other
+                # site, which holds it): no client confirmed it here after the mark.
+                # What of it the other site lacks shows as this site's orphans.
+                continue
             for op in _user_ops(entry.message.mid, entry.message.body):
                 if type(op) is StoredMessage:
                     messages += 1

@@ -271,8 +271,10 @@ class MirrorSource:
             return count
         if self._queue is None or self._queue.deleted:
             # Taken over first, its backlog dropped, nothing announced: the SEED heads
-            # the queue (a mirror must meet it before the seed's topology, which deletes
-            # queues: the seed orphans their messages first; `applier.py`).
+            # the queue. A mirror must meet it before the seed's topology (which deletes
+            # queues: the seed orphans their messages first; `applier.py`), and `gap`
+            # must find it, or a mirror linking later is seeded again from the state then
+            # (a first forced promotion: the old source orphaned what B's consumers acked).
             self.activate(snapshot=False, announce=False)
         settles = self._drop_backlog()
         if settles:
