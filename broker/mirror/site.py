@@ -503,6 +503,15 @@ class Mirroring:
         if self.source is not None and token is not None:
             # Failback needs no snapshot: the demoted site holds every message here.
             self.source.activate(snapshot=False)
+        elif self.source is not None:
+            # The seed now, in this turn of the loop, before any client of this site
+            # settles a message: it holds exactly what was applied from the old source,
+            # which compares it with what it holds (its loss claim, its orphans). Taken
+            # later (at the link's next try, or by the first client batch), a message a
+            # client consumed here meanwhile was missing from it, and the old source kept
+            # it as an orphan beside those it alone had, to be re-published by an
+            # operator: delivered twice.
+            self.source.ensure_active()
         if rpo is not None:
             log.error("mirror: FORCED promotion at DR epoch %d; RPO: %s", epoch,
                       rpo.model_dump_json())  # fmt: skip
