@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from mirrorsites import Sites, browse, demote, mirror_status, promote, publish
+from test_mirror_delta import consume_every
 from test_mirror_reseed import ORPHANS, bodies, consume
 
+from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.queues import drain
 from twinmq.testing.waiting import wait_for
 
@@ -62,3 +65,56 @@ def test_messages_consumed_on_the_promoted_site_never_come_back_and_the_lost_are
         assert drain(sites.mirror.url, "audit") == on_b["audit"]
         assert mirror_status(sites.mirror)["orphans"] == 0
         assert sorted(drain(sites.source.url, ORPHANS)) == sorted(bodies("lost", 5))
+
+
+@pytest.mark.slow
+def test_the_old_source_restarted_mid_comparison_counts_once_and_resurrects_nothing(
+    tmp_path: Path,
+) -> None:
+    """As above, with A `kill -9`ed while B compares its seed with what A holds (the
+    comparison slowed by a throttled link): the session cut before its first event counts
+    nothing, the next one counts what the first would have, once."""
+    with FaultProxy("127.0.0.1:1") as proxy:
+        sites = Sites(tmp_path, reversible=True, mirror_to=proxy.address)
+        proxy.retarget(f"127.0.0.1:{sites.source_port}")  # B -> proxy -> A, once reversed
+        with sites:
+            publish(sites.source, "orders", bodies("a", 300))
+            sites.caught_up()
+            sites.mirror.stop()  # a partition
+            # 50 settles B never sees, spread over the queue: every range of the
+            # comparison differs and is split down to listed ids (several round trips).
+            settled_on_a = consume_every(sites, "orders", 6, 300)
+            publish(sites.source, "orders", bodies("lost", 5))
+            sites.source.kill()
+            sites.mirror.start()
+            assert sites.promote_mirror(force=True).forced
+            consume(sites.mirror, "orders", 4)  # a-0 (settled on A too) .. a-3
+            publish(sites.mirror, "own", bodies("b", 5))
+            consume(sites.mirror, "own", 2)
+            on_b = {"orders": bodies("a", 300)[4:], "own": bodies("b", 5)[2:]}
+
+            proxy.throttle(300)  # the comparison's round trips take seconds
+            sites.source.start()
+            wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
+
+            def comparing() -> bool:
+                section = mirror_status(sites.source)
+                return section is not None and section["sources_connected"] == 1
+
+            wait_for("B's session on A", comparing, 60)
+            sites.source.kill()
+            assert "compared in" not in sites.mirror.log_path.read_text()  # cut mid-way
+            sites.source.start()
+            proxy.throttle(None)
+            sites.caught_up(source=sites.mirror)
+            lost = wait_for(
+                "the loss counted", lambda: mirror_status(sites.source)["unmirrored"], 30
+            )
+            assert (lost["messages"], lost["settles"]) == (5, len(settled_on_a))
+            assert (lost["unverified_events"], lost["unverified_messages"]) == (0, 0)
+            assert mirror_status(sites.source)["queue_events"] == 0
+            for queue, expected in on_b.items():
+                assert browse(sites.mirror, queue) == expected
+                assert sorted(browse(sites.source, queue)) == sorted(expected)
+            assert sorted(browse(sites.source, ORPHANS)) == sorted(bodies("lost", 5))
+            assert "compared in" in sites.mirror.log_path.read_text()
