@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pika
 import pytest
-from mirrorsites import PairedMesh, browse, depth, metric, mirror_status
+from mirrorsites import PairedMesh, browse, depth, metric, mirror_status, publish
+from test_mirror_reseed import bodies
 
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.waiting import wait_for
@@ -155,3 +156,33 @@ def test_a_kill_9_of_the_mesh_pairs_passive_mid_stream_loses_and_repeats_nothing
             for publisher in publishers:
                 publisher.stop()
         exactly_once_everywhere(mesh, publishers)
+
+
+@pytest.mark.slow
+def test_a_mesh_pairs_failover_while_a_target_is_away_keeps_that_targets_cursor(
+    tmp_path: Path,
+) -> None:
+    with PairedMesh(tmp_path) as mesh:
+        a, b = mesh.singles
+        publish(mesh.pair.active, QUEUE, bodies("c-before", 50))
+        mesh.caught_up()
+        a.stop()  # away: the pair keeps its events for A alone, trimmed for B
+        publish(mesh.pair.active, QUEUE, bodies("c-away", 200))
+        publish(b, QUEUE, bodies("b-away", 100))
+        wait_for("B acknowledged the pair's events", lambda: depth(b, QUEUE) == 350, 60)
+        mesh.failover()  # c2 holds A's cursor and its backlog as replicated
+        publish(mesh.pair.active, QUEUE, bodies("c-after", 50))
+        a.start()
+        expected = [
+            *bodies("c-before", 50), *bodies("c-away", 200), *bodies("b-away", 100),
+            *bodies("c-after", 50),
+        ]  # fmt: skip
+        wait_for("every site at 400", lambda: all(depth(s, QUEUE) == 400 for s in mesh.sites), 120)
+        mesh.caught_up(120)
+        for site in mesh.sites:
+            assert sorted(browse(site, QUEUE)) == sorted(expected), site.name
+            section = mirror_status(site)
+            assert section is not None
+            assert all(t["needs_resync"] is None for t in section["targets"]), section["targets"]
+        assert mirror_status(mesh.pair.active)["last_seed"] is None
+        assert mirror_status(a)["needs_resync"] is None
