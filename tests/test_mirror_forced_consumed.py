@@ -118,3 +118,40 @@ def test_the_old_source_restarted_mid_comparison_counts_once_and_resurrects_noth
                 assert sorted(browse(sites.source, queue)) == sorted(expected)
             assert sorted(browse(sites.source, ORPHANS)) == sorted(bodies("lost", 5))
             assert "compared in" in sites.mirror.log_path.read_text()
+
+
+def test_a_forced_failover_after_a_switchover_and_failback_still_seeds_and_counts(
+    tmp_path: Path,
+) -> None:
+    """B was the source once (a switchover, then a failback): its replication queue is
+    there when it is forced. It seeds all the same, and A counts, orphans and converges
+    as after a first failover (before: no seed, A never counted, kept the 5 lost among
+    its queues and lacked what it had consumed behind the partition: two copies apart)."""
+    with Sites(tmp_path, reversible=True) as sites:
+        publish(sites.source, "orders", bodies("a", 10))
+        sites.caught_up()
+        there = demote(sites.source)
+        assert promote(sites.mirror, there.token).role == "source"
+        publish(sites.mirror, "orders", bodies("b", 2))
+        sites.caught_up(source=sites.mirror)
+        back = demote(sites.mirror)
+        assert promote(sites.source, back.token).role == "source"
+        sites.caught_up()
+        sites.mirror.stop()  # a partition
+        publish(sites.source, "orders", bodies("lost", 5))
+        consume(sites.source, "orders", 1)  # a-0, settled on A alone
+        sites.source.kill()
+        sites.mirror.start()
+        assert sites.promote_mirror(force=True).forced
+        assert mirror_status(sites.mirror)["last_seed"] == "forced promotion"
+        consume(sites.mirror, "orders", 2)  # a-0 (again: B never knew) and a-1
+        on_b = [*bodies("a", 10)[2:], *bodies("b", 2)]
+        sites.source.start()
+        wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
+        sites.caught_up(source=sites.mirror)
+        lost = wait_for("the loss counted", lambda: mirror_status(sites.source)["unmirrored"], 30)
+        assert (lost["messages"], lost["settles"]) == (5, 1)
+        assert (lost["unverified_events"], lost["unverified_messages"]) == (0, 0)
+        assert browse(sites.mirror, "orders") == on_b
+        assert browse(sites.source, "orders") == on_b
+        assert sorted(browse(sites.source, ORPHANS)) == sorted(bodies("lost", 5))

@@ -511,7 +511,7 @@ class Mirroring:
             # client consumed here meanwhile was missing from it, and the old source kept
             # it as an orphan beside those it alone had, to be re-published by an
             # operator: delivered twice.
-            self.source.ensure_active()
+            self.source.seed_forced()
         if rpo is not None:
             log.error("mirror: FORCED promotion at DR epoch %d; RPO: %s", epoch,
                       rpo.model_dump_json())  # fmt: skip
