@@ -512,6 +512,12 @@ class Mirroring:
             # it as an orphan beside those it alone had, to be re-published by an
             # operator: delivered twice.
             self.source.seed_forced()
+            # Durable, and on the pair's passive, before the answer: a failover of this
+            # pair right after it sends the same seed (a passive that finds the queue
+            # there would not make one).
+            if not await self.futures.wait(self.committer.flush_now()):
+                log.error("mirror: the journal refused the forced promotion's seed: "
+                          "POST /mirror/reseed once the journal takes writes")  # fmt: skip
         if rpo is not None:
             log.error("mirror: FORCED promotion at DR epoch %d; RPO: %s", epoch,
                       rpo.model_dump_json())  # fmt: skip
