@@ -23,6 +23,7 @@ VHOST_NOT_RECORDED: Final = "vhost deletion not recorded"  # 507: the journal re
 
 SwitchRole = Literal["source", "replica"]  # what a switchover makes a site
 MirrorRole = Literal["source", "replica", "bidirectional"]
+TlsListenerName = Literal["amqps", "admin", "replication", "mirror"]
 MirrorLinkState = Literal["disabled", "connecting", "connected", "needs-resync", "fenced"]
 
 
@@ -461,6 +462,44 @@ class FederationStatus(BaseModel):
     )
 
 
+class TlsCertificateStatus(BaseModel):
+    """A certificate a listener presents, as loaded (what a CA rotation checks)."""
+
+    fingerprint: str = Field(description="SHA-256 of the certificate (DER), lowercase hex")
+    serial: str = Field(description="Its serial number, lowercase hex")
+    issuer: str = Field(description="Its issuer's name (RFC 4514)")
+    authority_key_id: str | None = Field(
+        None,
+        description="The key identifier of the CA that signed it (lowercase hex; its "
+        "Authority Key Identifier): tells two CAs of one name apart",
+    )
+    not_after: float = Field(description="When it expires (unix time)")
+
+
+class TlsFilesStatus(BaseModel):
+    """One listener's TLS files as the broker loaded them (it reloads them when they change,
+    `broker/tls.py`): what new handshakes use now."""
+
+    listener: TlsListenerName
+    cert_file: str
+    certificate: TlsCertificateStatus
+    ca_file: str | None = Field(None, description="The trust bundle (peers' certificates)")
+    ca_fingerprints: list[str] = Field(
+        default_factory=list,
+        description="SHA-256 (DER, lowercase hex) of each CA certificate in the trust "
+        "bundle, in the file's order",
+    )
+    loaded_at: float = Field(description="When these files were loaded (unix time)")
+    reloads: int = Field(0, description="Successful reloads since start-up")
+    load_errors: int = Field(0, description="Reloads that failed since start-up")
+    load_error: str | None = Field(
+        None,
+        description="Why the files as they are now do not load (the last attempt failed): "
+        "the certificate and bundle above are still in use; cleared by the next good load",
+    )
+    load_error_at: float | None = Field(None, description="When that attempt was made")
+
+
 class BrokerStatus(BaseModel):
     """`GET /status`."""
 
@@ -480,6 +519,11 @@ class BrokerStatus(BaseModel):
     mirror: MirrorStatus | None = None
     server_id: str = Field("", description="This server's identifier (--server-id)")
     federation: FederationStatus | None = None
+    tls: list[TlsFilesStatus] = Field(
+        default_factory=list,
+        description="Each TLS listener's files as loaded now (the operator's CA rotation "
+        "waits for every pod to load each phase's)",
+    )
 
 
 class Readiness(BaseModel):

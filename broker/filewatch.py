@@ -35,6 +35,10 @@ class FileWatch:
                 stamps.append((0, -1))  # missing for now (a Secret volume mid-update)
         return tuple(stamps)
 
+    def forget(self) -> None:
+        """Have the next `changed` say yes (a load that raced a replacement is redone)."""
+        self._seen = ()
+
     def changed(self) -> bool:
         """Whether any file changed since the last call (or since creation)."""
         stamp = self._stamp()

@@ -15,11 +15,18 @@ Names and types on `/metrics` are unchanged.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import REGISTRY, Counter, Gauge
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+
+from twinmq.broker.api import TlsFilesStatus
 
 
 class FastCounter:
@@ -273,3 +280,41 @@ AUDIT_FSYNC_LATENCY = _histogram(
 )
 
 REGISTRY.register(HotPathCollector())
+
+
+class TlsCollector(Collector):
+    """Each TLS listener's files as loaded (`broker/tls.py`), read from the listeners at
+    scrape time: the same figures `/status` shows under `tls`."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], list[TlsFilesStatus]] = list  # the broker sets it
+
+    def collect(self) -> Iterator[Metric]:
+        """Four families, labelled by listener (amqps, admin, replication, mirror)."""
+        labels = ["listener"]
+        loaded = GaugeMetricFamily(
+            "twinmq_tls_loaded_timestamp_seconds",
+            "When the listener's TLS files in use were loaded (unix time)", labels=labels,
+        )  # fmt: skip
+        failing = GaugeMetricFamily(
+            "twinmq_tls_load_failing",
+            "1 while the listener's TLS files as they are now do not load (the previous "
+            "ones stay in use)", labels=labels,
+        )  # fmt: skip
+        errors = CounterMetricFamily(
+            "twinmq_tls_reload_errors", "Reloads of changed TLS files that failed", labels=labels
+        )
+        expiry = GaugeMetricFamily(
+            "twinmq_tls_certificate_expiry_timestamp_seconds",
+            "When the listener's certificate in use expires (unix time)", labels=labels,
+        )  # fmt: skip
+        for files in self.source():
+            loaded.add_metric([files.listener], files.loaded_at)
+            failing.add_metric([files.listener], 0 if files.load_error is None else 1)
+            errors.add_metric([files.listener], files.load_errors)
+            expiry.add_metric([files.listener], files.certificate.not_after)
+        yield from (loaded, failing, errors, expiry)
+
+
+TLS = TlsCollector()
+REGISTRY.register(TLS)

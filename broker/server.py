@@ -52,7 +52,7 @@ from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.replication.source import ReplicationSource
 from twinmq.broker.routing import Exchange
 from twinmq.broker.settings import BrokerSettings
-from twinmq.broker.status import build_status
+from twinmq.broker.status import build_status, tls_status
 from twinmq.broker.tls import MutualTls, TlsListener
 from twinmq.broker.vhost import PublishResult, VirtualHost
 
@@ -381,6 +381,7 @@ class Broker:
         )  # fmt: skip
         if cert is not None and key is not None and ca is not None:
             self._replication_tls = MutualTls(cert, key, ca)
+        metrics.TLS.source = lambda: tls_status(self)
         metrics.CONNECTIONS.set_function(lambda: len(self.protocols))
         metrics.BROKER_DAMAGED.set_function(lambda: 1 if self.damaged else 0)
         metrics.JOURNAL_QUARANTINED.set_function(self.quarantined_files)

@@ -16,12 +16,15 @@ from twinmq.broker.api import (
     JournalStatus,
     QueueStatus,
     ReplicationStatus,
+    TlsFilesStatus,
+    TlsListenerName,
     VhostStatus,
 )
 from twinmq.broker.names import ACTIVE, PASSIVE
 
 if TYPE_CHECKING:
     from twinmq.broker.server import Broker
+    from twinmq.broker.tls import TlsListener
 
 
 def replication_status(broker: Broker) -> ReplicationStatus:
@@ -66,6 +69,15 @@ def replication_status(broker: Broker) -> ReplicationStatus:
         lag_seconds=0.0 if link is None else round(link.lag_seconds, 3),
         catchup=catchup,
     )
+
+
+def tls_status(broker: Broker) -> list[TlsFilesStatus]:
+    """Each TLS listener's files as loaded now (`broker/tls.py`)."""
+    listeners: list[tuple[TlsListenerName, TlsListener | None]] = [
+        ("amqps", broker.tls), ("admin", broker.admin_tls),
+        ("replication", broker.replication_tls), ("mirror", broker.mirroring.tls),
+    ]  # fmt: skip
+    return [listener.status(name) for name, listener in listeners if listener is not None]
 
 
 def build_status(broker: Broker) -> BrokerStatus:
@@ -141,4 +153,5 @@ def build_status(broker: Broker) -> BrokerStatus:
         mirror=broker.mirroring.status(),
         server_id=broker.server_id,
         federation=broker.federation.status(),
+        tls=tls_status(broker),
     )

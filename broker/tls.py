@@ -22,7 +22,10 @@ newest one (the listening context's server-name callback), so new handshakes use
 the new certificate and the new CA bundle, a CA removed from it included;
 established connections keep theirs and are not dropped. A pair of files that
 does not load (half-written, or a key that does not match) is logged and the old
-certificate stays in use.
+certificate stays in use. `TlsListener.status` says what is loaded now (the certificate's
+fingerprint, serial, issuer and signing key, the bundle's CAs' fingerprints, when) and
+why the last reload failed if it did: `GET /status` carries it, and the operator's CA
+rotation (operator/carotation.py) waits for every pod to have loaded each phase's files.
 """
 
 from __future__ import annotations
@@ -30,13 +33,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from twinmq.broker.api import TlsCertificateStatus, TlsFilesStatus, TlsListenerName
 from twinmq.broker.filewatch import FileWatch
 
 log = logging.getLogger(__name__)
@@ -86,6 +92,51 @@ def identity_refusal(writer: asyncio.StreamWriter, name: str) -> str | None:
     return None
 
 
+def fingerprint(cert: x509.Certificate) -> str:
+    """A certificate's SHA-256 fingerprint (of its DER), lowercase hex."""
+    return cert.fingerprint(hashes.SHA256()).hex()
+
+
+def key_id(cert: x509.Certificate) -> str:
+    """The key identifier of a CA certificate (its Subject Key Identifier, else the one
+    derived from its public key as RFC 5280 does), lowercase hex: what the certificates
+    it signs carry as their Authority Key Identifier."""
+    try:
+        return cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value.digest.hex()
+    except x509.ExtensionNotFound:
+        return x509.SubjectKeyIdentifier.from_public_key(cert.public_key()).digest.hex()
+
+
+def describe(cert: x509.Certificate) -> TlsCertificateStatus:
+    """What `/status` says of a certificate."""
+    try:
+        aki = cert.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value
+        authority = aki.key_identifier.hex() if aki.key_identifier is not None else None
+    except x509.ExtensionNotFound:
+        authority = None
+    return TlsCertificateStatus(
+        fingerprint=fingerprint(cert),
+        serial=format(cert.serial_number, "x"),
+        issuer=cert.issuer.rfc4514_string(),
+        authority_key_id=authority,
+        not_after=cert.not_valid_after_utc.timestamp(),
+    )
+
+
+class _Loaded:
+    """What one load read: the files' content, described (the contexts are built from the
+    same bundle text, so what is reported is what verifies)."""
+
+    def __init__(self, cert: Path, ca: Path | None) -> None:
+        self.leaf_pem = cert.read_bytes()
+        self.ca_pem = ca.read_text() if ca is not None else None
+        self.certificate = describe(x509.load_pem_x509_certificate(self.leaf_pem))
+        self.cas = [] if self.ca_pem is None else [
+            fingerprint(c) for c in x509.load_pem_x509_certificates(self.ca_pem.encode())
+        ]  # fmt: skip
+        self.at = time.time()
+
+
 class TlsListener:
     """The server-side TLS context of a listener, kept current with its files."""
 
@@ -96,9 +147,12 @@ class TlsListener:
         (OpenSSL's SSL_VERIFY_PEER without FAIL_IF_NO_PEER_CERT: a certificate presented
         that does not verify still fails the handshake)."""
         self.cert, self.key, self.ca, self.optional = cert, key, ca, optional
-        self.reloads = 0
+        self.reloads = self.load_errors = 0
+        self.load_error: str | None = None
+        self.load_error_at: float | None = None
         self._watch = FileWatch(cert, key, ca)
         # Raises at start-up: a broker does not start with files it cannot use.
+        self._loaded = _Loaded(cert, ca)
         self.context = self._server_context()  # the one the listening socket holds
         self._current = self.context
         # Each handshake is moved to the newest context (its server-name callback runs at
@@ -106,7 +160,7 @@ class TlsListener:
         # from verification too, which adding files to the listening context never could
         # (OpenSSL's certificate store only grows).
         self.context.sni_callback = self._newest
-        self._load_more()
+        self._install(self._build_more())
 
     def _server_context(self) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -114,32 +168,62 @@ class TlsListener:
         if self.ca is not None:
             context.verify_mode = ssl.CERT_OPTIONAL if self.optional else ssl.CERT_REQUIRED
         context.load_cert_chain(self.cert, self.key)
-        if self.ca is not None:
-            context.load_verify_locations(self.ca)
+        if self._loaded.ca_pem is not None:
+            context.load_verify_locations(cadata=self._loaded.ca_pem)
         return context
 
     def _newest(self, conn: ssl.SSLObject, _name: str | None, held: ssl.SSLContext) -> None:
         if self._current is not held:
             conn.context = self._current
 
-    def _load_more(self) -> None:
+    def _build_more(self) -> ssl.SSLContext | None:
         """What a subclass builds from the same files (after the server context)."""
+        return None
+
+    def _install(self, more: ssl.SSLContext | None) -> None:
+        """Put what `_build_more` built in use (only once the whole load succeeded)."""
 
     def reload_if_changed(self) -> bool:
         """Load the files again if they changed since the last look; whether it did."""
         if not self._watch.changed():
             return False
+        kept = self._loaded
         try:
-            fresh = self._server_context()
-            self._load_more()
-        except (OSError, ssl.SSLError) as exc:
+            self._loaded = _Loaded(self.cert, self.ca)
+            fresh, more = self._server_context(), self._build_more()
+            if self.cert.read_bytes() != self._loaded.leaf_pem:
+                # Replaced while being read: what was described may not be what loaded.
+                self._watch.forget()  # so the next look loads it again
+                raise OSError(f"{self.cert} changed while it was being loaded")
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            self._loaded = kept  # and the contexts in use are untouched
+            self.load_errors += 1
+            self.load_error, self.load_error_at = f"{type(exc).__name__}: {exc}", time.time()
             log.error("TLS files %s, %s changed but do not load (%s): keeping the old ones",
                       self.cert, self.key, exc)  # fmt: skip
             return False
         self._current = fresh
+        self._install(more)
         self.reloads += 1
+        self.load_error = self.load_error_at = None
         log.info("TLS certificate reloaded from %s (new connections use it)", self.cert)
         return True
+
+    def status(self, listener: TlsListenerName) -> TlsFilesStatus:
+        """The files as loaded now, for `GET /status` (`listener`: which one this is)."""
+        loaded = self._loaded
+        return TlsFilesStatus(
+            listener=listener,
+            cert_file=str(self.cert),
+            certificate=loaded.certificate,
+            ca_file=None if self.ca is None else str(self.ca),
+            ca_fingerprints=loaded.cas,
+            loaded_at=loaded.at,
+            reloads=self.reloads,
+            load_errors=self.load_errors,
+            load_error=self.load_error,
+            load_error_at=self.load_error_at,
+        )
 
 
 class MutualTls(TlsListener):
@@ -149,16 +233,22 @@ class MutualTls(TlsListener):
     dialled (`check_hostname`), and both check the broker name the peer claims in the
     handshake (`identity_refusal`)."""
 
+    client: ssl.SSLContext  # read at each dial
+
     def __init__(self, cert: Path, key: Path, ca: Path) -> None:
         super().__init__(cert, key, ca)
 
-    def _load_more(self) -> None:
+    def _build_more(self) -> ssl.SSLContext:
         client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies, checks host names
         client.minimum_version = ssl.TLSVersion.TLSv1_2
         client.load_cert_chain(self.cert, self.key)
-        assert self.ca is not None
-        client.load_verify_locations(self.ca)
-        self.client = client  # read at each dial
+        assert self._loaded.ca_pem is not None
+        client.load_verify_locations(cadata=self._loaded.ca_pem)
+        return client
+
+    def _install(self, more: ssl.SSLContext | None) -> None:
+        assert more is not None
+        self.client = more
 
 
 def report_refused_handshakes(

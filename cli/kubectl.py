@@ -147,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     mirror_sub = mirror.add_subparsers(dest="mirror_command", required=True, metavar="COMMAND")
     mirror_status = mirror_sub.add_parser(
         "status", parents=[common], help="each mirrored cluster's DR role and link",
-        description="One row per BrokerCluster with spec.mirror: its DR role and epoch now, the "
+        description="One row per BrokerCluster with spec.mirror (a full mesh, "
+        "spec.mirror.targets: one row per target, with that target's link, backlog and lag): "
+        "its DR role and epoch now, the "
         "link's state (a bidirectional site's outgoing one; INBOUND: its incoming one), the "
         "target, the backlog of events not yet acknowledged by the mirror, "
         "the age of the oldest (LAG), the sources linked to a replica, and why a link is "
@@ -547,8 +549,9 @@ def status_rows(
 def mirror_rows(
     clusters: Sequence[Mapping[str, Any]], with_namespace: bool = False
 ) -> list[tuple[str, ...]]:
-    """One row per cluster with a `spec.mirror`, in the order of `MIRROR_COLUMNS`: its DR
-    role and link as its active broker last reported them (status.mirror)."""
+    """One row per cluster with a `spec.mirror` (a full mesh: one per target), in the order
+    of `MIRROR_COLUMNS`: its DR role and link as its active broker last reported them
+    (status.mirror)."""
     rows: list[tuple[str, ...]] = []
     for cluster in clusters:
         mirror = (cluster.get("spec") or {}).get("mirror")
@@ -557,6 +560,9 @@ def mirror_rows(
         meta = cluster.get("metadata") or {}
         first = (str(meta.get("namespace", "")),) if with_namespace else ()
         state = (cluster.get("status") or {}).get("mirror") or {}
+        if mirror.get("targets"):
+            rows += mesh_rows(first, str(meta.get("name", "?")), cluster, mirror, state)
+            continue
         target = (mirror.get("target") or {}).get("host")
         if target:
             target = f"{target}:{(mirror.get('target') or {}).get('port', MIRROR_PORT)}"
@@ -574,6 +580,37 @@ def mirror_rows(
             str(state.get("sourcesConnected", "-")),
             tls_text(cluster, state),
             failback_text(state) or str(state.get("message") or "") or orphans_text(state),
+        ))  # fmt: skip
+    return rows
+
+
+def mesh_rows(
+    first: tuple[str, ...],
+    name: str,
+    cluster: Mapping[str, Any],
+    mirror: Mapping[str, Any],
+    state: Mapping[str, Any],
+) -> list[tuple[str, ...]]:
+    """A full-mesh site's rows: one per target (`spec.mirror.targets`), each with that
+    target's link, backlog and lag (`status.mirror.targets[]`; Unknown before the active
+    reported it); the site's role, inbound direction, epoch and TLS on every row."""
+    seen = {str(t.get("target")): t for t in state.get("targets") or []}
+    rows: list[tuple[str, ...]] = []
+    for target in mirror.get("targets") or []:
+        address = f"{target.get('host')}:{target.get('port', MIRROR_PORT)}"
+        link = seen.get(address) or {}
+        rows.append((
+            *first, name,
+            str(state.get("role") or mirror.get("role") or "-"),
+            str(link.get("state") or "Unknown"),
+            str(state.get("inbound") or "Unknown"),
+            str(state.get("epoch", "-")),
+            address,
+            str(link.get("queueEvents", "-")),
+            f"{float(link.get('lagSeconds') or 0.0):.1f}s" if link else "-",
+            str(state.get("sourcesConnected", "-")),
+            tls_text(cluster, state),
+            str(link.get("message") or "") or failback_text(state) or orphans_text(state),
         ))  # fmt: skip
     return rows
 

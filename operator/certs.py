@@ -404,6 +404,7 @@ class TlsMemory:
     rotation: CaRotation | None = None  # where the last rotation stands (operator/carotation.py)
     ca_renew_at: datetime | None = None  # when the signing CA is due to be rotated by age
     events: list[str] = field(default_factory=list)  # rotation steps, for Events (drained)
+    load_errors: dict[str, float | None] = field(default_factory=dict)  # pod/listener: reported
     server: KeyPair | None = None
     renew_at: datetime | None = None
     names: list[str] = field(default_factory=list)
@@ -432,6 +433,7 @@ def reconcile_managed(
     seconds: int,
     rotate: str | None = None,
     grace: int = carotation.DEFAULT_CA_GRACE,
+    loaded: carotation.Loaded | None = None,
 ) -> tuple[KeyPair, KeyPair]:
     """The managed CA and server certificate as they must be now: read from their Secrets
     on the first pass, made when missing, the CA rotated when `rotate` (a request id) or
@@ -451,9 +453,9 @@ def reconcile_managed(
     signer = memory.ca
     if memory.ca_renew_at is None:
         memory.ca_renew_at = renew_at(signer.certificate())
-    step = carotation.advance(
-        memory, rotate, now >= memory.ca_renew_at, now, grace, lambda: new_ca(cluster, now)
-    )
+    aged = now >= memory.ca_renew_at
+    step = carotation.advance(memory, rotate, aged, now, grace, lambda: new_ca(cluster, now),
+                              loaded)  # fmt: skip
     if step is not None:
         log.info("%s/%s: %s", cluster.namespace, cluster.name, step)
         memory.events.append(step)
@@ -596,13 +598,15 @@ def reconcile_tls(
     clock: float = 0.0,
     seconds: int | None = None,
     grace: int | None = None,
+    loaded: carotation.Loaded | None = None,
 ) -> None:
     """Keep the brokers' certificate objects: the managed CA (rotated on request or with
     age: `operator/carotation.py`) and server Secrets, or the cert-manager Certificate;
     and the `<cluster>-ca` ConfigMap (the trust bundle). `clock` is a monotonic time (how
     often a Secret the operator does not issue is read); `grace` a rotation's phase length
-    (default: the operator setting). Disabling TLS leaves the objects (owned: they go with
-    the cluster)."""
+    (default: the operator setting); `loaded` what each broker pod reports it loaded of
+    its TLS files (a rotation's phase waits for all to have loaded its files). Disabling
+    TLS leaves the objects (owned: they go with the cluster)."""
     tls = spec.tls
     if not tls.enabled:
         return
@@ -611,7 +615,7 @@ def reconcile_tls(
         rotate = spec.requests.rotate_ca.id if spec.requests.rotate_ca is not None else None
         ca, server = reconcile_managed(
             cluster, tls, memory, secrets, now, seconds, rotate,
-            carotation.grace_seconds() if grace is None else grace,
+            carotation.grace_seconds() if grace is None else grace, loaded,
         )  # fmt: skip
         trust = carotation.bundle(memory)
         apply(build_ca_secret(cluster, memory))

@@ -190,12 +190,14 @@ def reconcile_children(
     peer_tls: PeerTlsPhase = "Plaintext",
     peer_ca: dict[str, Any] | None = None,
     federation_cas: list[dict[str, Any]] | None = None,
+    loaded: carotation.Loaded | None = None,
 ) -> list[drift.Repaired]:
     """Apply every owned object in its desired state (a deleted one is recreated, an edited
     one set back); create the pods that are missing and set their labels back. Pods are
     never changed in place: a rollout replaces them (`rollout.plan`). A volume resize the
-    API server refuses is kept in `memory.storage_refusal`. Returns the drift repaired
-    (`drift.repair`)."""
+    API server refuses is kept in `memory.storage_refusal`. `loaded`: what each broker
+    reports it loaded of its TLS files (a CA rotation's phase waits for it). Returns the
+    drift repaired (`drift.repair`)."""
     k = kube()
     repaired: list[drift.Repaired] = []
 
@@ -234,7 +236,8 @@ def reconcile_children(
         apply(obj)
     # Before the pods: a new pod mounts the server certificate's Secret.
     try:
-        certs.reconcile_tls(cluster, spec, memory.tls, k, apply, clock=time.monotonic())
+        certs.reconcile_tls(cluster, spec, memory.tls, k, apply, clock=time.monotonic(),
+                            loaded=loaded)  # fmt: skip
     except ResourceNotFoundError:  # spec.tls.issuerRef without cert-manager installed
         if not memory.tls.no_cert_manager:
             log.warning("%s/%s: spec.tls.issuerRef names cert-manager, whose Certificate "
@@ -891,14 +894,26 @@ def reconcile(
     memory.deferred = memory.deferred + 1 if deferred else 0
     if not deferred:
         peer_ca = None if trust is None else peerca.build_config_map(cluster, trust)
+        loaded: carotation.Loaded = {n: None if r is None else r.tls for n, r in reports.items()}
         report_drift(body, reconcile_children(
             cluster, spec, memory, pods, peer_tls, peer_ca,
-            federationtls.build_config_maps(cluster, fed_trust),
+            federationtls.build_config_maps(cluster, fed_trust), loaded,
         ))  # fmt: skip
         for rotated in memory.tls.events:
             kopf.event(body, type="Normal", reason="CaRotation", message=rotated)
         memory.tls.events.clear()
+        for broker, files in carotation.load_errors(loaded):
+            key = f"{broker}/{files.listener}"
+            if memory.tls.load_errors.get(key) != files.load_error_at:  # once per failure
+                memory.tls.load_errors[key] = files.load_error_at
+                kopf.event(body, type="Warning", reason="TlsLoadFailed", message=(
+                    f"{broker}'s {files.listener} TLS files do not load ({files.load_error}): it "
+                    "keeps the ones it loaded before"))  # fmt: skip
     if memory.tls.rotation is not None:
+        waiting = memory.tls.rotation.waiting
+        if waiting is not None and waiting != (status.ca_rotation and status.ca_rotation.waiting):
+            log.info("%s/%s: CA rotation waits: %s", cluster.namespace, cluster.name, waiting)
+            kopf.event(body, type="Normal", reason="CaRotationWaiting", message=waiting)
         new.ca_rotation = memory.tls.rotation
         new.handled_requests.rotate_ca = memory.tls.rotation.request
     for step in plan.actions:

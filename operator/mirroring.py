@@ -7,6 +7,9 @@ a replica's brokers listen on the mirror port. Both take the link's token from t
 Secret the spec names and identify their site as `<namespace>/<name>`. A bidirectional
 site's brokers run both ends at once (`--mirror-role bidirectional`): two sites naming
 each other, or a ring of three each naming the next; its status shows both directions.
+A full mesh (`spec.mirror.targets`, bidirectional) gives the brokers every other site,
+comma-separated (one link and one journaled cursor each); `status.mirror.targets` shows
+each target's link, and `state` is the worst of them.
 Only the active broker of a pair mirrors or applies; the status is read from its
 `GET /status`.
 
@@ -38,7 +41,7 @@ from twinmq.broker.admin_client import (
     mirror_promote_call,
     mirror_reseed_call,
 )
-from twinmq.broker.api import DemotionToken, MirrorStatus, MirrorUnmirrored
+from twinmq.broker.api import DemotionToken, MirrorStatus, MirrorTargetStatus, MirrorUnmirrored
 from twinmq.broker.api import MirrorDemoteRequest as DemoteCall
 from twinmq.broker.api import MirrorPromoteRequest as PromoteCall
 from twinmq.broker.names import MIRROR_PORT, setting_env
@@ -50,6 +53,7 @@ from twinmq.operator.models import (
     MirrorFailback,
     MirrorState,
     MirrorStateName,
+    MirrorTargetState,
     Requests,
 )
 
@@ -99,10 +103,12 @@ def broker_env(mirror: Mirror | None, namespace: str, name: str) -> list[Obj]:
         {"name": setting_env("mirror_role"), "value": mirror.role},
         {"name": setting_env("mirror_port"), "value": str(MIRROR_PORT)},
     ]
-    if mirror.target is not None:
-        target = f"{mirror.target.host}:{mirror.target.port}"
+    if targets := mirror.all_targets():
+        # A mesh's targets comma-separated: the broker's environment form of a repeated
+        # --mirror-to (one link and one journaled cursor each).
+        addresses = ",".join(f"{target.host}:{target.port}" for target in targets)
         env += [
-            {"name": setting_env("mirror_to"), "value": target},
+            {"name": setting_env("mirror_to"), "value": addresses},
             {"name": setting_env("mirror_max_lag"), "value": str(mirror.max_lag_seconds)},
         ]
     return env
@@ -217,6 +223,7 @@ def state_of(mirror: Mirror | None, seen: MirrorStatus | None) -> MirrorState | 
     outgoing = SOURCE_STATES.get(seen.state, "Disconnected")
     state: MirrorStateName = linked if role == "replica" else outgoing
     return MirrorState(
+        targets=[target_state(t) for t in seen.targets],
         role=role,
         state=state,
         inbound=linked if role == "bidirectional" else "",
@@ -231,6 +238,20 @@ def state_of(mirror: Mirror | None, seen: MirrorStatus | None) -> MirrorState | 
         tls=seen.tls,
         orphans=seen.orphans,
         unmirrored=unmirrored_text(seen.unmirrored),
+    )
+
+
+def target_state(seen: MirrorTargetStatus) -> MirrorTargetState:
+    """`status.mirror.targets[]`: one mesh target's link as the active reports it."""
+    return MirrorTargetState(
+        target=seen.target,
+        peer=seen.peer or "",
+        state=SOURCE_STATES.get(seen.state, "Disconnected"),
+        connected=seen.connected,
+        lag_seconds=round(seen.oldest_event_age_seconds, 3),
+        queue_events=seen.queue_events,
+        needs_resync=seen.needs_resync or "",
+        message=seen.needs_resync or seen.link_error or seen.mirror_blocked or "",
     )
 
 
@@ -253,6 +274,8 @@ def condition(state: MirrorState | None) -> tuple[str, bool, str, str] | None:
     both directions are), None without a mirror."""
     if state is None:
         return None
+    if state.targets:
+        return _mesh_condition(state)
     if state.role == "bidirectional" and state.state == "Connected" and state.inbound:
         if state.inbound != "Connected":
             return ("Mirroring", False, f"Inbound{state.inbound}", INBOUND_TEXT[state.inbound])
@@ -263,6 +286,41 @@ def condition(state: MirrorState | None) -> tuple[str, bool, str, str] | None:
         "Unknown": "no active broker has reported the mirror",
     }.get(state.state, "")
     return ("Mirroring", state.state == "Connected", state.state, why)
+
+
+def _mesh_condition(state: MirrorState) -> tuple[str, bool, str, str]:
+    """A full-mesh site's `Mirroring` condition: True while every target's link and the
+    incoming direction are up; else the targets that are not, each with its state and why."""
+    down = [t for t in state.targets if t.state != "Connected"]
+    if down:
+        why = "; ".join(f"{t.target} {t.state}" + (f": {t.message}" if t.message else "")
+                        for t in down)  # fmt: skip
+        return ("Mirroring", False, state.state,
+                f"{len(down)} of {len(state.targets)} targets not connected: {why}")  # fmt: skip
+    if state.inbound != "Connected":
+        return ("Mirroring", False, f"Inbound{state.inbound or 'Unknown'}",
+                INBOUND_TEXT[state.inbound or "Unknown"])  # fmt: skip
+    return ("Mirroring", True, "Connected", f"all {len(state.targets)} targets are linked, "
+            f"and {state.sources_connected} sites are linked in")  # fmt: skip
+
+
+def target_events(old: MirrorState, new: MirrorState) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Events for a mesh target whose link changed state
+    (`MirrorTarget<State>`, naming the target; a target new to the status has none: the
+    site's own Event covers the first report)."""
+    before = {t.target: t.state for t in old.targets}
+    out: list[tuple[str, str, str]] = []
+    for target in new.targets:
+        was = before.get(target.target)
+        if was is None or was == target.state or target.state == "Unknown":
+            continue
+        up = target.state == "Connected"
+        text = f"mirror target {target.target}" + (f" ({target.peer})" if target.peer else "")
+        text += f": {was} -> {target.state}"
+        if not up:
+            text += f": {target.message or 'no heartbeat came back'}"
+        out.append(("Normal" if up else "Warning", f"MirrorTarget{target.state}", text))
+    return out
 
 
 def failback_condition(state: MirrorState | None) -> tuple[str, bool, str, str] | None:
@@ -289,6 +347,8 @@ def events(old: MirrorState | None, new: MirrorState | None) -> list[tuple[str, 
         out.append(("Warning", "MirrorUnmirrored", f"the forced failover's loss, counted by "
                     f"this old source: {new.unmirrored} (kept here in "
                     "amq.twinmq.mirror-orphans unless settled since)"))  # fmt: skip
+    if new is not None and old is not None:
+        out += target_events(old, new)
     unheard = ("", "Unknown")  # one-way, or nothing heard yet: no Event
     if (
         new is not None

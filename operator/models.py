@@ -164,6 +164,8 @@ class MirrorTls(ApiModel):
 
 
 MirrorRoleName = Literal["source", "replica", "bidirectional"]
+MESH_MAX_TARGETS = 16
+"""The most targets a mesh site names (bounds the CEL uniqueness rule's cost)."""
 
 
 class Mirror(ApiModel):
@@ -176,8 +178,38 @@ class Mirror(ApiModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 {
-                    "rule": "self.role == 'replica' || has(self.target)",
-                    "message": "a mirror source or bidirectional site names its target",
+                    "rule": "self.role == 'replica' || has(self.target) || has(self.targets)",
+                    "message": "a mirror source or bidirectional site names its target "
+                    "(or, a full mesh, its targets)",
+                },
+                {
+                    "rule": "!(has(self.target) && has(self.targets))",
+                    "message": "spec.mirror names one target or a mesh's targets, not both",
+                },
+                {
+                    # The broker sends a one-way source's events, and hands its switchover
+                    # token, to one mirror: several targets are a bidirectional mesh's.
+                    "rule": "!has(self.targets) || self.role == 'bidirectional'",
+                    "message": "spec.mirror.targets (a full mesh) needs role bidirectional",
+                },
+                {
+                    "rule": "!has(self.targets) || size(self.targets) >= 2",
+                    "message": "spec.mirror.targets names the mesh's other sites: at least "
+                    "two (one other site: spec.mirror.target)",
+                },
+                {
+                    # Each target is one link with one journaled cursor on the broker: the
+                    # same site twice would be mirrored to twice.
+                    "rule": "!has(self.targets) || self.targets.all(t, "
+                    "self.targets.exists_one(u, u.host == t.host && u.port == t.port))",
+                    "message": "spec.mirror.targets must be unique (host and port)",
+                },
+                {
+                    # The broker checks one --mirror-tls-server-name on every link: in a
+                    # mesh each target's certificate is checked for its own host.
+                    "rule": "!has(self.targets) || !has(self.tls) || !has(self.tls.serverName)",
+                    "message": "spec.mirror.tls.serverName would be checked on every target "
+                    "of a mesh: name each target's Service in targets[].host instead",
                 },
                 {
                     # The broker keeps its first role in its journal (a switchover changes
@@ -203,6 +235,15 @@ class Mirror(ApiModel):
         "of three, the next site); a replica names its source here to be switchable (after "
         "a switchover it mirrors back there: failback)",
     )
+    targets: list[MirrorTarget] | None = Field(
+        None,
+        min_length=2,
+        max_length=MESH_MAX_TARGETS,
+        description="A full mesh (role bidirectional, instead of `target`): every other "
+        "site of the mesh, each mirrored to over its own link with its own cursor, only "
+        "this site's own events sent (docs/mirror.md, Full mesh); each site of the "
+        "mesh names all the others",
+    )
     secret_name: str = Field(
         min_length=1,
         max_length=253,
@@ -219,6 +260,12 @@ class Mirror(ApiModel):
         default_factory=MirrorTls,
         description="Mutual TLS on the link (on when the other site's CA is known)",
     )
+
+    def all_targets(self) -> list[MirrorTarget]:
+        """The sites this one mirrors to: `targets` (a mesh), else `target` (or none)."""
+        if self.targets:
+            return list(self.targets)
+        return [] if self.target is None else [self.target]
 
 
 AMQP_NAME = r"^[A-Za-z0-9_.:-]+$"
@@ -764,6 +811,12 @@ class CaRotation(ApiModel):
     )
     request: str | None = Field(None, description="The last rotateCa request id handled")
     reason: str = Field("", description="Why the rotation started")
+    waiting: str | None = Field(
+        None,
+        description="Why the next phase waits past its time: the broker pods that have not "
+        "loaded this phase's files (each pod's trust bundle and certificate, as its /status "
+        "reports them), and why",
+    )
 
 
 class Requests(ApiModel):
@@ -1104,6 +1157,23 @@ class MirrorFailback(ApiModel):
     since: str = Field("", description="When the current phase began (RFC 3339)")
 
 
+class MirrorTargetState(ApiModel):
+    """One target of a full-mesh site: its own link and backlog, as the active reports it."""
+
+    target: str = Field(description="The target's address, as the site dials it")
+    peer: str = Field("", description="Its site id (`<namespace>/<name>`), once it answered")
+    state: MirrorStateName = Field(
+        "Unknown",
+        description="Connected once a heartbeat came back over this link, NeedsResync once "
+        "its backlog passed the retention bound, Fenced, else Disconnected",
+    )
+    connected: bool = Field(False, description="A heartbeat came back over this link")
+    lag_seconds: float = Field(0.0, description="Age of its oldest unacknowledged event")
+    queue_events: int = Field(0, description="Events of this site it has not acknowledged")
+    needs_resync: str = Field("", description="Why its backlog was dropped: re-seed it")
+    message: str = Field("", description="Why its link is not connected, when known")
+
+
 class MirrorState(ApiModel):
     """The DR mirror as the active broker reports it (`GET /status`, `mirror`)."""
 
@@ -1149,6 +1219,14 @@ class MirrorState(ApiModel):
     last_switch: str = Field("", description="The last DR switch here: when, what, the RPO")
     failback: MirrorFailback = Field(
         default_factory=MirrorFailback, description="The last mirrorFailback request here"
+    )
+    targets: list[MirrorTargetState] = Field(
+        default_factory=list,
+        description="A full mesh: each target's link (`state` is the worst of them)",
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["target"],
+        },
     )
 
 

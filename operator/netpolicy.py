@@ -5,7 +5,9 @@ Ingress to the brokers, by port, and nothing else:
 - AMQP (5672) and, with `spec.tls`, AMQPS (5671): from anywhere (the applications,
   other sites' federation links), as RabbitMQ's operator allows its client ports;
 - the mirror port, on a mirrored site: from anywhere (the other site; the link has its
-  own token);
+  own token), except on a full-mesh site whose targets are all BrokerClusters' Services in
+  this Kubernetes cluster: in a mesh every site dials every other, so the sites it lists
+  are exactly the ones that dial it, and only their broker pods are let in;
 - replication (5673): from this cluster's two broker pods only;
 - admin (15672: role changes, status, metrics): from the operator's pods, and from the
   pods of the namespaces `spec.networkPolicy.adminNamespaces` names (Prometheus scraping
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from twinmq.broker.names import ADMIN_PORT, AMQP_PORT, AMQPS_PORT, ENV_PREFIX, REPLICATION_PORT
-from twinmq.operator import mirroring
+from twinmq.operator import mirroring, peerca
 from twinmq.operator.builders import ClusterRef, broker_selector, owned_meta
 from twinmq.operator.models import BrokerClusterSpec
 
@@ -64,6 +66,25 @@ class OperatorPods:
         }
 
 
+def mesh_peers(spec: BrokerClusterSpec) -> list[Obj] | None:
+    """The NetworkPolicyPeers of a full mesh's other sites (their broker pods), when every
+    target is a BrokerCluster's Service here; None: the mirror port stays open to all (one
+    way or a ring, whose incoming site is not the target; a target in another cluster)."""
+    mirror = spec.mirror
+    if mirror is None or not mirror.targets:
+        return None
+    sites = [peerca.service_of(target.host) for target in mirror.targets]
+    if any(site is None for site in sites):
+        return None
+    return [
+        {
+            "namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: namespace}},
+            "podSelector": broker_selector(ClusterRef(name=name, namespace=namespace, uid="")),
+        }
+        for namespace, name in (site for site in sites if site is not None)
+    ]
+
+
 def policy_name(cluster: ClusterRef) -> str:
     """The policy's name: `<cluster>-brokers`."""
     return f"{cluster.name}-brokers"
@@ -79,10 +100,15 @@ def build_network_policy(
         for namespace in spec.network_policy.admin_namespaces
     ]
     amqps = [{"protocol": "TCP", "port": AMQPS_PORT}] if spec.tls.enabled else []
-    open_ports = [{"protocol": "TCP", "port": AMQP_PORT}, *amqps] + [
+    mirror_ports = [
         {"protocol": "TCP", "port": port["containerPort"]}
         for port in mirroring.container_ports(spec.mirror)
     ]
+    peers = mesh_peers(spec)
+    open_ports = [{"protocol": "TCP", "port": AMQP_PORT}, *amqps]
+    if peers is None:
+        open_ports += mirror_ports
+    mesh = [{"from": peers, "ports": mirror_ports}] if peers is not None else []
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -97,6 +123,7 @@ def build_network_policy(
                     "ports": [{"protocol": "TCP", "port": REPLICATION_PORT}],
                 },
                 {"from": admin_from, "ports": [{"protocol": "TCP", "port": ADMIN_PORT}]},
+                *mesh,
             ],
         },
     }

@@ -7,7 +7,9 @@ cluster (`<name>.<namespace>.svc[.cluster.local]`) and the operator may read it,
 operator copies that cluster's published CA (`<name>-ca`, key `ca.crt`) into a ConfigMap
 of its own in this namespace, `<cluster>-mirror-peer-ca`, keeps it current (the other CA's
 rotation publishes a new bundle there: read again every `READ_EVERY` seconds) and uses it
-as if `spec.mirror.tls.caConfigMap` named it. An explicit `caConfigMap` wins.
+as if `spec.mirror.tls.caConfigMap` named it. An explicit `caConfigMap` wins. A full mesh
+(`spec.mirror.targets`) needs every target's CA (its brokers run all links over TLS or
+none): each target is judged so, and the copy is their bundle.
 
 The link only comes up when both sites agree, so a site turns TLS on by itself only when
 the other site will too: the other BrokerCluster names this one as its target and has a
@@ -26,6 +28,7 @@ longer a BrokerCluster naming this one) does turn it off.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,7 +70,8 @@ class Trust:
     message: str
     config_map: str | None = None
     bundle: str | None = None
-    peer: str = ""  # `<namespace>/<name>` of the other BrokerCluster, when known
+    peer: str = ""  # `<namespace>/<name>` of the other BrokerCluster(s), when known
+    kept: bool = False  # the last copy, kept while the other site cannot be read
 
 
 def config_map_name(cluster_name: str) -> str:
@@ -83,9 +87,10 @@ def service_of(host: str) -> tuple[str, str] | None:
 
 
 def _names(spec: BrokerClusterSpec, namespace: str, name: str) -> bool:
-    """Whether `spec`'s mirror target is the BrokerCluster `namespace/name`."""
-    target = spec.mirror.target if spec.mirror is not None else None
-    return target is not None and service_of(target.host) == (namespace, name)
+    """Whether `spec`'s mirror target (a mesh: one of them) is the BrokerCluster
+    `namespace/name`."""
+    targets = spec.mirror.all_targets() if spec.mirror is not None else []
+    return any(service_of(target.host) == (namespace, name) for target in targets)
 
 
 def _trust_cmd(cluster: ClusterRef) -> str:
@@ -121,13 +126,39 @@ def resolve(cluster: ClusterRef, spec: BrokerClusterSpec, reader: Reader) -> Tru
                      f"{mirror.tls.ca_config_map} (spec.mirror.tls.caConfigMap)",
                      config_map=mirror.tls.ca_config_map)  # fmt: skip
     fix = _trust_cmd(cluster)
-    if mirror.target is None:
+    targets = mirror.all_targets()
+    if not targets:
         return Trust(False, "PeerCAUnknown", "plaintext: this replica names no target, so "
                      "the operator cannot learn its source's CA: name the source's Service "
                      f"in spec.mirror.target, or run {fix}")  # fmt: skip
-    where = service_of(mirror.target.host)
+    if len(targets) == 1:
+        return _resolve_target(cluster, targets[0].host, reader, fix)
+    # A full mesh: the brokers run every link over TLS or none (one --mirror-tls-ca), so
+    # TLS is on only once every target's CA is known; the copy is their bundle.
+    each = [_resolve_target(cluster, target.host, reader, fix) for target in targets]
+    for target, trust in zip(targets, each, strict=True):
+        if not trust.tls:
+            return Trust(False, trust.reason, f"target {target.host}: {trust.message}",
+                         peer=trust.peer)  # fmt: skip
+    peers = ", ".join(trust.peer for trust in each)
+    copy = config_map_name(cluster.name)
+    if any(trust.kept for trust in each):
+        # One target cannot be read now: the last bundle stays whole (a partial one would
+        # drop a CA the brokers still verify with).
+        stale = next(trust for trust in each if trust.kept)
+        return dataclasses.replace(stale, peer=peers)
+    bundle = "".join(f"{(trust.bundle or '').rstrip()}\n" for trust in each)
+    return Trust(True, "PeerCACopied", f"mutual TLS: the CAs of {peers} (a mesh) copied "
+                 f"into {copy} by the operator", config_map=copy, bundle=bundle,
+                 peer=peers)  # fmt: skip
+
+
+def _resolve_target(cluster: ClusterRef, host: str, reader: Reader, fix: str) -> Trust:
+    """The CA of one target: copied when `host` is the Service of a BrokerCluster here
+    that names this site back and publishes its CA."""
+    where = service_of(host)
     if where is None:
-        return Trust(False, "PeerCAUnknown", f"plaintext: {mirror.target.host} is not a "
+        return Trust(False, "PeerCAUnknown", f"plaintext: {host} is not a "
                      "BrokerCluster's Service in this Kubernetes cluster (<name>.<namespace>"
                      f".svc), so the operator cannot read its CA: run {fix}")  # fmt: skip
     namespace, name = where
@@ -140,7 +171,7 @@ def resolve(cluster: ClusterRef, spec: BrokerClusterSpec, reader: Reader) -> Tru
         if bundle:
             return Trust(True, "PeerCACopied", f"mutual TLS with the last copy of {peer}'s "
                          f"CA in ConfigMap {copy} ({why})", config_map=copy, bundle=bundle,
-                         peer=peer)  # fmt: skip
+                         peer=peer, kept=True)  # fmt: skip
         return Trust(False, "PeerCAUnknown", f"plaintext: {why}; or run {fix}", peer=peer)
 
     try:
@@ -162,7 +193,8 @@ def resolve(cluster: ClusterRef, spec: BrokerClusterSpec, reader: Reader) -> Tru
     if not _names(other_spec, cluster.namespace, cluster.name):
         return Trust(False, "PeerCAUnknown", f"plaintext: BrokerCluster {peer} does not name "
                      f"this site ({cluster.name}.{cluster.namespace}.svc) as its "
-                     "spec.mirror.target, so it cannot learn this site's CA and would not "
+                     "spec.mirror.target (or one of its targets), so it cannot learn this site's "
+                     "CA and would not "
                      "speak TLS: name this site there (a switchable replica does), or give "
                      f"both sites a caConfigMap: {fix}", peer=peer)  # fmt: skip
     try:
@@ -203,7 +235,8 @@ def build_config_map(cluster: ClusterRef, trust: Trust) -> Obj | None:
     if trust.reason != "PeerCACopied" or trust.bundle is None:
         return None
     meta = owned_meta(cluster, config_map_name(cluster.name))
-    meta["annotations"] = {"twinmq.io/copied-from": f"{trust.peer}-ca"}
+    sources = ", ".join(f"{peer}-ca" for peer in trust.peer.split(", "))
+    meta["annotations"] = {"twinmq.io/copied-from": sources}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
             "data": {CA_KEY: trust.bundle}}  # fmt: skip
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from apiserver import KubeApiServer, binaries_built, running_apiserver
+from apiserver import KubeApiServer, binaries_built, install_crd, running_apiserver
 
 from twinmq.operator.kube import Kube
 from twinmq.testing.launcher import BrokerProcess
@@ -64,3 +64,11 @@ def kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeApi
 def kube(kube_apiserver: KubeApiServer) -> Kube:
     """The operator's API client, pointed at the test API server."""
     return Kube(str(kube_apiserver.kubeconfig))
+
+
+@pytest.fixture(scope="module")
+def api(kube_apiserver: KubeApiServer) -> Kube:
+    """The operator's API client with the BrokerCluster CRD installed and served."""
+    found = Kube(str(kube_apiserver.kubeconfig))
+    install_crd(found)
+    return found

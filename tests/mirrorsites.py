@@ -105,6 +105,21 @@ class Sites:
         """`POST /mirror/promote` on site B."""
         return promote(self.mirror, token, force=force)
 
+    def fail_over_by_force(self) -> None:
+        """Site A lost (kill -9), site B (stopped: a partition) started and promoted by
+        force."""
+        self.source.kill()
+        self.mirror.start()
+        assert self.promote_mirror(force=True).forced
+
+    def old_source_back(self, *, caught_up: bool = True) -> None:
+        """Site A back after a forced failover: fenced by B and (`caught_up`) rebuilt by
+        B's seed."""
+        self.source.start()
+        wait_for("A fenced", lambda: mirror_status(self.source)["role"] == "replica", 30)
+        if caught_up:
+            self.caught_up(source=self.mirror)
+
 
 def demote(broker: BrokerProcess, timeout: float = 30.0) -> MirrorSwitch:
     """`POST /mirror/demote` on `broker`."""

@@ -17,12 +17,14 @@ from apiserver import KubeApiServer, install_crd
 from cryptography import x509
 
 from twinmq.broker.admin_client import metric_samples
+from twinmq.broker.api import TlsFilesStatus, TlsListenerName
 from twinmq.broker.names import setting_env
+from twinmq.broker.tls import describe, fingerprint
 from twinmq.operator import carotation, certs
 from twinmq.operator.builders import ClusterRef
 from twinmq.operator.kube import Kube, Refused
 from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec, CaRotation
-from twinmq.testing.launcher import free_port
+from twinmq.testing.launcher import BrokerProcess, free_port
 from twinmq.testing.pair import Pair
 from twinmq.testing.waiting import wait_for
 
@@ -213,11 +215,15 @@ class Volume:
                 common_name=self.name, addresses=["127.0.0.1"],
             )  # fmt: skip
         assert self.leaf is not None
+        self.write_files(self.leaf.cert, self.leaf.key, bundle)
+
+    def write_files(self, cert: str, key: str, bundle: str) -> None:
+        """The three files as given, swapped in at once (a bad one included)."""
         self.version += 1
         data = self.folder / f"..{self.version}"
         data.mkdir()
-        (data / "tls.crt").write_text(self.leaf.cert)
-        (data / "tls.key").write_text(self.leaf.key)
+        (data / "tls.crt").write_text(cert)
+        (data / "tls.key").write_text(key)
         (data / "ca.crt").write_text(bundle)
         link = self.folder / "..data.tmp"
         link.symlink_to(data.name)
@@ -352,3 +358,151 @@ def present(address: str, leaf: certs.KeyPair, trust: str, folder: Path) -> None
                 tls.recv(1)  # TLS 1.3: the refusal comes as an alert after the handshake
         except (ssl.SSLError, OSError):
             pass
+
+
+# -- every pod loaded the phase's files before the next ---------------------------------------
+
+
+def reported(bundle: str | None, leaf: str, listener: TlsListenerName = "replication",
+             error: str | None = None) -> TlsFilesStatus:  # fmt: skip
+    """What a broker's `/status` says of one listener's files, described as it does."""
+    cas = [] if bundle is None else [fingerprint(c) for c in
+                                     x509.load_pem_x509_certificates(bundle.encode())]  # fmt: skip
+    return TlsFilesStatus(
+        listener=listener, cert_file="/tls/tls.crt", ca_file=None if bundle is None else "ca",
+        certificate=describe(x509.load_pem_x509_certificate(leaf.encode())),
+        ca_fingerprints=cas, loaded_at=0.0, load_error=error,
+    )  # fmt: skip
+
+
+def leaf_of(signer: certs.KeyPair) -> str:
+    return certs.issue_server(signer, ["primary"], NOW, 3600, client=True).cert
+
+
+def test_a_phase_waits_past_its_time_for_the_pod_still_holding_the_previous_files() -> None:
+    old = certs.new_ca(CLUSTER, NOW)
+    cas = Cas(old)
+    carotation.advance(cas, "r1", False, NOW, GRACE, cas.make, {})
+    new, first_bundle, leaf = cas.made[0], old.cert, leaf_of(old)
+    staged = carotation.bundle(cas)
+    due = NOW + timedelta(seconds=GRACE)
+    # The staged bundle reached the primary; the backup's kubelet has not delivered it yet.
+    loaded: carotation.Loaded = {
+        "primary": [reported(staged, leaf)],
+        "backup": [reported(first_bundle, leaf)],
+    }
+    assert carotation.advance(cas, "r1", False, due, GRACE, cas.make, loaded) is None
+    assert cas.rotation is not None and cas.rotation.phase == "Staged"
+    waiting = cas.rotation.waiting
+    assert waiting is not None and "backup: its replication trust bundle lacks the staged CA" in (
+        waiting
+    ) and "primary" not in waiting  # fmt: skip
+    # No answer from a pod is no proof it loaded them either.
+    assert carotation.advance(cas, "r1", False, due, GRACE, cas.make, {**loaded, "backup": None}
+                              ) is None  # fmt: skip
+    assert "backup: no report" in (cas.rotation.waiting or "")
+    loaded["backup"] = [reported(staged, leaf)]
+    step = carotation.advance(cas, "r1", False, due, GRACE, cas.make, loaded)
+    assert step is not None and cas.ca == new and cas.rotation.phase == "Switched"
+    assert cas.rotation.waiting is None
+    # Switched: every certificate is issued again by the new CA. The backup's broker could
+    # not load its new files (a bad key): it still presents the old CA's certificate.
+    switched, renewed = carotation.bundle(cas), leaf_of(new)
+    later = due + timedelta(seconds=GRACE)
+    loaded = {
+        "primary": [reported(switched, renewed), reported(None, renewed, "amqps")],
+        "backup": [reported(switched, leaf, error="SSLError: key values mismatch"),
+                   reported(None, renewed, "amqps")],
+    }  # fmt: skip
+    assert carotation.advance(cas, "r1", False, later, GRACE, cas.make, loaded) is None
+    waiting = cas.rotation.waiting
+    assert waiting is not None and waiting.startswith("the Switched phase's files")
+    assert "backup: its replication certificate" in waiting and "previous CA" in waiting
+    assert "key values mismatch" in waiting and "primary" not in waiting
+    assert carotation.load_errors(loaded)[0][0] == "backup"
+    # A bundle of another's (the mirror's: the other site's CA) is not this CA's business.
+    other_site = certs.new_ca(ClusterRef("far", "away", "uid-far"), NOW).cert
+    loaded["backup"] = [reported(switched, renewed), reported(other_site, renewed, "mirror")]
+    assert carotation.advance(cas, "r1", False, later, GRACE, cas.make, loaded) is not None
+    assert cas.rotation.phase == "Complete" and cas.rotation.waiting is None
+    assert carotation.bundle(cas) == new.cert
+
+
+LOADING = ClusterRef(namespace="default", name="loading", uid="uid-loading")
+
+
+def test_the_operator_holds_each_phase_until_both_brokers_loaded_its_files(
+    kube: Kube, tmp_path: Path
+) -> None:
+    """The managed CA's Secrets on the real API server, copied into two real brokers'
+    volumes one pod at a time (the kubelet's lag): the rotation advances only once the
+    brokers' `/status` shows both loaded the phase's files."""
+    memory, start = certs.TlsMemory(), datetime.now(UTC)
+
+    def reconcile(at: datetime, request: str | None, loaded: carotation.Loaded | None) -> None:
+        certs.reconcile_tls(LOADING, requested(request), memory, kube, kube.apply, now=at,
+                            seconds=30 * 86400, grace=GRACE, loaded=loaded)  # fmt: skip
+
+    reconcile(start, None, None)
+    names = ("primary", "backup")
+    own = {n: Volume(tmp_path / n / "own", n) for n in names}
+    server = {n: Volume(tmp_path / n / "server", n) for n in names}
+
+    def deliver(name: str) -> None:
+        """The kubelet writes this pod's two Secrets' current content into its volumes."""
+        mine, shared = secret(kube, f"loading-{name}-tls"), secret(kube, "loading-tls")
+        own[name].write_files(mine["tls.crt"], mine["tls.key"], mine["ca.crt"])
+        server[name].write_files(shared["tls.crt"], shared["tls.key"], shared["ca.crt"])
+
+    brokers = {n: BrokerProcess(tmp_path / n / "data", name=n) for n in names}
+    for name, broker in brokers.items():
+        deliver(name)
+        for setting in ("cert", "key", "ca"):
+            path = getattr(own[name], setting)
+            broker.env[setting_env(f"replication_tls_{setting}")] = str(path)
+        broker.env[setting_env("tls_cert")] = str(server[name].cert)
+        broker.env[setting_env("tls_key")] = str(server[name].key)
+        broker.env[setting_env("tls_port")] = str(free_port())
+
+    def loaded() -> carotation.Loaded:
+        return {n: b.admin.status(timeout=5).tls for n, b in brokers.items()}
+
+    def reloads(name: str) -> int:
+        return sum(f.reloads for f in brokers[name].admin.status(timeout=5).tls)
+
+    def delivered(name: str) -> None:
+        before = reloads(name)
+        deliver(name)
+        wait_for(f"{name} reloaded both listeners' files", lambda: reloads(name) >= before + 2, 30)
+
+    def phase() -> str:
+        assert memory.rotation is not None
+        return memory.rotation.phase
+
+    with brokers["primary"].start(), brokers["backup"].start():
+        reconcile(start, "r1", loaded())
+        assert phase() == "Staged"
+        delivered("primary")
+        due = start + timedelta(seconds=GRACE)
+        reconcile(due, "r1", loaded())
+        assert phase() == "Staged"  # the time has come, the backup still has the old bundle
+        assert memory.rotation is not None and memory.rotation.waiting is not None
+        assert memory.rotation.waiting.startswith("the Staged phase's files are not loaded")
+        assert "backup: its replication trust bundle lacks the staged CA" in (
+            memory.rotation.waiting
+        )
+        state = CaRotation.model_validate_json(secret(kube, "loading-tls-ca")[carotation.STATE])
+        assert state.waiting == memory.rotation.waiting  # a restarted operator knows why
+        delivered("backup")
+        reconcile(due, "r1", loaded())
+        assert phase() == "Switched"  # every certificate issued again by the new CA
+        delivered("primary")
+        later = due + timedelta(seconds=GRACE)
+        reconcile(later, "r1", loaded())
+        assert phase() == "Switched"
+        waiting = memory.rotation.waiting or ""
+        assert "backup: its amqps certificate" in waiting and "previous CA" in waiting
+        assert "its replication certificate" in waiting and "primary" not in waiting
+        delivered("backup")
+        reconcile(later, "r1", loaded())
+        assert phase() == "Complete" and memory.rotation.waiting is None

@@ -11,8 +11,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-from apiserver import install_crd
 from test_operator_mirror_peer_ca import NOW, site
 
 from twinmq.cli.kubectl import (
@@ -27,13 +25,6 @@ from twinmq.operator.kube import Kube
 from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec
 
 HERE, THERE = "ftrust-a", "ftrust-b"
-
-
-@pytest.fixture(scope="module")
-def api(kube_apiserver: Any) -> Kube:
-    found = Kube(str(kube_apiserver.kubeconfig))
-    install_crd(found)
-    return found
 
 
 def published_ca(api: Kube, ref: ClusterRef) -> str:

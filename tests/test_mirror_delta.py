@@ -151,10 +151,9 @@ def consume_every(sites: Sites, queue: str, step: int, total: int) -> list[bytes
 
 def fence_and_reverse(sites: Sites) -> None:
     """A forced failover to B, then A back: fenced, reversed, caught up with B."""
-    sites.source.kill()  # site A is gone with changes B never saw
-    sites.mirror.start()
-    assert sites.promote_mirror(force=True).forced
+    sites.fail_over_by_force()  # site A is gone with changes B never saw
     publish(sites.mirror, "orders", bodies("b", 5))
+    sites.old_source_back()
 
 
 def sent(sites: Sites) -> float:
@@ -175,9 +174,6 @@ def test_a_reversal_sends_bytes_for_the_k_messages_that_differ_not_the_n_in_comm
         consume_every(sites, "orders", 600, n)  # 5 settles B misses
         publish(sites.source, "orders", bodies("lost", 5))  # 5 messages B never gets
         fence_and_reverse(sites)
-        sites.source.start()
-        wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
-        sites.caught_up(source=sites.mirror)
         # The end state of a full seed: B's messages (the 5 A consumed are B's still),
         # and A's 5 unmirrored ones kept aside as orphans.
         assert Counter(drain(sites.source.url, "orders")) == Counter([*common, *bodies("b", 5)])
@@ -209,9 +205,6 @@ def test_failing_back_after_a_forced_failover_never_replays_what_the_old_source_
         sites.mirror.stop()
         publish(sites.source, "orders", bodies("lost", 5))
         fence_and_reverse(sites)
-        sites.source.start()
-        wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
-        sites.caught_up(source=sites.mirror)
         lost = mirror_status(sites.source)["unmirrored"]
         assert lost is not None and (lost["messages"], lost["settles"]) == (5, 0)
         back = demote(sites.mirror)
@@ -243,9 +236,7 @@ def test_a_kill_9_in_the_middle_of_the_delta_ends_as_a_full_seed_would(
             # each of those messages (~800 KiB), slowly through the throttled link.
             consume_every(sites, "orders", 6, n)
             publish(sites.source, "orders", bodies("lost", 5))
-            sites.source.kill()
-            sites.mirror.start()
-            assert sites.promote_mirror(force=True).forced
+            sites.fail_over_by_force()
             wait_for("B's seed queued", lambda: mirror_status(sites.mirror)["last_seed"], 30)
             seed = mirror_status(sites.mirror)["queue_events"]  # SEED, topology, snapshots
             publish(sites.mirror, "orders", bodies("b", 5))

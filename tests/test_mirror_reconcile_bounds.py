@@ -284,11 +284,8 @@ def fenced(tmp_path: Path) -> Iterator[tuple[Sites, FaultProxy, int]]:
             sites.caught_up()
             sites.mirror.stop()  # a partition: B will never see what follows
             publish(sites.source, "orders", bodies("lost", 5))
-            sites.source.kill()
-            sites.mirror.start()
-            assert sites.promote_mirror(force=True).forced
-            sites.source.start()
-            wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
+            sites.fail_over_by_force()
+            sites.old_source_back(caught_up=False)
             epoch = mirror_status(sites.mirror)["epoch"]
             yield sites, proxy, epoch
 

@@ -122,15 +122,10 @@ def test_a_forced_failover_keeps_what_only_the_old_source_had_as_orphans(
         sites.caught_up()
         sites.mirror.stop()  # a partition: B will never see what follows
         publish(sites.source, "orders", bodies("lost", 5))
-        sites.source.kill()  # site A is gone with 5 confirmed, unmirrored messages
-        sites.mirror.start()
-        failover = sites.promote_mirror(force=True)
-        assert failover.forced
+        sites.fail_over_by_force()  # site A is gone with 5 confirmed, unmirrored messages
         publish(sites.mirror, "orders", bodies("b", 3))
         # A returns, is fenced by B's epoch, becomes B's mirror and is seeded by B.
-        sites.source.start()
-        wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
-        sites.caught_up(source=sites.mirror)
+        sites.old_source_back()
         assert drain(sites.source.url, "orders") == [*bodies("a", 10), *bodies("b", 3)]
         assert orphans(sites.source) == 5  # never discarded: an operator decides
         kept = drain(sites.source.url, ORPHANS)

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from apiserver import install_crd
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from test_operator_federation import REMOTE, container, create, downstream, flags, spec
@@ -230,13 +229,6 @@ def test_the_downstreams_are_found_in_the_own_namespace_when_listing_all_is_refu
 
 
 # -- a real API server -----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def api(kube_apiserver: Any) -> Kube:
-    found = Kube(str(kube_apiserver.kubeconfig))
-    install_crd(found)
-    return found
 
 
 def site(api: Kube, namespace: str, name: str, raw: dict[str, Any]) -> ClusterRef:

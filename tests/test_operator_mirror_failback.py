@@ -19,7 +19,6 @@ from typing import Any
 
 import pika
 import pytest
-from apiserver import install_crd
 from mirrorsites import Sites, channel, demote, mirror_status, publish
 from test_mirror_reseed import ORPHANS, bodies, orphans
 
@@ -148,13 +147,6 @@ class Operators:
                 self._stop.wait(0.2)
         except BaseException as exc:  # surfaced by __exit__
             self.error = exc
-
-
-@pytest.fixture
-def api(kube_apiserver: Any) -> Kube:
-    kube = Kube(str(kube_apiserver.kubeconfig))
-    install_crd(kube)
-    return kube
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from apiserver import install_crd
 from test_operator_mirroring import env_of, settings_from
 
 from twinmq.cli.kubectl import run, trust_config_map
@@ -128,13 +127,6 @@ def test_an_event_when_the_copy_is_made_and_when_the_other_ca_changes() -> None:
 
 
 # -- a real API server: the copy, its update ------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def api(kube_apiserver: Any) -> Kube:
-    found = Kube(str(kube_apiserver.kubeconfig))
-    install_crd(found)
-    return found
 
 
 def site(api: Kube, namespace: str, name: str, raw: dict[str, Any]) -> ClusterRef:

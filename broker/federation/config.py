@@ -172,8 +172,8 @@ class FederationConfig(_Model):
     dedup_window: int = Field(
         100_000,
         ge=1,
-        description="(origin, sequence) keys remembered (one window per server; up to 10x"
-        " while a lagging link has not passed them)",
+        description="(origin, sequence) keys remembered (one window per server); older keys a"
+        " lagging link has not passed are kept a bit per seq, up to a span of 10,000x",
     )
     status_interval_seconds: float = Field(
         30.0,

@@ -14,27 +14,36 @@ neither; the pair's passive receives the record like any op, so a promoted passi
 the keys too. The window is rebuilt from the queue's records at every activation
 (`load`); the oldest records are settled once the window holds more keys than its size.
 
-**A lagging path holds the window open.** A path into this server can lag another by
-more keys than the window holds (the topology runs at a million messages back their
-link queues up by 100,000s; a link down a while), and a count-bounded window had
-forgotten the first copy's key when the late copy came: delivered twice. Each link tells
-the window how far it has got per origin (`passed`: the highest seq of that origin it
-brought, copies dropped included); the window forgets its oldest key, beyond its size,
-only once **every link of the server** has passed the key's seq: any link may bring any
-origin's messages (in a mesh a link carries on an origin's message only when its
-upstream got that one first by the link's own path, i.e. now and then), so a link that
-has brought nothing of an origin yet, or not since a restart, has passed none of it.
-Along one link an origin's messages come in seq order (queues are FIFO, the first copies
-at an upstream of two in-order paths are in order too, and the link consumes exclusively,
-so a cut's unacknowledged deliveries come back before anything newer), so a link that has passed
-a seq brings no copy of it later, save a re-delivery after a cut (its ack lost) or a
+**A lagging path holds its keys, a bit each.** A path into this server can lag another
+by far more keys than the window holds (the topology runs at a million messages back their
+link queues up by 100,000s; a link down a while), and a window that had forgotten the
+first copy's key when the late copy came delivered it twice. Each link tells the window
+how far it has got per origin (`passed`: the highest seq of that origin it brought, copies
+dropped included); a key older than the newest `size` is forgotten only once **every link
+of the server** has passed its seq: any link may bring any origin's messages (in a mesh a
+link carries on an origin's message only when its upstream got that one first by the
+link's own path, i.e. now and then), so a link that has brought nothing of an origin yet,
+or not since a restart, has passed none of it. Until then the key moves to its origin's
+bitmap (`SeqBits`): one bit per seq from a floor, the lowest mark of the links, which
+rises as they pass it, so memory follows the span of seqs the slowest link lags by, not
+the number of keys (~150 bytes a key in the dictionary, ~4-5 bits a key in a mesh of
+four whose seqs interleave with its other messages' IDs). Along one link an origin's
+messages come in seq order (queues are FIFO, the first copies at an upstream of two
+in-order paths are in order too, and the link consumes exclusively, so a cut's
+unacknowledged deliveries come back before anything newer), so a link that has passed a
+seq brings no copy of it later, save a re-delivery after a cut (its ack lost) or a
 reordering within a few batches: a link's mark is in force only once it has brought 4
-prefetch windows (at least 4,096 keys) more, and those come before that. Bounded still:
-past `STRETCH` times its size, the window forgets its oldest keys whatever lags (a link
-down for good, a link that never brings some origin: a diamond's), counted in `forced`.
-Forgetting never loses a message, it can only let a copy through. The marks are not
-journaled: after a restart or a promotion every link has passed nothing, which holds
-more keys (up to the stretch), never fewer.
+prefetch windows (at least 4,096 keys) more, and those come before that.
+
+Bounded still, and exact within the bound: past `size * SPAN` bits of span (~1.2 KB per
+key of the window, the memory the former 10x stretch of keys took, but a span of seqs
+10,000 times the window), the widest origin's oldest seqs are forgotten whatever lags (a
+link down for good; a link that never brings some origin, as a diamond's, holds that
+origin's floor at its start), counted in `forced`. Forgetting never loses a message, it
+can only let a copy through. The bitmaps are journaled as snapshot records (one line per
+origin) that replace the key records they cover, taken every `size` keys or so (rarer as
+they grow: ~4 bytes journaled per key); the marks are not: after a restart or a
+promotion every link has passed nothing, which keeps more, never fewer.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from collections import OrderedDict, deque
 from typing import Final, Protocol
 
 from twinmq.broker.federation import metrics
+from twinmq.broker.federation.seqbits import SeqBits
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE, record_header
@@ -55,8 +65,12 @@ QUEUE_NAME: Final = INTERNAL_PREFIX + "federation-dedup"
 # Federation's internal qids start at +0x100, clear of the mirror's (+1 ... +4 and the
 # marks'); tests/test_federation_units.py checks that no two internal queues share one.
 QUEUE_QID: Final = INTERNAL_QID_BASE + 0x100
-# How far past its size the window stretches for a lagging link (memory: ~150 bytes a key).
-STRETCH: Final = 10
+# The bound of the compacted keys: `SPAN` bits (seqs of span) per key of the window, i.e.
+# ~1.2 KB per key: the memory the former 10x stretch of ~150-byte keys allowed, for a
+# span of seqs 10,000 times the window instead of 10 times.
+SPAN: Final = 10_000
+# A record whose body starts so is a snapshot of the compacted keys, one origin a line.
+SNAPSHOT: Final = "\x01lagged"
 
 
 class KeyStore(Protocol):
@@ -78,12 +92,14 @@ def _origin_seq(key: str) -> tuple[str, int] | None:
 
 
 class LagWindow:
-    """The newest `size` keys, and older ones while a link that may bring them again lags
-    behind them (up to `STRETCH` times `size`)."""
+    """The newest `size` keys, and, compacted to a bit per seq (`SeqBits`), the older ones
+    some link may still bring (it has not passed them), within `size * SPAN` bits."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._keys: OrderedDict[str, None] = OrderedDict()
+        # origin -> its keys older than the newest `size` that a lagging link may bring.
+        self.lagged: dict[str, SeqBits] = {}
         # link -> origin -> the highest seq of that origin the link has passed for good.
         self._passed: dict[str, dict[str, int]] = {}
         # link -> (keys brought up to that batch, its marks): marks not in force yet.
@@ -92,25 +108,46 @@ class LagWindow:
         # Every link of the server: each may bring any origin's messages, so each is
         # waited for, whether it has brought that origin yet or not.
         self._links: set[str] = set()
-        self.forced = 0  # keys forgotten at the stretch while a link had not passed them
+        self.forced = 0  # keys forgotten at the bound while a link had not passed them
 
     def register(self, link: str) -> None:
         """`link` is one of the server's links: the window waits for it from now on."""
         self._links.add(link)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._keys
+        if key in self._keys:
+            return True
+        named = _origin_seq(key)
+        if named is None:
+            return False
+        bits = self.lagged.get(named[0])
+        return bits is not None and named[1] in bits
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._keys) + sum(len(bits) for bits in self.lagged.values())
+
+    def newest(self, key: str) -> bool:
+        """`key` is among the newest `size` (its record still holds it: not in a snapshot)."""
+        return key in self._keys
+
+    @property
+    def lagged_bytes(self) -> int:
+        """Memory of the compacted keys."""
+        return sum(len(bits.bits) for bits in self.lagged.values())
 
     def add(self, key: str) -> None:
-        """Remember a key; forget the oldest beyond the size that no link lags behind."""
+        """Remember a key; the oldest beyond the size go to the bitmaps if a link lags
+        behind them, else are forgotten."""
         if not self.size:
             return
         self._keys[key] = None
         self._keys.move_to_end(key)
         self._forget()
+
+    def add_lagged(self, origin: str, bits: SeqBits) -> None:
+        """Merge a journaled snapshot of an origin's compacted keys (load)."""
+        self.lagged.setdefault(origin, SeqBits()).union(bits)
+        self._bound()
 
     def passed(self, link: str, keys: list[str], delay: int = 0) -> None:
         """`link` brought these keys (republished or dropped as copies). Its marks count
@@ -126,27 +163,41 @@ class LagWindow:
         pending = self._pending.setdefault(link, deque())
         brought = self._brought[link] = self._brought.get(link, 0) + len(keys)
         pending.append((brought, marks))
+        moved: set[str] = set()
         while pending and brought - pending[0][0] >= delay:
             for origin, seq in pending.popleft()[1].items():
                 passed[origin] = max(passed.get(origin, -1), seq)
+                moved.add(origin)
+        for origin in moved & self.lagged.keys():
+            # Every link has passed the seqs under the lowest mark: none brings them again.
+            floor = min(self._passed.get(each, {}).get(origin, -1) for each in self._links)
+            bits = self.lagged[origin]
+            bits.trim(floor + 1)
+            if not bits.count:
+                del self.lagged[origin]
         self._forget()
 
     def _forget(self) -> None:
         keys = self._keys
         while len(keys) > self.size:
-            oldest = next(iter(keys))
-            awaited = self._awaited(oldest)
-            if awaited and len(keys) <= self.size * STRETCH:
-                return  # the oldest is still awaited on a link: newer ones wait behind it
-            self.forced += awaited
-            keys.popitem(last=False)
+            oldest, _ = keys.popitem(last=False)
+            named = _origin_seq(oldest)
+            if named is not None and self._awaited(*named):
+                self.lagged.setdefault(named[0], SeqBits()).add(named[1])
+        self._bound()
 
-    def _awaited(self, key: str) -> bool:
-        """Some link of the server has not passed the key's seq of its origin yet."""
-        named = _origin_seq(key)
-        if named is None:
-            return False
-        origin, seq = named
+    def _bound(self) -> None:
+        """Past `size * SPAN` bits, the widest origin's oldest eighth is forgotten."""
+        lagged = self.lagged
+        budget = self.size * SPAN
+        while lagged and sum(bits.span for bits in lagged.values()) > budget:
+            origin, bits = max(lagged.items(), key=lambda item: item[1].span)
+            self.forced += bits.trim(bits.base + max(bits.span // 8, 8))
+            if not bits.count:
+                del lagged[origin]
+
+    def _awaited(self, origin: str, seq: int) -> bool:
+        """Some link of the server has not passed `seq` of `origin` yet."""
         passed = self._passed
         return any(passed.get(link, {}).get(origin, -1) < seq for link in self._links)
 
@@ -157,8 +208,9 @@ class DurableKeys:
     def __init__(self, size: int) -> None:
         self.window = LagWindow(size)
         self.claimed: set[str] = set()
-        self._records: deque[tuple[int, int]] = deque()  # (mid, keys in it), oldest first
-        self._recorded = 0  # keys in the queue's records
+        # (mid, its keys; None: a snapshot of the compacted keys), oldest first.
+        self._records: deque[tuple[int, list[str] | None]] = deque()
+        self._recorded = 0  # keys in the queue's key records
         self._forced = 0  # the window's `forced` already counted in the metric
 
     def __contains__(self, key: str) -> bool:
@@ -172,15 +224,22 @@ class DurableKeys:
         self.window.register(link)
 
     def load(self, store: KeyStore) -> None:
-        """Rebuild the window from the queue's records (start-up, promotion)."""
+        """Rebuild the window from the queue's records (start-up, promotion): snapshots
+        and key records in journal order (a snapshot holds what older records held)."""
         queue = store.internal_queue(QUEUE_NAME, QUEUE_QID)
         self._records.clear()
         self._recorded = 0
         for entry in queue.entries:
+            snapshot = _snapshot(entry.message.body)
+            if snapshot is not None:
+                for origin, bits in snapshot.items():
+                    self.window.add_lagged(origin, bits)
+                self._records.append((entry.message.mid, None))
+                continue
             keys = _keys(entry.message.body)
             for key in keys:
                 self.window.add(key)
-            self._records.append((entry.message.mid, len(keys)))
+            self._records.append((entry.message.mid, keys))
             self._recorded += len(keys)
         self._count_forced()
 
@@ -189,37 +248,73 @@ class DurableKeys:
         self.claimed.add(key)
 
     def record(self, store: KeyStore, keys: list[str]) -> list[JournalOp]:
-        """The ops that journal `keys` (one record) and settle records beyond the window;
+        """The ops that journal `keys` (one record) and settle records no longer needed;
         for the caller to add to the group commit of the messages they name."""
         if not keys:
             return []
         queue = store.internal_queue(QUEUE_NAME, QUEUE_QID)
-        body = "\n".join(keys).encode()
+        # The queue's own qid: a queue made by an earlier version may carry another one.
+        qid = queue.definition.qid
+        stored = self._append(store, queue, "\n".join(keys).encode())
+        ops: list[JournalOp] = [stored]
+        self._records.append((stored.mid, keys))
+        self._recorded += len(keys)
+        window = self.window
+        settled: list[int] = []
+        if not window.lagged:
+            # Nothing compacted: the records of the newest `size` keys are enough (and
+            # an older snapshot says nothing any more).
+            # A record whose batch is still in flight stays (else a crash after its
+            # commit forgets its keys), and the newer ones behind it.
+            records = self._records
+            while len(records) > 1 and (
+                records[0][1] is None
+                or (
+                    self._recorded - len(records[0][1]) >= window.size
+                    and not any(key in self.claimed for key in records[0][1])
+                )
+            ):
+                mid, old = records.popleft()
+                self._recorded -= len(old) if old is not None else 0
+                settled.append(mid)
+        elif self._recorded >= max(2 * window.size, window.lagged_bytes // 4):
+            # A snapshot of the compacted keys replaces the records whose keys are all
+            # compacted or forgotten (not among the newest, not in flight). Taken once per
+            # `size` keys or so, and rarer as the bitmaps grow: ~4 bytes journaled a key.
+            body = "\n".join(
+                [SNAPSHOT]
+                + [f"{origin}\x00{bits.encode()}" for origin, bits in window.lagged.items()]
+            ).encode()
+            snapshot = self._append(store, queue, body)
+            ops.append(snapshot)
+            kept: deque[tuple[int, list[str] | None]] = deque()
+            for mid, old in self._records:
+                if mid == stored.mid:  # this batch's: its keys enter the window later
+                    kept.append((mid, old))
+                elif old is None or not any(
+                    key in self.claimed or window.newest(key) for key in old
+                ):
+                    self._recorded -= len(old) if old is not None else 0
+                    settled.append(mid)
+                else:
+                    kept.append((mid, old))
+            kept.append((snapshot.mid, None))
+            self._records = kept
+        for mid in settled:
+            ops.append(Settle(qid, mid))
+            queue.remove_mid(mid)
+        return ops
+
+    def _append(self, store: KeyStore, queue: Queue, body: bytes) -> StoredMessage:
+        """A record: a message of the internal queue, and its journal op."""
         mid = store.next_mid
         store.next_mid += 1
         header = record_header(len(body))
-        # The queue's own qid: a queue made by an earlier version may carry another one.
-        qid = queue.definition.qid
-        ops: list[JournalOp] = [StoredMessage(mid, qid, "", QUEUE_NAME, header, body, None)]
         queue.entries.append(
             Entry(Message(mid, "", QUEUE_NAME, header, body, True, None, None), None, True)
         )
         queue.bytes += len(body)
-        self._records.append((mid, len(keys)))
-        self._recorded += len(keys)
-        # Keep at least the window's worth of keys on disk (stretched by a lagging link, its
-        # keys too); settle the oldest records.
-        keep = max(self.window.size, len(self.window))
-        while len(self._records) > 1 and self._recorded - self._records[0][1] >= keep:
-            old_mid, count = self._records.popleft()
-            self._recorded -= count
-            ops.append(Settle(qid, old_mid))
-            for i, entry in enumerate(queue.entries):
-                if entry.message.mid == old_mid:
-                    queue.bytes -= len(entry.message.body)
-                    del queue.entries[i]
-                    break
-        return ops
+        return StoredMessage(mid, queue.definition.qid, "", QUEUE_NAME, header, body, None)
 
     def settle(self, durable: list[str], failed: list[str]) -> None:
         """The batch is complete: its keys enter the window; a failed batch's are released
@@ -240,13 +335,13 @@ class DurableKeys:
         if not forced:
             return
         if not self._forced:
-            # Once: the stretch is full for as long as some link lags for good (or never
+            # Once: the bound is reached for as long as some link lags for good (or never
             # brings some origin, as a diamond's), and every key then would log.
             log.warning(
-                "federation: the dedup window reached %d keys (%d times dedup-window) while "
-                "a link had not passed its oldest keys: forgetting them (a copy that link "
-                "brings later is delivered again); counted in %s",
-                self.window.size * STRETCH, STRETCH, "twinmq_federation_dedup_forced_total",
+                "federation: the dedup window's lagged keys span %d seqs (%d times "
+                "dedup-window) while a link had not passed the oldest: forgetting them (a "
+                "copy that link brings later is delivered again); counted in %s",
+                self.window.size * SPAN, SPAN, "twinmq_federation_dedup_forced_total",
             )  # fmt: skip
         self._forced = self.window.forced
         metrics.DEDUP_FORCED.inc(forced)
@@ -254,3 +349,17 @@ class DurableKeys:
 
 def _keys(body: bytes) -> list[str]:
     return body.decode("utf-8", "replace").split("\n") if body else []
+
+
+def _snapshot(body: bytes) -> dict[str, SeqBits] | None:
+    """The origins' compacted keys of a snapshot record; None for a key record."""
+    text = body.decode("utf-8", "replace")
+    if not text.startswith(SNAPSHOT):
+        return None
+    snapshot: dict[str, SeqBits] = {}
+    for line in text.split("\n")[1:]:
+        origin, sep, encoded = line.rpartition("\x00")
+        bits = SeqBits.decode(encoded) if sep else None
+        if bits is not None:
+            snapshot[origin] = bits
+    return snapshot

@@ -63,6 +63,7 @@ FORWARDED_DUPLICATES = Counter(
 )
 DEDUP_FORCED = Counter(
     "twinmq_federation_dedup_forced_total",
-    "Dedup keys forgotten at the window's stretch (10 times dedup-window) while a link of "
-    "this server had not passed them yet: a copy that link brings later is delivered again",
+    "Dedup keys forgotten at the window's bound (a span of 10,000 times dedup-window seqs)"
+    " while a link of this server had not passed them yet: a copy that link brings later is"
+    " delivered again",
 )

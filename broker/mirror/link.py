@@ -379,6 +379,7 @@ class MirrorLink:
         source = self.source
         if self._mirror_version < RECONCILE_VERSION or source.ids is not None:
             return {}  # an older mirror, or a bidirectional site (no snapshot events)
+        await self._settled(source.head)
         durable = source.durable_seq
         events = (
             (e.message.mid, e.message.body)
@@ -413,6 +414,17 @@ class MirrorLink:
                  self.address, len(chunks), reconciler.rounds, exchanged, skipped,
                  sum(len(c.send) for c in chunks))  # fmt: skip
         return delta
+
+    async def _settled(self, newest: int) -> None:
+        """Wait until every event up to `newest` is complete (or withdrawn). A seed queued
+        as the session began (the first activation, a gap's re-seed) is still in its group
+        commit: streamed without its comparison, the mirror would get it whole and an old
+        source fenced by a forced failover would never count what it lost (the marks ride
+        on the comparison: docs/mirror.md, "DR failover")."""
+        async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+            while not self.source.settled_through(newest):
+                self._wake.clear()
+                await self._wake.wait()
 
     async def _reconcile_reply(self, frames: FrameReader) -> bytes:
         """The mirror's RECONCILE answer (its idle PINGs on the way are skipped)."""

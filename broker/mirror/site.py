@@ -504,14 +504,15 @@ class Mirroring:
             # Failback needs no snapshot: the demoted site holds every message here.
             self.source.activate(snapshot=False)
         elif self.source is not None:
-            # The seed now, in this turn of the loop, before any client of this site
-            # settles a message: it holds exactly what was applied from the old source,
-            # which compares it with what it holds (its loss claim, its orphans). Taken
-            # later (at the link's next try, or by the first client batch), a message a
-            # client consumed here meanwhile was missing from it, and the old source kept
-            # it as an orphan beside those it alone had, to be re-published by an
-            # operator: delivered twice.
-            self.source.seed_forced()
+            # Forced: the old source holds what never came here. A seed (compared as a
+            # delta: cheap) rebuilds it and carries the marks its loss count rides on,
+            # also when this site was a source before (its queue exists: its activation
+            # would seed nothing). Now, in this turn of the loop, before any client of
+            # this site settles a message: it holds exactly what was applied from the old
+            # source. Taken later (the link's next try, the first client batch), a
+            # message consumed here meanwhile was missing from it, and the old source kept
+            # it as an orphan beside those it alone had: re-published, delivered twice.
+            self.source.seed_forced(f"forced promotion at DR epoch {epoch}")
             # Durable, and on the pair's passive, before the answer: a failover of this
             # pair right after it sends the same seed (a passive that finds the queue
             # there would not make one).

@@ -276,7 +276,7 @@ class MirrorSource:
             self.activate(snapshot=False)  # taken over before the seed's events
         return self._seed(reason)
 
-    def seed_forced(self) -> None:
+    def seed_forced(self, reason: str) -> None:
         """A forced promotion's seed, queued now.
 
         The old source may hold anything (its messages the promoted site never got, its
@@ -290,7 +290,7 @@ class MirrorSource:
             self.activate()  # a first activation seeds
         if not fresh:
             # The backlog (the topology event just made too) goes: the seed follows it.
-            self.reseed("forced promotion")
+            self.reseed(reason)
 
     def _seed(self, reason: str) -> int:
         """A SEED event, the topology and every journaled message of every mirrored queue,
@@ -694,6 +694,10 @@ class MirrorSource:
         return True
 
     # -- the link's view --------------------------------------------------------------------
+
+    def settled_through(self, seq: int) -> bool:
+        """Whether every event up to `seq` is complete or withdrawn (its batch closed)."""
+        return not self._unsettled or self._unsettled[0][1] > seq
 
     def sendable(
         self, after: int, max_events: int, max_bytes: int, target: str | None = None
