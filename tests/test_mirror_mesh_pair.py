@@ -98,11 +98,23 @@ def exactly_once_everywhere(mesh: PairedMesh, publishers: list[Publisher]) -> No
     confirmed = Counter(b for p in publishers for b in p.confirmed)
     uncertain = {b for p in publishers for b in p.uncertain}
 
+    seen: dict[str, int | None] = {}
+
     def same_depth() -> bool:
-        depths = {depth(site, QUEUE) for site in mesh.sites}
+        seen.update({site.name: depth(site, QUEUE) for site in mesh.sites})
+        depths = set(seen.values())
         return len(depths) == 1 and (depths.pop() or 0) >= len(confirmed)
 
-    wait_for("every site at the same depth", same_depth, 120)
+    try:
+        wait_for("every site at the same depth", same_depth, 120)
+    except TimeoutError as exc:
+        # What each site holds of each origin, for the report of a failure.
+        held = {
+            site.name: Counter(b.split(b"-")[1] for b in browse(site, QUEUE)) for site in mesh.sites
+        }
+        raise TimeoutError(
+            f"{exc}; depths {seen}; confirmed {len(confirmed)}; held {held}"
+        ) from None
     mesh.caught_up(120)
     held = [Counter(browse(site, QUEUE)) for site in mesh.sites]
     for site, counts in zip(mesh.sites, held, strict=True):
