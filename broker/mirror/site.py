@@ -512,8 +512,18 @@ class Mirroring:
             # Forced: the old source holds what never came here. A seed (compared as a
             # delta: cheap) rebuilds it and carries the marks its loss count rides on,
             # also when this site was a source before (its queue exists: its activation
-            # would seed nothing).
-            self._reseed_now(f"forced promotion at DR epoch {epoch}")
+            # would seed nothing). Now, in this turn of the loop, before any client of
+            # this site settles a message: it holds exactly what was applied from the old
+            # source. Taken later (the link's next try, the first client batch), a
+            # message consumed here meanwhile was missing from it, and the old source kept
+            # it as an orphan beside those it alone had: re-published, delivered twice.
+            self.source.seed_forced(f"forced promotion at DR epoch {epoch}")
+            # Durable, and on the pair's passive, before the answer: a failover of this
+            # pair right after it sends the same seed (a passive that finds the queue
+            # there would not make one).
+            if not await self.futures.wait(self.committer.flush_now()):
+                log.error("mirror: the journal refused the forced promotion's seed: "
+                          "POST /mirror/reseed once the journal takes writes")  # fmt: skip
         if rpo is not None:
             log.error("mirror: FORCED promotion at DR epoch %d; RPO: %s", epoch,
                       rpo.model_dump_json())  # fmt: skip
