@@ -233,6 +233,7 @@ class Mirroring:
         # In effect at once (in memory); durable with the batch it joins.
         update = {"role": "replica", "epoch": epoch, "fenced_by": reason}
         self.roles.record(self.roles.current.model_copy(update=update))
+        self.seed_pending = None  # a replica seeds nothing (a later promotion: its own)
         self._metrics()
         if was == "source":
             self.close_clients(f"{self.settings.name} was fenced by a site at DR epoch {epoch}")
@@ -494,6 +495,7 @@ class Mirroring:
         update = {"role": "replica", "epoch": epoch, "last_switch": switch, "fenced_by": None}
         await self._save(roles.current.model_copy(update=update))
         self.demoting = False
+        self.seed_pending = None
         log.warning("mirror: demoted at DR epoch %d: %s", epoch, token.model_dump_json())
         return switch
 
