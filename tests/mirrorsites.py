@@ -7,7 +7,8 @@ drain (every event applied on the mirror and acknowledged) through `/status`.
 switchover); the switch helpers call the admin API as an operator would.
 `Ring` runs two or three bidirectional sites, each mirroring to the next
 (A <-> B, or A -> B -> C -> A), optionally through fault proxies; `Mesh` runs n
-bidirectional sites, each mirroring to every other (several `--mirror-to`).
+bidirectional sites, each mirroring to every other (several `--mirror-to`);
+`PairedMesh` is a mesh whose last site is an HA pair (active + passive).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from twinmq.broker.admin_client import metric_samples, mirror_demote_call, mirro
 from twinmq.broker.api import DemotionToken, MirrorDemoteRequest, MirrorPromoteRequest, MirrorSwitch
 from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.launcher import BrokerProcess, free_port
-from twinmq.testing.pair import status
+from twinmq.testing.pair import Pair, status
 from twinmq.testing.waiting import wait_for
 
 TOKEN = "mirror-test-token"
@@ -278,3 +279,98 @@ def depth(broker: BrokerProcess, queue: str) -> int | None:
     """Messages in `queue`, ready or delivered, as `/status` counts them (None: no queue)."""
     found = queues(broker).get(queue)
     return None if found is None else int(found["messages"]) + int(found["unacked"])
+
+
+class PairedMesh:
+    """A full mesh of `n` sites whose last (`site-c` of three) is an HA pair, brokers `c1`
+    (active first) and `c2`, both with the site's settings: the other sites reach the pair's
+    active through `vip` (a proxy retargeted at a failover, as a Service or a virtual IP
+    moves), each of the pair's brokers listens on its own mirror port."""
+
+    def __init__(self, tmp: Path, n: int = 3) -> None:
+        names = [f"site-{chr(ord('a') + i)}" for i in range(n)]
+        self.paired = names[-1]
+        ports = [free_port() for _ in names[:-1]]
+        self.pair_ports = {"c1": free_port(), "c2": free_port()}
+        self.vip = FaultProxy(f"127.0.0.1:{self.pair_ports['c1']}")
+        # The vip's port is known once it listens: the other sites name it as a target.
+        self.vip.start()
+        addresses = [f"127.0.0.1:{port}" for port in ports] + [self.vip.address]
+
+        def flags(i: int) -> list[str]:
+            targets = [arg for j in range(n) if j != i for arg in ("--mirror-to", addresses[j])]
+            return [
+                "--mirror-token", TOKEN, *targets, "--mirror-id", names[i],
+                "--mirror-role", "bidirectional",
+            ]  # fmt: skip
+
+        self.singles = [
+            BrokerProcess(
+                tmp / name / "data",
+                name=name,
+                extra_args=["--mirror-port", str(ports[i]), *flags(i)],
+            )
+            for i, name in enumerate(names[:-1])
+        ]
+        self.pair = Pair(tmp / self.paired, replication_timeout=2.0, names=("c1", "c2"), link=False)
+        for name, broker in self.pair.brokers.items():
+            # One mirror port per broker (both on this host), so the site's settings go in
+            # each broker's environment (checked there as a whole), not in shared flags.
+            broker.env.update({
+                "TWINMQ_MIRROR_PORT": str(self.pair_ports[name]), "TWINMQ_MIRROR_TOKEN": TOKEN,
+                "TWINMQ_MIRROR_TO": ",".join(addresses[:-1]), "TWINMQ_MIRROR_ID": self.paired,
+                "TWINMQ_MIRROR_ROLE": "bidirectional",
+            })  # fmt: skip
+
+    @property
+    def sites(self) -> list[BrokerProcess]:
+        """Each site's active broker (the pair's active last)."""
+        return [*self.singles, self.pair.active]
+
+    def __enter__(self) -> PairedMesh:
+        started: list[BrokerProcess] = []
+        try:
+            for site in self.singles:
+                site.start()
+                started.append(site)
+            self.pair.start()
+        except BaseException:
+            for site in started:
+                site.stop()  # never leave a broker behind a failed start
+            self.vip.close()
+            raise
+        wait_for(
+            "every site linked",
+            lambda: all((mirror_status(site) or {}).get("connected") for site in self.sites),
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for site in self.singles:
+            site.stop()
+        self.pair.stop()
+        self.vip.close()
+
+    def failover(self) -> None:
+        """`kill -9` the pair's active; its passive, promoted, takes the `vip`; the old
+        active comes back as its passive."""
+
+        def move_vip() -> None:
+            self.vip.retarget(f"127.0.0.1:{self.pair_ports[self.pair.active.name]}")
+
+        assert self.pair.failover(on_promoted=move_vip), "the pair's passive was not ready"
+        self.pair.wait_healthy(60)
+
+    def restart_passive(self) -> None:
+        """`kill -9` the pair's passive and start it again (it catches up as passive)."""
+        self.pair.passive.kill()
+        self.pair.passive.start()
+        self.pair.wait_healthy(60)
+
+    def caught_up(self, timeout: float = 60.0) -> None:
+        """Every site's mirror acknowledged everything it made, seen twice in a row."""
+
+        def all_drained() -> bool:
+            return all(_drained(mirror_status(site)) for site in self.sites)
+
+        wait_for("every site caught up", lambda: all_drained() and all_drained(), timeout)

@@ -294,10 +294,15 @@ class Mirroring:
         batch = self.committer.flush_now()
         if self.seed_pending is not None and target is None and self._seeding is None:
             # Any whole seed clears a forced promotion's pending one (a retry, the link's).
-            self._seeding = asyncio.get_running_loop().create_task(
-                self._until_seed_durable(batch), name="twinmq-mirror-forced-seed"
-            )
+            self._watch_seed(batch)
         return messages, batch
+
+    def _watch_seed(self, batch: int) -> asyncio.Task[bool]:
+        """Follow a seed's `batch` for a forced promotion whose seed is pending."""
+        self._seeding = asyncio.get_running_loop().create_task(
+            self._until_seed_durable(batch), name="twinmq-mirror-forced-seed"
+        )
+        return self._seeding
 
     async def _until_seed_durable(self, batch: int) -> bool:
         """Wait for a forced promotion's seed; take clients again once it is durable."""
@@ -567,12 +572,18 @@ class Mirroring:
             # Forced: the old source holds what never came here. A seed (compared as a
             # delta: cheap) rebuilds it and carries the marks its loss count rides on,
             # also when this site was a source before (its queue exists: its activation
-            # would seed nothing). Clients wait for it: what they settled before it is
-            # durable would be orphans on the old source (its seed taken later, without).
+            # would seed nothing). Now, in this turn of the loop, before any client of
+            # this site settles a message: it holds exactly what was applied from the old
+            # source. Taken later (the link's next try, the first client batch), a
+            # message consumed here meanwhile was missing from it, and the old source kept
+            # it as an orphan beside those it alone had: re-published, delivered twice.
+            # Clients wait for it to be durable: a refused one (a full disk) is withdrawn.
             self.seed_pending = "its seed for the old source is not durable yet"
-            self._reseed_now(f"forced promotion at DR epoch {epoch}")
-            if self._seeding is not None:
-                await asyncio.shield(self._seeding)
+            self.source.seed_forced(f"forced promotion at DR epoch {epoch}")
+            # Durable, and on the pair's passive, before the answer: a failover of this
+            # pair right after it sends the same seed (a passive that finds the queue
+            # there would not make one).
+            await asyncio.shield(self._watch_seed(self.committer.flush_now()))
             switch = switch.model_copy(update={"seed_pending": self.seed_pending})
         if rpo is not None:
             log.error("mirror: FORCED promotion at DR epoch %d; RPO: %s", epoch,

@@ -282,6 +282,22 @@ class MirrorSource:
         self.needs_resync = None
         return self._seed(reason)
 
+    def seed_forced(self, reason: str) -> None:
+        """A forced promotion's seed, queued now.
+
+        The old source may hold anything (its messages the promoted site never got, its
+        settles of messages still held here), so it is always seeded (as a delta): a first
+        activation seeds anyway; a site that was a source before (a switchover, then a
+        failback) has its queue already, and used to stream on from the old source's mark
+        without a seed, the old source never comparing, counting or orphaning (its lost
+        messages left among its queues: the two sites holding different messages)."""
+        fresh = QUEUE_NAME not in self.vhost.queues
+        if self._queue is None or self._queue.deleted:
+            self.activate()  # a first activation seeds
+        if not fresh:
+            # The backlog (the topology event just made too) goes: the seed follows it.
+            self.reseed(reason)
+
     def _seed(self, reason: str) -> int:
         """A SEED event, the topology and every journaled message of every mirrored queue,
         in this turn of the loop: a consistent cut (every later change is a later event),
