@@ -203,6 +203,11 @@ class MirrorSwitch(BaseModel):
     forced: bool = False
     rpo: MirrorRpo | None = Field(None, description="Forced promotion: what may be lost")
     seconds: float = Field(description="Time the switch took here")
+    seed_pending: str | None = Field(
+        None,
+        description="Forced promotion: why its seed for the old source is not durable yet "
+        "(clients refused until it is); None once it is",
+    )
 
 
 class MirrorReseed(BaseModel):
@@ -290,6 +295,11 @@ class MirrorStatus(BaseModel):
     )
     last_seed: str | None = Field(
         None, description="Why the last seed was queued for the mirror (since start-up)"
+    )
+    seed_pending: str | None = Field(
+        None,
+        description="A forced promotion's seed not durable yet (a full disk): why; clients "
+        "are refused until it is",
     )
     orphans: int = Field(
         0, description="On a mirror: messages in amq.twinmq.mirror-orphans (kept, not lost)"

@@ -477,9 +477,10 @@ class Broker:
         )
 
     def refusal(self) -> str | None:
-        """Why clients are refused now; None while active."""
+        """Why clients are refused now; None while active (and serving: a forced DR
+        promotion's seed not durable yet keeps them out, `Mirroring.client_refusal`)."""
         if self.role == "active":
-            return None
+            return self.mirroring.client_refusal()
         where = self.replicate_from or "unknown"
         if self.replica is not None and self.replica.active_name:
             where = f"{self.replica.active_name} ({self.replicate_from})"

@@ -101,6 +101,10 @@ class Mirroring:
         self.listener: MirrorListener | None = None
         self.flow_control = False
         self.demoting = False  # a demotion waits for its queue to drain: clients refused
+        # A forced promotion's seed for the old source, not durable yet: why (clients are
+        # refused until it is: what they settled meanwhile would be orphans there).
+        self.seed_pending: str | None = None
+        self._seeding: asyncio.Task[bool] | None = None  # that seed's batch, awaited
         self.beat: Heartbeat | None = None  # the source's last heartbeat (this replica's)
         self.beat_at: float | None = None
         self.seen_epoch = 0  # the highest DR epoch a source announced here
@@ -150,6 +154,8 @@ class Mirroring:
                     target=target,
                 ))  # fmt: skip
             self.link = None if mesh else self.links[0]
+            # Checked only while no disk or memory alarm is raised: the seed's retry.
+            monitor.checks.append(self._seed_again)
             monitor.checks.append(self._flow_control)
             metrics.QUEUE_EVENTS.set_function(lambda: self._source_value("depth"))
             metrics.QUEUE_BYTES.set_function(lambda: self._source_value("depth_bytes"))
@@ -183,6 +189,8 @@ class Mirroring:
         if self.roles is None:
             return None
         name = self.settings.name
+        if (refusal := self.client_refusal()) is not None:
+            return refusal
         if self.demoting:
             return f"{name} is being demoted (DR switchover): publish to the promoted site"
         if self.roles.role == "replica":
@@ -191,6 +199,15 @@ class Mirroring:
                 f"source site"
             )
         return None
+
+    def client_refusal(self) -> str | None:
+        """Why clients may not connect at all here now (a forced promotion's seed is not
+        durable), or None. Every client is refused, not only its writes: acks, no-ack
+        deliveries, rejects to a dead-letter exchange and transactions all settle."""
+        if self.seed_pending is None or not self.is_source:
+            return None
+        name = self.settings.name
+        return f"{name} is the DR source but not serving clients yet: {self.seed_pending}"
 
     async def _save(self, record: SiteRole) -> None:
         """Make `record` the role, durable (and on the pair's passive) before returning."""
@@ -216,6 +233,7 @@ class Mirroring:
         # In effect at once (in memory); durable with the batch it joins.
         update = {"role": "replica", "epoch": epoch, "fenced_by": reason}
         self.roles.record(self.roles.current.model_copy(update=update))
+        self.seed_pending = None  # a replica seeds nothing (a later promotion: its own)
         self._metrics()
         if was == "source":
             self.close_clients(f"{self.settings.name} was fenced by a site at DR epoch {epoch}")
@@ -273,7 +291,48 @@ class Mirroring:
         roles.record(roles.current.model_copy(update=update))
         messages = source.reseed(reason, target)
         self._metrics()
-        return messages, self.committer.flush_now()
+        batch = self.committer.flush_now()
+        if self.seed_pending is not None and target is None and self._seeding is None:
+            # Any whole seed clears a forced promotion's pending one (a retry, the link's).
+            self._watch_seed(batch)
+        return messages, batch
+
+    def _watch_seed(self, batch: int) -> asyncio.Task[bool]:
+        """Follow a seed's `batch` for a forced promotion whose seed is pending."""
+        self._seeding = asyncio.get_running_loop().create_task(
+            self._until_seed_durable(batch), name="twinmq-mirror-forced-seed"
+        )
+        return self._seeding
+
+    async def _until_seed_durable(self, batch: int) -> bool:
+        """Wait for a forced promotion's seed; take clients again once it is durable."""
+        try:
+            durable = await self.futures.wait(batch)
+        finally:
+            self._seeding = None
+        if durable:
+            log.warning("mirror: the forced promotion's seed is durable: clients taken again")
+            self.seed_pending = None
+        else:
+            self.seed_pending = (
+                "the journal refused its seed for the old source (disk full?): queued again "
+                "once the disk alarm clears"
+            )
+            log.error("mirror: %s; clients refused until then", self.seed_pending)
+            self.close_clients(f"{self.settings.name}: {self.seed_pending}")
+        return durable
+
+    def _seed_again(self) -> str | None:
+        """A resource check (run only without a disk or memory alarm): queue the forced
+        promotion's seed again if it failed. Never an alarm itself."""
+        if self.seed_pending is not None and self._seeding is None and self.is_source:
+            # Not from inside the monitor's check: the seed closes a batch of its own.
+            asyncio.get_running_loop().call_soon(self._seed_now_if_pending)
+        return None
+
+    def _seed_now_if_pending(self) -> None:
+        if self.seed_pending is not None and self._seeding is None and self.is_source:
+            self._reseed_now("the forced promotion's seed again: the disk has room")
 
     # -- the listener's site ----------------------------------------------------------------
 
@@ -441,6 +500,7 @@ class Mirroring:
         update = {"role": "replica", "epoch": epoch, "last_switch": switch, "fenced_by": None}
         await self._save(roles.current.model_copy(update=update))
         self.demoting = False
+        self.seed_pending = None
         log.warning("mirror: demoted at DR epoch %d: %s", epoch, token.model_dump_json())
         return switch
 
@@ -462,7 +522,7 @@ class Mirroring:
                 and last.role == "source"
                 and ((token is not None and last.token == token) or (token is None and last.forced))
             ):
-                return last
+                return last.model_copy(update={"seed_pending": self.seed_pending})
             raise MirrorRefused(f"{self.settings.name} is the DR source already")
         if self.vhost.replica:
             raise MirrorRefused(f"{self.settings.name} is passive: promote the active broker")
@@ -517,13 +577,14 @@ class Mirroring:
             # source. Taken later (the link's next try, the first client batch), a
             # message consumed here meanwhile was missing from it, and the old source kept
             # it as an orphan beside those it alone had: re-published, delivered twice.
+            # Clients wait for it to be durable: a refused one (a full disk) is withdrawn.
+            self.seed_pending = "its seed for the old source is not durable yet"
             self.source.seed_forced(f"forced promotion at DR epoch {epoch}")
             # Durable, and on the pair's passive, before the answer: a failover of this
             # pair right after it sends the same seed (a passive that finds the queue
             # there would not make one).
-            if not await self.futures.wait(self.committer.flush_now()):
-                log.error("mirror: the journal refused the forced promotion's seed: "
-                          "POST /mirror/reseed once the journal takes writes")  # fmt: skip
+            await asyncio.shield(self._watch_seed(self.committer.flush_now()))
+            switch = switch.model_copy(update={"seed_pending": self.seed_pending})
         if rpo is not None:
             log.error("mirror: FORCED promotion at DR epoch %d; RPO: %s", epoch,
                       rpo.model_dump_json())  # fmt: skip
@@ -682,6 +743,7 @@ class Mirroring:
             queue_lag_bytes=lag_bytes,
             needs_resync=source.needs_resync if source is not None else None,
             last_seed=source.last_seed if source is not None else None,
+            seed_pending=self.seed_pending if self.is_source else None,
             orphans=orphans.message_count if orphans is not None else 0,
             rpo=roles.current.rpo if roles is not None else None,
             failover_rpo=(
