@@ -112,6 +112,12 @@ class Sites:
         self.mirror.start()
         assert self.promote_mirror(force=True).forced
 
+    def loss_counted(self) -> dict[str, Any]:
+        """Site A's count of what a forced failover lost (`mirror.unmirrored`), once made
+        (at the comparison's end: the promoted site's "caught up" can come a moment
+        before)."""
+        return wait_for("the loss counted", lambda: mirror_status(self.source)["unmirrored"], 30)
+
     def old_source_back(self, *, caught_up: bool = True) -> None:
         """Site A back after a forced failover: fenced by B and (`caught_up`) rebuilt by
         B's seed."""
@@ -139,6 +145,14 @@ def mirror_status(broker: BrokerProcess) -> dict[str, Any] | None:
     """The `mirror` section of a broker's status (None if it does not answer)."""
     data = status(broker)
     return None if data is None else data["mirror"]
+
+
+def all_linked(sites: list[BrokerProcess]) -> None:
+    """Wait until every site's links are up (a heartbeat came back)."""
+    wait_for(
+        "every site linked",
+        lambda: all((mirror_status(site) or {}).get("connected") for site in sites),
+    )
 
 
 def _drained(section: dict[str, Any] | None) -> bool:
@@ -209,10 +223,7 @@ class Ring:
             raise
         # Every link up (a heartbeat came back): each site knows whom it mirrors to, so it
         # never passes an event back to that event's origin.
-        wait_for(
-            "every site linked",
-            lambda: all((mirror_status(site) or {}).get("connected") for site in self.sites),
-        )
+        all_linked(self.sites)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -339,10 +350,7 @@ class PairedMesh:
                 site.stop()  # never leave a broker behind a failed start
             self.vip.close()
             raise
-        wait_for(
-            "every site linked",
-            lambda: all((mirror_status(site) or {}).get("connected") for site in self.sites),
-        )
+        all_linked(self.sites)
         return self
 
     def __exit__(self, *exc: object) -> None:

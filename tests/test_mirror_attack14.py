@@ -58,7 +58,7 @@ def test_a_forced_failover_during_a_timed_out_demotion_orphans_and_counts_its_ba
         publish(sites.mirror, "orders", bodies("b", 3))
         wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
         sites.caught_up(source=sites.mirror)
-        lost = wait_for("the loss counted", lambda: mirror_status(sites.source)["unmirrored"], 30)
+        lost = sites.loss_counted()
         assert lost["messages"] == 5
         assert drain(sites.mirror.url, "orders") == [*bodies("a", 10), *bodies("b", 3)]
         assert sorted(drain(sites.source.url, ORPHANS)) == sorted(bodies("lost", 5))
@@ -319,7 +319,7 @@ def test_the_old_source_killed_while_it_is_rebuilt_counts_and_orphans_once(
         sites.source.kill()
         sites.source.start()
         sites.caught_up(source=sites.mirror)
-        lost = wait_for("the loss counted", lambda: mirror_status(sites.source)["unmirrored"], 30)
+        lost = sites.loss_counted()
         assert lost["messages"] == 5
         expected = [*bodies("a", 500)[100:], *bodies("b", 5)]
         assert browse(sites.source, "orders") == expected

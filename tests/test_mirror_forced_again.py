@@ -12,7 +12,6 @@ from mirrorsites import Sites, demote, mirror_status, promote, publish, queues
 from test_mirror_reseed import ORPHANS, bodies
 
 from twinmq.testing.queues import drain
-from twinmq.testing.waiting import wait_for
 
 
 def test_a_second_forced_failover_counts_and_orphans_what_the_old_source_lost(
@@ -32,7 +31,7 @@ def test_a_second_forced_failover_counts_and_orphans_what_the_old_source_lost(
         publish(sites.source, "orders", bodies("lost", 5))
         sites.fail_over_by_force()
         sites.old_source_back()
-        lost = wait_for("the loss counted", lambda: mirror_status(sites.source)["unmirrored"], 30)
+        lost = sites.loss_counted()
         assert lost["messages"] == 5
         assert mirror_status(sites.source)["queue_events"] == 0
         assert drain(sites.source.url, "orders") == [*bodies("a", 10), *bodies("b", 3)]
@@ -52,7 +51,7 @@ def test_messages_in_a_queue_the_promoted_site_never_knew_become_orphans_not_del
         publish(sites.source, "new", bodies("lost", 5))  # declared during the partition
         sites.fail_over_by_force()
         sites.old_source_back()
-        lost = wait_for("the loss counted", lambda: mirror_status(sites.source)["unmirrored"], 30)
+        lost = sites.loss_counted()
         assert lost["messages"] == 5
         assert drain(sites.source.url, "orders") == bodies("a", 10)
         assert sorted(drain(sites.source.url, ORPHANS)) == sorted(bodies("lost", 5))

@@ -39,10 +39,8 @@ def test_messages_consumed_on_the_promoted_site_never_come_back_and_the_lost_are
         consume(sites.mirror, "own", 2)
         on_b = {"orders": bodies("a", 10)[4:], "own": bodies("b", 5)[2:], "audit": bodies("c", 3)}
 
-        sites.source.start()
-        wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
-        sites.caught_up(source=sites.mirror)
-        lost = wait_for("the loss counted", lambda: mirror_status(sites.source)["unmirrored"], 30)
+        sites.old_source_back()
+        lost = sites.loss_counted()
         # A counts what B never got: 5 messages and the settle of c-0 (c-0 is B's again,
         # back on A with B's seed: asynchronous DR cannot avoid it, it is reported).
         assert (lost["messages"], lost["settles"]) == (5, 1)
@@ -146,10 +144,8 @@ def test_a_forced_failover_after_a_switchover_and_failback_still_seeds_and_count
         assert mirror_status(sites.mirror)["last_seed"].startswith("forced promotion")
         consume(sites.mirror, "orders", 2)  # a-0 (again: B never knew) and a-1
         on_b = [*bodies("a", 10)[2:], *bodies("b", 2)]
-        sites.source.start()
-        wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
-        sites.caught_up(source=sites.mirror)
-        lost = wait_for("the loss counted", lambda: mirror_status(sites.source)["unmirrored"], 30)
+        sites.old_source_back()
+        lost = sites.loss_counted()
         assert (lost["messages"], lost["settles"]) == (5, 1)
         assert (lost["unverified_events"], lost["unverified_messages"]) == (0, 0)
         assert browse(sites.mirror, "orders") == on_b

@@ -59,7 +59,6 @@ from twinmq.broker.replication.protocol import (
 )
 from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.queues import drain
-from twinmq.testing.waiting import wait_for
 
 # -- sans-I/O: the bounds, the source's cut, the claim -------------------------------------
 
@@ -330,7 +329,7 @@ def test_a_forged_mark_above_anything_the_old_source_made_is_refused_and_nothing
     sites.caught_up(source=sites.mirror)
     # Counted when the comparison ends (the session's first event), which the promoted
     # site's "caught up" can be seen a moment before.
-    lost = wait_for("the loss counted", lambda: mirror_status(sites.source)["unmirrored"], 30)
+    lost = sites.loss_counted()
     assert (lost["messages"], lost["settles"]) == (5, 0)
     assert (lost["unverified_events"], lost["unverified_messages"]) == (0, 0)
     assert mirror_status(sites.source)["queue_events"] == 0  # dropped: B's seed orphans them
@@ -349,7 +348,7 @@ def test_a_mark_claiming_everything_without_the_seed_showing_it_keeps_the_backlo
     assert why is not None
     mark = int(re.search(r"made none after (\d+)", why).group(1))  # type: ignore[union-attr]
     assert reconcile_as(address, "site-b", epoch, {ORIGIN: mark}) is None
-    lost = wait_for("the loss counted", lambda: mirror_status(sites.source)["unmirrored"], 30)
+    lost = sites.loss_counted()
     assert lost["applied_seq"] == mark
     assert (lost["events"], lost["messages"]) == (0, 0)  # what the claim says...
     assert lost["unverified_messages"] == 5  # ...and what nothing showed: the 5 lost

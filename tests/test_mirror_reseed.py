@@ -180,8 +180,6 @@ def test_after_a_forced_failover_during_a_partition_new_messages_never_take_the_
         sites.promote_mirror(force=True)
         publish(sites.mirror, "orders", bodies("b", 5))
         proxy.heal()
-        sites.source.start()
-        wait_for("A fenced", lambda: mirror_status(sites.source)["role"] == "replica", 30)
-        sites.caught_up(source=sites.mirror)
+        sites.old_source_back()
         assert drain(sites.source.url, "orders") == [*bodies("a", 10), *bodies("b", 5)]
         assert sorted(drain(sites.source.url, ORPHANS)) == sorted(bodies("lost", 5))
