@@ -147,15 +147,6 @@ def exactly_once_everywhere(mesh: PairedMesh, publishers: list[Publisher]) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="OPEN (docs/mirror.md, 'Full mesh'): in about 1 run of 3 on 2 loaded cores the "
-    "promoted passive c2 lacks ~700 messages the killed active c1 had (its own site's "
-    "confirmed publishes and the other sites' events c1 acknowledged); c1 rejoining "
-    "discards them at its catch-up. c2's journal segments hold every message body c1's "
-    "do: c2 received and journaled them, its queues lacked them after the promotion. Not "
-    "yet traced; kept running so every pass and failure shows in the report",
-)
 def test_a_pair_as_a_mesh_site_failing_over_mid_stream_keeps_every_confirm_once_everywhere(
     tmp_path: Path,
 ) -> None:
