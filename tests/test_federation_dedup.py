@@ -71,6 +71,26 @@ def test_the_lagged_keys_are_bounded_and_what_is_forced_out_is_counted() -> None
     assert key("a", 2 * SPAN) in window  # the newest are kept
 
 
+def test_an_origins_id_jump_forgets_what_is_too_old_instead_of_allocating_the_gap() -> None:
+    """An origin's IDs jump by 2^40 when its pair fails over (a new epoch's range): a
+    bitmap across the jump would be 128 GiB. The older seqs are forgotten (counted), the
+    span stays within the bound, and a key far below the span is not kept."""
+    window = LagWindow(size=10)
+    window.register("direct")
+    window.register("gone")  # never passes anything: every key is kept as lagged
+    for seq in range(0, 200, 5):
+        window.add(key("a", seq))
+    jumped = 1 << 40
+    for seq in range(jumped, jumped + 200, 5):
+        window.add(key("a", seq))
+    assert window.lagged["a"].span <= 10 * SPAN
+    assert window.forced >= 30  # the old epoch's lagged keys, counted
+    assert key("a", jumped + 100) in window
+    bits = SeqBits()
+    bits.add(jumped, limit=64)
+    assert bits.add(5, limit=64) == 1 and 5 not in bits and bits.span <= 64
+
+
 def test_the_lagged_keys_are_journaled_as_snapshots_and_rebuilt_after_a_restart(
     tmp_path: Path,
 ) -> None:

@@ -146,7 +146,8 @@ class LagWindow:
 
     def add_lagged(self, origin: str, bits: SeqBits) -> None:
         """Merge a journaled snapshot of an origin's compacted keys (load)."""
-        self.lagged.setdefault(origin, SeqBits()).union(bits)
+        merged = self.lagged.setdefault(origin, SeqBits())
+        self.forced += merged.union(bits, self.size * SPAN)
         self._bound()
 
     def passed(self, link: str, keys: list[str], delay: int = 0) -> None:
@@ -183,7 +184,8 @@ class LagWindow:
             oldest, _ = keys.popitem(last=False)
             named = _origin_seq(oldest)
             if named is not None and self._awaited(*named):
-                self.lagged.setdefault(named[0], SeqBits()).add(named[1])
+                bits = self.lagged.setdefault(named[0], SeqBits())
+                self.forced += bits.add(named[1], self.size * SPAN)
         self._bound()
 
     def _bound(self) -> None:

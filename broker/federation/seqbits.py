@@ -46,11 +46,21 @@ class SeqBits:
         """Seqs the bitmap covers (its memory, in bits)."""
         return len(self.bits) * 8
 
-    def add(self, seq: int) -> None:
+    def add(self, seq: int, limit: int | None = None) -> int:
         """Remember `seq`; the bitmap grows to reach it, downward too (rare: a key that
-        leaves the newest window after a newer one of its origin)."""
+        leaves the newest window after a newer one of its origin). With `limit` (bits)
+        the span never grows past it: an origin's IDs jump (a failover of its pair starts
+        a new epoch's range), and a bitmap reaching across the jump would be gigabytes:
+        the seqs too far below `seq` are forgotten first, or `seq` itself when it is too
+        far below the others. Returns how many seqs were forgotten so."""
         if seq < 0:
-            return
+            return 0
+        forgotten = 0
+        if limit is not None and self.bits:
+            if seq < self.base and self.base + self.span - seq > limit:
+                return 1  # older than the span can reach: not kept
+            if seq - self.base >= limit:
+                forgotten = self.trim(seq - limit + _ALIGN)
         if not self.bits:
             self.base = seq - seq % _ALIGN
         elif seq < self.base:
@@ -65,6 +75,7 @@ class SeqBits:
         if not self.bits[index] & mask:
             self.bits[index] |= mask
             self.count += 1
+        return forgotten
 
     def trim(self, below: int) -> int:
         """Forget every seq under `below`; the number forgotten."""
@@ -87,16 +98,19 @@ class SeqBits:
             self.base += empty * 8
         return gone
 
-    def union(self, other: SeqBits) -> None:
-        """Add every seq of `other` (a snapshot read back at load)."""
+    def union(self, other: SeqBits, limit: int | None = None) -> int:
+        """Add every seq of `other` (a snapshot read back at load), within `limit` (as
+        `add`); how many seqs were forgotten so."""
         if not self.bits:
             self.base, self.bits, self.count = other.base, bytearray(other.bits), other.count
-            return
+            return 0
+        forgotten = 0
         for index, byte in enumerate(other.bits):
             if byte:
                 for bit in range(8):
                     if byte & (1 << bit):
-                        self.add(other.base + index * 8 + bit)
+                        forgotten += self.add(other.base + index * 8 + bit, limit)
+        return forgotten
 
     def encode(self) -> str:
         """`base:bitmap` (base64): one line of a snapshot record."""
