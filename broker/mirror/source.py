@@ -291,12 +291,10 @@ class MirrorSource:
         failback) has its queue already, and used to stream on from the old source's mark
         without a seed, the old source never comparing, counting or orphaning (its lost
         messages left among its queues: the two sites holding different messages)."""
-        fresh = QUEUE_NAME not in self.vhost.queues
-        if self._queue is None or self._queue.deleted:
+        if QUEUE_NAME not in self.vhost.queues:
             self.activate()  # a first activation seeds
-        if not fresh:
-            # The backlog (the topology event just made too) goes: the seed follows it.
-            self.reseed(reason)
+        else:
+            self.reseed(reason)  # takes the queue over unannounced, drops its backlog
 
     def _seed(self, reason: str) -> int:
         """A SEED event, the topology and every journaled message of every mirrored queue,
