@@ -322,16 +322,20 @@ class Mirroring:
             self.close_clients(f"{self.settings.name}: {self.seed_pending}")
         return durable
 
+    def _seed_due(self) -> bool:
+        """A forced promotion's seed failed and none is under way: it is to be queued."""
+        return self.seed_pending is not None and self._seeding is None and self.is_source
+
     def _seed_again(self) -> str | None:
         """A resource check (run only without a disk or memory alarm): queue the forced
         promotion's seed again if it failed. Never an alarm itself."""
-        if self.seed_pending is not None and self._seeding is None and self.is_source:
+        if self._seed_due():
             # Not from inside the monitor's check: the seed closes a batch of its own.
             asyncio.get_running_loop().call_soon(self._seed_now_if_pending)
         return None
 
     def _seed_now_if_pending(self) -> None:
-        if self.seed_pending is not None and self._seeding is None and self.is_source:
+        if self._seed_due():  # again: the turn since may have seeded or demoted
             self._reseed_now("the forced promotion's seed again: the disk has room")
 
     # -- the listener's site ----------------------------------------------------------------
