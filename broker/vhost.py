@@ -1359,14 +1359,15 @@ class VirtualHost:
             if served is not None and vhost is not root and name not in named | set(served):
                 vhost._drop()
                 log.warning("vhost %r is not on the active nor in the users file: dropped", name)
-        self.committer.save_definitions(root.all_definitions())
+        everything = root.all_definitions()
+        self.committer.save_definitions(everything)
         self._queues_changed()
         if not root.replica and root.on_topology_change is not None:
             # An active replacing its topology whole (the DR mirror's applier): its passive
             # gets it whole too, durable here first and before the batch that uses it.
             # Told nothing, the passive skipped the messages of the queues it did not know
             # and, promoted, lacked them (`tests/test_mirror_replica_pair.py`).
-            root.on_topology_change(root.all_definitions())
+            root.on_topology_change(everything)
 
     def _replace_topology(self, defs: Definitions) -> None:
         wanted = {q.name: q for q in defs.queues}
