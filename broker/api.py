@@ -111,6 +111,11 @@ class ReplicationStatus(BaseModel):
     lag_messages: int = Field(description="Replicated ops not yet on the passive's disk")
     lag_seconds: float = Field(description="Age of the oldest of those")
     lost_at: float | None = Field(None, description="Passive: when the link was last lost")
+    caught_up_epoch: int | None = Field(
+        None,
+        description="Passive: the epoch of the active it caught up with, kept after the "
+        "link's loss (None: not caught up); `ready` also needs that active's recent echo",
+    )
     epoch_refused: str | None = Field(
         None, description="The last epoch a peer offered that was refused (max_epoch_jump)"
     )

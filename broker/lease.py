@@ -18,6 +18,16 @@ failover then took the Lease's 4 s more: bench/failover_time.py). Until the
 handover it retries; the deadline timer still fences if the handover never comes.
 The operator never gives the Lease to the other broker within that deadline
 unless this broker's process is gone or it was demoted first.
+
+The Lease also carries the **replication guard** (`GUARD_ANNOTATION`, `<epoch>:<alone>`):
+every renewal writes whether this active may have confirmed a message its passive lacks
+since that passive last caught up. Before it goes on alone (its passive silent for
+`replication_timeout`), the active writes `alone` = 1 and waits for the write: if the API
+server cannot take it, confirms stay held, and the deadline fences the broker. So a
+Lease that lapsed (or whose holder's process is gone) saying `<epoch>:0` proves that a
+passive caught up in that epoch holds every confirmed message, however long after the
+link's loss the operator looks: it promotes it without the passive's own readiness
+window (8 s), which a slow or restarted operator could miss.
 """
 
 from __future__ import annotations
@@ -45,6 +55,30 @@ log = logging.getLogger(__name__)
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 FENCE_MARGIN = 1.0  # seconds before the Lease could lapse that the broker steps down
 HANDOVER_RETRY = 0.2  # seconds between reads of a Lease not yet handed over after activation
+GUARD_ANNOTATION = "twinmq.io/replication-guard"
+
+
+@dataclass(frozen=True)
+class ReplicationGuard:
+    """What the active's Lease says of its confirms in an epoch."""
+
+    epoch: int
+    alone: bool  # it may have confirmed what its caught-up passive lacks
+
+    def encode(self) -> str:
+        """The annotation's value."""
+        return f"{self.epoch}:{int(self.alone)}"
+
+    @classmethod
+    def of_lease(cls, lease: dict[str, object]) -> ReplicationGuard | None:
+        """The guard a Lease carries (None: none, or not readable)."""
+        meta = lease.get("metadata")
+        annotations = meta.get("annotations") if isinstance(meta, dict) else None
+        value = annotations.get(GUARD_ANNOTATION) if isinstance(annotations, dict) else None
+        epoch, _, alone = str(value or "").partition(":")
+        if not epoch.isdigit() or alone not in ("0", "1"):
+            return None
+        return cls(int(epoch), alone == "1")
 
 
 def now_rfc3339() -> str:
@@ -136,6 +170,10 @@ class LeaseKeeper:
         self.fenced_at: float | None = None  # the keeper's clock
         # Whether a renewal found the Lease named for this broker since its activation.
         self.handed_over = False
+        # This active may have confirmed what its passive lacks (`record_alone`); every
+        # renewal writes it. One write at a time: a renewal never undoes a newer mark.
+        self.alone = False
+        self._writing = asyncio.Lock()
 
     @classmethod
     def from_environment(cls, broker: LeaseContext) -> LeaseKeeper | None:
@@ -165,6 +203,28 @@ class LeaseKeeper:
         now, which is no later than the renewTime the operator writes."""
         self.deadline = self.clock.monotonic() + self.duration - FENCE_MARGIN
         self.handed_over = False
+        self.alone = False  # its passive has not caught up in this epoch: it lacks nothing yet
+
+    def passive_in_sync(self) -> None:
+        """The passive caught up (everything confirmed alone included): the next renewal
+        says so."""
+        self.alone = False
+
+    async def record_alone(self) -> bool:
+        """Write `alone` into the Lease before confirming without the passive: True once
+        the Lease says so and this broker may still act as the active (its deadline has
+        not passed: an operator that saw the Lease lapse never missed the mark)."""
+        if self.broker.role != "active":
+            return False
+        self.alone = True  # (a failed write leaves it for the next renewal: conservative)
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.request_timeout)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                await self._write(session, renew=False)
+        except (aiohttp.ClientError, TimeoutError, LeaseLost) as exc:
+            log.warning("cannot record going on alone in the Lease: %s; confirms held", exc)
+            return False
+        return self.broker.role == "active" and self.clock.monotonic() < self.deadline
 
     async def run(self) -> None:
         """Renew while active, and fence at the deadline whatever the requests do."""
@@ -214,6 +274,15 @@ class LeaseKeeper:
             await self.clock.sleep(self.period)
 
     async def _renew(self, session: aiohttp.ClientSession) -> None:
+        await self._write(session, renew=True)
+
+    async def _write(self, session: aiohttp.ClientSession, *, renew: bool) -> None:
+        """Read the Lease and write it back with the guard (and, renewing, a new
+        renewTime), if this broker holds it."""
+        async with self._writing:
+            await self._write_locked(session, renew)
+
+    async def _write_locked(self, session: aiohttp.ClientSession, renew: bool) -> None:
         headers = self.access.headers()
         tls = self.access.ssl if self.access.ssl is not None else False
         async with session.get(self.url, headers=headers, ssl=tls) as resp:
@@ -223,7 +292,11 @@ class LeaseKeeper:
         holder = lease.get("spec", {}).get("holderIdentity")
         if holder != self.broker.settings.name:
             raise LeaseLost(f"the Lease is held by {holder!r}, not by us")
-        lease["spec"]["renewTime"] = now_rfc3339()
+        if renew:
+            lease["spec"]["renewTime"] = now_rfc3339()
+        guard = ReplicationGuard(self.broker.epoch, self.alone).encode()
+        meta = lease.setdefault("metadata", {})
+        meta["annotations"] = {**(meta.get("annotations") or {}), GUARD_ANNOTATION: guard}
         # An update with the read resourceVersion: a concurrent change by the operator wins.
         async with session.put(self.url, json=lease, headers=headers, ssl=tls) as resp:
             if resp.status == 409:

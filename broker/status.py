@@ -45,6 +45,7 @@ def replication_status(broker: Broker) -> ReplicationStatus:
             link_tls=replica.connected and replica.tls,
             degraded=False, lag_messages=replica.pending_ops,
             lag_seconds=round(replica.lag_seconds, 3), lost_at=replica.lost_at,
+            caught_up_epoch=replica.caught_up_epoch if replica.caught_up else None,
         )  # fmt: skip
     link = broker.source.link
     in_sync = link is not None and link.ready and broker.committer.guarded

@@ -49,6 +49,9 @@ class BrokerView:
     role: Role = "unknown"
     epoch: int = 0
     ready: bool = False  # passive: caught up, promotable without loss
+    # passive: the epoch of the active it caught up with, kept after the link's loss
+    # (promotable without loss if that active's Lease shows it never went on alone)
+    caught_up_epoch: int | None = None
     link_connected: bool = False  # passive: replicating right now
     replicating_from_active: bool = False  # passive: its link points at the active
     # Kubernetes reports the process last seen serving gone: the pod deleted, the broker
@@ -78,6 +81,8 @@ class Observation:
     epoch: int  # the status's epoch (0: never initialised)
     lease_holder: BrokerName | None
     lease_expired: bool
+    # The replication guard the active's Lease carries: (epoch, alone) (broker/lease.py)
+    lease_guard: tuple[int, bool] | None = None
     allow_data_loss: bool = False
     switchover: Switchover | None = None  # in progress, from the status
     promote_request: tuple[str, BrokerName, bool] | None = None  # (id, target, force), unhandled
@@ -265,7 +270,12 @@ def _failover(obs: Observation, active: BrokerName, other: BrokerName) -> Decisi
         reason = (
             "active's process gone (Kubernetes)" if a.stopped
             else "active unreachable and its Lease expired"
-        ) + ("" if b.ready else "; backup NOT ready (allowDataLoss)")  # fmt: skip
+        ) + (
+            "" if b.ready
+            else "; backup caught up, and the Lease shows the active never went on alone"
+            if _kept_everything(obs, active, other)
+            else "; backup NOT ready (allowDataLoss)"
+        )  # fmt: skip
         return decision.add(
             Route(None),
             SetRole(other, "active", epoch),
@@ -320,9 +330,25 @@ def _promotion_blocked(obs: Observation, active: BrokerName, other: BrokerName) 
         return f"{active} is down and {other} is fenced"
     if b.damaged:
         return f"{active} is down and {other}'s journal is damaged: promote it with force"
-    if not b.ready and not obs.allow_data_loss:
+    if not b.ready and not obs.allow_data_loss and not _kept_everything(obs, active, other):
         return f"{active} is down and {other} is not ready: not promoting it"
     return None
+
+
+def _kept_everything(obs: Observation, active: BrokerName, other: BrokerName) -> bool:
+    """The other broker holds every message the active confirmed, though its readiness
+    window (the active's last echo + the replication timeout) has passed: it had caught
+    up in this epoch, and the active's Lease, lapsed or left by a process that is gone,
+    says the active never confirmed alone since (it writes that before it does:
+    broker/lease.py). A slow or restarted operator may look long after the link's loss."""
+    b = obs.brokers[other]
+    return (
+        b.caught_up_epoch == obs.epoch
+        and b.role == "passive"
+        and obs.lease_holder == active
+        and (obs.lease_expired or obs.brokers[active].stopped)
+        and obs.lease_guard == (obs.epoch, False)
+    )
 
 
 def _no_active(obs: Observation) -> Decision:

@@ -33,6 +33,7 @@ from prometheus_client import start_http_server
 
 from twinmq.broker.admin_client import AdminError
 from twinmq.broker.api import BrokerStatus as BrokerReport
+from twinmq.broker.lease import ReplicationGuard
 from twinmq.broker.names import (
     ACTIVE,
     OPERATOR_METRICS_PORT_ENV,
@@ -431,11 +432,11 @@ def report_drift(body: Any, repaired: list[drift.Repaired]) -> None:
         kopf.event(body, type="Warning", reason="DriftRepaired", message=repair.message)
 
 
-def lease_state(cluster: ClusterRef) -> tuple[BrokerName | None, bool]:
-    """(holder broker, expired) of the active role's Lease."""
+def lease_state(cluster: ClusterRef) -> tuple[BrokerName | None, bool, tuple[int, bool] | None]:
+    """(holder broker, expired, replication guard) of the active role's Lease."""
     lease = kube().get_lease(cluster.namespace, builders.lease_name(cluster))
     if lease is None:
-        return None, True
+        return None, True, None
     lspec = lease.get("spec", {})
     holder = lspec.get("holderIdentity")
     renew = lspec.get("renewTime")
@@ -445,7 +446,8 @@ def lease_state(cluster: ClusterRef) -> tuple[BrokerName | None, bool]:
         renewed = parse_iso(renew).timestamp()
         expired = time.time() > renewed + duration
     broker = next((n for n in NAMES if pod_name(cluster, n) == holder), None)
-    return broker, expired
+    guard = ReplicationGuard.of_lease(lease)
+    return broker, expired, None if guard is None else (guard.epoch, guard.alone)
 
 
 def apply(
@@ -811,7 +813,7 @@ def reconcile(
             still = memory.failures[name] < spec.failover.failure_threshold and not stopped
             view = last if still and last is not None else BrokerView(name, reachable=False)
         views[name] = replace(view, stopped=stopped)
-    holder, expired = lease_state(cluster)
+    holder, expired, guard = lease_state(cluster)
     handled = status.handled_requests
     requests = spec.requests
     promote = requests.promote
@@ -837,6 +839,7 @@ def reconcile(
         epoch=status.epoch,
         lease_holder=holder,
         lease_expired=expired,
+        lease_guard=guard,
         allow_data_loss=spec.failover.allow_data_loss,
         switchover=None if sw is None else Switchover(sw.request_id, sw.kind, sw.target,
                                                       sw.epoch, sw.force),

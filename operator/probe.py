@@ -88,6 +88,7 @@ def view_of(report: BrokerReport, name: BrokerName, active_ip: str | None) -> Br
         role=report.role,
         epoch=report.epoch,
         ready=replication.ready and report.role == PASSIVE,
+        caught_up_epoch=replication.caught_up_epoch if report.role == PASSIVE else None,
         link_connected=replication.link_connected,
         replicating_from_active=active_ip is not None
         and replication.peer == f"{active_ip}:{REPLICATION_PORT}"

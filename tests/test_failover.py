@@ -57,6 +57,8 @@ class SimBroker:
     activated: int | None = None  # the incarnation last activated
     reported: tuple[int, bool] = (0, True)  # Kubernetes' (lagging) view: incarnation, running
     damaged: bool = False  # its journal recovered with corruption; healed by a catch-up
+    caught_up_epoch: int | None = None  # the epoch of the active it last caught up with
+    fresh: bool = True  # passive: within its readiness window (the active's last echo)
 
     @property
     def stopped(self) -> bool:
@@ -76,6 +78,9 @@ class World:
     switchover: Switchover | None = None
     lease_holder: BrokerName | None = None  # the broker that renews the active Lease
     lease_expired: bool = False
+    # The replication guard the active writes into its Lease: (epoch, alone). A broker
+    # marks `alone` before confirming what its caught-up passive lacks (broker/lease.py).
+    lease_guard: tuple[int, bool] | None = None
     allow_data_loss: bool = False
     promote: tuple[str, BrokerName, bool] | None = None
     recover: str | None = None
@@ -95,7 +100,8 @@ class World:
             seen = b.alive and not b.isolated
             views[name] = BrokerView(
                 name, seen, b.role if seen else "unknown", b.epoch,  # type: ignore[arg-type]
-                ready=b.alive and b.role == "passive" and b.has_all,
+                ready=b.alive and b.role == "passive" and b.has_all and b.fresh,
+                caught_up_epoch=b.caught_up_epoch if seen and b.role == "passive" else None,
                 link_connected=b.alive and b.linked,
                 replicating_from_active=b.linked, stopped=b.stopped,
                 damaged=seen and b.damaged,
@@ -103,6 +109,7 @@ class World:
         return Observation(
             brokers=views, active=self.active, epoch=self.epoch,
             lease_holder=self.lease_holder, lease_expired=self.lease_expired,
+            lease_guard=self.lease_guard,
             allow_data_loss=self.allow_data_loss, switchover=self.switchover,
             promote_request=self.promote, recover_request=self.recover, routed=self.vip,
             fence_request=self.fence, fenced=self.fenced,
@@ -173,6 +180,8 @@ class World:
             # activated (it must boot, be probed, be activated, be seen serving).
             b.activated, b.reported = b.incarnation, (b.incarnation, True)
             self.lease_holder, self.lease_expired = b.name, False
+            self.lease_guard = (action.epoch, False)  # its first renewal
+            b.caught_up_epoch = None
             # From now on only the new active holds what it confirms.
             other.linked = False
             other.has_all = False if other.role == "passive" else other.has_all
@@ -203,7 +212,7 @@ class World:
             b.isolated = flag  # a partition between the operator and this broker, or healed
         elif kind == "restart" and not b.alive:
             # Rule 4: a broker always starts passive (its journal keeps what it had).
-            b.alive, b.role, b.linked = True, "passive", False
+            b.alive, b.role, b.linked, b.caught_up_epoch = True, "passive", False, None
             b.incarnation += 1
             if flag:
                 b.reported = (b.incarnation, True)
@@ -216,6 +225,13 @@ class World:
             self.switchover = None
         elif kind == "catch_up" and b.alive and b.role == "passive" and b.linked:
             b.has_all, b.damaged = True, False  # a complete catch-up heals a damaged journal
+            b.fresh = True
+            active = self.serving_active()
+            if active is not None:
+                b.caught_up_epoch = active.epoch
+                self.lease_guard = (active.epoch, False)  # its next renewal says so
+        elif kind == "stale" and not b.linked:
+            b.fresh = False  # a silent link: its readiness window ran out
         elif kind == "corrupt" and not b.alive:
             # Its journal is found corrupt when it restarts: it may lack what it confirmed.
             b.damaged, b.has_all = True, False
@@ -227,6 +243,9 @@ class World:
             if active is not None:
                 for other in self.brokers.values():
                     if other is not active and not (other.linked and other.has_all):
+                        if other.caught_up_epoch == active.epoch:
+                            # It goes on alone after its passive caught up: marked first.
+                            self.lease_guard = (active.epoch, True)
                         other.has_all = False
         elif kind == "lease_expires":
             # The active renews its Lease while it lives (an isolated one still reaches the
@@ -266,7 +285,7 @@ EVENTS = st.tuples(
     st.sampled_from(
         ["crash", "restart", "catch_up", "cut_link", "publish", "lease_expires", "promote",
          "recover", "lose_request", "isolate", "fence", "kubelet_reports", "lose_status",
-         "corrupt"]
+         "corrupt", "stale"]
     ),
     st.sampled_from(NAMES),
     st.booleans(),
@@ -513,6 +532,54 @@ def test_a_stopped_active_is_replaced_even_before_the_backup_noticed_its_link_dr
         active="primary", epoch=1, lease_holder="primary", lease_expired=False, routed="primary",
     )  # fmt: skip
     assert _promoted(decide(stopped)) == [SetRole("backup", "active", 2)]
+
+
+# -- the replication guard in the Lease: a slow operator still fails over ---------------
+
+
+def test_a_caught_up_backup_is_promoted_after_its_window_when_the_lease_shows_no_alone() -> None:
+    # A hung active (not reported stopped) and an operator that looks only after the
+    # backup's readiness window ran out (restarted, or slow): the Lease says the active
+    # never confirmed alone in epoch 1, and the backup caught up in epoch 1.
+    world = _started()
+    world.step(("crash", "primary", False))
+    world.step(("stale", "backup", False))
+    world.step(("lease_expires", "primary", False))
+    obs = world.observe()
+    assert not obs.brokers["backup"].ready and obs.lease_guard == (1, False)
+    decision = decide(obs)
+    assert _promoted(decision) == [SetRole("backup", "active", 2)]
+    record = next(a for a in decision.actions if isinstance(a, Record))
+    assert "never went on alone" in record.reason
+    world.apply(decision)
+    assert not world.violations
+
+
+def test_a_backup_whose_active_went_on_alone_waits_however_caught_up_it_was() -> None:
+    world = _started()
+    world.step(("cut_link", "backup", False))
+    world.step(("publish", "primary", False))  # marked alone in the Lease, then confirmed
+    world.step(("crash", "primary", False))
+    world.step(("lease_expires", "primary", False))
+    obs = world.observe()
+    assert obs.brokers["backup"].caught_up_epoch == 1 and obs.lease_guard == (1, True)
+    assert _promoted(decide(obs)) == []
+
+
+def test_the_lease_guard_counts_only_for_the_epoch_the_backup_caught_up_in() -> None:
+    world = _started()
+    world.step(("crash", "primary", False))
+    world.step(("stale", "backup", False))
+    world.step(("lease_expires", "primary", False))
+    obs = world.observe()
+    older = replace(obs.brokers["backup"], caught_up_epoch=0)
+    for stale in (
+        replace(obs, brokers={**obs.brokers, "backup": older}),  # caught up with another
+        replace(obs, lease_guard=(0, False)),  # the Lease's guard of an older active
+        replace(obs, lease_guard=None),  # a broker that writes none (an older version)
+        replace(obs, lease_expired=False),  # the active may still serve
+    ):
+        assert _promoted(decide(stale)) == []
 
 
 # -- a damaged broker (journal corruption found at restart) -------------------------------

@@ -19,7 +19,13 @@ from fakeclock import FakeClock
 from prometheus_client import REGISTRY
 
 from twinmq.broker.api import Role
-from twinmq.broker.lease import FENCE_MARGIN, HANDOVER_RETRY, LeaseKeeper
+from twinmq.broker.lease import (
+    FENCE_MARGIN,
+    GUARD_ANNOTATION,
+    HANDOVER_RETRY,
+    LeaseKeeper,
+    ReplicationGuard,
+)
 from twinmq.broker.settings import BrokerSettings
 from twinmq.testing.waiting import until
 
@@ -50,6 +56,8 @@ class ApiServer:
         self.requests = 0
         self.request_arrived = asyncio.Event()
         self.renewals: list[str] = []
+        self.renew_time: str | None = None
+        self.guards: list[str] = []  # the replication guard of every write, in order
         self.in_flight = 0
 
     async def handle(self, request: web.Request) -> web.Response:
@@ -62,8 +70,13 @@ class ApiServer:
             finally:
                 self.in_flight -= 1
         if request.method == "PUT":
-            self.renewals.append((await request.json())["spec"]["renewTime"])
-        return web.json_response({"spec": {"holderIdentity": self.holder}})
+            body = await request.json()
+            self.guards.append(body["metadata"]["annotations"][GUARD_ANNOTATION])
+            if body["spec"].get("renewTime") != self.renew_time:
+                self.renew_time = body["spec"].get("renewTime")
+                self.renewals.append(body["spec"]["renewTime"])
+        return web.json_response({"spec": {"holderIdentity": self.holder,
+                                           "renewTime": self.renew_time}})  # fmt: skip
 
 
 @contextlib.asynccontextmanager
@@ -247,3 +260,68 @@ def test_failed_renewals_and_the_self_fencing_are_counted_for_the_alerts() -> No
         assert counted("twinmq_lease_self_fencings_total") == fencings + 1
 
     run(scenario)
+
+
+def test_every_renewal_says_whether_the_active_may_have_confirmed_alone() -> None:
+    async def scenario() -> None:
+        api, clock, broker = ApiServer("orders-primary", hang=False), FakeClock(), Broker()
+        async with keeping(api, clock, broker) as keeper:
+            await until("the first renewal", renewed(api, 1))
+            assert api.guards == ["3:0"]  # epoch 3, never alone
+            await until("the keeper waits for its next renewal", asleep(clock))
+            assert await keeper.record_alone()
+            assert api.guards == ["3:0", "3:1"] and api.renewals == [api.renewals[0]]
+            await clock.advance_to(clock.now + keeper.period)
+            await until("the second renewal", renewed(api, 2))
+            assert api.guards[-1] == "3:1", "a renewal undid the mark"
+            keeper.passive_in_sync()  # its catch-up carried what was confirmed alone
+            await until("the keeper waits for its next renewal", asleep(clock))
+            await clock.advance_to(clock.now + keeper.period)
+            await until("the third renewal", renewed(api, 3))
+            assert api.guards[-1] == "3:0"
+
+    run(scenario)
+
+
+def test_an_active_that_cannot_mark_its_lease_does_not_go_on_alone() -> None:
+    async def scenario() -> None:
+        api, clock, broker = ApiServer("orders-primary", hang=True), FakeClock(), Broker()
+        async with serving(api) as url:
+            keeper = LeaseKeeper(broker, url, DURATION, clock=clock)
+            keeper.request_timeout = 0.1
+            keeper.activated()
+            assert not await keeper.record_alone()  # the write hung: confirms stay held
+            api.hang, api.holder = False, "orders-backup"
+            assert not await keeper.record_alone()  # the Lease is another broker's
+            assert api.guards == []
+
+    run(scenario)
+
+
+def test_a_mark_written_after_the_deadline_does_not_let_the_active_go_on_alone() -> None:
+    async def scenario() -> None:
+        # An operator that saw the Lease lapse read no mark: the write that lands after
+        # it must not count (the broker fences at its deadline instead).
+        api, clock, broker = ApiServer("orders-primary", hang=False), FakeClock(), Broker()
+        async with serving(api) as url:
+            keeper = LeaseKeeper(broker, url, DURATION, clock=clock)
+            keeper.activated()
+            clock.now = keeper.deadline
+            assert not await keeper.record_alone()
+            assert api.guards == ["3:1"]
+
+    run(scenario)
+
+
+def test_a_lease_guard_is_read_back_and_garbage_is_ignored() -> None:
+    def lease(value: object) -> dict[str, object]:
+        return {"metadata": {"annotations": {GUARD_ANNOTATION: value}}}
+
+    assert ReplicationGuard.of_lease(lease("7:1")) == ReplicationGuard(7, True)
+    assert ReplicationGuard.of_lease(lease(ReplicationGuard(4, False).encode())) == (
+        ReplicationGuard(4, False)
+    )
+    for bad in ("7", "7:2", "x:0", "", None, 5):
+        assert ReplicationGuard.of_lease(lease(bad)) is None
+    assert ReplicationGuard.of_lease({"metadata": {}}) is None
+    assert ReplicationGuard.of_lease({}) is None

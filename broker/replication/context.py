@@ -125,8 +125,27 @@ class ReplicatedState(Protocol):
         ...
 
 
+class GuardRecorder(Protocol):
+    """The active's Lease as replication uses it: the replication guard it carries
+    (`broker/lease.py`, `ReplicationGuard`)."""
+
+    async def record_alone(self) -> bool:
+        """Mark the Lease before confirming without the passive; True once durable there
+        and this broker may still act as the active."""
+        ...
+
+    def passive_in_sync(self) -> None:
+        """The passive caught up: the Lease may say `alone` = 0 again."""
+        ...
+
+
 class ReplicationContext(Protocol):
     """What the replication source and replica use of the broker."""
+
+    @property
+    def lease(self) -> GuardRecorder | None:
+        """The active role's Lease (None: not in Kubernetes, no guard to record)."""
+        ...
 
     @property
     def settings(self) -> BrokerSettings:

@@ -101,6 +101,7 @@ class ReplicaClient:
         self.connected = False
         self.tls = False  # the current link runs TLS
         self.caught_up = False
+        self.caught_up_epoch = 0
         self.catchup_batch: int | None = None
         self.remote_batch = 0
         self.acked_batch = 0
@@ -184,6 +185,9 @@ class ReplicaClient:
         if self.caught_up or self.catchup_batch is None or self.acked_batch < self.catchup_batch:
             return
         self.caught_up = True
+        # The epoch its active serves in (the handshake refuses any other): a later role
+        # request may raise this broker's epoch without a new session.
+        self.caught_up_epoch = self.broker.epoch
         log.info("caught up with %s at batch %d: ready", self.active_name, self.acked_batch)
         metrics.REPLICATION_READY.set(1)
 

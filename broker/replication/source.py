@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0  # per frame, once the passive is authenticated (its snapshot)
 PING_INTERVAL = 1.0
+ALONE_RETRY = 0.5  # seconds between attempts to mark the Lease before going on alone
 REFUSAL_LOG_INTERVAL = 5.0  # seconds between log lines about connections over the cap
 
 
@@ -219,6 +220,7 @@ class ReplicationSource:
         self.link: SourceLink | None = None
         self.degraded_since: float | None = None
         self._degrade_timer: asyncio.TimerHandle | None = None
+        self._marking: asyncio.Task[None] | None = None  # writing `alone` into the Lease
         self._server: asyncio.AbstractServer | None = None
         self._connections = 0  # open replication connections, authenticated or not
         self._over_cap = 0  # connections closed over the cap since the last log line
@@ -325,6 +327,24 @@ class ReplicationSource:
         self._degrade_timer = None
         if self.link is not None and self.link.in_sync:
             return
+        lease = self.broker.lease
+        if lease is None or not self.broker.committer.guarded:
+            self._go_alone()
+        elif self._marking is None or self._marking.done():
+            # The Lease says so first (its replication guard), or confirms stay held.
+            self._marking = asyncio.get_running_loop().create_task(self._mark_then_go_alone())
+
+    async def _mark_then_go_alone(self) -> None:
+        lease = self.broker.lease
+        assert lease is not None
+        while self.broker.role == "active" and not (self.link and self.link.in_sync):
+            if await lease.record_alone():
+                if self.link is None or not self.link.in_sync:  # (not back meanwhile)
+                    self._go_alone()
+                return
+            await asyncio.sleep(ALONE_RETRY)
+
+    def _go_alone(self) -> None:
         if self.broker.committer.guarded:
             log.warning("no passive in sync: confirms now wait for the local disk only (degraded)")
         self.broker.committer.guard(False)
@@ -572,6 +592,8 @@ class ReplicationSource:
         committer = self.broker.committer
         caught_up = link.synced()
         committer.guard(True)
+        if self.broker.lease is not None:
+            self.broker.lease.passive_in_sync()
         # Batches up to the catch-up's start reached the passive as chunks, later ones
         # as the live batches it acknowledged.
         committer.replica_acked(max(link.start_batch, link.acked))
