@@ -25,6 +25,7 @@ from twinmq.broker.names import (
     REPLICATION_PORT,
     Role,
 )
+from twinmq.broker.replication.peer import Peer
 
 
 class BrokerSettings(BaseSettings):
@@ -111,6 +112,15 @@ class BrokerSettings(BaseSettings):
     role: Role = Field(ACTIVE, description="Start as the active broker or as a passive replica")
     replicate_from: str | None = Field(
         None, description="HOST:PORT of the active's replication listener (passive role)"
+    )
+    peer: str | None = Field(
+        None,
+        min_length=1,
+        description="HOST[:PORT] of the pair's other broker (hardened mode): a passive "
+        "replicates only from it (--replicate-from and POST /role's replicate_from must name "
+        "this host, or an address it resolves to, and this port if given: else 403), and "
+        "with --replication-tls-* each end accepts only a certificate that names this host. "
+        "Unset: any address is accepted (the unhardened mode)",
     )
     epoch: int = Field(0, ge=0, description="Start-up epoch (the persisted one wins if higher)")
     replication_port: int = Field(
@@ -333,6 +343,19 @@ class BrokerSettings(BaseSettings):
             # A one-way source's switchover drains to one mirror and hands over one token.
             raise ValueError("several --mirror-to targets need --mirror-role bidirectional")
         return self
+
+    @field_validator("peer")
+    @classmethod
+    def _peer_form(cls, value: str | None) -> str | None:
+        """`--peer` is HOST[:PORT]."""
+        if value is not None:
+            Peer.parse(value)
+        return value
+
+    @property
+    def replication_peer(self) -> Peer | None:
+        """The pair's other broker (`--peer`), or None: the unhardened mode."""
+        return None if self.peer is None else Peer.parse(self.peer)
 
     @property
     def effective_server_id(self) -> str:

@@ -27,6 +27,7 @@ from twinmq.broker.journal import JournalError, StoredMessage, decode_ops
 from twinmq.broker.replication.context import ReplicationContext
 from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
 from twinmq.broker.replication.link import FrameReader
+from twinmq.broker.replication.peer import certificate_refusal
 from twinmq.broker.replication.protocol import (
     BATCH_CATCHUP,
     BATCH_CATCHUP_LAST,
@@ -199,7 +200,19 @@ class ReplicaClient:
 
     async def _run(self) -> None:
         host, _, port = self.address.rpartition(":")
+        peer = self.broker.settings.replication_peer
+        refused_for: str | None = None  # logged once per reason, not at every retry
         while not self._stopping:
+            # Checked before each dial (the startup flag as POST /role's replicate_from,
+            # and the peer's address may have moved since): a passive never dials another.
+            if peer is not None and (why := await peer.address_refusal(self.address)):
+                if why != refused_for:
+                    metrics.REPLICATION_REFUSED.labels("peer").inc()
+                    log.error("not replicating from %s: %s (--peer)", self.address, why)
+                refused_for = why
+                await asyncio.sleep(RETRY_INTERVAL)
+                continue
+            refused_for = None
             try:
                 reader, writer = await self._connect(host, int(port))
                 self.tls = writer.get_extra_info("sslcontext") is not None
@@ -283,6 +296,11 @@ class ReplicaClient:
                 if why := identity_refusal(writer, challenge.name):
                     metrics.REPLICATION_REFUSED.labels("certificate").inc()
                     log.warning("the active at %s claims to be %r but %s: closed",
+                                self.address, challenge.name, why)  # fmt: skip
+                    return None
+                if why := certificate_refusal(writer, settings.replication_peer):
+                    metrics.REPLICATION_REFUSED.labels("peer").inc()
+                    log.warning("the active at %s (%r) is not the peer: %s: closed",
                                 self.address, challenge.name, why)  # fmt: skip
                     return None
                 if challenge.name == settings.name:
