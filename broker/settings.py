@@ -352,6 +352,21 @@ class BrokerSettings(BaseSettings):
             Peer.parse(value)
         return value
 
+    @model_validator(mode="after")
+    def _dedicated_replication_identity(self) -> BrokerSettings:
+        """Hardened (`--peer`): the replication link has an identity of its own, not the
+        admin API's (without `--replication-token` the admin token would be both)."""
+        if self.peer is None:
+            return self
+        if self.replication_token is None:
+            raise ValueError("--peer needs --replication-token (the link's own identity)")
+        token = self.replication_token.get_secret_value()
+        for other, flag_name in ((self.admin_token, "--admin-token"),
+                                 (self.admin_read_token, "--admin-read-token")):  # fmt: skip
+            if other is not None and other.get_secret_value() == token:
+                raise ValueError(f"--replication-token must differ from {flag_name} with --peer")
+        return self
+
     @property
     def replication_peer(self) -> Peer | None:
         """The pair's other broker (`--peer`), or None: the unhardened mode."""
