@@ -119,7 +119,8 @@ class BrokerSettings(BaseSettings):
         description="HOST[:PORT] of the pair's other broker (hardened mode): a passive "
         "replicates only from it (--replicate-from and POST /role's replicate_from must name "
         "this host, or an address it resolves to, and this port if given: else 403), and "
-        "with --replication-tls-* each end accepts only a certificate that names this host. "
+        "with --replication-tls-* each end accepts only a certificate that names this host "
+        "(or --replication-tls-server-name when given). "
         "Unset: any address is accepted (the unhardened mode)",
     )
     epoch: int = Field(0, ge=0, description="Start-up epoch (the persisted one wins if higher)")
@@ -371,6 +372,16 @@ class BrokerSettings(BaseSettings):
     def replication_peer(self) -> Peer | None:
         """The pair's other broker (`--peer`), or None: the unhardened mode."""
         return None if self.peer is None else Peer.parse(self.peer)
+
+    @property
+    def replication_peer_name(self) -> str | None:
+        """The name the peer's replication certificate must carry, at either end of the
+        link: `--replication-tls-server-name` (the operator's: the other pod's name, while
+        it dials pod IPs) else `--peer`'s host; None without `--peer`."""
+        peer = self.replication_peer
+        if peer is None:
+            return None
+        return self.replication_tls_server_name or peer.host
 
     @property
     def effective_server_id(self) -> str:

@@ -176,8 +176,8 @@ def test_a_certificate_of_the_pairs_ca_that_does_not_name_the_peer_is_refused_by
     tmp_path: Path,
 ) -> None:
     """mallory holds a certificate of the pair's own CA naming itself, both uses, and the
-    replication token: everything but being the peer. The active (`--peer b`) refuses it,
-    and its passive b stays attached."""
+    replication token: everything but being the peer. The active (`--peer` b's address,
+    b's certificate name `b`) refuses it, and its passive b stays attached."""
     ca = TestCA(tmp_path / "ca")
     leaves = {name: ca.issue(name, peer=True) for name in ("a", "b", "mallory")}
 
@@ -191,7 +191,9 @@ def test_a_certificate_of_the_pairs_ca_that_does_not_name_the_peer_is_refused_by
     tls_pair = Pair(tmp_path / "pair", link=False)
     for name, broker in tls_pair.brokers.items():
         broker.env.update(tls_env(name))
-    tls_pair.active.env[setting_env("peer")] = "b"  # the name b's certificate carries
+        # As the operator's pods: the peer's address, and the name its certificate carries.
+        other = "b" if name == "a" else "a"
+        broker.env[setting_env("replication_tls_server_name")] = other
     mallory = BrokerProcess(
         tmp_path / "mallory",
         name="mallory",

@@ -9,9 +9,10 @@ own. With it:
 - a `replicate_from` is accepted only if its host is the peer's host, or an IP address
   the peer's host resolves to now (the operator dials pod IPs, the peer is the pod's
   stable DNS name), and its port the peer's port when `--peer` names one;
-- over mutual TLS each end also requires the other's certificate to name the peer's host
-  (a DNS name, an IP address or the common name): a certificate of the same CA for some
-  other broker is refused, whatever name its handshake claims.
+- over mutual TLS each end also requires the other's certificate to name the peer (a DNS
+  name, an IP address or the common name): `--replication-tls-server-name` when given
+  (the operator's: the other pod's name), else the peer's host. A certificate of the same
+  CA for some other broker is refused, whatever name its handshake claims.
 """
 
 from __future__ import annotations
@@ -114,18 +115,19 @@ def certificate_hosts(writer: asyncio.StreamWriter) -> set[str] | None:
     return names
 
 
-def certificate_refusal(writer: asyncio.StreamWriter, peer: Peer | None) -> str | None:
-    """Why the other end of a mutual-TLS link is not `peer` (its certificate does not name
-    the peer's host), or None (it does, no peer is configured, or the link is plaintext)."""
-    if peer is None:
+def certificate_refusal(writer: asyncio.StreamWriter, name: str | None) -> str | None:
+    """Why the other end of a mutual-TLS link is not the peer (its certificate does not
+    name `name`: `BrokerSettings.replication_peer_name`), or None (it does, no peer is
+    configured, or the link is plaintext)."""
+    if name is None:
         return None
     hosts = certificate_hosts(writer)
     if hosts is None:
         return None
     try:
-        wanted = str(ipaddress.ip_address(peer.host))
+        wanted = str(ipaddress.ip_address(name))
     except ValueError:
-        wanted = peer.host.rstrip(".").lower()
+        wanted = name.rstrip(".").lower()
     if any(h.rstrip(".").lower() == wanted for h in hosts):
         return None
-    return f"its certificate names {sorted(hosts)}, not the peer {peer.host!r}"
+    return f"its certificate names {sorted(hosts)}, not the peer {name!r}"

@@ -298,7 +298,7 @@ class ReplicaClient:
                     log.warning("the active at %s claims to be %r but %s: closed",
                                 self.address, challenge.name, why)  # fmt: skip
                     return None
-                if why := certificate_refusal(writer, settings.replication_peer):
+                if why := certificate_refusal(writer, settings.replication_peer_name):
                     metrics.REPLICATION_REFUSED.labels("peer").inc()
                     log.warning("the active at %s (%r) is not the peer: %s: closed",
                                 self.address, challenge.name, why)  # fmt: skip

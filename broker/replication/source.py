@@ -423,7 +423,7 @@ class ReplicationSource:
                                 peer, hello.name, why)  # fmt: skip
                     hello = None
                 if hello is not None and (
-                    why := certificate_refusal(writer, settings.replication_peer)
+                    why := certificate_refusal(writer, settings.replication_peer_name)
                 ):
                     metrics.REPLICATION_REFUSED.labels("peer").inc()
                     log.warning("replication peer %s (%r) is not the peer: %s: closed",
