@@ -200,19 +200,20 @@ class ReplicaClient:
 
     async def _run(self) -> None:
         host, _, port = self.address.rpartition(":")
+        # The address is held to --peer until it passes once (a --replicate-from given at
+        # start, as POST /role's replicate_from is): a passive never dials another broker.
+        # Not at every reconnect: a DNS outage must not keep a proven link down.
         peer = self.broker.settings.replication_peer
         refused_for: str | None = None  # logged once per reason, not at every retry
+        while peer is not None and not self._stopping:
+            if (why := await peer.address_refusal(self.address)) is None:
+                break
+            if why != refused_for:
+                metrics.REPLICATION_REFUSED.labels("peer").inc()
+                log.error("not replicating from %s: %s (--peer)", self.address, why)
+            refused_for = why
+            await asyncio.sleep(RETRY_INTERVAL)
         while not self._stopping:
-            # Checked before each dial (the startup flag as POST /role's replicate_from,
-            # and the peer's address may have moved since): a passive never dials another.
-            if peer is not None and (why := await peer.address_refusal(self.address)):
-                if why != refused_for:
-                    metrics.REPLICATION_REFUSED.labels("peer").inc()
-                    log.error("not replicating from %s: %s (--peer)", self.address, why)
-                refused_for = why
-                await asyncio.sleep(RETRY_INTERVAL)
-                continue
-            refused_for = None
             try:
                 reader, writer = await self._connect(host, int(port))
                 self.tls = writer.get_extra_info("sslcontext") is not None
