@@ -9,10 +9,12 @@ own. With it:
 - a `replicate_from` is accepted only if its host is the peer's host, or an IP address
   the peer's host resolves to now (the operator dials pod IPs, the peer is the pod's
   stable DNS name), and its port the peer's port when `--peer` names one;
-- over mutual TLS each end also requires the other's certificate to name the peer (a DNS
-  name, an IP address or the common name): `--replication-tls-server-name` when given
-  (the operator's: the other pod's name), else the peer's host. A certificate of the same
-  CA for some other broker is refused, whatever name its handshake claims.
+- over mutual TLS each end also requires the other's certificate to name the peer:
+  `--replication-tls-server-name` when given (the operator's: the other pod's name), else
+  the peer's host. The passive checks it as the TLS host name (`check_hostname`, what it
+  did for the server name already); the active checks its client's certificate here
+  (`certificate_refusal`: a DNS name, an IP address or the common name). A certificate
+  of the same CA for some other broker is refused, whatever name its handshake claims.
 """
 
 from __future__ import annotations

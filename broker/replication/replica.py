@@ -27,7 +27,6 @@ from twinmq.broker.journal import JournalError, StoredMessage, decode_ops
 from twinmq.broker.replication.context import ReplicationContext
 from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
 from twinmq.broker.replication.link import FrameReader
-from twinmq.broker.replication.peer import certificate_refusal
 from twinmq.broker.replication.protocol import (
     BATCH_CATCHUP,
     BATCH_CATCHUP_LAST,
@@ -243,7 +242,11 @@ class ReplicaClient:
     async def _dial(
         self, host: str, port: int, tls: ssl.SSLContext | None
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        server_name = self.broker.settings.replication_tls_server_name
+        # The active's certificate is checked (`check_hostname`) for the peer's name
+        # (`--replication-tls-server-name`, else `--peer`'s host), else the host dialled.
+        server_name = self.broker.settings.replication_peer_name or (
+            self.broker.settings.replication_tls_server_name
+        )
         async with asyncio.timeout(RETRY_INTERVAL * 3):
             return await asyncio.open_connection(
                 host, port, ssl=tls,
@@ -297,11 +300,6 @@ class ReplicaClient:
                 if why := identity_refusal(writer, challenge.name):
                     metrics.REPLICATION_REFUSED.labels("certificate").inc()
                     log.warning("the active at %s claims to be %r but %s: closed",
-                                self.address, challenge.name, why)  # fmt: skip
-                    return None
-                if why := certificate_refusal(writer, settings.replication_peer_name):
-                    metrics.REPLICATION_REFUSED.labels("peer").inc()
-                    log.warning("the active at %s (%r) is not the peer: %s: closed",
                                 self.address, challenge.name, why)  # fmt: skip
                     return None
                 if challenge.name == settings.name:
