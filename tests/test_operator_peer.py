@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
+
 from twinmq.broker.names import (
     ADMIN_TOKEN_ENV,
     REPLICATION_PORT,
@@ -18,14 +20,14 @@ from twinmq.broker.settings import parse_args
 from twinmq.operator import certs
 from twinmq.operator.builders import ClusterRef, build_pod, other_broker
 from twinmq.operator.kube import Kube
-from twinmq.operator.models import BrokerClusterSpec
+from twinmq.operator.models import BrokerClusterSpec, BrokerName
 
 NAMESPACES = (f"peers-{n}" for n in itertools.count())
 
 
-def created(kube: Kube, cluster: ClusterRef, broker: str) -> dict[str, Any]:
+def created(kube: Kube, cluster: ClusterRef, broker: BrokerName) -> dict[str, Any]:
     """The broker's pod (the last step of the move to mutual TLS), as the API server keeps it."""
-    pod = build_pod(cluster, BrokerClusterSpec(), broker, peer_tls="Required")  # type: ignore[arg-type]
+    pod = build_pod(cluster, BrokerClusterSpec(), broker, peer_tls="Required")
     kube.core.create_namespaced_pod(cluster.namespace, pod)
     found = kube.get("v1", "Pod", cluster.namespace, pod["metadata"]["name"])
     assert found is not None
@@ -33,7 +35,7 @@ def created(kube: Kube, cluster: ClusterRef, broker: str) -> dict[str, Any]:
 
 
 def test_each_pod_names_the_other_pod_as_its_peer_by_a_name_its_certificate_carries(
-    kube: Kube, monkeypatch: Any
+    kube: Kube, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     namespace = next(NAMESPACES)
     kube.core.create_namespace({"metadata": {"name": namespace}})
@@ -43,8 +45,9 @@ def test_each_pod_names_the_other_pod_as_its_peer_by_a_name_its_certificate_carr
     monkeypatch.setenv(ADMIN_TOKEN_ENV, "admin")
     monkeypatch.setenv(REPLICATION_TOKEN_ENV, "replication")
     monkeypatch.setenv(setting_env("data_dir"), "/tmp/unused")
-    for broker in ("primary", "backup"):
-        other = other_broker(broker)  # type: ignore[arg-type]
+    brokers: tuple[BrokerName, ...] = ("primary", "backup")
+    for broker in brokers:
+        other = other_broker(broker)
         pod = created(kube, cluster, broker)
         args = pod["spec"]["containers"][0]["args"]
         peer = f"orders-{other}.orders-brokers.{namespace}.svc:{REPLICATION_PORT}"
@@ -55,7 +58,7 @@ def test_each_pod_names_the_other_pod_as_its_peer_by_a_name_its_certificate_carr
         # Over mutual TLS each end requires the other's certificate to name the other pod;
         # the operator issues it that name and the peer's host.
         assert settings.replication_peer_name == f"orders-{other}"
-        names = certs.peer_names(cluster, other)  # type: ignore[arg-type]
+        names = certs.peer_names(cluster, other)
         assert settings.replication_peer_name in names
         assert settings.replication_peer.host in names
         assert f"orders-{broker}" not in names

@@ -10,7 +10,7 @@ unhardened mode, today's, so the refusals below are the flag's doing.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pika
@@ -146,7 +146,11 @@ def test_the_replication_token_opens_neither_the_admin_api_nor_amqp(pair: Pair) 
     """The link's identity is its own: the replication token is no admin bearer (not even
     to read) and no AMQP password."""
     with SyncAdminClient(pair.passive.admin_url, Pair.TOKEN) as admin:
-        for call in (lambda: admin.status(), lambda: admin.set_role(ACTIVE, pair.epoch + 1)):
+        calls: list[Callable[[], object]] = [
+            admin.status,
+            lambda: admin.set_role(ACTIVE, pair.epoch + 1),
+        ]
+        for call in calls:
             with pytest.raises(AdminError) as refused:
                 call()
             assert refused.value.status == 401
