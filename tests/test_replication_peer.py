@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pika
@@ -23,6 +24,8 @@ from twinmq.broker.api import NOT_THE_PEER
 from twinmq.broker.names import ACTIVE, ADMIN_TOKEN_ENV, PASSIVE, REPLICATION_TOKEN_ENV, setting_env
 from twinmq.broker.replication.peer import Peer
 from twinmq.broker.settings import BrokerSettings
+from twinmq.operator import certs
+from twinmq.operator.builders import ClusterRef
 from twinmq.testing.certs import TestCA
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import Pair, post_role, status
@@ -31,6 +34,7 @@ from twinmq.testing.waiting import wait_for
 ADMIN_TOKEN = "peer-test-admin-token"
 ROLE_REFUSED = 'twinmq_role_refused_total{reason="peer"}'
 PEER_REFUSED = 'twinmq_replication_refused_total{reason="peer"}'
+CERTIFICATE_REFUSED = 'twinmq_replication_refused_total{reason="certificate"}'
 
 
 def samples(broker: BrokerProcess) -> dict[str, float]:
@@ -219,3 +223,50 @@ def test_a_certificate_of_the_pairs_ca_that_does_not_name_the_peer_is_refused_by
             tls_pair.wait_healthy(30)
         finally:
             mallory.stop()
+
+
+@pytest.mark.parametrize("localhost_named", [False, True])
+def test_the_passive_checks_the_actives_certificate_for_the_peers_name_not_the_address_it_dials(
+    tmp_path: Path, localhost_named: bool
+) -> None:
+    """b's peer is `localhost`; it dials a at 127.0.0.1, where `localhost` resolves. a's
+    certificate (the pair's CA, both uses) is valid for 127.0.0.1, all a passive checked
+    without a server name: b pairs with it only if it also names `localhost`."""
+    now = datetime.now(UTC)
+    ca = certs.new_ca(ClusterRef(namespace="ns", name="pair", uid="u-1"), now)
+    a_names = ["a", "localhost"] if localhost_named else ["a"]
+    owns = {
+        "a": certs.issue_server(ca, a_names, now, 3600, client=True, addresses=["127.0.0.1"]),
+        "b": certs.issue_server(ca, ["b"], now, 3600, client=True, addresses=["127.0.0.1"]),
+    }
+    tls_pair = Pair(tmp_path / "pair", link=False)
+    for name, broker in tls_pair.brokers.items():
+        folder = tmp_path / f"{name}-files"
+        folder.mkdir()
+        for file, text in (("tls.crt", owns[name].cert), ("tls.key", owns[name].key),
+                           ("ca.crt", ca.cert)):  # fmt: skip
+            (folder / file).write_text(text)
+        broker.env.update({
+            setting_env("replication_tls_cert"): str(folder / "tls.crt"),
+            setting_env("replication_tls_key"): str(folder / "tls.key"),
+            setting_env("replication_tls_ca"): str(folder / "ca.crt"),
+        })  # fmt: skip
+    tls_pair.passive.env[setting_env("peer")] = f"localhost:{tls_pair.active.replication_port}"
+    if localhost_named:
+        with tls_pair:
+            passive = status(tls_pair.passive)
+            assert passive is not None and passive["replication"]["link_tls"]
+        return
+    try:
+        for broker, role in ((tls_pair.active, ACTIVE), (tls_pair.passive, PASSIVE)):
+            broker.extra_args = tls_pair.args(role)
+            broker.start()
+        wait_for(
+            "the passive's refusal",
+            lambda: samples(tls_pair.passive).get(CERTIFICATE_REFUSED, 0.0) >= 1,
+            30,
+        )
+        assert "certificate verify failed" in log_of(tls_pair.passive)
+        assert not link_up(tls_pair.passive)
+    finally:
+        tls_pair.stop()
