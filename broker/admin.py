@@ -4,7 +4,9 @@ the DR mirror's switchover (`POST /mirror/demote`, `POST /mirror/promote`).
 `/healthz` and `/readyz` are open (kubelet probes); everything else needs the
 bearer token, or, when no token is configured, a loopback client. A second,
 read-only token (`--admin-read-token`) may read (`GET`: status, metrics) and
-nothing else, so that a monitoring system's credentials cannot move a role.
+nothing else, so that a monitoring system's credentials cannot move a role. With
+`--peer`, a `POST /role` whose `replicate_from` is not that peer is refused (403)
+before anything changes (broker/replication/peer.py).
 With `--admin-tls-cert` the API answers HTTPS only (the token never crosses the
 network in clear), its certificate reloaded as the AMQPS one is (broker/tls.py).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import logging
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, cast
@@ -22,12 +25,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import SecretStr, ValidationError
 
+from twinmq.broker import metrics
 from twinmq.broker.api import (
     BROKER_DAMAGED,
     FORBIDDEN,
     INVALID_ROLE_REQUEST,
     MIRROR_NOT_DRAINED,
     MIRROR_REFUSED,
+    NOT_THE_PEER,
     STALE_EPOCH,
     UNAUTHORIZED,
     VHOST_NOT_FOUND,
@@ -57,6 +62,8 @@ from twinmq.broker.journal import JournalError
 
 if TYPE_CHECKING:
     from twinmq.broker.settings import BrokerSettings
+
+log = logging.getLogger(__name__)
 
 
 class AdminContext(Protocol):
@@ -158,6 +165,16 @@ def make_app(broker: AdminContext) -> web.Application:
             wanted = RoleRequest.model_validate_json(await request.read())
         except ValidationError as exc:
             return error(400, INVALID_ROLE_REQUEST, str(exc))
+        peer = broker.settings.replication_peer
+        # Checked before anything changes: a passive refused keeps the link it has.
+        if (
+            peer is not None
+            and wanted.replicate_from is not None
+            and (why := await peer.address_refusal(wanted.replicate_from))
+        ):
+            metrics.ROLE_REFUSED.labels("peer").inc()
+            log.warning("POST /role from %s refused: replicate_from %s", request.remote, why)
+            return error(403, NOT_THE_PEER, f"replicate_from {why}")
         try:
             await broker.set_role(
                 wanted.role, wanted.epoch, wanted.replicate_from, force=wanted.force

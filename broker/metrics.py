@@ -211,7 +211,14 @@ REPLICATION_DEGRADED = Gauge(
 REPLICATION_REFUSED = Counter(
     "twinmq_replication_refused",
     "Replication connections closed before or at authentication, by reason (over-cap, "
-    "handshake-timeout, protocol-error, bad-proof, unauthenticated-refuse, certificate)",
+    "handshake-timeout, protocol-error, bad-proof, unauthenticated-refuse, certificate, "
+    "peer: a certificate that does not name --peer)",
+    ["reason"],
+)
+ROLE_REFUSED = Counter(
+    "twinmq_role_refused",
+    "POST /role requests refused before any change, by reason (peer: a replicate_from "
+    "that is not --peer)",
     ["reason"],
 )
 EPOCH_REFUSED = Counter(

@@ -25,6 +25,7 @@ from twinmq.broker.names import (
     REPLICATION_PORT,
     Role,
 )
+from twinmq.broker.replication.peer import Peer
 
 
 class BrokerSettings(BaseSettings):
@@ -111,6 +112,16 @@ class BrokerSettings(BaseSettings):
     role: Role = Field(ACTIVE, description="Start as the active broker or as a passive replica")
     replicate_from: str | None = Field(
         None, description="HOST:PORT of the active's replication listener (passive role)"
+    )
+    peer: str | None = Field(
+        None,
+        min_length=1,
+        description="HOST[:PORT] of the pair's other broker (hardened mode): a passive "
+        "replicates only from it (--replicate-from and POST /role's replicate_from must name "
+        "this host, or an address it resolves to, and this port if given: else 403), and "
+        "with --replication-tls-* each end accepts only a certificate that names this host "
+        "(or --replication-tls-server-name when given). "
+        "Unset: any address is accepted (the unhardened mode)",
     )
     epoch: int = Field(0, ge=0, description="Start-up epoch (the persisted one wins if higher)")
     replication_port: int = Field(
@@ -333,6 +344,44 @@ class BrokerSettings(BaseSettings):
             # A one-way source's switchover drains to one mirror and hands over one token.
             raise ValueError("several --mirror-to targets need --mirror-role bidirectional")
         return self
+
+    @field_validator("peer")
+    @classmethod
+    def _peer_form(cls, value: str | None) -> str | None:
+        """`--peer` is HOST[:PORT]."""
+        if value is not None:
+            Peer.parse(value)
+        return value
+
+    @model_validator(mode="after")
+    def _dedicated_replication_identity(self) -> BrokerSettings:
+        """Hardened (`--peer`): the replication link has an identity of its own, not the
+        admin API's (without `--replication-token` the admin token would be both)."""
+        if self.peer is None:
+            return self
+        if self.replication_token is None:
+            raise ValueError("--peer needs --replication-token (the link's own identity)")
+        token = self.replication_token.get_secret_value()
+        for other, flag_name in ((self.admin_token, "--admin-token"),
+                                 (self.admin_read_token, "--admin-read-token")):  # fmt: skip
+            if other is not None and other.get_secret_value() == token:
+                raise ValueError(f"--replication-token must differ from {flag_name} with --peer")
+        return self
+
+    @property
+    def replication_peer(self) -> Peer | None:
+        """The pair's other broker (`--peer`), or None: the unhardened mode."""
+        return None if self.peer is None else Peer.parse(self.peer)
+
+    @property
+    def replication_peer_name(self) -> str | None:
+        """The name the peer's replication certificate must carry, at either end of the
+        link: `--replication-tls-server-name` (the operator's: the other pod's name, while
+        it dials pod IPs) else `--peer`'s host; None without `--peer`."""
+        peer = self.replication_peer
+        if peer is None:
+            return None
+        return self.replication_tls_server_name or peer.host
 
     @property
     def effective_server_id(self) -> str:

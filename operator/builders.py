@@ -166,6 +166,15 @@ def other_broker(broker: BrokerName) -> BrokerName:
     return "backup" if broker == "primary" else "primary"
 
 
+def peer_address(cluster: ClusterRef, broker: BrokerName) -> str:
+    """`--peer` of `broker`: the other pod's stable name through the headless Service (it
+    publishes not-ready pods too) and its replication port. The operator dials pod IPs:
+    the broker accepts one as `replicate_from` only if this name resolves to it, and over
+    mutual TLS only a certificate naming the other pod (`--replication-tls-server-name`)."""
+    other = pod_name(cluster, other_broker(broker))
+    return f"{other}.{cluster.name}-brokers.{cluster.namespace}.svc:{REPLICATION_PORT}"
+
+
 def peer_secret_name(cluster: ClusterRef, broker: BrokerName) -> str:
     """The broker's own certificate Secret (`<cluster>-primary-tls`)."""
     return f"{pod_name(cluster, broker)}-tls"
@@ -390,6 +399,7 @@ def build_pod(
                     f"--data-dir={DATA_DIR}/data",
                     f"--users-file={SECRET_DIR}/users.json",
                     f"--role={PASSIVE}",
+                    f"--peer={peer_address(cluster, broker)}",
                     f"--replication-timeout={spec.replication.timeout_seconds}",
                     f"--dedup-window={spec.replication.dedup_window}",
                     # Nothing ships or reads a log no audit asks for: it would only

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from twinmq.broker.admin_client import AdminError, AdminUnreachable
-from twinmq.broker.names import ACTIVE, PASSIVE, REPLICATION_TOKEN_ENV, Role
+from twinmq.broker.names import ACTIVE, PASSIVE, REPLICATION_TOKEN_ENV, Role, setting_env
 from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.waiting import wait_for
@@ -137,6 +137,12 @@ class Pair:
         self._link = (
             FaultProxy(self.active.replication_address, port=stable_port()) if link else None
         )
+        # Hardened as in Kubernetes (`--peer`): each broker replicates only from the
+        # other, here through the link proxy, which stands in for the peer's address.
+        first, second = self.brokers.values()
+        for broker, other in ((first, second), (second, first)):
+            address = other.replication_address if self._link is None else self._link.address
+            broker.env[setting_env("peer")] = address
         self.events: list[str] = []
         self.started = time.monotonic()
 

@@ -203,6 +203,19 @@ class ReplicaClient:
 
     async def _run(self) -> None:
         host, _, port = self.address.rpartition(":")
+        # The address is held to --peer until it passes once (a --replicate-from given at
+        # start, as POST /role's replicate_from is): a passive never dials another broker.
+        # Not at every reconnect: a DNS outage must not keep a proven link down.
+        peer = self.broker.settings.replication_peer
+        refused_for: str | None = None  # logged once per reason, not at every retry
+        while peer is not None and not self._stopping:
+            if (why := await peer.address_refusal(self.address)) is None:
+                break
+            if why != refused_for:
+                metrics.REPLICATION_REFUSED.labels("peer").inc()
+                log.error("not replicating from %s: %s (--peer)", self.address, why)
+            refused_for = why
+            await asyncio.sleep(RETRY_INTERVAL)
         while not self._stopping:
             try:
                 reader, writer = await self._connect(host, int(port))
@@ -233,7 +246,11 @@ class ReplicaClient:
     async def _dial(
         self, host: str, port: int, tls: ssl.SSLContext | None
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        server_name = self.broker.settings.replication_tls_server_name
+        # The active's certificate is checked (`check_hostname`) for the peer's name
+        # (`--replication-tls-server-name`, else `--peer`'s host), else the host dialled.
+        server_name = self.broker.settings.replication_peer_name or (
+            self.broker.settings.replication_tls_server_name
+        )
         async with asyncio.timeout(RETRY_INTERVAL * 3):
             return await asyncio.open_connection(
                 host, port, ssl=tls,

@@ -32,6 +32,7 @@ from twinmq.broker.replication.context import ReplicationContext
 from twinmq.broker.replication.delivery import DeliveryMeter
 from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
 from twinmq.broker.replication.link import FrameReader
+from twinmq.broker.replication.peer import certificate_refusal
 from twinmq.broker.replication.protocol import (
     PROTOCOL_VERSION,
     Challenge,
@@ -439,6 +440,13 @@ class ReplicationSource:
                 if hello is not None and (why := identity_refusal(writer, hello.name)):
                     metrics.REPLICATION_REFUSED.labels("certificate").inc()
                     log.warning("replication peer %s claims to be %r but %s: closed",
+                                peer, hello.name, why)  # fmt: skip
+                    hello = None
+                if hello is not None and (
+                    why := certificate_refusal(writer, settings.replication_peer_name)
+                ):
+                    metrics.REPLICATION_REFUSED.labels("peer").inc()
+                    log.warning("replication peer %s (%r) is not the peer: %s: closed",
                                 peer, hello.name, why)  # fmt: skip
                     hello = None
                 if hello is None:
