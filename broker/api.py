@@ -243,7 +243,10 @@ class VhostStatus(BaseModel):
         "connections refused, content kept)"
     )
     queues: int
-    mirrored: bool = Field(description="The DR mirror carries its changes (`/` only, today)")
+    mirrored: bool = Field(
+        description="The DR mirror carries its changes (one-way: every vhost; the "
+        "bidirectional mode and the mesh: `/` only)"
+    )
     federated: bool = Field(description="Federation links and state cover it (`/` only, today)")
 
 

@@ -351,6 +351,9 @@ class Broker:
         self.mirroring = Mirroring(
             settings, self.vhost, self.committer, self.monitor, close_clients=self.close_clients
         )
+        if self.mirroring.listener is not None:
+            # A vhost the DR source deleted is dropped here too unless this site serves it.
+            self.mirroring.listener.applier.served = lambda: self.authenticator.vhosts
         self.federation = Federation(
             settings.effective_server_id,
             federation,

@@ -114,7 +114,8 @@ def build_status(broker: Broker) -> BrokerStatus:
             name=v.name,
             served=v.name in broker.authenticator.vhosts,
             queues=len(v.queues),
-            mirrored=v is vhost,
+            # The one-way DR mirror carries every vhost; the bidirectional mode `/` only.
+            mirrored=v is vhost or broker.mirroring.ids is None,
             federated=v is vhost,
         )
         for v in vhost.vhosts.values()
