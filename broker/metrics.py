@@ -148,7 +148,8 @@ QUEUE_UNACKED = Gauge(
 )
 VHOST_MIRRORED = Gauge(
     "twinmq_vhost_mirrored",
-    "Per vhost: 1 if the DR mirror carries it (`/`), 0 if it skips it (as /status says)",
+    "Per vhost: 1 if the DR mirror carries it (every vhost one-way; `/` alone in the "
+    "bidirectional mode and the mesh), 0 if it skips it (as /status says)",
     ["vhost"],
 )
 VHOST_FEDERATED = Gauge(
