@@ -238,7 +238,11 @@ class VhostStatus(BaseModel):
     )
     queues: int
     mirrored: bool = Field(description="The DR mirror carries its changes (`/` only, today)")
-    federated: bool = Field(description="Federation links and state cover it (`/` only, today)")
+    federated: bool = Field(
+        description="Federation serves it: links from the federation file may federate its "
+        "exchanges, downstreams may link into it, its state is on its amq.twinmq.state (every "
+        "vhost since federation in vhosts)"
+    )
 
 
 class MirrorTargetStatus(BaseModel):
@@ -351,6 +355,8 @@ class FederationLinkStatus(BaseModel):
     """One federated exchange's link to its upstream (docs/federation.md)."""
 
     exchange: str = Field(description="The local (downstream) exchange")
+    vhost: str = Field("/", description="The local exchange's vhost")
+    upstream_vhost: str = Field("/", description="The vhost the link opens on the upstream")
     upstream: str = Field(description="The upstream's name in the federation file")
     uri: str = Field(description="The upstream's URI (never a password)")
     upstream_exchange: str

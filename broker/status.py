@@ -114,7 +114,7 @@ def build_status(broker: Broker) -> BrokerStatus:
             served=v.name in broker.authenticator.vhosts,
             queues=len(v.queues),
             mirrored=v is vhost,
-            federated=v is vhost,
+            federated=True,  # federation serves every vhost (docs/federation.md)
         )
         for v in vhost.vhosts.values()
     ]
