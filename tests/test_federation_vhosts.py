@@ -269,7 +269,6 @@ def test_status_says_federation_serves_every_vhost(sites: Sites) -> None:
 TOTAL = 1500
 
 
-@pytest.mark.slow
 def test_link_cuts_under_confirmed_traffic_in_a_vhost_lose_none_and_deliver_none_twice(
     tmp_path: Path,
 ) -> None:
