@@ -134,6 +134,8 @@ def render(federation: Federation, namespace: str) -> FederationConfig:
         exchange=e.exchange, upstream=e.upstream, upstream_exchange=e.upstream_exchange,
         type=e.type, max_hops=e.max_hops, prefetch=e.prefetch, forward=e.forward,
         **({"global_keys": True} if e.global_keys else {}),
+        **({"vhost": e.vhost} if e.vhost is not None else {}),
+        **({"upstream_vhost": e.upstream_vhost} if e.upstream_vhost is not None else {}),
     ) for e in federation.exchanges]  # fmt: skip
     options: dict[str, Any] = {}
     if federation.global_key_separator is not None:
@@ -247,6 +249,7 @@ def link_state(link: FederationLinkStatus) -> FederationLinkState:
     state = STATES.get(link.state, "Unknown")
     return FederationLinkState(
         exchange=link.exchange,
+        vhost=link.vhost,
         upstream=link.upstream,
         state=state,
         connected=state == "Running",
@@ -274,7 +277,7 @@ def state_of(
         return None
     if seen is None:
         links = [
-            FederationLinkState(exchange=e.exchange, upstream=e.upstream)
+            FederationLinkState(exchange=e.exchange, vhost=e.vhost or "/", upstream=e.upstream)
             for e in federation.exchanges
         ]
         state = FederationState(server_id=server_id(federation, namespace, name), links=links)

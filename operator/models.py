@@ -413,10 +413,21 @@ class FederatedExchange(ApiModel):
         min_length=1, max_length=127, pattern=AMQP_NAME,
         description="The local exchange (declared if missing)",
     )  # fmt: skip
+    # Optional, not defaulted: unset, the file and its hash stay as they were (no rollout).
+    vhost: str | None = Field(
+        None, min_length=1, max_length=255,
+        description="The local exchange's vhost (default: /); the brokers' users file must "
+        "serve it for clients to use it",
+    )  # fmt: skip
     upstream: str = Field(min_length=1, max_length=63, description="An upstream's name")
     upstream_exchange: str | None = Field(
         None, min_length=1, max_length=127, pattern=AMQP_NAME,
         description="The exchange on the upstream (default: the same name)",
+    )  # fmt: skip
+    upstream_vhost: str | None = Field(
+        None, min_length=1, max_length=255,
+        description="The upstream exchange's vhost, which the link opens as its user (default: "
+        "the vhost a uri upstream's path names, else the same name as vhost)",
     )  # fmt: skip
     type: Literal["direct", "topic", "fanout", "headers"] = Field(
         "topic", description="Its type, here and upstream (declared if missing)"
@@ -467,8 +478,11 @@ class Federation(ApiModel):
     )  # fmt: skip
     exchanges: list[FederatedExchange] = Field(
         default_factory=list, max_length=128,
-        json_schema_extra=cel("self.all(e, self.exists_one(f, f.exchange == e.exchange))",
-                              "each exchange is federated once"),
+        json_schema_extra=cel(
+            "self.all(e, self.exists_one(f, f.exchange == e.exchange && "
+            "(has(f.vhost) ? f.vhost : '/') == (has(e.vhost) ? e.vhost : '/')))",
+            "each exchange is federated once (per vhost)",
+        ),
     )  # fmt: skip
     dedup_window: int = Field(
         100_000, ge=1, le=10_000_000,
@@ -1237,6 +1251,7 @@ class FederationLinkState(ApiModel):
     """One federated exchange's link as the active broker reports it."""
 
     exchange: str
+    vhost: str = Field("/", description="The local exchange's vhost")
     upstream: str
     state: FederationLinkStateName = Field(
         "Unknown",

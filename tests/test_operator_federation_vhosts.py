@@ -1,0 +1,102 @@
+"""spec.federation in virtual hosts: a federated exchange's `vhost` and `upstreamVhost`
+reach the brokers' federation file, and the CRD's rules on a real API server
+(docs/operator.md, docs/federation.md "Virtual hosts")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from apiserver import install_crd
+
+from twinmq.broker.federation.config import load
+from twinmq.operator.builders import ClusterRef, build_federation_config_map
+from twinmq.operator.kube import Kube, Refused
+from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec
+
+REMOTE = ClusterRef(name="remote", namespace="site-b", uid="u-2")
+UP = {"name": "central", "clusterRef": {"name": "central"}}
+
+
+@pytest.fixture(scope="module")
+def crd_kube(kube_apiserver: Any) -> Kube:
+    """A real API server with the BrokerCluster CRD as generated (regenerated for vhosts)."""
+    api = Kube(str(kube_apiserver.kubeconfig))
+    install_crd(api)
+    return api
+
+
+def federation(*exchanges: dict[str, Any]) -> dict[str, Any]:
+    return {"upstreams": [UP], "exchanges": list(exchanges)}
+
+
+def create(api: Kube, name: str, fed: dict[str, Any]) -> None:
+    api.apply({
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+        "metadata": {"name": name, "namespace": "default"}, "spec": {"federation": fed},
+    })  # fmt: skip
+
+
+def test_the_vhosts_of_a_federated_exchange_reach_the_file_the_broker_reads(
+    tmp_path: Path,
+) -> None:
+    fed = federation(
+        {"exchange": "market", "upstream": "central", "vhost": "tenant-a"},
+        {"exchange": "market", "upstream": "central"},
+        {"exchange": "prices", "upstream": "central", "vhost": "tenant-a",
+         "upstreamVhost": "shared"},
+    )  # fmt: skip
+    config_map = build_federation_config_map(REMOTE, BrokerClusterSpec.model_validate(
+        {"federation": fed}
+    ))  # fmt: skip
+    assert config_map is not None
+    path = tmp_path / "federation.yaml"
+    path.write_text(config_map["data"]["federation.yaml"])
+    loaded = load(path)
+    upstream = loaded.upstreams["central"]
+    seen = [(e.vhost, e.exchange, e.source_vhost(upstream)) for e in loaded.exchanges]
+    assert seen == [
+        ("tenant-a", "market", "tenant-a"), ("/", "market", "/"),
+        ("tenant-a", "prices", "shared"),
+    ]  # fmt: skip
+
+
+def test_the_crd_accepts_one_exchange_name_in_two_vhosts(crd_kube: Kube) -> None:
+    create(crd_kube, "tenants", federation(
+        {"exchange": "market", "upstream": "central"},
+        {"exchange": "market", "upstream": "central", "vhost": "tenant-a",
+         "upstreamVhost": "tenant-b"},
+    ))  # fmt: skip
+    found = crd_kube.get(f"{GROUP}/{VERSION}", KIND, "default", "tenants")
+    assert found is not None
+    spec = BrokerClusterSpec.model_validate(found["spec"])
+    assert spec.federation is not None
+    assert [e.vhost for e in spec.federation.exchanges] == [None, "tenant-a"]
+
+
+@pytest.mark.parametrize(
+    ("exchanges", "message"),
+    [
+        (
+            [{"exchange": "m", "upstream": "central", "vhost": "t"},
+             {"exchange": "m", "upstream": "central", "vhost": "t"}],
+            "each exchange is federated once (per vhost)",
+        ),
+        (
+            # `/` spelled out is the default's vhost.
+            [{"exchange": "m", "upstream": "central"},
+             {"exchange": "m", "upstream": "central", "vhost": "/"}],
+            "each exchange is federated once (per vhost)",
+        ),
+        ([{"exchange": "m", "upstream": "central", "vhost": ""}], "exchanges[0].vhost"),
+        ([{"exchange": "m", "upstream": "central", "upstreamVhost": ""}],
+         "exchanges[0].upstreamVhost"),
+    ],
+)  # fmt: skip
+def test_the_crd_refuses_a_vhost_federated_twice_or_empty(
+    crd_kube: Kube, exchanges: list[dict[str, Any]], message: str
+) -> None:
+    with pytest.raises(Refused) as refused:
+        create(crd_kube, "bad", federation(*exchanges))
+    assert message in str(refused.value)
