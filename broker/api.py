@@ -432,6 +432,11 @@ class FederationStatus(BaseModel):
         default_factory=dict,
         description="Queues of downstream links held here (federation:...) and their bindings",
     )
+    vhost_federation_queues: dict[str, dict[str, list[FederationBinding]]] = Field(
+        default_factory=dict,
+        description="The same in the other vhosts than /: vhost -> queue -> bindings (links "
+        "of downstreams that opened that vhost)",
+    )
     forwarded_received: int = Field(
         0, description="Messages downstreams forwarded here, published here (since start)"
     )

@@ -111,6 +111,19 @@ def bind(site: BrokerProcess, vhost: str, queue: str, exchange: str, key: str) -
     connection.close()
 
 
+def held_upstream(site: BrokerProcess, vhost: str) -> dict[str, set[tuple[str, str]]]:
+    """The downstreams' link queues in `vhost` of `site` and their (exchange, key)s."""
+    data = status(site)
+    assert data is not None
+    federation = data["federation"]
+    queues = (
+        federation["federation_queues"]
+        if vhost == "/"
+        else federation["vhost_federation_queues"].get(vhost, {})
+    )
+    return {q: {(b["exchange"], b["routing_key"]) for b in held} for q, held in queues.items()}
+
+
 def publish(site: BrokerProcess, vhost: str, exchange: str, key: str, bodies: list[bytes]) -> None:
     connection = connect(site, vhost)
     ch = connection.channel()
@@ -169,7 +182,8 @@ class Sites:
 def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sites]:
     """`remote` federates from `central`: `market` in `t1` <- `t1`; `market` in `/` <- `/`
     (the same name, another link); `prices` in `t1` <- `t2` (`upstream-vhost`); `audit` in
-    `t1` from an upstream URI naming `t2` as user `limited`, who may not use `t2`."""
+    `t1` from an upstream URI naming `t2` as user `limited`, who may not use `t2`; `rpc`
+    in `t1` <- `t1`, forwarding."""
     tmp = tmp_path_factory.mktemp("fedvhosts")
     central = broker(tmp, "central")
     central.start()
@@ -183,6 +197,8 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sites]:
             {"exchange": "prices", "vhost": "t1", "upstream": "central", "type": "topic",
              "upstream-vhost": "t2"},
             {"exchange": "audit", "vhost": "t1", "upstream": "limited", "type": "fanout"},
+            {"exchange": "rpc", "vhost": "t1", "upstream": "central", "type": "direct",
+             "forward": True},
         ],
     )  # fmt: skip
     remote = broker(tmp, "remote", config)
@@ -216,9 +232,13 @@ def test_a_vhost_federates_another_vhost_of_its_upstream(sites: Sites) -> None:
     assert links(remote)[("t1", "prices")]["upstream_vhost"] == "t2"
     bind(remote, "t1", "t1-prices", "prices", "eur.#")
     wait_for("the binding upstream", lambda: links(remote)[("t1", "prices")]["bindings"] == 1)
-    # The link queue is in t2 upstream, none in t1.
-    assert depth(central, "t2", queue_name("prices", "remote")) >= 0
-    assert depth(central, "t1", queue_name("prices", "remote")) == -1
+    # The link queue and its binding are in t2 upstream, none in t1.
+    link_queue = queue_name("prices", "remote")
+    wait_for(
+        "the binding in t2 upstream",
+        lambda: held_upstream(central, "t2").get(link_queue) == {("prices", "eur.#")},
+    )
+    assert link_queue not in held_upstream(central, "t1")
     publish(central, "t2", "prices", "eur.usd", [b"1.08"])
     assert drain(remote, "t1", "t1-prices", 1) == [b"1.08"]
 
@@ -334,4 +354,82 @@ def test_link_cuts_under_confirmed_traffic_in_a_vhost_lose_none_and_deliver_none
     finally:
         remote.stop()
         proxy.close()
+        central.stop()
+
+
+def test_a_vhost_forwards_its_clients_publishes_to_the_upstream_vhost(sites: Sites) -> None:
+    central, remote = sites.central, sites.remote
+    wait_running(remote, "t1", "rpc")
+    connection = connect(central, "t1")
+    connection.channel().exchange_declare("rpc", "direct", durable=True)
+    connection.close()
+    bind(central, "t1", "calculator", "rpc", "calc")
+    publish(remote, "t1", "rpc", "calc", [b"1+1"])
+    assert drain(central, "t1", "calculator", 1) == [b"1+1"]
+    wait_for("the outbox settled", lambda: links(remote)[("t1", "rpc")]["forward_pending"] == 0)
+    assert links(remote)[("t1", "rpc")]["messages_forwarded"] == 1
+    # The outbox is t1's, the same name in `/` is not there.
+    assert depth(remote, "t1", "amq.twinmq.federation-out:rpc") == 0
+    assert depth(remote, "/", "amq.twinmq.federation-out:rpc") == -1
+
+
+def test_each_vhost_publishes_its_own_state(sites: Sites) -> None:
+    """A subscriber of t2's amq.twinmq.state gets t2's definitions (the link queue of
+    `prices`), none of t1's."""
+    connection = connect(sites.central, "t2")
+    ch = connection.channel()
+    queue = ch.queue_declare("", exclusive=True).method.queue
+    ch.queue_bind(queue, "amq.twinmq.state")
+    got: list[bytes] = []
+    wait_for(
+        "the full state",
+        lambda: (
+            (item := ch.basic_get(queue, auto_ack=True))[0] is not None
+            and bool(got.append(item[2]) or True)
+        ),
+    )
+    connection.close()
+    state = json.loads(got[0])
+    assert state["kind"] == "full"
+    queues = {q["name"] for q in state["queues"]}
+    assert queue_name("prices", "remote") in queues
+    assert queue_name("market", "remote") not in queues  # t1's and /'s link queue
+
+
+@pytest.mark.slow
+def test_a_vhost_exchange_removed_from_the_file_has_its_queue_deleted_in_that_vhost_only(
+    tmp_path: Path,
+) -> None:
+    """The orphan clean-up deletes a removed link's queue in the upstream vhost it was in,
+    never the queue of the same name a configured link of another vhost uses."""
+    central = broker(tmp_path, "central")
+    central.start()
+    upstreams = {"central": f"guest@127.0.0.1:{central.port}/"}
+    root = {"exchange": "market", "upstream": "central", "type": "direct"}
+    tenant = {**root, "vhost": "t1"}
+    path = tmp_path / "remote-federation.json"
+    remote = broker(tmp_path, "remote", federation_file(path, upstreams, [root, tenant]))
+    link_queue = queue_name("market", "remote")
+    try:
+        remote.start()
+        for vhost in ("/", "t1"):
+            wait_running(remote, vhost, "market")
+            bind(remote, vhost, "in", "market", "k")
+            wait_for(
+                f"the link queue bound in {vhost} upstream",
+                lambda v=vhost: held_upstream(central, v).get(link_queue) == {("market", "k")},
+            )
+        remote.stop()
+        federation_file(path, upstreams, [root])
+        remote.start()
+        wait_for("t1's link queue deleted upstream", lambda: depth(central, "t1", link_queue) == -1)
+        data = status(remote)
+        assert data is not None
+        assert data["federation"]["upstream_queues_deleted"] == [f"central/t1/{link_queue}"]
+        assert depth(central, "/", link_queue) == 0  # `/`'s link still uses its own
+        wait_running(remote, "/", "market")
+        publish(central, "/", "market", "k", [b"still federated"])
+        assert drain(remote, "/", "in", 1) == [b"still federated"]
+    finally:
+        remote.stop()
         central.stop()

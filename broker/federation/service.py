@@ -403,28 +403,18 @@ class Federation:
                     stale_unbound=link.stale_unbound,
                 )
             )
-        held: dict[str, list[FederationBinding]] = {}
-        for queue in self.vhost.queues:
-            if queue.startswith(QUEUE_PREFIX):
-                held[queue] = []
-        if held:
-            for exchange in self.vhost.exchanges.values():
-                if exchange.name == "":
-                    continue  # every queue's implicit binding
-                for binding in exchange.bindings.values():
-                    if binding.queue in held:
-                        held[binding.queue].append(
-                            FederationBinding(
-                                exchange=exchange.name,
-                                routing_key=binding.routing_key,
-                                arguments=binding.arguments,
-                            )
-                        )
+        held = _link_queues_held(self.vhost)
+        others = {
+            name: found
+            for name, vhost in sorted(self.vhost.vhosts.items())
+            if name != self.vhost.name and (found := _link_queues_held(vhost))
+        }
         return FederationStatus(
             server_id=self.server_id,
             links=links,
             refused_peers=list(self.refused),
             federation_queues=held,
+            vhost_federation_queues=others,
             forwarded_received=self.forwarded_received,
             forwarded_dropped=self.forwarded_dropped,
             peer_status_received=self.peer_status_received,
@@ -449,6 +439,28 @@ class Federation:
             queues=queues,
             bindings=bindings,
         )
+
+
+def _link_queues_held(vhost: VirtualHost) -> dict[str, list[FederationBinding]]:
+    """Upstream side: the downstreams' link queues in `vhost` and their bindings."""
+    held: dict[str, list[FederationBinding]] = {}
+    for queue in vhost.queues:
+        if queue.startswith(QUEUE_PREFIX):
+            held[queue] = []
+    if held:
+        for exchange in vhost.exchanges.values():
+            if exchange.name == "":
+                continue  # every queue's implicit binding
+            for binding in exchange.bindings.values():
+                if binding.queue in held:
+                    held[binding.queue].append(
+                        FederationBinding(
+                            exchange=exchange.name,
+                            routing_key=binding.routing_key,
+                            arguments=binding.arguments,
+                        )
+                    )
+    return held
 
 
 def _peer_state(link: FederationLink) -> PeerStateStatus | None:
