@@ -21,6 +21,8 @@ import pika
 import pytest
 
 from twinmq.broker.federation.agent import queue_name
+from twinmq.broker.federation.config import FederationConfig
+from twinmq.broker.federation.dedup import LagWindow, scoped
 from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.launcher import BrokerProcess, free_port
 from twinmq.testing.pair import status
@@ -172,6 +174,70 @@ def settled(site: BrokerProcess, vhost: str, queue: str) -> bool:
     )
 
 
+def config(uri: str, *exchanges: dict[str, Any]) -> FederationConfig:
+    return FederationConfig.model_validate(
+        {"upstreams": {"up": {"uri": uri}}, "exchanges": list(exchanges)}
+    )
+
+
+@pytest.mark.parametrize(
+    ("uri", "exchange", "opened"),
+    [
+        ("amqp://fed@h/", {}, "/"),  # as before vhosts
+        ("amqp://fed@h", {"vhost": "t1"}, "t1"),  # the same name
+        ("amqp://fed@h/", {"vhost": "t1"}, "t1"),
+        ("amqp://fed@h/t2", {"vhost": "t1"}, "t2"),  # the URI's, as RabbitMQ's
+        ("amqp://fed@h/%2F", {"vhost": "t1"}, "/"),
+        ("amqp://fed@h/t2", {"vhost": "t1", "upstream-vhost": "t3"}, "t3"),  # the exchange's
+    ],
+)
+def test_the_upstream_vhost_is_the_exchanges_then_the_uris_then_the_same_name(
+    uri: str, exchange: dict[str, Any], opened: str
+) -> None:
+    loaded = config(uri, {"exchange": "x", "upstream": "up", **exchange})
+    (fed,) = loaded.exchanges
+    upstream = loaded.upstreams["up"]
+    assert fed.source_vhost(upstream) == opened
+    # What the link's client opens (wire.Address reads the path back).
+    assert upstream.connect_uri(opened).endswith("/" + ("%2F" if opened == "/" else opened))
+
+
+def test_two_exchanges_sharing_one_upstream_link_queue_are_refused() -> None:
+    # The same exchange name in two vhosts from two upstream vhosts: two link queues.
+    config(
+        "amqp://fed@h/",
+        {"exchange": "x", "upstream": "up"},
+        {"exchange": "x", "upstream": "up", "vhost": "t1"},
+    )
+    with pytest.raises(ValueError, match="would share one link queue"):
+        config(
+            "amqp://fed@h/",
+            {"exchange": "x", "upstream": "up"},
+            {"exchange": "x", "upstream": "up", "vhost": "t1", "upstream-vhost": "/"},
+        )
+    with pytest.raises(ValueError, match="'x' in vhost 't1' is federated twice"):
+        config(
+            "amqp://fed@h/",
+            {"exchange": "x", "upstream": "up", "vhost": "t1"},
+            {"exchange": "x", "upstream": "up", "vhost": "t1", "upstream-vhost": "t2"},
+        )
+
+
+def test_dedup_keys_are_unchanged_in_root_and_apart_in_each_other_vhost() -> None:
+    key = "central\x0042"
+    assert scoped("/", key) == key  # `/`'s bytes, as before vhosts
+    assert len({scoped("/", key), scoped("t1", key), scoped("t2", key)}) == 3
+    # A window of 2 with a link that has passed nothing: older keys go to their origin's
+    # bitmap, which a scoped key still names (its origin [vhost, origin], its seq).
+    window = LagWindow(2)
+    window.register("link")
+    for seq in range(1, 11):
+        window.add(scoped("t1", f"central\x00{seq}"))
+    assert window.lagged  # compacted, not forgotten
+    assert all(scoped("t1", f"central\x00{seq}") in window for seq in range(1, 11))
+    assert not any(scoped(v, f"central\x00{seq}") in window for v in ("/", "t2") for seq in (1, 5))
+
+
 @dataclass
 class Sites:
     central: BrokerProcess
@@ -289,6 +355,7 @@ def test_status_says_federation_serves_every_vhost(sites: Sites) -> None:
 TOTAL = 1500
 
 
+@pytest.mark.slow
 def test_link_cuts_under_confirmed_traffic_in_a_vhost_lose_none_and_deliver_none_twice(
     tmp_path: Path,
 ) -> None:
@@ -307,6 +374,10 @@ def test_link_cuts_under_confirmed_traffic_in_a_vhost_lose_none_and_deliver_none
         wait_running(remote, "t1", "orders")
         bind(remote, "t1", "inbox", "orders", "order.new")
         wait_for("the binding upstream", lambda: links(remote)[("t1", "orders")]["bindings"] == 1)
+        # The links' news: on each side's amq.peer of the link's vhost, none in `/`.
+        for site in (remote, central):
+            for vhost in ("/", "t1"):
+                bind(site, vhost, "peer-news", "amq.peer", "")
         confirmed: list[int] = []
 
         def publisher() -> None:
@@ -351,6 +422,15 @@ def test_link_cuts_under_confirmed_traffic_in_a_vhost_lose_none_and_deliver_none
         bodies = sorted(int(b) for b in drain(remote, "t1", "inbox", TOTAL))
         assert bodies == list(range(TOTAL))  # none lost, none twice
         assert links(remote)[("t1", "orders")]["messages_received"] == TOTAL
+        news = [json.loads(b) for b in drain(remote, "t1", "peer-news", 4)]
+        events = [(n["event"], n["link"]) for n in news if n["event"].startswith("link-")]
+        assert events.count(("link-down", "orders")) == 2
+        assert events.count(("link-up", "orders")) == 2
+        upstream_news = [json.loads(b) for b in drain(central, "t1", "peer-news", 2)]
+        assert [n["event"] for n in upstream_news if n["to_peer"]] == ["link-up", "link-up"]
+        assert not [
+            n for n in map(json.loads, drain(remote, "/", "peer-news")) if n.get("link")
+        ]  # nothing of t1's link in `/`
     finally:
         remote.stop()
         proxy.close()
