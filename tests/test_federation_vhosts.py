@@ -249,7 +249,7 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sites]:
     """`remote` federates from `central`: `market` in `t1` <- `t1`; `market` in `/` <- `/`
     (the same name, another link); `prices` in `t1` <- `t2` (`upstream-vhost`); `audit` in
     `t1` from an upstream URI naming `t2` as user `limited`, who may not use `t2`; `rpc`
-    in `t1` <- `t1`, forwarding."""
+    in `t1` <- `t1`, forwarding, with global keys."""
     tmp = tmp_path_factory.mktemp("fedvhosts")
     central = broker(tmp, "central")
     central.start()
@@ -264,7 +264,7 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sites]:
              "upstream-vhost": "t2"},
             {"exchange": "audit", "vhost": "t1", "upstream": "limited", "type": "fanout"},
             {"exchange": "rpc", "vhost": "t1", "upstream": "central", "type": "direct",
-             "forward": True},
+             "forward": True, "global-keys": True},
         ],
     )  # fmt: skip
     remote = broker(tmp, "remote", config)
@@ -451,6 +451,53 @@ def test_a_vhost_forwards_its_clients_publishes_to_the_upstream_vhost(sites: Sit
     # The outbox is t1's, the same name in `/` is not there.
     assert depth(remote, "t1", "amq.twinmq.federation-out:rpc") == 0
     assert depth(remote, "/", "amq.twinmq.federation-out:rpc") == -1
+
+
+def test_a_reply_on_the_upstream_vhosts_default_exchange_reaches_a_vhosts_reply_queue(
+    sites: Sites,
+) -> None:
+    """Global keys in t1: the client's temporary queue is bound to t1's `rpc` under its
+    global key (upstream too, in t1), its `reply-to` made global, and a service answering
+    on t1's default exchange upstream reaches it through t1's link queue."""
+    central, remote = sites.central, sites.remote
+    wait_running(remote, "t1", "rpc")
+    client = connect(remote, "t1")
+    ch = client.channel()
+    ch.queue_declare("replies", exclusive=True)
+    link_queue = queue_name("rpc", "remote")
+    wait_for(
+        "the global key bound upstream in t1",
+        lambda: ("rpc", "remote.replies") in held_upstream(central, "t1").get(link_queue, set()),
+    )
+    connection = connect(central, "t1")
+    service = connection.channel()
+    service.exchange_declare("rpc", "direct", durable=True)
+    service.queue_declare("calculator", durable=True)
+    service.queue_bind("calculator", "rpc", "calc")
+    ch.confirm_delivery()
+    ch.basic_publish("rpc", "calc", b"2+2", pika.BasicProperties(reply_to="replies"))
+    request: list[Any] = []
+    wait_for(
+        "the request at the service",
+        lambda: (
+            (got := service.basic_get("calculator", auto_ack=True))[0] is not None
+            and bool(request.append(got) or True)
+        ),
+    )
+    _method, props, body = request[0]
+    assert (body, props.reply_to) == (b"2+2", "remote.replies")
+    service.basic_publish("", props.reply_to, b"4")  # as any RabbitMQ RPC server
+    connection.close()
+    reply: list[bytes] = []
+    wait_for(
+        "the reply in t1's temporary queue",
+        lambda: (
+            (got := ch.basic_get("replies", auto_ack=True))[0] is not None
+            and bool(reply.append(got[2]) or True)
+        ),
+    )
+    client.close()
+    assert reply == [b"4"]
 
 
 def test_each_vhost_publishes_its_own_state(sites: Sites) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -103,6 +102,8 @@ class Federation:
                     fed, fed.upstream, config.upstreams[fed.upstream], server_id, local,
                     batches, alarm, state_dir, keys,
                 )  # fmt: skip
+        # (vhost, exchange) -> its link: the binding changes of that exchange go to it.
+        self._by_exchange = {(ln.fed.vhost, ln.fed.exchange): ln for ln in self.links.values()}
         # The link queues upstream of links removed from the file (issue 15): found at
         # each start (the file may have been there before this broker was a downstream).
         self.orphans = Orphans(
@@ -134,11 +135,11 @@ class Federation:
         vhost.reply_router = lambda key: self.reply_queues(key, vhost)
         vhost.definition_listeners.append(lambda: self._forget_link_queues(vhost.name))
         keys = self.global_keys.get(vhost.name)
-        if keys is None:
-            keys = GlobalKeys(self.server_id, self._separator, vhost, [])
+        if keys is None or keys.vhost is not vhost:  # new, or the vhost made again
+            exchanges = [] if keys is None else keys.exchanges
+            keys = GlobalKeys(self.server_id, self._separator, vhost, exchanges)
             self.global_keys[vhost.name] = keys
-        elif keys.exchanges:
-            keys.vhost = vhost
+        if keys.exchanges:
             vhost.queue_listeners.append(keys.queue_declared)
             for exchange in keys.exchanges:
                 vhost.reply_to_rewriters[exchange] = keys.rewrite
@@ -294,7 +295,7 @@ class Federation:
         self.peer_status_received += 1
 
     def _bindings_changed(self, vhost: str, exchange: str) -> None:
-        link = self.links.get(exchange if vhost == "/" else json.dumps([vhost, exchange]))
+        link = self._by_exchange.get((vhost, exchange))
         if link is not None:
             link.bindings_changed()
 
