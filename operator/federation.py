@@ -374,9 +374,15 @@ def condition(state: FederationState | None) -> tuple[str, bool, str, str] | Non
                 f"{len(state.links)} links running as {state.server_id}")  # fmt: skip
     refused = [link for link in down if link.state == "Refused"]
     reason = "PeerRefused" if refused else "LinksDown"
-    why = "; ".join(f"{link.exchange} from {link.upstream}: {link.state}"
+    why = "; ".join(f"{_named(link)} from {link.upstream}: {link.state}"
                     + (f" ({link.message})" if link.message else "") for link in down)  # fmt: skip
     return ("Federated", False, reason, why)
+
+
+def _named(link: FederationLinkState) -> str:
+    """A link as conditions and Events name it: its exchange (in a vhost other than `/`,
+    with the vhost: two vhosts' exchanges of one name are two links)."""
+    return link.exchange if link.vhost == "/" else f"{link.exchange} (vhost {link.vhost})"
 
 
 def events(old: FederationState | None, new: FederationState | None) -> list[tuple[str, str, str]]:
@@ -389,20 +395,20 @@ def events(old: FederationState | None, new: FederationState | None) -> list[tup
     out: list[tuple[str, str, str]] = []
     if new.duplicate_of and (old is None or old.duplicate_of != new.duplicate_of):
         out.append(("Warning", "DuplicateServerId", duplicate_message(new)))
-    before = {link.exchange: link for link in (old.links if old is not None else [])}
+    before = {(ln.vhost, ln.exchange): ln for ln in (old.links if old is not None else [])}
     for link in new.links:
-        was = before.get(link.exchange)
+        was = before.get((link.vhost, link.exchange))
         if link.state == "Unknown" or (was is not None and was.state == link.state):
             continue
         if link.state == "Running":
-            out.append(("Normal", "FederationLinkUp", f"{link.exchange}: the link from "
+            out.append(("Normal", "FederationLinkUp", f"{_named(link)}: the link from "
                         f"{link.upstream} ({link.upstream_server_id}) is running with "
                         f"{link.bindings} bindings"))  # fmt: skip
         elif link.state == "Refused":
-            out.append(("Warning", "FederationPeerRefused", f"{link.exchange}: the link from "
+            out.append(("Warning", "FederationPeerRefused", f"{_named(link)}: the link from "
                         f"{link.upstream} is refused: {link.message}"))  # fmt: skip
         elif was is not None and was.state == "Running":
-            out.append(("Warning", "FederationLinkDown", f"{link.exchange}: the link from "
+            out.append(("Warning", "FederationLinkDown", f"{_named(link)}: the link from "
                         f"{link.upstream} is down: {link.message or 'reconnecting'}"))  # fmt: skip
     # A refused downstream retries (with backoff): one Event per reason, not per attempt
     # (each entry is "<peer address>: <reason>").

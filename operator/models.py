@@ -1290,8 +1290,10 @@ class FederationState(ApiModel):
     server_id: str = ""
     links: list[FederationLinkState] = Field(
         default_factory=list,
+        # Keyed by vhost too: two vhosts' exchanges of one name are two links (`vhost`
+        # defaults to `/`, as a map key must have a default or be required).
         json_schema_extra={
-            "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["exchange"]
+            "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["exchange", "vhost"]
         },
     )  # fmt: skip
     running: str = Field("", description="Links running / links (a printer column)")

@@ -11,9 +11,17 @@ import pytest
 from apiserver import install_crd
 
 from twinmq.broker.federation.config import load
+from twinmq.operator import federation as operator_federation
 from twinmq.operator.builders import ClusterRef, build_federation_config_map
 from twinmq.operator.kube import Kube, Refused
-from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec
+from twinmq.operator.models import (
+    GROUP,
+    KIND,
+    VERSION,
+    BrokerClusterSpec,
+    FederationLinkState,
+    FederationState,
+)
 
 REMOTE = ClusterRef(name="remote", namespace="site-b", uid="u-2")
 UP = {"name": "central", "clusterRef": {"name": "central"}}
@@ -100,3 +108,42 @@ def test_the_crd_refuses_a_vhost_federated_twice_or_empty(
     with pytest.raises(Refused) as refused:
         create(crd_kube, "bad", federation(*exchanges))
     assert message in str(refused.value)
+
+
+def test_the_status_holds_two_links_of_one_exchange_name_in_two_vhosts(crd_kube: Kube) -> None:
+    """status.federation.links is a list-map keyed by exchange and vhost: the active
+    broker's report of `market` in `/` and in `tenant-a` is written whole (keyed by the
+    exchange alone, the API server refused it as a duplicate entry)."""
+    create(crd_kube, "two-links", federation(
+        {"exchange": "market", "upstream": "central"},
+        {"exchange": "market", "upstream": "central", "vhost": "tenant-a"},
+    ))  # fmt: skip
+    resource = crd_kube.dynamic.resources.get(api_version=f"{GROUP}/{VERSION}", kind=KIND)
+    links = [
+        {"exchange": "market", "upstream": "central", "state": "Running"},
+        {"exchange": "market", "vhost": "tenant-a", "upstream": "central", "state": "Connecting"},
+    ]
+    resource.status.patch(
+        body={"status": {"federation": {"links": links}}}, name="two-links",
+        namespace="default", content_type="application/merge-patch+json",
+    )  # fmt: skip
+    found = crd_kube.get(f"{GROUP}/{VERSION}", KIND, "default", "two-links")
+    assert found is not None
+    seen = [(link["vhost"], link["state"]) for link in found["status"]["federation"]["links"]]
+    assert seen == [("/", "Running"), ("tenant-a", "Connecting")]
+
+
+def test_events_name_the_vhost_of_a_link_outside_root() -> None:
+    old = FederationState(links=[
+        FederationLinkState(exchange="market", upstream="central", state="Running"),
+        FederationLinkState(exchange="market", vhost="tenant-a", upstream="central",
+                            state="Running"),
+    ])  # fmt: skip
+    new = old.model_copy(update={"links": [
+        old.links[0],
+        old.links[1].model_copy(update={"state": "Connecting", "message": "cut"}),
+    ]})  # fmt: skip
+    assert operator_federation.events(old, new) == [
+        ("Warning", "FederationLinkDown",
+         "market (vhost tenant-a): the link from central is down: cut"),
+    ]  # fmt: skip
