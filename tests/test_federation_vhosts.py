@@ -227,6 +227,10 @@ def test_dedup_keys_are_unchanged_in_root_and_apart_in_each_other_vhost() -> Non
     key = "central\x0042"
     assert scoped("/", key) == key  # `/`'s bytes, as before vhosts
     assert len({scoped("/", key), scoped("t1", key), scoped("t2", key)}) == 3
+    # A client upstream in `/` stamping another vhost's scoped origin gets a key of its own.
+    forged = '["t1", "central"]\x0042'
+    assert scoped("/", forged) not in {scoped("t1", key), key}
+    assert scoped("/", forged) != scoped("t1", forged)
     # A window of 2 with a link that has passed nothing: older keys go to their origin's
     # bitmap, which a scoped key still names (its origin [vhost, origin], its seq).
     window = LagWindow(2)

@@ -91,10 +91,16 @@ def scoped(vhost: str, key: str) -> str:
     key]), so one message federated into two vhosts (two tenants' exchanges) is two keys
     and neither copy is taken for the other's duplicate. JSON escapes NUL, so the result
     still splits at its last NUL into (scoped origin, seq) and the bitmaps keep one
-    origin per vhost."""
-    if vhost == "/":
-        return key
+    origin per vhost.
+
+    The origin is the message's header, which a client can set: a `/` origin spelling
+    another vhost's scoped one (`["t1", "central"]`) would reach into that vhost's keys
+    and suppress its messages. So a `/` origin that starts with `[` (no server id a
+    deployment uses does) is scoped as `["/", origin]`: every (vhost, origin) maps to its
+    own key."""
     named = _origin_seq(key)
+    if vhost == "/" and (named is None or not named[0].startswith("[")):
+        return key
     if named is None:
         return json.dumps([vhost, key])
     return f"{json.dumps([vhost, named[0]])}\x00{named[1]}"
