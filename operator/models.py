@@ -456,12 +456,32 @@ class Federation(ApiModel):
     too (`federation: {}` at least): both brokers of its pair then announce one identifier,
     so a failover there is not taken for another server."""
 
+    # The second rule is the broker's refusal of two exchanges sharing one link queue (its
+    # pods would crash-loop on the file): the upstream vhost as the broker resolves it
+    # (`upstreamVhost`, else `vhost`, else `/`), exact except for a uri upstream whose
+    # path names a vhost (then the path decides), left to the broker.
     model_config = ConfigDict(
-        json_schema_extra=cel(
-            "!has(self.exchanges) || self.exchanges.all(e, has(self.upstreams) && "
-            "self.upstreams.exists(u, u.name == e.upstream))",
-            "every federated exchange names one of spec.federation.upstreams",
-        )
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.exchanges) || self.exchanges.all(e, has(self.upstreams) "
+                    "&& self.upstreams.exists(u, u.name == e.upstream))",
+                    "message": "every federated exchange names one of spec.federation.upstreams",
+                },
+                {
+                    "rule": "!has(self.exchanges) || self.exchanges.all(e, (has(self.upstreams)"
+                    " && self.upstreams.exists(u, u.name == e.upstream && has(u.uri) && "
+                    "u.uri.matches('^amqps?://[^/]+/.+'))) || self.exchanges.exists_one(f, "
+                    "f.upstream == e.upstream && "
+                    "(has(f.upstreamExchange) ? f.upstreamExchange : f.exchange) == "
+                    "(has(e.upstreamExchange) ? e.upstreamExchange : e.exchange) && "
+                    "(has(f.upstreamVhost) ? f.upstreamVhost : has(f.vhost) ? f.vhost : '/') =="
+                    " (has(e.upstreamVhost) ? e.upstreamVhost : has(e.vhost) ? e.vhost : '/')))",
+                    "message": "two exchanges federate one upstream exchange in one upstream "
+                    "vhost: they would share one link queue",
+                },
+            ]
+        }
     )
 
     server_id: str | None = Field(

@@ -75,12 +75,29 @@ def test_the_crd_accepts_one_exchange_name_in_two_vhosts(crd_kube: Kube) -> None
         {"exchange": "market", "upstream": "central"},
         {"exchange": "market", "upstream": "central", "vhost": "tenant-a",
          "upstreamVhost": "tenant-b"},
+        # One exchange upstream, in two upstream vhosts: two link queues.
+        {"exchange": "prices", "upstream": "central", "vhost": "tenant-a"},
+        {"exchange": "prices", "upstream": "central", "vhost": "tenant-b"},
     ))  # fmt: skip
+    # A uri naming a vhost decides for the exchanges that name none upstream (here `t2` for
+    # `market` and `t1` for `orders`: two link queues), which the CRD leaves to the broker.
+    other = {
+        "name": "other",
+        "uri": "amqp://fed@other.example/t2",
+        "passwordSecret": {"name": "other-login"},
+    }
+    create(crd_kube, "by-uri", {"upstreams": [other], "exchanges": [
+        {"exchange": "market", "upstream": "other", "vhost": "t1"},
+        {"exchange": "orders", "upstream": "other", "vhost": "t5", "upstreamVhost": "t1",
+         "upstreamExchange": "market"},
+    ]})  # fmt: skip
     found = crd_kube.get(f"{GROUP}/{VERSION}", KIND, "default", "tenants")
     assert found is not None
     spec = BrokerClusterSpec.model_validate(found["spec"])
     assert spec.federation is not None
-    assert [e.vhost for e in spec.federation.exchanges] == [None, "tenant-a"]
+    assert [e.vhost for e in spec.federation.exchanges] == [
+        None, "tenant-a", "tenant-a", "tenant-b"
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -96,6 +113,13 @@ def test_the_crd_accepts_one_exchange_name_in_two_vhosts(crd_kube: Kube) -> None
             [{"exchange": "m", "upstream": "central"},
              {"exchange": "m", "upstream": "central", "vhost": "/"}],
             "each exchange is federated once (per vhost)",
+        ),
+        (
+            # Both from central's `t` vhost, exchange `m`: one link queue for two.
+            [{"exchange": "m", "upstream": "central", "vhost": "t"},
+             {"exchange": "n", "upstream": "central", "upstreamExchange": "m",
+              "upstreamVhost": "t"}],
+            "they would share one link queue",
         ),
         ([{"exchange": "m", "upstream": "central", "vhost": ""}], "exchanges[0].vhost"),
         ([{"exchange": "m", "upstream": "central", "upstreamVhost": ""}],
