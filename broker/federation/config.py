@@ -195,9 +195,9 @@ class FederatedExchange(_Model):
     @property
     def link_id(self) -> str:
         """The link's name among the server's links (dedup marks, metrics labels, logs):
-        the exchange's name in `/` (as before vhosts), else the JSON list [vhost, exchange],
-        which no exchange name of `/` spells (a name holds no `[`-quoted pair by accident,
-        and two vhosts' exchanges of one name stay two links)."""
+        the exchange's name in `/` (as before vhosts), else the JSON list [vhost, exchange]:
+        two vhosts' exchanges of one name are two links, and no federated exchange of `/`
+        is named so (the link's client takes only the spec's name characters, no `[`)."""
         if self.vhost == DEFAULT_VHOST:
             return self.exchange
         return json.dumps([self.vhost, self.exchange])
