@@ -154,7 +154,7 @@ VHOST_MIRRORED = Gauge(
 )
 VHOST_FEDERATED = Gauge(
     "twinmq_vhost_federated",
-    "Per vhost: 1 if federation serves it (`/`), 0 if not (as /status says)",
+    "Per vhost: 1 if federation serves it (every vhost: as /status says)",
     ["vhost"],
 )
 PUBLISHED = _counter(

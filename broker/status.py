@@ -116,7 +116,7 @@ def build_status(broker: Broker) -> BrokerStatus:
             queues=len(v.queues),
             # The one-way DR mirror carries every vhost; the bidirectional mode `/` only.
             mirrored=v is vhost or broker.mirroring.ids is None,
-            federated=v is vhost,
+            federated=True,  # federation serves every vhost (docs/federation.md)
         )
         for v in vhost.vhosts.values()
     ]

@@ -171,23 +171,25 @@ def test_connection_open_without_permission_on_the_vhost_is_refused(
     connect(broker, "alice", "tenant-a").close()  # where she has permissions
 
 
-def test_a_federation_link_opening_another_vhost_is_refused(broker: BrokerProcess) -> None:
-    """Federation serves `/` only: a connection announcing a server id (a federation
-    link) is refused at connection.open in any other vhost, and served in `/`."""
+def test_a_federation_link_opens_any_vhost_its_user_may_use(broker: BrokerProcess) -> None:
+    """Federation serves every vhost (docs/federation.md, "Virtual hosts"): a connection
+    announcing a server id (a federation link) opens any vhost its user has permissions
+    in, and is refused with RabbitMQ's words in one where it has none."""
 
-    def link(vhost: str) -> pika.BlockingConnection:
+    def link(vhost: str, user: str = "admin") -> pika.BlockingConnection:
         return pika.BlockingConnection(
             pika.ConnectionParameters(
                 host="127.0.0.1", port=broker.port, virtual_host=vhost,
-                credentials=pika.PlainCredentials("admin", "admin-pw"), connection_attempts=1,
+                credentials=pika.PlainCredentials(user, f"{user}-pw"), connection_attempts=1,
                 client_properties={SERVER_ID_PROPERTY: "some-other-server"},
             )
         )  # fmt: skip
 
-    with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as caught:
-        link("tenant-a")
-    assert "federation links use the vhost '/' only" in str(caught.value)
+    link("tenant-a").close()
     link("/").close()
+    with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as caught:
+        link("tenant-b", "alice")
+    assert "access to vhost 'tenant-b' refused for user 'alice'" in str(caught.value)
 
 
 def test_permissions_are_those_of_the_vhost_opened(broker: BrokerProcess) -> None:
@@ -247,16 +249,16 @@ def test_status_lists_the_vhosts_and_what_the_mirror_and_federation_cover(
     vhosts = {v["name"]: v for v in data["vhosts"]}
     assert set(vhosts) >= set(VHOSTS)
     # The one-way DR mirror carries every vhost (the bidirectional mode `/` only:
-    # tests/test_mirror_vhosts.py); federation `/` only.
+    # tests/test_mirror_vhosts.py); federation every vhost.
     assert vhosts["/"]["mirrored"] and vhosts["/"]["federated"]
-    assert vhosts["tenant-a"]["mirrored"] and not vhosts["tenant-a"]["federated"]
+    assert vhosts["tenant-a"]["mirrored"] and vhosts["tenant-a"]["federated"]
     assert all(v["served"] for v in vhosts.values())
     # The same on /metrics.
     samples = broker.admin.metrics().splitlines()
     for name in ("twinmq_vhost_mirrored", "twinmq_vhost_federated"):
         assert f'{name}{{vhost="/"}} 1.0' in samples
     assert 'twinmq_vhost_mirrored{vhost="tenant-a"} 1.0' in samples
-    assert 'twinmq_vhost_federated{vhost="tenant-a"} 0.0' in samples
+    assert 'twinmq_vhost_federated{vhost="tenant-a"} 1.0' in samples
 
 
 def _queue_gauges(broker: BrokerProcess, queue: str) -> dict[tuple[str, str], float]:
