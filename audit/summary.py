@@ -248,17 +248,25 @@ class CrossSiteDirection(BaseModel):
     where a client made them, extra copies at their home (the copies are at `target`).
     """
 
-    source: str = Field(description="'a' or 'b'")
+    source: str = Field(description="A site of the audit: 'a', 'b', ...")
     target: str
     counts: CrossSiteCounts
     lag: LagStats | None = Field(None, description="Publish at source -> applied at target")
+    acked_until: float | None = Field(
+        None,
+        description="Confirm or settle time at source of the newest change of its that "
+        "target applied: what is older and absent there is lost, what is newer in flight",
+    )
 
 
 class SiteInfo(BaseModel):
     """One site of the cross-site audit: its store and what its logs show."""
 
-    name: str = Field(description="'a' (--store) or 'b' (--mirror-store)")
+    name: str = Field(description="'a' (--store), then 'b', 'c', ... (each --mirror-store)")
     store: str
+    mirror_id: str | None = Field(
+        None, description="Its mirror id, named (--site-ids) or told by the logs"
+    )
     brokers: list[str]
     segments: int = Field(description="Segments audited so far (this run and carried state)")
     segments_read: int = Field(0, description="... of which this run read (new ones)")
@@ -266,7 +274,11 @@ class SiteInfo(BaseModel):
     acked_until: float | None = Field(
         None,
         description="Confirm or settle time at this site of the newest change the other site "
-        "applied: what is older and absent there is lost, what is newer in flight",
+        "applied: what is older and absent there is lost, what is newer in flight (with "
+        "three sites or more the oldest of its directions' points, None if one has none)",
+    )
+    duplicated: int = Field(
+        0, description="Extra copies its brokers stored of other sites' messages"
     )
 
 
@@ -282,6 +294,9 @@ class CrossSiteFinding(BaseModel):
         description="Where it was confirmed (lost, in flight), settled (unsettled) or "
         "copied twice (duplicate)"
     )
+    target: str | None = Field(
+        None, description="The site that lacks it (lost, in flight) or still holds it (unsettled)"
+    )
     time: float | None = None
     broker: str | None = Field(None, description="The mirror's broker (duplicated)")
     copies: int | None = None
@@ -296,7 +311,8 @@ class CrossSiteSummary(BaseModel):
     sites: list[SiteInfo]
     totals: CrossSiteCounts
     directions: list[CrossSiteDirection] = Field(
-        default_factory=list, description="Per direction (a -> b, b -> a)"
+        default_factory=list,
+        description="Per ordered pair of sites (a -> b, b -> a; with three a -> b, a -> c, ...)",
     )
     queues: list[CrossSiteQueue]
     lag: LagStats | None = None
