@@ -8,13 +8,14 @@ id must be tied to one audited site:
 
 - ids the caller names (`--site-ids`) are taken as given;
 - a site whose own id is not named is the one id, among all those seen, it never
-  applied from (every site applies from every other in a full mesh, and two sites each
-  from the other): found when exactly one is left;
+  applied from and no other site has (every site applies from every other in a full
+  mesh, and two sites each from the other): found when exactly one is left, repeated
+  while each id found narrows the others;
 - with two sites, what a site applied from is the other site (a one-way mirror whose
   source applied nothing yet, a ring of two).
 
 A ring of three cannot be told apart this way (each site applies from its predecessor
-only, so two ids are left for each): its sites' ids must be named. An id of a copy
+only, so two ids are left for each): name one site's id and the rest follows. An id of a copy
 that no audited site has is an error for three sites or more (a site outside the
 audit, or mistyped ids), never a guess.
 """
@@ -56,14 +57,20 @@ def resolve_site_ids(
         raise SiteIdError(f"one mirror id named for two sites: {named}")
     seen = {o for s in sites for o in applied_from.get(s, ())}
     own = dict(named)
-    for s in sites:
-        if s in own:
-            if own[s] in applied_from.get(s, ()):
-                raise SiteIdError(f"site {s} applied from its own mirror id {own[s]!r}")
-            continue
-        left = (seen | set(named.values())) - set(applied_from.get(s, ())) - set(own.values())
-        if len(left) == 1:
-            own[s] = left.pop()
+    for s, mirror_id in named.items():
+        if mirror_id in applied_from.get(s, ()):
+            raise SiteIdError(f"site {s} applied from its own mirror id {mirror_id!r}")
+    # By elimination, until nothing more is told: each id found narrows the others.
+    progress = True
+    while progress:
+        progress = False
+        for s in sites:
+            if s in own:
+                continue
+            left = (seen | set(own.values())) - set(applied_from.get(s, ())) - set(own.values())
+            if len(left) == 1:
+                own[s] = left.pop()
+                progress = True
     mapping = {mirror_id: s for s, mirror_id in own.items()}
     if len(sites) == 2:
         # What a site applied from is the other one, named or not.
