@@ -450,7 +450,7 @@ def _summarize(
                 replication_id=r["replication_id"], home=r["home"], site=r["settled_at"],
                 target=r["target"], time=r["t_settle"],
             ))  # fmt: skip
-    verdict, failures = cross_site_verdict(totals)
+    verdict, failures = cross_site_verdict(totals, directions)
     return CrossSiteSummary(
         run_id=run,
         verdict=verdict,

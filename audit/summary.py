@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel, Field
 
@@ -323,15 +323,27 @@ class CrossSiteSummary(BaseModel):
     seconds: float = 0.0
 
 
-def cross_site_verdict(totals: CrossSiteCounts) -> tuple[Verdict, list[str]]:
-    """FAIL with its reasons if a message was lost, duplicated or left unsettled."""
-    reasons = [
-        f"{value} {label}"
-        for value, label in (
-            (totals.lost, "confirmed messages missing on the other site"),
-            (totals.duplicated, "copies applied twice on a mirror"),
-            (totals.unsettled_on_mirror, "settled messages still held by the other site"),
-        )
-        if value
-    ]
+def cross_site_verdict(
+    totals: CrossSiteCounts, directions: Sequence[CrossSiteDirection] = ()
+) -> tuple[Verdict, list[str]]:
+    """FAIL with its reasons if a message was lost, duplicated or left unsettled. With
+    three sites or more (more than two directions) each reason says where: `source ->
+    target: count` for each direction that has some."""
+    where = len(directions) > 2
+    other = "another site" if where else "the other site"
+    reasons = []
+    for field, label in (
+        ("lost", f"confirmed messages missing on {other}"),
+        ("duplicated", "copies applied twice on a mirror"),
+        ("unsettled_on_mirror", f"settled messages still held by {other}"),
+    ):
+        value = getattr(totals, field)
+        if not value:
+            continue
+        reason = f"{value} {label}"
+        if where:
+            parts = [f"{d.source} -> {d.target}: {getattr(d.counts, field)}"
+                     for d in directions if getattr(d.counts, field)]  # fmt: skip
+            reason += f" ({', '.join(parts)})"
+        reasons.append(reason)
     return (Verdict.FAIL if reasons else Verdict.PASS), reasons

@@ -206,6 +206,7 @@ def test_a_copy_missing_on_one_site_of_a_ring_is_one_loss_in_that_direction(
     assert summary.verdict == Verdict.FAIL
     assert (t.lost, t.duplicated, t.unsettled_on_mirror, t.in_flight) == (1, 0, 0, 0)
     assert t.messages == 3 * PER_SITE and t.mirrored == 3 * PER_SITE - 1
+    assert summary.failures == ["1 confirmed messages missing on another site (c -> b: 1)"]
     (finding,) = summary.findings
     assert (finding.kind, finding.home, finding.target, finding.replication_id) == (
         FindingKind.MIRROR_LOST, "c", "b", from_c
