@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
@@ -403,18 +403,21 @@ def _summarize(
     for counts in per_queue.values():
         _add(totals, counts)
 
-    def lag_where(keep: Callable[[tuple[str, str, str]], bool]) -> LagStats | None:
-        return _stats([x for key, rows in lag_rows.items() if keep(key) for x in rows])
-
+    # Histogram rows grouped by queue and by direction (they add up: percentiles of a sum).
+    lag_by_queue: dict[str, list[tuple[int, int, float, float]]] = {}
+    lag_by_pair: dict[tuple[str, str], list[tuple[int, int, float, float]]] = {}
+    for (queue, source, to), rows in lag_rows.items():
+        lag_by_queue.setdefault(queue, []).extend(rows)
+        lag_by_pair.setdefault((source, to), []).extend(rows)
     queues = []
     for key in sorted(per_queue):
         vhost, name = split_queue_key(key)
-        lag = lag_where(lambda k, key=key: k[0] == key)  # type: ignore[misc]
-        queues.append(CrossSiteQueue(queue=name, vhost=vhost, counts=per_queue[key], lag=lag))
+        queues.append(CrossSiteQueue(queue=name, vhost=vhost, counts=per_queue[key],
+                                     lag=_stats(lag_by_queue.get(key))))  # fmt: skip
     directions = [
         CrossSiteDirection(
             source=x, target=t, counts=per_pair[(x, t)], acked_until=acked[(x, t)],
-            lag=lag_where(lambda k, x=x, t=t: k[1:] == (x, t)),  # type: ignore[misc]
+            lag=_stats(lag_by_pair.get((x, t))),
         )
         for x, t in pairs
     ]  # fmt: skip
