@@ -8,7 +8,7 @@ included, and a test keeps the committed YAML equal to the generated one.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -675,6 +675,12 @@ class Audit(ApiModel):
                     "it must start with s3://",
                 },
                 {
+                    "rule": "!has(self.moreMirrorStoreUrls) || (has(self.mirrorStoreUrl) && "
+                    "self.moreMirrorStoreUrls.all(u, u.startsWith('s3://')))",
+                    "message": "moreMirrorStoreUrls are a ring's or a mesh's further sites' "
+                    "audit stores: beside mirrorStoreUrl, each starting with s3://",
+                },
+                {
                     # Brokers (shipping), audit runs and the operator (reading the summary)
                     # all reach an object store wherever they run; a path would be a
                     # different directory in each pod.
@@ -711,6 +717,12 @@ class Audit(ApiModel):
         max_length=1024,
         description="The other DR site's audit store (s3://, reachable with the same "
         "credentials): cross-site audits compare this site with it (docs/audit.md)",
+    )
+    more_mirror_store_urls: list[Annotated[str, Field(max_length=1024)]] | None = Field(
+        None,
+        max_length=MESH_MAX_TARGETS,
+        description="A ring's or a full mesh's further sites' audit stores, beside "
+        "mirrorStoreUrl: cross-site audits compare every site with every other",
     )
     after_mirror_switch: bool = Field(
         True,
