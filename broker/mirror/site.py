@@ -356,6 +356,9 @@ class Mirroring:
             and self._seeding is None
             and self.is_source
             and not self.vhost.replica  # only the active broker seeds
+            # A forced promotion queues its own once its record is durable (the record
+            # says "pending" from the start): never a second one from here meanwhile.
+            and not self._switching.locked()
         )
 
     def _seed_again(self) -> str | None:
