@@ -5,7 +5,8 @@
     HELLO {origin, nonce, proof}       ->
                                        <-     WELCOME {proof} (or REFUSE)
                                        <-     ACK u64: the origin's applied mark
-    RECONCILE {probes} ...             ->     only when a seed's snapshot is pending
+    RECONCILE {probes} ...             ->     only when a seed is pending (its marks
+                                              also without a snapshot to compare)
                                        <-     RECONCILE {answers}: what it lacks (delta.py)
     BATCH seq|0|event ... (pipelined)  ->
                                        <-     ACK u64 once applied and durable there
@@ -51,10 +52,12 @@ from twinmq.broker.mirror.delta import (
     RECONCILE_VERSION,
     Reconciler,
     ReconcileReply,
+    ReconcileRequest,
     chunk_of,
     pending_snapshots,
     wire,
 )
+from twinmq.broker.mirror.events import KIND_DEFINITIONS, is_seed
 from twinmq.broker.mirror.source import MirrorSource
 from twinmq.broker.replication.handshake import new_nonce
 from twinmq.broker.replication.link import FrameReader
@@ -119,6 +122,17 @@ def decode_heartbeat(payload: bytes) -> Heartbeat | None:
 def decode_mirror_beat(payload: bytes) -> MirrorBeat | None:
     """A mirror's PING payload, or None (a bare PING from an older mirror)."""
     return _ping_payload(MirrorBeat, payload)
+
+
+def _seed_ahead(events: list[tuple[int, bytes]]) -> bool:
+    """Whether a seed heads `events` (the queue after the mirror's mark): its SEED event
+    before any event that is not part of a seed."""
+    for _seq, body in events:
+        if is_seed(body):
+            return True
+        if not body or body[0] != KIND_DEFINITIONS:
+            return False
+    return False
 
 
 class MirrorLink:
@@ -381,13 +395,13 @@ class MirrorLink:
             return {}  # an older mirror, or a bidirectional site (no snapshot events)
         await self._settled(source.head)
         durable = source.durable_seq
-        events = (
+        events = [
             (e.message.mid, e.message.body)
             for e in source.queue.entries
             if applied < e.message.mid <= durable
-        )
+        ]
         pending = pending_snapshots(events)
-        if not pending:
+        if not pending and not _seed_ahead(events):
             return {}
         chunks = []
         for seq, body in pending:
@@ -402,7 +416,14 @@ class MirrorLink:
             marks.setdefault(self.peer, 0)
         reconciler = Reconciler(chunks, marks)
         exchanged = 0
-        while (request := reconciler.request()) is not None:
+        request = reconciler.request()
+        if request is None and marks:
+            # A seed without a snapshot event (this site holds no durable queue): nothing
+            # to compare, but the marks are said all the same. Without them an old source
+            # fenced by this site's forced promotion counted nothing lost, though its
+            # confirmed messages never reached this site.
+            request = ReconcileRequest(probes=[], marks=marks)
+        while request is not None:
             frame = encode(FrameType.RECONCILE, wire(request))
             writer.write(frame)
             await writer.drain()
@@ -412,6 +433,7 @@ class MirrorLink:
                 reconciler.answered(decode_model(ReconcileReply, payload))
             except ValueError as exc:
                 raise ProtocolError(str(exc)) from None
+            request = reconciler.request()
         metrics.RECONCILE_BYTES.inc(exchanged)
         skipped = reconciler.skipped()
         metrics.SEED_SKIPPED.inc(skipped)

@@ -44,6 +44,10 @@ class SiteRole(BaseModel):
     fenced_by: str | None = None  # demoted by a higher epoch (not by a switchover): why
     took_over_from: str | None = None  # promoted with this origin's token: its site only
     unmirrored: MirrorUnmirrored | None = None  # fenced by a forced failover: what was lost
+    # A forced promotion's seed for the old source is not durable yet: clients are refused
+    # (also after a restart, or on the pair's passive once it takes over) until one is.
+    # Written with the promotion's record, cleared once a seed's batch is complete.
+    seed_pending: str | None = None
 
 
 class RoleHost(Protocol):

@@ -68,6 +68,12 @@ FLOW_CONTROL_REASON = "mirror-lag"
 # reversed, keep its own message under the id of one of ours. 2^34 ids: two days at
 # 100,000 messages/s; a pair epoch's 2^40 ids leave room for 64 forced promotions.
 FORCED_MID_GAP = 1 << 34
+SEED_NOT_DURABLE = "its seed for the old source is not durable yet"
+# Said instead after a restart, or on the pair's passive once it takes over.
+SEED_NOT_DURABLE_HERE = (
+    "its seed for the old source was not durable when this broker took over (a restart or "
+    "a failover of its pair): queued again"
+)
 
 
 class Host(SourceState, MirrorState, Protocol):
@@ -101,9 +107,9 @@ class Mirroring:
         self.listener: MirrorListener | None = None
         self.flow_control = False
         self.demoting = False  # a demotion waits for its queue to drain: clients refused
-        # A forced promotion's seed for the old source, not durable yet: why (clients are
-        # refused until it is: what they settled meanwhile would be orphans there).
-        self.seed_pending: str | None = None
+        # Why a forced promotion's seed is still pending, as this process saw it (the record
+        # says whether one is: `seed_pending`).
+        self._seed_reason: str | None = None
         self._seeding: asyncio.Task[bool] | None = None  # that seed's batch, awaited
         self.beat: Heartbeat | None = None  # the source's last heartbeat (this replica's)
         self.beat_at: float | None = None
@@ -200,6 +206,26 @@ class Mirroring:
             )
         return None
 
+    @property
+    def seed_pending(self) -> str | None:
+        """Why a forced promotion's seed for the old source is not durable yet, or None.
+        Clients are refused until it is: what they settled meanwhile would be orphans
+        there. Kept in the role record, so a restart (or the pair's passive, taking over)
+        keeps refusing until a seed is durable (`_seed_again` queues one)."""
+        pending = self.roles.current.seed_pending if self.roles is not None else None
+        if pending is None:
+            return None
+        return self._seed_reason or pending
+
+    def _seed_settled(self) -> None:
+        """No seed is pending any more (durable, or this site is no source): cleared in the
+        record (its batch the next; a restart before it seeds once more, harmlessly:
+        clients were refused, the state is the seed's)."""
+        self._seed_reason = None
+        roles = self.roles
+        if roles is not None and roles.current.seed_pending is not None:
+            roles.record(roles.current.model_copy(update={"seed_pending": None}))
+
     def client_refusal(self) -> str | None:
         """Why clients may not connect at all here now (a forced promotion's seed is not
         durable), or None. Every client is refused, not only its writes: acks, no-ack
@@ -231,9 +257,10 @@ class Mirroring:
         log.error("mirror: fenced by DR epoch %d (this site had %d, %s): %s; now a replica",
                   epoch, self.roles.epoch, was, reason)  # fmt: skip
         # In effect at once (in memory); durable with the batch it joins.
-        update = {"role": "replica", "epoch": epoch, "fenced_by": reason}
+        # A replica seeds nothing (a later promotion: its own).
+        update = {"role": "replica", "epoch": epoch, "fenced_by": reason, "seed_pending": None}
         self.roles.record(self.roles.current.model_copy(update=update))
-        self.seed_pending = None  # a replica seeds nothing (a later promotion: its own)
+        self._seed_reason = None
         self._metrics()
         if was == "source":
             self.close_clients(f"{self.settings.name} was fenced by a site at DR epoch {epoch}")
@@ -312,9 +339,9 @@ class Mirroring:
             self._seeding = None
         if durable:
             log.warning("mirror: the forced promotion's seed is durable: clients taken again")
-            self.seed_pending = None
+            self._seed_settled()
         else:
-            self.seed_pending = (
+            self._seed_reason = (
                 "the journal refused its seed for the old source (disk full?): queued again "
                 "once the disk alarm clears"
             )
@@ -324,7 +351,15 @@ class Mirroring:
 
     def _seed_due(self) -> bool:
         """A forced promotion's seed failed and none is under way: it is to be queued."""
-        return self.seed_pending is not None and self._seeding is None and self.is_source
+        return (
+            self.seed_pending is not None
+            and self._seeding is None
+            and self.is_source
+            and not self.vhost.replica  # only the active broker seeds
+            # A forced promotion queues its own once its record is durable (the record
+            # says "pending" from the start): never a second one from here meanwhile.
+            and not self._switching.locked()
+        )
 
     def _seed_again(self) -> str | None:
         """A resource check (run only without a disk or memory alarm): queue the forced
@@ -335,8 +370,18 @@ class Mirroring:
         return None
 
     def _seed_now_if_pending(self) -> None:
-        if self._seed_due():  # again: the turn since may have seeded or demoted
-            self._reseed_now("the forced promotion's seed again: the disk has room")
+        if not self._seed_due():  # again: the turn since may have seeded or demoted
+            return
+        if self._seed_reason is None:
+            # Pending in the record, never tried by this process: it restarted, or took
+            # over from its pair's active, before the seed was durable.
+            self._seed_reason = SEED_NOT_DURABLE_HERE
+            log.error("mirror: the forced promotion's %s; clients refused until it is durable",
+                      SEED_NOT_DURABLE_HERE.removeprefix("its "))  # fmt: skip
+            self._reseed_now("the forced promotion's seed again: pending when this broker "
+                             "took over")  # fmt: skip
+            return
+        self._reseed_now("the forced promotion's seed again: the disk has room")
 
     # -- the listener's site ----------------------------------------------------------------
 
@@ -501,10 +546,13 @@ class Mirroring:
         switch = MirrorSwitch(
             role="replica", epoch=epoch, token=token, seconds=time.monotonic() - started
         )
-        update = {"role": "replica", "epoch": epoch, "last_switch": switch, "fenced_by": None}
+        update = {
+            "role": "replica", "epoch": epoch, "last_switch": switch, "fenced_by": None,
+            "seed_pending": None,
+        }  # fmt: skip
         await self._save(roles.current.model_copy(update=update))
         self.demoting = False
-        self.seed_pending = None
+        self._seed_reason = None
         log.warning("mirror: demoted at DR epoch %d: %s", epoch, token.model_dump_json())
         return switch
 
@@ -564,10 +612,15 @@ class Mirroring:
             seconds=time.monotonic() - started,
         )  # fmt: skip
         took_over_from = token.origin if token is not None else None
+        # Forced: its seed is pending from the record on (durable before any client of a
+        # restarted site, or of the pair's passive taking over, could settle a message).
+        seeding = token is None and self.source is not None
+        self._seed_reason = None
         await self._save(roles.current.model_copy(update={
             "role": "source", "epoch": epoch, "last_switch": switch, "fenced_by": None,
             "rpo": rpo if rpo is not None else roles.current.rpo,
-            "took_over_from": took_over_from}))  # fmt: skip
+            "took_over_from": took_over_from,
+            "seed_pending": SEED_NOT_DURABLE if seeding else None}))  # fmt: skip
         self.vhost.set_replica(False)  # applied messages get their expiry timers
         if self.source is not None and token is not None:
             # Failback needs no snapshot: the demoted site holds every message here.
@@ -582,7 +635,6 @@ class Mirroring:
             # message consumed here meanwhile was missing from it, and the old source kept
             # it as an orphan beside those it alone had: re-published, delivered twice.
             # Clients wait for it to be durable: a refused one (a full disk) is withdrawn.
-            self.seed_pending = "its seed for the old source is not durable yet"
             self.source.seed_forced(f"forced promotion at DR epoch {epoch}")
             # Durable, and on the pair's passive, before the answer: a failover of this
             # pair right after it sends the same seed (a passive that finds the queue

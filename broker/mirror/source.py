@@ -242,6 +242,8 @@ class MirrorSource:
         if queue.entries:
             self.durable_seq = max(self.durable_seq, queue.entries[-1].message.mid)
         self._load_cursors()
+        if self.ids is None and not self.targets:
+            self._drop_before_seed(queue)
         if self.ids is not None:
             self.ids.queue  # noqa: B018 (the map as recovered, or replicated while passive)
             if first:
@@ -258,6 +260,28 @@ class MirrorSource:
         elif announce:
             self._emit_definitions(self.vhost.all_definitions())
         return queue
+
+    def _drop_before_seed(self, queue: Queue) -> None:
+        """Events journaled before the newest seed are stale (a re-seed drops the backlog
+        first): dropped again. A re-seed whose batch the journal refused (a full disk)
+        withdrew its seed but not its drop, which a later seed did not repeat; recovered,
+        the old events headed the queue and `gap` seeded the old source again from the
+        state then (orphaning what clients had acked since the forced promotion)."""
+        stale = 0
+        for index, entry in enumerate(queue.entries):
+            if is_seed(entry.message.body):
+                stale = index
+        if stale == 0:
+            return
+        settles: list[JournalOp] = []
+        for _ in range(stale):
+            entry = queue.entries.popleft()
+            queue.bytes -= entry.size
+            settles.append(Settle(QUEUE_QID, entry.message.mid))
+            self._forget(entry.message.mid)
+            self.trimmed_seq = max(self.trimmed_seq, entry.message.mid)
+        self.log.add(settles)
+        log.warning("mirror: %d events queued before the newest seed dropped again", stale)
 
     def reseed(self, reason: str, target: str | None = None) -> int:
         """Rebuild the mirror from scratch: drop the backlog (a seed makes it irrelevant),
