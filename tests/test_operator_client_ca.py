@@ -11,6 +11,7 @@ import pytest
 from apiserver import install_crd
 
 from twinmq.broker.settings import parse_args
+from twinmq.operator import federationtls
 from twinmq.operator.builders import ClusterRef, build_pod, pod_revision
 from twinmq.operator.kube import Kube, Refused
 from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec
@@ -138,3 +139,24 @@ def test_a_mode_change_or_turning_client_certificates_on_rolls_the_pods() -> Non
     assert revision(mode="optional") != required  # a new flag: the pods are replaced
     off = pod_revision(build_pod(CLUSTER, BrokerClusterSpec(), "primary"))
     assert off != required
+
+
+def test_an_upstream_with_client_certificates_says_the_downstreams_cas_belong_in_its_bundle(
+    crd_kube: Kube,
+) -> None:
+    """As a federation upstream the operator would make AMQPS verify its downstreams' CAs
+    (its kept copy here); with the spec's own bundle it does not, and its condition says
+    why instead of claiming a copy the brokers never mount."""
+    spec = BrokerClusterSpec.model_validate({
+        "tls": {"clientCertificates": {"mode": "optional", "caConfigMap": "apps-ca"}},
+        "federation": {},
+    })  # fmt: skip
+    kept = {federationtls.CA_KEY: "-----BEGIN CERTIFICATE-----\n"}
+    down = federationtls.resolve_downstreams(CLUSTER, spec, crd_kube, kept)
+    assert down is not None and down.bundle is None and down.config_map is None
+    assert "spec.tls.clientCertificates" in down.message and "optional" in down.message
+    trust = federationtls.Trust((), down)
+    built = federationtls.effective(CLUSTER, spec, trust)
+    assert built.federation is not None and built.federation.downstream_ca_config_map is None
+    flags = [a for a in broker_container(built)["args"] if a.startswith(("--tls-ca", "--tls-cl"))]
+    assert flags == [f"--tls-ca={CA_FILE}", "--tls-client-certs=optional"]
