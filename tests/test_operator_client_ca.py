@@ -130,7 +130,7 @@ def test_the_spec_bundle_takes_amqps_over_the_federation_downstreams_ca() -> Non
 
 
 def test_a_mode_change_or_turning_client_certificates_on_rolls_the_pods() -> None:
-    def revision(**certs: Any) -> str:
+    def revision(**certs: Any) -> str | None:
         raw = {"tls": {"clientCertificates": {"caConfigMap": "apps-ca", **certs}}}
         return pod_revision(build_pod(CLUSTER, BrokerClusterSpec.model_validate(raw), "primary"))
 
