@@ -156,6 +156,8 @@ def test_an_upstream_with_client_certificates_says_the_downstreams_cas_belong_in
     assert down is not None and down.bundle is None and down.config_map is None
     assert "spec.tls.clientCertificates" in down.message and "optional" in down.message
     trust = federationtls.Trust((), down)
+    shown = federationtls.condition(trust)
+    assert shown is not None and "must hold the downstreams' CAs" in shown[3]
     built = federationtls.effective(CLUSTER, spec, trust)
     assert built.federation is not None and built.federation.downstream_ca_config_map is None
     flags = [a for a in broker_container(built)["args"] if a.startswith(("--tls-ca", "--tls-cl"))]
