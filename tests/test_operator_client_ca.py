@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from apiserver import install_crd
+from test_pod_security import dry_run_create, restricted_namespace
 
 from twinmq.broker.settings import parse_args
 from twinmq.operator import federationtls
@@ -162,3 +163,20 @@ def test_an_upstream_with_client_certificates_says_the_downstreams_cas_belong_in
     assert built.federation is not None and built.federation.downstream_ca_config_map is None
     flags = [a for a in broker_container(built)["args"] if a.startswith(("--tls-ca", "--tls-cl"))]
     assert flags == [f"--tls-ca={CA_FILE}", "--tls-client-certs=optional"]
+
+
+@pytest.mark.parametrize("source", ["caConfigMap", "caSecretName"])
+def test_the_pods_with_the_bundle_are_admitted_where_restricted_is_enforced(
+    crd_kube: Kube, source: str
+) -> None:
+    """The API server takes the pod as built (dry run): the volume's shape is a real one,
+    and a ConfigMap or Secret volume keeps the pod within the `restricted` level."""
+    spec = stored(crd_kube, f"admitted-{source.lower()}", {"clientCertificates": {
+        "mode": "optional", source: "apps-ca"}})  # fmt: skip
+    namespace = restricted_namespace(crd_kube)
+    pod = build_pod(ClusterRef(namespace=namespace, name="orders", uid="u-1"), spec, "primary")
+    assert volume(spec, "client-ca") is not None
+    crd_kube.core.create_namespaced_service_account(
+        namespace, {"metadata": {"name": pod["spec"]["serviceAccountName"]}}
+    )
+    dry_run_create(crd_kube, pod)
