@@ -176,7 +176,6 @@ def test_the_pods_with_the_bundle_are_admitted_where_restricted_is_enforced(
     namespace = restricted_namespace(crd_kube)
     pod = build_pod(ClusterRef(namespace=namespace, name="orders", uid="u-1"), spec, "primary")
     assert volume(spec, "client-ca") is not None
-    crd_kube.core.create_namespaced_service_account(
-        namespace, {"metadata": {"name": pod["spec"]["serviceAccountName"]}}
-    )
+    account = {"name": pod["spec"]["serviceAccountName"], "namespace": namespace}
+    crd_kube.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": account})
     dry_run_create(crd_kube, pod)
