@@ -1,14 +1,17 @@
-"""The cross-site audit: did the other DR site get every message a site confirmed, once?
+"""The cross-site audit: did every other DR site get every message a site confirmed, once?
 
-Two stores, one per site (each holding its pair's shipped logs). A message is named
-by its **identity**: its home site (where a client published it), its queue and its
-replication id there. A site's own records name it directly; what a site applied
-from the other carries that site's mirror id (`origin`, audit log format 4) and, on
-a bidirectional site whose ids are mapped per origin, the message's own origin and
-id there (`message_origin`, `origin_id`, format 5); a one-way mirror keeps the
-source's replication id. A settle names the site's local id, resolved through the
-site's stored copies (`locals`). Both directions are checked, so a run after a
-switchover (A then B as the source) or over two bidirectional sites audits both.
+One store per site (each holding its pair's shipped logs): two for a DR source and
+its mirror or two bidirectional sites, three or more for a ring or a full mesh. A
+message is named by its **identity**: its home site (where a client published it),
+its queue and its replication id there. A site's own records name it directly; what
+a site applied from another carries the mirror id of the site it came from
+(`origin`, audit log format 4) and, on a bidirectional site whose ids are mapped per
+origin, the message's own origin and id there (`message_origin`, `origin_id`, format
+5); a one-way mirror keeps the source's replication id. Mirror ids are tied to the
+audited sites by `cross_sites.resolve_site_ids`. A settle names the site's local id,
+resolved through the site's stored copies (`locals`). Every ordered pair of sites is
+checked (`cross_judge.judge`), so a run after a switchover (A then B as the source),
+over two bidirectional sites, or over a ring or mesh audits every direction.
 
 Runs are incremental: the state (per identity, mergeable folds of what each site
 did: first times and flags; applied copies per broker; the local ids of copies)
@@ -22,12 +25,24 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 from pyspark.sql import functions as F
 
 from twinmq.audit import transforms as T
+from twinmq.audit.cross_judge import (
+    IDENTITY,
+    SETTLE_IN_FLIGHT,
+    STORED,
+    acked_points,
+    copies,
+    judge,
+    merge_messages,
+    per_message,
+)
+from twinmq.audit.cross_sites import resolve_site_ids, site_names
 from twinmq.audit.job import SparkIO, _read
 from twinmq.audit.records import split_queue_key
 from twinmq.audit.schema import spark_schema
@@ -48,15 +63,10 @@ from twinmq.audit.summary import (
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
-SITES = ("a", "b")
 MAX_FINDINGS = 1000  # listed in the summary; every finding is counted
 PREFIX = "audit/cross"
 MANIFEST = f"{PREFIX}/manifest.json"
 STATE_FORMAT = 1  # a manifest of another format makes the next run a full one
-_STORED = (T.CONFIRMED, T.CONFIRMED_ALONE, T.REPLICATED)
-_CONFIRMS = (T.CONFIRMED, T.CONFIRMED_ALONE)
-_IDENTITY = ("home", "queue", "hid")
-_NOTHING = "\0"  # an origin no site has (`isin` of an empty list)
 
 
 class CrossManifest(BaseModel):
@@ -64,18 +74,13 @@ class CrossManifest(BaseModel):
 
     format: int = STATE_FORMAT
     mirror_store: str = Field(description="The other site's store the state was built from")
+    more_stores: list[str] = Field(
+        default_factory=list, description="The stores of sites c, d, ... (three sites or more)"
+    )
     state_run: str = Field(description="The run whose `state/<run>/` holds the state")
     segments: dict[str, list[str]] = Field(description="Per site, the segment keys read")
     origins: dict[str, list[str]] = Field(description="Per site, the mirror ids it applied from")
     runs: list[str] = Field(default_factory=list)
-
-
-def _other(site: str) -> str:
-    return "b" if site == "a" else "a"
-
-
-def _other_col(site: Column) -> Column:
-    return F.when(site == "a", "b").otherwise("a")
 
 
 def _state(run: str, table: str) -> str:
@@ -83,29 +88,33 @@ def _state(run: str, table: str) -> str:
 
 
 def identify(
-    records: DataFrame, locals_: DataFrame | None, origins: dict[str, list[str]]
+    records: DataFrame, locals_: DataFrame | None, site_of: Mapping[str, str]
 ) -> tuple[DataFrame, DataFrame]:
     """Each record with its message's identity (`home`, `hid`), and the new local ids.
 
-    A stored record: format 5's `message_origin` and `origin_id` (home: the other site
-    when it names a mirror id this site applied from, else this one), else with an
-    `origin` the other site under the same id (a one-way mirror keeps it), else this
-    site. A settle: the identity of the site's stored copy of (queue, replication id)
-    (`locals_` and this run's copies), else this site's own message. Returns the
-    records and `(site, queue, replication_id, home, hid)` of this run's stored copies
-    that are not the site's own messages."""
-    site, mo = F.col("site"), F.col("message_origin")
-    mo_home = (
-        F.when((site == "a") & mo.isin(*(origins.get("a") or [_NOTHING])), "b")
-        .when((site == "b") & mo.isin(*(origins.get("b") or [_NOTHING])), "a")
-        .otherwise(site)
-    )
+    A stored record: format 5's `message_origin` and `origin_id` (home: the site that
+    mirror id is, `site_of`; an id of no audited site is the recording site's own, as a
+    client's publish batched with an apply carries), else with an `origin` the site it
+    came from under the same id (a one-way mirror keeps it), else this site. A settle:
+    the identity of the site's stored copy of (queue, replication id) (`locals_` and
+    this run's copies), else this site's own message. Returns the records and `(site,
+    queue, replication_id, home, hid)` of this run's stored copies that are not the
+    site's own messages."""
+    site, mo, origin = F.col("site"), F.col("message_origin"), F.col("origin")
+
+    def home_of(mirror_id: Column) -> Column:
+        """The site a mirror id is, else this one."""
+        expr: Column = site
+        for value, name in sorted(site_of.items()):
+            expr = F.when(mirror_id == value, F.lit(name)).otherwise(expr)
+        return expr
+
     stored = (
-        records.where(F.col("event").isin(*_STORED))
+        records.where(F.col("event").isin(*STORED))
         .withColumn(
             "home",
-            F.when(mo.isNotNull(), mo_home)
-            .when(F.col("origin").isNotNull(), _other_col(site))
+            F.when(mo.isNotNull(), home_of(mo))
+            .when(origin.isNotNull(), home_of(origin))
             .otherwise(site),
         )
         .withColumn(
@@ -128,140 +137,6 @@ def identify(
         .drop("l_home", "l_hid")
     )
     return stored.unionByName(settles), new_locals
-
-
-def _min_time(site: str, condition: Column) -> Column:
-    return F.min(F.when((F.col("site") == site) & condition, F.col("time")))
-
-
-def _any(site: str, condition: Column) -> Column:
-    return F.max(F.when((F.col("site") == site) & condition, 1).otherwise(0))
-
-
-def per_message(records: DataFrame) -> DataFrame:
-    """One row per identity with what each site did with it (mergeable: minima, maxima).
-
-    `<s>_confirm`: first confirm at s of its own message (a client publisher was told);
-    `<s>_applied`: first copy s stored of the other's message; `<s>_settle`: first
-    settle by a client at s (no origin); `<s>_settle_applied` (0/1): s applied the
-    other's settle; `<s>_local` (0/1): s stored its own message (a copy of its passive's
-    too).
-    """
-    own = F.col("home") == F.col("site")
-    client, applied = F.col("origin").isNull(), F.col("origin").isNotNull()
-    event, stored = F.col("event"), F.col("event").isin(*_STORED)
-    aggs: list[Column] = []
-    for s in SITES:
-        aggs += [
-            _min_time(s, own & event.isin(*_CONFIRMS)).alias(f"{s}_confirm"),
-            _min_time(s, ~own & stored).alias(f"{s}_applied"),
-            _min_time(s, client & (event == T.DEQUEUED)).alias(f"{s}_settle"),
-            _any(s, applied & (event == T.DEQUEUED)).alias(f"{s}_settle_applied"),
-            _any(s, own & stored).alias(f"{s}_local"),
-        ]
-    return records.groupBy(*_IDENTITY).agg(*aggs)
-
-
-def merge_messages(parts: list[DataFrame]) -> DataFrame:
-    """Fold per-message rows (carried state and this run's) into one row per identity."""
-    frame = parts[0]
-    for part in parts[1:]:
-        frame = frame.unionByName(part)
-    aggs: list[Column] = []
-    for s in SITES:
-        aggs += [F.min(f"{s}_{c}").alias(f"{s}_{c}") for c in ("confirm", "applied", "settle")]
-        aggs += [F.max(f"{s}_{c}").alias(f"{s}_{c}") for c in ("settle_applied", "local")]
-    return frame.groupBy(*_IDENTITY).agg(*aggs)
-
-
-def copies(records: DataFrame) -> DataFrame:
-    """(site, broker, home, queue, hid, n): copies of the other site's message a broker stored."""
-    stored = records.where((F.col("home") != F.col("site")) & F.col("event").isin(*_STORED))
-    return stored.groupBy("site", "broker", *_IDENTITY).agg(F.count("*").alias("n"))
-
-
-def classify(messages: DataFrame, acked: dict[str, float | None]) -> DataFrame:
-    """Per message: `home` (kept when its home site confirmed it), `t_confirm`, `present`
-    on the other site, `lag`, `kind` (lost, in flight or None) and the settle's
-    `settled_at`, `t_settle` and `settle_kind` (unsettled, in flight or None)."""
-
-    def pick(site: Column, column: str) -> Column:
-        return F.when(site == "a", F.col(f"a_{column}")).otherwise(F.col(f"b_{column}"))
-
-    def other(site: Column, column: str) -> Column:
-        return F.when(site == "a", F.col(f"b_{column}")).otherwise(F.col(f"a_{column}"))
-
-    def acked_of(site: Column) -> Column:
-        a, b = acked["a"], acked["b"]
-        return F.when(site == "a", F.lit(a).cast("double")).otherwise(F.lit(b).cast("double"))
-
-    frame = messages.withColumn(
-        "judged", F.when(pick(F.col("home"), "confirm").isNotNull(), F.col("home"))
-    )
-    h = F.col("judged")
-    present = other(h, "applied").isNotNull() | (other(h, "settle_applied") > 0)
-    t_confirm = pick(h, "confirm")
-    ack = acked_of(h)
-    kind = (
-        F.when(h.isNull() | present, F.lit(None).cast("string"))
-        .when(ack.isNotNull() & (t_confirm <= ack), FindingKind.MIRROR_LOST.value)
-        .otherwise(FindingKind.MIRROR_IN_FLIGHT.value)
-    )
-    # A settle by a client at one site must reach the other wherever that one holds a copy.
-    a_settled_first = F.col("a_settle").isNotNull() & (
-        F.col("b_settle").isNull() | (F.col("a_settle") <= F.col("b_settle"))
-    )
-    settled_at = F.when(a_settled_first, "a").when(F.col("b_settle").isNotNull(), "b")
-    frame = frame.withColumn("settled_at", settled_at)
-    st = F.col("settled_at")
-    t_settle = pick(st, "settle")
-    holds = other(st, "applied").isNotNull() | (other(st, "local") > 0)
-    settled_there = (other(st, "settle_applied") > 0) | other(st, "settle").isNotNull()
-    settle_ack = acked_of(st)
-    settle_kind = (
-        F.when(st.isNull() | ~holds | settled_there, F.lit(None).cast("string"))
-        .when(settle_ack.isNotNull() & (t_settle <= settle_ack), FindingKind.MIRROR_UNSETTLED.value)
-        .otherwise("settle-in-flight")
-    )
-    return frame.select(
-        "queue",
-        F.col("hid").alias("replication_id"),
-        F.col("judged").alias("home"),
-        t_confirm.alias("t_confirm"),
-        present.alias("present"),
-        (other(h, "applied") - t_confirm).alias("lag"),
-        kind.alias("kind"),
-        "settled_at",
-        t_settle.alias("t_settle"),
-        settle_kind.alias("settle_kind"),
-    )
-
-
-def acked_points(messages: DataFrame) -> dict[str, float | None]:
-    """Per site X, the confirm or settle time at X of the newest change the other site applied.
-
-    A site's events reach the other in the order of its group commits, and a record's
-    time is its batch's completion (in commit order), so everything X did up to that
-    time was applied there too: absent and older is lost, absent and newer in flight.
-    """
-    aggs = []
-    for s in SITES:
-        o = _other(s)
-        aggs += [
-            F.max(F.when(F.col(f"{o}_applied").isNotNull(), F.col(f"{s}_confirm"))).alias(
-                f"{s}_by_copy"
-            ),
-            F.max(F.when(F.col(f"{o}_settle_applied") > 0, F.col(f"{s}_settle"))).alias(
-                f"{s}_by_settle"
-            ),
-        ]
-    row = messages.agg(*aggs).first()
-    assert row is not None  # a global aggregate has one row, even over no messages
-    points: dict[str, float | None] = {}
-    for s in SITES:
-        values = [v for v in (row[f"{s}_by_copy"], row[f"{s}_by_settle"]) if v is not None]
-        points[s] = max(values) if values else None
-    return points
 
 
 def _load_manifest(store: Store) -> CrossManifest | None:
@@ -288,27 +163,36 @@ def _late(manifest: CrossManifest, site: str, new: list[SegmentName]) -> bool:
 def run_cross_site(
     spark: SparkSession,
     store_a: Store,
-    store_b: Store,
-    *,
+    *others: Store,
     run_id: str | None = None,
     full: bool = False,
+    site_ids: Mapping[str, str] | None = None,
 ) -> CrossSiteSummary:
-    """Audit site A's store against site B's: the segments not read yet, folded into the
+    """Audit site A's store against the other sites' (`b`, `c`, ...: one for a DR pair of
+    sites, two or more for a ring or a mesh): the segments not read yet, folded into the
     state under A's `audit/cross/state/`; the summary is written to A's store under
-    `audit/cross/<run>/summary.json` and returned. `full` ignores the state."""
+    `audit/cross/<run>/summary.json` and returned. `full` ignores the state. `site_ids`
+    (site name -> its mirror id) ties the logs' mirror ids to sites where the logs alone
+    cannot (`cross_sites.resolve_site_ids`: a ring of three)."""
     started = time.monotonic()
     run = run_id or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
-    ios = {"a": SparkIO(spark, store_a), "b": SparkIO(spark, store_b)}
+    sites = site_names(1 + len(others))
+    stores = dict(zip(sites, (store_a, *others), strict=True))
+    ios = {site: SparkIO(spark, store) for site, store in stores.items()}
     try:
         manifest = None if full else _load_manifest(store_a)
-        if manifest is not None and manifest.mirror_store != store_b.location:
-            manifest = None  # another pair of sites: start over
+        if manifest is not None and [manifest.mirror_store, *manifest.more_stores] != [
+            s.location for s in others
+        ]:
+            manifest = None  # another set of sites: start over
         listed = {site: io.store.segments() for site, io in ios.items()}
         new = {
-            site: [s for s in segs if manifest is None or s.key not in manifest.segments[site]]
+            site: [
+                s for s in segs if manifest is None or s.key not in manifest.segments.get(site, [])
+            ]
             for site, segs in listed.items()
         }
-        if manifest is not None and any(_late(manifest, s, new[s]) for s in SITES):
+        if manifest is not None and any(_late(manifest, s, new[s]) for s in sites):
             manifest, new = None, listed
         frames = []
         for site, io in ios.items():
@@ -316,15 +200,19 @@ def run_cross_site(
                 _read(spark, [io.read(s.key) for s in new[site]], spark_schema())
             )
             frames.append(frame.withColumn("site", F.lit(site)))
-        records = frames[0].unionByName(frames[1]).cache()
+        records = frames[0]
+        for frame in frames[1:]:
+            records = records.unionByName(frame)
+        records = records.cache()
         origins = {
-            site: set(manifest.origins.get(site, [])) if manifest else set() for site in SITES
+            site: set(manifest.origins.get(site, [])) if manifest else set() for site in sites
         }
         for r in (
             records.where(F.col("origin").isNotNull()).select("site", "origin").distinct().collect()
         ):
             origins[r["site"]].add(r["origin"])
         sorted_origins = {site: sorted(values) for site, values in origins.items()}
+        site_of = resolve_site_ids(sites, sorted_origins, site_ids)
 
         carried = None if manifest is None else manifest.state_run
         io_a = ios["a"]
@@ -334,17 +222,17 @@ def run_cross_site(
                 None if carried is None else spark.read.parquet(io_a.read(_state(carried, table)))
             )
 
-        ident, new_locals = identify(records, state("locals"), sorted_origins)
+        ident, new_locals = identify(records, state("locals"), site_of)
         ident = ident.cache()
         messages = merge_messages(
-            [p for p in (state("messages"), per_message(ident)) if p is not None]
+            [p for p in (state("messages"), per_message(ident, sites)) if p is not None], sites
         )
         copies_now = copies(ident)
         old_copies = state("copies")
         if old_copies is not None:
             copies_now = (
                 copies_now.unionByName(old_copies)
-                .groupBy("site", "broker", *_IDENTITY)
+                .groupBy("site", "broker", *IDENTITY)
                 .agg(F.sum("n").alias("n"))
             )
         old_locals = state("locals")
@@ -363,20 +251,25 @@ def run_cross_site(
         # Judged from the state just written (what the next run carries).
         messages = spark.read.parquet(io_a.read(_state(run, "messages"))).cache()
         copies_now = spark.read.parquet(io_a.read(_state(run, "copies")))
-        acked = acked_points(messages)
-        judged = classify(messages, acked).cache()
+        acked = acked_points(messages, sites)
+        judged = judge(messages, acked, sites).cache()
         dups = (
             copies_now.where(F.col("n") > 1)
             .select("site", "broker", "queue", F.col("hid").alias("replication_id"), "home",
                     (F.col("n") - 1).alias("copies"))
         )  # fmt: skip
-        done = manifest.segments if manifest is not None else {s: [] for s in SITES}
+        done = manifest.segments if manifest is not None else {s: [] for s in sites}
+        mirror_ids = {site: mirror_id for mirror_id, site in site_of.items()}
         infos = [
-            (site, ios[site].store.location, sorted({s.broker for s in listed[site]}),
-             len(done.get(site, [])) + len(new[site]), len(new[site]))
-            for site in SITES
+            SiteInfo(
+                name=site, store=ios[site].store.location, mirror_id=mirror_ids.get(site),
+                brokers=sorted({s.broker for s in listed[site]}),
+                segments=len(done.get(site, [])) + len(new[site]), segments_read=len(new[site]),
+                origins=sorted_origins[site], acked_until=_oldest(site, sites, acked),
+            )
+            for site in sites
         ]  # fmt: skip
-        summary = _summarize(run, judged, dups.cache(), acked, infos, sorted_origins)
+        summary = _summarize(run, judged, dups.cache(), acked, infos)
         summary.incremental = manifest is not None
         summary.seconds = round(time.monotonic() - started, 3)
         store_a.write_json(f"{PREFIX}/{run}/summary.json", summary.model_dump(mode="json"))
@@ -387,9 +280,10 @@ def run_cross_site(
         store_a.write_json(
             MANIFEST,
             CrossManifest(
-                mirror_store=store_b.location,
+                mirror_store=others[0].location,
+                more_stores=[s.location for s in others[1:]],
                 state_run=run,
-                segments={s: sorted(set(done.get(s, [])) | {n.key for n in new[s]}) for s in SITES},
+                segments={s: sorted(set(done.get(s, [])) | {n.key for n in new[s]}) for s in sites},
                 origins=sorted_origins,
                 runs=runs[-100:],
             ).model_dump(mode="json"),
@@ -404,94 +298,131 @@ def run_cross_site(
             io.close()
 
 
+def _oldest(
+    site: str, sites: Sequence[str], acked: Mapping[tuple[str, str], float | None]
+) -> float | None:
+    """A site's acknowledged point for the summary: the oldest of its points towards each
+    other site (every other site applied what it did up to then); None if one has none."""
+    points = [acked[(site, t)] for t in sites if t != site]
+    return None if any(p is None for p in points) else min(p for p in points if p is not None)
+
+
 def _summarize(
     run: str,
     judged: DataFrame,
     dups: DataFrame,
-    acked: dict[str, float | None],
-    infos: list[tuple[str, str, list[str], int, int]],
-    origins: dict[str, list[str]],
+    acked: Mapping[tuple[str, str], float | None],
+    infos: list[SiteInfo],
 ) -> CrossSiteSummary:
+    """Counts per queue and ordered pair of sites (a direction), folded into the totals.
+
+    `messages`, `mirrored` (held by every other site) and `settled` count messages once;
+    `lost`, `in_flight`, `duplicated`, `unsettled_on_mirror` and `settles_in_flight` count
+    per site that lacks or holds the copy, so they add up over the directions."""
     kind, settle_kind = F.col("kind"), F.col("settle_kind")
+    home, target, settled_at = F.col("home"), F.col("target"), F.col("settled_at")
 
     def count_if(condition: Column) -> Column:
         return F.sum(F.when(condition, 1).otherwise(0))
 
-    def counted(by: Column) -> dict[tuple[str, str], dict[str, int]]:
-        """Counts per (queue, site) of `by`: the home of a message, where a settle was."""
-        rows = (
-            judged.withColumn("by", by)
-            .where(F.col("by").isNotNull())
-            .groupBy("queue", "by")
-            .agg(
-                count_if(F.col("home").isNotNull()).alias("messages"),
-                count_if(F.col("home").isNotNull() & F.col("present")).alias("mirrored"),
-                count_if(kind == FindingKind.MIRROR_LOST.value).alias("lost"),
-                count_if(kind == FindingKind.MIRROR_IN_FLIGHT.value).alias("in_flight"),
-            )
+    pair_rows = (
+        judged.where(home.isNotNull() & (target != home))
+        .groupBy("queue", "home", "target")
+        .agg(
+            F.count("*").alias("messages"),
+            count_if(F.col("present")).alias("mirrored"),
+            count_if(kind == FindingKind.MIRROR_LOST.value).alias("lost"),
+            count_if(kind == FindingKind.MIRROR_IN_FLIGHT.value).alias("in_flight"),
         )
-        return {(r["queue"], r["by"]): r.asDict() for r in rows.collect()}
-
+        .collect()
+    )
     settle_rows = (
-        judged.where(F.col("settled_at").isNotNull())
-        .groupBy("queue", "settled_at")
+        judged.where(settled_at.isNotNull() & (target != settled_at))
+        .groupBy("queue", "settled_at", "target")
         .agg(
             F.count("*").alias("settled"),
             count_if(settle_kind == FindingKind.MIRROR_UNSETTLED.value).alias(
                 "unsettled_on_mirror"
             ),
-            count_if(settle_kind == "settle-in-flight").alias("settles_in_flight"),
+            count_if(settle_kind == SETTLE_IN_FLIGHT).alias("settles_in_flight"),
         )
         .collect()
     )
-    # (queue, direction's source site) -> counts; a direction is from a site to the other
-    cells: dict[tuple[str, str], CrossSiteCounts] = {}
+    # Each message once: on its home's row (messages, mirrored everywhere), on the row of
+    # the site that settled it first (settled).
+    once_rows = (
+        judged.where((home.isNotNull() & (target == home)) | (target == settled_at))
+        .groupBy("queue")
+        .agg(
+            count_if(target == home).alias("messages"),
+            count_if((target == home) & F.col("everywhere")).alias("mirrored"),
+            count_if(target == settled_at).alias("settled"),
+        )
+        .collect()
+    )
+    # (queue, source site, target site) -> counts of that direction
+    cells: dict[tuple[str, str, str], CrossSiteCounts] = {}
 
-    def cell(queue: str, site: str) -> CrossSiteCounts:
-        return cells.setdefault((queue, site), CrossSiteCounts())
+    def cell(queue: str, source: str, to: str) -> CrossSiteCounts:
+        return cells.setdefault((queue, source, to), CrossSiteCounts())
 
-    for (queue, site), row in counted(F.col("home")).items():
-        c = cell(queue, site)
-        c.messages, c.mirrored = row["messages"], row["mirrored"]
-        c.lost, c.in_flight = row["lost"], row["in_flight"]
+    for r in pair_rows:
+        c = cell(r["queue"], r["home"], r["target"])
+        c.messages, c.mirrored = r["messages"], r["mirrored"]
+        c.lost, c.in_flight = r["lost"], r["in_flight"]
     for r in settle_rows:
-        c = cell(r["queue"], r["settled_at"])
+        c = cell(r["queue"], r["settled_at"], r["target"])
         c.settled, c.unsettled_on_mirror = r["settled"], r["unsettled_on_mirror"]
         c.settles_in_flight = r["settles_in_flight"]
     dup_rows = dups.collect()
+    duplicated_at: dict[str, int] = {}
     for r in dup_rows:
-        cell(r["queue"], r["home"]).duplicated += r["copies"]
+        cell(r["queue"], r["home"], r["site"]).duplicated += r["copies"]
+        duplicated_at[r["site"]] = duplicated_at.get(r["site"], 0) + r["copies"]
     hist = T.lag_histogram(
-        judged.where(F.col("lag").isNotNull()).withColumn("origin", F.col("home")),
+        judged.where(F.col("lag").isNotNull()).withColumn("origin", home),
         1e12,
-        ("origin",),
+        ("origin", "target"),
     ).collect()
-    lag_rows: dict[tuple[str, str], list[tuple[int, int, float, float]]] = {}
+    lag_rows: dict[tuple[str, str, str], list[tuple[int, int, float, float]]] = {}
     for r in hist:
-        lag_rows.setdefault((r["queue"], r["origin"]), []).append(
+        lag_rows.setdefault((r["queue"], r["origin"], r["target"]), []).append(
             (r["bin"], r["n"], r["lo"], r["hi"])
         )
-    totals = CrossSiteCounts()
+    names = [i.name for i in infos]
+    pairs = [(x, t) for x in names for t in names if x != t]
+    per_pair: dict[tuple[str, str], CrossSiteCounts] = {p: CrossSiteCounts() for p in pairs}
     per_queue: dict[str, CrossSiteCounts] = {}
-    per_site: dict[str, CrossSiteCounts] = {s: CrossSiteCounts() for s in SITES}
-    for (queue, site), counts in cells.items():
-        for target in (totals, per_queue.setdefault(queue, CrossSiteCounts()), per_site[site]):
-            _add(target, counts)
+    for (queue, source, to), counts in cells.items():
+        _add(per_pair[(source, to)], counts)
+        _add(per_queue.setdefault(queue, CrossSiteCounts()), counts, _PER_COPY)
+    for r in once_rows:
+        c = per_queue.setdefault(r["queue"], CrossSiteCounts())
+        c.messages, c.mirrored, c.settled = r["messages"], r["mirrored"], r["settled"]
+    totals = CrossSiteCounts()
+    for counts in per_queue.values():
+        _add(totals, counts)
 
-    def lag_of(keep: str, value: str) -> LagStats | None:
-        index = 0 if keep == "queue" else 1
-        return _stats([x for key, rows in lag_rows.items() if key[index] == value for x in rows])
-
+    # Histogram rows grouped by queue and by direction (they add up: percentiles of a sum).
+    lag_by_queue: dict[str, list[tuple[int, int, float, float]]] = {}
+    lag_by_pair: dict[tuple[str, str], list[tuple[int, int, float, float]]] = {}
+    for (queue, source, to), rows in lag_rows.items():
+        lag_by_queue.setdefault(queue, []).extend(rows)
+        lag_by_pair.setdefault((source, to), []).extend(rows)
     queues = []
     for key in sorted(per_queue):
         vhost, name = split_queue_key(key)
-        queues.append(
-            CrossSiteQueue(queue=name, vhost=vhost, counts=per_queue[key], lag=lag_of("queue", key))
-        )
+        queues.append(CrossSiteQueue(queue=name, vhost=vhost, counts=per_queue[key],
+                                     lag=_stats(lag_by_queue.get(key))))  # fmt: skip
     directions = [
-        CrossSiteDirection(source=s, target=_other(s), counts=per_site[s], lag=lag_of("site", s))
-        for s in SITES
-    ]
+        CrossSiteDirection(
+            source=x, target=t, counts=per_pair[(x, t)], acked_until=acked[(x, t)],
+            lag=_stats(lag_by_pair.get((x, t))),
+        )
+        for x, t in pairs
+    ]  # fmt: skip
+    for info in infos:
+        info.duplicated = duplicated_at.get(info.name, 0)
     all_lag = [row for rows in lag_rows.values() for row in rows]
     findings = [
         CrossSiteFinding(
@@ -508,37 +439,26 @@ def _summarize(
     ]
     absent = kind.isin(FindingKind.MIRROR_LOST.value, FindingKind.MIRROR_IN_FLIGHT.value)
     listed = judged.where(absent | (settle_kind == FindingKind.MIRROR_UNSETTLED.value))
-    for r in listed.orderBy("queue", "replication_id").limit(MAX_FINDINGS).collect():
+    for r in listed.orderBy("queue", "replication_id", "target").limit(MAX_FINDINGS).collect():
         if r["kind"] is not None:
             findings.append(CrossSiteFinding(
                 kind=FindingKind(r["kind"]), queue=split_queue_key(r["queue"])[1],
                 vhost=split_queue_key(r["queue"])[0], replication_id=r["replication_id"],
-                home=r["home"], site=r["home"], time=r["t_confirm"],
+                home=r["home"], site=r["home"], target=r["target"], time=r["t_confirm"],
             ))  # fmt: skip
         if r["settle_kind"] == FindingKind.MIRROR_UNSETTLED.value:
             findings.append(CrossSiteFinding(
                 kind=FindingKind.MIRROR_UNSETTLED, queue=split_queue_key(r["queue"])[1],
                 vhost=split_queue_key(r["queue"])[0],
                 replication_id=r["replication_id"], home=r["home"], site=r["settled_at"],
-                time=r["t_settle"],
+                target=r["target"], time=r["t_settle"],
             ))  # fmt: skip
-    verdict, failures = cross_site_verdict(totals)
+    verdict, failures = cross_site_verdict(totals, directions)
     return CrossSiteSummary(
         run_id=run,
         verdict=verdict,
         failures=failures,
-        sites=[
-            SiteInfo(
-                name=site,
-                store=store,
-                brokers=brokers,
-                segments=n,
-                segments_read=read,
-                origins=origins[site],
-                acked_until=acked[site],
-            )
-            for site, store, brokers, n, read in infos
-        ],
+        sites=infos,
         totals=totals,
         directions=directions,
         queues=queues,
@@ -547,8 +467,14 @@ def _summarize(
     )
 
 
-def _add(target: CrossSiteCounts, counts: CrossSiteCounts) -> None:
-    for field in CrossSiteCounts.model_fields:
+_PER_COPY = ("lost", "in_flight", "duplicated", "unsettled_on_mirror", "settles_in_flight")
+"""The counts that add up over directions (a copy missing or left at one site each)."""
+
+
+def _add(
+    target: CrossSiteCounts, counts: CrossSiteCounts, fields: Sequence[str] | None = None
+) -> None:
+    for field in fields if fields is not None else CrossSiteCounts.model_fields:
         setattr(target, field, getattr(target, field) + getattr(counts, field))
 
 

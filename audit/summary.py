@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel, Field
 
@@ -248,17 +248,25 @@ class CrossSiteDirection(BaseModel):
     where a client made them, extra copies at their home (the copies are at `target`).
     """
 
-    source: str = Field(description="'a' or 'b'")
+    source: str = Field(description="A site of the audit: 'a', 'b', ...")
     target: str
     counts: CrossSiteCounts
     lag: LagStats | None = Field(None, description="Publish at source -> applied at target")
+    acked_until: float | None = Field(
+        None,
+        description="Confirm or settle time at source of the newest change of its that "
+        "target applied: what is older and absent there is lost, what is newer in flight",
+    )
 
 
 class SiteInfo(BaseModel):
     """One site of the cross-site audit: its store and what its logs show."""
 
-    name: str = Field(description="'a' (--store) or 'b' (--mirror-store)")
+    name: str = Field(description="'a' (--store), then 'b', 'c', ... (each --mirror-store)")
     store: str
+    mirror_id: str | None = Field(
+        None, description="Its mirror id, named (--site-ids) or told by the logs"
+    )
     brokers: list[str]
     segments: int = Field(description="Segments audited so far (this run and carried state)")
     segments_read: int = Field(0, description="... of which this run read (new ones)")
@@ -266,7 +274,11 @@ class SiteInfo(BaseModel):
     acked_until: float | None = Field(
         None,
         description="Confirm or settle time at this site of the newest change the other site "
-        "applied: what is older and absent there is lost, what is newer in flight",
+        "applied: what is older and absent there is lost, what is newer in flight (with "
+        "three sites or more the oldest of its directions' points, None if one has none)",
+    )
+    duplicated: int = Field(
+        0, description="Extra copies its brokers stored of other sites' messages"
     )
 
 
@@ -282,6 +294,9 @@ class CrossSiteFinding(BaseModel):
         description="Where it was confirmed (lost, in flight), settled (unsettled) or "
         "copied twice (duplicate)"
     )
+    target: str | None = Field(
+        None, description="The site that lacks it (lost, in flight) or still holds it (unsettled)"
+    )
     time: float | None = None
     broker: str | None = Field(None, description="The mirror's broker (duplicated)")
     copies: int | None = None
@@ -296,7 +311,8 @@ class CrossSiteSummary(BaseModel):
     sites: list[SiteInfo]
     totals: CrossSiteCounts
     directions: list[CrossSiteDirection] = Field(
-        default_factory=list, description="Per direction (a -> b, b -> a)"
+        default_factory=list,
+        description="Per ordered pair of sites (a -> b, b -> a; with three a -> b, a -> c, ...)",
     )
     queues: list[CrossSiteQueue]
     lag: LagStats | None = None
@@ -307,15 +323,27 @@ class CrossSiteSummary(BaseModel):
     seconds: float = 0.0
 
 
-def cross_site_verdict(totals: CrossSiteCounts) -> tuple[Verdict, list[str]]:
-    """FAIL with its reasons if a message was lost, duplicated or left unsettled."""
-    reasons = [
-        f"{value} {label}"
-        for value, label in (
-            (totals.lost, "confirmed messages missing on the other site"),
-            (totals.duplicated, "copies applied twice on a mirror"),
-            (totals.unsettled_on_mirror, "settled messages still held by the other site"),
-        )
-        if value
-    ]
+def cross_site_verdict(
+    totals: CrossSiteCounts, directions: Sequence[CrossSiteDirection] = ()
+) -> tuple[Verdict, list[str]]:
+    """FAIL with its reasons if a message was lost, duplicated or left unsettled. With
+    three sites or more (more than two directions) each reason says where: `source ->
+    target: count` for each direction that has some."""
+    where = len(directions) > 2
+    other = "another site" if where else "the other site"
+    reasons = []
+    for field, label in (
+        ("lost", f"confirmed messages missing on {other}"),
+        ("duplicated", "copies applied twice on a mirror"),
+        ("unsettled_on_mirror", f"settled messages still held by {other}"),
+    ):
+        value = getattr(totals, field)
+        if not value:
+            continue
+        reason = f"{value} {label}"
+        if where:
+            parts = [f"{d.source} -> {d.target}: {getattr(d.counts, field)}"
+                     for d in directions if getattr(d.counts, field)]  # fmt: skip
+            reason += f" ({', '.join(parts)})"
+        reasons.append(reason)
     return (Verdict.FAIL if reasons else Verdict.PASS), reasons

@@ -243,8 +243,15 @@ class VhostStatus(BaseModel):
         "connections refused, content kept)"
     )
     queues: int
-    mirrored: bool = Field(description="The DR mirror carries its changes (`/` only, today)")
-    federated: bool = Field(description="Federation links and state cover it (`/` only, today)")
+    mirrored: bool = Field(
+        description="The DR mirror carries its changes (one-way: every vhost; the "
+        "bidirectional mode and the mesh: `/` only)"
+    )
+    federated: bool = Field(
+        description="Federation serves it: links from the federation file may federate its "
+        "exchanges, downstreams may link into it, its state is on its amq.twinmq.state (every "
+        "vhost since federation in vhosts)"
+    )
 
 
 class MirrorTargetStatus(BaseModel):
@@ -357,6 +364,8 @@ class FederationLinkStatus(BaseModel):
     """One federated exchange's link to its upstream (docs/federation.md)."""
 
     exchange: str = Field(description="The local (downstream) exchange")
+    vhost: str = Field("/", description="The local exchange's vhost")
+    upstream_vhost: str = Field("/", description="The vhost the link opens on the upstream")
     upstream: str = Field(description="The upstream's name in the federation file")
     uri: str = Field(description="The upstream's URI (never a password)")
     upstream_exchange: str
@@ -431,6 +440,11 @@ class FederationStatus(BaseModel):
     federation_queues: dict[str, list[FederationBinding]] = Field(
         default_factory=dict,
         description="Queues of downstream links held here (federation:...) and their bindings",
+    )
+    vhost_federation_queues: dict[str, dict[str, list[FederationBinding]]] = Field(
+        default_factory=dict,
+        description="The same in the other vhosts than /: vhost -> queue -> bindings (links "
+        "of downstreams that opened that vhost)",
     )
     forwarded_received: int = Field(
         0, description="Messages downstreams forwarded here, published here (since start)"

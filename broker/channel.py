@@ -249,6 +249,7 @@ class Channel:
             self.connection.ctx.receive_peer_status(
                 publish.routing_key, self._header, body, info,
                 allowed=self.connection.allows("write", "exchange", PEER_EXCHANGE),
+                vhost=self.vhost.name,
             )  # fmt: skip
             return
         self.connection.authorize(

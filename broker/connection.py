@@ -132,9 +132,11 @@ class ConnectionContext(Protocol):
         info: ContentHeaderInfo,
         *,
         allowed: bool,
+        vhost: str = "/",
     ) -> None:
-        """A federation peer's status message for `amq.peer` (published if `allowed`: its
-        user may write there; else dropped and counted, never a channel error)."""
+        """A federation peer's status message for `amq.peer` of `vhost` (the one its link
+        opened; published if `allowed`: its user may write there; else dropped and counted,
+        never a channel error)."""
         ...
 
 
@@ -555,16 +557,6 @@ class Connection:
             raise AMQPError(
                 ReplyCode.NOT_ALLOWED,
                 f"access to vhost '{m.virtual_host}' refused for user '{self.user}'",
-                10,
-                40,
-            )
-        if self.origin_stamp is not None and vhost is not self.ctx.vhost:
-            # Federation keeps its links, outboxes and state in `/` (docs/federation.md).
-            log.warning("federation link from %s refused: it opened vhost %r, federation "
-                        "serves the vhost '/' only", self.peer, vhost.name)  # fmt: skip
-            raise AMQPError(
-                ReplyCode.NOT_ALLOWED,
-                f"vhost '{vhost.name}': federation links use the vhost '/' only",
                 10,
                 40,
             )

@@ -148,12 +148,13 @@ QUEUE_UNACKED = Gauge(
 )
 VHOST_MIRRORED = Gauge(
     "twinmq_vhost_mirrored",
-    "Per vhost: 1 if the DR mirror carries it (`/`), 0 if it skips it (as /status says)",
+    "Per vhost: 1 if the DR mirror carries it (every vhost one-way; `/` alone in the "
+    "bidirectional mode and the mesh), 0 if it skips it (as /status says)",
     ["vhost"],
 )
 VHOST_FEDERATED = Gauge(
     "twinmq_vhost_federated",
-    "Per vhost: 1 if federation serves it (`/`), 0 if not (as /status says)",
+    "Per vhost: 1 if federation serves it (every vhost: as /status says)",
     ["vhost"],
 )
 PUBLISHED = _counter(

@@ -351,6 +351,9 @@ class Broker:
         self.mirroring = Mirroring(
             settings, self.vhost, self.committer, self.monitor, close_clients=self.close_clients
         )
+        if self.mirroring.listener is not None:
+            # A vhost the DR source deleted is dropped here too unless this site serves it.
+            self.mirroring.listener.applier.served = lambda: self.authenticator.vhosts
         self.federation = Federation(
             settings.effective_server_id,
             federation,
@@ -535,9 +538,12 @@ class Broker:
         info: ContentHeaderInfo,
         *,
         allowed: bool,
+        vhost: str = "/",
     ) -> None:
-        """A federation peer's status message for `amq.peer`."""
-        self.federation.receive_peer_status(routing_key, header, body, info, allowed=allowed)
+        """A federation peer's status message for `amq.peer` (of the vhost its link opened)."""
+        self.federation.receive_peer_status(
+            routing_key, header, body, info, allowed=allowed, vhost=vhost
+        )
 
     def close_clients(self, reason: str) -> None:
         """Close every client connection (connection.close 320 CONNECTION_FORCED)."""

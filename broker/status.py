@@ -114,8 +114,9 @@ def build_status(broker: Broker) -> BrokerStatus:
             name=v.name,
             served=v.name in broker.authenticator.vhosts,
             queues=len(v.queues),
-            mirrored=v is vhost,
-            federated=v is vhost,
+            # The one-way DR mirror carries every vhost; the bidirectional mode `/` only.
+            mirrored=v is vhost or broker.mirroring.ids is None,
+            federated=True,  # federation serves every vhost (docs/federation.md)
         )
         for v in vhost.vhosts.values()
     ]

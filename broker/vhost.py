@@ -223,6 +223,8 @@ class VirtualHost:
         # Every vhost of the broker by name, the root's dict (shared by all of them).
         self.vhosts: dict[str, VirtualHost] = {name: self} if root is None else root.vhosts
         self._ids: _Ids = _Ids() if root is None else root._ids
+        # The root's: told each vhost made after it (federation serves every vhost).
+        self.vhost_listeners: list[Callable[[VirtualHost], None]] = []
         # A vhost removed from the users file: new connections refused, content kept.
         self.retired = False
         self.committer = committer
@@ -310,6 +312,8 @@ class VirtualHost:
             root.vhosts[name] = vhost
             root._by_qid = None
             log.info("vhost %r: %d queues", name, len(vhost.queues))
+            for listener in root.vhost_listeners:
+                listener(vhost)
         return vhost
 
     def delete_content(self) -> tuple[int, int, int]:

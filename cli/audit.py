@@ -2,6 +2,7 @@
 
     twinmq audit --store URL [--master local[*]] [--full] [--run-id ID] [--json]
     twinmq audit --store URL_A --mirror-store URL_B [--full] [--json]   # across DR sites
+    twinmq audit --store URL_A --mirror-store URL_B --mirror-store URL_C [--site-ids A,B,C]
     twinmq audit-ship --store URL --audit-dir DATA_DIR/audit [--every SECONDS]
 
 Exit codes of `audit`: 0 PASS, 1 FAIL, 2 error. The same entry point serves
@@ -67,8 +68,15 @@ def _audit_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(
         "--mirror-store",
-        help="the other DR site's store: audit the two sites against each other (both "
-        "directions) instead of --store's pair",
+        action="append",
+        default=[],
+        help="another DR site's store: audit the sites against each other (every direction) "
+        "instead of --store's pair; repeated for a ring or a full mesh (sites b, c, ...)",
+    )
+    parser.add_argument(
+        "--site-ids",
+        help="the sites' mirror ids, comma-separated in store order (--store first): needed "
+        "where the logs cannot tell which id is whose (a ring of three)",
     )
     return parser
 
@@ -115,7 +123,7 @@ def audit_main(argv: Sequence[str] | None = None) -> int:
         )
         store = Store(args.store)
         if args.mirror_store:
-            return _cross_site(spark, store, Store(args.mirror_store), args)
+            return _cross_site(spark, store, [Store(m) for m in args.mirror_store], args)
         summary = run_audit(
             spark, store, params, full=args.full, work_dir=args.work_dir, run_id=args.run_id
         )
@@ -194,12 +202,17 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def _cross_site(spark: Any, store_a: Any, store_b: Any, args: argparse.Namespace) -> int:
-    """`twinmq audit --store A --mirror-store B`: the cross-site audit; exit code the verdict."""
+def _cross_site(spark: Any, store_a: Any, others: list[Any], args: argparse.Namespace) -> int:
+    """`twinmq audit --store A --mirror-store B [--mirror-store C ...]`: the cross-site audit;
+    exit code the verdict."""
     from twinmq.audit.cross import run_cross_site
+    from twinmq.audit.cross_sites import parse_site_ids, site_names
     from twinmq.audit.summary import Verdict
 
-    summary = run_cross_site(spark, store_a, store_b, run_id=args.run_id, full=args.full)
+    ids = parse_site_ids(args.site_ids, site_names(1 + len(others)))
+    summary = run_cross_site(
+        spark, store_a, *others, run_id=args.run_id, full=args.full, site_ids=ids
+    )
     if args.json:
         print(summary.model_dump_json(indent=1))
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from twinmq.operator.builders import ClusterRef, Obj, labels, owned_meta
+from twinmq.operator.mirroring import site_id
 from twinmq.operator.models import AuditScope, BrokerClusterSpec
 
 LABEL_RUN = "twinmq.io/audit-run"
@@ -50,14 +51,26 @@ def _store_env(spec: BrokerClusterSpec) -> list[Obj]:
     return [{"secretRef": {"name": secret}}] if secret else []
 
 
-def audit_args(spec: BrokerClusterSpec, name: str, scope: AuditScope) -> list[str]:
+def audit_args(
+    cluster: ClusterRef, spec: BrokerClusterSpec, name: str, scope: AuditScope
+) -> list[str]:
     """The program's arguments common to both launchers: the pair's audit, or (`sites`)
-    this DR site's store against the other's (its summary under `audit/cross/<run>/`)."""
+    this DR site's store against the other sites' (its summary under `audit/cross/<run>/`).
+
+    With a ring's or a mesh's further stores the run is told this site's own mirror id
+    (first in store order): the other sites' ids follow from the logs by elimination,
+    which a ring of three needs (docs/audit.md, "Three sites or more")."""
     assert spec.audit.store_url is not None  # the CRD requires it when audits are enabled
     args = ["--store", spec.audit.store_url, "--run-id", name]
     if scope == "sites":
         assert spec.audit.mirror_store_url is not None  # the planner checks it
         args += ["--mirror-store", spec.audit.mirror_store_url]
+        more = spec.audit.more_mirror_store_urls or []
+        for url in more:
+            args += ["--mirror-store", url]
+        if more:
+            own = site_id(cluster.namespace, cluster.name)  # its events' origin
+            args += ["--site-ids", ",".join([own, *([""] * (1 + len(more)))])]
     return args
 
 
@@ -75,7 +88,7 @@ def build_audit_job(
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["twinmq-audit"],
         "args": [
-            *audit_args(spec, name, scope),
+            *audit_args(cluster, spec, name, scope),
             f"--master=local[{res.driver_cores}]",
             f"--conf=spark.driver.memory={res.driver_memory}",
             f"--conf=spark.local.dir={SCRATCH}/spark",
@@ -193,7 +206,7 @@ def build_spark_application(
             "imagePullPolicy": spec.image_pull_policy,
             "mainApplicationFile": SPARK_APP_FILE,
             "arguments": [
-                *audit_args(spec, name, scope),
+                *audit_args(cluster, spec, name, scope),
                 f"--master=local[{res.driver_cores}]",
                 f"--conf=spark.local.dir={SCRATCH}/spark",
                 f"--work-dir={SCRATCH}/store",

@@ -134,6 +134,8 @@ def render(federation: Federation, namespace: str) -> FederationConfig:
         exchange=e.exchange, upstream=e.upstream, upstream_exchange=e.upstream_exchange,
         type=e.type, max_hops=e.max_hops, prefetch=e.prefetch, forward=e.forward,
         **({"global_keys": True} if e.global_keys else {}),
+        **({"vhost": e.vhost} if e.vhost is not None else {}),
+        **({"upstream_vhost": e.upstream_vhost} if e.upstream_vhost is not None else {}),
     ) for e in federation.exchanges]  # fmt: skip
     options: dict[str, Any] = {}
     if federation.global_key_separator is not None:
@@ -247,6 +249,7 @@ def link_state(link: FederationLinkStatus) -> FederationLinkState:
     state = STATES.get(link.state, "Unknown")
     return FederationLinkState(
         exchange=link.exchange,
+        vhost=link.vhost,
         upstream=link.upstream,
         state=state,
         connected=state == "Running",
@@ -274,7 +277,7 @@ def state_of(
         return None
     if seen is None:
         links = [
-            FederationLinkState(exchange=e.exchange, upstream=e.upstream)
+            FederationLinkState(exchange=e.exchange, vhost=e.vhost or "/", upstream=e.upstream)
             for e in federation.exchanges
         ]
         state = FederationState(server_id=server_id(federation, namespace, name), links=links)
@@ -371,9 +374,15 @@ def condition(state: FederationState | None) -> tuple[str, bool, str, str] | Non
                 f"{len(state.links)} links running as {state.server_id}")  # fmt: skip
     refused = [link for link in down if link.state == "Refused"]
     reason = "PeerRefused" if refused else "LinksDown"
-    why = "; ".join(f"{link.exchange} from {link.upstream}: {link.state}"
+    why = "; ".join(f"{_named(link)} from {link.upstream}: {link.state}"
                     + (f" ({link.message})" if link.message else "") for link in down)  # fmt: skip
     return ("Federated", False, reason, why)
+
+
+def _named(link: FederationLinkState) -> str:
+    """A link as conditions and Events name it: its exchange (in a vhost other than `/`,
+    with the vhost: two vhosts' exchanges of one name are two links)."""
+    return link.exchange if link.vhost == "/" else f"{link.exchange} (vhost {link.vhost})"
 
 
 def events(old: FederationState | None, new: FederationState | None) -> list[tuple[str, str, str]]:
@@ -386,20 +395,20 @@ def events(old: FederationState | None, new: FederationState | None) -> list[tup
     out: list[tuple[str, str, str]] = []
     if new.duplicate_of and (old is None or old.duplicate_of != new.duplicate_of):
         out.append(("Warning", "DuplicateServerId", duplicate_message(new)))
-    before = {link.exchange: link for link in (old.links if old is not None else [])}
+    before = {(ln.vhost, ln.exchange): ln for ln in (old.links if old is not None else [])}
     for link in new.links:
-        was = before.get(link.exchange)
+        was = before.get((link.vhost, link.exchange))
         if link.state == "Unknown" or (was is not None and was.state == link.state):
             continue
         if link.state == "Running":
-            out.append(("Normal", "FederationLinkUp", f"{link.exchange}: the link from "
+            out.append(("Normal", "FederationLinkUp", f"{_named(link)}: the link from "
                         f"{link.upstream} ({link.upstream_server_id}) is running with "
                         f"{link.bindings} bindings"))  # fmt: skip
         elif link.state == "Refused":
-            out.append(("Warning", "FederationPeerRefused", f"{link.exchange}: the link from "
+            out.append(("Warning", "FederationPeerRefused", f"{_named(link)}: the link from "
                         f"{link.upstream} is refused: {link.message}"))  # fmt: skip
         elif was is not None and was.state == "Running":
-            out.append(("Warning", "FederationLinkDown", f"{link.exchange}: the link from "
+            out.append(("Warning", "FederationLinkDown", f"{_named(link)}: the link from "
                         f"{link.upstream} is down: {link.message or 'reconnecting'}"))  # fmt: skip
     # A refused downstream retries (with backoff): one Event per reason, not per attempt
     # (each entry is "<peer address>: <reason>").

@@ -8,7 +8,7 @@ included, and a test keeps the committed YAML equal to the generated one.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -413,10 +413,21 @@ class FederatedExchange(ApiModel):
         min_length=1, max_length=127, pattern=AMQP_NAME,
         description="The local exchange (declared if missing)",
     )  # fmt: skip
+    # Optional, not defaulted: unset, the file and its hash stay as they were (no rollout).
+    vhost: str | None = Field(
+        None, min_length=1, max_length=255,
+        description="The local exchange's vhost (default: /); the brokers' users file must "
+        "serve it for clients to use it",
+    )  # fmt: skip
     upstream: str = Field(min_length=1, max_length=63, description="An upstream's name")
     upstream_exchange: str | None = Field(
         None, min_length=1, max_length=127, pattern=AMQP_NAME,
         description="The exchange on the upstream (default: the same name)",
+    )  # fmt: skip
+    upstream_vhost: str | None = Field(
+        None, min_length=1, max_length=255,
+        description="The upstream exchange's vhost, which the link opens as its user (default: "
+        "the vhost a uri upstream's path names, else the same name as vhost)",
     )  # fmt: skip
     type: Literal["direct", "topic", "fanout", "headers"] = Field(
         "topic", description="Its type, here and upstream (declared if missing)"
@@ -445,12 +456,32 @@ class Federation(ApiModel):
     too (`federation: {}` at least): both brokers of its pair then announce one identifier,
     so a failover there is not taken for another server."""
 
+    # The second rule is the broker's refusal of two exchanges sharing one link queue (its
+    # pods would crash-loop on the file): the upstream vhost as the broker resolves it
+    # (`upstreamVhost`, else `vhost`, else `/`), exact except for a uri upstream whose
+    # path names a vhost (then the path decides), left to the broker.
     model_config = ConfigDict(
-        json_schema_extra=cel(
-            "!has(self.exchanges) || self.exchanges.all(e, has(self.upstreams) && "
-            "self.upstreams.exists(u, u.name == e.upstream))",
-            "every federated exchange names one of spec.federation.upstreams",
-        )
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.exchanges) || self.exchanges.all(e, has(self.upstreams) "
+                    "&& self.upstreams.exists(u, u.name == e.upstream))",
+                    "message": "every federated exchange names one of spec.federation.upstreams",
+                },
+                {
+                    "rule": "!has(self.exchanges) || self.exchanges.all(e, (has(self.upstreams)"
+                    " && self.upstreams.exists(u, u.name == e.upstream && has(u.uri) && "
+                    "u.uri.matches('^amqps?://[^/]+/.+'))) || self.exchanges.exists_one(f, "
+                    "f.upstream == e.upstream && "
+                    "(has(f.upstreamExchange) ? f.upstreamExchange : f.exchange) == "
+                    "(has(e.upstreamExchange) ? e.upstreamExchange : e.exchange) && "
+                    "(has(f.upstreamVhost) ? f.upstreamVhost : has(f.vhost) ? f.vhost : '/') =="
+                    " (has(e.upstreamVhost) ? e.upstreamVhost : has(e.vhost) ? e.vhost : '/')))",
+                    "message": "two exchanges federate one upstream exchange in one upstream "
+                    "vhost: they would share one link queue",
+                },
+            ]
+        }
     )
 
     server_id: str | None = Field(
@@ -467,8 +498,11 @@ class Federation(ApiModel):
     )  # fmt: skip
     exchanges: list[FederatedExchange] = Field(
         default_factory=list, max_length=128,
-        json_schema_extra=cel("self.all(e, self.exists_one(f, f.exchange == e.exchange))",
-                              "each exchange is federated once"),
+        json_schema_extra=cel(
+            "self.all(e, self.exists_one(f, f.exchange == e.exchange && "
+            "(has(f.vhost) ? f.vhost : '/') == (has(e.vhost) ? e.vhost : '/')))",
+            "each exchange is federated once (per vhost)",
+        ),
     )  # fmt: skip
     dedup_window: int = Field(
         100_000, ge=1, le=10_000_000,
@@ -701,6 +735,12 @@ class Audit(ApiModel):
                     "it must start with s3://",
                 },
                 {
+                    "rule": "!has(self.moreMirrorStoreUrls) || (has(self.mirrorStoreUrl) && "
+                    "self.moreMirrorStoreUrls.all(u, u.startsWith('s3://')))",
+                    "message": "moreMirrorStoreUrls are a ring's or a mesh's further sites' "
+                    "audit stores: beside mirrorStoreUrl, each starting with s3://",
+                },
+                {
                     # Brokers (shipping), audit runs and the operator (reading the summary)
                     # all reach an object store wherever they run; a path would be a
                     # different directory in each pod.
@@ -737,6 +777,12 @@ class Audit(ApiModel):
         max_length=1024,
         description="The other DR site's audit store (s3://, reachable with the same "
         "credentials): cross-site audits compare this site with it (docs/audit.md)",
+    )
+    more_mirror_store_urls: list[Annotated[str, Field(max_length=1024)]] | None = Field(
+        None,
+        max_length=MESH_MAX_TARGETS,
+        description="A ring's or a full mesh's further sites' audit stores, beside "
+        "mirrorStoreUrl: cross-site audits compare every site with every other",
     )
     after_mirror_switch: bool = Field(
         True,
@@ -1297,6 +1343,7 @@ class FederationLinkState(ApiModel):
     """One federated exchange's link as the active broker reports it."""
 
     exchange: str
+    vhost: str = Field("/", description="The local exchange's vhost")
     upstream: str
     state: FederationLinkStateName = Field(
         "Unknown",
@@ -1335,8 +1382,10 @@ class FederationState(ApiModel):
     server_id: str = ""
     links: list[FederationLinkState] = Field(
         default_factory=list,
+        # Keyed by vhost too: two vhosts' exchanges of one name are two links (`vhost`
+        # defaults to `/`, as a map key must have a default or be required).
         json_schema_extra={
-            "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["exchange"]
+            "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["exchange", "vhost"]
         },
     )  # fmt: skip
     running: str = Field("", description="Links running / links (a printer column)")

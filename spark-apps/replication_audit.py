@@ -3,6 +3,7 @@
     spark-submit spark-apps/replication_audit.py --store s3://bucket/pair-1
     python spark-apps/replication_audit.py --store /var/lib/twinmq-audit   # local[*]
     spark-submit spark-apps/replication_audit.py --store s3://a/site --mirror-store s3://b/site
+    spark-submit spark-apps/replication_audit.py --store A --mirror-store B --mirror-store C
 
 The job's logic is the `twinmq.audit` package (install `twinmq[audit]` in the
 Spark image); arguments are those of `twinmq audit`. Exit code: 0 PASS,

@@ -146,6 +146,7 @@ class Context:
         info: ContentHeaderInfo,
         *,
         allowed: bool,
+        vhost: str = "/",
     ) -> None:
         """No federation here: recorded for the test."""
         self.peer_statuses.append((routing_key, body, allowed))

@@ -38,6 +38,7 @@ class Sites:
         tmp: Path,
         *,
         source_args: list[str] | None = None,
+        mirror_args: list[str] | None = None,
         reversible: bool = False,
         mirror_to: str | None = None,
         proxied: bool = False,
@@ -54,7 +55,7 @@ class Sites:
             name="site-b",
             extra_args=[
                 "--mirror-port", str(self.mirror_port), "--mirror-token", TOKEN,
-                *(back if reversible else []),
+                *(back if reversible else []), *(mirror_args or []),
             ],
         )  # fmt: skip
         there = ["--mirror-port", str(self.source_port), "--mirror-role", "source"]

@@ -209,12 +209,12 @@ def test_a_tenant_flooding_message_ids_does_not_evict_another_vhosts_dedup_keys(
         assert got == [True, False, False]
 
 
-def test_a_tenant_deleting_and_purging_its_queues_sends_nothing_to_the_dr_mirror(
+def test_a_tenant_deleting_and_purging_its_queues_reaches_the_dr_mirror_as_just_that(
     tmp_path: Path,
 ) -> None:
-    """The mirror carries `/` only: a tenant's queue deleted with its messages, purged,
+    """The mirror carries every vhost: a tenant's queue deleted with its messages, purged,
     or expiring them (their settles, in batches where the queue may be gone already)
-    reaches the mirror neither as data nor as an error, and `/` keeps mirroring."""
+    reaches the mirror as exactly that, never as an error, and `/` keeps mirroring."""
     users = users_file(tmp_path / "users.json")
     with Sites(tmp_path, source_args=["--users-file", str(users)]) as sites:
         tenant = connect(sites.source, "tenant", "orders")
@@ -242,7 +242,7 @@ def test_a_tenant_deleting_and_purging_its_queues_sends_nothing_to_the_dr_mirror
             for q in data["queues"]
             if not q["name"].startswith("amq.twinmq.")
         }
-        assert mirrored == {("/", "after"): 1}
+        assert mirrored == {("/", "after"): 1, ("orders", "purged"): 0, ("orders", "expiring"): 0}
         mirror = mirror_status(sites.source)
         assert mirror is not None and not mirror.get("link_error")
         log = sites.mirror.log_path

@@ -22,7 +22,6 @@ import pika.exceptions
 import pytest
 from disks import end_log_at_a_page, small_tmpfs
 from jepsen import DiskFiller
-from mirrorsites import Sites
 
 from twinmq.broker.admin_client import AdminError
 from twinmq.broker.definitions import (
@@ -172,23 +171,25 @@ def test_connection_open_without_permission_on_the_vhost_is_refused(
     connect(broker, "alice", "tenant-a").close()  # where she has permissions
 
 
-def test_a_federation_link_opening_another_vhost_is_refused(broker: BrokerProcess) -> None:
-    """Federation serves `/` only: a connection announcing a server id (a federation
-    link) is refused at connection.open in any other vhost, and served in `/`."""
+def test_a_federation_link_opens_any_vhost_its_user_may_use(broker: BrokerProcess) -> None:
+    """Federation serves every vhost (docs/federation.md, "Virtual hosts"): a connection
+    announcing a server id (a federation link) opens any vhost its user has permissions
+    in, and is refused with RabbitMQ's words in one where it has none."""
 
-    def link(vhost: str) -> pika.BlockingConnection:
+    def link(vhost: str, user: str = "admin") -> pika.BlockingConnection:
         return pika.BlockingConnection(
             pika.ConnectionParameters(
                 host="127.0.0.1", port=broker.port, virtual_host=vhost,
-                credentials=pika.PlainCredentials("admin", "admin-pw"), connection_attempts=1,
+                credentials=pika.PlainCredentials(user, f"{user}-pw"), connection_attempts=1,
                 client_properties={SERVER_ID_PROPERTY: "some-other-server"},
             )
         )  # fmt: skip
 
-    with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as caught:
-        link("tenant-a")
-    assert "federation links use the vhost '/' only" in str(caught.value)
+    link("tenant-a").close()
     link("/").close()
+    with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as caught:
+        link("tenant-b", "alice")
+    assert "access to vhost 'tenant-b' refused for user 'alice'" in str(caught.value)
 
 
 def test_permissions_are_those_of_the_vhost_opened(broker: BrokerProcess) -> None:
@@ -247,14 +248,17 @@ def test_status_lists_the_vhosts_and_what_the_mirror_and_federation_cover(
     assert data is not None
     vhosts = {v["name"]: v for v in data["vhosts"]}
     assert set(vhosts) >= set(VHOSTS)
+    # The one-way DR mirror carries every vhost (the bidirectional mode `/` only:
+    # tests/test_mirror_vhosts.py); federation every vhost.
     assert vhosts["/"]["mirrored"] and vhosts["/"]["federated"]
-    assert not vhosts["tenant-a"]["mirrored"] and not vhosts["tenant-a"]["federated"]
+    assert vhosts["tenant-a"]["mirrored"] and vhosts["tenant-a"]["federated"]
     assert all(v["served"] for v in vhosts.values())
     # The same on /metrics.
     samples = broker.admin.metrics().splitlines()
     for name in ("twinmq_vhost_mirrored", "twinmq_vhost_federated"):
         assert f'{name}{{vhost="/"}} 1.0' in samples
-        assert f'{name}{{vhost="tenant-a"}} 0.0' in samples
+    assert 'twinmq_vhost_mirrored{vhost="tenant-a"} 1.0' in samples
+    assert 'twinmq_vhost_federated{vhost="tenant-a"} 1.0' in samples
 
 
 def _queue_gauges(broker: BrokerProcess, queue: str) -> dict[tuple[str, str], float]:
@@ -589,30 +593,6 @@ def test_a_vhost_deletion_record_drops_only_that_vhost_and_older_records_lack_it
     assert [b.vhost for b in defs.bindings] == ["/"]
     assert "drop_vhost" not in DefinitionsDelta(del_queues=["q"]).model_dump_json()
     assert DefinitionsDelta.model_validate_json(dropped.model_dump_json()) == dropped
-
-
-def test_the_dr_mirror_carries_slash_and_skips_other_vhosts_loudly(tmp_path: Path) -> None:
-    users = users_file(tmp_path / "users.json")
-    with Sites(tmp_path, source_args=["--users-file", str(users)]) as sites:
-        publish(sites.source, "/", "orders", [b"root-1", b"root-2"])
-        publish(sites.source, "tenant-a", "orders", [b"a-1", b"a-2", b"a-3"])
-        publish(sites.source, "tenant-a", "only-in-a", [b"a-4"])
-        publish(sites.source, "/", "orders", [b"root-3"])
-        sites.caught_up()
-        data = status(sites.mirror)
-        assert data is not None
-        mirrored = {
-            (q["vhost"], q["name"]): q["messages"]
-            for q in data["queues"]
-            if not q["name"].startswith("amq.twinmq.")
-        }
-        assert mirrored == {("/", "orders"): 3}
-        log = sites.source.log_path
-        assert log is not None
-        assert "skipping the changes of vhosts other than '/'" in log.read_text()
-        data = status(sites.source)
-        assert data is not None
-        assert {v["name"]: v["mirrored"] for v in data["vhosts"]}["tenant-a"] is False
 
 
 def test_deleting_a_vhost_on_a_full_disk_answers_507_and_loses_nothing_recorded(

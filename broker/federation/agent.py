@@ -44,7 +44,7 @@ from twinmq.broker.errors import AMQPError
 from twinmq.broker.federation import bindings as fb
 from twinmq.broker.federation import metrics, peer
 from twinmq.broker.federation.config import FederatedExchange, Upstream
-from twinmq.broker.federation.dedup import DurableKeys
+from twinmq.broker.federation.dedup import DurableKeys, scoped
 from twinmq.broker.federation.headers import HEADERS_FLAG, PATH, arrival, departure
 from twinmq.broker.federation.identity import (
     DUPLICATE_ID,
@@ -117,13 +117,23 @@ class FederationLink:
         self.upstream_name = upstream_name
         self.upstream = upstream
         self.server_id = server_id
+        # The local exchange's vhost; the dedup records and the held queue are the
+        # server's, in `/` (`root`), as the window shared by every link is.
         self.vhost = vhost
+        self.root = vhost.root
+        # The vhost the link opens upstream (`upstream-vhost`, the URI's, or ours).
+        self.upstream_vhost = fed.source_vhost(upstream)
         self.batches = batches
         self.alarm = alarm
         self.queue = queue_name(fed.source_exchange, server_id)
         stem = quote(fed.exchange, safe="")
+        if fed.vhost != "/":
+            # Another vhost's exchange of the same name has a record of its own.
+            state_dir = state_dir / "vhosts" / quote(fed.vhost, safe="")
+            state_dir.mkdir(parents=True, exist_ok=True)
         self.keys = keys  # the server's window, shared by its links
-        keys.register(fed.exchange)  # it waits for this link from the start (any origin)
+        self.link_id = fed.link_id
+        keys.register(self.link_id)  # it waits for this link from the start (any origin)
         # What may be bound upstream (a crash between recording and binding leaves more
         # here than there, never less): unbound at the next resync if not wanted.
         self._record = fb.Record(state_dir / f"{stem}.bindings.json")
@@ -158,7 +168,7 @@ class FederationLink:
         self._dirty = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._label = fed.exchange
+        self._label = self.link_id
         metrics.LINK_RUNNING.labels(self._label).set(0)
         metrics.LINK_REFUSED.labels(self._label).set(0)
         metrics.BINDINGS.labels(self._label).set_function(lambda: len(self.bound))
@@ -168,7 +178,7 @@ class FederationLink:
     def start(self) -> None:
         """Start connecting (and reconnecting) in the background."""
         self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"twinmq-federation-{self.fed.exchange}"
+            self._run(), name=f"twinmq-federation-{self._label}"
         )
 
     async def stop(self) -> None:
@@ -240,7 +250,7 @@ class FederationLink:
                 else:
                     self._set_state("connecting", text)
                     log.warning(
-                        "federation %s <- %s (%s): link down: %s", self.fed.exchange,
+                        "federation %s <- %s (%s): link down: %s", self._label,
                         self.upstream_name, self.upstream.shown(), text,
                     )  # fmt: skip
             if self._ran:
@@ -256,7 +266,7 @@ class FederationLink:
         if self.state != "refused" or self.error != reason:
             log.error(
                 "federation %s <- %s (%s) REFUSED: %s",
-                self.fed.exchange, self.upstream_name, self.upstream.shown(), reason,
+                self._label, self.upstream_name, self.upstream.shown(), reason,
             )  # fmt: skip
         self._set_state("refused", reason)
 
@@ -297,12 +307,12 @@ class FederationLink:
             header, body = peer.encode(event.model_copy(update={"to_peer": True}))
             connection.basic_publish(PEER_EXCHANGE, event.event, header, body)
         except (LinkClosed, OSError) as exc:  # the session ends on its own
-            log.debug("federation %s: status not sent upstream: %r", self.fed.exchange, exc)
+            log.debug("federation %s: status not sent upstream: %r", self._label, exc)
 
     async def _session(self) -> None:
         """One connection, until it fails (`_ran`: it reached running)."""
         connection = await LinkClient.connect(
-            self.upstream.connect_uri(),
+            self.upstream.connect_uri(self.upstream_vhost),
             {
                 SERVER_ID_PROPERTY: self.server_id,
                 "connection_name": f"federation {self.fed.exchange} -> {self.server_id}",
@@ -338,7 +348,7 @@ class FederationLink:
                 # resource alarm blocks the reads of its connection, and the consumer's
                 # acks (which free the upstream's memory) must still go through.
                 publisher = await LinkClient.connect(
-                    self.upstream.connect_uri(),
+                    self.upstream.connect_uri(self.upstream_vhost),
                     {
                         SERVER_ID_PROPERTY: self.server_id,
                         "connection_name": f"federation {self.fed.exchange} forward "
@@ -372,7 +382,7 @@ class FederationLink:
             self._ran = True
             log.info(
                 "federation %s <- %s (%s, server %s): running, %d upstream bindings",
-                self.fed.exchange, self.upstream_name, self.upstream.shown(), peer,
+                self._label, self.upstream_name, self.upstream.shown(), peer,
                 len(self.bound),
             )  # fmt: skip
             closing = connection.closing
@@ -430,7 +440,7 @@ class FederationLink:
         except TimeoutError:
             log.warning(
                 "federation %s: no full state from the upstream in %.0f s; resync from the "
-                "local record only", self.fed.exchange, STATE_WAIT,
+                "local record only", self._label, STATE_WAIT,
             )  # fmt: skip
 
     def _state_message(self, delivery: Delivery) -> None:
@@ -440,7 +450,7 @@ class FederationLink:
         try:
             message = StateMessage.model_validate_json(delivery.body)
         except ValueError as exc:  # news only: a bad one is skipped, the link goes on
-            log.warning("federation %s: unreadable state message: %s", self.fed.exchange, exc)
+            log.warning("federation %s: unreadable state message: %s", self._label, exc)
             return
         view.apply(message)
         if message.kind == "full":
@@ -585,7 +595,10 @@ class FederationLink:
                 # version's): kept as received, never republished with headers rewritten.
                 # Its (origin, seq) cannot be read; the bytes name it (the upstream's
                 # stamp is among them), so a redelivery after a crash is still a duplicate.
-                held_key = "held\x00" + hashlib.sha256(message.header + message.body).hexdigest()
+                held_key = scoped(
+                    self.vhost.name,
+                    "held\x00" + hashlib.sha256(message.header + message.body).hexdigest(),
+                )
                 if held_key in self.keys:
                     self.duplicates += 1
                     metrics.DUPLICATES.labels(self._label).inc()
@@ -598,6 +611,8 @@ class FederationLink:
             headers = {name: fieldtable.to_python(value) for name, value in table.items}
             verdict = arrival(headers, self.upstream_id, self.server_id, self.fed.max_hops)
             key = verdict.dedup_key
+            if key is not None:
+                key = scoped(self.vhost.name, key)  # one window, a key space per vhost
             if verdict.verdict in ("loop", "too-many-hops"):
                 self.loops += 1
                 metrics.LOOPS.labels(self._label).inc()
@@ -644,8 +659,8 @@ class FederationLink:
             waiting.append((tag, key, result))
         # The keys' record joins the same group commit as the messages (no await since
         # their publishes): after a crash both are on disk or neither.
-        record = self.keys.record(self.vhost, [key for _t, key, _r in waiting if key]) + held
-        record_batch = self.vhost.committer.add(record) if record else 0
+        record = self.keys.record(self.root, [key for _t, key, _r in waiting if key]) + held
+        record_batch = self.root.committer.add(record) if record else 0
         recorded = True if not record_batch else await self.batches.wait(record_batch)
         durable: list[str] = []
         failed: list[str] = []
@@ -661,7 +676,7 @@ class FederationLink:
                 (durable if ok else failed).append(key)
         self.keys.settle(durable, failed)
         # In force once 4 prefetch windows later: a cut's re-deliveries come before that.
-        self.keys.passed(self.fed.exchange, passed + durable, max(4096, 4 * self.fed.prefetch))
+        self.keys.passed(self.link_id, passed + durable, max(4096, 4 * self.fed.prefetch))
         for tag, ok in sorted(settled):
             try:
                 if ok:
@@ -674,9 +689,9 @@ class FederationLink:
 
     def _hold(self, message: Delivery, exc: Exception) -> JournalOp:
         """Keep a delivery that cannot be republished, as received, in `HELD_QUEUE`."""
-        queue = self.vhost.internal_queue(HELD_QUEUE, HELD_QID, locked=False)
-        mid = self.vhost.next_mid
-        self.vhost.next_mid += 1
+        queue = self.root.internal_queue(HELD_QUEUE, HELD_QID, locked=False)
+        mid = self.root.next_mid
+        self.root.next_mid += 1
         stored = Message(mid, "", HELD_QUEUE, message.header, message.body, True, None, None)
         queue.entries.append(Entry(stored, None, True))
         queue.bytes += len(message.body)

@@ -8,16 +8,18 @@ environment variable or a file.
 
 from __future__ import annotations
 
+import json
 import os
 import ssl
 from pathlib import Path
 from typing import Literal
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ExchangeKind = Literal["direct", "topic", "fanout", "headers"]
+DEFAULT_VHOST = "/"
 
 
 def _hyphenated(name: str) -> str:
@@ -33,7 +35,11 @@ class _Model(BaseModel):
 class Upstream(_Model):
     """A broker (pair) to federate from: where, and how to log in."""
 
-    uri: str = Field(description="amqp://USER@HOST:PORT/ (no password here)")
+    uri: str = Field(
+        description="amqp://USER@HOST:PORT/ (no password here); a path names the upstream's "
+        "vhost, percent-encoded as RabbitMQ's URIs (amqp://HOST/tenant-a, %2F for '/'): then "
+        "every exchange federated from it uses that vhost unless it says `upstream-vhost`"
+    )
     password_env: str | None = Field(None, description="Environment variable with the password")
     password_file: Path | None = Field(None, description="File whose content is the password")
     reconnect_max_seconds: float = Field(
@@ -105,12 +111,22 @@ class Upstream(_Model):
             return self.password_file.read_text().strip()
         return None
 
-    def connect_uri(self) -> str:
-        """The URI with the password filled in (for the client library only: never logged)."""
+    @property
+    def vhost(self) -> str | None:
+        """The vhost the URI names (`amqp://host/tenant-a`), None if it names none
+        (`amqp://host` or `amqp://host/`: each federated exchange's own vhost then)."""
+        path = urlsplit(self.uri).path
+        return unquote(path[1:]) if len(path) > 1 else None
+
+    def connect_uri(self, vhost: str | None = None) -> str:
+        """The URI with the password filled in (for the client library only: never logged),
+        opening `vhost` if given (else the URI's own path)."""
         password = self.password()
-        if password is None:
-            return self.uri
         parts = urlsplit(self.uri)
+        if vhost is not None:
+            parts = parts._replace(path="/" + quote(vhost, safe=""))
+        if password is None:
+            return self.uri if vhost is None else urlunsplit(parts)
         user = parts.username or "guest"
         host = parts.hostname or ""
         if ":" in host:
@@ -129,8 +145,17 @@ class FederatedExchange(_Model):
     """A local exchange that receives what an upstream exchange routes to its bindings."""
 
     exchange: str = Field(min_length=1, description="The local (downstream) exchange")
+    vhost: str = Field(
+        DEFAULT_VHOST, min_length=1, description="The local exchange's vhost (default '/')"
+    )
     upstream: str = Field(description="The name of an entry of `upstreams`")
     upstream_exchange: str | None = Field(None, description="Default: the same name")
+    upstream_vhost: str | None = Field(
+        None,
+        min_length=1,
+        description="The upstream exchange's vhost: default the vhost the upstream's URI names, "
+        "else the same name as `vhost`",
+    )
     type: ExchangeKind = Field("topic", description="Declared here and upstream if missing")
     max_hops: int = Field(1, ge=1, description="Federation links a message may cross at most")
     prefetch: int = Field(256, ge=1, le=65535, description="Unacknowledged deliveries at most")
@@ -163,6 +188,20 @@ class FederatedExchange(_Model):
         """The exchange on the upstream."""
         return self.upstream_exchange or self.exchange
 
+    def source_vhost(self, upstream: Upstream) -> str:
+        """The upstream exchange's vhost: `upstream-vhost`, else the URI's, else ours."""
+        return self.upstream_vhost or upstream.vhost or self.vhost
+
+    @property
+    def link_id(self) -> str:
+        """The link's name among the server's links (dedup marks, metrics labels, logs):
+        the exchange's name in `/` (as before vhosts), else the JSON list [vhost, exchange]:
+        two vhosts' exchanges of one name are two links, and no federated exchange of `/`
+        is named so (the link's client takes only the spec's name characters, no `[`)."""
+        if self.vhost == DEFAULT_VHOST:
+            return self.exchange
+        return json.dumps([self.vhost, self.exchange])
+
 
 class FederationConfig(_Model):
     """The whole federation file."""
@@ -191,16 +230,33 @@ class FederationConfig(_Model):
 
     @model_validator(mode="after")
     def _references(self) -> FederationConfig:
-        seen: set[str] = set()
+        seen: set[tuple[str, str]] = set()
+        # One link queue per (upstream, its vhost, its exchange): two local exchanges
+        # federating the same one would share it, each taking the other's messages.
+        sources: dict[tuple[str, str, str], FederatedExchange] = {}
         for fed in self.exchanges:
             if fed.upstream not in self.upstreams:
                 raise ValueError(
                     f"exchange {fed.exchange!r} names upstream {fed.upstream!r}, which is not "
                     f"among the upstreams ({', '.join(sorted(self.upstreams)) or 'none'})"
                 )
-            if fed.exchange in seen:
-                raise ValueError(f"exchange {fed.exchange!r} is federated twice")
-            seen.add(fed.exchange)
+            if (fed.vhost, fed.exchange) in seen:
+                where = "" if fed.vhost == DEFAULT_VHOST else f" in vhost {fed.vhost!r}"
+                raise ValueError(f"exchange {fed.exchange!r}{where} is federated twice")
+            seen.add((fed.vhost, fed.exchange))
+            source = (
+                fed.upstream,
+                fed.source_vhost(self.upstreams[fed.upstream]),
+                fed.source_exchange,
+            )
+            other = sources.get(source)
+            if other is not None:
+                raise ValueError(
+                    f"exchanges {other.exchange!r} (vhost {other.vhost!r}) and {fed.exchange!r} "
+                    f"(vhost {fed.vhost!r}) both federate exchange {source[2]!r} of upstream "
+                    f"{source[0]!r} in its vhost {source[1]!r}: they would share one link queue"
+                )
+            sources[source] = fed
         return self
 
 

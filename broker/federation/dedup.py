@@ -48,6 +48,7 @@ promotion every link has passed nothing, which keeps more, never fewer.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict, deque
 from typing import Final, Protocol
@@ -81,6 +82,28 @@ class KeyStore(Protocol):
     def internal_queue(self, name: str, qid: int, *, locked: bool = True) -> Queue:
         """A durable queue of the broker's own, made if missing."""
         ...
+
+
+def scoped(vhost: str, key: str) -> str:
+    """`key` (an `origin\\0seq` key, or a held message's) as the window keeps it for the
+    local vhost `vhost`: unchanged in `/` (the keys before vhosts, byte for byte); in
+    another vhost its origin becomes the JSON list [vhost, origin] (a held key: [vhost,
+    key]), so one message federated into two vhosts (two tenants' exchanges) is two keys
+    and neither copy is taken for the other's duplicate. JSON escapes NUL, so the result
+    still splits at its last NUL into (scoped origin, seq) and the bitmaps keep one
+    origin per vhost.
+
+    The origin is the message's header, which a client can set: a `/` origin spelling
+    another vhost's scoped one (`["t1", "central"]`) would reach into that vhost's keys
+    and suppress its messages. So a `/` origin that starts with `[` (no server id a
+    deployment uses does) is scoped as `["/", origin]`: every (vhost, origin) maps to its
+    own key."""
+    named = _origin_seq(key)
+    if vhost == "/" and (named is None or not named[0].startswith("[")):
+        return key
+    if named is None:
+        return json.dumps([vhost, key])
+    return f"{json.dumps([vhost, named[0]])}\x00{named[1]}"
 
 
 def _origin_seq(key: str) -> tuple[str, int] | None:

@@ -35,8 +35,16 @@ import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
 
 from twinmq.broker.atomicfile import replace_file
 from twinmq.broker.federation.agent import QUEUE_PREFIX
@@ -77,10 +85,22 @@ class LinkQueue(BaseModel):
     upstream: str
     queue: str
     exchange: str
+    vhost: str = "/"  # the upstream's vhost the queue is in
+
+    @model_serializer(mode="wrap")
+    def _without_root_vhost(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # `/`'s entries are written as before vhosts (the same links.json, byte for byte).
+        out: dict[str, Any] = handler(self)
+        if self.vhost == "/":
+            out.pop("vhost", None)
+        return out
 
     def shown(self) -> str:
-        """`upstream/queue`, as `/status` and the logs name it."""
-        return f"{self.upstream}/{self.queue}"
+        """`upstream/queue` (`upstream/vhost/queue` in another vhost than `/`, the vhost
+        percent-encoded), as `/status` and the logs name it."""
+        if self.vhost == "/":
+            return f"{self.upstream}/{self.queue}"
+        return f"{self.upstream}/{quote(self.vhost, safe='')}/{self.queue}"
 
 
 class KnownLinks(BaseModel):
@@ -120,19 +140,19 @@ class Orphans:
         configured = set(self.configured)
         # Never a queue a configured link uses: two upstream names may be one server
         # (an exchange moved from one to the other keeps its queue there).
-        used = {link.queue: link.upstream for link in self.configured}
+        used = {(link.vhost, link.queue): link.upstream for link in self.configured}
         pending: list[LinkQueue] = []
         for link in self._remembered():
             if link in configured or link in pending or link.shown() in self.left:
                 continue
-            if link.upstream in named and link.queue not in used:
+            if link.upstream in named and (link.vhost, link.queue) not in used:
                 pending.append(link)
                 continue
             self.left.append(link.shown())
             why = (
-                f"a configured link uses the same queue name (upstream {used[link.queue]}): "
-                "delete it by hand if that is another server"
-                if link.queue in used
+                f"a configured link uses the same queue name (upstream "
+                f"{used[link.vhost, link.queue]}): delete it by hand if that is another server"
+                if (link.vhost, link.queue) in used
                 else f"upstream {link.upstream} is no longer in the federation file (no "
                 "address nor credentials): delete it by hand"
             )
@@ -195,8 +215,17 @@ class Orphans:
             pause = min(pause * 2, upstream.reconnect_max_seconds)
 
     async def _delete(self, name: str, upstream: Upstream) -> None:
+        # The URI's vhost first (the look in its state), then each other vhost holding a
+        # pending orphan of this upstream, by a connection opening that vhost.
+        home = upstream.vhost
+        await self._delete_in(name, upstream, None)
+        others = {link.vhost for link in self.pending if link.upstream == name}
+        for vhost in sorted(others - {home or "/"}):
+            await self._delete_in(name, upstream, vhost)
+
+    async def _delete_in(self, name: str, upstream: Upstream, vhost: str | None) -> None:
         connection = await LinkClient.connect(
-            upstream.connect_uri(),
+            upstream.connect_uri(vhost),
             {
                 SERVER_ID_PROPERTY: self.server_id,
                 "connection_name": f"federation clean-up from {self.server_id}",
@@ -212,9 +241,12 @@ class Orphans:
             if refusal is not None:
                 raise ConnectionError(refusal)
             announced = connection.server_properties.get(STATE_PROPERTY)
-            if announced in (STATE_EXCHANGE, STATE_EXCHANGE.encode()):
-                self._add_found(name, await _link_queues(connection, self.server_id))
-            for link in [link for link in self.pending if link.upstream == name]:
+            if vhost is None and announced in (STATE_EXCHANGE, STATE_EXCHANGE.encode()):
+                self._add_found(
+                    name, await _link_queues(connection, self.server_id), upstream.vhost or "/"
+                )
+            opened = vhost or upstream.vhost or "/"
+            for link in [x for x in self.pending if x.upstream == name and x.vhost == opened]:
                 dropped = await connection.queue_delete(link.queue)
                 self.pending.remove(link)
                 self.deleted.append(link.shown())
@@ -228,12 +260,13 @@ class Orphans:
             with contextlib.suppress(Exception):
                 await connection.close()
 
-    def _add_found(self, name: str, queues: Mapping[str, str]) -> None:
+    def _add_found(self, name: str, queues: Mapping[str, str], vhost: str = "/") -> None:
         """Pending: the link queues of this server on upstream `name` (queue -> exchange,
         from its state) that no configured link uses nor the record already holds."""
-        known = {link.queue for link in (*self.configured, *self.pending)}
-        found = [LinkQueue(upstream=name, queue=queue, exchange=exchange)
-                 for queue, exchange in sorted(queues.items()) if queue not in known]  # fmt: skip
+        known = {(link.vhost, link.queue) for link in (*self.configured, *self.pending)}
+        found = [LinkQueue(upstream=name, queue=queue, exchange=exchange, vhost=vhost)
+                 for queue, exchange in sorted(queues.items())
+                 if (vhost, queue) not in known]  # fmt: skip
         if not found:
             return
         for link in found:

@@ -27,7 +27,7 @@ from twinmq.broker.federation import peer as peer_status
 from twinmq.broker.federation.agent import QUEUE_PREFIX, FederationLink, queue_name
 from twinmq.broker.federation.config import FederationConfig
 from twinmq.broker.federation.dedup import QUEUE_NAME as DEDUP_QUEUE
-from twinmq.broker.federation.dedup import DurableKeys
+from twinmq.broker.federation.dedup import DurableKeys, scoped
 from twinmq.broker.federation.globalkeys import GlobalKeys
 from twinmq.broker.federation.headers import forwarded
 from twinmq.broker.federation.identity import PEER_EXCHANGE, duplicate_refusal
@@ -76,46 +76,77 @@ class Federation:
         self._keys_loaded = False
         self.batches = batches = BatchFutures()
         committer.await_durable(batches)
-        vhost.reply_router = self.reply_queues
-        # Every server publishes its definitions (state replication), links or not.
-        self.state = StatePublisher(server_id, vhost, epoch)
         self.epoch = epoch
         self.status_interval = config.status_interval_seconds if config is not None else 0.0
         self._status_task: asyncio.Task[None] | None = None
-        self._link_queues: list[str] | None = None
-        vhost.definition_listeners.append(self._forget_link_queues)
-        global_exchanges = [] if config is None else [
-            fed.exchange for fed in config.exchanges if fed.global_keys
-        ]  # fmt: skip
-        self.global_keys = GlobalKeys(
-            server_id,
-            config.global_key_separator if config is not None else ".",
-            vhost,
-            global_exchanges,
-        )
-        if global_exchanges:
-            vhost.queue_listeners.append(self.global_keys.queue_declared)
-            for exchange in global_exchanges:
-                vhost.reply_to_rewriters[exchange] = self.global_keys.rewrite
+        # Per vhost: the link queues held there (cached between definition changes).
+        self._link_queues: dict[str, list[str]] = {}
+        self._separator = separator = config.global_key_separator if config is not None else "."
+        # Global keys per vhost: a temporary queue is bound to its own vhost's exchanges.
+        global_exchanges: dict[str, list[str]] = {}
+        for fed in config.exchanges if config is not None else []:
+            if fed.global_keys:
+                global_exchanges.setdefault(fed.vhost, []).append(fed.exchange)
+        self.global_keys: dict[str, GlobalKeys] = {
+            name: GlobalKeys(server_id, separator, vhost.add_vhost(name), exchanges)
+            for name, exchanges in global_exchanges.items()
+        }
+        # Every server publishes each vhost's definitions on that vhost's
+        # `amq.twinmq.state` (state replication), links or not; `state` is `/`'s.
+        self.states: dict[str, StatePublisher] = {}
         self.upstreams = dict(config.upstreams) if config is not None else {}
         if config is not None:
             for fed in config.exchanges:
-                self.links[fed.exchange] = FederationLink(
-                    fed, fed.upstream, config.upstreams[fed.upstream], server_id, vhost,
+                local = vhost.add_vhost(fed.vhost)
+                self.links[fed.link_id] = FederationLink(
+                    fed, fed.upstream, config.upstreams[fed.upstream], server_id, local,
                     batches, alarm, state_dir, keys,
                 )  # fmt: skip
+        # (vhost, exchange) -> its link: the binding changes of that exchange go to it.
+        self._by_exchange = {(ln.fed.vhost, ln.fed.exchange): ln for ln in self.links.values()}
         # The link queues upstream of links removed from the file (issue 15): found at
         # each start (the file may have been there before this broker was a downstream).
         self.orphans = Orphans(
             state_dir,
             server_id,
-            (LinkQueue(upstream=link.upstream_name, queue=link.queue, exchange=exchange)
-             for exchange, link in self.links.items()),
+            (LinkQueue(upstream=link.upstream_name, queue=link.queue, exchange=link.fed.exchange,
+                       vhost=link.upstream_vhost)
+             for link in self.links.values()),
         )  # fmt: skip
-        if not self.links:
+        if self.links:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        # Every vhost now and each one made later (the users file reloaded, recovery).
+        for each in list(vhost.vhosts.values()):
+            self._serve_vhost(each)
+        vhost.vhost_listeners.append(self._serve_vhost)
+
+    @property
+    def state(self) -> StatePublisher:
+        """`/`'s state publisher (the `state` of `/status`)."""
+        return self.states["/"]
+
+    def _serve_vhost(self, vhost: VirtualHost) -> None:
+        """Federation in `vhost`: its state publisher, the default exchange's route to link
+        queues for global keys, binding changes told to its links (docs/federation.md,
+        "Virtual hosts")."""
+        if vhost.name in self.states and self.states[vhost.name].vhost is vhost:
             return
-        state_dir.mkdir(parents=True, exist_ok=True)
-        vhost.binding_listeners.append(self._bindings_changed)
+        self.states[vhost.name] = StatePublisher(self.server_id, vhost, self.epoch)
+        vhost.reply_router = lambda key: self.reply_queues(key, vhost)
+        vhost.definition_listeners.append(lambda: self._forget_link_queues(vhost.name))
+        keys = self.global_keys.get(vhost.name)
+        if keys is None or keys.vhost is not vhost:  # new, or the vhost made again
+            exchanges = [] if keys is None else keys.exchanges
+            keys = GlobalKeys(self.server_id, self._separator, vhost, exchanges)
+            self.global_keys[vhost.name] = keys
+        if keys.exchanges:
+            vhost.queue_listeners.append(keys.queue_declared)
+            for exchange in keys.exchanges:
+                vhost.reply_to_rewriters[exchange] = keys.rewrite
+        if any(link.vhost is vhost for link in self.links.values()):
+            vhost.binding_listeners.append(
+                lambda exchange: self._bindings_changed(vhost.name, exchange)
+            )
 
     def start(self) -> None:
         """Declare the local federated exchanges if missing and start the links (active)."""
@@ -128,8 +159,8 @@ class Federation:
             self._load_keys()
         for link in self.links.values():
             fed = link.fed
-            if fed.exchange not in self.vhost.exchanges:
-                self.vhost.declare_exchange(
+            if fed.exchange not in link.vhost.exchanges:
+                link.vhost.declare_exchange(
                     fed.exchange, fed.type, passive=False, durable=True, auto_delete=False,
                     internal=False, arguments={},
                 )  # fmt: skip
@@ -176,7 +207,7 @@ class Federation:
                     upstream_state_seq=view.seq if view is not None and view.state else None,
                     time=peer_status.now(),
                 )  # fmt: skip
-                peer_status.publish(self.vhost, event)
+                peer_status.publish(link.vhost, event)
                 link.send_status(event)  # and to the upstream's amq.peer (seed 002)
 
     def _load_keys(self) -> None:
@@ -204,13 +235,15 @@ class Federation:
         except ValueError:
             headers = None
         verdict = forwarded(headers, self.server_id)
-        key = verdict.dedup_key
+        # The vhost the link opened here: its exchange's; its keys are that vhost's.
+        vhost = self.vhost.vhosts.get(exchange.definition.vhost, self.vhost)
+        key = None if verdict.dedup_key is None else scoped(vhost.name, verdict.dedup_key)
         self._load_keys()
         if verdict.verdict == "loop" or (key is not None and key in self.keys):
             self.forwarded_dropped += 1
             metrics.FORWARDED_DUPLICATES.inc()
             return PublishResult(1, False, self.vhost.committer.confirm_point())
-        result = self.vhost.publish(exchange, routing_key, header, body, info, hold=hold)
+        result = vhost.publish(exchange, routing_key, header, body, info, hold=hold)
         self.forwarded_received += 1
         metrics.FORWARDED_RECEIVED.inc()
         if key is None or result.rejected:
@@ -237,13 +270,15 @@ class Federation:
         info: ContentHeaderInfo,
         *,
         allowed: bool,
+        vhost: str = "/",
     ) -> None:
         """Upstream side: a downstream link's status message for this server's `amq.peer`
         (seed 002: a peer's status is published on the other side's exchange). Published
         as it came, never forwarded on; dropped and counted (logged once) when the link's
         user may not write to `amq.peer` or the message is persistent (a status is news,
-        never data to keep)."""
-        exchange = self.vhost.exchanges.get(PEER_EXCHANGE)
+        never data to keep). `vhost`: the one the link opened here (its `amq.peer`)."""
+        target = self.vhost.vhosts.get(vhost, self.vhost)
+        exchange = target.exchanges.get(PEER_EXCHANGE)
         why = (
             "the link's user may not write to it" if not allowed
             else "persistent (status messages are transient)" if info.persistent
@@ -256,15 +291,15 @@ class Federation:
                 self._peer_drop_logged = True
                 log.warning("a federation peer's status for %s dropped: %s", PEER_EXCHANGE, why)
             return
-        self.vhost.publish(exchange, routing_key, header, body, info, forward=False)
+        target.publish(exchange, routing_key, header, body, info, forward=False)
         self.peer_status_received += 1
 
-    def _bindings_changed(self, exchange: str) -> None:
-        link = self.links.get(exchange)
+    def _bindings_changed(self, vhost: str, exchange: str) -> None:
+        link = self._by_exchange.get((vhost, exchange))
         if link is not None:
             link.bindings_changed()
 
-    def reply_queues(self, routing_key: str) -> list[str]:
+    def reply_queues(self, routing_key: str, vhost: VirtualHost | None = None) -> list[str]:
         """Where a publish on the default exchange goes when no queue here is named
         `routing_key` and the key is a global key (docs/federation.md, "Global routing
         keys"): with this server's prefix, the temporary queue here it names; naming
@@ -272,22 +307,27 @@ class Federation:
         `<server id><sep><name>`), the link queue of that server that holds a binding with
         this key (the requester's queue bound to a federated exchange under it, by hand
         or by `global-keys`), so a service replies as to any RabbitMQ reply-to. One link
-        queue at most (the first exchange with the binding): one reply, one copy."""
-        local = self.global_keys.local_queue(routing_key)
+        queue at most (the first exchange with the binding): one reply, one copy. In
+        `vhost` (default `/`): its queues, its link queues."""
+        vhost = self.vhost if vhost is None else vhost
+        keys = self.global_keys.get(vhost.name)
+        local = None if keys is None else keys.local_queue(routing_key)
         if local is not None:
             return [local]
         key = routing_key.removeprefix(SERVER_NAMED_PREFIX)
-        if self._link_queues is None:
+        link_queues = self._link_queues.get(vhost.name)
+        if link_queues is None:
             # Rebuilt after any definition change: this path is every unroutable
             # default-exchange publish, not worth a scan of every queue each time.
-            self._link_queues = [q for q in self.vhost.queues if q.startswith(QUEUE_PREFIX)]
-        if not self._link_queues:
+            link_queues = [q for q in vhost.queues if q.startswith(QUEUE_PREFIX)]
+            self._link_queues[vhost.name] = link_queues
+        if not link_queues:
             return []
-        for exchange in self.vhost.exchanges.values():
+        for exchange in vhost.exchanges.values():
             if not exchange.name:
                 continue
             prefix = queue_name(exchange.name, "")
-            for queue in self._link_queues:
+            for queue in link_queues:
                 if not queue.startswith(prefix):
                     continue
                 server = queue[len(prefix) :]
@@ -300,8 +340,8 @@ class Federation:
                     return [queue]
         return []
 
-    def _forget_link_queues(self) -> None:
-        self._link_queues = None
+    def _forget_link_queues(self, vhost: str) -> None:
+        self._link_queues.pop(vhost, None)
 
     def peer_refusal(self, peer: str, announced: object) -> str | None:
         """Upstream side: why a connecting peer is refused (its identifier is ours), or None;
@@ -334,10 +374,12 @@ class Federation:
         """The `federation` section of `/status`."""
         links = []
         for link in self.links.values():
-            exchange = self.vhost.exchanges.get(link.fed.exchange)
+            exchange = link.vhost.exchanges.get(link.fed.exchange)
             links.append(
                 FederationLinkStatus(
                     exchange=link.fed.exchange,
+                    vhost=link.fed.vhost,
+                    upstream_vhost=link.upstream_vhost,
                     upstream=link.upstream_name,
                     uri=link.upstream.shown(),
                     upstream_exchange=link.fed.source_exchange,
@@ -362,34 +404,24 @@ class Federation:
                     stale_unbound=link.stale_unbound,
                 )
             )
-        held: dict[str, list[FederationBinding]] = {}
-        for queue in self.vhost.queues:
-            if queue.startswith(QUEUE_PREFIX):
-                held[queue] = []
-        if held:
-            for exchange in self.vhost.exchanges.values():
-                if exchange.name == "":
-                    continue  # every queue's implicit binding
-                for binding in exchange.bindings.values():
-                    if binding.queue in held:
-                        held[binding.queue].append(
-                            FederationBinding(
-                                exchange=exchange.name,
-                                routing_key=binding.routing_key,
-                                arguments=binding.arguments,
-                            )
-                        )
+        held = _link_queues_held(self.vhost)
+        others = {
+            name: found
+            for name, vhost in sorted(self.vhost.vhosts.items())
+            if name != self.vhost.name and (found := _link_queues_held(vhost))
+        }
         return FederationStatus(
             server_id=self.server_id,
             links=links,
             refused_peers=list(self.refused),
             federation_queues=held,
+            vhost_federation_queues=others,
             forwarded_received=self.forwarded_received,
             forwarded_dropped=self.forwarded_dropped,
             peer_status_received=self.peer_status_received,
             peer_status_dropped=self.peer_status_dropped,
-            global_keys_bound=self.global_keys.bound,
-            reply_to_rewritten=self.global_keys.rewritten,
+            global_keys_bound=sum(keys.bound for keys in self.global_keys.values()),
+            reply_to_rewritten=sum(keys.rewritten for keys in self.global_keys.values()),
             state=self._state_status(),
             upstream_queues_deleted=list(self.orphans.deleted),
             upstream_queues_pending=[link.shown() for link in self.orphans.pending],
@@ -408,6 +440,28 @@ class Federation:
             queues=queues,
             bindings=bindings,
         )
+
+
+def _link_queues_held(vhost: VirtualHost) -> dict[str, list[FederationBinding]]:
+    """Upstream side: the downstreams' link queues in `vhost` and their bindings."""
+    held: dict[str, list[FederationBinding]] = {}
+    for queue in vhost.queues:
+        if queue.startswith(QUEUE_PREFIX):
+            held[queue] = []
+    if held:
+        for exchange in vhost.exchanges.values():
+            if exchange.name == "":
+                continue  # every queue's implicit binding
+            for binding in exchange.bindings.values():
+                if binding.queue in held:
+                    held[binding.queue].append(
+                        FederationBinding(
+                            exchange=exchange.name,
+                            routing_key=binding.routing_key,
+                            arguments=binding.arguments,
+                        )
+                    )
+    return held
 
 
 def _peer_state(link: FederationLink) -> PeerStateStatus | None:

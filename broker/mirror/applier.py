@@ -31,15 +31,16 @@ import logging
 import struct
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from pydantic import BaseModel, Field
 
 from twinmq.broker.commit import Waiter
+from twinmq.broker.definitions import DEFAULT_VHOST as ROOT
 from twinmq.broker.definitions import Definitions, QueueDef
-from twinmq.broker.fieldtable import Table, encode_table, long_int, text
+from twinmq.broker.fieldtable import Table, Value, encode_table, long_int, text
 from twinmq.broker.heap import HeapFreezer
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
@@ -83,11 +84,20 @@ class MirrorState(Protocol):
         ...
 
     def definitions(self) -> Definitions:
-        """The durable topology."""
+        """The durable topology of the vhost `/` (the bidirectional mode's)."""
         ...
 
-    def apply_definitions(self, defs: Definitions) -> None:
-        """Make the topology equal to `defs`."""
+    def all_definitions(self) -> Definitions:
+        """The durable topology of every vhost."""
+        ...
+
+    def all_queues(self) -> list[Queue]:
+        """The queues of every vhost."""
+        ...
+
+    def apply_definitions(self, defs: Definitions, served: Collection[str] | None = None) -> None:
+        """Make the topology of every vhost equal to `defs` (a vhost it names made here);
+        with `served`, a vhost neither names is dropped (emptied first)."""
         ...
 
     def apply_ops(self, ops: list[JournalOp]) -> list[str]:
@@ -231,6 +241,10 @@ class MirrorApplier:
         self._seeding: set[str] = set()
         # Keeps the applied messages out of full collections (`broker/heap.py`).
         self.heap: HeapFreezer | None = None
+        # The vhosts this broker's users file declares (set by the server): a vhost the
+        # source deleted is dropped here too unless this site serves it (then kept, empty,
+        # as a passive keeps it: `VirtualHost.apply_definitions`).
+        self.served: Callable[[], Collection[str]] | None = None
 
     def mark(self, origin: str) -> AppliedMark | None:
         """The last applied mark of `origin`, as durable (or about to be)."""
@@ -349,16 +363,19 @@ class MirrorApplier:
         return None
 
     def _apply_definitions(self, defs: Definitions, emptied: Iterable[QueueDef] = ()) -> None:
-        """The source's topology, plus this broker's internal queues, kept as they are
-        (and `emptied`: queues whose messages a seed just orphaned)."""
-        own = [q for q in self.vhost.definitions().queues if is_internal(q.name)]
+        """The source's topology of every vhost (a vhost it names and this broker lacks is
+        made; one it no longer names is emptied, and dropped unless served here), plus this
+        broker's internal queues, kept as they are (and `emptied`: queues whose messages a
+        seed just orphaned)."""
+        own = [q for q in self.vhost.all_definitions().queues if is_internal(q.name)]
         self.vhost.apply_definitions(
             Definitions(
                 exchanges=defs.exchanges,
                 queues=[*(q for q in defs.queues if not is_internal(q.name)), *own, *emptied],
                 bindings=[b for b in defs.bindings if not is_internal(b.queue)],
                 next_qid=defs.next_qid,
-            )
+            ),
+            served=None if self.served is None else self.served(),
         )
 
     def _apply_ops(self, ops: list[JournalOp], keys: list[str]) -> list[JournalOp]:
@@ -399,7 +416,7 @@ class MirrorApplier:
         before the batch would take the messages with the queue)."""
         kept = {q.qid for q in defs.queues}
         emptied: list[QueueDef] = []
-        for queue in list(self.vhost.queues.values()):
+        for queue in self.vhost.all_queues():  # every vhost's: qids are the broker's
             qid = queue.definition.qid
             if qid in kept or qid >= INTERNAL_QID_BASE or is_internal(queue.name):
                 continue
@@ -434,13 +451,14 @@ class MirrorApplier:
             m = entry.message
             queue.bytes -= entry.size
             out.append(Settle(covered.qid, m.mid))
-            table = Table(
-                (
-                    ("x-mirror-origin", text(origin)),
-                    ("x-mirror-orphan-queue", text(queue.name)),
-                    ("x-mirror-orphan-mid", long_int(m.mid)),
-                )
-            )
+            fields: list[tuple[str, Value]] = [
+                ("x-mirror-origin", text(origin)),
+                ("x-mirror-orphan-queue", text(queue.name)),
+                ("x-mirror-orphan-mid", long_int(m.mid)),
+            ]
+            if queue.definition.vhost != ROOT:  # `/`'s orphans' headers as before vhosts
+                fields.append(("x-mirror-orphan-vhost", text(queue.definition.vhost)))
+            table = Table(tuple(fields))
             header = _header_with(table, len(m.body))
             orphan = Message(m.mid, m.exchange, queue.name, header, m.body, True, None, None)
             orphans.entries.append(Entry(orphan, None, True))
@@ -497,6 +515,15 @@ class MirrorApplier:
         deleted go (the ops)."""
         assert self.ids is not None
         topology, deleted = apply_delta(self.vhost.definitions(), delta)
+        # The mode carries `/` only: the other vhosts' topology stays as it is (given
+        # `/`'s alone, `apply_definitions` would empty them).
+        rest = self.vhost.all_definitions()
+        topology = Definitions(
+            exchanges=[*topology.exchanges, *(e for e in rest.exchanges if e.vhost != ROOT)],
+            queues=[*topology.queues, *(q for q in rest.queues if q.vhost != ROOT)],
+            bindings=[*topology.bindings, *(b for b in rest.bindings if b.vhost != ROOT)],
+            next_qid=topology.next_qid,
+        )
         if self.forwarder is not None:
             self.forwarder.applying = True
         try:

@@ -8,9 +8,9 @@ mirror's high-water mark per origin makes apply idempotent.
     event = u8 kind | f64 created (unix time, for the age of the oldest event) | payload
     OPS          payload = the journal's own op encoding (`encode_ops`): one group commit's
                  changes to mirrored queues (enqueues, settles), applied as one unit
-    DEFINITIONS  payload = JSON of `Definitions`: the whole mirrored topology (full
-                 state, so declares, deletes and argument changes converge and
-                 re-applying is harmless)
+    DEFINITIONS  payload = JSON of `Definitions`: the whole mirrored topology of every
+                 vhost (full state, so declares, deletes and argument changes, vhosts
+                 made and deleted converge and re-applying is harmless)
     SEED         payload = UTF-8 reason: a (re-)seed starts here; every event before it is
                  irrelevant to a mirror (the DEFINITIONS and SNAPSHOT events after it
                  rebuild the whole state), so any mirror can start from it
@@ -228,17 +228,19 @@ def is_internal(name: str) -> bool:
     return name.startswith(INTERNAL_PREFIX)
 
 
-def mirrored_definitions(definitions: Definitions) -> Definitions:
-    """The topology a mirror receives: everything durable of the vhost `/` (the mirror
-    carries no other: docs/mirror.md) but the internal queues."""
+def mirrored_definitions(definitions: Definitions, *, root_only: bool = False) -> Definitions:
+    """The topology a mirror receives: everything durable of every vhost but the internal
+    queues (`root_only`: of the vhost `/` alone, the bidirectional mode's: its id map is
+    keyed by queue names, docs/mirror.md "Virtual hosts"). `/`'s objects carry no `vhost`
+    in their JSON, so `/`'s part of the event is what it was before vhosts were mirrored."""
+
+    def kept(vhost: str) -> bool:
+        return not root_only or vhost == DEFAULT_VHOST
+
     return Definitions(
-        exchanges=[e for e in definitions.exchanges if e.vhost == DEFAULT_VHOST],
-        queues=[
-            q for q in definitions.queues if q.vhost == DEFAULT_VHOST and not is_internal(q.name)
-        ],
-        bindings=[
-            b for b in definitions.bindings if b.vhost == DEFAULT_VHOST and not is_internal(b.queue)
-        ],
+        exchanges=[e for e in definitions.exchanges if kept(e.vhost)],
+        queues=[q for q in definitions.queues if kept(q.vhost) and not is_internal(q.name)],
+        bindings=[b for b in definitions.bindings if kept(b.vhost) and not is_internal(b.queue)],
         next_qid=definitions.next_qid,
     )
 

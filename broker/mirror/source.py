@@ -28,7 +28,7 @@ from typing import Final, Protocol
 from pydantic import BaseModel
 
 from twinmq.broker.commit import Waiter
-from twinmq.broker.definitions import Definitions
+from twinmq.broker.definitions import DEFAULT_VHOST, Definitions
 from twinmq.broker.heap import HeapFreezer
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
@@ -122,11 +122,20 @@ class SourceState(Protocol):
         ...
 
     def definitions(self) -> Definitions:
-        """The durable topology."""
+        """The durable topology of the vhost `/` (the bidirectional mode's)."""
+        ...
+
+    def all_definitions(self) -> Definitions:
+        """The durable topology of every vhost (the one-way mirror's)."""
+        ...
+
+    def all_queues(self) -> list[Queue]:
+        """The queues of every vhost."""
         ...
 
     def other_vhost_qids(self) -> frozenset[int]:
-        """The qids of the queues in vhosts other than `/` (the mirror skips them)."""
+        """The qids of the queues in vhosts other than `/` (the bidirectional mode skips
+        them)."""
         ...
 
 
@@ -240,14 +249,14 @@ class MirrorSource:
             else:
                 # Re-announce every object (never a delete): covers a crash between a
                 # topology change and its event.
-                current = mirrored_definitions(self.vhost.definitions())
+                current = mirrored_definitions(self.vhost.definitions(), root_only=True)
                 self._emit_bidi([], topology=declares_only(topology_delta(None, current)))
                 self._topology = current
             return queue
         if first:
             self._seed("first activation as the DR source")
         elif announce:
-            self._emit_definitions(self.vhost.definitions())
+            self._emit_definitions(self.vhost.all_definitions())
         return queue
 
     def reseed(self, reason: str, target: str | None = None) -> int:
@@ -305,9 +314,9 @@ class MirrorSource:
         if self.ids is not None:
             return self._announce(reason)
         self._emit(encode_seed_event(reason, self.clock()))
-        self._emit_definitions(self.vhost.definitions())
+        self._emit_definitions(self.vhost.all_definitions())
         count = 0
-        for queue in list(self.vhost.queues.values()):
+        for queue in self.vhost.all_queues():  # every vhost's (qids are the broker's)
             if not queue.durable or queue.definition.qid >= INTERNAL_QID_BASE:
                 continue
             count += self._snapshot_queue(queue)
@@ -342,7 +351,7 @@ class MirrorSource:
     def _announce(self, reason: str) -> int:
         """The bidirectional seed: every object declared and every journaled message
         enqueued, in the origin's terms (a mirror keeps what it has: no orphans)."""
-        current = mirrored_definitions(self.vhost.definitions())
+        current = mirrored_definitions(self.vhost.definitions(), root_only=True)
         self._topology = current
         self._emit_bidi([], topology=topology_delta(None, current), seed=reason)
         count = 0
@@ -588,9 +597,8 @@ class MirrorSource:
         if not qids:
             return []
         now = self.clock()
-        skipped = self.vhost.other_vhost_qids()  # empty unless other vhosts hold queues
-        if max(qids) < INTERNAL_QID_BASE and (not skipped or qids.isdisjoint(skipped)):
-            # Every op is mirrored.
+        if max(qids) < INTERNAL_QID_BASE:
+            # Every op is mirrored (every vhost's: qids are unique across them).
             body = ops_event(encoded, now)
             if len(qids) == 1:
                 # One queue's bytes are the whole encoding (`op_bytes_by_queue`'s count
@@ -600,8 +608,6 @@ class MirrorSource:
                 op = self._record(body, op_bytes_by_queue(ops))
         else:
             mirrored = [op for op in ops if op.qid < INTERNAL_QID_BASE]
-            if skipped:
-                mirrored = self._only_root_vhost(mirrored, skipped)
             if not mirrored:
                 return []
             op = self._record(encode_ops_event(mirrored, now), op_bytes_by_queue(mirrored))
@@ -609,14 +615,14 @@ class MirrorSource:
         return [op, *self._beyond_retention()]
 
     def _only_root_vhost(self, ops: list[JournalOp], skipped: frozenset[int]) -> list[JournalOp]:
-        """`ops` without those of other vhosts than `/`: the mirror carries `/` only
-        (docs/mirror.md); logged the first time, counted in /status (`vhosts`)."""
+        """`ops` without those of other vhosts than `/`: the bidirectional mode carries `/`
+        only (docs/mirror.md); logged the first time, counted in /status (`vhosts`)."""
         kept = [op for op in ops if op.qid not in skipped]
         if len(kept) != len(ops) and not self._warned_vhosts:
             self._warned_vhosts = True
             log.warning(
-                "mirror: skipping the changes of vhosts other than '/' (the DR mirror "
-                "carries the vhost '/' only): %d ops in this batch not mirrored",
+                "mirror: skipping the changes of vhosts other than '/' (the bidirectional "
+                "mode carries the vhost '/' only): %d ops in this batch not mirrored",
                 len(ops) - len(kept),
             )
         return kept
@@ -660,7 +666,7 @@ class MirrorSource:
         """A per-object delta of the topology; none while the applier changes it (that
         change is forwarded as the event that made it). Deleted queues' map records go."""
         assert self.ids is not None
-        new = mirrored_definitions(definitions)
+        new = mirrored_definitions(definitions, root_only=True)
         old, self._topology = self._topology, new
         if self.applying or old is None or not self.active or self._queue is None:
             return
@@ -955,9 +961,12 @@ class MirrorSource:
         return {self._label(qid): size for qid, size in self.queue_lag_bytes.items()}
 
     def _label(self, qid: int) -> str:
-        """A queue's name (a queue deleted since: its qid)."""
+        """A queue's name, with its vhost unless `/` (a queue deleted since: its qid)."""
         queue = self.vhost.queue_by_qid(qid)
-        return queue.name if queue is not None else f"qid:{qid}"
+        if queue is None:
+            return f"qid:{qid}"
+        vhost = queue.definition.vhost
+        return queue.name if vhost == DEFAULT_VHOST else f"{queue.name} (vhost {vhost})"
 
     def lag_seconds_by_queue(self) -> dict[str, float]:
         """Per queue name: the age of its oldest event not yet acknowledged."""
