@@ -9,7 +9,8 @@ operator. The API server's own authorizer answers for the author at admission (C
 - create pods in its namespace (the brokers' and the audit runs' images are theirs to
   name; the audit's ServiceAccount is one such pod's), and
 - read every Secret it names: `auth.secretName`, `audit.storeSecretName`,
-  `mirror.secretName`, `tls.secretName`, each federation upstream's `passwordSecret`
+  `mirror.secretName`, `tls.secretName`, `tls.clientCertificates.caSecretName` (whose
+  bundle decides which applications get in), each federation upstream's `passwordSecret`
   and `tls.clientSecret` (a client certificate's key is a credential too), and the
   `<name>-auth` Secret of a same-namespace BrokerCluster an upstream refers to without
   one (the operator would mount that cluster's password);
@@ -43,6 +44,9 @@ _SECRETS = (
     " ? [object.spec.mirror.secretName] : [])"
     " + (has(object.spec.tls) && has(object.spec.tls.secretName)"
     " ? [object.spec.tls.secretName] : [])"
+    " + (has(object.spec.tls) && has(object.spec.tls.clientCertificates)"
+    " && has(object.spec.tls.clientCertificates.caSecretName)"
+    " ? [object.spec.tls.clientCertificates.caSecretName] : [])"
     " + (has(object.spec.federation) && has(object.spec.federation.upstreams)"
     " ? object.spec.federation.upstreams.map(u,"
     " has(u.passwordSecret) ? u.passwordSecret.name"
@@ -127,8 +131,9 @@ def policy(allowed_images: str = "[]") -> Obj:
     }
 
 
-MAX_SECRETS = 4 + 2 * 16
-"""The most Secrets a BrokerCluster names: auth, audit store, mirror, TLS, and a password
+MAX_SECRETS = 5 + 2 * 16
+"""The most Secrets a BrokerCluster names: auth, audit store, mirror, TLS, the client CA
+bundle, and a password
 and a client certificate for each of at most 16 federation upstreams."""
 
 

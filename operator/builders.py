@@ -36,6 +36,7 @@ from twinmq.operator import federation, mirroring
 from twinmq.operator.models import (
     BrokerClusterSpec,
     BrokerName,
+    ClientCertificates,
     Limits,
     Mirror,
     PeerTlsPhase,
@@ -144,6 +145,55 @@ def tls_volumes(cluster: ClusterRef, spec: BrokerClusterSpec) -> list[Obj]:
 def tls_mounts(spec: BrokerClusterSpec) -> list[Obj]:
     """Where the broker container sees it."""
     return [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if spec.tls.enabled else []
+
+
+CLIENT_CA_DIR = "/etc/twinmq/client-ca"
+"""Where the broker container sees the applications' CA bundle (`spec.tls.clientCertificates`;
+a whole volume, no subPath, so the kubelet's updates reach the file and the broker reloads
+it)."""
+
+
+def client_certificates(spec: BrokerClusterSpec) -> ClientCertificates | None:
+    """The client certificates AMQPS asks for, if any (TLS on, a mode other than `none`)."""
+    wanted = spec.tls.client_certificates
+    if not spec.tls.enabled or wanted is None or wanted.mode == "none":
+        return None
+    return wanted
+
+
+def federation_amqps(spec: BrokerClusterSpec) -> bool:
+    """Whether federation may set AMQPS's client CA (its downstreams' CAs, certificates
+    optional): with TLS on, unless `spec.tls.clientCertificates` does. The broker has one
+    `--tls-ca`: a cluster that asks applications for certificates and is also an upstream
+    lists its downstreams' CAs in its own bundle (docs/security.md)."""
+    return spec.tls.enabled and client_certificates(spec) is None
+
+
+def client_ca_args(spec: BrokerClusterSpec) -> list[str]:
+    """`--tls-ca` and `--tls-client-certs` from `spec.tls.clientCertificates` (none unset)."""
+    wanted = client_certificates(spec)
+    if wanted is None:
+        return []
+    return [f"--tls-ca={CLIENT_CA_DIR}/ca.crt", f"--tls-client-certs={wanted.mode}"]
+
+
+def client_ca_volumes(spec: BrokerClusterSpec) -> list[Obj]:
+    """The bundle's ConfigMap or Secret, its one key as `ca.crt`."""
+    wanted = client_certificates(spec)
+    if wanted is None:
+        return []
+    items = [{"key": wanted.ca_key, "path": "ca.crt"}]
+    if wanted.ca_secret_name is not None:
+        return [{"name": "client-ca", "secret": {"secretName": wanted.ca_secret_name,
+                                                 "items": items}}]  # fmt: skip
+    return [{"name": "client-ca", "configMap": {"name": wanted.ca_config_map, "items": items}}]
+
+
+def client_ca_mounts(spec: BrokerClusterSpec) -> list[Obj]:
+    """Where the broker container sees it."""
+    if client_certificates(spec) is None:
+        return []
+    return [{"name": "client-ca", "mountPath": CLIENT_CA_DIR, "readOnly": True}]
 
 
 PEER_TLS_DIR = "/etc/twinmq/peer-tls"
@@ -410,10 +460,11 @@ def build_pod(
                         else ["--no-audit"]
                     ),
                     *federation.broker_args(
-                        spec.federation, cluster.namespace, cluster.name, spec.tls.enabled
+                        spec.federation, cluster.namespace, cluster.name, federation_amqps(spec)
                     ),
                     *limit_args(spec.limits),
                     *tls_args(spec),
+                    *client_ca_args(spec),
                     *peer_tls_args(cluster, broker, peer_tls),
                 ],
                 "env": [
@@ -455,7 +506,8 @@ def build_pod(
                     *tls_mounts(spec),
                     *peer_tls_mounts(peer_tls),
                     *mirroring.tls_mounts(spec),
-                    *federation.mounts(spec.federation, spec.tls.enabled),
+                    *client_ca_mounts(spec),
+                    *federation.mounts(spec.federation, federation_amqps(spec)),
                 ],
             },
             *sidecars,
@@ -474,7 +526,8 @@ def build_pod(
             *tls_volumes(cluster, spec),
             *peer_tls_volumes(cluster, broker, peer_tls),
             *mirroring.tls_volumes(spec, cluster.name),
-            *federation.volumes(spec.federation, cluster.name, spec.tls.enabled),
+            *client_ca_volumes(spec),
+            *federation.volumes(spec.federation, cluster.name, federation_amqps(spec)),
         ],
     }
     if token_seconds is not None:

@@ -39,7 +39,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import ValidationError
 
-from twinmq.operator.builders import ClusterRef, owned_meta
+from twinmq.operator.builders import ClusterRef, client_certificates, owned_meta
 from twinmq.operator.models import (
     BrokerClusterSpec,
     FederationUpstream,
@@ -266,6 +266,13 @@ def resolve_downstreams(
     fed = spec.federation
     if fed is None or not spec.tls.enabled:
         return None
+    wanted = client_certificates(spec)
+    if wanted is not None:
+        # The broker has one --tls-ca: the spec's bundle takes AMQPS (builders.py).
+        return DownstreamTrust(
+            f"client certificates {wanted.mode}, verified against spec.tls.clientCertificates' "
+            "bundle only: it must hold the downstreams' CAs"
+        )
     if fed.downstream_ca_config_map is not None:
         return DownstreamTrust(
             f"client certificates verified against ConfigMap {fed.downstream_ca_config_map} "

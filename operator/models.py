@@ -622,10 +622,64 @@ class IssuerReference(ApiModel):
     group: str = Field("cert-manager.io", min_length=1, max_length=253, description="API group")
 
 
+ClientCertificateMode = Literal["none", "optional", "required"]
+"""Whether AMQPS asks applications for a certificate (the broker's `--tls-client-certs`)."""
+
+
+class ClientCertificates(ApiModel):
+    """Mutual TLS with applications on AMQPS (RabbitMQ's `verify_peer`, its cluster
+    operator's `tls.caSecretName`): the CA bundle client certificates are verified
+    against, from a ConfigMap or a Secret of this namespace, reloaded by the brokers when
+    it changes (docs/security.md, "Client certificates")."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.mode == 'none' || has(self.caConfigMap) "
+                    "|| has(self.caSecretName)",
+                    "message": "client certificates optional or required need a CA bundle: "
+                    "caConfigMap or caSecretName",
+                },
+                {
+                    "rule": "!has(self.caConfigMap) || !has(self.caSecretName)",
+                    "message": "one CA bundle: caConfigMap or caSecretName, not both",
+                },
+            ]
+        }
+    )
+
+    mode: ClientCertificateMode = Field(
+        "required",
+        description="`required`: an application without a certificate signed by a CA of the "
+        "bundle is refused at the handshake; `optional`: one may present none (and logs in "
+        "with its password), one presented must verify; `none`: no certificate asked for",
+    )
+    ca_config_map: str | None = Field(
+        None, min_length=1, max_length=253,
+        description="ConfigMap in this namespace with the CA bundle (PEM, key `caKey`)",
+    )  # fmt: skip
+    ca_secret_name: str | None = Field(
+        None, min_length=1, max_length=253,
+        description="Secret in this namespace with the CA bundle (PEM, key `caKey`); its "
+        "author must be allowed to read it (the admission policy checks)",
+    )  # fmt: skip
+    ca_key: str = Field("ca.crt", min_length=1, max_length=253, description="The bundle's key")
+
+
 class Tls(ApiModel):
     """AMQPS (5671) beside AMQP (5672): the brokers' server certificate, from an
     operator-managed CA per BrokerCluster (the default), a Secret of your own, or
-    cert-manager (docs/security.md, "Certificates")."""
+    cert-manager (docs/security.md, "Certificates"); and, if asked for, the applications'
+    client certificates."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "!has(self.clientCertificates) || self.clientCertificates.mode == 'none' "
+            "|| self.enabled",
+            "client certificates are verified on AMQPS: they need tls.enabled",
+        )
+    )
 
     enabled: bool = Field(True, description="Serve AMQPS on 5671 beside AMQP on 5672")
     secret_name: str | None = Field(
@@ -641,6 +695,12 @@ class Tls(ApiModel):
         None,
         description="A cert-manager issuer: the operator creates a cert-manager Certificate "
         "(`<cluster>-tls`) for the brokers' names instead of issuing one itself",
+    )
+    client_certificates: ClientCertificates | None = Field(
+        None,
+        description="Verify applications' client certificates on AMQPS against a CA bundle "
+        "of yours (mutual TLS). Unset: none asked for (unless federation downstreams' CAs "
+        "are configured, which makes them optional)",
     )
 
 

@@ -99,6 +99,7 @@ def test_an_author_who_may_not_create_pods_is_refused(admin: Kube, kube_apiserve
         {"audit": {"enabled": True, "storeUrl": "s3://a/b", "storeSecretName": "someone-elses"}},
         {"mirror": {"role": "replica", "secretName": "someone-elses"}},
         {"tls": {"secretName": "someone-elses"}},
+        {"tls": {"clientCertificates": {"caSecretName": "someone-elses"}}},
         {"federation": {"upstreams": [{"name": "hq", "uri": "amqp://h/",
                                        "passwordSecret": {"name": "someone-elses"}}],
                         "exchanges": [{"exchange": "x", "upstream": "hq"}]}},
@@ -110,7 +111,7 @@ def test_an_author_who_may_not_create_pods_is_refused(admin: Kube, kube_apiserve
                                                "clientSecret": "someone-elses"}}],
                         "exchanges": [{"exchange": "x", "upstream": "hq"}]}},
     ],
-    ids=["auth", "audit-store", "mirror", "tls", "federation-password",
+    ids=["auth", "audit-store", "mirror", "tls", "client-ca", "federation-password",
          "federation-cluster-ref", "federation-client-certificate"],
 )  # fmt: skip
 def test_naming_a_secret_the_author_may_not_read_is_refused(
