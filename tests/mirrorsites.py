@@ -177,6 +177,40 @@ def publish(broker: BrokerProcess, queue: str, bodies: list[bytes]) -> None:
         connection.close()
 
 
+def publish_counted(
+    broker: BrokerProcess, queue: str, prefix: str, n: int, confirmed: list[int]
+) -> None:
+    """Publish `prefix-0` .. `prefix-<n-1>` (persistent, confirmed) into `queue`, declared
+    durable; each confirmed one counted in `confirmed[0]` (what a thread that died on
+    the way had confirmed)."""
+    connection, ch = channel(broker)
+    try:
+        ch.queue_declare(queue, durable=True)
+        ch.confirm_delivery()
+        for i in range(n):
+            ch.basic_publish("", queue, f"{prefix}-{i}".encode(),
+                             pika.BasicProperties(delivery_mode=2))  # fmt: skip
+            confirmed[0] += 1
+    finally:
+        connection.close()
+
+
+def take(broker: BrokerProcess, queue: str, n: int) -> int:
+    """Get and acknowledge up to `n` messages of `queue`; how many there were."""
+    connection, ch = channel(broker)
+    taken = 0
+    try:
+        for _ in range(n):
+            method, _props, _body = ch.basic_get(queue)
+            if method is None:
+                break
+            ch.basic_ack(method.delivery_tag)
+            taken += 1
+    finally:
+        connection.close()
+    return taken
+
+
 def channel(broker: BrokerProcess) -> tuple[pika.BlockingConnection, BlockingChannel]:
     """A pika channel on `broker`."""
     connection = pika.BlockingConnection(pika.URLParameters(broker.url))

@@ -25,13 +25,12 @@ pytest.importorskip("pyspark")
 import pika
 import pyarrow as pa
 import pyarrow.parquet as pq
-from mirrorsites import Ring, channel
+from mirrorsites import Ring, channel, publish_counted, take
 from pyspark.sql import SparkSession
 
 from twinmq.audit.cross import MANIFEST, PREFIX, run_cross_site
 from twinmq.audit.store import Store, ship
 from twinmq.audit.summary import CrossSiteSummary, FindingKind, Verdict
-from twinmq.testing.launcher import BrokerProcess
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]  # a JVM, two broker sites, five runs
 
@@ -40,37 +39,14 @@ SITE_IDS = {"a": "site-a", "b": "site-b"}
 _PERSISTENT = pika.BasicProperties(delivery_mode=2)
 
 
-def _publish(site: BrokerProcess, prefix: str, n: int, confirmed: list[int]) -> None:
-    connection, ch = channel(site)
-    try:
-        ch.queue_declare(QUEUE, durable=True)
-        ch.confirm_delivery()
-        for i in range(n):
-            ch.basic_publish("", QUEUE, f"{prefix}-{i}".encode(), _PERSISTENT)
-            confirmed[0] += 1
-    finally:
-        connection.close()
-
-
-def _consume(site: BrokerProcess, n: int) -> int:
-    connection, ch = channel(site)
-    taken = 0
-    for _ in range(n):
-        method, _props, _body = ch.basic_get(QUEUE)
-        if method is None:
-            break
-        ch.basic_ack(method.delivery_tag)
-        taken += 1
-    connection.close()
-    return taken
-
-
 def _traffic(ring: Ring, stage: int, counts: dict[str, int]) -> None:
     """Both sites publish at once (their batches mix with what they apply), then consume."""
     a, b = ring.sites
     confirmed = {"a": [0], "b": [0]}
     threads = [
-        threading.Thread(target=_publish, args=(site, f"{name}{stage}", 300, confirmed[name]))
+        threading.Thread(
+            target=publish_counted, args=(site, QUEUE, f"{name}{stage}", 300, confirmed[name])
+        )
         for name, site in (("a", a), ("b", b))
     ]
     for t in threads:
@@ -78,7 +54,7 @@ def _traffic(ring: Ring, stage: int, counts: dict[str, int]) -> None:
     for t in threads:
         t.join(120)
     ring.caught_up()
-    counts["consumed"] += _consume(a, 40) + _consume(b, 40)
+    counts["consumed"] += take(a, QUEUE, 40) + take(b, QUEUE, 40)
     ring.caught_up()
     for name in ("a", "b"):
         counts[name] += confirmed[name][0]

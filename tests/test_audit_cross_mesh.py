@@ -23,17 +23,15 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-import pika
 import pyarrow as pa
 import pyarrow.parquet as pq
-from mirrorsites import Mesh, Ring, channel
+from mirrorsites import Mesh, Ring, publish_counted, take
 from pyspark.sql import SparkSession
 
 from twinmq.audit.cross import run_cross_site
 from twinmq.audit.cross_sites import SiteIdError
 from twinmq.audit.store import Store, ship
 from twinmq.audit.summary import CrossSiteSummary, FindingKind, Verdict
-from twinmq.testing.launcher import BrokerProcess
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]  # a JVM, two rigs of three broker sites
 
@@ -41,32 +39,6 @@ QUEUE = "orders"
 SITES = ("a", "b", "c")
 MIRROR_IDS = {s: f"site-{s}" for s in SITES}
 PER_SITE = 150
-_PERSISTENT = pika.BasicProperties(delivery_mode=2)
-
-
-def _publish(site: BrokerProcess, prefix: str, confirmed: list[int]) -> None:
-    connection, ch = channel(site)
-    try:
-        ch.queue_declare(QUEUE, durable=True)
-        ch.confirm_delivery()
-        for i in range(PER_SITE):
-            ch.basic_publish("", QUEUE, f"{prefix}-{i}".encode(), _PERSISTENT)
-            confirmed[0] += 1
-    finally:
-        connection.close()
-
-
-def _consume(site: BrokerProcess, n: int) -> int:
-    connection, ch = channel(site)
-    taken = 0
-    for _ in range(n):
-        method, _props, _body = ch.basic_get(QUEUE)
-        if method is None:
-            break
-        ch.basic_ack(method.delivery_tag)
-        taken += 1
-    connection.close()
-    return taken
 
 
 def _run_sites(rig: Ring, root: Path) -> dict[str, Any]:
@@ -74,7 +46,7 @@ def _run_sites(rig: Ring, root: Path) -> dict[str, Any]:
     confirmed = {s: [0] for s in SITES}
     with rig:
         threads = [
-            threading.Thread(target=_publish, args=(site, s, confirmed[s]))
+            threading.Thread(target=publish_counted, args=(site, QUEUE, s, PER_SITE, confirmed[s]))
             for s, site in zip(SITES, rig.sites, strict=True)
         ]
         for t in threads:
@@ -82,7 +54,7 @@ def _run_sites(rig: Ring, root: Path) -> dict[str, Any]:
         for t in threads:
             t.join(120)
         rig.caught_up()
-        consumed = sum(_consume(site, 15) for site in rig.sites)
+        consumed = sum(take(site, QUEUE, 15) for site in rig.sites)
         rig.caught_up()
         time.sleep(2.5)  # the segments age out and close (checked every second)
     stores = [Store(str(root / f"store-{s}")) for s in SITES]

@@ -17,14 +17,18 @@ from twinmq.testing.queues import drain
 
 
 @pytest.mark.slow
-def test_an_old_source_counts_its_loss_to_a_promoted_site_without_any_durable_queue(
-    tmp_path: Path,
+@pytest.mark.parametrize("declared", [False, True], ids=["no-durable-queue", "queues-empty"])
+def test_an_old_source_counts_its_loss_to_a_promoted_site_holding_none_of_its_messages(
+    tmp_path: Path, declared: bool
 ) -> None:
-    """B mirrored A while A had no queue; A declares `orders` and confirms 5 messages
-    while B is away, then is lost; B is forced, holding no durable queue (its seed is
-    topology only). A, back, counts the 5 as lost and keeps them as orphans (its
-    `orders`, which B never had, emptied: kept until B's next topology, `applier.py`)."""
+    """B mirrored A while A had no queue (or `orders` empty: `declared`); A confirms 5
+    messages in `orders` while B is away, then is lost; B is forced, holding no durable
+    queue (its seed is topology only) or only empty ones. A, back, counts the 5 as lost
+    and keeps them as orphans; its `orders` emptied (without B's queue: kept until B's
+    next topology, `applier.py`)."""
     with Sites(tmp_path, reversible=True) as sites:
+        if declared:
+            publish(sites.source, "orders", [])
         sites.caught_up()
         sites.mirror.stop()
         publish(sites.source, "orders", bodies("lost", 5))
@@ -34,26 +38,8 @@ def test_an_old_source_counts_its_loss_to_a_promoted_site_without_any_durable_qu
         assert (lost["messages"], lost["unverified_messages"]) == (5, 0)
         assert sorted(orphaned(sites.source.url)) == sorted(bodies("lost", 5))
         assert drain(sites.source.url, "orders") == []
-        assert "orders" not in queues(sites.mirror)
+        if declared:
+            assert drain(sites.mirror.url, "orders") == []
+        else:
+            assert "orders" not in queues(sites.mirror)
         assert mirror_status(sites.source)["queue_events"] == 0  # its backlog dropped
-
-
-@pytest.mark.slow
-def test_an_old_source_counts_its_loss_to_a_promoted_site_whose_queues_are_empty(
-    tmp_path: Path,
-) -> None:
-    """B mirrored `orders` empty; A confirms 5 messages there while B is away, then is
-    lost; B is forced with every queue empty. A, back, counts the 5, keeps them as
-    orphans, and its `orders` is empty like B's."""
-    with Sites(tmp_path, reversible=True) as sites:
-        publish(sites.source, "orders", [])
-        sites.caught_up()
-        sites.mirror.stop()
-        publish(sites.source, "orders", bodies("lost", 5))
-        sites.fail_over_by_force()
-        sites.old_source_back()
-        lost = sites.loss_counted()
-        assert (lost["messages"], lost["unverified_messages"]) == (5, 0)
-        assert sorted(orphaned(sites.source.url)) == sorted(bodies("lost", 5))
-        assert drain(sites.source.url, "orders") == []
-        assert drain(sites.mirror.url, "orders") == []
