@@ -238,6 +238,7 @@ def state_of(mirror: Mirror | None, seen: MirrorStatus | None) -> MirrorState | 
         tls=seen.tls,
         orphans=seen.orphans,
         unmirrored=unmirrored_text(seen.unmirrored),
+        seed_pending=seen.seed_pending or "",
     )
 
 
@@ -336,8 +337,8 @@ def failback_condition(state: MirrorState | None) -> tuple[str, bool, str, str] 
 def events(old: MirrorState | None, new: MirrorState | None) -> list[tuple[str, str, str]]:
     """(type, reason, message) of the Events for a change of the link's state: a Warning
     when it goes down, resyncs or is fenced, a Normal one when it comes up; a Warning
-    when messages were moved to the orphan queue, and when an old source counted what a
-    forced failover lost."""
+    when messages were moved to the orphan queue, when an old source counted what a
+    forced failover lost, and while a forced promotion's seed is not durable."""
     out: list[tuple[str, str, str]] = []
     if new is not None and old is not None and new.orphans > old.orphans:
         out.append(("Warning", "MirrorOrphans", f"{new.orphans - old.orphans} messages the "
@@ -347,6 +348,12 @@ def events(old: MirrorState | None, new: MirrorState | None) -> list[tuple[str, 
         out.append(("Warning", "MirrorUnmirrored", f"the forced failover's loss, counted by "
                     f"this old source: {new.unmirrored} (kept here in "
                     "amq.twinmq.mirror-orphans unless settled since)"))  # fmt: skip
+    if new is not None and old is not None and new.seed_pending not in ("", old.seed_pending):
+        out.append(("Warning", "MirrorSeedPending", f"{new.seed_pending}: clients are refused "
+                    "until a seed for the old source is durable (docs/mirror.md)"))  # fmt: skip
+    if new is not None and old is not None and old.seed_pending and not new.seed_pending:
+        out.append(("Normal", "MirrorSeeded", "the seed for the old source is durable: "
+                    "clients are served"))  # fmt: skip
     if new is not None and old is not None:
         out += target_events(old, new)
     unheard = ("", "Unknown")  # one-way, or nothing heard yet: no Event

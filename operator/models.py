@@ -1317,6 +1317,12 @@ class MirrorState(ApiModel):
         description="An old source reversed after a forced failover: what it had journaled "
         "that the promoted site never applied (the RPO as a count, known once it is back)",
     )
+    seed_pending: str = Field(
+        "",
+        description="A site promoted by force whose seed for the old source is not durable "
+        "yet (a full disk): why. It refuses clients (320) until a seed is durable, retried "
+        "when the disk has room",
+    )
     demotion_token: str = Field(
         "",
         description="After a mirrorDemote request: the token to give the replica's "

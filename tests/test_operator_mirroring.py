@@ -164,6 +164,19 @@ def test_the_mirroring_condition_and_events_follow_the_links_state() -> None:
     assert back is not None and "3 more messages it claims to hold" in back.unmirrored
 
 
+def test_a_forced_promotion_whose_seed_is_not_durable_is_shown_and_announced() -> None:
+    seen = MirrorStatus(enabled=True, role="source", listening=False,
+                        seed_pending="its seed for the old source is not durable yet")  # fmt: skip
+    pending = state_of(spec({"role": "source", "target": TARGET, "secretName": "dr"}).mirror, seen)
+    assert pending is not None and pending.seed_pending.startswith("its seed")
+    before = pending.model_copy(update={"seed_pending": ""})
+    ((kind, reason, message),) = events(before, pending)
+    assert (kind, reason) == ("Warning", "MirrorSeedPending") and "refused" in message
+    assert events(pending, pending) == []
+    ((kind, reason, _),) = events(pending, before)
+    assert (kind, reason) == ("Normal", "MirrorSeeded")
+
+
 # -- bidirectional sites: two, or a ring of three ----------------------------------------------
 
 RING = ["site-a", "site-b", "site-c"]
