@@ -153,7 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         "link's state (a bidirectional site's outgoing one; INBOUND: its incoming one), the "
         "target, the backlog of events not yet acknowledged by the mirror, "
         "the age of the oldest (LAG), the sources linked to a replica, and why a link is "
-        "down. With -A, both sites when they run in one Kubernetes cluster.",
+        "down. Under the table, one line per cluster a forced failover left something on: "
+        "the loss its old source counted once back (status.mirror.unmirrored: messages and "
+        "settles the promoted site never got, and messages kept unverified) and the messages "
+        "kept in its orphan queue. With -A, both sites when they run in one Kubernetes "
+        "cluster.",
     )  # fmt: skip
     mirror_status.add_argument(
         "cluster", nargs="?", metavar="CLUSTER", help="one cluster (default: all)"
@@ -276,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
         "status", parents=[common], help="each federated exchange's link",
         description="One row per federated exchange of each BrokerCluster with "
         "spec.federation (a cluster that is only an upstream: one row without a link): its "
-        "server id, the upstream, the link's state (Running only after a verified round "
+        "server id, the exchange's vhost (a VHOST column, shown when a link is in a vhost "
+        "other than /), the upstream, the link's state (Running only after a verified round "
         "trip; Refused: a duplicate server id), the normalised bindings held upstream and "
         "the local bindings they stand for, the messages received, the messages "
         "forwarded upstream (forward: true), the duplicates and loops dropped, and why a "
@@ -581,7 +586,7 @@ def mirror_rows(
             f"{float(state.get('lagSeconds') or 0.0):.1f}s" if state else "-",
             str(state.get("sourcesConnected", "-")),
             tls_text(cluster, state),
-            failback_text(state) or str(state.get("message") or "") or orphans_text(state),
+            failback_text(state) or str(state.get("message") or ""),
         ))  # fmt: skip
     return rows
 
@@ -612,7 +617,7 @@ def mesh_rows(
             f"{float(link.get('lagSeconds') or 0.0):.1f}s" if link else "-",
             str(state.get("sourcesConnected", "-")),
             tls_text(cluster, state),
-            str(link.get("message") or "") or failback_text(state) or orphans_text(state),
+            str(link.get("message") or "") or failback_text(state),
         ))  # fmt: skip
     return rows
 
@@ -639,6 +644,31 @@ def failback_text(state: Mapping[str, Any]) -> str:
     return f"failback {phase}: {fb.get('message', '')}"
 
 
+def forced_failover_notes(
+    clusters: Sequence[Mapping[str, Any]], with_namespace: bool = False
+) -> list[str]:
+    """One line per mirrored cluster that holds what a forced failover left behind, printed
+    under the table: the loss its old source counted once back (`status.mirror.unmirrored`:
+    messages and settles the promoted site never got, and the messages it claims to hold
+    that the promoted site's seed did not show, kept here unverified) and the messages kept
+    in its orphan queue. Too long for a column, and what an operator acts on after a forced
+    failover (docs/mirror.md, "The RPO as a count"), so not left to `-o json` alone."""
+    lines: list[str] = []
+    for cluster in clusters:
+        if not (cluster.get("spec") or {}).get("mirror"):
+            continue
+        state = (cluster.get("status") or {}).get("mirror") or {}
+        parts = [p for p in (str(state.get("unmirrored") or ""), orphans_text(state)) if p]
+        if not parts:
+            continue
+        meta = cluster.get("metadata") or {}
+        name = str(meta.get("name", "?"))
+        if with_namespace:
+            name = f"{meta.get('namespace', '')}/{name}"
+        lines.append(f"{name}: {'; '.join(parts)}")
+    return lines
+
+
 def orphans_text(state: Mapping[str, Any]) -> str:
     """Messages a seed moved to this site's orphan queue (after a forced failover: what only
     the old source held), for the MESSAGE column ("" when none)."""
@@ -646,12 +676,45 @@ def orphans_text(state: Mapping[str, Any]) -> str:
     return f"{count} orphaned messages kept in amq.twinmq.mirror-orphans" if count else ""
 
 
+def federation_links(cluster: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """A federated cluster's links: as its active reported them (`status.federation.links`,
+    keyed by exchange and vhost), else as its spec declares them (not seen yet)."""
+    spec = (cluster.get("spec") or {}).get("federation") or {}
+    state = (cluster.get("status") or {}).get("federation") or {}
+    return list(state.get("links") or [
+        {"exchange": e.get("exchange"), "vhost": e.get("vhost") or "/",
+         "upstream": e.get("upstream")}
+        for e in spec.get("exchanges") or []
+    ])  # fmt: skip
+
+
+def federation_columns(clusters: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """`FEDERATION_COLUMNS`, with VHOST after EXCHANGE when a link of these clusters is in
+    a vhost other than `/` (two vhosts' exchanges of one name are two links; a `/`-only
+    listing keeps its columns)."""
+    if not any_vhost(clusters):
+        return FEDERATION_COLUMNS
+    at = FEDERATION_COLUMNS.index("EXCHANGE") + 1
+    return (*FEDERATION_COLUMNS[:at], "VHOST", *FEDERATION_COLUMNS[at:])
+
+
+def any_vhost(clusters: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a federated link of these clusters is in a vhost other than `/`."""
+    return any(
+        (link.get("vhost") or "/") != "/"
+        for c in clusters
+        if (c.get("spec") or {}).get("federation") is not None
+        for link in federation_links(c)
+    )
+
+
 def federation_rows(
     clusters: Sequence[Mapping[str, Any]], with_namespace: bool = False
 ) -> list[tuple[str, ...]]:
     """One row per federated exchange of each cluster with a `spec.federation`, in the order
-    of `FEDERATION_COLUMNS` (status.federation; one row without a link for a cluster that
-    federates nothing itself: an upstream only)."""
+    of `federation_columns` (status.federation; one row without a link for a cluster that
+    federates nothing itself: an upstream only). The VHOST cell only when that has it."""
+    vhosts = any_vhost(clusters)
     rows: list[tuple[str, ...]] = []
     for cluster in clusters:
         spec = (cluster.get("spec") or {}).get("federation")
@@ -662,10 +725,7 @@ def federation_rows(
         state = (cluster.get("status") or {}).get("federation") or {}
         server = str(state.get("serverId") or spec.get("serverId")
                      or f"{meta.get('namespace')}.{meta.get('name')}")  # fmt: skip
-        links = state.get("links") or [
-            {"exchange": e.get("exchange"), "upstream": e.get("upstream")}
-            for e in spec.get("exchanges") or []
-        ]
+        links = federation_links(cluster)
         refused = state.get("refusedPeers") or []
         # Another cluster announced this server id first: said on every row, it is the
         # cause of whatever the links show.
@@ -677,12 +737,13 @@ def federation_rows(
                 if state else "-")  # fmt: skip
         if not links:
             note = f"refused: {refused[-1]}" if refused else "upstream only"
-            rows.append((*first, str(meta.get("name", "?")), server, "-", "-", "-", "-", "-",
-                         "-", "-", "-", peer, clash or note))  # fmt: skip
+            rows.append((*first, str(meta.get("name", "?")), server, "-", *(("-",) * vhosts),
+                         "-", "-", "-", "-", "-", "-", "-", peer, clash or note))  # fmt: skip
         for link in links:
+            vhost = (str(link.get("vhost") or "/"),) if vhosts else ()
             rows.append((
                 *first, str(meta.get("name", "?")), server, str(link.get("exchange", "?")),
-                str(link.get("upstream", "?")), str(link.get("state") or "Unknown"),
+                *vhost, str(link.get("upstream", "?")), str(link.get("state") or "Unknown"),
                 f"{link.get('bindings', '-')}/{link.get('localBindings', '-')}",
                 str(link.get("messagesReceived", "-")), str(link.get("forwarded", "-")),
                 str(link.get("duplicatesDropped", "-")), str(link.get("loopsDropped", "-")),
@@ -919,8 +980,16 @@ def cmd_mirror_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
     return write_clusters(
         out, args.output, namespace, mirrored, "BrokerClusters with spec.mirror",
         lambda c: {"mirror": c["spec"]["mirror"], "status": (c.get("status") or {}).get("mirror")},
-        lambda wide: render_table(mirror_rows(mirrored, wide), wide, MIRROR_COLUMNS),
+        lambda wide: mirror_table(mirrored, wide),
     )  # fmt: skip
+
+
+def mirror_table(mirrored: Sequence[Mapping[str, Any]], with_namespace: bool) -> str:
+    """`mirror status`'s table, then (after a blank line) what forced failovers left behind
+    on these clusters, when they left anything (`forced_failover_notes`)."""
+    table = render_table(mirror_rows(mirrored, with_namespace), with_namespace, MIRROR_COLUMNS)
+    notes = forced_failover_notes(mirrored, with_namespace)
+    return table + ("\n" + "".join(f"{line}\n" for line in notes) if notes else "")
 
 
 def cmd_federation_status(kube: Kube, args: argparse.Namespace, out: Any) -> int:
@@ -931,7 +1000,8 @@ def cmd_federation_status(kube: Kube, args: argparse.Namespace, out: Any) -> int
         out, args.output, namespace, federated, "BrokerClusters with spec.federation",
         lambda c: {"federation": c["spec"]["federation"],
                    "status": (c.get("status") or {}).get("federation")},
-        lambda wide: render_table(federation_rows(federated, wide), wide, FEDERATION_COLUMNS),
+        lambda wide: render_table(federation_rows(federated, wide), wide,
+                                  federation_columns(federated)),
     )  # fmt: skip
 
 
