@@ -651,14 +651,25 @@ def forced_failover_notes(
     under the table: the loss its old source counted once back (`status.mirror.unmirrored`:
     messages and settles the promoted site never got, and the messages it claims to hold
     that the promoted site's seed did not show, kept here unverified) and the messages kept
-    in its orphan queue. Too long for a column, and what an operator acts on after a forced
-    failover (docs/mirror.md, "The RPO as a count"), so not left to `-o json` alone."""
+    in its orphan queue; on a site promoted by force, a seed not durable yet (clients are
+    refused until it is: `status.mirror.seedPending`). Too long for a column, and what an
+    operator acts on after a forced failover (docs/mirror.md, "The RPO as a count"), so not
+    left to `-o json` alone."""
     lines: list[str] = []
     for cluster in clusters:
         if not (cluster.get("spec") or {}).get("mirror"):
             continue
         state = (cluster.get("status") or {}).get("mirror") or {}
-        parts = [p for p in (str(state.get("unmirrored") or ""), orphans_text(state)) if p]
+        pending = str(state.get("seedPending") or "")
+        parts = [
+            p
+            for p in (
+                f"clients refused: {pending}" if pending else "",
+                str(state.get("unmirrored") or ""),
+                orphans_text(state),
+            )
+            if p
+        ]
         if not parts:
             continue
         meta = cluster.get("metadata") or {}

@@ -100,6 +100,14 @@ def test_mirror_status_shows_what_a_forced_failover_lost_and_kept_on_the_old_sou
     assert f"{MIRROR_NS}/site-a: 5 messages and 2 settles" in everywhere[-1]
     as_json = plugin(kubeconfig, "mirror", "status", "site-a", "-n", MIRROR_NS, "-o", "json")
     assert '"orphans": 8' in as_json and "3 more messages" in as_json
+    # site-b, forced on a full disk: its seed is not durable, its clients are refused.
+    pending = mirror_report("source", 2, seed_pending="its seed for the old source is not "
+                            "durable yet")  # fmt: skip
+    state = mirroring.state_of(new_spec.mirror, pending)
+    assert state is not None
+    write_status(api, MIRROR_NS, "site-b", {"mirror": state.model_dump(by_alias=True)})
+    lines = plugin(kubeconfig, "mirror", "status", "-n", MIRROR_NS).splitlines()
+    assert "site-b: clients refused: its seed for the old source is not durable yet" in lines
 
 
 def federation_spec(*vhosts: str | None) -> dict[str, Any]:
