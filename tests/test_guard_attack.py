@@ -14,11 +14,15 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from pathlib import Path
+
 from aiohttp import web
 from fakeclock import FakeClock
 
 from twinmq.broker.api import Role
 from twinmq.broker.lease import GUARD_ANNOTATION, LeaseKeeper
+from twinmq.broker.replication.replica import ReplicaClient
+from twinmq.broker.server import Broker as RealBroker
 from twinmq.broker.settings import BrokerSettings
 from twinmq.testing.waiting import until
 
@@ -122,5 +126,81 @@ def test_a_passive_caught_up_while_the_mark_was_written_does_not_leave_a_spent_m
             assert api.says == f"{EPOCH}:1", (
                 "the active goes on alone while its Lease says it never did"
             )
+
+    run(scenario)
+
+
+# Long enough that the test never waits it out: the active must not go on alone sooner.
+REPLICATION_TIMEOUT = 30.0
+
+
+def _settings(tmp_path: Path, name: str, role: Role) -> BrokerSettings:
+    return BrokerSettings.model_validate({
+        "name": name, "data_dir": tmp_path / name, "host": "127.0.0.1", "port": 0,
+        "admin_port": 0, "replication_port": 0, "fsync": False, "audit": False,
+        "log_level": "WARNING", "role": role, "epoch": EPOCH,
+        "replication_token": "guard-attack-token", "replication_timeout": REPLICATION_TIMEOUT,
+    })  # fmt: skip
+
+
+def test_a_mark_outlived_by_a_catch_up_does_not_send_the_active_on_alone_early(
+    tmp_path: Path,
+) -> None:
+    """The lost passive's degrade starts a mark, which the API server holds; the passive
+    comes back and catches up (it is ready: the active echoes its pings), and drops again.
+    Its readiness lasts `replication_timeout` from the active's last echo, a promise the
+    active keeps by waiting as long before it goes on alone. The first mark, answered
+    now, must not cut that wait short: an active killed then (Kubernetes reports its
+    process gone: promotion at once) would leave a ready passive that lacks what the
+    active confirmed alone. A real active and passive in one loop, over loopback."""
+
+    async def scenario() -> None:
+        api = ApiServer()
+        async with serving(api) as url:
+            active = RealBroker(_settings(tmp_path, NAME, "active"))
+            keeper = LeaseKeeper(active, url, DURATION)
+            keeper.activated()
+            active.lease = keeper
+            await active.start()
+            source = active.source
+            address = f"127.0.0.1:{active.replication_port}"
+            passive = RealBroker(_settings(tmp_path, "orders-backup", "passive"))
+            await passive.start()
+
+            async def replicate() -> ReplicaClient:
+                replica = passive.replica = ReplicaClient(passive, address)
+                replica.start()
+                await until("the passive caught up", lambda: replica.caught_up)
+                await until("the active is guarded", lambda: active.committer.guarded)
+                return replica
+
+            async def cut(replica: ReplicaClient) -> None:
+                link = source.link
+                await replica.stop()
+                passive.replica = None
+                await until("the active saw the link drop", lambda: source.link is not link)
+
+            try:
+                await cut(await replicate())  # the first link: its degrade timer runs
+                api.held.clear()
+                source._degrade()  # ... and runs out (not waited for: 30 s)
+                await until("the mark's write is held", lambda: api.writes_waiting)
+                assert active.committer.guarded, "confirms are held until the mark lands"
+                second = await replicate()
+                await cut(second)
+                assert second.ready, "the passive stays promotable after the link's loss"
+                api.held.set()
+                await until(
+                    "the mark settled",
+                    lambda: source._marking is None or source._marking.done(),
+                )
+                assert active.committer.guarded, (
+                    "the active went on alone on a mark older than its passive's catch-up, "
+                    "sooner than replication_timeout after losing that ready passive"
+                )
+            finally:
+                api.held.set()
+                await passive.stop()
+                await active.stop()
 
     run(scenario)
