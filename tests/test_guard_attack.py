@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-
 from pathlib import Path
 
 from aiohttp import web
