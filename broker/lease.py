@@ -212,7 +212,8 @@ class LeaseKeeper:
 
     async def record_alone(self) -> bool:
         """Write `alone` into the Lease before confirming without the passive: True once
-        the Lease says so and this broker may still act as the active (its deadline has
+        the Lease says so, no passive caught up while it was written (the next renewal
+        would undo it), and this broker may still act as the active (its deadline has
         not passed: an operator that saw the Lease lapse never missed the mark)."""
         if self.broker.role != "active":
             return False
@@ -223,6 +224,11 @@ class LeaseKeeper:
                 await self._write(session, renew=False)
         except (aiohttp.ClientError, TimeoutError, LeaseLost) as exc:
             log.warning("cannot record going on alone in the Lease: %s; confirms held", exc)
+            return False
+        if not self.alone:
+            # A passive caught up while the mark was written (`passive_in_sync`): the next
+            # renewal writes 0, so this mark no longer covers a confirm. If that passive is
+            # gone again, the caller marks anew before it goes on alone.
             return False
         return self.broker.role == "active" and self.clock.monotonic() < self.deadline
 

@@ -600,6 +600,12 @@ class ReplicationSource:
         committer = self.broker.committer
         caught_up = link.synced()
         committer.guard(True)
+        if self._marking is not None:
+            # A mark for an earlier loss: this passive now holds everything, and its
+            # readiness (our echoes) lasts `replication_timeout` past its link's loss, so
+            # going on alone waits for that loss's own degrade timer.
+            self._marking.cancel()
+            self._marking = None
         if self.broker.lease is not None:
             self.broker.lease.passive_in_sync()
         # Batches up to the catch-up's start reached the passive as chunks, later ones

@@ -1,0 +1,205 @@
+"""Attacks on the replication guard in the active's Lease (docs/replication.md, "The
+replication guard in the Lease"): sequences in which a Lease that lapsed saying
+`<epoch>:0` would let the operator promote a passive that lacks a confirmed message.
+
+The invariant under attack: whenever the active's committer confirms without its
+passive (it went on alone), the Lease it keeps says `alone` = 1 from before that
+confirm until a passive catches up again. The real `LeaseKeeper` against a loopback
+API server whose writes the test holds, and the real `ReplicationSource` going on
+alone through it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import web
+from fakeclock import FakeClock
+
+from twinmq.broker.api import Role
+from twinmq.broker.lease import GUARD_ANNOTATION, LeaseKeeper
+from twinmq.broker.replication.replica import ReplicaClient
+from twinmq.broker.server import Broker as RealBroker
+from twinmq.broker.settings import BrokerSettings
+from twinmq.testing.waiting import until
+
+DURATION = 4.0
+NAME = "orders-primary"
+EPOCH = 3
+
+
+class ApiServer:
+    """The Lease's API, held by this broker: a write waits while `held` is clear."""
+
+    def __init__(self) -> None:
+        self.held = asyncio.Event()
+        self.held.set()
+        self.writes_waiting = 0
+        self.guards: list[str] = []  # the replication guard of every write that landed
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if request.method == "PUT":
+            body = await request.json()
+            self.writes_waiting += 1
+            try:
+                await self.held.wait()
+            finally:
+                self.writes_waiting -= 1
+            self.guards.append(body["metadata"]["annotations"][GUARD_ANNOTATION])
+        return web.json_response({"spec": {"holderIdentity": NAME}})
+
+    @property
+    def says(self) -> str | None:
+        """What the Lease says now: the guard of the last write that landed."""
+        return self.guards[-1] if self.guards else None
+
+
+@contextlib.asynccontextmanager
+async def serving(api: ApiServer) -> AsyncIterator[str]:
+    """The API server on a loopback port; yields the Lease's URL."""
+    app = web.Application()
+    app.router.add_route("*", "/lease", api.handle)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/lease"
+    finally:
+        await runner.cleanup()
+
+
+class Broker:
+    """What the keeper sees of an active broker."""
+
+    def __init__(self) -> None:
+        self.settings = BrokerSettings(name=NAME)
+        self.role: Role = "active"
+        self.epoch = EPOCH
+
+    async def set_role(self, role: Role, epoch: int, replicate_from: str | None) -> None:
+        self.role = role
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    async def bounded() -> None:
+        async with asyncio.timeout(60):
+            await scenario()
+
+    asyncio.run(bounded())
+
+
+def test_a_passive_caught_up_while_the_mark_was_written_does_not_leave_a_spent_mark() -> None:
+    """The mark is in flight (a slow API server); meanwhile a passive reconnects and
+    catches up (`passive_in_sync`: `alone` = 0 for the next renewal), and its link drops
+    again before the mark's answer. Going on alone on that answer would confirm alone
+    while every later renewal writes `<epoch>:0`: a Lease that lapses then says the
+    active never went on alone, and the passive (caught up in this epoch, then cut off)
+    is promoted without what was confirmed since. The mark must not count: the caller
+    marks again (or its passive is back in sync)."""
+
+    async def scenario() -> None:
+        api, clock, broker = ApiServer(), FakeClock(), Broker()
+        async with serving(api) as url:
+            keeper = LeaseKeeper(broker, url, DURATION, clock=clock)
+            keeper.activated()
+            api.held.clear()
+            marking = asyncio.create_task(keeper.record_alone())
+            await until("the mark's write reached the API server", lambda: api.writes_waiting)
+            keeper.passive_in_sync()  # a passive caught up meanwhile (and is lost again)
+            api.held.set()
+            went_alone = await marking
+            if not went_alone:  # the caller marks again (source.py `_mark_then_go_alone`)
+                went_alone = await keeper.record_alone()
+            assert went_alone
+            # The active confirms alone from here on; the renewals that follow must say so.
+            renewing = asyncio.create_task(keeper.run())
+            try:
+                writes = len(api.guards)
+                await until("the next renewal", lambda: len(api.guards) > writes)
+            finally:
+                renewing.cancel()
+                await asyncio.gather(renewing, return_exceptions=True)
+            assert api.says == f"{EPOCH}:1", (
+                "the active goes on alone while its Lease says it never did"
+            )
+
+    run(scenario)
+
+
+# Long enough that the test never waits it out: the active must not go on alone sooner.
+REPLICATION_TIMEOUT = 30.0
+
+
+def _settings(tmp_path: Path, name: str, role: Role) -> BrokerSettings:
+    return BrokerSettings.model_validate({
+        "name": name, "data_dir": tmp_path / name, "host": "127.0.0.1", "port": 0,
+        "admin_port": 0, "replication_port": 0, "fsync": False, "audit": False,
+        "log_level": "WARNING", "role": role, "epoch": EPOCH,
+        "replication_token": "guard-attack-token", "replication_timeout": REPLICATION_TIMEOUT,
+    })  # fmt: skip
+
+
+def test_a_mark_outlived_by_a_catch_up_does_not_send_the_active_on_alone_early(
+    tmp_path: Path,
+) -> None:
+    """The lost passive's degrade starts a mark, which the API server holds; the passive
+    comes back and catches up (it is ready: the active echoes its pings), and drops again.
+    Its readiness lasts `replication_timeout` from the active's last echo, a promise the
+    active keeps by waiting as long before it goes on alone. The first mark, answered
+    now, must not cut that wait short: an active killed then (Kubernetes reports its
+    process gone: promotion at once) would leave a ready passive that lacks what the
+    active confirmed alone. A real active and passive in one loop, over loopback."""
+
+    async def scenario() -> None:
+        api = ApiServer()
+        async with serving(api) as url:
+            active = RealBroker(_settings(tmp_path, NAME, "active"))
+            keeper = LeaseKeeper(active, url, DURATION)
+            keeper.activated()
+            active.lease = keeper
+            await active.start()
+            source = active.source
+            address = f"127.0.0.1:{active.replication_port}"
+            passive = RealBroker(_settings(tmp_path, "orders-backup", "passive"))
+            await passive.start()
+
+            async def replicate() -> ReplicaClient:
+                replica = passive.replica = ReplicaClient(passive, address)
+                replica.start()
+                await until("the passive caught up", lambda: replica.caught_up)
+                await until("the active is guarded", lambda: active.committer.guarded)
+                return replica
+
+            async def cut(replica: ReplicaClient) -> None:
+                link = source.link
+                await replica.stop()
+                passive.replica = None
+                await until("the active saw the link drop", lambda: source.link is not link)
+
+            try:
+                await cut(await replicate())  # the first link: its degrade timer runs
+                api.held.clear()
+                source._degrade()  # ... and runs out (not waited for: 30 s)
+                await until("the mark's write is held", lambda: api.writes_waiting)
+                assert active.committer.guarded, "confirms are held until the mark lands"
+                second = await replicate()
+                await cut(second)
+                assert second.ready, "the passive stays promotable after the link's loss"
+                api.held.set()
+                await until(
+                    "the mark settled",
+                    lambda: source._marking is None or source._marking.done(),
+                )
+                assert active.committer.guarded, (
+                    "the active went on alone on a mark older than its passive's catch-up, "
+                    "sooner than replication_timeout after losing that ready passive"
+                )
+            finally:
+                api.held.set()
+                await passive.stop()
+                await active.stop()
+
+    run(scenario)
