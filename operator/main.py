@@ -447,7 +447,13 @@ def lease_state(cluster: ClusterRef) -> tuple[BrokerName | None, bool, tuple[int
         expired = time.time() > renewed + duration
     broker = next((n for n in NAMES if pod_name(cluster, n) == holder), None)
     guard = ReplicationGuard.of_lease(lease)
-    return broker, expired, None if guard is None else (guard.epoch, guard.alone)
+    if guard is None or not (renew and time.time() > renewed + 2 * duration):
+        # Trusted once the Lease has been lapsed for one more duration: a broker whose
+        # clock runs behind this one by up to that much cannot still write a mark this
+        # read missed (its own deadline, on its clock, has passed). Not trusted, the
+        # passive's readiness window decides, as without a guard.
+        return broker, expired, None
+    return broker, expired, (guard.epoch, guard.alone)
 
 
 def apply(
@@ -812,6 +818,10 @@ def reconcile(
             last = memory.last_view.get(name)
             still = memory.failures[name] < spec.failover.failure_threshold and not stopped
             view = last if still and last is not None else BrokerView(name, reachable=False)
+            # A remembered view is not news of a catch-up: it may have been overtaken (the
+            # active went on alone since, and a new catch-up is not over). The Lease's guard
+            # is trusted only with what the passive says now.
+            view = replace(view, caught_up_epoch=None)
         views[name] = replace(view, stopped=stopped)
     holder, expired, guard = lease_state(cluster)
     handled = status.handled_requests

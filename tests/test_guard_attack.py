@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from aiohttp import web
 from fakeclock import FakeClock
 
@@ -23,6 +26,9 @@ from twinmq.broker.lease import GUARD_ANNOTATION, LeaseKeeper
 from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.server import Broker as RealBroker
 from twinmq.broker.settings import BrokerSettings
+from twinmq.operator import main as operator_main
+from twinmq.operator.builders import ClusterRef, build_lease
+from twinmq.operator.kube import Kube
 from twinmq.testing.waiting import until
 
 DURATION = 4.0
@@ -203,3 +209,25 @@ def test_a_mark_outlived_by_a_catch_up_does_not_send_the_active_on_alone_early(
                 await active.stop()
 
     run(scenario)
+
+
+def test_the_operator_trusts_a_lease_guard_only_once_lapsed_for_one_more_duration(
+    kube: Kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broker clock behind the operator's may still write a mark after the operator saw
+    its Lease lapse: the guard counts only one Lease duration later (clock skew up to that
+    much), and until then the passive's readiness window decides (the real API server)."""
+    cluster = ClusterRef(namespace="guard-skew", name="orders", uid="u-1")
+    kube.core.create_namespace({"metadata": {"name": cluster.namespace}})
+    monkeypatch.setattr(operator_main, "KUBE", kube)
+
+    def renewed(ago: float) -> tuple[object, ...]:
+        at = datetime.fromtimestamp(time.time() - ago, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        lease = build_lease(cluster, "orders-primary", 4, at)
+        lease["metadata"]["annotations"] = {GUARD_ANNOTATION: "3:0"}
+        kube.put_lease(lease)
+        return operator_main.lease_state(cluster)
+
+    assert renewed(1) == ("primary", False, None)
+    assert renewed(6) == ("primary", True, None)  # lapsed, but within the skew margin
+    assert renewed(12) == ("primary", True, (3, False))
