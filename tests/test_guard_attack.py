@@ -11,15 +11,15 @@ alone through it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 from fakeclock import FakeClock
+from test_lease import serving
 
 from twinmq.broker.api import Role
 from twinmq.broker.lease import GUARD_ANNOTATION, LeaseKeeper
@@ -60,21 +60,6 @@ class ApiServer:
     def says(self) -> str | None:
         """What the Lease says now: the guard of the last write that landed."""
         return self.guards[-1] if self.guards else None
-
-
-@contextlib.asynccontextmanager
-async def serving(api: ApiServer) -> AsyncIterator[str]:
-    """The API server on a loopback port; yields the Lease's URL."""
-    app = web.Application()
-    app.router.add_route("*", "/lease", api.handle)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}/lease"
-    finally:
-        await runner.cleanup()
 
 
 class Broker:

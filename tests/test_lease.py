@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 import aiohttp
 import pytest
@@ -79,8 +80,16 @@ class ApiServer:
                                            "renewTime": self.renew_time}})  # fmt: skip
 
 
+class LeaseApi(Protocol):
+    """A fake Lease API: one handler for every request to `/lease`."""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        """Answer a GET or a PUT of the Lease."""
+        ...
+
+
 @contextlib.asynccontextmanager
-async def serving(api: ApiServer) -> AsyncIterator[str]:
+async def serving(api: LeaseApi) -> AsyncIterator[str]:
     """The API server on a loopback port; yields the Lease's URL."""
     app = web.Application()
     app.router.add_route("*", "/lease", api.handle)
