@@ -271,3 +271,34 @@ def test_an_upstream_tenant_stamping_the_upstreams_origin_cannot_suppress_anothe
             assert links(remote)[("t1", "orders")]["duplicates_dropped"] == 0
             # Every one of t1's confirmed messages reaches t1's queue downstream.
             assert drain(remote, "t1", "t1-orders") == genuine
+
+
+def test_queues_both_sites_declared_in_other_vhosts_during_a_partition_lose_nothing(
+    tmp_path: Path,
+) -> None:
+    """During a partition each site declares a new queue in its own vhost: queue ids are a
+    broker's counter, so both new queues may get the same qid (A's `v1/a-only`, B's
+    `v2/b-only`). A, back, must keep its 5 confirmed messages (orphans), not take B's
+    queue of that qid for its own."""
+    users = tmp_path / "users.json"
+    serve(users, ["/", "v1", "v2"])
+    file = ["--users-file", str(users)]
+    with Sites(tmp_path, reversible=True, source_args=file, mirror_args=file) as sites:
+        publish(sites.source, "/", "orders", bodies("root", 3))
+        sites.caught_up()
+        sites.mirror.stop()  # a partition
+        publish(sites.source, "v1", "a-only", bodies("a", 5))
+        sites.fail_over_by_force()
+        publish(sites.mirror, "v2", "b-only", bodies("b", 4))
+        sites.old_source_back()
+        lost = sites.loss_counted()
+        assert lost["messages"] == 5
+        orphans = browse(sites.source, "/", ORPHANS)
+        assert sorted(body for body, _ in orphans) == sorted(bodies("a", 5))
+        assert {(h.get("x-mirror-orphan-vhost"), h["x-mirror-orphan-queue"]) for _, h in orphans} == {
+            ("v1", "a-only")
+        }
+        on_b = {("/", "orders"): 3, ("v2", "b-only"): 4}
+        assert client_queues(sites.mirror) == on_b
+        assert client_queues(sites.source) == on_b
+        assert held(sites.source, "v2", "b-only") == bodies("b", 4)
