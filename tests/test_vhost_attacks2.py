@@ -20,6 +20,8 @@ message through one path, with real brokers and pika:
 
 from __future__ import annotations
 
+import json
+import threading
 from pathlib import Path
 
 import pika
@@ -41,6 +43,7 @@ from test_mirror_vhosts import vhosts as vhost_status
 from test_vhosts import _opens, connect, publish, users_file
 
 from twinmq.broker.federation.agent import queue_name
+from twinmq.testing.faultproxy import FaultProxy
 from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.pair import status
 from twinmq.testing.waiting import wait_for
@@ -302,3 +305,108 @@ def test_queues_both_sites_declared_in_other_vhosts_during_a_partition_lose_noth
         assert client_queues(sites.mirror) == on_b
         assert client_queues(sites.source) == on_b
         assert held(sites.source, "v2", "b-only") == bodies("b", 4)
+
+
+def test_a_t1_link_cut_under_confirmed_load_while_its_permissions_are_revoked_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """`remote`'s `t1` exchange federates central's `t1` as `limited` (who may use `t1`
+    only) through a proxy. Under a publisher confirming one by one in central's `t1`, the
+    link is cut while `limited`'s permission there is revoked: the link is refused at
+    `connection.open` (its status says so) and retries; the permission back, every
+    confirmed message reaches `t1` downstream once, in order, and nothing reaches `/`."""
+    central = broker(tmp_path, "central")
+    central_users = tmp_path / "central.json"  # what `broker` wrote: its users file
+    with central.start():
+        proxy = FaultProxy(f"127.0.0.1:{central.port}").start()
+        try:
+            config = federation_file(
+                tmp_path / "remote-federation.json",
+                {"limited": f"limited@{proxy.address}/t1", "central": f"guest@{proxy.address}/"},
+                [
+                    {"exchange": "orders", "vhost": "t1", "upstream": "limited", "type": "direct"},
+                    # `/`'s exchange of the same name, from central's `/`, over the same proxy.
+                    {"exchange": "orders", "upstream": "central", "type": "direct"},
+                ],
+            )
+            remote = broker(tmp_path, "remote", config)
+            with remote.start():
+                _revoked_under_load(central, remote, proxy, central_users)
+        finally:
+            proxy.close()
+
+
+def _limited_opens(central: BrokerProcess) -> bool:
+    """Whether `limited` may open central's `t1` (a new connection)."""
+    try:
+        pika.BlockingConnection(
+            pika.ConnectionParameters(
+                host="127.0.0.1", port=central.port, virtual_host="t1",
+                credentials=pika.PlainCredentials("limited", "guest"), connection_attempts=1,
+            )
+        ).close()  # fmt: skip
+    except pika.exceptions.ProbableAccessDeniedError:
+        return False
+    return True
+
+
+def _revoked_under_load(
+    central: BrokerProcess, remote: BrokerProcess, proxy: FaultProxy, users: Path
+) -> None:
+    granted = json.loads(users.read_text())
+    revoked = {
+        **granted,
+        "permissions": [p for p in granted["permissions"] if p["user"] != "limited"],
+    }
+    wait_running(remote, "t1", "orders")
+    wait_running(remote, "/", "orders")
+    bind(remote, "t1", "t1-orders", "orders", "k")
+    bind(remote, "/", "root-orders", "orders", "k")
+    for vhost in ("t1", "/"):
+        wait_for(
+            f"{vhost}'s binding upstream",
+            lambda v=vhost: links(remote)[(v, "orders")]["bindings"] == 1,
+        )
+    confirmed: list[bytes] = []
+    failure: list[BaseException] = []
+    stop = threading.Event()
+
+    def publisher() -> None:
+        """Publish one by one, each confirmed, until told to stop."""
+        try:
+            conn = fed_connect(central, "t1")
+            ch = conn.channel()
+            ch.confirm_delivery()
+            while not stop.is_set():
+                body = f"m-{len(confirmed)}".encode()
+                ch.basic_publish("orders", "k", body, PERSISTENT)
+                confirmed.append(body)
+            conn.close()
+        except BaseException as exc:  # noqa: BLE001 (reported by the test's thread)
+            failure.append(exc)
+
+    thread = threading.Thread(target=publisher)
+    thread.start()
+    try:
+        wait_for("100 confirmed", lambda: len(confirmed) >= 100)
+        users.write_text(json.dumps(revoked))
+        wait_for("the revocation read", lambda: not _limited_opens(central), timeout=30)
+        proxy.cut()
+        proxy.heal()  # the link comes back to a vhost it may no longer open
+        wait_for(
+            "the link refused at connection.open",
+            lambda: "refused" in str(links(remote)[("t1", "orders")]["error"] or ""),
+            timeout=30,
+        )
+        during = len(confirmed)
+        users.write_text(json.dumps(granted))
+        wait_running(remote, "t1", "orders")
+        wait_for("100 more confirmed", lambda: len(confirmed) >= during + 100)
+    finally:
+        stop.set()
+        thread.join()
+    assert not failure, failure
+    got = drain(remote, "t1", "t1-orders", len(confirmed))
+    assert got == confirmed
+    assert links(remote)[("/", "orders")]["state"] == "running"
+    assert drain(remote, "/", "root-orders") == []  # nothing crossed into `/`
