@@ -467,3 +467,40 @@ def _revoked_under_load(
     assert got == confirmed
     assert links(remote)[("/", "orders")]["state"] == "running"
     assert drain(remote, "/", "root-orders") == []  # nothing crossed into `/`
+
+
+def test_a_replica_killed_while_it_applies_a_vhosts_deletion_and_new_queue_ends_the_same(
+    tmp_path: Path,
+) -> None:
+    """A backlog holding 2,000 messages of `v1`, `v1`'s deletion, `v1` made again and
+    the new queue of the same name: the replica is `kill -9`ed as it applies it, then
+    started: it applies what was not acknowledged again, each message once, and ends
+    with the new queue's messages only."""
+    users = tmp_path / "users-a.json"
+    serve(users, ["/", "v1"])
+    mirror_users = tmp_path / "users-b.json"
+    serve(mirror_users, ["/", "v1"])
+    with Sites(
+        tmp_path,
+        source_args=["--users-file", str(users)],
+        mirror_args=["--users-file", str(mirror_users)],
+    ) as sites:
+        source, mirror = sites.source, sites.mirror
+        publish(source, "/", "orders", bodies("root", 3))
+        sites.caught_up()
+        mirror.stop()
+        publish(source, "v1", "orders", bodies("old", 2000))
+        delete_vhost(source, users, ["/"], "v1")
+        serve(users, ["/", "v1"])
+        wait_for("v1 served again", lambda: _opens(source, "v1"), timeout=30)
+        publish(source, "v1", "orders", bodies("new", 7))
+        mirror.start()
+        wait_for("the replica linked", lambda: (mirror_status(source) or {}).get("connected"))
+        mirror.kill()  # somewhere in the backlog: the ack of what it applied may be lost
+        mirror.start()
+        sites.caught_up()
+        expected = {("/", "orders"): 3, ("v1", "orders"): 7}
+        assert client_queues(mirror) == client_queues(source) == expected
+        assert held(mirror, "v1", "orders") == bodies("new", 7)
+        assert held(mirror, "/", "orders") == bodies("root", 3)
+        assert orphaned(mirror) == 0
