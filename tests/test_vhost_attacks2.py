@@ -532,3 +532,46 @@ def test_a_replica_killed_while_it_applies_a_vhosts_deletion_and_new_queue_ends_
         assert held(mirror, "v1", "orders") == bodies("new", 7)
         assert held(mirror, "/", "orders") == bodies("root", 3)
         assert orphaned(mirror) == 0
+
+
+def test_one_queue_name_with_other_arguments_in_two_vhosts_stays_two_queues_on_the_replica(
+    tmp_path: Path,
+) -> None:
+    """`jobs` is a length-limited queue in `/` and a dead-lettering TTL queue in `v1`,
+    `dead` exists in both: each vhost's limit, expiry and dead-lettering reach the
+    replica as that vhost's, also across the replica's restart and a switchover."""
+    users = tmp_path / "users.json"
+    serve(users, ["/", "v1"])
+    file = ["--users-file", str(users)]
+    with Sites(tmp_path, reversible=True, source_args=file, mirror_args=file) as sites:
+        source, mirror = sites.source, sites.mirror
+        ttl = {"x-message-ttl": 20, "x-dead-letter-exchange": "",
+               "x-dead-letter-routing-key": "dead"}  # fmt: skip
+        declare_and_publish(source, "/", "dead", {}, [b"root-dead"])
+        declare_and_publish(source, "v1", "dead", {}, [])
+        declare_and_publish(source, "/", "jobs", {"x-max-length": 2}, bodies("root", 5))
+        declare_and_publish(source, "v1", "jobs", ttl, bodies("v1", 5))
+        wait_for("v1's jobs dead-lettered",
+                 lambda: client_queues(source).get(("v1", "dead")) == 5)  # fmt: skip
+        sites.caught_up()
+        expected = {("/", "dead"): 1, ("/", "jobs"): 2, ("v1", "dead"): 5, ("v1", "jobs"): 0}
+        assert client_queues(mirror) == client_queues(source) == expected
+        mirror.stop()
+        mirror.start()
+        sites.caught_up()
+        assert client_queues(mirror) == expected
+        demoted = demote(source)
+        assert demoted.token is not None
+        assert sites.promote_mirror(demoted.token).role == "source"
+        assert held(mirror, "/", "jobs") == bodies("root", 5)[3:]
+        assert held(mirror, "/", "dead") == [b"root-dead"]
+        assert held(mirror, "v1", "dead") == bodies("v1", 5)
+        # B's own: each vhost's arguments, B's now.
+        declare_and_publish(mirror, "/", "jobs", {"x-max-length": 2}, [b"on-b"])
+        declare_and_publish(mirror, "v1", "jobs", ttl, [b"on-b"])
+        wait_for("B's v1 job dead-lettered",
+                 lambda: client_queues(mirror).get(("v1", "dead")) == 6)  # fmt: skip
+        sites.caught_up(source=mirror)
+        assert held(source, "/", "jobs") == [bodies("root", 5)[4], b"on-b"]
+        assert held(source, "v1", "dead") == [*bodies("v1", 5), b"on-b"]
+        assert held(source, "/", "dead") == [b"root-dead"]
