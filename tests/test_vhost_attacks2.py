@@ -575,3 +575,36 @@ def test_one_queue_name_with_other_arguments_in_two_vhosts_stays_two_queues_on_t
         assert held(source, "/", "jobs") == [bodies("root", 5)[4], b"on-b"]
         assert held(source, "v1", "dead") == [*bodies("v1", 5), b"on-b"]
         assert held(source, "/", "dead") == [b"root-dead"]
+
+
+def test_a_forced_failover_to_a_site_not_serving_a_vhost_keeps_it_for_when_it_is_served(
+    tmp_path: Path,
+) -> None:
+    """B's users file does not declare `v2`: promoted by force, B keeps the `v2` it
+    mirrored (refusing its clients), serves it once its file declares it, and the old
+    source, back, orphans what it alone had in `v2` and holds B's copy."""
+    a_users, b_users = tmp_path / "users-a.json", tmp_path / "users-b.json"
+    serve(a_users, ["/", "v2"])
+    serve(b_users, ["/"])
+    with Sites(
+        tmp_path,
+        reversible=True,
+        source_args=["--users-file", str(a_users)],
+        mirror_args=["--users-file", str(b_users)],
+    ) as sites:
+        publish(sites.source, "v2", "orders", bodies("v2", 10))
+        sites.caught_up()
+        sites.mirror.stop()  # a partition
+        publish(sites.source, "v2", "orders", bodies("lost", 5))
+        sites.fail_over_by_force()
+        assert not _opens(sites.mirror, "v2")
+        assert client_queues(sites.mirror) == {("v2", "orders"): 10}
+        serve(b_users, ["/", "v2"])
+        wait_for("v2 served on B", lambda: _opens(sites.mirror, "v2"), timeout=30)
+        assert consume(sites.mirror, "v2", "orders", 2) == bodies("v2", 2)
+        sites.old_source_back()
+        assert sites.loss_counted()["messages"] == 5
+        orphans = browse(sites.source, "/", ORPHANS)
+        assert sorted(body for body, _ in orphans) == sorted(bodies("lost", 5))
+        assert held(sites.source, "v2", "orders") == bodies("v2", 10)[2:]
+        assert held(sites.mirror, "v2", "orders") == bodies("v2", 10)[2:]
