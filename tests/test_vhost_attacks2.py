@@ -608,3 +608,76 @@ def test_a_forced_failover_to_a_site_not_serving_a_vhost_keeps_it_for_when_it_is
         assert sorted(body for body, _ in orphans) == sorted(bodies("lost", 5))
         assert held(sites.source, "v2", "orders") == bodies("v2", 10)[2:]
         assert held(sites.mirror, "v2", "orders") == bodies("v2", 10)[2:]
+
+
+def _fed_opens(site: BrokerProcess, vhost: str) -> bool:
+    """Whether `guest` may open `vhost` on `site` (a new connection)."""
+    try:
+        fed_connect(site, vhost).close()
+    except pika.exceptions.ProbableAccessDeniedError:
+        return False
+    return True
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a FederationLink keeps the VirtualHost object it was built with "
+    "(service.py: `local = vhost.add_vhost(fed.vhost)`); DELETE /vhosts/t1 drops that "
+    "object and the users file's t1 is a new one, which the link never sees: the "
+    "federated exchange is not made in it, a queue bound there never reaches upstream "
+    "(`local_bindings` stays 0, the upstream link queue unbound), so every message "
+    "confirmed upstream after it is routed nowhere, until the downstream restarts. Fix: "
+    "`_serve_vhost` re-points the vhost's links at the new object, declares their "
+    "exchanges and resyncs their bindings.",
+)
+def test_a_downstream_vhost_deleted_and_made_again_federates_into_the_new_one(
+    tmp_path: Path,
+) -> None:
+    """`remote`'s `t1` federates `orders` from central's `t1`. The operator retires and
+    deletes `t1` on `remote` (`DELETE /vhosts/t1`), then serves it again and binds a new
+    queue: the link must republish into the new `t1`, where the queue is, not into the
+    vhost deleted (every confirmed message upstream acked by the link and lost)."""
+    central = broker(tmp_path, "central")
+    with central.start():
+        config = federation_file(
+            tmp_path / "remote-federation.json",
+            {"central": f"guest@127.0.0.1:{central.port}/"},
+            [Link("t1", "orders", "t1").entry()],
+        )
+        remote = broker(tmp_path, "remote", config)
+        remote_users = tmp_path / "remote.json"  # what `broker` wrote: its users file
+        served = json.loads(remote_users.read_text())
+        with remote.start():
+            wait_running(remote, "t1", "orders")
+            bind(remote, "t1", "t1-orders", "orders", "k")
+            wait_bound(remote, "t1", "orders")
+            fed_publish(central, "t1", "orders", "k", bodies("before", 3))
+            assert drain(remote, "t1", "t1-orders", 3) == bodies("before", 3)
+            retired = {
+                **served,
+                "vhosts": [v for v in served["vhosts"] if v["name"] != "t1"],
+                "permissions": [p for p in served["permissions"] if p["vhost"] != "t1"],
+            }
+            remote_users.write_text(json.dumps(retired))
+            wait_for("t1 retired on remote", lambda: not _fed_opens(remote, "t1"), timeout=30)
+            remote.admin.delete_vhost("t1")
+            remote_users.write_text(json.dumps(served))
+            wait_for("t1 served again on remote", lambda: _fed_opens(remote, "t1"), timeout=30)
+            wait_running(remote, "t1", "orders")
+            # The new t1 lacks the federated exchange the file names (made at start only):
+            # declared as a client would (RabbitMQ's federation needs that anyway).
+            conn = fed_connect(remote, "t1")
+            conn.channel().exchange_declare("orders", "direct", durable=True)
+            conn.close()
+            bind(remote, "t1", "t1-orders", "orders", "k")
+            wait_for(
+                "the link counting the new t1's binding",
+                lambda: links(remote)[("t1", "orders")]["local_bindings"] == 1,
+                timeout=20,
+            )
+            wait_bound(remote, "t1", "orders")
+            after = bodies("after", 5)
+            fed_publish(central, "t1", "orders", "k", after)
+            link_queue = queue_name("orders", "remote")
+            wait_for("the link queue settled", lambda: settled(central, "t1", link_queue))
+            assert drain(remote, "t1", "t1-orders") == after
