@@ -20,11 +20,20 @@ message through one path, with real brokers and pika. What held:
   upstream's `t1` is revoked: refused, retried, nothing lost or doubled once granted;
 - a `t1` publisher upstream stamping `t2`'s scoped origin (`["t2", "central"]`).
 
-What broke (xfail, strict): the upstream keeps an origin header its clients set, and the
-downstream's dedup key space is the local vhost's, so a publisher of upstream vhost `t2`
-(or of another exchange of the same vhost) who stamps the upstream's own origin with the
-message ids coming next makes the downstream drop the other tenant's confirmed messages
-as duplicates.
+- one queue name with other arguments (a length limit; a TTL dead-lettering into `dead`,
+  a name `/` has too) in two vhosts, across a replica restart and a switchover;
+- a forced failover to a site whose users file does not declare a vhost: kept there,
+  served once declared, the old source's own loss in it orphaned.
+
+What broke (xfail, strict):
+
+- the upstream keeps an origin header its clients set, and the downstream's dedup key
+  space is the local vhost's, so a publisher of upstream vhost `t2` (or of another
+  exchange of the same vhost) who stamps the upstream's own origin with the message ids
+  coming next makes the downstream drop the other tenant's confirmed messages as
+  duplicates;
+- a downstream vhost deleted and made again (`DELETE /vhosts/t1`, then served again) is
+  never federated into until a restart: the link keeps the dropped vhost object.
 """
 
 from __future__ import annotations
