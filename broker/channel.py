@@ -32,7 +32,7 @@ from twinmq.broker.codec import (
     encode_return,
 )
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
-from twinmq.broker.federation.headers import stamp_origin
+from twinmq.broker.federation.headers import MARK, stamp_origin, strip_federation
 from twinmq.broker.federation.identity import PEER_EXCHANGE
 from twinmq.broker.journal import JournalOp
 from twinmq.broker.message import Entry
@@ -218,6 +218,10 @@ class Channel:
                 f"'{self.connection.user}'",
                 (60, 40),
             )
+        if self.connection.origin_stamp is None and MARK in payload:
+            # A client's publish: federation's headers are the links' alone.
+            payload = strip_federation(payload)
+            info = decode_content_header(payload)
         self._header = payload
         self._info = info
         self._remaining = info.body_size

@@ -25,13 +25,14 @@ message through one path, with real brokers and pika. What held:
 - a forced failover to a site whose users file does not declare a vhost: kept there,
   served once declared, the old source's own loss in it orphaned.
 
+What broke, fixed since: the upstream kept an origin header its clients set, and the
+downstream's dedup key space is the local vhost's, so a publisher of upstream vhost `t2`
+(or of another exchange of the same vhost) who stamped the upstream's own origin with the
+message ids coming next made the downstream drop the other tenant's confirmed messages as
+duplicates (a broker now strips federation headers from clients' publishes).
+
 What broke (xfail, strict):
 
-- the upstream keeps an origin header its clients set, and the downstream's dedup key
-  space is the local vhost's, so a publisher of upstream vhost `t2` (or of another
-  exchange of the same vhost) who stamps the upstream's own origin with the message ids
-  coming next makes the downstream drop the other tenant's confirmed messages as
-  duplicates;
 - a downstream vhost deleted and made again (`DELETE /vhosts/t1`, then served again) is
   never federated into until a restart: the link keeps the dropped vhost object.
 """
@@ -229,15 +230,6 @@ def test_a_forced_failover_whose_promoted_site_deletes_the_vhost_keeps_the_old_s
         assert (mirror_status(sites.source) or {}).get("orphans") == 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dedup keys are scoped by the link's LOCAL vhost only (dedup.scoped), but the "
-    "origin header is set by whoever publishes upstream: a client of upstream vhost t2 "
-    "stamping the upstream's server id and coming message ids claims the keys of "
-    "upstream t1's messages federated into the same local vhost, which are dropped as "
-    "duplicates (20 of 20 lost here). Fix: scope by (local vhost, upstream vhost), or "
-    "have the upstream strip/re-stamp origin headers its own clients set.",
-)
 def test_an_upstream_tenant_stamping_the_upstreams_origin_cannot_suppress_another_tenants_messages(
     tmp_path: Path,
 ) -> None:
@@ -252,14 +244,6 @@ def test_an_upstream_tenant_stamping_the_upstreams_origin_cannot_suppress_anothe
     assert attack.run(tmp_path) == (bodies("t1", 20), 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the root cause without vhosts: the upstream keeps an origin header its client "
-    "set (headers.stamp_origin) and the downstream trusts it; a publisher of another "
-    "exchange in the same upstream vhost (permitted there, not on `orders`) suppresses "
-    "`orders`' next messages downstream. Fix: the upstream strips x-twinmq-origin/-seq "
-    "from what its own clients publish (only a federation link may carry them).",
-)
 def test_a_publisher_of_another_exchange_stamping_the_upstreams_origin_cannot_suppress_its_messages(
     tmp_path: Path,
 ) -> None:

@@ -47,6 +47,30 @@ def stamp_origin(header: bytes, server_id: str, mid: int) -> bytes:
     return codec.rebuild_header(header, {HEADERS_FLAG: encoded})
 
 
+MARK = b"x-twinmq-"  # in a content header's bytes: one of the headers above may be there
+
+
+def strip_federation(header: bytes) -> bytes:
+    """The content header without origin, seq and path (a client's publish).
+
+    Only a federation link may carry them: the upstream stamps a message's origin only
+    when it has none, and a downstream trusts (origin, seq) as the dedup key, so a client
+    that set them could claim the keys of another publisher's next messages (their ids
+    are the broker's, in order) and have those dropped downstream as duplicates
+    (`tests/test_vhost_attacks2.py`). A client re-publishing a federated message makes a
+    new one. Every other property is copied byte for byte.
+    """
+    try:
+        table = codec.decode_headers(header)
+    except ValueError:
+        return header
+    kept = tuple((k, v) for k, v in table.items if k not in (ORIGIN, ORIGIN_SEQ, PATH))
+    if len(kept) == len(table.items):
+        return header
+    encoded = fieldtable.encode_table(fieldtable.Table(kept)) if kept else None
+    return codec.rebuild_header(header, {HEADERS_FLAG: encoded})
+
+
 Verdict = Literal["forward", "loop", "too-many-hops", "unstamped"]
 
 
