@@ -21,6 +21,7 @@ from twinmq.broker.federation.headers import (
     departure,
     forwarded,
     stamp_origin,
+    strip_federation,
 )
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY, duplicate_refusal
 from twinmq.broker.federation.state import Rows, StateMessage, StateView, difference
@@ -145,6 +146,25 @@ def test_the_upstream_stamps_origin_and_seq_once_and_keeps_every_other_property(
         stamp_origin(codec.encode_header_payload(commands.Basic.Properties(), 0), "c", 1)
     )
     assert fieldtable.as_int(table.get(ORIGIN_SEQ)) == 1
+
+
+def test_a_clients_federation_headers_are_stripped_and_nothing_else_changes() -> None:
+    forged = commands.Basic.Properties(
+        content_type="text/plain", message_id="m1", delivery_mode=2,
+        headers={"app": "x", ORIGIN: "central", ORIGIN_SEQ: 42, PATH: ["central"]},
+    )  # fmt: skip
+    stripped = codec.decode_properties(strip_federation(codec.encode_header_payload(forged, 5)))
+    assert stripped.headers == {"app": "x"}
+    assert (stripped.content_type, stripped.message_id, stripped.delivery_mode) == (
+        "text/plain", "m1", 2,
+    )  # fmt: skip
+    clean = codec.encode_header_payload(commands.Basic.Properties(headers={"app": "x"}), 5)
+    assert strip_federation(clean) is clean  # byte for byte, not even re-encoded
+    only = commands.Basic.Properties(headers={ORIGIN: "central", ORIGIN_SEQ: 42})
+    assert (
+        codec.decode_properties(strip_federation(codec.encode_header_payload(only, 0))).headers
+        is None
+    )  # the property dropped with its last header
 
 
 def test_a_forwarded_message_is_stamped_here_with_the_path_ending_upstream() -> None:
