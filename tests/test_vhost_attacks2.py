@@ -25,16 +25,15 @@ message through one path, with real brokers and pika. What held:
 - a forced failover to a site whose users file does not declare a vhost: kept there,
   served once declared, the old source's own loss in it orphaned.
 
-What broke, fixed since: the upstream kept an origin header its clients set, and the
+What broke, fixed since (both found here): the upstream kept an origin header its clients set, and the
 downstream's dedup key space is the local vhost's, so a publisher of upstream vhost `t2`
 (or of another exchange of the same vhost) who stamped the upstream's own origin with the
 message ids coming next made the downstream drop the other tenant's confirmed messages as
 duplicates (a broker now strips federation headers from clients' publishes).
 
-What broke (xfail, strict):
-
-- a downstream vhost deleted and made again (`DELETE /vhosts/t1`, then served again) is
-  never federated into until a restart: the link keeps the dropped vhost object.
+And a downstream vhost deleted and made again (`DELETE /vhosts/t1`, then served again)
+was never federated into until a restart: the link kept the dropped vhost object (it
+follows the new one now).
 """
 
 from __future__ import annotations
@@ -612,17 +611,6 @@ def _fed_opens(site: BrokerProcess, vhost: str) -> bool:
     return True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a FederationLink keeps the VirtualHost object it was built with "
-    "(service.py: `local = vhost.add_vhost(fed.vhost)`); DELETE /vhosts/t1 drops that "
-    "object and the users file's t1 is a new one, which the link never sees: the "
-    "federated exchange is not made in it, a queue bound there never reaches upstream "
-    "(`local_bindings` stays 0, the upstream link queue unbound), so every message "
-    "confirmed upstream after it is routed nowhere, until the downstream restarts. Fix: "
-    "`_serve_vhost` re-points the vhost's links at the new object, declares their "
-    "exchanges and resyncs their bindings.",
-)
 def test_a_downstream_vhost_deleted_and_made_again_federates_into_the_new_one(
     tmp_path: Path,
 ) -> None:

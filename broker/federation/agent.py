@@ -219,6 +219,26 @@ class FederationLink:
         """Stop tapping the exchange (demotion, shutdown); the outbox's messages stay."""
         self.vhost.forwarding.pop(self.fed.exchange, None)
 
+    def declare_exchange(self) -> None:
+        """The local federated exchange, made if missing (the file names it)."""
+        fed = self.fed
+        if fed.exchange not in self.vhost.exchanges:
+            self.vhost.declare_exchange(
+                fed.exchange, fed.type, passive=False, durable=True, auto_delete=False,
+                internal=False, arguments={},
+            )  # fmt: skip
+
+    def follow(self, vhost: VirtualHost, *, active: bool) -> None:
+        """The local vhost was made again (deleted, then served by the users file): the
+        link republishes into the new one, its exchange made there, its outbox too, and
+        the new exchange's bindings (none yet) propagated (`_sync` watches it)."""
+        self.close_outbox()
+        self.vhost = vhost
+        if active:
+            self.declare_exchange()
+            self.open_outbox()
+            self.bindings_changed()
+
     def bindings_changed(self) -> None:
         """The local exchange's bindings changed: propagate (the running session does)."""
         self._dirty.set()

@@ -143,6 +143,11 @@ class Federation:
             vhost.queue_listeners.append(keys.queue_declared)
             for exchange in keys.exchanges:
                 vhost.reply_to_rewriters[exchange] = keys.rewrite
+        for link in self.links.values():
+            if link.fed.vhost == vhost.name and link.vhost is not vhost:
+                # Made again (`DELETE /vhosts/{name}`, then served): the link follows,
+                # else it republished into the dropped one until a restart.
+                link.follow(vhost, active=self.running)
         if any(link.vhost is vhost for link in self.links.values()):
             vhost.binding_listeners.append(
                 lambda exchange: self._bindings_changed(vhost.name, exchange)
@@ -158,12 +163,7 @@ class Federation:
             # The records replicated or recovered here are the keys (a promoted passive's too).
             self._load_keys()
         for link in self.links.values():
-            fed = link.fed
-            if fed.exchange not in link.vhost.exchanges:
-                link.vhost.declare_exchange(
-                    fed.exchange, fed.type, passive=False, durable=True, auto_delete=False,
-                    internal=False, arguments={},
-                )  # fmt: skip
+            link.declare_exchange()
             link.open_outbox()
             link.start()
         if self.upstreams or self.orphans.path.exists():
