@@ -25,11 +25,12 @@ message through one path, with real brokers and pika. What held:
 - a forced failover to a site whose users file does not declare a vhost: kept there,
   served once declared, the old source's own loss in it orphaned.
 
-What broke, fixed since (both found here): the upstream kept an origin header its clients set, and the
-downstream's dedup key space is the local vhost's, so a publisher of upstream vhost `t2`
-(or of another exchange of the same vhost) who stamped the upstream's own origin with the
-message ids coming next made the downstream drop the other tenant's confirmed messages as
-duplicates (a broker now strips federation headers from clients' publishes).
+What broke, fixed since (both found here): the upstream kept an origin header its clients
+set, and the downstream's dedup key space is the local vhost's, so a publisher of
+upstream vhost `t2` (or of another exchange of the same vhost) who stamped the upstream's
+own origin with the message ids coming next made the downstream drop the other tenant's
+confirmed messages as duplicates (a broker now strips federation headers from clients'
+publishes).
 
 And a downstream vhost deleted and made again (`DELETE /vhosts/t1`, then served again)
 was never federated into until a restart: the link kept the dropped vhost object (it
