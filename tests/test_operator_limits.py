@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from twinmq.broker.names import REPLICATION_TOKEN_ENV
 from twinmq.broker.settings import BrokerSettings, parse_args
 from twinmq.operator.builders import ClusterRef, build_pod, limit_args, pod_revision
 from twinmq.operator.models import BrokerClusterSpec, Limits
@@ -27,7 +30,10 @@ def test_limits_left_unset_add_no_flag_and_change_no_pod() -> None:
     )
 
 
-def test_the_broker_reads_the_limits_the_operator_writes() -> None:
+def test_the_broker_reads_the_limits_the_operator_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pod's own replication token (its Secret, in the environment): with `--peer` the
+    # broker refuses to start without one.
+    monkeypatch.setenv(REPLICATION_TOKEN_ENV, "replication")
     spec = BrokerClusterSpec.model_validate(
         {
             "limits": {
