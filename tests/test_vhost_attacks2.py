@@ -230,43 +230,35 @@ def test_a_forced_failover_whose_promoted_site_deletes_the_vhost_keeps_the_old_s
         assert (mirror_status(sites.source) or {}).get("orphans") == 5
 
 
-def test_an_upstream_tenant_stamping_the_upstreams_origin_cannot_suppress_another_tenants_messages(
-    tmp_path: Path,
+# (victim link, attacker link, the origin the attacker stamps given the upstream's id)
+FORGERIES = {
+    # `remote`'s `t1` federates `orders` from central's `t1` and `prices` from central's
+    # `t2`: both links' keys are in `t1`'s key space, and central's message ids are the
+    # broker's, so a client of `t2` stamping central's id with the ids coming next would
+    # claim the keys of `t1`'s next messages.
+    "an-upstream-tenant": ("t1", "orders", "t1", "t1", "prices", "t2", False),
+    # The same within one vhost: `t1`'s `prices` and `orders` both from central's `t1`.
+    "another-exchange": ("t1", "orders", "t1", "t1", "prices", "t1", False),
+    # `t1` and `t2` federate their `orders` from central's `t1` and `t2`: a client of
+    # central's `t1` stamps `["t2", "central"]`, the form `t2`'s keys take in the window
+    # (`dedup.scoped`), with `t2`'s coming ids.
+    "a-scoped-spelling": ("t2", "orders", "t2", "t1", "orders", "t1", True),
+}
+
+
+@pytest.mark.parametrize("forgery", FORGERIES.values(), ids=FORGERIES.keys())
+def test_a_client_stamping_federation_origins_cannot_suppress_another_publishers_messages(
+    tmp_path: Path, forgery: tuple[str, str, str, str, str, str, bool]
 ) -> None:
-    """`remote`'s vhost `t1` federates `orders` from central's `t1` and `prices` from
-    central's `t2`: both links' keys are in `t1`'s key space. Central's message ids are
-    the broker's, so a client of `t2` who stamps `x-twinmq-origin: central` with the ids
-    coming next claims the keys of `t1`'s next messages."""
+    """A client publishing upstream with `x-twinmq-origin`/`-seq` set (another publisher's
+    coming dedup keys) gets nothing of that publisher's dropped downstream: all 20 of its
+    confirmed messages arrive, none counted as a duplicate."""
+    vv, vx, vu, av, ax, au, scoped = forgery
     attack = ForgedOrigins(
-        victim=Link("t1", "orders", "t1"), attacker=Link("t1", "prices", "t2"),
-        forge=lambda origin: origin,
+        victim=Link(vv, vx, vu), attacker=Link(av, ax, au),
+        forge=(lambda origin: json.dumps([vv, origin])) if scoped else (lambda origin: origin),
     )  # fmt: skip
-    assert attack.run(tmp_path) == (bodies("t1", 20), 0)
-
-
-def test_a_publisher_of_another_exchange_stamping_the_upstreams_origin_cannot_suppress_its_messages(
-    tmp_path: Path,
-) -> None:
-    """As above within one vhost: `t1`'s `prices` and `orders` both from central's `t1`."""
-    attack = ForgedOrigins(
-        victim=Link("t1", "orders", "t1"), attacker=Link("t1", "prices", "t1"),
-        forge=lambda origin: origin,
-    )  # fmt: skip
-    assert attack.run(tmp_path) == (bodies("t1", 20), 0)
-
-
-def test_a_t1_publisher_spelling_t2s_scoped_origin_cannot_suppress_t2s_messages(
-    tmp_path: Path,
-) -> None:
-    """`remote`'s `t1` and `t2` federate their `orders` from central's `t1` and `t2`: a
-    client of central's `t1` stamps the origin `["t2", "central"]`, the form `t2`'s keys
-    take in the window (`dedup.scoped`), with `t2`'s coming ids; `t1`'s scoping of it is
-    another key, and `t2`'s messages all arrive."""
-    attack = ForgedOrigins(
-        victim=Link("t2", "orders", "t2"), attacker=Link("t1", "orders", "t1"),
-        forge=lambda origin: json.dumps(["t2", origin]),
-    )  # fmt: skip
-    assert attack.run(tmp_path) == (bodies("t2", 20), 0)
+    assert attack.run(tmp_path) == (bodies(vv, 20), 0)
 
 
 @dataclass(frozen=True)
