@@ -77,6 +77,23 @@ def serve(path: Path, names: list[str]) -> None:
     users_file(path, names, GRANTS)
 
 
+def vhost_sites(
+    tmp_path: Path, source_vhosts: list[str], mirror_vhosts: list[str], *, reversible: bool = False
+) -> tuple[Sites, Path, Path]:
+    """Two DR sites whose users files declare `source_vhosts` and `mirror_vhosts`: the
+    sites (to enter) and the two files (a test rewrites them)."""
+    source_users, mirror_users = tmp_path / "users-a.json", tmp_path / "users-b.json"
+    serve(source_users, source_vhosts)
+    serve(mirror_users, mirror_vhosts)
+    sites = Sites(
+        tmp_path,
+        reversible=reversible,
+        source_args=["--users-file", str(source_users)],
+        mirror_args=["--users-file", str(mirror_users)],
+    )
+    return sites, source_users, mirror_users
+
+
 def orphaned(broker: BrokerProcess) -> int:
     """Messages in the broker's orphan queue (0 when it was never made)."""
     data = status(broker)
@@ -116,15 +133,10 @@ def declare_and_publish(
 def test_a_vhost_deleted_and_made_again_while_the_mirror_is_away_holds_only_the_new_queue(
     tmp_path: Path, replica_serves: bool
 ) -> None:
-    source_users = tmp_path / "users-a.json"
-    serve(source_users, ["/", "v1"])
-    mirror_users = tmp_path / "users-b.json"
-    serve(mirror_users, ["/", "v1"] if replica_serves else ["/"])
-    with Sites(
-        tmp_path,
-        source_args=["--users-file", str(source_users)],
-        mirror_args=["--users-file", str(mirror_users)],
-    ) as sites:
+    rig, source_users, mirror_users = vhost_sites(
+        tmp_path, ["/", "v1"], ["/", "v1"] if replica_serves else ["/"]
+    )
+    with rig as sites:
         source, mirror = sites.source, sites.mirror
         publish(source, "/", "orders", bodies("root", 3))
         publish(source, "v1", "orders", bodies("first", 5))
@@ -161,16 +173,10 @@ def test_a_vhost_deleted_and_made_again_while_the_mirror_is_away_holds_only_the_
 def test_a_switchover_right_after_a_vhost_deletion_brings_nothing_of_it_back(
     tmp_path: Path,
 ) -> None:
-    source_users = tmp_path / "users-a.json"
-    serve(source_users, ["/", "v1", "v2"])
-    mirror_users = tmp_path / "users-b.json"
-    serve(mirror_users, ["/", "v1"])  # v2: made by the mirror only
-    with Sites(
-        tmp_path,
-        reversible=True,
-        source_args=["--users-file", str(source_users)],
-        mirror_args=["--users-file", str(mirror_users)],
-    ) as sites:
+    rig, source_users, _mirror_users = vhost_sites(
+        tmp_path, ["/", "v1", "v2"], ["/", "v1"], reversible=True
+    )  # v2: made by the mirror only
+    with rig as sites:
         source, mirror = sites.source, sites.mirror
         publish(source, "v1", "orders", bodies("v1", 30))
         publish(source, "v2", "orders", bodies("v2", 30))  # another queue, the same name
@@ -199,15 +205,8 @@ def test_a_switchover_right_after_a_vhost_deletion_brings_nothing_of_it_back(
 def test_a_forced_failover_whose_promoted_site_deletes_the_vhost_keeps_the_old_sources_loss(
     tmp_path: Path,
 ) -> None:
-    a_users, b_users = tmp_path / "users-a.json", tmp_path / "users-b.json"
-    serve(a_users, ["/", "v1"])
-    serve(b_users, ["/", "v1"])
-    with Sites(
-        tmp_path,
-        reversible=True,
-        source_args=["--users-file", str(a_users)],
-        mirror_args=["--users-file", str(b_users)],
-    ) as sites:
+    rig, _a_users, b_users = vhost_sites(tmp_path, ["/", "v1"], ["/", "v1"], reversible=True)
+    with rig as sites:
         publish(sites.source, "v1", "orders", bodies("v1", 10))
         publish(sites.source, "/", "orders", bodies("root", 3))
         sites.caught_up()
@@ -489,15 +488,8 @@ def test_a_replica_killed_while_it_applies_a_vhosts_deletion_and_new_queue_ends_
     the new queue of the same name: the replica is `kill -9`ed as it applies it, then
     started: it applies what was not acknowledged again, each message once, and ends
     with the new queue's messages only."""
-    users = tmp_path / "users-a.json"
-    serve(users, ["/", "v1"])
-    mirror_users = tmp_path / "users-b.json"
-    serve(mirror_users, ["/", "v1"])
-    with Sites(
-        tmp_path,
-        source_args=["--users-file", str(users)],
-        mirror_args=["--users-file", str(mirror_users)],
-    ) as sites:
+    rig, users, _mirror_users = vhost_sites(tmp_path, ["/", "v1"], ["/", "v1"])
+    with rig as sites:
         source, mirror = sites.source, sites.mirror
         publish(source, "/", "orders", bodies("root", 3))
         sites.caught_up()
@@ -568,15 +560,8 @@ def test_a_forced_failover_to_a_site_not_serving_a_vhost_keeps_it_for_when_it_is
     """B's users file does not declare `v2`: promoted by force, B keeps the `v2` it
     mirrored (refusing its clients), serves it once its file declares it, and the old
     source, back, orphans what it alone had in `v2` and holds B's copy."""
-    a_users, b_users = tmp_path / "users-a.json", tmp_path / "users-b.json"
-    serve(a_users, ["/", "v2"])
-    serve(b_users, ["/"])
-    with Sites(
-        tmp_path,
-        reversible=True,
-        source_args=["--users-file", str(a_users)],
-        mirror_args=["--users-file", str(b_users)],
-    ) as sites:
+    rig, _a_users, b_users = vhost_sites(tmp_path, ["/", "v2"], ["/"], reversible=True)
+    with rig as sites:
         publish(sites.source, "v2", "orders", bodies("v2", 10))
         sites.caught_up()
         sites.mirror.stop()  # a partition
