@@ -75,7 +75,7 @@ test: lint typecheck system-deps $(TEST_SETUP_TARGETS)
 	  mkdir -p .cache; echo "make $$background: in the background while the tests run (log: .cache/test-background.log)"; \
 	  $(MAKE) --no-print-directory $$background >.cache/test-background.log 2>&1 & bg=$$!; \
 	fi; \
-	$(VENV)/bin/pytest -q -m "not soak" tests; rc=$$?; \
+	$(VENV)/bin/pytest -q -m "not soak" --durations=30 tests; rc=$$?; \
 	if [ -n "$$bg" ]; then \
 	  if wait $$bg; then tail -n 3 .cache/test-background.log; \
 	  else cat .cache/test-background.log; echo "make $$background failed"; exit 1; fi; \

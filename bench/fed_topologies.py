@@ -48,6 +48,14 @@ def dedup_forced(broker: BrokerProcess) -> int:
     return int(samples.get("twinmq_federation_dedup_forced_total", 0))
 
 
+def dedup_keys(broker: BrokerProcess) -> int:
+    """Keys the server's dedup window holds at the end (the newest `dedup-window` and the
+    older ones a link may still bring, compacted): what a link that never brings an origin
+    makes grow."""
+    federation = broker.admin.status(timeout=10).federation
+    return max((link.dedup_keys for link in federation.links), default=0) if federation else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--topologies", default="ring,diamond,mesh")
@@ -94,9 +102,16 @@ def main() -> int:
                 failovers=opts.failovers,
             )
             forced = {server: dedup_forced(mesh.broker(server)) for server in mesh.names}
+            held = {server: dedup_keys(mesh.broker(server)) for server in mesh.names}
+            # The upstreams tell their marks when idle too (every second, marks.py): the
+            # keys still held 20 s after the traffic are what stays.
+            time.sleep(20)
+            settled = {server: dedup_keys(mesh.broker(server)) for server in mesh.names}
         record = {"topology": name, "servers": servers, "pairs": pairs, **ft.describe(outcome)}
         record["dedup_window"] = opts.dedup_window
         record["dedup_forced"] = forced
+        record["dedup_keys"] = held
+        record["dedup_keys_20s_later"] = settled
         record["load"] = xsite.load_average()
         record["wall_seconds"] = round(time.monotonic() - started, 1)
         print(json.dumps(record), flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import timeit
+from types import SimpleNamespace
 
 from twinmq.broker.auth import Authenticator, User
 from twinmq.broker.connection import Connection, Limits
@@ -22,7 +23,7 @@ class Context:
 
     def __init__(self, authenticator: Authenticator) -> None:
         self.authenticator = authenticator
-        self.vhost = None
+        self.vhost = SimpleNamespace(name="/")  # the check reads only its name
         self.limits = Limits()
         self.product_version = "bench"
 

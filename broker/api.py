@@ -244,8 +244,8 @@ class VhostStatus(BaseModel):
     )
     queues: int
     mirrored: bool = Field(
-        description="The DR mirror carries its changes (one-way: every vhost; the "
-        "bidirectional mode and the mesh: `/` only)"
+        description="The DR mirror carries its changes (every vhost, in every mode: one-way, "
+        "bidirectional, full mesh)"
     )
     federated: bool = Field(
         description="Federation serves it: links from the federation file may federate its "

@@ -1,4 +1,4 @@
-"""Users and SASL logins (PLAIN, AMQPLAIN).
+"""Users and SASL logins (PLAIN, AMQPLAIN, and EXTERNAL: a verified client certificate).
 
 Passwords are stored hashed with scrypt (`scrypt:<n>:<r>:<p>:<salt hex>:<key hex>`,
 a memory-hard KDF: ~16 MiB and tens of ms per guess), as `hash_password` and
@@ -15,6 +15,15 @@ reconnects costs a hash, not a KDF. As in RabbitMQ, `guest` may log in only over
 loopback. The file is read again when it changes (`reload_if_changed`, every few
 seconds): users, passwords and
 permissions (broker/permissions.py) change without a restart.
+
+EXTERNAL (RabbitMQ's rabbitmq_auth_mechanism_ssl) is offered with `--tls-cert-login` on
+an AMQPS connection whose client presented a certificate the listener verified: the user
+is the name the certificate carries (`CertLogin`: its common name, its whole distinguished
+name, or its first DNS or e-mail subject alternative name), who must be in the users file;
+no password is checked, and permissions, vhosts and connection limits apply as for any
+login. A user with neither `password` nor `password_hash` (RabbitMQ's user without a
+password hash) logs in only this way. Only a login CA's certificate logs in: with
+`--tls-federation-ca`, one a federation downstream's CA signed is refused (`login_scope`).
 """
 
 from __future__ import annotations
@@ -30,11 +39,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography import x509
 from pamqp import decode
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from twinmq.broker.filewatch import FileWatch
 from twinmq.broker.permissions import AccessControl, Permission
+from twinmq.broker.tls import (
+    CERT_LOGIN_SOURCES,
+    CertLogin,
+    broker_certificate,
+    certificate_login_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +59,9 @@ LOOPBACK_ONLY_USERS = frozenset({"guest"})
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 14, 8, 1
 SCRYPT_KEY_BYTES = 32
 KDF_THREADS = 2  # logins verified at once; more wait (the handshake timeout bounds them)
+PASSWORD_MECHANISMS = "PLAIN AMQPLAIN"
+# The tag that lets a user's connections act as federation links (announce a server id).
+FEDERATION_TAG = "federation"
 
 
 class LoginError(Exception):
@@ -50,16 +69,27 @@ class LoginError(Exception):
 
 
 class User(BaseModel):
-    """One user of the users file."""
+    """One user of the users file: with a password (or its hash), or neither (a user who
+    logs in only with a client certificate, EXTERNAL)."""
 
     name: str
     password: str | None = None
     password_hash: str | None = None
+    # RabbitMQ's user tags (a list, or its older comma-separated string); TwinMQ reads
+    # `federation`: the user a downstream's federation link logs in as.
+    tags: list[str] = Field(default_factory=list)
+
+    @field_validator("tags", mode="before")
+    @classmethod
+    def _tags_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [t.strip() for t in value.split(",") if t.strip()]
+        return value
 
     @model_validator(mode="after")
     def _one_secret(self) -> User:
-        if (self.password is None) == (self.password_hash is None):
-            raise ValueError(f"user {self.name!r}: give exactly one of password, password_hash")
+        if self.password is not None and self.password_hash is not None:
+            raise ValueError(f"user {self.name!r}: give password or password_hash, not both")
         if self.password_hash is not None:
             _parse_hash(self.name, self.password_hash)
         return self
@@ -138,10 +168,12 @@ def _parse_hash(name: str, value: str) -> list[str]:
 
 
 def _verify(user: User, password: str) -> bool:
-    """Whether `password` is the user's (slow for a scrypt hash: off the event loop)."""
+    """Whether `password` is the user's (slow for a scrypt hash: off the event loop); a
+    user without one (certificate login only) has none a client could give."""
     if user.password is not None:
         return hmac.compare_digest(user.password.encode(), password.encode())
-    assert user.password_hash is not None
+    if user.password_hash is None:
+        return False
     fields = _parse_hash(user.name, user.password_hash)
     if fields[0] == "sha256":
         salt, digest = bytes.fromhex(fields[1]), fields[2]
@@ -184,10 +216,15 @@ class Authenticator:
         self._set(users, permissions)
         self._key = secrets.token_bytes(32)  # for the remembered passwords; this process only
         self._pool: ThreadPoolExecutor | None = None
+        self.cert_login: CertLogin = "off"  # `--tls-cert-login` (the broker sets it)
+        # Why a verified certificate may not log in (its CA is trusted for TLS only:
+        # `TlsListener.login_refusal`), or None; the broker sets it with AMQPS.
+        self.login_scope: Callable[[x509.Certificate], str | None] | None = None
 
     def _set(self, users: list[User], permissions: list[Permission] | None) -> None:
         self.users = {u.name: u for u in users}
-        self.access = AccessControl(permissions)
+        # Without permissions every user of the file may do everything: only of the file.
+        self.access = AccessControl(permissions, [u.name for u in users])
         self._verified: dict[str, bytes] = {}  # user -> HMAC of the password last verified
         for user in users:
             if user.password_hash is not None and user.password_hash.startswith("sha256:"):
@@ -202,7 +239,8 @@ class Authenticator:
         """Load users (and permissions) from a JSON users file; without one, only
         guest/guest (loopback)."""
         if path is None:
-            return cls([User(name="guest", password="guest")])
+            # No file: a development broker (guest, loopback only), whose guest may link.
+            return cls([User(name="guest", password="guest", tags=[FEDERATION_TAG])])
         watch = FileWatch(path)
         data = UsersFile.read(path)
         auth = cls(data.users, data.permissions, data.served())
@@ -228,10 +266,42 @@ class Authenticator:
                  else f"{len(data.permissions)} permissions")  # fmt: skip
         return True
 
-    def login(self, mechanism: str, response: str | bytes, loopback: bool) -> str | Login:
+    def link_refusal(self, user: str) -> str | None:
+        """Why `user`'s connection may not act as a federation link (it announced a
+        server id: its publishes keep their origin headers and are deduplicated on
+        them), or None. Only a user tagged `federation` may: any other could stamp
+        another site's next origin sequences and have that site's messages dropped as
+        copies (tests/test_security_attacks.py)."""
+        known = self.users.get(user)
+        if known is not None and FEDERATION_TAG in known.tags:
+            return None
+        return (
+            f"user '{user}' announced a federation server id but is not a federation "
+            f"link's user: tag it '{FEDERATION_TAG}' in the users file"
+        )
+
+    def mechanisms(self, certificate: x509.Certificate | None) -> str:
+        """connection.start's mechanisms for a connection whose client presented the
+        verified `certificate` (None: plaintext, or TLS without one): EXTERNAL only with
+        one and `--tls-cert-login` on, last, so a client that takes the first it knows
+        still takes PLAIN."""
+        if certificate is None or self.cert_login == "off":
+            return PASSWORD_MECHANISMS
+        return f"{PASSWORD_MECHANISMS} EXTERNAL"
+
+    def login(
+        self,
+        mechanism: str,
+        response: str | bytes,
+        loopback: bool,
+        certificate: x509.Certificate | None = None,
+    ) -> str | Login:
         """The user name, a `Login` to wait for (a KDF to run), or `LoginError` with the
-        reason for the client."""
+        reason for the client. `certificate`: the client's, verified by the TLS listener
+        (None: plaintext, or none presented), for EXTERNAL."""
         raw = response.encode("utf-8") if isinstance(response, str) else bytes(response)
+        if mechanism == "EXTERNAL":
+            return self._external(raw, certificate)
         if mechanism == "PLAIN":
             parts = raw.split(b"\x00")
             if len(parts) != 3:
@@ -283,6 +353,45 @@ class Authenticator:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(KDF_THREADS, thread_name_prefix="twinmq-kdf")
         return Login(self._pool.submit(_verify, user, password), finish)
+
+    def _external(self, authzid: bytes, certificate: x509.Certificate | None) -> str:
+        """The user a certificate login (EXTERNAL) is, or `LoginError` saying why not. The
+        reasons are specific, unlike a wrong password's: the client holds a certificate our
+        CA signed, and what it is told is only what that certificate says."""
+        if certificate is None or self.cert_login == "off":
+            raise LoginError(
+                "EXTERNAL is not offered on this connection: it needs AMQPS, a client "
+                "certificate the broker verified and --tls-cert-login"
+            )
+        if broker_certificate(certificate):
+            # A broker's own certificate (the replication link's identity) is no user.
+            raise LoginError(
+                "certificate login refused: the certificate is for client and server use, a "
+                "broker's own (a replication identity), not an application's"
+            )
+        scoped = self.login_scope(certificate) if self.login_scope is not None else None
+        if scoped is not None:
+            # A federation downstream's CA: its key is another tenant's, it names no one here.
+            raise LoginError(scoped)
+        name = certificate_login_name(certificate, self.cert_login)
+        if name is None:
+            raise LoginError(
+                f"certificate login refused: the client certificate has no "
+                f"{CERT_LOGIN_SOURCES[self.cert_login]} to take the user name from"
+            )
+        # SASL EXTERNAL's response is an authorization identity (RFC 4422): empty (act as
+        # the certificate's user, what clients send) or that same name; never another user.
+        if authzid and authzid.decode(errors="replace") != name:
+            raise LoginError(
+                f"certificate login refused: the certificate's user is '{name}', not the "
+                f"'{authzid.decode(errors='replace')}' asked for"
+            )
+        if name in LOOPBACK_ONLY_USERS:
+            raise LoginError(f"certificate login refused: '{name}' is a built-in user")
+        if name not in self.users:
+            raise LoginError(f"certificate login refused: no user '{name}' (the certificate's "
+                             f"{CERT_LOGIN_SOURCES[self.cert_login]})")  # fmt: skip
+        return name
 
 
 def hash_password_main(argv: list[str]) -> int:

@@ -405,6 +405,8 @@ class Channel:
             )
         )
         metrics.DELIVERED.value += 1
+        if conn.marks is not None and not consumer.no_ack:
+            conn.marks.delivered(queue, entry, self.number)  # a federation link's marks
         if consumer.no_ack:
             self.vhost.settle(queue, [entry])
             return

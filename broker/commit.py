@@ -14,9 +14,14 @@ append) is *failed*, never complete: its waiters hear `durable(batch, failed=Tru
 and answer with a nack or a channel error. Every batch's own outcome is checked,
 not only the newest one synced: after a full disk, a later, smaller write can
 succeed while an earlier one was rolled back, and that earlier batch must not be
-acknowledged on the strength of the later one. A failed batch needs nothing from
-the passive (it is not confirmed), so it completes as soon as the batches before
-it have.
+acknowledged on the strength of the later one. A failed batch is not confirmed,
+but it was streamed to the passive before the write failed here, and the passive
+applied it: while the passive guards, its waiters hear the failure only once the
+passive has dropped it again (`on_withdraw`, `withdrawn`) or the active has gone on
+alone (`guard(False)`: the passive is then not promotable), so that a failure told
+means nothing of the batch is kept anywhere (docs/replication.md, "A failed batch
+on the passive"). Unguarded, it completes as soon as the batches before it have.
+Either way its outcome comes after theirs, and the outcomes of later batches after it.
 
 With the audit log on, a complete batch's records are written and fdatasynced
 by the audit's writer thread before its waiters hear of it (confirms, tx.commit-ok,
@@ -65,6 +70,13 @@ class BatchTap(Protocol):
         """The durable topology was just replaced."""
         ...
 
+    def batch_failed(self, batch: int) -> list[JournalOp]:
+        """Failed batch `batch`'s ops of the tap leave its state now (its events, and
+        the changes to its own state that must not outlive the batch); the ops that do
+        the same on a passive that applied the batch (docs/replication.md, "A failed
+        batch on the passive")."""
+        ...
+
 
 class _Tapped:
     """The tap's part of a closing batch: called by `Journal.append` with the batch's own
@@ -100,6 +112,9 @@ class GroupCommitter:
         # Called at once when a batch's write fails (its waiters hear it in batch order,
         # possibly later, behind outcomes held for the audit log).
         self.on_failed: Callable[[int, JournalError], None] | None = None
+        # Called at once with each failed batch and whether it was streamed: withdraws
+        # it in memory (and from the passive); True: its outcome waits for `withdrawn`.
+        self.on_withdraw: Callable[[int, bool], bool] | None = None
         self.audit: AuditLog | None = None
         self.tap: BatchTap | None = None
         self._audit_batches: deque[tuple[int, list[JournalOp]]] = deque()
@@ -109,6 +124,8 @@ class GroupCommitter:
         # (batch, lsn) appended, not yet known durable; lsn None: the append itself failed
         self._appended: list[tuple[int, int | None]] = []
         self._failed_batches: deque[int] = deque()  # failed, not yet told to the waiters
+        # Failed batches the passive may still hold: their outcomes (and all after) wait.
+        self._withdrawing: set[int] = set()
         # Outcomes (batch, failed) whose audit records are not yet durable, in order.
         self._held: list[tuple[int, bool]] = []
         self._audit_wake = asyncio.Event()
@@ -352,6 +369,22 @@ class GroupCommitter:
         if on and not self.guarded:
             self.replica_batch = self.complete_batch
         self.guarded = on
+        if not on:
+            # Alone (the Lease says so, or there is no Lease): no passive is promotable.
+            self._withdrawing.clear()
+        self._advance()
+
+    def withdrawn(self, batch: int | None = None) -> None:
+        """The passive no longer holds the failed batches up to `batch` (None: any).
+
+        None: a passive caught up from what this broker holds after the withdrawal.
+        """
+        if not self._withdrawing:
+            return
+        if batch is None:
+            self._withdrawing.clear()
+        else:
+            self._withdrawing = {b for b in self._withdrawing if b > batch}
         self._advance()
 
     def replica_acked(self, batch: int) -> None:
@@ -363,14 +396,20 @@ class GroupCommitter:
     def _advance(self) -> None:
         complete = self.durable_batch
         if self.guarded:
-            complete = min(complete, self.replica_batch)
+            # Never behind what was told: a failed batch told is one the passive may
+            # never acknowledge (its link was reset).
+            complete = max(min(complete, self.replica_batch), self.complete_batch)
         failed = self._failed_batches
-        # Failed batches wait for no passive: take those right after the frontier.
+        # Failed batches wait for no acknowledgement: take those right after the frontier.
         for batch in failed:
             if batch == complete + 1 and batch <= self.durable_batch:
                 complete = batch
             elif batch > complete:
                 break
+        if self._withdrawing:
+            # A failed batch the passive may still hold (it acknowledged it, perhaps: it
+            # applied it) waits for `withdrawn`, and every later batch behind it.
+            complete = min(complete, min(self._withdrawing) - 1)
         if complete <= self.complete_batch:
             return
         self.complete_batch = complete
@@ -502,6 +541,9 @@ class GroupCommitter:
                     log.error("journal write failed, disk full: batch %d fails", each)
                 else:
                     log.error("journal write failed (%s): batch %d fails", error, each)
+                # Withdrawn at once (here and on the passive), told in batch order.
+                if self.on_withdraw is not None and self.on_withdraw(each, each_lsn is not None):
+                    self._withdrawing.add(each)
         self.durable_batch = batch
         self._advance()
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from cryptography import x509
 from pamqp import commands
 from pamqp.base import Frame as MethodFrame
 
@@ -36,12 +37,14 @@ from twinmq.broker.codec import (
     encode_method,
 )
 from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
+from twinmq.broker.federation import marks as federation_marks
 from twinmq.broker.federation.identity import (
     PEER_EXCHANGE,
     PEER_PROPERTY,
     SERVER_ID_PROPERTY,
     STATE_PROPERTY,
 )
+from twinmq.broker.federation.marks import MARKS_PROPERTY, MARKS_VERSION, MarkTeller, ToldMarks
 from twinmq.broker.permissions import Operation, Resource
 from twinmq.broker.routing import Exchange
 from twinmq.broker.vhost import PublishResult, StagedChange, VirtualHost
@@ -111,6 +114,14 @@ class ConnectionContext(Protocol):
         """Why a federation peer announcing `announced` as its identifier is refused."""
         ...
 
+    def told_marks(self, vhost: str, queue: str) -> ToldMarks:
+        """What to tell a federation link consuming `queue` in `vhost` (federation/marks.py)."""
+        ...
+
+    def marks_durable(self) -> tuple[int, int]:
+        """(the batch covering every journal op so far, the newest batch complete)."""
+        ...
+
     def receive_forwarded(
         self,
         exchange: Exchange,
@@ -177,21 +188,32 @@ SERVER_CAPABILITIES: dict[str, Any] = {
 
 
 class Connection:
-    """An AMQP connection from `peer`; `loopback` tells whether `guest` may log in."""
+    """An AMQP connection from `peer`; `loopback` tells whether `guest` may log in,
+    `certificate` is the client's, verified by the TLS listener (EXTERNAL logins)."""
 
     def __init__(
-        self, ctx: ConnectionContext, peer: str, *, loopback: bool, wake: Callable[[], None]
+        self,
+        ctx: ConnectionContext,
+        peer: str,
+        *,
+        loopback: bool,
+        wake: Callable[[], None],
+        certificate: x509.Certificate | None = None,
     ) -> None:
         self.ctx = ctx
         self.vhost = ctx.vhost
         self.peer = peer
         self.loopback = loopback
+        self.certificate = certificate
         self.state = State.AWAIT_HEADER
         self.user: str | None = None
         self.client_properties: dict[str, Any] = {}
         # This server's identifier when the peer is a federation link: deliveries to it
         # carry their origin and sequence (federation/headers.py); None for clients.
         self.origin_stamp: str | None = None
+        # A federation link that asked for marks (federation/marks.py): told after its
+        # deliveries how far its upstream will ever forward each origin.
+        self.marks: MarkTeller | None = None
         self.capabilities: dict[str, Any] = {}
         self.channels: dict[int, Channel] = {}
         self.frame_max = PRE_TUNE_FRAME_MAX
@@ -456,8 +478,9 @@ class Connection:
                         SERVER_ID_PROPERTY: self.ctx.server_id,
                         STATE_PROPERTY: "amq.twinmq.state",
                         PEER_PROPERTY: PEER_EXCHANGE,
+                        **({MARKS_PROPERTY: MARKS_VERSION} if federation_marks.ENABLED else {}),
                     },
-                    mechanisms="PLAIN AMQPLAIN",
+                    mechanisms=self.ctx.authenticator.mechanisms(self.certificate),
                     locales="en_US",
                 ),
             )
@@ -479,8 +502,26 @@ class Connection:
                 self._connection_error(AMQPError(ReplyCode.NOT_ALLOWED, refusal, 10, 11))
                 return
             self.origin_stamp = self.ctx.server_id
+            if (
+                federation_marks.ENABLED
+                and self.client_properties.get(MARKS_PROPERTY) == MARKS_VERSION
+            ):
+                self.marks = MarkTeller(
+                    lambda queue: self.ctx.told_marks(self.vhost.name, queue),
+                    self.send,
+                    lambda: [
+                        (consumer.queue, channel.number)
+                        for channel in self.channels.values()
+                        for consumer in channel.consumers.values()
+                        if not consumer.no_ack
+                    ],
+                    self._acked_through,
+                    self.ctx.marks_durable,
+                )
         try:
-            outcome = self.ctx.authenticator.login(m.mechanism, m.response, self.loopback)
+            outcome = self.ctx.authenticator.login(
+                m.mechanism, m.response, self.loopback, self.certificate
+            )
         except LoginError as exc:
             self._refuse_login(exc)
             return
@@ -511,6 +552,11 @@ class Connection:
         self._connection_error(AMQPError(ReplyCode.ACCESS_REFUSED, str(exc), 10, 11))
 
     def _tune(self) -> None:
+        if self.origin_stamp is not None and self.user is not None:
+            refusal = self.ctx.authenticator.link_refusal(self.user)
+            if refusal is not None:
+                self._refuse_login(LoginError(refusal))
+                return
         limits = self.ctx.limits
         self.send(
             encode_method(
@@ -781,7 +827,16 @@ class Connection:
             self.state = State.CLOSED
             self._wake()
 
+    def _acked_through(self, number: int) -> int:
+        """Channel `number`'s highest delivery tag with every one up to it acknowledged."""
+        channel = self.channels.get(number)
+        if channel is None:
+            return -1
+        return min(channel.unacked, default=channel.next_tag) - 1
+
     def _closed(self, reason: str) -> None:
+        if self.marks is not None:
+            self.marks.close()
         for channel in self.channels.values():
             if not channel.closing:
                 channel.release()

@@ -119,6 +119,12 @@ class DedupWindow:
         if self._pending_batch.pop(key, None) is not None:
             self._pending = deque(p for p in self._pending if p[1] != key)
 
+    def forget_admitted(self) -> None:
+        """Drop every admitted key (keys waiting for their batch stay)."""
+        if any(self._scopes.values()):
+            self._scopes = {ROOT_SCOPE: OrderedDict()}
+            self.dirty = True
+
     def pending_batch(self, key: str) -> int | None:
         """The batch whose outcome decides whether `key` enters the window, while it waits."""
         return self._pending_batch.get(key)

@@ -27,7 +27,14 @@ server cannot take it, confirms stay held, and the deadline fences the broker. S
 Lease that lapsed (or whose holder's process is gone) saying `<epoch>:0` proves that a
 passive caught up in that epoch holds every confirmed message, however long after the
 link's loss the operator looks: it promotes it without the passive's own readiness
-window (8 s), which a slow or restarted operator could miss.
+window (8 s), which a slow or restarted operator could miss. When a passive catches up
+again, `0` is written at once (`passive_in_sync`). The operator judges the Lease by how
+long it has seen its record unchanged on its own monotonic clock, never by `renewTime`
+(operator/leasewatch.py): every write here changes the record, and none counts after
+this broker's deadline. An operator of an earlier version compared `renewTime`, written
+with this broker's wall clock, with its own: so a broker whose clock is behind the API
+server's (its `Date`) by more than half a Lease duration still never goes on alone
+(docs/replication.md, "Clock skew").
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import ssl
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -56,6 +64,9 @@ SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 FENCE_MARGIN = 1.0  # seconds before the Lease could lapse that the broker steps down
 HANDOVER_RETRY = 0.2  # seconds between reads of a Lease not yet handed over after activation
 GUARD_ANNOTATION = "twinmq.io/replication-guard"
+# How far (a fraction of the Lease's duration) this broker's wall clock may run behind
+# the API server's before it refuses to go on alone: `record_alone`.
+MAX_CLOCK_LAG = 0.5
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,19 @@ class ReplicationGuard:
 def now_rfc3339() -> str:
     """A MicroTime, as Leases carry it."""
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def clock_lag(date_header: str | None) -> float | None:
+    """How far this process's wall clock is at least behind the server that answered
+    with `date_header` (an HTTP Date, whole seconds, taken before the answer arrived:
+    never more than the true lag). None: no readable Date."""
+    if not date_header:
+        return None
+    try:
+        served = parsedate_to_datetime(date_header).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return served - time.time()
 
 
 class LeaseContext(Protocol):
@@ -174,6 +198,11 @@ class LeaseKeeper:
         # renewal writes it. One write at a time: a renewal never undoes a newer mark.
         self.alone = False
         self._writing = asyncio.Lock()
+        # The catch-up writes in flight (`passive_in_sync`), referenced until done.
+        self._clearing: set[asyncio.Task[None]] = set()
+        # How far this broker's wall clock was at least behind the API server's at the
+        # last write (None: unknown): `record_alone` refuses past `MAX_CLOCK_LAG`.
+        self.clock_lag: float | None = None
 
     @classmethod
     def from_environment(cls, broker: LeaseContext) -> LeaseKeeper | None:
@@ -206,28 +235,58 @@ class LeaseKeeper:
         self.alone = False  # its passive has not caught up in this epoch: it lacks nothing yet
 
     def passive_in_sync(self) -> None:
-        """The passive caught up (everything confirmed alone included): the next renewal
-        says so."""
-        self.alone = False
+        """The passive caught up (everything confirmed alone included): the Lease says so
+        at once, by one write of its own if it may say `alone` (not at the next renewal:
+        until then the operator's veto keeps a ready passive from being promoted)."""
+        was_alone, self.alone = self.alone, False
+        if was_alone and self.broker.role == "active":
+            task = asyncio.get_running_loop().create_task(self._write_caught_up())
+            self._clearing.add(task)
+            task.add_done_callback(self._clearing.discard)
+
+    async def _write_caught_up(self) -> None:
+        """One write of the guard as it is now (no renewal): serialised with the renewals
+        and marks, so it writes `1` again if a mark came in between, never an older state.
+        A failed write is left to the next renewal, which writes the same."""
+        try:
+            await self._write_now()
+        except (aiohttp.ClientError, TimeoutError, LeaseLost) as exc:
+            log.info("cannot write the passive's catch-up into the Lease now: %s", exc)
+
+    async def _write_now(self) -> None:
+        """One write of the Lease as this keeper holds it, outside the renewal loop."""
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await self._write(session, renew=False)
 
     async def record_alone(self) -> bool:
         """Write `alone` into the Lease before confirming without the passive: True once
-        the Lease says so, no passive caught up while it was written (the next renewal
-        would undo it), and this broker may still act as the active (its deadline has
-        not passed: an operator that saw the Lease lapse never missed the mark)."""
+        the Lease says so, no passive caught up while it was written (a `0` follows it),
+        and this broker may still act as the active (its deadline has not passed: an
+        operator that saw the Lease lapse never missed the mark)."""
         if self.broker.role != "active":
             return False
         self.alone = True  # (a failed write leaves it for the next renewal: conservative)
         try:
-            timeout = aiohttp.ClientTimeout(total=self.request_timeout)
-            async with aiohttp.ClientSession(timeout=timeout) as session:
-                await self._write(session, renew=False)
+            await self._write_now()
         except (aiohttp.ClientError, TimeoutError, LeaseLost) as exc:
             log.warning("cannot record going on alone in the Lease: %s; confirms held", exc)
             return False
+        if self.clock_lag is not None and self.clock_lag > MAX_CLOCK_LAG * self.duration:
+            # An operator of an earlier version judges the Lease lapsed by `renewTime`,
+            # written with this clock: one behind by more than a Lease duration makes a
+            # live active's Lease look lapsed to it, and a guard of 0 read a moment ago
+            # trusted, though this mark lands after it (tests/test_guard_skew.py; this
+            # version's operator judges by what it observed). Confirms stay held.
+            log.warning(
+                "this broker's clock is %.1fs behind the API server's (more than %.1fs): "
+                "not going on alone; confirms held",
+                self.clock_lag, MAX_CLOCK_LAG * self.duration,
+            )  # fmt: skip
+            return False
         if not self.alone:
-            # A passive caught up while the mark was written (`passive_in_sync`): the next
-            # renewal writes 0, so this mark no longer covers a confirm. If that passive is
+            # A passive caught up while the mark was written (`passive_in_sync`): a 0 is
+            # written after it, so this mark no longer covers a confirm. If that passive is
             # gone again, the caller marks anew before it goes on alone.
             return False
         return self.broker.role == "active" and self.clock.monotonic() < self.deadline
@@ -289,6 +348,8 @@ class LeaseKeeper:
             await self._write_locked(session, renew)
 
     async def _write_locked(self, session: aiohttp.ClientSession, renew: bool) -> None:
+        if not renew and self.broker.role != "active":
+            return  # fenced or demoted meanwhile: the guard is the next active's to write
         headers = self.access.headers()
         tls = self.access.ssl if self.access.ssl is not None else False
         async with session.get(self.url, headers=headers, ssl=tls) as resp:
@@ -309,6 +370,7 @@ class LeaseKeeper:
                 raise aiohttp.ClientError("the Lease changed under us; retrying")
             if resp.status != 200:
                 raise aiohttp.ClientError(f"PUT lease: HTTP {resp.status}")
+            self.clock_lag = clock_lag(resp.headers.get("Date"))
 
     async def _fence(self, reason: str) -> None:
         broker = self.broker

@@ -43,6 +43,7 @@ from twinmq.broker.errors import (
 )
 from twinmq.broker.federation import config as federation_config
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
+from twinmq.broker.federation.marks import ToldMarks
 from twinmq.broker.federation.service import Federation
 from twinmq.broker.filewatch import reload_every
 from twinmq.broker.journal import DefinitionsDamaged, Journal, JournalError
@@ -50,10 +51,11 @@ from twinmq.broker.lease import LeaseKeeper
 from twinmq.broker.mirror.site import Mirroring
 from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.replication.source import ReplicationSource
+from twinmq.broker.replication.withdrawal import withdraw_everywhere
 from twinmq.broker.routing import Exchange
 from twinmq.broker.settings import BrokerSettings
 from twinmq.broker.status import build_status, tls_status
-from twinmq.broker.tls import MutualTls, TlsListener
+from twinmq.broker.tls import MutualTls, TlsListener, verified_peer_certificate
 from twinmq.broker.vhost import PublishResult, VirtualHost
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,7 @@ class AMQPProtocol(asyncio.Protocol):
             f"{host}:{peer[1] if isinstance(peer, tuple) else 0}",
             loopback=loopback,
             wake=self._wake,
+            certificate=verified_peer_certificate(transport),
         )
         self.broker.protocols.add(self)
         # Bound the write buffer so a slow consumer pauses deliveries, not the broker.
@@ -244,6 +247,7 @@ class Broker:
             deduplicate_all=settings.dedup_scope == "all",
         )
         self.authenticator = Authenticator.from_file(settings.users_file)
+        self.authenticator.cert_login = settings.tls_cert_login
         self.protocols: set[AMQPProtocol] = set()
         self.limit_logged = -LIMIT_LOG_INTERVAL  # loop time of the last "limit reached" log
         self.started = time.time()
@@ -365,6 +369,7 @@ class Broker:
         )
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._dedup_lock = asyncio.Lock()  # one write of the dedup window at a time
         self.tls: TlsListener | None = None
         self._amqps: asyncio.AbstractServer | None = None
         if settings.tls_cert is not None and settings.tls_key is not None:
@@ -374,7 +379,9 @@ class Broker:
                 settings.tls_key,
                 None if client_certs == "none" else settings.tls_ca,
                 optional=client_certs == "optional",
+                federation_ca=None if client_certs == "none" else settings.tls_federation_ca,
             )
+            self.authenticator.login_scope = self.tls.login_refusal
         self.admin_tls: TlsListener | None = None
         if settings.admin_tls_cert is not None and settings.admin_tls_key is not None:
             self.admin_tls = TlsListener(settings.admin_tls_cert, settings.admin_tls_key)
@@ -516,6 +523,14 @@ class Broker:
     def peer_refusal(self, peer: str, announced: object) -> str | None:
         """Why a federation peer is refused (it announces our identifier), or None."""
         return self.federation.peer_refusal(peer, announced)
+
+    def told_marks(self, vhost: str, queue: str) -> ToldMarks:
+        """What to tell a federation link consuming `queue` (federation/marks.py)."""
+        return self.federation.told_marks(vhost, queue)
+
+    def marks_durable(self) -> tuple[int, int]:
+        """(the batch covering every journal op so far, the newest batch complete)."""
+        return self.federation.marks_durable()
 
     def receive_forwarded(
         self,
@@ -716,7 +731,7 @@ class Broker:
 
         self.committer.start()
         self.committer.on_failed = self._batch_failed
-        self.vhost.visibility.on_failed = self._batch_withdrawn
+        self.committer.on_withdraw = self._withdraw_failed
         metrics.EPOCH.set(self.epoch)
         metrics.ROLE.set(1 if self.role == "active" else 0)
         server = await self.loop.create_server(
@@ -800,10 +815,13 @@ class Broker:
         """A snapshot for the admin API (`GET /status`)."""
         return build_status(self)
 
-    def _batch_withdrawn(self, batch: int) -> None:
-        """An active withdrew a failed batch: its passive, streamed it already, catches up."""
-        if self.role == "active":
-            self.source.resync(f"batch {batch} failed here after it was streamed")
+    def _withdraw_failed(self, batch: int, streamed: bool) -> bool:
+        """A batch failed: withdrawn here at once, and an active's passive, streamed it
+        already, drops it too; whether its outcome waits for the passive (withdrawal.py)."""
+        ops = withdraw_everywhere(self.vhost.root.vhosts.values(), batch, self.committer.tap)
+        if self.role != "active" or not streamed:
+            return False
+        return self.source.withdraw(batch, ops)
 
     def _batch_failed(self, batch: int, error: JournalError) -> None:
         """A batch's journal write failed: a passive stops.
@@ -847,7 +865,7 @@ class Broker:
         await self.federation.stop()
         for task in self._tasks:
             task.cancel()
-        await self._save_dedup()
+        await self.save_dedup_window()
         await self.committer.stop()
         await self.journal.close()
         if self.committer.audit is not None:
@@ -861,18 +879,27 @@ class Broker:
     async def _save_dedup_periodically(self, interval: float = 5.0) -> None:
         while True:
             await asyncio.sleep(interval)
-            await self._save_dedup()
+            await self.save_dedup_window()
 
-    async def _save_dedup(self) -> None:
-        dedup = self.vhost.dedup
-        if dedup.dirty:
+    async def save_dedup_window(self) -> bool:
+        """Write the dedup window now if it changed; False if the write failed.
+
+        Under a lock, snapshot and write: an older snapshot written in a worker thread
+        never lands after a newer one. A window missing keys only lets a re-send through
+        (a duplicate); one holding a key whose message was withdrawn since would drop that
+        message's re-send after confirming it, so a passive writes the window before it
+        acknowledges a withdrawal or a catch-up's end (`replication/replica.py`)."""
+        async with self._dedup_lock:
+            dedup = self.vhost.dedup
+            if not dedup.dirty:
+                return True
             try:
                 await self.loop.run_in_executor(None, dedup.write, dedup.snapshot())
             except OSError as exc:
-                # The old snapshot stays in place; the next round tries again. A lost
-                # snapshot can only let a re-send through (a duplicate), never drop one.
-                dedup.dirty = True
+                dedup.dirty = True  # the old snapshot stays in place; tried again later
                 log.error("cannot save the dedup window (%s): keeping the previous one", exc)
+                return False
+            return True
 
     async def _heartbeats(self) -> None:
         previous = self.loop.time()

@@ -26,6 +26,7 @@ from twinmq.broker.names import (
     Role,
 )
 from twinmq.broker.replication.peer import Peer
+from twinmq.broker.tls import CertLogin
 
 
 class BrokerSettings(BaseSettings):
@@ -50,12 +51,28 @@ class BrokerSettings(BaseSettings):
         description="PEM CA bundle that signs the AMQPS clients' certificates (mutual TLS; "
         "whether one is required: --tls-client-certs)",
     )
+    tls_federation_ca: Path | None = Field(
+        None,
+        description="PEM CA bundle of federation downstreams (other sites' CAs) whose client "
+        "certificates AMQPS verifies beside --tls-ca's, for the TLS handshake only: a "
+        "certificate they sign never logs in (--tls-cert-login takes --tls-ca's CAs only); "
+        "needs --tls-ca and client certificates optional or required",
+    )
     tls_client_certs: Literal["none", "optional", "required"] | None = Field(
         None,
         description="AMQPS client certificates: `none` (not asked for), `optional` (asked for; "
         "a client may present none, one presented must verify against --tls-ca), `required` "
         "(a client without one signed by --tls-ca is refused); default `required` with "
         "--tls-ca, else `none`",
+    )
+    tls_cert_login: CertLogin = Field(
+        "off",
+        description="Certificate login (SASL EXTERNAL, RabbitMQ's rabbitmq_auth_mechanism_ssl): "
+        "offered on AMQPS to a client whose certificate a CA of --tls-ca signed (never one "
+        "of --tls-federation-ca), the user named by "
+        "the certificate's `common_name`, `distinguished_name` (RFC 4514), first DNS "
+        "(`san_dns`) or e-mail (`san_email`) subject alternative name; `off` (default): "
+        "not offered",
     )
     admin_port: int = Field(ADMIN_PORT, ge=0, le=65535, description="Admin HTTP port")
     data_dir: Path = Field(Path("./twinmq-data"), description="Journal and state directory")
@@ -419,6 +436,16 @@ class BrokerSettings(BaseSettings):
             )
         if self.tls_client_certs == "none" and self.tls_ca is not None:
             raise ValueError("--tls-client-certs none with --tls-ca: the CA would not be used")
+        if self.tls_federation_ca is not None and self.effective_tls_client_certs == "none":
+            raise ValueError(
+                "--tls-federation-ca needs client certificates verified: --tls-ca (and "
+                "--tls-client-certs optional or required)"
+            )
+        if self.tls_cert_login != "off" and self.effective_tls_client_certs == "none":
+            raise ValueError(
+                f"--tls-cert-login {self.tls_cert_login} needs client certificates verified: "
+                "--tls-ca (and --tls-client-certs optional or required)"
+            )
         if (self.admin_tls_cert is None) != (self.admin_tls_key is None):
             raise ValueError("--admin-tls-cert and --admin-tls-key go together")
         replication = (self.replication_tls_cert, self.replication_tls_key, self.replication_tls_ca)

@@ -114,8 +114,8 @@ def build_status(broker: Broker) -> BrokerStatus:
             name=v.name,
             served=v.name in broker.authenticator.vhosts,
             queues=len(v.queues),
-            # The one-way DR mirror carries every vhost; the bidirectional mode `/` only.
-            mirrored=v is vhost or broker.mirroring.ids is None,
+            # The DR mirror carries every vhost (one-way, bidirectional, mesh).
+            mirrored=True,
             federated=True,  # federation serves every vhost (docs/federation.md)
         )
         for v in vhost.vhosts.values()

@@ -8,12 +8,17 @@ required` (the default with a CA) it refuses a client without one signed by that
 (mutual TLS, RabbitMQ's `verify_peer` with `fail_if_no_peer_cert` true); with
 `optional` a client may present none, and one it presents is verified all the same
 (`fail_if_no_peer_cert` false: ordinary clients log in with a password, a federation
-link presents its site's certificate). With `--replication-tls-cert`, `-key` and `-ca` the
-replication link is mutual TLS (`MutualTls`): each broker presents its certificate,
-verifies the other's against the CA and checks that it names the broker the
-handshake claims. With `--mirror-tls-cert`, `-key` and `-ca` the DR mirror link is
-mutual TLS the same way (`broker/mirror/`: one certificate per site, the other site's CA).
-TLS 1.2 is the oldest version spoken.
+link presents its site's certificate). With `--tls-cert-login` a verified client
+certificate may also be the login (SASL EXTERNAL: `verified_peer_certificate`,
+`certificate_login_name`, broker/auth.py). With `--tls-federation-ca` the handshake
+also verifies client certificates against federation downstreams' CAs, which never log
+anyone in: a certificate login then needs a certificate a CA of `--tls-ca` signed
+(`TlsListener.login_refusal`; docs/security.md, "Whose CA may log in"). With
+`--replication-tls-cert`, `-key` and `-ca` the replication link is mutual TLS
+(`MutualTls`): each broker presents its certificate, verifies the other's against the CA
+and checks that it names the broker the handshake claims. With `--mirror-tls-cert`,
+`-key` and `-ca` the DR mirror link is mutual TLS the same way (`broker/mirror/`: one
+certificate per site, the other site's CA). TLS 1.2 is the oldest version spoken.
 
 Rotation: cert-manager and the kubelet replace the files in place; every few
 seconds the broker compares their modification times and sizes and, if they
@@ -36,16 +41,32 @@ import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from twinmq.broker.api import TlsCertificateStatus, TlsFilesStatus, TlsListenerName
 from twinmq.broker.filewatch import FileWatch
 
 log = logging.getLogger(__name__)
+
+CertLogin = Literal["off", "common_name", "distinguished_name", "san_dns", "san_email"]
+"""Where a certificate login (EXTERNAL) takes the user name from (`--tls-cert-login`):
+RabbitMQ's `ssl_cert_login_from` (`common_name`, `distinguished_name`), and its
+`subject_alternative_name` with `ssl_cert_login_san_type` `dns` or `email` and
+`ssl_cert_login_san_index` 0 (`san_dns`, `san_email`); `off`: EXTERNAL not offered."""
+
+CERT_LOGIN_SOURCES: dict[CertLogin, str] = {
+    "off": "name (certificate login is off)",
+    "common_name": "common name",
+    "distinguished_name": "subject",
+    "san_dns": "DNS subject alternative name",
+    "san_email": "e-mail subject alternative name",
+}
+"""What each `CertLogin` takes the name from, as refusals say it."""
 
 
 def certificate_names(writer: asyncio.StreamWriter) -> set[str] | None:
@@ -69,13 +90,65 @@ def both_ends(writer: asyncio.StreamWriter) -> bool:
     if not der:
         return False
     try:
-        usages = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(
-            x509.ExtendedKeyUsage
-        )
+        return broker_certificate(x509.load_der_x509_certificate(der))
+    except ValueError:
+        return False
+
+
+def broker_certificate(cert: x509.Certificate) -> bool:
+    """Whether `cert` is for client and server use (its extended key usage says both), as
+    a broker's own is (`both_ends`): a replication identity, never an application's login."""
+    try:
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage)
     except (ValueError, x509.ExtensionNotFound):
         return False
     wanted = {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
     return wanted <= set(usages.value)
+
+
+def verified_peer_certificate(transport: asyncio.BaseTransport) -> x509.Certificate | None:
+    """The client certificate of a TLS connection, if the listener verified one (it asks
+    for one with `--tls-ca`; OpenSSL fails the handshake of one that does not verify):
+    None on plaintext, without a CA, or when the client presented none."""
+    ssl_object: Any = transport.get_extra_info("ssl_object")
+    if ssl_object is None or ssl_object.context.verify_mode == ssl.CERT_NONE:
+        return None
+    der = ssl_object.getpeercert(binary_form=True)
+    if not der:
+        return None
+    return x509.load_der_x509_certificate(der)
+
+
+def _issued_by(certificate: x509.Certificate, ca: x509.Certificate) -> bool:
+    """Whether `ca` signed `certificate` (its subject is the issuer and its key the
+    signature's): a CA of the same name but another key did not."""
+    try:
+        certificate.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
+def certificate_login_name(cert: x509.Certificate, source: CertLogin) -> str | None:
+    """The user name a certificate login takes from `cert` (None if it carries no such
+    name): the first common name; the subject as RFC 4514 writes it (OpenSSL's `-nameopt
+    RFC2253`, most specific first: `CN=billing,O=Example`, what RabbitMQ's
+    `distinguished_name` gives); the first DNS or e-mail subject alternative name."""
+    if source == "common_name":
+        names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        value = names[0].value if names else None
+        return value if isinstance(value, str) and value else None
+    if source == "distinguished_name":
+        return cert.subject.rfc4514_string() or None
+    if source in ("san_dns", "san_email"):
+        kind = x509.DNSName if source == "san_dns" else x509.RFC822Name
+        try:
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except (ValueError, x509.ExtensionNotFound):
+            return None
+        found = san.get_values_for_type(kind)
+        return found[0] if found else None
+    return None
 
 
 def identity_refusal(writer: asyncio.StreamWriter, name: str) -> str | None:
@@ -125,15 +198,19 @@ def describe(cert: x509.Certificate) -> TlsCertificateStatus:
 
 class _Loaded:
     """What one load read: the files' content, described (the contexts are built from the
-    same bundle text, so what is reported is what verifies)."""
+    same bundle text, so what is reported is what verifies). `login_cas`: the CAs of `ca`
+    (a certificate one of them signed may log in), not those of `federation_ca`."""
 
-    def __init__(self, cert: Path, ca: Path | None) -> None:
+    def __init__(self, cert: Path, ca: Path | None, federation_ca: Path | None = None) -> None:
         self.leaf_pem = cert.read_bytes()
         self.ca_pem = ca.read_text() if ca is not None else None
+        self.federation_pem = federation_ca.read_text() if federation_ca is not None else None
         self.certificate = describe(x509.load_pem_x509_certificate(self.leaf_pem))
-        self.cas = [] if self.ca_pem is None else [
-            fingerprint(c) for c in x509.load_pem_x509_certificates(self.ca_pem.encode())
-        ]  # fmt: skip
+        self.login_cas = [] if self.ca_pem is None else x509.load_pem_x509_certificates(
+            self.ca_pem.encode())  # fmt: skip
+        federation = [] if self.federation_pem is None else x509.load_pem_x509_certificates(
+            self.federation_pem.encode())  # fmt: skip
+        self.cas = [fingerprint(c) for c in (*self.login_cas, *federation)]
         self.at = time.time()
 
 
@@ -141,18 +218,26 @@ class TlsListener:
     """The server-side TLS context of a listener, kept current with its files."""
 
     def __init__(
-        self, cert: Path, key: Path, ca: Path | None = None, *, optional: bool = False
+        self,
+        cert: Path,
+        key: Path,
+        ca: Path | None = None,
+        *,
+        optional: bool = False,
+        federation_ca: Path | None = None,
     ) -> None:
         """`ca`: verify client certificates against it, required unless `optional`
         (OpenSSL's SSL_VERIFY_PEER without FAIL_IF_NO_PEER_CERT: a certificate presented
-        that does not verify still fails the handshake)."""
+        that does not verify still fails the handshake). `federation_ca`: more CAs the
+        handshake verifies against, whose certificates never log in (`login_refusal`)."""
         self.cert, self.key, self.ca, self.optional = cert, key, ca, optional
+        self.federation_ca = federation_ca
         self.reloads = self.load_errors = 0
         self.load_error: str | None = None
         self.load_error_at: float | None = None
-        self._watch = FileWatch(cert, key, ca)
+        self._watch = FileWatch(cert, key, ca, federation_ca)
         # Raises at start-up: a broker does not start with files it cannot use.
-        self._loaded = _Loaded(cert, ca)
+        self._loaded = _Loaded(cert, ca, federation_ca)
         self.context = self._server_context()  # the one the listening socket holds
         self._current = self.context
         # Each handshake is moved to the newest context (its server-name callback runs at
@@ -170,7 +255,27 @@ class TlsListener:
         context.load_cert_chain(self.cert, self.key)
         if self._loaded.ca_pem is not None:
             context.load_verify_locations(cadata=self._loaded.ca_pem)
+        if self._loaded.federation_pem is not None:
+            context.load_verify_locations(cadata=self._loaded.federation_pem)
         return context
+
+    def login_refusal(self, certificate: x509.Certificate) -> str | None:
+        """Why a verified client `certificate` may not log in (EXTERNAL), or None. Without
+        `federation_ca` every CA the handshake trusts is a login CA (`--tls-ca`, as
+        before). With it, the handshake also trusts the downstreams' CAs, whose keys other
+        tenants hold: only a certificate a CA of `ca` signed directly logs in (Python 3.11
+        gives no verified chain, so the issuer is checked by its signature; an
+        intermediate CA goes in `ca` itself)."""
+        if self.federation_ca is None:
+            return None
+        loaded = self._loaded
+        if any(_issued_by(certificate, ca) for ca in loaded.login_cas):
+            return None
+        return (
+            f"certificate login refused: its issuer '{certificate.issuer.rfc4514_string()}' "
+            "is not a login CA (--tls-ca): a federation downstream's CA "
+            "(--tls-federation-ca) is trusted for the TLS handshake only"
+        )
 
     def _newest(self, conn: ssl.SSLObject, _name: str | None, held: ssl.SSLContext) -> None:
         if self._current is not held:
@@ -189,7 +294,7 @@ class TlsListener:
             return False
         kept = self._loaded
         try:
-            self._loaded = _Loaded(self.cert, self.ca)
+            self._loaded = _Loaded(self.cert, self.ca, self.federation_ca)
             fresh, more = self._server_context(), self._build_more()
             if self.cert.read_bytes() != self._loaded.leaf_pem:
                 # Replaced while being read: what was described may not be what loaded.

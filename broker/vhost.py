@@ -261,9 +261,6 @@ class VirtualHost:
         self._stage: Callable[[StagedChange], None] | None = None
         self.dedup = dedup if dedup is not None else DedupWindow(0)
         self.visibility = Visibility(committer.await_durable, clock.time, self.requeue)
-        if root is not None:
-            # The server hears of withdrawn batches from the root's (set after this).
-            self.visibility.on_failed = self._batch_withdrawn
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         self._timers: dict[str, Cancellable] = {}
@@ -347,11 +344,6 @@ class VirtualHost:
         self.root.vhosts.pop(self.name, None)
         self.root._by_qid = None
         self._queues_changed()
-
-    def _batch_withdrawn(self, batch: int) -> None:
-        told = self.root.visibility.on_failed
-        if told is not None:
-            told(batch)
 
     def all_queues(self) -> list[Queue]:
         """The queues of every vhost of the broker."""
@@ -1072,6 +1064,10 @@ class VirtualHost:
             self.dedup.add_when_durable(key, batch)
         if batch:
             self.committer.await_durable(self.dedup)
+
+    def forget_dedup_window(self) -> None:
+        """Drop every admitted dedup key; keys waiting for their batch stay (passive)."""
+        self.dedup.forget_admitted()
 
     def _route(
         self,

@@ -6,8 +6,9 @@ it and `basic.get` does not return it until the batch its completion waits for
 (the publisher's confirm, or the transaction's `tx.commit-ok`) is complete, on
 this disk and, while a passive guards, on the passive's too. If that batch
 fails (a full disk, an I/O error), its entries are withdrawn from their queues
-before anyone saw them: the broker never hands out what it told the publisher it
-did not take (a nack, a 541), and its memory never holds more than its disk. The
+before anyone saw them, as soon as the failure is known (`withdraw`): the
+broker never hands out what it told the publisher it did not take (a nack, a
+541), and its memory never holds more than its disk. The
 acknowledgements of a transaction whose batch failed are undone: the messages go
 back to their queues, as the journal (where the settles were rolled back) has
 them. Artemis does the same for a transaction's messages (visible once the
@@ -61,9 +62,6 @@ class Visibility:
         self._held: deque[tuple[int, Queue]] = deque()
         # (batch, acknowledged entries) of transactions: undone if the batch fails.
         self._acks: deque[tuple[int, list[tuple[Queue, Entry]]]] = deque()
-        # Told of a failed batch once its entries are withdrawn and its acks undone (the
-        # active makes its passive catch up: it was streamed the batch before the write).
-        self.on_failed: Callable[[int], None] | None = None
         # Registered with the group committer: once per run of held batches, not once
         # per publish (it keeps a waiter until `durable` answers False).
         self._registered = False
@@ -124,10 +122,44 @@ class Visibility:
             )
         self.complete = batch
         self._dispatch(ready)
-        if failed and self.on_failed is not None:
-            self.on_failed(batch)
         self._registered = bool(held or acks)
         return self._registered
+
+    def withdraw(self, batch: int) -> tuple[list[tuple[Queue, Entry]], list[tuple[Queue, Entry]]]:
+        """Batch `batch` failed: withdraw its entries and undo its acks now, before its
+        waiters hear of it; return both, (queue, entry), for the passive's withdrawal.
+
+        Called as soon as the failure is known, possibly while earlier batches still
+        wait (for the passive, the audit): the active then streams the withdrawal ahead
+        of any later batch, so nothing streamed after it can build on the failed batch
+        (an undone ack's message redelivered and acked again). `durable(batch, True)`
+        later finds nothing left of it to withdraw.
+        """
+        withdrawn: list[tuple[Queue, Entry]] = []
+        kept: deque[tuple[int, Queue]] = deque()
+        for each, queue in self._held:
+            if each != batch:
+                kept.append((each, queue))
+            else:
+                withdrawn += ((queue, entry) for entry in queue.withdraw(batch))
+        self._held = kept
+        undone: list[tuple[Queue, Entry]] = []
+        acks: deque[tuple[int, list[tuple[Queue, Entry]]]] = deque()
+        for each, acked in self._acks:
+            if each != batch:
+                acks.append((each, acked))
+            else:
+                undone += acked
+        self._acks = acks
+        if undone:
+            self._undo_acks(undone)
+        if withdrawn:
+            log.error(
+                "batch %d failed: %d messages withdrawn from their queues, never delivered",
+                batch,
+                len(withdrawn),
+            )
+        return withdrawn, undone
 
     def _undo_acks(self, acked: list[tuple[Queue, Entry]]) -> None:
         by_queue: dict[Queue, list[Entry]] = {}

@@ -7,7 +7,7 @@ import base64
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +205,21 @@ def events_of(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
     events = cluster.kube.list(f"/api/v1/namespaces/{namespace}/events")
     return [e for e in sorted(events, key=lambda e: e["metadata"]["creationTimestamp"])
             if e["involvedObject"]["kind"] == "BrokerCluster"]  # fmt: skip
+
+
+def reasons_when(
+    cluster: Cluster,
+    namespace: str,
+    what: str,
+    done: Callable[[list[str]], bool],
+    timeout: float = 30,
+) -> list[str]:
+    """The BrokerClusters' Event reasons in the namespace once `done` holds of them: kopf
+    posts Events from a queue of its own, so one may land after the status that the test
+    waited for."""
+
+    def reasons() -> list[str] | None:
+        found = [e["reason"] for e in events_of(cluster, namespace)]
+        return found if done(found) else None
+
+    return wait_for(what, reasons, timeout=timeout)

@@ -21,10 +21,10 @@ from brokerclusters import (
     cluster_status,
     create_cluster,
     drain,
-    events_of,
     in_sync,
     operator_fixture,
     publish_confirmed,
+    reasons_when,
 )
 from support import Cluster
 from test_tls_operator import (
@@ -126,7 +126,8 @@ def test_ca_rotation_under_traffic_keeps_the_pair_and_its_clients_trusting_each_
     print(f"CA rotated under traffic: {sent} confirmed, lost {len(lost)}, client reconnects "
           f"{publisher.reconnects}; phases {phases}")  # fmt: skip
     assert not lost, f"confirmed messages lost: {lost[:20]}"
-    reasons = [e["reason"] for e in events_of(cluster, namespace)]
+    reasons = reasons_when(cluster, namespace, "three CaRotation Events",
+                           lambda r: r.count("CaRotation") >= 3)  # fmt: skip
     assert reasons.count("CaRotation") == 3
 
 

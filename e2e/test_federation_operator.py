@@ -31,6 +31,7 @@ from brokerclusters import (
     drain,
     events_of,
     in_sync,
+    reasons_when,
     virtual_ip,
 )
 from support import Cluster, kubectl, new_namespace, plugin, read_pod
@@ -62,11 +63,12 @@ def link(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
 
 
 def login_secret(cluster: Cluster, upstream_ns: str, upstream: str, namespace: str) -> None:
-    """The upstream's app user password, given to the downstream's namespace (a Secret
-    of another namespace cannot be mounted)."""
+    """The upstream's federation user's password (`twinmq-federation`, tagged
+    `federation` in its generated users file), given to the downstream's namespace (a
+    Secret of another namespace cannot be mounted)."""
     secret = cluster.kube.get(f"/api/v1/namespaces/{upstream_ns}/secrets/{upstream}-auth") or {}
     body = {"metadata": {"name": "central-login"},
-            "data": {"password": secret["data"]["password"]}}  # fmt: skip
+            "data": {"password": secret["data"]["federation-password"]}}  # fmt: skip
     cluster.kube.create(f"/api/v1/namespaces/{namespace}/secrets", body)
 
 
@@ -141,7 +143,8 @@ def test_a_downstream_queue_receives_over_amqps_what_is_published_upstream_acros
     rendered = (cluster.kube.get(f"{configmaps}/{remote}-federation") or {})["data"][
         "federation.yaml"
     ]
-    assert f"amqps://twinmq@{central}.{upstream_namespace}.svc:5671/" in rendered, rendered
+    uri = f"amqps://twinmq-federation@{central}.{upstream_namespace}.svc:5671/"
+    assert uri in rendered, rendered
     assert "tls-cert:" in rendered, rendered
     copy = cluster.kube.get(f"{configmaps}/{remote}-federation-peer-ca") or {}
     central_ca = cluster.kube.get(f"/api/v1/namespaces/{upstream_namespace}/configmaps/"
@@ -197,8 +200,7 @@ def test_a_downstream_queue_receives_over_amqps_what_is_published_upstream_acros
     assert sorted(drain(remote_url, "prices")) == list(range(TOTAL)), "lost or doubled"
     wait_for("the link running again", lambda: link(cluster, namespace, remote).get("state")
              == "Running", 60)  # fmt: skip
-    reasons = [e["reason"] for e in events_of(cluster, namespace)]
-    assert "FederationLinkUp" in reasons, reasons
+    reasons_when(cluster, namespace, "a FederationLinkUp Event", lambda r: "FederationLinkUp" in r)
     wait_for("the upstream back in sync",
              lambda: in_sync(cluster_status(cluster, upstream_namespace, central)), 90)  # fmt: skip
 

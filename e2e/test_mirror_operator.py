@@ -1,5 +1,5 @@
 """Two BrokerClusters in two namespaces, one the DR mirror of the other (spec.mirror), or
-both writable mirroring each other (role bidirectional).
+both writable mirroring each other (role bidirectional); three in a full mesh.
 
 The source's active reaches the replica's active through the replica's virtual-IP
 Service (its mirror port); confirmed traffic through the source's virtual IP arrives on
@@ -194,6 +194,24 @@ def both_ways(cluster: Cluster, namespace: str, name: str) -> bool:
     return state.get("state") == "Connected" and state.get("inbound") == "Connected"
 
 
+async def confirmed_traffic(
+    url: str, first: int, count: int, kill: tuple[str, str] | None = None
+) -> int:
+    """Publish `first`..`first + count` as confirmed messages to `orders` through `url`
+    (a reliable publisher: re-sent under their ids across a failover); with `kill`
+    (namespace, pod), `kill -9` that broker a third of the way through. Returns the
+    number confirmed."""
+    publisher = ReliablePublisher([url], reconnect_delay=0.2, give_up_after=90)
+    sent = 0
+    for i in range(first, first + count):
+        await publisher.publish(str(i).encode(), "orders", message_id=f"o-{i}")
+        sent += 1
+        if kill is not None and i == first + count // 3:
+            faults.kill_pod(Layout.default(), kill[0], kill[1], "broker")
+    await publisher.close()
+    return sent
+
+
 def test_two_bidirectional_sites_both_writable_keep_every_confirmed_message_once_through_a_failover(
     cluster: Cluster, operator: OperatorProcess, namespace: str, dr_namespace: str
 ) -> None:
@@ -225,20 +243,10 @@ def test_two_bidirectional_sites_both_writable_keep_every_confirmed_message_once
 
     per_site = 300
 
-    async def traffic(url: str, first: int, kill: str | None) -> int:
-        publisher = ReliablePublisher([url], reconnect_delay=0.2, give_up_after=90)
-        sent = 0
-        for i in range(first, first + per_site):
-            await publisher.publish(str(i).encode(), "orders", message_id=f"o-{i}")
-            sent += 1
-            if kill is not None and i == first + per_site // 3:
-                faults.kill_pod(Layout.default(), namespace, kill, "broker")
-        await publisher.close()
-        return sent
-
     async def both_sites() -> list[int]:
         return list(await asyncio.gather(
-            traffic(url_a, 0, f"{site_a}-primary"), traffic(url_b, per_site, None)
+            confirmed_traffic(url_a, 0, per_site, (namespace, f"{site_a}-primary")),
+            confirmed_traffic(url_b, per_site, per_site),
         ))  # fmt: skip
 
     assert asyncio.run(both_sites()) == [per_site, per_site]
@@ -253,3 +261,67 @@ def test_two_bidirectional_sites_both_writable_keep_every_confirmed_message_once
                  lambda: mirror_state(cluster, ns, name).get("queueEvents") == 0, 60)  # noqa: B023  # fmt: skip
     assert sorted(browse(url_a, "orders")) == list(range(total)), "lost or duplicated on A"
     assert sorted(browse(url_b, "orders")) == list(range(total)), "lost or duplicated on B"
+
+
+@pytest.fixture
+def third_namespace(cluster: Cluster) -> Iterator[str]:
+    """A third namespace: the mesh's third site."""
+    name = new_namespace(cluster, "e2e-dr3")
+    yield name
+    cluster.kube.delete(f"/api/v1/namespaces/{name}")
+
+
+def test_three_sites_in_a_full_mesh_keep_every_confirmed_message_once_on_each_through_a_failover(
+    cluster: Cluster,
+    operator: OperatorProcess,
+    namespace: str,
+    dr_namespace: str,
+    third_namespace: str,
+) -> None:
+    """Three BrokerClusters, each naming the two others (`spec.mirror.targets`): linked
+    over mutual TLS once each operator knows every target's CA; confirmed traffic through
+    the three virtual IPs at once with `kill -9` of one site's active in the middle (its
+    pair fails over, every link reconnects through the virtual IPs). Every confirmed
+    message of every site is then on each of the three exactly once."""
+    sites = (namespace, dr_namespace, third_namespace)
+    for ns in sites:
+        mirror_secret(cluster, ns)
+
+    def mesh(me: str) -> dict[str, Any]:
+        targets = [{"host": f"orders.{other}.svc"} for other in sites if other != me]
+        return {"mirror": {"role": "bidirectional", "secretName": "orders-dr",
+                           "targets": targets}}  # fmt: skip
+
+    names = {ns: create_cluster(cluster, ns, spec=mesh(ns)) for ns in reversed(sites)}
+    for ns, name in names.items():
+        wait_for(f"{ns} linked to both targets and from both over TLS",
+                 lambda: both_ways(cluster, ns, name) and connected_over_tls(cluster, ns, name),  # noqa: B023
+                 300)  # fmt: skip
+        targets = mirror_state(cluster, ns, name).get("targets") or []
+        assert sorted(t.get("state") for t in targets) == ["Connected", "Connected"], targets
+    urls = [amqp_url(cluster, ns, names[ns]) for ns in sites]
+    publish_some(urls[0], "orders", range(0))  # the queue, declared on one site, mirrored
+    for url in urls[1:]:
+        wait_for("the queue on every site", lambda: messages_in(url, "orders") == 0, 60)  # noqa: B023
+
+    per_site = 200
+    victim = (namespace, f"{names[namespace]}-primary")
+
+    async def three_sites() -> list[int]:
+        return list(await asyncio.gather(*(
+            confirmed_traffic(url, i * per_site, per_site, victim if i == 0 else None)
+            for i, url in enumerate(urls)
+        )))  # fmt: skip
+
+    assert asyncio.run(three_sites()) == [per_site] * 3
+    assert cluster_status(cluster, namespace, names[namespace])["activeBroker"] == "backup"
+    total = 3 * per_site
+    for url in urls:
+        wait_for(f"{total} messages on {url.rsplit('@', 1)[-1]}",
+                 lambda: messages_in(url, "orders") == total, 180)  # noqa: B023  # fmt: skip
+    for ns, name in names.items():
+        wait_for(f"{ns} has nothing left to mirror",
+                 lambda: both_ways(cluster, ns, name)  # noqa: B023
+                 and mirror_state(cluster, ns, name).get("queueEvents") == 0, 120)  # noqa: B023  # fmt: skip
+    for ns, url in zip(sites, urls, strict=True):
+        assert sorted(browse(url, "orders")) == list(range(total)), f"lost or twice on {ns}"

@@ -19,9 +19,9 @@ from brokerclusters import (
     cluster_status,
     create_cluster,
     drain,
-    events_of,
     messages_in,
     publish_some,
+    reasons_when,
 )
 from support import Cluster, new_namespace
 from test_mirror_operator import connected_over_tls, mirror_secret, mirror_state, mirror_tls
@@ -146,8 +146,8 @@ def test_a_running_plaintext_mirror_of_sites_naming_each_other_moves_to_tls_by_i
     for ns, name in ((namespace, source), (dr_namespace, replica)):
         wait_for(f"{ns} Ready (its pods rolled)",
                  lambda: cluster_status(cluster, ns, name).get("phase") == "Ready", 240)  # noqa: B023  # fmt: skip
-    copied = [e for e in events_of(cluster, namespace) if e["reason"] == "MirrorPeerCACopied"]
-    assert copied, "an Event says the CA was copied"
+    reasons_when(cluster, namespace, "an Event that says the CA was copied",
+                 lambda r: "MirrorPeerCACopied" in r)  # fmt: skip
     publish_some(source_url, "orders", range(COUNT, 2 * COUNT))
     replica_url = amqp_url(cluster, dr_namespace, replica)
     wait_for(f"{2 * COUNT} messages on the replica site",

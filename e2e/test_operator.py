@@ -24,6 +24,7 @@ from brokerclusters import (
     drain,
     events_of,
     publish_confirmed,
+    reasons_when,
 )
 from failover_scenarios import (
     cut_off_the_api_server_fences_before_the_backup_is_promoted,
@@ -319,6 +320,7 @@ def test_a_broker_restarted_on_a_damaged_journal_is_reported_then_healed_by_a_ca
     damaged = next(c for c in status["conditions"] if c["type"] == "BrokerDamaged")
     assert (damaged["status"], damaged["reason"]) == ("True", "JournalDamaged")
     assert damaged["message"].startswith("backup: journal damaged since")
+    reasons_when(cluster, namespace, "a BrokerDamaged Event", lambda r: "BrokerDamaged" in r)
     warnings = [e for e in events_of(cluster, namespace) if e["reason"] == "BrokerDamaged"]
     assert [e["type"] for e in warnings] == ["Warning"] and segment in warnings[0]["message"]
     assert status["activeBroker"] == "primary"
@@ -332,5 +334,5 @@ def test_a_broker_restarted_on_a_damaged_journal_is_reported_then_healed_by_a_ca
         return not b.get("damaged") and b["ready"] and condition(s, "BrokerDamaged") == "False"
 
     wait_for("the backup healed by a catch-up from the primary", healed, timeout=90)
-    assert any(e["reason"] == "BrokerHealed" for e in events_of(cluster, namespace))
+    reasons_when(cluster, namespace, "a BrokerHealed Event", lambda r: "BrokerHealed" in r)
     assert sorted(drain(url, "damage")) == list(range(20))

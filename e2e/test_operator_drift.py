@@ -17,6 +17,7 @@ from brokerclusters import (
     create_cluster,
     events_of,
     publish_confirmed,
+    reasons_when,
 )
 from pika.exceptions import AMQPError
 from support import IMAGE, Cluster, pod_path
@@ -175,7 +176,8 @@ def test_storage_grows_where_the_class_can_expand_and_never_shrinks(
 
     status = wait_for("the resize refusal reported", stalled, timeout=20)
     assert status["observedGeneration"] < generation
-    assert "StorageResizeRefused" in [e["reason"] for e in events_of(cluster, namespace)]
+    reasons_when(cluster, namespace, "a StorageResizeRefused Event",
+                 lambda r: "StorageResizeRefused" in r)  # fmt: skip
 
     # Where the class allows it, the same spec expands both volumes.
     cluster.kube.patch(STORAGE_CLASS, {"allowVolumeExpansion": True})

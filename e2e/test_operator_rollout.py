@@ -21,8 +21,8 @@ from brokerclusters import (
     condition,
     create_cluster,
     drain,
-    events_of,
     publish_confirmed,
+    reasons_when,
 )
 from support import IMAGE, Cluster, pod_path
 
@@ -104,8 +104,8 @@ def test_an_image_change_rolls_out_passive_first_under_confirmed_traffic_losing_
     assert status["activeBroker"] == "backup", "the updated passive took over by switchover"
     assert status["lastFailover"]["reason"] == "promote" and status["epoch"] == 3
     assert status["handledRequests"].get("promote") is None, "the rollout is no user request"
-    reasons = [e["reason"] for e in events_of(cluster, namespace)]
-    assert "RollingUpdate" in reasons and "SwitchedOver" in reasons
+    reasons = reasons_when(cluster, namespace, "RollingUpdate and SwitchedOver Events",
+                           lambda r: "RollingUpdate" in r and "SwitchedOver" in r)  # fmt: skip
     assert "FailedOver" not in reasons, "a controlled switchover, not a failover"
 
 
@@ -130,7 +130,7 @@ def test_a_failing_new_image_stalls_the_rollout_and_the_active_keeps_serving(
     assert status["observedGeneration"] < generation, "a stalled spec is not observed"
     assert images(cluster, namespace, name)["primary"] == old_image, "the active untouched"
     publish_confirmed(amqp_url(cluster, namespace, name), "orders", b"1")
-    assert "RolloutStalled" in [e["reason"] for e in events_of(cluster, namespace)]
+    reasons_when(cluster, namespace, "a RolloutStalled Event", lambda r: "RolloutStalled" in r)
 
     # Reverting the image rolls the passive back; the primary stays active throughout.
     reverted = cluster.kube.patch(path, {"spec": {"image": old_image}})

@@ -31,10 +31,10 @@ from brokerclusters import (
     condition,
     create_cluster,
     drain,
-    events_of,
     in_sync,
     operator_fixture,
     publish_confirmed,
+    reasons_when,
     virtual_ip,
 )
 from support import Cluster, pod_path
@@ -215,6 +215,7 @@ def test_tls_a_plaintext_cluster_moves_to_mutual_tls_under_traffic_losing_nothin
     print(f"moved to mutual TLS under traffic: {sent} confirmed, lost {len(lost)}, "
           f"client reconnects {publisher.reconnects}; steps {walked}")  # fmt: skip
     assert not lost, f"confirmed messages lost: {lost[:20]}"
-    reasons = [e["reason"] for e in events_of(cluster, namespace)]
+    reasons = reasons_when(cluster, namespace, "three PeerTlsStep Events",
+                           lambda r: r.count("PeerTlsStep") >= 3)  # fmt: skip
     assert reasons.count("PeerTlsStep") == 3
     assert "FailedOver" not in reasons, "switchovers only, never a failover"

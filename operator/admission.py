@@ -14,6 +14,9 @@ operator. The API server's own authorizer answers for the author at admission (C
   and `tls.clientSecret` (a client certificate's key is a credential too), and the
   `<name>-auth` Secret of a same-namespace BrokerCluster an upstream refers to without
   one (the operator would mount that cluster's password);
+- create cert-manager Certificates in its namespace when it names an issuer
+  (`tls.issuerRef`: the operator creates a Certificate naming it, and cert-manager lets
+  whoever may create one use any ClusterIssuer);
 
 and, when the chart lists allowed image prefixes (`admissionPolicy.allowedImagePrefixes`),
 only if the brokers' and the audit's images start with one of them.
@@ -59,8 +62,10 @@ _SECRETS = (
 )
 
 
-def _may(verb: str, resource: str, name: str | None = None) -> str:
-    check = f"authorizer.group('').resource('{resource}').namespace(object.metadata.namespace)"
+def _may(verb: str, resource: str, name: str | None = None, group: str = "") -> str:
+    check = (
+        f"authorizer.group('{group}').resource('{resource}').namespace(object.metadata.namespace)"
+    )
     if name is not None:
         check += f".name({name})"
     return f"{check}.check('{verb}').allowed()"
@@ -117,6 +122,14 @@ def policy(allowed_images: str = "[]") -> Obj:
                     "messageExpression": "'a BrokerCluster runs pods of the images it names: "
                     "you (' + request.userInfo.username + ') may not create pods in ' "
                     "+ object.metadata.namespace",
+                    "reason": "Forbidden",
+                },
+                {
+                    "expression": "!has(object.spec.tls) || !has(object.spec.tls.issuerRef) || "
+                    + _may("create", "certificates", group="cert-manager.io"),
+                    "messageExpression": "'a BrokerCluster with tls.issuerRef has the operator "
+                    "create a cert-manager Certificate: you (' + request.userInfo.username + ') "
+                    "may not create certificates.cert-manager.io in ' + object.metadata.namespace",
                     "reason": "Forbidden",
                 },
                 *_readable(),

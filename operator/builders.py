@@ -34,6 +34,7 @@ from twinmq.broker.names import (
 from twinmq.broker.settings import flag
 from twinmq.operator import federation, mirroring
 from twinmq.operator.models import (
+    CERTIFICATE_LOGIN_ARGS,
     BrokerClusterSpec,
     BrokerName,
     ClientCertificates,
@@ -48,6 +49,9 @@ Obj = dict[str, Any]
 DATA_DIR = "/var/lib/twinmq"
 SECRET_DIR = "/etc/twinmq/auth"
 APP_USER = "twinmq"
+# The user downstream federation links log in as (tagged `federation`: only such a user
+# may announce a server id, broker/auth.py `link_refusal`); its password `federation-password`.
+FEDERATION_USER = "twinmq-federation"
 
 LABEL_CLUSTER = "twinmq.io/cluster"
 LABEL_BROKER = "twinmq.io/broker"
@@ -162,19 +166,44 @@ def client_certificates(spec: BrokerClusterSpec) -> ClientCertificates | None:
 
 
 def federation_amqps(spec: BrokerClusterSpec) -> bool:
-    """Whether federation may set AMQPS's client CA (its downstreams' CAs, certificates
-    optional): with TLS on, unless `spec.tls.clientCertificates` does. The broker has one
-    `--tls-ca`: a cluster that asks applications for certificates and is also an upstream
-    lists its downstreams' CAs in its own bundle (docs/security.md)."""
+    """Whether federation sets AMQPS's client CA (`--tls-ca`: its downstreams' CAs,
+    certificates optional, no certificate login): with TLS on, unless
+    `spec.tls.clientCertificates` does."""
     return spec.tls.enabled and client_certificates(spec) is None
 
 
+def downstream_cas_beside(spec: BrokerClusterSpec) -> bool:
+    """Whether the downstreams' CAs go beside the applications' bundle
+    (`--tls-federation-ca`): with `spec.tls.clientCertificates` and a downstream bundle.
+    Never in `--tls-ca`: a certificate of `--tls-ca` may log in (`login`), and a
+    downstream's CA key is another namespace's Secret (docs/security.md, "Whose CA may
+    log in")."""
+    fed = spec.federation
+    return (
+        client_certificates(spec) is not None
+        and fed is not None
+        and fed.downstream_ca_config_map is not None
+    )
+
+
 def client_ca_args(spec: BrokerClusterSpec) -> list[str]:
-    """`--tls-ca` and `--tls-client-certs` from `spec.tls.clientCertificates` (none unset)."""
+    """`--tls-ca`, `--tls-client-certs` and `--tls-cert-login` from
+    `spec.tls.clientCertificates` (none unset), and `--tls-federation-ca` beside them."""
     wanted = client_certificates(spec)
     if wanted is None:
         return []
-    return [f"--tls-ca={CLIENT_CA_DIR}/ca.crt", f"--tls-client-certs={wanted.mode}"]
+    args = [f"--tls-ca={CLIENT_CA_DIR}/ca.crt", f"--tls-client-certs={wanted.mode}"]
+    if downstream_cas_beside(spec):
+        args.append(f"--tls-federation-ca={federation.DOWNSTREAM_CA_DIR}/ca.crt")
+    if wanted.login is not None:
+        args.append(f"--tls-cert-login={CERTIFICATE_LOGIN_ARGS[wanted.login]}")
+    return args
+
+
+def downstream_ca_mounted(spec: BrokerClusterSpec) -> bool:
+    """Whether the pod mounts the downstreams' CAs (`federation.volumes`' `amqps`): as
+    `--tls-ca` or as `--tls-federation-ca`."""
+    return federation_amqps(spec) or downstream_cas_beside(spec)
 
 
 def client_ca_volumes(spec: BrokerClusterSpec) -> list[Obj]:
@@ -291,8 +320,9 @@ def vip_name(cluster: ClusterRef) -> str:
 def upgrade_credentials(found: dict[str, str]) -> dict[str, str]:
     """Generated credentials brought to this version: a read-only `metrics-token` added
     when missing, and the app user's password hash re-done with scrypt when it is still a
-    salted SHA-256 one (what TwinMQ wrote before); unchanged otherwise. The brokers take
-    the new hash at their next start and accept the old one until then."""
+    salted SHA-256 one (what TwinMQ wrote before), the federation links' user added when
+    missing; unchanged otherwise. The brokers take the new hash at their next start and
+    accept the old one until then (the users file is read again when it changes)."""
     if "metrics-token" not in found:
         found = {**found, "metrics-token": secrets.token_urlsafe(32)}
     try:
@@ -300,6 +330,10 @@ def upgrade_credentials(found: dict[str, str]) -> dict[str, str]:
         entry = next(u for u in users["users"] if u.get("name") == APP_USER)
     except (ValueError, KeyError, TypeError, StopIteration):
         return found
+    if "federation-password" not in found:
+        linked = secrets.token_urlsafe(24)
+        users["users"].append(federation_user(linked))
+        found = {**found, "federation-password": linked, "users.json": json.dumps(users)}
     legacy, password = entry.get("password_hash"), found.get("password")
     if not (isinstance(legacy, str) and legacy.startswith("sha256:") and password):
         return found
@@ -307,13 +341,23 @@ def upgrade_credentials(found: dict[str, str]) -> dict[str, str]:
     return {**found, "users.json": json.dumps(users)}
 
 
+def federation_user(password: str) -> dict[str, Any]:
+    """The users file's entry for the federation links' user."""
+    return {"name": FEDERATION_USER, "password_hash": hash_password(password),
+            "tags": ["federation"]}  # fmt: skip
+
+
 def generate_credentials() -> dict[str, str]:
-    """New credentials: the app user, the admin token, the replication token."""
+    """New credentials: the app user, the federation links' user, the admin token, the
+    replication token."""
     password = secrets.token_urlsafe(24)
-    users = {"users": [{"name": APP_USER, "password_hash": hash_password(password)}]}
+    federation_password = secrets.token_urlsafe(24)
+    users = {"users": [{"name": APP_USER, "password_hash": hash_password(password)},
+                       federation_user(federation_password)]}  # fmt: skip
     return {
         "username": APP_USER,
         "password": password,
+        "federation-password": federation_password,
         "users.json": json.dumps(users),
         "admin-token": secrets.token_urlsafe(32),
         "metrics-token": secrets.token_urlsafe(32),
@@ -507,7 +551,7 @@ def build_pod(
                     *peer_tls_mounts(peer_tls),
                     *mirroring.tls_mounts(spec),
                     *client_ca_mounts(spec),
-                    *federation.mounts(spec.federation, federation_amqps(spec)),
+                    *federation.mounts(spec.federation, downstream_ca_mounted(spec)),
                 ],
             },
             *sidecars,
@@ -527,7 +571,7 @@ def build_pod(
             *peer_tls_volumes(cluster, broker, peer_tls),
             *mirroring.tls_volumes(spec, cluster.name),
             *client_ca_volumes(spec),
-            *federation.volumes(spec.federation, cluster.name, federation_amqps(spec)),
+            *federation.volumes(spec.federation, cluster.name, downstream_ca_mounted(spec)),
         ],
     }
     if token_seconds is not None:

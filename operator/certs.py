@@ -59,6 +59,7 @@ from twinmq.operator.builders import (
     tls_secret_name,
     vip_name,
 )
+from twinmq.operator.kube import Owner
 from twinmq.operator.models import BrokerClusterSpec, BrokerName, CaRotation, Tls
 
 log = logging.getLogger(__name__)
@@ -379,9 +380,20 @@ def build_certificate(cluster: ClusterRef, tls: Tls) -> Obj:
 
 
 class SecretReader(Protocol):
-    """What reconciling certificates reads from the API server."""
+    """What reconciling certificates reads from the API server (`operator.kube.Kube`)."""
 
-    def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None: ...
+    def get_secret_data(
+        self, namespace: str, name: str, owner: Owner | None = None
+    ) -> dict[str, str] | None:
+        """A Secret's data (None: absent); with `owner`, one under a generated name:
+        raises `kube.Foreign` unless `owner` owns it."""
+        ...
+
+
+def mine(cluster: ClusterRef, certificate: str | None = None) -> Owner:
+    """The owner every Secret the operator generates for `cluster` must have (with
+    cert-manager, `certificate`: the Certificate whose Secret it reads)."""
+    return Owner(cluster.uid, certificate)
 
 
 @dataclass
@@ -441,14 +453,16 @@ def reconcile_managed(
     `reissue_reason` says so. Cheap when nothing is due (no parsing, no reads)."""
     names = dns_names(cluster)
     if memory.ca is None:
-        data = secrets.get_secret_data(cluster.namespace, ca_secret_name(cluster))
+        data = secrets.get_secret_data(cluster.namespace, ca_secret_name(cluster), mine(cluster))
         memory.ca = _pair(data)
         if memory.ca is None:
             memory.ca = new_ca(cluster, now)
             log.info("%s/%s: made the cluster's CA", cluster.namespace, cluster.name)
         else:
             carotation.read(memory, data or {}, KeyPair)
-        found = secrets.get_secret_data(cluster.namespace, tls_secret_name(cluster, tls))
+        found = secrets.get_secret_data(
+            cluster.namespace, tls_secret_name(cluster, tls), mine(cluster)
+        )
         memory.server, memory.renew_at = _pair(found), None
     signer = memory.ca
     if memory.ca_renew_at is None:
@@ -492,7 +506,8 @@ def reconcile_peer(
     names = peer_names(cluster, broker)
     kept = memory.peers.get(broker)
     if kept is None:
-        found = secrets.get_secret_data(cluster.namespace, peer_secret_name(cluster, broker))
+        name = peer_secret_name(cluster, broker)
+        found = secrets.get_secret_data(cluster.namespace, name, mine(cluster))
         kept = memory.peers[broker] = Issued(_pair(found))
     what = f"{cluster.namespace}/{cluster.name}: {broker}'s own certificate"
     return _kept_current(kept, ca, names, now, seconds, memory, what)
@@ -547,7 +562,8 @@ def reconcile_mirror(
     site = mirroring.site_id(cluster.namespace, cluster.name)
     kept = memory.mirror
     if kept is None:
-        found = secrets.get_secret_data(cluster.namespace, mirroring.secret_name(cluster.name))
+        name = mirroring.secret_name(cluster.name)
+        found = secrets.get_secret_data(cluster.namespace, name, mine(cluster))
         kept = memory.mirror = Issued(_pair(found))
     what = f"{cluster.namespace}/{cluster.name}: the site's mirror certificate"
     return _kept_current(kept, ca, names, now, seconds, memory, what, site)
@@ -568,7 +584,8 @@ def reconcile_federation_client(
     kept = memory.federation
     if kept is None:
         name = federationtls.client_secret_name(cluster.name)
-        kept = memory.federation = Issued(_pair(secrets.get_secret_data(cluster.namespace, name)))
+        found = secrets.get_secret_data(cluster.namespace, name, mine(cluster))
+        kept = memory.federation = Issued(_pair(found))
     what = f"{cluster.namespace}/{cluster.name}: the federation client certificate"
     return _kept_current(kept, ca, names, now, seconds, memory, what, site)
 
@@ -641,8 +658,10 @@ def reconcile_tls(
             apply(build_federation_client_certificate(cluster, spec))
     if clock - memory.read_at >= READ_EVERY:
         memory.read_at = clock
-        found = secrets.get_secret_data(cluster.namespace, tls_secret_name(cluster, tls)) or {}
-        memory.ca_cert = found.get("ca.crt") or None
+        # cert-manager's Secret only if it is our Certificate's; your own Secret is yours.
+        owner = mine(cluster, f"{cluster.name}-tls") if tls.issuer_ref is not None else None
+        found = secrets.get_secret_data(cluster.namespace, tls_secret_name(cluster, tls), owner)
+        memory.ca_cert = (found or {}).get("ca.crt") or None
     if memory.ca_cert is not None:
         apply(build_ca_config_map(cluster, memory.ca_cert))
 
@@ -658,6 +677,8 @@ def brokers_ca(
     if memory.trusted is None:
         managed = tls.issuer_ref is None and tls.secret_name is None
         name = ca_secret_name(cluster) if managed else peer_secret_name(cluster, BROKERS[0])
-        found = secrets.get_secret_data(cluster.namespace, name) or {}
+        # With cert-manager, the peer Certificate is named as its Secret.
+        owner = mine(cluster, None if managed else name)
+        found = secrets.get_secret_data(cluster.namespace, name, owner) or {}
         memory.trusted = found.get("tls.crt" if managed else "ca.crt") or None
     return memory.trusted

@@ -80,8 +80,12 @@ class Observation:
     active: BrokerName | None  # who the status says is active
     epoch: int  # the status's epoch (0: never initialised)
     lease_holder: BrokerName | None
+    # The operator has seen the Lease's record unchanged for its duration, on its own
+    # monotonic clock (operator/leasewatch.py), or there is none
     lease_expired: bool
-    # The replication guard the active's Lease carries: (epoch, alone) (broker/lease.py)
+    # The replication guard the active's Lease carries: (epoch, alone) (broker/lease.py);
+    # `alone` at once, `<epoch>:0` only once the record has been seen unchanged for two
+    # durations
     lease_guard: tuple[int, bool] | None = None
     allow_data_loss: bool = False
     switchover: Switchover | None = None  # in progress, from the status
@@ -332,7 +336,57 @@ def _promotion_blocked(obs: Observation, active: BrokerName, other: BrokerName) 
         return f"{active} is down and {other}'s journal is damaged: promote it with force"
     if not b.ready and not obs.allow_data_loss and not _kept_everything(obs, active, other):
         return f"{active} is down and {other} is not ready: not promoting it"
+    if b.ready and not obs.allow_data_loss and obs.lease_guard == (obs.epoch, True):
+        # Its readiness is measured on its own monotonic clock; one that did not count a
+        # freeze (a suspended VM) comes back "ready" though the active went on alone
+        # meanwhile. The mark precedes the first confirm alone whatever the clocks say
+        # (tests/test_guard_skew.py); a catch-up since is written as 0 at once.
+        return f"{active} is down and its Lease shows it went on alone since {other} caught up"
     return None
+
+
+def _went_alone_during(obs: Observation, sw: Switchover, source: BrokerName) -> Decision | None:
+    """The source's Lease says it went on alone (a mark of the epoch it was active in)
+    since the target caught up: the target, ready when the switchover began, lacks what
+    the source then confirmed. A source the operator could not reach never took the
+    demotion; cut from its passive too, it marked, went on alone and confirmed, then died
+    or let its Lease lapse (tests/test_attack_leasewatch.py). The target is not activated
+    (unless forced or `allowDataLoss`); a source back as a passive, which holds what it
+    confirmed, is re-activated in a new epoch, the request handled as aborted. None: no
+    mark, the switchover goes on."""
+    guard = obs.lease_guard
+    if (
+        sw.force
+        or obs.allow_data_loss
+        or obs.lease_holder != source
+        or guard is None
+        or not guard[1]
+        or guard[0] < sw.epoch - 1  # the demotion is in `sw.epoch`: the source's is before
+    ):
+        return None
+    why = f"{source}'s Lease shows it went on alone since {sw.target} caught up"
+    view = obs.brokers[source]
+    if not (
+        view.reachable
+        and view.role == "passive"
+        and view.epoch >= sw.epoch
+        and source not in obs.fenced
+        and not view.damaged
+    ):
+        return Decision(degraded=f"{why}: not activating {sw.target}", failing_over=True)
+    epoch = sw.epoch + 1
+    return Decision(failing_over=True).add(
+        SetRole(source, "active", epoch),
+        Route(source),
+        Record(
+            source,
+            epoch,
+            reason=f"{sw.kind} aborted ({why}); {source} re-activated",
+            handled_promote=sw.request_id if sw.kind == "promote" else None,
+            handled_recover=sw.request_id if sw.kind == "recover" else None,
+        ),
+        Event("SwitchoverAborted", f"{sw.kind} to {sw.target} aborted: {why}", warning=True),
+    )
 
 
 def _kept_everything(obs: Observation, active: BrokerName, other: BrokerName) -> bool:
@@ -348,6 +402,21 @@ def _kept_everything(obs: Observation, active: BrokerName, other: BrokerName) ->
         and obs.lease_holder == active
         and (obs.lease_expired or obs.brokers[active].stopped)
         and obs.lease_guard == (obs.epoch, False)
+    )
+
+
+def _marked_against(obs: Observation, name: BrokerName, view: BrokerView) -> bool:
+    """The Lease's holder, another broker, marked that it went on alone since `view`
+    caught up (a mark of the epoch it caught up in, or later): `view` lacks what the
+    holder then confirmed, whatever its readiness says (a freeze its clock missed,
+    tests/test_guard_skew.py). Not with `allowDataLoss`."""
+    guard = obs.lease_guard
+    return (
+        not obs.allow_data_loss
+        and guard is not None
+        and guard[1]
+        and obs.lease_holder not in (None, name)
+        and guard[0] >= (view.caught_up_epoch or 0)
     )
 
 
@@ -371,6 +440,7 @@ def _no_active(obs: Observation) -> Decision:
             and view.reachable
             and not (view.damaged and view.role != "active")
             and (view.ready or view.role == "active")
+            and not (view.role != "active" and _marked_against(obs, name, view))
         ):
             epoch = obs.epoch + 1
             return Decision().add(
@@ -506,6 +576,9 @@ def _continue_switchover(obs: Observation, sw: Switchover, starting: bool = Fals
         # fences itself. Found by the property test (two actives otherwise).
         decision.degraded = f"{source} is unreachable; waiting for its Lease to expire"
         return decision
+    marked = _went_alone_during(obs, sw, source)
+    if marked is not None:
+        return marked
     target = obs.brokers[sw.target]
     if not target.reachable:
         decision.degraded = f"waiting for {sw.target} to become reachable to activate it"

@@ -73,7 +73,7 @@ def password_ref(upstream: FederationUpstream) -> SecretKeyReference | None:
         return upstream.password_secret
     ref = upstream.cluster_ref
     if ref is not None and ref.namespace is None:
-        return SecretKeyReference(name=f"{ref.name}-auth", key="password")
+        return SecretKeyReference(name=f"{ref.name}-auth", key="federation-password")
     return None  # the CRD refuses this; an upstream without a password logs in as given
 
 

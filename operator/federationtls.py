@@ -26,8 +26,11 @@ A downstream whose `spec.federation.upstreams[]` names another BrokerCluster
   downstream in another Kubernetes cluster).
 
 A verified client certificate is no login: the link still logs in with its upstream user's
-password (the users file and permissions apply). What it adds is that a TLS session to the
-upstream's AMQPS port presenting a certificate needs one a trusted downstream's CA signed.
+password (the users file and permissions apply). With `spec.tls.clientCertificates` the
+downstreams' CAs go beside the applications' bundle (`--tls-federation-ca`), never in it:
+a certificate a downstream's CA signed is refused as a login (`login`), whatever it names.
+What it adds is that a TLS session to the upstream's AMQPS port presenting a certificate
+needs one a trusted downstream's CA signed.
 The operator reads nothing it may not read: BrokerClusters and ConfigMaps, verbs it has.
 """
 
@@ -40,6 +43,7 @@ from typing import Any, Literal, Protocol
 from pydantic import ValidationError
 
 from twinmq.operator.builders import ClusterRef, client_certificates, owned_meta
+from twinmq.operator.kube import Owner, owned
 from twinmq.operator.models import (
     BrokerClusterSpec,
     FederationUpstream,
@@ -163,6 +167,11 @@ def _short(exc: Exception) -> str:
     return f"HTTP {status}" if status is not None else type(exc).__name__
 
 
+def _uid(obj: Obj) -> str:
+    """A BrokerCluster's uid: the owner its published `<name>-ca` must name."""
+    return str((obj.get("metadata") or {}).get("uid"))
+
+
 def _data(obj: Obj | None) -> dict[str, str]:
     return dict((obj or {}).get("data") or {})
 
@@ -170,7 +179,9 @@ def _data(obj: Obj | None) -> dict[str, str]:
 def copied(cluster: ClusterRef, name: str, reader: Reader) -> dict[str, str]:
     """A copy's data ({}: none, or it cannot be read now)."""
     try:
-        return _data(reader.get("v1", "ConfigMap", cluster.namespace, name))
+        return _data(
+            owned(reader.get("v1", "ConfigMap", cluster.namespace, name), Owner(cluster.uid))
+        )
     except Exception:
         return {}
 
@@ -223,7 +234,9 @@ def resolve_link(
                          f"{peer} serves no AMQPS (its spec.tls.enabled is false)",
                          peer=peer)  # fmt: skip
     try:
-        published = reader.get("v1", "ConfigMap", namespace, f"{ref.name}-ca")
+        published = owned(
+            reader.get("v1", "ConfigMap", namespace, f"{ref.name}-ca"), Owner(_uid(other))
+        )
     except Exception as exc:
         return keep(f"the operator cannot read ConfigMap {peer}-ca ({_short(exc)})")
     bundle = _data(published).get(CA_KEY)
@@ -267,16 +280,18 @@ def resolve_downstreams(
     if fed is None or not spec.tls.enabled:
         return None
     wanted = client_certificates(spec)
-    if wanted is not None:
-        # The broker has one --tls-ca: the spec's bundle takes AMQPS (builders.py).
-        return DownstreamTrust(
-            f"client certificates {wanted.mode}, verified against spec.tls.clientCertificates' "
-            "bundle only: it must hold the downstreams' CAs"
-        )
+    # With the applications' bundle the downstreams' CAs go beside it, for the handshake
+    # only (`--tls-federation-ca`): never a login CA (builders.downstream_cas_beside); and
+    # without downstreams client certificates are still asked for (the applications').
+    beside = (
+        "" if wanted is None else
+        f" beside spec.tls.clientCertificates' bundle (mode {wanted.mode}), never a login"
+    )  # fmt: skip
+    none = "no client certificates asked for" if wanted is None else "no downstreams' CAs verified"
     if fed.downstream_ca_config_map is not None:
         return DownstreamTrust(
             f"client certificates verified against ConfigMap {fed.downstream_ca_config_map} "
-            "(spec.federation.downstreamCaConfigMap)",
+            f"(spec.federation.downstreamCaConfigMap){beside}",
             config_map=fed.downstream_ca_config_map,
         )
     copy = downstream_ca_name(cluster.name)
@@ -285,9 +300,9 @@ def resolve_downstreams(
         bundle = kept.get(CA_KEY)
         if bundle:
             return DownstreamTrust(f"client certificates verified against the last copy of "
-                                   f"the downstreams' CAs in ConfigMap {copy} ({why})", bundle,
-                                   config_map=copy)  # fmt: skip
-        return DownstreamTrust(f"no client certificates asked for: {why}")
+                                   f"the downstreams' CAs in ConfigMap {copy} ({why}){beside}",
+                                   bundle, config_map=copy)  # fmt: skip
+        return DownstreamTrust(f"{none}: {why}")
 
     items: list[Obj] | None = None
     failure: Exception | None = None
@@ -301,17 +316,20 @@ def resolve_downstreams(
     if items is None:
         assert failure is not None
         return keep(f"the operator cannot list BrokerClusters ({_short(failure)})")
-    found = sorted(
-        "{namespace}/{name}".format(**(item.get("metadata") or {}))
+    uids = {
+        "{namespace}/{name}".format(**(item.get("metadata") or {})): _uid(item)
         for item in items
         if names_as_upstream(item, cluster) is not None
-    )
+    }
+    found = sorted(uids)
     cas: dict[str, None] = {}
     trusted: list[str] = []
     for downstream in found:
         namespace, name = downstream.split("/", 1)
         try:
-            published = reader.get("v1", "ConfigMap", namespace, f"{name}-ca")
+            published = owned(
+                reader.get("v1", "ConfigMap", namespace, f"{name}-ca"), Owner(uids[downstream])
+            )
         except Exception as exc:
             return keep(f"the operator cannot read ConfigMap {downstream}-ca ({_short(exc)})")
         ca = _data(published).get(CA_KEY)
@@ -319,11 +337,11 @@ def resolve_downstreams(
             cas[ca if ca.endswith("\n") else ca + "\n"] = None
             trusted.append(downstream)
     if not cas:
-        return DownstreamTrust("no client certificates asked for: no BrokerCluster with a "
+        return DownstreamTrust(f"{none}: no BrokerCluster with a "
                                "CA of its own names this one as a clusterRef upstream")  # fmt: skip
     return DownstreamTrust(f"client certificates of {', '.join(trusted)} verified (their "
-                           f"CAs copied into ConfigMap {copy})", "".join(cas), tuple(trusted),
-                           copy)  # fmt: skip
+                           f"CAs copied into ConfigMap {copy}){beside}", "".join(cas),
+                           tuple(trusted), copy)  # fmt: skip
 
 
 def resolve(cluster: ClusterRef, spec: BrokerClusterSpec, reader: Reader) -> Trust | None:
@@ -347,7 +365,8 @@ def effective(
     """The spec the pods are built from: each upstream whose CA the operator copied
     names the copy (and the client certificate it issued), and an upstream with
     downstreams' CAs names their copy (`federation.broker_args` turns client
-    certificates on, optional)."""
+    certificates on, optional; with the applications' bundle `builders.client_ca_args`
+    passes it as `--tls-federation-ca`)."""
     fed = spec.federation
     if fed is None or trust is None:
         return spec

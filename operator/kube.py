@@ -6,12 +6,15 @@ this module and nothing else that talks to the API server.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import kopf
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
@@ -50,6 +53,101 @@ def refusal(exc: ApiException) -> str:
 class Conflict(Exception):
     """A write lost a race: the object changed (409) since it was read, or was created by
     someone else first."""
+
+
+CERTIFICATE_NAME = "cert-manager.io/certificate-name"
+"""The annotation cert-manager puts on the Secret it writes for a Certificate."""
+FOREIGN_RETRY = 30.0
+"""Seconds before a reconcile that met someone else's object under a generated name tries
+again (someone must delete or rename it first)."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who must own an object under a name the operator generates: the BrokerCluster of
+    `uid`; for the Secret cert-manager writes (it sets no owner reference by default),
+    `certificate`, the name of the BrokerCluster's own cert-manager Certificate whose Secret
+    it must be."""
+
+    uid: str
+    certificate: str | None = None
+
+
+class Foreign(kopf.TemporaryError):
+    """An object exists under a name the operator generates and is not this
+    BrokerCluster's: someone else made it (before the cluster, or after deleting the
+    operator's). The operator neither uses its data nor rewrites it (its owner reference
+    would have the garbage collector delete it with the cluster): the reconcile waits,
+    saying which object and why (docs/security.md, "Names the operator generates")."""
+
+    def __init__(self, kind: str, name: str, why: str, hint: str = "") -> None:
+        self.kind, self.name, self.why = kind, name, why
+        super().__init__(
+            f"{kind} {name} exists and is not this BrokerCluster's ({why}): the operator "
+            f"neither uses nor rewrites it; delete or rename it and the operator makes its "
+            f"own{hint}",
+            delay=FOREIGN_RETRY,
+        )
+
+
+def owns(obj: Obj, uid: str) -> bool:
+    """Whether `obj` names the object of `uid` among its owners (uids are never reused, and
+    an object made before its owner existed cannot name it)."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(ref.get("uid") == uid for ref in refs)
+
+
+def foreign_reason(obj: Obj, owner: Owner, certificate: Obj | None = None) -> str | None:
+    """Why `obj`, found under a name the operator generates, is not `owner`'s (None: it
+    is). `certificate`: with `owner.certificate`, that Certificate as read (None: absent).
+
+    cert-manager's Secret is its Certificate's when it carries cert-manager's annotation
+    naming it, the Certificate is the BrokerCluster's, and the Secret is not older than the
+    Certificate (cert-manager writes it after; one made before under that name, even with the
+    annotation, is someone's pre-emptive copy: cert-manager would keep a valid-looking one
+    as is) or names it as its owner (`--enable-certificate-owner-ref`)."""
+    if owns(obj, owner.uid):
+        return None
+    if owner.certificate is None:
+        return "no owner reference to it"
+    meta = obj.get("metadata") or {}
+    named = (meta.get("annotations") or {}).get(CERTIFICATE_NAME)
+    if named != owner.certificate:
+        return (f"not the Secret of this BrokerCluster's Certificate {owner.certificate}: its "
+                f"{CERTIFICATE_NAME} annotation is {named!r}")  # fmt: skip
+    if certificate is None or not owns(certificate, owner.uid):
+        return f"Certificate {owner.certificate} is not this BrokerCluster's"
+    cert_meta = certificate.get("metadata") or {}
+    if owns(obj, str(cert_meta.get("uid"))):
+        return None
+    made, cert_made = _created(meta), _created(cert_meta)
+    if made is None or cert_made is None or made < cert_made:
+        return (f"created before this BrokerCluster's Certificate {owner.certificate}: "
+                "cert-manager did not make it")  # fmt: skip
+    return None
+
+
+def _created(meta: Obj) -> datetime | None:
+    stamp = meta.get("creationTimestamp")
+    if isinstance(stamp, datetime):
+        return stamp
+    try:
+        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def owned(found: Obj | None, owner: Owner, certificate: Obj | None = None) -> Obj | None:
+    """`found`, an object read under a name the operator generates, if `owner` owns it
+    (None: there is none); raises `Foreign` otherwise. Every read of such an object goes
+    through here."""
+    if found is None:
+        return None
+    why = foreign_reason(found, owner, certificate)
+    if why is not None:
+        meta = found.get("metadata") or {}
+        raise Foreign(str(found.get("kind") or "object"), str(meta.get("name")), why)
+    return found
 
 
 class Kube:
@@ -146,14 +244,28 @@ class Kube:
         )
         log.info("deleted pod %s/%s", namespace, name)
 
-    def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
-        """A Secret's data, decoded (None: no such Secret)."""
-        import base64
+    def get_owned(
+        self, api_version: str, kind: str, namespace: str, name: str, owner: Owner
+    ) -> Obj | None:
+        """An object under a name the operator generates, or None; raises `Foreign` when
+        `owner` does not own it (`owned`)."""
+        found = self.get(api_version, kind, namespace, name)
+        certificate = None
+        if found is not None and owner.certificate is not None and not owns(found, owner.uid):
+            certificate = self.get("cert-manager.io/v1", "Certificate", namespace,
+                                   owner.certificate)  # fmt: skip
+        return owned(found, owner, certificate)
 
+    def get_secret_data(
+        self, namespace: str, name: str, owner: Owner | None = None
+    ) -> dict[str, str] | None:
+        """A Secret's data, decoded (None: no such Secret). With `owner`, a Secret under a
+        name the operator generates: raises `Foreign` unless `owner` owns it."""
+        if owner is not None:
+            found = self.get_owned("v1", "Secret", namespace, name, owner)
+            return None if found is None else decoded_secret_data(found.get("data"))
         secret = absent_as_none(lambda: self.core.read_namespaced_secret(name, namespace))
-        if secret is None:
-            return None
-        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+        return None if secret is None else decoded_secret_data(secret.data)
 
     def label_pod(self, namespace: str, name: str, labels: Mapping[str, str | None]) -> None:
         """Merge labels into a pod, None removing one (the Service selectors follow at
@@ -224,3 +336,8 @@ class Kube:
     def dumps(self, obj: Any) -> str:
         """JSON of an API object (for logs)."""
         return json.dumps(self.api.sanitize_for_serialization(obj))
+
+
+def decoded_secret_data(data: Mapping[str, str | bytes] | None) -> dict[str, str]:
+    """A Secret's `data` (base64 values) decoded."""
+    return {k: base64.b64decode(v).decode() for k, v in (data or {}).items()}

@@ -9,8 +9,8 @@ pod labels for the virtual IP, the Lease); only then are its children applied in
 their desired state (server-side apply: a deleted or edited child is restored),
 then a rollout's pod deletions, the status and Events. The state that matters lives in the
 status and the Lease; what is kept in kopf's per-resource memo (consecutive probe
-failures, the generated credentials) only delays a failover after an operator
-restart, it never causes one.
+failures, the generated credentials, the Lease as last seen) only delays a failover after
+an operator restart, it never causes one.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from prometheus_client import start_http_server
 
 from twinmq.broker.admin_client import AdminError
 from twinmq.broker.api import BrokerStatus as BrokerReport
-from twinmq.broker.lease import ReplicationGuard
 from twinmq.broker.names import (
     ACTIVE,
     OPERATOR_METRICS_PORT_ENV,
@@ -70,7 +69,8 @@ from twinmq.operator.failover import (
     Switchover,
     decide,
 )
-from twinmq.operator.kube import FIELD_MANAGER, Kube, Refused
+from twinmq.operator.kube import FIELD_MANAGER, Foreign, Kube, Owner, Refused, owned
+from twinmq.operator.leasewatch import LeaseWatch
 from twinmq.operator.models import (
     GROUP,
     PLURAL,
@@ -133,6 +133,9 @@ class Memory:
     # running brokers were started with (new ones would lock the operator out of them).
     credentials: dict[str, str] | None = None
     storage_refusal: str | None = None
+    # Someone else's object under a name the operator generates, as last met (the children
+    # wait for it to go: `Stalled`, reason ForeignObject; an Event once per message).
+    foreign: str | None = None
     applied: dict[str, drift.Applied] = field(default_factory=dict)  # by `drift.key`
     # The NetworkPolicy's state as last reconciled: applied, absent (deleted or never
     # made), or refused (RBAC of an older chart); changes are logged once.
@@ -145,6 +148,9 @@ class Memory:
     federation_tls: federationtls.FederationTlsMemory = field(
         default_factory=federationtls.FederationTlsMemory
     )
+    # The active role's Lease as last read, and since when (monotonic): its expiry and
+    # its replication guard are judged by how long this process has seen it unchanged.
+    lease: LeaseWatch = field(default_factory=LeaseWatch)
 
 
 @dataclass
@@ -183,6 +189,12 @@ def kube() -> Kube:
 # -- reconcile -------------------------------------------------------------------------------
 
 
+OWNED_ONLY = frozenset({"Secret", "ConfigMap", "Certificate"})
+"""Kinds of child the operator applies only over an object this BrokerCluster owns (the
+first apply of a process reads it: `kube.owned`). Others are left as before: a PVC of a
+BrokerCluster deleted with `--cascade=orphan` and created again holds its data."""
+
+
 def reconcile_children(
     cluster: ClusterRef,
     spec: BrokerClusterSpec,
@@ -215,6 +227,8 @@ def reconcile_children(
                             "operator ran goes unreported", cluster.namespace, cluster.name,
                             name)  # fmt: skip
                 live = None
+            if obj["kind"] in OWNED_ONLY:  # never rewrite (and own) someone else's
+                owned(live, Owner(cluster.uid))
             before = drift.remembered(live, FIELD_MANAGER)
         now = drift.applied(obj, k.apply(obj), FIELD_MANAGER)
         found = drift.repair(before, now)
@@ -226,7 +240,7 @@ def reconcile_children(
             )
 
     if spec.auth.secret_name is None:
-        found = k.get_secret_data(cluster.namespace, builders.secret_name(cluster, spec))
+        found = generated_secret(k, cluster, spec)
         if found is None and memory.credentials is None:
             memory.credentials = builders.generate_credentials()
         elif found is not None:
@@ -353,9 +367,23 @@ def credentials_of(
     if spec.auth.secret_name is not None:
         return k.get_secret_data(cluster.namespace, name)
     if memory.credentials is None:
-        found = k.get_secret_data(cluster.namespace, name)
+        found = generated_secret(k, cluster, spec)
         memory.credentials = found if found is not None else builders.generate_credentials()
     return memory.credentials
+
+
+def generated_secret(
+    k: Kube, cluster: ClusterRef, spec: BrokerClusterSpec
+) -> dict[str, str] | None:
+    """The generated credentials Secret's data (None: not made yet). A Secret of that name
+    this cluster does not own is someone else's: never read, rewritten nor owned (its
+    garbage collector would delete it with the cluster): the reconcile waits, saying so."""
+    name = builders.secret_name(cluster, spec)
+    try:  # read once: its owner and its data
+        return k.get_secret_data(cluster.namespace, name, Owner(cluster.uid))
+    except Foreign as exc:
+        hint = ", or name your own credentials in spec.auth.secretName"
+        raise Foreign(exc.kind, exc.name, exc.why, hint) from None
 
 
 def repair_routing(
@@ -432,28 +460,18 @@ def report_drift(body: Any, repaired: list[drift.Repaired]) -> None:
         kopf.event(body, type="Warning", reason="DriftRepaired", message=repair.message)
 
 
-def lease_state(cluster: ClusterRef) -> tuple[BrokerName | None, bool, tuple[int, bool] | None]:
-    """(holder broker, expired, replication guard) of the active role's Lease."""
+def lease_state(
+    cluster: ClusterRef, watch: LeaseWatch, clock: Callable[[], float] = time.monotonic
+) -> tuple[BrokerName | None, bool, tuple[int, bool] | None]:
+    """(holder broker, expired, replication guard) of the active role's Lease, judged by
+    how long `watch` has seen its record unchanged on this process's monotonic `clock`,
+    never by its `renewTime` (`operator/leasewatch.py`)."""
     lease = kube().get_lease(cluster.namespace, builders.lease_name(cluster))
-    if lease is None:
-        return None, True, None
-    lspec = lease.get("spec", {})
-    holder = lspec.get("holderIdentity")
-    renew = lspec.get("renewTime")
-    duration = float(lspec.get("leaseDurationSeconds") or 0)
-    expired = True
-    if renew:
-        renewed = parse_iso(renew).timestamp()
-        expired = time.time() > renewed + duration
-    broker = next((n for n in NAMES if pod_name(cluster, n) == holder), None)
-    guard = ReplicationGuard.of_lease(lease)
-    if guard is None or not (renew and time.time() > renewed + 2 * duration):
-        # Trusted once the Lease has been lapsed for one more duration: a broker whose
-        # clock runs behind this one by up to that much cannot still write a mark this
-        # read missed (its own deadline, on its clock, has passed). Not trusted, the
-        # passive's readiness window decides, as without a guard.
-        return broker, expired, None
-    return broker, expired, (guard.epoch, guard.alone)
+    # Read after the answer: the record was written before it, so a duration counted
+    # from here never starts before the broker's own deadline does.
+    seen = watch.judge(lease, clock())
+    broker = next((n for n in NAMES if pod_name(cluster, n) == seen.holder), None)
+    return broker, seen.expired, seen.guard
 
 
 def apply(
@@ -611,24 +629,39 @@ def damaged_condition(status: BrokerClusterStatus) -> tuple[str, bool, str, str]
 
 
 def rollout_conditions(
-    progress: RolloutProgress | None, storage_refusal: str | None
+    progress: RolloutProgress | None, storage_refusal: str | None, foreign: str | None = None
 ) -> list[tuple[str, bool, str, str]]:
-    """Reconciling (a rollout under way) and Stalled (it cannot go on: an updated broker
-    failing, a fenced broker, a volume resize refused), as kstatus reads them."""
+    """Reconciling (a rollout under way) and Stalled (it cannot go on: someone else's
+    object under a generated name, an updated broker failing, a fenced broker, a volume
+    resize refused), as kstatus reads them."""
     step = progress.step if progress is not None else "Complete"
     moving = step not in ("Complete", "Stalled")
-    stalled = step == "Stalled" or storage_refusal is not None
+    stalled = step == "Stalled" or storage_refusal is not None or foreign is not None
     why = (
-        progress.message if progress is not None and step == "Stalled"
+        foreign if foreign is not None
+        else progress.message if progress is not None and step == "Stalled"
         else f"volume resize refused: {storage_refusal}" if storage_refusal else ""
+    )  # fmt: skip
+    reason = (
+        "ForeignObject" if foreign is not None
+        else "RolloutStalled" if step == "Stalled"
+        else "StorageResizeRefused" if stalled else "NotStalled"
     )  # fmt: skip
     return [
         ("Reconciling", moving, step if moving else "Converged",
          f"{progress.message}" if moving and progress is not None else ""),
-        ("Stalled", stalled,
-         "RolloutStalled" if step == "Stalled" else "StorageResizeRefused" if stalled
-         else "NotStalled", why),
+        ("Stalled", stalled, reason, why),
     ]  # fmt: skip
+
+
+def report_foreign(body: Any, cluster: ClusterRef, memory: Memory, exc: Foreign) -> None:
+    """Someone else's object under a name the operator generates: logged, a Warning Event
+    `ForeignObject` once per message, kept for the `Stalled` condition."""
+    message = str(exc)
+    if memory.foreign != message:
+        log.warning("%s/%s: %s", cluster.namespace, cluster.name, message)
+        kopf.event(body, type="Warning", reason="ForeignObject", message=message)
+    memory.foreign = message
 
 
 def conditions(
@@ -823,7 +856,7 @@ def reconcile(
             # is trusted only with what the passive says now.
             view = replace(view, caught_up_epoch=None)
         views[name] = replace(view, stopped=stopped)
-    holder, expired, guard = lease_state(cluster)
+    holder, expired, guard = lease_state(cluster, memory.lease)
     handled = status.handled_requests
     requests = spec.requests
     promote = requests.promote
@@ -908,10 +941,16 @@ def reconcile(
     if not deferred:
         peer_ca = None if trust is None else peerca.build_config_map(cluster, trust)
         loaded: carotation.Loaded = {n: None if r is None else r.tls for n, r in reports.items()}
-        report_drift(body, reconcile_children(
-            cluster, spec, memory, pods, peer_tls, peer_ca,
-            federationtls.build_config_maps(cluster, fed_trust), loaded,
-        ))  # fmt: skip
+        try:
+            report_drift(body, reconcile_children(
+                cluster, spec, memory, pods, peer_tls, peer_ca,
+                federationtls.build_config_maps(cluster, fed_trust), loaded,
+            ))  # fmt: skip
+            memory.foreign = None
+        except Foreign as exc:
+            # The pass goes on (failover, status) without the children after it: no pod is
+            # made to mount what someone else wrote.
+            report_foreign(body, cluster, memory, exc)
         for rotated in memory.tls.events:
             kopf.event(body, type="Normal", reason="CaRotation", message=rotated)
         memory.tls.events.clear()
@@ -991,7 +1030,7 @@ def reconcile(
         log.info("%s/%s: %s: %s", cluster.namespace, cluster.name, reason, message)
         kopf.event(body, type=kind, reason=reason, message=message)
     extra = [
-        *rollout_conditions(new.rollout, memory.storage_refusal),
+        *rollout_conditions(new.rollout, memory.storage_refusal, memory.foreign),
         damaged_condition(new),
     ]
     if (mirrored := mirroring.condition(new.mirror)) is not None:

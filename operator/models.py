@@ -374,14 +374,16 @@ class FederationUpstream(ApiModel):
         description="amqp://USER@HOST:PORT/ (never a password: passwordSecret holds it)",
     )  # fmt: skip
     user: str = Field(
-        "twinmq", min_length=1, max_length=255,
-        description="The user a clusterRef upstream is logged in as (a uri names its own)",
+        "twinmq-federation", min_length=1, max_length=255,
+        description="The user a clusterRef upstream is logged in as (a uri names its own); "
+        "the upstream must tag it 'federation' (its generated users file does: "
+        "twinmq-federation)",
     )  # fmt: skip
     password_secret: SecretKeyReference | None = Field(
         None,
         description="The upstream user's password (mounted as a file: a rotated Secret is "
         "read at the next connection). Default for a clusterRef without a namespace: its "
-        "generated credentials Secret <name>-auth, key password",
+        "generated credentials Secret <name>-auth, key federation-password",
     )
     reconnect_max_seconds: int = Field(
         30, ge=1, le=3600, description="Longest pause between two connection attempts"
@@ -625,6 +627,18 @@ class IssuerReference(ApiModel):
 ClientCertificateMode = Literal["none", "optional", "required"]
 """Whether AMQPS asks applications for a certificate (the broker's `--tls-client-certs`)."""
 
+CertificateLogin = Literal["commonName", "distinguishedName", "sanDns", "sanEmail"]
+"""Where a certificate login takes the user name from (the broker's `--tls-cert-login`:
+`common_name`, `distinguished_name`, `san_dns`, `san_email`)."""
+
+CERTIFICATE_LOGIN_ARGS: dict[CertificateLogin, str] = {
+    "commonName": "common_name",
+    "distinguishedName": "distinguished_name",
+    "sanDns": "san_dns",
+    "sanEmail": "san_email",
+}
+"""`login`'s value as the broker's `--tls-cert-login` says it."""
+
 
 class ClientCertificates(ApiModel):
     """Mutual TLS with applications on AMQPS (RabbitMQ's `verify_peer`, its cluster
@@ -644,6 +658,11 @@ class ClientCertificates(ApiModel):
                 {
                     "rule": "!has(self.caConfigMap) || !has(self.caSecretName)",
                     "message": "one CA bundle: caConfigMap or caSecretName, not both",
+                },
+                {
+                    "rule": "!has(self.login) || self.mode != 'none'",
+                    "message": "a certificate login needs client certificates verified: "
+                    "mode optional or required",
                 },
             ]
         }
@@ -665,6 +684,15 @@ class ClientCertificates(ApiModel):
         "author must be allowed to read it (the admission policy checks)",
     )  # fmt: skip
     ca_key: str = Field("ca.crt", min_length=1, max_length=253, description="The bundle's key")
+    login: CertificateLogin | None = Field(
+        None,
+        description="Certificate login (SASL EXTERNAL, RabbitMQ's rabbitmq_auth_mechanism_ssl): "
+        "an application presenting a verified certificate may log in as the user it names, "
+        "taken from its `commonName`, its whole subject (`distinguishedName`, RFC 4514) or "
+        "its first DNS (`sanDns`) or e-mail (`sanEmail`) subject alternative name; the user "
+        "must be in the users file (one without a password logs in only so). Unset: no "
+        "certificate login",
+    )
 
 
 class Tls(ApiModel):

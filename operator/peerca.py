@@ -38,6 +38,7 @@ from pydantic import ValidationError
 
 from twinmq.operator import mirroring
 from twinmq.operator.builders import ClusterRef, owned_meta
+from twinmq.operator.kube import Foreign, Owner, owned
 from twinmq.operator.models import BrokerClusterSpec
 
 Obj = dict[str, Any]
@@ -102,7 +103,8 @@ def _trust_cmd(cluster: ClusterRef) -> str:
 def copied_bundle(cluster: ClusterRef, reader: Reader) -> str | None:
     """The CA bundle in this site's copy (None: no copy, or it cannot be read now)."""
     try:
-        mine = reader.get("v1", "ConfigMap", cluster.namespace, config_map_name(cluster.name))
+        name = config_map_name(cluster.name)  # someone else's under it is no copy (`owned`)
+        mine = owned(reader.get("v1", "ConfigMap", cluster.namespace, name), Owner(cluster.uid))
     except Exception:
         return None
     return ((mine or {}).get("data") or {}).get(CA_KEY) or None
@@ -197,8 +199,11 @@ def _resolve_target(cluster: ClusterRef, host: str, reader: Reader, fix: str) ->
                      "CA and would not "
                      "speak TLS: name this site there (a switchable replica does), or give "
                      f"both sites a caConfigMap: {fix}", peer=peer)  # fmt: skip
-    try:
-        published = reader.get("v1", "ConfigMap", namespace, f"{name}-ca")
+    try:  # published by the other BrokerCluster's operator, or not its CA
+        owner = Owner(str((other.get("metadata") or {}).get("uid")))
+        published = owned(reader.get("v1", "ConfigMap", namespace, f"{name}-ca"), owner)
+    except Foreign as exc:
+        return kept(str(exc))
     except Exception as exc:
         return kept(f"the operator cannot read ConfigMap {namespace}/{name}-ca "
                     f"({_short(exc)})")  # fmt: skip

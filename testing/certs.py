@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -55,3 +60,32 @@ class TestCA:
                  "-CAcreateserial", "-days", str(days), "-extfile", ext.name,
                  "-out", f"{name}.crt", cwd=self.folder)  # fmt: skip
         return Leaf(self.folder / f"{name}.crt", self.folder / f"{name}.key")
+
+    def sign(self, label: str, subject: x509.Name, extensions: list[x509.ExtensionType]) -> Leaf:
+        """A leaf this CA signs for exactly `subject` with exactly `extensions` (non-critical),
+        valid for a day: for certificates `issue` cannot make (several names, crafted
+        subjects, odd usages)."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        ca_cert = x509.load_pem_x509_certificate(self.cert.read_bytes())
+        ca_key = serialization.load_pem_private_key(self.key.read_bytes(), password=None)
+        assert isinstance(ca_key, rsa.RSAPrivateKey)  # made by `openssl genrsa`
+        now = datetime.now(UTC)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=5))
+            .not_valid_after(now + timedelta(days=1))
+        )
+        for extension in extensions:
+            builder = builder.add_extension(extension, critical=False)
+        leaf = Leaf(self.folder / f"{label}.crt", self.folder / f"{label}.key")
+        leaf.cert.write_bytes(builder.sign(ca_key, hashes.SHA256()).public_bytes(
+            serialization.Encoding.PEM))  # fmt: skip
+        leaf.key.write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ))  # fmt: skip
+        return leaf

@@ -21,6 +21,7 @@ from twinmq.broker.codec import ContentHeaderInfo
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import Connection, Limits
 from twinmq.broker.federation.identity import duplicate_refusal
+from twinmq.broker.federation.marks import ToldMarks
 from twinmq.broker.journal import Journal
 from twinmq.broker.routing import Exchange
 from twinmq.broker.vhost import PublishResult, VirtualHost
@@ -125,6 +126,14 @@ class Context:
         """A peer announcing our own identifier is refused, as in the broker."""
         return duplicate_refusal(self.server_id, announced, side="downstream")
 
+    def told_marks(self, vhost: str, queue: str) -> ToldMarks:
+        """Nothing told: the core here has no federation (federation/marks.py)."""
+        return ToldMarks(queue=queue)
+
+    def marks_durable(self) -> tuple[int, int]:
+        """Nothing outstanding."""
+        return 0, 0
+
     def receive_forwarded(
         self,
         exchange: Exchange,
@@ -184,7 +193,11 @@ class Peer:
 class Harness:
     """A virtual host and the connections on it; `close` releases the journal."""
 
-    USERS = (User(name="guest", password="guest"), User(name="alice", password="wonderland"))
+    # guest as a broker without a users file has it: the one user that may link.
+    USERS = (
+        User(name="guest", password="guest", tags=["federation"]),
+        User(name="alice", password="wonderland"),
+    )
 
     def __init__(self, directory: Path, limits: Limits | None = None) -> None:
         self.loop = asyncio.new_event_loop()

@@ -10,6 +10,7 @@ import pytest
 from apiserver import KubeApiServer, binaries_built, install_crd, running_apiserver
 
 from twinmq.operator.kube import Kube
+from twinmq.testing.certs import TestCA
 from twinmq.testing.launcher import BrokerProcess
 
 
@@ -72,3 +73,16 @@ def api(kube_apiserver: KubeApiServer) -> Kube:
     found = Kube(str(kube_apiserver.kubeconfig))
     install_crd(found)
     return found
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> TestCA:
+    """A broker's server CA (operator-managed in a cluster), not the applications' CA."""
+    return TestCA(tmp_path / "server-pki", name="TwinMQ server CA")
+
+
+@pytest.fixture
+def apps(tmp_path: Path) -> TestCA:
+    """The applications' CA (`--tls-ca`, the bundle `spec.tls.clientCertificates` names):
+    the client certificates it signs log in or are refused."""
+    return TestCA(tmp_path / "apps-pki", name="applications CA")

@@ -138,7 +138,7 @@ def end_log_at_a_page(url: str, journal: Path, page: int = 4096) -> None:
         last = _bind_record("start")
         ch.queue_bind(PAD_QUEUE, PAD_EXCHANGE, "start")
         for n in range(100):
-            wait_for("the pad binding in the log", partial(_ends_with, log, last), 10)
+            wait_for("the pad binding in the log", partial(_ends_with, log, last), 30)
             room = -log.stat().st_size % page
             if room == 0:
                 return

@@ -229,7 +229,7 @@ class World:
             active = self.serving_active()
             if active is not None:
                 b.caught_up_epoch = active.epoch
-                self.lease_guard = (active.epoch, False)  # its next renewal says so
+                self.lease_guard = (active.epoch, False)  # written at once
         elif kind == "stale" and not b.linked:
             b.fresh = False  # a silent link: its readiness window ran out
         elif kind == "corrupt" and not b.alive:

@@ -390,6 +390,8 @@ def test_a_second_path_lagging_past_the_window_brings_no_second_copy(tmp_path: P
         lag_path_via_b(shape, warm_up=10)
 
 
+@pytest.mark.soak  # minutes on a loaded machine: `make soak`; test_federation_marks.py
+# keeps a link that never brings an origin in make test
 def test_a_path_that_never_brought_an_origin_before_it_lagged_brings_no_second_copy(
     tmp_path: Path,
 ) -> None:

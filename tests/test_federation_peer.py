@@ -139,7 +139,7 @@ def test_a_status_the_links_user_may_not_write_to_amq_peer_is_dropped_and_the_li
     users.write_text(
         json.dumps(
             {
-                "users": [{"name": "guest", "password": "guest"}],
+                "users": [{"name": "guest", "password": "guest", "tags": ["federation"]}],
                 "permissions": [
                     {
                         "user": "guest", "vhost": "/", "configure": ".*",

@@ -33,7 +33,7 @@ PASSWORD_ENV = "TWINMQ_TEST_FEDERATION_PASSWORD"
 
 
 def users_file(path: Path) -> Path:
-    """`guest` everywhere; `limited` in `t1` only."""
+    """`guest` everywhere; `limited` in `t1` only (both may be a federation link's user)."""
     grants = [
         *({"user": "guest", "vhost": v, "configure": ".*", "write": ".*", "read": ".*"}
           for v in VHOSTS),
@@ -43,8 +43,8 @@ def users_file(path: Path) -> Path:
         json.dumps(
             {
                 "users": [
-                    {"name": "guest", "password": "guest"},
-                    {"name": "limited", "password": "guest"},
+                    {"name": "guest", "password": "guest", "tags": ["federation"]},
+                    {"name": "limited", "password": "guest", "tags": "federation"},
                 ],
                 "vhosts": [{"name": v} for v in VHOSTS],
                 "permissions": grants,

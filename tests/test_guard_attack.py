@@ -27,8 +27,9 @@ from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.server import Broker as RealBroker
 from twinmq.broker.settings import BrokerSettings
 from twinmq.operator import main as operator_main
-from twinmq.operator.builders import ClusterRef, build_lease
+from twinmq.operator.builders import ClusterRef, build_lease, lease_name
 from twinmq.operator.kube import Kube
+from twinmq.operator.leasewatch import LeaseWatch
 from twinmq.testing.waiting import until
 
 DURATION = 4.0
@@ -196,23 +197,117 @@ def test_a_mark_outlived_by_a_catch_up_does_not_send_the_active_on_alone_early(
     run(scenario)
 
 
-def test_the_operator_trusts_a_lease_guard_only_once_lapsed_for_one_more_duration(
-    kube: Kube, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A broker clock behind the operator's may still write a mark after the operator saw
-    its Lease lapse: the guard counts only one Lease duration later (clock skew up to that
-    much), and until then the passive's readiness window decides (the real API server)."""
-    cluster = ClusterRef(namespace="guard-skew", name="orders", uid="u-1")
-    kube.core.create_namespace({"metadata": {"name": cluster.namespace}})
+class Operator:
+    """The operator's sight of one cluster's Lease on the real API server: `lease_state`
+    with its own `LeaseWatch`, on a monotonic clock the test sets (`now`); the Lease
+    written as a broker writes it (a renewal, a mark, a catch-up), straight to the API."""
+
+    def __init__(self, kube: Kube, namespace: str) -> None:
+        self.kube = kube
+        self.cluster = ClusterRef(namespace=namespace, name="orders", uid="u-1")
+        kube.core.create_namespace({"metadata": {"name": namespace}})  # type: ignore[arg-type]
+        self.watch = LeaseWatch()
+        self.now = 1000.0
+
+    def sees(self) -> tuple[object, ...]:
+        """(holder, expired, guard) as the operator judges the Lease at `now`."""
+        return operator_main.lease_state(self.cluster, self.watch, lambda: self.now)
+
+    def restarted(self) -> None:
+        """A new operator process: nothing seen yet."""
+        self.watch = LeaseWatch()
+
+    def written(self, guard: str, renewed_ago: float = 0.0) -> None:
+        """The broker's write: the Lease named for the primary, renewed `renewed_ago`
+        seconds ago by this process's wall clock (a broker clock that far behind), saying
+        `guard`."""
+        at = datetime.fromtimestamp(time.time() - renewed_ago, UTC)
+        lease = build_lease(self.cluster, "orders-primary", int(DURATION),
+                            at.strftime("%Y-%m-%dT%H:%M:%S.%fZ"))  # fmt: skip
+        lease["metadata"]["annotations"] = {GUARD_ANNOTATION: guard}
+        name = lease["metadata"]["name"]
+        current = self.kube.get_lease(self.cluster.namespace, name)
+        if current is None:
+            self.kube.coordination.create_namespaced_lease(self.cluster.namespace, lease)  # type: ignore[arg-type]
+            return
+        current["spec"] = lease["spec"]
+        current["metadata"]["annotations"] = lease["metadata"]["annotations"]
+        self.kube.coordination.replace_namespaced_lease(name, self.cluster.namespace, current)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def operator(
+    kube: Kube, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Operator:
+    """The operator's Lease reading on the real API server, in a namespace of the test's."""
     monkeypatch.setattr(operator_main, "KUBE", kube)
+    return Operator(kube, request.node.name.replace("_", "-")[:50].strip("-"))
 
-    def renewed(ago: float) -> tuple[object, ...]:
-        at = datetime.fromtimestamp(time.time() - ago, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        lease = build_lease(cluster, "orders-primary", 4, at)
-        lease["metadata"]["annotations"] = {GUARD_ANNOTATION: "3:0"}
-        kube.put_lease(lease)
-        return operator_main.lease_state(cluster)
 
-    assert renewed(1) == ("primary", False, None)
-    assert renewed(6) == ("primary", True, None)  # lapsed, but within the skew margin
-    assert renewed(12) == ("primary", True, (3, False))
+def test_the_operator_trusts_a_zero_only_once_it_has_seen_the_lease_unchanged_for_two_durations(
+    operator: Operator,
+) -> None:
+    """A `0` is trusted, and the Lease called lapsed, by how long this operator has seen
+    the same record, on its own clock: a broker writes nothing that counts past its own
+    deadline, and anything it writes changes the record."""
+    operator.written(f"{EPOCH}:0")
+    assert operator.sees() == ("primary", False, None)
+    operator.now += DURATION - 0.1
+    assert operator.sees() == ("primary", False, None)
+    operator.now += 0.1
+    assert operator.sees() == ("primary", True, None), "lapsed, but not yet trusted"
+    operator.now += DURATION - 0.1
+    assert operator.sees() == ("primary", True, None)
+    operator.now += 0.1
+    assert operator.sees() == ("primary", True, (EPOCH, False))
+
+
+def test_a_renewal_or_a_mark_restarts_the_operators_observation(operator: Operator) -> None:
+    """Seen unchanged for long enough, then written again: a renewal (its `0` is fresh
+    news, not trusted), a mark (news at once), the catch-up's `0` after it (fresh news
+    again): each restarts the count."""
+    operator.written(f"{EPOCH}:0")
+    operator.sees()
+    operator.now += 2 * DURATION
+    assert operator.sees() == ("primary", True, (EPOCH, False))
+    operator.written(f"{EPOCH}:0")  # a renewal
+    assert operator.sees() == ("primary", False, None)
+    operator.now += 2 * DURATION - 0.1
+    assert operator.sees() == ("primary", True, None)
+    operator.written(f"{EPOCH}:1")  # a mark
+    assert operator.sees() == ("primary", False, (EPOCH, True))
+    operator.now += 2 * DURATION
+    operator.written(f"{EPOCH}:0")  # the passive caught up: 0 at once
+    assert operator.sees() == ("primary", False, None)
+    operator.now += 2 * DURATION
+    assert operator.sees() == ("primary", True, (EPOCH, False))
+
+
+def test_a_renew_time_long_past_is_neither_lapsed_nor_trusted_until_seen_for_its_duration(
+    operator: Operator,
+) -> None:
+    """A broker whose wall clock is far behind the operator's (or an operator's far
+    ahead) writes a `renewTime` that looks an hour old: the operator that reads it fresh
+    calls it neither lapsed nor its `0` trusted, and neither does one just restarted (it
+    has seen nothing), until its own clock has counted the durations."""
+    operator.written(f"{EPOCH}:0", renewed_ago=3600)
+    assert operator.sees() == ("primary", False, None)
+    operator.now += DURATION
+    assert operator.sees() == ("primary", True, None)
+    operator.restarted()
+    assert operator.sees() == ("primary", False, None)
+    operator.now += 2 * DURATION
+    assert operator.sees() == ("primary", True, (EPOCH, False))
+
+
+def test_no_lease_is_lapsed_and_carries_no_guard(operator: Operator) -> None:
+    """A Lease deleted (or never written): nobody holds the role; its last record is
+    forgotten, so a Lease written again is observed from scratch."""
+    operator.written(f"{EPOCH}:0")
+    operator.sees()
+    operator.now += 2 * DURATION
+    name = lease_name(operator.cluster)
+    operator.kube.coordination.delete_namespaced_lease(name, operator.cluster.namespace)
+    assert operator.sees() == (None, True, None)
+    operator.written(f"{EPOCH}:0")
+    assert operator.sees() == ("primary", False, None)

@@ -283,11 +283,35 @@ def test_every_renewal_says_whether_the_active_may_have_confirmed_alone() -> Non
             await clock.advance_to(clock.now + keeper.period)
             await until("the second renewal", renewed(api, 2))
             assert api.guards[-1] == "3:1", "a renewal undid the mark"
-            keeper.passive_in_sync()  # its catch-up carried what was confirmed alone
             await until("the keeper waits for its next renewal", asleep(clock))
             await clock.advance_to(clock.now + keeper.period)
             await until("the third renewal", renewed(api, 3))
-            assert api.guards[-1] == "3:0"
+            assert api.guards[-1] == "3:1", "a renewal undid the mark"
+
+    run(scenario)
+
+
+def test_a_passive_caught_up_after_a_mark_is_written_into_the_lease_at_once() -> None:
+    """The catch-up's `0` does not wait for the next renewal (a third of the duration):
+    until it lands, the operator does not promote even a ready passive against the `1`.
+    One write, no renewal (the clock does not move); a catch-up with no mark to undo
+    writes nothing."""
+
+    async def scenario() -> None:
+        api, clock, broker = ApiServer("orders-primary", hang=False), FakeClock(), Broker()
+        async with keeping(api, clock, broker) as keeper:
+            await until("the first renewal", renewed(api, 1))
+            keeper.passive_in_sync()  # nothing marked: nothing to write
+            assert await keeper.record_alone()
+            assert api.guards == ["3:0", "3:1"]
+            keeper.passive_in_sync()  # its catch-up carried what was confirmed alone
+            await until("the catch-up's 0 written", lambda: len(api.guards) == 3)
+            assert api.guards == ["3:0", "3:1", "3:0"] and len(api.renewals) == 1
+            keeper.passive_in_sync()
+            await until("the keeper waits for its next renewal", asleep(clock))
+            await clock.advance_to(clock.now + keeper.period)
+            await until("the second renewal", renewed(api, 2))
+            assert api.guards == ["3:0", "3:1", "3:0", "3:0"], "one write per catch-up after a mark"
 
     run(scenario)
 

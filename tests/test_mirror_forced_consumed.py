@@ -10,13 +10,29 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mirrorsites import Sites, browse, demote, mirror_status, promote, publish
+from mirrorsites import Sites, browse, channel, demote, mirror_status, promote, publish
 from test_mirror_delta import consume_every
 from test_mirror_reseed import ORPHANS, bodies, consume
 
 from twinmq.testing.faultproxy import FaultProxy
+from twinmq.testing.launcher import BrokerProcess
 from twinmq.testing.queues import drain
 from twinmq.testing.waiting import wait_for
+
+
+def consume_on_disk(broker: BrokerProcess, queue: str, n: int) -> None:
+    """Take and ack `n` messages of `queue` in one transaction, returning once its
+    tx.commit-ok says the acks are on disk. A plain basic.ack has no reply and the
+    connection's close-ok does not wait for the group commit that journals it: a
+    `kill -9` right after sometimes found it unwritten (no settle to count: (5, 0))."""
+    connection, ch = channel(broker)
+    ch.tx_select()
+    for _ in range(n):
+        method, _, _ = ch.basic_get(queue)
+        assert method is not None
+        ch.basic_ack(method.delivery_tag)
+    ch.tx_commit()
+    connection.close()
 
 
 def test_messages_consumed_on_the_promoted_site_never_come_back_and_the_lost_are_kept(
@@ -28,7 +44,7 @@ def test_messages_consumed_on_the_promoted_site_never_come_back_and_the_lost_are
         sites.caught_up()
         sites.mirror.stop()  # a partition: B will never see what follows
         publish(sites.source, "orders", bodies("lost", 5))
-        consume(sites.source, "audit", 1)  # c-0, settled on A alone: B still has it
+        consume_on_disk(sites.source, "audit", 1)  # c-0, settled on A alone: B still has it
         sites.source.kill()
         sites.mirror.start()
         assert sites.promote_mirror(force=True).forced
@@ -137,7 +153,7 @@ def test_a_forced_failover_after_a_switchover_and_failback_still_seeds_and_count
         sites.caught_up()
         sites.mirror.stop()  # a partition
         publish(sites.source, "orders", bodies("lost", 5))
-        consume(sites.source, "orders", 1)  # a-0, settled on A alone
+        consume_on_disk(sites.source, "orders", 1)  # a-0, settled on A alone
         sites.source.kill()
         sites.mirror.start()
         assert sites.promote_mirror(force=True).forced

@@ -6,10 +6,10 @@ m1 is forced on a full disk: its seed is refused, "seed pending" is in its role 
 which m2 holds too. m1 is killed and m2 promoted: m2 seeds before it serves anyone, so
 what its consumers ack is not an orphan on the old source.
 
-Found writing it: this outcome held before the record kept "seed pending" too, for
-another reason: m2 holds the seed m1's journal refused (the batch reached the passive,
-m1 withdrew it), and A is rebuilt from that one. The test pins the takeover path either
-way (m2's log says it seeded again)."""
+m2 does not hold the seed m1's journal refused: the batch reached it, and m1 withdrew
+it there before anyone heard of the failure (docs/replication.md, "A failed batch on the
+passive"); only the record's "seed pending" makes m2 seed (its log says it seeded
+again)."""
 
 from __future__ import annotations
 

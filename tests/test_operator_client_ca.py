@@ -111,9 +111,10 @@ def test_mode_none_or_no_section_asks_for_no_certificate(crd_kube: Kube) -> None
         assert volume(spec, "client-ca") is None
 
 
-def test_the_spec_bundle_takes_amqps_over_the_federation_downstreams_ca() -> None:
-    """The broker has one `--tls-ca`: with both, it is the spec's bundle and mode (the
-    downstreams' CAs belong in it), never two flags the last of which silently wins."""
+def test_the_spec_bundle_takes_amqps_and_the_downstreams_cas_go_beside_it() -> None:
+    """With both, `--tls-ca` and the mode are the spec's (the certificates that may log
+    in), never two `--tls-ca` flags the last of which silently wins; the downstreams' CAs
+    are `--tls-federation-ca`, for the handshake only (tests/test_cert_login_scope.py)."""
     spec = BrokerClusterSpec.model_validate({
         "tls": {"clientCertificates": {"caConfigMap": "apps-ca"}},
         "federation": {"downstreamCaConfigMap": "downstream-cas"},
@@ -123,11 +124,11 @@ def test_the_spec_bundle_takes_amqps_over_the_federation_downstreams_ca() -> Non
     assert [a for a in args if a.startswith("--tls-client-certs")] == [
         "--tls-client-certs=required"
     ]
-    # The federation's own CA volume is not mounted for a flag that is not passed.
-    assert volume(spec, "federation-downstream-ca") is None
-    assert not any(
-        "downstream-cas" in str(v) for v in build_pod(CLUSTER, spec, "primary")["spec"]["volumes"]
-    )
+    assert [a for a in args if a.startswith("--tls-federation-ca")] == [
+        "--tls-federation-ca=/etc/twinmq/federation-downstream-ca/ca.crt"
+    ]
+    found = volume(spec, "federation-downstream-ca")
+    assert found is not None and found["configMap"]["name"] == "downstream-cas"
 
 
 def test_a_mode_change_or_turning_client_certificates_on_rolls_the_pods() -> None:
@@ -142,27 +143,38 @@ def test_a_mode_change_or_turning_client_certificates_on_rolls_the_pods() -> Non
     assert off != required
 
 
-def test_an_upstream_with_client_certificates_says_the_downstreams_cas_belong_in_its_bundle(
+def test_an_upstream_with_client_certificates_verifies_the_downstreams_cas_beside_its_bundle(
     crd_kube: Kube,
 ) -> None:
-    """As a federation upstream the operator would make AMQPS verify its downstreams' CAs
-    (its kept copy here); with the spec's own bundle it does not, and its condition says
-    why instead of claiming a copy the brokers never mount."""
+    """As a federation upstream the operator makes AMQPS verify its downstreams' CAs (its
+    kept copy here) with the spec's own bundle too: beside it (`--tls-federation-ca`),
+    never in it, and its condition says they are no login."""
     spec = BrokerClusterSpec.model_validate({
         "tls": {"clientCertificates": {"mode": "optional", "caConfigMap": "apps-ca"}},
         "federation": {},
     })  # fmt: skip
-    kept = {federationtls.CA_KEY: "-----BEGIN CERTIFICATE-----\n"}
-    down = federationtls.resolve_downstreams(CLUSTER, spec, crd_kube, kept)
-    assert down is not None and down.bundle is None and down.config_map is None
-    assert "spec.tls.clientCertificates" in down.message and "optional" in down.message
+    # No BrokerCluster names this one upstream yet: nothing more is verified, and it says so.
+    alone = federationtls.resolve_downstreams(CLUSTER, spec, crd_kube, {})
+    assert alone is not None and alone.bundle is None
+    assert alone.message.startswith("no downstreams' CAs verified")
+    # A bundle of the downstreams' CAs given: verified beside the applications', no login.
+    given = spec.model_copy(deep=True)
+    assert given.federation is not None
+    given.federation.downstream_ca_config_map = "downstream-cas"
+    named = federationtls.resolve_downstreams(CLUSTER, given, crd_kube, {})
+    shown = federationtls.condition(federationtls.Trust((), named))
+    assert shown is not None and "downstream-cas" in shown[3] and "never a login" in shown[3]
+    # The operator's copy (what the downstreams' published CAs made it) goes beside it too.
+    copy = federationtls.downstream_ca_name(CLUSTER.name)
+    down = federationtls.DownstreamTrust("m", "PEM", ("default/remote",), copy)
     trust = federationtls.Trust((), down)
-    shown = federationtls.condition(trust)
-    assert shown is not None and "must hold the downstreams' CAs" in shown[3]
     built = federationtls.effective(CLUSTER, spec, trust)
-    assert built.federation is not None and built.federation.downstream_ca_config_map is None
-    flags = [a for a in broker_container(built)["args"] if a.startswith(("--tls-ca", "--tls-cl"))]
-    assert flags == [f"--tls-ca={CA_FILE}", "--tls-client-certs=optional"]
+    assert built.federation is not None
+    assert built.federation.downstream_ca_config_map == "orders-federation-downstream-ca"
+    flags = [a for a in broker_container(built)["args"] if a.startswith(("--tls-ca", "--tls-cl",
+                                                                         "--tls-fed"))]  # fmt: skip
+    assert flags == [f"--tls-ca={CA_FILE}", "--tls-client-certs=optional",
+                     "--tls-federation-ca=/etc/twinmq/federation-downstream-ca/ca.crt"]  # fmt: skip
 
 
 @pytest.mark.parametrize("source", ["caConfigMap", "caSecretName"])

@@ -86,7 +86,7 @@ def test_the_federation_file_is_a_config_map_the_broker_accepts_and_passwords_ar
     path.write_text(text)
     loaded = load(path)  # what the broker reads at start-up
     central = loaded.upstreams["central"]
-    assert central.uri == "amqp://twinmq@central.site-a.svc:5672/"
+    assert central.uri == "amqp://twinmq-federation@central.site-a.svc:5672/"
     assert str(central.password_file) == f"{federation.PASSWORD_DIR}/central"
     (market,) = loaded.exchanges
     assert (market.type, market.max_hops, market.source_exchange) == ("fanout", 2, "prices")
@@ -112,8 +112,11 @@ def test_a_same_namespace_upstream_cluster_defaults_to_its_generated_credentials
     })  # fmt: skip
     (upstream,) = fed.upstreams
     ref = federation.password_ref(upstream)
-    assert ref is not None and (ref.name, ref.key) == ("central-auth", "password")
-    assert federation.upstream_uri(upstream, "site-b") == "amqp://twinmq@central.site-b.svc:5672/"
+    assert ref is not None and (ref.name, ref.key) == ("central-auth", "federation-password")
+    assert (
+        federation.upstream_uri(upstream, "site-b")
+        == "amqp://twinmq-federation@central.site-b.svc:5672/"
+    )
 
 
 def test_the_global_key_options_reach_the_file_only_when_the_spec_sets_them(
@@ -130,7 +133,7 @@ def test_the_global_key_options_reach_the_file_only_when_the_spec_sets_them(
                        "prefetch": 256, "type": "topic", "upstream": "central"}],
         "upstreams": {"central": {
             "password-file": f"{federation.PASSWORD_DIR}/central",
-            "reconnect-max-seconds": 30.0, "uri": "amqp://twinmq@central.site-a.svc:5672/",
+            "reconnect-max-seconds": 30.0, "uri": "amqp://twinmq-federation@central.site-a.svc:5672/",
         }},
     }  # fmt: skip
     fed = downstream(type="direct", globalKeys=True, forward=True)

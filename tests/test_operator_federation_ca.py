@@ -60,7 +60,7 @@ def test_a_cluster_ref_upstream_is_dialled_on_amqps_with_the_copied_ca_and_an_is
     assert federationtls.client_certificate_wanted(raw, REMOTE.name)
     wanted = federationtls.effective(REMOTE, raw, copied())
     central = rendered_upstream(wanted, tmp_path)
-    assert central.uri == "amqps://twinmq@central.site-a.svc:5671/"
+    assert central.uri == "amqps://twinmq-federation@central.site-a.svc:5671/"
     folder = Path(federation.TLS_DIR, "central")
     assert (central.tls_ca, central.tls_cert, central.tls_key) == (
         folder / "ca.crt", folder / "tls.crt", folder / "tls.key"
@@ -137,7 +137,9 @@ def test_the_operator_issues_the_client_certificate_with_its_own_ca() -> None:
     applied: dict[str, dict[str, Any]] = {}
 
     class NoSecrets:
-        def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        def get_secret_data(
+            self, namespace: str, name: str, owner: object = None
+        ) -> dict[str, str] | None:
             return None
 
     # Given the spec the pods are built from (`effective`, as `operator/main.py` does),
@@ -205,7 +207,10 @@ class Scoped:
         self.items, self.failing = items, failing
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
-        return {"data": {"ca.crt": f"CA of {namespace}/{name}\n"}}
+        # As the downstream's operator publishes it: owned by that BrokerCluster.
+        owner = {"uid": f"uid of {namespace}/{name.removesuffix('-ca')}"}
+        return {"metadata": {"ownerReferences": [owner]},
+                "data": {"ca.crt": f"CA of {namespace}/{name}\n"}}  # fmt: skip
 
     def list(self, api_version: str, kind: str, namespace: str, selector: str) -> Any:
         if self.failing or namespace == "":
@@ -216,7 +221,8 @@ class Scoped:
 def test_the_downstreams_are_found_in_the_own_namespace_when_listing_all_is_refused() -> None:
     near = downstream()
     near["upstreams"][0]["clusterRef"] = {"name": "central"}
-    items = [{"metadata": {"namespace": "site-a", "name": "near"}, "spec": {"federation": near}}]
+    items = [{"metadata": {"namespace": "site-a", "name": "near", "uid": "uid of site-a/near"},
+              "spec": {"federation": near}}]  # fmt: skip
     found = federationtls.resolve_downstreams(CENTRAL, spec({}), Scoped(items), {})
     assert found is not None and found.downstreams == ("site-a/near",)
     assert found.bundle == "CA of site-a/near-ca\n"

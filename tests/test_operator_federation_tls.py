@@ -41,7 +41,7 @@ def test_an_upstream_cluster_with_tls_is_dialled_on_amqps_and_verified_by_its_ca
     path = tmp_path / "federation.yaml"
     path.write_text(config_map["data"]["federation.yaml"])
     central = load(path).upstreams["central"]  # what the broker reads at start-up
-    assert central.uri == "amqps://twinmq@central.site-a.svc:5671/"
+    assert central.uri == "amqps://twinmq-federation@central.site-a.svc:5671/"
     folder = Path(federation.TLS_DIR, "central")
     assert (central.tls_ca, central.tls_cert, central.tls_key) == (
         folder / "ca.crt", folder / "tls.crt", folder / "tls.key"

@@ -192,9 +192,7 @@ def test_a_mesh_site_copies_every_other_sites_ca_into_one_bundle(api: Kube) -> N
 
     # C's CA rotates: the bundle follows.
     rotated = certs.new_ca(refs["pcm-c"], NOW).cert
-    api.apply({"apiVersion": "v1", "kind": "ConfigMap",
-                    "metadata": {"name": "orders-ca", "namespace": "pcm-c"},
-                    "data": {"ca.crt": rotated}})  # fmt: skip
+    api.apply(certs.build_ca_config_map(refs["pcm-c"], rotated))  # as its operator does
     at_a.reconcile(peerca.READ_EVERY)
     assert at_a.events[-1][1] == "MirrorPeerCAUpdated"
     copy = api.get("v1", "ConfigMap", "pcm-a", "orders-mirror-peer-ca")

@@ -184,9 +184,7 @@ def test_two_sites_naming_each_other_copy_each_others_ca_and_follow_its_rotation
 
     # B's CA is rotated (its operator publishes the new one): A's copy follows.
     rotated = certs.new_ca(b, NOW).cert
-    api.apply({"apiVersion": "v1", "kind": "ConfigMap",
-               "metadata": {"name": "orders-ca", "namespace": "pca-b"},
-               "data": {"ca.crt": rotated}})  # fmt: skip
+    api.apply(certs.build_ca_config_map(b, rotated))
     at_a.reconcile(2.0)
     assert len(at_a.events) == 1  # not read again yet
     at_a.reconcile(2.0 + peerca.READ_EVERY)

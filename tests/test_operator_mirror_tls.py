@@ -102,7 +102,9 @@ def test_with_an_issuer_cert_manager_is_asked_for_the_site_identity() -> None:
     applied: list[dict[str, Any]] = []
 
     class NoSecrets:
-        def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        def get_secret_data(
+            self, namespace: str, name: str, owner: object = None
+        ) -> dict[str, str] | None:
             return None
 
     certs.reconcile_tls(SOURCE, s, certs.TlsMemory(), NoSecrets(), applied.append, clock=0.0)

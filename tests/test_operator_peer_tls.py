@@ -253,7 +253,9 @@ def test_with_an_issuer_each_broker_gets_a_certificate_for_server_and_client_use
 class Nothing:
     """No Secrets at all (cert-manager has not written any yet)."""
 
-    def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+    def get_secret_data(
+        self, namespace: str, name: str, owner: object = None
+    ) -> dict[str, str] | None:
         return None
 
 

@@ -322,6 +322,7 @@ def test_cert_managers_api_server_takes_the_certificate_as_built(kube: Kube) -> 
     server = certs.issue_server(ca, certs.dns_names(cluster), NOW, 3600)
     written = certs.build_server_secret(cluster, spec.tls, server, ca.cert)
     written["metadata"].pop("ownerReferences")
+    written["metadata"]["annotations"] = {"cert-manager.io/certificate-name": "tls-cm-tls"}
     kube.apply(written)
     certs.reconcile_tls(cluster, spec, memory, kube, kube.apply, clock=certs.READ_EVERY)
     assert config_map_ca(kube, cluster) == ca.cert

@@ -89,7 +89,7 @@ def test_the_hash_password_command_prints_a_hash_the_broker_accepts() -> None:
     assert "correct horse" not in done.stdout + done.stderr
 
 
-def test_the_operator_rehashes_a_generated_secrets_legacy_hash_with_scrypt() -> None:
+def test_the_operator_upgrades_a_generated_secret_scrypt_hash_and_federation_user() -> None:
 
     salt = b"\x01\x02\x03\x04"
     legacy = f"sha256:{salt.hex()}:{hashlib.sha256(salt + b'pw').hexdigest()}"
@@ -99,8 +99,16 @@ def test_the_operator_rehashes_a_generated_secrets_legacy_hash_with_scrypt() -> 
         "users.json": json.dumps({"users": [{"name": builders.APP_USER, "password_hash": legacy}]}),
     }
     upgraded = builders.upgrade_credentials(found)
-    (entry,) = json.loads(upgraded["users.json"])["users"]
+    entry, federation = json.loads(upgraded["users.json"])["users"]
     assert entry["password_hash"].startswith("scrypt:")
     outcome = login(Authenticator([User(**entry)]), builders.APP_USER, "pw")
     assert isinstance(outcome, Login) and outcome.result() == builders.APP_USER
+    # The federation links' user, added to a Secret made before it existed: tagged, its
+    # password beside the app user's.
+    assert federation["name"] == builders.FEDERATION_USER, federation
+    assert federation["tags"] == ["federation"], federation
+    linked = Authenticator([User(**federation)])
+    outcome = login(linked, builders.FEDERATION_USER, upgraded["federation-password"])
+    assert isinstance(outcome, Login) and outcome.result() == builders.FEDERATION_USER
+    assert linked.link_refusal(builders.FEDERATION_USER) is None
     assert builders.upgrade_credentials(upgraded) is upgraded, "re-hashed again"

@@ -38,18 +38,6 @@ class BundleVolume:
 
 
 @pytest.fixture
-def ca(tmp_path: Path) -> TestCA:
-    """The server's CA (operator-managed in a cluster): not the applications' CA."""
-    return TestCA(tmp_path / "server-pki", name="TwinMQ server CA")
-
-
-@pytest.fixture
-def apps(tmp_path: Path) -> TestCA:
-    """The applications' CA whose bundle the spec names."""
-    return TestCA(tmp_path / "apps-pki", name="applications CA")
-
-
-@pytest.fixture
 def bundle(tmp_path: Path, apps: TestCA) -> BundleVolume:
     volume = BundleVolume(tmp_path / "client-ca")
     volume.write(apps.cert.read_text())

@@ -51,7 +51,8 @@ GRANTS: list[dict[str, str]] = [
 def users_file(
     path: Path, vhosts: list[str] = VHOSTS, grants: list[dict[str, str]] = GRANTS
 ) -> Path:
-    users = [{"name": name, "password": f"{name}-pw"} for name in USERS]
+    # Tagged `federation`: each may be a federation link's user (the link tests log in so).
+    users = [{"name": name, "password": f"{name}-pw", "tags": ["federation"]} for name in USERS]
     served = set(vhosts)
     path.write_text(
         json.dumps(

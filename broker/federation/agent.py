@@ -42,9 +42,9 @@ from twinmq.broker import codec, fieldtable
 from twinmq.broker.definitions import BindingDef
 from twinmq.broker.errors import AMQPError
 from twinmq.broker.federation import bindings as fb
-from twinmq.broker.federation import metrics, peer
+from twinmq.broker.federation import marks, metrics, peer
 from twinmq.broker.federation.config import FederatedExchange, Upstream
-from twinmq.broker.federation.dedup import DurableKeys, scoped
+from twinmq.broker.federation.dedup import DurableKeys, Told, scoped, scoped_origin
 from twinmq.broker.federation.headers import HEADERS_FLAG, PATH, arrival, departure
 from twinmq.broker.federation.identity import (
     DUPLICATE_ID,
@@ -54,6 +54,7 @@ from twinmq.broker.federation.identity import (
     STATE_PROPERTY,
     duplicate_refusal,
 )
+from twinmq.broker.federation.marks import MARKS_PROPERTY, MARKS_VERSION, ToldMarks
 from twinmq.broker.federation.state import STATE_EXCHANGE, StateMessage, StateView
 from twinmq.broker.federation.wire import Delivery, LinkClient, LinkClosed
 from twinmq.broker.journal import JournalOp, StoredMessage
@@ -133,7 +134,8 @@ class FederationLink:
             state_dir.mkdir(parents=True, exist_ok=True)
         self.keys = keys  # the server's window, shared by its links
         self.link_id = fed.link_id
-        keys.register(self.link_id)  # it waits for this link from the start (any origin)
+        # It waits for this link from the start, for any origin of the link's vhost.
+        keys.register(self.link_id, vhost.name)
         # What may be bound upstream (a crash between recording and binding leaves more
         # here than there, never less): unbound at the next resync if not wanted.
         self._record = fb.Record(state_dir / f"{stem}.bindings.json")
@@ -166,6 +168,10 @@ class FederationLink:
         self.outbox: Queue | None = None  # set by `open_outbox` (active, `forward` only)
         self._forwarder: Forwarder | None = None
         self._dirty = asyncio.Event()
+        # This session's upstream tells marks (marks.py), and no batch failed since: a
+        # failed batch's deliveries come again after later ones, behind marks told since.
+        self._told_ok = False
+        self._session_no = 0  # sessions so far: what the upstream tells is per session
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._label = self.link_id
@@ -336,11 +342,19 @@ class FederationLink:
             {
                 SERVER_ID_PROPERTY: self.server_id,
                 "connection_name": f"federation {self.fed.exchange} -> {self.server_id}",
+                # Tell this link its marks (marks.py).
+                **({MARKS_PROPERTY: MARKS_VERSION} if marks.ENABLED else {}),
             },
             tls=self.upstream.tls_context(),
             server_name=self.upstream.tls_server_name,
         )
-        inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()
+        inbox: asyncio.Queue[Delivery | ToldMarks | None] = asyncio.Queue()
+        # What an upstream told an earlier session holds no more (restarted, failed over).
+        self.keys.told_reset(self.link_id)
+        self._session_no += 1
+        self._told_ok = (
+            marks.ENABLED and connection.server_properties.get(MARKS_PROPERTY) == MARKS_VERSION
+        )
         processor: asyncio.Task[None] | None = None
         publisher: LinkClient | None = None
         try:
@@ -392,7 +406,10 @@ class FederationLink:
             # behind the link's marks (traced: blocks of up to a prefetch window delivered
             # twice in a mesh); refused instead (403) and retried until the old one is gone
             # and its deliveries are back at the head of the queue, in order.
-            await connection.basic_consume(self.queue, inbox.put_nowait, exclusive=True)
+            await connection.basic_consume(
+                self.queue, inbox.put_nowait, exclusive=True,
+                on_marks=inbox.put_nowait if self._told_ok else None,
+            )  # fmt: skip
             if forwarder is not None:
                 self._forwarder = forwarder
                 forwarder.open()
@@ -576,7 +593,9 @@ class FederationLink:
 
     # -- messages -----------------------------------------------------------------------------
 
-    async def _process(self, channel: LinkClient, inbox: asyncio.Queue[Delivery | None]) -> None:
+    async def _process(
+        self, channel: LinkClient, inbox: asyncio.Queue[Delivery | ToldMarks | None]
+    ) -> None:
         """Republish deliveries in batches, in order, until the session's end marker."""
         while True:
             first = await inbox.get()
@@ -597,8 +616,10 @@ class FederationLink:
             if last:
                 return
 
-    async def _republish(self, channel: LinkClient, batch: list[Delivery]) -> None:
+    async def _republish(self, channel: LinkClient, items: list[Delivery | ToldMarks]) -> None:
         settled: list[tuple[int, bool]] = []  # (delivery tag, ack: True / requeue: False)
+        batch = [item for item in items if isinstance(item, Delivery)]
+        told = self._told([item for item in items if isinstance(item, ToldMarks)])
         # (tag, dedup key, the publish; None: kept in the held queue with the keys' record)
         waiting: list[tuple[int, str | None, PublishResult | None]] = []
         held: list[JournalOp] = []
@@ -695,8 +716,17 @@ class FederationLink:
             if key is not None:
                 (durable if ok else failed).append(key)
         self.keys.settle(durable, failed)
+        if failed or any(not ok for _tag, ok in settled):
+            # Requeued upstream, they come again after what this session gets next, and
+            # the marks told meanwhile would pass them: none believed until the next one.
+            self._told_ok = False
+            told = None
         # In force once 4 prefetch windows later: a cut's re-deliveries come before that.
-        self.keys.passed(self.link_id, passed + durable, max(4096, 4 * self.fed.prefetch))
+        self.keys.passed(
+            self.link_id, passed + durable, max(4096, 4 * self.fed.prefetch),
+            told if self._told_ok else None,
+            (self._session_no, max((m.delivery_tag for m in batch), default=0)),
+        )  # fmt: skip
         for tag, ok in sorted(settled):
             try:
                 if ok:
@@ -706,6 +736,22 @@ class FederationLink:
             except Exception:
                 # The channel is gone: the upstream redelivers; the keys drop the copies.
                 return
+
+    def _told(self, told: list[ToldMarks]) -> Told | None:
+        """The marks the upstream told in a batch (the highest of each), as the window
+        keeps them (origins scoped by the local vhost); None if nothing was told."""
+        told = [each for each in told if each.queue == self.queue]
+        if not told:
+            return None
+        vhost = self.vhost.name
+        named: dict[str, int] = {}
+        others = -1
+        for each in told:
+            for origin, seq in each.marks.items():
+                scoped_name = scoped_origin(vhost, origin)
+                named[scoped_name] = max(named.get(scoped_name, others), seq)
+            others = max(others, each.others)
+        return Told(named, others, max(each.acked for each in told))
 
     def _hold(self, message: Delivery, exc: Exception) -> JournalOp:
         """Keep a delivery that cannot be republished, as received, in `HELD_QUEUE`."""

@@ -18,6 +18,8 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from twinmq.broker.federation.wire import auth_mechanism
+
 ExchangeKind = Literal["direct", "topic", "fanout", "headers"]
 DEFAULT_VHOST = "/"
 
@@ -38,7 +40,9 @@ class Upstream(_Model):
     uri: str = Field(
         description="amqp://USER@HOST:PORT/ (no password here); a path names the upstream's "
         "vhost, percent-encoded as RabbitMQ's URIs (amqp://HOST/tenant-a, %2F for '/'): then "
-        "every exchange federated from it uses that vhost unless it says `upstream-vhost`"
+        "every exchange federated from it uses that vhost unless it says `upstream-vhost`; "
+        "`?auth_mechanism=external` (amqps, with tls-cert): log in with the client "
+        "certificate (SASL EXTERNAL), no user or password"
     )
     password_env: str | None = Field(None, description="Environment variable with the password")
     password_file: Path | None = Field(None, description="File whose content is the password")
@@ -73,6 +77,7 @@ class Upstream(_Model):
             raise ValueError(
                 "an upstream uri must not carry a password: use password-env or password-file"
             )
+        auth_mechanism(uri)  # a ValueError for one the link does not speak
         return uri
 
     @model_validator(mode="after")
@@ -89,6 +94,29 @@ class Upstream(_Model):
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls-cert and tls-key go together")
         return self
+
+    @model_validator(mode="after")
+    def _external_with_a_certificate(self) -> Upstream:
+        if self.auth_mechanism != "EXTERNAL":
+            return self
+        if urlsplit(self.uri).scheme != "amqps" or self.tls_cert is None:
+            raise ValueError(
+                f"upstream uri {self.uri!r}: auth_mechanism=external logs in with the client "
+                "certificate: it needs amqps:// and tls-cert, tls-key"
+            )
+        if self.password_env is not None or self.password_file is not None:
+            raise ValueError("auth_mechanism=external: no password-env or password-file")
+        if urlsplit(self.uri).username is not None:
+            raise ValueError(
+                f"upstream uri {self.uri!r}: auth_mechanism=external takes the user from the "
+                "certificate, the uri names none"
+            )
+        return self
+
+    @property
+    def auth_mechanism(self) -> str:
+        """How the link logs in: PLAIN (user and password) or EXTERNAL (its certificate)."""
+        return auth_mechanism(self.uri)
 
     def tls_context(self) -> ssl.SSLContext | None:
         """amqps: the client's TLS context, made at each connection (renewed files are read

@@ -35,15 +35,22 @@ seq brings no copy of it later, save a re-delivery after a cut (its ack lost) or
 reordering within a few batches: a link's mark is in force only once it has brought 4
 prefetch windows (at least 4,096 keys) more, and those come before that.
 
+**What the upstream tells** (marks.py): per origin, how far it will ever forward on the
+link (`Told`): the link's mark for an origin it never brings (a diamond's other path)
+rises with it, held below what the link brought that may still come again (`_recent`:
+its last `delay` keys, unless told settled for good upstream). `tell` is the other side:
+what this server tells its own downstreams, the lowest mark of its links.
+
 Bounded still, and exact within the bound: past `size * SPAN` bits of span (~1.2 KB per
 key of the window, the memory the former 10x stretch of keys took, but a span of seqs
 10,000 times the window), the widest origin's oldest seqs are forgotten whatever lags (a
-link down for good; a link that never brings some origin, as a diamond's, holds that
-origin's floor at its start), counted in `forced`. Forgetting never loses a message, it
-can only let a copy through. The bitmaps are journaled as snapshot records (one line per
-origin) that replace the key records they cover, taken every `size` keys or so (rarer as
-they grow: ~4 bytes journaled per key); the marks are not: after a restart or a
-promotion every link has passed nothing, which keeps more, never fewer.
+link down for good; a link that never brings some origin and whose upstream tells no
+marks holds that origin's floor at its start), counted in `forced`. Forgetting never
+loses a message, it can only let a copy through. The bitmaps are journaled as snapshot
+records (one line per origin) that replace the key records they cover, taken every
+`size` keys or so (rarer as they grow: ~4 bytes journaled per key); the marks are not:
+after a restart or a promotion every link has passed nothing, which keeps more, never
+fewer.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict, deque
-from typing import Final, Protocol
+from typing import Final, NamedTuple, Protocol
 
 from twinmq.broker.federation import metrics
 from twinmq.broker.federation.seqbits import SeqBits
@@ -72,6 +79,9 @@ QUEUE_QID: Final = INTERNAL_QID_BASE + 0x100
 SPAN: Final = 10_000
 # A record whose body starts so is a snapshot of the compacted keys, one origin a line.
 SNAPSHOT: Final = "\x01lagged"
+# A mark above every seq: a link that never brings an origin (another vhost's keys; an
+# upstream that tells it never forwards it).
+_NEVER: Final = 2**63 - 1
 
 
 class KeyStore(Protocol):
@@ -106,12 +116,51 @@ def scoped(vhost: str, key: str) -> str:
     return f"{json.dumps([vhost, named[0]])}\x00{named[1]}"
 
 
+def scoped_origin(vhost: str, origin: str) -> str:
+    """`origin` as `scoped` spells it in the keys of vhost `vhost`."""
+    return scoped(vhost, f"{origin}\x000").rpartition("\x00")[0]
+
+
+def scope_of(origin: str) -> str:
+    """The vhost of a scoped origin (the inverse of `scoped_origin`'s vhost)."""
+    if not origin.startswith("["):
+        return "/"
+    try:
+        named = json.loads(origin)
+    except ValueError:
+        return "/"
+    if isinstance(named, list) and len(named) == 2 and isinstance(named[0], str):
+        return named[0]
+    return "/"
+
+
+def unscoped_origin(origin: str) -> str:
+    """The origin (a server id) of a scoped origin."""
+    if not origin.startswith("["):
+        return origin
+    try:
+        named = json.loads(origin)
+    except ValueError:
+        return origin
+    if isinstance(named, list) and len(named) == 2 and isinstance(named[1], str):
+        return named[1]
+    return origin
+
+
 def _origin_seq(key: str) -> tuple[str, int] | None:
     """(origin, seq) of a key made by `headers.arrival`; None for another kind (held)."""
     origin, sep, seq = key.rpartition("\x00")
     if not sep or not seq.isdigit():
         return None
     return origin, int(seq)
+
+
+class Told(NamedTuple):
+    """What an upstream told a link in a batch (marks.py `ToldMarks`, origins scoped)."""
+
+    marks: dict[str, int]
+    others: int = -1
+    acked: int = -1
 
 
 class LagWindow:
@@ -125,17 +174,35 @@ class LagWindow:
         self.lagged: dict[str, SeqBits] = {}
         # link -> origin -> the highest seq of that origin the link has passed for good.
         self._passed: dict[str, dict[str, int]] = {}
-        # link -> (keys brought up to that batch, its marks): marks not in force yet.
-        self._pending: dict[str, deque[tuple[int, dict[str, int]]]] = {}
+        # link -> (keys brought up to that batch, origin -> (lowest, highest) seq brought):
+        # marks not in force yet.
+        self._pending: dict[str, deque[tuple[int, dict[str, tuple[int, int]]]]] = {}
         self._brought: dict[str, int] = {}  # link -> keys brought
+        # link -> (keys brought up to that batch, session, its highest delivery tag,
+        # origin -> lowest seq): what may come again (a cut's re-deliveries), which a
+        # told mark must not pass; dropped `delay` keys later or once told settled.
+        self._recent: dict[str, deque[tuple[int, int, int, dict[str, int]]]] = {}
         # Every link of the server: each may bring any origin's messages, so each is
         # waited for, whether it has brought that origin yet or not.
         self._links: set[str] = set()
+        # link -> the vhost whose keys it brings (keys are scoped by the link's local
+        # vhost, `scoped`): a link never brings another vhost's keys. Unknown: any.
+        self._scope: dict[str, str] = {}
+        # link -> what its upstream told this session (`ToldMarks`, marks.py): origin ->
+        # seq, and the seq every other origin is told up to (-1: nothing told).
+        self._told: dict[str, tuple[dict[str, int], int]] = {}
+        # link -> origin -> the seq it has passed, told marks included (`_effective`); an
+        # origin not named: `_others[link]`.
+        self._marks: dict[str, dict[str, int]] = {}
+        self._others: dict[str, int] = {}
         self.forced = 0  # keys forgotten at the bound while a link had not passed them
 
-    def register(self, link: str) -> None:
-        """`link` is one of the server's links: the window waits for it from now on."""
+    def register(self, link: str, scope: str | None = None) -> None:
+        """`link` is one of the server's links: the window waits for it from now on.
+        `scope`: the local vhost it republishes into (it brings only that vhost's keys)."""
         self._links.add(link)
+        if scope is not None:
+            self._scope[link] = scope
 
     def __contains__(self, key: str) -> bool:
         if key in self._keys:
@@ -173,33 +240,124 @@ class LagWindow:
         self.forced += merged.union(bits, self.size * SPAN)
         self._bound()
 
-    def passed(self, link: str, keys: list[str], delay: int = 0) -> None:
+    def passed(
+        self,
+        link: str,
+        keys: list[str],
+        delay: int = 0,
+        told: Told | None = None,
+        at: tuple[int, int] = (0, 0),
+    ) -> None:
         """`link` brought these keys (republished or dropped as copies). Its marks count
         once it has brought `delay` more keys: what it delivered just before a cut comes
-        again at the next session's start (its acks lost), and must still be known then."""
-        marks: dict[str, int] = {}
+        again at the next session's start (its acks lost), and must still be known then;
+        and a reordering within a few batches is passed by then.
+
+        `told`: what its upstream told after these keys in the link's stream (marks.py):
+        the link will never bring a seq at or below them that it has not brought already.
+        In force at once, but never over a seq the link brought that may come again: one
+        brought within the last `delay` keys and not known settled upstream for good
+        (`Told.acked`). `at`: (session, highest delivery tag) of these keys."""
+        marks: dict[str, tuple[int, int]] = {}
         for key in keys:
             named = _origin_seq(key)
-            if named is not None and named[1] > marks.get(named[0], -1):
-                marks[named[0]] = named[1]
+            if named is None:
+                continue
+            origin, seq = named
+            low, high = marks.get(origin, (seq, seq))
+            marks[origin] = (min(low, seq), max(high, seq))
         self._links.add(link)
         passed = self._passed.setdefault(link, {})
         pending = self._pending.setdefault(link, deque())
         brought = self._brought[link] = self._brought.get(link, 0) + len(keys)
         pending.append((brought, marks))
-        moved: set[str] = set()
         while pending and brought - pending[0][0] >= delay:
-            for origin, seq in pending.popleft()[1].items():
+            for origin, (_low, seq) in pending.popleft()[1].items():
                 passed[origin] = max(passed.get(origin, -1), seq)
-                moved.add(origin)
-        for origin in moved & self.lagged.keys():
+        recent = self._recent.setdefault(link, deque())
+        if marks:
+            recent.append((brought, at[0], at[1], {o: low for o, (low, _h) in marks.items()}))
+        while recent and brought - recent[0][0] >= delay:
+            recent.popleft()
+        if told is not None:
+            if told.acked >= 0:
+                # Settled upstream for good: never delivered again.
+                session = at[0]
+                self._recent[link] = deque(
+                    each for each in recent if each[1] == session and each[2] > told.acked
+                )
+            before, before_others = self._told.get(link, ({}, -1))
+            merged = dict(before)
+            for origin, seq in told.marks.items():
+                merged[origin] = max(merged.get(origin, before_others), seq)
+            # An origin named before and not now keeps what was told for it.
+            self._told[link] = (merged, max(before_others, told.others))
+        self._effective(link)
+        for origin in list(self.lagged):
             # Every link has passed the seqs under the lowest mark: none brings them again.
-            floor = min(self._passed.get(each, {}).get(origin, -1) for each in self._links)
             bits = self.lagged[origin]
-            bits.trim(floor + 1)
+            bits.trim(self.floor(origin) + 1)
             if not bits.count:
                 del self.lagged[origin]
         self._forget()
+
+    def told_reset(self, link: str) -> None:
+        """A new session of `link`: what its upstream told before holds no more (an
+        upstream restarted, failed over or reconfigured tells again from what it knows)."""
+        self._told.pop(link, None)
+        self._effective(link)
+
+    def _effective(self, link: str) -> None:
+        """The link's marks per origin: the ones in force (`passed`) and, over them, what
+        its upstream told, held below the lowest seq it brought that may come again."""
+        marks = dict(self._passed.get(link, {}))
+        named, others = self._told.get(link, ({}, -1))
+        lowest: dict[str, int] = {}
+        for _brought, _session, _tag, lows in self._recent.get(link, ()):
+            for origin, low in lows.items():
+                lowest[origin] = min(lowest.get(origin, low), low)
+        named = dict(named)
+        if others >= 0:
+            # Every origin the link has marks for is named, so that `others` counts for it
+            # too, and never over what the link brought lately (`lowest`).
+            for origin in [*marks, *lowest]:
+                named.setdefault(origin, others)
+        for origin, seq in named.items():
+            held = min(seq, lowest.get(origin, seq + 1) - 1)
+            if held > marks.get(origin, -1):
+                marks[origin] = held
+        self._marks[link] = marks
+        self._others[link] = others
+
+    def mark(self, link: str, origin: str) -> int:
+        """The seq of `origin` (scoped) `link` has passed, told marks included: it brings
+        no copy at or below it later. Infinite for another vhost's origin."""
+        scope = self._scope.get(link)
+        if scope is not None and scope_of(origin) != scope:
+            return _NEVER
+        marks = self._marks.get(link)
+        if marks is None:
+            return -1
+        seq = marks.get(origin)
+        return self._others.get(link, -1) if seq is None else seq
+
+    def floor(self, origin: str) -> int:
+        """The lowest mark of the server's links for `origin`: no link brings a seq at or
+        below it later."""
+        return min((self.mark(link, origin) for link in self._links), default=_NEVER)
+
+    def tell(self, scope: str) -> tuple[dict[str, int], int]:
+        """What this server can tell a downstream of its link queue in vhost `scope`
+        about the origins its links bring (marks.py): scoped origin -> the floor, and the
+        floor of every origin not named (`_NEVER` with no link into `scope`: none but
+        this server's own messages enter it, forwards aside, see `Federation.told_marks`)."""
+        links = [link for link in self._links if self._scope.get(link, scope) == scope]
+        origins: set[str] = set()
+        for link in links:
+            origins.update(o for o in self._marks.get(link, {}) if scope_of(o) == scope)
+        named = {origin: min(self.mark(link, origin) for link in links) for origin in origins}
+        others = min((self._others.get(link, -1) for link in links), default=_NEVER)
+        return named, others
 
     def _forget(self) -> None:
         keys = self._keys
@@ -223,8 +381,7 @@ class LagWindow:
 
     def _awaited(self, origin: str, seq: int) -> bool:
         """Some link of the server has not passed `seq` of `origin` yet."""
-        passed = self._passed
-        return any(passed.get(link, {}).get(origin, -1) < seq for link in self._links)
+        return any(self.mark(link, origin) < seq for link in self._links)
 
 
 class DurableKeys:
@@ -244,9 +401,9 @@ class DurableKeys:
     def __len__(self) -> int:
         return len(self.window)
 
-    def register(self, link: str) -> None:
+    def register(self, link: str, scope: str | None = None) -> None:
         """`link` is one of the server's links; see `LagWindow.register`."""
-        self.window.register(link)
+        self.window.register(link, scope)
 
     def load(self, store: KeyStore) -> None:
         """Rebuild the window from the queue's records (start-up, promotion): snapshots
@@ -350,10 +507,22 @@ class DurableKeys:
         self.claimed.difference_update(failed)
         self._count_forced()
 
-    def passed(self, link: str, keys: list[str], delay: int = 0) -> None:
-        """`link` brought these keys (republished or dropped as copies); see `LagWindow`."""
-        self.window.passed(link, keys, delay)
+    def passed(
+        self,
+        link: str,
+        keys: list[str],
+        delay: int = 0,
+        told: Told | None = None,
+        at: tuple[int, int] = (0, 0),
+    ) -> None:
+        """`link` brought these keys (republished or dropped as copies), and its upstream
+        told `told` after them; see `LagWindow.passed`."""
+        self.window.passed(link, keys, delay, told, at)
         self._count_forced()
+
+    def told_reset(self, link: str) -> None:
+        """A new session of `link`; see `LagWindow.told_reset`."""
+        self.window.told_reset(link)
 
     def _count_forced(self) -> None:
         forced = self.window.forced - self._forced

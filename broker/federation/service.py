@@ -27,10 +27,11 @@ from twinmq.broker.federation import peer as peer_status
 from twinmq.broker.federation.agent import QUEUE_PREFIX, FederationLink, queue_name
 from twinmq.broker.federation.config import FederationConfig
 from twinmq.broker.federation.dedup import QUEUE_NAME as DEDUP_QUEUE
-from twinmq.broker.federation.dedup import DurableKeys, scoped
+from twinmq.broker.federation.dedup import DurableKeys, scoped, scoped_origin, unscoped_origin
 from twinmq.broker.federation.globalkeys import GlobalKeys
 from twinmq.broker.federation.headers import forwarded
 from twinmq.broker.federation.identity import PEER_EXCHANGE, duplicate_refusal
+from twinmq.broker.federation.marks import ToldMarks
 from twinmq.broker.federation.orphans import LinkQueue, Orphans
 from twinmq.broker.federation.state import StatePublisher
 from twinmq.broker.fieldtable import to_python
@@ -65,6 +66,10 @@ class Federation:
         self.running = False
         self.forwarded_received = 0
         self.forwarded_dropped = 0
+        # Per vhost, the origins downstreams have forwarded here since the start: their
+        # messages enter the exchanges by no link, so nothing is told about them, nor
+        # about unnamed origins (`told_marks`).
+        self._forward_origins: dict[str, set[str]] = {}
         self.peer_status_received = 0  # downstreams' status messages published on amq.peer
         self.peer_status_dropped = 0
         self._peer_drop_logged = False
@@ -238,6 +243,8 @@ class Federation:
         # The vhost the link opened here: its exchange's; its keys are that vhost's.
         vhost = self.vhost.vhosts.get(exchange.definition.vhost, self.vhost)
         key = None if verdict.dedup_key is None else scoped(vhost.name, verdict.dedup_key)
+        if key is not None:
+            self._forward_origins.setdefault(vhost.name, set()).add(key.rpartition("\x00")[0])
         self._load_keys()
         if verdict.verdict == "loop" or (key is not None and key in self.keys):
             self.forwarded_dropped += 1
@@ -261,6 +268,36 @@ class Federation:
         return PublishResult(
             result.routed, False, max(batch, result.batch), depends_on=result.depends_on
         )
+
+    def marks_durable(self) -> tuple[int, int]:
+        """(the batch covering every journal op so far, the newest batch complete): a
+        link's acknowledgements before the first are settled for good once the second
+        reaches it (marks.py `ToldMarks.acked`)."""
+        return self.vhost.committer.confirm_point(), self.batches.done
+
+    def told_marks(self, vhost: str, queue: str) -> ToldMarks:
+        """What this server tells a link consuming `queue` (its link queue) in `vhost`,
+        for the point of its stream where nothing is left in the queue (marks.py): of its
+        own messages, every ID given so far; of another origin, the lowest mark of its
+        links for it (none brings a seq at or below it that it has not republished or
+        dropped already). Nothing about an origin downstreams forward here (those come by
+        no link), nor, once any has been forwarded, about origins not named."""
+        named, others = self.keys.window.tell(vhost)
+        forwarded = self._forward_origins.get(vhost, set())
+        marks = {
+            unscoped_origin(origin): seq for origin, seq in named.items() if origin not in forwarded
+        }
+        marks.pop(self.server_id, None)  # its own messages are told below
+        if forwarded:
+            for origin in forwarded:
+                marks[unscoped_origin(origin)] = -1
+            others = -1
+        # A message takes its ID as it enters its queues: every one of this server's up to
+        # the last ID given is in the queue already (vhost.py `_enqueue`).
+        own = scoped_origin(vhost, self.server_id)
+        if own not in forwarded:
+            marks[self.server_id] = self.vhost.next_mid - 1
+        return ToldMarks(queue=queue, marks=marks, others=max(others, -1))
 
     def receive_peer_status(
         self,

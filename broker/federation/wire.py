@@ -11,7 +11,8 @@ uses pamqp only for methods, which the upstream broker itself writes.
 
 What a link needs and nothing more: one channel, synchronous methods one at a time,
 one consumer with manual acknowledgements, publishes in confirm mode (forwarding: the
-content header sent as given, byte for byte), heartbeats, PLAIN login, TLS for `amqps`.
+content header sent as given, byte for byte), heartbeats, PLAIN login (or EXTERNAL: the
+client certificate is the login), TLS for `amqps`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from pamqp import commands
 from pamqp.base import Frame as Method
@@ -34,6 +35,8 @@ from pamqp.frame import marshal
 
 from twinmq.broker import codec
 from twinmq.broker.errors import AMQPError
+from twinmq.broker.federation import marks
+from twinmq.broker.federation.marks import ToldMarks
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 FRAME_MAX = 131072  # what the link asks for (the broker's default)
@@ -74,10 +77,13 @@ class Address:
     password: str
     vhost: str
     heartbeat: int
+    mechanism: str = "PLAIN"  # or EXTERNAL: the TLS client certificate is the login
 
     @classmethod
     def parse(cls, uri: str, heartbeat: int) -> Address:
-        """The address in `uri`; `heartbeat=` in its query overrides `heartbeat`."""
+        """The address in `uri`; `heartbeat=` in its query overrides `heartbeat`,
+        `auth_mechanism=external` (RabbitMQ's URI parameter) logs in with the client
+        certificate (SASL EXTERNAL) instead of the user and password."""
         parts = urlsplit(uri)
         if parts.scheme not in ("amqp", "amqps"):
             raise ValueError(f"not an AMQP URI: {parts.scheme}://")
@@ -92,7 +98,18 @@ class Address:
             password=unquote(parts.password or "guest"),
             vhost=vhost,
             heartbeat=int(query.get("heartbeat", heartbeat)),
+            mechanism=auth_mechanism(uri),
         )
+
+
+def auth_mechanism(uri: str) -> str:
+    """The SASL mechanism `uri` asks for: `auth_mechanism=plain` (the default) or
+    `external` in its query, as RabbitMQ's federation and shovel URIs say it."""
+    values = [v for k, v in parse_qsl(urlsplit(uri).query) if k == "auth_mechanism"]
+    wanted = (values[-1] if values else "plain").upper()
+    if wanted not in ("PLAIN", "EXTERNAL"):
+        raise ValueError(f"auth_mechanism={wanted.lower()}: plain or external")
+    return wanted
 
 
 class LinkClient:
@@ -114,6 +131,8 @@ class LinkClient:
         # Replies awaited, in the order their methods were sent (a channel answers in order).
         self._replies: collections.deque[asyncio.Future[object]] = collections.deque()
         self._on_delivery: Callable[[Delivery], None] | None = None
+        # The upstream's marks (marks.py), in stream order with the deliveries.
+        self._on_marks: Callable[[ToldMarks], None] | None = None
         # Other consumers of the channel (no-ack), by consumer tag: the state subscription.
         self._watchers: dict[str, Callable[[Delivery], None]] = {}
         self._on_confirm: Callable[[int, bool, bool], None] | None = None
@@ -159,15 +178,22 @@ class LinkClient:
     async def _open(
         self, address: Address, properties: dict[str, Any], start: commands.Connection.Start
     ) -> None:
-        if b"PLAIN" not in (start.mechanisms or "").encode().split():
-            raise LinkClosed(f"the upstream offers no PLAIN login ({start.mechanisms})")
+        if address.mechanism.encode() not in (start.mechanisms or "").encode().split():
+            raise LinkClosed(
+                f"the upstream offers no {address.mechanism} login ({start.mechanisms})"
+                + (": it needs --tls-cert-login and this link's certificate verified"
+                   if address.mechanism == "EXTERNAL" else "")
+            )  # fmt: skip
         capabilities: FieldTable = {"consumer_cancel_notify": True, "connection.blocked": True}
-        response = f"\0{address.username}\0{address.password}"
+        # EXTERNAL's response is empty: the upstream takes the user from our certificate.
+        response = (
+            "" if address.mechanism == "EXTERNAL" else f"\0{address.username}\0{address.password}"
+        )
         self._send(
             0,
             commands.Connection.StartOk(
                 client_properties={**properties, "capabilities": capabilities},
-                mechanism="PLAIN",
+                mechanism=address.mechanism,
                 response=response,
                 locale="en_US",
             ),
@@ -328,11 +354,18 @@ class LinkClient:
         await self.call(commands.Basic.Qos(prefetch_count=prefetch_count), commands.Basic.QosOk)
 
     async def basic_consume(
-        self, queue: str, on_delivery: Callable[[Delivery], None], *, exclusive: bool = False
+        self,
+        queue: str,
+        on_delivery: Callable[[Delivery], None],
+        *,
+        exclusive: bool = False,
+        on_marks: Callable[[ToldMarks], None] | None = None,
     ) -> None:
         """Consume `queue` with manual acknowledgements; each delivery to `on_delivery`.
-        `exclusive`: refused (403) while another consumer has the queue."""
+        `exclusive`: refused (403) while another consumer has the queue. `on_marks`: the
+        upstream's marks frames (marks.py; ignored without it), in order with them."""
         self._on_delivery = on_delivery
+        self._on_marks = on_marks
         consume = commands.Basic.Consume(
             queue=queue, consumer_tag="federation", exclusive=exclusive
         )
@@ -430,6 +463,11 @@ class LinkClient:
             return
         if ftype != 1:
             raise LinkClosed(f"unexpected frame type {ftype} outside a message")
+        if marks.is_marks(payload):
+            told = marks.decode(payload)
+            if told is not None and self._on_marks is not None:
+                self._on_marks(told)
+            return
         method = codec.decode_method(payload)
         if isinstance(method, commands.Connection.Close):
             self._send(0, commands.Connection.CloseOk())

@@ -31,7 +31,7 @@ import logging
 import struct
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -45,7 +45,14 @@ from twinmq.broker.heap import HeapFreezer
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror import metrics
-from twinmq.broker.mirror.bidi import BidiMeta, IdMap, TopologyDelta, apply_delta, decode_bidi
+from twinmq.broker.mirror.bidi import (
+    BidiMeta,
+    IdMap,
+    TopologyDelta,
+    apply_delta,
+    decode_bidi,
+    key_parts,
+)
 from twinmq.broker.mirror.events import (
     INTERNAL_PREFIX,
     INTERNAL_QID_BASE,
@@ -68,10 +75,21 @@ ORPHANS_QID: Final = INTERNAL_QID_BASE + 4
 _MARK_QID_BASE: Final = INTERNAL_QID_BASE + (1 << 32)
 
 
+class QueueHolder(Protocol):
+    """A virtual host as the bidirectional applier finds a queue by name in it."""
+
+    queues: dict[str, Queue]
+
+
 class MirrorState(Protocol):
     """The virtual host as the applier uses it."""
 
     next_mid: int
+
+    @property
+    def vhosts(self) -> Mapping[str, QueueHolder]:
+        """Every vhost of the broker, by name."""
+        ...
 
     def internal_queue(self, name: str, qid: int, *, locked: bool = True) -> Queue:
         """The broker's own durable queue `name`, made if missing."""
@@ -499,8 +517,12 @@ class MirrorApplier:
             return event.created
         if meta.seed is not None:
             log.info("mirror: %s announces its whole state (%s)", meta.origin, meta.seed)
+        deltas = dict(meta.vhost_topology)
+        deltas.pop(ROOT, None)  # `/`'s is `topology` (a peer carrying `/` only reads it)
         if meta.topology is not None:
-            journal += self._apply_delta(meta.topology)
+            deltas = {ROOT: meta.topology, **deltas}
+        if deltas:
+            journal += self._apply_delta(deltas)
         journal += self._apply_named(meta, event.ops, keys, batch.touched)
         batch.seen[meta.origin] = batch.origins[meta.origin] = meta.oseq
         if self.forwarder is not None:
@@ -510,30 +532,52 @@ class MirrorApplier:
                 batch.forwards.append(forward.mid)
         return event.created
 
-    def _apply_delta(self, delta: TopologyDelta) -> list[JournalOp]:
-        """Another site's topology change, by name; the id map's records of queues it
-        deleted go (the ops)."""
+    def _apply_delta(self, deltas: dict[str, TopologyDelta]) -> list[JournalOp]:
+        """Another site's topology changes, by vhost and name (a vhost named and missing
+        here is made; the other vhosts stay as they are); the id map's records of queues
+        they deleted go (the ops)."""
         assert self.ids is not None
-        topology, deleted = apply_delta(self.vhost.definitions(), delta)
-        # The mode carries `/` only: the other vhosts' topology stays as it is (given
-        # `/`'s alone, `apply_definitions` would empty them).
-        rest = self.vhost.all_definitions()
-        topology = Definitions(
-            exchanges=[*topology.exchanges, *(e for e in rest.exchanges if e.vhost != ROOT)],
-            queues=[*topology.queues, *(q for q in rest.queues if q.vhost != ROOT)],
-            bindings=[*topology.bindings, *(b for b in rest.bindings if b.vhost != ROOT)],
-            next_qid=topology.next_qid,
+        everything = self.vhost.all_definitions()
+        next_qid = everything.next_qid
+        parts: dict[str, Definitions] = {}
+        deleted = False
+        for vhost, delta in deltas.items():
+            local = everything.of_vhost(vhost).model_copy(update={"next_qid": next_qid})
+            parts[vhost], gone = apply_delta(local, delta, vhost)
+            next_qid = parts[vhost].next_qid
+            deleted = deleted or gone
+        kept = everything.model_copy(
+            update={
+                "exchanges": [e for e in everything.exchanges if e.vhost not in parts],
+                "queues": [q for q in everything.queues if q.vhost not in parts],
+                "bindings": [b for b in everything.bindings if b.vhost not in parts],
+            }
         )
+        topology = Definitions(
+            exchanges=[*kept.exchanges, *(e for d in parts.values() for e in d.exchanges)],
+            queues=[*kept.queues, *(q for d in parts.values() for q in d.queues)],
+            bindings=[*kept.bindings, *(b for d in parts.values() for b in d.bindings)],
+            next_qid=next_qid,
+        )
+        # A vhost these deltas left with nothing durable (its deletion on the other site
+        # deletes its queues and exchanges), that this site does not serve, is dropped;
+        # never another vhost, nor one where a client still holds a transient queue (its
+        # connection open since the vhost was retired here).
+        kept_vhosts = None
+        if self.served is not None:
+            vhosts = self.vhost.vhosts
+            busy = {n for n, v in vhosts.items() if any(not q.durable for q in v.queues.values())}
+            kept_vhosts = {*self.served(), *busy, *(n for n in vhosts if n not in parts)}
         if self.forwarder is not None:
             self.forwarder.applying = True
         try:
-            self.vhost.apply_definitions(topology)
+            self.vhost.apply_definitions(topology, served=kept_vhosts)
         finally:
             if self.forwarder is not None:
                 self.forwarder.applying = False
         if not deleted:
             return []
-        return self.ids.prune(q.definition.qid for q in self.vhost.queues.values())
+        return self.ids.prune(q.definition.qid for q in self.vhost.all_queues())
 
     def _apply_named(
         self, meta: BidiMeta, ops: list[JournalOp], keys: list[str], touched: set[Queue]
@@ -546,14 +590,16 @@ class MirrorApplier:
         out: list[JournalOp] = []
         records: list[JournalOp] = []
         added: set[tuple[int, int]] = set()
+        vhosts = self.vhost.vhosts
         for op in ops:
-            qname, morigin = meta.keys[op.qid]
-            queue = self.vhost.queues.get(qname)
+            vname, qname, morigin = key_parts(meta.keys[op.qid])
+            vhost = vhosts.get(vname)
+            queue = None if vhost is None else vhost.queues.get(qname)
             if queue is None or is_internal(qname) or not queue.durable:
                 continue  # a queue deleted since (its delete is an event too)
             qid = queue.definition.qid
             local = ids.local(morigin, op.mid)
-            held = (qname, morigin, op.mid)
+            held = (vname, qname, morigin, op.mid)
             if type(op) is StoredMessage:
                 if self.holding.take(held, now):
                     metrics.HELD_APPLIED.inc()

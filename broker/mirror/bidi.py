@@ -13,13 +13,22 @@ ids collide, so a bidirectional event names everything in the origin's terms:
   that already went through it (no echo, no loop), and skips an (origin, oseq) at
   or below the highest it applied from that origin (no duplicate).
 - Each op's `qid` is an index into `meta.keys`, a list of (queue name, message
-  origin); its `mid` is the message's id *at that message origin*. A settle on
+  origin), with a third element, the queue's vhost, for a vhost other than `/`; its
+  `mid` is the message's id *at that message origin* (a broker's ids are unique across
+  its vhosts, so the pair names one message whatever its vhost). A settle on
   site B of a message that A published names (queue, A, A's id), so A settles
   its own message and C settles its copy of A's message.
 - `meta.topology`: a per-object delta (`TopologyDelta`): declares, deletes,
   bindings made and removed, by name. Absence never deletes: two writers'
   full states would delete each other's queues; an explicit delete is mirrored
-  (as RabbitMQ's and Artemis' mirrors do).
+  (as RabbitMQ's and Artemis' mirrors do). `meta.vhost_topology`: the deltas of the
+  other vhosts, by vhost.
+
+Every vhost is carried; `/`'s events are byte for byte what they were when the mode
+carried `/` alone. A site's own ops go in one event per vhost (`/`'s first), so a peer
+of that version, which reads `/` only, applies `/`'s events as before, dead-letters the
+events of another vhost (their 3-element keys fail its validation, with the reason) and
+ignores `vhost_topology` (an unknown field): it keeps carrying `/`.
 
 The receiving site keeps an **id map** (`IdMap`): (message origin, id there) ->
 its own message id, one record per (local queue, local id) in the internal
@@ -29,6 +38,7 @@ message it maps (and settled with it): a restart or a pair failover keeps it.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import struct
@@ -39,7 +49,13 @@ from typing import Final, Protocol
 
 from pydantic import BaseModel, Field
 
-from twinmq.broker.definitions import BindingDef, Definitions, ExchangeDef, QueueDef
+from twinmq.broker.definitions import (
+    DEFAULT_VHOST,
+    BindingDef,
+    Definitions,
+    ExchangeDef,
+    QueueDef,
+)
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.journal.ops import decode_ops, encode_ops
 from twinmq.broker.message import Entry, Message
@@ -73,14 +89,33 @@ class TopologyDelta(BaseModel):
         )  # fmt: skip
 
 
+# An op's queue and message origin: (queue name, message origin), and the queue's vhost
+# third when it is not `/` (so `/`'s keys are what they were before vhosts were carried).
+Key = tuple[str, str] | tuple[str, str, str]
+
+
+def make_key(vhost: str, queue: str, origin: str) -> Key:
+    """The key of (vhost, queue, message origin) in an event's key table."""
+    return (queue, origin) if vhost == DEFAULT_VHOST else (queue, origin, vhost)
+
+
+def key_parts(key: Key) -> tuple[str, str, str]:
+    """(vhost, queue name, message origin) of a key."""
+    if len(key) == 2:
+        return DEFAULT_VHOST, key[0], key[1]
+    return key[2], key[0], key[1]
+
+
 class BidiMeta(BaseModel):
     """The header of a bidirectional event."""
 
     origin: str  # the site that made the change
     oseq: int  # the event's seq at its origin
     hops: list[str]  # every site it went through, origin first
-    keys: list[tuple[str, str]] = Field(default_factory=list)  # op.qid -> (queue, msg origin)
-    topology: TopologyDelta | None = None
+    keys: list[Key] = Field(default_factory=list)  # op.qid -> (queue, msg origin[, vhost])
+    topology: TopologyDelta | None = None  # the vhost `/`'s
+    # The other vhosts' deltas (a field a peer carrying `/` only ignores).
+    vhost_topology: dict[str, TopologyDelta] = Field(default_factory=dict)
     seed: str | None = None  # a (re-)announcement of the origin's whole state: why
 
 
@@ -174,6 +209,22 @@ def topology_delta(old: Definitions | None, new: Definitions) -> TopologyDelta:
     return delta
 
 
+def vhost_deltas(
+    old: Definitions | None, new: Definitions
+) -> tuple[TopologyDelta, dict[str, TopologyDelta]]:
+    """`topology_delta` per vhost: `/`'s delta and the other vhosts' that change something
+    (a vhost gone from `new` has its objects deleted)."""
+    old = old or Definitions()
+    names = (old.vhost_names() | new.vhost_names()) - {DEFAULT_VHOST}
+    root = topology_delta(old.of_vhost(DEFAULT_VHOST), new.of_vhost(DEFAULT_VHOST))
+    others = {
+        name: delta
+        for name in sorted(names)
+        if not (delta := topology_delta(old.of_vhost(name), new.of_vhost(name))).empty()
+    }
+    return root, others
+
+
 def declares_only(delta: TopologyDelta) -> TopologyDelta:
     """A delta's declares and binds (a re-announcement: never deletes anything)."""
     return TopologyDelta(
@@ -188,17 +239,20 @@ def _builtin(exchange: str) -> bool:
     return exchange == "" or exchange.startswith("amq.")
 
 
-def apply_delta(local: Definitions, delta: TopologyDelta) -> tuple[Definitions, bool]:
-    """`local` with `delta` applied: local queue ids kept, new queues get local ids;
-    and whether a queue was deleted. A declare of a queue that exists here with another
-    shape, not deleted by the same delta, keeps the local one (two writers declared it
-    differently at once; logged)."""
+def apply_delta(
+    local: Definitions, delta: TopologyDelta, vhost: str = DEFAULT_VHOST
+) -> tuple[Definitions, bool]:
+    """`local` (the topology of `vhost` here) with `delta` applied: local queue ids kept,
+    new queues get local ids; and whether a queue was deleted. A declare of a queue that
+    exists here with another shape, not deleted by the same delta, keeps the local one
+    (two writers declared it differently at once; logged). What `delta` declares lands
+    in `vhost`, whatever vhost its objects name (the event's key says where)."""
     queues = {q.name: q for q in local.queues}
     exchanges = {e.name: e for e in local.exchanges}
     bindings = {_key(b): b for b in local.bindings}
     next_qid = local.next_qid
     for b in delta.unbind:
-        bindings.pop(_key(b), None)
+        bindings.pop(_key(b.model_copy(update={"vhost": vhost})), None)
     deleted = False
     for name in delta.delete_queues:
         if not is_internal(name) and queues.pop(name, None) is not None:
@@ -207,7 +261,7 @@ def apply_delta(local: Definitions, delta: TopologyDelta) -> tuple[Definitions, 
         if not _builtin(name):
             exchanges.pop(name, None)
     for e in delta.declare_exchanges:
-        exchanges[e.name] = e
+        exchanges[e.name] = e.model_copy(update={"vhost": vhost})
     for q in delta.declare_queues:
         if is_internal(q.name):
             continue
@@ -217,9 +271,10 @@ def apply_delta(local: Definitions, delta: TopologyDelta) -> tuple[Definitions, 
                 log.warning("mirror: queue %r declared with other arguments on another site; "
                             "kept as it is here", q.name)  # fmt: skip
             continue
-        queues[q.name] = q.model_copy(update={"qid": next_qid})
+        queues[q.name] = q.model_copy(update={"qid": next_qid, "vhost": vhost})
         next_qid += 1
     for b in delta.bind:
+        b = b.model_copy(update={"vhost": vhost})
         bindings[_key(b)] = b
     # Built-in exchanges (the default, amq.*) are in no definitions: always there.
     kept = [
@@ -328,13 +383,16 @@ class IdMap:
         self._seen = _fingerprint(queue)
         return StoredMessage(record, IDS_QID, "", IDS_NAME, header, body, None)
 
-    def drop(self, qid: int, mid: int) -> JournalOp | None:
-        """Message `mid` left queue `qid` here: its record goes; the op (None: unmapped)."""
+    def drop(self, qid: int, mid: int, removed: list[Entry] | None = None) -> JournalOp | None:
+        """Message `mid` left queue `qid` here: its record goes (onto `removed`, if given:
+        `undo` puts it back); the op (None: unmapped)."""
         queue = self.queue
         record = self._records.pop((qid, mid), None)
         if record is None:
             return None
-        queue.remove_mid(record)
+        entry = queue.remove_mid(record)
+        if removed is not None and entry is not None:
+            removed.append(entry)
         self._seen = _fingerprint(queue)
         self._refs[mid] -= 1
         if self._refs[mid] <= 0:
@@ -343,6 +401,29 @@ class IdMap:
             if key is not None:
                 self._local.pop(key, None)
         return Settle(IDS_QID, record)
+
+    def undo(self, added: Iterable[tuple[int, int]], removed: Iterable[Entry]) -> list[JournalOp]:
+        """Take a failed batch's changes back (in memory): the records it `added` (by local
+        queue and message id) go, those it removed (`drop`) come back; the ops that do the
+        same on a passive that applied the batch. A message whose ack the failure undid is
+        back in its queue here: without its record, its next settle would name it as this
+        site's own message, which the peer does not hold (the peer's copy kept forever)."""
+        ops = [op for qid, mid in added if (op := self.drop(qid, mid)) is not None]
+        queue = self.queue
+        for entry in removed:
+            body = entry.message.body
+            qid, mid, omid = _RECORD.unpack_from(body)
+            if (qid, mid) in self._records:
+                continue  # recorded again since (a later batch)
+            entries = queue.entries
+            at = bisect.bisect_left(entries, entry.message.mid, key=lambda e: e.message.mid)
+            entries.insert(at, entry)
+            queue.bytes += len(body)
+            self._remember(body[_RECORD.size :].decode(), omid, qid, mid, entry.message.mid)
+            m = entry.message
+            ops.append(StoredMessage(m.mid, IDS_QID, "", IDS_NAME, m.header, body, None))
+        self._seen = _fingerprint(queue)
+        return ops
 
     def prune(self, live: Iterable[int]) -> list[JournalOp]:
         """Drop the records of queues deleted since; the ops."""
@@ -365,19 +446,19 @@ def _fingerprint(queue: Queue) -> tuple[int, int]:
 
 
 def event_keys(
-    ops: Iterable[JournalOp], name_of: dict[int, str], ids: IdMap
-) -> tuple[list[tuple[str, str]], list[JournalOp]]:
-    """This site's ops in the origin's terms: the key table and the translated ops
-    (ops of a queue no longer here are left out)."""
-    keys: list[tuple[str, str]] = []
-    index: dict[tuple[str, str], int] = {}
+    ops: Iterable[JournalOp], name_of: dict[int, tuple[str, str]], ids: IdMap
+) -> tuple[list[Key], list[JournalOp]]:
+    """This site's ops in the origin's terms (`name_of`: qid -> (vhost, queue name)): the
+    key table and the translated ops (ops of a queue no longer here are left out)."""
+    keys: list[Key] = []
+    index: dict[Key, int] = {}
     out: list[JournalOp] = []
     for op in ops:
-        name = name_of.get(op.qid)
-        if name is None:
+        named = name_of.get(op.qid)
+        if named is None:
             continue
         origin, omid = ids.origin_of(op.mid)
-        key = (name, origin)
+        key = make_key(named[0], named[1], origin)
         at = index.get(key)
         if at is None:
             at = index[key] = len(keys)

@@ -256,3 +256,22 @@ def replace_record(queue: Queue, mid: int, data: bytes) -> list[JournalOp]:
     queue.entries.append(Entry(Message(mid, "", name, header, data, True, None, None), None, True))
     queue.bytes = len(data)
     return ops
+
+
+def restore_record(queue: Queue, previous: list[Entry], made: int) -> list[JournalOp]:
+    """Put back `previous`, the records of internal queue `queue` a failed batch replaced
+    with record `made` (in memory); the ops that do the same on a passive that applied
+    the batch. Nothing if a later batch replaced `made` already (its change stands)."""
+    entries = queue.entries
+    if queue.deleted or len(entries) != 1 or entries[0].message.mid != made:
+        return []
+    qid, name = queue.definition.qid, queue.name
+    ops: list[JournalOp] = [Settle(qid, made)]
+    ops += [
+        StoredMessage(e.message.mid, qid, "", name, e.message.header, e.message.body, None)
+        for e in previous
+    ]
+    entries.clear()
+    entries.extend(previous)
+    queue.bytes = sum(e.size for e in previous)
+    return ops

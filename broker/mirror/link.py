@@ -277,6 +277,13 @@ class MirrorLink:
             gap = self.source.gap(applied, peer, self.expected_peer(), self.target)
             if gap is not None:
                 self.on_gap(gap)  # a seed: every event the mirror lacks is rebuilt by it
+                # Its batch may fail (a full disk: the seed withdrawn, `batch_failed`), and
+                # streaming on would skip what the mirror lacks. Once the seed's batch is
+                # settled, a gap still there ends the session: the next one seeds again.
+                await self._settled(self.source.head)
+                again = self.source.gap(applied, peer, self.expected_peer(), self.target)
+                if again is not None:
+                    raise ConnectionError(f"the seed for the gap failed: {again}")
             self.source.acked(applied, self.target)
             self._delta = await self._reconcile(frames, writer, applied)
             self.last_error = None

@@ -16,7 +16,7 @@ request gets the answer the record keeps (`last_switch`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Final, Protocol
 
 from pydantic import BaseModel
@@ -24,7 +24,12 @@ from pydantic import BaseModel
 from twinmq.broker.api import MirrorRole, MirrorRpo, MirrorSwitch, MirrorUnmirrored
 from twinmq.broker.journal import JournalOp
 from twinmq.broker.mirror.durable import BatchFutures
-from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE, replace_record
+from twinmq.broker.mirror.events import (
+    INTERNAL_PREFIX,
+    INTERNAL_QID_BASE,
+    replace_record,
+    restore_record,
+)
 from twinmq.broker.queue import Queue
 
 log = logging.getLogger(__name__)
@@ -109,6 +114,15 @@ class RoleStore:
         mid = self.vhost.next_mid
         self.vhost.next_mid = mid + 1
         return self.log.add(replace_record(queue, mid, record.model_dump_json().encode()))
+
+    def record_undoable(self, record: SiteRole) -> tuple[int, Callable[[], list[JournalOp]]]:
+        """`record` made current as by `record`; its batch, and what puts the record it
+        replaced back should that batch fail (`MirrorSource.undo_if_failed`)."""
+        queue = self.vhost.internal_queue(ROLE_QUEUE, ROLE_QID)
+        previous = list(queue.entries)
+        batch = self.record(record)
+        made = queue.entries[-1].message.mid
+        return batch, lambda: restore_record(queue, previous, made)
 
     async def save(self, record: SiteRole) -> bool:
         """`record` current, and durable (on the pair's passive too) before this returns;

@@ -315,7 +315,10 @@ class Mirroring:
         assert roles is not None and source is not None
         log.warning("mirror: seeding the mirror again: %s", reason)
         update = {"needs_resync": None, "took_over_from": None}
-        roles.record(roles.current.model_copy(update=update))
+        batch, undo = roles.record_undoable(roles.current.model_copy(update=update))
+        # Undone if the seed's batch fails: a passive promoted then must still know the
+        # mirror needs a seed (NeedsResync), or it resumes the mirror from its mark.
+        source.undo_if_failed(batch, undo)
         messages = source.reseed(reason, target)
         self._metrics()
         batch = self.committer.flush_now()

@@ -42,7 +42,7 @@ from twinmq.broker.mirror.bidi import (
     event_keys,
     forwarded,
     is_bidi_seed,
-    topology_delta,
+    vhost_deltas,
 )
 from twinmq.broker.mirror.events import (
     INTERNAL_PREFIX,
@@ -189,7 +189,6 @@ class MirrorSource:
         # seq -> (made at, its qids, its ops' bytes per qid)
         self._lag: dict[int, tuple[float, Counter[int], Counter[int]]] = {}
         self._queue: Queue | None = None
-        self._warned_vhosts = False  # the skipping of other vhosts' ops was logged
         self._unsettled: deque[tuple[int, int]] = deque()  # (batch, seq), batch not complete
         # The bidirectional mode (`bidi.py`): events in the origin's terms, through the id
         # map; ops the applier journals (applied from a link) are never this site's events.
@@ -216,6 +215,10 @@ class MirrorSource:
         # One target now, a mesh before (cursor records left): its trims are recorded too
         # (the record of the target "", `acked`), see `acked`.
         self._was_mesh = False
+        # Changes made in batches not complete yet besides their events (a re-seed's drop
+        # of the backlog, the site's role record), by batch: each undone if its batch
+        # fails (`batch_failed`), forgotten once it completes (`durable`).
+        self._undo: dict[int, list[Callable[[], list[JournalOp]]]] = {}
 
     # -- the replication queue --------------------------------------------------------------
 
@@ -251,8 +254,13 @@ class MirrorSource:
             else:
                 # Re-announce every object (never a delete): covers a crash between a
                 # topology change and its event.
-                current = mirrored_definitions(self.vhost.definitions(), root_only=True)
-                self._emit_bidi([], topology=declares_only(topology_delta(None, current)))
+                current = mirrored_definitions(self.vhost.all_definitions())
+                root, others = vhost_deltas(None, current)
+                self._emit_bidi(
+                    [],
+                    topology=declares_only(root),
+                    vhosts={name: declares_only(delta) for name, delta in others.items()},
+                )
                 self._topology = current
             return queue
         if first:
@@ -309,11 +317,49 @@ class MirrorSource:
             # must find it, or a mirror linking later is seeded again from the state then
             # (a first forced promotion: the old source orphaned what B's consumers acked).
             self.activate(snapshot=False, announce=False)
-        settles = self._drop_backlog()
-        if settles:
-            self.log.add(settles)
+        undo = self._backlog_undo()
+        batch = self.log.add(self._drop_backlog())  # the seed's batch (one turn of the loop)
         self.needs_resync = None
+        # A failed batch withdraws the seed (`batch_failed`): the backlog must come back
+        # with it, or a mirror resumes from its mark without either (docs/mirror.md).
+        self.undo_if_failed(batch, undo)
         return self._seed(reason)
+
+    def _backlog_undo(self) -> Callable[[], list[JournalOp]]:
+        """What puts the backlog as it is now back, should a re-seed's batch fail (a copy
+        of it: only a re-seed pays for it)."""
+        queue = self._queue
+        assert queue is not None
+        dropped = list(queue.entries)
+        lag = {
+            e.message.mid: self._lag[e.message.mid] for e in dropped if e.message.mid in self._lag
+        }
+        trimmed, resync = self.trimmed_seq, self.needs_resync
+
+        def undo() -> list[JournalOp]:
+            if queue.deleted or queue is not self._queue:
+                return []
+            queue.entries.extend(dropped)
+            queue.sort_by_mid()  # behind a later batch's events, if any
+            queue.bytes += sum(e.size for e in dropped)
+            self._lag = {**lag, **self._lag}  # oldest first
+            for _made, qids, sizes in lag.values():
+                self.queue_lag.update(qids)
+                self.queue_lag_bytes.update(sizes)
+            self.trimmed_seq, self.needs_resync = trimmed, resync
+            log.warning("mirror: a re-seed failed: its drop of %d events undone", len(dropped))
+            return [
+                StoredMessage(m.mid, QUEUE_QID, "", QUEUE_NAME, m.header, m.body, None)
+                for m in (e.message for e in dropped)
+            ]
+
+        return undo
+
+    def undo_if_failed(self, batch: int, undo: Callable[[], list[JournalOp]]) -> None:
+        """Should batch `batch` fail, `undo` takes a change made in it back out of memory
+        and returns the ops that do the same on a passive that applied the batch (they go
+        in its withdrawal, `batch_failed`)."""
+        self._undo.setdefault(batch, []).append(undo)
 
     def seed_forced(self, reason: str) -> None:
         """A forced promotion's seed, queued now.
@@ -375,15 +421,22 @@ class MirrorSource:
     def _announce(self, reason: str) -> int:
         """The bidirectional seed: every object declared and every journaled message
         enqueued, in the origin's terms (a mirror keeps what it has: no orphans)."""
-        current = mirrored_definitions(self.vhost.definitions(), root_only=True)
+        current = mirrored_definitions(self.vhost.all_definitions())
         self._topology = current
-        self._emit_bidi([], topology=topology_delta(None, current), seed=reason)
+        root, others = vhost_deltas(None, current)
+        self._emit_bidi([], topology=root, seed=reason, vhosts=others)
         count = 0
         chunk: list[JournalOp] = []
         size = 0
-        for queue in list(self.vhost.queues.values()):
+        vhost = DEFAULT_VHOST
+        for queue in self.vhost.all_queues():  # `/`'s first, then each vhost's
             if not queue.durable or queue.definition.qid >= INTERNAL_QID_BASE:
                 continue
+            if queue.definition.vhost != vhost and chunk:
+                # One vhost per event (a peer carrying `/` only still applies `/`'s).
+                self._emit_bidi(chunk)
+                chunk, size = [], 0
+            vhost = queue.definition.vhost
             qid = queue.definition.qid
             held = [*queue.entries, *queue.delivered.values(), *queue.held_aside.values()]
             for entry in sorted((e for e in held if e.journaled), key=lambda e: e.message.mid):
@@ -405,27 +458,33 @@ class MirrorSource:
         ops: list[JournalOp],
         topology: TopologyDelta | None = None,
         seed: str | None = None,
+        vhosts: dict[str, TopologyDelta] | None = None,
     ) -> bytes:
-        """A bidirectional event of this site's own `ops` (its seq is the next id)."""
+        """A bidirectional event of this site's own `ops` (its seq is the next id);
+        `topology` is `/`'s delta, `vhosts` the other vhosts'."""
         assert self.ids is not None
         self.queue  # noqa: B018 (taking the queue over may record an event first)
-        names = {}
+        names: dict[int, tuple[str, str]] = {}
         for op in ops:
             if op.qid not in names:
                 queue = self.vhost.queue_by_qid(op.qid)
                 if queue is not None:
-                    names[op.qid] = queue.name
+                    names[op.qid] = (queue.definition.vhost, queue.name)
         keys, translated = event_keys(ops, names, self.ids)
         meta = BidiMeta(
             origin=self.name, oseq=self.vhost.next_mid, hops=[self.name], keys=keys,
-            topology=topology, seed=seed,
+            topology=topology, seed=seed, vhost_topology=vhosts or {},
         )  # fmt: skip
         return encode_bidi(meta, translated, self.clock())
 
     def _emit_bidi(
-        self, ops: list[JournalOp], topology: TopologyDelta | None = None, seed: str | None = None
+        self,
+        ops: list[JournalOp],
+        topology: TopologyDelta | None = None,
+        seed: str | None = None,
+        vhosts: dict[str, TopologyDelta] | None = None,
     ) -> None:
-        self._emit(self._bidi_event(ops, topology, seed), ops)
+        self._emit(self._bidi_event(ops, topology, seed, vhosts), ops)
 
     # -- the applier's view (bidirectional) ------------------------------------------------
 
@@ -638,18 +697,51 @@ class MirrorSource:
         self._unsettled.append((batch, op.mid))
         return [op, *self._beyond_retention()]
 
-    def _only_root_vhost(self, ops: list[JournalOp], skipped: frozenset[int]) -> list[JournalOp]:
-        """`ops` without those of other vhosts than `/`: the bidirectional mode carries `/`
-        only (docs/mirror.md); logged the first time, counted in /status (`vhosts`)."""
-        kept = [op for op in ops if op.qid not in skipped]
-        if len(kept) != len(ops) and not self._warned_vhosts:
-            self._warned_vhosts = True
-            log.warning(
-                "mirror: skipping the changes of vhosts other than '/' (the bidirectional "
-                "mode carries the vhost '/' only): %d ops in this batch not mirrored",
-                len(ops) - len(kept),
-            )
-        return kept
+    def batch_failed(self, batch: int) -> list[JournalOp]:
+        """Failed batch `batch`'s events leave the queue now (in memory: their batch never
+        completes, so they were never sendable), so that a catch-up started before the
+        failure is told carries none of them to the passive (one of an older version is
+        made to catch up); the settles that discard them from a passive that applied the
+        batch, in its withdrawal (`replication/withdrawal.py`)."""
+        # The batch's other changes first: a re-seed's drop put back holds the events the
+        # batch made before it, withdrawn next like the others.
+        ops: list[JournalOp] = []
+        for undo in reversed(self._undo.pop(batch, [])):  # the newest change first
+            ops += undo()
+        seqs = [seq for each, seq in self._unsettled if each == batch]
+        if seqs:
+            self._unsettled = deque(item for item in self._unsettled if item[0] != batch)
+            self._withdraw(seqs)
+            log.warning("mirror: batch %d failed: its %d events withdrawn", batch, len(seqs))
+            if ops:
+                withdrawn = set(seqs)
+                ops = [op for op in ops if op.qid != QUEUE_QID or op.mid not in withdrawn]
+            ops += [Settle(QUEUE_QID, seq) for seq in seqs]
+        return ops
+
+    def _withdraw(self, seqs: Iterable[int]) -> None:
+        """Take events of a failed batch out of the queue: never journaled, as if never made."""
+        queue = self._queue if self._queue is not None else self.vhost.queues.get(QUEUE_NAME)
+        for seq in seqs:
+            if queue is not None:
+                queue.remove_mid(seq)
+            self._forget(seq)
+
+    def _by_vhost(self, ops: list[JournalOp]) -> list[list[JournalOp]]:
+        """`ops` in one group per vhost, `/`'s first, each in batch order: one event each,
+        so a peer carrying `/` only applies `/`'s as before (`bidi.py`). A transaction is
+        one channel's, so in one vhost: never split."""
+        others = self.vhost.other_vhost_qids()
+        if not others or not any(op.qid in others for op in ops):
+            return [ops]
+        groups: dict[str, list[JournalOp]] = {DEFAULT_VHOST: []}
+        for op in ops:
+            vhost = DEFAULT_VHOST
+            if op.qid in others:
+                queue = self.vhost.queue_by_qid(op.qid)
+                vhost = DEFAULT_VHOST if queue is None else queue.definition.vhost
+            groups.setdefault(vhost, []).append(op)
+        return [group for group in groups.values() if group]
 
     def _bidi_batch(self, batch: int, ops: list[JournalOp]) -> list[JournalOp]:
         """A closing batch's own ops (not those applied from a link) as a bidirectional
@@ -657,26 +749,32 @@ class MirrorSource:
         assert self.ids is not None
         excluded, self._excluded = self._excluded, {}
         own = [op for op in ops if op.qid < INTERNAL_QID_BASE and id(op) not in excluded]
-        skipped = self.vhost.other_vhost_qids()
-        if skipped:
-            own = self._only_root_vhost(own, skipped)
         if not own:
             return []
-        body = self._bidi_event(own)
-        event = self._record(body, op_bytes_by_queue(own))
-        self._unsettled.append((batch, event.mid))
-        extra: list[JournalOp] = [event]
+        extra: list[JournalOp] = []
+        for group in self._by_vhost(own):
+            event = self._record(self._bidi_event(group), op_bytes_by_queue(group))
+            self._unsettled.append((batch, event.mid))
+            extra.append(event)
         # The map follows what left or joined a queue here; a message that leaves one
         # queue and joins another in the batch (dead-lettered) keeps its origin.
         origins = {op.mid: self.ids.origin_of(op.mid) for op in own if type(op) is StoredMessage}
+        added: list[tuple[int, int]] = []
+        removed: list[Entry] = []
         for op in own:
             if type(op) is StoredMessage:
                 origin, omid = origins[op.mid]
                 change = self.ids.add(origin, omid, op.qid, op.mid)
+                if change is not None:
+                    added.append((op.qid, op.mid))
             else:
-                change = self.ids.drop(op.qid, op.mid)
+                change = self.ids.drop(op.qid, op.mid, removed)
             if change is not None:
                 extra.append(change)
+        if added or removed:
+            # Undone with the batch should it fail: an ack it undid must keep its record.
+            ids = self.ids
+            self.undo_if_failed(batch, lambda: ids.undo(added, removed))
         return [*extra, *self._beyond_retention()]
 
     def definitions_saved(self, definitions: Definitions) -> None:
@@ -690,14 +788,14 @@ class MirrorSource:
         """A per-object delta of the topology; none while the applier changes it (that
         change is forwarded as the event that made it). Deleted queues' map records go."""
         assert self.ids is not None
-        new = mirrored_definitions(definitions, root_only=True)
+        new = mirrored_definitions(definitions)
         old, self._topology = self._topology, new
         if self.applying or old is None or not self.active or self._queue is None:
             return
-        delta = topology_delta(old, new)
-        if not delta.empty():
-            self._emit_bidi([], topology=delta)
-        if delta.delete_queues:
+        delta, others = vhost_deltas(old, new)
+        if not delta.empty() or others:
+            self._emit_bidi([], topology=None if delta.empty() else delta, vhosts=others)
+        if delta.delete_queues or any(d.delete_queues for d in others.values()):
             pruned = self.ids.prune(q.qid for q in definitions.queues)
             if pruned:
                 self.log.add(pruned)
@@ -708,19 +806,21 @@ class MirrorSource:
     # -- Waiter -----------------------------------------------------------------------------
 
     def durable(self, batch: int, failed: bool = False) -> bool:
-        """Events of complete batches become sendable; those of a failed one are withdrawn."""
+        """Events of complete batches become sendable; those of a failed one are withdrawn
+        (already, as a rule: `batch_failed`)."""
         unsettled = self._unsettled
-        withdrawn: set[int] = set()
+        withdrawn: list[int] = []
         while unsettled and unsettled[0][0] <= batch:
             each, seq = unsettled.popleft()
             if failed and each == batch:
-                withdrawn.add(seq)
+                withdrawn.append(seq)
             else:
                 self.durable_seq = max(self.durable_seq, seq)
-        if withdrawn and self._queue is not None:
-            for seq in withdrawn:
-                self._queue.remove_mid(seq)  # never journaled: as if never made
-                self._forget(seq)
+        if withdrawn:
+            self._withdraw(withdrawn)
+        if self._undo:  # a failed batch's undo ran already (`batch_failed` comes first)
+            for done in [each for each in self._undo if each <= batch]:
+                del self._undo[done]
         if self.on_change is not None:
             self.on_change()
         for watcher in self.watchers:

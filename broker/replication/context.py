@@ -44,6 +44,10 @@ class ReplicatedLog(Protocol):
         """Write the staged topology changes now (one append, one fsync)."""
         ...
 
+    def withdrawn(self, batch: int | None = None) -> None:
+        """The passive no longer holds the failed batches up to `batch` (None: any)."""
+        ...
+
     def replica_acked(self, batch: int) -> None:
         """The passive has everything up to `batch` on its disk."""
         ...
@@ -104,6 +108,10 @@ class ReplicatedState(Protocol):
 
     def remember_when_durable(self, keys: list[str], batch: int) -> None:
         """Admit dedup keys to the window once `batch` is durable here (never if it fails)."""
+        ...
+
+    def forget_dedup_window(self) -> None:
+        """Drop every admitted dedup key (a passive's catch-up brings the active's window)."""
         ...
 
     def restore_order(self) -> None:
@@ -194,6 +202,11 @@ class ReplicationContext(Protocol):
     def stop_passive(self, reason: str) -> None:
         """This passive cannot go on (a local write failed, replication ended): log
         `reason` and exit with 75, so that a restart recovers from the disk."""
+        ...
+
+    async def save_dedup_window(self) -> bool:
+        """Write the dedup window now if it changed since the last write; False if the
+        write failed (the file keeps the previous window)."""
         ...
 
     def learn_epoch(self, epoch: int, source: str) -> bool:

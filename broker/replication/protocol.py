@@ -6,8 +6,9 @@ Control frames carry JSON of the pydantic models below; `BATCH` carries a
 batch number, flags and the journal's own op encoding, so the passive writes
 exactly the record groups the active wrote (live batches), or one catch-up
 chunk (`catchup.py`); `DEDUP_KEYS` the same header and a catch-up chunk of the
-active's duplicate-detection keys (`encode_key`); `ACK` and `CATCHUP_ACK` a
-batch or chunk number.
+active's duplicate-detection keys (`encode_key`); `WITHDRAW` the same header and
+the ops that undo a batch whose write failed on the active; `ACK`, `CATCHUP_ACK`
+and `WITHDRAWN` a batch or chunk number.
 
 Until both ends are authenticated (`handshake.py`) a frame may be at most
 `MAX_HANDSHAKE_FRAME` bytes; after that, `MAX_FRAME`.
@@ -56,6 +57,11 @@ class FrameType(enum.IntEnum):
     # The DR mirror link only (broker/mirror/delta.py), both ways: a source's
     # ReconcileRequest, a mirror's ReconcileReply, before any event of the session
     RECONCILE = 14
+    # active -> passive: the failed batch's number, flags (0), and the ops that undo it on
+    # the passive (discards of its messages, its undone acks' messages stored again); only
+    # to a passive whose Snapshot said `withdrawals` (an older one is made to catch up)
+    WITHDRAW = 15
+    WITHDRAWN = 16  # passive -> active: u64 failed batch whose WITHDRAW is durable here
 
 
 # BATCH (and DEDUP_KEYS) flags. A catch-up chunk's batch number counts chunks (1, 2, ...),
@@ -111,13 +117,23 @@ class Snapshot(BaseModel):
     # A capability: this passive applies DEFINITIONS_DELTA frames. Absent (False) from
     # older passives, which an active then sends the whole topology at every change.
     definitions_delta: bool = False
+    # A capability: this passive applies WITHDRAW frames (an older one is made to catch
+    # up again instead, `ReplicationSource.resync`).
+    withdrawals: bool = False
 
     @classmethod
-    def of(cls, ids: Mapping[int, Iterable[int]], *, definitions_delta: bool = True) -> Snapshot:
+    def of(
+        cls,
+        ids: Mapping[int, Iterable[int]],
+        *,
+        definitions_delta: bool = True,
+        withdrawals: bool = True,
+    ) -> Snapshot:
         """The snapshot of `ids` per qid, packed (with this version's capabilities)."""
         return cls(
             packed={qid: pack_ids(mids) for qid, mids in ids.items()},
             definitions_delta=definitions_delta,
+            withdrawals=withdrawals,
         )
 
     def ids(self) -> dict[int, Sequence[int]]:
@@ -192,7 +208,7 @@ def encode_batch(
 
 
 def encode_u64(ftype: FrameType, value: int) -> bytes:
-    """An ACK, CATCHUP_ACK or CAUGHT_UP frame."""
+    """An ACK, CATCHUP_ACK, CAUGHT_UP or WITHDRAWN frame."""
     return encode(ftype, _U64.pack(value))
 
 

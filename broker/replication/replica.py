@@ -6,7 +6,8 @@ with small frames only, before anything the active says is acted upon. Then
 it sends its snapshot and applies what arrives: the topology, the catch-up
 chunks and the live batches between them, each journaled as one record group
 and acknowledged only once it is on this broker's disk (chunks by CATCHUP_ACK,
-live batches by ACK). What a cut-short catch-up delivered is in the journal,
+live batches by ACK, withdrawals of batches that failed on the active by
+WITHDRAWN). What a cut-short catch-up delivered is in the journal,
 hence in the next snapshot: the next catch-up resumes after it.
 """
 
@@ -54,14 +55,18 @@ RETRY_INTERVAL = 1.0
 LINK_SILENCE = 3.0  # seconds without a frame (the active pings every 0.5 s): link lost
 
 
+# What an entry of `_Session.pending` acknowledges.
+LIVE, CHUNK, WITHDRAWAL = 0, 1, 2
+
+
 class _Session:
     """One connected stretch of the link: maps local journal batches to the active's."""
 
     def __init__(self, client: ReplicaClient, writer: asyncio.StreamWriter) -> None:
         self.client = client
         self.writer = writer
-        # (local batch, remote batch or chunk, is a catch-up chunk)
-        self.pending: deque[tuple[int, int, bool]] = deque()
+        # (local batch, remote batch or chunk, LIVE / CHUNK / WITHDRAWAL)
+        self.pending: deque[tuple[int, int, int]] = deque()
         self.alive = True
 
     def durable(self, batch: int, failed: bool = False) -> bool:
@@ -74,15 +79,20 @@ class _Session:
             return False
         acked: int | None = None
         chunk: int | None = None
+        withdrawn: int | None = None
         while self.pending and self.pending[0][0] <= batch:
-            _, remote, is_chunk = self.pending.popleft()
-            if is_chunk:
+            _, remote, kind = self.pending.popleft()
+            if kind == CHUNK:
                 chunk = remote
-            else:
+            elif kind == LIVE:
                 acked = remote
+            else:
+                withdrawn = remote
         if not failed:
             if chunk is not None:
                 self.writer.write(encode_u64(FrameType.CATCHUP_ACK, chunk))
+            if withdrawn is not None:
+                self.writer.write(encode_u64(FrameType.WITHDRAWN, withdrawn))
             if acked is not None:
                 self.writer.write(encode_u64(FrameType.ACK, acked))
                 self.client.on_acked(acked)
@@ -429,9 +439,21 @@ class ReplicaClient:
             self._topology_failed = True
             self.broker.stop_passive(f"could not save the topology ({error})")
 
-    def _acknowledge(self, session: _Session, local: int, remote: int, chunk: bool) -> None:
-        """Acknowledge the active's batch or chunk `remote` once local batch `local` is durable."""
-        session.pending.append((local, remote, chunk))
+    async def _window_saved(self, what: str) -> bool:
+        """The dedup window written before `what` is acknowledged. The discards before it
+        forgot their messages' keys here in memory; a file still holding one would make
+        this passive, restarted and promoted, drop that message's re-send after confirming
+        it (a loss). Written before the discards are journaled: a crash between the two
+        leaves a message without its key (its re-send a duplicate), never the reverse."""
+        if await self.broker.save_dedup_window():
+            return True
+        self.broker.stop_passive(f"could not save the dedup window before {what}")
+        return False
+
+    def _acknowledge(self, session: _Session, local: int, remote: int, kind: int) -> None:
+        """Acknowledge the active's batch, chunk or withdrawal `remote` (`kind`) once local
+        batch `local` is durable."""
+        session.pending.append((local, remote, kind))
         if local == 0:
             session.durable(0)
         else:
@@ -468,6 +490,8 @@ class ReplicaClient:
                     HEAP.freeze()
                     if flags & BATCH_CATCHUP_LAST:
                         self._end_catch_up()
+                        if not await self._window_saved("the catch-up's end"):
+                            return
                 # `raw` is what `ops` were decoded from, byte for byte: journaled as is.
                 local = committer.add(ops, raw) if ops else committer.confirm_point()
                 if keys:
@@ -477,7 +501,24 @@ class ReplicaClient:
                     self.pending_ops += len(ops)
                     if self._oldest_pending is None:
                         self._oldest_pending = time.time()
-                self._acknowledge(session, local, remote, chunk)
+                self._acknowledge(session, local, remote, CHUNK if chunk else LIVE)
+            elif ftype is FrameType.WITHDRAW:
+                # A batch this passive applied failed on the active, which withdrew it
+                # there: these ops do the same here (a catch-up's discards, the undone
+                # acks' messages stored again), durably before WITHDRAWN; the active
+                # tells its clients of the failure only then (docs/replication.md).
+                remote, _flags, raw = decode_batch(payload)
+                ops = decode_ops(raw)
+                keys = broker.vhost.apply_ops(ops, defer_sort=self._catching_up, catchup=True)
+                if not await self._window_saved("a withdrawal"):
+                    return
+                local = committer.add(ops, raw) if ops else committer.confirm_point()
+                if keys:
+                    broker.vhost.remember_when_durable(keys, local)
+                log.warning(
+                    "the active's batch %d failed there: %d ops withdrawn here", remote, len(ops)
+                )
+                self._acknowledge(session, local, remote, WITHDRAWAL)
             elif ftype is FrameType.DEDUP_KEYS:
                 # The active's window, after every message chunk and discard: admitted once
                 # everything received so far is durable here, so a key never gets ahead of
@@ -487,10 +528,12 @@ class ReplicaClient:
                 self.catchup_chunks += 1
                 if flags & BATCH_CATCHUP_LAST:
                     self._end_catch_up()
+                    if not await self._window_saved("the catch-up's end"):
+                        return
                 local = committer.confirm_point()
                 if keys:
                     broker.vhost.remember_when_durable(keys, local)
-                self._acknowledge(session, local, remote, True)
+                self._acknowledge(session, local, remote, CHUNK)
             elif ftype is FrameType.DEFINITIONS:
                 if not self.connected:
                     self.caught_up = False
@@ -498,6 +541,11 @@ class ReplicaClient:
                     self.catchup_chunks = 0
                     self._catching_up = True
                     self.acked_batch = 0  # batch numbers are per active: start over
+                    # The catch-up ends with the active's window (DEDUP_KEYS), the one
+                    # that counts: a key kept here of a message withdrawn since (a saved
+                    # window older than a discard, a kill in between) would swallow its
+                    # re-send once promoted. Until then this passive is not ready.
+                    broker.vhost.forget_dedup_window()
                     metrics.REPLICATION_READY.set(0)
                     self._set_connected(True)
                     log.info(

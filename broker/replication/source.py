@@ -61,9 +61,18 @@ REFUSAL_LOG_INTERVAL = 5.0  # seconds between log lines about connections over t
 class SourceLink:
     """One attached passive: catching up, then in sync."""
 
-    def __init__(self, peer: str, name: str, writer: asyncio.StreamWriter, start: int) -> None:
+    def __init__(
+        self,
+        peer: str,
+        name: str,
+        writer: asyncio.StreamWriter,
+        start: int,
+        *,
+        withdrawals: bool = False,
+    ) -> None:
         self.peer = peer
         self.name = name
+        self.withdrawals = withdrawals  # the passive takes WITHDRAW frames
         self.writer = writer
         self.start_batch = start  # batches up to this one reach the passive by the catch-up
         self.catchup: CatchupSender | None = None
@@ -83,6 +92,9 @@ class SourceLink:
         self.meter = DeliveryMeter(writer.transport)
         self._delivered = 0  # the meter's count at the last look
         self.sent_batches: list[tuple[int, int, float]] = []  # (batch, ops, sent at)
+        # The newest WITHDRAW sent and not yet acknowledged (0: none): outstanding too,
+        # so a passive that stops answering is dropped even when no batch follows it.
+        self.withdrawal_sent = 0
 
     def write(self, data: bytes) -> bool:
         """Send to the passive; False once the link is gone.
@@ -104,7 +116,11 @@ class SourceLink:
     @property
     def outstanding(self) -> bool:
         """Live batches or catch-up chunks sent and not yet acknowledged."""
-        return bool(self.sent_batches) or (self.catchup is not None and self.catchup.unacked)
+        return (
+            bool(self.sent_batches)
+            or bool(self.withdrawal_sent)
+            or (self.catchup is not None and self.catchup.unacked)
+        )
 
     def send_batch(self, batch: int, ops: list[JournalOp]) -> None:
         """Stream one journaled batch."""
@@ -119,6 +135,21 @@ class SourceLink:
         self.write(encode_batch(batch, 0, buf))
         self.live_sent = batch
         self.sent_batches.append((batch, len(ops), time.time()))
+
+    def send_withdrawal(self, batch: int, ops: list[JournalOp]) -> None:
+        """Stream the ops that take failed batch `batch` out of the passive again."""
+        if not self.outstanding:
+            self.last_progress = time.monotonic()  # the clock for a stall starts now
+        buf = bytearray()
+        encode_ops(ops, buf)
+        self.write(encode_batch(batch, 0, buf, FrameType.WITHDRAW))
+        self.withdrawal_sent = batch
+
+    def on_withdrawn(self, batch: int) -> None:
+        """The passive has the withdrawal of failed batch `batch` (and earlier) on disk."""
+        self.last_progress = time.monotonic()
+        if batch >= self.withdrawal_sent:
+            self.withdrawal_sent = 0
 
     def echo(self, payload: bytes, timeout: float) -> None:
         """Answer the passive's ping: it renews the passive's readiness (its lease).
@@ -253,6 +284,32 @@ class ReplicationSource:
         self.broker.committer.guard(False)
         self._cancel_degrade()
 
+    def withdraw(self, batch: int, ops: list[JournalOp]) -> bool:
+        """Failed batch `batch` was streamed: make the passive drop it (`ops` undo it).
+
+        Returns whether its outcome must wait (`GroupCommitter.withdrawn`): while the
+        passive guards, it may be promoted holding the batch. An in-sync passive gets
+        the ops in a WITHDRAW frame, ahead of any later batch, and acknowledges them
+        once durable (WITHDRAWN). One catching up (or of an older version) is made to
+        catch up again (`resync`); then the next passive in sync holds what this broker
+        holds. No link: the one that comes back catches up the same way, or the
+        active goes on alone (the Lease marked first: the passive is not promotable);
+        either ends the wait.
+        """
+        if not ops:
+            return False  # nothing a client was told of is left on the passive
+        link = self.link
+        if link is not None and not link.closed:
+            if link.in_sync and link.withdrawals:
+                log.warning(
+                    "batch %d failed here after it was streamed: withdrawing %d ops from %s",
+                    batch, len(ops), link.name,
+                )  # fmt: skip
+                link.send_withdrawal(batch, ops)
+            else:
+                self.resync(f"batch {batch} failed here after it was streamed")
+        return self.broker.committer.guarded
+
     def resync(self, reason: str) -> None:
         """Make the passive catch up again: what it was streamed is not what we hold.
 
@@ -260,7 +317,8 @@ class ReplicationSource:
         withdraws its messages and undoes its acks (visibility.py) while the
         passive applied them. Dropping the link (guarding on, as for any lost link)
         makes the passive reconnect; its catch-up discards what the active does not
-        hold and sends what it lacks, so nothing of the failed batch stays accepted.
+        hold and sends what it lacks, so nothing of the failed batch stays accepted
+        (a passive that takes no WITHDRAW frames, or one still catching up).
         """
         link = self.link
         if link is not None and not link.closed:
@@ -398,6 +456,11 @@ class ReplicationSource:
                         self._cancel_degrade()
                         self.degraded_since = None
                         metrics.REPLICATION_DEGRADED.set(0)
+                elif ftype is FrameType.WITHDRAWN:
+                    withdrawn = decode_u64(payload)
+                    link.on_withdrawn(withdrawn)
+                    if link.in_sync:
+                        self.broker.committer.withdrawn(withdrawn)
                 elif ftype is FrameType.CATCHUP_ACK:
                     link.on_catchup_ack(decode_u64(payload))
                 elif ftype is FrameType.REFUSE:
@@ -559,7 +622,7 @@ class ReplicationSource:
             log.info("dropping passive %s: replaced by a new link", self.link.name)
             self._lost(self.link, degrade_now=False)
         last = committer.flush_now()
-        link = SourceLink(peer, hello.name, writer, last)
+        link = SourceLink(peer, hello.name, writer, last, withdrawals=snapshot.withdrawals)
         stream = CatchupStream(
             capture(vhost.all_queues()),
             snapshot.ids(),
@@ -611,6 +674,10 @@ class ReplicationSource:
         # Batches up to the catch-up's start reached the passive as chunks, later ones
         # as the live batches it acknowledged.
         committer.replica_acked(max(link.start_batch, link.acked))
+        # It caught up from what this broker holds after any failed batch withdrawn
+        # before it attached (one that failed since was made to catch up again,
+        # `resync`, and never gets here): the withdrawals waiting end.
+        committer.withdrawn()
         self._cancel_degrade()
         link.write(encode_u64(FrameType.CAUGHT_UP, caught_up))
         assert link.catchup is not None

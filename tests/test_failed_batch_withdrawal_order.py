@@ -1,0 +1,101 @@
+"""A failed batch the passive may hold is told only once withdrawn, in batch order.
+
+The group committer over a real journal on a real full tmpfs (root): the first of
+two batches fails for lack of space, the second fits; the passive (this test plays
+its acknowledgements, the committer's own API) acknowledged both, having applied
+both. Nothing is told until the withdrawal of the failed one is acknowledged; then
+the failure and the confirm behind it come in batch order (docs/replication.md,
+"A failed batch on the passive").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from disks import small_tmpfs
+
+from twinmq.broker.commit import GroupCommitter
+from twinmq.broker.journal import Journal, JournalError, StoredMessage
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB tmpfs with 15 MiB taken (needs root; skipped where mounting is refused)."""
+    with small_tmpfs(tmp_path / "disk", "16m") as mount:
+        (mount / "filler").write_bytes(b"\0" * (15 * 1024 * 1024))
+        yield mount
+
+
+class Outcomes:
+    """A waiter that records every outcome it is told: (batch, failed)."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[int, bool]] = []
+
+    def durable(self, batch: int, failed: bool = False) -> bool:
+        if batch:  # (0: "nothing before batch 1", told ahead of a failed batch 1)
+            self.told.append((batch, failed))
+        return True
+
+
+async def _failed_then_good(journal: Journal, committer: GroupCommitter) -> None:
+    """Batch 1 too big for the disk (its write fails), batch 2 small (written): one
+    commit round over both."""
+    committer.add([StoredMessage(1, 1, "", "q", b"", b"x" * (4 * 1024 * 1024), None)])
+    committer.flush_now()
+    with contextlib.suppress(JournalError):
+        await journal.sync(journal.stats.appended_lsn)
+    committer.add([StoredMessage(2, 1, "", "q", b"", b"y" * 1024, None)])
+    committer.flush_now()
+    await journal.sync(journal.stats.appended_lsn)
+    await committer._sync_once()
+
+
+def _rig(full_disk: Path) -> tuple[Journal, GroupCommitter, Outcomes, list[tuple[int, bool]]]:
+    journal = Journal(full_disk / "j", segment_bytes=64 * 1024 * 1024)
+    journal.open()
+    committer = GroupCommitter(journal, asyncio.get_running_loop())
+    outcomes = Outcomes()
+    committer.await_durable(outcomes)
+    withdrawals: list[tuple[int, bool]] = []
+
+    def withdraw(batch: int, streamed: bool) -> bool:
+        withdrawals.append((batch, streamed))
+        return committer.guarded
+
+    committer.on_withdraw = withdraw
+    committer.guard(True)  # a passive in sync
+    return journal, committer, outcomes, withdrawals
+
+
+def test_a_failed_batch_the_passive_acknowledged_waits_for_its_withdrawal(
+    full_disk: Path,
+) -> None:
+    async def run() -> None:
+        journal, committer, outcomes, withdrawals = _rig(full_disk)
+        await _failed_then_good(journal, committer)
+        assert withdrawals == [(1, True)], "the failed batch was streamed: withdrawn at once"
+        committer.replica_acked(2)  # the passive applied and acknowledged both
+        assert outcomes.told == [], "told while the passive still holds the failed batch"
+        committer.withdrawn(1)
+        assert outcomes.told == [(1, True), (2, False)]
+        await journal.close()
+
+    asyncio.run(run())
+
+
+def test_a_failed_batch_is_told_once_the_active_goes_on_alone(full_disk: Path) -> None:
+    async def run() -> None:
+        journal, committer, outcomes, _ = _rig(full_disk)
+        await _failed_then_good(journal, committer)
+        committer.replica_acked(2)
+        assert outcomes.told == []
+        committer.guard(False)  # alone: the passive is not promotable any more
+        assert outcomes.told == [(1, True), (2, False)]
+        await journal.close()
+
+    asyncio.run(run())
