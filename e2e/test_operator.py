@@ -232,9 +232,15 @@ def test_an_operator_killed_mid_failover_finishes_it_after_a_restart(
     cluster: Cluster, operator: OperatorProcess, namespace: str
 ) -> None:
     name = create_cluster(cluster, namespace)
-    # A hung primary (SIGSTOP): Kubernetes still reports it running, so the failover waits
+    # A hung primary (frozen): Kubernetes still reports it running, so the failover waits
     # for its Lease (a killed one would be replaced at once, with nothing to interrupt).
-    faults.pause_pod(Layout.default(), namespace, f"{name}-primary")
+    # Its link is cut too: the kubelet's liveness probe restarts a frozen container after
+    # some 30 s, and a restarted primary the operator could reach, which holds everything,
+    # would rightly be re-activated before the restarted operator, which trusts the
+    # Lease's guard only two durations after its first read, has promoted the backup.
+    layout = Layout.default()
+    faults.pause_pod(layout, namespace, f"{name}-primary")
+    faults.cut_network(layout, namespace, f"{name}-primary")
     try:
 
         def failing_over() -> bool:
@@ -264,7 +270,8 @@ def test_an_operator_killed_mid_failover_finishes_it_after_a_restart(
                           for c in last.get("conditions") or []]  # fmt: skip
             raise TimeoutError(f"{exc}; status {where}; conditions {conditions}") from None
     finally:
-        faults.resume_pod(Layout.default(), namespace, f"{name}-primary")
+        faults.heal_network(layout, namespace, f"{name}-primary")
+        faults.resume_pod(layout, namespace, f"{name}-primary")
     status = cluster_status(cluster, namespace, name)
     assert status["epoch"] == 2 and status["lastFailover"]["to"] == "backup"
     assert status["lastFailover"]["reason"].startswith("active unreachable and its Lease")
