@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 
 from twinmq.broker.names import ACTIVE, MIRROR_PORT
 from twinmq.operator.models import GROUP, PLURAL, VERSION
+from twinmq.operator.ownership import Owner, foreign_reason
 
 Obj = dict[str, Any]
 BROKERS = ("primary", "backup")
@@ -1080,17 +1081,9 @@ def cmd_mirror_trust(kube: Kube, other: Kube, args: argparse.Namespace, out: Any
     if not mirror:
         raise PluginError(f"{namespace}/{args.cluster} has no spec.mirror: nothing to trust")
     from_ns = args.from_namespace or other.default_namespace
-    published = f"{args.from_cluster}-ca"
-    where = f"ConfigMap {from_ns}/{published}" + (
-        f" (context {args.from_context})" if args.from_context else "")  # fmt: skip
-    found = other.config_map(from_ns, published)
-    bundle = ((found or {}).get("data") or {}).get(TRUST_KEY)
-    if not bundle:
-        raise PluginError(
-            f"{where} " + ("holds no ca.crt" if found else "does not exist") + ": is "
-            f"{from_ns}/{args.from_cluster} a BrokerCluster with spec.tls on (the operator "
-            "publishes its CA there)?"
-        )
+    there = find_cluster(other, from_ns, args.from_cluster)
+    bundle = published_ca(other, there, args.from_context)
+    where = config_map_where(from_ns, f"{args.from_cluster}-ca", args.from_context)
     name = trust_config_map(args.cluster)
     mine = kube.config_map(namespace, name)
     body = {
@@ -1143,17 +1136,47 @@ def pem_certificates(bundle: str) -> list[str]:
     return list(dict.fromkeys(m.group(0).strip() for m in _PEM.finditer(bundle)))
 
 
-def published_ca(kube: Kube, namespace: str, cluster: str, context: str | None) -> str:
-    """A BrokerCluster's CA as its operator publishes it (`<cluster>-ca`, `ca.crt`)."""
-    where = f"ConfigMap {namespace}/{cluster}-ca" + (
-        f" (context {context})" if context else "")  # fmt: skip
-    found = kube.config_map(namespace, f"{cluster}-ca")
+def config_map_where(namespace: str, name: str, context: str | None) -> str:
+    """A ConfigMap as the plugin's messages name it (with the context it was read through)."""
+    return f"ConfigMap {namespace}/{name}" + (f" (context {context})" if context else "")
+
+
+def generated_config_map(
+    kube: Kube, cluster: Mapping[str, Any], name: str, context: str | None
+) -> Obj | None:
+    """A ConfigMap under a name the operator generates for `cluster` (a BrokerCluster as
+    read), or None when there is none. One that `cluster` does not own (its uid in an owner
+    reference: `ownership.foreign_reason`, the operator's own check) was made by someone
+    else, before the cluster or after deleting its operator's: never used (docs/security.md,
+    "Names the operator generates")."""
+    meta = cluster.get("metadata") or {}
+    namespace = str(meta.get("namespace"))
+    found = kube.config_map(namespace, name)
+    if found is None:
+        return None
+    why = foreign_reason(found, Owner(str(meta.get("uid"))))
+    if why is not None:
+        raise PluginError(
+            f"{config_map_where(namespace, name, context)} is not BrokerCluster "
+            f"{namespace}/{meta.get('name')}'s ({why}): someone else made it, so it is not "
+            "copied; find out who, delete it, and the operator publishes the cluster's own"
+        )
+    return found
+
+
+def published_ca(kube: Kube, cluster: Mapping[str, Any], context: str | None) -> str:
+    """A BrokerCluster's CA (`cluster`, as read) as its operator publishes it
+    (`<cluster>-ca`, `ca.crt`), from that ConfigMap only if the cluster owns it."""
+    meta = cluster.get("metadata") or {}
+    namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+    found = generated_config_map(kube, cluster, f"{name}-ca", context)
     bundle = ((found or {}).get("data") or {}).get(TRUST_KEY)
     if not bundle:
         raise PluginError(
-            f"{where} " + ("holds no ca.crt" if found else "does not exist") + f": is "
-            f"{namespace}/{cluster} a BrokerCluster with spec.tls on (the operator publishes "
-            "its CA there)?"
+            f"{config_map_where(namespace, f'{name}-ca', context)} "
+            + ("holds no ca.crt" if found else "does not exist")
+            + f": is {namespace}/{name} a BrokerCluster with spec.tls on (the operator "
+            "publishes its CA there)?"
         )
     return str(bundle)
 
@@ -1216,16 +1239,20 @@ def cmd_federation_trust(kube: Kube, other: Kube, args: argparse.Namespace, out:
         )
     from_ns = args.from_namespace or other.default_namespace
     there = f"{from_ns}/{args.from_cluster}"
-    upstream_ca = published_ca(other, from_ns, args.from_cluster, args.from_context)
-    own_ca = published_ca(kube, namespace, args.cluster, None)
     upstream = find_cluster(other, from_ns, args.from_cluster)
+    upstream_ca = published_ca(other, upstream, args.from_context)
+    own_ca = published_ca(kube, site, None)
     serving = (upstream.get("spec") or {}).get("federation") or {}
     bundle_name = downstream_trust_config_map(args.from_cluster)
     # The downstreams the upstream trusts now: its named bundle, else the operator's copy
-    # of its own Kubernetes cluster's downstreams (`downstreamCaConfigMap` replaces it).
-    current_name = serving.get("downstreamCaConfigMap") or (
-        f"{args.from_cluster}-federation-downstream-ca")  # fmt: skip
-    current = other.config_map(from_ns, current_name)
+    # of its own Kubernetes cluster's downstreams (`downstreamCaConfigMap` replaces it;
+    # under the name the operator generates, only the upstream's own copy is kept).
+    current_name = serving.get("downstreamCaConfigMap")
+    if current_name:
+        current = other.config_map(from_ns, current_name)
+    else:
+        current_name = f"{args.from_cluster}-federation-downstream-ca"
+        current = generated_config_map(other, upstream, current_name, args.from_context)
     trusted = pem_certificates(str(((current or {}).get("data") or {}).get(TRUST_KEY) or ""))
 
     # The downstream side: the upstream's CA, and the upstream entry's tls naming it.

@@ -59,8 +59,8 @@ from twinmq.operator.builders import (
     tls_secret_name,
     vip_name,
 )
-from twinmq.operator.kube import Owner
 from twinmq.operator.models import BrokerClusterSpec, BrokerName, CaRotation, Tls
+from twinmq.operator.ownership import Owner
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]

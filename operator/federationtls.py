@@ -43,12 +43,13 @@ from typing import Any, Literal, Protocol
 from pydantic import ValidationError
 
 from twinmq.operator.builders import ClusterRef, client_certificates, owned_meta
-from twinmq.operator.kube import Owner, owned
+from twinmq.operator.kube import owned
 from twinmq.operator.models import (
     BrokerClusterSpec,
     FederationUpstream,
     FederationUpstreamTls,
 )
+from twinmq.operator.ownership import Owner
 
 Obj = dict[str, Any]
 CA_KEY = "ca.crt"

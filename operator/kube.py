@@ -10,7 +10,6 @@ import base64
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -18,6 +17,8 @@ import kopf
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
+
+from twinmq.operator.ownership import Owner, foreign_reason, owns
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -55,22 +56,9 @@ class Conflict(Exception):
     someone else first."""
 
 
-CERTIFICATE_NAME = "cert-manager.io/certificate-name"
-"""The annotation cert-manager puts on the Secret it writes for a Certificate."""
 FOREIGN_RETRY = 30.0
 """Seconds before a reconcile that met someone else's object under a generated name tries
 again (someone must delete or rename it first)."""
-
-
-@dataclass(frozen=True)
-class Owner:
-    """Who must own an object under a name the operator generates: the BrokerCluster of
-    `uid`; for the Secret cert-manager writes (it sets no owner reference by default),
-    `certificate`, the name of the BrokerCluster's own cert-manager Certificate whose Secret
-    it must be."""
-
-    uid: str
-    certificate: str | None = None
 
 
 class Foreign(kopf.TemporaryError):
@@ -88,53 +76,6 @@ class Foreign(kopf.TemporaryError):
             f"own{hint}",
             delay=FOREIGN_RETRY,
         )
-
-
-def owns(obj: Obj, uid: str) -> bool:
-    """Whether `obj` names the object of `uid` among its owners (uids are never reused, and
-    an object made before its owner existed cannot name it)."""
-    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
-    return any(ref.get("uid") == uid for ref in refs)
-
-
-def foreign_reason(obj: Obj, owner: Owner, certificate: Obj | None = None) -> str | None:
-    """Why `obj`, found under a name the operator generates, is not `owner`'s (None: it
-    is). `certificate`: with `owner.certificate`, that Certificate as read (None: absent).
-
-    cert-manager's Secret is its Certificate's when it carries cert-manager's annotation
-    naming it, the Certificate is the BrokerCluster's, and the Secret is not older than the
-    Certificate (cert-manager writes it after; one made before under that name, even with the
-    annotation, is someone's pre-emptive copy: cert-manager would keep a valid-looking one
-    as is) or names it as its owner (`--enable-certificate-owner-ref`)."""
-    if owns(obj, owner.uid):
-        return None
-    if owner.certificate is None:
-        return "no owner reference to it"
-    meta = obj.get("metadata") or {}
-    named = (meta.get("annotations") or {}).get(CERTIFICATE_NAME)
-    if named != owner.certificate:
-        return (f"not the Secret of this BrokerCluster's Certificate {owner.certificate}: its "
-                f"{CERTIFICATE_NAME} annotation is {named!r}")  # fmt: skip
-    if certificate is None or not owns(certificate, owner.uid):
-        return f"Certificate {owner.certificate} is not this BrokerCluster's"
-    cert_meta = certificate.get("metadata") or {}
-    if owns(obj, str(cert_meta.get("uid"))):
-        return None
-    made, cert_made = _created(meta), _created(cert_meta)
-    if made is None or cert_made is None or made < cert_made:
-        return (f"created before this BrokerCluster's Certificate {owner.certificate}: "
-                "cert-manager did not make it")  # fmt: skip
-    return None
-
-
-def _created(meta: Obj) -> datetime | None:
-    stamp = meta.get("creationTimestamp")
-    if isinstance(stamp, datetime):
-        return stamp
-    try:
-        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 def owned(found: Obj | None, owner: Owner, certificate: Obj | None = None) -> Obj | None:

@@ -69,7 +69,7 @@ from twinmq.operator.failover import (
     Switchover,
     decide,
 )
-from twinmq.operator.kube import FIELD_MANAGER, Foreign, Kube, Owner, Refused, owned
+from twinmq.operator.kube import FIELD_MANAGER, Foreign, Kube, Refused, owned
 from twinmq.operator.leasewatch import LeaseWatch
 from twinmq.operator.models import (
     GROUP,
@@ -87,6 +87,7 @@ from twinmq.operator.models import (
     iso,
     parse_iso,
 )
+from twinmq.operator.ownership import Owner
 from twinmq.operator.probe import admin_of, damage_text, passive_lag, probe, view_of
 from twinmq.operator.processes import broker_process, process_gone
 

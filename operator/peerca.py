@@ -38,8 +38,9 @@ from pydantic import ValidationError
 
 from twinmq.operator import mirroring
 from twinmq.operator.builders import ClusterRef, owned_meta
-from twinmq.operator.kube import Foreign, Owner, owned
+from twinmq.operator.kube import Foreign, owned
 from twinmq.operator.models import BrokerClusterSpec
+from twinmq.operator.ownership import Owner
 
 Obj = dict[str, Any]
 CA_KEY = "ca.crt"

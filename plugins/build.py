@@ -45,6 +45,7 @@ MODULES = {
     "twinmq/broker/__init__.py": "broker/__init__.py",
     "twinmq/broker/names.py": "broker/names.py",
     "twinmq/operator/models.py": "operator/models.py",
+    "twinmq/operator/ownership.py": "operator/ownership.py",
 }
 """The plugin's modules in the archive's lib/ -> their source in the checkout."""
 ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}

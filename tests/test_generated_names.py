@@ -19,8 +19,9 @@ from test_operator_tls import cert_manager_crd
 from twinmq.operator import certs, federationtls, peerca
 from twinmq.operator import main as operator_main
 from twinmq.operator.builders import ClusterRef
-from twinmq.operator.kube import CERTIFICATE_NAME, Foreign, Kube, decoded_secret_data
+from twinmq.operator.kube import Foreign, Kube, decoded_secret_data
 from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec
+from twinmq.operator.ownership import CERTIFICATE_NAME
 from twinmq.testing.waiting import wait_for
 
 NS = "names"

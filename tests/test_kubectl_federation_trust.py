@@ -20,7 +20,7 @@ from twinmq.cli.kubectl import (
     run,
 )
 from twinmq.operator import certs, federationtls
-from twinmq.operator.builders import ClusterRef
+from twinmq.operator.builders import ClusterRef, owned_meta
 from twinmq.operator.kube import Kube
 from twinmq.operator.models import GROUP, KIND, VERSION, BrokerClusterSpec
 
@@ -87,8 +87,8 @@ def test_federation_trust_copies_each_sides_ca_to_the_other_and_keeps_the_truste
     # A downstream in central's own Kubernetes cluster, trusted by the operator's copy:
     # it must stay trusted once downstreamCaConfigMap replaces the copy.
     local_ca = certs.new_ca(ClusterRef("branch", THERE, "u-branch"), NOW).cert
-    api.apply({"apiVersion": "v1", "kind": "ConfigMap",
-               "metadata": {"name": "central-federation-downstream-ca", "namespace": THERE},
+    api.apply({"apiVersion": "v1", "kind": "ConfigMap",  # as central's operator copies it
+               "metadata": owned_meta(central, "central-federation-downstream-ca"),
                "data": {"ca.crt": local_ca}})  # fmt: skip
 
     said, _ = trust(kubeconfig, "orders")
@@ -142,9 +142,7 @@ def test_federation_trust_copies_each_sides_ca_to_the_other_and_keeps_the_truste
 
     # The upstream's CA rotated: the copy follows.
     rotated = certs.new_ca(central, NOW).cert
-    api.apply({"apiVersion": "v1", "kind": "ConfigMap",
-               "metadata": {"name": "central-ca", "namespace": THERE},
-               "data": {"ca.crt": rotated}})  # fmt: skip
+    api.apply(certs.build_ca_config_map(central, rotated))  # as the operator publishes it
     assert f"configmap/{copy_name} updated" in trust(kubeconfig, "orders")[0]
     copy = api.get("v1", "ConfigMap", HERE, copy_name)
     assert copy is not None and copy["data"]["central.crt"] == rotated
@@ -170,3 +168,59 @@ def test_federation_trust_refuses_a_plain_uri_and_an_ambiguous_upstream_before_w
     site(api, HERE, "bare", {})
     _, err = trust(kubeconfig, "bare", code=1)
     assert "has no spec.federation.upstreams" in err
+
+
+def planted_config_map(api: Kube, namespace: str, name: str) -> str:
+    """A CA of someone else's (they hold its key) in a ConfigMap they made, no owner."""
+    evil = certs.new_ca(ClusterRef("mallory", namespace, "u-mallory"), NOW).cert
+    api.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    api.ensure({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": namespace},
+                "data": {"ca.crt": evil}})  # fmt: skip
+    return evil
+
+
+def bare_cluster(api: Kube, namespace: str, name: str, spec: dict[str, Any]) -> None:
+    """A BrokerCluster whose operator has not published anything yet."""
+    api.apply({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+               "metadata": {"name": name, "namespace": namespace}, "spec": spec})  # fmt: skip
+
+
+def test_federation_trust_copies_no_ca_from_a_config_map_its_cluster_does_not_own(
+    api: Kube, kube_apiserver: Any, tmp_path: Path
+) -> None:
+    """Each ConfigMap under a name the operator generates that the command reads: the
+    upstream's `<up>-ca` (the downstream would trust it), the downstream's own `<down>-ca`
+    (the upstream would accept client certificates of it), the upstream's copy of its
+    downstreams' CAs (kept in the bundle it trusts). Made by someone else, each is refused
+    before anything is written."""
+    kubeconfig = two_contexts(kube_apiserver.kubeconfig, tmp_path)
+    # The upstream's CA, planted before the upstream BrokerCluster.
+    planted_config_map(api, THERE, "fakeup-ca")
+    bare_cluster(api, THERE, "fakeup", {"federation": {}})
+    site(api, HERE, "down1", downstream())
+    _, err = trust(kubeconfig, "down1", "--from-cluster", "fakeup", code=1)
+    assert (f"ConfigMap {THERE}/fakeup-ca (context there) is not BrokerCluster "
+            f"{THERE}/fakeup's (no owner reference to it)") in err  # fmt: skip
+    # The downstream's own CA, planted before the downstream.
+    planted_config_map(api, HERE, "fakedown-ca")
+    bare_cluster(api, HERE, "fakedown", downstream())
+    site(api, THERE, "realup", {"federation": {}})
+    _, err = trust(kubeconfig, "fakedown", "--from-cluster", "realup", code=1)
+    assert f"ConfigMap {HERE}/fakedown-ca is not BrokerCluster {HERE}/fakedown's" in err
+    # The upstream operator's copy of its downstreams' CAs, planted before the upstream.
+    planted_config_map(api, THERE, "copyup-federation-downstream-ca")
+    site(api, THERE, "copyup", {"federation": {}})
+    site(api, HERE, "down3", downstream())
+    _, err = trust(kubeconfig, "down3", "--from-cluster", "copyup", code=1)
+    assert (f"ConfigMap {THERE}/copyup-federation-downstream-ca (context there) is not "
+            f"BrokerCluster {THERE}/copyup's") in err  # fmt: skip
+
+    for here, up in (("down1", "fakeup"), ("fakedown", "realup"), ("down3", "copyup")):
+        assert api.get("v1", "ConfigMap", HERE, federation_trust_config_map(here)) is None
+        assert api.get("v1", "ConfigMap", THERE, downstream_trust_config_map(up)) is None
+        upstream = BrokerClusterSpec.model_validate(cluster_spec(api, ClusterRef(up, THERE, "")))
+        assert upstream.federation is not None
+        assert upstream.federation.downstream_ca_config_map is None
+        spec = BrokerClusterSpec.model_validate(cluster_spec(api, ClusterRef(here, HERE, "")))
+        assert spec.federation is not None and spec.federation.upstreams[0].tls is None

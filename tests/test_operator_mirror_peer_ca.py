@@ -270,9 +270,7 @@ def test_mirror_trust_copies_the_other_sites_ca_through_its_context_idempotently
     assert "unchanged" in again and "already orders-mirror-trust" in again
 
     rotated = certs.new_ca(there, NOW).cert
-    api.apply({"apiVersion": "v1", "kind": "ConfigMap",
-               "metadata": {"name": "orders-ca", "namespace": "trust-b"},
-               "data": {"ca.crt": rotated}})  # fmt: skip
+    api.apply(certs.build_ca_config_map(there, rotated))  # as the operator publishes it
     assert f"configmap/{name} updated" in trust()
     copy = api.get("v1", "ConfigMap", "trust-a", name)
     assert copy is not None and copy["data"]["ca.crt"] == rotated
@@ -287,8 +285,50 @@ def test_mirror_trust_says_when_the_other_site_published_no_ca(
     argv = ["mirror", "trust", "plain", "--kubeconfig", str(kubeconfig),
             "--from-context", "there", "--from-cluster", "absent"]  # fmt: skip
     assert run(argv, out, err) == 1
-    assert "ConfigMap trust-b/absent-ca (context there) does not exist" in err.getvalue()
+    assert 'brokerclusters.twinmq.io "absent" not found in namespace "trust-b"' in err.getvalue()
     assert api.get("v1", "ConfigMap", "trust-a", trust_config_map("plain")) is None
+
+
+def test_mirror_trust_copies_no_ca_from_a_config_map_the_other_sites_cluster_does_not_own(
+    api: Kube, kube_apiserver: Any, tmp_path: Path
+) -> None:
+    """`<cluster>-ca` made by someone else (before the cluster, by anyone who may create
+    ConfigMaps there) is refused as the operator refuses it: nothing is written here, and
+    the site's spec is left as it was. Once the cluster's own is published, it is copied."""
+    kubeconfig = two_contexts(kube_apiserver.kubeconfig, tmp_path)
+    site(api, "trust-a", "victim", mirror_spec("source", "dr.example.com"))
+    api.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "trust-b"}})
+    evil = certs.new_ca(ClusterRef("planted", "trust-b", "u-mallory"), NOW).cert
+    planted = {"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": "planted-ca", "namespace": "trust-b"},
+               "data": {"ca.crt": evil}}  # fmt: skip
+    api.ensure(planted)
+    made = api.apply({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+                      "metadata": {"name": "planted", "namespace": "trust-b"},
+                      "spec": mirror_spec("replica", None)})  # fmt: skip
+    argv = ["mirror", "trust", "victim", "--kubeconfig", str(kubeconfig),
+            "--from-context", "there", "--from-cluster", "planted"]  # fmt: skip
+    out, err = io.StringIO(), io.StringIO()
+    assert run(argv, out, err) == 1
+    assert ("ConfigMap trust-b/planted-ca (context there) is not BrokerCluster "
+            "trust-b/planted's (no owner reference to it)") in err.getvalue()  # fmt: skip
+    assert out.getvalue() == ""
+    assert api.get("v1", "ConfigMap", "trust-a", trust_config_map("victim")) is None
+    cluster = api.get(f"{GROUP}/{VERSION}", KIND, "trust-a", "victim")
+    assert cluster is not None
+    assert "caConfigMap" not in (cluster["spec"]["mirror"].get("tls") or {})
+
+    # Its operator's own, once the planted one is gone: copied.
+    api.delete("v1", "ConfigMap", "trust-b", "planted-ca")
+    there = ClusterRef("planted", "trust-b", made["metadata"]["uid"])
+    certs.reconcile_tls(there, spec_of(mirror_spec("replica", None)), certs.TlsMemory(), api,
+                        api.apply, now=NOW, seconds=3600)  # fmt: skip
+    assert run(argv, io.StringIO(), err) == 0, err.getvalue()
+    copy = api.get("v1", "ConfigMap", "trust-a", trust_config_map("victim"))
+    assert copy is not None and copy["data"]["ca.crt"] == published_ca(api, there) != evil
+    cluster = api.get(f"{GROUP}/{VERSION}", KIND, "trust-a", "victim")
+    assert cluster is not None
+    assert cluster["spec"]["mirror"]["tls"]["caConfigMap"] == trust_config_map("victim")
 
 
 def test_an_operator_that_may_not_read_the_other_namespace_says_so(
