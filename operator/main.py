@@ -87,7 +87,7 @@ from twinmq.operator.models import (
     iso,
     parse_iso,
 )
-from twinmq.operator.ownership import Owner
+from twinmq.operator.ownership import Owner, owns
 from twinmq.operator.probe import admin_of, damage_text, passive_lag, probe, view_of
 from twinmq.operator.processes import broker_process, process_gone
 
@@ -190,10 +190,15 @@ def kube() -> Kube:
 # -- reconcile -------------------------------------------------------------------------------
 
 
-OWNED_ONLY = frozenset({"Secret", "ConfigMap", "Certificate"})
-"""Kinds of child the operator applies only over an object this BrokerCluster owns (the
-first apply of a process reads it: `kube.owned`). Others are left as before: a PVC of a
-BrokerCluster deleted with `--cascade=orphan` and created again holds its data."""
+ADOPTED_UNOWNED = frozenset({"PersistentVolumeClaim"})
+"""The one kind of child the operator applies over an object under its name that this
+BrokerCluster does not own: a PVC of a BrokerCluster deleted with `--cascade=orphan` and
+created again holds its data. Every other kind (Secrets, ConfigMaps, Certificates, the
+Services, the PodDisruptionBudget, the brokers' ServiceAccount, Role and RoleBinding, the
+NetworkPolicy) is applied only over an object this BrokerCluster owns (the first apply of
+a process reads it: `kube.owned`): a Service someone else made could route the virtual
+IP to their pod (an EndpointSlice of their own survives the operator's selector), a
+RoleBinding or ServiceAccount of theirs keep what they granted or hold."""
 
 
 def reconcile_children(
@@ -228,7 +233,7 @@ def reconcile_children(
                             "operator ran goes unreported", cluster.namespace, cluster.name,
                             name)  # fmt: skip
                 live = None
-            if obj["kind"] in OWNED_ONLY:  # never rewrite (and own) someone else's
+            if obj["kind"] not in ADOPTED_UNOWNED:  # never rewrite (and own) someone else's
                 owned(live, Owner(cluster.uid))
             before = drift.remembered(live, FIELD_MANAGER)
         now = drift.applied(obj, k.apply(obj), FIELD_MANAGER)
@@ -322,9 +327,11 @@ def reconcile_network_policy(
             log.info("%s/%s: no NetworkPolicy: the operator does not know its own pods (%s and "
                      "%s, set by the chart)", cluster.namespace, cluster.name,
                      netpolicy.OPERATOR_NAMESPACE_ENV, netpolicy.OPERATOR_SELECTOR_ENV)  # fmt: skip
-        name = netpolicy.policy_name(cluster)
+        name, k = netpolicy.policy_name(cluster), kube()
         try:
-            kube().delete("networking.k8s.io/v1", "NetworkPolicy", cluster.namespace, name)
+            found = k.get("networking.k8s.io/v1", "NetworkPolicy", cluster.namespace, name)
+            if found is not None and owns(found, cluster.uid):  # never someone else's
+                k.delete("networking.k8s.io/v1", "NetworkPolicy", cluster.namespace, name)
         except ForbiddenError:  # RBAC of an older chart: it never made one either
             log.info("%s/%s: cannot check for a NetworkPolicy to remove (no permission)",
                      cluster.namespace, cluster.name)  # fmt: skip
@@ -347,9 +354,7 @@ def remove_federation_config(
     k = kube()
     try:
         found = k.get("v1", "ConfigMap", cluster.namespace, name)
-        owners = {o.get("uid") for o in ((found or {}).get("metadata") or {}).get(
-            "ownerReferences") or []}  # fmt: skip
-        if cluster.uid in owners:  # never a ConfigMap of someone else's under that name
+        if found is not None and owns(found, cluster.uid):  # never someone else's
             k.delete("v1", "ConfigMap", cluster.namespace, name)
     except ForbiddenError:  # RBAC of an older chart: no delete; the cluster's deletion does it
         log.info("%s/%s: cannot delete ConfigMap %s (no permission)", cluster.namespace,

@@ -16,7 +16,7 @@ from cryptography import x509
 from test_operator_federation import downstream
 from test_operator_tls import cert_manager_crd
 
-from twinmq.operator import certs, federationtls, peerca
+from twinmq.operator import builders, certs, federationtls, netpolicy, peerca
 from twinmq.operator import main as operator_main
 from twinmq.operator.builders import ClusterRef
 from twinmq.operator.kube import Foreign, Kube, decoded_secret_data
@@ -167,6 +167,113 @@ def test_a_ca_config_map_created_by_someone_else_is_neither_rewritten_nor_owned(
     assert "ConfigMap precm-ca exists" in str(refused.value)
     untouched(space, "ConfigMap", planted)
     assert space.get_pod(NS, "precm-primary") is None
+
+
+OPERATOR_PODS = {
+    netpolicy.OPERATOR_NAMESPACE_ENV: "twinmq-system",
+    netpolicy.OPERATOR_SELECTOR_ENV: "app.kubernetes.io/name=twinmq-operator",
+}
+
+
+def planted_children(name: str) -> list[dict[str, Any]]:
+    """What someone else could make under the names of a cluster's other children, each
+    worth having: the virtual IP (and the brokers' DNS names) sent to their own pod, a
+    disruption budget that lets both brokers go, the brokers' ServiceAccount (whose tokens
+    they may hold), Role and RoleBinding granting more, a policy letting anyone in."""
+    meta = {"name": name, "namespace": NS, "labels": {"planted-by": "mallory"}}
+    evil = {"app": "mallory"}
+    port = {"name": "amqp", "port": 5672}
+    rbac = "rbac.authorization.k8s.io/v1"
+    return [
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+         "spec": {"selector": evil, "ports": [port]}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {**meta, "name": f"{name}-brokers"},
+         "spec": {"clusterIP": "None", "selector": evil, "ports": [port]}},
+        {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta,
+         "spec": {"maxUnavailable": 2, "selector": {"matchLabels": evil}}},
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {**meta, "name": f"{name}-broker"}},
+        {"apiVersion": rbac, "kind": "Role", "metadata": {**meta, "name": f"{name}-broker"},
+         "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list"]}]},
+        {"apiVersion": rbac, "kind": "RoleBinding", "metadata": {**meta, "name": f"{name}-broker"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                     "name": "edit"},
+         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                       "name": "mallory"}]},
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+         "metadata": {**meta, "name": f"{name}-brokers"},
+         "spec": {"podSelector": {}, "ingress": [{}], "policyTypes": ["Ingress"]}},
+    ]  # fmt: skip
+
+
+def holds(found: Any, planted: Any) -> bool:
+    """Whether `found` still holds everything `planted` set (the API server adds defaults)."""
+    if isinstance(planted, dict):
+        return isinstance(found, dict) and all(holds(found.get(k), v) for k, v in planted.items())
+    if isinstance(planted, list):
+        return isinstance(found, list) and len(found) == len(planted) and all(
+            holds(f, p) for f, p in zip(found, planted, strict=True))  # fmt: skip
+    return bool(found == planted)
+
+
+@pytest.mark.parametrize(
+    "index", range(len(planted_children("x"))),
+    ids=[f"{o['kind']}-{o['metadata']['name']}" for o in planted_children("x")],
+)  # fmt: skip
+def test_each_other_child_made_by_someone_else_is_refused_and_left_alone(
+    space: Kube, monkeypatch: pytest.MonkeyPatch, index: int
+) -> None:
+    """Services, the PodDisruptionBudget, the brokers' ServiceAccount, Role and
+    RoleBinding, the NetworkPolicy: the same check as Secrets. Applying over one would
+    leave what the operator does not set (an EndpointSlice of the attacker's still
+    routes the virtual IP to their pod; a RoleBinding's roleRef cannot even change)."""
+    cluster = new_cluster(space, f"prekind-{index}")
+    planted = planted_children(cluster.name)[index]
+    space.ensure(planted)
+    for key, value in OPERATOR_PODS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(operator_main, "KUBE", space)
+    with pytest.raises(Foreign) as refused:
+        operator_main.reconcile_children(cluster, BrokerClusterSpec(), operator_main.Memory(), {})
+    name = planted["metadata"]["name"]
+    assert f"{planted['kind']} {name} exists and is not this BrokerCluster's" in str(
+        refused.value)  # fmt: skip
+    found = space.get(planted["apiVersion"], planted["kind"], NS, name)
+    assert found is not None and not found["metadata"].get("ownerReferences")
+    assert holds(found, planted), found
+    assert space.get_pod(NS, f"{cluster.name}-primary") is None
+    stalled = operator_main.rollout_conditions(None, None, str(refused.value))[1]
+    assert stalled[:3] == ("Stalled", True, "ForeignObject")
+
+
+def test_a_restarted_operator_applies_over_its_own_children_and_an_orphaned_volume(
+    space: Kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cluster's own objects (made by an earlier operator process) pass the check; a
+    PVC that no longer names the cluster (deleted with `--cascade=orphan` and created
+    again) is still taken: it holds the broker's data. And a policy of someone else's is
+    not deleted when the cluster opts out of the operator's."""
+    for key, value in OPERATOR_PODS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(operator_main, "KUBE", space)
+    cluster = new_cluster(space, "again")
+    orphaned = builders.build_pvc(cluster, BrokerClusterSpec(), "primary")
+    del orphaned["metadata"]["ownerReferences"]
+    space.ensure(orphaned)
+    operator_main.reconcile_children(cluster, BrokerClusterSpec(), operator_main.Memory(), {})
+    operator_main.reconcile_children(cluster, BrokerClusterSpec(), operator_main.Memory(), {})
+    for obj in planted_children(cluster.name):
+        found = space.get(obj["apiVersion"], obj["kind"], NS, obj["metadata"]["name"])
+        assert found is not None and found["metadata"]["ownerReferences"][0]["uid"] == cluster.uid
+    volume = space.get("v1", "PersistentVolumeClaim", NS, orphaned["metadata"]["name"])
+    assert volume is not None and volume["metadata"]["ownerReferences"][0]["uid"] == cluster.uid
+
+    opted_out = new_cluster(space, "optout")
+    (policy,) = [o for o in planted_children(opted_out.name) if o["kind"] == "NetworkPolicy"]
+    space.ensure(policy)
+    off = BrokerClusterSpec.model_validate({"networkPolicy": {"enabled": False}})
+    operator_main.reconcile_children(opted_out, off, operator_main.Memory(), {})
+    assert space.get(policy["apiVersion"], "NetworkPolicy", NS, policy["metadata"]["name"])
 
 
 def test_a_planted_copy_of_another_sites_ca_is_no_copy(space: Kube) -> None:
