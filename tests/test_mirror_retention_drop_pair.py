@@ -20,7 +20,8 @@ also sans-I/O (the real source, role store and journals).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pika
@@ -29,13 +30,23 @@ from mirrorsites import ORIGIN, TOKEN, browse, mirror_status
 from test_failed_batch_pair import InThread, _promote_after_kill
 
 from twinmq.broker.admin_client import mirror_reseed_call
-from twinmq.broker.journal import Settle, StoredMessage
+from twinmq.broker.journal import JournalOp, Settle, StoredMessage
 from twinmq.broker.journal.ops import decode_ops
-from twinmq.broker.mirror.events import INTERNAL_QID_BASE
-from twinmq.broker.mirror.source import QUEUE_QID
+from twinmq.broker.mirror.bidi import IdMap
+from twinmq.broker.mirror.durable import BatchFutures
+from twinmq.broker.mirror.events import INTERNAL_QID_BASE, record_header
+from twinmq.broker.mirror.role import ROLE_QID, RoleStore, SiteRole
+from twinmq.broker.mirror.source import (
+    QUEUE_NAME,
+    QUEUE_QID,
+    MirrorSource,
+    TargetCursor,
+    cursor_queue,
+)
 from twinmq.broker.replication.protocol import FrameType, decode_batch
 from twinmq.testing.launcher import BrokerProcess, free_port
 from twinmq.testing.pair import Pair
+from twinmq.testing.sansio import Harness
 from twinmq.testing.waiting import wait_for
 
 QUEUE = "rd.q"
@@ -160,3 +171,140 @@ def test_a_passive_promoted_right_after_a_retention_drop_needs_a_resync_and_lose
     source = browse(pair.active, QUEUE)
     assert sorted(held) == sorted(source)  # nothing lost at the DR site
     assert set(STORED) | set(confirmed) <= set(held)  # every confirmed message
+
+
+# -- a failed batch undoes the drop and the record together (sans-I/O: the real source,
+# role store, committer and journals) ----------------------------------------------------
+
+
+def _message(mid: int) -> StoredMessage:
+    body = f"m{mid}".encode()
+    return StoredMessage(mid, 3, "", "q", record_header(len(body)), body, None)
+
+
+def _source(h: Harness) -> tuple[MirrorSource, RoleStore]:
+    """A one-way source with a retention bound of 3 and its role store, wired as the site
+    wires them (`Mirroring._needs_resync`: the record's ops join the drop's batch)."""
+    roles = RoleStore(h.vhost, h.committer, BatchFutures(), "source")
+    source = MirrorSource(h.vhost, h.committer, h.clock.time)
+    source.retention = 3
+    source.needs_resync = roles.current.needs_resync
+
+    def record(reason: str) -> tuple[list[JournalOp], Callable[[], list[JournalOp]]]:
+        return roles.replace(roles.current.model_copy(update={"needs_resync": reason}))
+
+    source.on_needs_resync = record
+    h.committer.tap = source
+    h.committer.await_durable(source)
+    return source, roles
+
+
+def _mids(h: Harness) -> list[int]:
+    queue = h.vhost.queues.get(QUEUE_NAME)
+    return [] if queue is None else [e.message.mid for e in queue.entries]
+
+
+def test_a_failed_batch_undoes_a_retention_drop_and_its_needs_resync_record_together(
+    tmp_path: Path,
+) -> None:
+    """The batch that passes the bound fails: the backlog, NeedsResync clear and the
+    previous role record come back, here and on the passive that applied the batch; the
+    next batch drops again, the drop and the record in one group commit (a restart holds
+    both)."""
+    site = Harness(tmp_path / "a")
+    source, roles = _source(site)
+    roles.record(SiteRole(role="source"))  # the record a failed batch must put back
+    source.activate(snapshot=False)
+    for mid in (1, 2):
+        site.committer.add([_message(mid)])
+        site.commit()
+    backlog = _mids(site)
+    assert 0 < len(backlog) <= 3 and source.needs_resync is None
+    # The pair's passive, in sync: what the site journaled so far, then what it streams.
+    shutil.copytree(tmp_path / "a" / "journal", tmp_path / "passive" / "journal")
+    passive = Harness(tmp_path / "passive")
+
+    failed = 10**6  # the tap keys its changes by batch number only
+    streamed = source.batch_closing(failed, [_message(3), _message(4)], memoryview(b""))
+    assert source.needs_resync is not None and _mids(site) == []
+    assert roles.current.needs_resync is not None
+    assert any(op.qid == ROLE_QID for op in streamed)  # the record: the drop's batch
+    passive.vhost.apply_ops(streamed)
+    withdrawal = source.batch_failed(failed)
+    passive.vhost.apply_ops(withdrawal, catchup=True)
+
+    assert source.needs_resync is None and roles.current.needs_resync is None
+    assert _mids(site) == backlog
+    passive_roles = RoleStore(passive.vhost, passive.committer, BatchFutures(), "source")
+    assert passive_roles.current.needs_resync is None
+    assert _mids(passive) == backlog
+    passive.close()
+
+    site.committer.add([_message(5), _message(6)])  # passes the bound again, for real
+    site.commit()
+    assert source.needs_resync is not None and _mids(site) == []
+    site.close()
+    restarted = Harness(tmp_path / "a")
+    restarted_roles = RoleStore(restarted.vhost, restarted.committer, BatchFutures(), "source")
+    assert restarted_roles.current.needs_resync is not None
+    assert _mids(restarted) == []
+    restarted.close()
+
+
+def test_a_failed_batch_undoes_a_mesh_targets_drop_and_its_cursor_record_together(
+    tmp_path: Path,
+) -> None:
+    """A full mesh: the batch that takes target c:1 past the bound (its backlog trimmed,
+    NeedsResync in its cursor record, one group commit) fails: the events, c:1's good
+    standing and its previous record come back, here and on the passive that applied the
+    batch; the next batch takes c:1 past the bound again, for good."""
+    site = Harness(tmp_path / "a")
+    source = MirrorSource(site.vhost, site.committer, site.clock.time)
+    source.ids = IdMap(site.vhost, "site-a")
+    source.name = "site-a"
+    source.targets = ["b:1", "c:1"]
+    site.committer.tap = source
+    site.committer.await_durable(source)
+    source.activate()
+    site.commit()
+    for mid in (1, 2):
+        site.committer.add([_message(mid)])
+        site.commit()
+        source.acked(source.head, "b:1")  # b:1 keeps up, c:1 is away
+        site.commit()
+    backlog, cursors = _mids(site), dict(source.cursors)
+    assert backlog and source.backlog("c:1") == len(backlog) and source.backlog("b:1") == 0
+    source.retention = len(backlog)  # one more event passes it
+    shutil.copytree(tmp_path / "a" / "journal", tmp_path / "passive" / "journal")
+    passive = Harness(tmp_path / "passive")
+
+    failed = 10**6
+    streamed = source.batch_closing(failed, [_message(3)], memoryview(b""))
+    assert source.target_resync.keys() == {"c:1"} and _mids(site) == [source.head]
+    assert _resync(site, "c:1") is not None
+    passive.vhost.apply_ops(streamed)
+    withdrawal = source.batch_failed(failed)
+    passive.vhost.apply_ops(withdrawal, catchup=True)
+
+    assert not source.target_resync and source.cursors == cursors
+    assert _mids(site) == backlog and source.backlog("c:1") == len(backlog)
+    assert _resync(site, "c:1") is None
+    assert _resync(passive, "c:1") is None and _mids(passive) == backlog
+    passive.close()
+
+    site.committer.add([_message(4)])  # passes the bound again, for real
+    site.commit()
+    assert source.target_resync.keys() == {"c:1"}
+    site.close()
+    restarted = Harness(tmp_path / "a")
+    assert _resync(restarted, "c:1") is not None
+    assert len(_mids(restarted)) == 1  # the last event: b:1 lacks it
+    restarted.close()
+
+
+def _resync(h: Harness, target: str) -> str | None:
+    """Why `target` needs a re-seed, as its cursor record in `h` says (None: no record)."""
+    queue = h.vhost.queues.get(cursor_queue(target)[0])
+    if queue is None or not queue.entries:
+        return None
+    return TargetCursor.model_validate_json(queue.entries[-1].message.body).needs_resync

@@ -59,6 +59,7 @@ from twinmq.broker.mirror.events import (
     ops_event,
     record_header,
     replace_record,
+    restore_record,
 )
 from twinmq.broker.queue import Queue
 
@@ -330,12 +331,13 @@ class MirrorSource:
         self.undo_if_failed(batch, undo)
         return self._seed(reason)
 
-    def _backlog_undo(self) -> Callable[[], list[JournalOp]]:
-        """What puts the backlog as it is now back, should the batch that drops it fail (a
-        re-seed's, or a drop past the retention bound): a copy of it, paid only then."""
+    def _backlog_undo(self, dropped: list[Entry] | None = None) -> Callable[[], list[JournalOp]]:
+        """What puts the backlog as it is now back (or the events `dropped`, the head of
+        the queue), should the batch that drops it fail (a re-seed's, or a drop past the
+        retention bound): a copy of it, paid only then."""
         queue = self._queue
         assert queue is not None
-        dropped = list(queue.entries)
+        dropped = list(queue.entries) if dropped is None else dropped
         lag = {
             e.message.mid: self._lag[e.message.mid] for e in dropped if e.message.mid in self._lag
         }
@@ -623,7 +625,7 @@ class MirrorSource:
         would resume the mirror from its mark past the dropped events. Should the batch
         fail, both are undone with it (here, and on a passive by its withdrawal)."""
         if self.targets:
-            return self._targets_beyond_retention()
+            return self._targets_beyond_retention(batch)
         if not self.retention or self._queue is None or self.depth <= self.retention:
             return []
         reason = (
@@ -1043,10 +1045,13 @@ class MirrorSource:
         body = self._queue.entries[index].message.body
         return max(0.0, self.clock() - event_created(body))
 
-    def _targets_beyond_retention(self) -> list[JournalOp]:
+    def _targets_beyond_retention(self, batch: int) -> list[JournalOp]:
         """A mesh: each target past the retention bound goes to NeedsResync on its own
-        (journaled in its record); its backlog is no longer kept for it, the others go on."""
-        if not self.retention or self._queue is None:
+        (journaled in its record); its backlog is no longer kept for it, the others go on.
+        The trim and the records are ops of closing batch `batch`, one unit: should it
+        fail, both are undone with it (here, and on a passive by its withdrawal)."""
+        queue = self._queue
+        if not self.retention or queue is None:
             return []
         fallen: list[str] = []
         for target in self.targets:
@@ -1061,9 +1066,30 @@ class MirrorSource:
             fallen.append(target)
         if not fallen:
             return []
-        ops = self._trim(self.floor())
+        floor = self.floor()
+        undo_trim = self._backlog_undo(list(islice(queue.entries, self._first_after(floor))))
+        acked = self.acked_seq
+        ops = self._trim(floor)
+        records: list[tuple[Queue, list[Entry], int]] = []
+        skips = {target: list(self.target_skips.get(target, [])) for target in fallen}
         for target in fallen:
+            record = self.vhost.internal_queue(*cursor_queue(target))
+            previous = list(record.entries)
             ops += self._cursor_record(target)  # after the trim: it keeps `trimmed`
+            records.append((record, previous, record.entries[-1].message.mid))
+
+        def undo() -> list[JournalOp]:
+            restored = undo_trim()
+            self.acked_seq = min(self.acked_seq, acked)  # each target's cursor as it was
+            for target in fallen:
+                self.target_resync.pop(target, None)
+                if skips[target]:
+                    self.target_skips[target] = skips[target]
+            for record, previous, made in records:
+                restored += restore_record(record, previous, made)
+            return restored
+
+        self.undo_if_failed(batch, undo)
         return ops
 
     def _reseed_targets(self, target: str | None) -> list[JournalOp]:
