@@ -229,6 +229,7 @@ def test_a_failed_batch_undoes_a_retention_drop_and_its_needs_resync_record_toge
     assert source.needs_resync is not None and _mids(site) == []
     assert roles.current.needs_resync is not None
     assert any(op.qid == ROLE_QID for op in streamed)  # the record: the drop's batch
+    assert not source.ensure_active()  # as the link asks meanwhile: the queue released
     passive.vhost.apply_ops(streamed)
     withdrawal = source.batch_failed(failed)
     passive.vhost.apply_ops(withdrawal, catchup=True)

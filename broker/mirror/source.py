@@ -344,8 +344,11 @@ class MirrorSource:
         trimmed, resync = self.trimmed_seq, self.needs_resync
 
         def undo() -> list[JournalOp]:
-            if queue.deleted or queue is not self._queue:
+            # The same queue, whether or not taken over now (a drop past the bound
+            # releases it: `ensure_active` while in NeedsResync).
+            if queue.deleted or self.vhost.queues.get(QUEUE_NAME) is not queue:
                 return []
+            self._queue = queue  # active again as before the drop: no new activation
             queue.entries.extend(dropped)
             queue.sort_by_mid()  # behind a later batch's events, if any
             queue.bytes += sum(e.size for e in dropped)
