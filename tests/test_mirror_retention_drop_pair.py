@@ -20,14 +20,25 @@ also sans-I/O (the real source, role store and journals).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pika
+import pika.exceptions
 import pytest
-from mirrorsites import ORIGIN, TOKEN, browse, mirror_status
-from test_failed_batch_pair import InThread, _promote_after_kill
+from mirrorsites import ORIGIN, TOKEN, all_linked, browse, mirror_status
+from test_failed_batch_pair import (
+    BIG,
+    InThread,
+    _fill,
+    _promote_after_kill,
+    _stored,
+    started_on_small_disks,
+)
+from test_failed_batch_pair import QUEUE as FB_QUEUE
+from test_failed_batch_pair import STORED as STORED_FB
 
 from twinmq.broker.admin_client import mirror_reseed_call
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
@@ -50,7 +61,8 @@ from twinmq.testing.sansio import Harness
 from twinmq.testing.waiting import wait_for
 
 QUEUE = "rd.q"
-RETENTION = 8
+# Well above what a connected DR site lags by on a loaded machine (`test_mirror_reseed`).
+RETENTION = 30
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
 STORED = [f"s{i}".encode() for i in range(5)]
 LATE = [f"late{i}".encode() for i in range(RETENTION + 10)]
@@ -128,6 +140,7 @@ def test_a_passive_promoted_right_after_a_retention_drop_needs_a_resync_and_lose
     """Killed right after the drop's batch, the promoted passive holds the drop and
     NeedsResync: it refuses to resume the DR site; a re-seed then gives the DR site every
     message the source holds (every confirmed one among them), none twice."""
+    all_linked([pair.active])
     conn = pika.BlockingConnection(pika.URLParameters(pair.active.url))
     ch = conn.channel()
     ch.queue_declare(QUEUE, durable=True)
@@ -309,3 +322,53 @@ def _resync(h: Harness, target: str) -> str | None:
     if queue is None or not queue.entries:
         return None
     return TargetCursor.model_validate_json(queue.entries[-1].message.body).needs_resync
+
+
+# -- a failed batch on real brokers: the pair's on a tmpfs each, the active's disk filled --
+
+
+@pytest.fixture
+def small_pair(tmp_path: Path, dr_site: BrokerProcess) -> Iterator[Pair]:
+    """The source pair on a 32 MiB tmpfs each (root only), mirroring to `dr_site` with a
+    retention bound of `RETENTION`."""
+    port = dr_site.extra_args[dr_site.extra_args.index("--mirror-port") + 1]
+    mirror = [
+        "--mirror-to", f"127.0.0.1:{port}", "--mirror-token", TOKEN, "--mirror-id", ORIGIN,
+        "--mirror-retention-events", str(RETENTION),
+    ]  # fmt: skip
+    with started_on_small_disks(tmp_path / "pair", 20.0, mirror) as rig:
+        yield rig
+
+
+def test_a_passive_promoted_after_a_failed_retention_drop_sends_the_dr_site_the_backlog(
+    small_pair: Pair, dr_site: BrokerProcess
+) -> None:
+    """The batch whose event passes the bound is a publish the full disk refuses: the drop
+    and its NeedsResync record are undone with it, here and on the passive. Promoted after
+    a `kill -9` of the active, the passive holds the backlog and no NeedsResync: it resumes
+    the DR site, which gets every confirmed message and not the nacked one."""
+    pair = small_pair
+    all_linked([pair.active])
+    conn, ch = _stored(pair)
+    _mirrored(pair.active)
+    dr_site.stop()
+    late: list[bytes] = []
+    while (mirror_status(pair.active) or {}).get("queue_events", 0) < RETENTION:
+        late.append(f"late{len(late)}".encode())
+        ch.basic_publish("", FB_QUEUE, late[-1], PERSISTENT)
+    assert mirror_status(pair.active)["queue_events"] == RETENTION  # one more passes it
+    _fill(pair)
+    with pytest.raises(pika.exceptions.NackError):
+        ch.basic_publish("", FB_QUEUE, b"N" * BIG, PERSISTENT)
+    with contextlib.suppress(pika.exceptions.AMQPError):
+        conn.close()
+    section = mirror_status(pair.active)
+    assert section is not None and section["state"] != "needs-resync", section
+
+    _promote_after_kill(pair)
+    section = mirror_status(pair.active)
+    assert section is not None and section["needs_resync"] is None, section
+    dr_site.start()
+    _mirrored(pair.active)
+    held = sorted(body[:8] for body in browse(dr_site, FB_QUEUE))
+    assert held == sorted([*STORED_FB, *late])
