@@ -702,6 +702,7 @@ class Broker:
                 if self.lease is not None:
                     self.lease.activated()
                 self.vhost.set_replica(False)
+                self.mirroring.took_over()
                 self.committer.guard(False)
                 self.federation.start()
                 log.warning("promoted to active in epoch %d", self.epoch)

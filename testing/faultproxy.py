@@ -12,15 +12,20 @@ The proxy runs its own event loop on a daemon thread, so a synchronous test
   read, chunks pipelined (a long link, not a slow one);
 - `throttle(bytes_per_second)`: a thin pipe (a catch-up that takes a while);
 - `heal()`: back to a plain pipe (bytes held by a partition flow again);
-- `retarget(address)`: new connections go to another upstream.
+- `retarget(address)`: new connections go to another upstream;
+- `hold_after(predicate)`: pass the upstream's length-prefixed frames (the replication
+  link's: a u32 big-endian length, then that many bytes) up to the end of the first one
+  `predicate` accepts, then hold the rest of that connection's upstream bytes for good
+  (the client has exactly the frames before and that one: `held` is set once written).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import struct
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -50,6 +55,8 @@ class FaultProxy:
         self.refused = 0
         self.bytes_forwarded = 0
         self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self._gate: Callable[[bytes], bool] | None = None  # `hold_after`'s predicate
+        self.held = threading.Event()  # `hold_after`: its frame was passed on, nothing since
         self._flowing: asyncio.Event | None = None
         self._server: asyncio.AbstractServer | None = None
         self._loop = asyncio.new_event_loop()
@@ -82,7 +89,8 @@ class FaultProxy:
         self._call(self._set_mode("partition"))
 
     def heal(self) -> None:
-        """Forward again (held bytes flow on), accept new connections, no delay."""
+        """Forward again (held bytes flow on), accept new connections, no delay, no gate."""
+        self._gate = None
         self.latency = 0.0
         self.rate = None
         self._call(self._set_mode("open"))
@@ -94,6 +102,15 @@ class FaultProxy:
     def throttle(self, bytes_per_second: float | None) -> None:
         """Limit every connection to `bytes_per_second` each way (None: no limit)."""
         self.rate = bytes_per_second
+
+    def hold_after(self, predicate: Callable[[bytes], bool]) -> None:
+        """Gate new connections' upstream-to-client bytes by frame (`predicate` gets each
+        frame's bytes after its length): those up to the end of the first frame it accepts
+        pass, the rest is held (never passed on); `held` is set once that frame is written.
+        Resets the current connections: a stream is followed by frame from its start."""
+        self.held.clear()
+        self._gate = predicate
+        self._call(self._drop_all())
 
     def retarget(self, upstream: str, *, drop: bool = True) -> None:
         """Send new connections to `upstream`; reset the current ones unless `drop` is False."""
@@ -176,9 +193,10 @@ class FaultProxy:
             return
         pair = (writer, up_writer)
         self._pairs.add(pair)
+        gate = _FrameGate(self._gate) if self._gate is not None else None
         pumps = [
             asyncio.ensure_future(self._pump(reader, up_writer)),
-            asyncio.ensure_future(self._pump(up_reader, writer)),
+            asyncio.ensure_future(self._pump(up_reader, writer, gate)),
         ]
         try:
             # Either side closing (or failing) ends the pair: AMQP and the replication
@@ -192,20 +210,28 @@ class FaultProxy:
                 with contextlib.suppress(Exception):
                     end.close()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        gate: _FrameGate | None = None,
+    ) -> None:
         """Move one direction's bytes: a reader and a writer with the chunks in flight
         between them, so a delay is a latency (every chunk arrives `latency` after it was
         read, chunks pipelined as on a long link) rather than a pause between chunks."""
         in_flight: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(_IN_FLIGHT_CHUNKS)
         sender = asyncio.ensure_future(self._send(in_flight, writer))
         try:
-            await self._receive(reader, in_flight)
+            await self._receive(reader, in_flight, gate)
             await sender
         finally:
             sender.cancel()
 
     async def _receive(
-        self, reader: asyncio.StreamReader, in_flight: asyncio.Queue[tuple[float, bytes]]
+        self,
+        reader: asyncio.StreamReader,
+        in_flight: asyncio.Queue[tuple[float, bytes]],
+        gate: _FrameGate | None = None,
     ) -> None:
         flowing = self._flowing
         assert flowing is not None
@@ -218,6 +244,10 @@ class FaultProxy:
                 # A partition stops reading too, so the sender's socket fills and it
                 # feels the stall (and a FIN is held as bytes are).
                 await flowing.wait()
+                if gate is not None and data:
+                    data = gate.feed(data)
+                    if not data:
+                        continue  # held: read on, pass nothing
                 await in_flight.put((loop.time() + self.latency, data))
                 if not data:
                     return
@@ -240,8 +270,47 @@ class FaultProxy:
                 writer.write(data)
                 self.bytes_forwarded += len(data)
                 await writer.drain()
+                if isinstance(data, _Last):
+                    self.held.set()
                 if self.rate:
                     await asyncio.sleep(len(data) / self.rate)
+
+
+class _Last(bytes):
+    """The bytes that end a gate's accepted frame (`held` is set once they are written)."""
+
+
+class _FrameGate:
+    """Follows one stream of length-prefixed frames; passes bytes up to the end of the first
+    frame `predicate` accepts, then none."""
+
+    _LENGTH = struct.Struct(">I")
+
+    def __init__(self, predicate: Callable[[bytes], bool]) -> None:
+        self.predicate = predicate
+        self.shut = False
+        self._buf = bytearray()  # from the start of the first frame not yet judged
+
+    def feed(self, data: bytes) -> bytes:
+        """The part of `data` to pass on (a `_Last` if it ends the accepted frame)."""
+        if self.shut:
+            return b""
+        base = len(self._buf)  # bytes of an incomplete frame, passed on already
+        buf = self._buf
+        buf += data
+        pos = 0
+        while len(buf) - pos >= self._LENGTH.size:
+            (length,) = self._LENGTH.unpack_from(buf, pos)
+            end = pos + self._LENGTH.size + length
+            if end > len(buf):
+                break
+            if self.predicate(bytes(buf[pos + self._LENGTH.size : end])):
+                self.shut = True
+                buf.clear()
+                return _Last(data[: end - base])
+            pos = end
+        del buf[:pos]
+        return data
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:

@@ -110,19 +110,25 @@ class RoleStore:
 
     def record(self, record: SiteRole) -> int:
         """Make `record` current now (in memory) and journal it; the batch holding it."""
-        queue = self.vhost.internal_queue(ROLE_QUEUE, ROLE_QID)
-        mid = self.vhost.next_mid
-        self.vhost.next_mid = mid + 1
-        return self.log.add(replace_record(queue, mid, record.model_dump_json().encode()))
+        ops, _undo = self.replace(record)
+        return self.log.add(ops)
 
     def record_undoable(self, record: SiteRole) -> tuple[int, Callable[[], list[JournalOp]]]:
         """`record` made current as by `record`; its batch, and what puts the record it
         replaced back should that batch fail (`MirrorSource.undo_if_failed`)."""
+        ops, undo = self.replace(record)
+        return self.log.add(ops), undo
+
+    def replace(self, record: SiteRole) -> tuple[list[JournalOp], Callable[[], list[JournalOp]]]:
+        """Make `record` current now (in memory), journaling nothing: the ops that journal
+        it (for the caller to put in a batch: the committer's tap, in the batch closing),
+        and what puts the record it replaced back should that batch fail."""
         queue = self.vhost.internal_queue(ROLE_QUEUE, ROLE_QID)
         previous = list(queue.entries)
-        batch = self.record(record)
-        made = queue.entries[-1].message.mid
-        return batch, lambda: restore_record(queue, previous, made)
+        mid = self.vhost.next_mid
+        self.vhost.next_mid = mid + 1
+        ops = replace_record(queue, mid, record.model_dump_json().encode())
+        return ops, lambda: restore_record(queue, previous, mid)
 
     async def save(self, record: SiteRole) -> bool:
         """`record` current, and durable (on the pair's passive too) before this returns;

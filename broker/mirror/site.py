@@ -265,14 +265,31 @@ class Mirroring:
         if was == "source":
             self.close_clients(f"{self.settings.name} was fenced by a site at DR epoch {epoch}")
 
-    def _needs_resync(self, reason: str) -> None:
-        """Called as a batch closes (the committer's tap): recorded right after it."""
+    def took_over(self) -> None:
+        """This broker became its pair's active: the source's NeedsResync is the role
+        record's, replicated in the batch of the drop it describes (its memory is the one
+        it started with as a passive: without this, a passive promoted after a drop
+        resumed the mirror from its mark, past the dropped events)."""
+        if self.source is not None and self.roles is not None:
+            self.source.needs_resync = self.roles.current.needs_resync
+            self._metrics()
+
+    def _needs_resync(self, reason: str) -> tuple[list[JournalOp], Callable[[], list[JournalOp]]]:
+        """Called as a batch closes (the committer's tap), which dropped the backlog: the
+        role record keeping NeedsResync, as ops of that same batch (a `kill -9` between
+        a drop and its record left a promoted passive resuming the mirror past the
+        dropped events), and what undoes it should the batch fail."""
         roles = self.roles
         assert roles is not None
-        asyncio.get_running_loop().call_soon(
-            lambda: roles.record(roles.current.model_copy(update={"needs_resync": reason}))
-        )
+        ops, undo = roles.replace(roles.current.model_copy(update={"needs_resync": reason}))
         self._metrics()
+
+        def undone() -> list[JournalOp]:
+            restored = undo()
+            self._metrics()
+            return restored
+
+        return ops, undone
 
     # -- re-seeding -------------------------------------------------------------------------
 

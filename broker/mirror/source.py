@@ -59,6 +59,7 @@ from twinmq.broker.mirror.events import (
     ops_event,
     record_header,
     replace_record,
+    restore_record,
 )
 from twinmq.broker.queue import Queue
 
@@ -180,7 +181,12 @@ class MirrorSource:
         self.sending: Callable[[], bool] = lambda: True  # the DR source (its role's record)
         self.retention = 0  # most events kept unacknowledged (0: no bound)
         self.needs_resync: str | None = None  # the backlog was dropped past `retention`
-        self.on_needs_resync: Callable[[str], None] | None = None
+        # The backlog was dropped (`reason`): the ops that record NeedsResync durably (the
+        # site's role record), journaled in the drop's own batch, and what undoes them
+        # should that batch fail.
+        self.on_needs_resync: (
+            Callable[[str], tuple[list[JournalOp], Callable[[], list[JournalOp]]]] | None
+        ) = None
         self.on_acked: Callable[[], None] | None = None  # the mirror acknowledged more
         self.trimmed_seq = 0  # the newest event acknowledged or dropped since start-up
         self.last_seed: str | None = None  # why the last seed was queued (since start-up)
@@ -325,20 +331,24 @@ class MirrorSource:
         self.undo_if_failed(batch, undo)
         return self._seed(reason)
 
-    def _backlog_undo(self) -> Callable[[], list[JournalOp]]:
-        """What puts the backlog as it is now back, should a re-seed's batch fail (a copy
-        of it: only a re-seed pays for it)."""
+    def _backlog_undo(self, dropped: list[Entry] | None = None) -> Callable[[], list[JournalOp]]:
+        """What puts the backlog as it is now back (or the events `dropped`, the head of
+        the queue), should the batch that drops it fail (a re-seed's, or a drop past the
+        retention bound): a copy of it, paid only then."""
         queue = self._queue
         assert queue is not None
-        dropped = list(queue.entries)
+        dropped = list(queue.entries) if dropped is None else dropped
         lag = {
             e.message.mid: self._lag[e.message.mid] for e in dropped if e.message.mid in self._lag
         }
         trimmed, resync = self.trimmed_seq, self.needs_resync
 
         def undo() -> list[JournalOp]:
-            if queue.deleted or queue is not self._queue:
+            # The same queue, whether or not taken over now (a drop past the bound
+            # releases it: `ensure_active` while in NeedsResync).
+            if queue.deleted or self.vhost.queues.get(QUEUE_NAME) is not queue:
                 return []
+            self._queue = queue  # active again as before the drop: no new activation
             queue.entries.extend(dropped)
             queue.sort_by_mid()  # behind a later batch's events, if any
             queue.bytes += sum(e.size for e in dropped)
@@ -347,7 +357,7 @@ class MirrorSource:
                 self.queue_lag.update(qids)
                 self.queue_lag_bytes.update(sizes)
             self.trimmed_seq, self.needs_resync = trimmed, resync
-            log.warning("mirror: a re-seed failed: its drop of %d events undone", len(dropped))
+            log.warning("mirror: a failed batch's drop of %d events undone", len(dropped))
             return [
                 StoredMessage(m.mid, QUEUE_QID, "", QUEUE_NAME, m.header, m.body, None)
                 for m in (e.message for e in dropped)
@@ -609,11 +619,16 @@ class MirrorSource:
                 del self.queue_lag[qid]
                 self.queue_lag_bytes.pop(qid, None)
 
-    def _beyond_retention(self) -> list[JournalOp]:
+    def _beyond_retention(self, batch: int) -> list[JournalOp]:
         """Past the retention bound: drop the whole backlog, loudly (NeedsResync): the
-        mirror misses these events, so it must be re-seeded rather than go on."""
+        mirror misses these events, so it must be re-seeded rather than go on.
+
+        The drop and the record of NeedsResync are ops of closing batch `batch`, one unit:
+        a promoted passive (or a restart) never holds the drop without NeedsResync, which
+        would resume the mirror from its mark past the dropped events. Should the batch
+        fail, both are undone with it (here, and on a passive by its withdrawal)."""
         if self.targets:
-            return self._targets_beyond_retention()
+            return self._targets_beyond_retention(batch)
         if not self.retention or self._queue is None or self.depth <= self.retention:
             return []
         reason = (
@@ -621,11 +636,17 @@ class MirrorSource:
             f"events unacknowledged): backlog dropped, the mirror needs a re-seed"
         )
         log.error("mirror: NeedsResync: %s", reason)
+        undo_drop = self._backlog_undo()  # the backlog as it is, NeedsResync clear
         self.needs_resync = reason
-        settles = self._drop_backlog()
+        ops = self._drop_backlog()
         if self.on_needs_resync is not None:
-            self.on_needs_resync(reason)
-        return settles
+            record, undo_record = self.on_needs_resync(reason)
+            ops += record
+            self.undo_if_failed(batch, undo_record)
+        # Registered after the record's: undone first (`batch_failed`, newest first), so
+        # NeedsResync is clear in memory when the record's undo runs.
+        self.undo_if_failed(batch, undo_drop)
+        return ops
 
     def drop_unsent(self, keep: Collection[int] = ()) -> int:
         """This site was fenced by a forced failover and reversed: the promoted site will
@@ -695,7 +716,7 @@ class MirrorSource:
                 return []
             op = self._record(encode_ops_event(mirrored, now), op_bytes_by_queue(mirrored))
         self._unsettled.append((batch, op.mid))
-        return [op, *self._beyond_retention()]
+        return [op, *self._beyond_retention(batch)]
 
     def batch_failed(self, batch: int) -> list[JournalOp]:
         """Failed batch `batch`'s events leave the queue now (in memory: their batch never
@@ -775,7 +796,7 @@ class MirrorSource:
             # Undone with the batch should it fail: an ack it undid must keep its record.
             ids = self.ids
             self.undo_if_failed(batch, lambda: ids.undo(added, removed))
-        return [*extra, *self._beyond_retention()]
+        return [*extra, *self._beyond_retention(batch)]
 
     def definitions_saved(self, definitions: Definitions) -> None:
         """The topology changed: its event joins the open batch."""
@@ -1027,10 +1048,13 @@ class MirrorSource:
         body = self._queue.entries[index].message.body
         return max(0.0, self.clock() - event_created(body))
 
-    def _targets_beyond_retention(self) -> list[JournalOp]:
+    def _targets_beyond_retention(self, batch: int) -> list[JournalOp]:
         """A mesh: each target past the retention bound goes to NeedsResync on its own
-        (journaled in its record); its backlog is no longer kept for it, the others go on."""
-        if not self.retention or self._queue is None:
+        (journaled in its record); its backlog is no longer kept for it, the others go on.
+        The trim and the records are ops of closing batch `batch`, one unit: should it
+        fail, both are undone with it (here, and on a passive by its withdrawal)."""
+        queue = self._queue
+        if not self.retention or queue is None:
             return []
         fallen: list[str] = []
         for target in self.targets:
@@ -1045,9 +1069,30 @@ class MirrorSource:
             fallen.append(target)
         if not fallen:
             return []
-        ops = self._trim(self.floor())
+        floor = self.floor()
+        undo_trim = self._backlog_undo(list(islice(queue.entries, self._first_after(floor))))
+        acked = self.acked_seq
+        ops = self._trim(floor)
+        records: list[tuple[Queue, list[Entry], int]] = []
+        skips = {target: list(self.target_skips.get(target, [])) for target in fallen}
         for target in fallen:
+            record = self.vhost.internal_queue(*cursor_queue(target))
+            previous = list(record.entries)
             ops += self._cursor_record(target)  # after the trim: it keeps `trimmed`
+            records.append((record, previous, record.entries[-1].message.mid))
+
+        def undo() -> list[JournalOp]:
+            restored = undo_trim()
+            self.acked_seq = min(self.acked_seq, acked)  # each target's cursor as it was
+            for target in fallen:
+                self.target_resync.pop(target, None)
+                if skips[target]:
+                    self.target_skips[target] = skips[target]
+            for record, previous, made in records:
+                restored += restore_record(record, previous, made)
+            return restored
+
+        self.undo_if_failed(batch, undo)
         return ops
 
     def _reseed_targets(self, target: str | None) -> list[JournalOp]:
