@@ -542,10 +542,23 @@ class GroupCommitter:
                 else:
                     log.error("journal write failed (%s): batch %d fails", error, each)
                 # Withdrawn at once (here and on the passive), told in batch order.
-                if self.on_withdraw is not None and self.on_withdraw(each, each_lsn is not None):
+                if self._withdraw(each, each_lsn is not None):
                     self._withdrawing.add(each)
         self.durable_batch = batch
         self._advance()
+
+    def _withdraw(self, batch: int, streamed: bool) -> bool:
+        """`on_withdraw`, never raising: an exception here would end the sync task, and
+        every later confirm would wait for good. The hook resyncs the passive when its
+        own withdrawal fails (server.py); should even that raise, the batch is told
+        without waiting rather than never."""
+        if self.on_withdraw is None:
+            return False
+        try:
+            return self.on_withdraw(batch, streamed)
+        except Exception:
+            log.exception("withdrawing failed batch %d failed: told without waiting", batch)
+            return False
 
     async def _outcome(self, lsn: int | None) -> JournalError | None:
         """What became of one appended group (its write is done: this does not wait)."""

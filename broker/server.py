@@ -818,11 +818,23 @@ class Broker:
 
     def _withdraw_failed(self, batch: int, streamed: bool) -> bool:
         """A batch failed: withdrawn here at once, and an active's passive, streamed it
-        already, drops it too; whether its outcome waits for the passive (withdrawal.py)."""
-        ops = withdraw_everywhere(self.vhost.root.vhosts.values(), batch, self.committer.tap)
-        if self.role != "active" or not streamed:
-            return False
-        return self.source.withdraw(batch, ops)
+        already, drops it too; whether its outcome waits for the passive (withdrawal.py).
+
+        Should building or sending the withdrawal fail, the passive is made to catch up
+        again instead (`resync`, as one that takes no withdrawals): its catch-up discards
+        what this broker does not hold, and the outcome waits for it as for a WITHDRAWN.
+        """
+        try:
+            ops = withdraw_everywhere(self.vhost.root.vhosts.values(), batch, self.committer.tap)
+            if self.role != "active" or not streamed:
+                return False
+            return self.source.withdraw(batch, ops)
+        except Exception:
+            log.exception("the withdrawal of failed batch %d failed", batch)
+            if self.role != "active" or not streamed:
+                return False
+            self.source.resync(f"the withdrawal of failed batch {batch} failed")
+            return self.committer.guarded
 
     def _batch_failed(self, batch: int, error: JournalError) -> None:
         """A batch's journal write failed: a passive stops.

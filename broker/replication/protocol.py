@@ -33,6 +33,8 @@ PROTOCOL_VERSION: Final = 3  # 2: mutual authentication (WELCOME); 3: DEDUP_KEYS
 _HEAD = struct.Struct(">IB")
 _BATCH = struct.Struct(">QB")
 _U64 = struct.Struct(">Q")
+# What the length of a BATCH-shaped frame counts besides its body (type, batch, flags).
+BATCH_HEAD_BYTES: Final = 1 + _BATCH.size
 _KEY_LEN = struct.Struct(">H")
 
 

@@ -34,6 +34,8 @@ from twinmq.broker.replication.handshake import new_nonce, transcript_proof, ver
 from twinmq.broker.replication.link import FrameReader
 from twinmq.broker.replication.peer import certificate_refusal
 from twinmq.broker.replication.protocol import (
+    BATCH_HEAD_BYTES,
+    MAX_FRAME,
     PROTOCOL_VERSION,
     Challenge,
     FrameType,
@@ -136,14 +138,24 @@ class SourceLink:
         self.live_sent = batch
         self.sent_batches.append((batch, len(ops), time.time()))
 
-    def send_withdrawal(self, batch: int, ops: list[JournalOp]) -> None:
-        """Stream the ops that take failed batch `batch` out of the passive again."""
-        if not self.outstanding:
-            self.last_progress = time.monotonic()  # the clock for a stall starts now
+    def send_withdrawal(self, batch: int, ops: list[JournalOp]) -> bool:
+        """Stream the ops that take failed batch `batch` out of the passive again; False
+        (nothing sent) if they do not fit in one frame.
+
+        A withdrawal is one frame, and it can be large: an undone ack stores its message
+        again, body and all, and a failed retention drop or re-seed of the DR mirror puts
+        its whole backlog back. Over `MAX_FRAME` the passive's reader would refuse it
+        (the link resets); over 4 GiB its length would not even pack.
+        """
         buf = bytearray()
         encode_ops(ops, buf)
+        if len(buf) + BATCH_HEAD_BYTES > MAX_FRAME:
+            return False
+        if not self.outstanding:
+            self.last_progress = time.monotonic()  # the clock for a stall starts now
         self.write(encode_batch(batch, 0, buf, FrameType.WITHDRAW))
         self.withdrawal_sent = batch
+        return True
 
     def on_withdrawn(self, batch: int) -> None:
         """The passive has the withdrawal of failed batch `batch` (and earlier) on disk."""
@@ -292,9 +304,10 @@ class ReplicationSource:
         the ops in a WITHDRAW frame, ahead of any later batch, and acknowledges them
         once durable (WITHDRAWN). One catching up (or of an older version) is made to
         catch up again (`resync`); then the next passive in sync holds what this broker
-        holds. No link: the one that comes back catches up the same way, or the
-        active goes on alone (the Lease marked first: the passive is not promotable);
-        either ends the wait.
+        holds; so is an in-sync one whose withdrawal would not fit in one frame. No
+        link: the one that comes back catches up the same way, or the active goes on
+        alone (the Lease marked first: the passive is not promotable); either ends the
+        wait.
         """
         if not ops:
             return False  # nothing a client was told of is left on the passive
@@ -305,7 +318,8 @@ class ReplicationSource:
                     "batch %d failed here after it was streamed: withdrawing %d ops from %s",
                     batch, len(ops), link.name,
                 )  # fmt: skip
-                link.send_withdrawal(batch, ops)
+                if not link.send_withdrawal(batch, ops):
+                    self.resync(f"the withdrawal of failed batch {batch} exceeds a frame")
             else:
                 self.resync(f"batch {batch} failed here after it was streamed")
         return self.broker.committer.guarded
