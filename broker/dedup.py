@@ -30,7 +30,7 @@ import json
 from collections import OrderedDict, deque
 from pathlib import Path
 
-from twinmq.broker.atomicfile import replace_file
+from twinmq.broker.atomicfile import replace_file, sync_dir
 
 ROOT_SCOPE = "/"
 
@@ -167,6 +167,15 @@ class DedupWindow:
         """The ids, oldest first (taken on the loop; written off it)."""
         self.dirty = False
         return self.keys()
+
+    def remove_file(self) -> None:
+        """Durably remove the snapshot file (runs in a worker thread): a restart then
+        starts from the keys of the journal's messages alone, never from an older
+        window holding a key forgotten since."""
+        if self.path is None:
+            return
+        self.path.unlink(missing_ok=True)
+        sync_dir(self.path.parent)
 
     def write(self, ids: list[str]) -> None:
         """Atomically replace the snapshot file (runs in a worker thread)."""

@@ -914,6 +914,28 @@ class Broker:
                 return False
             return True
 
+    async def save_or_remove_dedup_window(self) -> bool:
+        """Write the dedup window now, or else remove its file; False only if both failed.
+
+        What a passive needs before it acknowledges a withdrawal or a catch-up's end is a
+        file holding no key forgotten here: no file at all will do (a missing key only
+        lets a re-send through, a duplicate, never a loss). Stopping instead made a
+        passive on a nearly full disk (a new copy of the window needs room beside the
+        old one) exit at every catch-up's end, restart, catch up, and exit again: the
+        active degraded for good."""
+        if await self.save_dedup_window():
+            return True
+        async with self._dedup_lock:
+            dedup = self.vhost.dedup
+            try:
+                await self.loop.run_in_executor(None, dedup.remove_file)
+            except OSError as exc:
+                log.error("cannot remove the dedup window's file either (%s)", exc)
+                return False
+            dedup.dirty = True  # written again by the next save that finds room
+            log.warning("dedup window file removed: a restart starts without it")
+            return True
+
     async def _heartbeats(self) -> None:
         previous = self.loop.time()
         while True:

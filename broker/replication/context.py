@@ -209,6 +209,11 @@ class ReplicationContext(Protocol):
         write failed (the file keeps the previous window)."""
         ...
 
+    async def save_or_remove_dedup_window(self) -> bool:
+        """Write the dedup window now, or else remove its file (a passive); False only if
+        both failed."""
+        ...
+
     def learn_epoch(self, epoch: int, source: str) -> bool:
         """An authenticated peer knows `epoch`: persist it if higher (an active steps down).
 

@@ -444,10 +444,12 @@ class ReplicaClient:
         forgot their messages' keys here in memory; a file still holding one would make
         this passive, restarted and promoted, drop that message's re-send after confirming
         it (a loss). Written before the discards are journaled: a crash between the two
-        leaves a message without its key (its re-send a duplicate), never the reverse."""
-        if await self.broker.save_dedup_window():
+        leaves a message without its key (its re-send a duplicate), never the reverse.
+        A window that cannot be written is removed instead (no file holds no stale key);
+        the passive stops only if even that fails."""
+        if await self.broker.save_or_remove_dedup_window():
             return True
-        self.broker.stop_passive(f"could not save the dedup window before {what}")
+        self.broker.stop_passive(f"could not save nor remove the dedup window before {what}")
         return False
 
     def _acknowledge(self, session: _Session, local: int, remote: int, kind: int) -> None:
