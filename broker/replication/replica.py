@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from twinmq.broker import metrics
 from twinmq.broker.definitions import Definitions, DefinitionsDelta
 from twinmq.broker.heap import HEAP
-from twinmq.broker.journal import JournalError, StoredMessage, decode_ops
+from twinmq.broker.journal import JournalError, JournalOp, StoredMessage, decode_ops
 from twinmq.broker.replication.context import ReplicationContext
 from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
 from twinmq.broker.replication.link import FrameReader
@@ -452,6 +452,32 @@ class ReplicaClient:
         self.broker.stop_passive(f"could not save nor remove the dedup window before {what}")
         return False
 
+    def _journal(self, ops: list[JournalOp], raw: bytes, keys: list[str]) -> int:
+        """Journal replicated `ops` (applied in memory); their local batch. `raw` is what
+        they were decoded from, byte for byte: journaled as is."""
+        committer = self.broker.committer
+        local = committer.add(ops, raw) if ops else committer.confirm_point()
+        if keys:
+            self.broker.vhost.remember_when_durable(keys, local)
+        return local
+
+    async def _journal_after_window(
+        self, what: str, ops: list[JournalOp], raw: bytes, keys: list[str]
+    ) -> int | None:
+        """Journal `ops`, applied in memory already, once the window is written
+        (`_window_saved`); their local batch, or None if the passive stops.
+
+        Journaled even when this task is cancelled while the window is written (a
+        promotion stops the replica): memory holds them, and a new active whose journal
+        lacked them (an undone ack's message stored again) would lose them at its next
+        restart."""
+        try:
+            saved = await self._window_saved(what)
+        except asyncio.CancelledError:
+            self._journal(ops, raw, keys)
+            raise
+        return self._journal(ops, raw, keys) if saved else None
+
     def _acknowledge(self, session: _Session, local: int, remote: int, kind: int) -> None:
         """Acknowledge the active's batch, chunk or withdrawal `remote` (`kind`) once local
         batch `local` is durable."""
@@ -490,14 +516,14 @@ class ReplicaClient:
                     # The chunk's messages are long-lived and never in a cycle: out of
                     # the collector's full walks (`broker/heap.py`, the broker's policy).
                     HEAP.freeze()
-                    if flags & BATCH_CATCHUP_LAST:
-                        self._end_catch_up()
-                        if not await self._window_saved("the catch-up's end"):
-                            return
-                # `raw` is what `ops` were decoded from, byte for byte: journaled as is.
-                local = committer.add(ops, raw) if ops else committer.confirm_point()
-                if keys:
-                    broker.vhost.remember_when_durable(keys, local)
+                if chunk and flags & BATCH_CATCHUP_LAST:
+                    self._end_catch_up()
+                    saved = await self._journal_after_window("the catch-up's end", ops, raw, keys)
+                    if saved is None:
+                        return
+                    local = saved
+                else:
+                    local = self._journal(ops, raw, keys)
                 if not chunk:
                     self.remote_batch = remote
                     self.pending_ops += len(ops)
@@ -512,11 +538,10 @@ class ReplicaClient:
                 remote, _flags, raw = decode_batch(payload)
                 ops = decode_ops(raw)
                 keys = broker.vhost.apply_ops(ops, defer_sort=self._catching_up, catchup=True)
-                if not await self._window_saved("a withdrawal"):
+                saved = await self._journal_after_window("a withdrawal", ops, raw, keys)
+                if saved is None:
                     return
-                local = committer.add(ops, raw) if ops else committer.confirm_point()
-                if keys:
-                    broker.vhost.remember_when_durable(keys, local)
+                local = saved
                 log.warning(
                     "the active's batch %d failed there: %d ops withdrawn here", remote, len(ops)
                 )
