@@ -316,6 +316,121 @@ def test_a_failed_batch_undoes_a_mesh_targets_drop_and_its_cursor_record_togethe
     restarted.close()
 
 
+def test_a_failed_retention_drop_keeps_needs_resync_when_a_later_batch_got_no_event(
+    tmp_path: Path,
+) -> None:
+    """The drop's batch fails after a later batch closed while the source was in
+    NeedsResync (no event of its message 7, no id-map change): undoing the drop in full
+    would resume the DR site from its mark, and message 7 (confirmed) would never reach
+    it. The backlog comes back, NeedsResync stays, and its role record is journaled
+    again in a new batch (here, on the passive, and after a restart)."""
+    site = Harness(tmp_path / "a")
+    source, roles = _source(site)
+    roles.record(SiteRole(role="source"))
+    source.activate(snapshot=False)
+    for mid in (1, 2):
+        site.committer.add([_message(mid)])
+        site.commit()
+    backlog = _mids(site)
+    shutil.copytree(tmp_path / "a" / "journal", tmp_path / "passive" / "journal")
+    passive = Harness(tmp_path / "passive")
+    rejournaled: list[list[JournalOp]] = []
+    site.committer.on_batch = lambda _batch, ops: rejournaled.append(list(ops))
+
+    failed = 10**6
+    streamed = source.batch_closing(failed, [_message(3), _message(4)], memoryview(b""))
+    assert source.needs_resync is not None
+    assert source.batch_closing(failed + 1, [_message(7)], memoryview(b"")) == []
+    passive.vhost.apply_ops(streamed)
+    withdrawal = source.batch_failed(failed)
+    passive.vhost.apply_ops(withdrawal, catchup=True)
+
+    assert source.needs_resync is not None and roles.current.needs_resync is not None
+    assert _mids(site) == backlog  # as the active's journal holds it (the drop failed)
+    site.commit()  # the record's new batch
+    assert any(op.qid == ROLE_QID for ops in rejournaled for op in ops)
+    for ops in rejournaled:
+        passive.vhost.apply_ops(ops)
+    passive_roles = RoleStore(passive.vhost, passive.committer, BatchFutures(), "source")
+    assert passive_roles.current.needs_resync is not None  # a promoted passive re-seeds
+    passive.close()
+    site.close()
+    restarted = Harness(tmp_path / "a")
+    restarted_roles = RoleStore(restarted.vhost, restarted.committer, BatchFutures(), "source")
+    assert restarted_roles.current.needs_resync is not None
+    restarted.close()
+
+
+def test_a_failed_reseed_leaves_a_later_retention_drops_needs_resync(tmp_path: Path) -> None:
+    """A re-seed's batch R fails after later batches made an event (message 5's) and
+    dropped the backlog past the bound, for good (NeedsResync): R's undo must not clear
+    that NeedsResync nor lower the trim mark, or the DR site resumes from its mark past
+    message 5's dropped event."""
+    site = Harness(tmp_path / "a")
+    source, _roles = _source(site)
+    source.activate(snapshot=False)
+    for mid in (1, 2):
+        site.committer.add([_message(mid)])
+        site.commit()
+    source.reseed("by hand")
+    reseed = site.committer.last_appended + 1  # the open batch: the drop and the seed
+    made = source.batch_closing(10**6, [_message(5)], memoryview(b""))
+    assert made and source.needs_resync is None  # message 5's event
+    source.batch_closing(10**6 + 1, [_message(6), _message(7)], memoryview(b""))
+    dropped = source.needs_resync
+    assert dropped is not None and made[0].mid <= source.trimmed_seq
+    trimmed = source.trimmed_seq
+
+    source.batch_failed(reseed)
+    assert source.needs_resync == dropped and source.trimmed_seq == trimmed
+    site.close()
+
+
+def test_a_failed_mesh_drop_keeps_the_target_in_needs_resync_when_trimmed_since(
+    tmp_path: Path,
+) -> None:
+    """A full mesh: batch B takes c:1 past the bound (trimmed to b:1's cursor); before B's
+    outcome b:1 acknowledges one more event, trimmed in a later batch that succeeds (c:1
+    no longer counted). B fails: that event is gone for c:1 too, so c:1 stays in
+    NeedsResync (its record journaled again) and the trim mark stays where it is, or c:1
+    resumes from its cursor over a hole that `gap` does not see."""
+    site = Harness(tmp_path / "a")
+    source = MirrorSource(site.vhost, site.committer, site.clock.time)
+    source.ids = IdMap(site.vhost, "site-a")
+    source.name = "site-a"
+    source.targets = ["b:1", "c:1"]
+    site.committer.tap = source
+    site.committer.await_durable(source)
+    source.activate()
+    site.commit()
+    for mid in (1, 2):
+        site.committer.add([_message(mid)])
+        site.commit()
+        source.acked(source.head, "b:1")
+        site.commit()
+    site.committer.add([_message(10)])  # b:1 has not acknowledged its event yet
+    site.commit()
+    lagging = source.head
+    source.retention = source.backlog("c:1")
+
+    failed = 10**6
+    source.batch_closing(failed, [_message(3)], memoryview(b""))
+    assert source.target_resync.keys() == {"c:1"} and _mids(site)[0] == lagging
+    source.acked(lagging, "b:1")  # trimmed in a later batch, which succeeds
+    site.commit()
+    assert source.trimmed_seq == lagging
+    source.batch_failed(failed)
+
+    assert source.target_resync.keys() == {"c:1"}
+    assert source.trimmed_seq == lagging
+    site.commit()  # c:1's record, journaled again
+    assert _resync(site, "c:1") is not None
+    site.close()
+    restarted = Harness(tmp_path / "a")
+    assert _resync(restarted, "c:1") is not None
+    restarted.close()
+
+
 def _resync(h: Harness, target: str) -> str | None:
     """Why `target` needs a re-seed, as its cursor record in `h` says (None: no record)."""
     queue = h.vhost.queues.get(cursor_queue(target)[0])

@@ -225,6 +225,9 @@ class MirrorSource:
         # of the backlog, the site's role record), by batch: each undone if its batch
         # fails (`batch_failed`), forgotten once it completes (`durable`).
         self._undo: dict[int, list[Callable[[], list[JournalOp]]]] = {}
+        # Changes made no event of while such a batch was pending, this source inactive (in
+        # NeedsResync): a failed drop's undo must not resume the mirror past them.
+        self._missed = 0
 
     # -- the replication queue --------------------------------------------------------------
 
@@ -342,6 +345,9 @@ class MirrorSource:
             e.message.mid: self._lag[e.message.mid] for e in dropped if e.message.mid in self._lag
         }
         trimmed, resync = self.trimmed_seq, self.needs_resync
+        # The trim mark once the batch drops them: a later mark means a later batch dropped
+        # or trimmed more (for good), which this undo must not take back.
+        raised = max(trimmed, dropped[-1].message.mid) if dropped else trimmed
 
         def undo() -> list[JournalOp]:
             # The same queue, whether or not taken over now (a drop past the bound
@@ -356,7 +362,9 @@ class MirrorSource:
             for _made, qids, sizes in lag.values():
                 self.queue_lag.update(qids)
                 self.queue_lag_bytes.update(sizes)
-            self.trimmed_seq, self.needs_resync = trimmed, resync
+            if self.trimmed_seq <= raised:
+                self.trimmed_seq, self.needs_resync = trimmed, resync
+            # else: a later batch's drop or trim stands, and its NeedsResync (if any) too
             log.warning("mirror: a failed batch's drop of %d events undone", len(dropped))
             return [
                 StoredMessage(m.mid, QUEUE_QID, "", QUEUE_NAME, m.header, m.body, None)
@@ -637,15 +645,30 @@ class MirrorSource:
         )
         log.error("mirror: NeedsResync: %s", reason)
         undo_drop = self._backlog_undo()  # the backlog as it is, NeedsResync clear
+        missed = self._missed
         self.needs_resync = reason
         ops = self._drop_backlog()
+        undo_record: Callable[[], list[JournalOp]] | None = None
         if self.on_needs_resync is not None:
             record, undo_record = self.on_needs_resync(reason)
             ops += record
-            self.undo_if_failed(batch, undo_record)
-        # Registered after the record's: undone first (`batch_failed`, newest first), so
-        # NeedsResync is clear in memory when the record's undo runs.
-        self.undo_if_failed(batch, undo_drop)
+
+        def undo() -> list[JournalOp]:
+            # Later batches closed in NeedsResync made no event (confirmed messages the
+            # mirror never gets): resuming from its mark would skip them, silently.
+            keep = self.needs_resync is not None and self._missed != missed
+            restored = undo_drop()  # NeedsResync clear in memory before the record's undo
+            if undo_record is not None:
+                restored += undo_record()
+            if keep:
+                log.error("mirror: a failed drop's NeedsResync kept: later batches made no event")
+                self.needs_resync = reason
+                if self.on_needs_resync is not None:
+                    # Its record journaled again, in a new batch (the failed one's withdrawn).
+                    self.log.add(self.on_needs_resync(reason)[0])
+            return restored
+
+        self.undo_if_failed(batch, undo)
         return ops
 
     def drop_unsent(self, keep: Collection[int] = ()) -> int:
@@ -692,6 +715,8 @@ class MirrorSource:
         event's payload when every op is mirrored."""
         if not self.active:
             self._excluded.clear()
+            if self._undo and any(op.qid < INTERNAL_QID_BASE for op in ops):
+                self._missed += 1  # no event of them (`_beyond_retention`'s undo)
             return []
         if self.ids is not None:
             return self._bidi_batch(batch, ops)
@@ -800,6 +825,8 @@ class MirrorSource:
 
     def definitions_saved(self, definitions: Definitions) -> None:
         """The topology changed: its event joins the open batch."""
+        if self._undo and not self.active:
+            self._missed += 1  # no event of it (`_beyond_retention`'s undo)
         if self.ids is not None:
             self._bidi_definitions(definitions)
         elif self.active and self._queue is not None:
@@ -1073,6 +1100,7 @@ class MirrorSource:
         undo_trim = self._backlog_undo(list(islice(queue.entries, self._first_after(floor))))
         acked = self.acked_seq
         ops = self._trim(floor)
+        trimmed = self.trimmed_seq
         records: list[tuple[Queue, list[Entry], int]] = []
         skips = {target: list(self.target_skips.get(target, [])) for target in fallen}
         for target in fallen:
@@ -1082,14 +1110,27 @@ class MirrorSource:
             records.append((record, previous, record.entries[-1].message.mid))
 
         def undo() -> list[JournalOp]:
-            restored = undo_trim()
-            self.acked_seq = min(self.acked_seq, acked)  # each target's cursor as it was
+            # Trimmed since (another target acknowledged more, in a batch that stands):
+            # those events are gone for the fallen targets too, they keep NeedsResync.
+            later = self.trimmed_seq > trimmed
+            restored = undo_trim()  # keeps the later trim mark
+            if not later:
+                self.acked_seq = min(self.acked_seq, acked)  # each target's cursor as it was
             for target in fallen:
-                self.target_resync.pop(target, None)
+                if not later:
+                    self.target_resync.pop(target, None)
                 if skips[target]:
                     self.target_skips[target] = skips[target]
             for record, previous, made in records:
                 restored += restore_record(record, previous, made)
+            if later:
+                kept = [target for target in fallen if target in self.target_resync]
+                log.error("mirror: a failed drop's NeedsResync kept (trimmed since): %s", kept)
+                again: list[JournalOp] = []
+                for target in kept:  # journaled again, in a new batch
+                    again += self._cursor_record(target)
+                if again:
+                    self.log.add(again)
             return restored
 
         self.undo_if_failed(batch, undo)
