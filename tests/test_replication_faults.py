@@ -124,6 +124,7 @@ def _assert_sound(report: Report) -> None:
     assert report.passive_left == (0, 0), "the passive did not follow every dequeue"
 
 
+@pytest.mark.soak  # `make test` runs each fault class on its own (the matrix below)
 @pytest.mark.timeout(180)
 def test_every_fault_once(tmp_path: Path) -> None:
     """Each fault once (a few cycles, well under a minute on a quiet machine)."""
