@@ -238,3 +238,23 @@ class Harness:
         self.loop.run_until_complete(self.committer.stop())
         self.loop.run_until_complete(self.journal.close())
         self.loop.close()
+
+
+class NullTransport:
+    """A link's transport that never closes and ignores an abort (a replica driven
+    sans-I/O)."""
+
+    def is_closing(self) -> bool:
+        return False
+
+    def abort(self) -> None:
+        pass
+
+
+class NullWriter:
+    """A replica's link writer that drops what it is given (its acknowledgements)."""
+
+    transport = NullTransport()
+
+    def write(self, data: bytes) -> None:
+        pass

@@ -26,23 +26,9 @@ from twinmq.broker.replication.protocol import (
 from twinmq.broker.replication.replica import ReplicaClient, _Session
 from twinmq.broker.server import Broker
 from twinmq.broker.settings import BrokerSettings
+from twinmq.testing.sansio import NullWriter
 
 MESSAGES = 500
-
-
-class _Transport:
-    def is_closing(self) -> bool:
-        return False
-
-    def abort(self) -> None:
-        pass
-
-
-class _Writer:
-    transport = _Transport()
-
-    def write(self, data: bytes) -> None:
-        pass
 
 
 class _LinkEnded(Exception):
@@ -90,7 +76,7 @@ def test_a_passive_takes_the_messages_of_a_catch_up_chunk_out_of_the_collectors_
         broker.committer.start()
         replica = ReplicaClient(broker, "127.0.0.1:1")
         with contextlib.suppress(_LinkEnded):
-            await replica._apply(next_frame, _Session(replica, _Writer()))  # type: ignore[arg-type]
+            await replica._apply(next_frame, _Session(replica, NullWriter()))  # type: ignore[arg-type]
         await broker.committer.stop()
         await broker.journal.close()
         return broker

@@ -33,20 +33,16 @@ from twinmq.broker.replication.protocol import (
 from twinmq.broker.replication.replica import ReplicaClient, _Session
 from twinmq.broker.server import EXIT_JOURNAL_FAILED, Broker
 from twinmq.broker.settings import BrokerSettings
+from twinmq.testing.sansio import NullTransport
 
 EX, Q = "grp.x", "grp.q"
-
-
-class _Transport:
-    def is_closing(self) -> bool:
-        return False
 
 
 class Link:
     """The passive's writer: each acknowledgement, with the bindings on disk then."""
 
     def __init__(self, journal_dir: Path) -> None:
-        self.transport = _Transport()
+        self.transport = NullTransport()
         self.journal_dir = journal_dir
         self.decoder = FrameDecoder()
         self.acks: list[tuple[int, int]] = []  # (acknowledged, bindings durable then)

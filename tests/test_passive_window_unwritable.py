@@ -39,24 +39,10 @@ from twinmq.broker.replication.protocol import (
 from twinmq.broker.replication.replica import ReplicaClient, _Session
 from twinmq.broker.server import Broker
 from twinmq.broker.settings import BrokerSettings
+from twinmq.testing.sansio import NullWriter
 
 STALE = "\x00q\x00withdrawn-since"  # in the old file; the active's window lacks it
 FRESH = "\x00q\x00kept"
-
-
-class _Transport:
-    def is_closing(self) -> bool:
-        return False
-
-    def abort(self) -> None:
-        pass
-
-
-class _Writer:
-    transport = _Transport()
-
-    def write(self, data: bytes) -> None:
-        pass
 
 
 class _Done(Exception):
@@ -98,7 +84,7 @@ def test_a_passive_that_cannot_write_its_window_removes_it_and_becomes_ready(
             raise _Done
 
         with contextlib.suppress(_Done):
-            await replica._apply(next_frame, _Session(replica, _Writer()))  # type: ignore[arg-type]
+            await replica._apply(next_frame, _Session(replica, NullWriter()))  # type: ignore[arg-type]
         fresh = FRESH in broker.vhost.dedup
         await broker.committer.stop()
         await broker.journal.close()

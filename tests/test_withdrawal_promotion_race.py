@@ -24,25 +24,11 @@ from twinmq.broker.replication.protocol import FrameDecoder, FrameType, encode, 
 from twinmq.broker.replication.replica import ReplicaClient, _Session
 from twinmq.broker.server import Broker
 from twinmq.broker.settings import BrokerSettings
+from twinmq.testing.sansio import NullWriter
 
 QUEUE = "pr.q"
 QID = 1
 MID = 3
-
-
-class _Transport:
-    def is_closing(self) -> bool:
-        return False
-
-    def abort(self) -> None:
-        pass
-
-
-class _Writer:
-    transport = _Transport()
-
-    def write(self, data: bytes) -> None:
-        pass
 
 
 def _frame(batch: int, ops: list[JournalOp], ftype: FrameType = FrameType.BATCH) -> bytes:
@@ -86,7 +72,7 @@ def test_a_withdrawal_cut_short_by_a_promotion_is_journaled_as_it_is_held(
             await asyncio.Event().wait()
             raise AssertionError("unreachable")
 
-        task = asyncio.create_task(replica._apply(next_frame, _Session(replica, _Writer())))  # type: ignore[arg-type]
+        task = asyncio.create_task(replica._apply(next_frame, _Session(replica, NullWriter())))  # type: ignore[arg-type]
         await writing.wait()
         task.cancel()  # the promotion stops the replica
         with contextlib.suppress(asyncio.CancelledError):
