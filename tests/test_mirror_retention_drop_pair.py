@@ -39,6 +39,7 @@ from test_failed_batch_pair import (
 )
 from test_failed_batch_pair import QUEUE as FB_QUEUE
 from test_failed_batch_pair import STORED as STORED_FB
+from test_mirror_failed_batch import _mirrored
 
 from twinmq.broker.admin_client import mirror_reseed_call
 from twinmq.broker.journal import JournalOp, Settle, StoredMessage
@@ -87,16 +88,6 @@ def pair(tmp_path: Path, dr_site: BrokerProcess) -> Iterator[Pair]:
     ]  # fmt: skip
     with Pair(tmp_path / "pair", replication_timeout=20.0, broker_args=mirror) as rig:
         yield rig
-
-
-def _mirrored(source: BrokerProcess) -> None:
-    """Wait until the DR site applied and acknowledged every event `source` holds."""
-
-    def drained() -> bool:
-        section = mirror_status(source)
-        return section is not None and section["connected"] and section["queue_events"] == 0
-
-    wait_for(f"the DR site caught up with {source.name}", drained, 60)
 
 
 class DropBatch:
@@ -217,6 +208,26 @@ def _mids(h: Harness) -> list[int]:
     return [] if queue is None else [e.message.mid for e in queue.entries]
 
 
+def _mesh_with_c_away(tmp_path: Path) -> tuple[Harness, MirrorSource]:
+    """A full mesh's source (targets b:1 and c:1), two events mirrored: b:1 acknowledged
+    each, c:1 is away (its backlog holds both)."""
+    site = Harness(tmp_path / "a")
+    source = MirrorSource(site.vhost, site.committer, site.clock.time)
+    source.ids = IdMap(site.vhost, "site-a")
+    source.name = "site-a"
+    source.targets = ["b:1", "c:1"]
+    site.committer.tap = source
+    site.committer.await_durable(source)
+    source.activate()
+    site.commit()
+    for mid in (1, 2):
+        site.committer.add([_message(mid)])
+        site.commit()
+        source.acked(source.head, "b:1")  # b:1 keeps up, c:1 is away
+        site.commit()
+    return site, source
+
+
 def test_a_failed_batch_undoes_a_retention_drop_and_its_needs_resync_record_together(
     tmp_path: Path,
 ) -> None:
@@ -272,20 +283,7 @@ def test_a_failed_batch_undoes_a_mesh_targets_drop_and_its_cursor_record_togethe
     NeedsResync in its cursor record, one group commit) fails: the events, c:1's good
     standing and its previous record come back, here and on the passive that applied the
     batch; the next batch takes c:1 past the bound again, for good."""
-    site = Harness(tmp_path / "a")
-    source = MirrorSource(site.vhost, site.committer, site.clock.time)
-    source.ids = IdMap(site.vhost, "site-a")
-    source.name = "site-a"
-    source.targets = ["b:1", "c:1"]
-    site.committer.tap = source
-    site.committer.await_durable(source)
-    source.activate()
-    site.commit()
-    for mid in (1, 2):
-        site.committer.add([_message(mid)])
-        site.commit()
-        source.acked(source.head, "b:1")  # b:1 keeps up, c:1 is away
-        site.commit()
+    site, source = _mesh_with_c_away(tmp_path)
     backlog, cursors = _mids(site), dict(source.cursors)
     assert backlog and source.backlog("c:1") == len(backlog) and source.backlog("b:1") == 0
     source.retention = len(backlog)  # one more event passes it
@@ -394,20 +392,7 @@ def test_a_failed_mesh_drop_keeps_the_target_in_needs_resync_when_trimmed_since(
     no longer counted). B fails: that event is gone for c:1 too, so c:1 stays in
     NeedsResync (its record journaled again) and the trim mark stays where it is, or c:1
     resumes from its cursor over a hole that `gap` does not see."""
-    site = Harness(tmp_path / "a")
-    source = MirrorSource(site.vhost, site.committer, site.clock.time)
-    source.ids = IdMap(site.vhost, "site-a")
-    source.name = "site-a"
-    source.targets = ["b:1", "c:1"]
-    site.committer.tap = source
-    site.committer.await_durable(source)
-    source.activate()
-    site.commit()
-    for mid in (1, 2):
-        site.committer.add([_message(mid)])
-        site.commit()
-        source.acked(source.head, "b:1")
-        site.commit()
+    site, source = _mesh_with_c_away(tmp_path)
     site.committer.add([_message(10)])  # b:1 has not acknowledged its event yet
     site.commit()
     lagging = source.head
