@@ -33,6 +33,7 @@ from twinmq.broker.api import (
     MIRROR_NOT_DRAINED,
     MIRROR_REFUSED,
     NOT_THE_PEER,
+    PEER_UNRESOLVED,
     STALE_EPOCH,
     UNAUTHORIZED,
     VHOST_NOT_FOUND,
@@ -59,6 +60,7 @@ from twinmq.broker.errors import (
     VhostRefused,
 )
 from twinmq.broker.journal import JournalError
+from twinmq.broker.replication.peer import PeerUnresolved
 
 if TYPE_CHECKING:
     from twinmq.broker.settings import BrokerSettings
@@ -167,14 +169,17 @@ def make_app(broker: AdminContext) -> web.Application:
             return error(400, INVALID_ROLE_REQUEST, str(exc))
         peer = broker.settings.replication_peer
         # Checked before anything changes: a passive refused keeps the link it has.
-        if (
-            peer is not None
-            and wanted.replicate_from is not None
-            and (why := await peer.address_refusal(wanted.replicate_from))
-        ):
-            metrics.ROLE_REFUSED.labels("peer").inc()
-            log.warning("POST /role from %s refused: replicate_from %s", request.remote, why)
-            return error(403, NOT_THE_PEER, f"replicate_from {why}")
+        if peer is not None and wanted.replicate_from is not None:
+            try:
+                why = await peer.address_refusal(wanted.replicate_from)
+            except PeerUnresolved as exc:
+                # A name being made again (the peer's pod restarting): not a refusal.
+                log.info("POST /role from %s deferred: replicate_from %s", request.remote, exc)
+                return error(503, PEER_UNRESOLVED, f"replicate_from {exc}")
+            if why is not None:
+                metrics.ROLE_REFUSED.labels("peer").inc()
+                log.warning("POST /role from %s refused: replicate_from %s", request.remote, why)
+                return error(403, NOT_THE_PEER, f"replicate_from {why}")
         try:
             await broker.set_role(
                 wanted.role, wanted.epoch, wanted.replicate_from, force=wanted.force

@@ -16,6 +16,7 @@ STALE_EPOCH: Final = "stale epoch"
 BROKER_DAMAGED: Final = "broker damaged"
 INVALID_ROLE_REQUEST: Final = "invalid role request"
 NOT_THE_PEER: Final = "not the peer"  # 403: replicate_from is not --peer
+PEER_UNRESOLVED: Final = "peer unresolved"  # 503: --peer does not resolve now, retry
 MIRROR_REFUSED: Final = "mirror switch refused"  # 409: wrong role, stale token, not applied
 MIRROR_NOT_DRAINED: Final = "mirror not drained"  # 503: demotion under way, retry the same call
 VHOST_REFUSED: Final = "vhost deletion refused"  # 409: `/`, still served, or a passive

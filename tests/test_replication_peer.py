@@ -20,9 +20,9 @@ import pytest
 from pydantic import ValidationError
 
 from twinmq.broker.admin_client import AdminError, SyncAdminClient, metric_samples
-from twinmq.broker.api import NOT_THE_PEER
+from twinmq.broker.api import NOT_THE_PEER, PEER_UNRESOLVED
 from twinmq.broker.names import ACTIVE, ADMIN_TOKEN_ENV, PASSIVE, REPLICATION_TOKEN_ENV, setting_env
-from twinmq.broker.replication.peer import Peer
+from twinmq.broker.replication.peer import Peer, PeerUnresolved
 from twinmq.broker.settings import BrokerSettings
 from twinmq.operator import certs
 from twinmq.operator.builders import ClusterRef
@@ -107,6 +107,29 @@ def test_without_peer_a_passive_replicates_from_any_address_as_before(
     wait_for("the foreign broker's passive gone", lambda: not link_up(foreign), 30)
 
 
+def test_a_role_change_while_the_peer_does_not_resolve_is_deferred_with_503_not_refused(
+    tmp_path: Path, foreign: BrokerProcess
+) -> None:
+    """A restarting peer pod has no DNS record for a moment: the broker answers 503 (the
+    operator retries at its next pass), counts no refusal, and dials nothing meanwhile."""
+    broker = BrokerProcess(
+        tmp_path,
+        name="unresolved",
+        env={REPLICATION_TOKEN_ENV: Pair.TOKEN, setting_env("peer"): "b.peer.invalid"},
+    )
+    broker.start()
+    try:
+        code, body = post_role(broker, PASSIVE, 0, foreign.replication_address)
+        assert code == 503 and body["error"] == PEER_UNRESOLVED, body
+        assert "b.peer.invalid does not resolve" in body["detail"]
+        assert samples(broker).get(ROLE_REFUSED, 0.0) == 0
+        found = status(broker)
+        assert found is not None and found["role"] != PASSIVE
+        assert not link_up(foreign)
+    finally:
+        broker.stop()
+
+
 def test_a_passive_started_with_a_replicate_from_that_is_not_its_peer_never_dials_it(
     tmp_path: Path, foreign: BrokerProcess
 ) -> None:
@@ -136,7 +159,6 @@ def test_a_passive_started_with_a_replicate_from_that_is_not_its_peer_never_dial
         ("localhost:5673", "127.0.0.2:5673", False),
         ("localhost:5673", "localhost.example:5673", False),
         ("10.0.0.7:5673", "10.0.0.8:5673", False),
-        ("b.peer.invalid:5673", "10.0.0.8:5673", False),  # does not resolve
     ],
 )
 def test_the_peer_is_its_host_or_an_address_it_resolves_to_and_its_port(
@@ -144,6 +166,13 @@ def test_the_peer_is_its_host_or_an_address_it_resolves_to_and_its_port(
 ) -> None:
     refusal = asyncio.run(Peer.parse(peer).address_refusal(address))
     assert (refusal is None) == accepted, refusal
+
+
+def test_a_peer_name_that_does_not_resolve_defers_the_check_and_refuses_nothing() -> None:
+    """A restarting pod's DNS record is gone for a moment: the address can be judged
+    neither way, which the admin API answers with 503 (retry), not 403 (refused)."""
+    with pytest.raises(PeerUnresolved, match="does not resolve"):
+        asyncio.run(Peer.parse("b.peer.invalid:5673").address_refusal("10.0.0.8:5673"))
 
 
 def test_the_replication_token_opens_neither_the_admin_api_nor_amqp(pair: Pair) -> None:

@@ -54,6 +54,11 @@ async def _addresses(host: str) -> set[IPAddress]:
     return {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
 
 
+class PeerUnresolved(Exception):
+    """The peer's DNS name does not resolve now (a pod that is being made again has no
+    record yet): the address cannot be checked, which is no refusal; ask again later."""
+
+
 @dataclass(frozen=True)
 class Peer:
     """The configured peer: a host (DNS name or IP address) and, if given, the port of its
@@ -74,7 +79,9 @@ class Peer:
         return self.host if self.port is None else f"{self.host}:{self.port}"
 
     async def address_refusal(self, address: str) -> str | None:
-        """Why a passive may not replicate from `address` (None: it is this peer)."""
+        """Why a passive may not replicate from `address` (None: it is this peer). Raises
+        PeerUnresolved when the peer's name does not resolve, so the address cannot be
+        judged either way."""
         host, port = split_address(address)
         if self.port is not None and port != self.port:
             return f"{address} is not the peer {self}: port {port}, not {self.port}"
@@ -87,7 +94,9 @@ class Peer:
         try:
             known = await _addresses(self.host)
         except (OSError, TimeoutError) as exc:
-            return f"{address}: the peer {self.host} does not resolve ({exc or 'timed out'})"
+            raise PeerUnresolved(
+                f"{address}: the peer {self.host} does not resolve ({exc or 'timed out'})"
+            ) from exc
         if wanted not in known:
             found = ", ".join(sorted(str(a) for a in known))
             return f"{address} is not the peer {self}, which resolves to {found}"

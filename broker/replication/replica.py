@@ -28,6 +28,7 @@ from twinmq.broker.journal import JournalError, JournalOp, StoredMessage, decode
 from twinmq.broker.replication.context import ReplicationContext
 from twinmq.broker.replication.handshake import new_nonce, transcript_proof, verify
 from twinmq.broker.replication.link import FrameReader
+from twinmq.broker.replication.peer import PeerUnresolved
 from twinmq.broker.replication.protocol import (
     BATCH_CATCHUP,
     BATCH_CATCHUP_LAST,
@@ -219,7 +220,11 @@ class ReplicaClient:
         peer = self.broker.settings.replication_peer
         refused_for: str | None = None  # logged once per reason, not at every retry
         while peer is not None and not self._stopping:
-            if (why := await peer.address_refusal(self.address)) is None:
+            try:
+                why = await peer.address_refusal(self.address)
+            except PeerUnresolved as exc:
+                why = str(exc)
+            if why is None:
                 break
             if why != refused_for:
                 metrics.REPLICATION_REFUSED.labels("peer").inc()
