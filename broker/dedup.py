@@ -119,6 +119,20 @@ class DedupWindow:
         if self._pending_batch.pop(key, None) is not None:
             self._pending = deque(p for p in self._pending if p[1] != key)
 
+    def forget_keys(self, keys: list[str]) -> None:
+        """`forget` each of `keys` (the waiting ones taken out in one pass)."""
+        waiting = False
+        for key in keys:
+            window = self._scopes.get(key_scope(key))
+            if window is not None and key in window:
+                del window[key]
+                self.dirty = True
+            if self._pending_batch.pop(key, None) is not None:
+                waiting = True
+        if waiting:
+            gone = set(keys)
+            self._pending = deque(p for p in self._pending if p[1] not in gone)
+
     def forget_admitted(self) -> None:
         """Drop every admitted key (keys waiting for their batch stay)."""
         if any(self._scopes.values()):
@@ -128,6 +142,10 @@ class DedupWindow:
     def pending_batch(self, key: str) -> int | None:
         """The batch whose outcome decides whether `key` enters the window, while it waits."""
         return self._pending_batch.get(key)
+
+    def waiting_for(self, batch: int) -> list[str]:
+        """The keys whose entry into the window waits for batch `batch`."""
+        return [key for each, key in self._pending if each == batch]
 
     def add_when_durable(self, key: str, batch: int) -> None:
         """Remember `key` once batch `batch` is durable (now if 0); never if it fails.

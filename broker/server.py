@@ -825,10 +825,13 @@ class Broker:
         what this broker does not hold, and the outcome waits for it as for a WITHDRAWN.
         """
         try:
+            # The keys of its publishes, which never enter this window (the batch failed),
+            # while the passive may have admitted them: it forgets them too.
+            keys = self.vhost.root.dedup.waiting_for(batch)
             ops = withdraw_everywhere(self.vhost.root.vhosts.values(), batch, self.committer.tap)
             if self.role != "active" or not streamed:
                 return False
-            return self.source.withdraw(batch, ops)
+            return self.source.withdraw(batch, ops, keys)
         except Exception:
             log.exception("the withdrawal of failed batch %d failed", batch)
             if self.role != "active" or not streamed:

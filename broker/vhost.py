@@ -1069,6 +1069,11 @@ class VirtualHost:
         """Drop every admitted dedup key; keys waiting for their batch stay (passive)."""
         self.dedup.forget_admitted()
 
+    def forget_dedup_keys(self, keys: list[str]) -> None:
+        """Drop these dedup keys, admitted or waiting: their batch failed on the active
+        (passive; a key kept would swallow the publisher's re-send once promoted)."""
+        self.dedup.forget_keys(keys)
+
     def _route(
         self,
         exchange: Exchange,

@@ -16,7 +16,9 @@ The proxy runs its own event loop on a daemon thread, so a synchronous test
 - `hold_after(predicate)`: pass the upstream's length-prefixed frames (the replication
   link's: a u32 big-endian length, then that many bytes) up to the end of the first one
   `predicate` accepts, then hold the rest of that connection's upstream bytes for good
-  (the client has exactly the frames before and that one: `held` is set once written).
+  (the client has exactly the frames before and that one: `held` is set once written);
+  `hold_after(predicate, passing)` lets whole frames `passing` accepts through after it
+  (pings: a link that stays up while a frame is held back).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class FaultProxy:
         self.refused = 0
         self.bytes_forwarded = 0
         self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
-        self._gate: Callable[[bytes], bool] | None = None  # `hold_after`'s predicate
+        # `hold_after`'s predicates: the last frame passed, the frames passing after it
+        self._gate: tuple[Callable[[bytes], bool], Callable[[bytes], bool] | None] | None = None
         self.held = threading.Event()  # `hold_after`: its frame was passed on, nothing since
         self._flowing: asyncio.Event | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -103,13 +106,19 @@ class FaultProxy:
         """Limit every connection to `bytes_per_second` each way (None: no limit)."""
         self.rate = bytes_per_second
 
-    def hold_after(self, predicate: Callable[[bytes], bool]) -> None:
+    def hold_after(
+        self,
+        predicate: Callable[[bytes], bool],
+        passing: Callable[[bytes], bool] | None = None,
+    ) -> None:
         """Gate new connections' upstream-to-client bytes by frame (`predicate` gets each
         frame's bytes after its length): those up to the end of the first frame it accepts
-        pass, the rest is held (never passed on); `held` is set once that frame is written.
-        Resets the current connections: a stream is followed by frame from its start."""
+        pass, the rest is held (never passed on), but for whole frames `passing` accepts
+        (pings, which carry no state: the link stays alive while the rest is held);
+        `held` is set once that frame is written. Resets the current connections: a
+        stream is followed by frame from its start."""
         self.held.clear()
-        self._gate = predicate
+        self._gate = (predicate, passing)
         self._call(self._drop_all())
 
     def retarget(self, upstream: str, *, drop: bool = True) -> None:
@@ -193,7 +202,7 @@ class FaultProxy:
             return
         pair = (writer, up_writer)
         self._pairs.add(pair)
-        gate = _FrameGate(self._gate) if self._gate is not None else None
+        gate = _FrameGate(*self._gate) if self._gate is not None else None
         pumps = [
             asyncio.ensure_future(self._pump(reader, up_writer)),
             asyncio.ensure_future(self._pump(up_reader, writer, gate)),
@@ -282,34 +291,61 @@ class _Last(bytes):
 
 class _FrameGate:
     """Follows one stream of length-prefixed frames; passes bytes up to the end of the first
-    frame `predicate` accepts, then none."""
+    frame `predicate` accepts, then only whole frames `passing` accepts (none without it)."""
 
     _LENGTH = struct.Struct(">I")
 
-    def __init__(self, predicate: Callable[[bytes], bool]) -> None:
+    def __init__(
+        self, predicate: Callable[[bytes], bool], passing: Callable[[bytes], bool] | None = None
+    ) -> None:
         self.predicate = predicate
+        self.passing = passing
         self.shut = False
         self._buf = bytearray()  # from the start of the first frame not yet judged
 
-    def feed(self, data: bytes) -> bytes:
-        """The part of `data` to pass on (a `_Last` if it ends the accepted frame)."""
-        if self.shut:
-            return b""
-        base = len(self._buf)  # bytes of an incomplete frame, passed on already
+    def _frames(self) -> list[tuple[int, int]]:
+        """(start, end) of each whole frame at the head of the buffer."""
         buf = self._buf
-        buf += data
+        found: list[tuple[int, int]] = []
         pos = 0
         while len(buf) - pos >= self._LENGTH.size:
             (length,) = self._LENGTH.unpack_from(buf, pos)
             end = pos + self._LENGTH.size + length
             if end > len(buf):
                 break
-            if self.predicate(bytes(buf[pos + self._LENGTH.size : end])):
-                self.shut = True
-                buf.clear()
-                return _Last(data[: end - base])
+            found.append((pos, end))
             pos = end
-        del buf[:pos]
+        return found
+
+    def _after(self, data: bytes) -> bytes:
+        """Once shut: the whole frames of `data` (and what was held before) that pass."""
+        if self.passing is None:
+            return b""
+        self._buf += data
+        out = bytearray()
+        frames = self._frames()
+        for start, end in frames:
+            if self.passing(bytes(self._buf[start + self._LENGTH.size : end])):
+                out += self._buf[start:end]
+        if frames:
+            del self._buf[: frames[-1][1]]
+        return bytes(out)
+
+    def feed(self, data: bytes) -> bytes:
+        """The part of `data` to pass on (a `_Last` if it ends the accepted frame)."""
+        if self.shut:
+            return self._after(data)
+        base = len(self._buf)  # bytes of an incomplete frame, passed on already
+        self._buf += data
+        frames = self._frames()
+        for start, end in frames:
+            if self.predicate(bytes(self._buf[start + self._LENGTH.size : end])):
+                self.shut = True
+                self._buf.clear()
+                cut = end - base
+                return _Last(data[:cut] + self._after(data[cut:]))
+        if frames:
+            del self._buf[: frames[-1][1]]
         return data
 
 

@@ -23,6 +23,7 @@ import pytest
 from test_failed_batch_pair import InThread, _promote_after_kill, started_on_small_disks
 
 from twinmq.broker.dedup import dedup_key
+from twinmq.broker.replication.protocol import FrameType
 from twinmq.testing.pair import Pair, status
 from twinmq.testing.queues import drain
 from twinmq.testing.waiting import wait_for
@@ -76,15 +77,25 @@ def _failed_tx(url: str) -> None:
     conn.close()
 
 
+def _carries_the_publish(frame: bytes) -> bool:
+    return frame[0] == FrameType.BATCH and MESSAGE_ID.encode() in frame
+
+
+def _ping(frame: bytes) -> bool:
+    return frame[0] == FrameType.PING
+
+
 def _failing_while_the_passive_holds_it(pair: Pair) -> tuple[list[bytes], InThread]:
     """The stored messages, then the active's disk filled and the failing transaction
-    started over the throttled link; returns once the passive has applied its batch and
-    saved the publish's key in its window (the withdrawal still on its way)."""
+    started; the link passes its batch and holds what comes after (the withdrawal: the
+    keys to forget, then the ops), pings aside, so the passive stays in touch. Returns
+    once the passive has applied the batch and saved the publish's key in its window
+    (every 5 s), the withdrawal still on its way."""
     bodies = _stored(pair)
+    pair.link.hold_after(_carries_the_publish, passing=_ping)  # the passive reconnects
     pair.wait_healthy()
     data = pair.active.data_dir
     (data / "filler").write_bytes(b"\0" * (shutil.disk_usage(data).free - KEEP_FREE))
-    pair.link.throttle(RATE)
     commit = InThread(lambda: _failed_tx(pair.active.url))
     saved = pair.passive.data_dir / "dedup.json"
     wait_for(
@@ -183,7 +194,7 @@ def test_a_passive_killed_mid_withdrawal_and_restarted_holds_nothing_of_the_fail
     with _pair(tmp_path) as pair:
         bodies, commit = _failing_while_the_passive_holds_it(pair)
         pair.passive.kill()
-        pair.link.throttle(None)
+        pair.link.heal()
         assert not commit.done.is_set(), "the failure was told while the passive held it"
         pair.passive.start()
         assert commit.done.wait(60), "the failure was never told"

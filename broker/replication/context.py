@@ -114,6 +114,10 @@ class ReplicatedState(Protocol):
         """Drop every admitted dedup key (a passive's catch-up brings the active's window)."""
         ...
 
+    def forget_dedup_keys(self, keys: list[str]) -> None:
+        """Drop these dedup keys, admitted or waiting (a failed batch's, withdrawn)."""
+        ...
+
     def restore_order(self) -> None:
         """Sort queues the deferred batches left out of replication ID order (passive)."""
         ...

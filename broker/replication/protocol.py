@@ -61,7 +61,10 @@ class FrameType(enum.IntEnum):
     RECONCILE = 14
     # active -> passive: the failed batch's number, flags (0), and the ops that undo it on
     # the passive (discards of its messages, its undone acks' messages stored again); only
-    # to a passive whose Snapshot said `withdrawals` (an older one is made to catch up)
+    # to a passive whose Snapshot said `withdrawals` (an older one is made to catch up).
+    # With WITHDRAW_FORGET, the body is instead the dedup keys (as DEDUP_KEYS) of the
+    # failed batch's publishes, to forget; sent just before the ops (a passive whose
+    # Snapshot said `withdrawal_keys`; an older one is made to catch up if there are any)
     WITHDRAW = 15
     WITHDRAWN = 16  # passive -> active: u64 failed batch whose WITHDRAW is durable here
 
@@ -70,6 +73,9 @@ class FrameType(enum.IntEnum):
 # acknowledged by CATCHUP_ACK; a live batch's is the active's commit batch, acknowledged by ACK.
 BATCH_CATCHUP: Final = 1
 BATCH_CATCHUP_LAST: Final = 2  # the catch-up's final chunk
+# WITHDRAW flag: the body holds dedup keys to forget, not ops (acknowledged by nothing:
+# the WITHDRAW of ops that follows it is, once the window without them is saved).
+WITHDRAW_FORGET: Final = 4
 
 
 class Challenge(BaseModel):
@@ -122,6 +128,8 @@ class Snapshot(BaseModel):
     # A capability: this passive applies WITHDRAW frames (an older one is made to catch
     # up again instead, `ReplicationSource.resync`).
     withdrawals: bool = False
+    # A capability: this passive forgets the keys of a WITHDRAW_FORGET frame.
+    withdrawal_keys: bool = False
 
     @classmethod
     def of(
@@ -130,12 +138,14 @@ class Snapshot(BaseModel):
         *,
         definitions_delta: bool = True,
         withdrawals: bool = True,
+        withdrawal_keys: bool = True,
     ) -> Snapshot:
         """The snapshot of `ids` per qid, packed (with this version's capabilities)."""
         return cls(
             packed={qid: pack_ids(mids) for qid, mids in ids.items()},
             definitions_delta=definitions_delta,
             withdrawals=withdrawals,
+            withdrawal_keys=withdrawal_keys,
         )
 
     def ids(self) -> dict[int, Sequence[int]]:

@@ -33,6 +33,7 @@ from twinmq.broker.replication.protocol import (
     BATCH_CATCHUP,
     BATCH_CATCHUP_LAST,
     PROTOCOL_VERSION,
+    WITHDRAW_FORGET,
     Challenge,
     FrameType,
     Hello,
@@ -540,7 +541,15 @@ class ReplicaClient:
                 # there: these ops do the same here (a catch-up's discards, the undone
                 # acks' messages stored again), durably before WITHDRAWN; the active
                 # tells its clients of the failure only then (docs/replication.md).
-                remote, _flags, raw = decode_batch(payload)
+                remote, flags, raw = decode_batch(payload)
+                if flags & WITHDRAW_FORGET:
+                    # The keys of the failed batch's publishes, ahead of its ops: a discard
+                    # forgets only the key of a message still here, and a later batch may
+                    # have taken one off already (a purge, an expiry); promoted, this
+                    # passive would drop its publisher's re-send as a duplicate (a loss).
+                    # Saved with the window before the ops' WITHDRAWN.
+                    broker.vhost.forget_dedup_keys(decode_keys(raw))
+                    continue
                 ops = decode_ops(raw)
                 keys = broker.vhost.apply_ops(ops, defer_sort=self._catching_up, catchup=True)
                 saved = await self._journal_after_window("a withdrawal", ops, raw, keys)

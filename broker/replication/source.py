@@ -22,7 +22,7 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 
 from twinmq.broker import metrics
 from twinmq.broker.definitions import Definitions, DefinitionsDelta
@@ -37,6 +37,7 @@ from twinmq.broker.replication.protocol import (
     BATCH_HEAD_BYTES,
     MAX_FRAME,
     PROTOCOL_VERSION,
+    WITHDRAW_FORGET,
     Challenge,
     FrameType,
     Hello,
@@ -48,6 +49,7 @@ from twinmq.broker.replication.protocol import (
     decode_u64,
     encode,
     encode_batch,
+    encode_key,
     encode_u64,
 )
 from twinmq.broker.tls import identity_refusal, report_refused_handshakes
@@ -71,10 +73,12 @@ class SourceLink:
         start: int,
         *,
         withdrawals: bool = False,
+        withdrawal_keys: bool = False,
     ) -> None:
         self.peer = peer
         self.name = name
         self.withdrawals = withdrawals  # the passive takes WITHDRAW frames
+        self.withdrawal_keys = withdrawal_keys  # ... and forgets WITHDRAW_FORGET's keys
         self.writer = writer
         self.start_batch = start  # batches up to this one reach the passive by the catch-up
         self.catchup: CatchupSender | None = None
@@ -138,9 +142,10 @@ class SourceLink:
         self.live_sent = batch
         self.sent_batches.append((batch, len(ops), time.time()))
 
-    def send_withdrawal(self, batch: int, ops: list[JournalOp]) -> bool:
-        """Stream the ops that take failed batch `batch` out of the passive again; False
-        (nothing sent) if they do not fit in one frame.
+    def send_withdrawal(self, batch: int, ops: list[JournalOp], keys: Sequence[str] = ()) -> bool:
+        """Stream the ops that take failed batch `batch` out of the passive again, after
+        the dedup keys of its publishes to forget (if any); False (nothing sent) if
+        either does not fit in one frame.
 
         A withdrawal is one frame, and it can be large: an undone ack stores its message
         again, body and all, and a failed retention drop or re-seed of the DR mirror puts
@@ -149,10 +154,15 @@ class SourceLink:
         """
         buf = bytearray()
         encode_ops(ops, buf)
-        if len(buf) + BATCH_HEAD_BYTES > MAX_FRAME:
+        forget = bytearray()
+        for key in keys:
+            encode_key(forget, key)
+        if max(len(buf), len(forget)) + BATCH_HEAD_BYTES > MAX_FRAME:
             return False
         if not self.outstanding:
             self.last_progress = time.monotonic()  # the clock for a stall starts now
+        if keys:
+            self.write(encode_batch(batch, WITHDRAW_FORGET, forget, FrameType.WITHDRAW))
         self.write(encode_batch(batch, 0, buf, FrameType.WITHDRAW))
         self.withdrawal_sent = batch
         return True
@@ -296,29 +306,32 @@ class ReplicationSource:
         self.broker.committer.guard(False)
         self._cancel_degrade()
 
-    def withdraw(self, batch: int, ops: list[JournalOp]) -> bool:
-        """Failed batch `batch` was streamed: make the passive drop it (`ops` undo it).
+    def withdraw(self, batch: int, ops: list[JournalOp], keys: Sequence[str] = ()) -> bool:
+        """Failed batch `batch` was streamed: make the passive drop it (`ops` undo it,
+        `keys`: the dedup keys of its publishes, which the passive forgets).
 
         Returns whether its outcome must wait (`GroupCommitter.withdrawn`): while the
         passive guards, it may be promoted holding the batch. An in-sync passive gets
         the ops in a WITHDRAW frame, ahead of any later batch, and acknowledges them
         once durable (WITHDRAWN). One catching up (or of an older version) is made to
         catch up again (`resync`); then the next passive in sync holds what this broker
-        holds; so is an in-sync one whose withdrawal would not fit in one frame. No
+        holds; so is an in-sync one whose withdrawal would not fit in one frame, and
+        one that would not forget the keys (a discard alone misses the key of a
+        message a later batch already took off the passive: a purge, an expiry). No
         link: the one that comes back catches up the same way, or the active goes on
         alone (the Lease marked first: the passive is not promotable); either ends the
         wait.
         """
-        if not ops:
+        if not ops and not keys:
             return False  # nothing a client was told of is left on the passive
         link = self.link
         if link is not None and not link.closed:
-            if link.in_sync and link.withdrawals:
+            if link.in_sync and link.withdrawals and (link.withdrawal_keys or not keys):
                 log.warning(
                     "batch %d failed here after it was streamed: withdrawing %d ops from %s",
                     batch, len(ops), link.name,
                 )  # fmt: skip
-                if not link.send_withdrawal(batch, ops):
+                if not link.send_withdrawal(batch, ops, keys if link.withdrawal_keys else ()):
                     self.resync(f"the withdrawal of failed batch {batch} exceeds a frame")
             else:
                 self.resync(f"batch {batch} failed here after it was streamed")
@@ -636,7 +649,10 @@ class ReplicationSource:
             log.info("dropping passive %s: replaced by a new link", self.link.name)
             self._lost(self.link, degrade_now=False)
         last = committer.flush_now()
-        link = SourceLink(peer, hello.name, writer, last, withdrawals=snapshot.withdrawals)
+        link = SourceLink(
+            peer, hello.name, writer, last,
+            withdrawals=snapshot.withdrawals, withdrawal_keys=snapshot.withdrawal_keys,
+        )  # fmt: skip
         stream = CatchupStream(
             capture(vhost.all_queues()),
             snapshot.ids(),
