@@ -258,9 +258,11 @@ def test_an_operator_killed_mid_failover_finishes_it_after_a_restart(
             seen[:] = [s]
             return s.get("activeBroker") == "backup" and s.get("phase") in ("Ready", "Degraded")
 
-        # 60 s timed out once in a full e2e run, then 120 s once in a run beside other
-        # tests (cause not found; the test alone passed in 30-54 s): a bound on the wait,
-        # not a claim on its speed. On a timeout, say where the cluster stood.
+        # A bound on the wait, not a claim on its speed. It timed out now and then (60 s,
+        # then 120 s): a primary frozen before its first Lease renewal left no replication
+        # guard, which the restarted operator needs here; the handover now writes it
+        # (docs/replication.md, "The replication guard in the Lease"). On a timeout, say
+        # where the cluster stood.
         try:
             wait_for("the restarted operator to finish the failover", finished, timeout=120)
         except TimeoutError as exc:

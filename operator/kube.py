@@ -18,6 +18,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 
+from twinmq.broker.lease import GUARD_ANNOTATION, ReplicationGuard
 from twinmq.operator.ownership import Owner, foreign_reason, owns
 
 log = logging.getLogger(__name__)
@@ -222,10 +223,28 @@ class Kube:
         )
         return None if lease is None else dict(self.api.sanitize_for_serialization(lease))
 
-    def put_lease(self, lease: Obj) -> None:
-        """Create or replace the Lease (the operator hands it to the broker it activates)."""
+    def put_lease(self, lease: Obj, handover_epoch: int | None = None) -> None:
+        """Create or replace the Lease (the operator hands it to the broker it activates).
+
+        `handover_epoch`: the epoch the holder was just activated in. The Lease then says
+        `<epoch>:0` (the replication guard), as the new active's first renewal would: it
+        cannot have gone on alone yet, since it marks the Lease first and may write it only
+        once it holds it. Without this, an active frozen before its first renewal (a third
+        of a duration after its activation) left no guard, and an operator that restarted
+        meanwhile, which trusts only a guard once the passive's readiness window has
+        passed, never promoted the caught-up passive. A guard of that epoch or later is the
+        broker's own and stays; the replace carries the read resourceVersion, so a
+        broker's write in between wins (409)."""
         namespace, name = lease["metadata"]["namespace"], lease["metadata"]["name"]
         current = self.get_lease(namespace, name)
+        if handover_epoch is not None:
+            found = None if current is None else ReplicationGuard.of_lease(current)
+            if found is None or found.epoch < handover_epoch:
+                meta = lease["metadata"] if current is None else current["metadata"]
+                meta["annotations"] = {
+                    **(meta.get("annotations") or {}),
+                    GUARD_ANNOTATION: ReplicationGuard(handover_epoch, False).encode(),
+                }
         if current is None:
             self.coordination.create_namespaced_lease(namespace, lease)  # type: ignore[arg-type]
             return

@@ -501,6 +501,7 @@ def apply(
         n: ((pods.get(n) or {}).get("metadata", {}).get("labels") or {}).get(builders.LABEL_ROLE)
         for n in NAMES
     }  # each pod's role label, as this pass leaves it
+    activated: dict[BrokerName, int] = {}  # the epoch each broker was made active in here
 
     def ip(name: BrokerName) -> str | None:
         value = (pods.get(name) or {}).get("status", {}).get("podIP")
@@ -518,6 +519,8 @@ def apply(
                     # Whatever process answers now is learned once it is seen serving.
                     memory.serving.pop(action.broker, None)
                 target.set_role(action.role, action.epoch, replicate_from, force=action.force)
+                if action.role == ACTIVE:
+                    activated[action.broker] = action.epoch
                 views[action.broker] = memory.last_view[action.broker] = replace(
                     views[action.broker], role=action.role, epoch=action.epoch,
                     ready=views[action.broker].ready and action.role == PASSIVE,
@@ -548,11 +551,12 @@ def apply(
                     )
                     routed[name] = role
             if action.broker is not None:
+                # Every Route to a broker follows its SetRole to active in the same decision.
                 k.put_lease(builders.build_lease(
                     cluster, pod_name(cluster, action.broker),
                     spec.failover.lease_duration_seconds,
                     datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-                ))  # fmt: skip
+                ), handover_epoch=activated.get(action.broker))  # fmt: skip
         elif isinstance(action, Record):
             new.active_broker, new.epoch = action.active, action.epoch
             sw = action.switchover

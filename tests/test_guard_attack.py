@@ -311,3 +311,41 @@ def test_no_lease_is_lapsed_and_carries_no_guard(operator: Operator) -> None:
     assert operator.sees() == (None, True, None)
     operator.written(f"{EPOCH}:0")
     assert operator.sees() == ("primary", False, None)
+
+
+def handed_over(operator: Operator, holder: str, epoch: int) -> None:
+    """The operator's handover after activating `holder` in `epoch` (`operator/main.py`)."""
+    lease = build_lease(operator.cluster, holder, int(DURATION),
+                        datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))  # fmt: skip
+    operator.kube.put_lease(lease, handover_epoch=epoch)
+
+
+def test_an_active_frozen_before_its_first_renewal_still_leaves_a_guard_a_restarted_operator_trusts(
+    operator: Operator,
+) -> None:
+    """The active is frozen right after the handover, before its first renewal, and the
+    operator restarts: the Lease lapses saying the handover's `<epoch>:0` (the new active
+    cannot have gone on alone: it marks first, and may write only once it holds the
+    Lease), so the caught-up passive is promoted after two durations. Before, the Lease
+    carried no guard, or the previous holder's, and no failover ever came
+    (e2e test_an_operator_killed_mid_failover_finishes_it_after_a_restart, now and then)."""
+    operator.written(f"{EPOCH - 1}:1")  # the previous epoch's holder went on alone once
+    handed_over(operator, "orders-backup", EPOCH)
+    operator.restarted()
+    assert operator.sees() == ("backup", False, None)
+    operator.now += 2 * DURATION
+    assert operator.sees() == ("backup", True, (EPOCH, False))
+
+
+def test_the_handover_never_overwrites_a_guard_the_broker_wrote_in_its_epoch(
+    operator: Operator,
+) -> None:
+    """A broker re-activated while it still holds the Lease may mark it before the
+    operator's handover lands: its `<epoch>:1` stays (and any later epoch's guard)."""
+    operator.written(f"{EPOCH}:1")
+    handed_over(operator, "orders-primary", EPOCH)
+    operator.sees()
+    operator.now += 2 * DURATION
+    assert operator.sees() == ("primary", True, (EPOCH, True))
+    handed_over(operator, "orders-primary", EPOCH - 1)  # a stale pass: nothing newer undone
+    assert operator.sees()[2] == (EPOCH, True)
