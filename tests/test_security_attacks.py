@@ -489,7 +489,7 @@ ADMISSION_NS = "secattack"
 def authors(kube_apiserver: Any) -> Kube:
     """The admission policy on a real API server, and two authors in `ADMISSION_NS` who
     may create BrokerClusters and pods: `builder`, and `certifier`, who may also create
-    cert-manager Certificates."""
+    cert-manager Certificates; and `no-pods`, whom only the policy refuses."""
     api = Kube(str(kube_apiserver.kubeconfig))
     install_crd(api)
     namespace: Any = {"metadata": {"name": ADMISSION_NS}}  # the client takes plain dicts
@@ -501,6 +501,7 @@ def authors(kube_apiserver: Any) -> Kube:
     for user, rules in (
         ("builder", [clusters, pods]),
         ("certifier", [clusters, pods, certificates]),
+        ("no-pods", [clusters]),
     ):
         meta = {"name": user, "namespace": ADMISSION_NS}
         api.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
@@ -532,8 +533,14 @@ def created_as(kube_apiserver: Any, user: str, spec: dict[str, Any]) -> str | No
 def test_naming_a_cert_manager_issuer_needs_the_right_to_create_certificates(
     authors: Kube, kube_apiserver: Any
 ) -> None:
-    # The policy is in force once it refuses what it always refused (no pods for `nobody`).
-    wait_for("the policy in force", lambda: created_as(kube_apiserver, "nobody", {}), 30)
+    # The policy is in force once it refuses what only it refuses (RBAC lets `no-pods`
+    # create BrokerClusters). `nobody` was refused by RBAC alone: that wait passed before
+    # the API server had loaded the policy, and `builder` was admitted now and then.
+    wait_for(
+        "the policy in force",
+        lambda: "may not create pods" in (created_as(kube_apiserver, "no-pods", {}) or ""),
+        30,
+    )
     spec = {"tls": {"issuerRef": {"name": "corporate-ca", "kind": "ClusterIssuer"}}}
     assert created_as(kube_apiserver, "certifier", spec) is None
     refused = created_as(kube_apiserver, "builder", spec)
