@@ -23,7 +23,7 @@ import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import cast
 
 from pamqp import commands
 from test_withdrawal_fallback import _linked_source
@@ -39,9 +39,9 @@ from twinmq.broker.replication.protocol import (
     encode_batch,
 )
 from twinmq.broker.replication.replica import ReplicaClient, _Session
-from twinmq.broker.replication.source import ReplicationSource, SourceLink
 from twinmq.broker.server import Broker
 from twinmq.broker.settings import BrokerSettings
+from twinmq.testing.sansio import NullWriter
 
 QUEUE = "wk.q"
 QID = 1
@@ -51,23 +51,6 @@ KEY = dedup_key("", QUEUE, MESSAGE_ID)
 FAILED = 1  # the active's batch that fails
 
 
-class _Transport:
-    def is_closing(self) -> bool:
-        return False
-
-    def abort(self) -> None:
-        pass
-
-
-class _Writer:
-    """The passive's link: its acknowledgements go nowhere."""
-
-    transport = _Transport()
-
-    def write(self, data: bytes) -> None:
-        pass
-
-
 class _Done(Exception):
     pass
 
@@ -75,41 +58,21 @@ class _Done(Exception):
 async def _active_withdrawal() -> bytes:
     """What the active sends its in-sync passive when batch FAILED fails: its publish
     under KEY waits in the window, its message is gone already (the purge)."""
-    accepted: asyncio.Queue[asyncio.StreamReader] = asyncio.Queue()
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await accepted.put(reader)
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    _, writer = await asyncio.open_connection("127.0.0.1", port)
-    passive = await accepted.get()
-    committer = SimpleNamespace(guarded=True, on_batch=None, tap=None)
-    context = SimpleNamespace(
-        committer=committer,
-        vhost=SimpleNamespace(on_topology_change=None, on_topology_delta=None),
-        settings=SimpleNamespace(replication_timeout=30.0),
-        lease=None,
-    )
-    source = ReplicationSource(cast(Any, context))
-    link = SourceLink("127.0.0.1", "passive", writer, 0, withdrawals=True)
-    link.withdrawal_keys = True  # (a passive of this version says so in its Snapshot)
-    link.in_sync = True
-    source.link = link
-    window = DedupWindow(100)
-    window.add_when_durable(KEY, FAILED)
-    # No vhost holds anything of the batch any more: the purge took its message.
-    root = SimpleNamespace(vhosts={}, dedup=window)
-    active = SimpleNamespace(
-        role="active", vhost=SimpleNamespace(root=root), committer=committer, source=source
-    )
-    Broker._withdraw_failed(cast(Broker, active), FAILED, True)
-    assert KEY not in window, "the active never admits the key of a failed batch"
-    await writer.drain()
-    writer.close()
-    data = await passive.read()
-    server.close()
-    return data
+    async with _linked_source() as (source, link, passive):
+        link.withdrawal_keys = True  # (a passive of this version says so in its Snapshot)
+        window = DedupWindow(100)
+        window.add_when_durable(KEY, FAILED)
+        # No vhost holds anything of the batch any more: the purge took its message.
+        root = SimpleNamespace(vhosts={}, dedup=window)
+        active = SimpleNamespace(
+            role="active", vhost=SimpleNamespace(root=root), committer=source.broker.committer,
+            source=source,
+        )  # fmt: skip
+        Broker._withdraw_failed(cast(Broker, active), FAILED, True)
+        assert KEY not in window, "the active never admits the key of a failed batch"
+        await link.writer.drain()
+        link.writer.close()
+        return await passive.read()
 
 
 def _live(batch: int, ops: list[JournalOp]) -> bytes:
@@ -160,7 +123,7 @@ def test_a_withdrawal_forgets_the_key_of_a_message_a_later_batch_took_off_the_pa
             raise _Done
 
         with contextlib.suppress(_Done):
-            await replica._apply(next_frame, _Session(replica, _Writer()))  # type: ignore[arg-type]
+            await replica._apply(next_frame, _Session(replica, NullWriter()))  # type: ignore[arg-type]
         kept = KEY in broker.vhost.dedup
         await broker.committer.stop()
         await broker.journal.close()

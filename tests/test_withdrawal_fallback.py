@@ -81,7 +81,7 @@ async def _linked_source() -> Any:
     port = server.sockets[0].getsockname()[1]
     _, writer = await asyncio.open_connection("127.0.0.1", port)
     passive = await accepted.get()
-    committer = SimpleNamespace(guarded=True, on_batch=None)
+    committer = SimpleNamespace(guarded=True, on_batch=None, tap=None)
     vhost = SimpleNamespace(on_topology_change=None, on_topology_delta=None)
     settings = SimpleNamespace(replication_timeout=30.0)
     broker = SimpleNamespace(committer=committer, vhost=vhost, settings=settings, lease=None)
