@@ -130,6 +130,25 @@ def test_a_role_change_while_the_peer_does_not_resolve_is_deferred_with_503_not_
         broker.stop()
 
 
+def test_a_passive_whose_peer_does_not_resolve_waits_without_counting_a_refusal(
+    tmp_path: Path, foreign: BrokerProcess
+) -> None:
+    broker = BrokerProcess(
+        tmp_path,
+        name="unresolved-passive",
+        env={REPLICATION_TOKEN_ENV: Pair.TOKEN, setting_env("peer"): "b.peer.invalid"},
+        extra_args=["--role", PASSIVE, "--replicate-from", foreign.replication_address],
+    )
+    broker.start()
+    try:
+        wait_for("the wait logged", lambda: "does not resolve" in log_of(broker), 30)
+        assert f"not replicating from {foreign.replication_address} yet" in log_of(broker)
+        assert samples(broker).get(PEER_REFUSED, 0.0) == 0
+        assert not link_up(foreign)
+    finally:
+        broker.stop()
+
+
 def test_a_passive_started_with_a_replicate_from_that_is_not_its_peer_never_dials_it(
     tmp_path: Path, foreign: BrokerProcess
 ) -> None:

@@ -221,13 +221,16 @@ class ReplicaClient:
         peer = self.broker.settings.replication_peer
         refused_for: str | None = None  # logged once per reason, not at every retry
         while peer is not None and not self._stopping:
+            unresolved = False
             try:
                 why = await peer.address_refusal(self.address)
             except PeerUnresolved as exc:
-                why = str(exc)
+                why, unresolved = str(exc), True  # cannot be judged yet: no refusal
             if why is None:
                 break
-            if why != refused_for:
+            if why != refused_for and unresolved:
+                log.warning("not replicating from %s yet: %s (--peer)", self.address, why)
+            elif why != refused_for:
                 metrics.REPLICATION_REFUSED.labels("peer").inc()
                 log.error("not replicating from %s: %s (--peer)", self.address, why)
             refused_for = why
