@@ -24,6 +24,7 @@ from twinmq.broker.federation.identity import duplicate_refusal
 from twinmq.broker.federation.marks import ToldMarks
 from twinmq.broker.journal import Journal
 from twinmq.broker.routing import Exchange
+from twinmq.broker.settings import BrokerSettings
 from twinmq.broker.vhost import PublishResult, VirtualHost
 from twinmq.testing.rawamqp import decode_frames, handshake_frames
 
@@ -258,3 +259,12 @@ class NullWriter:
 
     def write(self, data: bytes) -> None:
         pass
+
+
+def passive_settings(data_dir: Path, *, fsync: bool = False) -> BrokerSettings:
+    """A passive broker of epoch 1 on `data_dir`, no listener, no audit log: the broker
+    whose replica loop a test drives with NullWriter and frames of its own."""
+    return BrokerSettings.model_validate({
+        "data_dir": data_dir, "port": 0, "admin_port": 0, "fsync": fsync, "audit": False,
+        "log_level": "WARNING", "role": "passive", "epoch": 1,
+    })  # fmt: skip

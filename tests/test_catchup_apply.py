@@ -25,8 +25,7 @@ from twinmq.broker.replication.protocol import (
 )
 from twinmq.broker.replication.replica import ReplicaClient, _Session
 from twinmq.broker.server import Broker
-from twinmq.broker.settings import BrokerSettings
-from twinmq.testing.sansio import NullWriter
+from twinmq.testing.sansio import NullWriter, passive_settings
 
 MESSAGES = 500
 
@@ -68,10 +67,7 @@ def test_a_passive_takes_the_messages_of_a_catch_up_chunk_out_of_the_collectors_
         return frames.pop(0)
 
     async def apply() -> Broker:
-        settings = BrokerSettings.model_validate({
-            "data_dir": tmp_path, "port": 0, "admin_port": 0, "fsync": False, "audit": False,
-            "log_level": "WARNING", "role": "passive", "epoch": 1,
-        })  # fmt: skip
+        settings = passive_settings(tmp_path)
         broker = Broker(settings)
         broker.committer.start()
         replica = ReplicaClient(broker, "127.0.0.1:1")

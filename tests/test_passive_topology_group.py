@@ -32,8 +32,7 @@ from twinmq.broker.replication.protocol import (
 )
 from twinmq.broker.replication.replica import ReplicaClient, _Session
 from twinmq.broker.server import EXIT_JOURNAL_FAILED, Broker
-from twinmq.broker.settings import BrokerSettings
-from twinmq.testing.sansio import NullTransport
+from twinmq.testing.sansio import NullTransport, passive_settings
 
 EX, Q = "grp.x", "grp.q"
 
@@ -80,10 +79,7 @@ async def _passive(
     """Feed `runs` of frames (the loop gets a turn between two runs); the number of
     definitions-log records after each run. From run `full_disk_from` on, every append
     to the definitions log fails (ENOSPC)."""
-    settings = BrokerSettings.model_validate(
-        {"data_dir": tmp_path, "port": 0, "admin_port": 0, "fsync": True, "audit": False,
-         "log_level": "WARNING", "role": "passive", "epoch": 1}
-    )  # fmt: skip
+    settings = passive_settings(tmp_path, fsync=True)
     broker = Broker(settings)
     broker.committer.start()
     replica = ReplicaClient(broker, "127.0.0.1:1")

@@ -38,8 +38,7 @@ from twinmq.broker.replication.protocol import (
 )
 from twinmq.broker.replication.replica import ReplicaClient, _Session
 from twinmq.broker.server import Broker
-from twinmq.broker.settings import BrokerSettings
-from twinmq.testing.sansio import NullWriter
+from twinmq.testing.sansio import NullWriter, passive_settings
 
 STALE = "\x00q\x00withdrawn-since"  # in the old file; the active's window lacks it
 FRESH = "\x00q\x00kept"
@@ -68,10 +67,7 @@ def test_a_passive_that_cannot_write_its_window_removes_it_and_becomes_ready(
     frames = FrameDecoder().feed(b"".join(stream))
 
     async def run() -> tuple[bool, bool, bool]:
-        settings = BrokerSettings.model_validate({
-            "data_dir": tmp_path, "port": 0, "admin_port": 0, "fsync": False, "audit": False,
-            "log_level": "WARNING", "role": "passive", "epoch": 1,
-        })  # fmt: skip
+        settings = passive_settings(tmp_path)
         broker = Broker(settings)
         assert STALE in broker.vhost.dedup, "the old file was loaded"
         broker.committer.start()

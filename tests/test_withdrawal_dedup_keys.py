@@ -40,8 +40,7 @@ from twinmq.broker.replication.protocol import (
 )
 from twinmq.broker.replication.replica import ReplicaClient, _Session
 from twinmq.broker.server import Broker
-from twinmq.broker.settings import BrokerSettings
-from twinmq.testing.sansio import NullWriter
+from twinmq.testing.sansio import NullWriter, passive_settings
 
 QUEUE = "wk.q"
 QID = 1
@@ -96,10 +95,7 @@ def test_a_withdrawal_forgets_the_key_of_a_message_a_later_batch_took_off_the_pa
 
     async def run() -> tuple[bool, bool, list[str]]:
         withdrawal = await _active_withdrawal()
-        settings = BrokerSettings.model_validate({
-            "data_dir": tmp_path, "port": 0, "admin_port": 0, "fsync": False, "audit": False,
-            "log_level": "WARNING", "role": "passive", "epoch": 1,
-        })  # fmt: skip
+        settings = passive_settings(tmp_path)
         broker = Broker(settings)
         broker.committer.start()
         replica = ReplicaClient(broker, "127.0.0.1:1")

@@ -23,8 +23,7 @@ from twinmq.broker.journal import JournalOp, Settle, StoredMessage, encode_ops
 from twinmq.broker.replication.protocol import FrameDecoder, FrameType, encode, encode_batch
 from twinmq.broker.replication.replica import ReplicaClient, _Session
 from twinmq.broker.server import Broker
-from twinmq.broker.settings import BrokerSettings
-from twinmq.testing.sansio import NullWriter
+from twinmq.testing.sansio import NullWriter, passive_settings
 
 QUEUE = "pr.q"
 QID = 1
@@ -40,10 +39,7 @@ def _frame(batch: int, ops: list[JournalOp], ftype: FrameType = FrameType.BATCH)
 def test_a_withdrawal_cut_short_by_a_promotion_is_journaled_as_it_is_held(
     tmp_path: Path,
 ) -> None:
-    settings = BrokerSettings.model_validate({
-        "data_dir": tmp_path, "port": 0, "admin_port": 0, "fsync": False, "audit": False,
-        "log_level": "WARNING", "role": "passive", "epoch": 1,
-    })  # fmt: skip
+    settings = passive_settings(tmp_path)
     message = StoredMessage(MID, QID, "", QUEUE, b"", b"acked in a failed transaction", None)
     stream = [
         encode(FrameType.DEFINITIONS, Definitions(queues=[QueueDef(name=QUEUE, qid=QID)])),
