@@ -51,6 +51,20 @@ def link_up(broker: BrokerProcess) -> bool:
     return found is not None and bool(found["replication"]["link_connected"])
 
 
+def started_passive(
+    folder: Path, name: str, peer: str, replicate_from: BrokerProcess
+) -> BrokerProcess:
+    """A broker started passive with `--peer peer`, told to replicate from another."""
+    broker = BrokerProcess(
+        folder,
+        name=name,
+        env={REPLICATION_TOKEN_ENV: Pair.TOKEN, setting_env("peer"): peer},
+        extra_args=["--role", PASSIVE, "--replicate-from", replicate_from.replication_address],
+    )
+    broker.start()
+    return broker
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     hardened = Pair(tmp_path_factory.mktemp("pair"))
@@ -133,13 +147,7 @@ def test_a_role_change_while_the_peer_does_not_resolve_is_deferred_with_503_not_
 def test_a_passive_whose_peer_does_not_resolve_waits_without_counting_a_refusal(
     tmp_path: Path, foreign: BrokerProcess
 ) -> None:
-    broker = BrokerProcess(
-        tmp_path,
-        name="unresolved-passive",
-        env={REPLICATION_TOKEN_ENV: Pair.TOKEN, setting_env("peer"): "b.peer.invalid"},
-        extra_args=["--role", PASSIVE, "--replicate-from", foreign.replication_address],
-    )
-    broker.start()
+    broker = started_passive(tmp_path, "unresolved-passive", "b.peer.invalid", foreign)
     try:
         wait_for("the wait logged", lambda: "does not resolve" in log_of(broker), 30)
         assert f"not replicating from {foreign.replication_address} yet" in log_of(broker)
@@ -152,13 +160,7 @@ def test_a_passive_whose_peer_does_not_resolve_waits_without_counting_a_refusal(
 def test_a_passive_started_with_a_replicate_from_that_is_not_its_peer_never_dials_it(
     tmp_path: Path, foreign: BrokerProcess
 ) -> None:
-    broker = BrokerProcess(
-        tmp_path,
-        name="started-astray",
-        env={REPLICATION_TOKEN_ENV: Pair.TOKEN, setting_env("peer"): "127.0.0.1:1"},
-        extra_args=["--role", PASSIVE, "--replicate-from", foreign.replication_address],
-    )
-    broker.start()
+    broker = started_passive(tmp_path, "started-astray", "127.0.0.1:1", foreign)
     try:
         wait_for("the refusal", lambda: samples(broker).get(PEER_REFUSED, 0.0) >= 1, 30)
         assert f"not replicating from {foreign.replication_address}" in log_of(broker)
