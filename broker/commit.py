@@ -410,22 +410,28 @@ class GroupCommitter:
             # A failed batch the passive may still hold (it acknowledged it, perhaps: it
             # applied it) waits for `withdrawn`, and every later batch behind it.
             complete = min(complete, min(self._withdrawing) - 1)
-        if complete <= self.complete_batch:
+        told = self.complete_batch
+        if complete <= told:
             return
         self.complete_batch = complete
         # The waiters hear the outcomes in batch order: runs of good batches, each
-        # failed batch on its own.
+        # failed batch on its own; never again what was told (a waiter takes "durable
+        # up to n" for everything up to n it still holds).
         outcomes: list[tuple[int, bool]] = []
         while failed and failed[0] <= complete:
             batch = failed.popleft()
-            if not outcomes or outcomes[-1][0] < batch - 1:
+            if told < batch - 1:
                 outcomes.append((batch - 1, False))
             outcomes.append((batch, True))
-        if not outcomes or outcomes[-1][0] < complete:
+            told = batch
+        if told < complete:
             outcomes.append((complete, False))
-        if self._record_audit(complete) or self._held:
-            # The waiters hear these once the audit records are durable (and after
-            # every earlier outcome still held: in batch order).
+        if self._record_audit(complete) or self._held or self._audit_writing:
+            # The waiters hear these once the audit records are durable, after every
+            # earlier outcome still held: in batch order. Those of a write under way
+            # are out of `_held` meanwhile: failed batches (no records) told now
+            # would overtake them, and a "durable up to n" among them confirm an
+            # earlier failed batch's publishes (CI, stop 30).
             self._held += outcomes
             self._audit_idle.clear()
             self._audit_wake.set()

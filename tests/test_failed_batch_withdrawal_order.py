@@ -1,4 +1,5 @@
-"""A failed batch the passive may hold is told only once withdrawn, in batch order.
+"""Outcomes are told in batch order: a failed batch the passive may hold only once
+withdrawn, and no outcome ahead of an earlier one still waiting for its audit record.
 
 The group committer over a real journal on a real full tmpfs (root): the first of
 two batches fails for lack of space, the second fits; the passive (this test plays
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from disks import small_tmpfs
 
+from twinmq.broker.auditlog import AuditLog, PendingBatch
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.journal import Journal, JournalError, StoredMessage
 
@@ -42,16 +45,20 @@ class Outcomes:
         return True
 
 
-async def _failed_then_good(journal: Journal, committer: GroupCommitter) -> None:
-    """Batch 1 too big for the disk (its write fails), batch 2 small (written): one
-    commit round over both."""
-    committer.add([StoredMessage(1, 1, "", "q", b"", b"x" * (4 * 1024 * 1024), None)])
+async def _write(journal: Journal, committer: GroupCommitter, mid: int, fits: bool) -> None:
+    """Batch of message `mid`, written on its own: 4 MiB fail on the full disk, 1 KiB fit."""
+    body = b"y" * 1024 if fits else b"x" * (4 * 1024 * 1024)
+    committer.add([StoredMessage(mid, 1, "", "q", b"", body, None)])
     committer.flush_now()
     with contextlib.suppress(JournalError):
         await journal.sync(journal.stats.appended_lsn)
-    committer.add([StoredMessage(2, 1, "", "q", b"", b"y" * 1024, None)])
-    committer.flush_now()
-    await journal.sync(journal.stats.appended_lsn)
+
+
+async def _failed_then_good(journal: Journal, committer: GroupCommitter) -> None:
+    """Batch 1 too big for the disk (its write fails), batch 2 small (written): one
+    commit round over both."""
+    await _write(journal, committer, 1, fits=False)
+    await _write(journal, committer, 2, fits=True)
     await committer._sync_once()
 
 
@@ -99,3 +106,50 @@ def test_a_failed_batch_is_told_once_the_active_goes_on_alone(full_disk: Path) -
         await journal.close()
 
     asyncio.run(run())
+
+
+class _SlowAudit(AuditLog):
+    """Fault injection: an audit disk whose write takes as long as the test wants (a slow
+    fdatasync); the write itself is the real one."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, "b1", lambda: 1, lambda qid: f"q{qid}", lambda: False)
+        self.writing = threading.Event()
+        self.go_on = threading.Event()
+
+    def write(self, batches: list[PendingBatch]) -> int:
+        self.writing.set()
+        self.go_on.wait(30)
+        return super().write(batches)
+
+
+def test_a_failure_is_never_told_ahead_of_earlier_outcomes_waiting_for_their_audit_write(
+    tmp_path: Path, full_disk: Path
+) -> None:
+    # Batches 1 (good), 2 (failed), 3 (good) complete together; their outcomes wait for
+    # the audit write of 1 and 3. Batch 4 fails meanwhile and has no audit record: its
+    # outcomes used to be told at once, "up to 3: durable" among them, which confirmed
+    # batch 2's publishes before "2 failed" came (CI, stop 30: 25 confirmed lost).
+    async def run() -> list[tuple[int, bool]]:
+        journal = Journal(full_disk / "j", segment_bytes=64 * 1024 * 1024)
+        journal.open()
+        committer = GroupCommitter(journal, asyncio.get_running_loop())
+        audit = _SlowAudit(tmp_path / "audit")
+        committer.audit = audit
+        outcomes = Outcomes()
+        committer.await_durable(outcomes)
+        for mid, fits in ((1, True), (2, False), (3, True)):
+            await _write(journal, committer, mid, fits)
+        await committer._sync_once()
+        assert await asyncio.to_thread(audit.writing.wait, 30), "the audit write never began"
+        await _write(journal, committer, 4, fits=False)
+        await committer._sync_once()
+        assert outcomes.told == [], "told while earlier outcomes wait for their audit write"
+        audit.go_on.set()
+        await committer.stop()
+        await journal.close()
+        audit.close()
+        return outcomes.told
+
+    told = asyncio.run(run())
+    assert told == [(1, False), (2, True), (3, False), (4, True)]
