@@ -40,8 +40,7 @@ class Outcomes:
         self.told: list[tuple[int, bool]] = []
 
     def durable(self, batch: int, failed: bool = False) -> bool:
-        if batch:  # (0: "nothing before batch 1", told ahead of a failed batch 1)
-            self.told.append((batch, failed))
+        self.told.append((batch, failed))
         return True
 
 
