@@ -7,7 +7,11 @@ no outcome yet. That batch then fails (a full disk): the original is withdrawn h
 and its key released. The re-send must not be confirmed: the downstream settles what
 is confirmed from its outbox, and the message would be nowhere. It was confirmed on
 whatever batch was outstanding when it came (`confirm_point`: a later, good batch), or
-at once when it came between the failure told and the key's release.
+at once when it came between the failure told and the key's release. And the failed
+batch's key record (`amq.twinmq.federation-dedup`) must leave with it, from memory and
+from the passive that applied it: a passive promoted loads the window from the records
+it holds, and one of a failed batch made it drop the re-send (a forward), or the
+re-delivery (a link's republish), as a duplicate.
 
 Sans-I/O: the real `Federation`, `VirtualHost`, `Connection` and `Channel` (the
 downstream's two sessions), over the group committer and a real journal on a real
@@ -35,9 +39,12 @@ from twinmq.broker.codec import ContentHeaderInfo
 from twinmq.broker.commit import GroupCommitter
 from twinmq.broker.connection import Connection, Limits
 from twinmq.broker.federation.config import FederationConfig
+from twinmq.broker.federation.dedup import QUEUE_NAME as DEDUP_QUEUE
+from twinmq.broker.federation.dedup import DurableKeys, scoped
 from twinmq.broker.federation.headers import ORIGIN, ORIGIN_SEQ, PATH
 from twinmq.broker.federation.identity import SERVER_ID_PROPERTY
 from twinmq.broker.federation.service import Federation
+from twinmq.broker.federation.wire import Delivery
 from twinmq.broker.journal import Journal, JournalError, JournalOp
 from twinmq.broker.replication.withdrawal import withdraw_everywhere
 from twinmq.broker.routing import Exchange
@@ -189,6 +196,30 @@ async def rig(
         await journal.close()
 
 
+@contextlib.asynccontextmanager
+async def promoted_passive(
+    up: Rig, directory: Path
+) -> AsyncIterator[tuple[VirtualHost, GroupCommitter]]:
+    """The passive of `up`, promoted: it applied every batch streamed, then the
+    withdrawals (as its replica loop does: a WITHDRAW as a catch-up's ops), on a disk of
+    its own."""
+    journal = Journal(directory)
+    recovered = journal.open()
+    committer = GroupCommitter(journal, asyncio.get_running_loop())
+    passive = VirtualHost(committer, ManualClock(), recovered, replica=True)
+    try:
+        passive.apply_definitions(up.vhost.all_definitions())
+        for ops in up.streamed:
+            passive.apply_ops(ops)
+        for ops in up.withdrawals:
+            passive.apply_ops(ops, catchup=True)
+        passive.set_replica(False)
+        passive.next_mid = up.vhost.next_mid
+        yield passive, committer
+    finally:
+        await journal.close()
+
+
 def test_a_resend_racing_its_failed_original_is_not_confirmed_on_a_later_batch(
     full_disk: Path, tmp_path: Path
 ) -> None:
@@ -257,5 +288,98 @@ def test_a_resend_racing_its_durable_original_is_confirmed_and_kept_once(
             await asyncio.sleep(0)  # the key's callback: it is in the window now
             assert forward(second, 7, SMALL) == [True]
             assert up.sizes() == [len(SMALL)]
+
+    asyncio.run(run())
+
+
+def test_a_failed_forwards_key_record_leaves_the_passive_with_the_batch(
+    full_disk: Path, tmp_path: Path
+) -> None:
+    # The passive applied the failed batch (the message and its key's record), then its
+    # withdrawal. Promoted, it loads the window from the records it holds: the
+    # downstream's re-send must be published there, not dropped as a duplicate (and
+    # confirmed) of a message nobody holds. The record stayed in the active's memory
+    # too, and a catch-up from there would have carried it to the next passive.
+    async def run() -> None:
+        async with rig(full_disk, tmp_path) as up:
+            first = up.session()
+            forward(first, 7, BIG)
+            await up.write()
+            first.conn.connection_lost()
+            await up.committer._sync_once()
+            up.committer.withdrawn(1)
+            records = up.vhost.queues[DEDUP_QUEUE].entries
+            assert not records, "the failed batch's key record is still in memory"
+
+            async with promoted_passive(up, tmp_path / "passive") as (passive, committer):
+                promoted = Upstream(passive, committer, tmp_path / "promoted")
+                promoted.federation.start()  # the window from the records held here
+                again = session(promoted)
+                told = forward(again, 7, BIG)  # the downstream sends it again
+                assert sizes(passive) == [len(BIG)], (
+                    "the re-send was dropped as a duplicate of a message nobody holds"
+                )
+                committer.flush_now()
+                await committer._sync_once()
+                told += confirms(again.conn.data_to_send())
+                assert told == [True]
+
+    asyncio.run(run())
+
+
+class Settles:
+    """The link's channel to its upstream, as `_republish` uses it: what it acked, nacked."""
+
+    def __init__(self) -> None:
+        self.acked: list[int] = []
+        self.nacked: list[int] = []
+
+    def basic_ack(self, tag: int) -> None:
+        self.acked.append(tag)
+
+    def basic_nack(self, tag: int, requeue: bool = True) -> None:
+        self.nacked.append(tag)
+
+
+LINKED = FederationConfig.model_validate({
+    "upstreams": {"central": {"uri": "amqp://central:5672/"}},
+    "exchanges": [{"exchange": "fx", "upstream": "central"}],
+})  # fmt: skip
+
+
+def test_a_failed_republishs_key_record_leaves_the_passive_with_the_batch(
+    full_disk: Path, tmp_path: Path
+) -> None:
+    # The downstream side: a link republishes its upstream's message here; the batch
+    # (message and key record) fails, the link nacks it upstream (requeued). Promoted,
+    # the passive must republish the re-delivery, not drop it as a duplicate and ack it
+    # upstream (gone from there, never taken here).
+    async def run() -> None:
+        async with rig(full_disk, tmp_path, LINKED) as here:
+            federation = here.ctx.federation
+            link = next(iter(federation.links.values()))
+            link.declare_exchange()
+            here.vhost.bind(QUEUE, "fx", "k", {}, None)
+            link.upstream_id = "central"
+            properties = commands.Basic.Properties(
+                delivery_mode=2, headers={ORIGIN: "central", ORIGIN_SEQ: 7}
+            )
+            header = ContentHeader(0, len(BIG), properties).marshal()
+            delivery = Delivery(1, False, "fx", "k", header, BIG)
+            channel = Settles()
+            republish = asyncio.ensure_future(link._republish(channel, [delivery]))  # type: ignore[arg-type]
+            await asyncio.sleep(0)  # published, its record added: the batch is open
+            await here.write()
+            await here.committer._sync_once()
+            here.committer.withdrawn(1)
+            await republish
+            assert (channel.acked, channel.nacked) == ([], [1]), "requeued upstream"
+            assert not here.vhost.queues[DEDUP_QUEUE].entries, "the failed record is in memory"
+            async with promoted_passive(here, tmp_path / "passive") as (passive, _):
+                keys = DurableKeys(100)
+                keys.load(passive)  # what the promoted passive's links start from
+                assert scoped("/", "central\x007") not in keys, (
+                    "the re-delivery would be dropped as a duplicate: acked upstream, lost"
+                )
 
     asyncio.run(run())

@@ -271,6 +271,7 @@ class Federation:
         self.keys.claim(key)
         ops = self.keys.record(self.vhost, [key])
         batch = self.vhost.committer.add(ops)
+        self.vhost.visibility.hold(batch, self.keys.fresh())  # withdrawn if it fails
         outcome = self.batches.wait(batch)
         # The record's batch is the messages' or a later one: the confirm covers both.
         confirm = max(batch, result.batch)
