@@ -702,6 +702,9 @@ class FederationLink:
         # their publishes): after a crash both are on disk or neither.
         record = self.keys.record(self.root, [key for _t, key, _r in waiting if key]) + held
         record_batch = self.root.committer.add(record) if record else 0
+        fresh = self.keys.fresh()
+        if fresh:
+            self.root.visibility.hold(record_batch, fresh)  # withdrawn if it fails
         recorded = True if not record_batch else await self.batches.wait(record_batch)
         durable: list[str] = []
         failed: list[str] = []

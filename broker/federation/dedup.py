@@ -394,6 +394,8 @@ class DurableKeys:
         self._records: deque[tuple[int, list[str] | None]] = deque()
         self._recorded = 0  # keys in the queue's key records
         self._forced = 0  # the window's `forced` already counted in the metric
+        # Key records made and not yet held for their batch (`fresh`).
+        self._fresh: list[tuple[Queue, Entry]] = []
 
     def __contains__(self, key: str) -> bool:
         return key in self.claimed or key in self.window
@@ -437,7 +439,8 @@ class DurableKeys:
         queue = store.internal_queue(QUEUE_NAME, QUEUE_QID)
         # The queue's own qid: a queue made by an earlier version may carry another one.
         qid = queue.definition.qid
-        stored = self._append(store, queue, "\n".join(keys).encode())
+        stored, entry = self._append(store, queue, "\n".join(keys).encode())
+        self._fresh.append((queue, entry))
         ops: list[JournalOp] = [stored]
         self._records.append((stored.mid, keys))
         self._recorded += len(keys)
@@ -467,7 +470,7 @@ class DurableKeys:
                 [SNAPSHOT]
                 + [f"{origin}\x00{bits.encode()}" for origin, bits in window.lagged.items()]
             ).encode()
-            snapshot = self._append(store, queue, body)
+            snapshot, _ = self._append(store, queue, body)
             ops.append(snapshot)
             kept: deque[tuple[int, list[str] | None]] = deque()
             for mid, old in self._records:
@@ -487,16 +490,27 @@ class DurableKeys:
             queue.remove_mid(mid)
         return ops
 
-    def _append(self, store: KeyStore, queue: Queue, body: bytes) -> StoredMessage:
-        """A record: a message of the internal queue, and its journal op."""
+    def _append(self, store: KeyStore, queue: Queue, body: bytes) -> tuple[StoredMessage, Entry]:
+        """A record: its journal op and its entry, in the internal queue now."""
         mid = store.next_mid
         store.next_mid += 1
         header = record_header(len(body))
-        queue.entries.append(
-            Entry(Message(mid, "", QUEUE_NAME, header, body, True, None, None), None, True)
-        )
+        entry = Entry(Message(mid, "", QUEUE_NAME, header, body, True, None, None), None, True)
+        queue.entries.append(entry)
         queue.bytes += len(body)
-        return StoredMessage(mid, queue.definition.qid, "", QUEUE_NAME, header, body, None)
+        stored = StoredMessage(mid, queue.definition.qid, "", QUEUE_NAME, header, body, None)
+        return stored, entry
+
+    def fresh(self) -> list[tuple[Queue, Entry]]:
+        """The key records `record` made since the last call: for the caller to hold with
+        their batch (`Visibility.hold`), so that a failed batch's record is withdrawn with
+        it, here and from a passive that applied it (`Visibility.withdraw`). Kept, it held
+        keys of messages that were never taken: a passive promoted (or a catch-up from
+        this memory) loaded them into the window, and the re-delivery of such a message
+        was dropped as a duplicate, acknowledged, lost. (A snapshot holds only keys of
+        complete batches: kept.)"""
+        fresh, self._fresh = self._fresh, []
+        return fresh
 
     def settle(self, durable: list[str], failed: list[str]) -> None:
         """The batch is complete: its keys enter the window; a failed batch's are released

@@ -66,6 +66,9 @@ class Federation:
         self.running = False
         self.forwarded_received = 0
         self.forwarded_dropped = 0
+        # Forwarded messages in flight, by key: (the batch their confirm waits for, that
+        # batch's outcome). A re-send meanwhile shares it (`receive`).
+        self._forwards: dict[str, tuple[int, asyncio.Future[bool]]] = {}
         # Per vhost, the origins downstreams have forwarded here since the start: their
         # messages enter the exchanges by no link, so nothing is told about them, nor
         # about unnamed origins (`told_marks`).
@@ -246,6 +249,16 @@ class Federation:
         if key is not None:
             self._forward_origins.setdefault(vhost.name, set()).add(key.rpartition("\x00")[0])
         self._load_keys()
+        original = 0 if key is None else self._in_flight(key)
+        if original:
+            # A re-send while its original's batch is in flight (the downstream lost the
+            # confirm in a link cut and sends it again on its next session): not published
+            # again; its confirm waits for that batch and shares its outcome. Confirmed on a
+            # later batch (`confirm_point`), it was acknowledged although the original's
+            # write failed: withdrawn here, settled from the downstream's outbox, lost.
+            self.forwarded_dropped += 1
+            metrics.FORWARDED_DUPLICATES.inc()
+            return PublishResult(1, False, original, depends_on=original)
         if verdict.verdict == "loop" or (key is not None and key in self.keys):
             self.forwarded_dropped += 1
             metrics.FORWARDED_DUPLICATES.inc()
@@ -258,16 +271,40 @@ class Federation:
         self.keys.claim(key)
         ops = self.keys.record(self.vhost, [key])
         batch = self.vhost.committer.add(ops)
+        self.vhost.visibility.hold(batch, self.keys.fresh())  # withdrawn if it fails
+        outcome = self.batches.wait(batch)
+        # The record's batch is the messages' or a later one: the confirm covers both.
+        confirm = max(batch, result.batch)
+        self._forwards[key] = (confirm, outcome)
 
         def settled(done: asyncio.Future[bool]) -> None:
-            ok = not done.cancelled() and done.result()
-            self.keys.settle([key] if ok else [], [] if ok else [key])
+            forward = self._forwards.get(key)
+            if forward is not None and forward[1] is done:  # not settled by a re-send yet
+                self._settle_forward(key)
 
-        self.batches.wait(batch).add_done_callback(settled)
-        # The record's batch is the messages' or a later one: the confirm covers both.
-        return PublishResult(
-            result.routed, False, max(batch, result.batch), depends_on=result.depends_on
-        )
+        outcome.add_done_callback(settled)
+        return PublishResult(result.routed, False, confirm, depends_on=result.depends_on)
+
+    def _in_flight(self, key: str) -> int:
+        """The batch the confirm of `key`'s forward in flight waits for; 0 if none.
+
+        One whose batch has its outcome is settled now: its future's callback runs a
+        loop turn later, and a re-send meanwhile must find the key in the window
+        (durable: a duplicate) or released (failed: published again), not still claimed
+        (confirmed on whatever is outstanding then, or at once)."""
+        forward = self._forwards.get(key)
+        if forward is None:
+            return 0
+        if not forward[1].done():
+            return forward[0]
+        self._settle_forward(key)
+        return 0
+
+    def _settle_forward(self, key: str) -> None:
+        """`key`'s forward has its outcome: its key enters the window, or is released."""
+        _, done = self._forwards.pop(key)
+        ok = not done.cancelled() and done.result()
+        self.keys.settle([key] if ok else [], [] if ok else [key])
 
     def marks_durable(self) -> tuple[int, int]:
         """(the batch covering every journal op so far, the newest batch complete): a
