@@ -1,12 +1,16 @@
-"""The admin API under fuzzed requests: a real broker's admin application on loopback.
+"""The admin API under fuzzed requests: a real broker's admin application, in process.
 
 One input is one raw HTTP request (method, path, token choice, body from the fuzzer)
 to the admin app of a real, unstarted `Broker` (its journal open, no AMQP listener),
-served in this process so the fuzzer sees the coverage. Checks: never a 500; `/healthz`
-always answers; and the token boundary holds: without the admin token no request
-changes the broker's role or epoch (the read-only token may only read). A role request
-that would make the broker replicate from a host elsewhere is pointed at a closed
-loopback port instead (tests never reach other addresses).
+served in this process so the fuzzer sees the coverage. The request's bytes go to the
+protocol aiohttp's server makes for each accepted socket (`web.Server`'s
+`RequestHandler`: the same HTTP parser, middleware and handlers as `start_admin`), over
+a transport that keeps what it writes instead of a socket: no connect, accept or
+poll per request (fuzzing speed). Checks: never a 500; `/healthz` always answers; and
+the token boundary holds: without the admin token no request changes the broker's
+role or epoch (the read-only token may only read). A role request that would make the
+broker replicate from a host elsewhere is pointed at a closed loopback port instead
+(tests never reach other addresses).
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from aiohttp.test_utils import TestServer
+from aiohttp import web
 
 from twinmq.broker.admin import make_app
 from twinmq.broker.server import Broker
@@ -30,8 +36,64 @@ METHODS = ("GET", "POST", "PUT", "HEAD", "DELETE")
 CLOSED_PORT = "127.0.0.1:9"  # discard: nothing listens on loopback here
 
 
+class _Transport(asyncio.Transport):
+    """Where one request's protocol writes its answer instead of a socket.
+
+    It behaves as asyncio's socket transport does for the server: `close` is told to
+    the protocol (`connection_lost`) on the next loop turn, then `closed` resolves.
+    """
+
+    def __init__(self, protocol: asyncio.BaseProtocol, closed: asyncio.Future[None]) -> None:
+        super().__init__()
+        self.sent = bytearray()
+        self._protocol = protocol
+        self._closed = closed
+        self._closing = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        """A loopback client's addresses (the app's `request.remote`)."""
+        return _EXTRA.get(name, default)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Keep the answer's bytes."""
+        self.sent += data
+
+    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
+        """Keep the answer's bytes."""
+        for data in list_of_data:
+            self.sent += data
+
+    def is_closing(self) -> bool:
+        """Whether the server closed the connection."""
+        return self._closing
+
+    def close(self) -> None:
+        """The server is done with the connection."""
+        if not self._closing:
+            self._closing = True
+            self._closed.get_loop().call_soon(self._lost)
+
+    def abort(self) -> None:
+        """As `close` (nothing is buffered here)."""
+        self.close()
+
+    def pause_reading(self) -> None:
+        """Nothing more is fed after the request."""
+
+    def resume_reading(self) -> None:
+        """Nothing more is fed after the request."""
+
+    def _lost(self) -> None:
+        self._protocol.connection_lost(None)
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+
+_EXTRA = {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8081)}
+
+
 class AdminFuzzer:
-    """The admin app of one real broker, served on loopback for the whole fuzzing run."""
+    """The admin app of one real broker, its HTTP server protocol driven in process."""
 
     def __init__(self, directory: Path) -> None:
         self.loop = asyncio.new_event_loop()
@@ -41,8 +103,12 @@ class AdminFuzzer:
             "admin_token": TOKEN, "admin_read_token": READ_TOKEN,
         })  # fmt: skip
         self.broker = self.loop.run_until_complete(self._open(settings))
-        self.server = TestServer(make_app(self.broker), host="127.0.0.1")
-        self.loop.run_until_complete(self.server.start_server(loop=self.loop))
+        # As `start_admin` serves it, without the listening socket.
+        self.runner = web.AppRunner(make_app(self.broker), access_log=None)
+        self.loop.run_until_complete(self.runner.setup())
+        server = self.runner.server
+        assert server is not None
+        self.server = server
 
     @staticmethod
     async def _open(settings: BrokerSettings) -> Broker:
@@ -69,22 +135,24 @@ class AdminFuzzer:
         assert await self._request("GET", "/healthz", None, b"") == 200
 
     async def _request(self, method: str, path: str, token: str | None, body: bytes) -> int:
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.server.port)
-        try:
-            head = f"{method} {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n"
-            if token is not None:
-                head += f"Authorization: Bearer {token}\r\n"
-            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-            writer.write(head.encode("latin-1") + body)
-            status_line = await reader.readline()
-            await reader.read()
-        finally:
-            writer.close()
+        """One request on a connection of its own, as a client closing after it sends;
+        the answer's status."""
+        head = f"{method} {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n"
+        if token is not None:
+            head += f"Authorization: Bearer {token}\r\n"
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        protocol = self.server()  # what the server makes for each accepted socket
+        closed: asyncio.Future[None] = self.loop.create_future()
+        transport = _Transport(protocol, closed)
+        protocol.connection_made(transport)
+        protocol.data_received(head.encode("latin-1") + body)
+        await closed
+        status_line = bytes(transport.sent).split(b"\r\n", 1)[0]
         return int(status_line.split()[1])
 
     def close(self) -> None:
         """Stop the server and close the broker's journal."""
-        self.loop.run_until_complete(self.server.close())
+        self.loop.run_until_complete(self.runner.cleanup())
         self.loop.run_until_complete(self.broker.committer.stop())
         self.loop.run_until_complete(self.broker.journal.close())
         self.loop.close()
