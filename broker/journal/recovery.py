@@ -154,8 +154,11 @@ def _encode(defs: Definitions, generation: int | None) -> bytes:
     topology = json.loads(defs.model_dump_json())
     if generation is not None:
         topology[GENERATION_KEY] = generation
-    topology[CHECKSUM_KEY] = _definitions_checksum(Definitions.model_validate(
-        {k: v for k, v in topology.items() if k != GENERATION_KEY}), generation)  # fmt: skip
+    # Of the topology as read back, as `decode_snapshot` computes it.
+    read_back = json.dumps({k: v for k, v in topology.items() if k != GENERATION_KEY})
+    topology[CHECKSUM_KEY] = _definitions_checksum(
+        Definitions.model_validate_json(read_back), generation
+    )
     return json.dumps(topology, indent=1, ensure_ascii=False).encode()
 
 
@@ -188,7 +191,8 @@ def decode_snapshot(data: bytes, path: Path) -> tuple[Definitions, int]:
         unknown = set(topology) - set(Definitions.model_fields)
         if unknown:
             raise ValueError(f"unknown keys {sorted(unknown)}")
-        defs = Definitions.model_validate(topology)
+        # As JSON (not the parsed dict): arguments' typed values read back (definitions.py).
+        defs = Definitions.model_validate_json(json.dumps(topology))
     except (ValueError, ValidationError) as exc:
         raise JournalError(f"cannot read {path}: {exc}") from exc
     if stored is not None and stored != _definitions_checksum(defs, generation):
