@@ -84,7 +84,9 @@ def _value_from_json(value: Any) -> Any:
         if tag in _TAGS and isinstance(inner, str):
             try:
                 if tag == _BYTES:
-                    return base64.b64decode(inner, validate=True)
+                    # A bytearray, as pamqp decodes a byte array: a binding is told apart
+                    # by the repr of its arguments (binding_key), so an unbind matches.
+                    return bytearray(base64.b64decode(inner, validate=True))
                 if tag == _DECIMAL:
                     return decimal.Decimal(inner)
                 if tag == _TIMESTAMP:
