@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -70,6 +71,33 @@ class Limits:
     deduplicate_all: bool = False  # drop re-sent message ids for every client, not only opted-in
     handshake_timeout: float = 10.0  # seconds from the first byte to connection.open (RabbitMQ's)
     close_timeout: float = 30.0  # seconds our connection.close waits for close-ok
+
+
+@functools.lru_cache(maxsize=64)
+def _start_frame(version: str, server_id: str, mechanisms: str, marks: bool) -> bytes:
+    """connection.start, encoded once per distinct answer: the server properties table
+    is most of a connection's opening cost, and it is the same for every connection."""
+    return encode_method(
+        0,
+        commands.Connection.Start(
+            version_major=0,
+            version_minor=9,
+            server_properties={
+                "product": "TwinMQ",
+                "version": version,
+                "platform": "Python",
+                "copyright": "TwinMQ authors",
+                "information": "https://twinmq.io",
+                "capabilities": SERVER_CAPABILITIES,
+                SERVER_ID_PROPERTY: server_id,
+                STATE_PROPERTY: "amq.twinmq.state",
+                PEER_PROPERTY: PEER_EXCHANGE,
+                **({MARKS_PROPERTY: MARKS_VERSION} if marks else {}),
+            },
+            mechanisms=mechanisms,
+            locales="en_US",
+        ),
+    )
 
 
 class ConnectionContext(Protocol):
@@ -463,26 +491,11 @@ class Connection:
 
     def _start(self) -> None:
         self.send(
-            encode_method(
-                0,
-                commands.Connection.Start(
-                    version_major=0,
-                    version_minor=9,
-                    server_properties={
-                        "product": "TwinMQ",
-                        "version": self.ctx.product_version,
-                        "platform": "Python",
-                        "copyright": "TwinMQ authors",
-                        "information": "https://twinmq.io",
-                        "capabilities": SERVER_CAPABILITIES,
-                        SERVER_ID_PROPERTY: self.ctx.server_id,
-                        STATE_PROPERTY: "amq.twinmq.state",
-                        PEER_PROPERTY: PEER_EXCHANGE,
-                        **({MARKS_PROPERTY: MARKS_VERSION} if federation_marks.ENABLED else {}),
-                    },
-                    mechanisms=self.ctx.authenticator.mechanisms(self.certificate),
-                    locales="en_US",
-                ),
+            _start_frame(
+                self.ctx.product_version,
+                self.ctx.server_id,
+                self.ctx.authenticator.mechanisms(self.certificate),
+                federation_marks.ENABLED,
             )
         )
         self.state = State.AWAIT_START_OK
