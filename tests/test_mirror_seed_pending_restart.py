@@ -23,6 +23,8 @@ from test_mirror_attack14_disk import (
 )
 from test_mirror_reseed import bodies
 
+from twinmq.testing.waiting import wait_for
+
 
 @pytest.mark.slow
 def test_a_promoted_site_restarted_before_its_seed_is_durable_keeps_refusing_clients(
@@ -37,9 +39,17 @@ def test_a_promoted_site_restarted_before_its_seed_is_durable_keeps_refusing_cli
         filler = full_disk_promotion(sites, disk)
         sites.mirror.kill()
         sites.mirror.start()
-        why = refused(sites.mirror)
-        assert "320" in why
-        assert "not serving clients yet" in why
+        # Every client is refused. One that connects while B's own retry of the seed
+        # fails is closed by that failure (CONNECTION_FORCED, the journal's refusal);
+        # once it has failed, connection.open says why.
+        reasons: list[str] = []
+
+        def refused_at_open() -> bool:
+            reasons.append(refused(sites.mirror))
+            return "not serving clients yet" in reasons[-1]
+
+        wait_for("B refusing clients at connection.open", refused_at_open, 30)
+        assert all("320" in why for why in reasons), reasons
         status = mirror_status(sites.mirror)
         assert status["role"] == "source"
         assert status["seed_pending"] is not None
