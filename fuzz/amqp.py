@@ -157,21 +157,19 @@ def check_output(output: bytes) -> list[tuple[int, MethodFrame]]:
 def check_state(peer: Peer, methods: list[tuple[int, MethodFrame]]) -> None:
     """Open, or closing/closed having told the client why."""
     state = peer.conn.state
-    closes = [m for ch, m in methods if ch == 0 and isinstance(m, commands.Connection.Close)]
-    close_oks = [m for ch, m in methods if ch == 0 and isinstance(m, commands.Connection.CloseOk)]
+    close, close_ok = commands.Connection.Close, commands.Connection.CloseOk
+    # The connection's ends on channel 0, in the order sent.
+    ends = [type(m) for ch, m in methods if ch == 0 and isinstance(m, close | close_ok)]
     if state is State.OPEN:
-        assert not closes and not close_oks
+        assert not ends
     elif state is State.CLOSING:
-        assert len(closes) == 1
+        assert ends.count(close) == 1
     else:
         assert state is State.CLOSED, state
         # The broker closed (and said why) and got close-ok; or the client closed and got
         # close-ok; or both at once: the spec's answer to a close received after sending
         # one is close-ok, so ours comes after our close.
-        ends = commands.Connection.Close | commands.Connection.CloseOk
-        told = [type(m) for ch, m in methods if ch == 0 and isinstance(m, ends)]
-        both = [commands.Connection.Close, commands.Connection.CloseOk]
-        assert len(told) == 1 or told == both, methods
+        assert ends in ([close], [close_ok], [close, close_ok]), methods
     for number, channel in peer.conn.channels.items():
         assert 1 <= number <= peer.conn.channel_max and channel.number == number
 
