@@ -281,9 +281,9 @@ class Channel:
             self._return(exchange.name, publish.routing_key, self._header, body)
         if self.confirm_mode:
             self.publish_seq += 1
-            kind: Literal["ack", "nack"] = (
-                "nack" if result.rejected and not result.routed else "ack"
-            )
+            # A queue refused its copy (reject-publish, the length cap): nacked even if
+            # others took theirs, as RabbitMQ does: the publisher learns one is missing.
+            kind: Literal["ack", "nack"] = "nack" if result.rejected else "ack"
             self._add_pending(self.publish_seq, result.batch, kind, result.depends_on)
 
     def _return(self, exchange: str, routing_key: str, header: bytes, body: bytes) -> None:
@@ -738,6 +738,17 @@ class Channel:
         published: list[tuple[Queue, Entry]] = []
         acked: list[tuple[Queue, Entry]] = []
         vhost = self.vhost
+        # Before anything changes: a commit takes every publish or none (the channel's
+        # close then requeues what the transaction acknowledged, as a rollback would).
+        refusal = vhost.cap_refusal(
+            (vhost.exchange_for_publish(p.exchange), p.routing_key, p.header, len(p.body))
+            for p in self.tx_publishes
+        )
+        if refusal is not None:
+            metrics.CAP_REFUSED.inc()
+            raise channel_error(
+                ReplyCode.PRECONDITION_FAILED, f"tx.commit refused: {refusal}", (90, 20)
+            )
         for p in self.tx_publishes:
             exchange = vhost.exchange_for_publish(p.exchange)
             result = vhost.publish(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from twinmq.broker import metrics
@@ -136,6 +137,42 @@ class QueueArgs:
                 continue
             kept[key] = value
         return cls(kept)
+
+
+@dataclass(frozen=True)
+class LengthCap:
+    """The broker's ceiling on every client queue (`--max-queue-length`,
+    `--max-queue-length-bytes`; 0: none), counted as `x-max-length` counts: ready messages
+    and their body bytes.
+
+    A queue's own `x-max-length` may drop its head; the cap never does: a publish it
+    refuses is refused as by `x-overflow: reject-publish` (nacked under confirms, a
+    transaction's commit refused), since a limit the application never asked for must
+    not drop a message it was confirmed.
+    """
+
+    messages: int = 0
+    bytes: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.messages or self.bytes)
+
+    def refuses(self, queue: Queue, count: int, size: int) -> bool:
+        """Whether `count` more messages of `size` body bytes in all take `queue` past it."""
+        return bool(
+            (self.messages and len(queue.entries) + count > self.messages)
+            or (self.bytes and queue.bytes + size > self.bytes)
+        )
+
+    def describe(self) -> str:
+        """The cap in words, for a refusal's reason."""
+        parts = [f"{self.messages} messages" if self.messages else "",
+                 f"{self.bytes} bytes" if self.bytes else ""]  # fmt: skip
+        return "at most " + ", ".join(p for p in parts if p)
+
+
+NO_CAP = LengthCap()
+"""No ceiling (the default)."""
 
 
 class Queue:

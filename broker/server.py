@@ -49,6 +49,7 @@ from twinmq.broker.filewatch import reload_every
 from twinmq.broker.journal import DefinitionsDamaged, Journal, JournalError
 from twinmq.broker.lease import LeaseKeeper
 from twinmq.broker.mirror.site import Mirroring
+from twinmq.broker.queue import LengthCap
 from twinmq.broker.replication.replica import ReplicaClient
 from twinmq.broker.replication.source import ReplicationSource
 from twinmq.broker.replication.withdrawal import withdraw_everywhere
@@ -313,6 +314,7 @@ class Broker:
             replica=self.role == "passive",
             dedup=DedupWindow(settings.dedup_window, settings.data_dir / "dedup.json"),
             max_queues=settings.max_queues,
+            queue_cap=LengthCap(settings.max_queue_length, settings.max_queue_length_bytes),
         )
         if settings.server_id:
             # Server-named queues unique across a federation (global reply-to names).

@@ -113,6 +113,19 @@ class BrokerSettings(BaseSettings):
         ge=0,
         description="Queues at most per vhost; a declare beyond is refused with 406 (0: no limit)",
     )
+    max_queue_length: int = Field(
+        0,
+        ge=0,
+        description="Ready messages at most in any client queue (the broker's ceiling over "
+        "each queue's own x-max-length); a publish beyond is refused as by reject-publish, "
+        "never dropping one (0: no limit)",
+    )
+    max_queue_length_bytes: int = Field(
+        0,
+        ge=0,
+        description="Ready messages' body bytes at most in any client queue (the ceiling over "
+        "x-max-length-bytes); a publish beyond is refused likewise (0: no limit)",
+    )
     segment_bytes: int = Field(
         64 * 1024 * 1024, ge=4096, description="Journal segment size before rolling over"
     )

@@ -44,7 +44,8 @@ from twinmq.broker.errors import AMQPError, ReplyCode, channel_error
 from twinmq.broker.fieldtable import to_python
 from twinmq.broker.journal import JournalError, JournalOp, Recovered, Settle, StoredMessage
 from twinmq.broker.message import Entry, Message
-from twinmq.broker.queue import DropReason, Queue
+from twinmq.broker.mirror.events import is_internal
+from twinmq.broker.queue import NO_CAP, DropReason, LengthCap, Queue
 from twinmq.broker.routing import EXCHANGE_TYPES, Exchange, make_exchange
 from twinmq.broker.visibility import UNCOMMITTED, Visibility
 
@@ -215,6 +216,7 @@ class VirtualHost:
         replica: bool = False,
         dedup: DedupWindow | None = None,
         max_queues: int = 0,
+        queue_cap: LengthCap = NO_CAP,
         name: str = DEFAULT_VHOST,
         root: VirtualHost | None = None,
     ) -> None:
@@ -229,6 +231,7 @@ class VirtualHost:
         self.retired = False
         self.committer = committer
         self.max_queues = max_queues  # clients' declares only (0: no limit)
+        self.queue_cap = queue_cap  # every client queue's; never the broker's own
         self.clock = clock
         # A passive broker's state changes only by replication: no timers of its own.
         self.replica = replica
@@ -303,7 +306,7 @@ class VirtualHost:
         if vhost is None:
             vhost = VirtualHost(
                 root.committer, root.clock, recovered, replica=root.replica, dedup=root.dedup,
-                max_queues=root.max_queues, name=name, root=root,
+                max_queues=root.max_queues, queue_cap=root.queue_cap, name=name, root=root,
             )  # fmt: skip
             vhost.server_named_prefix = root.server_named_prefix
             root.vhosts[name] = vhost
@@ -1051,7 +1054,8 @@ class VirtualHost:
                 metrics.DUPLICATES.inc()
                 return PublishResult(1, False, original, depends_on=original)
         result = self._route(exchange, routing_key, header, body, info, ops, hold, forward)
-        if key is not None and result.routed:
+        # A publish a queue refused (nacked) leaves no id: its re-send must reach that queue.
+        if key is not None and result.routed and not result.rejected:
             if ops is None:
                 self.remember_when_durable([key], result.batch)
             else:
@@ -1085,15 +1089,31 @@ class VirtualHost:
         hold: bool,
         forward: bool = True,
     ) -> PublishResult:
+        targets = self._targets(exchange, routing_key, header, forward)
+        if targets is None:
+            # Contained to this message: refused (nacked), the channel carries on.
+            return PublishResult(0, True, 0)
+        if not targets:
+            metrics.UNROUTABLE.inc()
+            return PublishResult(0, False, 0)
+        # What came down a federation link is not capped: refused, it would be acknowledged
+        # upstream and lost (the link's queue upstream is capped there instead).
+        return self._enqueue(
+            targets, exchange.name, routing_key, header, body, info, ops, hold, capped=forward
+        )
+
+    def _targets(
+        self, exchange: Exchange, routing_key: str, header: bytes, forward: bool
+    ) -> list[Queue] | None:
+        """The queues a publish goes to (None: its headers cannot be routed, a bug)."""
         headers: dict[str, Any] | None = None
         if isinstance(exchange, EXCHANGE_TYPES["headers"]):
             try:
                 headers = to_python(decode_headers(header))
             except Exception as exc:  # checked at publish: only a bug gets here
-                # Contained to this message: refused (nacked), the channel carries on.
                 metrics.QUARANTINED.labels("publish").inc()
                 log.error("headers routing failed for a publish to %r: %r", exchange.name, exc)
-                return PublishResult(0, True, 0)
+                return None
         names = exchange.route(routing_key, headers)
         queues = self.queues
         targets = [queues[n] for n in names if n in queues]
@@ -1105,10 +1125,32 @@ class VirtualHost:
         if outbox is not None and not outbox.deleted:
             # Federation forwarding: journaled with the local copies, in the same batch.
             targets.append(outbox)
-        if not targets:
-            metrics.UNROUTABLE.inc()
-            return PublishResult(0, False, 0)
-        return self._enqueue(targets, exchange.name, routing_key, header, body, info, ops, hold)
+        return targets
+
+    def cap_refusal(self, publishes: Iterable[tuple[Exchange, str, bytes, int]]) -> str | None:
+        """Why the queue length cap refuses these publishes (exchange, routing key,
+        header, body size) together, if it does: a transaction's, checked before its
+        commit changes anything (AMQP has no refusal of one message of a transaction)."""
+        cap = self.root.queue_cap
+        if not cap:
+            return None
+        added: dict[str, tuple[int, int]] = {}
+        for exchange, routing_key, header, size in publishes:
+            for queue in dict.fromkeys(self._targets(exchange, routing_key, header, True) or ()):
+                if is_internal(queue.name):
+                    continue
+                count, total = added.get(queue.name, (0, 0))
+                count, total = count + 1, total + size
+                if cap.refuses(queue, count, total):
+                    return self._cap_reason(queue)
+                added[queue.name] = (count, total)
+        return None
+
+    def _cap_reason(self, queue: Queue) -> str:
+        return (
+            f"queue '{queue.name}' in vhost '{self.name}' is at the broker's queue length "
+            f"limit ({self.root.queue_cap.describe()})"
+        )
 
     def _enqueue(
         self,
@@ -1120,13 +1162,16 @@ class VirtualHost:
         info: ContentHeaderInfo,
         ops: list[JournalOp] | None,
         hold: bool = False,
+        capped: bool = True,
     ) -> PublishResult:
         """Put a message in `targets`; journal its persistent copies in durable queues.
 
         `hold` (a publisher waiting for a confirm) and a transaction (`ops`) keep the
         journaled entries from consumers until their batch is complete (visibility.py).
+        `capped`: the broker's queue length cap refuses copies beyond it.
         """
         now = self.clock.time()
+        cap = self.root.queue_cap if capped else NO_CAP
         mid = self.next_mid
         self.next_mid += 1
         message = Message(
@@ -1148,6 +1193,10 @@ class VirtualHost:
         for queue in targets:
             args = queue.args
             if args.overflow != "drop-head" and queue.is_full_for(len(body)):
+                rejected = True
+                continue
+            if cap and cap.refuses(queue, 1, len(body)) and not is_internal(queue.name):
+                metrics.CAP_REFUSED.inc()
                 rejected = True
                 continue
             ttl = info.expiration_ms

@@ -585,6 +585,17 @@ class Limits(ApiModel):
         ge=0,
         description="Queues at most per vhost; a declare beyond is refused with 406 (0: none)",
     )
+    max_queue_length: int | None = Field(
+        None,
+        ge=0,
+        description="Ready messages at most in any queue, over each queue's own x-max-length; "
+        "a publish beyond is refused as by reject-publish (nacked), never dropping one (0: none)",
+    )
+    max_queue_length_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Ready messages' body bytes at most in any queue, likewise (0: none)",
+    )
     channel_max: int | None = Field(
         None, ge=1, le=65535, description="Channels per connection at most (default 2047)"
     )

@@ -60,6 +60,27 @@ def test_a_resend_after_a_reject_publish_nack_is_enqueued(fresh_broker: BrokerPr
     assert drain(fresh_broker.url, "tight.q") == [b"b"]
 
 
+def test_a_resend_after_one_queue_refused_its_copy_reaches_that_queue(
+    fresh_broker: BrokerProcess,
+) -> None:
+    conn = opted_in(fresh_broker)
+    ch = conn.channel()
+    ch.exchange_declare("split", "fanout")
+    _full_queue(ch, "split.full")
+    ch.queue_declare("split.free", durable=True)
+    for queue in ("split.full", "split.free"):
+        ch.queue_bind(queue, "split")
+    ch.basic_publish("", "split.full", b"filler", _props("s-0"))
+    ch.confirm_delivery()
+    with pytest.raises(pika.exceptions.NackError):  # a copy is missing: nacked
+        ch.basic_publish("split", "", b"s", _props("s-1"))
+    assert drain(fresh_broker.url, "split.full") == [b"filler"]  # room again
+    ch.basic_publish("split", "", b"s", _props("s-1"))  # not swallowed as a duplicate
+    conn.close()
+    assert drain(fresh_broker.url, "split.full") == [b"s"]
+    assert drain(fresh_broker.url, "split.free") == [b"s", b"s"]  # a counted duplicate
+
+
 def test_a_resend_after_a_rollback_is_enqueued(fresh_broker: BrokerProcess) -> None:
     conn = opted_in(fresh_broker)
     ch = conn.channel()

@@ -1,4 +1,5 @@
-"""Limits against exhaustion, with clear errors: connections (total and per user), queues."""
+"""Limits against exhaustion, with clear errors: connections (total and per user), queues,
+the queue length cap."""
 
 from __future__ import annotations
 
@@ -8,8 +9,21 @@ from pathlib import Path
 import pika
 import pika.exceptions
 import pytest
+from federationsites import (
+    bind_queue,
+    federation_file,
+    get_all,
+    publish_confirmed,
+    queue_depth,
+    site,
+    wait_running,
+    wait_upstream_bindings,
+)
 
+from twinmq.broker.federation.agent import queue_name
 from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.queues import drain
+from twinmq.testing.waiting import wait_for
 
 
 def connect(broker: BrokerProcess, user: str = "guest") -> pika.BlockingConnection:
@@ -68,3 +82,120 @@ def test_a_queue_declare_beyond_the_queue_limit_is_refused_with_406(tmp_path: Pa
         ch.queue_delete("one")
         ch.queue_declare("three")
         conn.close()
+
+
+PERSISTENT = pika.BasicProperties(delivery_mode=2)
+
+
+def test_the_queue_length_cap_refuses_publishes_beyond_it_and_never_drops_one(
+    tmp_path: Path,
+) -> None:
+    with BrokerProcess(tmp_path, name="lim", extra_args=["--max-queue-length", "3"]).start() as b:
+        conn = connect(b)
+        ch = conn.channel()
+        ch.queue_declare("capped", durable=True)
+        ch.queue_declare("own-lower", durable=True, arguments={"x-max-length": 2})
+        ch.queue_declare("own-higher", durable=True, arguments={"x-max-length": 10})
+        ch.confirm_delivery()
+        for queue in ("capped", "own-higher"):
+            for i in range(3):
+                ch.basic_publish("", queue, f"{queue}-{i}".encode(), PERSISTENT)
+            with pytest.raises(pika.exceptions.NackError):
+                ch.basic_publish("", queue, b"one too many", PERSISTENT)
+        # The queue's own lower limit keeps its own overflow (drop-head, as declared).
+        for i in range(3):
+            ch.basic_publish("", "own-lower", f"own-lower-{i}".encode(), PERSISTENT)
+        conn.close()
+        assert drain(b.url, "capped") == [b"capped-0", b"capped-1", b"capped-2"]
+        assert drain(b.url, "own-higher") == [b"own-higher-0", b"own-higher-1", b"own-higher-2"]
+        assert drain(b.url, "own-lower") == [b"own-lower-1", b"own-lower-2"]
+        assert "twinmq_messages_refused_by_length_cap_total 2.0" in b.admin.metrics()
+
+
+def test_the_byte_cap_counts_ready_bodies_and_a_consumed_message_makes_room(
+    tmp_path: Path,
+) -> None:
+    args = ["--max-queue-length-bytes", "10"]
+    with BrokerProcess(tmp_path, name="lim", extra_args=args).start() as b:
+        conn = connect(b)
+        ch = conn.channel()
+        ch.queue_declare("bytes")
+        ch.confirm_delivery()
+        ch.basic_publish("", "bytes", b"123456")
+        with pytest.raises(pika.exceptions.NackError):
+            ch.basic_publish("", "bytes", b"abcdef")
+        method, _, _ = ch.basic_get("bytes", auto_ack=True)
+        assert method is not None
+        ch.basic_publish("", "bytes", b"abcdef")  # room again
+        conn.close()
+        assert drain(b.url, "bytes") == [b"abcdef"]
+
+
+def test_a_copy_refused_by_the_cap_nacks_the_publish_though_another_queue_took_one(
+    tmp_path: Path,
+) -> None:
+    with BrokerProcess(tmp_path, name="lim", extra_args=["--max-queue-length", "1"]).start() as b:
+        conn = connect(b)
+        ch = conn.channel()
+        ch.exchange_declare("fan", "fanout")
+        for queue in ("full", "free"):
+            ch.queue_declare(queue)
+            ch.queue_bind(queue, "fan")
+        ch.basic_publish("", "full", b"filler")
+        ch.confirm_delivery()
+        with pytest.raises(pika.exceptions.NackError):
+            ch.basic_publish("fan", "", b"both")
+        conn.close()
+        assert drain(b.url, "free") == [b"both"]  # as RabbitMQ: kept where there was room
+        assert drain(b.url, "full") == [b"filler"]
+
+
+def test_a_transaction_past_the_cap_is_refused_whole_and_its_acks_come_back(
+    tmp_path: Path,
+) -> None:
+    with BrokerProcess(tmp_path, name="lim", extra_args=["--max-queue-length", "3"]).start() as b:
+        conn = connect(b)
+        ch = conn.channel()
+        ch.queue_declare("work", durable=True)
+        ch.queue_declare("out", durable=True)
+        for body in (b"w1", b"o1", b"o2"):
+            ch.basic_publish("", "out" if body.startswith(b"o") else "work", body, PERSISTENT)
+        ch.tx_select()
+        method, _, _ = ch.basic_get("work")
+        assert method is not None
+        ch.basic_ack(method.delivery_tag)
+        ch.basic_publish("", "out", b"o3", PERSISTENT)  # fits alone
+        ch.basic_publish("", "out", b"o4", PERSISTENT)  # not with o3
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as caught:
+            ch.tx_commit()
+        assert caught.value.reply_code == 406
+        assert "tx.commit refused: queue 'out' in vhost '/'" in caught.value.reply_text
+        assert "at most 3 messages" in caught.value.reply_text
+        ch = conn.channel()
+        ch.tx_select()
+        ch.basic_publish("", "out", b"o3", PERSISTENT)
+        ch.tx_commit()  # one fits: committed
+        conn.close()
+        assert drain(b.url, "out") == [b"o1", b"o2", b"o3"]
+        assert drain(b.url, "work") == [b"w1"]  # its ack went with the refused commit
+
+
+def test_messages_down_a_federation_link_are_not_capped_so_none_is_lost(tmp_path: Path) -> None:
+    # Refused downstream, a message would be acknowledged upstream and gone: the cap
+    # applies where clients publish (the link's queue upstream), not to the link's delivery.
+    central = site(tmp_path, "central")
+    with central.start():
+        config = federation_file(
+            tmp_path / "remote.json",
+            {"central": f"127.0.0.1:{central.port}"},
+            [{"exchange": "market", "upstream": "central", "type": "topic"}],
+        )
+        remote = site(tmp_path, "remote", federation=config)
+        remote.extra_args += ["--max-queue-length", "1"]
+        with remote.start():
+            wait_running(remote, "market")
+            bind_queue(remote, "watcher", "market", "stock.#")
+            wait_upstream_bindings(central, queue_name("market", "remote"), {("market", "stock.#")})
+            publish_confirmed(central, "market", [("stock.a", b"1"), ("stock.b", b"2")])
+            wait_for("both downstream", lambda: queue_depth(remote, "watcher") == 2)
+            assert [body for _, body, _ in get_all(remote, "watcher", 2)] == [b"1", b"2"]

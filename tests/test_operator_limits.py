@@ -40,6 +40,8 @@ def test_the_broker_reads_the_limits_the_operator_writes(monkeypatch: pytest.Mon
                 "maxConnections": 500,
                 "maxConnectionsPerUser": 50,
                 "maxQueues": 1000,
+                "maxQueueLength": 100000,
+                "maxQueueLengthBytes": 1073741824,
                 "channelMax": 64,
                 "maxMessageSize": 1048576,
             }
@@ -50,9 +52,11 @@ def test_the_broker_reads_the_limits_the_operator_writes(monkeypatch: pytest.Mon
         settings.max_connections,
         settings.max_connections_per_user,
         settings.max_queues,
+        settings.max_queue_length,
+        settings.max_queue_length_bytes,
         settings.channel_max,
         settings.max_message_size,
-    ) == (500, 50, 1000, 64, 1048576)
+    ) == (500, 50, 1000, 100000, 1073741824, 64, 1048576)
     assert pod_revision(build_pod(CLUSTER, spec, "a")) != pod_revision(
         build_pod(CLUSTER, BrokerClusterSpec(), "a")
     )
