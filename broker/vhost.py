@@ -232,6 +232,7 @@ class VirtualHost:
         self.committer = committer
         self.max_queues = max_queues  # clients' declares only (0: no limit)
         self.queue_cap = queue_cap  # every client queue's; never the broker's own
+        self.cap_logged_at = float("-inf")  # the root's: its last refusal logged
         self.clock = clock
         # A passive broker's state changes only by replication: no timers of its own.
         self.replica = replica
@@ -1142,15 +1143,24 @@ class VirtualHost:
                 count, total = added.get(queue.name, (0, 0))
                 count, total = count + 1, total + size
                 if cap.refuses(queue, count, total):
-                    return self._cap_reason(queue)
+                    return (
+                        f"queue '{queue.name}' in vhost '{self.name}' is at the broker's "
+                        f"queue length limit ({cap.describe()})"
+                    )
                 added[queue.name] = (count, total)
         return None
 
-    def _cap_reason(self, queue: Queue) -> str:
-        return (
-            f"queue '{queue.name}' in vhost '{self.name}' is at the broker's queue length "
-            f"limit ({self.root.queue_cap.describe()})"
-        )
+    def _cap_refused(self, queue: Queue, now: float) -> None:
+        metrics.CAP_REFUSED.inc()
+        root = self.root
+        # A nack carries no reason: the log says which queue, at most once a minute.
+        if now - root.cap_logged_at >= 60:
+            root.cap_logged_at = now
+            log.warning(
+                "queue %r in vhost %r is at the broker's queue length limit (%s): "
+                "publishes to it are refused (twinmq_messages_refused_by_length_cap_total)",
+                queue.name, self.name, root.queue_cap.describe(),
+            )  # fmt: skip
 
     def _enqueue(
         self,
@@ -1196,7 +1206,7 @@ class VirtualHost:
                 rejected = True
                 continue
             if cap and cap.refuses(queue, 1, len(body)) and not is_internal(queue.name):
-                metrics.CAP_REFUSED.inc()
+                self._cap_refused(queue, now)
                 rejected = True
                 continue
             ttl = info.expiration_ms

@@ -110,6 +110,11 @@ def test_the_queue_length_cap_refuses_publishes_beyond_it_and_never_drops_one(
         assert drain(b.url, "own-higher") == [b"own-higher-0", b"own-higher-1", b"own-higher-2"]
         assert drain(b.url, "own-lower") == [b"own-lower-1", b"own-lower-2"]
         assert "twinmq_messages_refused_by_length_cap_total 2.0" in b.admin.metrics()
+        assert b.log_path is not None
+        assert (
+            "queue 'capped' in vhost '/' is at the broker's queue length limit "
+            "(at most 3 messages)" in b.log_path.read_text()
+        )
 
 
 def test_the_byte_cap_counts_ready_bodies_and_a_consumed_message_makes_room(
