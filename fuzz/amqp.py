@@ -25,10 +25,15 @@ from twinmq.broker.connection import State
 from twinmq.broker.definitions import Definitions
 from twinmq.broker.errors import ReplyCode
 from twinmq.broker.journal.recovery import decode_definitions, encode_definitions
+from twinmq.broker.queue import LengthCap
 from twinmq.testing.rawamqp import content, encode, handshake_frames, raw_frame, split_frames
 from twinmq.testing.sansio import Harness, Peer
 
 HEARTBEAT = b"\x08\x00\x00\x00\x00\x00\x00\xce"
+
+CAP = LengthCap(messages=8, bytes=16384)
+"""The broker's queue length cap under the fuzzer: low enough for an input's few publishes
+to meet it (refused copies, a transaction's commit refused), so those paths are fuzzed."""
 
 
 def publish_parts(
@@ -268,6 +273,7 @@ def fuzz_connection(streams: list[bytes], cuts: Iterable[int]) -> None:
     """Feed the streams to one connection on a fresh virtual host, then check everything."""
     with tempfile.TemporaryDirectory() as tmp:
         harness = Harness(Path(tmp))
+        harness.vhost.queue_cap = CAP
         try:
             canary = canary_peer(harness)
             run_one(harness, canary, streams, list(cuts))
@@ -335,6 +341,7 @@ class ConnectionFuzzer:
 
     def __init__(self, directory: Path) -> None:
         self.harness = _FuzzHarness(directory)
+        self.harness.vhost.queue_cap = CAP
         self.canary = canary_peer(self.harness)
         self.queues = set(self.harness.vhost.queues)
         self.exchanges = set(self.harness.vhost.exchanges)

@@ -35,8 +35,8 @@ from twinmq.broker.journal.segment import encode_header, frame, scan
 from twinmq.broker.mirror import events
 from twinmq.broker.replication import protocol
 from twinmq.fuzz import admin
-from twinmq.fuzz.amqp import CORPUS, ConnectionFuzzer, chunked, open_peer, publish_parts
-from twinmq.testing.rawamqp import split_frames
+from twinmq.fuzz.amqp import CAP, CORPUS, ConnectionFuzzer, chunked, open_peer, publish_parts
+from twinmq.testing.rawamqp import encode, split_frames
 from twinmq.testing.sansio import Harness
 
 
@@ -192,7 +192,13 @@ def _amqp_connection_seeds() -> list[bytes]:
     declare = CORPUS[0]
     publish = b"".join(publish_parts(1, "fz", b"body"))
     get = next(e for e in CORPUS if b"\x00\x3c\x00\x46" in e)  # basic.get
-    return [b"\x00\x00" + entry for entry in CORPUS] + [b"\x05\x03" + declare + publish + get]
+    select, commit = (encode(1, method) for method in (commands.Tx.Select(), commands.Tx.Commit()))
+    past_cap = publish * (CAP.messages + 1)  # the cap's refusals, in and out of a transaction
+    return [b"\x00\x00" + entry for entry in CORPUS] + [
+        b"\x05\x03" + declare + publish + get,
+        b"\x00\x00" + declare + past_cap,
+        b"\x00\x00" + declare + select + past_cap + commit,
+    ]
 
 
 # -- replication link ------------------------------------------------------------------------
