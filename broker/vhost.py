@@ -1182,6 +1182,7 @@ class VirtualHost:
         """
         now = self.clock.time()
         cap = self.root.queue_cap if capped else NO_CAP
+        capping = bool(cap)  # once: the common case, no cap, costs one test per copy
         mid = self.next_mid
         self.next_mid += 1
         message = Message(
@@ -1205,7 +1206,7 @@ class VirtualHost:
             if args.overflow != "drop-head" and queue.is_full_for(len(body)):
                 rejected = True
                 continue
-            if cap and cap.refuses(queue, 1, len(body)) and not is_internal(queue.name):
+            if capping and cap.refuses(queue, 1, len(body)) and not is_internal(queue.name):
                 self._cap_refused(queue, now)
                 rejected = True
                 continue
