@@ -281,8 +281,7 @@ class Channel:
             self._return(exchange.name, publish.routing_key, self._header, body)
         if self.confirm_mode:
             self.publish_seq += 1
-            # A queue refused its copy (reject-publish, the length cap): nacked even if
-            # others took theirs, as RabbitMQ does: the publisher learns one is missing.
+            # A queue refused it (reject-publish, the length cap): taken by none, nacked.
             kind: Literal["ack", "nack"] = "nack" if result.rejected else "ack"
             self._add_pending(self.publish_seq, result.batch, kind, result.depends_on)
 
@@ -739,13 +738,13 @@ class Channel:
         acked: list[tuple[Queue, Entry]] = []
         vhost = self.vhost
         # Before anything changes: a commit takes every publish or none (the channel's
-        # close then requeues what the transaction acknowledged, as a rollback would).
-        refusal = vhost.cap_refusal(
+        # close then requeues what the transaction acknowledged, as a rollback would), so
+        # no publish of a commit-ok is dropped by a full queue.
+        refusal = vhost.tx_refusal(
             (vhost.exchange_for_publish(p.exchange), p.routing_key, p.header, len(p.body))
             for p in self.tx_publishes
         )
         if refusal is not None:
-            metrics.CAP_REFUSED.inc()
             raise channel_error(
                 ReplyCode.PRECONDITION_FAILED, f"tx.commit refused: {refusal}", (90, 20)
             )
@@ -753,7 +752,7 @@ class Channel:
             exchange = vhost.exchange_for_publish(p.exchange)
             result = vhost.publish(
                 exchange, p.routing_key, p.header, p.body, p.info, ops,
-                deduplicate=self.connection.deduplicate,
+                deduplicate=self.connection.deduplicate, admission="committed",
             )  # fmt: skip
             if result.dedup_key is not None:
                 keys.append(result.dedup_key)

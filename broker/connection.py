@@ -142,6 +142,10 @@ class ConnectionContext(Protocol):
         """Why a federation peer announcing `announced` as its identifier is refused."""
         ...
 
+    def peer_connected(self, peer: str, announced: object) -> None:
+        """A federation peer announcing `announced` has logged in and opened its vhost."""
+        ...
+
     def told_marks(self, vhost: str, queue: str) -> ToldMarks:
         """What to tell a federation link consuming `queue` in `vhost` (federation/marks.py)."""
         ...
@@ -234,6 +238,7 @@ class Connection:
         self.loopback = loopback
         self.certificate = certificate
         self.state = State.AWAIT_HEADER
+        self.opened = False  # connection.open-ok sent: logged in, in a vhost
         self.user: str | None = None
         self.client_properties: dict[str, Any] = {}
         # This server's identifier when the peer is a federation link: deliveries to it
@@ -634,6 +639,10 @@ class Connection:
         self.vhost = vhost
         self.send(encode_method(0, commands.Connection.OpenOk()))
         self.state = State.OPEN
+        self.opened = True
+        if self.origin_stamp is not None:
+            # News on amq.peer only once logged in: a stranger's attempts publish nothing.
+            self.ctx.peer_connected(self.peer, self.client_properties.get(SERVER_ID_PROPERTY))
 
     # -- permissions ---------------------------------------------------------------------
 

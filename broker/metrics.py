@@ -164,7 +164,8 @@ UNROUTABLE = _counter("twinmq_messages_unroutable", "Published messages no queue
 CAP_REFUSED = _counter(
     "twinmq_messages_refused_by_length_cap",
     "Publishes refused at the broker's queue length limit (--max-queue-length, "
-    "--max-queue-length-bytes): a queue's copy each, or a transaction's whole commit",
+    "--max-queue-length-bytes): a client's publish, a dead-lettered copy, or a "
+    "transaction's whole commit",
 )
 DELIVERED = _counter("twinmq_messages_delivered", "Deliveries to consumers and basic.get")
 ACKED = _counter("twinmq_messages_acknowledged", "Deliveries acknowledged by consumers")

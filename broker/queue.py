@@ -247,10 +247,10 @@ class Queue:
         """Ready messages (not counting those delivered and unacknowledged)."""
         return len(self.entries)
 
-    def is_full_for(self, size: int) -> bool:
-        """Whether one more message of `size` bytes exceeds a length limit."""
+    def is_full_for(self, size: int, count: int = 1) -> bool:
+        """Whether `count` more messages of `size` bytes in all exceed its length limits."""
         a = self.args
-        return (a.max_length is not None and len(self.entries) + 1 > a.max_length) or (
+        return (a.max_length is not None and len(self.entries) + count > a.max_length) or (
             a.max_length_bytes is not None and self.bytes + size > a.max_length_bytes
         )
 

@@ -176,7 +176,7 @@ class AMQPProtocol(asyncio.Protocol):
         self.broker.protocols.discard(self)
         if self.conn is not None:
             self.conn.connection_lost()
-            if self.conn.origin_stamp is not None:
+            if self.conn.origin_stamp is not None and self.conn.opened:
                 # A federation peer's connection (upstream side): news on amq.peer.
                 self.broker.federation.peer_event(
                     "peer-disconnected",
@@ -525,6 +525,10 @@ class Broker:
     def peer_refusal(self, peer: str, announced: object) -> str | None:
         """Why a federation peer is refused (it announces our identifier), or None."""
         return self.federation.peer_refusal(peer, announced)
+
+    def peer_connected(self, peer: str, announced: object) -> None:
+        """A federation peer logged in: news on `amq.peer`."""
+        self.federation.peer_event("peer-connected", peer, announced)
 
     def told_marks(self, vhost: str, queue: str) -> ToldMarks:
         """What to tell a federation link consuming `queue` (federation/marks.py)."""

@@ -20,7 +20,7 @@ import logging
 import secrets
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from twinmq.broker import metrics
 from twinmq.broker.codec import (
@@ -175,6 +175,15 @@ class Touched:
 
 
 EVERYTHING = Touched(everything=True)
+
+
+Admission = Literal["publish", "link", "committed"]
+"""How a publish meets the queues' refusing limits (a full `x-overflow: reject-publish`
+queue, the broker's length cap): "publish", a client's, all or nothing (one queue refusing,
+it goes to none and is nacked, so no copy of it outlives the nack); "link", a federation
+link's delivery, each queue's own rule but not the cap (refused, it would be acknowledged
+upstream and lost); "committed", a transaction's publish, checked with the whole
+transaction before its commit (`tx_refusal`), then taken by every queue."""
 
 
 @dataclass(slots=True)
@@ -1021,6 +1030,7 @@ class VirtualHost:
         deduplicate: bool = False,
         hold: bool = False,
         forward: bool = True,
+        admission: Admission = "publish",
     ) -> PublishResult:
         """Route a message into its queues; persistent copies in durable queues are journaled.
 
@@ -1033,6 +1043,7 @@ class VirtualHost:
         message is visible only once the batch its confirm waits for is complete. A
         message published on an exchange in `forwarding` also goes to that exchange's
         federation outbox, unless `forward` is False (it came down a federation link).
+        `admission`: how the queues' refusing limits apply (`Admission`).
         """
         if forward:
             rewrite = self.reply_to_rewriters.get(exchange.name)
@@ -1054,8 +1065,10 @@ class VirtualHost:
                 # waits for that batch and shares its outcome (a failed write nacks both).
                 metrics.DUPLICATES.inc()
                 return PublishResult(1, False, original, depends_on=original)
-        result = self._route(exchange, routing_key, header, body, info, ops, hold, forward)
-        # A publish a queue refused (nacked) leaves no id: its re-send must reach that queue.
+        result = self._route(
+            exchange, routing_key, header, body, info, ops, hold, forward, admission
+        )
+        # A publish a queue refused leaves no id: its re-send must reach that queue.
         if key is not None and result.routed and not result.rejected:
             if ops is None:
                 self.remember_when_durable([key], result.batch)
@@ -1088,7 +1101,8 @@ class VirtualHost:
         info: ContentHeaderInfo,
         ops: list[JournalOp] | None,
         hold: bool,
-        forward: bool = True,
+        forward: bool,
+        admission: Admission,
     ) -> PublishResult:
         targets = self._targets(exchange, routing_key, header, forward)
         if targets is None:
@@ -1097,11 +1111,20 @@ class VirtualHost:
         if not targets:
             metrics.UNROUTABLE.inc()
             return PublishResult(0, False, 0)
-        # What came down a federation link is not capped: refused, it would be acknowledged
-        # upstream and lost (the link's queue upstream is capped there instead).
+        if admission == "publish":
+            now = self.clock.time()
+            for queue in targets:
+                if self._refusal(queue, 1, len(body), own=True, capped=True, now=now):
+                    # Refused by one queue, taken by none: no copy outlives the nack (a
+                    # copy kept elsewhere would give its id to the dedup window at the
+                    # next start, and swallow the re-send the nack asks for).
+                    metrics.PUBLISHED.value += 1
+                    batch = 0 if ops is not None else self.committer.confirm_point()
+                    return PublishResult(0, True, batch)
         return self._enqueue(
-            targets, exchange.name, routing_key, header, body, info, ops, hold, capped=forward
-        )
+            targets, exchange.name, routing_key, header, body, info, ops, hold,
+            own=admission == "link", capped=False,
+        )  # fmt: skip
 
     def _targets(
         self, exchange: Exchange, routing_key: str, header: bytes, forward: bool
@@ -1128,26 +1151,42 @@ class VirtualHost:
             targets.append(outbox)
         return targets
 
-    def cap_refusal(self, publishes: Iterable[tuple[Exchange, str, bytes, int]]) -> str | None:
-        """Why the queue length cap refuses these publishes (exchange, routing key,
-        header, body size) together, if it does: a transaction's, checked before its
-        commit changes anything (AMQP has no refusal of one message of a transaction)."""
-        cap = self.root.queue_cap
-        if not cap:
-            return None
+    def tx_refusal(self, publishes: Iterable[tuple[Exchange, str, bytes, int]]) -> str | None:
+        """Why the queues' refusing limits refuse these publishes (exchange, routing key,
+        header, body size) together, if they do: a transaction's, checked before its commit
+        changes anything (AMQP has no refusal of one message of a transaction; RabbitMQ
+        drops it and still answers commit-ok)."""
+        now = self.clock.time()
         added: dict[str, tuple[int, int]] = {}
         for exchange, routing_key, header, size in publishes:
             for queue in dict.fromkeys(self._targets(exchange, routing_key, header, True) or ()):
-                if is_internal(queue.name):
-                    continue
                 count, total = added.get(queue.name, (0, 0))
                 count, total = count + 1, total + size
-                if cap.refuses(queue, count, total):
+                why = self._refusal(queue, count, total, own=True, capped=True, now=now)
+                if why == "cap":
                     return (
                         f"queue '{queue.name}' in vhost '{self.name}' is at the broker's "
-                        f"queue length limit ({cap.describe()})"
+                        f"queue length limit ({self.root.queue_cap.describe()})"
+                    )
+                if why == "own":
+                    return (
+                        f"queue '{queue.name}' in vhost '{self.name}' is full (its "
+                        f"x-max-length, x-overflow {queue.args.overflow})"
                     )
                 added[queue.name] = (count, total)
+        return None
+
+    def _refusal(
+        self, queue: Queue, count: int, size: int, *, own: bool, capped: bool, now: float
+    ) -> Literal["own", "cap"] | None:
+        """Whether `count` more messages of `size` body bytes in all are refused by the
+        queue's own reject-publish limit (`own`) or the broker's cap (`capped`)."""
+        if own and queue.args.overflow != "drop-head" and queue.is_full_for(size, count):
+            return "own"
+        cap = self.root.queue_cap
+        if capped and cap and cap.refuses(queue, count, size) and not is_internal(queue.name):
+            self._cap_refused(queue, now)
+            return "cap"
         return None
 
     def _cap_refused(self, queue: Queue, now: float) -> None:
@@ -1172,17 +1211,19 @@ class VirtualHost:
         info: ContentHeaderInfo,
         ops: list[JournalOp] | None,
         hold: bool = False,
+        *,
+        own: bool = True,
         capped: bool = True,
     ) -> PublishResult:
         """Put a message in `targets`; journal its persistent copies in durable queues.
 
         `hold` (a publisher waiting for a confirm) and a transaction (`ops`) keep the
         journaled entries from consumers until their batch is complete (visibility.py).
-        `capped`: the broker's queue length cap refuses copies beyond it.
+        Each queue takes its copy or refuses it alone: `own`, by its reject-publish limit;
+        `capped`, by the broker's length cap.
         """
         now = self.clock.time()
-        cap = self.root.queue_cap if capped else NO_CAP
-        capping = bool(cap)  # once: the common case, no cap, costs one test per copy
+        capped = capped and bool(self.root.queue_cap)  # once: no cap is the common case
         mid = self.next_mid
         self.next_mid += 1
         message = Message(
@@ -1203,11 +1244,9 @@ class VirtualHost:
         held: list[tuple[Queue, Entry]] = []
         for queue in targets:
             args = queue.args
-            if args.overflow != "drop-head" and queue.is_full_for(len(body)):
-                rejected = True
-                continue
-            if capping and cap.refuses(queue, 1, len(body)) and not is_internal(queue.name):
-                self._cap_refused(queue, now)
+            if (own or capped) and self._refusal(
+                queue, 1, len(body), own=own, capped=capped, now=now
+            ):
                 rejected = True
                 continue
             ttl = info.expiration_ms

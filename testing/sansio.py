@@ -127,6 +127,9 @@ class Context:
         """A peer announcing our own identifier is refused, as in the broker."""
         return duplicate_refusal(self.server_id, announced, side="downstream")
 
+    def peer_connected(self, peer: str, announced: object) -> None:
+        """No `amq.peer` news here: the core has no federation service."""
+
     def told_marks(self, vhost: str, queue: str) -> ToldMarks:
         """Nothing told: the core here has no federation (federation/marks.py)."""
         return ToldMarks(queue=queue)

@@ -62,7 +62,7 @@ from twinmq.broker.message import Entry, Message
 from twinmq.broker.mirror.events import INTERNAL_PREFIX, INTERNAL_QID_BASE
 from twinmq.broker.queue import Queue
 from twinmq.broker.routing import Exchange
-from twinmq.broker.vhost import PublishResult, VirtualHost
+from twinmq.broker.vhost import Cancellable, PublishResult, VirtualHost
 
 log = logging.getLogger(__name__)
 
@@ -693,7 +693,7 @@ class FederationLink:
             # Never forwarded back up (no echo): it came down this or another link.
             result = self.vhost.publish(
                 exchange, message.routing_key or "", header, message.body, info, hold=True,
-                forward=False,
+                forward=False, admission="link",
             )  # fmt: skip
             if key is not None:
                 self.keys.claim(key)
@@ -776,6 +776,12 @@ class FederationLink:
         )
 
 
+RETRY_FIRST: Final = 0.5
+RETRY_MAX: Final = 30.0
+"""A forward the upstream nacked (a full queue there) is sent again after a pause that
+doubles from `RETRY_FIRST` to `RETRY_MAX` seconds, back to none at the next ack."""
+
+
 class Forwarder:
     """The link's consumer of its outbox (a `queue.Consumer`): each message is published
     upstream in confirm mode and settled here once confirmed; at most `prefetch` are
@@ -793,6 +799,8 @@ class Forwarder:
         self.upstream_id = upstream_id
         self.unconfirmed: dict[int, Entry] = {}  # confirm sequence number -> entry
         self._open = False
+        self._retry_delay = 0.0
+        self._resume: Cancellable | None = None  # the pause after a nack, while it lasts
 
     def open(self) -> None:
         """Start taking the outbox's messages."""
@@ -803,6 +811,9 @@ class Forwarder:
     def close(self) -> None:
         """Stop; unconfirmed messages go back to the head of the outbox."""
         self._open = False
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
         self.queue.remove_consumer(self)
         entries = list(self.unconfirmed.values())
         self.unconfirmed.clear()
@@ -813,6 +824,7 @@ class Forwarder:
         """`queue.Consumer`: room in the unconfirmed window, and the connection up."""
         return (
             self._open
+            and self._resume is None
             and not self.connection.closing.done()
             and len(self.unconfirmed) < self.link.fed.prefetch
         )
@@ -861,12 +873,22 @@ class Forwarder:
             return
         vhost = self.link.vhost
         if ack:
+            self._retry_delay = 0.0
             vhost.settle(self.queue, entries)
             self.link.forwarded += len(entries)
             metrics.FORWARDED.labels(self.link._label).inc(len(entries))
             self.queue.dispatch(vhost.clock.time())
-        else:
-            vhost.requeue(self.queue, entries)  # dispatches: sent again
+            return
+        # Refused upstream (a queue there full): sent again after a pause, not at once,
+        # which spun both brokers for as long as the queue stayed full.
+        self._retry_delay = min(RETRY_MAX, max(RETRY_FIRST, 2 * self._retry_delay))
+        if self._resume is None:
+            self._resume = vhost.clock.call_later(self._retry_delay, self._wake)
+        vhost.requeue(self.queue, entries)
+
+    def _wake(self) -> None:
+        self._resume = None
+        self.queue.dispatch(self.link.vhost.clock.time())
 
 
 def _text(value: object) -> str | None:

@@ -425,8 +425,6 @@ class Federation:
             metrics.PEERS_REFUSED.inc()
             self.refused.append(f"{peer}: {refusal}")
             log.error("federation peer %s REFUSED: %s", peer, refusal)
-        else:
-            self.peer_event("peer-connected", peer, announced)
         return refusal
 
     def peer_event(self, event: peer_status.PeerEventName, address: str, announced: object) -> None:

@@ -1,0 +1,248 @@
+"""The queue length limits under attack (found by an attack round on the cap,
+2026-12-03; each test failed before its fix): a nacked publish's re-send after a restart or
+a failover, a transaction against full queues, the broker's own publishes against the cap,
+a federation forward refused upstream."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pika
+import pika.exceptions
+import pytest
+from federationsites import channel as site_channel
+from federationsites import federated, publish_confirmed, queue_depth, wait_running
+
+from twinmq.testing.launcher import BrokerProcess
+from twinmq.testing.pair import Pair
+from twinmq.testing.queues import drain, opted_in
+from twinmq.testing.waiting import wait_for
+
+PERSISTENT = pika.BasicProperties(delivery_mode=2)
+
+
+def _props(message_id: str) -> pika.BasicProperties:
+    return pika.BasicProperties(delivery_mode=2, message_id=message_id)
+
+
+def connect(broker: BrokerProcess) -> pika.BlockingConnection:
+    return pika.BlockingConnection(pika.URLParameters(broker.url))
+
+
+def _split(ch: pika.adapters.blocking_connection.BlockingChannel) -> None:
+    """A fanout `split` to durable `split.full` (at the cap of 1: one filler) and
+    `split.free`."""
+    ch.exchange_declare("split", "fanout", durable=True)
+    for queue in ("split.full", "split.free"):
+        ch.queue_declare(queue, durable=True)
+        ch.queue_bind(queue, "split")
+    ch.basic_publish("", "split.full", b"filler", _props("s-0"))
+
+
+# -- 1. the nacked publish's id enters the dedup window anyway --------------------------------
+
+
+@pytest.mark.parametrize("how", ["restart", "kill"])
+def test_a_resend_after_a_cap_nack_reaches_the_full_queue_after_a_restart(
+    tmp_path: Path, how: str
+) -> None:
+    """A publish the cap refused in one queue is nacked and its id is kept out of the
+    dedup window, so that its re-send reaches that queue. After a restart the window is
+    rebuilt from the recovered copy in the other queue: the re-send is acked as a
+    duplicate and never reaches the queue that refused it."""
+    broker = BrokerProcess(tmp_path / "b", name="cap", extra_args=["--max-queue-length", "1"])
+    with broker.start():
+        conn = opted_in(broker)
+        ch = conn.channel()
+        _split(ch)
+        ch.confirm_delivery()
+        with pytest.raises(pika.exceptions.NackError):
+            ch.basic_publish("split", "", b"s", _props("s-1"))
+        conn.close()
+        if how == "kill":
+            broker.kill()
+        else:
+            broker.stop()
+        broker.start()
+        assert drain(broker.url, "split.full") == [b"filler"]  # room again
+        conn = opted_in(broker)
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.basic_publish("split", "", b"s", _props("s-1"))  # acked: confirmed
+        conn.close()
+        assert drain(broker.url, "split.full") == [b"s"]
+
+
+@pytest.mark.timeout(120)
+def test_a_resend_after_a_cap_nack_reaches_the_full_queue_on_the_promoted_passive(
+    tmp_path: Path,
+) -> None:
+    """The same across a failover: the passive learns the id from the replicated copy in
+    `split.free` (`VirtualHost.apply_ops` returns every stored message's key) and, once
+    promoted, swallows the re-send."""
+    with Pair(tmp_path, broker_args=["--max-queue-length", "1"]) as pair:
+        conn = opted_in(pair.active)
+        ch = conn.channel()
+        _split(ch)
+        ch.confirm_delivery()
+        with pytest.raises(pika.exceptions.NackError):
+            ch.basic_publish("split", "", b"s", _props("s-1"))
+        conn.close()
+        pair.wait_healthy()
+        pair.active.kill()
+        pair.promote_passive()
+        promoted = pair.active
+        assert drain(promoted.url, "split.full") == [b"filler"]
+        conn = opted_in(promoted)
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.basic_publish("split", "", b"s", _props("s-1"))  # acked: confirmed
+        conn.close()
+        assert drain(promoted.url, "split.full") == [b"s"]
+
+
+# -- 2. a transaction's whole check misses what the commit itself adds -------------------------
+
+
+def test_a_committed_publish_is_not_dropped_by_a_dead_letter_of_the_same_commit(
+    tmp_path: Path,
+) -> None:
+    """`cap_refusal` checks the queues as they are before the commit; but a publish of the
+    commit to a drop-head queue dead-letters its head into another of the commit's target
+    queues, filling it; the commit's later publish there is then refused by `_enqueue`'s
+    cap check, a refusal a transaction ignores: tx.commit-ok, the message gone."""
+    args = ["--max-queue-length", "2"]
+    with BrokerProcess(tmp_path / "b", name="cap", extra_args=args).start() as broker:
+        conn = connect(broker)
+        ch = conn.channel()
+        ch.queue_declare("dlq", durable=True)
+        ch.queue_declare(
+            "src",
+            durable=True,
+            arguments={
+                "x-max-length": 1,
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": "dlq",
+            },
+        )
+        ch.basic_publish("", "dlq", b"d0", PERSISTENT)
+        ch.basic_publish("", "src", b"old", PERSISTENT)
+        ch.tx_select()
+        ch.basic_publish("", "src", b"new", PERSISTENT)  # drops "old" into dlq
+        ch.basic_publish("", "dlq", b"committed", PERSISTENT)
+        try:
+            ch.tx_commit()
+        except pika.exceptions.ChannelClosedByBroker as exc:  # refused whole: fine
+            assert exc.reply_code == 406
+            conn.close()
+            assert b"committed" not in drain(broker.url, "dlq")
+            return
+        conn.close()
+        assert drain(broker.url, "src") == [b"new"]
+        assert b"committed" in drain(broker.url, "dlq")
+
+
+def test_a_committed_publish_is_not_dropped_by_a_queues_own_reject_publish(
+    tmp_path: Path,
+) -> None:
+    """Without the cap (pre-existing): a transaction's publish that a queue's own
+    `x-overflow: reject-publish` refuses is dropped and the commit still answered
+    commit-ok. The cap's refusals are checked whole before the commit; this one is not."""
+    with BrokerProcess(tmp_path / "b", name="cap").start() as broker:
+        conn = connect(broker)
+        ch = conn.channel()
+        ch.queue_declare(
+            "tight", durable=True, arguments={"x-max-length": 1, "x-overflow": "reject-publish"}
+        )
+        ch.basic_publish("", "tight", b"first", PERSISTENT)
+        ch.tx_select()
+        ch.basic_publish("", "tight", b"second", PERSISTENT)
+        try:
+            ch.tx_commit()
+        except pika.exceptions.ChannelClosedByBroker:
+            conn.close()
+            assert drain(broker.url, "tight") == [b"first"]
+            return
+        conn.close()
+        assert drain(broker.url, "tight") == [b"first", b"second"]
+
+
+# -- 3. what the broker publishes itself (forward=False) is never capped ---------------------
+
+
+def test_a_stranger_announcing_a_server_id_publishes_nothing_on_amq_peer(tmp_path: Path) -> None:
+    """`peer-connected` was published on `amq.peer` for any connection announcing a
+    federation server id in connection.start-ok, before its login was checked (and
+    `peer-disconnected` at its close): a client without a password grew a queue bound
+    to `amq.peer` without bound. News now comes only after connection.open."""
+    with BrokerProcess(tmp_path / "b", name="cap").start() as broker:
+        conn = connect(broker)
+        ch = conn.channel()
+        ch.queue_declare("watch", durable=True)
+        ch.queue_bind("watch", "amq.peer")
+        for i in range(10):
+            params = pika.ConnectionParameters(
+                "127.0.0.1",
+                broker.port,
+                credentials=pika.PlainCredentials("nobody", "wrong"),
+                client_properties={"x-twinmq-server-id": f"intruder-{i}"},
+                connection_attempts=1,
+            )
+            with pytest.raises(pika.exceptions.AMQPConnectionError):
+                pika.BlockingConnection(params)
+        depth = ch.queue_declare("watch", passive=True).method.message_count
+        conn.close()
+        assert depth == 0, f"{depth} messages from connections that never logged in"
+
+
+def test_state_messages_do_not_push_a_client_queue_past_the_cap(tmp_path: Path) -> None:
+    """The broker's own publishes (`amq.twinmq.state`: a full state of the definitions at
+    each bind, a `changes` message at each topology change) are capped like a client's:
+    they were not (only a federation link's deliveries should be), and a client
+    re-binding in a loop grew its own queue without bound."""
+    args = ["--max-queue-length", "2", "--max-queue-length-bytes", "4096"]
+    with BrokerProcess(tmp_path / "b", name="cap", extra_args=args).start() as broker:
+        conn = connect(broker)
+        ch = conn.channel()
+        ch.queue_declare("hoard", durable=True)
+        for _ in range(10):
+            ch.queue_bind("hoard", "amq.twinmq.state")
+            ch.queue_unbind("hoard", "amq.twinmq.state")
+        depth = ch.queue_declare("hoard", passive=True).method.message_count
+        conn.close()
+        assert depth <= 2, f"{depth} messages in a queue capped at 2"
+
+
+# -- 4. the partial nack meets federation forwarding -----------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_forwarded_message_one_upstream_queue_refuses_is_not_copied_again_and_again(
+    tmp_path: Path,
+) -> None:
+    """A message forwarded upstream that one upstream queue refuses (its own
+    reject-publish; the cap does the same) is nacked to the link; the downstream's outbox
+    sent it again at once, and each round left one more copy in the queue with room, in a
+    hot loop. Now a refused publish goes to no queue, and the outbox waits before each
+    retry (doubling); once the full queue has room the message arrives, once."""
+    with federated(tmp_path, "requests", "direct", forward=True) as sites:
+        central, remote = sites.central, sites.remote
+        wait_running(remote, "requests")
+        conn, ch = site_channel(central)
+        ch.queue_declare(
+            "full", durable=True, arguments={"x-max-length": 1, "x-overflow": "reject-publish"}
+        )
+        ch.queue_declare("free", durable=True)
+        for queue in ("full", "free"):
+            ch.queue_bind(queue, "requests", "svc")
+        ch.basic_publish("", "full", b"filler", PERSISTENT)
+        conn.close()
+        publish_confirmed(remote, "requests", [("svc", b"once")])
+        time.sleep(3)
+        depth = queue_depth(central, "free")
+        assert depth == 0, f"{depth} copies of a forwarded message refused upstream in 'free'"
+        assert drain(central.url, "full") == [b"filler"]  # room: the next retry goes through
+        wait_for("the forward taken", lambda: queue_depth(central, "free") == 1, timeout=60)
+        assert drain(central.url, "full") == [b"once"]
+        assert drain(central.url, "free") == [b"once"]
