@@ -1112,9 +1112,11 @@ class VirtualHost:
             metrics.UNROUTABLE.inc()
             return PublishResult(0, False, 0)
         if admission == "publish":
-            now = self.clock.time()
+            cap = self.root.queue_cap
             for queue in targets:
-                if self._refusal(queue, 1, len(body), own=True, capped=True, now=now):
+                if (cap or queue.args.overflow != "drop-head") and self._refusal(
+                    queue, 1, len(body), own=True, capped=True
+                ):
                     # Refused by one queue, taken by none: no copy outlives the nack (a
                     # copy kept elsewhere would give its id to the dedup window at the
                     # next start, and swallow the re-send the nack asks for).
@@ -1156,13 +1158,12 @@ class VirtualHost:
         header, body size) together, if they do: a transaction's, checked before its commit
         changes anything (AMQP has no refusal of one message of a transaction; RabbitMQ
         drops it and still answers commit-ok)."""
-        now = self.clock.time()
         added: dict[str, tuple[int, int]] = {}
         for exchange, routing_key, header, size in publishes:
             for queue in dict.fromkeys(self._targets(exchange, routing_key, header, True) or ()):
                 count, total = added.get(queue.name, (0, 0))
                 count, total = count + 1, total + size
-                why = self._refusal(queue, count, total, own=True, capped=True, now=now)
+                why = self._refusal(queue, count, total, own=True, capped=True)
                 if why == "cap":
                     return (
                         f"queue '{queue.name}' in vhost '{self.name}' is at the broker's "
@@ -1177,7 +1178,7 @@ class VirtualHost:
         return None
 
     def _refusal(
-        self, queue: Queue, count: int, size: int, *, own: bool, capped: bool, now: float
+        self, queue: Queue, count: int, size: int, *, own: bool, capped: bool
     ) -> Literal["own", "cap"] | None:
         """Whether `count` more messages of `size` body bytes in all are refused by the
         queue's own reject-publish limit (`own`) or the broker's cap (`capped`)."""
@@ -1185,13 +1186,14 @@ class VirtualHost:
             return "own"
         cap = self.root.queue_cap
         if capped and cap and cap.refuses(queue, count, size) and not is_internal(queue.name):
-            self._cap_refused(queue, now)
+            self._cap_refused(queue)
             return "cap"
         return None
 
-    def _cap_refused(self, queue: Queue, now: float) -> None:
+    def _cap_refused(self, queue: Queue) -> None:
         metrics.CAP_REFUSED.inc()
         root = self.root
+        now = self.clock.time()
         # A nack carries no reason: the log says which queue, at most once a minute.
         if now - root.cap_logged_at >= 60:
             root.cap_logged_at = now
@@ -1244,9 +1246,7 @@ class VirtualHost:
         held: list[tuple[Queue, Entry]] = []
         for queue in targets:
             args = queue.args
-            if (own or capped) and self._refusal(
-                queue, 1, len(body), own=own, capped=capped, now=now
-            ):
+            if (own or capped) and self._refusal(queue, 1, len(body), own=own, capped=capped):
                 rejected = True
                 continue
             ttl = info.expiration_ms
