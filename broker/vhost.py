@@ -1112,9 +1112,9 @@ class VirtualHost:
             metrics.UNROUTABLE.inc()
             return PublishResult(0, False, 0)
         if admission == "publish":
-            cap = self.root.queue_cap
+            capping = bool(self.root.queue_cap)
             for queue in targets:
-                if (cap or queue.args.overflow != "drop-head") and self._refusal(
+                if (capping or queue.args.overflow != "drop-head") and self._refusal(
                     queue, 1, len(body), own=True, capped=True
                 ):
                     # Refused by one queue, taken by none: no copy outlives the nack (a

@@ -40,78 +40,74 @@ def _split(ch: pika.adapters.blocking_connection.BlockingChannel) -> None:
     ch.basic_publish("", "split.full", b"filler", _props("s-0"))
 
 
-# -- 1. the nacked publish's id enters the dedup window anyway --------------------------------
+# -- 1. a nacked publish's re-send, after a restart or a failover ---------------------------
+
+
+def _publish_nacked(broker: BrokerProcess) -> None:
+    """`split` made, and a deduplicating publish to it (id `s-1`) nacked by `split.full`."""
+    conn = opted_in(broker)
+    ch = conn.channel()
+    _split(ch)
+    ch.confirm_delivery()
+    with pytest.raises(pika.exceptions.NackError):
+        ch.basic_publish("split", "", b"s", _props("s-1"))
+    conn.close()
+
+
+def _resend_reaches_the_full_queue(broker: BrokerProcess) -> None:
+    """Room made in `split.full`, the nacked publish sent again reaches both queues once."""
+    assert drain(broker.url, "split.full") == [b"filler"]
+    conn = opted_in(broker)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish("split", "", b"s", _props("s-1"))  # acked: confirmed
+    conn.close()
+    assert drain(broker.url, "split.full") == [b"s"]
+    assert drain(broker.url, "split.free") == [b"s"]
 
 
 @pytest.mark.parametrize("how", ["restart", "kill"])
 def test_a_resend_after_a_cap_nack_reaches_the_full_queue_after_a_restart(
     tmp_path: Path, how: str
 ) -> None:
-    """A publish the cap refused in one queue is nacked and its id is kept out of the
-    dedup window, so that its re-send reaches that queue. After a restart the window is
-    rebuilt from the recovered copy in the other queue: the re-send is acked as a
-    duplicate and never reaches the queue that refused it."""
+    """The nacked publish's id stays out of the dedup window across a restart: the window
+    is rebuilt from the stored messages, and a copy the other queue kept (RabbitMQ's
+    way) gave it the id, so the re-send was confirmed as a duplicate and never reached
+    the queue that refused it. A refused publish now goes to no queue."""
     broker = BrokerProcess(tmp_path / "b", name="cap", extra_args=["--max-queue-length", "1"])
     with broker.start():
-        conn = opted_in(broker)
-        ch = conn.channel()
-        _split(ch)
-        ch.confirm_delivery()
-        with pytest.raises(pika.exceptions.NackError):
-            ch.basic_publish("split", "", b"s", _props("s-1"))
-        conn.close()
+        _publish_nacked(broker)
         if how == "kill":
             broker.kill()
         else:
             broker.stop()
         broker.start()
-        assert drain(broker.url, "split.full") == [b"filler"]  # room again
-        conn = opted_in(broker)
-        ch = conn.channel()
-        ch.confirm_delivery()
-        ch.basic_publish("split", "", b"s", _props("s-1"))  # acked: confirmed
-        conn.close()
-        assert drain(broker.url, "split.full") == [b"s"]
+        _resend_reaches_the_full_queue(broker)
 
 
 @pytest.mark.timeout(120)
 def test_a_resend_after_a_cap_nack_reaches_the_full_queue_on_the_promoted_passive(
     tmp_path: Path,
 ) -> None:
-    """The same across a failover: the passive learns the id from the replicated copy in
-    `split.free` (`VirtualHost.apply_ops` returns every stored message's key) and, once
-    promoted, swallows the re-send."""
+    """The same across a failover: the passive learns every stored message's id
+    (`VirtualHost.apply_ops`), and had learnt the nacked one from the other queue's copy."""
     with Pair(tmp_path, broker_args=["--max-queue-length", "1"]) as pair:
-        conn = opted_in(pair.active)
-        ch = conn.channel()
-        _split(ch)
-        ch.confirm_delivery()
-        with pytest.raises(pika.exceptions.NackError):
-            ch.basic_publish("split", "", b"s", _props("s-1"))
-        conn.close()
+        _publish_nacked(pair.active)
         pair.wait_healthy()
         pair.active.kill()
         pair.promote_passive()
-        promoted = pair.active
-        assert drain(promoted.url, "split.full") == [b"filler"]
-        conn = opted_in(promoted)
-        ch = conn.channel()
-        ch.confirm_delivery()
-        ch.basic_publish("split", "", b"s", _props("s-1"))  # acked: confirmed
-        conn.close()
-        assert drain(promoted.url, "split.full") == [b"s"]
+        _resend_reaches_the_full_queue(pair.active)
 
 
-# -- 2. a transaction's whole check misses what the commit itself adds -------------------------
+# -- 2. a transaction against full queues -------------------------------------------------
 
 
 def test_a_committed_publish_is_not_dropped_by_a_dead_letter_of_the_same_commit(
     tmp_path: Path,
 ) -> None:
-    """`cap_refusal` checks the queues as they are before the commit; but a publish of the
-    commit to a drop-head queue dead-letters its head into another of the commit's target
-    queues, filling it; the commit's later publish there is then refused by `_enqueue`'s
-    cap check, a refusal a transaction ignores: tx.commit-ok, the message gone."""
+    """The transaction fits the queues as they stand, and its commit dead-letters a head
+    into one of them on the way: what the check passed is taken whole, past the cap by
+    that one (it was refused, and the commit answered commit-ok all the same)."""
     args = ["--max-queue-length", "2"]
     with BrokerProcess(tmp_path / "b", name="cap", extra_args=args).start() as broker:
         conn = connect(broker)
@@ -131,24 +127,18 @@ def test_a_committed_publish_is_not_dropped_by_a_dead_letter_of_the_same_commit(
         ch.tx_select()
         ch.basic_publish("", "src", b"new", PERSISTENT)  # drops "old" into dlq
         ch.basic_publish("", "dlq", b"committed", PERSISTENT)
-        try:
-            ch.tx_commit()
-        except pika.exceptions.ChannelClosedByBroker as exc:  # refused whole: fine
-            assert exc.reply_code == 406
-            conn.close()
-            assert b"committed" not in drain(broker.url, "dlq")
-            return
+        ch.tx_commit()
         conn.close()
         assert drain(broker.url, "src") == [b"new"]
-        assert b"committed" in drain(broker.url, "dlq")
+        assert drain(broker.url, "dlq") == [b"d0", b"old", b"committed"]
 
 
 def test_a_committed_publish_is_not_dropped_by_a_queues_own_reject_publish(
     tmp_path: Path,
 ) -> None:
-    """Without the cap (pre-existing): a transaction's publish that a queue's own
-    `x-overflow: reject-publish` refuses is dropped and the commit still answered
-    commit-ok. The cap's refusals are checked whole before the commit; this one is not."""
+    """Without the cap: a transaction's publish that a queue's own `x-overflow:
+    reject-publish` refuses was dropped and the commit still answered commit-ok (as in
+    RabbitMQ). The commit is now refused whole, with 406 and the queue named."""
     with BrokerProcess(tmp_path / "b", name="cap").start() as broker:
         conn = connect(broker)
         ch = conn.channel()
@@ -158,17 +148,15 @@ def test_a_committed_publish_is_not_dropped_by_a_queues_own_reject_publish(
         ch.basic_publish("", "tight", b"first", PERSISTENT)
         ch.tx_select()
         ch.basic_publish("", "tight", b"second", PERSISTENT)
-        try:
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as caught:
             ch.tx_commit()
-        except pika.exceptions.ChannelClosedByBroker:
-            conn.close()
-            assert drain(broker.url, "tight") == [b"first"]
-            return
+        assert caught.value.reply_code == 406
+        assert "queue 'tight' in vhost '/' is full" in caught.value.reply_text
         conn.close()
-        assert drain(broker.url, "tight") == [b"first", b"second"]
+        assert drain(broker.url, "tight") == [b"first"]
 
 
-# -- 3. what the broker publishes itself (forward=False) is never capped ---------------------
+# -- 3. what the broker publishes itself ---------------------------------------------------
 
 
 def test_a_stranger_announcing_a_server_id_publishes_nothing_on_amq_peer(tmp_path: Path) -> None:
@@ -214,7 +202,7 @@ def test_state_messages_do_not_push_a_client_queue_past_the_cap(tmp_path: Path) 
         assert depth <= 2, f"{depth} messages in a queue capped at 2"
 
 
-# -- 4. the partial nack meets federation forwarding -----------------------------------------
+# -- 4. a federation forward refused upstream -----------------------------------------------
 
 
 @pytest.mark.timeout(120)
