@@ -177,13 +177,16 @@ class Touched:
 EVERYTHING = Touched(everything=True)
 
 
-Admission = Literal["publish", "link", "committed"]
+Admission = Literal["publish", "link", "committed", "news"]
 """How a publish meets the queues' refusing limits (a full `x-overflow: reject-publish`
 queue, the broker's length cap): "publish", a client's, all or nothing (one queue refusing,
 it goes to none and is nacked, so no copy of it outlives the nack); "link", a federation
 link's delivery, each queue's own rule but not the cap (refused, it would be acknowledged
 upstream and lost); "committed", a transaction's publish, checked with the whole
-transaction before its commit (`tx_refusal`), then taken by every queue."""
+transaction before its commit (`tx_refusal`), then taken by every queue; "news", the
+broker's own status messages (`amq.peer`, `amq.twinmq.state`), each queue's rule and the
+cap, queue by queue (no publisher to nack: one full queue must not keep them from the
+others)."""
 
 
 @dataclass(slots=True)
@@ -1125,7 +1128,7 @@ class VirtualHost:
                     return PublishResult(0, True, batch)
         return self._enqueue(
             targets, exchange.name, routing_key, header, body, info, ops, hold,
-            own=admission == "link", capped=False,
+            own=admission in ("link", "news"), capped=admission == "news",
         )  # fmt: skip
 
     def _targets(

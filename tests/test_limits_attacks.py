@@ -1,10 +1,11 @@
-"""The queue length limits under attack (found by an attack round on the cap,
+"""The queue length limits under attack (found by two attack rounds on the cap,
 2026-12-03; each test failed before its fix): a nacked publish's re-send after a restart or
 a failover, a transaction against full queues, the broker's own publishes against the cap,
 a federation forward refused upstream."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -28,6 +29,10 @@ def _props(message_id: str) -> pika.BasicProperties:
 
 def connect(broker: BrokerProcess) -> pika.BlockingConnection:
     return pika.BlockingConnection(pika.URLParameters(broker.url))
+
+
+def depth(ch: pika.adapters.blocking_connection.BlockingChannel, queue: str) -> int:
+    return ch.queue_declare(queue, passive=True).method.message_count
 
 
 def _split(ch: pika.adapters.blocking_connection.BlockingChannel) -> None:
@@ -200,6 +205,85 @@ def test_state_messages_do_not_push_a_client_queue_past_the_cap(tmp_path: Path) 
         depth = ch.queue_declare("hoard", passive=True).method.message_count
         conn.close()
         assert depth <= 2, f"{depth} messages in a queue capped at 2"
+
+
+def test_one_full_subscriber_queue_keeps_state_changes_from_every_other_subscriber(
+    tmp_path: Path,
+) -> None:
+    """docs/federation.md, "State replication": a `changes` message goes "to every
+    subscriber", and a subscriber misses one only by "a length limit on its queue". The
+    broker's status messages had gone through the client publish's all-or-nothing rule:
+    one subscriber's queue at the cap (an abandoned one, any user's) kept every `changes`
+    message from every other subscriber, a federation link's view of its upstream
+    included, which could not even see a gap. They are now taken queue by queue
+    (admission "news")."""
+    args = ["--max-queue-length", "2"]
+    with BrokerProcess(tmp_path / "b", name="cap", extra_args=args).start() as broker:
+        conn = connect(broker)
+        ch = conn.channel()
+        ch.queue_declare("abandoned", durable=True)
+        ch.queue_bind("abandoned", "amq.twinmq.state")  # its full state: 1
+        ch.queue_declare("watcher", durable=True)
+        ch.queue_bind("watcher", "amq.twinmq.state")  # abandoned: + changes = 2 (full)
+        kinds = []
+        while True:
+            method, _props, body = ch.basic_get("watcher", auto_ack=True)
+            if method is None:
+                break
+            kinds.append(json.loads(body)["kind"])
+        assert kinds == ["full"]
+        for name in ("one", "two"):  # the watcher's own cap is 2 as well
+            ch.queue_declare(name, durable=True)  # a `changes` message each
+        got = depth(ch, "watcher")
+        conn.close()
+        assert got == 2, f"the watcher (an empty queue) got {got} of 2 changes messages"
+
+
+def test_one_full_queue_on_amq_peer_keeps_peer_news_from_every_other_watcher(
+    tmp_path: Path,
+) -> None:
+    """The same on `amq.peer`: a federation peer's `peer-connected` is lost for every
+    watcher while any one queue bound to `amq.peer` is at the cap."""
+    args = ["--max-queue-length", "2"]
+    with BrokerProcess(tmp_path / "b", name="cap", extra_args=args).start() as broker:
+        conn = connect(broker)
+        ch = conn.channel()
+        for queue in ("abandoned", "watcher"):
+            ch.queue_declare(queue, durable=True)
+            ch.queue_bind(queue, "amq.peer")
+
+        def peer_visit() -> None:  # a federation peer's connection (guest may link)
+            params = pika.URLParameters(broker.url)
+            params.client_properties = {"x-twinmq-server-id": "remote"}
+            pika.BlockingConnection(params).close()
+
+        peer_visit()  # connected + disconnected: both queues at the cap
+        assert depth(ch, "watcher") == 2
+        drain(broker.url, "watcher")  # the watcher reads; "abandoned" does not
+        peer_visit()
+        got = depth(ch, "watcher")
+        conn.close()
+        assert got == 2, f"the watcher (an empty queue) got {got} of 2 peer events"
+
+
+def test_a_mandatory_publish_the_cap_refuses_is_nacked_not_returned(tmp_path: Path) -> None:
+    """A refused publish was routed (a queue refused it): nacked, never basic.return
+    (which would say no queue matched), as RabbitMQ's reject-publish."""
+    args = ["--max-queue-length", "1"]
+    with BrokerProcess(tmp_path / "b", name="cap", extra_args=args).start() as broker:
+        conn = connect(broker)
+        ch = conn.channel()
+        ch.queue_declare("q", durable=True)
+        ch.confirm_delivery()
+        returned: list[object] = []
+        ch.add_on_return_callback(lambda *a: returned.append(a))
+        ch.basic_publish("", "q", b"1", PERSISTENT, mandatory=True)
+        with pytest.raises(pika.exceptions.NackError):
+            ch.basic_publish("", "q", b"2", PERSISTENT, mandatory=True)
+        conn.process_data_events(0.2)
+        conn.close()
+        assert returned == []
+        assert drain(broker.url, "q") == [b"1"]
 
 
 # -- 4. a federation forward refused upstream -----------------------------------------------

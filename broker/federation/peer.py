@@ -92,7 +92,7 @@ def publish_status(
     try:
         header, body = encode_status(message, message_type, sent, app_id)
         info = codec.decode_content_header(header)
-        vhost.publish(exchange, routing_key, header, body, info, forward=False)
+        vhost.publish(exchange, routing_key, header, body, info, forward=False, admission="news")
     except Exception as exc:
         where = exchange_name or f"queue {routing_key}"
         log.warning("%s: a %s message was not published: %r", where, message_type, exc)

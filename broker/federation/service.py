@@ -365,7 +365,7 @@ class Federation:
                 self._peer_drop_logged = True
                 log.warning("a federation peer's status for %s dropped: %s", PEER_EXCHANGE, why)
             return
-        target.publish(exchange, routing_key, header, body, info, forward=False)
+        target.publish(exchange, routing_key, header, body, info, forward=False, admission="news")
         self.peer_status_received += 1
 
     def _bindings_changed(self, vhost: str, exchange: str) -> None:
