@@ -159,10 +159,7 @@ class LengthCap:
 
     def refuses(self, queue: Queue, count: int, size: int) -> bool:
         """Whether `count` more messages of `size` body bytes in all take `queue` past it."""
-        return bool(
-            (self.messages and len(queue.entries) + count > self.messages)
-            or (self.bytes and queue.bytes + size > self.bytes)
-        )
+        return queue.exceeds(count, size, self.messages or None, self.bytes or None)
 
     def describe(self) -> str:
         """The cap in words, for a refusal's reason."""
@@ -247,12 +244,16 @@ class Queue:
         """Ready messages (not counting those delivered and unacknowledged)."""
         return len(self.entries)
 
-    def is_full_for(self, size: int, count: int = 1) -> bool:
-        """Whether `count` more messages of `size` bytes in all exceed its length limits."""
-        a = self.args
-        return (a.max_length is not None and len(self.entries) + count > a.max_length) or (
-            a.max_length_bytes is not None and self.bytes + size > a.max_length_bytes
+    def exceeds(self, count: int, size: int, messages: int | None, bytes_: int | None) -> bool:
+        """Whether `count` more messages of `size` body bytes in all take the queue past
+        `messages` ready messages or `bytes_` body bytes (None: no such limit)."""
+        return (messages is not None and len(self.entries) + count > messages) or (
+            bytes_ is not None and self.bytes + size > bytes_
         )
+
+    def is_full_for(self, count: int, size: int) -> bool:
+        """Whether `count` more messages of `size` bytes in all exceed its own length limits."""
+        return self.exceeds(count, size, self.args.max_length, self.args.max_length_bytes)
 
     def push(self, entry: Entry) -> None:
         """Append an entry at the tail, enforcing drop-head length limits."""
@@ -260,10 +261,7 @@ class Queue:
         self.bytes += entry.size
         a = self.args
         if a.max_length is not None or a.max_length_bytes is not None:
-            while self.entries and (
-                (a.max_length is not None and len(self.entries) > a.max_length)
-                or (a.max_length_bytes is not None and self.bytes > a.max_length_bytes)
-            ):
+            while self.entries and self.exceeds(0, 0, a.max_length, a.max_length_bytes):
                 self._drop(self.entries.popleft(), "maxlen")
 
     def requeue(self, entries: list[Entry]) -> None:

@@ -1185,7 +1185,7 @@ class VirtualHost:
     ) -> Literal["own", "cap"] | None:
         """Whether `count` more messages of `size` body bytes in all are refused by the
         queue's own reject-publish limit (`own`) or the broker's cap (`capped`)."""
-        if own and queue.args.overflow != "drop-head" and queue.is_full_for(size, count):
+        if own and queue.args.overflow != "drop-head" and queue.is_full_for(count, size):
             return "own"
         cap = self.root.queue_cap
         if capped and cap and cap.refuses(queue, count, size) and not is_internal(queue.name):
