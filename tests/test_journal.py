@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from disks import small_tmpfs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from twinmq.broker.definitions import Definitions, QueueDef
+from twinmq.broker.definitions import Definitions, DefinitionsDelta, QueueDef
 from twinmq.broker.journal import (
     DiskFullError,
     Journal,
@@ -33,6 +34,7 @@ from twinmq.broker.journal import (
     ops,
     segment,
 )
+from twinmq.broker.journal import index as live_index
 from twinmq.broker.journal.index import LiveIndex
 
 # --- helpers ------------------------------------------------------------------------
@@ -408,6 +410,46 @@ def test_dropped_queue_compacts_and_redeclared_queue_gets_a_new_qid(tmp_path: Pa
     asyncio.run(go())
     rec = reopen(tmp_path)
     assert mids(rec) == {3: [100]}
+
+
+def test_deleted_queues_leave_nothing_behind(tmp_path: Path) -> None:
+    """Queue churn: a durable queue declared and deleted leaves nothing in the journal's
+    bookkeeping (it kept every deleted qid for the life of the process: found by the
+    connection core's fuzzer, its memory growing with its inputs), and a message routed
+    to it before its delete but appended after (the commit path saves the topology
+    first, then the batch) is garbage at once, as recovery counts it."""
+    churn = 3000
+
+    async def go() -> int:
+        j = Journal(tmp_path, segment_bytes=4096, fsync=False)
+        j.open()
+        j.save_definitions(defs(1))
+        await publish(j, msg(0))
+        tracemalloc.start()
+        try:
+            before = tracemalloc.take_snapshot()
+            for qid in range(2, churn + 2):
+                declare = DefinitionsDelta(add_queues=[QueueDef(name="churn", qid=qid)])
+                j.save_delta(declare.model_copy(update={"next_qid": qid + 1}))
+                j.save_delta(DefinitionsDelta(del_queues=["churn"]))
+                await publish(j, msg(qid, qid=qid, size=300))  # the late message
+            after = tracemalloc.take_snapshot()
+        finally:
+            tracemalloc.stop()
+        assert j.stats.live_messages == 1
+        await j.flush()
+        assert j.stats.segments <= 2  # the late messages' segments compacted
+        await j.close()
+        only_index = [tracemalloc.Filter(True, live_index.__file__)]
+        grown = after.filter_traces(only_index).compare_to(
+            before.filter_traces(only_index), "filename"
+        )
+        return sum(stat.size_diff for stat in grown)
+
+    grown = asyncio.run(go())
+    # A few KiB of tables at most; a qid kept per deleted queue is ~50 bytes each.
+    assert grown < 10 * churn, f"the index grew {grown} bytes over {churn} deleted queues"
+    assert mids(reopen(tmp_path)) == {1: [0]}
 
 
 def test_queue_missing_from_definitions_is_dropped_at_open(tmp_path: Path) -> None:

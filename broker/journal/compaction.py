@@ -42,7 +42,7 @@ def plan(index: LiveIndex, allow_carry: bool) -> CompactionPlan:
     so when we reach it we already know which of its targets are going too
     (those need no carrying: their messages go with them).
     """
-    head = index.head
+    head, defined = index.head, index.defined
     remove: list[int] = []
     gone: set[int] = set()
     carry: dict[int, list[tuple[int, int]]] = {}
@@ -54,7 +54,8 @@ def plan(index: LiveIndex, allow_carry: bool) -> CompactionPlan:
         if needed and not allow_carry:
             continue
         for target in needed:
-            keep = [(q, m) for q, m in seg.refs[target] if q not in index.dropped]
+            # A deleted queue's settles need no carrying: recovery drops its messages.
+            keep = [(q, m) for q, m in seg.refs[target] if defined is None or q in defined]
             if keep:
                 carry.setdefault(target, []).extend(keep)
         remove.append(segno)

@@ -197,6 +197,7 @@ class Journal:
             self._files.truncate(segno, offset)
 
         # Queues deleted before the crash: their messages are garbage.
+        index.defined = set(def_qids)
         for qid in list(index.where):
             if qid not in def_qids:
                 if defs_missing and index.where[qid]:
@@ -282,7 +283,9 @@ class Journal:
         this save removes count as dropped (see `drop_queue`).
         """
         self._require_open()
-        for qid in self._defs.replace(defs):
+        dropped = self._defs.replace(defs)
+        self._index.define(q.qid for q in defs.queues)
+        for qid in dropped:
             self.drop_queue(qid)
 
     def save_delta(self, delta: DefinitionsDelta) -> None:
@@ -297,7 +300,9 @@ class Journal:
         """Durably record topology changes in order: one append and one fsync for all
         (a group commit); on an error none of them is stored."""
         self._require_open()
-        for qid in self._defs.append_many(deltas):
+        dropped = self._defs.append_many(deltas)
+        self._index.define(q.qid for delta in deltas for q in delta.add_queues)
+        for qid in dropped:
             self.drop_queue(qid)
 
     def definitions(self) -> Definitions:

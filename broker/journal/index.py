@@ -11,7 +11,7 @@ Names: a segment is known by its *segment number* (`segno`); a message by
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from twinmq.broker.journal.ops import JournalOp, StoredMessage
@@ -47,7 +47,11 @@ class LiveIndex:
         # Live messages: qid -> mid -> segno of the segment holding the live copy.
         self.where: dict[int, dict[int, int]] = {}
         self.live_total = 0
-        self.dropped: set[int] = set()  # deleted queue incarnations
+        # The queue incarnations the saved definitions hold: only their ops count, as
+        # recovery drops every other's. None while recovery replays (it keeps every
+        # queue's messages until it knows the definitions). Not a set of the deleted
+        # ones: qids are never reused, and that set grew with every queue ever deleted.
+        self.defined: set[int] | None = None
         self.compact_due = False
 
     def add_segment(self, seg: SegmentInfo) -> None:
@@ -64,10 +68,11 @@ class LiveIndex:
 
     def enqueue(self, qid: int, mid: int, segno: int) -> None:
         """A message recorded in segment `segno`."""
-        if qid in self.dropped:
-            return
         where = self.where.get(qid)
         if where is None:
+            defined = self.defined
+            if defined is not None and qid not in defined:
+                return  # its queue went (routed before the delete, written after)
             where = self.where[qid] = {}
         old = where.pop(mid, None)
         if old is not None:
@@ -94,9 +99,15 @@ class LiveIndex:
             self._add_ref(segno, old, qid, mid)
         return True
 
+    def define(self, qids: Iterable[int]) -> None:
+        """Queue incarnations the saved definitions now hold."""
+        if self.defined is not None:
+            self.defined.update(qids)
+
     def drop(self, qid: int) -> None:
         """A queue incarnation is gone: its messages count as settled."""
-        self.dropped.add(qid)
+        if self.defined is not None:
+            self.defined.discard(qid)
         where = self.where.pop(qid, None)
         if not where:
             return
@@ -107,14 +118,15 @@ class LiveIndex:
         """Groups just made durable in segment `segno`."""
         # The usual op, a first enqueue of a message, inline and counted once: a
         # replicated chunk brings thousands, and a call each was a tenth of its cost.
-        where_of, dropped, seg = self.where, self.dropped, self.segments[segno]
+        where_of, seg = self.where, self.segments[segno]
         fresh = 0
         for ops in groups:
             for op in ops:
                 qid, mid = op.qid, op.mid
                 if type(op) is StoredMessage:
                     where = where_of.get(qid)
-                    if where is not None and mid not in where and qid not in dropped:
+                    # A queue with live entries is defined (`drop` removes them).
+                    if where is not None and mid not in where:
                         where[mid] = segno
                         fresh += 1
                         continue
