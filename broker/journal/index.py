@@ -125,7 +125,7 @@ class LiveIndex:
                 qid, mid = op.qid, op.mid
                 if type(op) is StoredMessage:
                     where = where_of.get(qid)
-                    # A queue with live entries is defined (`drop` removes them).
+                    # A queue with an entry in `where` is defined (`drop` removes it).
                     if where is not None and mid not in where:
                         where[mid] = segno
                         fresh += 1
