@@ -272,8 +272,7 @@ def canary_peer(harness: Harness) -> Peer:
 def fuzz_connection(streams: list[bytes], cuts: Iterable[int]) -> None:
     """Feed the streams to one connection on a fresh virtual host, then check everything."""
     with tempfile.TemporaryDirectory() as tmp:
-        harness = Harness(Path(tmp))
-        harness.vhost.queue_cap = CAP
+        harness = Harness(Path(tmp), queue_cap=CAP)
         try:
             canary = canary_peer(harness)
             run_one(harness, canary, streams, list(cuts))
@@ -340,8 +339,7 @@ class ConnectionFuzzer:
     """
 
     def __init__(self, directory: Path) -> None:
-        self.harness = _FuzzHarness(directory)
-        self.harness.vhost.queue_cap = CAP
+        self.harness = _FuzzHarness(directory, queue_cap=CAP)
         self.canary = canary_peer(self.harness)
         self.queues = set(self.harness.vhost.queues)
         self.exchanges = set(self.harness.vhost.exchanges)

@@ -23,6 +23,7 @@ from twinmq.broker.connection import Connection, Limits
 from twinmq.broker.federation.identity import duplicate_refusal
 from twinmq.broker.federation.marks import ToldMarks
 from twinmq.broker.journal import Journal
+from twinmq.broker.queue import NO_CAP, LengthCap
 from twinmq.broker.routing import Exchange
 from twinmq.broker.settings import BrokerSettings
 from twinmq.broker.vhost import PublishResult, VirtualHost
@@ -203,14 +204,16 @@ class Harness:
         User(name="alice", password="wonderland"),
     )
 
-    def __init__(self, directory: Path, limits: Limits | None = None) -> None:
+    def __init__(
+        self, directory: Path, limits: Limits | None = None, queue_cap: LengthCap = NO_CAP
+    ) -> None:
         self.loop = asyncio.new_event_loop()
         self.journal = Journal(directory / "journal", fsync=False)
         recovered = self.journal.open()
         self.committer = GroupCommitter(self.journal, self.loop)
         self.committer.start()
         self.clock = ManualClock()
-        self.vhost = VirtualHost(self.committer, self.clock, recovered)
+        self.vhost = VirtualHost(self.committer, self.clock, recovered, queue_cap=queue_cap)
         self.ctx = Context(
             self.vhost, self.committer, Authenticator(list(self.USERS)), limits or Limits()
         )
