@@ -7,7 +7,8 @@
 # .cache/fuzz/findings/<target>/ and stops the run (copy it to fuzz/regressions/<target>/
 # once fixed: the unit tests replay it). Each target's final libFuzzer statistics are
 # kept in .cache/fuzz/<target>.log; libFuzzer's pulse lines show progress. Ctrl-C stops
-# a run with its statistics (libFuzzer's exit code 72, "interrupted", not a finding).
+# a run, reported as interrupted, not a finding: libFuzzer's exit code 72 (its statistics
+# printed) or 130 (the signal taken by the Python code under test: no statistics).
 #   make fuzz FUZZ_RUNS=100000 FUZZ_TARGETS="amqp_method content_header"
 FUZZ_RUNS ?= 10000000
 FUZZ_TARGETS ?= $(shell $(PY) -c 'from twinmq.fuzz.targets import TARGETS; print(*TARGETS)' 2>/dev/null)
@@ -20,6 +21,6 @@ fuzz: $(STAMP)
 	  $(PY) -m twinmq.fuzz.run $$t --runs $(FUZZ_RUNS) 2>&1 | tee .cache/fuzz/$$t.log \
 	    | grep --line-buffered -E 'pulse|DONE|^Done|^stat::|ERROR|Error|Traceback'; \
 	  rc=$${PIPESTATUS[0]}; \
-	  if [ $$rc -eq 72 ]; then echo "fuzz $$t: interrupted (its statistics: .cache/fuzz/$$t.log)"; exit $$rc; fi; \
+	  if [ $$rc -eq 72 ] || [ $$rc -eq 130 ]; then echo "fuzz $$t: interrupted (log: .cache/fuzz/$$t.log)"; exit $$rc; fi; \
 	  if [ $$rc -ne 0 ]; then echo "fuzz $$t: a finding (exit $$rc): .cache/fuzz/$$t.log"; exit $$rc; fi; \
 	done
