@@ -8,7 +8,8 @@
 # once fixed: the unit tests replay it). Each target's final libFuzzer statistics are
 # kept in .cache/fuzz/<target>.log; libFuzzer's pulse lines show progress. Ctrl-C stops
 # a run, reported as interrupted, not a finding: libFuzzer's exit code 72 (its statistics
-# printed) or 130 (the signal taken by the Python code under test: no statistics).
+# printed) or 130 (the signal taken by the Python code under test: no statistics). To stop
+# a long run cleanly with its statistics: `pkill -USR1 -f twinmq.fuzz.run` (exit 0).
 #   make fuzz FUZZ_RUNS=100000 FUZZ_TARGETS="amqp_method content_header"
 FUZZ_RUNS ?= 10000000
 FUZZ_TARGETS ?= $(shell $(PY) -c 'from twinmq.fuzz.targets import TARGETS; print(*TARGETS)' 2>/dev/null)
