@@ -429,8 +429,8 @@ def test_deleted_queues_leave_nothing_behind(tmp_path: Path) -> None:
         try:
             before = tracemalloc.take_snapshot()
             for qid in range(2, churn + 2):
-                declare = DefinitionsDelta(add_queues=[QueueDef(name="churn", qid=qid)])
-                j.save_delta(declare.model_copy(update={"next_qid": qid + 1}))
+                queue = QueueDef(name="churn", qid=qid)
+                j.save_delta(DefinitionsDelta(add_queues=[queue], next_qid=qid + 1))
                 j.save_delta(DefinitionsDelta(del_queues=["churn"]))
                 await publish(j, msg(qid, qid=qid, size=300))  # the late message
             after = tracemalloc.take_snapshot()
