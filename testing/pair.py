@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,15 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+# The ports `stable_port` handed out last. A pair picks all its ports before it starts
+# any broker, so a pick's bind check cannot see the pair's own earlier picks: without
+# this record two of them could be the same port (one pair in ~1,000; once a suite).
+_RECENT_PORTS: deque[int] = deque(maxlen=4096)
+
+
 def stable_port(rng: random.Random = random.Random()) -> int:  # noqa: B008 - one shared rng
-    """A free loopback port outside the kernel's ephemeral range.
+    """A free loopback port outside the kernel's ephemeral range, and none of the last
+    4,096 this process handed out.
 
     Brokers are killed and restarted on the same ports while clients reconnect
     all the time: a port from the ephemeral range may meanwhile be the source
@@ -73,12 +81,15 @@ def stable_port(rng: random.Random = random.Random()) -> int:  # noqa: B008 - on
     lo, hi = candidates[0]
     for _ in range(200):
         port = rng.randint(max(lo, 10000), hi)
+        if port in _RECENT_PORTS:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _RECENT_PORTS.append(port)
+        return port
     raise RuntimeError("no free port outside the ephemeral range")
 
 

@@ -392,6 +392,9 @@ def _topology_as_before(url: str, bound: bool) -> None:
     conn = pika.BlockingConnection(pika.URLParameters(url))
     try:
         ch = conn.channel()
+        # Confirmed: the caller kills the broker next, and the put-back message's confirm
+        # also covers the purge before it (batches are durable in order).
+        ch.confirm_delivery()
         assert ch.queue_declare(_Q, passive=True).method.message_count == 1
         ch.exchange_declare(_EX, passive=True)
         ch.basic_publish(_EX, _KEY, b"probe", pika.BasicProperties(delivery_mode=2))
