@@ -1122,7 +1122,20 @@ class VirtualHost:
                 ):
                     # Refused by one queue, taken by none: no copy outlives the nack (a
                     # copy kept elsewhere would give its id to the dedup window at the
-                    # next start, and swallow the re-send the nack asks for).
+                    # next start, and swallow the re-send the nack asks for). Each full
+                    # reject-publish-dlx queue dead-letters it, as RabbitMQ's does.
+                    refusing = [
+                        (q, dlx) for q in targets
+                        if (dlx := _refused_dlx(q)) is not None
+                        and self._refusal(q, 1, len(body), own=True, capped=False)
+                    ]  # fmt: skip
+                    if refusing:
+                        message = Message(
+                            self.next_mid, exchange.name, routing_key, header, body,
+                            info.persistent, info.expiration_ms, info.message_id,
+                        )  # fmt: skip
+                        self.next_mid += 1
+                        self._dead_letter_refused(refusing, message)
                     metrics.PUBLISHED.value += 1
                     batch = 0 if ops is not None else self.committer.confirm_point()
                     return PublishResult(0, True, batch)
@@ -1130,6 +1143,34 @@ class VirtualHost:
             targets, exchange.name, routing_key, header, body, info, ops, hold,
             own=admission in ("link", "news"), capped=admission == "news",
         )  # fmt: skip
+
+    def _dead_letter_refused(self, refusing: list[tuple[Queue, str]], message: Message) -> None:
+        """Dead-letter a publish the length limit of each of these `reject-publish-dlx`
+        queues refused (queue, its dead-letter exchange), with x-death reason `maxlen` as
+        RabbitMQ's does. The publisher is nacked whatever happens here: a copy that cannot
+        be dead-lettered is only counted and logged."""
+        for queue, dlx in refusing:
+            if (
+                message.message_id is not None
+                and dlx == message.exchange
+                and (queue.args.dead_letter_routing_key or message.routing_key)
+                == message.routing_key
+            ):
+                # Stored under the publish's own exchange and key, the copy would give
+                # its dedup key to the window at the next start, and a deduplicating
+                # publisher's re-send (the nack's answer) would be taken as a duplicate.
+                log.warning(
+                    "queue %r: a refused publish is not dead-lettered: its dead-letter "
+                    "exchange and routing key are the publish's own (give the queue an "
+                    "x-dead-letter-routing-key)",
+                    queue.name,
+                )
+                continue
+            try:
+                self._dead_letter(queue, message, "maxlen", dlx)
+            except Exception:
+                metrics.QUARANTINED.labels("dead-letter").inc()
+                log.exception("queue %r: a refused publish could not be dead-lettered", queue.name)
 
     def _targets(
         self, exchange: Exchange, routing_key: str, header: bytes, forward: bool
@@ -1249,8 +1290,12 @@ class VirtualHost:
         held: list[tuple[Queue, Entry]] = []
         for queue in targets:
             args = queue.args
-            if (own or capped) and self._refusal(queue, 1, len(body), own=own, capped=capped):
+            why = (own or capped) and self._refusal(queue, 1, len(body), own=own, capped=capped)
+            if why:
                 rejected = True
+                dlx = _refused_dlx(queue) if why == "own" else None
+                if dlx is not None:
+                    self._dead_letter_refused([(queue, dlx)], message)
                 continue
             ttl = info.expiration_ms
             if args.message_ttl is not None:
@@ -1338,7 +1383,7 @@ class VirtualHost:
         dlx = queue.args.dead_letter_exchange
         if dlx is not None and reason != "delete":
             try:
-                self._dead_letter(queue, entry, reason, dlx)
+                self._dead_letter(queue, entry.message, reason, dlx)
             except Exception as exc:
                 queue.hold_aside(entry, "dead-letter", exc)
                 return
@@ -1346,14 +1391,15 @@ class VirtualHost:
         if reason == "expired":
             metrics.EXPIRED.inc()
 
-    def _dead_letter(self, queue: Queue, entry: Entry, reason: DropReason, dlx_name: str) -> None:
+    def _dead_letter(
+        self, queue: Queue, message: Message, reason: DropReason, dlx_name: str
+    ) -> None:
         exchange = self.exchanges.get(dlx_name)
         if exchange is None:
             log.warning("dead-letter exchange %r of queue %r is missing", dlx_name, queue.name)
             return
         if reason == "delete":
             return
-        message = entry.message
         routing_key = queue.args.dead_letter_routing_key or message.routing_key
         try:
             dead = dead_letter_header(
@@ -1690,6 +1736,13 @@ class VirtualHost:
 
 _MAX_TIMER = 86400.0
 _INTERNAL_OWNER = object()  # owns the internal queues: no client connection is it
+
+
+def _refused_dlx(queue: Queue) -> str | None:
+    """Where `queue` dead-letters the publishes its length limit refuses, if it does
+    (`x-overflow: reject-publish-dlx` with a dead-letter exchange)."""
+    args = queue.args
+    return args.dead_letter_exchange if args.overflow == "reject-publish-dlx" else None
 
 
 def _recovered_header(header: bytes) -> tuple[str | None, str | None]:

@@ -386,6 +386,36 @@ def test_max_length_reject_publish_nacks_the_publisher(ch: BlockingChannel) -> N
     assert drain(ch, q) == [b"first"]
 
 
+def test_max_length_reject_publish_dlx_nacks_and_dead_letters_the_refused_message(
+    ch: BlockingChannel,
+) -> None:
+    """RabbitMQ's reject-publish-dlx: the publisher is nacked, as with reject-publish, and
+    the refused message is dead-lettered (x-death reason `maxlen`); a reject-publish queue
+    with a dead-letter exchange dead-letters nothing it refuses."""
+    dlx, dead = name("dlx"), name("dead")
+    ch.exchange_declare(dlx, "fanout", auto_delete=True)
+    ch.queue_declare(dead, exclusive=True)
+    ch.queue_bind(dead, dlx)
+    full = {"x-max-length": 1, "x-dead-letter-exchange": dlx}
+    dlx_q, plain_q = name("rpdlx"), name("rp")
+    ch.queue_declare(dlx_q, exclusive=True, arguments={**full, "x-overflow": "reject-publish-dlx"})
+    ch.queue_declare(plain_q, exclusive=True, arguments={**full, "x-overflow": "reject-publish"})
+    ch.confirm_delivery()
+    for q in (dlx_q, plain_q):
+        ch.basic_publish("", q, b"first")
+        with pytest.raises(pika.exceptions.NackError):
+            ch.basic_publish(
+                "", q, b"refused by " + q.encode(), pika.BasicProperties(message_id="m")
+            )
+    assert drain(ch, dlx_q) == [b"first"] and drain(ch, plain_q) == [b"first"]
+    method, props, body = ch.basic_get(dead, auto_ack=True)
+    assert method is not None and body == b"refused by " + dlx_q.encode()
+    assert props.message_id == "m"
+    assert props.headers["x-first-death-reason"] == "maxlen"
+    assert props.headers["x-first-death-queue"] == dlx_q
+    assert ch.basic_get(dead)[0] is None
+
+
 def test_queue_expires_when_unused(ch: BlockingChannel) -> None:
     q = name("expires")
     ch.queue_declare(q, arguments={"x-expires": 100})
