@@ -1225,11 +1225,19 @@ class VirtualHost:
         self, queue: Queue, count: int, size: int, *, own: bool, capped: bool
     ) -> Literal["own", "cap"] | None:
         """Whether `count` more messages of `size` body bytes in all are refused by the
-        queue's own reject-publish limit (`own`) or the broker's cap (`capped`)."""
+        queue's own reject-publish limit (`own`) or the broker's cap (`capped`): every
+        queue clients fill is capped, the federation outboxes too (the publishes on their
+        exchanges fill them; uncapped, one grew without end while its upstream refused
+        or was away), the broker's other own queues not."""
         if own and queue.args.overflow != "drop-head" and queue.is_full_for(count, size):
             return "own"
         cap = self.root.queue_cap
-        if capped and cap and cap.refuses(queue, count, size) and not is_internal(queue.name):
+        if (
+            capped
+            and cap
+            and cap.refuses(queue, count, size)
+            and (not is_internal(queue.name) or queue in self.forwarding.values())
+        ):
             self._cap_refused(queue)
             return "cap"
         return None

@@ -11,8 +11,10 @@ import pika.exceptions
 import pytest
 from federationsites import (
     bind_queue,
+    federated,
     federation_file,
     get_all,
+    links,
     publish_confirmed,
     queue_depth,
     site,
@@ -205,3 +207,29 @@ def test_messages_down_a_federation_link_are_not_capped_so_none_is_lost(tmp_path
             publish_confirmed(central, "market", [("stock.a", b"1"), ("stock.b", b"2")])
             wait_for("both downstream", lambda: queue_depth(remote, "watcher") == 2)
             assert [body for _, body, _ in get_all(remote, "watcher", 2)] == [b"1", b"2"]
+
+
+def test_a_federation_outbox_is_capped_while_its_upstream_is_away_and_drains_after(
+    tmp_path: Path,
+) -> None:
+    """The outbox of a forwarding exchange is filled by clients' publishes: uncapped, it
+    grew without end while the upstream was away or refused. At the cap a publish on the
+    exchange is nacked (taken by no queue); once the upstream is back the outbox drains
+    and publishes are taken again, each forwarded once."""
+    with federated(tmp_path, "requests", "direct", forward=True) as sites:
+        central, remote = sites.central, sites.remote
+        bind_queue(central, "service", "requests", "svc")
+        remote.stop()
+        remote.extra_args += ["--max-queue-length", "2"]
+        remote.start()
+        wait_running(remote, "requests")
+        central.stop()
+        publish_confirmed(remote, "requests", [("svc", b"1"), ("svc", b"2")])
+        with pytest.raises(pika.exceptions.NackError):
+            publish_confirmed(remote, "requests", [("svc", b"refused")])
+        central.start()
+        wait_for("the outbox forwarded", lambda: queue_depth(central, "service") == 2, timeout=60)
+        wait_for("the outbox empty", lambda: links(remote)["requests"]["forward_pending"] == 0)
+        publish_confirmed(remote, "requests", [("svc", b"3")])
+        bodies = [body for _, body, _ in get_all(central, "service", 3)]
+        assert bodies == [b"1", b"2", b"3"]
