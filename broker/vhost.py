@@ -245,6 +245,7 @@ class VirtualHost:
         self.max_queues = max_queues  # clients' declares only (0: no limit)
         self.queue_cap = queue_cap  # every client queue's; never the broker's own
         self.cap_logged_at = float("-inf")  # the root's: its last refusal logged
+        self.dlx_skip_logged_at = float("-inf")  # the root's: a refused copy not dead-lettered
         self.clock = clock
         # A passive broker's state changes only by replication: no timers of its own.
         self.replica = replica
@@ -1159,12 +1160,16 @@ class VirtualHost:
                 # Stored under the publish's own exchange and key, the copy would give
                 # its dedup key to the window at the next start, and a deduplicating
                 # publisher's re-send (the nack's answer) would be taken as a duplicate.
-                log.warning(
-                    "queue %r: a refused publish is not dead-lettered: its dead-letter "
-                    "exchange and routing key are the publish's own (give the queue an "
-                    "x-dead-letter-routing-key)",
-                    queue.name,
-                )
+                # Logged at most once a minute: a publisher may retry its nacks in a loop.
+                root, now = self.root, self.clock.time()
+                if now - root.dlx_skip_logged_at >= 60:
+                    root.dlx_skip_logged_at = now
+                    log.warning(
+                        "queue %r: a refused publish is not dead-lettered: its dead-letter "
+                        "exchange and routing key are the publish's own (give the queue an "
+                        "x-dead-letter-routing-key)",
+                        queue.name,
+                    )
                 continue
             try:
                 self._dead_letter(queue, message, "maxlen", dlx)
