@@ -1131,11 +1131,7 @@ class VirtualHost:
                         and self._refusal(q, 1, len(body), own=True, capped=False)
                     ]  # fmt: skip
                     if refusing:
-                        message = Message(
-                            self.next_mid, exchange.name, routing_key, header, body,
-                            info.persistent, info.expiration_ms, info.message_id,
-                        )  # fmt: skip
-                        self.next_mid += 1
+                        message = self._new_message(exchange.name, routing_key, header, body, info)
                         self._dead_letter_refused(refusing, message)
                     metrics.PUBLISHED.value += 1
                     batch = 0 if ops is not None else self.committer.confirm_point()
@@ -1143,6 +1139,17 @@ class VirtualHost:
         return self._enqueue(
             targets, exchange.name, routing_key, header, body, info, ops, hold,
             own=admission in ("link", "news"), capped=admission == "news",
+        )  # fmt: skip
+
+    def _new_message(
+        self, exchange: str, routing_key: str, header: bytes, body: bytes, info: ContentHeaderInfo
+    ) -> Message:
+        """A published message, with the next message id."""
+        mid = self.next_mid
+        self.next_mid += 1
+        return Message(
+            mid, exchange, routing_key, header, body,
+            info.persistent, info.expiration_ms, info.message_id,
         )  # fmt: skip
 
     def _dead_letter_refused(self, refusing: list[tuple[Queue, str]], message: Message) -> None:
@@ -1283,18 +1290,8 @@ class VirtualHost:
         """
         now = self.clock.time()
         capped = capped and bool(self.root.queue_cap)  # once: no cap is the common case
-        mid = self.next_mid
-        self.next_mid += 1
-        message = Message(
-            mid,
-            exchange,
-            routing_key,
-            header,
-            body,
-            info.persistent,
-            info.expiration_ms,
-            info.message_id,
-        )
+        message = self._new_message(exchange, routing_key, header, body, info)
+        mid = message.mid
         own_ops: list[JournalOp] = [] if ops is None else ops
         rejected = False
         routed = 0

@@ -37,10 +37,14 @@ def declare(vhost: VirtualHost, name: str, **arguments: Any) -> None:
     )  # fmt: skip
 
 
-def publish(vhost: VirtualHost, queue: str, body: bytes, admission: Admission) -> bool:
-    """Publish `body` persistently to `queue` by the default exchange; whether refused."""
+def publish(
+    vhost: VirtualHost, queue: str, body: bytes, admission: Admission, *, with_id: bool = True
+) -> bool:
+    """Publish `body` persistently to `queue` by the default exchange (its message id the
+    body, `with_id`); whether refused."""
+    message_id = body.decode() if with_id else None
     header = ContentHeader(
-        0, len(body), commands.Basic.Properties(delivery_mode=2, message_id=body.decode())
+        0, len(body), commands.Basic.Properties(delivery_mode=2, message_id=message_id)
     ).marshal()
     info = decode_content_header(header)
     result = vhost.publish(
@@ -80,15 +84,17 @@ def test_a_refused_message_is_dead_lettered_exactly_when_the_queue_says_dlx(
 def test_a_full_queue_dead_lettering_into_itself_refuses_once_and_keeps_nothing(
     harness: Harness, admission: Admission
 ) -> None:
-    """Its dead-letter exchange routes back into it: the copy is refused again and, its
-    x-death naming the queue, dropped as a cycle rather than dead-lettered again."""
+    """Its dead-letter exchange routes back into it: the copy, its x-death naming the
+    queue, is dropped as a cycle rather than dead-lettered again. (Without a message id:
+    with one, the copy under the publish's own exchange and key is not made at all, the
+    last test.)"""
     vhost = harness.vhost
     declare(
         vhost, "loop", **{"x-max-length": 1, "x-overflow": "reject-publish-dlx",
         "x-dead-letter-exchange": ""},
     )  # fmt: skip
     assert not publish(vhost, "loop", b"first", admission)
-    assert publish(vhost, "loop", b"second", admission)
+    assert publish(vhost, "loop", b"second", admission, with_id=False)
     harness.commit()
     assert contents(vhost, "loop") == [(b"first", None)]
 
